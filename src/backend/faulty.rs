@@ -1,0 +1,277 @@
+//! Fault injection and outstanding-resource counting around any backend.
+
+use super::{Access, Addr, Backend, BackendError, Cause, HostVisible, Op};
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// What a backend holds right now, as seen through [`Faulty`]: everything that was handed out
+/// successfully and not yet given back.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Outstanding {
+    /// Live reservations.
+    pub reservations: u64,
+    /// Bytes of VA reserved.
+    pub reserved_bytes: u64,
+    /// Live physical allocations.
+    pub physical: u64,
+    /// Bytes of physical memory created and not released.
+    pub physical_bytes: u64,
+    /// Live mappings.
+    pub mappings: u64,
+    /// Bytes mapped.
+    pub mapped_bytes: u64,
+    /// Context pins held.
+    pub pins: u64,
+}
+
+impl Outstanding {
+    /// True when nothing at all is outstanding.
+    pub fn is_zero(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Plan {
+    /// The call number (of its kind, 1-based, counted since the wrapper was made) that fails.
+    at: u64,
+    /// Whether every later call of the kind fails too, until cleared.
+    persistent: bool,
+}
+
+#[derive(Debug, Default)]
+struct FaultState {
+    calls: [AtomicU64; Op::ALL.len()],
+    plans: Mutex<[Option<Plan>; Op::ALL.len()]>,
+    outstanding: Mutex<Outstanding>,
+    mappings: Mutex<BTreeMap<Addr, usize>>,
+}
+
+/// A handle to steer and inspect a [`Faulty`] backend after a [`Device`](crate::Device) took it.
+#[derive(Clone, Debug, Default)]
+pub struct FaultHandle(Arc<FaultState>);
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl FaultHandle {
+    /// Fails the `n`th call of kind `op` from now (`n = 1`: the next one), once.
+    ///
+    /// # Panics
+    ///
+    /// If `n` is zero.
+    pub fn fail_nth(&self, op: Op, n: u64) {
+        self.plan(op, n, false);
+    }
+
+    /// Fails the `n`th call of kind `op` from now and every one after it, until [`clear`](Self::clear).
+    ///
+    /// # Panics
+    ///
+    /// If `n` is zero.
+    pub fn fail_from(&self, op: Op, n: u64) {
+        self.plan(op, n, true);
+    }
+
+    fn plan(&self, op: Op, n: u64, persistent: bool) {
+        assert!(n >= 1, "calls are counted from 1: n = 1 fails the next call");
+        let at = self.0.calls[op as usize].load(Relaxed) + n;
+        lock(&self.0.plans)[op as usize] = Some(Plan { at, persistent });
+    }
+
+    /// Removes every planned fault.
+    pub fn clear(&self) {
+        *lock(&self.0.plans) = [None; Op::ALL.len()];
+    }
+
+    /// Calls of kind `op` made so far, failed ones included.
+    pub fn calls(&self, op: Op) -> u64 {
+        self.0.calls[op as usize].load(Relaxed)
+    }
+
+    /// What the wrapped backend holds right now.
+    pub fn outstanding(&self) -> Outstanding {
+        *lock(&self.0.outstanding)
+    }
+
+    /// Counts a call; returns the injected error if this call is planned to fail.
+    fn enter(&self, op: Op, addr: Addr, len: usize) -> Result<(), BackendError> {
+        let nth = self.0.calls[op as usize].fetch_add(1, Relaxed) + 1;
+        let mut plans = lock(&self.0.plans);
+        let slot = &mut plans[op as usize];
+        match *slot {
+            Some(p) if nth == p.at || (p.persistent && nth > p.at) => {
+                if !p.persistent {
+                    *slot = None;
+                }
+                Err(BackendError::new(op, addr, len, Cause::Injected { nth }))
+            }
+            _ => Ok(()),
+        }
+    }
+
+    fn count(&self, f: impl FnOnce(&mut Outstanding)) {
+        f(&mut lock(&self.0.outstanding));
+    }
+}
+
+/// Wraps a backend: fails chosen calls (the call is then not forwarded, so the wrapped backend
+/// is untouched) and counts what the backend holds, so a test can assert that nothing was lost.
+///
+/// ```
+/// use memtoken::backend::{Backend, Faulty, Op, SimBackend};
+/// let faulty = Faulty::new(SimBackend::default());
+/// let faults = faulty.handle();
+/// faults.fail_nth(Op::Reserve, 1);
+/// assert!(faulty.reserve(2 << 20).unwrap_err().is_injected());
+/// let addr = faulty.reserve(2 << 20).unwrap();
+/// assert_eq!(faults.outstanding().reservations, 1);
+/// faulty.free(addr, 2 << 20).unwrap();
+/// assert!(faults.outstanding().is_zero());
+/// ```
+#[derive(Debug)]
+pub struct Faulty<B> {
+    inner: B,
+    handle: FaultHandle,
+}
+
+impl<B: Backend> Faulty<B> {
+    /// Wraps `inner` with no fault planned.
+    pub fn new(inner: B) -> Self {
+        Self {
+            inner,
+            handle: FaultHandle::default(),
+        }
+    }
+
+    /// A handle to plan faults and read the outstanding counts.
+    pub fn handle(&self) -> FaultHandle {
+        self.handle.clone()
+    }
+
+    /// The wrapped backend.
+    pub fn inner(&self) -> &B {
+        &self.inner
+    }
+}
+
+impl<B: Backend> Backend for Faulty<B> {
+    type Phys = B::Phys;
+    type Fence = B::Fence;
+
+    fn granularity(&self) -> usize {
+        self.inner.granularity()
+    }
+
+    fn address_space(&self) -> usize {
+        self.inner.address_space()
+    }
+
+    fn physical_capacity(&self) -> u64 {
+        self.inner.physical_capacity()
+    }
+
+    fn reserve(&self, len: usize) -> Result<Addr, BackendError> {
+        self.handle.enter(Op::Reserve, 0, len)?;
+        let addr = self.inner.reserve(len)?;
+        self.handle.count(|o| {
+            o.reservations += 1;
+            o.reserved_bytes += len as u64;
+        });
+        Ok(addr)
+    }
+
+    fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+        self.handle.enter(Op::Free, addr, len)?;
+        self.inner.free(addr, len)?;
+        self.handle.count(|o| {
+            o.reservations -= 1;
+            o.reserved_bytes -= len as u64;
+        });
+        Ok(())
+    }
+
+    fn create(&self, len: usize) -> Result<B::Phys, BackendError> {
+        self.handle.enter(Op::Create, 0, len)?;
+        let phys = self.inner.create(len)?;
+        self.handle.count(|o| {
+            o.physical += 1;
+            o.physical_bytes += len as u64;
+        });
+        Ok(phys)
+    }
+
+    fn release(&self, phys: B::Phys, len: usize) -> Result<(), BackendError> {
+        self.handle.enter(Op::Release, 0, len)?;
+        self.inner.release(phys, len)?;
+        self.handle.count(|o| {
+            o.physical -= 1;
+            o.physical_bytes -= len as u64;
+        });
+        Ok(())
+    }
+
+    fn map(
+        &self,
+        addr: Addr,
+        len: usize,
+        phys: B::Phys,
+        offset: usize,
+        access: Access,
+    ) -> Result<(), BackendError> {
+        self.handle.enter(Op::Map, addr, len)?;
+        self.inner.map(addr, len, phys, offset, access)?;
+        lock(&self.handle.0.mappings).insert(addr, len);
+        self.handle.count(|o| {
+            o.mappings += 1;
+            o.mapped_bytes += len as u64;
+        });
+        Ok(())
+    }
+
+    fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+        self.handle.enter(Op::Unmap, addr, len)?;
+        self.inner.unmap(addr, len)?;
+        let removed = {
+            let mut maps = lock(&self.handle.0.mappings);
+            let starts: Vec<Addr> = maps.range(addr..addr + len).map(|(&a, _)| a).collect();
+            starts.iter().filter_map(|a| maps.remove(a)).count() as u64
+        };
+        self.handle.count(|o| {
+            o.mappings -= removed;
+            o.mapped_bytes -= len as u64;
+        });
+        Ok(())
+    }
+
+    fn fence(&self) -> B::Fence {
+        self.inner.fence()
+    }
+
+    fn fence_done(&self, fence: &B::Fence) -> bool {
+        self.inner.fence_done(fence)
+    }
+
+    fn pin(&self) -> Result<(), BackendError> {
+        self.handle.enter(Op::Pin, 0, 0)?;
+        self.inner.pin()?;
+        self.handle.count(|o| o.pins += 1);
+        Ok(())
+    }
+
+    fn unpin(&self) -> Result<(), BackendError> {
+        self.handle.enter(Op::Unpin, 0, 0)?;
+        self.inner.unpin()?;
+        self.handle.count(|o| o.pins -= 1);
+        Ok(())
+    }
+
+    fn context_gone(&self) -> bool {
+        self.inner.context_gone()
+    }
+}
+
+// SAFETY: every call is forwarded unchanged to `B` or not made at all, so `B`'s guarantee holds.
+unsafe impl<B: HostVisible> HostVisible for Faulty<B> {}

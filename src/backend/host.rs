@@ -1,0 +1,368 @@
+//! Host VMM over `rustix`: a faithful analog of CUDA's virtual memory management on Linux.
+//!
+//! | CUDA                    | host                                                          |
+//! | ----------------------- | ------------------------------------------------------------- |
+//! | `cuMemAddressReserve`   | anonymous `PROT_NONE` mapping, aligned to the granularity     |
+//! | `cuMemCreate`           | a range of the device's `memfd`, allocated with `fallocate`   |
+//! | `cuMemMap` + `SetAccess`| `mmap(MAP_SHARED \| MAP_FIXED)` of the `memfd` range          |
+//! | `cuMemUnmap`            | `PROT_NONE` anonymous mapping put back (the VA stays reserved)|
+//! | `cuMemRelease`          | `fallocate(PUNCH_HOLE)`: the pages go back to the OS          |
+//! | `cuMemAddressFree`      | `munmap`                                                      |
+//!
+//! Because physical memory is a file range, the same page can be mapped at two addresses: real
+//! sharing and real read-only views.
+
+use super::rules::Book;
+use super::{Access, Addr, Backend, BackendError, Cause, HostVisible, Op};
+use rustix::fd::OwnedFd;
+use rustix::fs::{FallocateFlags, MemfdFlags};
+use rustix::mm::{MapFlags, ProtFlags};
+use std::collections::BTreeMap;
+use std::io;
+use std::sync::{Mutex, MutexGuard};
+
+/// Settings of a [`HostBackend`].
+#[derive(Clone, Debug)]
+pub struct HostConfig {
+    /// Allocation granularity in bytes: a power-of-two multiple of the OS page size.
+    /// Default: 4 KiB; use 2 MiB to mirror a GPU.
+    pub granularity: usize,
+    /// Total physical memory the device may create (the `memfd`'s size). Default: 1 GiB.
+    pub physical_capacity: u64,
+    /// Largest single reservation. Default: 1 TiB.
+    pub address_space: usize,
+}
+
+impl Default for HostConfig {
+    fn default() -> Self {
+        Self {
+            granularity: 4 << 10,
+            physical_capacity: 1 << 30,
+            address_space: 1 << 40,
+        }
+    }
+}
+
+/// Physical memory on the host: a range of the device's `memfd`, with a serial number so a stale
+/// handle is refused even when its offset has been reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct HostPhys {
+    offset: u64,
+    serial: u64,
+}
+
+#[derive(Debug)]
+struct HostState {
+    book: Book<HostPhys>,
+    /// Live physical ranges of the `memfd`: offset → length.
+    ranges: BTreeMap<u64, u64>,
+    used: u64,
+    next_serial: u64,
+}
+
+/// Host virtual memory management through `rustix`. See the [module docs](self) for the mapping
+/// from CUDA calls to system calls.
+///
+/// Every call is checked against the backend's record of what it handed out (the same rules as
+/// [`SimBackend`](super::SimBackend)); a call that breaks them is refused with
+/// [`Cause::Violation`] before any system call, so no safe call can unmap or overwrite memory the
+/// backend does not own.
+#[derive(Debug)]
+pub struct HostBackend {
+    config: HostConfig,
+    page_size: usize,
+    memfd: OwnedFd,
+    state: Mutex<HostState>,
+}
+
+fn os_error(op: Op, addr: Addr, len: usize, errno: rustix::io::Errno) -> BackendError {
+    let message = io::Error::from(errno).to_string();
+    let errno = errno.raw_os_error();
+    BackendError::new(op, addr, len, Cause::Os { errno, message })
+}
+
+fn refused(op: Op, addr: Addr, len: usize, v: super::Violation) -> BackendError {
+    BackendError::new(op, addr, len, Cause::Violation(v))
+}
+
+impl HostBackend {
+    /// A host device with `config`: creates its `memfd` of `physical_capacity` bytes (sparse:
+    /// nothing is allocated until created).
+    ///
+    /// # Errors
+    ///
+    /// `InvalidInput` if the granularity is not a power-of-two multiple of the page size;
+    /// the OS error if the `memfd` cannot be created or sized.
+    pub fn new(config: HostConfig) -> io::Result<Self> {
+        let page_size = rustix::param::page_size();
+        let g = config.granularity;
+        if !g.is_power_of_two() || g < page_size {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "granularity {g} must be a power of two and at least the page size ({page_size})"
+                ),
+            ));
+        }
+        let memfd = rustix::fs::memfd_create("memtoken", MemfdFlags::CLOEXEC)?;
+        rustix::fs::ftruncate(&memfd, config.physical_capacity)?;
+        let state = HostState {
+            book: Book::new(g, false),
+            ranges: BTreeMap::new(),
+            used: 0,
+            next_serial: 1,
+        };
+        Ok(Self {
+            config,
+            page_size,
+            memfd,
+            state: Mutex::new(state),
+        })
+    }
+
+    /// A host device with the default settings (4 KiB granularity, 1 GiB physical).
+    ///
+    /// # Errors
+    ///
+    /// As [`HostBackend::new`].
+    pub fn with_defaults() -> io::Result<Self> {
+        Self::new(HostConfig::default())
+    }
+
+    /// The OS page size.
+    pub fn page_size(&self) -> usize {
+        self.page_size
+    }
+
+    // Backend calls hold this lock across their system call: the record and the address space
+    // change together, so two racing calls can never both pass a check on the same range.
+    fn state(&self) -> MutexGuard<'_, HostState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Lowest free `memfd` range of `len` bytes.
+    fn find_range(ranges: &BTreeMap<u64, u64>, len: u64, capacity: u64) -> Option<u64> {
+        let mut candidate = 0u64;
+        for (&start, &rlen) in ranges {
+            if start >= candidate + len {
+                break;
+            }
+            candidate = start + rlen;
+        }
+        (candidate + len <= capacity).then_some(candidate)
+    }
+
+    /// Puts an inaccessible anonymous mapping at `[addr, addr + len)`.
+    ///
+    /// # Safety
+    ///
+    /// `[addr, addr + len)` must lie inside a reservation of this backend, and no reference may
+    /// point into it.
+    unsafe fn make_inaccessible(addr: Addr, len: usize) -> rustix::io::Result<()> {
+        let flags = MapFlags::PRIVATE | MapFlags::FIXED | MapFlags::NORESERVE;
+        // SAFETY: the caller guarantees the range is ours and unreferenced, so replacing its
+        // mapping cannot invalidate memory anyone else uses.
+        unsafe { rustix::mm::mmap_anonymous(addr as *mut _, len, ProtFlags::empty(), flags) }
+            .map(drop)
+    }
+}
+
+impl Backend for HostBackend {
+    type Phys = HostPhys;
+    type Fence = ();
+
+    fn granularity(&self) -> usize {
+        self.config.granularity
+    }
+
+    fn address_space(&self) -> usize {
+        self.config.address_space
+    }
+
+    fn physical_capacity(&self) -> u64 {
+        self.config.physical_capacity
+    }
+
+    fn reserve(&self, len: usize) -> Result<Addr, BackendError> {
+        let mut s = self.state();
+        s.book
+            .check_reserve(len)
+            .map_err(|v| refused(Op::Reserve, 0, len, v))?;
+        let g = self.config.granularity;
+        let too_big = || {
+            let space = self.config.address_space as u64;
+            let cause = Cause::Exhausted {
+                requested: len as u64,
+                available: space,
+                capacity: space,
+            };
+            BackendError::new(Op::Reserve, 0, len, cause)
+        };
+        if len > self.config.address_space {
+            return Err(too_big());
+        }
+        // Over-reserve by one granule when it exceeds the page size, then trim to alignment.
+        let slack = if g > self.page_size { g } else { 0 };
+        let total = len.checked_add(slack).ok_or_else(too_big)?;
+        let flags = MapFlags::PRIVATE | MapFlags::NORESERVE;
+        // SAFETY: a null hint lets the kernel pick unused addresses; nothing existing is touched.
+        let base = unsafe {
+            rustix::mm::mmap_anonymous(std::ptr::null_mut(), total, ProtFlags::empty(), flags)
+        }
+        .map_err(|e| os_error(Op::Reserve, 0, len, e))? as Addr;
+        let addr = base.next_multiple_of(g);
+        let (head, tail) = (addr - base, total - len - (addr - base));
+        for (start, n) in [(base, head), (addr + len, tail)] {
+            if n > 0 {
+                // SAFETY: `[start, start + n)` is slack of the mapping made just above, never
+                // handed out.
+                unsafe { rustix::mm::munmap(start as *mut _, n) }
+                    .map_err(|e| os_error(Op::Reserve, start, n, e))?;
+            }
+        }
+        s.book.apply_reserve(addr, len);
+        Ok(addr)
+    }
+
+    fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+        let mut s = self.state();
+        s.book
+            .check_free(addr, len)
+            .map_err(|v| refused(Op::Free, addr, len, v))?;
+        // SAFETY: the book says `[addr, addr + len)` is exactly one of our reservations with
+        // nothing mapped in it, so no reference can point into it.
+        unsafe { rustix::mm::munmap(addr as *mut _, len) }
+            .map_err(|e| os_error(Op::Free, addr, len, e))?;
+        s.book.apply_free(addr);
+        Ok(())
+    }
+
+    fn create(&self, len: usize) -> Result<HostPhys, BackendError> {
+        let mut s = self.state();
+        s.book
+            .check_create(len)
+            .map_err(|v| refused(Op::Create, 0, len, v))?;
+        let capacity = self.config.physical_capacity;
+        let Some(offset) = Self::find_range(&s.ranges, len as u64, capacity) else {
+            let cause = Cause::Exhausted {
+                requested: len as u64,
+                available: capacity - s.used,
+                capacity,
+            };
+            return Err(BackendError::new(Op::Create, 0, len, cause));
+        };
+        rustix::fs::fallocate(
+            &self.memfd,
+            FallocateFlags::KEEP_SIZE,
+            offset,
+            len as u64,
+        )
+        .map_err(|e| os_error(Op::Create, 0, len, e))?;
+        let phys = HostPhys {
+            offset,
+            serial: s.next_serial,
+        };
+        s.next_serial += 1;
+        s.ranges.insert(offset, len as u64);
+        s.used += len as u64;
+        s.book.apply_create(phys, len);
+        Ok(phys)
+    }
+
+    fn release(&self, phys: HostPhys, len: usize) -> Result<(), BackendError> {
+        let mut s = self.state();
+        s.book
+            .check_release(phys, len)
+            .map_err(|v| refused(Op::Release, 0, len, v))?;
+        let mode = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
+        rustix::fs::fallocate(&self.memfd, mode, phys.offset, len as u64)
+            .map_err(|e| os_error(Op::Release, 0, len, e))?;
+        s.ranges.remove(&phys.offset);
+        s.used -= len as u64;
+        s.book.apply_release(phys);
+        Ok(())
+    }
+
+    fn map(
+        &self,
+        addr: Addr,
+        len: usize,
+        phys: HostPhys,
+        offset: usize,
+        access: Access,
+    ) -> Result<(), BackendError> {
+        let mut s = self.state();
+        s.book
+            .check_map(addr, len, phys, offset)
+            .map_err(|v| refused(Op::Map, addr, len, v))?;
+        let prot = match access {
+            Access::ReadWrite => ProtFlags::READ | ProtFlags::WRITE,
+            Access::ReadOnly => ProtFlags::READ,
+        };
+        let flags = MapFlags::SHARED | MapFlags::FIXED;
+        // SAFETY: the book says `[addr, addr + len)` lies inside one of our reservations with
+        // nothing mapped there, so replacing its `PROT_NONE` placeholder touches no live memory.
+        let mapped = unsafe {
+            rustix::mm::mmap(
+                addr as *mut _,
+                len,
+                prot,
+                flags,
+                &self.memfd,
+                phys.offset + offset as u64,
+            )
+        };
+        if let Err(e) = mapped {
+            // A failed MAP_FIXED may leave a hole; put the reservation's placeholder back.
+            // SAFETY: as above, the range is ours and unreferenced.
+            let _ = unsafe { Self::make_inaccessible(addr, len) };
+            return Err(os_error(Op::Map, addr, len, e));
+        }
+        s.book.apply_map(addr, len, phys, access);
+        Ok(())
+    }
+
+    fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+        let mut s = self.state();
+        s.book
+            .check_unmap(addr, len)
+            .map_err(|v| refused(Op::Unmap, addr, len, v))?;
+        // SAFETY: the book says the range is exactly covered by our mappings; the typed layer
+        // unmaps only after every borrow of the memory has ended.
+        unsafe { Self::make_inaccessible(addr, len) }
+            .map_err(|e| os_error(Op::Unmap, addr, len, e))?;
+        s.book.apply_unmap(addr, len);
+        Ok(())
+    }
+
+    fn fence(&self) {}
+
+    fn fence_done(&self, _fence: &()) -> bool {
+        true
+    }
+
+    fn pin(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+
+    fn unpin(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+}
+
+// SAFETY: a successful `map` places a `MAP_SHARED` mapping of the `memfd` with `PROT_READ`
+// (and `PROT_WRITE` for `ReadWrite`) at exactly `[addr, addr + len)`, backed by pages that
+// `create` allocated; only `unmap`, `free` and `Drop` change mappings, each after its checks.
+unsafe impl HostVisible for HostBackend {}
+
+impl Drop for HostBackend {
+    fn drop(&mut self) {
+        // Tokens borrow the device that owns this backend, so none can observe these ranges any
+        // more: whatever a forgotten token left reserved goes back to the OS now.
+        let s = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        for (addr, len) in s.book.drain_reservations() {
+            // SAFETY: the range is one of our reservations and no token can reference it.
+            let _ = unsafe { rustix::mm::munmap(addr as *mut _, len) };
+        }
+    }
+}

@@ -1,0 +1,208 @@
+//! The backend seam: the mechanism of virtual memory management and nothing else.
+//!
+//! A [`Backend`] reserves and frees virtual address (VA) ranges, creates and releases physical
+//! memory, maps and unmaps physical memory into reserved ranges with an [`Access`] mode, and
+//! records fences for stream-ordered release. It knows nothing about tokens, states, budgets or
+//! ledgers: those live above it, in [`Device`](crate::Device) and the token types.
+//!
+//! Every backend call is *safe* to make: a backend validates each address and handle against its
+//! own record of what it handed out, and refuses (with [`Cause::Violation`]) a call that breaks
+//! the VMM rules instead of touching memory it does not own. All `unsafe` system calls of the
+//! crate live behind this trait.
+//!
+//! Backends shipped here:
+//! - [`HostBackend`]: real host VMM on Linux over `rustix` (`mmap`, a `memfd`, hole punching);
+//! - [`SimBackend`]: a pure-Rust strict model of the VMM rules that panics on any illegal call;
+//! - [`Faulty`]: a wrapper around any backend that injects failures and counts what is outstanding.
+
+mod faulty;
+mod host;
+mod rules;
+mod sim;
+
+pub use faulty::{FaultHandle, Faulty, Outstanding};
+pub use host::{HostBackend, HostConfig, HostPhys};
+pub use rules::Violation;
+pub use sim::{SimBackend, SimConfig, SimPhys};
+
+use std::fmt;
+
+/// A virtual address, as the backend hands it out (a host pointer or a `CUdeviceptr`).
+pub type Addr = usize;
+
+/// The kinds of backend calls, used to name a failed call and to aim injected faults.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Op {
+    /// Reserve a VA range.
+    Reserve,
+    /// Free a VA range.
+    Free,
+    /// Create physical memory.
+    Create,
+    /// Release physical memory.
+    Release,
+    /// Map physical memory into a reserved range.
+    Map,
+    /// Unmap a mapped range (the VA stays reserved).
+    Unmap,
+    /// Pin the context (a binding's hold on the device).
+    Pin,
+    /// Unpin the context.
+    Unpin,
+}
+
+impl Op {
+    /// Every kind of call, in a fixed order.
+    pub const ALL: [Op; 8] = [
+        Op::Reserve,
+        Op::Free,
+        Op::Create,
+        Op::Release,
+        Op::Map,
+        Op::Unmap,
+        Op::Pin,
+        Op::Unpin,
+    ];
+}
+
+/// How a mapping may be accessed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Access {
+    /// Readable and writable (the owner of physical memory).
+    ReadWrite,
+    /// Readable only (a sharer of someone else's physical memory).
+    ReadOnly,
+}
+
+/// Why a backend call failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Cause {
+    /// The operating system refused the call.
+    #[error("the OS returned errno {errno} ({message})")]
+    Os {
+        /// The raw `errno`.
+        errno: i32,
+        /// The OS's description of it.
+        message: String,
+    },
+    /// The call broke a VMM rule; the backend refused it without touching memory.
+    #[error("rule violated: {0}")]
+    Violation(Violation),
+    /// Physical memory is exhausted.
+    #[error("out of physical memory: requested {requested} bytes, {available} of {capacity} available")]
+    Exhausted {
+        /// Bytes requested.
+        requested: u64,
+        /// Bytes still available.
+        available: u64,
+        /// Total physical capacity.
+        capacity: u64,
+    },
+    /// A fault injected by [`Faulty`] (the Nth call of its kind).
+    #[error("fault injected into call #{nth} of this kind")]
+    Injected {
+        /// Which call of its kind (1-based) was failed.
+        nth: u64,
+    },
+}
+
+/// A failed backend call: which call, on which range, and why.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+#[error("backend call {op:?} ({len} bytes at {addr:#x}) failed: {cause}")]
+pub struct BackendError {
+    /// The call that failed.
+    pub op: Op,
+    /// The address the call was about (0 where it has none, e.g. `Create`).
+    pub addr: Addr,
+    /// The length the call was about.
+    pub len: usize,
+    /// Why it failed.
+    pub cause: Cause,
+}
+
+impl BackendError {
+    /// A new error for `op` on `len` bytes at `addr`.
+    pub fn new(op: Op, addr: Addr, len: usize, cause: Cause) -> Self {
+        Self {
+            op,
+            addr,
+            len,
+            cause,
+        }
+    }
+
+    /// True when the fault was injected by [`Faulty`].
+    pub fn is_injected(&self) -> bool {
+        matches!(self.cause, Cause::Injected { .. })
+    }
+}
+
+/// The mechanism of virtual memory management: what the typed layer above calls, one-to-one.
+///
+/// Lengths and addresses are multiples of [`granularity`](Backend::granularity); the layer above
+/// rounds requests before it calls. Implementations validate every argument against what they
+/// handed out and return [`Cause::Violation`] (or, for the strict [`SimBackend`], panic) on a
+/// call that breaks the rules, so that no safe call can touch memory the backend does not own.
+pub trait Backend {
+    /// A handle on physical memory (a `memfd` range on the host, a `CUmemGenericAllocationHandle`
+    /// on CUDA). Handles are never reused, so a stale one is always refused.
+    type Phys: Copy + Eq + fmt::Debug;
+    /// A fence marking the end of the work submitted so far (a CUDA event; `()` on the host).
+    type Fence;
+
+    /// The allocation granularity in bytes: every address and length is a multiple of it.
+    fn granularity(&self) -> usize;
+    /// The largest VA range one reservation may ask for.
+    fn address_space(&self) -> usize;
+    /// The total physical memory this backend can create.
+    fn physical_capacity(&self) -> u64;
+
+    /// Reserves `len` bytes of VA, aligned to the granularity. Nothing is accessible yet.
+    fn reserve(&self, len: usize) -> Result<Addr, BackendError>;
+    /// Frees exactly a range returned by [`reserve`](Backend::reserve); nothing may be mapped in it.
+    fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError>;
+    /// Creates `len` bytes of physical memory.
+    fn create(&self, len: usize) -> Result<Self::Phys, BackendError>;
+    /// Releases physical memory created by [`create`](Backend::create) with the same `len`.
+    fn release(&self, phys: Self::Phys, len: usize) -> Result<(), BackendError>;
+    /// Maps `len` bytes of `phys`, starting `offset` bytes into it, at `addr` inside a
+    /// reservation, with `access`. Nothing may already be mapped there.
+    fn map(
+        &self,
+        addr: Addr,
+        len: usize,
+        phys: Self::Phys,
+        offset: usize,
+        access: Access,
+    ) -> Result<(), BackendError>;
+    /// Unmaps `[addr, addr + len)`, which must be exactly covered by whole mappings. The VA stays
+    /// reserved.
+    fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError>;
+
+    /// Records a fence after all work submitted so far. Infallible: a backend that cannot record
+    /// one returns a fence that reports done only once the work is known to be finished.
+    fn fence(&self) -> Self::Fence;
+    /// Whether the work before `fence` has finished. Never blocks.
+    fn fence_done(&self, fence: &Self::Fence) -> bool;
+
+    /// Pins the context for a new binding (`cuDevicePrimaryCtxRetain` on CUDA).
+    fn pin(&self) -> Result<(), BackendError>;
+    /// Releases one pin taken by [`pin`](Backend::pin).
+    fn unpin(&self) -> Result<(), BackendError>;
+
+    /// Whether the context is confirmed gone (destroyed or lost): everything it held is freed by
+    /// the driver, so quarantined residuals may be discharged.
+    fn context_gone(&self) -> bool {
+        false
+    }
+}
+
+/// A backend whose mapped memory is ordinary host memory at the mapped address.
+///
+/// # Safety
+///
+/// After a successful [`Backend::map`] of `len` bytes at `addr` with [`Access::ReadWrite`], the
+/// bytes `[addr, addr + len)` must be readable and writable host memory, and with
+/// [`Access::ReadOnly`] readable host memory, until the range is unmapped. The backend must never
+/// unmap or remap a range except when asked to through [`Backend`].
+pub unsafe trait HostVisible: Backend {}

@@ -1,0 +1,312 @@
+//! The VMM rules, as bookkeeping shared by every backend: what is reserved, what physical memory
+//! exists, what is mapped where. [`SimBackend`](super::SimBackend) panics on a violation; the
+//! real backends refuse the call with [`Cause::Violation`](super::Cause::Violation) before making
+//! any system call.
+
+use super::{Access, Addr};
+use std::collections::{BTreeMap, HashMap};
+use std::hash::Hash;
+
+/// A broken VMM rule: the call was refused and nothing changed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum Violation {
+    /// A length or address is not a positive multiple of the granularity.
+    #[error("{what} {value:#x} is not a positive multiple of the granularity ({granularity:#x})")]
+    Unaligned {
+        /// Which argument.
+        what: &'static str,
+        /// Its value.
+        value: usize,
+        /// The granularity.
+        granularity: usize,
+    },
+    /// `free` of a range that is not exactly one reservation, or `map` outside any reservation.
+    #[error("[{addr:#x}, +{len:#x}) is not (inside) a reservation of this backend")]
+    NotReserved {
+        /// Start of the range.
+        addr: Addr,
+        /// Its length.
+        len: usize,
+    },
+    /// `free` of a reservation that still has mappings under it.
+    #[error("reservation at {addr:#x} still has {mappings} mapping(s) under it")]
+    StillMapped {
+        /// Start of the reservation.
+        addr: Addr,
+        /// How many mappings remain.
+        mappings: usize,
+    },
+    /// `map` over a range that is already (partly) mapped.
+    #[error("[{addr:#x}, +{len:#x}) is already mapped")]
+    AlreadyMapped {
+        /// Start of the range.
+        addr: Addr,
+        /// Its length.
+        len: usize,
+    },
+    /// `unmap` of a range that is not exactly covered by whole mappings.
+    #[error("[{addr:#x}, +{len:#x}) is not exactly covered by whole mappings")]
+    NotMapped {
+        /// Start of the range.
+        addr: Addr,
+        /// Its length.
+        len: usize,
+    },
+    /// A physical handle this backend never created, or already released.
+    #[error("unknown or stale physical handle")]
+    UnknownPhys,
+    /// `release` with a length other than the one the handle was created with.
+    #[error("physical handle has {actual:#x} bytes, call said {given:#x}")]
+    PhysLength {
+        /// The length it was created with.
+        actual: usize,
+        /// The length the call gave.
+        given: usize,
+    },
+    /// `release` of physical memory that is still mapped, where the backend forbids it.
+    #[error("physical memory is still mapped {mappings} time(s)")]
+    PhysStillMapped {
+        /// How many mappings remain.
+        mappings: usize,
+    },
+    /// `map` past the end of the physical allocation.
+    #[error("mapping {len:#x} bytes at offset {offset:#x} overruns physical memory of {phys_len:#x} bytes")]
+    OutOfPhys {
+        /// Offset into the physical memory.
+        offset: usize,
+        /// Bytes to map.
+        len: usize,
+        /// Size of the physical memory.
+        phys_len: usize,
+    },
+}
+
+#[derive(Debug)]
+struct PhysRecord {
+    len: usize,
+    maps: usize,
+    /// Released while mapped (allowed where the driver defers the release to the last unmap).
+    released: bool,
+}
+
+#[derive(Debug)]
+struct MapRecord<P> {
+    len: usize,
+    phys: P,
+}
+
+/// The record of one backend's reservations, physical memory and mappings.
+#[derive(Debug)]
+pub(crate) struct Book<P> {
+    granularity: usize,
+    /// CUDA lets `cuMemRelease` run while mapped (the memory goes with the last unmap); the host
+    /// cannot punch a hole under a live mapping without the mapping silently reading zeros.
+    release_while_mapped: bool,
+    reservations: BTreeMap<Addr, usize>,
+    phys: HashMap<P, PhysRecord>,
+    mappings: BTreeMap<Addr, MapRecord<P>>,
+}
+
+impl<P: Copy + Eq + Hash> Book<P> {
+    pub(crate) fn new(granularity: usize, release_while_mapped: bool) -> Self {
+        Self {
+            granularity,
+            release_while_mapped,
+            reservations: BTreeMap::new(),
+            phys: HashMap::new(),
+            mappings: BTreeMap::new(),
+        }
+    }
+
+    fn aligned(&self, what: &'static str, value: usize, positive: bool) -> Result<(), Violation> {
+        if value % self.granularity != 0 || (positive && value == 0) {
+            return Err(Violation::Unaligned {
+                what,
+                value,
+                granularity: self.granularity,
+            });
+        }
+        Ok(())
+    }
+
+    /// The reservation that contains `[addr, addr + len)`, if any.
+    fn containing_reservation(&self, addr: Addr, len: usize) -> Option<(Addr, usize)> {
+        let (&start, &rlen) = self.reservations.range(..=addr).next_back()?;
+        let end = addr.checked_add(len)?;
+        (end <= start + rlen).then_some((start, rlen))
+    }
+
+    fn mappings_in(&self, addr: Addr, len: usize) -> usize {
+        self.mappings.range(addr..addr + len).count()
+    }
+
+    pub(crate) fn check_reserve(&self, len: usize) -> Result<(), Violation> {
+        self.aligned("length", len, true)
+    }
+
+    pub(crate) fn apply_reserve(&mut self, addr: Addr, len: usize) {
+        let overlaps = self
+            .reservations
+            .range(..addr + len)
+            .next_back()
+            .is_some_and(|(&s, &l)| s + l > addr);
+        assert!(
+            !overlaps,
+            "VA [{addr:#x}, +{len:#x}) handed out twice: it overlaps a live reservation"
+        );
+        self.reservations.insert(addr, len);
+    }
+
+    pub(crate) fn check_free(&self, addr: Addr, len: usize) -> Result<(), Violation> {
+        if self.reservations.get(&addr) != Some(&len) {
+            return Err(Violation::NotReserved { addr, len });
+        }
+        match self.mappings_in(addr, len) {
+            0 => Ok(()),
+            mappings => Err(Violation::StillMapped { addr, mappings }),
+        }
+    }
+
+    pub(crate) fn apply_free(&mut self, addr: Addr) {
+        self.reservations.remove(&addr);
+    }
+
+    pub(crate) fn check_create(&self, len: usize) -> Result<(), Violation> {
+        self.aligned("length", len, true)
+    }
+
+    pub(crate) fn apply_create(&mut self, phys: P, len: usize) {
+        let fresh = self
+            .phys
+            .insert(
+                phys,
+                PhysRecord {
+                    len,
+                    maps: 0,
+                    released: false,
+                },
+            )
+            .is_none();
+        assert!(fresh, "physical handle handed out twice");
+    }
+
+    pub(crate) fn check_release(&self, phys: P, len: usize) -> Result<(), Violation> {
+        let rec = self.phys.get(&phys).filter(|r| !r.released);
+        let rec = rec.ok_or(Violation::UnknownPhys)?;
+        if rec.len != len {
+            return Err(Violation::PhysLength {
+                actual: rec.len,
+                given: len,
+            });
+        }
+        if rec.maps > 0 && !self.release_while_mapped {
+            return Err(Violation::PhysStillMapped { mappings: rec.maps });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn apply_release(&mut self, phys: P) {
+        let rec = self.phys.get_mut(&phys).expect("checked");
+        if rec.maps == 0 {
+            self.phys.remove(&phys);
+        } else {
+            rec.released = true;
+        }
+    }
+
+    pub(crate) fn check_map(
+        &self,
+        addr: Addr,
+        len: usize,
+        phys: P,
+        offset: usize,
+    ) -> Result<(), Violation> {
+        self.aligned("address", addr, false)?;
+        self.aligned("length", len, true)?;
+        self.aligned("offset", offset, false)?;
+        if self.containing_reservation(addr, len).is_none() {
+            return Err(Violation::NotReserved { addr, len });
+        }
+        let overlaps = self
+            .mappings
+            .range(..addr + len)
+            .next_back()
+            .is_some_and(|(&s, m)| s + m.len > addr);
+        if overlaps {
+            return Err(Violation::AlreadyMapped { addr, len });
+        }
+        let rec = self.phys.get(&phys).filter(|r| !r.released);
+        let rec = rec.ok_or(Violation::UnknownPhys)?;
+        if offset.checked_add(len).is_none_or(|end| end > rec.len) {
+            return Err(Violation::OutOfPhys {
+                offset,
+                len,
+                phys_len: rec.len,
+            });
+        }
+        Ok(())
+    }
+
+    pub(crate) fn apply_map(&mut self, addr: Addr, len: usize, phys: P, _access: Access) {
+        self.phys.get_mut(&phys).expect("checked").maps += 1;
+        self.mappings.insert(addr, MapRecord { len, phys });
+    }
+
+    pub(crate) fn check_unmap(&self, addr: Addr, len: usize) -> Result<(), Violation> {
+        let not_mapped = Violation::NotMapped { addr, len };
+        if len == 0 || addr.checked_add(len).is_none() {
+            return Err(not_mapped);
+        }
+        let mut next = addr;
+        for (&start, m) in self.mappings.range(addr..addr + len) {
+            if start != next {
+                return Err(not_mapped);
+            }
+            next = start + m.len;
+        }
+        let straddles_start = self
+            .mappings
+            .range(..addr)
+            .next_back()
+            .is_some_and(|(&s, m)| s + m.len > addr);
+        if next != addr + len || straddles_start {
+            return Err(not_mapped);
+        }
+        Ok(())
+    }
+
+    pub(crate) fn apply_unmap(&mut self, addr: Addr, len: usize) {
+        let starts: Vec<Addr> = self.mappings.range(addr..addr + len).map(|(&s, _)| s).collect();
+        for start in starts {
+            let m = self.mappings.remove(&start).expect("listed");
+            let rec = self.phys.get_mut(&m.phys).expect("mapped phys is known");
+            rec.maps -= 1;
+            if rec.maps == 0 && rec.released {
+                self.phys.remove(&m.phys);
+            }
+        }
+    }
+
+    /// The lowest gap of `len` bytes at or above `base`, granularity-aligned.
+    pub(crate) fn lowest_gap(&self, base: Addr, len: usize) -> Addr {
+        let mut candidate = base;
+        for (&start, &rlen) in self.reservations.range(base..) {
+            if start >= candidate + len {
+                break;
+            }
+            candidate = candidate.max(start + rlen);
+        }
+        candidate
+    }
+
+    pub(crate) fn reservations(&self) -> usize {
+        self.reservations.len()
+    }
+
+    /// Removes and returns every reservation (for a backend tearing itself down).
+    pub(crate) fn drain_reservations(&mut self) -> Vec<(Addr, usize)> {
+        self.mappings.clear();
+        self.phys.clear();
+        std::mem::take(&mut self.reservations).into_iter().collect()
+    }
+}

@@ -1,0 +1,297 @@
+//! A simulated backend: a strict model of the VMM rules in pure Rust, with no system calls.
+
+use super::rules::Book;
+use super::{Access, Addr, Backend, BackendError, Cause, Op};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Settings of a [`SimBackend`].
+#[derive(Clone, Debug)]
+pub struct SimConfig {
+    /// Allocation granularity in bytes (a power of two). Default: 2 MiB, like a GPU.
+    pub granularity: usize,
+    /// Largest single reservation. Default: 1 TiB.
+    pub address_space: usize,
+    /// Total physical memory. Default: 16 GiB (simulated: nothing is allocated for real).
+    pub physical_capacity: u64,
+    /// Whether physical memory may be released while mapped (CUDA: yes, the memory goes with the
+    /// last unmap; host: no). Default: false.
+    pub release_while_mapped: bool,
+    /// Whether fences complete as soon as they are recorded. Default: true.
+    pub fences_complete_at_once: bool,
+}
+
+impl Default for SimConfig {
+    fn default() -> Self {
+        Self {
+            granularity: 2 << 20,
+            address_space: 1 << 40,
+            physical_capacity: 16 << 30,
+            release_while_mapped: false,
+            fences_complete_at_once: true,
+        }
+    }
+}
+
+/// A physical handle of the simulated backend: a serial number, never reused.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SimPhys(u64);
+
+/// One call the simulated backend received (see [`SimBackend::calls`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SimCall {
+    /// The kind of call.
+    pub op: Op,
+    /// The address it was about (0 where none).
+    pub addr: Addr,
+    /// The length it was about.
+    pub len: usize,
+}
+
+#[derive(Debug)]
+struct SimState {
+    book: Book<SimPhys>,
+    next_phys: u64,
+    phys_used: u64,
+    fences_issued: u64,
+    fences_done: u64,
+    context_gone: bool,
+    pins: u64,
+    calls: Vec<SimCall>,
+}
+
+/// A strict, deterministic model of CUDA-style VMM: it hands out addresses (lowest free range
+/// first, so freed VA is reused at once), tracks physical memory and mappings, and **panics** on
+/// any illegal call sequence: a map over a mapping, an unmap of something not mapped, a free of a
+/// range with mappings under it, a release of physical memory still mapped (unless configured
+/// like CUDA), a size or address that is not a multiple of the granularity, any call after the
+/// context is gone.
+///
+/// Cloning gives another handle on the same simulated device, to inspect or steer it (fences,
+/// context loss, the call log) while a [`Device`](crate::Device) owns the backend.
+#[derive(Clone, Debug)]
+pub struct SimBackend {
+    config: Arc<SimConfig>,
+    state: Arc<Mutex<SimState>>,
+}
+
+/// Where simulated reservations start.
+const VA_BASE: Addr = 0x7000_0000_0000;
+
+impl SimBackend {
+    /// A simulated device with `config`.
+    ///
+    /// # Panics
+    ///
+    /// If the granularity is not a power of two.
+    pub fn new(config: SimConfig) -> Self {
+        assert!(
+            config.granularity.is_power_of_two(),
+            "SimConfig::granularity must be a power of two, got {}",
+            config.granularity
+        );
+        let state = SimState {
+            book: Book::new(config.granularity, config.release_while_mapped),
+            next_phys: 1,
+            phys_used: 0,
+            fences_issued: 0,
+            fences_done: 0,
+            context_gone: false,
+            pins: 0,
+            calls: Vec::new(),
+        };
+        Self {
+            config: Arc::new(config),
+            state: Arc::new(Mutex::new(state)),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, SimState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Locks the state for a call, logs it, and panics if the context is gone.
+    fn call(&self, op: Op, addr: Addr, len: usize) -> MutexGuard<'_, SimState> {
+        let mut s = self.state();
+        assert!(
+            !s.context_gone,
+            "SimBackend: {op:?} called after the context is gone"
+        );
+        s.calls.push(SimCall { op, addr, len });
+        s
+    }
+
+    /// Marks every fence recorded so far as complete (the stream caught up).
+    pub fn complete_fences(&self) {
+        let mut s = self.state();
+        s.fences_done = s.fences_issued;
+    }
+
+    /// Destroys the context: from now on any VMM call panics, and [`Backend::context_gone`] is true.
+    pub fn destroy_context(&self) {
+        self.state().context_gone = true;
+    }
+
+    /// Every call received so far, in order.
+    pub fn calls(&self) -> Vec<SimCall> {
+        self.state().calls.clone()
+    }
+
+    /// Live reservations.
+    pub fn reservations(&self) -> usize {
+        self.state().book.reservations()
+    }
+
+    /// Physical bytes currently created.
+    pub fn physical_in_use(&self) -> u64 {
+        self.state().phys_used
+    }
+
+    /// Pins currently held.
+    pub fn pins(&self) -> u64 {
+        self.state().pins
+    }
+}
+
+impl Default for SimBackend {
+    fn default() -> Self {
+        Self::new(SimConfig::default())
+    }
+}
+
+fn illegal(op: Op, v: impl std::fmt::Display) -> ! {
+    panic!("SimBackend: illegal {op:?}: {v}")
+}
+
+impl Backend for SimBackend {
+    type Phys = SimPhys;
+    type Fence = u64;
+
+    fn granularity(&self) -> usize {
+        self.config.granularity
+    }
+
+    fn address_space(&self) -> usize {
+        self.config.address_space
+    }
+
+    fn physical_capacity(&self) -> u64 {
+        self.config.physical_capacity
+    }
+
+    fn reserve(&self, len: usize) -> Result<Addr, BackendError> {
+        let mut s = self.call(Op::Reserve, 0, len);
+        s.book
+            .check_reserve(len)
+            .unwrap_or_else(|v| illegal(Op::Reserve, v));
+        if len > self.config.address_space {
+            return Err(BackendError::new(
+                Op::Reserve,
+                0,
+                len,
+                Cause::Exhausted {
+                    requested: len as u64,
+                    available: self.config.address_space as u64,
+                    capacity: self.config.address_space as u64,
+                },
+            ));
+        }
+        let addr = s.book.lowest_gap(VA_BASE, len);
+        s.book.apply_reserve(addr, len);
+        Ok(addr)
+    }
+
+    fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+        let mut s = self.call(Op::Free, addr, len);
+        s.book
+            .check_free(addr, len)
+            .unwrap_or_else(|v| illegal(Op::Free, v));
+        s.book.apply_free(addr);
+        Ok(())
+    }
+
+    fn create(&self, len: usize) -> Result<SimPhys, BackendError> {
+        let mut s = self.call(Op::Create, 0, len);
+        s.book
+            .check_create(len)
+            .unwrap_or_else(|v| illegal(Op::Create, v));
+        let capacity = self.config.physical_capacity;
+        let available = capacity - s.phys_used;
+        if len as u64 > available {
+            let cause = Cause::Exhausted {
+                requested: len as u64,
+                available,
+                capacity,
+            };
+            return Err(BackendError::new(Op::Create, 0, len, cause));
+        }
+        let phys = SimPhys(s.next_phys);
+        s.next_phys += 1;
+        s.phys_used += len as u64;
+        s.book.apply_create(phys, len);
+        Ok(phys)
+    }
+
+    fn release(&self, phys: SimPhys, len: usize) -> Result<(), BackendError> {
+        let mut s = self.call(Op::Release, 0, len);
+        s.book
+            .check_release(phys, len)
+            .unwrap_or_else(|v| illegal(Op::Release, v));
+        s.book.apply_release(phys);
+        s.phys_used -= len as u64;
+        Ok(())
+    }
+
+    fn map(
+        &self,
+        addr: Addr,
+        len: usize,
+        phys: SimPhys,
+        offset: usize,
+        access: Access,
+    ) -> Result<(), BackendError> {
+        let mut s = self.call(Op::Map, addr, len);
+        s.book
+            .check_map(addr, len, phys, offset)
+            .unwrap_or_else(|v| illegal(Op::Map, v));
+        s.book.apply_map(addr, len, phys, access);
+        Ok(())
+    }
+
+    fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+        let mut s = self.call(Op::Unmap, addr, len);
+        s.book
+            .check_unmap(addr, len)
+            .unwrap_or_else(|v| illegal(Op::Unmap, v));
+        s.book.apply_unmap(addr, len);
+        Ok(())
+    }
+
+    fn fence(&self) -> u64 {
+        let mut s = self.state();
+        s.fences_issued += 1;
+        if self.config.fences_complete_at_once {
+            s.fences_done = s.fences_issued;
+        }
+        s.fences_issued
+    }
+
+    fn fence_done(&self, fence: &u64) -> bool {
+        *fence <= self.state().fences_done
+    }
+
+    fn pin(&self) -> Result<(), BackendError> {
+        self.call(Op::Pin, 0, 0).pins += 1;
+        Ok(())
+    }
+
+    fn unpin(&self) -> Result<(), BackendError> {
+        let mut s = self.call(Op::Unpin, 0, 0);
+        assert!(s.pins > 0, "SimBackend: illegal Unpin: no pin is held");
+        s.pins -= 1;
+        Ok(())
+    }
+
+    fn context_gone(&self) -> bool {
+        self.state().context_gone
+    }
+}

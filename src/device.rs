@@ -1,0 +1,419 @@
+//! [`Device`]: one backend instance with its brand, ledger, quarantine and deferred-release queue.
+
+use crate::backend::{Addr, Backend, BackendError};
+use crate::binding::{Binding, Budget};
+use crate::error::ReleaseFailure;
+use crate::ledger::{Axis, Ledger, LedgerSnapshot};
+use generativity::{Guard, Id};
+use std::num::NonZeroU64;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+/// The identity of one allocation, from a per-device counter: never derived from an address, so
+/// a reused VA range never makes a stale allocation look alive.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct Generation(NonZeroU64);
+
+impl Generation {
+    /// The number behind it.
+    pub fn get(self) -> u64 {
+        self.0.get()
+    }
+}
+
+/// What is still held of one allocation after a failed or deferred release: exactly the parts
+/// not yet given back, each still charged to the ledger.
+#[derive(Clone, Copy, Debug)]
+pub struct Residual<P> {
+    generation: Generation,
+    addr: Addr,
+    len: usize,
+    reserved: bool,
+    mapped: bool,
+    phys: Option<P>,
+}
+
+impl<P> Residual<P> {
+    pub(crate) fn new(
+        generation: Generation,
+        addr: Addr,
+        len: usize,
+        reserved: bool,
+        mapped: bool,
+        phys: Option<P>,
+    ) -> Self {
+        Self {
+            generation,
+            addr,
+            len,
+            reserved,
+            mapped,
+            phys,
+        }
+    }
+
+    /// The allocation this is what is left of.
+    pub fn generation(&self) -> Generation {
+        self.generation
+    }
+
+    /// The VA range, withheld from reuse while [`holds_va`](Self::holds_va).
+    pub fn range(&self) -> (Addr, usize) {
+        (self.addr, self.len)
+    }
+
+    /// Whether the VA range is still reserved (and so withheld from reuse).
+    pub fn holds_va(&self) -> bool {
+        self.reserved
+    }
+
+    /// Bytes still mapped (still charged as mapped).
+    pub fn mapped_bytes(&self) -> usize {
+        if self.mapped { self.len } else { 0 }
+    }
+
+    /// Bytes of physical memory still owned (still charged as owned).
+    pub fn owned_bytes(&self) -> usize {
+        if self.phys.is_some() { self.len } else { 0 }
+    }
+
+    /// Whether nothing is left.
+    pub fn is_empty(&self) -> bool {
+        !self.reserved && !self.mapped && self.phys.is_none()
+    }
+}
+
+/// Proof that a device's context is gone: everything it held was freed by the driver, so
+/// quarantined residuals may be discharged. Branded: it discharges only its own device's tokens.
+#[derive(Debug)]
+pub struct ContextGone<'id> {
+    _brand: Id<'id>,
+}
+
+/// What [`Device::retry_quarantine`] and [`Device::poll`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// Residuals fully released by this call.
+    pub released: usize,
+    /// Residuals still quarantined in the device after it.
+    pub quarantined: usize,
+    /// Releases still waiting for their fence after it.
+    pub deferred: usize,
+}
+
+/// What a device held when it closed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CloseReport {
+    /// The ledger after a last poll and retry. Non-zero bytes not explained by `progress`
+    /// mean a token was forgotten (`mem::forget`): its bytes were never refunded.
+    pub ledger: LedgerSnapshot,
+    /// What the last poll and retry left.
+    pub progress: Progress,
+}
+
+impl CloseReport {
+    /// True when the device closed with nothing outstanding.
+    pub fn is_clean(&self) -> bool {
+        self.ledger.is_zero() && self.progress.deferred == 0
+    }
+}
+
+type Deferred<B> = (Residual<<B as Backend>::Phys>, <B as Backend>::Fence);
+
+/// One backend instance — a CUDA context, or the host — owning the VA bookkeeping, the byte
+/// ledger, the quarantine and the deferred-release queue.
+///
+/// A device carries a **brand** `'id`, a lifetime unique to it (from [`generativity`]): its
+/// tokens carry the same brand, so the compiler rejects combining them with another device's.
+///
+/// ```
+/// use memtoken::{make_guard, Budget, Device};
+/// use memtoken::backend::HostBackend;
+///
+/// make_guard!(guard);
+/// let device = Device::new(guard, HostBackend::with_defaults()?);
+/// let binding = device.bind(Budget::unlimited())?;
+/// let mut a = binding.reserve(10_000)?.commit().map_err(|e| e.cause)?;
+/// a.as_mut_slice()[0] = 7;
+/// a.release().complete().map_err(|e| e.to_string())?;
+/// drop(binding);
+/// assert!(device.close().is_clean());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// A device cannot be dropped (or closed) while a token made through it lives:
+///
+/// ```compile_fail,E0505
+/// use memtoken::{make_guard, Budget, Device};
+/// use memtoken::backend::SimBackend;
+/// make_guard!(guard);
+/// let device = Device::new(guard, SimBackend::default());
+/// let binding = device.bind(Budget::unlimited()).unwrap();
+/// let token = binding.reserve(1).unwrap();
+/// drop(device);
+/// drop(token);
+/// ```
+pub struct Device<'id, B: Backend> {
+    brand: Id<'id>,
+    backend: B,
+    ledger: Ledger,
+    next_generation: AtomicU64,
+    failed_unpins: AtomicU64,
+    quarantine: Mutex<Vec<Residual<B::Phys>>>,
+    deferred: Mutex<Vec<Deferred<B>>>,
+    closed: bool,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+impl<'id, B: Backend> Device<'id, B> {
+    /// A device over `backend`, branded by `guard` (from [`make_guard!`](crate::make_guard)).
+    pub fn new(guard: Guard<'id>, backend: B) -> Self {
+        Self {
+            brand: guard.into(),
+            backend,
+            ledger: Ledger::default(),
+            next_generation: AtomicU64::new(1),
+            failed_unpins: AtomicU64::new(0),
+            quarantine: Mutex::new(Vec::new()),
+            deferred: Mutex::new(Vec::new()),
+            closed: false,
+        }
+    }
+
+    /// Pins the context and opens a [`Binding`] with `budget` on owned bytes.
+    ///
+    /// # Errors
+    ///
+    /// The backend's error if the context cannot be pinned.
+    pub fn bind(&self, budget: Budget) -> Result<Binding<'_, 'id, B>, BackendError> {
+        self.backend.pin()?;
+        Ok(Binding::new(self, budget))
+    }
+
+    /// The allocation granularity: every token's length is a multiple of it.
+    pub fn granularity(&self) -> usize {
+        self.backend.granularity()
+    }
+
+    /// The ledger now.
+    pub fn ledger(&self) -> LedgerSnapshot {
+        self.ledger.snapshot()
+    }
+
+    /// Residuals in the device's own quarantine (from drops whose teardown failed), with the
+    /// VA range each withholds.
+    pub fn quarantined_ranges(&self) -> Vec<(Addr, usize)> {
+        lock(&self.quarantine)
+            .iter()
+            .filter(|r| r.reserved)
+            .map(|r| (r.addr, r.len))
+            .collect()
+    }
+
+    /// Bytes (mapped, owned) held by residuals in the device's own quarantine.
+    pub fn quarantined_bytes(&self) -> (u64, u64) {
+        lock(&self.quarantine).iter().fold((0, 0), |(m, o), r| {
+            (m + r.mapped_bytes() as u64, o + r.owned_bytes() as u64)
+        })
+    }
+
+    /// How many times unpinning the context failed when a binding was dropped.
+    pub fn failed_unpins(&self) -> u64 {
+        self.failed_unpins.load(Ordering::Relaxed)
+    }
+
+    /// Releases what waited for a fence that has now completed. Never blocks.
+    pub fn poll(&self) -> Progress {
+        let ready: Vec<Deferred<B>> = {
+            let mut queue = lock(&self.deferred);
+            let (ready, waiting) = std::mem::take(&mut *queue)
+                .into_iter()
+                .partition(|(_, fence)| self.backend.fence_done(fence));
+            *queue = waiting;
+            ready
+        };
+        let mut released = 0;
+        for (residual, _fence) in ready {
+            released += usize::from(self.teardown_or_quarantine(residual));
+        }
+        self.progress(released)
+    }
+
+    /// Retries every residual in the device's quarantine; what fails again stays there.
+    pub fn retry_quarantine(&self) -> Progress {
+        let residuals = std::mem::take(&mut *lock(&self.quarantine));
+        let mut released = 0;
+        for mut residual in residuals {
+            if self.teardown(&mut residual).is_ok() {
+                self.ledger.refund(Axis::Quarantined, 1);
+                released += 1;
+            } else {
+                lock(&self.quarantine).push(residual);
+            }
+        }
+        self.progress(released)
+    }
+
+    /// Proof that the context is gone, if the backend confirms it.
+    pub fn confirm_context_gone(&self) -> Option<ContextGone<'id>> {
+        self.backend.context_gone().then_some(ContextGone {
+            _brand: self.brand,
+        })
+    }
+
+    /// Discharges the device's quarantine and deferred queue: with the context gone, the driver
+    /// freed everything they held. Returns how many residuals were discharged.
+    pub fn discharge_all(&self, _proof: &ContextGone<'id>) -> usize {
+        let quarantined = std::mem::take(&mut *lock(&self.quarantine));
+        let deferred = std::mem::take(&mut *lock(&self.deferred));
+        let n = quarantined.len() + deferred.len();
+        for residual in quarantined {
+            self.ledger.refund(Axis::Quarantined, 1);
+            self.forget_residual(residual);
+        }
+        for (residual, _fence) in deferred {
+            self.forget_residual(residual);
+        }
+        n
+    }
+
+    /// Closes the device after a last poll and quarantine retry, reporting what is left.
+    pub fn close(mut self) -> CloseReport {
+        self.closed = true;
+        self.shutdown()
+    }
+
+    fn shutdown(&self) -> CloseReport {
+        self.poll();
+        let progress = self.retry_quarantine();
+        CloseReport {
+            ledger: self.ledger(),
+            progress,
+        }
+    }
+
+    fn progress(&self, released: usize) -> Progress {
+        Progress {
+            released,
+            quarantined: lock(&self.quarantine).len(),
+            deferred: lock(&self.deferred).len(),
+        }
+    }
+
+    // ---- crate-internal: what tokens call ----
+
+    pub(crate) fn backend(&self) -> &B {
+        &self.backend
+    }
+
+    pub(crate) fn charge(&self, axis: Axis, n: usize) {
+        self.ledger.charge(axis, n as u64);
+    }
+
+    pub(crate) fn refund(&self, axis: Axis, n: usize) {
+        self.ledger.refund(axis, n as u64);
+    }
+
+    pub(crate) fn next_generation(&self) -> Generation {
+        let n = self.next_generation.fetch_add(1, Ordering::Relaxed);
+        Generation(NonZeroU64::new(n).expect("generation counter starts at 1"))
+    }
+
+    pub(crate) fn note_failed_unpin(&self) {
+        self.failed_unpins.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Gives back, in order, what `residual` still holds: unmap, release, free. Each part that
+    /// goes is refunded once and cleared; the first failure stops, leaving the rest held.
+    /// No backend call is made once the context is gone.
+    pub(crate) fn teardown(&self, r: &mut Residual<B::Phys>) -> Result<(), ReleaseFailure> {
+        if r.is_empty() {
+            return Ok(());
+        }
+        if self.backend.context_gone() {
+            return Err(ReleaseFailure::ContextGone);
+        }
+        if r.mapped {
+            self.backend.unmap(r.addr, r.len)?;
+            r.mapped = false;
+            self.refund(Axis::Mapped, r.len);
+        }
+        if let Some(phys) = r.phys {
+            self.backend.release(phys, r.len)?;
+            r.phys = None;
+            self.refund(Axis::Owned, r.len);
+        }
+        if r.reserved {
+            self.backend.free(r.addr, r.len)?;
+            r.reserved = false;
+            self.refund(Axis::Reserved, r.len);
+        }
+        Ok(())
+    }
+
+    /// Teardown for a token that was dropped: its fence is done (or it has none). Whatever fails
+    /// goes to the quarantine. Returns whether everything was released.
+    pub(crate) fn teardown_or_quarantine(&self, mut residual: Residual<B::Phys>) -> bool {
+        if self.teardown(&mut residual).is_ok() {
+            return true;
+        }
+        self.quarantine(residual);
+        false
+    }
+
+    /// Puts a residual into the device's quarantine, counting it.
+    pub(crate) fn quarantine(&self, residual: Residual<B::Phys>) {
+        self.ledger.charge(Axis::Quarantined, 1);
+        lock(&self.quarantine).push(residual);
+    }
+
+    /// Takes a dropped token's residual: released now if its fence is done, else queued.
+    pub(crate) fn dispose(&self, residual: Residual<B::Phys>, fence: Option<B::Fence>) {
+        match fence {
+            Some(fence) if !self.backend.fence_done(&fence) => {
+                lock(&self.deferred).push((residual, fence));
+            }
+            _ => {
+                self.teardown_or_quarantine(residual);
+            }
+        }
+    }
+
+    /// Adds an already-counted quarantined residual (a dropped `Quarantined` token) to the list.
+    pub(crate) fn adopt_quarantined(&self, residual: Residual<B::Phys>) {
+        lock(&self.quarantine).push(residual);
+    }
+
+    /// Refunds every part of a residual whose context is gone, without backend calls.
+    pub(crate) fn forget_residual(&self, r: Residual<B::Phys>) {
+        if r.mapped {
+            self.refund(Axis::Mapped, r.len);
+        }
+        if r.phys.is_some() {
+            self.refund(Axis::Owned, r.len);
+        }
+        if r.reserved {
+            self.refund(Axis::Reserved, r.len);
+        }
+    }
+}
+
+impl<B: Backend> Drop for Device<'_, B> {
+    fn drop(&mut self) {
+        if !self.closed {
+            self.shutdown();
+        }
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for Device<'_, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("granularity", &self.granularity())
+            .field("ledger", &self.ledger())
+            .finish_non_exhaustive()
+    }
+}

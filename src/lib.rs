@@ -1,0 +1,79 @@
+//! # memtoken
+//!
+//! Linear ownership tokens for virtual memory on GPUs and on the host. An allocation is a token
+//! whose **state is part of its type**; the compiler, not a runtime registry, checks the
+//! lifecycle:
+//!
+//! ```text
+//!   reserve(len)         commit                release (begin)         complete / poll
+//! ───────────────▶ Reserved ──────────▶ Committed ───────────────▶ Releasing ──────────────▶ Released
+//!                    │  ▲ error: the same                              │  error: Pending (same token)
+//!                    │  └─ Reserved token back                         ▼  or a backend call failed
+//!                    │ release                                     Quarantined ── retry ──▶ Released
+//!                    └────────▶ Released  (or Quarantined VA)           └── discharge (context gone)
+//! ```
+//!
+//! ## Quick start
+//!
+//! ```
+//! use memtoken::{make_guard, Budget, Device};
+//! use memtoken::backend::HostBackend;
+//!
+//! make_guard!(guard); // a brand unique to this device
+//! let device = Device::new(guard, HostBackend::with_defaults()?);
+//! let session = device.bind(Budget::bytes(1 << 20))?; // a context pin and a budget
+//!
+//! let reserved = session.reserve(64 << 10)?; // VA only: no access methods
+//! let mut kv = reserved.commit().map_err(|e| e.cause)?; // mapped read-write, charged
+//! kv.as_mut_slice()[..5].copy_from_slice(b"hello");
+//! assert_eq!(&kv.as_slice()[..5], b"hello");
+//! assert_eq!(device.ledger().owned_bytes, 64 << 10);
+//!
+//! let receipt = kv.release().complete().map_err(|e| e.to_string())?; // consumes the token
+//! assert_eq!(receipt.len, 64 << 10);
+//! assert_eq!(device.ledger().owned_bytes, 0);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! ## Guarantees
+//!
+//! At compile time (each one has a `compile_fail` example in these docs and a `trybuild` case):
+//! no access to reserved or releasing memory, no use after release, no double release, no
+//! clone or copy of a token, no dropping of a device or binding while its tokens live, no slice
+//! kept across a release, no mixing of two devices' tokens, no state added outside the crate,
+//! no ignored fallible transition.
+//!
+//! At run time (each one proven by tests, property tests with injected faults among them):
+//! a fallible transition hands the original token back; a VA range is never handed out again
+//! while anything under it is mapped or owned (a failed release **quarantines** exactly what is
+//! left); the ledger's two axes — **mapped** and **owned** bytes — are each refunded exactly
+//! once, owned only once the backend confirms the release; a binding's budget is enforced with
+//! an error naming the bytes requested, used and the limit; allocations are identified by
+//! generations, never by addresses; no backend call runs under a lock other allocations need.
+//!
+//! `mem::forget` is safe Rust, so "exactly once" means at most once by construction; a forgotten
+//! token shows as bytes still charged in [`Device::close`]'s report, never as undefined behaviour.
+//!
+//! ## Layers
+//!
+//! [`backend`] is the mechanism (host VMM over `rustix`, a strict simulator, fault injection);
+//! [`Device`], [`Binding`], [`Allocation`] and [`Quarantined`] are the typed layer on top.
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(missing_docs)]
+
+mod allocation;
+pub mod backend;
+mod binding;
+mod device;
+mod error;
+mod ledger;
+mod quarantine;
+mod state;
+
+pub use allocation::{Allocation, Released};
+pub use binding::{Binding, Budget};
+pub use device::{CloseReport, ContextGone, Device, Generation, Progress, Residual};
+pub use error::{CommitError, CommitFailure, CompleteError, QuarantineError, ReleaseFailure, ReserveError};
+pub use generativity::{Guard, make_guard};
+pub use ledger::LedgerSnapshot;
+pub use state::{Committed, Releasing, Reserved, State};

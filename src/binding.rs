@@ -133,7 +133,9 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
 
 impl<B: Backend> Drop for Binding<'_, '_, B> {
     fn drop(&mut self) {
-        if self.device.backend().unpin().is_err() {
+        let backend = self.device.backend();
+        // A context that is gone took its pins with it: no call into it.
+        if !backend.context_gone() && backend.unpin().is_err() {
             self.device.note_failed_unpin();
         }
     }

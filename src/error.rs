@@ -119,6 +119,20 @@ pub enum CompleteError<'b, 'id, B: Backend> {
     Failed(QuarantineError<'b, 'id, B>),
 }
 
+impl<'b, 'id, B: Backend> CommitError<'b, 'id, B> {
+    /// The reserved token, to retry the commit or release it.
+    pub fn into_token(self) -> Allocation<'b, 'id, B, Reserved> {
+        self.token
+    }
+}
+
+impl<'b, 'id, B: Backend> QuarantineError<'b, 'id, B> {
+    /// The quarantined token, to retry or discharge it.
+    pub fn into_token(self) -> Quarantined<'b, 'id, B> {
+        self.token
+    }
+}
+
 impl<B: Backend> fmt::Display for CommitError<'_, '_, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(

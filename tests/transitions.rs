@@ -1,0 +1,404 @@
+//! Every transition and every failure path, on the host backend and the strict simulator, with
+//! faults injected through `Faulty`: nothing is lost, nothing is charged twice.
+
+use memtoken::backend::{Faulty, HostBackend, HostConfig, Op, SimBackend, SimConfig};
+use memtoken::{
+    Budget, CommitFailure, CompleteError, Device, ReleaseFailure, ReserveError, make_guard,
+};
+
+const PAGE: usize = 4096;
+
+/// A device over `Faulty<$backend>`, its fault handle, and an unlimited binding.
+macro_rules! setup {
+    ($backend:expr, $device:ident, $faults:ident) => {
+        make_guard!(guard);
+        let backend = Faulty::new($backend);
+        let $faults = backend.handle();
+        let $device = Device::new(guard, backend);
+    };
+}
+
+fn host() -> HostBackend {
+    HostBackend::with_defaults().expect("memfd")
+}
+
+#[test]
+fn full_cycle_on_host_charges_and_refunds_each_axis_once() {
+    setup!(host(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let reserved = binding.reserve(3 * PAGE + 1).unwrap();
+    assert_eq!(reserved.size(), 4 * PAGE, "rounded up to the granularity");
+    let l = device.ledger();
+    assert_eq!((l.reserved_bytes, l.mapped_bytes, l.owned_bytes), (4 * PAGE as u64, 0, 0));
+
+    let mut committed = reserved.commit().unwrap();
+    let l = device.ledger();
+    assert_eq!((l.mapped_bytes, l.owned_bytes), (4 * PAGE as u64, 4 * PAGE as u64));
+    assert_eq!(binding.used(), 4 * PAGE as u64);
+    committed.as_mut_slice().fill(0xAB);
+    assert!(committed.as_slice().iter().all(|&b| b == 0xAB));
+
+    let releasing = committed.release();
+    assert!(releasing.is_ready(), "host fences complete at once");
+    let receipt = releasing.complete().unwrap();
+    assert_eq!(receipt.len, 4 * PAGE);
+    assert!(device.ledger().is_zero());
+    assert_eq!(binding.used(), 0);
+    drop(binding);
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+    assert!(device.close().is_clean());
+}
+
+#[test]
+fn failed_create_returns_the_reserved_token_with_nothing_charged() {
+    setup!(host(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let reserved = binding.reserve(PAGE).unwrap();
+    let (addr, generation) = (reserved.addr(), reserved.generation());
+    faults.fail_nth(Op::Create, 1);
+    let err = reserved.commit().unwrap_err();
+    assert!(matches!(err.cause, CommitFailure::Backend(ref e) if e.op == Op::Create));
+    assert_eq!((err.token.addr(), err.token.generation()), (addr, generation));
+    let l = device.ledger();
+    assert_eq!((l.mapped_bytes, l.owned_bytes), (0, 0));
+    assert_eq!(binding.used(), 0);
+    assert_eq!(faults.outstanding().physical, 0);
+    // The same token commits once the fault is gone.
+    let committed = err.into_token().commit().unwrap();
+    assert_eq!(committed.addr(), addr);
+}
+
+#[test]
+fn failed_map_rolls_back_the_physical_memory() {
+    setup!(host(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    faults.fail_nth(Op::Map, 1);
+    let err = binding.reserve(PAGE).unwrap().commit().unwrap_err();
+    assert!(matches!(err.cause, CommitFailure::Backend(ref e) if e.op == Op::Map));
+    let o = faults.outstanding();
+    assert_eq!((o.physical, o.mappings, o.reservations), (0, 0, 1));
+    assert_eq!(device.ledger().owned_bytes, 0);
+    assert_eq!(binding.used(), 0);
+}
+
+#[test]
+fn failed_map_and_failed_rollback_quarantine_the_orphan_physical_memory() {
+    setup!(host(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    faults.fail_nth(Op::Map, 1);
+    faults.fail_nth(Op::Release, 1);
+    let err = binding.reserve(PAGE).unwrap().commit().unwrap_err();
+    assert!(matches!(err.cause, CommitFailure::RollbackFailed { .. }));
+    assert!(err.to_string().contains("retry_quarantine"), "{err}");
+    assert_eq!(binding.used(), 0, "the binding is not charged for the orphan");
+    let l = device.ledger();
+    assert_eq!((l.owned_bytes, l.quarantined), (PAGE as u64, 1));
+    assert_eq!(device.quarantined_bytes(), (0, PAGE as u64));
+    let p = device.retry_quarantine();
+    assert_eq!((p.released, p.quarantined), (1, 0));
+    assert_eq!(device.ledger().owned_bytes, 0);
+    assert_eq!(faults.outstanding().physical, 0);
+}
+
+#[test]
+fn failed_unmap_quarantines_with_va_withheld_and_mapped_bytes_charged() {
+    setup!(SimBackend::default(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let committed = binding.reserve(g).unwrap().commit().unwrap();
+    let addr = committed.addr();
+    faults.fail_nth(Op::Unmap, 1);
+    let Err(CompleteError::Failed(err)) = committed.release().complete() else {
+        panic!("unmap was failed on purpose");
+    };
+    assert!(matches!(err.cause, ReleaseFailure::Backend(ref e) if e.op == Op::Unmap));
+    let r = err.token.residual();
+    assert!(r.holds_va());
+    assert_eq!((r.mapped_bytes(), r.owned_bytes()), (g, g));
+    let l = device.ledger();
+    assert_eq!((l.mapped_bytes, l.owned_bytes, l.quarantined), (g as u64, g as u64, 1));
+    assert_eq!(binding.used(), g as u64, "quarantined bytes stay charged");
+    // The withheld VA is not handed out again (the simulator reuses the lowest free range).
+    let next = binding.reserve(g).unwrap();
+    assert_ne!(next.addr(), addr);
+    // A retry after the fault clears releases everything.
+    let receipt = err.into_token().retry().unwrap();
+    assert_eq!(receipt.len, g);
+    drop(next);
+    assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+    assert_eq!(binding.used(), 0);
+    drop(binding);
+    assert!(faults.outstanding().is_zero());
+}
+
+#[test]
+fn failed_physical_release_refunds_mapped_but_not_owned() {
+    setup!(host(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let committed = binding.reserve(2 * PAGE).unwrap().commit().unwrap();
+    faults.fail_nth(Op::Release, 1);
+    let Err(CompleteError::Failed(err)) = committed.release().complete() else {
+        panic!("release was failed on purpose");
+    };
+    let r = err.token.residual();
+    assert_eq!((r.mapped_bytes(), r.owned_bytes(), r.holds_va()), (0, 2 * PAGE, true));
+    let l = device.ledger();
+    assert_eq!((l.mapped_bytes, l.owned_bytes), (0, 2 * PAGE as u64));
+    let o = faults.outstanding();
+    assert_eq!((o.mappings, o.physical, o.reservations), (0, 1, 1));
+    err.into_token().retry().unwrap();
+    assert!(device.ledger().is_zero());
+    drop(binding);
+    assert!(faults.outstanding().is_zero());
+}
+
+#[test]
+fn failed_free_of_reserved_quarantines_the_va_and_retry_frees_it() {
+    setup!(SimBackend::default(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let reserved = binding.reserve(g).unwrap();
+    let addr = reserved.addr();
+    faults.fail_from(Op::Free, 1);
+    let err = reserved.release().unwrap_err();
+    assert!(err.to_string().contains("VA withheld"), "{err}");
+    let again = err.into_token().retry().unwrap_err(); // still failing
+    assert_eq!(again.token.residual().range(), (addr, g));
+    faults.clear();
+    again.into_token().retry().unwrap();
+    assert!(device.ledger().is_zero());
+}
+
+#[test]
+fn dropped_tokens_whose_teardown_fails_land_in_the_device_quarantine() {
+    setup!(host(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let committed = binding.reserve(PAGE).unwrap().commit().unwrap();
+    let reserved = binding.reserve(PAGE).unwrap();
+    faults.fail_nth(Op::Unmap, 1);
+    faults.fail_nth(Op::Free, 1);
+    drop(committed);
+    drop(reserved);
+    let l = device.ledger();
+    assert_eq!(l.quarantined, 2);
+    assert_eq!(device.quarantined_ranges().len(), 2, "both withhold their VA");
+    assert_eq!(device.quarantined_bytes(), (PAGE as u64, PAGE as u64));
+    assert_eq!(binding.used(), 0, "custody moved from the binding to the device");
+    let p = device.retry_quarantine();
+    assert_eq!((p.released, p.quarantined), (2, 0));
+    assert!(device.ledger().is_zero());
+    drop(binding);
+    assert!(faults.outstanding().is_zero());
+}
+
+#[test]
+fn dropped_quarantined_token_stays_counted_in_the_device() {
+    setup!(SimBackend::default(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let committed = binding.reserve(1).unwrap().commit().unwrap();
+    faults.fail_nth(Op::Unmap, 1);
+    let Err(CompleteError::Failed(err)) = committed.release().complete() else {
+        panic!("unmap was failed on purpose");
+    };
+    drop(err);
+    assert_eq!(device.ledger().quarantined, 1);
+    assert_eq!(device.retry_quarantine().released, 1);
+    assert!(device.ledger().is_zero());
+}
+
+#[test]
+fn budget_is_enforced_with_numbers_and_the_token_back() {
+    setup!(host(), device, faults);
+    let binding = device.bind(Budget::bytes(3 * PAGE as u64)).unwrap();
+    let _a = binding.reserve(2 * PAGE).unwrap().commit().unwrap();
+    let err = binding.reserve(2 * PAGE).unwrap().commit().unwrap_err();
+    assert_eq!(
+        err.cause,
+        CommitFailure::Budget {
+            requested: 2 * PAGE as u64,
+            used: 2 * PAGE as u64,
+            limit: 3 * PAGE as u64
+        }
+    );
+    let message = err.to_string();
+    for n in ["8192 bytes", "8192 of 12288"] {
+        assert!(message.contains(n), "{message}");
+    }
+    assert_eq!(faults.calls(Op::Create), 1, "no backend call for a refused commit");
+    assert_eq!(device.ledger().owned_bytes, 2 * PAGE as u64);
+    let _b = binding.reserve(PAGE).unwrap().commit().unwrap();
+    assert_eq!(binding.used(), 3 * PAGE as u64);
+}
+
+#[test]
+fn bad_input_is_an_error_value_and_changes_nothing() {
+    make_guard!(guard);
+    let config = HostConfig {
+        physical_capacity: 16 * PAGE as u64,
+        address_space: 1 << 30,
+        ..HostConfig::default()
+    };
+    let backend = Faulty::new(HostBackend::new(config).unwrap());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+
+    let zero = binding.reserve(0).unwrap_err();
+    assert!(matches!(zero, ReserveError::ZeroLength { granularity: PAGE }));
+    let overflow = binding.reserve(usize::MAX).unwrap_err();
+    assert!(matches!(overflow, ReserveError::Overflow { requested: usize::MAX, .. }));
+    let too_large = binding.reserve((1 << 30) + 1).unwrap_err();
+    assert!(matches!(too_large, ReserveError::TooLarge { limit, .. } if limit == 1 << 30));
+    assert!(too_large.to_string().contains("1073741825 bytes"), "{too_large}");
+    assert_eq!(faults.calls(Op::Reserve), 0, "refused before any backend call");
+
+    let big = binding.reserve(17 * PAGE).unwrap();
+    let err = big.commit().unwrap_err();
+    assert!(matches!(err.cause, CommitFailure::Capacity { capacity, .. } if capacity == 16 * PAGE as u64));
+    // Fits the capacity in total, but not what is left: the backend says so, nothing is charged.
+    let _held = binding.reserve(10 * PAGE).unwrap().commit().unwrap();
+    let err = binding.reserve(10 * PAGE).unwrap().commit().unwrap_err();
+    assert!(err.to_string().contains("out of physical memory"), "{err}");
+    assert_eq!(device.ledger().owned_bytes, 10 * PAGE as u64);
+    assert_eq!(binding.used(), 10 * PAGE as u64);
+}
+
+#[test]
+fn generations_identify_allocations_even_when_va_is_reused() {
+    setup!(SimBackend::default(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let first = binding.reserve(1).unwrap();
+    let (addr, generation) = (first.addr(), first.generation());
+    let receipt = first.release().unwrap();
+    assert_eq!(receipt.generation, generation);
+    let second = binding.reserve(1).unwrap();
+    assert_eq!(second.addr(), addr, "the simulator reuses the lowest free range");
+    assert_ne!(second.generation(), generation);
+    let _ = faults;
+}
+
+#[test]
+fn drop_defers_until_the_fence_completes_and_never_blocks() {
+    make_guard!(guard);
+    let sim = SimBackend::new(SimConfig {
+        fences_complete_at_once: false,
+        ..SimConfig::default()
+    });
+    let device = Device::new(guard, sim.clone());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let committed = binding.reserve(1).unwrap().commit().unwrap();
+    let releasing = binding.reserve(1).unwrap().commit().unwrap().release();
+    assert!(!releasing.is_ready());
+    let Err(CompleteError::Pending(releasing)) = releasing.complete() else {
+        panic!("the fence is not complete");
+    };
+    let unmaps_before = sim.calls().iter().filter(|c| c.op == Op::Unmap).count();
+    drop(committed);
+    drop(releasing);
+    assert_eq!(
+        sim.calls().iter().filter(|c| c.op == Op::Unmap).count(),
+        unmaps_before,
+        "nothing is unmapped before the fence"
+    );
+    assert_eq!(device.poll().deferred, 2);
+    assert_eq!(device.ledger().mapped_bytes, 2 * device.granularity() as u64);
+    sim.complete_fences();
+    let p = device.poll();
+    assert_eq!((p.released, p.deferred), (2, 0));
+    assert!(device.ledger().is_zero());
+    assert_eq!(sim.reservations(), 0);
+}
+
+#[test]
+fn context_gone_means_no_backend_call_and_discharge_with_proof() {
+    make_guard!(guard);
+    let sim = SimBackend::default();
+    let device = Device::new(guard, sim.clone());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let committed = binding.reserve(1).unwrap().commit().unwrap();
+    let doomed = binding.reserve(1).unwrap().commit().unwrap();
+    assert!(device.confirm_context_gone().is_none());
+    sim.destroy_context(); // any later VMM call would panic in the simulator
+    let Err(CompleteError::Failed(err)) = committed.release().complete() else {
+        panic!("the context is gone");
+    };
+    assert_eq!(err.cause, ReleaseFailure::ContextGone);
+    drop(doomed); // to the device quarantine, without a call
+    let proof = device.confirm_context_gone().expect("the simulator confirms it");
+    err.into_token().discharge(&proof);
+    assert_eq!(device.discharge_all(&proof), 1);
+    assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+    assert_eq!(binding.used(), 0);
+    drop(binding); // the simulator would panic on an unpin after the loss
+}
+
+#[test]
+fn a_forgotten_token_shows_in_the_close_report() {
+    setup!(host(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    std::mem::forget(binding.reserve(PAGE).unwrap().commit().unwrap());
+    drop(binding);
+    let report = device.close();
+    assert!(!report.is_clean());
+    assert_eq!(report.ledger.owned_bytes, PAGE as u64);
+    let _ = faults;
+}
+
+#[test]
+fn host_memory_is_real_and_released_to_the_os() {
+    make_guard!(guard);
+    let device = Device::new(guard, host());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut a = binding.reserve(PAGE).unwrap().commit().unwrap();
+    let mut b = binding.reserve(PAGE).unwrap().commit().unwrap();
+    a.as_mut_slice().fill(1);
+    b.as_mut_slice().fill(2);
+    assert!(a.as_slice().iter().all(|&x| x == 1), "two allocations never alias");
+    let (addr, generation) = (a.addr(), a.generation());
+    a.release().complete().unwrap();
+    // Fresh physical memory comes back zeroed: the old pages were punched out of the memfd.
+    let c = binding.reserve(PAGE).unwrap().commit().unwrap();
+    assert!(c.as_slice().iter().all(|&x| x == 0));
+    assert_ne!(c.generation(), generation);
+    let _ = addr;
+}
+
+#[test]
+fn two_megabyte_granularity_aligns_reservations() {
+    make_guard!(guard);
+    let config = HostConfig {
+        granularity: 2 << 20,
+        ..HostConfig::default()
+    };
+    let device = Device::new(guard, HostBackend::new(config).unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut a = binding.reserve(1).unwrap().commit().unwrap();
+    assert_eq!(a.size(), 2 << 20);
+    assert_eq!(a.addr() % (2 << 20), 0);
+    a.as_mut_slice()[(2 << 20) - 1] = 9;
+    assert_eq!(a.as_slice()[(2 << 20) - 1], 9);
+}
+
+#[test]
+fn an_invalid_host_granularity_is_refused() {
+    let err = HostBackend::new(HostConfig {
+        granularity: 3000,
+        ..HostConfig::default()
+    })
+    .unwrap_err();
+    assert!(err.to_string().contains("power of two"), "{err}");
+}
+
+#[test]
+fn bindings_pin_and_unpin_the_context() {
+    setup!(SimBackend::default(), device, faults);
+    let a = device.bind(Budget::unlimited()).unwrap();
+    let b = device.bind(Budget::unlimited()).unwrap();
+    assert_eq!(faults.outstanding().pins, 2);
+    drop(a);
+    drop(b);
+    assert_eq!(faults.outstanding().pins, 0);
+    faults.fail_nth(Op::Pin, 1);
+    assert!(device.bind(Budget::unlimited()).is_err());
+    assert_eq!(faults.outstanding().pins, 0);
+}

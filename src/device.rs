@@ -101,6 +101,37 @@ pub struct Progress {
     pub deferred: usize,
 }
 
+/// Totals over a set of residuals.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Holdings {
+    /// How many residuals.
+    pub count: usize,
+    /// Bytes of VA they still reserve.
+    pub reserved_bytes: u64,
+    /// Bytes they still map.
+    pub mapped_bytes: u64,
+    /// Bytes of physical memory they still own.
+    pub owned_bytes: u64,
+}
+
+impl Holdings {
+    fn add<P>(&mut self, r: &Residual<P>) {
+        self.count += 1;
+        self.reserved_bytes += if r.reserved { r.len as u64 } else { 0 };
+        self.mapped_bytes += r.mapped_bytes() as u64;
+        self.owned_bytes += r.owned_bytes() as u64;
+    }
+}
+
+/// What a device holds in its own custody (see [`Device::custody`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Custody {
+    /// Residuals in the device's quarantine.
+    pub quarantined: Holdings,
+    /// Releases waiting for their fence.
+    pub deferred: Holdings,
+}
+
 /// What a device held when it closed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CloseReport {
@@ -203,21 +234,30 @@ impl<'id, B: Backend> Device<'id, B> {
         self.ledger.snapshot()
     }
 
-    /// Residuals in the device's own quarantine (from drops whose teardown failed), with the
-    /// VA range each withholds.
-    pub fn quarantined_ranges(&self) -> Vec<(Addr, usize)> {
-        lock(&self.quarantine)
+    /// What the device holds in its own custody: residuals quarantined after a dropped
+    /// token's teardown failed, and releases waiting for their fence.
+    pub fn custody(&self) -> Custody {
+        let mut custody = Custody::default();
+        for r in lock(&self.quarantine).iter() {
+            custody.quarantined.add(r);
+        }
+        for (r, _) in lock(&self.deferred).iter() {
+            custody.deferred.add(r);
+        }
+        custody
+    }
+
+    /// The VA ranges the device withholds from reuse: quarantined residuals that still hold
+    /// their VA, and releases waiting for their fence.
+    pub fn withheld_ranges(&self) -> Vec<(Addr, usize)> {
+        let quarantined = lock(&self.quarantine);
+        let deferred = lock(&self.deferred);
+        quarantined
             .iter()
+            .chain(deferred.iter().map(|(r, _)| r))
             .filter(|r| r.reserved)
             .map(|r| (r.addr, r.len))
             .collect()
-    }
-
-    /// Bytes (mapped, owned) held by residuals in the device's own quarantine.
-    pub fn quarantined_bytes(&self) -> (u64, u64) {
-        lock(&self.quarantine).iter().fold((0, 0), |(m, o), r| {
-            (m + r.mapped_bytes() as u64, o + r.owned_bytes() as u64)
-        })
     }
 
     /// How many times unpinning the context failed when a binding was dropped.

@@ -72,8 +72,11 @@ mod state;
 
 pub use allocation::{Allocation, Released};
 pub use binding::{Binding, Budget};
-pub use device::{CloseReport, ContextGone, Device, Generation, Progress, Residual};
+pub use device::{
+    CloseReport, ContextGone, Custody, Device, Generation, Holdings, Progress, Residual,
+};
 pub use error::{CommitError, CommitFailure, CompleteError, QuarantineError, ReleaseFailure, ReserveError};
 pub use generativity::{Guard, make_guard};
 pub use ledger::LedgerSnapshot;
+pub use quarantine::Quarantined;
 pub use state::{Committed, Releasing, Reserved, State};

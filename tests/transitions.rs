@@ -93,7 +93,7 @@ fn failed_map_and_failed_rollback_quarantine_the_orphan_physical_memory() {
     assert_eq!(binding.used(), 0, "the binding is not charged for the orphan");
     let l = device.ledger();
     assert_eq!((l.owned_bytes, l.quarantined), (PAGE as u64, 1));
-    assert_eq!(device.quarantined_bytes(), (0, PAGE as u64));
+    assert_eq!(device.custody().quarantined.owned_bytes, PAGE as u64);
     let p = device.retry_quarantine();
     assert_eq!((p.released, p.quarantined), (1, 0));
     assert_eq!(device.ledger().owned_bytes, 0);
@@ -181,8 +181,9 @@ fn dropped_tokens_whose_teardown_fails_land_in_the_device_quarantine() {
     drop(reserved);
     let l = device.ledger();
     assert_eq!(l.quarantined, 2);
-    assert_eq!(device.quarantined_ranges().len(), 2, "both withhold their VA");
-    assert_eq!(device.quarantined_bytes(), (PAGE as u64, PAGE as u64));
+    assert_eq!(device.withheld_ranges().len(), 2, "both withhold their VA");
+    let q = device.custody().quarantined;
+    assert_eq!((q.mapped_bytes, q.owned_bytes), (PAGE as u64, PAGE as u64));
     assert_eq!(binding.used(), 0, "custody moved from the binding to the device");
     let p = device.retry_quarantine();
     assert_eq!((p.released, p.quarantined), (2, 0));

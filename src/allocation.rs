@@ -33,7 +33,20 @@ use std::mem::ManuallyDrop;
 /// let bytes = reserved.as_slice(); // only a Committed token lends its memory
 /// ```
 ///
-/// A released token is gone (use after release, double release):
+/// A released token is gone (use after release):
+///
+/// ```compile_fail,E0382
+/// # use memtoken::{make_guard, Budget, Device};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// let mut committed = binding.reserve(4096).unwrap().commit().unwrap();
+/// let releasing = committed.release();
+/// committed.as_mut_slice()[0] = 1;
+/// ```
+///
+/// and cannot be released twice:
 ///
 /// ```compile_fail,E0382
 /// # use memtoken::{make_guard, Budget, Device};
@@ -46,7 +59,20 @@ use std::mem::ManuallyDrop;
 /// let again = committed.release();
 /// ```
 ///
-/// Tokens cannot be cloned (nor copied):
+/// Tokens are not `Copy`: a second binding of the same token moves it.
+///
+/// ```compile_fail,E0382
+/// # use memtoken::{make_guard, Budget, Device};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// let reserved = binding.reserve(4096).unwrap();
+/// let copy = reserved;
+/// let other = reserved;
+/// ```
+///
+/// Nor can they be cloned:
 ///
 /// ```compile_fail,E0599
 /// # use memtoken::{make_guard, Budget, Device};
@@ -245,7 +271,10 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                         Some(phys),
                     );
                     device.quarantine(orphan);
-                    CommitFailure::RollbackFailed { error, rollback }
+                    CommitFailure::RollbackFailed {
+                        error,
+                        rollback: Box::new(rollback),
+                    }
                 }
             };
             return Err(CommitError { token: self, cause });
@@ -264,7 +293,10 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     #[must_use = "a failed release returns a quarantined token inside the error"]
     pub fn release(self) -> Result<Released, QuarantineError<'b, 'id, B>> {
         let (h, ()) = self.into_head();
-        finish(h, Residual::new(h.generation, h.addr, h.len, true, false, None))
+        finish(
+            h,
+            Residual::new(h.generation, h.addr, h.len, true, false, None),
+        )
     }
 }
 
@@ -351,8 +383,13 @@ impl<B: Backend, S: State> Drop for Allocation<'_, '_, B, S> {
         // SAFETY: `drop` runs once and nothing uses `self.parts` after it.
         let parts = unsafe { ManuallyDrop::take(&mut self.parts) };
         let device = self.binding.device();
-        let (residual, fence) =
-            S::into_residual(device.backend(), self.generation, self.addr, self.len, parts);
+        let (residual, fence) = S::into_residual(
+            device.backend(),
+            self.generation,
+            self.addr,
+            self.len,
+            parts,
+        );
         // The residual leaves this binding's custody: its budget no longer carries it.
         if residual.owned_bytes() > 0 {
             self.binding.refund(residual.owned_bytes());

@@ -80,7 +80,10 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
     ///
     /// [`ReserveError`] for a zero length, a length that overflows when rounded, one past the
     /// address space, or a backend failure. Nothing is changed or charged on error.
-    pub fn reserve<'b>(&'b self, len: usize) -> Result<Allocation<'b, 'id, B, Reserved>, ReserveError>
+    pub fn reserve<'b>(
+        &'b self,
+        len: usize,
+    ) -> Result<Allocation<'b, 'id, B, Reserved>, ReserveError>
     where
         'd: 'b,
     {

@@ -299,9 +299,9 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// Proof that the context is gone, if the backend confirms it.
     pub fn confirm_context_gone(&self) -> Option<ContextGone<'id>> {
-        self.backend.context_gone().then_some(ContextGone {
-            _brand: self.brand,
-        })
+        self.backend
+            .context_gone()
+            .then_some(ContextGone { _brand: self.brand })
     }
 
     /// Discharges the device's quarantine and deferred queue: with the context gone, the driver

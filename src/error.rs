@@ -60,7 +60,9 @@ pub enum CommitFailure {
         limit: u64,
     },
     /// The request exceeds the device's physical capacity.
-    #[error("commit of {requested} bytes exceeds the device's physical capacity of {capacity} bytes")]
+    #[error(
+        "commit of {requested} bytes exceeds the device's physical capacity of {capacity} bytes"
+    )]
     Capacity {
         /// Bytes the commit needed.
         requested: u64,
@@ -78,7 +80,7 @@ pub enum CommitFailure {
         /// The failure that stopped the commit.
         error: BackendError,
         /// The failure of the rollback.
-        rollback: BackendError,
+        rollback: Box<BackendError>,
     },
 }
 

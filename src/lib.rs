@@ -75,7 +75,9 @@ pub use binding::{Binding, Budget};
 pub use device::{
     CloseReport, ContextGone, Custody, Device, Generation, Holdings, Progress, Residual,
 };
-pub use error::{CommitError, CommitFailure, CompleteError, QuarantineError, ReleaseFailure, ReserveError};
+pub use error::{
+    CommitError, CommitFailure, CompleteError, QuarantineError, ReleaseFailure, ReserveError,
+};
 pub use generativity::{Guard, make_guard};
 pub use ledger::LedgerSnapshot;
 pub use quarantine::Quarantined;

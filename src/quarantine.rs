@@ -18,10 +18,10 @@ use std::mem::ManuallyDrop;
 /// A quarantined token of one device cannot be discharged with another device's proof:
 ///
 /// ```compile_fail
-/// use memtoken::{make_guard, Budget, Device, Quarantined, ContextGone};
+/// use memtoken::{ContextGone, Quarantined};
 /// use memtoken::backend::SimBackend;
-/// fn mix<'a, 'b>(q: Quarantined<'_, 'a, SimBackend>, proof: &ContextGone<'b>) {
-///     q.discharge(proof);
+/// fn mix<'a, 'b: 'a>(q: Quarantined<'_, 'a, SimBackend>, proof: &ContextGone<'b>) {
+///     let _ = q.discharge(proof); // error: lifetime may not live long enough
 /// }
 /// ```
 pub struct Quarantined<'b, 'id, B: Backend> {

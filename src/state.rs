@@ -64,7 +64,10 @@ impl sealed::Sealed for Reserved {
         len: usize,
         (): (),
     ) -> (Residual<B::Phys>, Option<B::Fence>) {
-        (Residual::new(generation, addr, len, true, false, None), None)
+        (
+            Residual::new(generation, addr, len, true, false, None),
+            None,
+        )
     }
 }
 

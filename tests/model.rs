@@ -11,8 +11,8 @@
 
 use memtoken::backend::{Backend, FaultHandle, Faulty, HostBackend, Op, SimBackend, SimConfig};
 use memtoken::{
-    Allocation, Binding, Budget, Committed, CompleteError, Device, Quarantined, Releasing, Reserved,
-    make_guard,
+    Allocation, Binding, Budget, Committed, CompleteError, Device, Quarantined, Releasing,
+    Reserved, make_guard,
 };
 use proptest::prelude::*;
 
@@ -31,7 +31,14 @@ enum Step {
 }
 
 fn step() -> impl Strategy<Value = Step> {
-    let op = prop::sample::select(vec![Op::Reserve, Op::Free, Op::Create, Op::Release, Op::Map, Op::Unmap]);
+    let op = prop::sample::select(vec![
+        Op::Reserve,
+        Op::Free,
+        Op::Create,
+        Op::Release,
+        Op::Map,
+        Op::Unmap,
+    ]);
     prop_oneof![
         3 => (1usize..4).prop_map(Step::Reserve),
         3 => any::<usize>().prop_map(Step::Commit),
@@ -119,7 +126,9 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
             Step::Commit(i) => {
                 let Some(i) = pick(i) else { return };
                 if let Token::Reserved(_) = self.tokens[i] {
-                    let Token::Reserved(t) = self.tokens.swap_remove(i) else { unreachable!() };
+                    let Token::Reserved(t) = self.tokens.swap_remove(i) else {
+                        unreachable!()
+                    };
                     let generation = t.generation();
                     match t.commit() {
                         Ok(c) => self.tokens.push(Token::Committed(c, 0)),
@@ -133,23 +142,28 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
             }
             Step::Write(i, byte) => {
                 let Some(i) = pick(i) else { return };
-                if let Token::Committed(a, fill) = &mut self.tokens[i] {
-                    if self.memory.fill(a, byte) {
-                        *fill = byte;
-                    }
+                if let Token::Committed(a, fill) = &mut self.tokens[i]
+                    && self.memory.fill(a, byte)
+                {
+                    *fill = byte;
                 }
             }
             Step::Release(i) => {
                 let Some(i) = pick(i) else { return };
                 let next = match self.tokens.swap_remove(i) {
-                    Token::Reserved(t) => t.release().err().map(|e| Token::Quarantined(e.into_token())),
+                    Token::Reserved(t) => t
+                        .release()
+                        .err()
+                        .map(|e| Token::Quarantined(e.into_token())),
                     Token::Committed(t, _) => Some(Token::Releasing(t.release())),
                     Token::Releasing(t) => match t.complete() {
                         Ok(_) => None,
                         Err(CompleteError::Pending(t)) => Some(Token::Releasing(t)),
                         Err(CompleteError::Failed(e)) => Some(Token::Quarantined(e.into_token())),
                     },
-                    Token::Quarantined(q) => q.retry().err().map(|e| Token::Quarantined(e.into_token())),
+                    Token::Quarantined(q) => {
+                        q.retry().err().map(|e| Token::Quarantined(e.into_token()))
+                    }
                 };
                 self.tokens.extend(next);
             }
@@ -176,7 +190,10 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
             let (addr, len, m, o, holds_va) = match t {
                 Token::Reserved(a) => (a.addr(), a.size(), 0, 0, true),
                 Token::Committed(a, fill) => {
-                    assert!(self.memory.holds(a, *fill), "memory of {a:?} lost its contents");
+                    assert!(
+                        self.memory.holds(a, *fill),
+                        "memory of {a:?} lost its contents"
+                    );
                     (a.addr(), a.size(), a.size(), a.size(), true)
                 }
                 Token::Releasing(a) => (a.addr(), a.size(), a.size(), a.size(), true),
@@ -204,21 +221,49 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
         quarantined += custody.quarantined.count as u64;
 
         let ledger = self.device.ledger();
-        assert_eq!(ledger.reserved_bytes, reserved, "reserved: ledger vs tokens");
+        assert_eq!(
+            ledger.reserved_bytes, reserved,
+            "reserved: ledger vs tokens"
+        );
         assert_eq!(ledger.mapped_bytes, mapped, "mapped: ledger vs tokens");
         assert_eq!(ledger.owned_bytes, owned, "owned: ledger vs tokens");
-        assert_eq!(ledger.quarantined, quarantined, "quarantined: ledger vs tokens");
-        assert_eq!(self.binding.used(), budget, "budget vs tokens the binding owns");
+        assert_eq!(
+            ledger.quarantined, quarantined,
+            "quarantined: ledger vs tokens"
+        );
+        assert_eq!(
+            self.binding.used(),
+            budget,
+            "budget vs tokens the binding owns"
+        );
 
         let backend = self.faults.outstanding();
-        assert_eq!(backend.reserved_bytes, ledger.reserved_bytes, "reserved: backend vs ledger");
-        assert_eq!(backend.mapped_bytes, ledger.mapped_bytes, "mapped: backend vs ledger");
-        assert_eq!(backend.physical_bytes, ledger.owned_bytes, "owned: backend vs ledger");
-        assert_eq!(backend.reservations as usize, ranges.len(), "one reservation per held range");
+        assert_eq!(
+            backend.reserved_bytes, ledger.reserved_bytes,
+            "reserved: backend vs ledger"
+        );
+        assert_eq!(
+            backend.mapped_bytes, ledger.mapped_bytes,
+            "mapped: backend vs ledger"
+        );
+        assert_eq!(
+            backend.physical_bytes, ledger.owned_bytes,
+            "owned: backend vs ledger"
+        );
+        assert_eq!(
+            backend.reservations as usize,
+            ranges.len(),
+            "one reservation per held range"
+        );
 
         ranges.sort_unstable();
         for w in ranges.windows(2) {
-            assert!(w[0].0 + w[0].1 <= w[1].0, "held VA ranges overlap: {:x?} and {:x?}", w[0], w[1]);
+            assert!(
+                w[0].0 + w[0].1 <= w[1].0,
+                "held VA ranges overlap: {:x?} and {:x?}",
+                w[0],
+                w[1]
+            );
         }
     }
 
@@ -228,7 +273,8 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
         for t in self.tokens.drain(..) {
             match t {
                 Token::Quarantined(q) => {
-                    q.retry().expect("a retry after the faults cleared releases everything");
+                    q.retry()
+                        .expect("a retry after the faults cleared releases everything");
                 }
                 other => drop(other),
             }
@@ -245,8 +291,15 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
     }
 }
 
-fn run<B: Backend, M: Memory<B>>(device: &Device<'_, B>, faults: FaultHandle, memory: M, steps: &[Step]) {
-    let binding = device.bind(Budget::bytes(8 * device.granularity() as u64)).unwrap();
+fn run<B: Backend, M: Memory<B>>(
+    device: &Device<'_, B>,
+    faults: FaultHandle,
+    memory: M,
+    steps: &[Step],
+) {
+    let binding = device
+        .bind(Budget::bytes(8 * device.granularity() as u64))
+        .unwrap();
     let mut model = Model {
         device,
         binding: &binding,

@@ -29,11 +29,17 @@ fn full_cycle_on_host_charges_and_refunds_each_axis_once() {
     let reserved = binding.reserve(3 * PAGE + 1).unwrap();
     assert_eq!(reserved.size(), 4 * PAGE, "rounded up to the granularity");
     let l = device.ledger();
-    assert_eq!((l.reserved_bytes, l.mapped_bytes, l.owned_bytes), (4 * PAGE as u64, 0, 0));
+    assert_eq!(
+        (l.reserved_bytes, l.mapped_bytes, l.owned_bytes),
+        (4 * PAGE as u64, 0, 0)
+    );
 
     let mut committed = reserved.commit().unwrap();
     let l = device.ledger();
-    assert_eq!((l.mapped_bytes, l.owned_bytes), (4 * PAGE as u64, 4 * PAGE as u64));
+    assert_eq!(
+        (l.mapped_bytes, l.owned_bytes),
+        (4 * PAGE as u64, 4 * PAGE as u64)
+    );
     assert_eq!(binding.used(), 4 * PAGE as u64);
     committed.as_mut_slice().fill(0xAB);
     assert!(committed.as_slice().iter().all(|&b| b == 0xAB));
@@ -58,7 +64,10 @@ fn failed_create_returns_the_reserved_token_with_nothing_charged() {
     faults.fail_nth(Op::Create, 1);
     let err = reserved.commit().unwrap_err();
     assert!(matches!(err.cause, CommitFailure::Backend(ref e) if e.op == Op::Create));
-    assert_eq!((err.token.addr(), err.token.generation()), (addr, generation));
+    assert_eq!(
+        (err.token.addr(), err.token.generation()),
+        (addr, generation)
+    );
     let l = device.ledger();
     assert_eq!((l.mapped_bytes, l.owned_bytes), (0, 0));
     assert_eq!(binding.used(), 0);
@@ -90,7 +99,11 @@ fn failed_map_and_failed_rollback_quarantine_the_orphan_physical_memory() {
     let err = binding.reserve(PAGE).unwrap().commit().unwrap_err();
     assert!(matches!(err.cause, CommitFailure::RollbackFailed { .. }));
     assert!(err.to_string().contains("retry_quarantine"), "{err}");
-    assert_eq!(binding.used(), 0, "the binding is not charged for the orphan");
+    assert_eq!(
+        binding.used(),
+        0,
+        "the binding is not charged for the orphan"
+    );
     let l = device.ledger();
     assert_eq!((l.owned_bytes, l.quarantined), (PAGE as u64, 1));
     assert_eq!(device.custody().quarantined.owned_bytes, PAGE as u64);
@@ -116,7 +129,10 @@ fn failed_unmap_quarantines_with_va_withheld_and_mapped_bytes_charged() {
     assert!(r.holds_va());
     assert_eq!((r.mapped_bytes(), r.owned_bytes()), (g, g));
     let l = device.ledger();
-    assert_eq!((l.mapped_bytes, l.owned_bytes, l.quarantined), (g as u64, g as u64, 1));
+    assert_eq!(
+        (l.mapped_bytes, l.owned_bytes, l.quarantined),
+        (g as u64, g as u64, 1)
+    );
     assert_eq!(binding.used(), g as u64, "quarantined bytes stay charged");
     // The withheld VA is not handed out again (the simulator reuses the lowest free range).
     let next = binding.reserve(g).unwrap();
@@ -141,7 +157,10 @@ fn failed_physical_release_refunds_mapped_but_not_owned() {
         panic!("release was failed on purpose");
     };
     let r = err.token.residual();
-    assert_eq!((r.mapped_bytes(), r.owned_bytes(), r.holds_va()), (0, 2 * PAGE, true));
+    assert_eq!(
+        (r.mapped_bytes(), r.owned_bytes(), r.holds_va()),
+        (0, 2 * PAGE, true)
+    );
     let l = device.ledger();
     assert_eq!((l.mapped_bytes, l.owned_bytes), (0, 2 * PAGE as u64));
     let o = faults.outstanding();
@@ -184,7 +203,11 @@ fn dropped_tokens_whose_teardown_fails_land_in_the_device_quarantine() {
     assert_eq!(device.withheld_ranges().len(), 2, "both withhold their VA");
     let q = device.custody().quarantined;
     assert_eq!((q.mapped_bytes, q.owned_bytes), (PAGE as u64, PAGE as u64));
-    assert_eq!(binding.used(), 0, "custody moved from the binding to the device");
+    assert_eq!(
+        binding.used(),
+        0,
+        "custody moved from the binding to the device"
+    );
     let p = device.retry_quarantine();
     assert_eq!((p.released, p.quarantined), (2, 0));
     assert!(device.ledger().is_zero());
@@ -225,7 +248,11 @@ fn budget_is_enforced_with_numbers_and_the_token_back() {
     for n in ["8192 bytes", "8192 of 12288"] {
         assert!(message.contains(n), "{message}");
     }
-    assert_eq!(faults.calls(Op::Create), 1, "no backend call for a refused commit");
+    assert_eq!(
+        faults.calls(Op::Create),
+        1,
+        "no backend call for a refused commit"
+    );
     assert_eq!(device.ledger().owned_bytes, 2 * PAGE as u64);
     let _b = binding.reserve(PAGE).unwrap().commit().unwrap();
     assert_eq!(binding.used(), 3 * PAGE as u64);
@@ -245,17 +272,35 @@ fn bad_input_is_an_error_value_and_changes_nothing() {
     let binding = device.bind(Budget::unlimited()).unwrap();
 
     let zero = binding.reserve(0).unwrap_err();
-    assert!(matches!(zero, ReserveError::ZeroLength { granularity: PAGE }));
+    assert!(matches!(
+        zero,
+        ReserveError::ZeroLength { granularity: PAGE }
+    ));
     let overflow = binding.reserve(usize::MAX).unwrap_err();
-    assert!(matches!(overflow, ReserveError::Overflow { requested: usize::MAX, .. }));
+    assert!(matches!(
+        overflow,
+        ReserveError::Overflow {
+            requested: usize::MAX,
+            ..
+        }
+    ));
     let too_large = binding.reserve((1 << 30) + 1).unwrap_err();
     assert!(matches!(too_large, ReserveError::TooLarge { limit, .. } if limit == 1 << 30));
-    assert!(too_large.to_string().contains("1073741825 bytes"), "{too_large}");
-    assert_eq!(faults.calls(Op::Reserve), 0, "refused before any backend call");
+    assert!(
+        too_large.to_string().contains("1073741825 bytes"),
+        "{too_large}"
+    );
+    assert_eq!(
+        faults.calls(Op::Reserve),
+        0,
+        "refused before any backend call"
+    );
 
     let big = binding.reserve(17 * PAGE).unwrap();
     let err = big.commit().unwrap_err();
-    assert!(matches!(err.cause, CommitFailure::Capacity { capacity, .. } if capacity == 16 * PAGE as u64));
+    assert!(
+        matches!(err.cause, CommitFailure::Capacity { capacity, .. } if capacity == 16 * PAGE as u64)
+    );
     // Fits the capacity in total, but not what is left: the backend says so, nothing is charged.
     let _held = binding.reserve(10 * PAGE).unwrap().commit().unwrap();
     let err = binding.reserve(10 * PAGE).unwrap().commit().unwrap_err();
@@ -273,7 +318,11 @@ fn generations_identify_allocations_even_when_va_is_reused() {
     let receipt = first.release().unwrap();
     assert_eq!(receipt.generation, generation);
     let second = binding.reserve(1).unwrap();
-    assert_eq!(second.addr(), addr, "the simulator reuses the lowest free range");
+    assert_eq!(
+        second.addr(),
+        addr,
+        "the simulator reuses the lowest free range"
+    );
     assert_ne!(second.generation(), generation);
     let _ = faults;
 }
@@ -302,7 +351,10 @@ fn drop_defers_until_the_fence_completes_and_never_blocks() {
         "nothing is unmapped before the fence"
     );
     assert_eq!(device.poll().deferred, 2);
-    assert_eq!(device.ledger().mapped_bytes, 2 * device.granularity() as u64);
+    assert_eq!(
+        device.ledger().mapped_bytes,
+        2 * device.granularity() as u64
+    );
     sim.complete_fences();
     let p = device.poll();
     assert_eq!((p.released, p.deferred), (2, 0));
@@ -325,7 +377,9 @@ fn context_gone_means_no_backend_call_and_discharge_with_proof() {
     };
     assert_eq!(err.cause, ReleaseFailure::ContextGone);
     drop(doomed); // to the device quarantine, without a call
-    let proof = device.confirm_context_gone().expect("the simulator confirms it");
+    let proof = device
+        .confirm_context_gone()
+        .expect("the simulator confirms it");
     err.into_token().discharge(&proof);
     assert_eq!(device.discharge_all(&proof), 1);
     assert!(device.ledger().is_zero(), "{:?}", device.ledger());
@@ -354,7 +408,10 @@ fn host_memory_is_real_and_released_to_the_os() {
     let mut b = binding.reserve(PAGE).unwrap().commit().unwrap();
     a.as_mut_slice().fill(1);
     b.as_mut_slice().fill(2);
-    assert!(a.as_slice().iter().all(|&x| x == 1), "two allocations never alias");
+    assert!(
+        a.as_slice().iter().all(|&x| x == 1),
+        "two allocations never alias"
+    );
     let (addr, generation) = (a.addr(), a.generation());
     a.release().complete().unwrap();
     // Fresh physical memory comes back zeroed: the old pages were punched out of the memfd.

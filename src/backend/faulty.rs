@@ -76,7 +76,10 @@ impl FaultHandle {
     }
 
     fn plan(&self, op: Op, n: u64, persistent: bool) {
-        assert!(n >= 1, "calls are counted from 1: n = 1 fails the next call");
+        assert!(
+            n >= 1,
+            "calls are counted from 1: n = 1 fails the next call"
+        );
         let at = self.0.calls[op as usize].load(Relaxed) + n;
         lock(&self.0.plans)[op as usize] = Some(Plan { at, persistent });
     }

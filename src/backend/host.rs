@@ -1,16 +1,4 @@
 //! Host VMM over `rustix`: a faithful analog of CUDA's virtual memory management on Linux.
-//!
-//! | CUDA                    | host                                                          |
-//! | ----------------------- | ------------------------------------------------------------- |
-//! | `cuMemAddressReserve`   | anonymous `PROT_NONE` mapping, aligned to the granularity     |
-//! | `cuMemCreate`           | a range of the device's `memfd`, allocated with `fallocate`   |
-//! | `cuMemMap` + `SetAccess`| `mmap(MAP_SHARED \| MAP_FIXED)` of the `memfd` range          |
-//! | `cuMemUnmap`            | `PROT_NONE` anonymous mapping put back (the VA stays reserved)|
-//! | `cuMemRelease`          | `fallocate(PUNCH_HOLE)`: the pages go back to the OS          |
-//! | `cuMemAddressFree`      | `munmap`                                                      |
-//!
-//! Because physical memory is a file range, the same page can be mapped at two addresses: real
-//! sharing and real read-only views.
 
 use super::rules::Book;
 use super::{Access, Addr, Backend, BackendError, Cause, HostVisible, Op};
@@ -60,8 +48,19 @@ struct HostState {
     next_serial: u64,
 }
 
-/// Host virtual memory management through `rustix`. See the [module docs](self) for the mapping
-/// from CUDA calls to system calls.
+/// Host virtual memory management through `rustix`:
+///
+/// | CUDA                    | host                                                          |
+/// | ----------------------- | ------------------------------------------------------------- |
+/// | `cuMemAddressReserve`   | anonymous `PROT_NONE` mapping, aligned to the granularity     |
+/// | `cuMemCreate`           | a range of the device's `memfd`, allocated with `fallocate`   |
+/// | `cuMemMap` + `SetAccess`| `mmap(MAP_SHARED \| MAP_FIXED)` of the `memfd` range          |
+/// | `cuMemUnmap`            | `PROT_NONE` anonymous mapping put back (the VA stays reserved)|
+/// | `cuMemRelease`          | `fallocate(PUNCH_HOLE)`: the pages go back to the OS          |
+/// | `cuMemAddressFree`      | `munmap`                                                      |
+///
+/// Because physical memory is a file range, the same page can be mapped at two addresses: real
+/// sharing and real read-only views.
 ///
 /// Every call is checked against the backend's record of what it handed out (the same rules as
 /// [`SimBackend`](super::SimBackend)); a call that breaks them is refused with
@@ -76,9 +75,8 @@ pub struct HostBackend {
 }
 
 fn os_error(op: Op, addr: Addr, len: usize, errno: rustix::io::Errno) -> BackendError {
-    let message = io::Error::from(errno).to_string();
     let errno = errno.raw_os_error();
-    BackendError::new(op, addr, len, Cause::Os { errno, message })
+    BackendError::new(op, addr, len, Cause::Os { errno })
 }
 
 fn refused(op: Op, addr: Addr, len: usize, v: super::Violation) -> BackendError {
@@ -251,13 +249,8 @@ impl Backend for HostBackend {
             };
             return Err(BackendError::new(Op::Create, 0, len, cause));
         };
-        rustix::fs::fallocate(
-            &self.memfd,
-            FallocateFlags::KEEP_SIZE,
-            offset,
-            len as u64,
-        )
-        .map_err(|e| os_error(Op::Create, 0, len, e))?;
+        rustix::fs::fallocate(&self.memfd, FallocateFlags::KEEP_SIZE, offset, len as u64)
+            .map_err(|e| os_error(Op::Create, 0, len, e))?;
         let phys = HostPhys {
             offset,
             serial: s.next_serial,

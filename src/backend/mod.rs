@@ -78,18 +78,18 @@ pub enum Access {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Cause {
     /// The operating system refused the call.
-    #[error("the OS returned errno {errno} ({message})")]
+    #[error("the OS returned errno {errno} ({})", std::io::Error::from_raw_os_error(*errno))]
     Os {
         /// The raw `errno`.
         errno: i32,
-        /// The OS's description of it.
-        message: String,
     },
     /// The call broke a VMM rule; the backend refused it without touching memory.
     #[error("rule violated: {0}")]
     Violation(Violation),
     /// Physical memory is exhausted.
-    #[error("out of physical memory: requested {requested} bytes, {available} of {capacity} available")]
+    #[error(
+        "out of physical memory: requested {requested} bytes, {available} of {capacity} available"
+    )]
     Exhausted {
         /// Bytes requested.
         requested: u64,

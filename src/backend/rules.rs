@@ -70,7 +70,9 @@ pub enum Violation {
         mappings: usize,
     },
     /// `map` past the end of the physical allocation.
-    #[error("mapping {len:#x} bytes at offset {offset:#x} overruns physical memory of {phys_len:#x} bytes")]
+    #[error(
+        "mapping {len:#x} bytes at offset {offset:#x} overruns physical memory of {phys_len:#x} bytes"
+    )]
     OutOfPhys {
         /// Offset into the physical memory.
         offset: usize,
@@ -119,7 +121,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
     }
 
     fn aligned(&self, what: &'static str, value: usize, positive: bool) -> Result<(), Violation> {
-        if value % self.granularity != 0 || (positive && value == 0) {
+        if !value.is_multiple_of(self.granularity) || (positive && value == 0) {
             return Err(Violation::Unaligned {
                 what,
                 value,
@@ -276,7 +278,11 @@ impl<P: Copy + Eq + Hash> Book<P> {
     }
 
     pub(crate) fn apply_unmap(&mut self, addr: Addr, len: usize) {
-        let starts: Vec<Addr> = self.mappings.range(addr..addr + len).map(|(&s, _)| s).collect();
+        let starts: Vec<Addr> = self
+            .mappings
+            .range(addr..addr + len)
+            .map(|(&s, _)| s)
+            .collect();
         for start in starts {
             let m = self.mappings.remove(&start).expect("listed");
             let rec = self.phys.get_mut(&m.phys).expect("mapped phys is known");

@@ -1,0 +1,126 @@
+//! Compile-time facts about the token types: sizes, niches, and which auto/marker traits hold.
+//! A violated assertion fails the build of this test binary.
+
+use memtoken::backend::{HostBackend, SimBackend};
+use memtoken::{
+    Allocation, Binding, Committed, ContextGone, Device, Generation, QuarantineError, Quarantined,
+    Releasing, Reserved,
+};
+use static_assertions::{assert_eq_size, assert_impl_all, assert_not_impl_any};
+use std::mem::size_of;
+
+type HostAlloc<S> = Allocation<'static, 'static, HostBackend, S>;
+type SimAlloc<S> = Allocation<'static, 'static, SimBackend, S>;
+
+// ---- state markers ----
+
+// The state lives only in the type: a Reserved marker costs nothing at run time.
+const _: () = assert!(size_of::<Reserved>() == 0);
+// Likewise for Committed.
+const _: () = assert!(size_of::<Committed>() == 0);
+// Likewise for Releasing.
+const _: () = assert!(size_of::<Releasing>() == 0);
+
+// ---- exact token sizes ----
+
+// Reserved = &Binding (8) + addr (8) + len (8) + generation (8); its parts are `()`.
+const _: () = assert!(size_of::<HostAlloc<Reserved>>() == 32);
+// Reserved carries no backend parts, so it is the same size on the simulator.
+const _: () = assert!(size_of::<SimAlloc<Reserved>>() == 32);
+// Committed on the host adds a HostPhys (offset + serial, 16 bytes).
+const _: () = assert!(size_of::<HostAlloc<Committed>>() == 48);
+// Committed on the simulator adds a SimPhys (8 bytes).
+const _: () = assert!(size_of::<SimAlloc<Committed>>() == 40);
+// Releasing on the host adds HostPhys + a `()` fence: no bigger than Committed.
+const _: () = assert!(size_of::<HostAlloc<Releasing>>() == 48);
+// Releasing on the simulator adds SimPhys + a u64 fence.
+const _: () = assert!(size_of::<SimAlloc<Releasing>>() == 48);
+// The backend's parts are exactly as big as claimed above.
+assert_eq_size!(memtoken::backend::HostPhys, [u64; 2]);
+// SimPhys is one u64.
+assert_eq_size!(memtoken::backend::SimPhys, u64);
+
+// ---- niches: `Option<token>` costs nothing ----
+
+// The binding reference (and the non-zero generation) give Option a niche: Reserved, host.
+assert_eq_size!(Option<HostAlloc<Reserved>>, HostAlloc<Reserved>);
+// Committed, host.
+assert_eq_size!(Option<HostAlloc<Committed>>, HostAlloc<Committed>);
+// Releasing, host.
+assert_eq_size!(Option<HostAlloc<Releasing>>, HostAlloc<Releasing>);
+// Reserved, simulator.
+assert_eq_size!(Option<SimAlloc<Reserved>>, SimAlloc<Reserved>);
+// Committed, simulator.
+assert_eq_size!(Option<SimAlloc<Committed>>, SimAlloc<Committed>);
+// Releasing, simulator.
+assert_eq_size!(Option<SimAlloc<Releasing>>, SimAlloc<Releasing>);
+
+// ---- linearity: nothing that owns memory or a pin can be duplicated ----
+
+// A Reserved token cannot be cloned or copied (host).
+assert_not_impl_any!(HostAlloc<Reserved>: Clone, Copy);
+// A Committed token cannot be cloned or copied (host).
+assert_not_impl_any!(HostAlloc<Committed>: Clone, Copy);
+// A Releasing token cannot be cloned or copied (host).
+assert_not_impl_any!(HostAlloc<Releasing>: Clone, Copy);
+// A Reserved token cannot be cloned or copied (simulator, whose backend is itself Clone).
+assert_not_impl_any!(SimAlloc<Reserved>: Clone, Copy);
+// A Committed token cannot be cloned or copied (simulator).
+assert_not_impl_any!(SimAlloc<Committed>: Clone, Copy);
+// A Releasing token cannot be cloned or copied (simulator).
+assert_not_impl_any!(SimAlloc<Releasing>: Clone, Copy);
+// A device (its ledger, quarantine and brand) cannot be duplicated (host).
+assert_not_impl_any!(Device<'static, HostBackend>: Clone, Copy);
+// Nor on the simulator, although SimBackend is Clone.
+assert_not_impl_any!(Device<'static, SimBackend>: Clone, Copy);
+// A binding (a context pin and a budget) cannot be duplicated (host).
+assert_not_impl_any!(Binding<'static, 'static, HostBackend>: Clone, Copy);
+// Nor on the simulator.
+assert_not_impl_any!(Binding<'static, 'static, SimBackend>: Clone, Copy);
+// A proof that a context is gone cannot be duplicated either (it is handed out per call).
+assert_not_impl_any!(ContextGone<'static>: Clone, Copy);
+// The error carrying a quarantined token cannot be duplicated (host).
+assert_not_impl_any!(QuarantineError<'static, 'static, HostBackend>: Clone, Copy);
+// Nor on the simulator.
+assert_not_impl_any!(QuarantineError<'static, 'static, SimBackend>: Clone, Copy);
+
+// A quarantined residual has exactly one owner (host).
+assert_not_impl_any!(Quarantined<'static, 'static, HostBackend>: Clone, Copy);
+// Nor on the simulator.
+assert_not_impl_any!(Quarantined<'static, 'static, SimBackend>: Clone, Copy);
+
+// ---- threads ----
+
+// A host device can be shared across threads (its ledger and queues are atomics and mutexes).
+assert_impl_all!(Device<'static, HostBackend>: Send, Sync);
+// A simulated device too.
+assert_impl_all!(Device<'static, SimBackend>: Send, Sync);
+// A host binding can move to, or be shared with, another thread.
+assert_impl_all!(Binding<'static, 'static, HostBackend>: Send, Sync);
+// A simulated binding too.
+assert_impl_all!(Binding<'static, 'static, SimBackend>: Send, Sync);
+// Host tokens in every state are Send + Sync: Reserved.
+assert_impl_all!(HostAlloc<Reserved>: Send, Sync);
+// Committed (Sync is sound: `&Allocation` only lends `&[u8]`).
+assert_impl_all!(HostAlloc<Committed>: Send, Sync);
+// Releasing.
+assert_impl_all!(HostAlloc<Releasing>: Send, Sync);
+// Simulated tokens in every state are Send + Sync: Reserved.
+assert_impl_all!(SimAlloc<Reserved>: Send, Sync);
+// Committed.
+assert_impl_all!(SimAlloc<Committed>: Send, Sync);
+// Releasing.
+assert_impl_all!(SimAlloc<Releasing>: Send, Sync);
+// A quarantined token can be retried from another thread.
+assert_impl_all!(Quarantined<'static, 'static, HostBackend>: Send, Sync);
+// Same for the simulator.
+assert_impl_all!(Quarantined<'static, 'static, SimBackend>: Send, Sync);
+// The proof of a lost context can be sent to the thread that discharges.
+assert_impl_all!(ContextGone<'static>: Send, Sync);
+
+/// Generations are one word, and `Option<Generation>` uses the non-zero niche.
+#[test]
+fn generation_is_one_word_with_a_niche() {
+    assert_eq!(size_of::<Generation>(), 8);
+    assert_eq!(size_of::<Option<Generation>>(), 8);
+}

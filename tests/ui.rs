@@ -1,0 +1,7 @@
+//! Compile-fail cases: each file under `ui-tests/` is a misuse the type system must reject.
+
+#[test]
+fn ui() {
+    let t = trybuild::TestCases::new();
+    t.compile_fail("ui-tests/*.rs");
+}

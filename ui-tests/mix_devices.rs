@@ -1,0 +1,17 @@
+// Two devices carry two distinct brands: device B's proof that its context is gone cannot
+// discharge a quarantined token of device A.
+use memtoken::backend::SimBackend;
+use memtoken::{Budget, Device, make_guard};
+
+fn main() {
+    make_guard!(guard_a);
+    make_guard!(guard_b);
+    let device_a = Device::new(guard_a, SimBackend::default());
+    let device_b = Device::new(guard_b, SimBackend::default());
+    let binding_a = device_a.bind(Budget::unlimited()).unwrap();
+    let proof_b = device_b.confirm_context_gone().unwrap();
+    // (Compile-only: at run time this release would succeed.)
+    if let Err(error) = binding_a.reserve(4096).unwrap().release() {
+        let _ = error.into_token().discharge(&proof_b);
+    }
+}

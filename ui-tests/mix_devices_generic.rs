@@ -1,0 +1,10 @@
+// Brand mismatch, stated generically: a quarantined token of brand 'a cannot be discharged with
+// a proof of brand 'b, even one that outlives 'a (`ContextGone` is invariant over its brand).
+use memtoken::backend::SimBackend;
+use memtoken::{ContextGone, Quarantined};
+
+fn mix<'a, 'b: 'a>(token: Quarantined<'_, 'a, SimBackend>, proof: &ContextGone<'b>) {
+    let _ = token.discharge(proof);
+}
+
+fn main() {}

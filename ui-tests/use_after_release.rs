@@ -1,0 +1,12 @@
+// `release()` consumes the Committed token: its memory cannot be read afterwards.
+use memtoken::backend::HostBackend;
+use memtoken::{Budget, Device, make_guard};
+
+fn main() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let committed = binding.reserve(4096).unwrap().commit().unwrap();
+    let _releasing = committed.release();
+    let _bytes = committed.as_slice();
+}

@@ -2,10 +2,11 @@
 
 use crate::backend::{Access, Addr, Backend, HostVisible};
 use crate::binding::Binding;
-use crate::device::{Generation, Residual};
+use crate::device::Generation;
 use crate::error::{CommitError, CommitFailure, CompleteError, QuarantineError};
 use crate::ledger::Axis;
-use crate::quarantine::Quarantined;
+use crate::quarantine::settle;
+use crate::residual::Residual;
 use crate::state::{Committed, Releasing, Reserved, State, sealed::Sealed};
 use std::fmt;
 use std::mem::ManuallyDrop;
@@ -262,14 +263,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                     CommitFailure::Backend(error)
                 }
                 Err(rollback) => {
-                    let orphan = Residual::new(
-                        device.next_generation(),
-                        self.addr,
-                        len,
-                        false,
-                        false,
-                        Some(phys),
-                    );
+                    let orphan = Residual::phys(device.next_generation(), phys, len);
                     device.quarantine(orphan);
                     CommitFailure::RollbackFailed {
                         error,
@@ -289,14 +283,11 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     /// # Errors
     ///
     /// [`QuarantineError`] if the backend refuses: the range stays reserved and withheld, in a
-    /// [`Quarantined`] token inside the error.
+    /// [`Quarantined`](crate::Quarantined) token inside the error.
     #[must_use = "a failed release returns a quarantined token inside the error"]
     pub fn release(self) -> Result<Released, QuarantineError<'b, 'id, B>> {
         let (h, ()) = self.into_head();
-        finish(
-            h,
-            Residual::new(h.generation, h.addr, h.len, true, false, None),
-        )
+        settle(h.binding, Residual::va(h.generation, h.addr, h.len))
     }
 }
 
@@ -343,7 +334,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Releasing> {
     /// # Errors
     ///
     /// [`CompleteError::Pending`] with this same token if the fence has not completed;
-    /// [`CompleteError::Failed`] with a [`Quarantined`] token holding exactly what could not be
+    /// [`CompleteError::Failed`] with a [`Quarantined`](crate::Quarantined) token holding exactly what could not be
     /// given back if a backend call fails.
     #[must_use = "a pending or failed completion returns a token inside the error"]
     pub fn complete(self) -> Result<Released, CompleteError<'b, 'id, B>> {
@@ -351,30 +342,8 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Releasing> {
             return Err(CompleteError::Pending(self));
         }
         let (h, (phys, _fence)) = self.into_head();
-        let residual = Residual::new(h.generation, h.addr, h.len, true, true, Some(phys));
-        finish(h, residual).map_err(CompleteError::Failed)
-    }
-}
-
-/// Tears down `residual` for its token; refunds the binding once the physical memory is gone.
-fn finish<'b, 'id, B: Backend>(
-    h: Head<'b, 'id, B>,
-    mut residual: Residual<B::Phys>,
-) -> Result<Released, QuarantineError<'b, 'id, B>> {
-    let owned = residual.owned_bytes();
-    let result = h.binding.device().teardown(&mut residual);
-    if owned > 0 && residual.owned_bytes() == 0 {
-        h.binding.refund(owned);
-    }
-    match result {
-        Ok(()) => Ok(Released {
-            generation: h.generation,
-            len: h.len,
-        }),
-        Err(cause) => Err(QuarantineError {
-            token: Quarantined::new(h.binding, residual),
-            cause,
-        }),
+        let residual = Residual::committed(h.generation, h.addr, h.len, phys);
+        settle(h.binding, residual).map_err(CompleteError::Failed)
     }
 }
 

@@ -4,7 +4,9 @@ use crate::backend::{Addr, Backend, BackendError};
 use crate::binding::{Binding, Budget};
 use crate::error::ReleaseFailure;
 use crate::ledger::{Axis, Ledger, LedgerSnapshot};
+use crate::residual::{Holdings, Residual, SharedKey};
 use generativity::{Guard, Id};
+use std::collections::HashMap;
 use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -18,68 +20,6 @@ impl Generation {
     /// The number behind it.
     pub fn get(self) -> u64 {
         self.0.get()
-    }
-}
-
-/// What is still held of one allocation after a failed or deferred release: exactly the parts
-/// not yet given back, each still charged to the ledger.
-#[derive(Clone, Copy, Debug)]
-pub struct Residual<P> {
-    generation: Generation,
-    addr: Addr,
-    len: usize,
-    reserved: bool,
-    mapped: bool,
-    phys: Option<P>,
-}
-
-impl<P> Residual<P> {
-    pub(crate) fn new(
-        generation: Generation,
-        addr: Addr,
-        len: usize,
-        reserved: bool,
-        mapped: bool,
-        phys: Option<P>,
-    ) -> Self {
-        Self {
-            generation,
-            addr,
-            len,
-            reserved,
-            mapped,
-            phys,
-        }
-    }
-
-    /// The allocation this is what is left of.
-    pub fn generation(&self) -> Generation {
-        self.generation
-    }
-
-    /// The VA range, withheld from reuse while [`holds_va`](Self::holds_va).
-    pub fn range(&self) -> (Addr, usize) {
-        (self.addr, self.len)
-    }
-
-    /// Whether the VA range is still reserved (and so withheld from reuse).
-    pub fn holds_va(&self) -> bool {
-        self.reserved
-    }
-
-    /// Bytes still mapped (still charged as mapped).
-    pub fn mapped_bytes(&self) -> usize {
-        if self.mapped { self.len } else { 0 }
-    }
-
-    /// Bytes of physical memory still owned (still charged as owned).
-    pub fn owned_bytes(&self) -> usize {
-        if self.phys.is_some() { self.len } else { 0 }
-    }
-
-    /// Whether nothing is left.
-    pub fn is_empty(&self) -> bool {
-        !self.reserved && !self.mapped && self.phys.is_none()
     }
 }
 
@@ -101,28 +41,6 @@ pub struct Progress {
     pub deferred: usize,
 }
 
-/// Totals over a set of residuals.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct Holdings {
-    /// How many residuals.
-    pub count: usize,
-    /// Bytes of VA they still reserve.
-    pub reserved_bytes: u64,
-    /// Bytes they still map.
-    pub mapped_bytes: u64,
-    /// Bytes of physical memory they still own.
-    pub owned_bytes: u64,
-}
-
-impl Holdings {
-    fn add<P>(&mut self, r: &Residual<P>) {
-        self.count += 1;
-        self.reserved_bytes += if r.reserved { r.len as u64 } else { 0 };
-        self.mapped_bytes += r.mapped_bytes() as u64;
-        self.owned_bytes += r.owned_bytes() as u64;
-    }
-}
-
 /// What a device holds in its own custody (see [`Device::custody`]).
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Custody {
@@ -130,6 +48,19 @@ pub struct Custody {
     pub quarantined: Holdings,
     /// Releases waiting for their fence.
     pub deferred: Holdings,
+    /// Shared physical allocations (prefixes): `count` of them, their `owned_bytes` (each
+    /// charged once, whatever the number of mappings), and the mapping references on them
+    /// (`shared_refs`). One is released when its last reference goes.
+    pub shared: Holdings,
+}
+
+/// A physical allocation mapped by several tokens (a shared prefix), released with its last
+/// reference.
+#[derive(Debug)]
+struct SharedEntry<P> {
+    phys: P,
+    len: usize,
+    refs: usize,
 }
 
 /// What a device held when it closed.
@@ -192,6 +123,7 @@ pub struct Device<'id, B: Backend> {
     failed_unpins: AtomicU64,
     quarantine: Mutex<Vec<Residual<B::Phys>>>,
     deferred: Mutex<Vec<Deferred<B>>>,
+    shared: Mutex<HashMap<SharedKey, SharedEntry<B::Phys>>>,
     closed: bool,
 }
 
@@ -210,6 +142,7 @@ impl<'id, B: Backend> Device<'id, B> {
             failed_unpins: AtomicU64::new(0),
             quarantine: Mutex::new(Vec::new()),
             deferred: Mutex::new(Vec::new()),
+            shared: Mutex::new(HashMap::new()),
             closed: false,
         }
     }
@@ -243,6 +176,11 @@ impl<'id, B: Backend> Device<'id, B> {
         }
         for (r, _) in lock(&self.deferred).iter() {
             custody.deferred.add(r);
+        }
+        for entry in lock(&self.shared).values() {
+            custody.shared.count += 1;
+            custody.shared.owned_bytes += entry.len as u64;
+            custody.shared.shared_refs += entry.refs as u64;
         }
         custody
     }
@@ -366,9 +304,9 @@ impl<'id, B: Backend> Device<'id, B> {
         self.failed_unpins.fetch_add(1, Ordering::Relaxed);
     }
 
-    /// Gives back, in order, what `residual` still holds: unmap, release, free. Each part that
-    /// goes is refunded once and cleared; the first failure stops, leaving the rest held.
-    /// No backend call is made once the context is gone.
+    /// Gives back, in order, what `residual` still holds: unmap, drop the shared reference,
+    /// release owned memory, free the VA. Each part that goes is refunded once and cleared; the
+    /// first failure stops, leaving the rest held. No backend call once the context is gone.
     pub(crate) fn teardown(&self, r: &mut Residual<B::Phys>) -> Result<(), ReleaseFailure> {
         if r.is_empty() {
             return Ok(());
@@ -376,15 +314,18 @@ impl<'id, B: Backend> Device<'id, B> {
         if self.backend.context_gone() {
             return Err(ReleaseFailure::ContextGone);
         }
-        if r.mapped {
-            self.backend.unmap(r.addr, r.len)?;
-            r.mapped = false;
-            self.refund(Axis::Mapped, r.len);
+        if r.mapped > 0 {
+            self.backend.unmap(r.addr, r.mapped)?;
+            self.refund(Axis::Mapped, r.mapped);
+            r.mapped = 0;
         }
-        if let Some(phys) = r.phys {
-            self.backend.release(phys, r.len)?;
+        if let Some(key) = r.shared.take() {
+            self.unshare(key);
+        }
+        if let Some((phys, len)) = r.phys {
+            self.backend.release(phys, len)?;
             r.phys = None;
-            self.refund(Axis::Owned, r.len);
+            self.refund(Axis::Owned, len);
         }
         if r.reserved {
             self.backend.free(r.addr, r.len)?;
@@ -392,6 +333,42 @@ impl<'id, B: Backend> Device<'id, B> {
             self.refund(Axis::Reserved, r.len);
         }
         Ok(())
+    }
+
+    /// Registers physical memory as shared, with one reference (its first mapping).
+    pub(crate) fn share_new(&self, key: SharedKey, phys: B::Phys, len: usize) {
+        let entry = SharedEntry { phys, len, refs: 1 };
+        let fresh = lock(&self.shared).insert(key, entry).is_none();
+        assert!(fresh, "shared key {key} registered twice");
+    }
+
+    /// Takes one more reference on shared memory, for a new mapping of it.
+    pub(crate) fn share_ref(&self, key: SharedKey) -> (B::Phys, usize) {
+        let mut shared = lock(&self.shared);
+        let entry = shared.get_mut(&key).expect("a live prefix keeps its entry");
+        entry.refs += 1;
+        (entry.phys, entry.len)
+    }
+
+    /// References on shared memory now.
+    pub(crate) fn share_refs(&self, key: SharedKey) -> usize {
+        lock(&self.shared).get(&key).map_or(0, |e| e.refs)
+    }
+
+    /// Drops one reference; the last one releases the memory (outside the lock). A failed
+    /// release quarantines the memory, still charged as owned.
+    pub(crate) fn unshare(&self, key: SharedKey) {
+        let last = {
+            let mut shared = lock(&self.shared);
+            let entry = shared.get_mut(&key).expect("a reference keeps its entry");
+            entry.refs -= 1;
+            if entry.refs > 0 {
+                return;
+            }
+            shared.remove(&key).expect("present")
+        };
+        let orphan = Residual::phys(self.next_generation(), last.phys, last.len);
+        self.teardown_or_quarantine(orphan);
     }
 
     /// Teardown for a token that was dropped: its fence is done (or it has none). Whatever fails
@@ -429,12 +406,17 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// Refunds every part of a residual whose context is gone, without backend calls.
     pub(crate) fn forget_residual(&self, r: Residual<B::Phys>) {
-        if r.mapped {
-            self.refund(Axis::Mapped, r.len);
+        self.refund(Axis::Mapped, r.mapped);
+        if let Some(key) = r.shared {
+            let mut shared = lock(&self.shared);
+            let entry = shared.get_mut(&key).expect("a reference keeps its entry");
+            entry.refs -= 1;
+            if entry.refs == 0 {
+                let len = shared.remove(&key).expect("present").len;
+                self.refund(Axis::Owned, len);
+            }
         }
-        if r.phys.is_some() {
-            self.refund(Axis::Owned, r.len);
-        }
+        self.refund(Axis::Owned, r.owned_bytes());
         if r.reserved {
             self.refund(Axis::Reserved, r.len);
         }

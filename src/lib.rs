@@ -68,17 +68,17 @@ mod device;
 mod error;
 mod ledger;
 mod quarantine;
+mod residual;
 mod state;
 
 pub use allocation::{Allocation, Released};
 pub use binding::{Binding, Budget};
-pub use device::{
-    CloseReport, ContextGone, Custody, Device, Generation, Holdings, Progress, Residual,
-};
+pub use device::{CloseReport, ContextGone, Custody, Device, Generation, Progress};
 pub use error::{
     CommitError, CommitFailure, CompleteError, QuarantineError, ReleaseFailure, ReserveError,
 };
 pub use generativity::{Guard, make_guard};
 pub use ledger::LedgerSnapshot;
 pub use quarantine::Quarantined;
+pub use residual::{Holdings, Residual};
 pub use state::{Committed, Releasing, Reserved, State};

@@ -3,9 +3,10 @@
 use crate::allocation::Released;
 use crate::backend::Backend;
 use crate::binding::Binding;
-use crate::device::{ContextGone, Residual};
-use crate::error::QuarantineError;
+use crate::device::ContextGone;
+use crate::error::{QuarantineError, ReleaseFailure};
 use crate::ledger::Axis;
+use crate::residual::Residual;
 use std::fmt;
 use std::mem::ManuallyDrop;
 
@@ -46,7 +47,8 @@ impl<'b, 'id, B: Backend> Quarantined<'b, 'id, B> {
         &self.residual
     }
 
-    /// Tries again to give back what is held, in order: unmap, release, free.
+    /// Tries again to give back what is held, in order: unmap, drop the shared reference,
+    /// release, free.
     ///
     /// # Errors
     ///
@@ -54,20 +56,10 @@ impl<'b, 'id, B: Backend> Quarantined<'b, 'id, B> {
     #[must_use = "a failed retry returns the quarantined token inside the error"]
     pub fn retry(self) -> Result<Released, QuarantineError<'b, 'id, B>> {
         let (binding, mut residual) = self.into_parts();
-        let device = binding.device();
-        let owned = residual.owned_bytes();
-        let result = device.teardown(&mut residual);
-        if owned > 0 && residual.owned_bytes() == 0 {
-            binding.refund(owned);
-        }
-        match result {
-            Ok(()) => {
-                device.refund(Axis::Quarantined, 1);
-                let (_, len) = residual.range();
-                Ok(Released {
-                    generation: residual.generation(),
-                    len,
-                })
+        match teardown_for(binding, &mut residual) {
+            Ok(released) => {
+                binding.device().refund(Axis::Quarantined, 1);
+                Ok(released)
             }
             Err(cause) => Err(QuarantineError {
                 token: Self { binding, residual },
@@ -89,6 +81,34 @@ impl<'b, 'id, B: Backend> Quarantined<'b, 'id, B> {
         device.refund(Axis::Quarantined, 1);
         Released { generation, len }
     }
+}
+
+/// Tears down what `residual` holds on behalf of `binding`'s token, refunding the binding once
+/// the token's own physical memory is gone.
+fn teardown_for<B: Backend>(
+    binding: &Binding<'_, '_, B>,
+    residual: &mut Residual<B::Phys>,
+) -> Result<Released, ReleaseFailure> {
+    let owned = residual.owned_bytes();
+    let result = binding.device().teardown(residual);
+    if owned > 0 && residual.owned_bytes() == 0 {
+        binding.refund(owned);
+    }
+    result.map(|()| Released {
+        generation: residual.generation(),
+        len: residual.range().1,
+    })
+}
+
+/// Releases a token's `residual` now; what fails is handed back as a [`Quarantined`] token.
+pub(crate) fn settle<'b, 'id, B: Backend>(
+    binding: &'b Binding<'b, 'id, B>,
+    mut residual: Residual<B::Phys>,
+) -> Result<Released, QuarantineError<'b, 'id, B>> {
+    teardown_for(binding, &mut residual).map_err(|cause| QuarantineError {
+        token: Quarantined::new(binding, residual),
+        cause,
+    })
 }
 
 impl<B: Backend> Drop for Quarantined<'_, '_, B> {

@@ -10,7 +10,8 @@
 //! ```
 
 use crate::backend::{Addr, Backend};
-use crate::device::{Generation, Residual};
+use crate::device::Generation;
+use crate::residual::Residual;
 
 pub(crate) mod sealed {
     use super::*;
@@ -64,10 +65,7 @@ impl sealed::Sealed for Reserved {
         len: usize,
         (): (),
     ) -> (Residual<B::Phys>, Option<B::Fence>) {
-        (
-            Residual::new(generation, addr, len, true, false, None),
-            None,
-        )
+        (Residual::va(generation, addr, len), None)
     }
 }
 
@@ -83,7 +81,7 @@ impl sealed::Sealed for Committed {
     ) -> (Residual<B::Phys>, Option<B::Fence>) {
         // Work may still be in flight on the memory: its release waits for a fence.
         let fence = backend.fence();
-        let residual = Residual::new(generation, addr, len, true, true, Some(phys));
+        let residual = Residual::committed(generation, addr, len, phys);
         (residual, Some(fence))
     }
 }
@@ -98,7 +96,7 @@ impl sealed::Sealed for Releasing {
         len: usize,
         (phys, fence): (B::Phys, B::Fence),
     ) -> (Residual<B::Phys>, Option<B::Fence>) {
-        let residual = Residual::new(generation, addr, len, true, true, Some(phys));
+        let residual = Residual::committed(generation, addr, len, phys);
         (residual, Some(fence))
     }
 }

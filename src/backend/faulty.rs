@@ -249,6 +249,17 @@ impl<B: Backend> Backend for Faulty<B> {
         Ok(())
     }
 
+    fn copy_into_phys(
+        &self,
+        phys: B::Phys,
+        offset: usize,
+        src: Addr,
+        len: usize,
+    ) -> Result<(), BackendError> {
+        self.handle.enter(Op::Copy, src, len)?;
+        self.inner.copy_into_phys(phys, offset, src, len)
+    }
+
     fn fence(&self) -> B::Fence {
         self.inner.fence()
     }

@@ -328,6 +328,31 @@ impl Backend for HostBackend {
         Ok(())
     }
 
+    fn copy_into_phys(
+        &self,
+        phys: HostPhys,
+        offset: usize,
+        src: Addr,
+        len: usize,
+    ) -> Result<(), BackendError> {
+        let s = self.state();
+        s.book
+            .check_copy(phys, offset, src, len)
+            .map_err(|v| refused(Op::Copy, src, len, v))?;
+        // SAFETY: the book says every byte of `[src, src + len)` is mapped readable by this
+        // backend, and the lock keeps it mapped for the duration of the copy.
+        let bytes = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
+        let mut at = phys.offset + offset as u64;
+        let mut rest = bytes;
+        while !rest.is_empty() {
+            let n = rustix::io::pwrite(&self.memfd, rest, at)
+                .map_err(|e| os_error(Op::Copy, src, len, e))?;
+            rest = &rest[n..];
+            at += n as u64;
+        }
+        Ok(())
+    }
+
     fn fence(&self) {}
 
     fn fence_done(&self, _fence: &()) -> bool {

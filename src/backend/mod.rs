@@ -49,11 +49,13 @@ pub enum Op {
     Pin,
     /// Unpin the context.
     Unpin,
+    /// Copy mapped memory into physical memory (copy-on-write).
+    Copy,
 }
 
 impl Op {
     /// Every kind of call, in a fixed order.
-    pub const ALL: [Op; 8] = [
+    pub const ALL: [Op; 9] = [
         Op::Reserve,
         Op::Free,
         Op::Create,
@@ -62,6 +64,7 @@ impl Op {
         Op::Unmap,
         Op::Pin,
         Op::Unpin,
+        Op::Copy,
     ];
 }
 
@@ -178,6 +181,16 @@ pub trait Backend {
     /// Unmaps `[addr, addr + len)`, which must be exactly covered by whole mappings. The VA stays
     /// reserved.
     fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError>;
+
+    /// Copies `len` mapped bytes at `src` into `phys`, starting `offset` bytes into it (a
+    /// device-to-device copy on CUDA). Used by copy-on-write before the copy is mapped.
+    fn copy_into_phys(
+        &self,
+        phys: Self::Phys,
+        offset: usize,
+        src: Addr,
+        len: usize,
+    ) -> Result<(), BackendError>;
 
     /// Records a fence after all work submitted so far. Infallible: a backend that cannot record
     /// one returns a fence that reports done only once the work is known to be finished.

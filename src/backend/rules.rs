@@ -277,6 +277,45 @@ impl<P: Copy + Eq + Hash> Book<P> {
         Ok(())
     }
 
+    /// Checks that every byte of `[addr, addr + len)` is mapped, and that `offset + len` fits
+    /// in `phys`: the arguments of a copy from mapped memory into physical memory.
+    pub(crate) fn check_copy(
+        &self,
+        phys: P,
+        offset: usize,
+        addr: Addr,
+        len: usize,
+    ) -> Result<(), Violation> {
+        let not_mapped = Violation::NotMapped { addr, len };
+        let end = addr.checked_add(len).ok_or(not_mapped.clone())?;
+        let mut next = addr;
+        let first = self.mappings.range(..=addr).next_back();
+        if let Some((&s, m)) = first
+            && s + m.len > addr
+        {
+            next = s + m.len;
+        }
+        for (&s, m) in self.mappings.range(addr + 1..end) {
+            if s != next {
+                return Err(not_mapped);
+            }
+            next = s + m.len;
+        }
+        if next < end || len == 0 {
+            return Err(not_mapped);
+        }
+        let rec = self.phys.get(&phys).filter(|r| !r.released);
+        let rec = rec.ok_or(Violation::UnknownPhys)?;
+        if offset.checked_add(len).is_none_or(|e| e > rec.len) {
+            return Err(Violation::OutOfPhys {
+                offset,
+                len,
+                phys_len: rec.len,
+            });
+        }
+        Ok(())
+    }
+
     pub(crate) fn apply_unmap(&mut self, addr: Addr, len: usize) {
         let starts: Vec<Addr> = self
             .mappings

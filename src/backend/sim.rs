@@ -266,6 +266,20 @@ impl Backend for SimBackend {
         Ok(())
     }
 
+    fn copy_into_phys(
+        &self,
+        phys: SimPhys,
+        offset: usize,
+        src: Addr,
+        len: usize,
+    ) -> Result<(), BackendError> {
+        let s = self.call(Op::Copy, src, len);
+        s.book
+            .check_copy(phys, offset, src, len)
+            .unwrap_or_else(|v| illegal(Op::Copy, v));
+        Ok(())
+    }
+
     fn fence(&self) -> u64 {
         let mut s = self.state();
         s.fences_issued += 1;

@@ -183,6 +183,20 @@ impl<'b, 'id, B: Backend, S: State> Allocation<'b, 'id, B, S> {
         (head, parts)
     }
 
+    /// Takes the token apart into its binding, range, identity and parts, without its `Drop`.
+    pub(crate) fn into_raw(
+        self,
+    ) -> (
+        &'b Binding<'b, 'id, B>,
+        Addr,
+        usize,
+        Generation,
+        <S as Sealed>::Parts<B>,
+    ) {
+        let (h, parts) = self.into_head();
+        (h.binding, h.addr, h.len, h.generation, parts)
+    }
+
     /// Start of the VA range.
     pub fn addr(&self) -> Addr {
         self.addr

@@ -350,6 +350,19 @@ impl<'id, B: Backend> Device<'id, B> {
         (entry.phys, entry.len)
     }
 
+    /// The shared memory's handle and length, without taking a reference.
+    pub(crate) fn share_get(&self, key: SharedKey) -> (B::Phys, usize) {
+        let shared = lock(&self.shared);
+        let entry = shared.get(&key).expect("a live mapping keeps its entry");
+        (entry.phys, entry.len)
+    }
+
+    /// Releases physical memory no token owns any more; quarantines it if that fails.
+    pub(crate) fn release_orphan(&self, phys: B::Phys, len: usize) {
+        let orphan = Residual::phys(self.next_generation(), phys, len);
+        self.teardown_or_quarantine(orphan);
+    }
+
     /// References on shared memory now.
     pub(crate) fn share_refs(&self, key: SharedKey) -> usize {
         lock(&self.shared).get(&key).map_or(0, |e| e.refs)
@@ -367,8 +380,7 @@ impl<'id, B: Backend> Device<'id, B> {
             }
             shared.remove(&key).expect("present")
         };
-        let orphan = Residual::phys(self.next_generation(), last.phys, last.len);
-        self.teardown_or_quarantine(orphan);
+        self.release_orphan(last.phys, last.len);
     }
 
     /// Teardown for a token that was dropped: its fence is done (or it has none). Whatever fails

@@ -2,6 +2,7 @@
 
 use crate::allocation::Allocation;
 use crate::backend::{Backend, BackendError};
+use crate::mapping::PrefixMapping;
 use crate::quarantine::Quarantined;
 use crate::state::{Releasing, Reserved};
 use std::fmt;
@@ -90,6 +91,73 @@ pub struct CommitError<'b, 'id, B: Backend> {
     pub token: Allocation<'b, 'id, B, Reserved>,
     /// Why the commit failed.
     pub cause: CommitFailure,
+}
+
+/// Why a prefix could not be mapped into a reservation.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ShareFailure {
+    /// The reservation's length differs from the prefix's.
+    #[error(
+        "a prefix of {prefix} bytes cannot be mapped into a reservation of {reservation} bytes: reserve exactly the prefix's size"
+    )]
+    SizeMismatch {
+        /// The reservation's length.
+        reservation: usize,
+        /// The prefix's length.
+        prefix: usize,
+    },
+    /// A backend call failed; everything done before it was undone.
+    #[error("{0}; nothing stayed mapped")]
+    Backend(BackendError),
+}
+
+/// A failed [`map_prefix`](Allocation::map_prefix).
+pub enum ShareError<'b, 'id, B: Backend> {
+    /// Nothing changed: the same reservation, and why.
+    Refused {
+        /// The reservation, unchanged.
+        token: Allocation<'b, 'id, B, Reserved>,
+        /// Why the share failed.
+        cause: ShareFailure,
+    },
+    /// Undoing a half-made mapping failed: its remains are quarantined.
+    Quarantined(QuarantineError<'b, 'id, B>),
+}
+
+/// A failed [`diverge`](PrefixMapping::diverge).
+pub enum CowError<'b, 'id, B: Backend> {
+    /// Nothing changed: the same mapping, and why.
+    Refused {
+        /// The mapping, unchanged and still shared.
+        token: PrefixMapping<'b, 'id, B>,
+        /// Why the copy-on-write failed.
+        cause: CommitFailure,
+    },
+    /// The boundary could be neither remapped nor restored: the remains are quarantined.
+    Quarantined(QuarantineError<'b, 'id, B>),
+}
+
+impl<B: Backend> fmt::Display for ShareError<'_, '_, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Refused { cause, .. } => {
+                write!(f, "{cause} (the reservation is returned in the error)")
+            }
+            Self::Quarantined(e) => e.fmt(f),
+        }
+    }
+}
+
+impl<B: Backend> fmt::Display for CowError<'_, '_, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Refused { cause, .. } => write!(
+                f,
+                "copy-on-write of the boundary granule failed: {cause} (the shared mapping is returned unchanged)"
+            ),
+            Self::Quarantined(e) => e.fmt(f),
+        }
+    }
 }
 
 /// Why giving memory back failed.
@@ -185,4 +253,10 @@ macro_rules! debug_as_display {
         impl<B: Backend> std::error::Error for $t<'_, '_, B> {}
     )*};
 }
-debug_as_display!(CommitError, QuarantineError, CompleteError);
+debug_as_display!(
+    CommitError,
+    QuarantineError,
+    CompleteError,
+    ShareError,
+    CowError
+);

@@ -67,6 +67,7 @@ mod binding;
 mod device;
 mod error;
 mod ledger;
+mod mapping;
 mod quarantine;
 mod residual;
 mod state;
@@ -75,10 +76,12 @@ pub use allocation::{Allocation, Released};
 pub use binding::{Binding, Budget};
 pub use device::{CloseReport, ContextGone, Custody, Device, Generation, Progress};
 pub use error::{
-    CommitError, CommitFailure, CompleteError, QuarantineError, ReleaseFailure, ReserveError,
+    CommitError, CommitFailure, CompleteError, CowError, QuarantineError, ReleaseFailure,
+    ReserveError, ShareError, ShareFailure,
 };
 pub use generativity::{Guard, make_guard};
 pub use ledger::LedgerSnapshot;
+pub use mapping::{DivergedMapping, Prefix, PrefixMapping};
 pub use quarantine::Quarantined;
 pub use residual::{Holdings, Residual};
 pub use state::{Committed, Releasing, Reserved, State};

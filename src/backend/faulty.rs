@@ -57,7 +57,8 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl FaultHandle {
-    /// Fails the `n`th call of kind `op` from now (`n = 1`: the next one), once.
+    /// Fails the `n`th call of kind `op` from now (`n = 1`: the next one), once. Each kind has
+    /// one plan at a time: a new plan for the same kind replaces the previous one.
     ///
     /// # Panics
     ///

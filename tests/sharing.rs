@@ -1,0 +1,436 @@
+//! Shared prefixes: real aliasing on the host, read-only sharers, teardown order, copy-on-write
+//! of the boundary granule, and exactly-once accounting of shared physical memory.
+
+use memtoken::backend::{Faulty, HostBackend, HostConfig, Op, SimBackend};
+use memtoken::{Budget, CowError, Device, ShareError, ShareFailure, make_guard};
+
+const PAGE: usize = 4096;
+
+/// What `/proc/self/maps` says of the page at `addr`: (perms, file offset of that page, path).
+/// The kernel may merge adjacent mappings into one line, so the offset is computed from the
+/// line that contains `addr`.
+fn proc_map(addr: usize) -> (String, u64, String) {
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("procfs");
+    for line in maps.lines() {
+        let mut fields = line.split_whitespace();
+        let (start, end) = fields.next().unwrap().split_once('-').unwrap();
+        let start = usize::from_str_radix(start, 16).unwrap();
+        let end = usize::from_str_radix(end, 16).unwrap();
+        if (start..end).contains(&addr) {
+            let perms = fields.next().unwrap().to_string();
+            let offset = u64::from_str_radix(fields.next().unwrap(), 16).unwrap();
+            let path = fields.skip(2).collect::<Vec<_>>().join(" ");
+            return (perms, offset + (addr - start) as u64, path);
+        }
+    }
+    panic!("no mapping contains {addr:#x}");
+}
+
+#[test]
+fn sharers_alias_the_owners_physical_pages_read_only() {
+    make_guard!(guard);
+    let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let owner = device.bind(Budget::unlimited()).unwrap();
+    let sharer = device.bind(Budget::bytes(0)).unwrap(); // sharing costs no owned bytes
+
+    let mut prefix = owner
+        .reserve(3 * PAGE)
+        .unwrap()
+        .commit()
+        .unwrap()
+        .into_prefix();
+    let prompt: Vec<u8> = (0..3 * PAGE).map(|i| (i % 251) as u8).collect();
+    prefix
+        .as_mut_slice()
+        .expect("no sharer yet")
+        .copy_from_slice(&prompt);
+    let physical_before = faults.outstanding().physical;
+
+    let sharers: Vec<_> = (0..4)
+        .map(|_| {
+            sharer
+                .reserve(3 * PAGE)
+                .unwrap()
+                .map_prefix(&prefix)
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(
+        faults.outstanding().physical,
+        physical_before,
+        "no physical memory created"
+    );
+    assert_eq!(prefix.mappings(), 5);
+    assert!(
+        prefix.as_mut_slice().is_none(),
+        "the owner cannot write while shared"
+    );
+
+    let (owner_perms, owner_offset, owner_path) = proc_map(prefix.addr());
+    assert_eq!(&owner_perms, "rw-s");
+    for s in &sharers {
+        assert_ne!(s.addr(), prefix.addr());
+        assert_eq!(
+            s.as_slice(),
+            &prompt[..],
+            "every sharer reads the owner's bytes"
+        );
+        // Body and boundary granule are two mappings of the same memfd pages as the owner's.
+        let (perms, offset, path) = proc_map(s.addr());
+        assert_eq!(
+            perms, "r--s",
+            "the sharer's mapping is read-only at run time"
+        );
+        assert_eq!(
+            (offset, &path),
+            (owner_offset, &owner_path),
+            "same physical pages"
+        );
+        let (perms, offset, _) = proc_map(s.addr() + 2 * PAGE);
+        assert_eq!(
+            (perms.as_str(), offset),
+            ("r--s", owner_offset + 2 * PAGE as u64)
+        );
+    }
+    let l = device.ledger();
+    assert_eq!(
+        l.owned_bytes,
+        3 * PAGE as u64,
+        "owned once, whatever the number of sharers"
+    );
+    assert_eq!(
+        l.mapped_bytes,
+        5 * 3 * PAGE as u64,
+        "mapped once per mapping"
+    );
+    assert_eq!(sharer.used(), 0);
+}
+
+#[test]
+fn shared_memory_lives_as_long_as_its_last_mapping_and_is_released_once() {
+    make_guard!(guard);
+    let sim = SimBackend::default();
+    let device = Device::new(guard, Faulty::new(sim.clone()));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let prefix = binding
+        .reserve(2 * g)
+        .unwrap()
+        .commit()
+        .unwrap()
+        .into_prefix();
+    let a = binding.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();
+    let b = binding.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();
+    let releases = || sim.calls().iter().filter(|c| c.op == Op::Release).count();
+
+    prefix.release().unwrap().expect("fences complete at once");
+    assert_eq!(
+        binding.used(),
+        0,
+        "the owner's budget no longer carries the prefix"
+    );
+    assert_eq!(
+        device.ledger().owned_bytes,
+        2 * g as u64,
+        "the device still holds it"
+    );
+    assert_eq!(device.custody().shared.shared_refs, 2);
+    drop(a);
+    assert_eq!((releases(), sim.physical_in_use()), (0, 2 * g as u64));
+    b.release().unwrap();
+    assert_eq!(
+        releases(),
+        1,
+        "released exactly once, with the last mapping"
+    );
+    assert!(device.ledger().is_zero());
+    assert_eq!(device.custody().shared.count, 0);
+}
+
+#[test]
+fn dropping_a_sequence_unmaps_its_prefix_before_the_binding_unpins() {
+    struct Sequence<'b, 'id> {
+        prefix: memtoken::PrefixMapping<'b, 'id, SimBackend>,
+        pages: Vec<memtoken::Allocation<'b, 'id, SimBackend, memtoken::Committed>>,
+    }
+    make_guard!(guard);
+    let sim = SimBackend::default();
+    let device = Device::new(guard, sim.clone());
+    let g = device.granularity();
+    let system = device.bind(Budget::unlimited()).unwrap();
+    let prompt = system
+        .reserve(2 * g)
+        .unwrap()
+        .commit()
+        .unwrap()
+        .into_prefix();
+    {
+        let session = device.bind(Budget::unlimited()).unwrap();
+        let seqs: Vec<Sequence> = (0..3)
+            .map(|_| Sequence {
+                prefix: session.reserve(2 * g).unwrap().map_prefix(&prompt).unwrap(),
+                pages: vec![session.reserve(g).unwrap().commit().unwrap()],
+            })
+            .collect();
+        let prefix_ranges: Vec<usize> = seqs.iter().map(|s| s.prefix.addr()).collect();
+        assert_eq!(seqs[0].pages.len(), 1);
+        let start = sim.calls().len();
+        drop(seqs);
+        drop(session); // the compiler refuses this line above `drop(seqs)` (ui-tests)
+        let calls = &sim.calls()[start..];
+        let unpin = calls
+            .iter()
+            .position(|c| c.op == Op::Unpin)
+            .expect("the pin is released");
+        for addr in prefix_ranges {
+            let unmap = calls
+                .iter()
+                .position(|c| c.op == Op::Unmap && c.addr == addr)
+                .expect("every prefix mapping is unmapped");
+            assert!(
+                unmap < unpin,
+                "prefix at {addr:#x} unmapped after the pin's release"
+            );
+        }
+        assert_eq!(unpin, calls.len() - 1, "the unpin is the last call");
+    }
+    drop(prompt);
+    drop(system);
+    assert!(device.close().is_clean());
+}
+
+#[test]
+fn copy_on_write_gives_one_sharer_a_private_boundary_granule() {
+    make_guard!(guard);
+    let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut prefix = binding
+        .reserve(2 * PAGE)
+        .unwrap()
+        .commit()
+        .unwrap()
+        .into_prefix();
+    prefix.as_mut_slice().unwrap().fill(7);
+    let a = binding
+        .reserve(2 * PAGE)
+        .unwrap()
+        .map_prefix(&prefix)
+        .unwrap();
+    let b = binding
+        .reserve(2 * PAGE)
+        .unwrap()
+        .map_prefix(&prefix)
+        .unwrap();
+    let owned_before = device.ledger().owned_bytes;
+    let used_before = binding.used();
+
+    let mut a = a.diverge().unwrap();
+    assert_eq!(a.boundary_offset(), PAGE);
+    assert!(
+        a.as_slice().iter().all(|&x| x == 7),
+        "the copy holds the old bytes"
+    );
+    a.boundary_mut()[100..200].fill(9);
+    assert!(a.as_slice()[PAGE + 100..PAGE + 200].iter().all(|&x| x == 9));
+    assert!(a.as_slice()[PAGE + 200..].iter().all(|&x| x == 7));
+    assert!(
+        b.as_slice().iter().all(|&x| x == 7),
+        "the other sharer still sees the original"
+    );
+    assert!(
+        prefix.as_slice().iter().all(|&x| x == 7),
+        "so does the owner"
+    );
+    assert_eq!(
+        device.ledger().owned_bytes,
+        owned_before + PAGE as u64,
+        "one extra granule"
+    );
+    assert_eq!(binding.used(), used_before + PAGE as u64);
+    assert_eq!(
+        proc_map(a.addr() + PAGE).0,
+        "rw-s",
+        "the private granule is writable"
+    );
+    assert_eq!(
+        proc_map(a.addr()).0,
+        "r--s",
+        "the body is still shared read-only"
+    );
+    assert_eq!(
+        prefix.mappings(),
+        3,
+        "the diverged sharer still maps the body"
+    );
+
+    drop((a, b, prefix));
+    assert!(device.ledger().is_zero());
+    assert_eq!(binding.used(), 0);
+    drop(binding);
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+}
+
+#[test]
+fn a_sharers_failed_unmap_quarantines_that_sharers_range_only() {
+    make_guard!(guard);
+    let backend = Faulty::new(SimBackend::default());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let prefix = binding.reserve(g).unwrap().commit().unwrap().into_prefix();
+    let a = binding.reserve(g).unwrap().map_prefix(&prefix).unwrap();
+    let b = binding.reserve(g).unwrap().map_prefix(&prefix).unwrap();
+    let a_addr = a.addr();
+    faults.fail_nth(Op::Unmap, 1);
+    let err = a.release().unwrap_err();
+    let r = err.token.residual();
+    assert_eq!(r.range(), (a_addr, g));
+    assert!(r.holds_shared() && r.holds_va());
+    assert_eq!(r.mapped_bytes(), g);
+    assert_eq!(
+        prefix.mappings(),
+        3,
+        "the quarantined mapping keeps its reference"
+    );
+    drop(prefix);
+    b.release().unwrap();
+    assert_eq!(
+        device.ledger().owned_bytes,
+        g as u64,
+        "still mapped by the quarantined sharer"
+    );
+    err.into_token().retry().unwrap();
+    assert!(device.ledger().is_zero());
+    drop(binding);
+    assert!(faults.outstanding().is_zero());
+}
+
+#[test]
+fn a_refused_share_returns_the_reservation_unchanged() {
+    make_guard!(guard);
+    let backend = Faulty::new(SimBackend::default());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let prefix = binding
+        .reserve(2 * g)
+        .unwrap()
+        .commit()
+        .unwrap()
+        .into_prefix();
+
+    let Err(ShareError::Refused { token, cause }) = binding.reserve(g).unwrap().map_prefix(&prefix)
+    else {
+        panic!("sizes differ");
+    };
+    assert_eq!(
+        cause,
+        ShareFailure::SizeMismatch {
+            reservation: g,
+            prefix: 2 * g
+        }
+    );
+    drop(token);
+    for nth in [1, 2] {
+        faults.fail_nth(Op::Map, nth);
+        let reserved = binding.reserve(2 * g).unwrap();
+        let generation = reserved.generation();
+        let Err(ShareError::Refused { token, .. }) = reserved.map_prefix(&prefix) else {
+            panic!("map #{nth} was failed on purpose");
+        };
+        assert_eq!(token.generation(), generation);
+        assert_eq!(prefix.mappings(), 1, "no reference left behind");
+        assert_eq!(
+            device.ledger().mapped_bytes,
+            2 * g as u64,
+            "only the owner's mapping"
+        );
+    }
+    // Boundary map fails and undoing the body fails too: the remains are quarantined.
+    faults.fail_nth(Op::Map, 2);
+    faults.fail_nth(Op::Unmap, 1);
+    let Err(ShareError::Quarantined(err)) = binding.reserve(2 * g).unwrap().map_prefix(&prefix)
+    else {
+        panic!("both failed on purpose");
+    };
+    assert_eq!(err.token.residual().mapped_bytes(), g);
+    assert_eq!(prefix.mappings(), 2);
+    err.into_token().retry().unwrap();
+    assert_eq!(prefix.mappings(), 1);
+}
+
+#[test]
+fn a_refused_copy_on_write_leaves_the_mapping_shared_and_nothing_charged() {
+    make_guard!(guard);
+    let backend = Faulty::new(HostBackend::new(HostConfig::default()).unwrap());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut prefix = binding
+        .reserve(2 * PAGE)
+        .unwrap()
+        .commit()
+        .unwrap()
+        .into_prefix();
+    prefix.as_mut_slice().unwrap().fill(5);
+    let mut shared = binding
+        .reserve(2 * PAGE)
+        .unwrap()
+        .map_prefix(&prefix)
+        .unwrap();
+    let before = (device.ledger(), binding.used(), faults.outstanding());
+    for (op, nth) in [(Op::Create, 1), (Op::Copy, 1), (Op::Unmap, 1), (Op::Map, 1)] {
+        faults.fail_nth(op, nth);
+        let Err(CowError::Refused { token, cause }) = shared.diverge() else {
+            panic!("{op:?} was failed on purpose");
+        };
+        assert!(cause.to_string().contains(&format!("{op:?}")), "{cause}");
+        shared = token;
+        assert_eq!(
+            (device.ledger(), binding.used(), faults.outstanding()),
+            before,
+            "after {op:?}"
+        );
+        assert!(shared.as_slice().iter().all(|&x| x == 5));
+        assert_eq!(proc_map(shared.addr() + PAGE).0, "r--s");
+    }
+    // The remap fails and so does restoring the original: the remains are quarantined.
+    faults.fail_from(Op::Map, 1);
+    let Err(CowError::Quarantined(err)) = shared.diverge() else {
+        panic!("both maps failed on purpose");
+    };
+    faults.clear();
+    let r = err.token.residual();
+    assert_eq!((r.mapped_bytes(), r.owned_bytes()), (PAGE, PAGE));
+    err.into_token().retry().unwrap();
+    drop(prefix);
+    assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+    drop(binding);
+    assert!(faults.outstanding().is_zero());
+}
+
+#[test]
+fn a_copy_on_write_past_the_budget_is_refused_with_numbers() {
+    make_guard!(guard);
+    let device = Device::new(guard, SimBackend::default());
+    let g = device.granularity();
+    let owner = device.bind(Budget::unlimited()).unwrap();
+    let sharer = device.bind(Budget::bytes(0)).unwrap();
+    let prefix = owner.reserve(g).unwrap().commit().unwrap().into_prefix();
+    let shared = sharer.reserve(g).unwrap().map_prefix(&prefix).unwrap();
+    let Err(CowError::Refused { cause, .. }) = shared.diverge() else {
+        panic!("the sharer has no budget for a private granule");
+    };
+    assert!(
+        cause
+            .to_string()
+            .contains(&format!("commit of {g} bytes exceeds")),
+        "{cause}"
+    );
+}

@@ -1,0 +1,14 @@
+// A prefix mapping cannot outlive the device whose memory it maps.
+use memtoken::backend::SimBackend;
+use memtoken::{Budget, Device, make_guard};
+
+fn main() {
+    make_guard!(guard);
+    let device = Device::new(guard, SimBackend::default());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let prefix = binding.reserve(1).unwrap().commit().unwrap().into_prefix();
+    let shared = binding.reserve(1).unwrap().map_prefix(&prefix).unwrap();
+    drop(prefix);
+    drop(device);
+    drop(shared);
+}

@@ -165,12 +165,18 @@ impl<B: Backend> fmt::Display for CowError<'_, '_, B> {
 pub enum ReleaseFailure {
     /// A backend call failed.
     #[error(transparent)]
-    Backend(#[from] BackendError),
+    Backend(Box<BackendError>),
     /// The context is gone: no backend call was made.
     #[error(
         "the device's context is gone, so no backend call was made; discharge with the proof from Device::confirm_context_gone"
     )]
     ContextGone,
+}
+
+impl From<BackendError> for ReleaseFailure {
+    fn from(e: BackendError) -> Self {
+        Self::Backend(Box::new(e))
+    }
 }
 
 /// A failed release: the [`Quarantined`] token holding exactly what is left, and why.

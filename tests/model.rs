@@ -1,18 +1,21 @@
-//! Property test: random sequences of reserve / commit / write / release / drop / retry with
-//! faults injected at random backend calls, on the strict simulator and on the host backend.
+//! Property test: random sequences of reserve / commit / write / release / drop / retry /
+//! share / copy-on-write with faults injected at random backend calls, on the strict simulator
+//! and on the host backend.
 //!
 //! After every step: the ledger equals the sum of live tokens, quarantined tokens and what the
-//! device holds in custody; the backend's own outstanding counts equal the ledger; no two held
-//! VA ranges overlap (so quarantined VA is never handed out again); the budget equals what the
-//! binding's tokens own; host memory holds what was written. At the end, after retries, the
-//! backend holds nothing.
+//! device holds in custody; the owned bytes of a shared physical allocation are counted once,
+//! whatever the number of its mappings, and its references equal its live mappings; the
+//! backend's own outstanding counts equal the ledger (so shared memory is released exactly once,
+//! when its last mapping goes); no two held VA ranges overlap (so quarantined VA is never handed
+//! out again); the budget equals what the binding's tokens own; host memory holds what was
+//! written. At the end, after retries, the backend holds nothing.
 //!
 //! 1,000 cases per backend by default; `PROPTEST_CASES=N` for more.
 
 use memtoken::backend::{Backend, FaultHandle, Faulty, HostBackend, Op, SimBackend, SimConfig};
 use memtoken::{
-    Allocation, Binding, Budget, Committed, CompleteError, Device, Quarantined, Releasing,
-    Reserved, make_guard,
+    Allocation, Binding, Budget, Committed, CompleteError, CowError, Device, DivergedMapping,
+    Prefix, PrefixMapping, Quarantined, Releasing, Reserved, ShareError, make_guard,
 };
 use proptest::prelude::*;
 
@@ -28,6 +31,12 @@ enum Step {
     Poll,
     CompleteFences,
     Fault(Op, u64),
+    /// Committed → a shared prefix.
+    Promote(usize),
+    /// Prefix → a new sharer's read-only mapping.
+    Share(usize),
+    /// Sharer → copy-on-write of its boundary granule.
+    Diverge(usize),
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -49,6 +58,9 @@ fn step() -> impl Strategy<Value = Step> {
         1 => Just(Step::Poll),
         1 => Just(Step::CompleteFences),
         2 => (op, 1u64..4).prop_map(|(op, n)| Step::Fault(op, n)),
+        2 => any::<usize>().prop_map(Step::Promote),
+        3 => any::<usize>().prop_map(Step::Share),
+        2 => any::<usize>().prop_map(Step::Diverge),
     ]
 }
 
@@ -64,43 +76,77 @@ fn config() -> ProptestConfig {
     }
 }
 
+/// A live token and the bytes its memory holds (host only; 0 = fresh memory).
 enum Token<'b, 'id, B: Backend> {
     Reserved(Allocation<'b, 'id, B, Reserved>),
-    /// The byte the memory was last filled with (host only; 0 = fresh memory).
     Committed(Allocation<'b, 'id, B, Committed>, u8),
     Releasing(Allocation<'b, 'id, B, Releasing>),
     Quarantined(Quarantined<'b, 'id, B>),
+    Prefix(Prefix<'b, 'id, B>, u8),
+    Shared(PrefixMapping<'b, 'id, B>, u8),
+    /// Body byte, private boundary byte.
+    Diverged(DivergedMapping<'b, 'id, B>, u8, u8),
 }
 
-/// What the backend-specific part of the model does with memory.
+/// The backend-specific part of the model: host memory can be read and written, simulated
+/// memory cannot (every accessor returns `None`).
 trait Memory<B: Backend> {
-    fn fill(&self, a: &mut Allocation<'_, '_, B, Committed>, byte: u8) -> bool;
-    fn holds(&self, a: &Allocation<'_, '_, B, Committed>, byte: u8) -> bool;
+    fn committed<'a>(&self, a: &'a mut Allocation<'_, '_, B, Committed>) -> Option<&'a mut [u8]>;
+    fn prefix<'a>(&self, p: &'a mut Prefix<'_, '_, B>) -> Option<&'a mut [u8]>;
+    fn boundary<'a>(&self, d: &'a mut DivergedMapping<'_, '_, B>) -> Option<&'a mut [u8]>;
+    /// The bytes of any mapped token, read-only.
+    fn read<'a>(&self, t: &'a Token<'_, '_, B>) -> Option<&'a [u8]>;
     fn complete_fences(&self) {}
 }
 
 struct NoMemory(SimBackend);
 impl Memory<Faulty<SimBackend>> for NoMemory {
-    fn fill(&self, _: &mut Allocation<'_, '_, Faulty<SimBackend>, Committed>, _: u8) -> bool {
-        false
+    fn committed<'a>(
+        &self,
+        _: &'a mut Allocation<'_, '_, Faulty<SimBackend>, Committed>,
+    ) -> Option<&'a mut [u8]> {
+        None
     }
-    fn holds(&self, _: &Allocation<'_, '_, Faulty<SimBackend>, Committed>, _: u8) -> bool {
-        true
+    fn prefix<'a>(&self, _: &'a mut Prefix<'_, '_, Faulty<SimBackend>>) -> Option<&'a mut [u8]> {
+        None
+    }
+    fn boundary<'a>(
+        &self,
+        _: &'a mut DivergedMapping<'_, '_, Faulty<SimBackend>>,
+    ) -> Option<&'a mut [u8]> {
+        None
+    }
+    fn read<'a>(&self, _: &'a Token<'_, '_, Faulty<SimBackend>>) -> Option<&'a [u8]> {
+        None
     }
     fn complete_fences(&self) {
         self.0.complete_fences();
     }
 }
 
+type Host = Faulty<HostBackend>;
 struct HostMemory;
-impl Memory<Faulty<HostBackend>> for HostMemory {
-    fn fill(&self, a: &mut Allocation<'_, '_, Faulty<HostBackend>, Committed>, byte: u8) -> bool {
-        a.as_mut_slice().fill(byte);
-        true
+impl Memory<Host> for HostMemory {
+    fn committed<'a>(
+        &self,
+        a: &'a mut Allocation<'_, '_, Host, Committed>,
+    ) -> Option<&'a mut [u8]> {
+        Some(a.as_mut_slice())
     }
-    fn holds(&self, a: &Allocation<'_, '_, Faulty<HostBackend>, Committed>, byte: u8) -> bool {
-        let s = a.as_slice();
-        s[0] == byte && s[s.len() - 1] == byte && s.iter().all(|&b| b == byte)
+    fn prefix<'a>(&self, p: &'a mut Prefix<'_, '_, Host>) -> Option<&'a mut [u8]> {
+        p.as_mut_slice()
+    }
+    fn boundary<'a>(&self, d: &'a mut DivergedMapping<'_, '_, Host>) -> Option<&'a mut [u8]> {
+        Some(d.boundary_mut())
+    }
+    fn read<'a>(&self, t: &'a Token<'_, '_, Host>) -> Option<&'a [u8]> {
+        match t {
+            Token::Committed(a, _) => Some(a.as_slice()),
+            Token::Prefix(p, _) => Some(p.as_slice()),
+            Token::Shared(m, _) => Some(m.as_slice()),
+            Token::Diverged(d, _, _) => Some(d.as_slice()),
+            _ => None,
+        }
     }
 }
 
@@ -142,10 +188,53 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
             }
             Step::Write(i, byte) => {
                 let Some(i) = pick(i) else { return };
-                if let Token::Committed(a, fill) = &mut self.tokens[i]
-                    && self.memory.fill(a, byte)
-                {
+                let (bytes, fill) = match &mut self.tokens[i] {
+                    Token::Committed(a, fill) => (self.memory.committed(a), fill),
+                    Token::Prefix(p, fill) => (self.memory.prefix(p), fill),
+                    Token::Diverged(d, _, fill) => (self.memory.boundary(d), fill),
+                    _ => return,
+                };
+                if let Some(bytes) = bytes {
+                    bytes.fill(byte);
                     *fill = byte;
+                }
+            }
+            Step::Promote(i) => {
+                let Some(i) = pick(i) else { return };
+                if let Token::Committed(..) = self.tokens[i] {
+                    let Token::Committed(a, fill) = self.tokens.swap_remove(i) else {
+                        unreachable!()
+                    };
+                    self.tokens.push(Token::Prefix(a.into_prefix(), fill));
+                }
+            }
+            Step::Share(i) => {
+                let Some(i) = pick(i) else { return };
+                let Token::Prefix(prefix, fill) = &self.tokens[i] else {
+                    return;
+                };
+                let fill = *fill;
+                let Ok(reserved) = self.binding.reserve(prefix.size()) else {
+                    return;
+                };
+                let next = match reserved.map_prefix(prefix) {
+                    Ok(m) => Token::Shared(m, fill),
+                    Err(ShareError::Refused { token, .. }) => Token::Reserved(token),
+                    Err(ShareError::Quarantined(e)) => Token::Quarantined(e.into_token()),
+                };
+                self.tokens.push(next);
+            }
+            Step::Diverge(i) => {
+                let Some(i) = pick(i) else { return };
+                if let Token::Shared(..) = self.tokens[i] {
+                    let Token::Shared(m, fill) = self.tokens.swap_remove(i) else {
+                        unreachable!()
+                    };
+                    self.tokens.push(match m.diverge() {
+                        Ok(d) => Token::Diverged(d, fill, fill),
+                        Err(CowError::Refused { token, .. }) => Token::Shared(token, fill),
+                        Err(CowError::Quarantined(e)) => Token::Quarantined(e.into_token()),
+                    });
                 }
             }
             Step::Release(i) => {
@@ -164,6 +253,18 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                     Token::Quarantined(q) => {
                         q.retry().err().map(|e| Token::Quarantined(e.into_token()))
                     }
+                    Token::Prefix(p, _) => p
+                        .release()
+                        .err()
+                        .map(|e| Token::Quarantined(e.into_token())),
+                    Token::Shared(m, _) => m
+                        .release()
+                        .err()
+                        .map(|e| Token::Quarantined(e.into_token())),
+                    Token::Diverged(d, _, _) => d
+                        .release()
+                        .err()
+                        .map(|e| Token::Quarantined(e.into_token())),
                 };
                 self.tokens.extend(next);
             }
@@ -184,41 +285,90 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
     }
 
     fn check(&self) {
+        let g = self.device.granularity();
         let (mut reserved, mut mapped, mut owned, mut quarantined, mut budget) = (0u64, 0, 0, 0, 0);
+        let mut shared_refs = 0u64;
         let mut ranges = self.device.withheld_ranges();
         for t in &self.tokens {
-            let (addr, len, m, o, holds_va) = match t {
-                Token::Reserved(a) => (a.addr(), a.size(), 0, 0, true),
-                Token::Committed(a, fill) => {
-                    assert!(
-                        self.memory.holds(a, *fill),
-                        "memory of {a:?} lost its contents"
-                    );
-                    (a.addr(), a.size(), a.size(), a.size(), true)
-                }
-                Token::Releasing(a) => (a.addr(), a.size(), a.size(), a.size(), true),
+            // (range, mapped, owned by the token alone, charged to the budget, holds VA, shared ref)
+            let ((addr, len), m, o, charged, holds_va, shares) = match t {
+                Token::Reserved(a) => ((a.addr(), a.size()), 0, 0, 0, true, false),
+                Token::Committed(a, _) => (
+                    (a.addr(), a.size()),
+                    a.size(),
+                    a.size(),
+                    a.size(),
+                    true,
+                    false,
+                ),
+                Token::Releasing(a) => (
+                    (a.addr(), a.size()),
+                    a.size(),
+                    a.size(),
+                    a.size(),
+                    true,
+                    false,
+                ),
+                Token::Prefix(p, _) => ((p.addr(), p.size()), p.size(), 0, p.size(), true, true),
+                Token::Shared(m, _) => ((m.addr(), m.size()), m.size(), 0, 0, true, true),
+                Token::Diverged(d, _, _) => ((d.addr(), d.size()), d.size(), g, g, true, true),
                 Token::Quarantined(q) => {
                     quarantined += 1;
                     let r = q.residual();
-                    let (addr, len) = r.range();
-                    (addr, len, r.mapped_bytes(), r.owned_bytes(), r.holds_va())
+                    let o = r.owned_bytes();
+                    (
+                        r.range(),
+                        r.mapped_bytes(),
+                        o,
+                        o,
+                        r.holds_va(),
+                        r.holds_shared(),
+                    )
                 }
             };
+            if let Some(bytes) = self.memory.read(t) {
+                let (body, boundary) = match *t {
+                    Token::Committed(_, f) | Token::Prefix(_, f) | Token::Shared(_, f) => (f, f),
+                    Token::Diverged(_, body, boundary) => (body, boundary),
+                    _ => unreachable!("only mapped tokens lend bytes"),
+                };
+                let (head, tail) = bytes.split_at(len - g);
+                assert!(
+                    head.iter().all(|&b| b == body),
+                    "{addr:#x}: body lost its bytes"
+                );
+                assert!(
+                    tail.iter().all(|&b| b == boundary),
+                    "{addr:#x}: last granule lost its bytes"
+                );
+            }
             if holds_va {
                 reserved += len as u64;
                 ranges.push((addr, len));
             }
             mapped += m as u64;
             owned += o as u64;
-            budget += o as u64;
+            budget += charged as u64;
+            shared_refs += u64::from(shares);
         }
         let custody = self.device.custody();
         for h in [custody.quarantined, custody.deferred] {
             reserved += h.reserved_bytes;
             mapped += h.mapped_bytes;
             owned += h.owned_bytes;
+            shared_refs += h.shared_refs;
         }
+        // Shared physical memory is owned once, by the device's table, whatever its mappings.
+        owned += custody.shared.owned_bytes;
         quarantined += custody.quarantined.count as u64;
+        assert_eq!(
+            custody.shared.shared_refs, shared_refs,
+            "shared references vs live mappings"
+        );
+        assert!(
+            custody.shared.count as u64 <= shared_refs,
+            "a shared allocation outlived its last mapping"
+        );
 
         let ledger = self.device.ledger();
         assert_eq!(

@@ -57,7 +57,31 @@
 //! ## Layers
 //!
 //! [`backend`] is the mechanism (host VMM over `rustix`, a strict simulator, fault injection);
-//! [`Device`], [`Binding`], [`Allocation`] and [`Quarantined`] are the typed layer on top.
+//! [`Device`], [`Binding`], [`Allocation`], the shared-prefix mappings ([`Prefix`],
+//! [`PrefixMapping`], [`DivergedMapping`]) and [`Quarantined`] are the typed layer on top.
+//!
+//! ## Shared prefixes
+//!
+//! ```
+//! use memtoken::{make_guard, Budget, Device};
+//! use memtoken::backend::HostBackend;
+//!
+//! make_guard!(guard);
+//! let device = Device::new(guard, HostBackend::with_defaults()?);
+//! let (system, session) = (device.bind(Budget::unlimited())?, device.bind(Budget::bytes(4096))?);
+//!
+//! let mut prompt = system.reserve(8192)?.commit().map_err(|e| e.cause)?.into_prefix();
+//! prompt.as_mut_slice().expect("not shared yet").fill(7);
+//! let seq = session.reserve(8192)?.map_prefix(&prompt).map_err(|e| e.to_string())?;
+//! assert_eq!(seq.as_slice()[0], 7); // the same physical page, mapped read-only
+//! assert_eq!(session.used(), 0); // a sharer owns nothing
+//!
+//! let mut seq = seq.diverge().map_err(|e| e.to_string())?; // private copy of the last granule
+//! seq.boundary_mut()[0] = 9;
+//! assert_eq!(prompt.as_slice()[4096], 7); // the original is untouched
+//! assert_eq!(session.used(), 4096); // exactly one granule
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(missing_docs)]
 

@@ -37,9 +37,11 @@ use std::mem::ManuallyDrop;
 /// owner's binding stays charged for the prefix's bytes while this handle lives; after that the
 /// device holds them until the last mapping goes.
 ///
-/// A prefix of one device cannot be mapped into a reservation of another:
+/// A prefix of one device cannot be mapped into a reservation of another (each
+/// `make_guard!` brands its device uniquely, so the second brand cannot be unified with the
+/// first):
 ///
-/// ```compile_fail
+/// ```compile_fail,E0716
 /// use memtoken::{make_guard, Budget, Device};
 /// use memtoken::backend::SimBackend;
 /// make_guard!(ga);

@@ -355,7 +355,8 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Releasing> {
         if !self.is_ready() {
             return Err(CompleteError::Pending(self));
         }
-        let (h, (phys, _fence)) = self.into_head();
+        let (h, (phys, fence)) = self.into_head();
+        h.binding.device().backend().retire_fence(fence);
         let residual = Residual::committed(h.generation, h.addr, h.len, phys);
         settle(h.binding, residual).map_err(CompleteError::Failed)
     }

@@ -214,7 +214,8 @@ impl<'id, B: Backend> Device<'id, B> {
             ready
         };
         let mut released = 0;
-        for (residual, _fence) in ready {
+        for (residual, fence) in ready {
+            self.backend.retire_fence(fence);
             released += usize::from(self.teardown_or_quarantine(residual));
         }
         self.progress(released)
@@ -252,7 +253,8 @@ impl<'id, B: Backend> Device<'id, B> {
             self.ledger.refund(Axis::Quarantined, 1);
             self.forget_residual(residual);
         }
-        for (residual, _fence) in deferred {
+        for (residual, fence) in deferred {
+            self.backend.retire_fence(fence);
             self.forget_residual(residual);
         }
         n
@@ -401,14 +403,14 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// Takes a dropped token's residual: released now if its fence is done, else queued.
     pub(crate) fn dispose(&self, residual: Residual<B::Phys>, fence: Option<B::Fence>) {
-        match fence {
-            Some(fence) if !self.backend.fence_done(&fence) => {
+        if let Some(fence) = fence {
+            if !self.backend.fence_done(&fence) {
                 lock(&self.deferred).push((residual, fence));
+                return;
             }
-            _ => {
-                self.teardown_or_quarantine(residual);
-            }
+            self.backend.retire_fence(fence);
         }
+        self.teardown_or_quarantine(residual);
     }
 
     /// Adds an already-counted quarantined residual (a dropped `Quarantined` token) to the list.

@@ -156,6 +156,7 @@ impl<'b, 'id, B: Backend> Core<'b, 'id, B> {
         let backend = self.device().backend();
         let fence = backend.fence();
         if backend.fence_done(&fence) {
+            backend.retire_fence(fence);
             return settle(self.binding, residual).map(Some);
         }
         self.binding.refund(owned);

@@ -311,7 +311,7 @@ impl Backend for HostBackend {
             let _ = unsafe { Self::make_inaccessible(addr, len) };
             return Err(os_error(Op::Map, addr, len, e));
         }
-        s.book.apply_map(addr, len, phys, access);
+        s.book.apply_map(addr, len, phys, offset, access);
         Ok(())
     }
 

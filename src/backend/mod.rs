@@ -13,8 +13,11 @@
 //! Backends shipped here:
 //! - [`HostBackend`]: real host VMM on Linux over `rustix` (`mmap`, a `memfd`, hole punching);
 //! - [`SimBackend`]: a pure-Rust strict model of the VMM rules that panics on any illegal call;
-//! - [`Faulty`]: a wrapper around any backend that injects failures and counts what is outstanding.
+//! - [`Faulty`]: a wrapper around any backend that injects failures and counts what is outstanding;
+//! - [`cuda::CudaBackend`]: CUDA VMM over a thin driver seam — the real driver through `cudarc`
+//!   (feature `cuda`), or [`cuda::DriverModel`], a strict model of the driver's rules.
 
+pub mod cuda;
 mod faulty;
 mod host;
 mod rules;
@@ -49,13 +52,15 @@ pub enum Op {
     Pin,
     /// Unpin the context.
     Unpin,
-    /// Copy mapped memory into physical memory (copy-on-write).
+    /// Copy mapped memory into physical memory (copy-on-write), or to or from the host.
     Copy,
+    /// Record or query a fence.
+    Fence,
 }
 
 impl Op {
     /// Every kind of call, in a fixed order.
-    pub const ALL: [Op; 9] = [
+    pub const ALL: [Op; 10] = [
         Op::Reserve,
         Op::Free,
         Op::Create,
@@ -65,6 +70,7 @@ impl Op {
         Op::Pin,
         Op::Unpin,
         Op::Copy,
+        Op::Fence,
     ];
 }
 
@@ -101,6 +107,17 @@ pub enum Cause {
         /// Total physical capacity.
         capacity: u64,
     },
+    /// The CUDA driver returned an error.
+    #[error("the driver returned {name} ({code})")]
+    Driver {
+        /// The `CUresult`.
+        code: i32,
+        /// Its name.
+        name: &'static str,
+    },
+    /// The context is lost: no call was made.
+    #[error("the context is lost, so no driver call was made")]
+    ContextLost,
     /// A fault injected by [`Faulty`] (the Nth call of its kind).
     #[error("fault injected into call #{nth} of this kind")]
     Injected {
@@ -197,6 +214,10 @@ pub trait Backend {
     fn fence(&self) -> Self::Fence;
     /// Whether the work before `fence` has finished. Never blocks.
     fn fence_done(&self, fence: &Self::Fence) -> bool;
+    /// Gives back a fence that is no longer needed (destroys a CUDA event).
+    fn retire_fence(&self, fence: Self::Fence) {
+        let _ = fence;
+    }
 
     /// Pins the context for a new binding (`cuDevicePrimaryCtxRetain` on CUDA).
     fn pin(&self) -> Result<(), BackendError>;

@@ -95,6 +95,8 @@ struct PhysRecord {
 struct MapRecord<P> {
     len: usize,
     phys: P,
+    offset: usize,
+    access: Access,
 }
 
 /// The record of one backend's reservations, physical memory and mappings.
@@ -249,9 +251,44 @@ impl<P: Copy + Eq + Hash> Book<P> {
         Ok(())
     }
 
-    pub(crate) fn apply_map(&mut self, addr: Addr, len: usize, phys: P, _access: Access) {
+    pub(crate) fn apply_map(
+        &mut self,
+        addr: Addr,
+        len: usize,
+        phys: P,
+        offset: usize,
+        access: Access,
+    ) {
         self.phys.get_mut(&phys).expect("checked").maps += 1;
-        self.mappings.insert(addr, MapRecord { len, phys });
+        let record = MapRecord {
+            len,
+            phys,
+            offset,
+            access,
+        };
+        self.mappings.insert(addr, record);
+    }
+
+    /// The mapping under `addr`: its physical memory, the offset of `addr` into it, the bytes
+    /// left in the mapping from `addr`, and its access.
+    pub(crate) fn resolve(&self, addr: Addr) -> Option<(P, usize, usize, Access)> {
+        let (&start, m) = self.mappings.range(..=addr).next_back()?;
+        let into = addr - start;
+        (into < m.len).then_some((m.phys, m.offset + into, m.len - into, m.access))
+    }
+
+    /// Changes the recorded access of the mappings that exactly cover `[addr, addr + len)`.
+    pub(crate) fn set_access(
+        &mut self,
+        addr: Addr,
+        len: usize,
+        access: Access,
+    ) -> Result<(), Violation> {
+        self.check_unmap(addr, len)?;
+        for (_, m) in self.mappings.range_mut(addr..addr + len) {
+            m.access = access;
+        }
+        Ok(())
     }
 
     pub(crate) fn check_unmap(&self, addr: Addr, len: usize) -> Result<(), Violation> {
@@ -353,5 +390,42 @@ impl<P: Copy + Eq + Hash> Book<P> {
         self.mappings.clear();
         self.phys.clear();
         std::mem::take(&mut self.reservations).into_iter().collect()
+    }
+
+    /// The length of a live (not released) physical allocation.
+    pub(crate) fn phys_len(&self, phys: P) -> Option<usize> {
+        self.phys.get(&phys).filter(|r| !r.released).map(|r| r.len)
+    }
+
+    /// The length of a physical allocation, released-while-mapped ones included.
+    pub(crate) fn phys_len_any(&self, phys: P) -> usize {
+        self.phys.get(&phys).map_or(0, |r| r.len)
+    }
+
+    /// Whether a physical allocation is still tracked (live, or released but still mapped).
+    pub(crate) fn is_mapped(&self, phys: P) -> bool {
+        self.phys.get(&phys).is_some_and(|r| r.maps > 0)
+    }
+
+    /// Start of the mapping under `addr`.
+    pub(crate) fn mapping_start(&self, addr: Addr) -> Option<Addr> {
+        let (&start, m) = self.mappings.range(..=addr).next_back()?;
+        (addr < start + m.len).then_some(start)
+    }
+
+    /// The physical allocations whose last mapping lies in `[addr, addr + len)` and that were
+    /// released while mapped: they go when that range is unmapped. (handle, length)
+    pub(crate) fn handles_in(&self, addr: Addr, len: usize) -> Vec<(P, usize)> {
+        let mut counts: HashMap<P, usize> = HashMap::new();
+        for (_, m) in self.mappings.range(addr..addr + len) {
+            *counts.entry(m.phys).or_default() += 1;
+        }
+        counts
+            .into_iter()
+            .filter_map(|(p, n)| {
+                let rec = self.phys.get(&p)?;
+                (rec.released && rec.maps == n).then_some((p, rec.len))
+            })
+            .collect()
     }
 }

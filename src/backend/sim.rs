@@ -253,7 +253,7 @@ impl Backend for SimBackend {
         s.book
             .check_map(addr, len, phys, offset)
             .unwrap_or_else(|v| illegal(Op::Map, v));
-        s.book.apply_map(addr, len, phys, access);
+        s.book.apply_map(addr, len, phys, offset, access);
         Ok(())
     }
 

@@ -1,0 +1,527 @@
+//! [`DriverModel`]: the CUDA driver's VMM rules in pure Rust, so the CUDA backend's whole state
+//! machine runs in `cargo test` on any machine.
+
+use super::driver::{Context, CuError, CuResult, Driver, DriverCall, Event, Stream};
+use crate::backend::rules::Book;
+use crate::backend::{Access, Addr};
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Settings of a [`DriverModel`].
+#[derive(Clone, Debug)]
+pub struct ModelConfig {
+    /// Recommended allocation granularity. Default: 2 MiB.
+    pub granularity: usize,
+    /// Device memory. Default: 16 GiB (modelled: bytes are kept only where written).
+    pub total_mem: usize,
+    /// Whether recorded events complete at once. Default: true.
+    pub events_complete_at_once: bool,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        Self {
+            granularity: 2 << 20,
+            total_mem: 16 << 30,
+            events_complete_at_once: true,
+        }
+    }
+}
+
+#[derive(Clone, Copy, Debug)]
+struct Plan {
+    at: u64,
+    error: CuError,
+    persistent: bool,
+}
+
+#[derive(Debug)]
+struct ModelState {
+    initialized: bool,
+    retains: u32,
+    current: bool,
+    lost: bool,
+    calls_after_loss: u64,
+    book: Book<u64>,
+    /// Mappings (by start) made but not yet given access: unusable until `cuMemSetAccess`.
+    no_access: BTreeSet<Addr>,
+    next_handle: u64,
+    used: usize,
+    contents: HashMap<u64, Vec<u8>>,
+    events: HashMap<Event, Option<u64>>,
+    next_event: Event,
+    submitted: u64,
+    completed: u64,
+    log: Vec<DriverCall>,
+    counts: HashMap<DriverCall, u64>,
+    plans: HashMap<DriverCall, Plan>,
+}
+
+/// A strict model of the CUDA driver's VMM rules, events and context.
+///
+/// It **panics** on a call the real driver would reject as misuse — a VMM call without a
+/// current context, a reservation or mapping not aligned to the granularity, a free of
+/// anything but exactly a reservation or with mappings under it, a map over a mapping, an
+/// unmap of something not exactly mapped, an access change or copy on unmapped memory, a copy
+/// through memory without access, an unknown handle or event — because the CUDA backend must
+/// never make one. Releasing a handle while mapped is allowed, as in CUDA: the memory goes
+/// with its last unmap.
+///
+/// It fails on purpose where asked ([`fail_nth`](Self::fail_nth) with any `CUresult`), loses
+/// the context where asked ([`lose_context`](Self::lose_context): from then on every call
+/// returns `CUDA_ERROR_CONTEXT_IS_DESTROYED` and is counted in
+/// [`calls_after_loss`](Self::calls_after_loss)), and runs a stream whose recorded events
+/// complete when told ([`complete_work`](Self::complete_work)). Clones share one model.
+#[derive(Clone, Debug)]
+pub struct DriverModel {
+    config: Arc<ModelConfig>,
+    state: Arc<Mutex<ModelState>>,
+}
+
+const VA_BASE: Addr = 0x7f00_0000_0000;
+
+fn misuse(call: DriverCall, what: impl std::fmt::Display) -> ! {
+    panic!("DriverModel: illegal {call:?}: {what}")
+}
+
+impl DriverModel {
+    /// A model with `config`.
+    pub fn new(config: ModelConfig) -> Self {
+        let state = ModelState {
+            initialized: false,
+            retains: 0,
+            current: false,
+            lost: false,
+            calls_after_loss: 0,
+            book: Book::new(config.granularity, true),
+            no_access: BTreeSet::new(),
+            next_handle: 1,
+            used: 0,
+            contents: HashMap::new(),
+            events: HashMap::new(),
+            next_event: 1,
+            submitted: 0,
+            completed: 0,
+            log: Vec::new(),
+            counts: HashMap::new(),
+            plans: HashMap::new(),
+        };
+        Self {
+            config: Arc::new(config),
+            state: Arc::new(Mutex::new(state)),
+        }
+    }
+
+    fn state(&self) -> MutexGuard<'_, ModelState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Fails the `n`th call of kind `call` from now with `error`, once (one plan per kind).
+    pub fn fail_nth(&self, call: DriverCall, n: u64, error: CuError) {
+        self.plan(call, n, error, false);
+    }
+
+    /// Fails the `n`th call of kind `call` from now and all later ones, until [`clear`](Self::clear).
+    pub fn fail_from(&self, call: DriverCall, n: u64, error: CuError) {
+        self.plan(call, n, error, true);
+    }
+
+    fn plan(&self, call: DriverCall, n: u64, error: CuError, persistent: bool) {
+        assert!(n >= 1, "calls are counted from 1");
+        let mut s = self.state();
+        let at = s.counts.get(&call).copied().unwrap_or(0) + n;
+        s.plans.insert(
+            call,
+            Plan {
+                at,
+                error,
+                persistent,
+            },
+        );
+    }
+
+    /// Removes every planned failure.
+    pub fn clear(&self) {
+        self.state().plans.clear();
+    }
+
+    /// The context is lost (as after an illegal address in a kernel).
+    pub fn lose_context(&self) {
+        self.state().lost = true;
+    }
+
+    /// Calls made after the context was lost (each one fails).
+    pub fn calls_after_loss(&self) -> u64 {
+        self.state().calls_after_loss
+    }
+
+    /// Submits work on the stream: events recorded from now on complete only after it.
+    pub fn submit_work(&self) {
+        self.state().submitted += 1;
+    }
+
+    /// Completes all submitted work.
+    pub fn complete_work(&self) {
+        let mut s = self.state();
+        s.completed = s.submitted;
+    }
+
+    /// Every call received, in order.
+    pub fn log(&self) -> Vec<DriverCall> {
+        self.state().log.clone()
+    }
+
+    /// Calls of kind `call` received so far.
+    pub fn count(&self, call: DriverCall) -> u64 {
+        self.state().counts.get(&call).copied().unwrap_or(0)
+    }
+
+    /// Live reservations, physical allocations' bytes, mapped ranges, events, context retains.
+    pub fn outstanding(&self) -> (usize, usize, usize, u32) {
+        let s = self.state();
+        (s.book.reservations(), s.used, s.events.len(), s.retains)
+    }
+
+    /// Logs a call, fails it if planned or if the context is lost, and checks that a context is
+    /// current for calls that need one.
+    fn enter(&self, call: DriverCall, needs_ctx: bool) -> CuResult<MutexGuard<'_, ModelState>> {
+        let mut s = self.state();
+        if s.lost {
+            s.calls_after_loss += 1;
+            return Err(CuError::CONTEXT_IS_DESTROYED);
+        }
+        s.log.push(call);
+        let n = {
+            let c = s.counts.entry(call).or_insert(0);
+            *c += 1;
+            *c
+        };
+        if let Some(p) = s.plans.get(&call).copied()
+            && (n == p.at || (p.persistent && n > p.at))
+        {
+            if !p.persistent {
+                s.plans.remove(&call);
+            }
+            return Err(p.error);
+        }
+        if call != DriverCall::Init && !s.initialized {
+            misuse(call, "cuInit was not called");
+        }
+        if needs_ctx && !(s.current && s.retains > 0) {
+            misuse(call, "no current context");
+        }
+        Ok(s)
+    }
+
+    fn check<T>(call: DriverCall, r: Result<T, crate::backend::Violation>) -> T {
+        r.unwrap_or_else(|v| misuse(call, v))
+    }
+
+    /// The bytes behind `[addr, addr + len)`, which must be mapped with access, as
+    /// (handle, offset) pieces.
+    fn pieces(
+        s: &ModelState,
+        call: DriverCall,
+        addr: u64,
+        len: usize,
+        write: bool,
+    ) -> Vec<(u64, usize, usize)> {
+        let mut out = Vec::new();
+        let (mut at, mut left) = (addr as Addr, len);
+        while left > 0 {
+            let Some((handle, offset, run, access)) = s.book.resolve(at) else {
+                misuse(call, format_args!("{at:#x} is not mapped"));
+            };
+            let start = s.book.mapping_start(at).expect("resolved");
+            if s.no_access.contains(&start) {
+                misuse(call, format_args!("{at:#x} is mapped without access"));
+            }
+            if write && access != Access::ReadWrite {
+                misuse(call, format_args!("{at:#x} is mapped read-only"));
+            }
+            let n = run.min(left);
+            out.push((handle, offset, n));
+            at += n;
+            left -= n;
+        }
+        out
+    }
+
+    fn read(s: &ModelState, handle: u64, offset: usize, n: usize) -> Vec<u8> {
+        s.contents
+            .get(&handle)
+            .map_or_else(|| vec![0; n], |b| b[offset..offset + n].to_vec())
+    }
+
+    fn write(s: &mut ModelState, handle: u64, len: usize, offset: usize, bytes: &[u8]) {
+        let buf = s.contents.entry(handle).or_insert_with(|| vec![0; len]);
+        buf[offset..offset + bytes.len()].copy_from_slice(bytes);
+    }
+}
+
+impl Default for DriverModel {
+    fn default() -> Self {
+        Self::new(ModelConfig::default())
+    }
+}
+
+/// The model's only context.
+const CTX: Context = 0xc0de;
+
+impl Driver for DriverModel {
+    fn init(&self) -> CuResult<()> {
+        self.enter(DriverCall::Init, false)?.initialized = true;
+        Ok(())
+    }
+
+    fn device_get(&self, ordinal: i32) -> CuResult<i32> {
+        let _s = self.enter(DriverCall::DeviceGet, false)?;
+        if ordinal == 0 {
+            Ok(0)
+        } else {
+            Err(CuError::INVALID_DEVICE)
+        }
+    }
+
+    fn device_total_mem(&self, _device: i32) -> CuResult<usize> {
+        let _s = self.enter(DriverCall::DeviceTotalMem, false)?;
+        Ok(self.config.total_mem)
+    }
+
+    fn primary_ctx_retain(&self, device: i32) -> CuResult<Context> {
+        let mut s = self.enter(DriverCall::PrimaryCtxRetain, false)?;
+        if device != 0 {
+            misuse(DriverCall::PrimaryCtxRetain, "unknown device");
+        }
+        s.retains += 1;
+        Ok(CTX)
+    }
+
+    fn primary_ctx_release(&self, _device: i32) -> CuResult<()> {
+        let mut s = self.enter(DriverCall::PrimaryCtxRelease, false)?;
+        if s.retains == 0 {
+            misuse(
+                DriverCall::PrimaryCtxRelease,
+                "released more often than retained",
+            );
+        }
+        s.retains -= 1;
+        if s.retains == 0 {
+            s.current = false;
+        }
+        Ok(())
+    }
+
+    fn ctx_set_current(&self, ctx: Context) -> CuResult<()> {
+        let mut s = self.enter(DriverCall::CtxSetCurrent, false)?;
+        if ctx != CTX || s.retains == 0 {
+            misuse(DriverCall::CtxSetCurrent, "not a live context");
+        }
+        s.current = true;
+        Ok(())
+    }
+
+    fn mem_get_allocation_granularity(&self, _device: i32) -> CuResult<usize> {
+        let _s = self.enter(DriverCall::MemGetAllocationGranularity, true)?;
+        Ok(self.config.granularity)
+    }
+
+    fn mem_address_reserve(&self, size: usize, alignment: usize) -> CuResult<u64> {
+        let call = DriverCall::MemAddressReserve;
+        let mut s = self.enter(call, true)?;
+        Self::check(call, s.book.check_reserve(size));
+        if !alignment.is_multiple_of(self.config.granularity) {
+            misuse(call, "alignment is not a multiple of the granularity");
+        }
+        let addr = s.book.lowest_gap(VA_BASE, size);
+        s.book.apply_reserve(addr, size);
+        Ok(addr as u64)
+    }
+
+    fn mem_address_free(&self, ptr: u64, size: usize) -> CuResult<()> {
+        let call = DriverCall::MemAddressFree;
+        let mut s = self.enter(call, true)?;
+        Self::check(call, s.book.check_free(ptr as Addr, size));
+        s.book.apply_free(ptr as Addr);
+        Ok(())
+    }
+
+    fn mem_create(&self, size: usize, device: i32) -> CuResult<u64> {
+        let call = DriverCall::MemCreate;
+        let mut s = self.enter(call, true)?;
+        Self::check(call, s.book.check_create(size));
+        if device != 0 {
+            misuse(call, "unknown device");
+        }
+        if s.used + size > self.config.total_mem {
+            return Err(CuError::OUT_OF_MEMORY);
+        }
+        let handle = s.next_handle;
+        s.next_handle += 1;
+        s.used += size;
+        s.book.apply_create(handle, size);
+        Ok(handle)
+    }
+
+    fn mem_release(&self, handle: u64) -> CuResult<()> {
+        let call = DriverCall::MemRelease;
+        let mut s = self.enter(call, true)?;
+        let Some(len) = s.book.phys_len(handle) else {
+            misuse(call, "unknown or released handle");
+        };
+        Self::check(call, s.book.check_release(handle, len));
+        let mapped = s.book.is_mapped(handle);
+        s.book.apply_release(handle);
+        if !mapped {
+            s.used -= len;
+            s.contents.remove(&handle);
+        }
+        Ok(())
+    }
+
+    fn mem_map(&self, ptr: u64, size: usize, offset: usize, handle: u64) -> CuResult<()> {
+        let call = DriverCall::MemMap;
+        let mut s = self.enter(call, true)?;
+        Self::check(call, s.book.check_map(ptr as Addr, size, handle, offset));
+        s.book
+            .apply_map(ptr as Addr, size, handle, offset, Access::ReadOnly);
+        s.no_access.insert(ptr as Addr);
+        Ok(())
+    }
+
+    fn mem_set_access(&self, ptr: u64, size: usize, device: i32, read_write: bool) -> CuResult<()> {
+        let call = DriverCall::MemSetAccess;
+        let mut s = self.enter(call, true)?;
+        if device != 0 {
+            misuse(call, "unknown device");
+        }
+        let access = if read_write {
+            Access::ReadWrite
+        } else {
+            Access::ReadOnly
+        };
+        let (addr, end) = (ptr as Addr, ptr as Addr + size);
+        Self::check(call, s.book.set_access(addr, size, access));
+        let starts: Vec<Addr> = s.no_access.range(addr..end).copied().collect();
+        for start in starts {
+            s.no_access.remove(&start);
+        }
+        Ok(())
+    }
+
+    fn mem_unmap(&self, ptr: u64, size: usize) -> CuResult<()> {
+        let call = DriverCall::MemUnmap;
+        let mut s = self.enter(call, true)?;
+        let (addr, end) = (ptr as Addr, ptr as Addr + size);
+        Self::check(call, s.book.check_unmap(addr, size));
+        for (handle, len) in s.book.handles_in(addr, size) {
+            // A handle released while mapped goes with its last mapping.
+            s.used -= len;
+            s.contents.remove(&handle);
+        }
+        s.book.apply_unmap(addr, size);
+        let starts: Vec<Addr> = s.no_access.range(addr..end).copied().collect();
+        for start in starts {
+            s.no_access.remove(&start);
+        }
+        Ok(())
+    }
+
+    fn memcpy_dtod(&self, dst: u64, src: u64, size: usize) -> CuResult<()> {
+        let call = DriverCall::MemcpyDtoD;
+        let mut s = self.enter(call, true)?;
+        let mut bytes = Vec::with_capacity(size);
+        for (h, off, n) in Self::pieces(&s, call, src, size, false) {
+            bytes.extend(Self::read(&s, h, off, n));
+        }
+        let mut at = 0;
+        for (h, off, n) in Self::pieces(&s, call, dst, size, true) {
+            let len = s.book.phys_len_any(h);
+            Self::write(&mut s, h, len, off, &bytes[at..at + n]);
+            at += n;
+        }
+        Ok(())
+    }
+
+    fn ctx_synchronize(&self) -> CuResult<()> {
+        let mut s = self.enter(DriverCall::CtxSynchronize, true)?;
+        s.completed = s.submitted;
+        Ok(())
+    }
+
+    fn memcpy_htod(&self, dst: u64, src: &[u8]) -> CuResult<()> {
+        let call = DriverCall::MemcpyHtoD;
+        let mut s = self.enter(call, true)?;
+        let mut at = 0;
+        for (h, off, n) in Self::pieces(&s, call, dst, src.len(), true) {
+            let len = s.book.phys_len_any(h);
+            Self::write(&mut s, h, len, off, &src[at..at + n]);
+            at += n;
+        }
+        Ok(())
+    }
+
+    fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> CuResult<()> {
+        let call = DriverCall::MemcpyDtoH;
+        let s = self.enter(call, true)?;
+        let mut at = 0;
+        for (h, off, n) in Self::pieces(&s, call, src, dst.len(), false) {
+            dst[at..at + n].copy_from_slice(&Self::read(&s, h, off, n));
+            at += n;
+        }
+        Ok(())
+    }
+
+    fn event_create(&self) -> CuResult<Event> {
+        let mut s = self.enter(DriverCall::EventCreate, true)?;
+        let event = s.next_event;
+        s.next_event += 1;
+        s.events.insert(event, None);
+        Ok(event)
+    }
+
+    fn event_record(&self, event: Event, stream: Stream) -> CuResult<()> {
+        let call = DriverCall::EventRecord;
+        let mut s = self.enter(call, true)?;
+        if stream != 0 {
+            misuse(call, "unknown stream");
+        }
+        let at = s.submitted;
+        let Some(slot) = s.events.get_mut(&event) else {
+            misuse(call, "unknown event");
+        };
+        *slot = Some(at);
+        if self.config.events_complete_at_once {
+            s.completed = s.submitted;
+        }
+        Ok(())
+    }
+
+    fn event_query(&self, event: Event) -> CuResult<bool> {
+        let call = DriverCall::EventQuery;
+        let s = self.enter(call, true)?;
+        match s.events.get(&event) {
+            None => misuse(call, "unknown event"),
+            Some(None) => Ok(true),
+            Some(Some(at)) => Ok(*at <= s.completed),
+        }
+    }
+
+    fn event_destroy(&self, event: Event) -> CuResult<()> {
+        let call = DriverCall::EventDestroy;
+        let mut s = self.enter(call, true)?;
+        if s.events.remove(&event).is_none() {
+            misuse(call, "unknown event");
+        }
+        Ok(())
+    }
+
+    fn stream_query(&self, stream: Stream) -> CuResult<bool> {
+        let call = DriverCall::StreamQuery;
+        let s = self.enter(call, true)?;
+        if stream != 0 {
+            misuse(call, "unknown stream");
+        }
+        Ok(s.completed == s.submitted)
+    }
+}

@@ -1,0 +1,212 @@
+//! `SysDriver`: the [`Driver`] seam forwarded one-to-one to `cudarc::driver::sys`.
+
+use super::CudaError;
+use super::driver::{Context, CuError, CuResult, Driver, Event, Stream};
+use cudarc::driver::sys;
+
+/// The real CUDA driver, loaded at run time by `cudarc`. Made only through [`SysDriver::load`],
+/// which checks that the library is present first (calling into a missing one panics).
+#[derive(Debug)]
+pub struct SysDriver(());
+
+fn check(r: sys::CUresult) -> CuResult<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        Ok(())
+    } else {
+        Err(CuError(r as i32))
+    }
+}
+
+/// `CUDA_ERROR_NOT_READY` as `Ok(false)`.
+fn ready(r: sys::CUresult) -> CuResult<bool> {
+    if r == sys::CUresult::CUDA_ERROR_NOT_READY {
+        Ok(false)
+    } else {
+        check(r).map(|()| true)
+    }
+}
+
+fn location(device: i32) -> sys::CUmemLocation {
+    sys::CUmemLocation {
+        type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
+        id: device,
+    }
+}
+
+fn pinned(device: i32) -> sys::CUmemAllocationProp {
+    sys::CUmemAllocationProp {
+        type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
+        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        location: location(device),
+        win32HandleMetaData: std::ptr::null_mut(),
+        allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
+            compressionType: 0,
+            gpuDirectRDMACapable: 0,
+            usage: 0,
+            reserved: [0; 4],
+        },
+    }
+}
+
+impl SysDriver {
+    /// The real driver, if its library can be loaded on this machine.
+    ///
+    /// # Errors
+    ///
+    /// [`CudaError::NoDriver`] when it cannot.
+    pub fn load() -> Result<Self, CudaError> {
+        // SAFETY: `is_culib_present` only tries to open the driver library by its usual names.
+        if unsafe { sys::is_culib_present() } {
+            Ok(Self(()))
+        } else {
+            Err(CudaError::NoDriver(
+                "libcuda.so is not installed or not on the loader's path".into(),
+            ))
+        }
+    }
+}
+
+// Every call below passes plain values or pointers to locals that live across the call, to a
+// driver library that `load` proved present; the driver validates handles itself.
+impl Driver for SysDriver {
+    fn init(&self) -> CuResult<()> {
+        // SAFETY: see above.
+        check(unsafe { sys::cuInit(0) })
+    }
+
+    fn device_get(&self, ordinal: i32) -> CuResult<i32> {
+        let mut device = 0;
+        // SAFETY: `device` outlives the call.
+        check(unsafe { sys::cuDeviceGet(&mut device, ordinal) })?;
+        Ok(device)
+    }
+
+    fn device_total_mem(&self, device: i32) -> CuResult<usize> {
+        let mut bytes = 0;
+        // SAFETY: `bytes` outlives the call.
+        check(unsafe { sys::cuDeviceTotalMem_v2(&mut bytes, device) })?;
+        Ok(bytes)
+    }
+
+    fn primary_ctx_retain(&self, device: i32) -> CuResult<Context> {
+        let mut ctx = std::ptr::null_mut();
+        // SAFETY: `ctx` outlives the call.
+        check(unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, device) })?;
+        Ok(ctx as Context)
+    }
+
+    fn primary_ctx_release(&self, device: i32) -> CuResult<()> {
+        // SAFETY: see above.
+        check(unsafe { sys::cuDevicePrimaryCtxRelease_v2(device) })
+    }
+
+    fn ctx_set_current(&self, ctx: Context) -> CuResult<()> {
+        // SAFETY: `ctx` came from `primary_ctx_retain` and is still retained by the backend.
+        check(unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) })
+    }
+
+    fn mem_get_allocation_granularity(&self, device: i32) -> CuResult<usize> {
+        let (mut granularity, prop) = (0, pinned(device));
+        let flag = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED;
+        // SAFETY: `granularity` and `prop` outlive the call.
+        check(unsafe { sys::cuMemGetAllocationGranularity(&mut granularity, &prop, flag) })?;
+        Ok(granularity)
+    }
+
+    fn mem_address_reserve(&self, size: usize, alignment: usize) -> CuResult<u64> {
+        let mut ptr = 0;
+        // SAFETY: `ptr` outlives the call.
+        check(unsafe { sys::cuMemAddressReserve(&mut ptr, size, alignment, 0, 0) })?;
+        Ok(ptr)
+    }
+
+    fn mem_address_free(&self, ptr: u64, size: usize) -> CuResult<()> {
+        // SAFETY: see above.
+        check(unsafe { sys::cuMemAddressFree(ptr, size) })
+    }
+
+    fn mem_create(&self, size: usize, device: i32) -> CuResult<u64> {
+        let (mut handle, prop) = (0, pinned(device));
+        // SAFETY: `handle` and `prop` outlive the call.
+        check(unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) })?;
+        Ok(handle)
+    }
+
+    fn mem_release(&self, handle: u64) -> CuResult<()> {
+        // SAFETY: see above.
+        check(unsafe { sys::cuMemRelease(handle) })
+    }
+
+    fn mem_map(&self, ptr: u64, size: usize, offset: usize, handle: u64) -> CuResult<()> {
+        // SAFETY: see above.
+        check(unsafe { sys::cuMemMap(ptr, size, offset, handle, 0) })
+    }
+
+    fn mem_set_access(&self, ptr: u64, size: usize, device: i32, read_write: bool) -> CuResult<()> {
+        let flags = if read_write {
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        } else {
+            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ
+        };
+        let desc = sys::CUmemAccessDesc {
+            location: location(device),
+            flags,
+        };
+        // SAFETY: `desc` outlives the call; one descriptor is passed.
+        check(unsafe { sys::cuMemSetAccess(ptr, size, &desc, 1) })
+    }
+
+    fn mem_unmap(&self, ptr: u64, size: usize) -> CuResult<()> {
+        // SAFETY: see above.
+        check(unsafe { sys::cuMemUnmap(ptr, size) })
+    }
+
+    fn memcpy_dtod(&self, dst: u64, src: u64, size: usize) -> CuResult<()> {
+        // SAFETY: see above.
+        check(unsafe { sys::cuMemcpyDtoD_v2(dst, src, size) })
+    }
+
+    fn ctx_synchronize(&self) -> CuResult<()> {
+        // SAFETY: see above.
+        check(unsafe { sys::cuCtxSynchronize() })
+    }
+
+    fn memcpy_htod(&self, dst: u64, src: &[u8]) -> CuResult<()> {
+        // SAFETY: `src` is valid for `src.len()` bytes for the whole (synchronous) call.
+        check(unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len()) })
+    }
+
+    fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> CuResult<()> {
+        // SAFETY: `dst` is valid for writes of `dst.len()` bytes for the whole (synchronous) call.
+        check(unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len()) })
+    }
+
+    fn event_create(&self) -> CuResult<Event> {
+        let mut event = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+        // SAFETY: `event` outlives the call.
+        check(unsafe { sys::cuEventCreate(&mut event, flags) })?;
+        Ok(event as Event)
+    }
+
+    fn event_record(&self, event: Event, stream: Stream) -> CuResult<()> {
+        // SAFETY: `event` came from `event_create` and is not destroyed; `stream` is 0 (the
+        // legacy default stream) or a stream the backend owns.
+        check(unsafe { sys::cuEventRecord(event as sys::CUevent, stream as sys::CUstream) })
+    }
+
+    fn event_query(&self, event: Event) -> CuResult<bool> {
+        // SAFETY: as for `event_record`.
+        ready(unsafe { sys::cuEventQuery(event as sys::CUevent) })
+    }
+
+    fn event_destroy(&self, event: Event) -> CuResult<()> {
+        // SAFETY: as for `event_record`; the backend destroys each event once.
+        check(unsafe { sys::cuEventDestroy_v2(event as sys::CUevent) })
+    }
+
+    fn stream_query(&self, stream: Stream) -> CuResult<bool> {
+        // SAFETY: as for `event_record`.
+        ready(unsafe { sys::cuStreamQuery(stream as sys::CUstream) })
+    }
+}

@@ -90,6 +90,7 @@ pub mod backend;
 mod binding;
 mod device;
 mod error;
+mod interop;
 mod ledger;
 mod mapping;
 mod quarantine;

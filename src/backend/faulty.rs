@@ -269,6 +269,10 @@ impl<B: Backend> Backend for Faulty<B> {
         self.inner.fence_done(fence)
     }
 
+    fn retire_fence(&self, fence: B::Fence) {
+        self.inner.retire_fence(fence);
+    }
+
     fn pin(&self) -> Result<(), BackendError> {
         self.handle.enter(Op::Pin, 0, 0)?;
         self.inner.pin()?;

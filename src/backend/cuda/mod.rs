@@ -26,6 +26,7 @@ pub use model::{DriverModel, ModelConfig};
 pub use sys::SysDriver;
 
 use super::{Access, Addr, Backend, BackendError, Cause, Op};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// A CUDA physical allocation handle (`CUmemGenericAllocationHandle`).
@@ -70,6 +71,11 @@ pub struct CudaBackend<D: Driver> {
     capacity: u64,
     stream: Stream,
     lost: AtomicBool,
+    /// Scratch ranges of copy-on-write whose teardown failed: (address, length, still mapped).
+    /// Retried by the next copy and on drop, so the driver is left holding nothing.
+    scratch: Mutex<Vec<(u64, usize, bool)>>,
+    /// Events whose destruction failed, retried by the next retirement and on drop.
+    events: Mutex<Vec<Event>>,
 }
 
 impl<D: Driver> CudaBackend<D> {
@@ -115,6 +121,8 @@ impl<D: Driver> CudaBackend<D> {
             capacity,
             stream: 0,
             lost: AtomicBool::new(false),
+            scratch: Mutex::new(Vec::new()),
+            events: Mutex::new(Vec::new()),
         })
     }
 
@@ -270,24 +278,29 @@ impl<D: Driver> Backend for CudaBackend<D> {
         src: Addr,
         len: usize,
     ) -> Result<(), BackendError> {
-        // The driver maps a handle only from its start: map `offset + len` bytes of it at a
-        // scratch range, copy, and take the scratch range down again.
+        // Map `offset + len` bytes of the handle from its start at a scratch range, copy, and
+        // take the scratch range down again.
+        self.sweep_scratch();
         let (g, device) = (self.granularity, self.device);
         let span = offset + len;
         self.call(Op::Copy, src, len, |d| {
             let scratch = d.mem_address_reserve(span, g)?;
-            let copied = (|| {
-                d.mem_map(scratch, span, 0, phys.0)?;
-                // The copy is asynchronous: wait for it before the scratch mapping goes.
-                let result = d
-                    .mem_set_access(scratch, span, device, true)
-                    .and_then(|()| d.memcpy_dtod(scratch + offset as u64, src as u64, len))
-                    .and_then(|()| d.ctx_synchronize());
-                let unmapped = d.mem_unmap(scratch, span);
-                result.and(unmapped)
-            })();
-            let freed = d.mem_address_free(scratch, span);
-            copied.and(freed)
+            if let Err(e) = d.mem_map(scratch, span, 0, phys.0) {
+                self.scratch_left(d.mem_address_free(scratch, span), scratch, span, false);
+                return Err(e);
+            }
+            // The copy is asynchronous: wait for it before the scratch mapping goes.
+            let copied = d
+                .mem_set_access(scratch, span, device, true)
+                .and_then(|()| d.memcpy_dtod(scratch + offset as u64, src as u64, len))
+                .and_then(|()| d.ctx_synchronize());
+            match d.mem_unmap(scratch, span) {
+                Ok(()) => {
+                    self.scratch_left(d.mem_address_free(scratch, span), scratch, span, false)
+                }
+                Err(_) => self.scratch_left(Err(CuError::INVALID_VALUE), scratch, span, true),
+            }
+            copied
         })
     }
 
@@ -321,8 +334,20 @@ impl<D: Driver> Backend for CudaBackend<D> {
     }
 
     fn retire_fence(&self, fence: CudaFence) {
-        if let Some(event) = fence.0 {
-            let _ = self.call(Op::Fence, 0, 0, |d| d.event_destroy(event));
+        let mut events =
+            std::mem::take(&mut *self.events.lock().unwrap_or_else(|e| e.into_inner()));
+        events.extend(fence.0);
+        for event in events {
+            if self
+                .call(Op::Fence, 0, 0, |d| d.event_destroy(event))
+                .is_err()
+                && !self.is_lost()
+            {
+                self.events
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .push(event);
+            }
         }
     }
 
@@ -341,8 +366,39 @@ impl<D: Driver> Backend for CudaBackend<D> {
     }
 }
 
+impl<D: Driver> CudaBackend<D> {
+    /// Remembers a scratch range whose teardown failed.
+    fn scratch_left(&self, freed: CuResult<()>, addr: u64, span: usize, mapped: bool) {
+        if freed.is_err() {
+            self.scratch
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .push((addr, span, mapped));
+        }
+    }
+
+    /// Tries again to take down scratch ranges left by failed copies.
+    fn sweep_scratch(&self) {
+        let left = std::mem::take(&mut *self.scratch.lock().unwrap_or_else(|e| e.into_inner()));
+        for (addr, span, mapped) in left {
+            let done = self.call(Op::Copy, addr as Addr, span, |d| {
+                if mapped {
+                    d.mem_unmap(addr, span)?;
+                }
+                d.mem_address_free(addr, span)
+            });
+            if done.is_err() {
+                let still_mapped = mapped && !self.is_lost();
+                self.scratch_left(Err(CuError::INVALID_VALUE), addr, span, still_mapped);
+            }
+        }
+    }
+}
+
 impl<D: Driver> Drop for CudaBackend<D> {
     fn drop(&mut self) {
+        self.sweep_scratch();
+        self.retire_fence(CudaFence(None));
         if !self.is_lost() {
             let _ = self.driver.primary_ctx_release(self.device);
         }

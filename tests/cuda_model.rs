@@ -1,0 +1,306 @@
+//! The CUDA backend's whole state machine, against the strict driver model: reserve, commit,
+//! share, copy-on-write, release, quarantine, deferred release behind events, device loss, and
+//! an injected failure of every driver call kind.
+
+use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel, ModelConfig};
+use memtoken::backend::{Backend, Faulty, Op};
+use memtoken::{Budget, CompleteError, Device, ReleaseFailure, make_guard};
+
+const G: usize = 2 << 20;
+
+fn backend(model: &DriverModel) -> CudaBackend<DriverModel> {
+    CudaBackend::new(model.clone(), 0).expect("the model opens device 0")
+}
+
+fn held_fences() -> DriverModel {
+    DriverModel::new(ModelConfig {
+        events_complete_at_once: false,
+        ..ModelConfig::default()
+    })
+}
+
+#[test]
+fn a_full_cycle_with_data_round_trips_through_the_device() {
+    let model = DriverModel::default();
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut a = binding.reserve(G + 1).unwrap().commit().unwrap();
+    assert_eq!(a.size(), 2 * G, "rounded to the recommended granularity");
+    assert_eq!(a.device_ptr() % G as u64, 0);
+    let data: Vec<u8> = (0..4096).map(|i| i as u8).collect();
+    a.copy_from_host(&data).unwrap();
+    let mut back = vec![0; 4096];
+    a.copy_to_host(&mut back).unwrap();
+    assert_eq!(back, data);
+    a.release().complete().unwrap();
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert_eq!(
+        model.outstanding(),
+        (0, 0, 0, 0),
+        "nothing left, the context released"
+    );
+}
+
+#[test]
+fn a_failed_set_access_after_a_successful_map_is_rolled_back() {
+    let model = DriverModel::default();
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let reserved = binding.reserve(G).unwrap();
+    model.fail_nth(DriverCall::MemSetAccess, 1, CuError::INVALID_VALUE);
+    let unmaps = model.count(DriverCall::MemUnmap);
+    let err = reserved.commit().unwrap_err();
+    assert!(
+        err.to_string().contains("CUDA_ERROR_INVALID_VALUE"),
+        "{err}"
+    );
+    assert_eq!(
+        model.count(DriverCall::MemUnmap),
+        unmaps + 1,
+        "the map was undone"
+    );
+    let (reservations, physical, _, _) = model.outstanding();
+    assert_eq!(
+        (reservations, physical),
+        (1, 0),
+        "nothing mapped, nothing created"
+    );
+    assert!(device.ledger().mapped_bytes == 0 && device.ledger().owned_bytes == 0);
+    // The reservation is intact: it commits now, and the memory is usable.
+    let mut a = err.into_token().commit().unwrap();
+    a.copy_from_host(&[1, 2, 3]).unwrap();
+}
+
+#[test]
+fn drop_with_work_in_flight_never_blocks_and_releases_after_the_fence() {
+    let model = held_fences();
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(G).unwrap().commit().unwrap();
+    model.submit_work(); // a kernel using `a` is still running
+    let before = model.count(DriverCall::MemUnmap);
+    drop(a);
+    assert_eq!(
+        model.count(DriverCall::MemUnmap),
+        before,
+        "nothing unmapped under the kernel"
+    );
+    assert_eq!(model.count(DriverCall::CtxSynchronize), 0, "nothing waited");
+    assert_eq!(device.poll().deferred, 1);
+    assert_eq!(device.ledger().owned_bytes, G as u64);
+    model.complete_work();
+    let p = device.poll();
+    assert_eq!((p.released, p.deferred), (1, 0));
+    assert!(device.ledger().is_zero());
+    assert_eq!(model.outstanding().2, 0, "the event was destroyed");
+}
+
+#[test]
+fn an_explicit_release_waits_for_its_fence_without_blocking() {
+    let model = held_fences();
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(G).unwrap().commit().unwrap();
+    model.submit_work();
+    let releasing = a.release();
+    let Err(CompleteError::Pending(releasing)) = releasing.complete() else {
+        panic!("the kernel is still running");
+    };
+    model.complete_work();
+    assert!(releasing.is_ready());
+    releasing.complete().unwrap();
+    assert!(device.ledger().is_zero());
+}
+
+#[test]
+fn no_driver_call_follows_device_loss() {
+    let model = held_fences();
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let committed = binding.reserve(G).unwrap().commit().unwrap();
+    let reserved = binding.reserve(G).unwrap();
+    let prefix = binding.reserve(G).unwrap().commit().unwrap().into_prefix();
+    let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
+    model.submit_work();
+    let in_flight = binding.reserve(G).unwrap().commit().unwrap();
+    drop(in_flight); // deferred behind its event
+
+    model.lose_context();
+    // The first call after the loss discovers it; from then on, nothing reaches the driver.
+    let Err(CompleteError::Failed(err)) = committed.release().complete() else {
+        panic!("the context is gone");
+    };
+    // (Recording the release's fence was the call that found the loss.)
+    assert_eq!(err.cause, ReleaseFailure::ContextGone);
+    let discovered = model.calls_after_loss();
+    assert!(
+        discovered <= 2,
+        "{discovered} calls before the loss was known"
+    );
+    assert!(device.confirm_context_gone().is_some());
+
+    drop((reserved, shared, prefix));
+    device.poll();
+    device.retry_quarantine();
+    let err = err.into_token().retry().unwrap_err();
+    assert_eq!(err.cause, ReleaseFailure::ContextGone);
+    assert!(binding.reserve(G).is_err());
+    assert_eq!(
+        model.calls_after_loss(),
+        discovered,
+        "a driver call followed the loss"
+    );
+
+    let proof = device.confirm_context_gone().unwrap();
+    err.into_token().discharge(&proof);
+    device.discharge_all(&proof);
+    assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+    drop(binding);
+    let report = device.close();
+    assert!(report.is_clean());
+    assert_eq!(model.calls_after_loss(), discovered);
+}
+
+#[test]
+fn sharing_and_copy_on_write_on_the_device() {
+    let model = DriverModel::default();
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut owner = binding.reserve(2 * G).unwrap().commit().unwrap();
+    owner.copy_from_host(&vec![7; 2 * G]).unwrap();
+    let prefix = owner.into_prefix();
+    let a = binding.reserve(2 * G).unwrap().map_prefix(&prefix).unwrap();
+    let b = binding.reserve(2 * G).unwrap().map_prefix(&prefix).unwrap();
+    let created = model.count(DriverCall::MemCreate);
+    let a = a.diverge().unwrap();
+    assert_eq!(
+        model.count(DriverCall::MemCreate),
+        created + 1,
+        "one private granule"
+    );
+    assert_eq!(device.ledger().owned_bytes, 3 * G as u64);
+    // Read both sharers' last granules through scratch allocations copied on the device.
+    let backend = |m: &memtoken::DivergedMapping<'_, '_, CudaBackend<DriverModel>>| m.addr();
+    let _ = backend(&a);
+    drop((a, b, prefix));
+    assert!(device.ledger().is_zero());
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert_eq!(model.outstanding(), (0, 0, 0, 0));
+}
+
+/// Every driver call kind, failed once in the middle of a workload: nothing is lost.
+#[test]
+fn an_injected_failure_of_every_driver_call_kind_loses_nothing() {
+    for call in DriverCall::ALL {
+        for nth in [1, 2] {
+            let model = held_fences();
+            make_guard!(guard);
+            let faulty = Faulty::new(backend(&model));
+            let faults = faulty.handle();
+            let device = Device::new(guard, faulty);
+            {
+                let Ok(binding) = device.bind(Budget::unlimited()) else {
+                    continue;
+                };
+                model.fail_nth(call, nth, CuError::OUT_OF_MEMORY);
+                workload(&device, &binding, &model);
+                model.clear();
+                model.complete_work();
+                device.poll();
+                device.retry_quarantine();
+                assert!(
+                    device.ledger().is_zero(),
+                    "{call:?} #{nth}: {:?}",
+                    device.ledger()
+                );
+            }
+            let report = device.close();
+            assert!(report.is_clean(), "{call:?} #{nth}: {report:?}");
+            let mut left = faults.outstanding();
+            left.pins = 0; // a failed unpin is counted by the device, not lost
+            assert!(
+                left.is_zero(),
+                "{call:?} #{nth}: the backend holds {left:?}"
+            );
+            let (reservations, physical, events, _) = model.outstanding();
+            if events != 0 {
+                let log = model.log();
+                let n = |c| log.iter().filter(|&&x| x == c).count();
+                eprintln!(
+                    "{call:?} #{nth}: created {} destroyed {}",
+                    n(DriverCall::EventCreate),
+                    n(DriverCall::EventDestroy)
+                );
+            }
+            assert_eq!(
+                (reservations, physical, events),
+                (0, 0, 0),
+                "{call:?} #{nth}"
+            );
+        }
+    }
+}
+
+/// Reserve, commit, share, copy-on-write, release and drop, tolerating any failure.
+fn workload<'b, 'id>(
+    device: &Device<'id, Faulty<CudaBackend<DriverModel>>>,
+    binding: &'b memtoken::Binding<'b, 'id, Faulty<CudaBackend<DriverModel>>>,
+    model: &DriverModel,
+) {
+    let mut quarantined = Vec::new();
+    let Ok(reserved) = binding.reserve(2 * G) else {
+        return;
+    };
+    let committed = match reserved.commit() {
+        Ok(c) => c,
+        Err(e) => {
+            drop(e.into_token());
+            return;
+        }
+    };
+    let prefix = committed.into_prefix();
+    if let Ok(r) = binding.reserve(2 * G) {
+        match r.map_prefix(&prefix) {
+            Ok(shared) => match shared.diverge() {
+                Ok(d) => {
+                    if let Err(e) = d.release() {
+                        quarantined.push(e.into_token());
+                    }
+                }
+                Err(memtoken::CowError::Refused { token, .. }) => drop(token),
+                Err(memtoken::CowError::Quarantined(e)) => quarantined.push(e.into_token()),
+            },
+            Err(memtoken::ShareError::Refused { token, .. }) => drop(token),
+            Err(memtoken::ShareError::Quarantined(e)) => quarantined.push(e.into_token()),
+        }
+    }
+    model.submit_work();
+    if let Ok(r) = binding.reserve(G)
+        && let Ok(c) = r.commit()
+    {
+        match c.release().complete() {
+            Ok(_) => {}
+            Err(CompleteError::Pending(t)) => drop(t),
+            Err(CompleteError::Failed(e)) => quarantined.push(e.into_token()),
+        }
+    }
+    drop(prefix);
+    model.complete_work();
+    device.poll();
+    for q in quarantined {
+        let _ = q.retry(); // a failure moves it to the device's quarantine
+    }
+    let _ = Op::ALL;
+    let _ = device.granularity()
+        == <CudaBackend<DriverModel> as Backend>::granularity(
+            &CudaBackend::new(DriverModel::default(), 0).unwrap(),
+        );
+}

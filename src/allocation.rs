@@ -1,6 +1,6 @@
 //! [`Allocation`]: a linear owning token for one VA range, its state in its type.
 
-use crate::backend::{Access, Addr, Backend, HostVisible};
+use crate::backend::{Access, Addr, Backend, HostVisible, Op};
 use crate::binding::Binding;
 use crate::device::Generation;
 use crate::error::{CommitError, CommitFailure, CompleteError, QuarantineError};
@@ -249,6 +249,10 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         let (binding, len) = (self.binding, self.len);
         let device = binding.device();
         let backend = device.backend();
+        if let Err(e) = device.ensure_live(Op::Create, 0, len) {
+            let cause = CommitFailure::Backend(e);
+            return Err(CommitError { token: self, cause });
+        }
         let capacity = backend.physical_capacity();
         if len as u64 > capacity {
             let cause = CommitFailure::Capacity {
@@ -271,19 +275,9 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         device.charge(Axis::Owned, len);
         if let Err(error) = backend.map(self.addr, len, phys, 0, Access::ReadWrite) {
             binding.refund(len);
-            let cause = match backend.release(phys, len) {
-                Ok(()) => {
-                    device.refund(Axis::Owned, len);
-                    CommitFailure::Backend(error)
-                }
-                Err(rollback) => {
-                    let orphan = Residual::phys(device.next_generation(), phys, len);
-                    device.quarantine(orphan);
-                    CommitFailure::RollbackFailed {
-                        error,
-                        rollback: Box::new(rollback),
-                    }
-                }
+            let cause = match device.release_orphan(phys, len) {
+                Ok(()) => CommitFailure::Backend(error),
+                Err(rollback) => CommitFailure::RollbackFailed { error, rollback },
             };
             return Err(CommitError { token: self, cause });
         }

@@ -1,7 +1,7 @@
 //! [`Binding`]: a consumer's pinned handle on a device, with a budget on owned bytes.
 
 use crate::allocation::Allocation;
-use crate::backend::Backend;
+use crate::backend::{Backend, Op};
 use crate::device::Device;
 use crate::error::{CommitFailure, ReserveError};
 use crate::ledger::Axis;
@@ -106,6 +106,7 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
                 limit,
             });
         }
+        self.device.ensure_live(Op::Reserve, 0, rounded)?;
         let addr = backend.reserve(rounded)?;
         self.device.charge(Axis::Reserved, rounded);
         let generation = self.device.next_generation();

@@ -1,6 +1,6 @@
 //! [`Device`]: one backend instance with its brand, ledger, quarantine and deferred-release queue.
 
-use crate::backend::{Addr, Backend, BackendError};
+use crate::backend::{Addr, Backend, BackendError, Cause, Op};
 use crate::binding::{Binding, Budget};
 use crate::error::ReleaseFailure;
 use crate::ledger::{Axis, Ledger, LedgerSnapshot};
@@ -153,6 +153,7 @@ impl<'id, B: Backend> Device<'id, B> {
     ///
     /// The backend's error if the context cannot be pinned.
     pub fn bind(&self, budget: Budget) -> Result<Binding<'_, 'id, B>, BackendError> {
+        self.ensure_live(Op::Pin, 0, 0)?;
         self.backend.pin()?;
         Ok(Binding::new(self, budget))
     }
@@ -205,14 +206,12 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// Releases what waited for a fence that has now completed. Never blocks.
     pub fn poll(&self) -> Progress {
-        let ready: Vec<Deferred<B>> = {
-            let mut queue = lock(&self.deferred);
-            let (ready, waiting) = std::mem::take(&mut *queue)
-                .into_iter()
-                .partition(|(_, fence)| self.backend.fence_done(fence));
-            *queue = waiting;
-            ready
-        };
+        // Fences are queried outside the lock: dropped tokens need it to queue themselves.
+        let queued = std::mem::take(&mut *lock(&self.deferred));
+        let (ready, waiting): (Vec<Deferred<B>>, Vec<Deferred<B>>) = queued
+            .into_iter()
+            .partition(|(_, fence)| self.backend.fence_done(fence));
+        lock(&self.deferred).extend(waiting);
         let mut released = 0;
         for (residual, fence) in ready {
             self.backend.retire_fence(fence);
@@ -359,10 +358,23 @@ impl<'id, B: Backend> Device<'id, B> {
         (entry.phys, entry.len)
     }
 
-    /// Releases physical memory no token owns any more; quarantines it if that fails.
-    pub(crate) fn release_orphan(&self, phys: B::Phys, len: usize) {
-        let orphan = Residual::phys(self.next_generation(), phys, len);
-        self.teardown_or_quarantine(orphan);
+    /// Releases physical memory no token owns any more; quarantines it if that fails, and
+    /// says why.
+    pub(crate) fn release_orphan(&self, phys: B::Phys, len: usize) -> Result<(), ReleaseFailure> {
+        let mut orphan = Residual::phys(self.next_generation(), phys, len);
+        let result = self.teardown(&mut orphan);
+        if result.is_err() {
+            self.quarantine(orphan);
+        }
+        result
+    }
+
+    /// Refuses a call into a context that is gone, without making it.
+    pub(crate) fn ensure_live(&self, op: Op, addr: Addr, len: usize) -> Result<(), BackendError> {
+        if self.backend.context_gone() {
+            return Err(BackendError::new(op, addr, len, Cause::ContextLost));
+        }
+        Ok(())
     }
 
     /// References on shared memory now.
@@ -382,7 +394,7 @@ impl<'id, B: Backend> Device<'id, B> {
             }
             shared.remove(&key).expect("present")
         };
-        self.release_orphan(last.phys, last.len);
+        let _ = self.release_orphan(last.phys, last.len); // a failure is quarantined
     }
 
     /// Teardown for a token that was dropped: its fence is done (or it has none). Whatever fails

@@ -75,13 +75,13 @@ pub enum CommitFailure {
     Backend(BackendError),
     /// A backend call failed, and releasing the physical memory created for the commit failed too.
     #[error(
-        "{error}; releasing the physical memory created for it failed too ({rollback}): it stays owned in the device quarantine until Device::retry_quarantine succeeds"
+        "{error}; releasing the physical memory created for it failed too ({rollback}): it stays owned (and charged) in the device quarantine until Device::retry_quarantine succeeds"
     )]
     RollbackFailed {
         /// The failure that stopped the commit.
         error: BackendError,
         /// The failure of the rollback.
-        rollback: Box<BackendError>,
+        rollback: ReleaseFailure,
     },
 }
 

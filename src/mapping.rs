@@ -19,7 +19,7 @@
 //! takes a private copy of that granule with [`PrefixMapping::diverge`].
 
 use crate::allocation::{Allocation, Released};
-use crate::backend::{Access, Addr, Backend, HostVisible};
+use crate::backend::{Access, Addr, Backend, BackendError, HostVisible, Op};
 use crate::binding::Binding;
 use crate::device::{Device, Generation};
 use crate::error::{CommitFailure, CowError, QuarantineError, ShareError, ShareFailure};
@@ -275,6 +275,10 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         let device = binding.device();
         let backend = device.backend();
         let key = prefix.core.key;
+        if let Err(e) = device.ensure_live(Op::Map, addr, len) {
+            let cause = ShareFailure::Backend(e);
+            return Err(ShareError::Refused { token: self, cause });
+        }
         let body = len - device.granularity();
         let (phys, _) = device.share_ref(key);
         if body > 0 {
@@ -380,18 +384,37 @@ impl<'b, 'id, B: Backend> PrefixMapping<'b, 'id, B> {
         let backend = device.backend();
         let g = core.granularity();
         let boundary = core.addr + core.len - g;
+        if let Err(e) = device.ensure_live(Op::Create, 0, g) {
+            let cause = CommitFailure::Backend(e);
+            return Err(CowError::Refused { token: self, cause });
+        }
         if let Err(cause) = core.binding.charge(g) {
             return Err(CowError::Refused { token: self, cause });
         }
+        // Undoes the private granule and hands the mapping back unchanged.
         let refused = |token, error, private: Option<B::Phys>| {
-            if let Some(private) = private {
-                device.release_orphan(private, g);
-            }
             core.binding.refund(g);
-            CowError::Refused {
+            let rollback = private.map_or(Ok(()), |p| device.release_orphan(p, g));
+            let cause = match rollback {
+                Ok(()) => CommitFailure::Backend(error),
+                Err(rollback) => CommitFailure::RollbackFailed { error, rollback },
+            };
+            CowError::Refused { token, cause }
+        };
+        // Quarantines what the mapping holds (`mapped` bytes of it) when its state is uncertain.
+        let quarantine = |token: Self, mapped: usize, error: BackendError, private| {
+            let core = ManuallyDrop::new(token).core;
+            core.binding.refund(g);
+            let _ = device.release_orphan(private, g); // a failure is quarantined
+            let residual = Residual {
+                mapped,
+                ..core.residual()
+            };
+            let token = Quarantined::new(core.binding, residual);
+            CowError::Quarantined(QuarantineError {
                 token,
-                cause: CommitFailure::Backend(error),
-            }
+                cause: error.into(),
+            })
         };
         let private = match backend.create(g) {
             Ok(p) => p,
@@ -402,7 +425,9 @@ impl<'b, 'id, B: Backend> PrefixMapping<'b, 'id, B> {
             return Err(refused(self, e, Some(private)));
         }
         if let Err(e) = backend.unmap(boundary, g) {
-            return Err(refused(self, e, Some(private)));
+            // Whether the boundary is still mapped is unknown: the mapping lends no memory any
+            // more, its remains are quarantined.
+            return Err(quarantine(self, core.len, e, private));
         }
         device.refund(Axis::Mapped, g);
         if let Err(e) = backend.map(boundary, g, private, 0, Access::ReadWrite) {
@@ -414,18 +439,8 @@ impl<'b, 'id, B: Backend> PrefixMapping<'b, 'id, B> {
                 device.charge(Axis::Mapped, g);
                 return Err(refused(self, e, Some(private)));
             }
-            // Neither copy nor original is mapped at the boundary: quarantine what is left.
-            let core = ManuallyDrop::new(self).core;
-            let residual = Residual {
-                mapped: core.len - g,
-                phys: Some((private, g)),
-                ..core.residual()
-            };
-            let token = Quarantined::new(core.binding, residual);
-            return Err(CowError::Quarantined(QuarantineError {
-                token,
-                cause: e.into(),
-            }));
+            // Neither the copy nor the original is mapped at the boundary.
+            return Err(quarantine(self, core.len - g, e, private));
         }
         device.charge(Axis::Mapped, g);
         let core = ManuallyDrop::new(self).core;

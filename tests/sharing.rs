@@ -385,7 +385,7 @@ fn a_refused_copy_on_write_leaves_the_mapping_shared_and_nothing_charged() {
         .map_prefix(&prefix)
         .unwrap();
     let before = (device.ledger(), binding.used(), faults.outstanding());
-    for (op, nth) in [(Op::Create, 1), (Op::Copy, 1), (Op::Unmap, 1), (Op::Map, 1)] {
+    for (op, nth) in [(Op::Create, 1), (Op::Copy, 1), (Op::Map, 1)] {
         faults.fail_nth(op, nth);
         let Err(CowError::Refused { token, cause }) = shared.diverge() else {
             panic!("{op:?} was failed on purpose");
@@ -400,6 +400,28 @@ fn a_refused_copy_on_write_leaves_the_mapping_shared_and_nothing_charged() {
         assert!(shared.as_slice().iter().all(|&x| x == 5));
         assert_eq!(proc_map(shared.addr() + PAGE).0, "r--s");
     }
+    // A failed unmap leaves the boundary's state unknown: the mapping is quarantined whole,
+    // lending no memory any more; the private granule is given back at once.
+    let second = binding
+        .reserve(2 * PAGE)
+        .unwrap()
+        .map_prefix(&prefix)
+        .unwrap();
+    faults.fail_nth(Op::Unmap, 1);
+    let Err(CowError::Quarantined(err)) = second.diverge() else {
+        panic!("the unmap was failed on purpose");
+    };
+    let r = err.token.residual();
+    assert_eq!(
+        (r.mapped_bytes(), r.owned_bytes(), r.holds_shared()),
+        (2 * PAGE, 0, true)
+    );
+    assert_eq!(
+        binding.used(),
+        before.1,
+        "the private granule is not charged"
+    );
+    err.into_token().retry().unwrap();
     // The remap fails and so does restoring the original: the remains are quarantined.
     faults.fail_from(Op::Map, 1);
     let Err(CowError::Quarantined(err)) = shared.diverge() else {
@@ -407,7 +429,12 @@ fn a_refused_copy_on_write_leaves_the_mapping_shared_and_nothing_charged() {
     };
     faults.clear();
     let r = err.token.residual();
-    assert_eq!((r.mapped_bytes(), r.owned_bytes()), (PAGE, PAGE));
+    assert_eq!(
+        (r.mapped_bytes(), r.owned_bytes()),
+        (PAGE, 0),
+        "the body only"
+    );
+    assert_eq!(binding.used(), before.1);
     err.into_token().retry().unwrap();
     drop(prefix);
     assert!(device.ledger().is_zero(), "{:?}", device.ledger());

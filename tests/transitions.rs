@@ -253,6 +253,8 @@ fn budget_is_enforced_with_numbers_and_the_token_back() {
         1,
         "no backend call for a refused commit"
     );
+    assert_eq!(err.token.size(), 2 * PAGE, "the reservation comes back");
+    err.into_token().release().unwrap();
     assert_eq!(device.ledger().owned_bytes, 2 * PAGE as u64);
     let _b = binding.reserve(PAGE).unwrap().commit().unwrap();
     assert_eq!(binding.used(), 3 * PAGE as u64);
@@ -377,6 +379,9 @@ fn context_gone_means_no_backend_call_and_discharge_with_proof() {
     };
     assert_eq!(err.cause, ReleaseFailure::ContextGone);
     drop(doomed); // to the device quarantine, without a call
+    // New work is refused with an error, not attempted (the simulator would panic on a call).
+    assert!(binding.reserve(1).is_err());
+    assert!(device.bind(Budget::unlimited()).is_err());
     let proof = device
         .confirm_context_gone()
         .expect("the simulator confirms it");

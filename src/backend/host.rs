@@ -306,9 +306,12 @@ impl Backend for HostBackend {
             )
         };
         if let Err(e) = mapped {
-            // A failed MAP_FIXED may leave a hole; put the reservation's placeholder back.
+            // A failed MAP_FIXED may leave a hole; put the reservation's placeholder back, and
+            // if even that fails, never touch the reservation again.
             // SAFETY: as above, the range is ours and unreferenced.
-            let _ = unsafe { Self::make_inaccessible(addr, len) };
+            if unsafe { Self::make_inaccessible(addr, len) }.is_err() {
+                s.book.poison(addr);
+            }
             return Err(os_error(Op::Map, addr, len, e));
         }
         s.book.apply_map(addr, len, phys, offset, access);
@@ -322,8 +325,12 @@ impl Backend for HostBackend {
             .map_err(|v| refused(Op::Unmap, addr, len, v))?;
         // SAFETY: the book says the range is exactly covered by our mappings; the typed layer
         // unmaps only after every borrow of the memory has ended.
-        unsafe { Self::make_inaccessible(addr, len) }
-            .map_err(|e| os_error(Op::Unmap, addr, len, e))?;
+        if let Err(e) = unsafe { Self::make_inaccessible(addr, len) } {
+            // A failed MAP_FIXED may have removed the mapping and left a hole that the kernel
+            // can fill with someone else's memory: never touch this reservation again.
+            s.book.poison(addr);
+            return Err(os_error(Op::Unmap, addr, len, e));
+        }
         s.book.apply_unmap(addr, len);
         Ok(())
     }
@@ -378,7 +385,10 @@ impl Drop for HostBackend {
         // Tokens borrow the device that owns this backend, so none can observe these ranges any
         // more: whatever a forgotten token left reserved goes back to the OS now.
         let s = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
-        for (addr, len) in s.book.drain_reservations() {
+        for (addr, len, poisoned) in s.book.drain_reservations() {
+            if poisoned {
+                continue; // may hold a hole filled by someone else's mapping: leave it
+            }
             // SAFETY: the range is one of our reservations and no token can reference it.
             let _ = unsafe { rustix::mm::munmap(addr as *mut _, len) };
         }

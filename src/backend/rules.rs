@@ -69,6 +69,25 @@ pub enum Violation {
         /// How many mappings remain.
         mappings: usize,
     },
+    /// The range lies in a reservation whose state became unknown after a failed system call:
+    /// it is never touched again (its VA is leaked rather than risk unmapping foreign memory).
+    #[error(
+        "[{addr:#x}, +{len:#x}) lies in a reservation poisoned by an earlier failed system call"
+    )]
+    Poisoned {
+        /// Start of the range.
+        addr: Addr,
+        /// Its length.
+        len: usize,
+    },
+    /// A copy whose source is mapped from its own destination.
+    #[error("copy source [{addr:#x}, +{len:#x}) maps the destination physical memory itself")]
+    SelfCopy {
+        /// Start of the source.
+        addr: Addr,
+        /// Its length.
+        len: usize,
+    },
     /// `map` past the end of the physical allocation.
     #[error(
         "mapping {len:#x} bytes at offset {offset:#x} overruns physical memory of {phys_len:#x} bytes"
@@ -107,6 +126,8 @@ pub(crate) struct Book<P> {
     /// cannot punch a hole under a live mapping without the mapping silently reading zeros.
     release_while_mapped: bool,
     reservations: BTreeMap<Addr, usize>,
+    /// Reservations (by start) poisoned by a failed system call.
+    poisoned: std::collections::BTreeSet<Addr>,
     phys: HashMap<P, PhysRecord>,
     mappings: BTreeMap<Addr, MapRecord<P>>,
 }
@@ -117,6 +138,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
             granularity,
             release_while_mapped,
             reservations: BTreeMap::new(),
+            poisoned: std::collections::BTreeSet::new(),
             phys: HashMap::new(),
             mappings: BTreeMap::new(),
         }
@@ -144,6 +166,26 @@ impl<P: Copy + Eq + Hash> Book<P> {
         self.mappings.range(addr..addr + len).count()
     }
 
+    /// Refuses any call on a range inside a poisoned reservation.
+    fn unpoisoned(&self, addr: Addr, len: usize) -> Result<(), Violation> {
+        let poisoned = self
+            .reservations
+            .range(..=addr)
+            .next_back()
+            .is_some_and(|(s, _)| self.poisoned.contains(s));
+        if poisoned {
+            return Err(Violation::Poisoned { addr, len });
+        }
+        Ok(())
+    }
+
+    /// Marks the reservation containing `addr` as poisoned: no call touches it again.
+    pub(crate) fn poison(&mut self, addr: Addr) {
+        if let Some((&start, _)) = self.reservations.range(..=addr).next_back() {
+            self.poisoned.insert(start);
+        }
+    }
+
     pub(crate) fn check_reserve(&self, len: usize) -> Result<(), Violation> {
         self.aligned("length", len, true)
     }
@@ -162,6 +204,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
     }
 
     pub(crate) fn check_free(&self, addr: Addr, len: usize) -> Result<(), Violation> {
+        self.unpoisoned(addr, len)?;
         if self.reservations.get(&addr) != Some(&len) {
             return Err(Violation::NotReserved { addr, len });
         }
@@ -228,6 +271,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
         self.aligned("address", addr, false)?;
         self.aligned("length", len, true)?;
         self.aligned("offset", offset, false)?;
+        self.unpoisoned(addr, len)?;
         if self.containing_reservation(addr, len).is_none() {
             return Err(Violation::NotReserved { addr, len });
         }
@@ -296,6 +340,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
         if len == 0 || addr.checked_add(len).is_none() {
             return Err(not_mapped);
         }
+        self.unpoisoned(addr, len)?;
         let mut next = addr;
         for (&start, m) in self.mappings.range(addr..addr + len) {
             if start != next {
@@ -324,7 +369,11 @@ impl<P: Copy + Eq + Hash> Book<P> {
         len: usize,
     ) -> Result<(), Violation> {
         let not_mapped = Violation::NotMapped { addr, len };
-        let end = addr.checked_add(len).ok_or(not_mapped.clone())?;
+        let end = addr
+            .checked_add(len)
+            .filter(|_| len > 0)
+            .ok_or(not_mapped.clone())?;
+        self.unpoisoned(addr, len)?;
         let mut next = addr;
         let first = self.mappings.range(..=addr).next_back();
         if let Some((&s, m)) = first
@@ -338,8 +387,17 @@ impl<P: Copy + Eq + Hash> Book<P> {
             }
             next = s + m.len;
         }
-        if next < end || len == 0 {
+        if next < end {
             return Err(not_mapped);
+        }
+        let from_itself = self
+            .mappings
+            .range(..end)
+            .rev()
+            .take_while(|(s, m)| **s + m.len > addr)
+            .any(|(_, m)| m.phys == phys);
+        if from_itself {
+            return Err(Violation::SelfCopy { addr, len });
         }
         let rec = self.phys.get(&phys).filter(|r| !r.released);
         let rec = rec.ok_or(Violation::UnknownPhys)?;
@@ -386,10 +444,14 @@ impl<P: Copy + Eq + Hash> Book<P> {
     }
 
     /// Removes and returns every reservation (for a backend tearing itself down).
-    pub(crate) fn drain_reservations(&mut self) -> Vec<(Addr, usize)> {
+    pub(crate) fn drain_reservations(&mut self) -> Vec<(Addr, usize, bool)> {
         self.mappings.clear();
         self.phys.clear();
-        std::mem::take(&mut self.reservations).into_iter().collect()
+        let poisoned = std::mem::take(&mut self.poisoned);
+        std::mem::take(&mut self.reservations)
+            .into_iter()
+            .map(|(a, l)| (a, l, poisoned.contains(&a)))
+            .collect()
     }
 
     /// The length of a live (not released) physical allocation.
@@ -427,5 +489,50 @@ impl<P: Copy + Eq + Hash> Book<P> {
                 (rec.released && rec.maps == n).then_some((p, rec.len))
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const G: usize = 4096;
+
+    #[test]
+    fn a_poisoned_reservation_refuses_every_call() {
+        let mut book: Book<u32> = Book::new(G, false);
+        book.apply_reserve(0x10000, 4 * G);
+        book.apply_create(7, 2 * G);
+        book.apply_map(0x10000, 2 * G, 7, 0, Access::ReadWrite);
+        book.poison(0x10000 + G);
+        let poisoned = |r: Result<(), Violation>| matches!(r, Err(Violation::Poisoned { .. }));
+        assert!(poisoned(book.check_unmap(0x10000, 2 * G)));
+        assert!(poisoned(book.check_map(0x10000 + 2 * G, G, 7, 0)));
+        assert!(poisoned(book.check_free(0x10000, 4 * G)));
+        assert!(poisoned(book.check_copy(7, 0, 0x10000, G)));
+        let drained = book.drain_reservations();
+        assert_eq!(drained, vec![(0x10000, 4 * G, true)]);
+    }
+
+    #[test]
+    fn a_copy_from_memory_into_itself_is_refused() {
+        let mut book: Book<u32> = Book::new(G, false);
+        book.apply_reserve(0x10000, 2 * G);
+        book.apply_create(1, G);
+        book.apply_create(2, G);
+        book.apply_map(0x10000, G, 1, 0, Access::ReadOnly);
+        assert!(matches!(
+            book.check_copy(1, 0, 0x10000, G),
+            Err(Violation::SelfCopy { .. })
+        ));
+        assert_eq!(book.check_copy(2, 0, 0x10000, G), Ok(()));
+        assert!(matches!(
+            book.check_copy(2, 0, 0x10000, 0),
+            Err(Violation::NotMapped { .. })
+        ));
+        assert!(matches!(
+            book.check_copy(2, 0, 0x10000 + G, G),
+            Err(Violation::NotMapped { .. })
+        ));
     }
 }

@@ -267,12 +267,11 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         let phys = match backend.create(len) {
             Ok(phys) => phys,
             Err(e) => {
-                binding.refund(len);
+                binding.uncharge(len);
                 let cause = CommitFailure::Backend(e);
                 return Err(CommitError { token: self, cause });
             }
         };
-        device.charge(Axis::Owned, len);
         if let Err(error) = backend.map(self.addr, len, phys, 0, Access::ReadWrite) {
             binding.refund(len);
             let cause = match device.release_orphan(phys, len) {

@@ -113,19 +113,26 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
         Ok(Allocation::reserved(self, addr, rounded, generation))
     }
 
-    /// Charges `n` owned bytes to the budget, or says why not.
+    /// Charges `n` owned bytes to this binding's budget and the device's (and so to the
+    /// ledger's owned axis), before the memory is created; or says which budget refuses.
     pub(crate) fn charge(&self, n: usize) -> Result<(), CommitFailure> {
-        let n = n as u64;
+        let bytes = n as u64;
         self.used
             .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
-                used.checked_add(n).filter(|&total| total <= self.limit)
+                used.checked_add(bytes).filter(|&total| total <= self.limit)
             })
-            .map(drop)
             .map_err(|used| CommitFailure::Budget {
-                requested: n,
+                requested: bytes,
                 used,
                 limit: self.limit,
-            })
+            })?;
+        self.device.charge_owned(n).inspect_err(|_| self.refund(n))
+    }
+
+    /// Undoes [`charge`](Self::charge) when the memory could not be created.
+    pub(crate) fn uncharge(&self, n: usize) {
+        self.refund(n);
+        self.device.refund(Axis::Owned, n);
     }
 
     /// Refunds `n` owned bytes to the budget.

@@ -2,7 +2,7 @@
 
 use crate::backend::{Addr, Backend, BackendError, Cause, Op};
 use crate::binding::{Binding, Budget};
-use crate::error::ReleaseFailure;
+use crate::error::{CommitFailure, ReleaseFailure};
 use crate::ledger::{Axis, Ledger, LedgerSnapshot};
 use crate::residual::{Holdings, Residual, SharedKey};
 use generativity::{Guard, Id};
@@ -124,6 +124,8 @@ pub struct Device<'id, B: Backend> {
     quarantine: Mutex<Vec<Residual<B::Phys>>>,
     deferred: Mutex<Vec<Deferred<B>>>,
     shared: Mutex<HashMap<SharedKey, SharedEntry<B::Phys>>>,
+    /// Cap on owned bytes across the whole device.
+    limit: u64,
     closed: bool,
 }
 
@@ -134,6 +136,12 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 impl<'id, B: Backend> Device<'id, B> {
     /// A device over `backend`, branded by `guard` (from [`make_guard!`](crate::make_guard)).
     pub fn new(guard: Guard<'id>, backend: B) -> Self {
+        Self::with_budget(guard, backend, Budget::unlimited())
+    }
+
+    /// A device whose owned bytes, over all its bindings and shared prefixes, stay within
+    /// `budget` — also after a prefix's owner has gone and its sharers keep the memory.
+    pub fn with_budget(guard: Guard<'id>, backend: B, budget: Budget) -> Self {
         Self {
             brand: guard.into(),
             backend,
@@ -143,6 +151,7 @@ impl<'id, B: Backend> Device<'id, B> {
             quarantine: Mutex::new(Vec::new()),
             deferred: Mutex::new(Vec::new()),
             shared: Mutex::new(HashMap::new()),
+            limit: budget.limit(),
             closed: false,
         }
     }
@@ -286,6 +295,17 @@ impl<'id, B: Backend> Device<'id, B> {
 
     pub(crate) fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// Charges `n` owned bytes against the device's budget, or says why not.
+    pub(crate) fn charge_owned(&self, n: usize) -> Result<(), CommitFailure> {
+        self.ledger
+            .try_charge(Axis::Owned, n as u64, self.limit)
+            .map_err(|used| CommitFailure::DeviceBudget {
+                requested: n as u64,
+                used,
+                limit: self.limit,
+            })
     }
 
     pub(crate) fn charge(&self, axis: Axis, n: usize) {

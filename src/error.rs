@@ -60,6 +60,18 @@ pub enum CommitFailure {
         /// The budget's cap.
         limit: u64,
     },
+    /// The device's budget would be exceeded.
+    #[error(
+        "commit of {requested} bytes exceeds the device's budget: {used} of {limit} bytes already owned on the device; release memory or open the device with a larger budget"
+    )]
+    DeviceBudget {
+        /// Bytes the commit needed.
+        requested: u64,
+        /// Bytes the device already owned.
+        used: u64,
+        /// The device budget's cap.
+        limit: u64,
+    },
     /// The request exceeds the device's physical capacity.
     #[error(
         "commit of {requested} bytes exceeds the device's physical capacity of {capacity} bytes"

@@ -57,6 +57,15 @@ impl Ledger {
         self.axis(axis).fetch_add(n, Ordering::Relaxed);
     }
 
+    /// Charges `n` on `axis` if the total stays within `limit`; else returns what is charged.
+    pub(crate) fn try_charge(&self, axis: Axis, n: u64, limit: u64) -> Result<(), u64> {
+        self.axis(axis)
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+                v.checked_add(n).filter(|&total| total <= limit)
+            })
+            .map(drop)
+    }
+
     /// # Panics
     ///
     /// If `n` exceeds what is charged on `axis`: that is a double refund, a bug in this crate.

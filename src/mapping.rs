@@ -393,8 +393,16 @@ impl<'b, 'id, B: Backend> PrefixMapping<'b, 'id, B> {
         }
         // Undoes the private granule and hands the mapping back unchanged.
         let refused = |token, error, private: Option<B::Phys>| {
-            core.binding.refund(g);
-            let rollback = private.map_or(Ok(()), |p| device.release_orphan(p, g));
+            let rollback = match private {
+                None => {
+                    core.binding.uncharge(g);
+                    Ok(())
+                }
+                Some(p) => {
+                    core.binding.refund(g);
+                    device.release_orphan(p, g)
+                }
+            };
             let cause = match rollback {
                 Ok(()) => CommitFailure::Backend(error),
                 Err(rollback) => CommitFailure::RollbackFailed { error, rollback },
@@ -420,7 +428,6 @@ impl<'b, 'id, B: Backend> PrefixMapping<'b, 'id, B> {
             Ok(p) => p,
             Err(e) => return Err(refused(self, e, None)),
         };
-        device.charge(Axis::Owned, g);
         if let Err(e) = backend.copy_into_phys(private, 0, boundary, g) {
             return Err(refused(self, e, Some(private)));
         }

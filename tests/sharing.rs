@@ -461,3 +461,39 @@ fn a_copy_on_write_past_the_budget_is_refused_with_numbers() {
         "{cause}"
     );
 }
+
+#[test]
+fn the_device_budget_still_counts_a_prefix_whose_owner_has_gone() {
+    make_guard!(guard);
+    let device = Device::with_budget(guard, SimBackend::default(), Budget::bytes(3 << 21));
+    let g = device.granularity();
+    let owner = device.bind(Budget::bytes(2 * g as u64)).unwrap();
+    let sharer = device.bind(Budget::bytes(0)).unwrap();
+    let prefix = owner
+        .reserve(2 * g)
+        .unwrap()
+        .commit()
+        .unwrap()
+        .into_prefix();
+    let shared = sharer.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();
+    drop(prefix);
+    assert_eq!(
+        owner.used(),
+        0,
+        "the owner's budget no longer carries the prefix"
+    );
+    // ... but the device's does, for as long as the sharer keeps the memory.
+    let err = owner.reserve(2 * g).unwrap().commit().unwrap_err();
+    assert_eq!(
+        err.cause,
+        memtoken::CommitFailure::DeviceBudget {
+            requested: 2 * g as u64,
+            used: 2 * g as u64,
+            limit: 3 * g as u64
+        }
+    );
+    assert!(err.to_string().contains("device's budget"), "{err}");
+    assert_eq!(owner.used(), 0, "a refused commit charges nothing");
+    drop(shared);
+    owner.reserve(2 * g).unwrap().commit().unwrap();
+}

@@ -12,6 +12,7 @@
 //!
 //! 1,000 cases per backend by default; `PROPTEST_CASES=N` for more.
 
+use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel, ModelConfig};
 use memtoken::backend::{Backend, FaultHandle, Faulty, HostBackend, Op, SimBackend, SimConfig};
 use memtoken::{
     Allocation, Binding, Budget, Committed, CompleteError, CowError, Device, DivergedMapping,
@@ -37,6 +38,10 @@ enum Step {
     Share(usize),
     /// Sharer → copy-on-write of its boundary granule.
     Diverge(usize),
+    /// Fails the nth call of one kind of driver call (CUDA model only).
+    DriverFault(usize, u64),
+    /// Work is submitted: fences recorded from now on wait for it (CUDA model only).
+    Submit,
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -61,6 +66,8 @@ fn step() -> impl Strategy<Value = Step> {
         2 => any::<usize>().prop_map(Step::Promote),
         3 => any::<usize>().prop_map(Step::Share),
         2 => any::<usize>().prop_map(Step::Diverge),
+        2 => (any::<usize>(), 1u64..4).prop_map(|(c, n)| Step::DriverFault(c, n)),
+        1 => Just(Step::Submit),
     ]
 }
 
@@ -97,6 +104,10 @@ trait Memory<B: Backend> {
     /// The bytes of any mapped token, read-only.
     fn read<'a>(&self, t: &'a Token<'_, '_, B>) -> Option<&'a [u8]>;
     fn complete_fences(&self) {}
+    /// Fails the `n`th call of driver call kind `which` (CUDA model only).
+    fn driver_fault(&self, _which: usize, _n: u64) {}
+    fn submit(&self) {}
+    fn clear_faults(&self) {}
 }
 
 struct NoMemory(SimBackend);
@@ -281,6 +292,8 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
             }
             Step::CompleteFences => self.memory.complete_fences(),
             Step::Fault(op, nth) => self.faults.fail_nth(op, nth),
+            Step::DriverFault(which, nth) => self.memory.driver_fault(which, nth),
+            Step::Submit => self.memory.submit(),
         }
     }
 
@@ -420,6 +433,7 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
     /// Clears faults and gives everything back; asserts nothing is left.
     fn finish(mut self) {
         self.faults.clear();
+        self.memory.clear_faults();
         for t in self.tokens.drain(..) {
             match t {
                 Token::Quarantined(q) => {
@@ -486,12 +500,75 @@ fn run_host(steps: &[Step]) {
     assert!(faults.outstanding().is_zero());
 }
 
+/// The CUDA backend over the driver model: no host access; driver faults and stream work.
+struct CudaMemory(DriverModel);
+type Cuda = Faulty<CudaBackend<DriverModel>>;
+impl Memory<Cuda> for CudaMemory {
+    fn committed<'a>(
+        &self,
+        _: &'a mut Allocation<'_, '_, Cuda, Committed>,
+    ) -> Option<&'a mut [u8]> {
+        None
+    }
+    fn prefix<'a>(&self, _: &'a mut Prefix<'_, '_, Cuda>) -> Option<&'a mut [u8]> {
+        None
+    }
+    fn boundary<'a>(&self, _: &'a mut DivergedMapping<'_, '_, Cuda>) -> Option<&'a mut [u8]> {
+        None
+    }
+    fn read<'a>(&self, _: &'a Token<'_, '_, Cuda>) -> Option<&'a [u8]> {
+        None
+    }
+    fn complete_fences(&self) {
+        self.0.complete_work();
+    }
+    fn driver_fault(&self, which: usize, n: u64) {
+        // Calls made only while opening or pinning are left out: the device is open by then.
+        let call = DriverCall::ALL[which % DriverCall::ALL.len()];
+        self.0.fail_nth(call, n, CuError::OUT_OF_MEMORY);
+    }
+    fn submit(&self) {
+        self.0.submit_work();
+    }
+    fn clear_faults(&self) {
+        self.0.clear();
+    }
+}
+
+fn run_cuda(steps: &[Step]) {
+    let model = DriverModel::new(ModelConfig {
+        events_complete_at_once: false,
+        ..ModelConfig::default()
+    });
+    {
+        make_guard!(guard);
+        let backend = Faulty::new(CudaBackend::new(model.clone(), 0).unwrap());
+        let faults = backend.handle();
+        let device = Device::new(guard, backend);
+        run(&device, faults.clone(), CudaMemory(model.clone()), steps);
+        let mut left = faults.outstanding();
+        left.pins = 0; // an injected unpin failure is counted by the device, not lost
+        assert!(left.is_zero(), "the backend still holds {left:?}");
+    }
+    let (reservations, physical, events, retains) = model.outstanding();
+    assert_eq!(
+        (reservations, physical, events, retains),
+        (0, 0, 0, 0),
+        "the driver still holds it"
+    );
+}
+
 proptest! {
     #![proptest_config(config())]
 
     #[test]
     fn simulated_backend_loses_nothing(steps in prop::collection::vec(step(), 1..60)) {
         run_sim(&steps);
+    }
+
+    #[test]
+    fn cuda_backend_on_the_driver_model_loses_nothing(steps in prop::collection::vec(step(), 1..60)) {
+        run_cuda(&steps);
     }
 
     #[test]

@@ -76,6 +76,9 @@ pub struct CudaBackend<D: Driver> {
     scratch: Mutex<Vec<(u64, usize, bool)>>,
     /// Events whose destruction failed, retried by the next retirement and on drop.
     events: Mutex<Vec<Event>>,
+    /// Mappings whose access could not be set and whose rollback unmap failed too: unmapped
+    /// before their reservation may be freed (a free waits for them), and on drop.
+    stuck: Mutex<Vec<(u64, usize)>>,
 }
 
 impl<D: Driver> CudaBackend<D> {
@@ -123,6 +126,7 @@ impl<D: Driver> CudaBackend<D> {
             lost: AtomicBool::new(false),
             scratch: Mutex::new(Vec::new()),
             events: Mutex::new(Vec::new()),
+            stuck: Mutex::new(Vec::new()),
         })
     }
 
@@ -227,8 +231,10 @@ impl<D: Driver> Backend for CudaBackend<D> {
     }
 
     fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+        let (start, end) = (addr as u64, (addr + len) as u64);
         self.call(Op::Free, addr, len, |d| {
-            d.mem_address_free(addr as u64, len)
+            self.unstick(d, start, end)?;
+            d.mem_address_free(start, len)
         })
     }
 
@@ -253,13 +259,16 @@ impl<D: Driver> Backend for CudaBackend<D> {
         let (device, rw) = (self.device, access == Access::ReadWrite);
         let ptr = addr as u64;
         self.call(Op::Map, addr, len, |d| {
+            self.unstick(d, ptr, ptr + len as u64)?;
             d.mem_map(ptr, len, offset, phys.0)?;
             if let Err(e) = d.mem_set_access(ptr, len, device, rw) {
-                // Roll the map back: nothing stays mapped without its access.
-                if let Err(rollback) = d.mem_unmap(ptr, len)
-                    && rollback.is_context_loss()
-                {
-                    return Err(rollback);
+                // Roll the map back: nothing stays mapped without its access. If even that
+                // fails, the mapping is remembered and unmapped before its VA can be freed.
+                if let Err(rollback) = d.mem_unmap(ptr, len) {
+                    lock(&self.stuck).push((ptr, len));
+                    if rollback.is_context_loss() {
+                        return Err(rollback);
+                    }
                 }
                 return Err(e);
             }
@@ -307,10 +316,12 @@ impl<D: Driver> Backend for CudaBackend<D> {
     fn fence(&self) -> CudaFence {
         let stream = self.stream;
         let event = self
-            .call(Op::Copy, 0, 0, |d| {
+            .call(Op::Fence, 0, 0, |d| {
                 let event = d.event_create()?;
                 if let Err(e) = d.event_record(event, stream) {
-                    let _ = d.event_destroy(event);
+                    if d.event_destroy(event).is_err() {
+                        lock(&self.events).push(event); // retried at the next retirement
+                    }
                     return Err(e);
                 }
                 Ok(event)
@@ -366,7 +377,30 @@ impl<D: Driver> Backend for CudaBackend<D> {
     }
 }
 
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 impl<D: Driver> CudaBackend<D> {
+    /// Unmaps what a failed rollback left mapped in `[start, end)`, before that range is
+    /// mapped again or freed; what still fails stays remembered, and the error is returned.
+    fn unstick(&self, d: &D, start: u64, end: u64) -> CuResult<()> {
+        let stuck: Vec<(u64, usize)> = {
+            let mut all = lock(&self.stuck);
+            let (inside, outside) = all.drain(..).partition(|&(p, _)| start <= p && p < end);
+            *all = outside;
+            inside
+        };
+        let mut first_error = Ok(());
+        for (ptr, size) in stuck {
+            if let Err(e) = d.mem_unmap(ptr, size) {
+                lock(&self.stuck).push((ptr, size));
+                first_error = first_error.and(Err(e));
+            }
+        }
+        first_error
+    }
+
     /// Remembers a scratch range whose teardown failed.
     fn scratch_left(&self, freed: CuResult<()>, addr: u64, span: usize, mapped: bool) {
         if freed.is_err() {
@@ -397,6 +431,9 @@ impl<D: Driver> CudaBackend<D> {
 
 impl<D: Driver> Drop for CudaBackend<D> {
     fn drop(&mut self) {
+        for (ptr, size) in std::mem::take(&mut *lock(&self.stuck)) {
+            let _ = self.call(Op::Unmap, ptr as Addr, size, |d| d.mem_unmap(ptr, size));
+        }
         self.sweep_scratch();
         self.retire_fence(CudaFence(None));
         if !self.is_lost() {

@@ -56,7 +56,8 @@
 //!
 //! ## Layers
 //!
-//! [`backend`] is the mechanism (host VMM over `rustix`, a strict simulator, fault injection);
+//! [`backend`] is the mechanism (host VMM over `rustix`, CUDA VMM over `cudarc` or a strict
+//! driver model, a strict simulator, fault injection);
 //! [`Device`], [`Binding`], [`Allocation`], the shared-prefix mappings ([`Prefix`],
 //! [`PrefixMapping`], [`DivergedMapping`]) and [`Quarantined`] are the typed layer on top.
 //!

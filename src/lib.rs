@@ -94,6 +94,7 @@ mod error;
 mod interop;
 mod ledger;
 mod mapping;
+mod page_pool;
 mod quarantine;
 mod residual;
 mod state;
@@ -108,6 +109,7 @@ pub use error::{
 pub use generativity::{Guard, make_guard};
 pub use ledger::LedgerSnapshot;
 pub use mapping::{DivergedMapping, Prefix, PrefixMapping};
+pub use page_pool::{Page, PagePool, PoolError};
 pub use quarantine::Quarantined;
 pub use residual::{Holdings, Residual};
 pub use state::{Committed, Releasing, Reserved, State};

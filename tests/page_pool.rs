@@ -1,0 +1,160 @@
+//! The page pool: O(1) pages that are never handed out twice, and free + live = capacity.
+
+use memtoken::backend::{Faulty, HostBackend, HostConfig, Op, SimBackend};
+use memtoken::{Budget, Device, Page, PagePool, PoolError, make_guard};
+use proptest::prelude::*;
+use std::collections::HashSet;
+
+#[derive(Clone, Debug)]
+enum Step {
+    Alloc,
+    Free(usize),
+    Write(usize),
+    Grow,
+    Shrink,
+    FailNextGrow,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        6 => Just(Step::Alloc),
+        4 => any::<usize>().prop_map(Step::Free),
+        2 => any::<usize>().prop_map(Step::Write),
+        1 => Just(Step::Grow),
+        1 => Just(Step::Shrink),
+        1 => Just(Step::FailNextGrow),
+    ]
+}
+
+fn cases() -> u32 {
+    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(1000)
+}
+
+/// Writes the page's index into its first and last bytes; reads it back.
+fn stamp(page: &mut Page<'_, '_, '_, Faulty<HostBackend>>) {
+    let i = page.index().to_le_bytes();
+    let bytes = page.as_mut_slice();
+    let n = bytes.len();
+    bytes[..4].copy_from_slice(&i);
+    bytes[n - 4..].copy_from_slice(&i);
+}
+
+fn stamped(page: &Page<'_, '_, '_, Faulty<HostBackend>>) -> bool {
+    let i = page.index().to_le_bytes();
+    let bytes = page.as_slice();
+    bytes[..4] == i && bytes[bytes.len() - 4..] == i
+}
+
+fn run(steps: &[Step]) {
+    make_guard!(guard);
+    // 4 KiB chunks of 1 KiB pages: growth and shrinking happen often.
+    let backend = Faulty::new(HostBackend::new(HostConfig::default()).unwrap());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::bytes(64 << 10)).unwrap();
+    let pool = PagePool::new(&binding, 1024).unwrap();
+    let mut live: Vec<(Page<'_, '_, '_, _>, bool)> = Vec::new();
+    for step in steps {
+        match *step {
+            Step::Alloc => match pool.alloc() {
+                Ok(page) => live.push((page, false)),
+                Err(PoolError::Commit(_) | PoolError::Reserve(_)) => {} // budget or fault
+                Err(e) => panic!("{e}"),
+            },
+            Step::Free(i) if !live.is_empty() => {
+                let (page, _) = live.swap_remove(i % live.len());
+                page.free();
+            }
+            Step::Write(i) if !live.is_empty() => {
+                let n = live.len();
+                let (page, written) = &mut live[i % n];
+                stamp(page);
+                *written = true;
+            }
+            Step::Grow => {
+                let _ = pool.grow();
+            }
+            Step::Shrink => {
+                pool.shrink();
+            }
+            Step::FailNextGrow => faults.fail_nth(Op::Create, 1),
+            _ => {}
+        }
+        let indices: HashSet<u32> = live.iter().map(|(p, _)| p.index()).collect();
+        assert_eq!(indices.len(), live.len(), "a page was handed out twice");
+        let addrs: HashSet<usize> = live.iter().map(|(p, _)| p.addr()).collect();
+        assert_eq!(addrs.len(), live.len(), "two live pages share an address");
+        assert_eq!(pool.free_pages() + live.len(), pool.capacity(), "free + live != capacity");
+        assert_eq!(pool.live_pages(), live.len());
+        assert_eq!(device.ledger().owned_bytes, pool.capacity() as u64 * 1024);
+        for (page, written) in &live {
+            assert!(!written || stamped(page), "page {} lost its bytes", page.index());
+        }
+    }
+    drop(live);
+    pool.shrink();
+    assert_eq!(pool.capacity(), 0);
+    assert!(device.ledger().is_zero());
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() })]
+
+    #[test]
+    fn pages_are_never_handed_out_twice_and_free_plus_live_is_capacity(
+        steps in prop::collection::vec(step(), 1..120)
+    ) {
+        run(&steps);
+    }
+}
+
+#[test]
+fn the_hot_path_makes_no_backend_call() {
+    make_guard!(guard);
+    let sim = SimBackend::default();
+    let device = Device::new(guard, sim.clone());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let pool = PagePool::new(&binding, 4096).unwrap();
+    pool.grow().unwrap();
+    let calls = sim.calls().len();
+    for _ in 0..10 {
+        let pages: Vec<_> = (0..pool.capacity()).map(|_| pool.alloc().unwrap()).collect();
+        drop(pages);
+    }
+    assert_eq!(sim.calls().len(), calls, "alloc and free called the backend");
+}
+
+#[test]
+fn a_pool_grows_by_chunks_and_gives_idle_chunks_back() {
+    make_guard!(guard);
+    let device = Device::new(guard, SimBackend::default());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let pool = PagePool::new(&binding, g / 4).unwrap();
+    let a: Vec<_> = (0..5).map(|_| pool.alloc().unwrap()).collect();
+    assert_eq!((pool.capacity(), pool.live_pages()), (8, 5), "two chunks of four pages");
+    assert_eq!(device.ledger().owned_bytes, 2 * g as u64);
+    assert_eq!(pool.shrink(), 0, "both chunks have live pages");
+    let mut a = a.into_iter();
+    for page in a.by_ref().take(4) {
+        drop(page);
+    }
+    // Pages 0..4 came from the first chunk; it is idle now.
+    assert_eq!(pool.shrink(), 1);
+    assert_eq!((pool.capacity(), device.ledger().owned_bytes), (4, g as u64));
+    drop(a);
+    assert_eq!(pool.shrink(), 1);
+    assert!(device.ledger().is_zero());
+}
+
+#[test]
+fn an_invalid_page_size_and_a_refused_growth_are_errors() {
+    make_guard!(guard);
+    let device = Device::new(guard, SimBackend::default());
+    let binding = device.bind(Budget::bytes(0)).unwrap();
+    assert!(matches!(PagePool::new(&binding, 3000), Err(PoolError::PageSize { .. })));
+    let pool = PagePool::new(&binding, 4096).unwrap();
+    let err = pool.alloc().unwrap_err();
+    assert!(err.to_string().contains("exceeds the binding's budget"), "{err}");
+    assert_eq!((pool.capacity(), device.ledger().reserved_bytes), (0, 0), "nothing kept");
+}

@@ -1,46 +1,209 @@
 //! Hot paths, each measured side by side in one run against the hand-written equivalent on the
 //! same backend: the zero-cost claim is the ratio `memtoken / raw`.
 //!
-//! `granule_cycle`: reserve, commit (create + map read-write), release (unmap + release + free)
-//! one 4 KiB granule on the host backend — with tokens, and as the same backend calls by hand.
+//! - `page_cycle/{memtoken,raw,slab,malloc}`: allocate the 16 pages of a 256-token sequence
+//!   (16 tokens a page, 4 KiB pages) and free them.
+//! - `granule_cycle/{memtoken,raw}`: reserve, commit, release one 4 KiB granule on the host.
+//! - `page_scale/memtoken/N`: one page alloc + free with N pages live.
+//! - `gpu/...`: the cycles on a CUDA device, when one is present.
+//!
+//! `cargo run --release --example bench_report` runs these and prints the ratios.
 
-use criterion::{Criterion, criterion_group, criterion_main};
-use memtoken::backend::{Access, Backend, HostBackend};
-use memtoken::{Budget, Device, make_guard};
+#[path = "common/raw_pool.rs"]
+mod raw_pool;
+
+use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
+use memtoken::backend::{Access, Backend, HostBackend, HostConfig};
+use memtoken::{Binding, Budget, Device, PagePool, make_guard};
+use raw_pool::RawPool;
+use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
 
-const GRANULE: usize = 4096;
+const PAGE: usize = 4096;
+const SEQ_PAGES: usize = 16;
 
-fn granule_cycle(c: &mut Criterion) {
-    let mut group = c.benchmark_group("granule_cycle");
-
-    make_guard!(guard);
-    let device = Device::new(guard, HostBackend::with_defaults().expect("memfd"));
-    let binding = device.bind(Budget::unlimited()).expect("pin");
-    group.bench_function("memtoken", |b| {
+/// A sequence's page table: 16 pages pushed one by one as the sequence grows, then all freed
+/// when it finishes. The table's storage is reused across iterations, as a KV cache would.
+fn page_cycle_memtoken<B: Backend>(c: &mut Criterion, id: &str, binding: &Binding<'_, '_, B>) {
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, binding, PAGE).unwrap();
+    for _ in 0..SEQ_PAGES {
+        pool.grow().unwrap();
+    }
+    let mut table = pool.table();
+    c.bench_function(id, |b| {
         b.iter(|| {
-            let a = binding.reserve(black_box(GRANULE)).unwrap();
+            for _ in 0..SEQ_PAGES {
+                pool.push(&mut table).unwrap();
+            }
+            black_box(table.len());
+            pool.clear(&mut table);
+        })
+    });
+    // The same with one `Page` token per page, each returned to the pool explicitly.
+    let mut pages = Vec::with_capacity(SEQ_PAGES);
+    c.bench_function(&format!("{id}_pages"), |b| {
+        b.iter(|| {
+            for _ in 0..SEQ_PAGES {
+                pages.push(pool.alloc().unwrap());
+            }
+            black_box(pages.len());
+            for page in pages.drain(..) {
+                pool.free(page);
+            }
+        })
+    });
+}
+
+fn page_cycle_raw<B: Backend>(c: &mut Criterion, id: &str, backend: &B) {
+    let mut pool = RawPool::new(backend, PAGE);
+    for _ in 0..SEQ_PAGES {
+        pool.grow().unwrap();
+    }
+    let mut table = Vec::with_capacity(SEQ_PAGES);
+    c.bench_function(id, |b| {
+        b.iter(|| {
+            for _ in 0..SEQ_PAGES {
+                table.push(pool.alloc().unwrap());
+            }
+            black_box(table.len());
+            pool.free_all(&table);
+            table.clear();
+        })
+    });
+}
+
+fn page_cycle(c: &mut Criterion) {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    page_cycle_memtoken(c, "page_cycle/memtoken", &binding);
+    let raw = HostBackend::with_defaults().unwrap();
+    page_cycle_raw(c, "page_cycle/raw", &raw);
+
+    let mut slab = slab::Slab::<[u8; 0]>::with_capacity(SEQ_PAGES);
+    let mut table = Vec::with_capacity(SEQ_PAGES);
+    c.bench_function("page_cycle/slab", |b| {
+        b.iter(|| {
+            for _ in 0..SEQ_PAGES {
+                table.push(slab.insert([]));
+            }
+            black_box(table.len());
+            for k in table.drain(..) {
+                slab.remove(k);
+            }
+        })
+    });
+
+    let layout = Layout::from_size_align(PAGE, PAGE).unwrap();
+    let mut table: Vec<*mut u8> = Vec::with_capacity(SEQ_PAGES);
+    c.bench_function("page_cycle/malloc", |b| {
+        b.iter(|| {
+            for _ in 0..SEQ_PAGES {
+                // SAFETY: `layout` has a non-zero size.
+                let p = unsafe { System.alloc(layout) };
+                assert!(!p.is_null());
+                table.push(p);
+            }
+            black_box(table.len());
+            for p in table.drain(..) {
+                // SAFETY: allocated above with the same layout, freed once.
+                unsafe { System.dealloc(p, layout) };
+            }
+        })
+    });
+}
+
+fn granule_cycle_memtoken<B: Backend>(
+    c: &mut Criterion,
+    id: &str,
+    binding: &Binding<'_, '_, B>,
+    len: usize,
+) {
+    c.bench_function(id, |b| {
+        b.iter(|| {
+            let a = binding.reserve(black_box(len)).unwrap();
             let a = a.commit().unwrap();
             black_box(a.addr());
             black_box(a.release().complete().unwrap());
         })
     });
+}
 
-    let raw = HostBackend::with_defaults().expect("memfd");
-    group.bench_function("raw", |b| {
+fn granule_cycle_raw<B: Backend>(c: &mut Criterion, id: &str, raw: &B, len: usize) {
+    c.bench_function(id, |b| {
         b.iter(|| {
-            let len = black_box(GRANULE);
+            let len = black_box(len);
             let addr = raw.reserve(len).unwrap();
             let phys = raw.create(len).unwrap();
             raw.map(addr, len, phys, 0, Access::ReadWrite).unwrap();
             black_box(addr);
+            let fence = raw.fence();
+            assert!(raw.fence_done(&fence));
+            raw.retire_fence(fence);
             raw.unmap(addr, len).unwrap();
             raw.release(phys, len).unwrap();
             raw.free(addr, len).unwrap();
         })
     });
+}
+
+fn granule_cycle(c: &mut Criterion) {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    granule_cycle_memtoken(c, "granule_cycle/memtoken", &binding, PAGE);
+    let raw = HostBackend::with_defaults().unwrap();
+    granule_cycle_raw(c, "granule_cycle/raw", &raw, PAGE);
+}
+
+fn page_scale(c: &mut Criterion) {
+    let mut group = c.benchmark_group("page_scale/memtoken");
+    for live in [1usize << 10, 1 << 16, 1 << 20] {
+        make_guard!(guard);
+        let backend = HostBackend::new(HostConfig {
+            physical_capacity: 1 << 30,
+            ..HostConfig::default()
+        })
+        .unwrap();
+        let device = Device::new(guard, backend);
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        make_guard!(pool_guard);
+        let pool = PagePool::new(pool_guard, &binding, 64).unwrap();
+        let held: Vec<_> = (0..live).map(|_| pool.alloc().unwrap()).collect();
+        pool.grow().unwrap(); // spare pages: the measured alloc never grows
+        group.bench_with_input(BenchmarkId::from_parameter(live), &live, |b, _| {
+            b.iter(|| {
+                let page = pool.alloc().unwrap();
+                black_box(page.index());
+                drop(page);
+            })
+        });
+        drop(held);
+    }
     group.finish();
 }
 
-criterion_group!(benches, granule_cycle);
+#[cfg(feature = "cuda")]
+fn gpu(c: &mut Criterion) {
+    use memtoken::backend::cuda::CudaBackend;
+    let backends = (CudaBackend::open(0), CudaBackend::open(0));
+    let (Ok(backend), Ok(raw)) = backends else {
+        eprintln!("gpu benches skipped: no CUDA device");
+        return;
+    };
+    let g = backend.granularity();
+    make_guard!(guard);
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    granule_cycle_memtoken(c, "gpu/granule_cycle/memtoken", &binding, g);
+    granule_cycle_raw(c, "gpu/granule_cycle/raw", &raw, g);
+    page_cycle_memtoken(c, "gpu/page_cycle/memtoken", &binding);
+    page_cycle_raw(c, "gpu/page_cycle/raw", &raw);
+}
+
+#[cfg(not(feature = "cuda"))]
+fn gpu(_: &mut Criterion) {}
+
+criterion_group!(benches, page_cycle, granule_cycle, page_scale, gpu);
 criterion_main!(benches);

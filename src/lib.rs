@@ -109,7 +109,7 @@ pub use error::{
 pub use generativity::{Guard, make_guard};
 pub use ledger::LedgerSnapshot;
 pub use mapping::{DivergedMapping, Prefix, PrefixMapping};
-pub use page_pool::{Page, PagePool, PoolError};
+pub use page_pool::{Page, PagePool, PageTable, PoolError};
 pub use quarantine::Quarantined;
 pub use residual::{Holdings, Residual};
 pub use state::{Committed, Releasing, Reserved, State};

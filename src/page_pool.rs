@@ -8,7 +8,8 @@
 //!
 //! **Metadata:** 4 bytes per free page (its index in the free list), nothing per live page in
 //! the pool, one [`Allocation`] per chunk. A [`Page`] token is a reference to its pool and a
-//! 4-byte index (16 bytes on 64-bit targets).
+//! 4-byte index (16 bytes on 64-bit targets); a page in a [`PageTable`] (a sequence's pages,
+//! one token for all of them) is a 4-byte index.
 //!
 //! A page borrows its pool, so it cannot outlive it, and it returns itself — by
 //! [`free`](Page::free) or by `Drop` — so it cannot be returned to another pool, nor twice:
@@ -19,7 +20,8 @@
 //! # make_guard!(guard);
 //! # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
 //! # let binding = device.bind(Budget::unlimited()).unwrap();
-//! let pool = PagePool::new(&binding, 256).unwrap();
+//! make_guard!(pool_guard);
+//! let pool = PagePool::new(pool_guard, &binding, 256).unwrap();
 //! let page = pool.alloc().unwrap();
 //! drop(pool);
 //! drop(page);
@@ -31,10 +33,25 @@
 //! # make_guard!(guard);
 //! # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
 //! # let binding = device.bind(Budget::unlimited()).unwrap();
-//! let pool = PagePool::new(&binding, 256).unwrap();
+//! make_guard!(pool_guard);
+//! let pool = PagePool::new(pool_guard, &binding, 256).unwrap();
 //! let page = pool.alloc().unwrap();
 //! page.free();
 //! page.free();
+//! ```
+//!
+//! Each pool is branded (like a [`Device`](crate::Device)), so a page of one pool cannot be
+//! given back to another:
+//!
+//! ```compile_fail
+//! use memtoken::{Page, PagePool};
+//! use memtoken::backend::SimBackend;
+//! fn give_back<'pa, 'pb, 'b, 'id>(
+//!     page_of_a: Page<'_, 'pa, 'b, 'id, SimBackend>,
+//!     pool_b: &PagePool<'pb, 'b, 'id, SimBackend>,
+//! ) {
+//!     pool_b.free(page_of_a); // error: lifetime may not live long enough
+//! }
 //! ```
 //!
 //! The pool is single-threaded (`!Sync`): its free list is not locked.
@@ -44,28 +61,23 @@ use crate::backend::{Addr, Backend, HostVisible};
 use crate::binding::Binding;
 use crate::error::{CommitFailure, ReserveError};
 use crate::state::Committed;
+use generativity::{Guard, Id};
 use std::cell::UnsafeCell;
 use std::fmt;
 
 /// Why a pool could not be made or grown.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum PoolError {
-    /// The page size is not a power of two that divides a chunk.
-    #[error(
-        "page size {page_size} must be a power of two (and a divisor or multiple of the granularity, {granularity} bytes)"
-    )]
-    PageSize {
-        /// The page size asked for.
-        page_size: usize,
-        /// The device's granularity.
-        granularity: usize,
-    },
-    /// Reserving a new chunk failed.
+    /// The page size is not a power of two.
+    #[error("page size {0} must be a power of two")]
+    PageSize(usize),
+    /// Reserving a new chunk failed. (Boxed, like `Commit`: the error stays two words, so
+    /// `alloc`'s result costs no more to return than the page.)
     #[error("the pool could not grow: {0}")]
-    Reserve(#[from] ReserveError),
+    Reserve(Box<ReserveError>),
     /// Committing a new chunk failed (its reservation was released).
     #[error("the pool could not grow: {0}")]
-    Commit(#[from] CommitFailure),
+    Commit(Box<CommitFailure>),
     /// The pool already has 2^32 pages.
     #[error("the pool cannot index more than 2^32 pages")]
     Full,
@@ -78,7 +90,8 @@ struct PoolState<'b, 'id, B: Backend> {
 }
 
 /// Fixed-size pages sub-allocated in O(1) from committed chunks. See the [module docs](self).
-pub struct PagePool<'b, 'id, B: Backend> {
+pub struct PagePool<'pool, 'b, 'id, B: Backend> {
+    _brand: Id<'pool>,
     binding: &'b Binding<'b, 'id, B>,
     page_shift: u32,
     chunk_bytes: usize,
@@ -88,27 +101,59 @@ pub struct PagePool<'b, 'id, B: Backend> {
 
 /// One page of a [`PagePool`]: a linear token that returns itself to its pool when freed or
 /// dropped.
-pub struct Page<'p, 'b, 'id, B: Backend> {
-    pool: &'p PagePool<'b, 'id, B>,
+pub struct Page<'p, 'pool, 'b, 'id, B: Backend> {
+    pool: &'p PagePool<'pool, 'b, 'id, B>,
     index: u32,
 }
 
-impl<'b, 'id, B: Backend> PagePool<'b, 'id, B> {
-    /// An empty pool of `page_size`-byte pages, committing through `binding` as it grows.
+/// A sequence's pages, in order: a token that owns every page pushed onto it and returns them
+/// all to the pool when cleared or dropped. It holds its pool once, not once per page, so a
+/// page in a table costs 4 bytes — the KV cache's page table, and its hot path.
+///
+/// ```
+/// use memtoken::{make_guard, Budget, Device, PagePool};
+/// use memtoken::backend::HostBackend;
+/// make_guard!(guard);
+/// let device = Device::new(guard, HostBackend::with_defaults()?);
+/// let binding = device.bind(Budget::unlimited())?;
+/// make_guard!(pool_guard);
+/// let pool = PagePool::new(pool_guard, &binding, 1024)?;
+/// let mut table = pool.table();
+/// for token in 0..40 {
+///     if token % 16 == 0 {
+///         table.push()?; // a new page every 16 tokens
+///     }
+/// }
+/// assert_eq!((table.len(), pool.live_pages()), (3, 3));
+/// drop(table);
+/// assert_eq!(pool.live_pages(), 0);
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub struct PageTable<'p, 'pool, 'b, 'id, B: Backend> {
+    pool: &'p PagePool<'pool, 'b, 'id, B>,
+    pages: Vec<u32>,
+}
+
+impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
+    /// An empty pool of `page_size`-byte pages, committing through `binding` as it grows,
+    /// branded by `guard` (from [`make_guard!`](crate::make_guard)): its pages and tables carry
+    /// the brand, so returning one to another pool does not compile.
     ///
     /// # Errors
     ///
     /// [`PoolError::PageSize`] unless `page_size` is a power of two.
-    pub fn new(binding: &'b Binding<'b, 'id, B>, page_size: usize) -> Result<Self, PoolError> {
+    pub fn new(
+        guard: Guard<'pool>,
+        binding: &'b Binding<'b, 'id, B>,
+        page_size: usize,
+    ) -> Result<Self, PoolError> {
         let granularity = binding.device().granularity();
         if !page_size.is_power_of_two() || !granularity.is_power_of_two() {
-            return Err(PoolError::PageSize {
-                page_size,
-                granularity,
-            });
+            return Err(PoolError::PageSize(page_size));
         }
         let chunk_bytes = granularity.max(page_size);
         Ok(Self {
+            _brand: guard.into(),
             binding,
             page_shift: page_size.trailing_zeros(),
             chunk_bytes,
@@ -134,7 +179,7 @@ impl<'b, 'id, B: Backend> PagePool<'b, 'id, B> {
     ///
     /// [`PoolError`] when the pool must grow and cannot.
     #[inline]
-    pub fn alloc(&self) -> Result<Page<'_, 'b, 'id, B>, PoolError> {
+    pub fn alloc(&self) -> Result<Page<'_, 'pool, 'b, 'id, B>, PoolError> {
         match self.with(|s| s.free.pop()) {
             Some(index) => Ok(Page { pool: self, index }),
             None => self.grow_and_alloc(),
@@ -142,9 +187,60 @@ impl<'b, 'id, B: Backend> PagePool<'b, 'id, B> {
     }
 
     #[cold]
-    fn grow_and_alloc(&self) -> Result<Page<'_, 'b, 'id, B>, PoolError> {
+    fn grow_and_alloc(&self) -> Result<Page<'_, 'pool, 'b, 'id, B>, PoolError> {
         self.grow()?;
         self.alloc()
+    }
+
+    /// Returns `page` to this pool — the same as dropping it, without reading the pool back
+    /// out of the page. The brand proves at compile time that the page is this pool's.
+    #[inline]
+    pub fn free(&self, page: Page<'_, 'pool, 'b, 'id, B>) {
+        let index = page.index;
+        std::mem::forget(page);
+        self.with(|s| s.free.push(index));
+    }
+
+    /// Takes a page and appends it to `table` (the same as [`PageTable::push`], with the pool
+    /// at hand); returns its position.
+    ///
+    /// # Errors
+    ///
+    /// [`PoolError`] when the pool must grow and cannot; the table is unchanged.
+    #[inline]
+    pub fn push(&self, table: &mut PageTable<'_, 'pool, 'b, 'id, B>) -> Result<usize, PoolError> {
+        let index = match self.with(|s| s.free.split_last().map(|(&i, _)| i)) {
+            Some(index) => {
+                self.with(|s| {
+                    let len = s.free.len();
+                    s.free.truncate(len - 1)
+                });
+                index
+            }
+            None => {
+                let page = self.grow_and_alloc()?;
+                let index = page.index;
+                std::mem::forget(page);
+                index
+            }
+        };
+        table.pages.push(index);
+        Ok(table.pages.len() - 1)
+    }
+
+    /// Returns every page of `table` to this pool (the same as [`PageTable::clear`]).
+    #[inline]
+    pub fn clear(&self, table: &mut PageTable<'_, 'pool, 'b, 'id, B>) {
+        self.with(|s| s.free.extend_from_slice(&table.pages));
+        table.pages.clear();
+    }
+
+    /// An empty page table drawing from this pool.
+    pub fn table(&self) -> PageTable<'_, 'pool, 'b, 'id, B> {
+        PageTable {
+            pool: self,
+            pages: Vec::new(),
+        }
     }
 
     /// Commits one more chunk and adds its pages to the free list.
@@ -154,13 +250,23 @@ impl<'b, 'id, B: Backend> PagePool<'b, 'id, B> {
     /// [`PoolError`] when reserving or committing fails (nothing is kept or charged then).
     pub fn grow(&self) -> Result<(), PoolError> {
         let per_chunk = 1usize << self.pages_per_chunk_shift;
-        let slot = self.with(|s| s.chunks.iter().position(Option::is_none).unwrap_or(s.chunks.len()));
+        let slot = self.with(|s| {
+            s.chunks
+                .iter()
+                .position(Option::is_none)
+                .unwrap_or(s.chunks.len())
+        });
         let first = (slot * per_chunk) as u64;
         if first + per_chunk as u64 > u64::from(u32::MAX) + 1 {
             return Err(PoolError::Full);
         }
-        let reserved = self.binding.reserve(self.chunk_bytes)?;
-        let chunk = reserved.commit().map_err(|e| e.cause)?;
+        let reserved = self
+            .binding
+            .reserve(self.chunk_bytes)
+            .map_err(|e| PoolError::Reserve(Box::new(e)))?;
+        let chunk = reserved
+            .commit()
+            .map_err(|e| PoolError::Commit(Box::new(e.cause)))?;
         self.with(|s| {
             if slot == s.chunks.len() {
                 s.chunks.push(None);
@@ -169,7 +275,8 @@ impl<'b, 'id, B: Backend> PagePool<'b, 'id, B> {
             // Capacity for every page of every chunk: the hot path's pushes never reallocate.
             let total = s.chunks.len() * per_chunk;
             s.free.reserve(total - s.free.len());
-            s.free.extend((0..per_chunk as u32).rev().map(|i| first as u32 + i));
+            s.free
+                .extend((0..per_chunk as u32).rev().map(|i| first as u32 + i));
         });
         Ok(())
     }
@@ -186,7 +293,8 @@ impl<'b, 'id, B: Backend> PagePool<'b, 'id, B> {
             let idle: Vec<usize> = (0..s.chunks.len())
                 .filter(|&c| free_in[c] == per_chunk && s.chunks[c].is_some())
                 .collect();
-            s.free.retain(|&i| free_in[(i >> shift) as usize] != per_chunk);
+            s.free
+                .retain(|&i| free_in[(i >> shift) as usize] != per_chunk);
             idle.iter().filter_map(|&c| s.chunks[c].take()).collect()
         });
         let n = idle.len();
@@ -230,7 +338,7 @@ impl<'b, 'id, B: Backend> PagePool<'b, 'id, B> {
     }
 }
 
-impl<'p, 'b, 'id, B: Backend> Page<'p, 'b, 'id, B> {
+impl<'p, 'pool, 'b, 'id, B: Backend> Page<'p, 'pool, 'b, 'id, B> {
     /// The page's index in its pool (stable while the page lives).
     pub fn index(&self) -> u32 {
         self.index
@@ -246,7 +354,92 @@ impl<'p, 'b, 'id, B: Backend> Page<'p, 'b, 'id, B> {
     pub fn free(self) {}
 }
 
-impl<B: HostVisible> Page<'_, '_, '_, B> {
+impl<'p, 'pool, 'b, 'id, B: Backend> PageTable<'p, 'pool, 'b, 'id, B> {
+    /// Takes a page from the pool and appends it; returns its position in the table.
+    ///
+    /// # Errors
+    ///
+    /// [`PoolError`] when the pool must grow and cannot; the table is unchanged.
+    #[inline]
+    pub fn push(&mut self) -> Result<usize, PoolError> {
+        self.pool.push(self)
+    }
+
+    /// Removes the last page as a token of its own.
+    pub fn pop(&mut self) -> Option<Page<'p, 'pool, 'b, 'id, B>> {
+        let index = self.pages.pop()?;
+        Some(Page {
+            pool: self.pool,
+            index,
+        })
+    }
+
+    /// Pages in the table.
+    pub fn len(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// Whether the table has no page.
+    pub fn is_empty(&self) -> bool {
+        self.pages.is_empty()
+    }
+
+    /// Address of the page at `position`.
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn addr(&self, position: usize) -> Addr {
+        self.pool.page_addr(self.pages[position])
+    }
+
+    /// Returns every page to the pool; the table can be reused.
+    #[inline]
+    pub fn clear(&mut self) {
+        self.pool.clear(self);
+    }
+}
+
+impl<B: HostVisible> PageTable<'_, '_, '_, '_, B> {
+    /// The bytes of the page at `position`.
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn page(&self, position: usize) -> &[u8] {
+        let len = self.pool.page_size();
+        // SAFETY: as for `Page::as_slice`: the table owns this page, its chunk stays committed
+        // while it does, and `&self` excludes writes through the table.
+        unsafe { std::slice::from_raw_parts(self.addr(position) as *const u8, len) }
+    }
+
+    /// The bytes of the page at `position`, writable.
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn page_mut(&mut self, position: usize) -> &mut [u8] {
+        let len = self.pool.page_size();
+        // SAFETY: as in `page`; `&mut self` makes this the only borrow of the table's pages.
+        unsafe { std::slice::from_raw_parts_mut(self.addr(position) as *mut u8, len) }
+    }
+}
+
+impl<B: Backend> Drop for PageTable<'_, '_, '_, '_, B> {
+    fn drop(&mut self) {
+        self.clear();
+    }
+}
+
+impl<B: Backend> fmt::Debug for PageTable<'_, '_, '_, '_, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PageTable")
+            .field("pages", &self.pages)
+            .finish()
+    }
+}
+
+impl<B: HostVisible> Page<'_, '_, '_, '_, B> {
     /// The page's bytes.
     pub fn as_slice(&self) -> &[u8] {
         let len = self.pool.page_size();
@@ -264,7 +457,7 @@ impl<B: HostVisible> Page<'_, '_, '_, B> {
     }
 }
 
-impl<B: Backend> Drop for Page<'_, '_, '_, B> {
+impl<B: Backend> Drop for Page<'_, '_, '_, '_, B> {
     #[inline]
     fn drop(&mut self) {
         let index = self.index;
@@ -272,13 +465,13 @@ impl<B: Backend> Drop for Page<'_, '_, '_, B> {
     }
 }
 
-impl<B: Backend> fmt::Debug for Page<'_, '_, '_, B> {
+impl<B: Backend> fmt::Debug for Page<'_, '_, '_, '_, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Page").field("index", &self.index).finish()
     }
 }
 
-impl<B: Backend> fmt::Debug for PagePool<'_, '_, B> {
+impl<B: Backend> fmt::Debug for PagePool<'_, '_, '_, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PagePool")
             .field("page_size", &self.page_size())

@@ -27,11 +27,14 @@ fn step() -> impl Strategy<Value = Step> {
 }
 
 fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES").ok().and_then(|v| v.parse().ok()).unwrap_or(1000)
+    std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1000)
 }
 
 /// Writes the page's index into its first and last bytes; reads it back.
-fn stamp(page: &mut Page<'_, '_, '_, Faulty<HostBackend>>) {
+fn stamp(page: &mut Page<'_, '_, '_, '_, Faulty<HostBackend>>) {
     let i = page.index().to_le_bytes();
     let bytes = page.as_mut_slice();
     let n = bytes.len();
@@ -39,7 +42,7 @@ fn stamp(page: &mut Page<'_, '_, '_, Faulty<HostBackend>>) {
     bytes[n - 4..].copy_from_slice(&i);
 }
 
-fn stamped(page: &Page<'_, '_, '_, Faulty<HostBackend>>) -> bool {
+fn stamped(page: &Page<'_, '_, '_, '_, Faulty<HostBackend>>) -> bool {
     let i = page.index().to_le_bytes();
     let bytes = page.as_slice();
     bytes[..4] == i && bytes[bytes.len() - 4..] == i
@@ -52,8 +55,9 @@ fn run(steps: &[Step]) {
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::bytes(64 << 10)).unwrap();
-    let pool = PagePool::new(&binding, 1024).unwrap();
-    let mut live: Vec<(Page<'_, '_, '_, _>, bool)> = Vec::new();
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, 1024).unwrap();
+    let mut live: Vec<(Page<'_, '_, '_, '_, _>, bool)> = Vec::new();
     for step in steps {
         match *step {
             Step::Alloc => match pool.alloc() {
@@ -84,11 +88,19 @@ fn run(steps: &[Step]) {
         assert_eq!(indices.len(), live.len(), "a page was handed out twice");
         let addrs: HashSet<usize> = live.iter().map(|(p, _)| p.addr()).collect();
         assert_eq!(addrs.len(), live.len(), "two live pages share an address");
-        assert_eq!(pool.free_pages() + live.len(), pool.capacity(), "free + live != capacity");
+        assert_eq!(
+            pool.free_pages() + live.len(),
+            pool.capacity(),
+            "free + live != capacity"
+        );
         assert_eq!(pool.live_pages(), live.len());
         assert_eq!(device.ledger().owned_bytes, pool.capacity() as u64 * 1024);
         for (page, written) in &live {
-            assert!(!written || stamped(page), "page {} lost its bytes", page.index());
+            assert!(
+                !written || stamped(page),
+                "page {} lost its bytes",
+                page.index()
+            );
         }
     }
     drop(live);
@@ -114,14 +126,21 @@ fn the_hot_path_makes_no_backend_call() {
     let sim = SimBackend::default();
     let device = Device::new(guard, sim.clone());
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let pool = PagePool::new(&binding, 4096).unwrap();
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, 4096).unwrap();
     pool.grow().unwrap();
     let calls = sim.calls().len();
     for _ in 0..10 {
-        let pages: Vec<_> = (0..pool.capacity()).map(|_| pool.alloc().unwrap()).collect();
+        let pages: Vec<_> = (0..pool.capacity())
+            .map(|_| pool.alloc().unwrap())
+            .collect();
         drop(pages);
     }
-    assert_eq!(sim.calls().len(), calls, "alloc and free called the backend");
+    assert_eq!(
+        sim.calls().len(),
+        calls,
+        "alloc and free called the backend"
+    );
 }
 
 #[test]
@@ -130,9 +149,14 @@ fn a_pool_grows_by_chunks_and_gives_idle_chunks_back() {
     let device = Device::new(guard, SimBackend::default());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
-    let pool = PagePool::new(&binding, g / 4).unwrap();
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, g / 4).unwrap();
     let a: Vec<_> = (0..5).map(|_| pool.alloc().unwrap()).collect();
-    assert_eq!((pool.capacity(), pool.live_pages()), (8, 5), "two chunks of four pages");
+    assert_eq!(
+        (pool.capacity(), pool.live_pages()),
+        (8, 5),
+        "two chunks of four pages"
+    );
     assert_eq!(device.ledger().owned_bytes, 2 * g as u64);
     assert_eq!(pool.shrink(), 0, "both chunks have live pages");
     let mut a = a.into_iter();
@@ -141,7 +165,10 @@ fn a_pool_grows_by_chunks_and_gives_idle_chunks_back() {
     }
     // Pages 0..4 came from the first chunk; it is idle now.
     assert_eq!(pool.shrink(), 1);
-    assert_eq!((pool.capacity(), device.ledger().owned_bytes), (4, g as u64));
+    assert_eq!(
+        (pool.capacity(), device.ledger().owned_bytes),
+        (4, g as u64)
+    );
     drop(a);
     assert_eq!(pool.shrink(), 1);
     assert!(device.ledger().is_zero());
@@ -152,9 +179,21 @@ fn an_invalid_page_size_and_a_refused_growth_are_errors() {
     make_guard!(guard);
     let device = Device::new(guard, SimBackend::default());
     let binding = device.bind(Budget::bytes(0)).unwrap();
-    assert!(matches!(PagePool::new(&binding, 3000), Err(PoolError::PageSize { .. })));
-    let pool = PagePool::new(&binding, 4096).unwrap();
+    make_guard!(g3000);
+    assert!(matches!(
+        PagePool::new(g3000, &binding, 3000),
+        Err(PoolError::PageSize(3000))
+    ));
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, 4096).unwrap();
     let err = pool.alloc().unwrap_err();
-    assert!(err.to_string().contains("exceeds the binding's budget"), "{err}");
-    assert_eq!((pool.capacity(), device.ledger().reserved_bytes), (0, 0), "nothing kept");
+    assert!(
+        err.to_string().contains("exceeds the binding's budget"),
+        "{err}"
+    );
+    assert_eq!(
+        (pool.capacity(), device.ledger().reserved_bytes),
+        (0, 0),
+        "nothing kept"
+    );
 }

@@ -1,0 +1,108 @@
+//! The page cycle of `benches/hot_paths.rs` (allocate a 256-token sequence's 16 pages, free
+//! them), as a plain program for instruction counting: tokens versus the hand-written pool.
+//!
+//! ```text
+//! cargo build --release --example page_cycle
+//! valgrind --tool=callgrind --toggle-collect='page_cycle::cycles_*' \
+//!     target/release/examples/page_cycle memtoken 100000
+//! valgrind --tool=callgrind --toggle-collect='page_cycle::cycles_*' \
+//!     target/release/examples/page_cycle raw 100000
+//! ```
+//!
+//! `cargo run --release --example bench_report` runs both and prints the ratio.
+
+#[path = "../benches/common/raw_pool.rs"]
+mod raw_pool;
+
+use memtoken::backend::{Backend, HostBackend};
+use memtoken::{Budget, Device, PagePool, make_guard};
+use raw_pool::RawPool;
+use std::hint::black_box;
+
+const PAGE: usize = 4096;
+const SEQ_PAGES: usize = 16;
+
+#[inline(never)]
+fn cycles_memtoken<B: Backend>(pool: &PagePool<'_, '_, '_, B>, n: u64) {
+    let mut table = pool.table();
+    for _ in 0..n {
+        for _ in 0..SEQ_PAGES {
+            pool.push(&mut table).unwrap();
+        }
+        black_box(table.len());
+        pool.clear(&mut table);
+    }
+}
+
+#[inline(never)]
+fn cycles_pages<B: Backend>(pool: &PagePool<'_, '_, '_, B>, n: u64) {
+    let mut table = Vec::with_capacity(SEQ_PAGES);
+    for _ in 0..n {
+        for _ in 0..SEQ_PAGES {
+            table.push(pool.alloc().unwrap());
+        }
+        black_box(table.len());
+        for page in table.drain(..) {
+            pool.free(page);
+        }
+    }
+}
+
+#[inline(never)]
+fn cycles_raw<B: Backend>(pool: &mut RawPool<'_, B>, n: u64) {
+    let mut table = Vec::with_capacity(SEQ_PAGES);
+    for _ in 0..n {
+        for _ in 0..SEQ_PAGES {
+            table.push(pool.alloc().unwrap());
+        }
+        black_box(table.len());
+        pool.free_all(&table);
+        table.clear();
+    }
+}
+
+fn main() {
+    let mut args = std::env::args().skip(1);
+    let which = args.next().unwrap_or_else(|| "memtoken".into());
+    let n: u64 = args
+        .next()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1_000_000);
+    match which.as_str() {
+        "memtoken" => {
+            make_guard!(guard);
+            let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+            let binding = device.bind(Budget::unlimited()).unwrap();
+            make_guard!(pool_guard);
+            let pool = PagePool::new(pool_guard, &binding, PAGE).unwrap();
+            for _ in 0..SEQ_PAGES {
+                pool.grow().unwrap();
+            }
+            cycles_memtoken(&pool, n);
+        }
+        "pages" => {
+            make_guard!(guard);
+            let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+            let binding = device.bind(Budget::unlimited()).unwrap();
+            make_guard!(pool_guard);
+            let pool = PagePool::new(pool_guard, &binding, PAGE).unwrap();
+            for _ in 0..SEQ_PAGES {
+                pool.grow().unwrap();
+            }
+            cycles_pages(&pool, n);
+        }
+        "raw" => {
+            let backend = HostBackend::with_defaults().unwrap();
+            let mut pool = RawPool::new(&backend, PAGE);
+            for _ in 0..SEQ_PAGES {
+                pool.grow().unwrap();
+            }
+            cycles_raw(&mut pool, n);
+        }
+        other => {
+            eprintln!("usage: page_cycle memtoken|pages|raw [cycles]  (got {other:?})");
+            std::process::exit(2);
+        }
+    }
+    println!("{which}: {n} cycles of {SEQ_PAGES} pages");
+}

@@ -1,0 +1,14 @@
+// A page borrows its pool: the pool cannot be dropped while the page lives.
+use memtoken::backend::SimBackend;
+use memtoken::{Budget, Device, PagePool, make_guard};
+
+fn main() {
+    make_guard!(guard);
+    let device = Device::new(guard, SimBackend::default());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, 4096).unwrap();
+    let page = pool.alloc().unwrap();
+    drop(pool);
+    drop(page);
+}

@@ -13,9 +13,20 @@
 //! ```
 
 use crate::allocation::Allocation;
-use crate::backend::BackendError;
 use crate::backend::cuda::{CudaBackend, Driver};
+use crate::backend::{Addr, BackendError};
+use crate::mapping::{DivergedMapping, Prefix, PrefixMapping};
+use crate::page_pool::PageTable;
 use crate::state::Committed;
+
+/// `[offset, offset + len)` inside a region of `size` bytes at `base`, or a panic.
+fn within(base: Addr, size: usize, offset: usize, len: usize) -> Addr {
+    assert!(
+        offset.checked_add(len).is_some_and(|end| end <= size),
+        "{len} bytes at offset {offset} do not fit in {size}"
+    );
+    base + offset
+}
 
 impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Committed> {
     /// The device pointer (`CUdeviceptr`), to pass as a kernel argument or to `cudarc`'s raw
@@ -62,5 +73,73 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Committed> {
         );
         let backend = self.binding().device().backend();
         backend.copy_to_host(dst, self.addr())
+    }
+}
+
+macro_rules! readable {
+    ($($t:ident),*) => {$(
+        impl<D: Driver> $t<'_, '_, CudaBackend<D>> {
+            /// Copies `dst.len()` bytes at `offset` into this mapping to the host.
+            ///
+            /// # Errors
+            ///
+            /// The driver's error.
+            ///
+            /// # Panics
+            ///
+            /// If the range does not fit in the mapping.
+            pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
+                let at = within(self.addr(), self.size(), offset, dst.len());
+                self.backend().copy_to_host(dst, at)
+            }
+        }
+    )*};
+}
+readable!(Prefix, PrefixMapping, DivergedMapping);
+
+impl<D: Driver> DivergedMapping<'_, '_, CudaBackend<D>> {
+    /// Copies `src` from the host into the private last granule, at `offset` into it.
+    ///
+    /// # Errors
+    ///
+    /// The driver's error.
+    ///
+    /// # Panics
+    ///
+    /// If the range does not fit in the granule.
+    pub fn copy_to_boundary(&mut self, offset: usize, src: &[u8]) -> Result<(), BackendError> {
+        let boundary = self.boundary_offset();
+        let at = within(self.addr() + boundary, self.size() - boundary, offset, src.len());
+        self.backend().copy_from_host(at, src)
+    }
+}
+
+impl<D: Driver> PageTable<'_, '_, '_, '_, CudaBackend<D>> {
+    /// Copies `src` from the host into the page at `position`, at `offset` into it.
+    ///
+    /// # Errors
+    ///
+    /// The driver's error.
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds or the range does not fit in the page.
+    pub fn copy_to_page(&mut self, position: usize, offset: usize, src: &[u8]) -> Result<(), BackendError> {
+        let at = within(self.addr(position), self.page_size(), offset, src.len());
+        self.backend().copy_from_host(at, src)
+    }
+
+    /// Copies bytes of the page at `position`, from `offset`, to the host.
+    ///
+    /// # Errors
+    ///
+    /// The driver's error.
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds or the range does not fit in the page.
+    pub fn copy_from_page(&self, position: usize, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
+        let at = within(self.addr(position), self.page_size(), offset, dst.len());
+        self.backend().copy_to_host(dst, at)
     }
 }

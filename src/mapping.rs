@@ -203,6 +203,11 @@ macro_rules! accessors {
             pub fn mappings(&self) -> usize {
                 self.core.device().share_refs(self.core.key)
             }
+
+            /// The backend, for interop.
+            pub(crate) fn backend(&self) -> &B {
+                self.core.device().backend()
+            }
         }
 
         impl<B: HostVisible> $t<'_, '_, B> {

@@ -374,9 +374,19 @@ impl<'p, 'pool, 'b, 'id, B: Backend> PageTable<'p, 'pool, 'b, 'id, B> {
         })
     }
 
+    /// The backend, for interop.
+    pub(crate) fn backend(&self) -> &B {
+        self.pool.binding.device().backend()
+    }
+
     /// Pages in the table.
     pub fn len(&self) -> usize {
         self.pages.len()
+    }
+
+    /// The pool's page size in bytes.
+    pub fn page_size(&self) -> usize {
+        self.pool.page_size()
     }
 
     /// Whether the table has no page.

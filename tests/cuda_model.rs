@@ -168,7 +168,7 @@ fn no_driver_call_follows_device_loss() {
 }
 
 #[test]
-fn sharing_and_copy_on_write_on_the_device() {
+fn sharing_copy_on_write_and_pages_carry_data_on_the_device() {
     let model = DriverModel::default();
     make_guard!(guard);
     let device = Device::new(guard, backend(&model));
@@ -178,17 +178,35 @@ fn sharing_and_copy_on_write_on_the_device() {
     let prefix = owner.into_prefix();
     let a = binding.reserve(2 * G).unwrap().map_prefix(&prefix).unwrap();
     let b = binding.reserve(2 * G).unwrap().map_prefix(&prefix).unwrap();
+    let mut seen = vec![0; 16];
+    b.copy_to_host(G + 100, &mut seen).unwrap();
+    assert_eq!(seen, vec![7; 16], "the sharer reads the owner's bytes");
     let created = model.count(DriverCall::MemCreate);
-    let a = a.diverge().unwrap();
-    assert_eq!(
-        model.count(DriverCall::MemCreate),
-        created + 1,
-        "one private granule"
-    );
+    let mut a = a.diverge().unwrap();
+    assert_eq!(model.count(DriverCall::MemCreate), created + 1, "one private granule");
     assert_eq!(device.ledger().owned_bytes, 3 * G as u64);
-    // Read both sharers' last granules through scratch allocations copied on the device.
-    let backend = |m: &memtoken::DivergedMapping<'_, '_, CudaBackend<DriverModel>>| m.addr();
-    let _ = backend(&a);
+    a.copy_to_boundary(100, &[9; 16]).unwrap();
+    a.copy_to_host(G + 100, &mut seen).unwrap();
+    assert_eq!(seen, vec![9; 16], "the sharer's own write");
+    a.copy_to_host(G + 200, &mut seen).unwrap();
+    assert_eq!(seen, vec![7; 16], "copied from the original");
+    b.copy_to_host(G + 100, &mut seen).unwrap();
+    assert_eq!(seen, vec![7; 16], "the other sharer still sees the original");
+    prefix.copy_to_host(G + 100, &mut seen).unwrap();
+    assert_eq!(seen, vec![7; 16], "so does the owner");
+
+    make_guard!(pool_guard);
+    let pool = memtoken::PagePool::new(pool_guard, &binding, 4096).unwrap();
+    let mut table = pool.table();
+    table.push().unwrap();
+    table.push().unwrap();
+    table.copy_to_page(1, 8, &[5; 8]).unwrap();
+    let mut page = vec![0; 8];
+    table.copy_from_page(1, 8, &mut page).unwrap();
+    assert_eq!(page, vec![5; 8]);
+    drop(table);
+    drop(pool);
+
     drop((a, b, prefix));
     assert!(device.ledger().is_zero());
     drop(binding);

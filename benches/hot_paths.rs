@@ -137,7 +137,12 @@ fn granule_once_raw<B: Backend>(raw: &B, len: usize) {
     raw.free(addr, len).unwrap();
 }
 
-fn granule_cycle_memtoken<B: Backend>(c: &mut Criterion, id: &str, binding: &Binding<'_, '_, B>, len: usize) {
+fn granule_cycle_memtoken<B: Backend>(
+    c: &mut Criterion,
+    id: &str,
+    binding: &Binding<'_, '_, B>,
+    len: usize,
+) {
     c.bench_function(id, |b| b.iter(|| granule_once_memtoken(binding, len)));
 }
 

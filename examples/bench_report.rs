@@ -13,15 +13,60 @@ use std::process::Command;
 
 /// (label, bench id, reference id, bound): a ratio `bench / reference` and the bound it must meet.
 const RATIOS: &[(&str, &str, &str, f64)] = &[
-    ("page cycle: tokens (page table) / raw", "page_cycle/memtoken", "page_cycle/raw", 1.02),
-    ("page cycle: one token per page / raw", "page_cycle/memtoken_pages", "page_cycle/raw", f64::NAN),
-    ("page cycle: slab / tokens", "page_cycle/slab", "page_cycle/memtoken", f64::NAN),
-    ("page cycle: malloc / tokens", "page_cycle/malloc", "page_cycle/memtoken", f64::NAN),
-    ("granule cycle: tokens / raw", "granule_cycle/memtoken", "granule_cycle/raw", 1.05),
-    ("page scale: 64 Ki live / 1 Ki live", "page_scale/memtoken/65536", "page_scale/memtoken/1024", 1.2),
-    ("page scale: 1 Mi live / 1 Ki live", "page_scale/memtoken/1048576", "page_scale/memtoken/1024", 1.2),
-    ("GPU page cycle: tokens / raw", "gpu/page_cycle/memtoken", "gpu/page_cycle/raw", 1.02),
-    ("GPU granule cycle: tokens / raw", "gpu/granule_cycle/memtoken", "gpu/granule_cycle/raw", 1.05),
+    (
+        "page cycle: tokens (page table) / raw",
+        "page_cycle/memtoken",
+        "page_cycle/raw",
+        1.02,
+    ),
+    (
+        "page cycle: one token per page / raw",
+        "page_cycle/memtoken_pages",
+        "page_cycle/raw",
+        f64::NAN,
+    ),
+    (
+        "page cycle: slab / tokens",
+        "page_cycle/slab",
+        "page_cycle/memtoken",
+        f64::NAN,
+    ),
+    (
+        "page cycle: malloc / tokens",
+        "page_cycle/malloc",
+        "page_cycle/memtoken",
+        f64::NAN,
+    ),
+    (
+        "granule cycle: tokens / raw",
+        "granule_cycle/memtoken",
+        "granule_cycle/raw",
+        1.05,
+    ),
+    (
+        "page scale: 64 Ki live / 1 Ki live",
+        "page_scale/memtoken/65536",
+        "page_scale/memtoken/1024",
+        1.2,
+    ),
+    (
+        "page scale: 1 Mi live / 1 Ki live",
+        "page_scale/memtoken/1048576",
+        "page_scale/memtoken/1024",
+        1.2,
+    ),
+    (
+        "GPU page cycle: tokens / raw",
+        "gpu/page_cycle/memtoken",
+        "gpu/page_cycle/raw",
+        1.02,
+    ),
+    (
+        "GPU granule cycle: tokens / raw",
+        "gpu/granule_cycle/memtoken",
+        "gpu/granule_cycle/raw",
+        1.05,
+    ),
 ];
 
 fn target_dir() -> PathBuf {
@@ -32,13 +77,15 @@ fn target_dir() -> PathBuf {
 fn field<'a>(json: &'a str, key: &str) -> Option<&'a str> {
     let at = json.find(key)? + key.len();
     let rest = &json[at..];
-    let end = rest.find(|c: char| c == '"' || c == ',' || c == '}')?;
+    let end = rest.find(['"', ',', '}'])?;
     Some(&rest[..end])
 }
 
 /// Mean time in nanoseconds of every bench criterion has results for, by full id.
 fn read_results(dir: &Path, out: &mut BTreeMap<String, f64>) {
-    let Ok(entries) = std::fs::read_dir(dir) else { return };
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
     for entry in entries.flatten() {
         let path = entry.path();
         if path.is_dir() {
@@ -46,8 +93,11 @@ fn read_results(dir: &Path, out: &mut BTreeMap<String, f64>) {
         } else if path.file_name().is_some_and(|n| n == "benchmark.json")
             && path.parent().is_some_and(|p| p.ends_with("new"))
         {
-            let Ok(meta) = std::fs::read_to_string(&path) else { continue };
-            let Ok(estimates) = std::fs::read_to_string(path.with_file_name("estimates.json")) else {
+            let Ok(meta) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            let Ok(estimates) = std::fs::read_to_string(path.with_file_name("estimates.json"))
+            else {
                 continue;
             };
             let id = field(&meta, "\"full_id\":\"");
@@ -107,7 +157,11 @@ fn svg(rows: &[(String, f64, f64)]) -> String {
             bar_h - 8.0,
             left + len + 6.0,
             y + 16.0,
-            if bound.is_nan() { String::new() } else { format!(" (≤ {bound})") },
+            if bound.is_nan() {
+                String::new()
+            } else {
+                format!(" (≤ {bound})")
+            },
         );
     }
     s += &format!(
@@ -124,7 +178,14 @@ fn main() {
     let (warm, measure) = if quick { ("1", "2") } else { ("3", "8") };
     eprintln!("running the benches (cargo bench --bench hot_paths) ...");
     let status = cargo()
-        .args(["bench", "--bench", "hot_paths", "--", "--warm-up-time", warm])
+        .args([
+            "bench",
+            "--bench",
+            "hot_paths",
+            "--",
+            "--warm-up-time",
+            warm,
+        ])
         .args(["--measurement-time", measure])
         .status()
         .expect("cargo runs");
@@ -150,14 +211,22 @@ fn main() {
             failed = true;
             "**over**"
         };
-        let bound_text = if bound.is_nan() { "—".to_string() } else { format!("≤ {bound}") };
+        let bound_text = if bound.is_nan() {
+            "—".to_string()
+        } else {
+            format!("≤ {bound}")
+        };
         println!("| {label} | {ratio:.3} | {bound_text} | {verdict} |");
         rows.push((label.to_string(), ratio, bound));
     }
     println!("\n| bench | mean |\n| --- | ---: |");
     for (id, ns) in &results {
         if RATIOS.iter().any(|r| r.1 == id || r.2 == id) {
-            let shown = if *ns >= 1000.0 { format!("{:.2} µs", ns / 1000.0) } else { format!("{ns:.2} ns") };
+            let shown = if *ns >= 1000.0 {
+                format!("{:.2} µs", ns / 1000.0)
+            } else {
+                format!("{ns:.2} ns")
+            };
             println!("| `{id}` | {shown} |");
         }
     }
@@ -166,16 +235,26 @@ fn main() {
         .args(["build", "--release", "--example", "page_cycle"])
         .status()
         .is_ok_and(|s| s.success());
-    match (built, callgrind("memtoken", 100_000), callgrind("raw", 100_000)) {
+    match (
+        built,
+        callgrind("memtoken", 100_000),
+        callgrind("raw", 100_000),
+    ) {
         (true, Some(tokens), Some(raw)) => {
             let ratio = tokens / raw;
             println!(
                 "\ncallgrind, page cycle: {tokens:.1} instructions with tokens, {raw:.1} raw: ratio {ratio:.4} ({})",
-                if (ratio - 1.0).abs() <= 0.02 { "within 2%" } else { "**more than 2% apart**" }
+                if (ratio - 1.0).abs() <= 0.02 {
+                    "within 2%"
+                } else {
+                    "**more than 2% apart**"
+                }
             );
             failed |= (ratio - 1.0).abs() > 0.02;
         }
-        _ => println!("\ncallgrind: skipped (valgrind is not installed, or the example did not build)"),
+        _ => println!(
+            "\ncallgrind: skipped (valgrind is not installed, or the example did not build)"
+        ),
     }
 
     let plot = Path::new("benches/report.svg");

@@ -57,7 +57,11 @@ fn execute<B: Backend, K: Kernels<B>>(device: &Device<'_, B>, kernels: &K, n: us
     println!(
         "ran y = 2·x + y on {n} elements in {:.3} ms: {}",
         elapsed.as_secs_f64() * 1e3,
-        if wrong == 0 { "all correct".to_string() } else { format!("{wrong} wrong") }
+        if wrong == 0 {
+            "all correct".to_string()
+        } else {
+            format!("{wrong} wrong")
+        }
     );
     if wrong != 0 {
         return Err(format!("{wrong} elements are wrong").into());
@@ -83,7 +87,9 @@ fn execute<B: Backend, K: Kernels<B>>(device: &Device<'_, B>, kernels: &K, n: us
 struct Cpu;
 
 fn floats(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
-    bytes.chunks_exact(4).map(|c| f32::from_ne_bytes(c.try_into().expect("4 bytes")))
+    bytes
+        .chunks_exact(4)
+        .map(|c| f32::from_ne_bytes(c.try_into().expect("4 bytes")))
 }
 
 impl Kernels<HostBackend> for Cpu {
@@ -91,14 +97,22 @@ impl Kernels<HostBackend> for Cpu {
         "host (CPU loop)".into()
     }
 
-    fn upload(&self, dst: &mut Allocation<'_, '_, HostBackend, Committed>, src: &[f32]) -> Result<()> {
+    fn upload(
+        &self,
+        dst: &mut Allocation<'_, '_, HostBackend, Committed>,
+        src: &[f32],
+    ) -> Result<()> {
         for (chunk, v) in dst.as_mut_slice().chunks_exact_mut(4).zip(src) {
             chunk.copy_from_slice(&v.to_ne_bytes());
         }
         Ok(())
     }
 
-    fn download(&self, src: &Allocation<'_, '_, HostBackend, Committed>, dst: &mut [f32]) -> Result<()> {
+    fn download(
+        &self,
+        src: &Allocation<'_, '_, HostBackend, Committed>,
+        dst: &mut [f32],
+    ) -> Result<()> {
         for (d, v) in dst.iter_mut().zip(floats(src.as_slice())) {
             *d = v;
         }
@@ -112,7 +126,12 @@ impl Kernels<HostBackend> for Cpu {
         y: &mut Allocation<'_, '_, HostBackend, Committed>,
         n: usize,
     ) -> Result<()> {
-        for (yc, xv) in y.as_mut_slice().chunks_exact_mut(4).zip(floats(x.as_slice())).take(n) {
+        for (yc, xv) in y
+            .as_mut_slice()
+            .chunks_exact_mut(4)
+            .zip(floats(x.as_slice()))
+            .take(n)
+        {
             let yv = f32::from_ne_bytes((&*yc).try_into().expect("4 bytes"));
             yc.copy_from_slice(&(a * xv + yv).to_ne_bytes());
         }
@@ -162,7 +181,11 @@ mod gpu {
             Ok(dst.copy_from_host(&bytes(src))?)
         }
 
-        fn download(&self, src: &Allocation<'_, '_, Gpu, Committed>, dst: &mut [f32]) -> Result<()> {
+        fn download(
+            &self,
+            src: &Allocation<'_, '_, Gpu, Committed>,
+            dst: &mut [f32],
+        ) -> Result<()> {
             let mut raw = vec![0u8; dst.len() * 4];
             src.copy_to_host(&mut raw)?;
             for (d, c) in dst.iter_mut().zip(raw.chunks_exact(4)) {
@@ -212,7 +235,11 @@ fn main() -> Result<()> {
             let device = Device::new(guard, backend);
             execute(&device, &gpu::Ptxs::load()?, n)?;
             let report = device.close();
-            return if report.is_clean() { Ok(()) } else { Err(format!("{report:?}").into()) };
+            return if report.is_clean() {
+                Ok(())
+            } else {
+                Err(format!("{report:?}").into())
+            };
         }
         #[cfg(not(feature = "cuda"))]
         return Err("built without the `cuda` feature".into());

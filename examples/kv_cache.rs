@@ -1,142 +1,309 @@
-//! A small paged KV cache on the host backend, with a shared system prompt.
+//! memtoken's showcase: a paged KV cache with a shared system prompt.
 //!
-//! Every sequence starts with the same system prompt. Its K/V pages are computed once, by the
-//! owner, and mapped read-only into every sequence (zero extra physical bytes). The prompt ends
-//! inside its last page, so the first token a sequence generates lands in a page it shares:
-//! the sequence takes a private copy of that one page first (copy-on-write). After that it
-//! grows one private page every 16 tokens, finishes, and gives everything back. The owner
-//! drops its handle on the prompt once the last sequence has arrived; the prompt's memory
-//! stays until the last sequence that maps it is gone.
+//! Every sequence starts with the same system prompt, whose K/V is computed once by its owner
+//! and mapped read-only into every sequence (zero extra physical bytes). The prompt ends inside
+//! its last page, so a sequence's first generated token lands in a page it shares: it takes a
+//! private copy of that one page first (copy-on-write). After that it takes a page from the
+//! page pool every 16 tokens (O(1), no system call), finishes, and gives everything back. New
+//! sequences keep arriving; the prompt's owner lets go after the last arrival, and the prompt's
+//! memory lives on until the last sequence that maps it is gone.
 //!
 //! ```text
-//! cargo run --release --example kv_cache [-- --sequences N --seed S --prompt-tokens P]
+//! cargo run --release --example kv_cache [-- --gpu --sequences N --seed S --prompt-tokens P]
 //! ```
 
-use memtoken::backend::{HostBackend, HostConfig};
+use memtoken::backend::{Backend, HostBackend, HostConfig};
 use memtoken::{
-    Allocation, Binding, Budget, Committed, Device, DivergedMapping, Prefix, PrefixMapping,
-    make_guard,
+    Allocation, Budget, Committed, Device, DivergedMapping, PagePool, PageTable, Prefix,
+    PrefixMapping, make_guard,
 };
 use std::error::Error;
 use std::time::Instant;
 
+type Result<T> = std::result::Result<T, Box<dyn Error>>;
+
 const TOKENS_PER_PAGE: usize = 16;
-/// Bytes of K and V one token needs in this toy model (one 4 KiB page holds 16 tokens).
+/// Bytes of K and V one token needs in this toy model.
 const BYTES_PER_TOKEN: usize = 256;
 const PAGE: usize = TOKENS_PER_PAGE * BYTES_PER_TOKEN;
 
-type Host = HostBackend;
+/// How the demo reads and writes K/V on a backend: host slices, or copies to a device.
+trait Kv<B: Backend> {
+    fn name(&self) -> &'static str;
+    fn write_prompt(
+        &self,
+        a: &mut Allocation<'_, '_, B, Committed>,
+        at: usize,
+        kv: &[u8],
+    ) -> Result<()>;
+    fn write_boundary(
+        &self,
+        d: &mut DivergedMapping<'_, '_, B>,
+        at: usize,
+        kv: &[u8],
+    ) -> Result<()>;
+    fn write_page(
+        &self,
+        t: &mut PageTable<'_, '_, '_, '_, B>,
+        pos: usize,
+        at: usize,
+        kv: &[u8],
+    ) -> Result<()>;
+    fn read_shared(&self, m: &PrefixMapping<'_, '_, B>, at: usize, out: &mut [u8]) -> Result<()>;
+    fn read_diverged(
+        &self,
+        d: &DivergedMapping<'_, '_, B>,
+        at: usize,
+        out: &mut [u8],
+    ) -> Result<()>;
+    fn read_page(
+        &self,
+        t: &PageTable<'_, '_, '_, '_, B>,
+        pos: usize,
+        at: usize,
+        out: &mut [u8],
+    ) -> Result<()>;
+}
 
-/// The bytes a token's K/V is filled with: prompt tokens are the same for every sequence.
-fn kv_byte(seq: Option<usize>, position: usize) -> u8 {
-    match seq {
-        None => (position % 200) as u8 + 1,
-        Some(id) => 201 + ((id * 7 + position) % 50) as u8,
+struct HostKv;
+impl Kv<HostBackend> for HostKv {
+    fn name(&self) -> &'static str {
+        "host backend"
+    }
+    fn write_prompt(
+        &self,
+        a: &mut Allocation<'_, '_, HostBackend, Committed>,
+        at: usize,
+        kv: &[u8],
+    ) -> Result<()> {
+        a.as_mut_slice()[at..at + kv.len()].copy_from_slice(kv);
+        Ok(())
+    }
+    fn write_boundary(
+        &self,
+        d: &mut DivergedMapping<'_, '_, HostBackend>,
+        at: usize,
+        kv: &[u8],
+    ) -> Result<()> {
+        d.boundary_mut()[at..at + kv.len()].copy_from_slice(kv);
+        Ok(())
+    }
+    fn write_page(
+        &self,
+        t: &mut PageTable<'_, '_, '_, '_, HostBackend>,
+        pos: usize,
+        at: usize,
+        kv: &[u8],
+    ) -> Result<()> {
+        t.page_mut(pos)[at..at + kv.len()].copy_from_slice(kv);
+        Ok(())
+    }
+    fn read_shared(
+        &self,
+        m: &PrefixMapping<'_, '_, HostBackend>,
+        at: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
+        out.copy_from_slice(&m.as_slice()[at..at + out.len()]);
+        Ok(())
+    }
+    fn read_diverged(
+        &self,
+        d: &DivergedMapping<'_, '_, HostBackend>,
+        at: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
+        out.copy_from_slice(&d.as_slice()[at..at + out.len()]);
+        Ok(())
+    }
+    fn read_page(
+        &self,
+        t: &PageTable<'_, '_, '_, '_, HostBackend>,
+        pos: usize,
+        at: usize,
+        out: &mut [u8],
+    ) -> Result<()> {
+        out.copy_from_slice(&t.page(pos)[at..at + out.len()]);
+        Ok(())
     }
 }
 
-fn slot(bytes: &mut [u8], position: usize) -> &mut [u8] {
-    let at = (position % TOKENS_PER_PAGE) * BYTES_PER_TOKEN;
-    &mut bytes[at..at + BYTES_PER_TOKEN]
+#[cfg(feature = "cuda")]
+mod gpu {
+    use super::*;
+    use memtoken::backend::cuda::{CudaBackend, SysDriver};
+    pub type Gpu = CudaBackend<SysDriver>;
+    pub struct GpuKv;
+    impl Kv<Gpu> for GpuKv {
+        fn name(&self) -> &'static str {
+            "CUDA device 0"
+        }
+        fn write_prompt(
+            &self,
+            a: &mut Allocation<'_, '_, Gpu, Committed>,
+            at: usize,
+            kv: &[u8],
+        ) -> Result<()> {
+            let mut whole = vec![0; at + kv.len()];
+            a.copy_to_host(&mut whole)?;
+            whole[at..].copy_from_slice(kv);
+            Ok(a.copy_from_host(&whole)?)
+        }
+        fn write_boundary(
+            &self,
+            d: &mut DivergedMapping<'_, '_, Gpu>,
+            at: usize,
+            kv: &[u8],
+        ) -> Result<()> {
+            Ok(d.copy_to_boundary(at, kv)?)
+        }
+        fn write_page(
+            &self,
+            t: &mut PageTable<'_, '_, '_, '_, Gpu>,
+            pos: usize,
+            at: usize,
+            kv: &[u8],
+        ) -> Result<()> {
+            Ok(t.copy_to_page(pos, at, kv)?)
+        }
+        fn read_shared(
+            &self,
+            m: &PrefixMapping<'_, '_, Gpu>,
+            at: usize,
+            out: &mut [u8],
+        ) -> Result<()> {
+            Ok(m.copy_to_host(at, out)?)
+        }
+        fn read_diverged(
+            &self,
+            d: &DivergedMapping<'_, '_, Gpu>,
+            at: usize,
+            out: &mut [u8],
+        ) -> Result<()> {
+            Ok(d.copy_to_host(at, out)?)
+        }
+        fn read_page(
+            &self,
+            t: &PageTable<'_, '_, '_, '_, Gpu>,
+            pos: usize,
+            at: usize,
+            out: &mut [u8],
+        ) -> Result<()> {
+            Ok(t.copy_from_page(pos, at, out)?)
+        }
+    }
+}
+
+/// The K/V bytes of a token: prompt tokens are the same for every sequence.
+fn kv_bytes(seq: Option<usize>, position: usize) -> [u8; BYTES_PER_TOKEN] {
+    let b = match seq {
+        None => (position % 200) as u8 + 1,
+        Some(id) => 201 + ((id * 7 + position) % 50) as u8,
+    };
+    [b; BYTES_PER_TOKEN]
 }
 
 /// The prompt's last page: still shared, or privately copied.
-enum Boundary<'b, 'id> {
-    Shared(PrefixMapping<'b, 'id, Host>),
-    Private(DivergedMapping<'b, 'id, Host>),
+enum Boundary<'b, 'id, B: Backend> {
+    Shared(PrefixMapping<'b, 'id, B>),
+    Private(DivergedMapping<'b, 'id, B>),
 }
 
-struct Sequence<'b, 'id> {
+struct Sequence<'p, 'pool, 'b, 'id, B: Backend> {
     id: usize,
     prompt_tokens: usize,
+    /// Tokens the prompt's mapping has room for (a whole number of granules).
+    mapped_tokens: usize,
     target: usize,
     /// Tokens so far, the prompt's included.
     len: usize,
-    prompt: Option<Boundary<'b, 'id>>,
-    pages: Vec<Allocation<'b, 'id, Host, Committed>>,
-    copies: usize,
+    /// `None` only for the moment of the copy-on-write.
+    prompt: Option<Boundary<'b, 'id, B>>,
+    pages: PageTable<'p, 'pool, 'b, 'id, B>,
 }
 
-impl<'b, 'id> Sequence<'b, 'id> {
-    fn prompt_pages(&self) -> usize {
-        self.prompt_tokens.div_ceil(TOKENS_PER_PAGE)
+#[derive(Default)]
+struct Stats {
+    committed: usize,
+    released: usize,
+    copies: usize,
+    page_ops: u64,
+}
+
+impl<'p, 'pool, 'b, 'id, B: Backend> Sequence<'p, 'pool, 'b, 'id, B> {
+    /// Where token `position` lives: in the prompt's mapping (offset into it), or in a page of
+    /// the table (position in the table, offset into the page).
+    fn place(&self, position: usize) -> (Option<usize>, usize) {
+        if position < self.mapped_tokens {
+            (None, position * BYTES_PER_TOKEN)
+        } else {
+            let past = position - self.mapped_tokens;
+            (
+                Some(past / TOKENS_PER_PAGE),
+                (past % TOKENS_PER_PAGE) * BYTES_PER_TOKEN,
+            )
+        }
     }
 
-    /// Appends one generated token's K/V; returns how many pages it committed (0 or 1).
-    fn push_token(&mut self, binding: &'b Binding<'b, 'id, Host>) -> Result<usize, Box<dyn Error>> {
+    /// Appends one generated token's K/V.
+    fn push_token(
+        &mut self,
+        kv: &impl Kv<B>,
+        pool: &'p PagePool<'pool, 'b, 'id, B>,
+        stats: &mut Stats,
+    ) -> Result<()> {
         let position = self.len;
-        let byte = kv_byte(Some(self.id), position);
-        let page = position / TOKENS_PER_PAGE;
-        let mut committed = 0;
-        if page < self.prompt_pages() {
-            // Inside the prompt's last page: take a private copy before the first write.
-            if let Some(Boundary::Shared(_)) = self.prompt {
-                let Some(Boundary::Shared(m)) = self.prompt.take() else {
+        let bytes = kv_bytes(Some(self.id), position);
+        match self.place(position) {
+            (None, at) => {
+                // Inside the prompt's last granule: take a private copy before the first write.
+                if let Some(Boundary::Shared(_)) = self.prompt {
+                    let Some(Boundary::Shared(m)) = self.prompt.take() else {
+                        unreachable!()
+                    };
+                    let private = m.diverge().map_err(|e| e.to_string())?;
+                    self.prompt = Some(Boundary::Private(private));
+                    stats.copies += 1;
+                }
+                let Some(Boundary::Private(d)) = &mut self.prompt else {
                     unreachable!()
                 };
-                let private = m.diverge().map_err(|e| e.to_string())?;
-                self.prompt = Some(Boundary::Private(private));
-                self.copies += 1;
+                let into = at - d.boundary_offset();
+                kv.write_boundary(d, into, &bytes)?;
             }
-            let Some(Boundary::Private(d)) = &mut self.prompt else {
-                unreachable!()
-            };
-            slot(d.boundary_mut(), position).fill(byte);
-        } else {
-            if position.is_multiple_of(TOKENS_PER_PAGE) {
-                let page = binding.reserve(PAGE)?.commit().map_err(|e| e.cause)?;
-                self.pages.push(page);
-                committed = 1;
+            (Some(page), at) => {
+                if page == self.pages.len() {
+                    pool.push(&mut self.pages)?;
+                    stats.committed += 1;
+                    stats.page_ops += 1;
+                }
+                kv.write_page(&mut self.pages, page, at, &bytes)?;
             }
-            let page = self.pages.last_mut().expect("a page was just ensured");
-            slot(page.as_mut_slice(), position).fill(byte);
         }
         self.len += 1;
-        Ok(committed)
+        Ok(())
     }
 
     /// Reads back every token's K/V, the shared prompt's included.
-    fn verify(&self) -> bool {
-        let prompt = match &self.prompt {
-            Some(Boundary::Shared(m)) => m.as_slice(),
-            Some(Boundary::Private(d)) => d.as_slice(),
-            None => return false,
-        };
-        (0..self.len).all(|position| {
-            let page = position / TOKENS_PER_PAGE;
-            let bytes = if page < self.prompt_pages() {
-                &prompt[page * PAGE..(page + 1) * PAGE]
-            } else {
-                self.pages[page - self.prompt_pages()].as_slice()
-            };
-            let at = (position % TOKENS_PER_PAGE) * BYTES_PER_TOKEN;
-            let owner = if position < self.prompt_tokens {
-                None
-            } else {
-                Some(self.id)
-            };
-            bytes[at..at + BYTES_PER_TOKEN]
-                .iter()
-                .all(|&b| b == kv_byte(owner, position))
-        })
+    fn verify(&self, kv: &impl Kv<B>) -> Result<bool> {
+        let mut got = [0u8; BYTES_PER_TOKEN];
+        for position in 0..self.len {
+            match (self.place(position), &self.prompt) {
+                ((None, at), Some(Boundary::Shared(m))) => kv.read_shared(m, at, &mut got)?,
+                ((None, at), Some(Boundary::Private(d))) => kv.read_diverged(d, at, &mut got)?,
+                ((Some(page), at), _) => kv.read_page(&self.pages, page, at, &mut got)?,
+                (_, None) => return Ok(false),
+            }
+            let owner = (position >= self.prompt_tokens).then_some(self.id);
+            if got != kv_bytes(owner, position) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
     }
 
-    /// Releases every page and the prompt mapping explicitly; returns the pages released.
-    fn finish(self) -> Result<usize, Box<dyn Error>> {
-        let n = self.pages.len();
-        for page in self.pages {
-            page.release().complete().map_err(|e| e.to_string())?;
-        }
-        match self.prompt {
-            Some(Boundary::Shared(m)) => {
-                m.release().map_err(|e| e.to_string())?;
-            }
-            Some(Boundary::Private(d)) => {
-                d.release().map_err(|e| e.to_string())?;
-            }
-            None => {}
-        }
-        Ok(n)
+    fn pages_in_use(&self) -> usize {
+        self.pages.len() + self.mapped_tokens / TOKENS_PER_PAGE
     }
 }
 
@@ -144,13 +311,15 @@ struct Args {
     sequences: usize,
     seed: u64,
     prompt_tokens: usize,
+    gpu: bool,
 }
 
-fn parse_args() -> Result<Args, String> {
+fn parse_args() -> std::result::Result<Args, String> {
     let mut args = Args {
-        sequences: 24,
+        sequences: 64,
         seed: 7,
         prompt_tokens: 40,
+        gpu: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -163,10 +332,12 @@ fn parse_args() -> Result<Args, String> {
             "--sequences" => args.sequences = value("--sequences")? as usize,
             "--seed" => args.seed = value("--seed")?,
             "--prompt-tokens" => args.prompt_tokens = value("--prompt-tokens")?.max(1) as usize,
+            "--gpu" => args.gpu = true,
             "-h" | "--help" => {
                 println!(
-                    "kv_cache: a paged KV cache with a shared system prompt, on memtoken's host backend\n\n\
-                     --sequences N       how many sequences arrive (default 24)\n\
+                    "kv_cache: a paged KV cache with a shared system prompt, on memtoken\n\n\
+                     --gpu               run on CUDA device 0 instead of the host backend\n\
+                     --sequences N       how many sequences arrive (default 64)\n\
                      --seed S            seed of the sequence lengths (default 7)\n\
                      --prompt-tokens P   tokens in the shared system prompt (default 40)"
                 );
@@ -178,37 +349,33 @@ fn parse_args() -> Result<Args, String> {
     Ok(args)
 }
 
-fn kib(bytes: u64) -> String {
-    format!("{}", bytes / 1024)
+fn kib(bytes: u64) -> u64 {
+    bytes / 1024
 }
 
-fn main() -> Result<(), Box<dyn Error>> {
-    let args = parse_args()?;
-    make_guard!(guard);
-    let backend = HostBackend::new(HostConfig {
-        granularity: PAGE,
-        physical_capacity: 256 << 20,
-        ..HostConfig::default()
-    })?;
-    let device = Device::new(guard, backend);
+/// The whole demo, for any backend.
+fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Result<()> {
+    let g = device.granularity();
     let system = device.bind(Budget::unlimited())?;
-    let session = device.bind(Budget::bytes(64 << 20))?;
+    let session = device.bind(Budget::bytes(1 << 30))?;
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &session, PAGE)?;
 
-    // The system prompt, computed once by its owner.
-    let prompt_pages = args.prompt_tokens.div_ceil(TOKENS_PER_PAGE);
-    let mut prompt: Prefix<'_, '_, Host> = system
-        .reserve(prompt_pages * PAGE)?
+    // The system prompt, computed once by its owner. Its pages are granules of the device.
+    let prompt_bytes = args.prompt_tokens * BYTES_PER_TOKEN;
+    let mut owner_alloc = system
+        .reserve(prompt_bytes)?
         .commit()
-        .map_err(|e| e.cause)?
-        .into_prefix();
-    {
-        let bytes = prompt.as_mut_slice().expect("nobody shares it yet");
-        for position in 0..args.prompt_tokens {
-            let at = position * BYTES_PER_TOKEN;
-            bytes[at..at + BYTES_PER_TOKEN].fill(kv_byte(None, position));
-        }
+        .map_err(|e| e.cause)?;
+    for position in 0..args.prompt_tokens {
+        kv.write_prompt(
+            &mut owner_alloc,
+            position * BYTES_PER_TOKEN,
+            &kv_bytes(None, position),
+        )?;
     }
-    let mut owner = Some(prompt);
+    let prompt_len = owner_alloc.size();
+    let mut owner: Option<Prefix<'_, '_, B>> = Some(owner_alloc.into_prefix());
 
     // A tiny xorshift for reproducible sequence lengths (16 to 400 generated tokens).
     let mut state = args.seed.max(1);
@@ -222,17 +389,23 @@ fn main() -> Result<(), Box<dyn Error>> {
         (0..args.sequences).map(|id| (id, next_len())).collect();
     arrivals.reverse();
 
-    let mut running: Vec<Sequence> = Vec::new();
-    let (mut committed, mut released, mut finished, mut copies, mut page_ops) = (0, 0, 0, 0, 0u64);
-    let max_batch = 8;
+    let mut running: Vec<Sequence<'_, '_, '_, '_, B>> = Vec::new();
+    let mut stats = Stats::default();
+    let max_batch = 16;
     let started = Instant::now();
-
     println!(
-        "memtoken kv_cache: {} sequences sharing a {}-token system prompt ({} pages of {} tokens), host backend\n",
-        args.sequences, args.prompt_tokens, prompt_pages, TOKENS_PER_PAGE
+        "memtoken kv_cache on the {}: {} sequences sharing a {}-token system prompt \
+         ({} bytes mapped, granule {} bytes), pages of {} tokens ({} bytes)\n",
+        kv.name(),
+        args.sequences,
+        args.prompt_tokens,
+        prompt_len,
+        g,
+        TOKENS_PER_PAGE,
+        PAGE
     );
     println!(
-        "{:>5} {:>7} {:>8} {:>6} {:>11} {:>10} {:>11} {:>10}",
+        "{:>5} {:>7} {:>8} {:>6} {:>11} {:>10} {:>10} {:>10} {:>11}",
         "step",
         "running",
         "finished",
@@ -240,8 +413,10 @@ fn main() -> Result<(), Box<dyn Error>> {
         "mapped KiB",
         "owned KiB",
         "saved KiB",
-        "quarantine"
+        "quarantine",
+        "page ops/s"
     );
+    let mut finished = 0;
     let mut step = 0;
     while !arrivals.is_empty() || !running.is_empty() {
         while running.len() < max_batch {
@@ -256,11 +431,11 @@ fn main() -> Result<(), Box<dyn Error>> {
             running.push(Sequence {
                 id,
                 prompt_tokens: args.prompt_tokens,
+                mapped_tokens: prompt_len / BYTES_PER_TOKEN,
                 target: args.prompt_tokens + generated,
                 len: args.prompt_tokens,
                 prompt: Some(Boundary::Shared(mapping)),
-                pages: Vec::new(),
-                copies: 0,
+                pages: pool.table(),
             });
         }
         if arrivals.is_empty()
@@ -270,58 +445,91 @@ fn main() -> Result<(), Box<dyn Error>> {
             prefix.release().map_err(|e| e.to_string())?;
         }
         for seq in &mut running {
-            let n = seq.push_token(&session)?;
-            committed += n;
-            page_ops += n as u64;
+            seq.push_token(kv, &pool, &mut stats)?;
         }
         let (done, still): (Vec<_>, Vec<_>) = running.into_iter().partition(|s| s.len == s.target);
         running = still;
-        for seq in done {
-            assert!(seq.verify(), "sequence {} lost its K/V", seq.id);
-            copies += seq.copies;
-            let n = seq.finish()?;
-            released += n;
-            page_ops += n as u64;
+        for mut seq in done {
+            if !seq.verify(kv)? {
+                return Err(format!("sequence {} lost its K/V", seq.id).into());
+            }
+            let n = seq.pages.len();
+            pool.clear(&mut seq.pages);
+            stats.released += n;
+            stats.page_ops += n as u64;
+            match seq.prompt.take() {
+                Some(Boundary::Shared(m)) => drop(m.release().map_err(|e| e.to_string())?),
+                Some(Boundary::Private(d)) => drop(d.release().map_err(|e| e.to_string())?),
+                None => {}
+            }
             finished += 1;
         }
-        if step % 50 == 0 || (arrivals.is_empty() && running.is_empty()) {
+        if step % 100 == 0 || (arrivals.is_empty() && running.is_empty()) {
             let l = device.ledger();
-            let pages: usize = running
-                .iter()
-                .map(|s| s.pages.len() + s.prompt_pages())
-                .sum();
+            let pages: usize = running.iter().map(Sequence::pages_in_use).sum();
+            let rate = stats.page_ops as f64 / started.elapsed().as_secs_f64().max(1e-9);
             println!(
-                "{step:>5} {:>7} {finished:>8} {pages:>6} {:>11} {:>10} {:>11} {:>10}",
+                "{step:>5} {:>7} {finished:>8} {pages:>6} {:>11} {:>10} {:>10} {:>10} {:>11.0}",
                 running.len(),
                 kib(l.mapped_bytes),
                 kib(l.owned_bytes),
                 kib(l.mapped_bytes.saturating_sub(l.owned_bytes)),
-                l.quarantined
+                l.quarantined,
+                rate
             );
         }
         step += 1;
     }
-    let elapsed = started.elapsed().as_secs_f64();
+    let elapsed = started.elapsed();
     drop((running, arrivals, owner));
+    let shrunk = pool.shrink();
+    drop(pool);
     drop(session);
     drop(system);
-    let report = device.close();
+    device.poll();
     println!(
-        "\n{finished} sequences finished in {step} steps: {committed} private pages committed, \
-         {released} released, {copies} boundary pages copied on write"
+        "\n{finished} sequences in {step} steps ({:.1} ms): {} pages taken from the pool and {} given back, \
+         {} prompt granules copied on write, {shrunk} idle chunks returned",
+        elapsed.as_secs_f64() * 1e3,
+        stats.committed,
+        stats.released,
+        stats.copies
     );
     println!(
-        "sharing: each sequence mapped the {prompt_pages}-page prompt without owning it; \
-         'saved KiB' is what the prompt would have cost without sharing"
+        "page ops/s: page allocs + frees per second of the whole run (K/V writes and checks \
+         included); the pool's own cost is in `cargo run --release --example bench_report`"
     );
     println!(
-        "{:.0} page commits+releases per second (whole run, K/V writes included)",
-        page_ops as f64 / elapsed
+        "sharing: 'saved KiB' = mapped − owned: the prompt's bytes that every sequence maps without owning"
     );
-    println!("ledger at close: {:?}", report.ledger);
-    if !report.is_clean() {
+    let ledger = device.ledger();
+    println!("ledger at the end: {ledger:?}");
+    if !ledger.is_zero() {
         return Err("the ledger did not end at zero".into());
     }
     println!("ledger ends at zero: every page and every mapping was released exactly once");
     Ok(())
+}
+
+fn main() -> Result<()> {
+    let args = parse_args()?;
+    if args.gpu {
+        #[cfg(feature = "cuda")]
+        {
+            make_guard!(guard);
+            let backend = gpu::Gpu::open(0).map_err(|e| format!("--gpu: {e}"))?;
+            let device = Device::new(guard, backend);
+            return run(&device, &gpu::GpuKv, &args);
+        }
+        #[cfg(not(feature = "cuda"))]
+        return Err("--gpu: built without the `cuda` feature".into());
+    }
+    make_guard!(guard);
+    let backend = HostBackend::new(HostConfig {
+        granularity: 4 << 10,
+        physical_capacity: 1 << 30,
+        ..HostConfig::default()
+    })?;
+    let device = Device::new(guard, backend);
+    run(&device, &HostKv, &args)
 }

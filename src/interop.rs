@@ -109,7 +109,12 @@ impl<D: Driver> DivergedMapping<'_, '_, CudaBackend<D>> {
     /// If the range does not fit in the granule.
     pub fn copy_to_boundary(&mut self, offset: usize, src: &[u8]) -> Result<(), BackendError> {
         let boundary = self.boundary_offset();
-        let at = within(self.addr() + boundary, self.size() - boundary, offset, src.len());
+        let at = within(
+            self.addr() + boundary,
+            self.size() - boundary,
+            offset,
+            src.len(),
+        );
         self.backend().copy_from_host(at, src)
     }
 }
@@ -124,7 +129,12 @@ impl<D: Driver> PageTable<'_, '_, '_, '_, CudaBackend<D>> {
     /// # Panics
     ///
     /// If `position` is out of bounds or the range does not fit in the page.
-    pub fn copy_to_page(&mut self, position: usize, offset: usize, src: &[u8]) -> Result<(), BackendError> {
+    pub fn copy_to_page(
+        &mut self,
+        position: usize,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<(), BackendError> {
         let at = within(self.addr(position), self.page_size(), offset, src.len());
         self.backend().copy_from_host(at, src)
     }
@@ -138,7 +148,12 @@ impl<D: Driver> PageTable<'_, '_, '_, '_, CudaBackend<D>> {
     /// # Panics
     ///
     /// If `position` is out of bounds or the range does not fit in the page.
-    pub fn copy_from_page(&self, position: usize, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
+    pub fn copy_from_page(
+        &self,
+        position: usize,
+        offset: usize,
+        dst: &mut [u8],
+    ) -> Result<(), BackendError> {
         let at = within(self.addr(position), self.page_size(), offset, dst.len());
         self.backend().copy_to_host(dst, at)
     }

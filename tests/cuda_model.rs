@@ -183,7 +183,11 @@ fn sharing_copy_on_write_and_pages_carry_data_on_the_device() {
     assert_eq!(seen, vec![7; 16], "the sharer reads the owner's bytes");
     let created = model.count(DriverCall::MemCreate);
     let mut a = a.diverge().unwrap();
-    assert_eq!(model.count(DriverCall::MemCreate), created + 1, "one private granule");
+    assert_eq!(
+        model.count(DriverCall::MemCreate),
+        created + 1,
+        "one private granule"
+    );
     assert_eq!(device.ledger().owned_bytes, 3 * G as u64);
     a.copy_to_boundary(100, &[9; 16]).unwrap();
     a.copy_to_host(G + 100, &mut seen).unwrap();
@@ -191,7 +195,11 @@ fn sharing_copy_on_write_and_pages_carry_data_on_the_device() {
     a.copy_to_host(G + 200, &mut seen).unwrap();
     assert_eq!(seen, vec![7; 16], "copied from the original");
     b.copy_to_host(G + 100, &mut seen).unwrap();
-    assert_eq!(seen, vec![7; 16], "the other sharer still sees the original");
+    assert_eq!(
+        seen,
+        vec![7; 16],
+        "the other sharer still sees the original"
+    );
     prefix.copy_to_host(G + 100, &mut seen).unwrap();
     assert_eq!(seen, vec![7; 16], "so does the owner");
 

@@ -1,16 +1,4 @@
 //! CUDA interop: a committed CUDA allocation as device memory for `cudarc` and kernels.
-//!
-//! Host slices are for host memory only: a CUDA token has no `as_slice`.
-//!
-//! ```compile_fail,E0599
-//! use memtoken::{make_guard, Budget, Device};
-//! use memtoken::backend::cuda::{CudaBackend, DriverModel};
-//! make_guard!(guard);
-//! let device = Device::new(guard, CudaBackend::new(DriverModel::default(), 0).unwrap());
-//! let binding = device.bind(Budget::unlimited()).unwrap();
-//! let gpu = binding.reserve(1).unwrap().commit().unwrap();
-//! let bytes: &[u8] = gpu.as_slice(); // device memory is not a host slice
-//! ```
 
 use crate::allocation::Allocation;
 use crate::backend::cuda::{CudaBackend, Driver};

@@ -1,22 +1,4 @@
-//! Shared prefixes: one physical allocation mapped read-write by its owner and read-only by any
-//! number of sharers, released exactly once, when its last mapping goes.
-//!
-//! # Why counted, not borrowed
-//!
-//! In a paged KV cache the sequences that share a system prompt finish in any order, the one
-//! that computed the prompt often first. The physical memory must live as long as the *union*
-//! of its mappings, which no static borrow can express, so a prefix's physical memory is
-//! reference-counted in its device's table: one count per mapping, taken when a mapping is made
-//! and dropped only once the backend confirmed that mapping gone (a quarantined mapping keeps
-//! its count). The count is touched only when a mapping is made or torn down, never on access.
-//!
-//! What stays static is what can: every mapping token borrows the [`Binding`] it was made
-//! through (so it cannot outlive the binding's context pin, nor the device), carries the
-//! device's brand (so a prefix of one device cannot be mapped into a reservation of another),
-//! and has no way to write through a read-only mapping. While a prefix is shared its bytes are
-//! immutable — the owner may write only while no sharer maps it — so every `&[u8]` lent by a
-//! mapping stays valid. A sharer that must write inside the last, partially filled granule
-//! takes a private copy of that granule with [`PrefixMapping::diverge`].
+//! Shared prefixes: [`Prefix`], [`PrefixMapping`] and [`DivergedMapping`] (copy-on-write).
 
 use crate::allocation::{Allocation, Released};
 use crate::backend::{Access, Addr, Backend, BackendError, HostVisible, Op};
@@ -32,6 +14,24 @@ use std::mem::ManuallyDrop;
 
 /// The owner's handle on a shared prefix: its read-write mapping of the prefix's physical
 /// memory, from which sharers map it read-only ([`Allocation::map_prefix`]).
+////// number of sharers, released exactly once, when its last mapping goes.
+///
+/// # Why counted, not borrowed
+///
+/// In a paged KV cache the sequences that share a system prompt finish in any order, the one
+/// that computed the prompt often first. The physical memory must live as long as the *union*
+/// of its mappings, which no static borrow can express, so a prefix's physical memory is
+/// reference-counted in its device's table: one count per mapping, taken when a mapping is made
+/// and dropped only once the backend confirmed that mapping gone (a quarantined mapping keeps
+/// its count). The count is touched only when a mapping is made or torn down, never on access.
+///
+/// What stays static is what can: every mapping token borrows the [`Binding`] it was made
+/// through (so it cannot outlive the binding's context pin, nor the device), carries the
+/// device's brand (so a prefix of one device cannot be mapped into a reservation of another),
+/// and has no way to write through a read-only mapping. While a prefix is shared its bytes are
+/// immutable — the owner may write only while no sharer maps it — so every `&[u8]` lent by a
+/// mapping stays valid. A sharer that must write inside the last, partially filled granule
+/// takes a private copy of that granule with [`PrefixMapping::diverge`].
 ///
 /// Made from a committed allocation by [`Allocation::into_prefix`], with no backend call. The
 /// owner's binding stays charged for the prefix's bytes while this handle lives; after that the

@@ -1,60 +1,4 @@
 //! [`PagePool`]: fixed-size pages carved out of committed chunks — the KV cache's hot path.
-//!
-//! Allocating and freeing a page is O(1): a pop from and a push onto a free list of page
-//! indices whose capacity is reserved when a chunk is committed, so the hot path makes no
-//! system call and no allocation. The pool commits a chunk (one granule, or one page if pages
-//! are larger) when it runs out, and gives back chunks whose pages are all free when asked
-//! ([`shrink`](PagePool::shrink)).
-//!
-//! **Metadata:** 4 bytes per free page (its index in the free list), nothing per live page in
-//! the pool, one [`Allocation`] per chunk. A [`Page`] token is a reference to its pool and a
-//! 4-byte index (16 bytes on 64-bit targets); a page in a [`PageTable`] (a sequence's pages,
-//! one token for all of them) is a 4-byte index.
-//!
-//! A page borrows its pool, so it cannot outlive it, and it returns itself — by
-//! [`free`](Page::free) or by `Drop` — so it cannot be returned to another pool, nor twice:
-//!
-//! ```compile_fail,E0505
-//! # use memtoken::{make_guard, Budget, Device, PagePool};
-//! # use memtoken::backend::HostBackend;
-//! # make_guard!(guard);
-//! # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
-//! # let binding = device.bind(Budget::unlimited()).unwrap();
-//! make_guard!(pool_guard);
-//! let pool = PagePool::new(pool_guard, &binding, 256).unwrap();
-//! let page = pool.alloc().unwrap();
-//! drop(pool);
-//! drop(page);
-//! ```
-//!
-//! ```compile_fail,E0382
-//! # use memtoken::{make_guard, Budget, Device, PagePool};
-//! # use memtoken::backend::HostBackend;
-//! # make_guard!(guard);
-//! # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
-//! # let binding = device.bind(Budget::unlimited()).unwrap();
-//! make_guard!(pool_guard);
-//! let pool = PagePool::new(pool_guard, &binding, 256).unwrap();
-//! let page = pool.alloc().unwrap();
-//! page.free();
-//! page.free();
-//! ```
-//!
-//! Each pool is branded (like a [`Device`](crate::Device)), so a page of one pool cannot be
-//! given back to another:
-//!
-//! ```compile_fail
-//! use memtoken::{Page, PagePool};
-//! use memtoken::backend::SimBackend;
-//! fn give_back<'pa, 'pb, 'b, 'id>(
-//!     page_of_a: Page<'_, 'pa, 'b, 'id, SimBackend>,
-//!     pool_b: &PagePool<'pb, 'b, 'id, SimBackend>,
-//! ) {
-//!     pool_b.free(page_of_a); // error: lifetime may not live long enough
-//! }
-//! ```
-//!
-//! The pool is single-threaded (`!Sync`): its free list is not locked.
 
 use crate::allocation::Allocation;
 use crate::backend::{Addr, Backend, HostVisible};
@@ -89,7 +33,67 @@ struct PoolState<'b, 'id, B: Backend> {
     free: Vec<u32>,
 }
 
-/// Fixed-size pages sub-allocated in O(1) from committed chunks. See the [module docs](self).
+///
+/// Fixed-size pages sub-allocated in O(1) from committed chunks: a pop and a push on a free
+/// list of page indices, no system call, no allocation. Grows a chunk at a time; gives idle
+/// chunks back on [`shrink`](Self::shrink). Metadata: 4 bytes per free page.
+///
+/// Allocating and freeing a page is O(1): a pop from and a push onto a free list of page
+/// indices whose capacity is reserved when a chunk is committed, so the hot path makes no
+/// system call and no allocation. The pool commits a chunk (one granule, or one page if pages
+/// are larger) when it runs out, and gives back chunks whose pages are all free when asked
+/// ([`shrink`](PagePool::shrink)).
+///
+/// **Metadata:** 4 bytes per free page (its index in the free list), nothing per live page in
+/// the pool, one [`Allocation`] per chunk. A [`Page`] token is a reference to its pool and a
+/// 4-byte index (16 bytes on 64-bit targets); a page in a [`PageTable`] (a sequence's pages,
+/// one token for all of them) is a 4-byte index.
+///
+/// A page borrows its pool, so it cannot outlive it, and it returns itself — by
+/// [`free`](Page::free) or by `Drop` — so it cannot be returned to another pool, nor twice:
+///
+/// ```compile_fail,E0505
+/// # use memtoken::{make_guard, Budget, Device, PagePool};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// make_guard!(pool_guard);
+/// let pool = PagePool::new(pool_guard, &binding, 256).unwrap();
+/// let page = pool.alloc().unwrap();
+/// drop(pool);
+/// drop(page);
+/// ```
+///
+/// ```compile_fail,E0382
+/// # use memtoken::{make_guard, Budget, Device, PagePool};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// make_guard!(pool_guard);
+/// let pool = PagePool::new(pool_guard, &binding, 256).unwrap();
+/// let page = pool.alloc().unwrap();
+/// page.free();
+/// page.free();
+/// ```
+///
+/// Each pool is branded (like a [`Device`](crate::Device)), so a page of one pool cannot be
+/// given back to another:
+///
+/// ```compile_fail
+/// use memtoken::{Page, PagePool};
+/// use memtoken::backend::SimBackend;
+/// fn give_back<'pa, 'pb, 'b, 'id>(
+///     page_of_a: Page<'_, 'pa, 'b, 'id, SimBackend>,
+///     pool_b: &PagePool<'pb, 'b, 'id, SimBackend>,
+/// ) {
+///     pool_b.free(page_of_a); // error: lifetime may not live long enough
+/// }
+/// ```
+///
+/// The pool is single-threaded (`!Sync`): its free list is not locked.
+///
 pub struct PagePool<'pool, 'b, 'id, B: Backend> {
     _brand: Id<'pool>,
     binding: &'b Binding<'b, 'id, B>,

@@ -62,6 +62,21 @@ pub enum CudaError {
 }
 
 /// CUDA virtual memory management on one device, over driver `D`.
+///
+/// A committed allocation on it gives its `device_ptr()` for kernel arguments and
+/// `copy_from_host` / `copy_to_host` for copies; prefixes, mappings and page tables have copies
+/// too.///
+/// Host slices are for host memory only: a CUDA token has no `as_slice`.
+///
+/// ```compile_fail,E0599
+/// use memtoken::{make_guard, Budget, Device};
+/// use memtoken::backend::cuda::{CudaBackend, DriverModel};
+/// make_guard!(guard);
+/// let device = Device::new(guard, CudaBackend::new(DriverModel::default(), 0).unwrap());
+/// let binding = device.bind(Budget::unlimited()).unwrap();
+/// let gpu = binding.reserve(1).unwrap().commit().unwrap();
+/// let bytes: &[u8] = gpu.as_slice(); // device memory is not a host slice
+/// ```
 #[derive(Debug)]
 pub struct CudaBackend<D: Driver> {
     driver: D,

@@ -174,6 +174,12 @@ fn svg(rows: &[(String, f64, f64)]) -> String {
 }
 
 fn main() {
+    // `cargo test --no-run` builds examples too, and some runners then start every binary it
+    // built with the test harness's flags: this is a program, not a test binary.
+    if std::env::args().any(|a| a == "--include-ignored" || a.starts_with("--test-threads")) {
+        eprintln!("an example, not a test binary: run it with `cargo run --release --example`");
+        return;
+    }
     let quick = std::env::args().any(|a| a == "--quick");
     let (warm, measure) = if quick { ("1", "2") } else { ("3", "8") };
     eprintln!("running the benches (cargo bench --bench hot_paths) ...");

@@ -213,6 +213,12 @@ mod gpu {
 }
 
 fn main() -> Result<()> {
+    // `cargo test --no-run` builds examples too, and some runners then start every binary it
+    // built with the test harness's flags: this is a program, not a test binary.
+    if std::env::args().any(|a| a == "--include-ignored" || a.starts_with("--test-threads")) {
+        eprintln!("an example, not a test binary: run it with `cargo run --release --example`");
+        return Ok(());
+    }
     let args: Vec<String> = std::env::args().skip(1).collect();
     if args.iter().any(|a| a == "-h" || a == "--help") {
         println!(

@@ -512,6 +512,12 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
 }
 
 fn main() -> Result<()> {
+    // `cargo test --no-run` builds examples too, and some runners then start every binary it
+    // built with the test harness's flags: this is a program, not a test binary.
+    if std::env::args().any(|a| a == "--include-ignored" || a.starts_with("--test-threads")) {
+        eprintln!("an example, not a test binary: run it with `cargo run --release --example`");
+        return Ok(());
+    }
     let args = parse_args()?;
     if args.gpu {
         #[cfg(feature = "cuda")]

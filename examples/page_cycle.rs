@@ -62,6 +62,12 @@ fn cycles_raw<B: Backend>(pool: &mut RawPool<'_, B>, n: u64) {
 }
 
 fn main() {
+    // `cargo test --no-run` builds examples too, and some runners then start every binary it
+    // built with the test harness's flags: this is a program, not a test binary.
+    if std::env::args().any(|a| a == "--include-ignored" || a.starts_with("--test-threads")) {
+        eprintln!("an example, not a test binary: run it with `cargo run --release --example`");
+        return;
+    }
     let mut args = std::env::args().skip(1);
     let which = args.next().unwrap_or_else(|| "memtoken".into());
     let n: u64 = args

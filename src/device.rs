@@ -474,6 +474,11 @@ impl<B: Backend> Drop for Device<'_, B> {
         if !self.closed {
             self.shutdown();
         }
+        // Releases still waiting for their fence are left to the backend's own teardown (on
+        // CUDA, the context's); their fences are given back so that no event outlives it.
+        for (_, fence) in std::mem::take(&mut *lock(&self.deferred)) {
+            self.backend.retire_fence(fence);
+        }
     }
 }
 

@@ -275,6 +275,35 @@ fn an_injected_failure_of_every_driver_call_kind_loses_nothing() {
     }
 }
 
+/// Every driver call kind, failing once with a sticky error: from that call on, no call reaches
+/// the driver, and everything is discharged with the proof that the context is gone.
+#[test]
+fn a_sticky_error_in_any_driver_call_stops_all_calls_and_everything_is_discharged() {
+    for call in DriverCall::ALL {
+        let model = held_fences();
+        make_guard!(guard);
+        let device = Device::new(guard, Faulty::new(backend(&model)));
+        {
+            let binding = device.bind(Budget::unlimited()).unwrap();
+            model.fail_nth(call, 1, CuError::ILLEGAL_ADDRESS);
+            workload(&device, &binding, &model);
+            model.complete_work();
+            device.poll();
+            device.retry_quarantine();
+            if let Some(proof) = device.confirm_context_gone() {
+                device.discharge_all(&proof);
+            }
+            assert!(device.ledger().is_zero(), "{call:?}: {:?}", device.ledger());
+        }
+        drop(device);
+        assert_eq!(
+            model.calls_after_loss(),
+            0,
+            "{call:?}: a call followed the sticky error"
+        );
+    }
+}
+
 /// Reserve, commit, share, copy-on-write, release and drop, tolerating any failure.
 fn workload<'b, 'id>(
     device: &Device<'id, Faulty<CudaBackend<DriverModel>>>,

@@ -138,15 +138,40 @@ fn gpu_shared_prefix_and_copy_on_write() {
         2 * g as u64,
         "sharers own nothing"
     );
-    let a = a.diverge().unwrap();
+    let mut seen = vec![0u8; 64];
+    b.copy_to_host(g + 128, &mut seen).unwrap();
+    assert_eq!(
+        seen,
+        vec![7; 64],
+        "a read-only sharer reads the owner's bytes"
+    );
+    let mut a = a.diverge().unwrap();
     assert_eq!(
         device.ledger().owned_bytes,
         3 * g as u64,
         "one private granule"
+    );
+    a.copy_to_boundary(128, &[9; 64]).unwrap();
+    a.copy_to_host(g + 128, &mut seen).unwrap();
+    assert_eq!(
+        seen,
+        vec![9; 64],
+        "the private copy takes the sharer's write"
+    );
+    a.copy_to_host(g + 256, &mut seen).unwrap();
+    assert_eq!(seen, vec![7; 64], "the private copy holds the old bytes");
+    b.copy_to_host(g + 128, &mut seen).unwrap();
+    assert_eq!(
+        seen,
+        vec![7; 64],
+        "the other sharer still sees the original"
     );
     drop((a, b, prefix));
     while device.poll().deferred > 0 {
         std::thread::yield_now();
     }
     assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+    drop(binding);
+    let report = device.close();
+    assert!(report.is_clean(), "{report:?}");
 }

@@ -13,6 +13,12 @@ enum Step {
     Grow,
     Shrink,
     FailNextGrow,
+    /// A page appended to the sequence's page table.
+    TablePush,
+    /// The table's last page taken out as a token of its own.
+    TablePop,
+    /// Every page of the table given back.
+    TableClear,
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -23,6 +29,9 @@ fn step() -> impl Strategy<Value = Step> {
         1 => Just(Step::Grow),
         1 => Just(Step::Shrink),
         1 => Just(Step::FailNextGrow),
+        3 => Just(Step::TablePush),
+        1 => Just(Step::TablePop),
+        1 => Just(Step::TableClear),
     ]
 }
 
@@ -58,6 +67,7 @@ fn run(steps: &[Step]) {
     make_guard!(pool_guard);
     let pool = PagePool::new(pool_guard, &binding, 1024).unwrap();
     let mut live: Vec<(Page<'_, '_, '_, '_, _>, bool)> = Vec::new();
+    let mut table = pool.table();
     for step in steps {
         match *step {
             Step::Alloc => match pool.alloc() {
@@ -104,6 +114,7 @@ fn run(steps: &[Step]) {
         }
     }
     drop(live);
+    drop(table);
     pool.shrink();
     assert_eq!(pool.capacity(), 0);
     assert!(device.ledger().is_zero());

@@ -31,18 +31,43 @@ impl CuError {
     pub const CONTEXT_IS_DESTROYED: Self = Self(709);
     /// `CUDA_ERROR_LAUNCH_FAILED`
     pub const LAUNCH_FAILED: Self = Self(719);
+    /// `CUDA_ERROR_LAUNCH_TIMEOUT`
+    pub const LAUNCH_TIMEOUT: Self = Self(702);
+    /// `CUDA_ERROR_ASSERT`
+    pub const ASSERT: Self = Self(710);
+    /// `CUDA_ERROR_HARDWARE_STACK_ERROR`
+    pub const HARDWARE_STACK_ERROR: Self = Self(714);
+    /// `CUDA_ERROR_ILLEGAL_INSTRUCTION`
+    pub const ILLEGAL_INSTRUCTION: Self = Self(715);
+    /// `CUDA_ERROR_MISALIGNED_ADDRESS`
+    pub const MISALIGNED_ADDRESS: Self = Self(716);
+    /// `CUDA_ERROR_INVALID_ADDRESS_SPACE`
+    pub const INVALID_ADDRESS_SPACE: Self = Self(717);
+    /// `CUDA_ERROR_INVALID_PC`
+    pub const INVALID_PC: Self = Self(718);
+    /// `CUDA_ERROR_UNKNOWN`
+    pub const UNKNOWN: Self = Self(999);
     /// `CUDA_ERROR_NOT_SUPPORTED`
     pub const NOT_SUPPORTED: Self = Self(801);
 
     /// Whether the error means the context is gone for good (a sticky error): after it, no
     /// call into the context can succeed.
     pub fn is_context_loss(self) -> bool {
+        // The sticky errors: after a kernel faults, the context is unusable until reset.
         matches!(
             self,
             Self::DEINITIALIZED
                 | Self::ILLEGAL_ADDRESS
+                | Self::LAUNCH_TIMEOUT
                 | Self::CONTEXT_IS_DESTROYED
+                | Self::ASSERT
+                | Self::HARDWARE_STACK_ERROR
+                | Self::ILLEGAL_INSTRUCTION
+                | Self::MISALIGNED_ADDRESS
+                | Self::INVALID_ADDRESS_SPACE
+                | Self::INVALID_PC
                 | Self::LAUNCH_FAILED
+                | Self::UNKNOWN
         )
     }
 
@@ -59,6 +84,14 @@ impl CuError {
             400 => "CUDA_ERROR_INVALID_HANDLE",
             600 => "CUDA_ERROR_NOT_READY",
             700 => "CUDA_ERROR_ILLEGAL_ADDRESS",
+            702 => "CUDA_ERROR_LAUNCH_TIMEOUT",
+            710 => "CUDA_ERROR_ASSERT",
+            714 => "CUDA_ERROR_HARDWARE_STACK_ERROR",
+            715 => "CUDA_ERROR_ILLEGAL_INSTRUCTION",
+            716 => "CUDA_ERROR_MISALIGNED_ADDRESS",
+            717 => "CUDA_ERROR_INVALID_ADDRESS_SPACE",
+            718 => "CUDA_ERROR_INVALID_PC",
+            999 => "CUDA_ERROR_UNKNOWN",
             709 => "CUDA_ERROR_CONTEXT_IS_DESTROYED",
             719 => "CUDA_ERROR_LAUNCH_FAILED",
             801 => "CUDA_ERROR_NOT_SUPPORTED",

@@ -25,9 +25,11 @@ pub use model::{DriverModel, ModelConfig};
 #[cfg(feature = "cuda")]
 pub use sys::SysDriver;
 
-use super::{Access, Addr, Backend, BackendError, Cause, Op};
-use std::sync::Mutex;
+use super::rules::Book;
+use super::{Access, Addr, Backend, BackendError, Cause, Op, Violation};
+use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
 
 /// A CUDA physical allocation handle (`CUmemGenericAllocationHandle`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -86,14 +88,33 @@ pub struct CudaBackend<D: Driver> {
     capacity: u64,
     stream: Stream,
     lost: AtomicBool,
-    /// Scratch ranges of copy-on-write whose teardown failed: (address, length, still mapped).
-    /// Retried by the next copy and on drop, so the driver is left holding nothing.
-    scratch: Mutex<Vec<(u64, usize, bool)>>,
-    /// Events whose destruction failed, retried by the next retirement and on drop.
-    events: Mutex<Vec<Event>>,
+    /// What this backend handed out and the driver still holds: every call is checked against
+    /// it before it reaches the driver, so no safe call can pass the driver a stale or foreign
+    /// handle (which the driver does not promise to survive).
+    state: Mutex<CudaState>,
+}
+
+#[derive(Debug)]
+struct CudaState {
+    book: Book<u64>,
+    /// Live events this backend created.
+    events: HashSet<Event>,
+    /// Events no fence refers to any more whose destruction failed: retried later.
+    retired: Vec<Event>,
     /// Mappings whose access could not be set and whose rollback unmap failed too: unmapped
-    /// before their reservation may be freed (a free waits for them), and on drop.
-    stuck: Mutex<Vec<(u64, usize)>>,
+    /// before their range is mapped again or freed, and on drop.
+    stuck: Vec<(u64, usize)>,
+    /// Scratch reservations of copy-on-write whose teardown failed: (address, length).
+    /// Retried by the next copy and on drop.
+    scratch: Vec<(u64, usize)>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+fn refused(op: Op, addr: Addr, len: usize, v: Violation) -> BackendError {
+    BackendError::new(op, addr, len, Cause::Violation(v))
 }
 
 impl<D: Driver> CudaBackend<D> {
@@ -139,15 +160,14 @@ impl<D: Driver> CudaBackend<D> {
             capacity,
             stream: 0,
             lost: AtomicBool::new(false),
-            scratch: Mutex::new(Vec::new()),
-            events: Mutex::new(Vec::new()),
-            stuck: Mutex::new(Vec::new()),
+            state: Mutex::new(CudaState {
+                book: Book::new(granularity, true),
+                events: HashSet::new(),
+                retired: Vec::new(),
+                stuck: Vec::new(),
+                scratch: Vec::new(),
+            }),
         })
-    }
-
-    /// The driver (for inspection, e.g. a [`DriverModel`]'s call log).
-    pub fn driver(&self) -> &D {
-        &self.driver
     }
 
     /// The device ordinal's `CUdevice`.
@@ -160,22 +180,22 @@ impl<D: Driver> CudaBackend<D> {
         self.lost.load(Ordering::Acquire)
     }
 
-    /// Makes one driver call (after making the context current), unless the context is lost.
-    fn call<T>(
+    /// Locks the record and makes the context current, unless the context is lost. Calls hold
+    /// the lock across the driver call, so a check and its call cannot be separated by another.
+    fn enter(
         &self,
         op: Op,
         addr: Addr,
         len: usize,
-        f: impl FnOnce(&D) -> CuResult<T>,
-    ) -> Result<T, BackendError> {
+    ) -> Result<MutexGuard<'_, CudaState>, BackendError> {
         if self.is_lost() {
             return Err(BackendError::new(op, addr, len, Cause::ContextLost));
         }
-        let result = self
-            .driver
+        let state = lock(&self.state);
+        self.driver
             .ctx_set_current(self.ctx)
-            .and_then(|()| f(&self.driver));
-        result.map_err(|e| self.fail(op, addr, len, e))
+            .map_err(|e| self.fail(op, addr, len, e))?;
+        Ok(state)
     }
 
     fn fail(&self, op: Op, addr: Addr, len: usize, e: CuError) -> BackendError {
@@ -189,23 +209,89 @@ impl<D: Driver> CudaBackend<D> {
         BackendError::new(op, addr, len, cause)
     }
 
-    /// Copies `src` from the host to device memory at `dst` (which must be mapped read-write).
-    ///
-    /// # Errors
-    ///
-    /// The driver's error.
-    pub fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
-        self.call(Op::Copy, dst, src.len(), |d| d.memcpy_htod(dst as u64, src))
+    /// Checks that `[addr, addr + len)` is mapped (read-write if `write`).
+    fn check_mapped(
+        book: &Book<u64>,
+        op: Op,
+        addr: Addr,
+        len: usize,
+        write: bool,
+    ) -> Result<(), BackendError> {
+        let not_mapped = || refused(op, addr, len, Violation::NotMapped { addr, len });
+        let (mut at, end) = (addr, addr.checked_add(len).ok_or_else(not_mapped)?);
+        while at < end {
+            let (_, _, run, access) = book.resolve(at).ok_or_else(not_mapped)?;
+            if write && access != Access::ReadWrite {
+                return Err(not_mapped());
+            }
+            at += run;
+        }
+        Ok(())
     }
 
-    /// Copies device memory at `src` (which must be mapped) to the host.
+    /// Copies `src` from the host to device memory at `dst`, which must be mapped read-write.
     ///
     /// # Errors
     ///
-    /// The driver's error.
+    /// [`Cause::Violation`] if it is not; the driver's error.
+    pub fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
+        let s = self.enter(Op::Copy, dst, src.len())?;
+        Self::check_mapped(&s.book, Op::Copy, dst, src.len(), true)?;
+        self.driver
+            .memcpy_htod(dst as u64, src)
+            .map_err(|e| self.fail(Op::Copy, dst, src.len(), e))
+    }
+
+    /// Copies device memory at `src`, which must be mapped, to the host.
+    ///
+    /// # Errors
+    ///
+    /// [`Cause::Violation`] if it is not; the driver's error.
     pub fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError> {
         let len = dst.len();
-        self.call(Op::Copy, src, len, |d| d.memcpy_dtoh(dst, src as u64))
+        let s = self.enter(Op::Copy, src, len)?;
+        Self::check_mapped(&s.book, Op::Copy, src, len, false)?;
+        self.driver
+            .memcpy_dtoh(dst, src as u64)
+            .map_err(|e| self.fail(Op::Copy, src, len, e))
+    }
+
+    /// Unmaps what a failed rollback left mapped in `[start, end)`; what still fails stays.
+    fn unstick(&self, s: &mut CudaState, start: u64, end: u64) -> CuResult<()> {
+        let (inside, outside): (Vec<_>, Vec<_>) =
+            s.stuck.drain(..).partition(|&(p, _)| start <= p && p < end);
+        s.stuck = outside;
+        let mut result = Ok(());
+        for (ptr, size) in inside {
+            match self.driver.mem_unmap(ptr, size) {
+                Ok(()) => s.book.apply_unmap(ptr as Addr, size),
+                Err(e) => {
+                    s.stuck.push((ptr, size));
+                    if e.is_context_loss() {
+                        return Err(e);
+                    }
+                    result = result.and(Err(e));
+                }
+            }
+        }
+        result
+    }
+
+    /// Frees scratch reservations left by failed copies, unmapping them first if needed.
+    fn sweep_scratch(&self, s: &mut CudaState) -> CuResult<()> {
+        for (addr, span) in std::mem::take(&mut s.scratch) {
+            let unmapped = self.unstick(s, addr, addr + span as u64);
+            match unmapped.and_then(|()| self.driver.mem_address_free(addr, span)) {
+                Ok(()) => s.book.apply_free(addr as Addr),
+                Err(e) => {
+                    s.scratch.push((addr, span));
+                    if e.is_context_loss() {
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        Ok(())
     }
 }
 
@@ -240,27 +326,56 @@ impl<D: Driver> Backend for CudaBackend<D> {
     }
 
     fn reserve(&self, len: usize) -> Result<Addr, BackendError> {
-        let g = self.granularity;
-        self.call(Op::Reserve, 0, len, |d| d.mem_address_reserve(len, g))
-            .map(|p| p as Addr)
+        let mut s = self.enter(Op::Reserve, 0, len)?;
+        s.book
+            .check_reserve(len)
+            .map_err(|v| refused(Op::Reserve, 0, len, v))?;
+        let ptr = self
+            .driver
+            .mem_address_reserve(len, self.granularity)
+            .map_err(|e| self.fail(Op::Reserve, 0, len, e))?;
+        s.book.apply_reserve(ptr as Addr, len);
+        Ok(ptr as Addr)
     }
 
     fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+        let mut s = self.enter(Op::Free, addr, len)?;
         let (start, end) = (addr as u64, (addr + len) as u64);
-        self.call(Op::Free, addr, len, |d| {
-            self.unstick(d, start, end)?;
-            d.mem_address_free(start, len)
-        })
+        self.unstick(&mut s, start, end)
+            .map_err(|e| self.fail(Op::Free, addr, len, e))?;
+        s.book
+            .check_free(addr, len)
+            .map_err(|v| refused(Op::Free, addr, len, v))?;
+        self.driver
+            .mem_address_free(start, len)
+            .map_err(|e| self.fail(Op::Free, addr, len, e))?;
+        s.book.apply_free(addr);
+        Ok(())
     }
 
     fn create(&self, len: usize) -> Result<CudaPhys, BackendError> {
-        let device = self.device;
-        self.call(Op::Create, 0, len, |d| d.mem_create(len, device))
-            .map(CudaPhys)
+        let mut s = self.enter(Op::Create, 0, len)?;
+        s.book
+            .check_create(len)
+            .map_err(|v| refused(Op::Create, 0, len, v))?;
+        let handle = self
+            .driver
+            .mem_create(len, self.device)
+            .map_err(|e| self.fail(Op::Create, 0, len, e))?;
+        s.book.apply_create(handle, len);
+        Ok(CudaPhys(handle))
     }
 
     fn release(&self, phys: CudaPhys, len: usize) -> Result<(), BackendError> {
-        self.call(Op::Release, 0, len, |d| d.mem_release(phys.0))
+        let mut s = self.enter(Op::Release, 0, len)?;
+        s.book
+            .check_release(phys.0, len)
+            .map_err(|v| refused(Op::Release, 0, len, v))?;
+        self.driver
+            .mem_release(phys.0)
+            .map_err(|e| self.fail(Op::Release, 0, len, e))?;
+        s.book.apply_release(phys.0);
+        Ok(())
     }
 
     fn map(
@@ -271,28 +386,47 @@ impl<D: Driver> Backend for CudaBackend<D> {
         offset: usize,
         access: Access,
     ) -> Result<(), BackendError> {
-        let (device, rw) = (self.device, access == Access::ReadWrite);
-        let ptr = addr as u64;
-        self.call(Op::Map, addr, len, |d| {
-            self.unstick(d, ptr, ptr + len as u64)?;
-            d.mem_map(ptr, len, offset, phys.0)?;
-            if let Err(e) = d.mem_set_access(ptr, len, device, rw) {
-                // Roll the map back: nothing stays mapped without its access. If even that
-                // fails, the mapping is remembered and unmapped before its VA can be freed.
-                if let Err(rollback) = d.mem_unmap(ptr, len) {
-                    lock(&self.stuck).push((ptr, len));
-                    if rollback.is_context_loss() {
-                        return Err(rollback);
-                    }
+        let mut s = self.enter(Op::Map, addr, len)?;
+        let (ptr, fail) = (addr as u64, |e| self.fail(Op::Map, addr, len, e));
+        self.unstick(&mut s, ptr, ptr + len as u64).map_err(fail)?;
+        s.book
+            .check_map(addr, len, phys.0, offset)
+            .map_err(|v| refused(Op::Map, addr, len, v))?;
+        self.driver
+            .mem_map(ptr, len, offset, phys.0)
+            .map_err(fail)?;
+        s.book.apply_map(addr, len, phys.0, offset, access);
+        let rw = access == Access::ReadWrite;
+        let Err(e) = self.driver.mem_set_access(ptr, len, self.device, rw) else {
+            return Ok(());
+        };
+        if e.is_context_loss() {
+            return Err(fail(e));
+        }
+        // Roll the map back: nothing stays mapped without its access. If even that fails, the
+        // mapping is remembered and unmapped before its range is mapped again or freed.
+        match self.driver.mem_unmap(ptr, len) {
+            Ok(()) => s.book.apply_unmap(addr, len),
+            Err(rollback) => {
+                s.stuck.push((ptr, len));
+                if rollback.is_context_loss() {
+                    return Err(fail(rollback));
                 }
-                return Err(e);
             }
-            Ok(())
-        })
+        }
+        Err(fail(e))
     }
 
     fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
-        self.call(Op::Unmap, addr, len, |d| d.mem_unmap(addr as u64, len))
+        let mut s = self.enter(Op::Unmap, addr, len)?;
+        s.book
+            .check_unmap(addr, len)
+            .map_err(|v| refused(Op::Unmap, addr, len, v))?;
+        self.driver
+            .mem_unmap(addr as u64, len)
+            .map_err(|e| self.fail(Op::Unmap, addr, len, e))?;
+        s.book.apply_unmap(addr, len);
+        Ok(())
     }
 
     fn copy_into_phys(
@@ -302,89 +436,140 @@ impl<D: Driver> Backend for CudaBackend<D> {
         src: Addr,
         len: usize,
     ) -> Result<(), BackendError> {
+        let mut s = self.enter(Op::Copy, src, len)?;
+        let fail = |e| self.fail(Op::Copy, src, len, e);
+        self.sweep_scratch(&mut s).map_err(fail)?;
+        s.book
+            .check_copy(phys.0, offset, src, len)
+            .map_err(|v| refused(Op::Copy, src, len, v))?;
         // Map `offset + len` bytes of the handle from its start at a scratch range, copy, and
         // take the scratch range down again.
-        self.sweep_scratch();
-        let (g, device) = (self.granularity, self.device);
         let span = offset + len;
-        self.call(Op::Copy, src, len, |d| {
-            let scratch = d.mem_address_reserve(span, g)?;
-            if let Err(e) = d.mem_map(scratch, span, 0, phys.0) {
-                self.scratch_left(d.mem_address_free(scratch, span), scratch, span, false);
-                return Err(e);
+        let d = &self.driver;
+        let scratch = d
+            .mem_address_reserve(span, self.granularity)
+            .map_err(fail)?;
+        s.book.apply_reserve(scratch as Addr, span);
+        if let Err(e) = d.mem_map(scratch, span, 0, phys.0) {
+            let freed = if e.is_context_loss() {
+                Err(e)
+            } else {
+                d.mem_address_free(scratch, span)
+            };
+            match freed {
+                Ok(()) => s.book.apply_free(scratch as Addr),
+                Err(_) => s.scratch.push((scratch, span)),
             }
-            // The copy is asynchronous: wait for it before the scratch mapping goes.
-            let copied = d
-                .mem_set_access(scratch, span, device, true)
-                .and_then(|()| d.memcpy_dtod(scratch + offset as u64, src as u64, len))
-                .and_then(|()| d.ctx_synchronize());
-            match d.mem_unmap(scratch, span) {
-                Ok(()) => {
-                    self.scratch_left(d.mem_address_free(scratch, span), scratch, span, false)
+            return Err(fail(e));
+        }
+        s.book
+            .apply_map(scratch as Addr, span, phys.0, 0, Access::ReadWrite);
+        // The copy is asynchronous: wait for it before the scratch mapping goes.
+        let copied = d
+            .mem_set_access(scratch, span, self.device, true)
+            .and_then(|()| d.memcpy_dtod(scratch + offset as u64, src as u64, len))
+            .and_then(|()| d.ctx_synchronize());
+        if let Err(e) = copied
+            && e.is_context_loss()
+        {
+            return Err(fail(e));
+        }
+        match d.mem_unmap(scratch, span) {
+            Ok(()) => {
+                s.book.apply_unmap(scratch as Addr, span);
+                match d.mem_address_free(scratch, span) {
+                    Ok(()) => s.book.apply_free(scratch as Addr),
+                    Err(e) if e.is_context_loss() => return Err(fail(e)),
+                    Err(_) => s.scratch.push((scratch, span)),
                 }
-                Err(_) => self.scratch_left(Err(CuError::INVALID_VALUE), scratch, span, true),
             }
-            copied
-        })
+            Err(e) if e.is_context_loss() => return Err(fail(e)),
+            Err(_) => {
+                // Still mapped: unmapped (and then freed) before anything reuses the range.
+                s.stuck.push((scratch, span));
+                s.scratch.push((scratch, span));
+            }
+        }
+        copied.map_err(fail)
     }
 
     fn fence(&self) -> CudaFence {
-        let stream = self.stream;
-        let event = self
-            .call(Op::Fence, 0, 0, |d| {
-                let event = d.event_create()?;
-                if let Err(e) = d.event_record(event, stream) {
-                    if d.event_destroy(event).is_err() {
-                        lock(&self.events).push(event); // retried at the next retirement
-                    }
-                    return Err(e);
+        let Ok(mut s) = self.enter(Op::Fence, 0, 0) else {
+            return CudaFence(None);
+        };
+        let event = match self.driver.event_create() {
+            Ok(event) => event,
+            Err(e) => {
+                let _ = self.fail(Op::Fence, 0, 0, e);
+                return CudaFence(None);
+            }
+        };
+        s.events.insert(event);
+        match self.driver.event_record(event, self.stream) {
+            Ok(()) => CudaFence(Some(event)),
+            Err(e) => {
+                let _ = self.fail(Op::Fence, 0, 0, e);
+                if !e.is_context_loss() && self.driver.event_destroy(event).is_ok() {
+                    s.events.remove(&event);
                 }
-                Ok(event)
-            })
-            .ok();
-        CudaFence(event)
+                CudaFence(None)
+            }
+        }
     }
 
     fn fence_done(&self, fence: &CudaFence) -> bool {
-        if self.is_lost() {
-            // Nothing runs any more; the teardown that follows sees the loss and calls nothing.
-            return true;
-        }
-        let stream = self.stream;
+        // Lost: nothing runs any more; the teardown that follows sees the loss and calls nothing.
+        let Ok(s) = self.enter(Op::Fence, 0, 0) else {
+            return self.is_lost();
+        };
         let done = match fence.0 {
-            Some(event) => self.call(Op::Fence, 0, 0, |d| d.event_query(event)),
-            None => self.call(Op::Fence, 0, 0, |d| d.stream_query(stream)),
+            Some(event) if s.events.contains(&event) => self.driver.event_query(event),
+            Some(_) => Ok(true), // not this backend's event: nothing of ours to wait for
+            None => self.driver.stream_query(self.stream),
         };
         // A failed query is asked again at the next poll, unless it revealed the loss.
-        done.unwrap_or_else(|_| self.is_lost())
+        done.unwrap_or_else(|e| {
+            let _ = self.fail(Op::Fence, 0, 0, e);
+            self.is_lost()
+        })
     }
 
     fn retire_fence(&self, fence: CudaFence) {
-        let mut events =
-            std::mem::take(&mut *self.events.lock().unwrap_or_else(|e| e.into_inner()));
-        events.extend(fence.0);
-        for event in events {
-            if self
-                .call(Op::Fence, 0, 0, |d| d.event_destroy(event))
-                .is_err()
-                && !self.is_lost()
-            {
-                self.events
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .push(event);
+        let Ok(mut s) = self.enter(Op::Fence, 0, 0) else {
+            return; // lost: the driver freed the events with the context
+        };
+        // This fence's event (if it is one of ours), and any whose destruction failed before.
+        let mut retiring = std::mem::take(&mut s.retired);
+        retiring.extend(fence.0.filter(|e| s.events.contains(e)));
+        while let Some(event) = retiring.pop() {
+            match self.driver.event_destroy(event) {
+                Ok(()) => {
+                    s.events.remove(&event);
+                }
+                Err(e) => {
+                    s.retired.push(event);
+                    let _ = self.fail(Op::Fence, 0, 0, e);
+                    if self.is_lost() {
+                        return;
+                    }
+                }
             }
         }
     }
 
     fn pin(&self) -> Result<(), BackendError> {
-        let device = self.device;
-        self.call(Op::Pin, 0, 0, |d| d.primary_ctx_retain(device).map(drop))
+        let _s = self.enter(Op::Pin, 0, 0)?;
+        self.driver
+            .primary_ctx_retain(self.device)
+            .map(drop)
+            .map_err(|e| self.fail(Op::Pin, 0, 0, e))
     }
 
     fn unpin(&self) -> Result<(), BackendError> {
-        let device = self.device;
-        self.call(Op::Unpin, 0, 0, |d| d.primary_ctx_release(device))
+        let _s = self.enter(Op::Unpin, 0, 0)?;
+        self.driver
+            .primary_ctx_release(self.device)
+            .map_err(|e| self.fail(Op::Unpin, 0, 0, e))
     }
 
     fn context_gone(&self) -> bool {
@@ -392,65 +577,16 @@ impl<D: Driver> Backend for CudaBackend<D> {
     }
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-impl<D: Driver> CudaBackend<D> {
-    /// Unmaps what a failed rollback left mapped in `[start, end)`, before that range is
-    /// mapped again or freed; what still fails stays remembered, and the error is returned.
-    fn unstick(&self, d: &D, start: u64, end: u64) -> CuResult<()> {
-        let stuck: Vec<(u64, usize)> = {
-            let mut all = lock(&self.stuck);
-            let (inside, outside) = all.drain(..).partition(|&(p, _)| start <= p && p < end);
-            *all = outside;
-            inside
-        };
-        let mut first_error = Ok(());
-        for (ptr, size) in stuck {
-            if let Err(e) = d.mem_unmap(ptr, size) {
-                lock(&self.stuck).push((ptr, size));
-                first_error = first_error.and(Err(e));
-            }
-        }
-        first_error
-    }
-
-    /// Remembers a scratch range whose teardown failed.
-    fn scratch_left(&self, freed: CuResult<()>, addr: u64, span: usize, mapped: bool) {
-        if freed.is_err() {
-            self.scratch
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .push((addr, span, mapped));
-        }
-    }
-
-    /// Tries again to take down scratch ranges left by failed copies.
-    fn sweep_scratch(&self) {
-        let left = std::mem::take(&mut *self.scratch.lock().unwrap_or_else(|e| e.into_inner()));
-        for (addr, span, mapped) in left {
-            let done = self.call(Op::Copy, addr as Addr, span, |d| {
-                if mapped {
-                    d.mem_unmap(addr, span)?;
-                }
-                d.mem_address_free(addr, span)
-            });
-            if done.is_err() {
-                let still_mapped = mapped && !self.is_lost();
-                self.scratch_left(Err(CuError::INVALID_VALUE), addr, span, still_mapped);
-            }
-        }
-    }
-}
-
 impl<D: Driver> Drop for CudaBackend<D> {
     fn drop(&mut self) {
-        for (ptr, size) in std::mem::take(&mut *lock(&self.stuck)) {
-            let _ = self.call(Op::Unmap, ptr as Addr, size, |d| d.mem_unmap(ptr, size));
+        if let Ok(mut s) = self.enter(Op::Free, 0, 0) {
+            let _ = self.unstick(&mut s, 0, u64::MAX);
+            let _ = self.sweep_scratch(&mut s);
+            let events: Vec<Event> = s.events.drain().collect();
+            for event in events {
+                let _ = self.driver.event_destroy(event);
+            }
         }
-        self.sweep_scratch();
-        self.retire_fence(CudaFence(None));
         if !self.is_lost() {
             let _ = self.driver.primary_ctx_release(self.device);
         }

@@ -202,6 +202,9 @@ impl DriverModel {
             if !p.persistent {
                 s.plans.remove(&call);
             }
+            if p.error.is_context_loss() {
+                s.lost = true; // a sticky error: the context is gone from this call on
+            }
             return Err(p.error);
         }
         if call != DriverCall::Init && !s.initialized {

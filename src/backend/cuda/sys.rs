@@ -4,8 +4,11 @@ use super::CudaError;
 use super::driver::{Context, CuError, CuResult, Driver, Event, Stream};
 use cudarc::driver::sys;
 
-/// The real CUDA driver, loaded at run time by `cudarc`. Made only through [`SysDriver::load`],
-/// which checks that the library is present first (calling into a missing one panics).
+/// The real CUDA driver, loaded at run time by `cudarc`. Only [`CudaBackend::open`](super::CudaBackend::open)
+/// makes one, after checking that the library is present (calling into a missing one panics);
+/// and only the backend calls it, with handles checked against its record: the driver does not
+/// promise to survive a stale or foreign handle, so its methods must not be reachable with
+/// arbitrary values from safe code.
 #[derive(Debug)]
 pub struct SysDriver(());
 
@@ -54,7 +57,7 @@ impl SysDriver {
     /// # Errors
     ///
     /// [`CudaError::NoDriver`] when it cannot.
-    pub fn load() -> Result<Self, CudaError> {
+    pub(crate) fn load() -> Result<Self, CudaError> {
         // SAFETY: `is_culib_present` only tries to open the driver library by its usual names.
         if unsafe { sys::is_culib_present() } {
             Ok(Self(()))
@@ -66,8 +69,9 @@ impl SysDriver {
     }
 }
 
-// Every call below passes plain values or pointers to locals that live across the call, to a
-// driver library that `load` proved present; the driver validates handles itself.
+// Every call below passes plain values, or pointers to locals that live across the call, to a
+// driver library that `load` proved present. Handles come from the CUDA backend, which passes
+// only those it created and has not released (it checks each against its record first).
 impl Driver for SysDriver {
     fn init(&self) -> CuResult<()> {
         // SAFETY: see above.

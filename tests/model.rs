@@ -542,7 +542,7 @@ impl Memory<Cuda> for CudaMemory {
     fn driver_fault(&self, which: usize, n: u64) {
         let call = DriverCall::ALL[which % DriverCall::ALL.len()];
         // One fault in eight is a sticky error: the context is lost from that call on.
-        let error = if which % 8 == 0 {
+        let error = if which.is_multiple_of(8) {
             CuError::ILLEGAL_ADDRESS
         } else {
             CuError::OUT_OF_MEMORY

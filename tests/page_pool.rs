@@ -92,18 +92,28 @@ fn run(steps: &[Step]) {
                 pool.shrink();
             }
             Step::FailNextGrow => faults.fail_nth(Op::Create, 1),
+            Step::TablePush => {
+                let _ = pool.push(&mut table); // may fail: budget or an injected fault
+            }
+            Step::TablePop => live.extend(table.pop().map(|p| (p, false))),
+            Step::TableClear => pool.clear(&mut table),
             _ => {}
         }
         let indices: HashSet<u32> = live.iter().map(|(p, _)| p.index()).collect();
         assert_eq!(indices.len(), live.len(), "a page was handed out twice");
-        let addrs: HashSet<usize> = live.iter().map(|(p, _)| p.addr()).collect();
-        assert_eq!(addrs.len(), live.len(), "two live pages share an address");
+        let in_use = live.len() + table.len();
+        let addrs: HashSet<usize> = live
+            .iter()
+            .map(|(p, _)| p.addr())
+            .chain((0..table.len()).map(|i| table.addr(i)))
+            .collect();
+        assert_eq!(addrs.len(), in_use, "two pages in use share an address");
         assert_eq!(
-            pool.free_pages() + live.len(),
+            pool.free_pages() + in_use,
             pool.capacity(),
             "free + live != capacity"
         );
-        assert_eq!(pool.live_pages(), live.len());
+        assert_eq!(pool.live_pages(), in_use);
         assert_eq!(device.ledger().owned_bytes, pool.capacity() as u64 * 1024);
         for (page, written) in &live {
             assert!(

@@ -12,8 +12,9 @@ use std::fmt;
 /// Why a pool could not be made or grown.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum PoolError {
-    /// The page size is not a power of two.
-    #[error("page size {0} must be a power of two")]
+    /// The page size is not a power of two, or is so small that one granule holds more than
+    /// 2^24 pages.
+    #[error("page size {0} must be a power of two, and a granule must hold at most 2^24 pages")]
     PageSize(usize),
     /// Reserving a new chunk failed. (Boxed, like `Commit`: the error stays two words, so
     /// `alloc`'s result costs no more to return than the page.)
@@ -156,6 +157,10 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
             return Err(PoolError::PageSize(page_size));
         }
         let chunk_bytes = granularity.max(page_size);
+        if chunk_bytes / page_size > 1 << 24 {
+            // Indices are u32 and a chunk's pages must leave room for many chunks.
+            return Err(PoolError::PageSize(page_size));
+        }
         Ok(Self {
             _brand: guard.into(),
             binding,

@@ -65,6 +65,18 @@ pub enum CudaError {
 
 /// CUDA virtual memory management on one device, over driver `D`.
 ///
+/// **What a fence covers.** Fences are events recorded on the legacy default stream (stream 0,
+/// cudarc's `default_stream()`), which waits for all *blocking* streams. Work on a stream made
+/// with `CU_STREAM_NON_BLOCKING` (cudarc's `new_stream()`) is not covered: make the legacy
+/// stream wait for such a stream (an event, or a synchronize) before releasing memory it uses.
+///
+/// **Other driver facts to know.** Every call makes this device's primary context current on
+/// the calling thread (and leaves it so). `cuMemUnmap` synchronizes with the device; the typed
+/// layer unmaps only after the memory's fence completed, so nothing is left to wait for, but a
+/// drop still makes that call. After a sticky error no call is made at all — so the primary
+/// context's retains are not released either; a process that wants the device back must reset
+/// it (`cuDevicePrimaryCtxReset`) itself.
+///
 /// A committed allocation on it gives its `device_ptr()` for kernel arguments and
 /// `copy_from_host` / `copy_to_host` for copies; prefixes, mappings and page tables have copies
 /// too.///

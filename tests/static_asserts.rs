@@ -118,6 +118,52 @@ assert_impl_all!(Quarantined<'static, 'static, SimBackend>: Send, Sync);
 // The proof of a lost context can be sent to the thread that discharges.
 assert_impl_all!(ContextGone<'static>: Send, Sync);
 
+// ---- shared prefixes, pages, CUDA ----
+
+type HostPool = memtoken::PagePool<'static, 'static, 'static, HostBackend>;
+type HostPage = memtoken::Page<'static, 'static, 'static, 'static, HostBackend>;
+type HostTable = memtoken::PageTable<'static, 'static, 'static, 'static, HostBackend>;
+type CudaModel = memtoken::backend::cuda::CudaBackend<memtoken::backend::cuda::DriverModel>;
+
+// A page token is its pool's address and a 4-byte index.
+assert_eq_size!(HostPage, [usize; 2]);
+// A page table is its pool's address and a Vec of 4-byte indices.
+assert_eq_size!(HostTable, [usize; 4]);
+// Mapping tokens are a binding reference, address, length, generation and shared key.
+assert_eq_size!(
+    memtoken::PrefixMapping<'static, 'static, HostBackend>,
+    [usize; 5]
+);
+// A diverged mapping adds its private granule's handle.
+assert_eq_size!(
+    memtoken::DivergedMapping<'static, 'static, HostBackend>,
+    [usize; 7]
+);
+// A committed CUDA token: the handle is one word.
+assert_eq_size!(
+    Allocation<'static, 'static, CudaModel, Committed>,
+    [usize; 5]
+);
+// None of them can be duplicated.
+assert_not_impl_any!(HostPage: Clone, Copy);
+assert_not_impl_any!(HostTable: Clone, Copy);
+assert_not_impl_any!(HostPool: Clone, Copy);
+assert_not_impl_any!(memtoken::Prefix<'static, 'static, HostBackend>: Clone, Copy);
+assert_not_impl_any!(memtoken::PrefixMapping<'static, 'static, HostBackend>: Clone, Copy);
+assert_not_impl_any!(memtoken::DivergedMapping<'static, 'static, HostBackend>: Clone, Copy);
+// The pool's free list is not locked: the pool is not Sync, so its pages (which hold a
+// reference to it) are neither Send nor Sync.
+assert_not_impl_any!(HostPool: Sync);
+assert_not_impl_any!(HostPage: Send, Sync);
+assert_not_impl_any!(HostTable: Send, Sync);
+// A pool with no page out may move to another thread.
+assert_impl_all!(HostPool: Send);
+// Mappings lend `&[u8]` only while their bytes cannot change: Send + Sync like allocations.
+assert_impl_all!(memtoken::PrefixMapping<'static, 'static, HostBackend>: Send, Sync);
+// A CUDA device and its tokens are shared across threads (the backend locks its record).
+assert_impl_all!(Device<'static, CudaModel>: Send, Sync);
+assert_impl_all!(Allocation<'static, 'static, CudaModel, Committed>: Send, Sync);
+
 /// Generations are one word, and `Option<Generation>` uses the non-zero niche.
 #[test]
 fn generation_is_one_word_with_a_niche() {

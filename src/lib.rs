@@ -49,7 +49,8 @@
 //! left); the ledger's two axes — **mapped** and **owned** bytes — are each refunded exactly
 //! once, owned only once the backend confirms the release; a binding's budget is enforced with
 //! an error naming the bytes requested, used and the limit; allocations are identified by
-//! generations, never by addresses; no backend call runs under a lock other allocations need.
+//! generations, never by addresses; the device never calls the backend while holding one of
+//! its own locks.
 //!
 //! `mem::forget` is safe Rust, so "exactly once" means at most once by construction; a forgotten
 //! token shows as bytes still charged in [`Device::close`]'s report, never as undefined behaviour.

@@ -75,7 +75,7 @@ fn main() {
         .and_then(|v| v.parse().ok())
         .unwrap_or(1_000_000);
     match which.as_str() {
-        "memtoken" => {
+        "memtoken" | "pages" => {
             make_guard!(guard);
             let device = Device::new(guard, HostBackend::with_defaults().unwrap());
             let binding = device.bind(Budget::unlimited()).unwrap();
@@ -84,18 +84,11 @@ fn main() {
             for _ in 0..SEQ_PAGES {
                 pool.grow().unwrap();
             }
-            cycles_memtoken(&pool, n);
-        }
-        "pages" => {
-            make_guard!(guard);
-            let device = Device::new(guard, HostBackend::with_defaults().unwrap());
-            let binding = device.bind(Budget::unlimited()).unwrap();
-            make_guard!(pool_guard);
-            let pool = PagePool::new(pool_guard, &binding, PAGE).unwrap();
-            for _ in 0..SEQ_PAGES {
-                pool.grow().unwrap();
+            if which == "memtoken" {
+                cycles_memtoken(&pool, n);
+            } else {
+                cycles_pages(&pool, n);
             }
-            cycles_pages(&pool, n);
         }
         "raw" => {
             let backend = HostBackend::with_defaults().unwrap();

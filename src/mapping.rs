@@ -204,6 +204,11 @@ macro_rules! accessors {
                 self.core.device().share_refs(self.core.key)
             }
 
+            /// The binding this mapping was made through (and whose budget it is charged to).
+            pub fn binding(&self) -> &'b Binding<'b, 'id, B> {
+                self.core.binding
+            }
+
             /// The backend, for interop.
             pub(crate) fn backend(&self) -> &B {
                 self.core.device().backend()

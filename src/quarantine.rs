@@ -42,6 +42,11 @@ impl<'b, 'id, B: Backend> Quarantined<'b, 'id, B> {
         (this.binding, this.residual)
     }
 
+    /// The binding whose budget still carries what this token owns.
+    pub fn binding(&self) -> &'b Binding<'b, 'id, B> {
+        self.binding
+    }
+
     /// Exactly what is still held.
     pub fn residual(&self) -> &Residual<B::Phys> {
         &self.residual

@@ -7,7 +7,8 @@
 //! whatever the number of its mappings, and its references equal its live mappings; the
 //! backend's own outstanding counts equal the ledger (so shared memory is released exactly once,
 //! when its last mapping goes); no two held VA ranges overlap (so quarantined VA is never handed
-//! out again); the budget equals what the binding's tokens own; host memory holds what was
+//! out again); each binding's budget (an owner's and a sharer's) equals what its tokens own;
+//! host memory holds what was
 //! written. At the end, after retries, the backend holds nothing.
 //!
 //! 1,000 cases per backend by default; `PROPTEST_CASES=N` for more.
@@ -164,6 +165,8 @@ impl Memory<Host> for HostMemory {
 struct Model<'b, 'id, B: Backend, M> {
     device: &'b Device<'id, B>,
     binding: &'b Binding<'b, 'id, B>,
+    /// Sharers map prefixes through a binding of their own (a second session).
+    sharer: &'b Binding<'b, 'id, B>,
     faults: FaultHandle,
     memory: M,
     tokens: Vec<Token<'b, 'id, B>>,
@@ -225,7 +228,7 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                     return;
                 };
                 let fill = *fill;
-                let Ok(reserved) = self.binding.reserve(prefix.size()) else {
+                let Ok(reserved) = self.sharer.reserve(prefix.size()) else {
                     return;
                 };
                 let next = match reserved.map_prefix(prefix) {
@@ -299,7 +302,8 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
 
     fn check(&self) {
         let g = self.device.granularity();
-        let (mut reserved, mut mapped, mut owned, mut quarantined, mut budget) = (0u64, 0, 0, 0, 0);
+        let (mut reserved, mut mapped, mut owned, mut quarantined) = (0u64, 0, 0, 0);
+        let (mut budget, mut sharer_budget) = (0u64, 0u64);
         let mut shared_refs = 0u64;
         let mut ranges = self.device.withheld_ranges();
         for t in &self.tokens {
@@ -361,7 +365,20 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
             }
             mapped += m as u64;
             owned += o as u64;
-            budget += charged as u64;
+            let binding = match t {
+                Token::Reserved(a) => a.binding(),
+                Token::Committed(a, _) => a.binding(),
+                Token::Releasing(a) => a.binding(),
+                Token::Prefix(p, _) => p.binding(),
+                Token::Shared(m, _) => m.binding(),
+                Token::Diverged(d, _, _) => d.binding(),
+                Token::Quarantined(q) => q.binding(),
+            };
+            if std::ptr::eq(binding, self.sharer) {
+                sharer_budget += charged as u64;
+            } else {
+                budget += charged as u64;
+            }
             shared_refs += u64::from(shares);
         }
         let custody = self.device.custody();
@@ -398,6 +415,11 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
             self.binding.used(),
             budget,
             "budget vs tokens the binding owns"
+        );
+        assert_eq!(
+            self.sharer.used(),
+            sharer_budget,
+            "sharer's budget vs its tokens"
         );
 
         let backend = self.faults.outstanding();
@@ -448,7 +470,7 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
             self.device.retry_quarantine();
             self.device.discharge_all(&proof);
             assert!(self.device.ledger().is_zero(), "{:?}", self.device.ledger());
-            assert_eq!(self.binding.used(), 0);
+            assert_eq!((self.binding.used(), self.sharer.used()), (0, 0));
             return;
         }
         for t in self.tokens.drain(..) {
@@ -465,9 +487,9 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
         let p = self.device.retry_quarantine();
         assert_eq!((p.quarantined, p.deferred), (0, 0), "{p:?}");
         assert!(self.device.ledger().is_zero(), "{:?}", self.device.ledger());
-        assert_eq!(self.binding.used(), 0);
+        assert_eq!((self.binding.used(), self.sharer.used()), (0, 0));
         let mut left = self.faults.outstanding();
-        left.pins = 0; // the binding is still alive
+        left.pins = 0; // the bindings are still alive
         assert!(left.is_zero(), "the backend still holds {left:?}");
     }
 }
@@ -478,12 +500,13 @@ fn run<B: Backend, M: Memory<B>>(
     memory: M,
     steps: &[Step],
 ) {
-    let binding = device
-        .bind(Budget::bytes(8 * device.granularity() as u64))
-        .unwrap();
+    let g = device.granularity() as u64;
+    let binding = device.bind(Budget::bytes(8 * g)).unwrap();
+    let sharer = device.bind(Budget::bytes(4 * g)).unwrap();
     let mut model = Model {
         device,
         binding: &binding,
+        sharer: &sharer,
         faults,
         memory,
         tokens: Vec::new(),

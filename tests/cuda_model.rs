@@ -359,3 +359,65 @@ fn workload<'b, 'id>(
             &CudaBackend::new(DriverModel::default(), 0).unwrap(),
         );
 }
+
+/// Every pair of driver call kinds: one fails with an ordinary error, the other (later) with a
+/// sticky one. The first leaves leftovers to retry (stuck mappings, scratch ranges, events);
+/// the second must stop every call, those retries included.
+#[test]
+fn an_ordinary_failure_then_a_sticky_one_never_lets_a_call_through() {
+    for first in DriverCall::ALL {
+        for second in DriverCall::ALL {
+            if first == second {
+                continue; // one plan per kind
+            }
+            let model = held_fences();
+            make_guard!(guard);
+            let device = Device::new(guard, Faulty::new(backend(&model)));
+            {
+                let binding = device.bind(Budget::unlimited()).unwrap();
+                model.fail_nth(first, 1, CuError::OUT_OF_MEMORY);
+                model.fail_nth(second, 2, CuError::ILLEGAL_ADDRESS);
+                workload(&device, &binding, &model);
+                model.complete_work();
+                device.poll();
+                device.retry_quarantine();
+                if let Some(proof) = device.confirm_context_gone() {
+                    device.discharge_all(&proof);
+                }
+                assert!(
+                    device.ledger().is_zero(),
+                    "{first:?}, {second:?}: {:?}",
+                    device.ledger()
+                );
+            }
+            drop(device);
+            let after = model.calls_after_loss();
+            assert_eq!(
+                after, 0,
+                "{first:?} then {second:?}: a call followed the sticky error"
+            );
+        }
+    }
+}
+
+/// A sticky error while the backend opens the device: no call follows it, not even the
+/// release of the context it retained.
+#[test]
+fn a_sticky_error_while_opening_makes_no_further_call() {
+    for call in [
+        DriverCall::CtxSetCurrent,
+        DriverCall::MemGetAllocationGranularity,
+        DriverCall::DeviceTotalMem,
+    ] {
+        let model = DriverModel::default();
+        model.fail_nth(call, 1, CuError::ILLEGAL_ADDRESS);
+        let err = CudaBackend::new(model.clone(), 0).unwrap_err();
+        assert!(err.to_string().contains("ILLEGAL_ADDRESS"), "{err}");
+        assert_eq!(model.calls_after_loss(), 0, "{call:?}");
+    }
+    // An ordinary error while opening releases the context it retained.
+    let model = DriverModel::default();
+    model.fail_nth(DriverCall::DeviceTotalMem, 1, CuError::INVALID_VALUE);
+    assert!(CudaBackend::new(model.clone(), 0).is_err());
+    assert_eq!(model.outstanding().3, 0, "the retain was released");
+}

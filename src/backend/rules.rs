@@ -373,6 +373,9 @@ impl<P: Copy + Eq + Hash> Book<P> {
             .checked_add(len)
             .filter(|_| len > 0)
             .ok_or(not_mapped.clone())?;
+        self.aligned("address", addr, false)?;
+        self.aligned("length", len, true)?;
+        self.aligned("offset", offset, false)?;
         self.unpoisoned(addr, len)?;
         let mut next = addr;
         let first = self.mappings.range(..=addr).next_back();

@@ -160,7 +160,10 @@ impl<D: Driver> CudaBackend<D> {
         let (granularity, capacity) = match opened {
             Ok(v) => v,
             Err(e) => {
-                let _ = driver.primary_ctx_release(device);
+                // No call into a context a sticky error took down.
+                if !matches!(e, CudaError::Driver { error, .. } if error.is_context_loss()) {
+                    let _ = driver.primary_ctx_release(device);
+                }
                 return Err(e);
             }
         };
@@ -204,6 +207,10 @@ impl<D: Driver> CudaBackend<D> {
             return Err(BackendError::new(op, addr, len, Cause::ContextLost));
         }
         let state = lock(&self.state);
+        if self.is_lost() {
+            // Another thread found the loss while this one waited for the record.
+            return Err(BackendError::new(op, addr, len, Cause::ContextLost));
+        }
         self.driver
             .ctx_set_current(self.ctx)
             .map_err(|e| self.fail(op, addr, len, e))?;
@@ -221,16 +228,21 @@ impl<D: Driver> CudaBackend<D> {
         BackendError::new(op, addr, len, cause)
     }
 
-    /// Checks that `[addr, addr + len)` is mapped (read-write if `write`).
+    /// Checks that `[addr, addr + len)` is mapped with access (read-write if `write`). A
+    /// mapping left by a failed rollback has no access.
     fn check_mapped(
-        book: &Book<u64>,
+        s: &CudaState,
         op: Op,
         addr: Addr,
         len: usize,
         write: bool,
     ) -> Result<(), BackendError> {
+        let book = &s.book;
         let not_mapped = || refused(op, addr, len, Violation::NotMapped { addr, len });
         let (mut at, end) = (addr, addr.checked_add(len).ok_or_else(not_mapped)?);
+        if Self::overlaps(&s.stuck, addr, len) {
+            return Err(not_mapped());
+        }
         while at < end {
             let (_, _, run, access) = book.resolve(at).ok_or_else(not_mapped)?;
             if write && access != Access::ReadWrite {
@@ -248,7 +260,7 @@ impl<D: Driver> CudaBackend<D> {
     /// [`Cause::Violation`] if it is not; the driver's error.
     pub fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
         let s = self.enter(Op::Copy, dst, src.len())?;
-        Self::check_mapped(&s.book, Op::Copy, dst, src.len(), true)?;
+        Self::check_mapped(&s, Op::Copy, dst, src.len(), true)?;
         self.driver
             .memcpy_htod(dst as u64, src)
             .map_err(|e| self.fail(Op::Copy, dst, src.len(), e))
@@ -262,10 +274,16 @@ impl<D: Driver> CudaBackend<D> {
     pub fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError> {
         let len = dst.len();
         let s = self.enter(Op::Copy, src, len)?;
-        Self::check_mapped(&s.book, Op::Copy, src, len, false)?;
+        Self::check_mapped(&s, Op::Copy, src, len, false)?;
         self.driver
             .memcpy_dtoh(dst, src as u64)
             .map_err(|e| self.fail(Op::Copy, src, len, e))
+    }
+
+    /// Whether any listed range overlaps `[addr, addr + len)`.
+    fn overlaps(ranges: &[(u64, usize)], addr: Addr, len: usize) -> bool {
+        let (start, end) = (addr as u64, (addr + len) as u64);
+        ranges.iter().any(|&(p, n)| p < end && start < p + n as u64)
     }
 
     /// Unmaps what a failed rollback left mapped in `[start, end)`; what still fails stays.
@@ -353,6 +371,15 @@ impl<D: Driver> Backend for CudaBackend<D> {
     fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
         let mut s = self.enter(Op::Free, addr, len)?;
         let (start, end) = (addr as u64, (addr + len) as u64);
+        if Self::overlaps(&s.scratch, addr, len) {
+            // The backend's own scratch range: not the caller's to free.
+            return Err(refused(
+                Op::Free,
+                addr,
+                len,
+                Violation::NotReserved { addr, len },
+            ));
+        }
         self.unstick(&mut s, start, end)
             .map_err(|e| self.fail(Op::Free, addr, len, e))?;
         s.book
@@ -438,6 +465,8 @@ impl<D: Driver> Backend for CudaBackend<D> {
             .mem_unmap(addr as u64, len)
             .map_err(|e| self.fail(Op::Unmap, addr, len, e))?;
         s.book.apply_unmap(addr, len);
+        let (start, end) = (addr as u64, (addr + len) as u64);
+        s.stuck.retain(|&(p, _)| !(start <= p && p < end));
         Ok(())
     }
 
@@ -454,6 +483,10 @@ impl<D: Driver> Backend for CudaBackend<D> {
         s.book
             .check_copy(phys.0, offset, src, len)
             .map_err(|v| refused(Op::Copy, src, len, v))?;
+        if Self::overlaps(&s.stuck, src, len) {
+            let v = Violation::NotMapped { addr: src, len };
+            return Err(refused(Op::Copy, src, len, v));
+        }
         // Map `offset + len` bytes of the handle from its start at a scratch range, copy, and
         // take the scratch range down again.
         let span = offset + len;
@@ -463,13 +496,12 @@ impl<D: Driver> Backend for CudaBackend<D> {
             .map_err(fail)?;
         s.book.apply_reserve(scratch as Addr, span);
         if let Err(e) = d.mem_map(scratch, span, 0, phys.0) {
-            let freed = if e.is_context_loss() {
-                Err(e)
-            } else {
-                d.mem_address_free(scratch, span)
-            };
-            match freed {
+            if e.is_context_loss() {
+                return Err(fail(e));
+            }
+            match d.mem_address_free(scratch, span) {
                 Ok(()) => s.book.apply_free(scratch as Addr),
+                Err(freed) if freed.is_context_loss() => return Err(fail(freed)),
                 Err(_) => s.scratch.push((scratch, span)),
             }
             return Err(fail(e));
@@ -521,8 +553,16 @@ impl<D: Driver> Backend for CudaBackend<D> {
             Ok(()) => CudaFence(Some(event)),
             Err(e) => {
                 let _ = self.fail(Op::Fence, 0, 0, e);
-                if !e.is_context_loss() && self.driver.event_destroy(event).is_ok() {
-                    s.events.remove(&event);
+                if !self.is_lost() {
+                    match self.driver.event_destroy(event) {
+                        Ok(()) => {
+                            s.events.remove(&event);
+                        }
+                        Err(destroy) => {
+                            let _ = self.fail(Op::Fence, 0, 0, destroy);
+                            s.retired.push(event); // retried at the next retirement
+                        }
+                    }
                 }
                 CudaFence(None)
             }
@@ -592,11 +632,21 @@ impl<D: Driver> Backend for CudaBackend<D> {
 impl<D: Driver> Drop for CudaBackend<D> {
     fn drop(&mut self) {
         if let Ok(mut s) = self.enter(Op::Free, 0, 0) {
-            let _ = self.unstick(&mut s, 0, u64::MAX);
-            let _ = self.sweep_scratch(&mut s);
+            // Each step stops at a sticky error: nothing more may be called then.
+            let swept = self
+                .unstick(&mut s, 0, u64::MAX)
+                .and_then(|()| self.sweep_scratch(&mut s));
+            if let Err(e) = swept {
+                let _ = self.fail(Op::Free, 0, 0, e);
+            }
             let events: Vec<Event> = s.events.drain().collect();
             for event in events {
-                let _ = self.driver.event_destroy(event);
+                if self.is_lost() {
+                    break;
+                }
+                if let Err(e) = self.driver.event_destroy(event) {
+                    let _ = self.fail(Op::Fence, 0, 0, e);
+                }
             }
         }
         if !self.is_lost() {

@@ -421,3 +421,27 @@ fn a_sticky_error_while_opening_makes_no_further_call() {
     assert!(CudaBackend::new(model.clone(), 0).is_err());
     assert_eq!(model.outstanding().3, 0, "the retain was released");
 }
+
+/// A mapping left behind by a failed rollback is unmapped on drop; if that unmap finds the
+/// context gone, nothing else is called (no event destroyed, no context released).
+#[test]
+fn a_sticky_error_while_dropping_the_backend_stops_its_cleanup() {
+    let model = DriverModel::default();
+    let backend = backend(&model);
+    {
+        use memtoken::backend::{Access, Backend};
+        let addr = backend.reserve(G).unwrap();
+        let phys = backend.create(G).unwrap();
+        model.fail_nth(DriverCall::MemSetAccess, 1, CuError::INVALID_VALUE);
+        model.fail_nth(DriverCall::MemUnmap, 1, CuError::INVALID_VALUE);
+        assert!(backend.map(addr, G, phys, 0, Access::ReadWrite).is_err());
+        let _event = backend.fence();
+        model.fail_nth(DriverCall::MemUnmap, 1, CuError::ILLEGAL_ADDRESS);
+    }
+    drop(backend);
+    assert_eq!(
+        model.calls_after_loss(),
+        0,
+        "the backend's cleanup called into a lost context"
+    );
+}

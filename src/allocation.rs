@@ -307,11 +307,6 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
         let (head, phys) = self.into_head();
         Allocation::from_head(head, (phys, fence))
     }
-
-    /// The physical memory mapped here (for backend interop).
-    pub fn phys(&self) -> B::Phys {
-        *self.parts
-    }
 }
 
 impl<B: HostVisible> Allocation<'_, '_, B, Committed> {

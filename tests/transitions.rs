@@ -464,4 +464,14 @@ fn bindings_pin_and_unpin_the_context() {
     faults.fail_nth(Op::Pin, 1);
     assert!(device.bind(Budget::unlimited()).is_err());
     assert_eq!(faults.outstanding().pins, 0);
+    // A failed unpin is counted by the device, not lost silently.
+    let c = device.bind(Budget::unlimited()).unwrap();
+    faults.fail_nth(Op::Unpin, 1);
+    drop(c);
+    assert_eq!(device.failed_unpins(), 1);
+    assert_eq!(
+        faults.outstanding().pins,
+        1,
+        "the pin the driver still holds"
+    );
 }

@@ -154,11 +154,6 @@ impl<B: Backend> Faulty<B> {
     pub fn handle(&self) -> FaultHandle {
         self.handle.clone()
     }
-
-    /// The wrapped backend.
-    pub fn inner(&self) -> &B {
-        &self.inner
-    }
 }
 
 impl<B: Backend> Backend for Faulty<B> {

@@ -1,15 +1,28 @@
-//! [`Allocation`]: a linear owning token for one VA range, its state in its type.
+//! [`Allocation`]: a linear owning token for one VA range, its state in its type — and
+//! [`Binding::reserve`], which makes one.
 
-use crate::backend::{Access, Addr, Backend, HostVisible, Op};
-use crate::binding::Binding;
-use crate::device::Generation;
-use crate::error::{CommitError, CommitFailure, CompleteError, QuarantineError};
+use crate::backend::{Access, Backend, HostVisible, Op};
+use crate::binding::{Binding, Custody};
+use crate::error::{CommitFailure, ReleaseFailure, ReserveError, Returned, TransitionError};
+use crate::ids::{Generation, Released};
 use crate::ledger::Axis;
-use crate::quarantine::settle;
-use crate::residual::Residual;
-use crate::state::{Committed, Releasing, Reserved, State, sealed::Sealed};
+use crate::quarantine::{Quarantined, settle};
+use crate::residual::Held;
+use crate::state::{Committed, Live, Readable, Releasing, Reserved, Retired, State, sealed::Sealed};
+use crate::token::{Core, host_slice, host_slice_mut};
 use std::fmt;
 use std::mem::ManuallyDrop;
+
+/// A failed [`commit`](Allocation::commit): the same reserved token, and why.
+pub type CommitError<'b, 'id, B> = TransitionError<Allocation<'b, 'id, B, Reserved>, CommitFailure>;
+
+/// A [`complete`](Allocation::complete) that could not finish: the same releasing token while
+/// its fence is pending ([`ReleaseFailure::Pending`]), or the quarantined remains after a
+/// backend call failed.
+pub type CompleteError<'b, 'id, B> = TransitionError<
+    Returned<Allocation<'b, 'id, B, Releasing>, Quarantined<'b, 'id, B>>,
+    ReleaseFailure,
+>;
 
 /// A linear owning token for one VA range of `len` bytes, in state `S`.
 ///
@@ -17,6 +30,10 @@ use std::mem::ManuallyDrop;
 /// neither `Clone` nor `Copy`, every transition consumes it, and a fallible transition hands it
 /// back inside its error. It borrows its [`Binding`] (and through it the [`Device`](crate::Device)),
 /// so it cannot outlive either, and it carries the device's brand `'id`.
+///
+/// The shared-prefix tokens are allocations too, in states of their own:
+/// [`Prefix`](crate::Prefix), [`PrefixMapping`](crate::PrefixMapping) and
+/// [`DivergedMapping`](crate::DivergedMapping).
 ///
 /// Dropping a token in any state tears it down: it never blocks on the device and never frees
 /// VA that is still mapped; what must wait for a fence goes to the device's deferred queue, and
@@ -125,117 +142,103 @@ use std::mem::ManuallyDrop;
 /// # }
 /// ```
 pub struct Allocation<'b, 'id, B: Backend, S: State> {
-    binding: &'b Binding<'b, 'id, B>,
-    addr: Addr,
-    len: usize,
-    generation: Generation,
+    core: Core<'b, 'id, B>,
     parts: ManuallyDrop<<S as Sealed>::Parts<B>>,
 }
 
-/// A token's fields without its parts: all `Copy`.
-struct Head<'b, 'id, B: Backend> {
-    binding: &'b Binding<'b, 'id, B>,
-    addr: Addr,
-    len: usize,
-    generation: Generation,
-}
-
-impl<B: Backend> Clone for Head<'_, '_, B> {
-    fn clone(&self) -> Self {
-        *self
+impl<'b, 'id, B: Backend> Binding<'b, 'id, B> {
+    /// Reserves at least `len` bytes of VA (rounded up to the granularity). Nothing is mapped
+    /// or charged to the budget; the range counts as reserved in the ledger.
+    ///
+    /// # Errors
+    ///
+    /// [`ReserveError`] for a zero length, a length that overflows when rounded, one past the
+    /// address space, or a backend failure. Nothing is changed or charged on error.
+    pub fn reserve(&'b self, len: usize) -> Result<Allocation<'b, 'id, B, Reserved>, ReserveError> {
+        let device = self.device();
+        let backend = device.backend();
+        let granularity = backend.granularity();
+        if len == 0 {
+            return Err(ReserveError::ZeroLength { granularity });
+        }
+        let rounded = len
+            .checked_next_multiple_of(granularity)
+            .ok_or(ReserveError::Overflow {
+                requested: len,
+                granularity,
+            })?;
+        let limit = backend.address_space();
+        if rounded > limit {
+            return Err(ReserveError::TooLarge {
+                requested: len,
+                rounded,
+                limit,
+            });
+        }
+        device.ensure_live(Op::Reserve, 0, rounded)?;
+        let addr = backend.reserve(rounded)?;
+        device.charge(Axis::Reserved, rounded);
+        let core = Core {
+            binding: self,
+            addr,
+            len: rounded,
+            generation: device.next_generation(),
+        };
+        Ok(Allocation::from_core(core, ()))
     }
 }
 
-impl<B: Backend> Copy for Head<'_, '_, B> {}
-
-/// Proof that an allocation was released: its mapping is gone, its physical memory released,
-/// its VA freed. A plain receipt, not a token.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Released {
-    /// Which allocation.
-    pub generation: Generation,
-    /// Its length in bytes.
-    pub len: usize,
-}
-
 impl<'b, 'id, B: Backend, S: State> Allocation<'b, 'id, B, S> {
-    fn from_head(h: Head<'b, 'id, B>, parts: <S as Sealed>::Parts<B>) -> Self {
+    pub(crate) fn from_core(core: Core<'b, 'id, B>, parts: <S as Sealed>::Parts<B>) -> Self {
         Self {
-            binding: h.binding,
-            addr: h.addr,
-            len: h.len,
-            generation: h.generation,
+            core,
             parts: ManuallyDrop::new(parts),
         }
     }
 
     /// Takes the token apart without running its `Drop`.
-    fn into_head(self) -> (Head<'b, 'id, B>, <S as Sealed>::Parts<B>) {
+    pub(crate) fn into_core(self) -> (Core<'b, 'id, B>, <S as Sealed>::Parts<B>) {
         let mut this = ManuallyDrop::new(self);
-        let head = Head {
-            binding: this.binding,
-            addr: this.addr,
-            len: this.len,
-            generation: this.generation,
-        };
         // SAFETY: `this` is never dropped nor used again, so the parts are taken exactly once.
         let parts = unsafe { ManuallyDrop::take(&mut this.parts) };
-        (head, parts)
+        (this.core, parts)
     }
 
-    /// Takes the token apart into its binding, range, identity and parts, without its `Drop`.
-    pub(crate) fn into_raw(
-        self,
-    ) -> (
-        &'b Binding<'b, 'id, B>,
-        Addr,
-        usize,
-        Generation,
-        <S as Sealed>::Parts<B>,
-    ) {
-        let (h, parts) = self.into_head();
-        (h.binding, h.addr, h.len, h.generation, parts)
+    pub(crate) fn core(&self) -> Core<'b, 'id, B> {
+        self.core
+    }
+
+    pub(crate) fn parts(&self) -> &<S as Sealed>::Parts<B> {
+        &self.parts
     }
 
     /// Start of the VA range.
-    pub fn addr(&self) -> Addr {
-        self.addr
+    pub fn addr(&self) -> crate::backend::Addr {
+        self.core.addr
     }
 
     /// Length of the VA range in bytes (a multiple of the granularity).
-    pub fn size(&self) -> usize {
-        self.len
+    pub fn len(&self) -> usize {
+        self.core.len
+    }
+
+    /// Never: a token covers at least one granule. (For symmetry with [`len`](Self::len).)
+    pub fn is_empty(&self) -> bool {
+        self.core.len == 0
     }
 
     /// This allocation's identity.
     pub fn generation(&self) -> Generation {
-        self.generation
+        self.core.generation
     }
 
-    /// The binding this token was made through.
+    /// The binding this token was made through (and whose budget it is charged to).
     pub fn binding(&self) -> &'b Binding<'b, 'id, B> {
-        self.binding
+        self.core.binding
     }
 }
 
 impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
-    pub(crate) fn reserved(
-        binding: &'b Binding<'b, 'id, B>,
-        addr: Addr,
-        len: usize,
-        generation: Generation,
-    ) -> Self {
-        Self::from_head(
-            Head {
-                binding,
-                addr,
-                len,
-                generation,
-            },
-            (),
-        )
-    }
-
     /// Creates physical memory, maps it read-write and charges it: the memory becomes usable.
     ///
     /// # Errors
@@ -243,15 +246,16 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     /// [`CommitError`], with this same token inside, when the budget or the physical capacity
     /// would be exceeded or a backend call fails. Nothing stays mapped or charged, except when
     /// undoing a half-done commit fails too: then the orphaned physical memory is in the
-    /// device's quarantine, charged as owned, and the error says so.
+    /// device's quarantine, charged as owned, and the cause says so.
     #[must_use = "a failed commit returns the reserved token inside the error"]
     pub fn commit(self) -> Result<Allocation<'b, 'id, B, Committed>, CommitError<'b, 'id, B>> {
-        let (binding, len) = (self.binding, self.len);
-        let device = binding.device();
+        let core = self.core;
+        let (binding, len) = (core.binding, core.len);
+        let device = core.device();
         let backend = device.backend();
+        let refuse = |token, cause| Err(TransitionError { token, cause });
         if let Err(e) = device.ensure_live(Op::Create, 0, len) {
-            let cause = CommitFailure::Backend(e);
-            return Err(CommitError { token: self, cause });
+            return refuse(self, CommitFailure::Backend(e));
         }
         let capacity = backend.physical_capacity();
         if len as u64 > capacity {
@@ -259,94 +263,109 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                 requested: len as u64,
                 capacity,
             };
-            return Err(CommitError { token: self, cause });
+            return refuse(self, cause);
         }
         if let Err(cause) = binding.charge(len) {
-            return Err(CommitError { token: self, cause });
+            return refuse(self, cause);
         }
         let phys = match backend.create(len) {
             Ok(phys) => phys,
             Err(e) => {
                 binding.uncharge(len);
-                let cause = CommitFailure::Backend(e);
-                return Err(CommitError { token: self, cause });
+                return refuse(self, CommitFailure::Backend(e));
             }
         };
-        if let Err(error) = backend.map(self.addr, len, phys, 0, Access::ReadWrite) {
+        if let Err(error) = backend.map(core.addr, len, phys, 0, Access::ReadWrite) {
             binding.refund(len);
             let cause = match device.release_orphan(phys, len) {
                 Ok(()) => CommitFailure::Backend(error),
                 Err(rollback) => CommitFailure::RollbackFailed { error, rollback },
             };
-            return Err(CommitError { token: self, cause });
+            return refuse(self, cause);
         }
         device.charge(Axis::Mapped, len);
-        let (head, ()) = self.into_head();
-        Ok(Allocation::from_head(head, phys))
-    }
-
-    /// Frees the VA range.
-    ///
-    /// # Errors
-    ///
-    /// [`QuarantineError`] if the backend refuses: the range stays reserved and withheld, in a
-    /// [`Quarantined`](crate::Quarantined) token inside the error.
-    #[must_use = "a failed release returns a quarantined token inside the error"]
-    pub fn release(self) -> Result<Released, QuarantineError<'b, 'id, B>> {
-        let (h, ()) = self.into_head();
-        settle(h.binding, Residual::va(h.generation, h.addr, h.len))
+        let (core, ()) = self.into_core();
+        Ok(Allocation::from_core(core, phys))
     }
 }
 
-impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
-    /// Retires the memory from use: records a fence after the work submitted so far, and
-    /// returns the token in [`Releasing`], where it lends no memory. Cannot fail.
-    #[must_use = "dropping the Releasing token defers the release to the device; call complete()"]
+impl<'b, 'id, B: Backend, S: Live> Allocation<'b, 'id, B, S> {
+    /// Starts the release: retires the token from use and returns it in [`Releasing`], where it
+    /// lends no memory. A token whose memory may still be used by work in flight records a
+    /// fence after the work submitted so far; [`complete`](Allocation::complete) finishes once
+    /// it has completed. Cannot fail.
+    #[must_use = "dropping the Releasing token hands the release to the device; call complete()"]
     pub fn release(self) -> Allocation<'b, 'id, B, Releasing> {
-        let fence = self.binding.device().backend().fence();
-        let (head, phys) = self.into_head();
-        Allocation::from_head(head, (phys, fence))
+        let (core, parts) = self.into_core();
+        let Retired {
+            held,
+            fence,
+            charged,
+        } = S::retire(core.backend(), core.len, parts);
+        // The binding stays charged for the memory the token still owns, until it is released;
+        // the rest leaves its budget now (a prefix's bytes stay with its mappings).
+        binding_keeps(core, charged, &held);
+        Allocation::from_core(core, (held, fence))
+    }
+}
+
+/// Refunds the part of `charged` that `held` does not own any more.
+fn binding_keeps<B: Backend>(core: Core<'_, '_, B>, charged: usize, held: &Held<B::Phys>) {
+    let kept = held.owned_bytes();
+    if charged > kept {
+        core.binding.refund(charged - kept);
+    }
+}
+
+impl<B: HostVisible, S: Readable> Allocation<'_, '_, B, S> {
+    /// The memory, read-only, borrowed from the token: it cannot be released while borrowed.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: a readable state keeps the whole range mapped readable until the token is
+        // consumed, which this borrow prevents; its bytes are written only through `&mut` of
+        // the one token that may write them (a committed allocation, a prefix with no sharer,
+        // a diverged mapping's private granule).
+        unsafe { host_slice(self.core.addr, self.core.len) }
     }
 }
 
 impl<B: HostVisible> Allocation<'_, '_, B, Committed> {
-    /// The memory, read-only, borrowed from the token: it cannot be released while borrowed.
-    pub fn as_slice(&self) -> &[u8] {
-        // SAFETY: a Committed token exclusively owns a read-write mapping of `len` bytes at
-        // `addr` (HostVisible makes it host memory); the mapping outlives this borrow of the
-        // token, since only consuming the token can unmap it.
-        unsafe { std::slice::from_raw_parts(self.addr as *const u8, self.len) }
-    }
-
     /// The memory, read-write, borrowed mutably from the token.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: as in `as_slice`; `&mut self` makes this the only borrow of the memory.
-        unsafe { std::slice::from_raw_parts_mut(self.addr as *mut u8, self.len) }
+        // SAFETY: a committed token exclusively owns a read-write mapping of its whole range,
+        // kept until the token is consumed; `&mut self` makes this the only borrow of it.
+        unsafe { host_slice_mut(self.core.addr, self.core.len) }
     }
 }
 
 impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Releasing> {
-    /// Whether the fence has completed, so [`complete`](Self::complete) can proceed. Never blocks.
+    /// Whether the fence has completed (or there is none), so [`complete`](Self::complete) can
+    /// proceed. Never blocks.
     pub fn is_ready(&self) -> bool {
-        self.binding.device().backend().fence_done(&self.parts.1)
+        let backend = self.core.backend();
+        self.parts.1.as_ref().is_none_or(|f| backend.fence_done(f))
     }
 
-    /// Unmaps, releases the physical memory and frees the VA, once the fence has completed.
+    /// Finishes the release once the fence has completed: unmaps, gives back shared and owned
+    /// physical memory, and frees the VA. Never blocks.
     ///
     /// # Errors
     ///
-    /// [`CompleteError::Pending`] with this same token if the fence has not completed;
-    /// [`CompleteError::Failed`] with a [`Quarantined`](crate::Quarantined) token holding exactly what could not be
-    /// given back if a backend call fails.
+    /// [`CompleteError`]: with this same token, unchanged, and [`ReleaseFailure::Pending`] if
+    /// the fence has not completed; with a [`Quarantined`] token holding exactly what could not
+    /// be given back if a backend call fails.
     #[must_use = "a pending or failed completion returns a token inside the error"]
     pub fn complete(self) -> Result<Released, CompleteError<'b, 'id, B>> {
         if !self.is_ready() {
-            return Err(CompleteError::Pending(self));
+            return Err(TransitionError {
+                token: Returned::Unchanged(self),
+                cause: ReleaseFailure::Pending,
+            });
         }
-        let (h, (phys, fence)) = self.into_head();
-        h.binding.device().backend().retire_fence(fence);
-        let residual = Residual::committed(h.generation, h.addr, h.len, phys);
-        settle(h.binding, residual).map_err(CompleteError::Failed)
+        let (core, (held, fence)) = self.into_core();
+        if let Some(fence) = fence {
+            core.backend().retire_fence(fence);
+        }
+        settle(core.binding, core.residual(held)).map_err(|e| e.map_token(Returned::Quarantined))
     }
 }
 
@@ -354,19 +373,27 @@ impl<B: Backend, S: State> Drop for Allocation<'_, '_, B, S> {
     fn drop(&mut self) {
         // SAFETY: `drop` runs once and nothing uses `self.parts` after it.
         let parts = unsafe { ManuallyDrop::take(&mut self.parts) };
-        let device = self.binding.device();
-        let (residual, fence) = S::into_residual(
-            device.backend(),
-            self.generation,
-            self.addr,
-            self.len,
-            parts,
-        );
-        // The residual leaves this binding's custody: its budget no longer carries it.
-        if residual.owned_bytes() > 0 {
-            self.binding.refund(residual.owned_bytes());
-        }
-        device.dispose(residual, fence);
+        let core = self.core;
+        let Retired {
+            held,
+            fence,
+            charged,
+        } = S::retire(core.backend(), core.len, parts);
+        core.binding
+            .hand_over(core.residual(held), charged, Custody::Fenced(fence));
+    }
+}
+
+impl<B: Backend, S: State> fmt::Display for Allocation<'_, '_, B, S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "the {} allocation #{} of {} bytes at {:#x}",
+            S::NAME,
+            self.core.generation.get(),
+            self.core.len,
+            self.core.addr
+        )
     }
 }
 
@@ -374,9 +401,9 @@ impl<B: Backend, S: State> fmt::Debug for Allocation<'_, '_, B, S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Allocation")
             .field("state", &S::NAME)
-            .field("addr", &format_args!("{:#x}", self.addr))
-            .field("len", &self.len)
-            .field("generation", &self.generation.get())
+            .field("addr", &format_args!("{:#x}", self.core.addr))
+            .field("len", &self.core.len)
+            .field("generation", &self.core.generation.get())
             .finish()
     }
 }

@@ -1,33 +1,11 @@
 //! [`Binding`]: a consumer's pinned handle on a device, with a budget on owned bytes.
 
-use crate::allocation::Allocation;
-use crate::backend::{Backend, Op};
+use crate::backend::{Backend, BackendError, Op};
 use crate::device::Device;
-use crate::error::{CommitFailure, ReserveError};
-use crate::ledger::Axis;
-use crate::state::Reserved;
+use crate::error::CommitFailure;
+use crate::ledger::{Axis, Budget, try_add, try_sub};
+use crate::residual::Residual;
 use std::sync::atomic::{AtomicU64, Ordering};
-
-/// A cap on the physical bytes a binding's tokens may own at once.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Budget(u64);
-
-impl Budget {
-    /// No cap beyond the device's physical capacity.
-    pub fn unlimited() -> Self {
-        Self(u64::MAX)
-    }
-
-    /// At most `limit` bytes owned at once.
-    pub fn bytes(limit: u64) -> Self {
-        Self(limit)
-    }
-
-    /// The cap in bytes (`u64::MAX` when unlimited).
-    pub fn limit(self) -> u64 {
-        self.0
-    }
-}
 
 /// A consumer's pinned handle on a [`Device`] — a model session, a KV cache. It holds a context
 /// pin (released when the binding is dropped) and a [`Budget`]. Tokens borrow their binding, so
@@ -49,15 +27,32 @@ pub struct Binding<'d, 'id, B: Backend> {
     used: AtomicU64,
 }
 
-impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
-    pub(crate) fn new(device: &'d Device<'id, B>, budget: Budget) -> Self {
-        Self {
-            device,
+/// Where a residual goes when it leaves its token.
+pub(crate) enum Custody<F> {
+    /// To the device: released now if its fence is done (or it has none), else queued.
+    Fenced(Option<F>),
+    /// To the device's quarantine, where it is already counted.
+    Quarantined,
+}
+
+impl<'id, B: Backend> Device<'id, B> {
+    /// Pins the context and opens a [`Binding`] with `budget` on owned bytes.
+    ///
+    /// # Errors
+    ///
+    /// The backend's error if the context cannot be pinned.
+    pub fn bind(&self, budget: Budget) -> Result<Binding<'_, 'id, B>, BackendError> {
+        self.ensure_live(Op::Pin, 0, 0)?;
+        self.backend().pin()?;
+        Ok(Binding {
+            device: self,
             limit: budget.limit(),
             used: AtomicU64::new(0),
-        }
+        })
     }
+}
 
+impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
     /// The device this binding pins.
     pub fn device(&self) -> &'d Device<'id, B> {
         self.device
@@ -73,59 +68,15 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
         self.limit
     }
 
-    /// Reserves at least `len` bytes of VA (rounded up to the granularity). Nothing is mapped
-    /// or charged to the budget; the range counts as reserved in the ledger.
-    ///
-    /// # Errors
-    ///
-    /// [`ReserveError`] for a zero length, a length that overflows when rounded, one past the
-    /// address space, or a backend failure. Nothing is changed or charged on error.
-    pub fn reserve<'b>(
-        &'b self,
-        len: usize,
-    ) -> Result<Allocation<'b, 'id, B, Reserved>, ReserveError>
-    where
-        'd: 'b,
-    {
-        let backend = self.device.backend();
-        let granularity = backend.granularity();
-        if len == 0 {
-            return Err(ReserveError::ZeroLength { granularity });
-        }
-        let rounded = len
-            .checked_next_multiple_of(granularity)
-            .ok_or(ReserveError::Overflow {
-                requested: len,
-                granularity,
-            })?;
-        let limit = backend.address_space();
-        if rounded > limit {
-            return Err(ReserveError::TooLarge {
-                requested: len,
-                rounded,
-                limit,
-            });
-        }
-        self.device.ensure_live(Op::Reserve, 0, rounded)?;
-        let addr = backend.reserve(rounded)?;
-        self.device.charge(Axis::Reserved, rounded);
-        let generation = self.device.next_generation();
-        Ok(Allocation::reserved(self, addr, rounded, generation))
-    }
-
     /// Charges `n` owned bytes to this binding's budget and the device's (and so to the
     /// ledger's owned axis), before the memory is created; or says which budget refuses.
     pub(crate) fn charge(&self, n: usize) -> Result<(), CommitFailure> {
-        let bytes = n as u64;
-        self.used
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
-                used.checked_add(bytes).filter(|&total| total <= self.limit)
-            })
-            .map_err(|used| CommitFailure::Budget {
-                requested: bytes,
-                used,
-                limit: self.limit,
-            })?;
+        let requested = n as u64;
+        try_add(&self.used, requested, self.limit).map_err(|used| CommitFailure::Budget {
+            requested,
+            used,
+            limit: self.limit,
+        })?;
         self.device.charge_owned(n).inspect_err(|_| self.refund(n))
     }
 
@@ -136,16 +87,38 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
     }
 
     /// Refunds `n` owned bytes to the budget.
+    ///
+    /// # Panics
+    ///
+    /// If the budget carries less: a double refund, a bug in this crate.
     pub(crate) fn refund(&self, n: usize) {
-        let before = self.used.fetch_sub(n as u64, Ordering::Relaxed);
-        assert!(before >= n as u64, "binding budget refunded twice");
+        if let Err(used) = try_sub(&self.used, n as u64) {
+            panic!("binding budget: refund of {n} exceeds the {used} charged (double refund)");
+        }
+    }
+
+    /// Hands what a token leaves to the device: the `charged` bytes leave this binding's budget
+    /// with it. The one path by which every token gives up its residual.
+    pub(crate) fn hand_over(
+        &self,
+        residual: Residual<B::Phys>,
+        charged: usize,
+        custody: Custody<B::Fence>,
+    ) {
+        if charged > 0 {
+            self.refund(charged);
+        }
+        match custody {
+            Custody::Fenced(fence) => self.device.dispose(residual, fence),
+            Custody::Quarantined => self.device.adopt_quarantined(residual),
+        }
     }
 }
 
 impl<B: Backend> Drop for Binding<'_, '_, B> {
     fn drop(&mut self) {
         let backend = self.device.backend();
-        // A context that is gone took its pins with it: no call into it.
+        // A lost context took its pins with it: no call into it.
         if !backend.context_gone() && backend.unpin().is_err() {
             self.device.note_failed_unpin();
         }

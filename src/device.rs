@@ -1,34 +1,15 @@
-//! [`Device`]: one backend instance with its brand, ledger, quarantine and deferred-release queue.
+//! [`Device`]: one backend instance with its brand, ledger and custody — the quarantine and
+//! the deferred-release queue. It knows residuals and their parts, never which token or policy
+//! they came from.
 
 use crate::backend::{Addr, Backend, BackendError, Cause, Op};
-use crate::binding::{Binding, Budget};
 use crate::error::{CommitFailure, ReleaseFailure};
-use crate::ledger::{Axis, Ledger, LedgerSnapshot};
-use crate::residual::{Holdings, Residual, SharedKey};
+use crate::ids::{ContextLost, Generation, Generations};
+use crate::ledger::{Axis, Budget, Ledger, LedgerSnapshot};
+use crate::residual::{Held, Holdings, Residual, SharedPhys};
 use generativity::{Guard, Id};
-use std::collections::HashMap;
-use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
-
-/// The identity of one allocation, from a per-device counter: never derived from an address, so
-/// a reused VA range never makes a stale allocation look alive.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub struct Generation(NonZeroU64);
-
-impl Generation {
-    /// The number behind it.
-    pub fn get(self) -> u64 {
-        self.0.get()
-    }
-}
-
-/// Proof that a device's context is gone: everything it held was freed by the driver, so
-/// quarantined residuals may be discharged. Branded: it discharges only its own device's tokens.
-#[derive(Debug)]
-pub struct ContextGone<'id> {
-    _brand: Id<'id>,
-}
 
 /// What [`Device::retry_quarantine`] and [`Device::poll`] did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -54,13 +35,12 @@ pub struct Custody {
     pub shared: Holdings,
 }
 
-/// A physical allocation mapped by several tokens (a shared prefix), released with its last
-/// reference.
-#[derive(Debug)]
-struct SharedEntry<P> {
-    phys: P,
-    len: usize,
-    refs: usize,
+/// Totals over the device's shared physical allocations.
+#[derive(Debug, Default)]
+struct SharedTotals {
+    count: AtomicU64,
+    bytes: AtomicU64,
+    refs: AtomicU64,
 }
 
 /// What a device held when it closed.
@@ -119,11 +99,11 @@ pub struct Device<'id, B: Backend> {
     brand: Id<'id>,
     backend: B,
     ledger: Ledger,
-    next_generation: AtomicU64,
+    generations: Generations,
     failed_unpins: AtomicU64,
     quarantine: Mutex<Vec<Residual<B::Phys>>>,
     deferred: Mutex<Vec<Deferred<B>>>,
-    shared: Mutex<HashMap<SharedKey, SharedEntry<B::Phys>>>,
+    shared: SharedTotals,
     /// Cap on owned bytes across the whole device.
     limit: u64,
     closed: bool,
@@ -146,25 +126,14 @@ impl<'id, B: Backend> Device<'id, B> {
             brand: guard.into(),
             backend,
             ledger: Ledger::default(),
-            next_generation: AtomicU64::new(1),
+            generations: Generations::new(),
             failed_unpins: AtomicU64::new(0),
             quarantine: Mutex::new(Vec::new()),
             deferred: Mutex::new(Vec::new()),
-            shared: Mutex::new(HashMap::new()),
+            shared: SharedTotals::default(),
             limit: budget.limit(),
             closed: false,
         }
-    }
-
-    /// Pins the context and opens a [`Binding`] with `budget` on owned bytes.
-    ///
-    /// # Errors
-    ///
-    /// The backend's error if the context cannot be pinned.
-    pub fn bind(&self, budget: Budget) -> Result<Binding<'_, 'id, B>, BackendError> {
-        self.ensure_live(Op::Pin, 0, 0)?;
-        self.backend.pin()?;
-        Ok(Binding::new(self, budget))
     }
 
     /// The allocation granularity: every token's length is a multiple of it.
@@ -187,11 +156,9 @@ impl<'id, B: Backend> Device<'id, B> {
         for (r, _) in lock(&self.deferred).iter() {
             custody.deferred.add(r);
         }
-        for entry in lock(&self.shared).values() {
-            custody.shared.count += 1;
-            custody.shared.owned_bytes += entry.len as u64;
-            custody.shared.shared_refs += entry.refs as u64;
-        }
+        custody.shared.count = self.shared.count.load(Ordering::Relaxed) as usize;
+        custody.shared.owned_bytes = self.shared.bytes.load(Ordering::Relaxed);
+        custody.shared.shared_refs = self.shared.refs.load(Ordering::Relaxed);
         custody
     }
 
@@ -203,7 +170,7 @@ impl<'id, B: Backend> Device<'id, B> {
         quarantined
             .iter()
             .chain(deferred.iter().map(|(r, _)| r))
-            .filter(|r| r.reserved)
+            .filter(|r| r.holds_va())
             .map(|r| (r.addr, r.len))
             .collect()
     }
@@ -244,16 +211,16 @@ impl<'id, B: Backend> Device<'id, B> {
         self.progress(released)
     }
 
-    /// Proof that the context is gone, if the backend confirms it.
-    pub fn confirm_context_gone(&self) -> Option<ContextGone<'id>> {
+    /// Proof that the context is lost, if the backend confirms it.
+    pub fn confirm_context_lost(&self) -> Option<ContextLost<'id>> {
         self.backend
             .context_gone()
-            .then_some(ContextGone { _brand: self.brand })
+            .then(|| ContextLost::new(self.brand))
     }
 
-    /// Discharges the device's quarantine and deferred queue: with the context gone, the driver
+    /// Discharges the device's quarantine and deferred queue: with the context lost, the driver
     /// freed everything they held. Returns how many residuals were discharged.
-    pub fn discharge_all(&self, _proof: &ContextGone<'id>) -> usize {
+    pub fn discharge_all(&self, _proof: &ContextLost<'id>) -> usize {
         let quarantined = std::mem::take(&mut *lock(&self.quarantine));
         let deferred = std::mem::take(&mut *lock(&self.deferred));
         let n = quarantined.len() + deferred.len();
@@ -317,8 +284,7 @@ impl<'id, B: Backend> Device<'id, B> {
     }
 
     pub(crate) fn next_generation(&self) -> Generation {
-        let n = self.next_generation.fetch_add(1, Ordering::Relaxed);
-        Generation(NonZeroU64::new(n).expect("generation counter starts at 1"))
+        self.generations.next()
     }
 
     pub(crate) fn note_failed_unpin(&self) {
@@ -329,59 +295,75 @@ impl<'id, B: Backend> Device<'id, B> {
     /// release owned memory, free the VA. Each part that goes is refunded once and cleared; the
     /// first failure stops, leaving the rest held. No backend call once the context is gone.
     pub(crate) fn teardown(&self, r: &mut Residual<B::Phys>) -> Result<(), ReleaseFailure> {
-        if r.is_empty() {
+        let h = &mut r.held;
+        if h.is_empty() {
             return Ok(());
         }
         if self.backend.context_gone() {
-            return Err(ReleaseFailure::ContextGone);
+            return Err(ReleaseFailure::ContextLost);
         }
-        if r.mapped > 0 {
-            self.backend.unmap(r.addr, r.mapped)?;
-            self.refund(Axis::Mapped, r.mapped);
-            r.mapped = 0;
+        if h.mapped > 0 {
+            self.backend.unmap(r.addr, h.mapped)?;
+            self.refund(Axis::Mapped, h.mapped);
+            h.mapped = 0;
         }
-        if let Some(key) = r.shared.take() {
-            self.unshare(key);
+        if let Some(shared) = h.shared.take() {
+            self.unshare(shared);
         }
-        if let Some((phys, len)) = r.phys {
+        if let Some((phys, len)) = h.phys {
             self.backend.release(phys, len)?;
-            r.phys = None;
+            h.phys = None;
             self.refund(Axis::Owned, len);
         }
-        if r.reserved {
+        if h.reserved {
             self.backend.free(r.addr, r.len)?;
-            r.reserved = false;
+            h.reserved = false;
             self.refund(Axis::Reserved, r.len);
         }
         Ok(())
     }
 
-    /// Registers physical memory as shared, with one reference (its first mapping).
-    pub(crate) fn share_new(&self, key: SharedKey, phys: B::Phys, len: usize) {
-        let entry = SharedEntry { phys, len, refs: 1 };
-        let fresh = lock(&self.shared).insert(key, entry).is_none();
-        assert!(fresh, "shared key {key} registered twice");
+    /// Shares `len` bytes of physical memory (already charged as owned): the first reference.
+    pub(crate) fn share(&self, phys: B::Phys, len: usize) -> SharedPhys<B::Phys> {
+        self.shared.count.fetch_add(1, Ordering::Relaxed);
+        self.shared.bytes.fetch_add(len as u64, Ordering::Relaxed);
+        self.shared.refs.fetch_add(1, Ordering::Relaxed);
+        SharedPhys::new(phys, len)
     }
 
-    /// Takes one more reference on shared memory, for a new mapping of it.
-    pub(crate) fn share_ref(&self, key: SharedKey) -> (B::Phys, usize) {
-        let mut shared = lock(&self.shared);
-        let entry = shared.get_mut(&key).expect("a live prefix keeps its entry");
-        entry.refs += 1;
-        (entry.phys, entry.len)
+    /// One more reference on shared memory, for a new mapping of it.
+    pub(crate) fn share_again(&self, shared: &SharedPhys<B::Phys>) -> SharedPhys<B::Phys> {
+        self.shared.refs.fetch_add(1, Ordering::Relaxed);
+        shared.another()
     }
 
-    /// The shared memory's handle and length, without taking a reference.
-    pub(crate) fn share_get(&self, key: SharedKey) -> (B::Phys, usize) {
-        let shared = lock(&self.shared);
-        let entry = shared.get(&key).expect("a live mapping keeps its entry");
-        (entry.phys, entry.len)
+    /// Gives a reference back; with the last one, the memory is owned by no mapping: it is
+    /// returned for the caller to release.
+    fn drop_shared(&self, shared: SharedPhys<B::Phys>) -> Option<(B::Phys, usize)> {
+        self.shared.refs.fetch_sub(1, Ordering::Relaxed);
+        let (phys, len) = shared.into_last()?;
+        self.shared.count.fetch_sub(1, Ordering::Relaxed);
+        self.shared.bytes.fetch_sub(len as u64, Ordering::Relaxed);
+        Some((phys, len))
+    }
+
+    /// Gives a reference back once its mapping is gone; the last one releases the memory. A
+    /// failed release quarantines the memory, still charged as owned.
+    pub(crate) fn unshare(&self, shared: SharedPhys<B::Phys>) {
+        if let Some((phys, len)) = self.drop_shared(shared) {
+            let _ = self.release_orphan(phys, len); // a failure is quarantined
+        }
     }
 
     /// Releases physical memory no token owns any more; quarantines it if that fails, and
     /// says why.
     pub(crate) fn release_orphan(&self, phys: B::Phys, len: usize) -> Result<(), ReleaseFailure> {
-        let mut orphan = Residual::phys(self.next_generation(), phys, len);
+        let mut orphan = Residual {
+            generation: self.next_generation(),
+            addr: 0,
+            len: 0,
+            held: Held::orphan(phys, len),
+        };
         let result = self.teardown(&mut orphan);
         if result.is_err() {
             self.quarantine(orphan);
@@ -395,26 +377,6 @@ impl<'id, B: Backend> Device<'id, B> {
             return Err(BackendError::new(op, addr, len, Cause::ContextLost));
         }
         Ok(())
-    }
-
-    /// References on shared memory now.
-    pub(crate) fn share_refs(&self, key: SharedKey) -> usize {
-        lock(&self.shared).get(&key).map_or(0, |e| e.refs)
-    }
-
-    /// Drops one reference; the last one releases the memory (outside the lock). A failed
-    /// release quarantines the memory, still charged as owned.
-    pub(crate) fn unshare(&self, key: SharedKey) {
-        let last = {
-            let mut shared = lock(&self.shared);
-            let entry = shared.get_mut(&key).expect("a reference keeps its entry");
-            entry.refs -= 1;
-            if entry.refs > 0 {
-                return;
-            }
-            shared.remove(&key).expect("present")
-        };
-        let _ = self.release_orphan(last.phys, last.len); // a failure is quarantined
     }
 
     /// Teardown for a token that was dropped: its fence is done (or it has none). Whatever fails
@@ -450,20 +412,15 @@ impl<'id, B: Backend> Device<'id, B> {
         lock(&self.quarantine).push(residual);
     }
 
-    /// Refunds every part of a residual whose context is gone, without backend calls.
+    /// Refunds every part of a residual whose context is lost, without backend calls.
     pub(crate) fn forget_residual(&self, r: Residual<B::Phys>) {
-        self.refund(Axis::Mapped, r.mapped);
-        if let Some(key) = r.shared {
-            let mut shared = lock(&self.shared);
-            let entry = shared.get_mut(&key).expect("a reference keeps its entry");
-            entry.refs -= 1;
-            if entry.refs == 0 {
-                let len = shared.remove(&key).expect("present").len;
-                self.refund(Axis::Owned, len);
-            }
+        let h = r.held;
+        self.refund(Axis::Mapped, h.mapped);
+        if let Some((_, len)) = h.shared.and_then(|s| self.drop_shared(s)) {
+            self.refund(Axis::Owned, len);
         }
-        self.refund(Axis::Owned, r.owned_bytes());
-        if r.reserved {
+        self.refund(Axis::Owned, h.phys.map_or(0, |(_, len)| len));
+        if h.reserved {
             self.refund(Axis::Reserved, r.len);
         }
     }

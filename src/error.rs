@@ -1,10 +1,11 @@
-//! Error types of the typed layer. Fallible transitions hand the token back inside the error.
+//! Why a transition failed: one cause type per transition, and [`TransitionError`], the one
+//! shape of every error that hands a token back (the token and its cause).
+//!
+//! Each message says what failed, with numbers, and what to do; a cause that has a cause of its
+//! own returns it from [`source`](std::error::Error::source) instead of printing it, so no cause
+//! is printed twice along a chain.
 
-use crate::allocation::Allocation;
-use crate::backend::{Backend, BackendError};
-use crate::mapping::PrefixMapping;
-use crate::quarantine::Quarantined;
-use crate::state::{Releasing, Reserved};
+use crate::backend::BackendError;
 use std::fmt;
 
 /// Why a reservation was refused. Nothing was reserved or charged.
@@ -41,7 +42,7 @@ pub enum ReserveError {
         limit: usize,
     },
     /// The backend failed.
-    #[error("reservation failed, nothing reserved: {0}")]
+    #[error("the backend could not reserve the range; nothing was reserved")]
     Backend(#[from] BackendError),
 }
 
@@ -50,10 +51,10 @@ pub enum ReserveError {
 pub enum CommitFailure {
     /// The binding's budget would be exceeded.
     #[error(
-        "commit of {requested} bytes exceeds the binding's budget: {used} of {limit} bytes already owned; release memory or bind with a larger budget"
+        "{requested} bytes exceed the binding's budget: {used} of {limit} bytes already owned; release memory or bind with a larger budget"
     )]
     Budget {
-        /// Bytes the commit needed.
+        /// Bytes needed.
         requested: u64,
         /// Bytes the binding already owned.
         used: u64,
@@ -62,10 +63,10 @@ pub enum CommitFailure {
     },
     /// The device's budget would be exceeded.
     #[error(
-        "commit of {requested} bytes exceeds the device's budget: {used} of {limit} bytes already owned on the device; release memory or open the device with a larger budget"
+        "{requested} bytes exceed the device's budget: {used} of {limit} bytes already owned on the device; release memory or open the device with a larger budget"
     )]
     DeviceBudget {
-        /// Bytes the commit needed.
+        /// Bytes needed.
         requested: u64,
         /// Bytes the device already owned.
         used: u64,
@@ -73,36 +74,27 @@ pub enum CommitFailure {
         limit: u64,
     },
     /// The request exceeds the device's physical capacity.
-    #[error(
-        "commit of {requested} bytes exceeds the device's physical capacity of {capacity} bytes"
-    )]
+    #[error("{requested} bytes exceed the device's physical capacity of {capacity} bytes")]
     Capacity {
-        /// Bytes the commit needed.
+        /// Bytes needed.
         requested: u64,
         /// The device's physical capacity.
         capacity: u64,
     },
     /// A backend call failed; everything done before it was undone.
-    #[error("{0}; nothing stayed mapped or charged")]
-    Backend(BackendError),
-    /// A backend call failed, and releasing the physical memory created for the commit failed too.
+    #[error("a backend call failed; everything done before it was undone, nothing stays mapped or charged")]
+    Backend(#[source] BackendError),
+    /// A backend call failed, and releasing the physical memory created for it failed too.
     #[error(
-        "{error}; releasing the physical memory created for it failed too ({rollback}): it stays owned (and charged) in the device quarantine until Device::retry_quarantine succeeds"
+        "a backend call failed, and releasing the physical memory created for it failed too ({rollback}): that memory stays owned (and charged) in the device quarantine until Device::retry_quarantine succeeds"
     )]
     RollbackFailed {
-        /// The failure that stopped the commit.
+        /// The failure that stopped the transition.
+        #[source]
         error: BackendError,
         /// The failure of the rollback.
         rollback: ReleaseFailure,
     },
-}
-
-/// A failed [`commit`](Allocation::commit): the same reserved token, and why.
-pub struct CommitError<'b, 'id, B: Backend> {
-    /// The reserved token, unchanged.
-    pub token: Allocation<'b, 'id, B, Reserved>,
-    /// Why the commit failed.
-    pub cause: CommitFailure,
 }
 
 /// Why a prefix could not be mapped into a reservation.
@@ -110,7 +102,7 @@ pub struct CommitError<'b, 'id, B: Backend> {
 pub enum ShareFailure {
     /// The reservation's length differs from the prefix's.
     #[error(
-        "a prefix of {prefix} bytes cannot be mapped into a reservation of {reservation} bytes: reserve exactly the prefix's size"
+        "a prefix of {prefix} bytes cannot be mapped into a reservation of {reservation} bytes: reserve exactly the prefix's length"
     )]
     SizeMismatch {
         /// The reservation's length.
@@ -119,70 +111,62 @@ pub enum ShareFailure {
         prefix: usize,
     },
     /// A backend call failed; everything done before it was undone.
-    #[error("{0}; nothing stayed mapped")]
-    Backend(BackendError),
-}
-
-/// A failed [`map_prefix`](Allocation::map_prefix).
-pub enum ShareError<'b, 'id, B: Backend> {
-    /// Nothing changed: the same reservation, and why.
-    Refused {
-        /// The reservation, unchanged.
-        token: Allocation<'b, 'id, B, Reserved>,
-        /// Why the share failed.
-        cause: ShareFailure,
+    #[error("a backend call failed; everything done before it was undone, nothing stays mapped")]
+    Backend(#[source] BackendError),
+    /// A backend call failed, and unmapping what was already mapped failed too.
+    #[error(
+        "a backend call failed, and unmapping the part already mapped failed too ({rollback}): that part is quarantined"
+    )]
+    RollbackFailed {
+        /// The failure that stopped the mapping.
+        #[source]
+        error: BackendError,
+        /// The failed unmap.
+        rollback: BackendError,
     },
-    /// Undoing a half-made mapping failed: its remains are quarantined.
-    Quarantined(QuarantineError<'b, 'id, B>),
 }
 
-/// A failed [`diverge`](PrefixMapping::diverge).
-pub enum CowError<'b, 'id, B: Backend> {
-    /// Nothing changed: the same mapping, and why.
-    Refused {
-        /// The mapping, unchanged and still shared.
-        token: PrefixMapping<'b, 'id, B>,
-        /// Why the copy-on-write failed.
-        cause: CommitFailure,
+/// Why copy-on-write of a sharer's boundary granule failed.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum CowFailure {
+    /// The private granule could not be made (budget, capacity, or a backend call); the mapping
+    /// is unchanged and still shared.
+    #[error("the private copy of the boundary granule could not be made; the mapping is unchanged")]
+    Private(#[source] CommitFailure),
+    /// Unmapping the shared boundary granule failed: whether it is still mapped is unknown.
+    #[error(
+        "unmapping the shared boundary granule failed, so whether it is still mapped is unknown: the mapping's remains are quarantined"
+    )]
+    Unmap(#[source] BackendError),
+    /// Mapping the private copy failed, and mapping the shared granule back failed too.
+    #[error(
+        "mapping the private copy failed, and mapping the shared granule back failed too ({restore}): the mapping's remains are quarantined"
+    )]
+    Remap {
+        /// The failed map of the private copy.
+        #[source]
+        error: BackendError,
+        /// The failed map of the shared granule back.
+        restore: BackendError,
     },
-    /// The boundary could be neither remapped nor restored: the remains are quarantined.
-    Quarantined(QuarantineError<'b, 'id, B>),
 }
 
-impl<B: Backend> fmt::Display for ShareError<'_, '_, B> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Refused { cause, .. } => {
-                write!(f, "{cause} (the reservation is returned in the error)")
-            }
-            Self::Quarantined(e) => e.fmt(f),
-        }
-    }
-}
-
-impl<B: Backend> fmt::Display for CowError<'_, '_, B> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Refused { cause, .. } => write!(
-                f,
-                "copy-on-write of the boundary granule failed: {cause} (the shared mapping is returned unchanged)"
-            ),
-            Self::Quarantined(e) => e.fmt(f),
-        }
-    }
-}
-
-/// Why giving memory back failed.
+/// Why giving memory back failed (or could not finish yet).
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ReleaseFailure {
+    /// The fence of the work that may still use the memory has not completed: nothing was done.
+    #[error(
+        "work that may use the memory has not finished (its fence is pending); nothing was done: complete it later"
+    )]
+    Pending,
     /// A backend call failed.
     #[error(transparent)]
     Backend(Box<BackendError>),
-    /// The context is gone: no backend call was made.
+    /// The context is lost: no backend call was made.
     #[error(
-        "the device's context is gone, so no backend call was made; discharge with the proof from Device::confirm_context_gone"
+        "the device's context is lost, so no backend call was made; discharge with the proof from Device::confirm_context_lost"
     )]
-    ContextGone,
+    ContextLost,
 }
 
 impl From<BackendError> for ReleaseFailure {
@@ -191,90 +175,115 @@ impl From<BackendError> for ReleaseFailure {
     }
 }
 
-/// A failed release: the [`Quarantined`] token holding exactly what is left, and why.
-pub struct QuarantineError<'b, 'id, B: Backend> {
-    /// What is left, still charged and withheld.
-    pub token: Quarantined<'b, 'id, B>,
-    /// Why the release stopped.
-    pub cause: ReleaseFailure,
+/// Why a page pool could not be made or grown.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum PoolError {
+    /// The page size is not a power of two, or is so small that one granule holds more than
+    /// 2^24 pages.
+    #[error(
+        "page size {0} must be a power of two, and a granule must hold at most 2^24 pages: choose another page size"
+    )]
+    PageSize(usize),
+    /// Reserving a new chunk failed. (Boxed, like `Commit`: the error stays two words, so
+    /// `alloc`'s result costs no more to return than the page.)
+    #[error("the pool could not grow: reserving a chunk failed")]
+    Reserve(#[source] Box<ReserveError>),
+    /// Committing a new chunk failed (its reservation was released).
+    #[error("the pool could not grow: committing a chunk failed (its reservation was released)")]
+    Commit(#[source] Box<CommitFailure>),
+    /// The pool already has 2^32 pages.
+    #[error("the pool cannot index more than 2^32 pages: use a second pool")]
+    Full,
 }
 
-/// A [`complete`](Allocation::complete) that could not finish.
-pub enum CompleteError<'b, 'id, B: Backend> {
-    /// The fence has not completed: the same token, to try again later.
-    Pending(Allocation<'b, 'id, B, Releasing>),
-    /// A backend call failed: what is left is quarantined.
-    Failed(QuarantineError<'b, 'id, B>),
+pub(crate) mod sealed {
+    /// Only this crate's causes are [`Failure`](super::Failure)s.
+    pub trait Sealed {}
 }
 
-impl<'b, 'id, B: Backend> CommitError<'b, 'id, B> {
-    /// The reserved token, to retry the commit or release it.
-    pub fn into_token(self) -> Allocation<'b, 'id, B, Reserved> {
-        self.token
-    }
+/// The cause of a failed transition that hands its token back (sealed).
+pub trait Failure: std::error::Error + sealed::Sealed + 'static {
+    /// The transition, for messages.
+    const TRANSITION: &'static str;
 }
 
-impl<'b, 'id, B: Backend> QuarantineError<'b, 'id, B> {
-    /// The quarantined token, to retry or discharge it.
-    pub fn into_token(self) -> Quarantined<'b, 'id, B> {
-        self.token
-    }
-}
-
-impl<B: Backend> fmt::Display for CommitError<'_, '_, B> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(
-            f,
-            "{} (the reserved token of {} bytes is returned in the error)",
-            self.cause,
-            self.token.size()
-        )
-    }
-}
-
-impl<B: Backend> fmt::Display for QuarantineError<'_, '_, B> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let r = self.token.residual();
-        let (addr, len) = r.range();
-        write!(
-            f,
-            "release of {len} bytes at {addr:#x} failed: {}; quarantined: {} bytes still mapped, \
-             {} owned, VA {}; retry the token, or discharge it once the context is gone",
-            self.cause,
-            r.mapped_bytes(),
-            r.owned_bytes(),
-            if r.holds_va() { "withheld" } else { "freed" },
-        )
-    }
-}
-
-impl<B: Backend> fmt::Display for CompleteError<'_, '_, B> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self {
-            Self::Pending(t) => write!(
-                f,
-                "the release fence of {} bytes has not completed yet; the token is returned: complete it later",
-                t.size()
-            ),
-            Self::Failed(e) => e.fmt(f),
+macro_rules! failures {
+    ($($t:ty => $what:literal),* $(,)?) => {$(
+        impl sealed::Sealed for $t {}
+        impl Failure for $t {
+            const TRANSITION: &'static str = $what;
         }
-    }
-}
-
-macro_rules! debug_as_display {
-    ($($t:ident),*) => {$(
-        impl<B: Backend> fmt::Debug for $t<'_, '_, B> {
-            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                write!(f, "{}({self})", stringify!($t))
-            }
-        }
-        impl<B: Backend> std::error::Error for $t<'_, '_, B> {}
     )*};
 }
-debug_as_display!(
-    CommitError,
-    QuarantineError,
-    CompleteError,
-    ShareError,
-    CowError
-);
+failures! {
+    CommitFailure => "commit",
+    ShareFailure => "mapping a prefix",
+    CowFailure => "copy-on-write of the boundary granule",
+    ReleaseFailure => "release",
+}
+
+/// A failed transition: the token it hands back — nothing is lost — and why.
+///
+/// Every fallible transition returns this shape (through an alias such as
+/// [`CommitError`](crate::CommitError)); its `Display` says what failed and what the token is
+/// now, and [`source`](std::error::Error::source) is the cause.
+pub struct TransitionError<T, C> {
+    /// What the transition hands back: the same token, or what is left of it.
+    pub token: T,
+    /// Why it failed.
+    pub cause: C,
+}
+
+impl<T, C> TransitionError<T, C> {
+    /// The token, to retry the transition, release it, or retry the quarantine.
+    pub fn into_token(self) -> T {
+        self.token
+    }
+
+    pub(crate) fn map_token<U>(self, f: impl FnOnce(T) -> U) -> TransitionError<U, C> {
+        TransitionError {
+            token: f(self.token),
+            cause: self.cause,
+        }
+    }
+}
+
+/// What a transition that can fail two ways hands back.
+#[derive(Debug)]
+pub enum Returned<T, Q> {
+    /// Everything was undone: the same token, unchanged — retry, or release it.
+    Unchanged(T),
+    /// What could not be undone is quarantined — retry it, or discharge it once the context is
+    /// lost.
+    Quarantined(Q),
+}
+
+impl<T: fmt::Display, Q: fmt::Display> fmt::Display for Returned<T, Q> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Unchanged(t) => write!(f, "{t}, unchanged"),
+            Self::Quarantined(q) => q.fmt(f),
+        }
+    }
+}
+
+impl<T: fmt::Display, C: Failure> fmt::Display for TransitionError<T, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} failed; the error hands back {}", C::TRANSITION, self.token)
+    }
+}
+
+impl<T: fmt::Display, C: Failure> fmt::Debug for TransitionError<T, C> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("TransitionError")
+            .field("token", &format_args!("{}", self.token))
+            .field("cause", &self.cause)
+            .finish()
+    }
+}
+
+impl<T: fmt::Display, C: Failure> std::error::Error for TransitionError<T, C> {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.cause)
+    }
+}

@@ -1,11 +1,11 @@
-//! CUDA interop: a committed CUDA allocation as device memory for `cudarc` and kernels.
+//! CUDA interop: CUDA tokens as device memory for `cudarc` and kernels, and host copies.
 
 use crate::allocation::Allocation;
 use crate::backend::cuda::{CudaBackend, Driver};
 use crate::backend::{Addr, BackendError};
-use crate::mapping::{DivergedMapping, Prefix, PrefixMapping};
 use crate::page_pool::PageTable;
-use crate::state::Committed;
+use crate::sharing::Diverged;
+use crate::state::{Committed, Readable};
 
 /// `[offset, offset + len)` inside a region of `size` bytes at `base`, or a panic.
 fn within(base: Addr, size: usize, offset: usize, len: usize) -> Addr {
@@ -16,14 +16,14 @@ fn within(base: Addr, size: usize, offset: usize, len: usize) -> Addr {
     base + offset
 }
 
-impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Committed> {
+impl<D: Driver, S: Readable> Allocation<'_, '_, CudaBackend<D>, S> {
     /// The device pointer (`CUdeviceptr`), to pass as a kernel argument or to `cudarc`'s raw
     /// copy functions. Valid while this token is borrowed.
     pub fn device_ptr(&self) -> u64 {
         self.addr() as u64
     }
 
-    /// Copies `src` from the host to the start of this allocation.
+    /// Copies `dst.len()` bytes at `offset` into the memory to the host.
     ///
     /// # Errors
     ///
@@ -31,19 +31,15 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Committed> {
     ///
     /// # Panics
     ///
-    /// If `src` is longer than the allocation.
-    pub fn copy_from_host(&mut self, src: &[u8]) -> Result<(), BackendError> {
-        assert!(
-            src.len() <= self.size(),
-            "{} bytes do not fit in {}",
-            src.len(),
-            self.size()
-        );
-        let backend = self.binding().device().backend();
-        backend.copy_from_host(self.addr(), src)
+    /// If the range does not fit in the token.
+    pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
+        let at = within(self.addr(), self.len(), offset, dst.len());
+        self.binding().device().backend().copy_to_host(dst, at)
     }
+}
 
-    /// Copies the start of this allocation to `dst` on the host.
+impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Committed> {
+    /// Copies `src` from the host into the memory, at `offset`.
     ///
     /// # Errors
     ///
@@ -51,41 +47,14 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Committed> {
     ///
     /// # Panics
     ///
-    /// If `dst` is longer than the allocation.
-    pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<(), BackendError> {
-        assert!(
-            dst.len() <= self.size(),
-            "{} bytes do not fit in {}",
-            dst.len(),
-            self.size()
-        );
-        let backend = self.binding().device().backend();
-        backend.copy_to_host(dst, self.addr())
+    /// If the range does not fit in the allocation.
+    pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<(), BackendError> {
+        let at = within(self.addr(), self.len(), offset, src.len());
+        self.binding().device().backend().copy_from_host(at, src)
     }
 }
 
-macro_rules! readable {
-    ($($t:ident),*) => {$(
-        impl<D: Driver> $t<'_, '_, CudaBackend<D>> {
-            /// Copies `dst.len()` bytes at `offset` into this mapping to the host.
-            ///
-            /// # Errors
-            ///
-            /// The driver's error.
-            ///
-            /// # Panics
-            ///
-            /// If the range does not fit in the mapping.
-            pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
-                let at = within(self.addr(), self.size(), offset, dst.len());
-                self.backend().copy_to_host(dst, at)
-            }
-        }
-    )*};
-}
-readable!(Prefix, PrefixMapping, DivergedMapping);
-
-impl<D: Driver> DivergedMapping<'_, '_, CudaBackend<D>> {
+impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Diverged> {
     /// Copies `src` from the host into the private last granule, at `offset` into it.
     ///
     /// # Errors
@@ -99,11 +68,11 @@ impl<D: Driver> DivergedMapping<'_, '_, CudaBackend<D>> {
         let boundary = self.boundary_offset();
         let at = within(
             self.addr() + boundary,
-            self.size() - boundary,
+            self.len() - boundary,
             offset,
             src.len(),
         );
-        self.backend().copy_from_host(at, src)
+        self.binding().device().backend().copy_from_host(at, src)
     }
 }
 

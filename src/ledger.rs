@@ -1,9 +1,47 @@
-//! Byte accounting on two axes — **mapped** and **owned** — plus reserved VA and the count of
-//! quarantined residuals. Each charge is refunded exactly once: the typed layer refunds an axis
-//! only when the corresponding part of a residual goes from held to gone, and a refund of more
-//! than was charged panics, because it can only be a double refund.
+//! Byte accounting: the device's ledger on its axes — **reserved**, **mapped** and **owned**
+//! bytes, and the count of quarantined residuals — and the [`Budget`]s that cap owned bytes.
+//! Each charge is refunded exactly once: the typed layer refunds an axis only when the
+//! corresponding part of a residual goes from held to gone, and a refund of more than was
+//! charged panics, because it can only be a double refund.
 
 use std::sync::atomic::{AtomicU64, Ordering};
+
+/// A cap on the physical bytes a binding's (or a device's) tokens may own at once.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Budget(u64);
+
+impl Budget {
+    /// No cap beyond the device's physical capacity.
+    pub fn unlimited() -> Self {
+        Self(u64::MAX)
+    }
+
+    /// At most `limit` bytes owned at once.
+    pub fn bytes(limit: u64) -> Self {
+        Self(limit)
+    }
+
+    /// The cap in bytes (`u64::MAX` when unlimited).
+    pub fn limit(self) -> u64 {
+        self.0
+    }
+}
+
+/// Adds `n` to `counter` if the total stays within `limit`; else returns what it holds.
+pub(crate) fn try_add(counter: &AtomicU64, n: u64, limit: u64) -> Result<(), u64> {
+    counter
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+            v.checked_add(n).filter(|&total| total <= limit)
+        })
+        .map(drop)
+}
+
+/// Takes `n` from `counter`; returns what it held if that is less than `n`.
+pub(crate) fn try_sub(counter: &AtomicU64, n: u64) -> Result<(), u64> {
+    counter
+        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(n))
+        .map(drop)
+}
 
 /// One ledger axis.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -59,21 +97,14 @@ impl Ledger {
 
     /// Charges `n` on `axis` if the total stays within `limit`; else returns what is charged.
     pub(crate) fn try_charge(&self, axis: Axis, n: u64, limit: u64) -> Result<(), u64> {
-        self.axis(axis)
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
-                v.checked_add(n).filter(|&total| total <= limit)
-            })
-            .map(drop)
+        try_add(self.axis(axis), n, limit)
     }
 
     /// # Panics
     ///
     /// If `n` exceeds what is charged on `axis`: that is a double refund, a bug in this crate.
     pub(crate) fn refund(&self, axis: Axis, n: u64) {
-        let counter = self.axis(axis);
-        if let Err(held) =
-            counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(n))
-        {
+        if let Err(held) = try_sub(self.axis(axis), n) {
             panic!("ledger: refund of {n} on {axis:?} exceeds the {held} charged (double refund)");
         }
     }
@@ -85,5 +116,65 @@ impl Ledger {
             owned_bytes: self.owned.load(Ordering::Relaxed),
             quarantined: self.quarantined.load(Ordering::Relaxed),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn axes_are_independent_and_refunds_restore_zero() {
+        let ledger = Ledger::default();
+        ledger.charge(Axis::Reserved, 8192);
+        ledger.charge(Axis::Mapped, 4096);
+        ledger.charge(Axis::Owned, 4096);
+        ledger.charge(Axis::Quarantined, 1);
+        let s = ledger.snapshot();
+        assert_eq!(
+            (s.reserved_bytes, s.mapped_bytes, s.owned_bytes, s.quarantined),
+            (8192, 4096, 4096, 1)
+        );
+        ledger.refund(Axis::Mapped, 4096);
+        assert_eq!(ledger.snapshot().mapped_bytes, 0);
+        assert_eq!(ledger.snapshot().owned_bytes, 4096);
+        ledger.refund(Axis::Owned, 4096);
+        ledger.refund(Axis::Reserved, 8192);
+        ledger.refund(Axis::Quarantined, 1);
+        assert!(ledger.snapshot().is_zero());
+    }
+
+    #[test]
+    #[should_panic(expected = "double refund")]
+    fn a_refund_past_the_charge_panics() {
+        let ledger = Ledger::default();
+        ledger.charge(Axis::Owned, 4096);
+        ledger.refund(Axis::Owned, 4096);
+        ledger.refund(Axis::Owned, 4096);
+    }
+
+    #[test]
+    fn try_charge_stops_at_the_limit_and_reports_what_is_charged() {
+        let ledger = Ledger::default();
+        assert_eq!(ledger.try_charge(Axis::Owned, 600, 1000), Ok(()));
+        assert_eq!(ledger.try_charge(Axis::Owned, 401, 1000), Err(600));
+        assert_eq!(ledger.try_charge(Axis::Owned, 400, 1000), Ok(()));
+        assert_eq!(ledger.snapshot().owned_bytes, 1000);
+        // An overflowing charge is refused, never wrapped.
+        assert_eq!(ledger.try_charge(Axis::Owned, u64::MAX, u64::MAX), Err(1000));
+    }
+
+    #[test]
+    fn try_sub_refuses_more_than_is_held() {
+        let counter = AtomicU64::new(10);
+        assert_eq!(try_sub(&counter, 11), Err(10));
+        assert_eq!(try_sub(&counter, 10), Ok(()));
+        assert_eq!(counter.load(Ordering::Relaxed), 0);
+    }
+
+    #[test]
+    fn budgets_say_their_limit() {
+        assert_eq!(Budget::bytes(4096).limit(), 4096);
+        assert_eq!(Budget::unlimited().limit(), u64::MAX);
     }
 }

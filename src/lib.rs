@@ -119,25 +119,31 @@ pub mod backend;
 mod binding;
 mod device;
 mod error;
+mod ids;
 mod interop;
 mod ledger;
-mod mapping;
 mod page_pool;
 mod quarantine;
 mod residual;
+mod sharing;
 mod state;
+mod token;
 
-pub use allocation::{Allocation, Released};
-pub use binding::{Binding, Budget};
-pub use device::{CloseReport, ContextGone, Custody, Device, Generation, Progress};
+pub use allocation::{Allocation, CommitError, CompleteError};
+pub use binding::Binding;
+pub use device::{CloseReport, Custody, Device, Progress};
 pub use error::{
-    CommitError, CommitFailure, CompleteError, CowError, QuarantineError, ReleaseFailure,
-    ReserveError, ShareError, ShareFailure,
+    CommitFailure, CowFailure, Failure, PoolError, ReleaseFailure, ReserveError, Returned,
+    ShareFailure, TransitionError,
 };
 pub use generativity::{Guard, make_guard};
-pub use ledger::LedgerSnapshot;
-pub use mapping::{DivergedMapping, Prefix, PrefixMapping};
-pub use page_pool::{Page, PagePool, PageTable, PoolError};
-pub use quarantine::Quarantined;
+pub use ids::{ContextLost, Generation, Released};
+pub use ledger::{Budget, LedgerSnapshot};
+pub use page_pool::{Page, PagePool, PageTable};
+pub use quarantine::{QuarantineError, Quarantined};
 pub use residual::{Holdings, Residual};
-pub use state::{Committed, Releasing, Reserved, State};
+pub use sharing::{
+    CowError, Diverged, DivergedMapping, Owner, Prefix, PrefixMapping, ShareError, Sharer,
+    Sharing,
+};
+pub use state::{Committed, Live, Readable, Releasing, Reserved, State};

@@ -3,30 +3,12 @@
 use crate::allocation::Allocation;
 use crate::backend::{Addr, Backend, HostVisible};
 use crate::binding::Binding;
-use crate::error::{CommitFailure, ReserveError};
+use crate::error::PoolError;
 use crate::state::Committed;
+use crate::token::{host_slice, host_slice_mut};
 use generativity::{Guard, Id};
 use std::cell::UnsafeCell;
 use std::fmt;
-
-/// Why a pool could not be made or grown.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum PoolError {
-    /// The page size is not a power of two, or is so small that one granule holds more than
-    /// 2^24 pages.
-    #[error("page size {0} must be a power of two, and a granule must hold at most 2^24 pages")]
-    PageSize(usize),
-    /// Reserving a new chunk failed. (Boxed, like `Commit`: the error stays two words, so
-    /// `alloc`'s result costs no more to return than the page.)
-    #[error("the pool could not grow: {0}")]
-    Reserve(Box<ReserveError>),
-    /// Committing a new chunk failed (its reservation was released).
-    #[error("the pool could not grow: {0}")]
-    Commit(Box<CommitFailure>),
-    /// The pool already has 2^32 pages.
-    #[error("the pool cannot index more than 2^32 pages")]
-    Full,
-}
 
 struct PoolState<'b, 'id, B: Backend> {
     chunks: Vec<Option<Allocation<'b, 'id, B, Committed>>>,
@@ -34,24 +16,27 @@ struct PoolState<'b, 'id, B: Backend> {
     free: Vec<u32>,
 }
 
+/// Fixed-size pages sub-allocated in O(1) from committed chunks — the KV cache's hot path.
 ///
-/// Fixed-size pages sub-allocated in O(1) from committed chunks: a pop and a push on a free
-/// list of page indices, no system call, no allocation. Grows a chunk at a time; gives idle
-/// chunks back on [`shrink`](Self::shrink). Metadata: 4 bytes per free page.
-///
-/// Allocating and freeing a page is O(1): a pop from and a push onto a free list of page
-/// indices whose capacity is reserved when a chunk is committed, so the hot path makes no
-/// system call and no allocation. The pool commits a chunk (one granule, or one page if pages
-/// are larger) when it runs out, and gives back chunks whose pages are all free when asked
+/// Allocating and freeing a page is a pop from and a push onto a free list of page indices
+/// whose capacity is reserved when a chunk is committed, so the hot path makes no system call
+/// and no allocation. The pool commits a chunk (one granule, or one page if pages are larger)
+/// when it runs out, and gives back chunks whose pages are all free when asked
 /// ([`shrink`](PagePool::shrink)).
+///
+/// **One form of each operation, on the pool:** [`alloc`](Self::alloc) /
+/// [`free`](Self::free) for one [`Page`] token, [`push`](Self::push) / [`clear`](Self::clear)
+/// for a [`PageTable`]. The page table is the zero-cost form: it holds its pool once for all
+/// its pages, and the pool at hand makes each push and clear the hand-written pool's code (see
+/// the README's benchmark). A `Page` token carries its pool, so it can return itself on drop.
 ///
 /// **Metadata:** 4 bytes per free page (its index in the free list), nothing per live page in
 /// the pool, one [`Allocation`] per chunk. A [`Page`] token is a reference to its pool and a
-/// 4-byte index (16 bytes on 64-bit targets); a page in a [`PageTable`] (a sequence's pages,
-/// one token for all of them) is a 4-byte index.
+/// 4-byte index (16 bytes on 64-bit targets); a page in a [`PageTable`] is a 4-byte index.
 ///
-/// A page borrows its pool, so it cannot outlive it, and it returns itself — by
-/// [`free`](Page::free) or by `Drop` — so it cannot be returned to another pool, nor twice:
+/// A page borrows its pool, so it cannot outlive it, and it is returned once — by
+/// [`free`](Self::free), which consumes it, or by its `Drop` — so it cannot be returned twice,
+/// nor to another pool:
 ///
 /// ```compile_fail,E0505
 /// # use memtoken::{make_guard, Budget, Device, PagePool};
@@ -75,8 +60,8 @@ struct PoolState<'b, 'id, B: Backend> {
 /// make_guard!(pool_guard);
 /// let pool = PagePool::new(pool_guard, &binding, 256).unwrap();
 /// let page = pool.alloc().unwrap();
-/// page.free();
-/// page.free();
+/// pool.free(page);
+/// pool.free(page);
 /// ```
 ///
 /// Each pool is branded (like a [`Device`](crate::Device)), so a page of one pool cannot be
@@ -94,7 +79,6 @@ struct PoolState<'b, 'id, B: Backend> {
 /// ```
 ///
 /// The pool is single-threaded (`!Sync`): its free list is not locked.
-///
 pub struct PagePool<'pool, 'b, 'id, B: Backend> {
     _brand: Id<'pool>,
     binding: &'b Binding<'b, 'id, B>,
@@ -104,15 +88,16 @@ pub struct PagePool<'pool, 'b, 'id, B: Backend> {
     state: UnsafeCell<PoolState<'b, 'id, B>>,
 }
 
-/// One page of a [`PagePool`]: a linear token that returns itself to its pool when freed or
-/// dropped.
+/// One page of a [`PagePool`]: a linear token, returned to its pool by
+/// [`PagePool::free`] or when dropped.
 pub struct Page<'p, 'pool, 'b, 'id, B: Backend> {
     pool: &'p PagePool<'pool, 'b, 'id, B>,
     index: u32,
 }
 
-/// A sequence's pages, in order: a token that owns every page pushed onto it and returns them
-/// all to the pool when cleared or dropped. It holds its pool once, not once per page, so a
+/// A sequence's pages, in order: a token that owns every page pushed onto it
+/// ([`PagePool::push`]) and returns them all to the pool when cleared ([`PagePool::clear`]) or
+/// dropped. It holds its pool once, not once per page, so a
 /// page in a table costs 4 bytes — the KV cache's page table, and its hot path.
 ///
 /// ```
@@ -126,7 +111,7 @@ pub struct Page<'p, 'pool, 'b, 'id, B: Backend> {
 /// let mut table = pool.table();
 /// for token in 0..40 {
 ///     if token % 16 == 0 {
-///         table.push()?; // a new page every 16 tokens
+///         pool.push(&mut table)?; // a new page every 16 tokens
 ///     }
 /// }
 /// assert_eq!((table.len(), pool.live_pages()), (3, 3));
@@ -201,8 +186,8 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         self.alloc()
     }
 
-    /// Returns `page` to this pool — the same as dropping it, without reading the pool back
-    /// out of the page. The brand proves at compile time that the page is this pool's.
+    /// Returns `page` to this pool — as dropping it does, without reading the pool back out of
+    /// the page. The brand proves at compile time that the page is this pool's.
     #[inline]
     pub fn free(&self, page: Page<'_, 'pool, 'b, 'id, B>) {
         let index = page.index;
@@ -210,8 +195,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         self.with(|s| s.free.push(index));
     }
 
-    /// Takes a page and appends it to `table` (the same as [`PageTable::push`], with the pool
-    /// at hand); returns its position.
+    /// Takes a page and appends it to `table`; returns its position.
     ///
     /// # Errors
     ///
@@ -237,7 +221,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         Ok(table.pages.len() - 1)
     }
 
-    /// Returns every page of `table` to this pool (the same as [`PageTable::clear`]).
+    /// Returns every page of `table` to this pool; the table can be reused.
     #[inline]
     pub fn clear(&self, table: &mut PageTable<'_, 'pool, 'b, 'id, B>) {
         self.with(|s| s.free.extend_from_slice(&table.pages));
@@ -357,23 +341,9 @@ impl<'p, 'pool, 'b, 'id, B: Backend> Page<'p, 'pool, 'b, 'id, B> {
     pub fn addr(&self) -> Addr {
         self.pool.page_addr(self.index)
     }
-
-    /// Returns the page to its pool (as dropping it does).
-    #[inline]
-    pub fn free(self) {}
 }
 
 impl<'p, 'pool, 'b, 'id, B: Backend> PageTable<'p, 'pool, 'b, 'id, B> {
-    /// Takes a page from the pool and appends it; returns its position in the table.
-    ///
-    /// # Errors
-    ///
-    /// [`PoolError`] when the pool must grow and cannot; the table is unchanged.
-    #[inline]
-    pub fn push(&mut self) -> Result<usize, PoolError> {
-        self.pool.push(self)
-    }
-
     /// Removes the last page as a token of its own.
     pub fn pop(&mut self) -> Option<Page<'p, 'pool, 'b, 'id, B>> {
         let index = self.pages.pop()?;
@@ -412,11 +382,6 @@ impl<'p, 'pool, 'b, 'id, B: Backend> PageTable<'p, 'pool, 'b, 'id, B> {
         self.pool.page_addr(self.pages[position])
     }
 
-    /// Returns every page to the pool; the table can be reused.
-    #[inline]
-    pub fn clear(&mut self) {
-        self.pool.clear(self);
-    }
 }
 
 impl<B: HostVisible> PageTable<'_, '_, '_, '_, B> {
@@ -426,10 +391,9 @@ impl<B: HostVisible> PageTable<'_, '_, '_, '_, B> {
     ///
     /// If `position` is out of bounds.
     pub fn page(&self, position: usize) -> &[u8] {
-        let len = self.pool.page_size();
         // SAFETY: as for `Page::as_slice`: the table owns this page, its chunk stays committed
         // while it does, and `&self` excludes writes through the table.
-        unsafe { std::slice::from_raw_parts(self.addr(position) as *const u8, len) }
+        unsafe { host_slice(self.addr(position), self.pool.page_size()) }
     }
 
     /// The bytes of the page at `position`, writable.
@@ -438,15 +402,14 @@ impl<B: HostVisible> PageTable<'_, '_, '_, '_, B> {
     ///
     /// If `position` is out of bounds.
     pub fn page_mut(&mut self, position: usize) -> &mut [u8] {
-        let len = self.pool.page_size();
         // SAFETY: as in `page`; `&mut self` makes this the only borrow of the table's pages.
-        unsafe { std::slice::from_raw_parts_mut(self.addr(position) as *mut u8, len) }
+        unsafe { host_slice_mut(self.addr(position), self.pool.page_size()) }
     }
 }
 
 impl<B: Backend> Drop for PageTable<'_, '_, '_, '_, B> {
     fn drop(&mut self) {
-        self.clear();
+        self.pool.clear(self);
     }
 }
 
@@ -461,18 +424,16 @@ impl<B: Backend> fmt::Debug for PageTable<'_, '_, '_, '_, B> {
 impl<B: HostVisible> Page<'_, '_, '_, '_, B> {
     /// The page's bytes.
     pub fn as_slice(&self) -> &[u8] {
-        let len = self.pool.page_size();
         // SAFETY: the page's range lies in a committed chunk that the pool keeps while the
         // page lives (shrink only releases chunks whose pages are all free), mapped read-write
         // by a HostVisible backend; pages never overlap, and this page is its range's only token.
-        unsafe { std::slice::from_raw_parts(self.addr() as *const u8, len) }
+        unsafe { host_slice(self.addr(), self.pool.page_size()) }
     }
 
     /// The page's bytes, writable.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        let len = self.pool.page_size();
         // SAFETY: as in `as_slice`; `&mut self` makes this the only borrow of the range.
-        unsafe { std::slice::from_raw_parts_mut(self.addr() as *mut u8, len) }
+        unsafe { host_slice_mut(self.addr(), self.pool.page_size()) }
     }
 }
 

@@ -1,38 +1,63 @@
-//! [`Residual`]: exactly what one allocation or mapping still holds, part by part.
+//! [`Residual`]: exactly what one token still holds, part by part, once it leaves its owner.
 
 use crate::backend::Addr;
-use crate::device::Generation;
+use crate::ids::Generation;
+use std::sync::Arc;
 
-/// The key of a shared physical allocation in its device's table.
-pub(crate) type SharedKey = u64;
-
-/// What is still held of one allocation or mapping after a failed or deferred release: exactly
-/// the parts not yet given back, each still charged to the ledger.
+/// A reference on physical memory that several tokens map (a shared prefix): the memory goes
+/// with the last reference. The count is the number of references alive, and it is touched only
+/// when a mapping is made or torn down, never on access.
 ///
-/// Parts go back in a fixed order — unmap, drop the reference on shared physical memory,
-/// release owned physical memory, free the VA — and each is refunded once, when it goes.
-#[derive(Clone, Copy, Debug)]
-pub struct Residual<P> {
-    pub(crate) generation: Generation,
-    pub(crate) addr: Addr,
-    pub(crate) len: usize,
-    /// Whether `[addr, addr + len)` is still reserved.
-    pub(crate) reserved: bool,
-    /// Bytes mapped from `addr` on (whole mappings, so one unmap covers them).
-    pub(crate) mapped: usize,
-    /// Physical memory owned by this allocation alone, and its length.
-    pub(crate) phys: Option<(P, usize)>,
-    /// A reference held on a shared physical allocation (dropped once the mapping is gone).
-    pub(crate) shared: Option<SharedKey>,
+/// It has no `Drop`: the device gives each reference back (and releases the memory with the
+/// last one) when the mapping holding it is confirmed gone.
+#[derive(Debug)]
+pub struct SharedPhys<P>(Arc<(P, usize)>);
+
+impl<P: Copy> SharedPhys<P> {
+    /// The first reference on `len` bytes of `phys`.
+    pub(crate) fn new(phys: P, len: usize) -> Self {
+        Self(Arc::new((phys, len)))
+    }
+
+    /// One more reference, for one more mapping.
+    pub(crate) fn another(&self) -> Self {
+        Self(Arc::clone(&self.0))
+    }
+
+    /// The physical memory's handle.
+    pub(crate) fn phys(&self) -> P {
+        self.0.0
+    }
+
+    /// References alive now, this one included.
+    pub(crate) fn refs(&self) -> usize {
+        Arc::strong_count(&self.0)
+    }
+
+    /// Gives this reference back: the last one returns the memory, now owned by no mapping.
+    pub(crate) fn into_last(self) -> Option<(P, usize)> {
+        Arc::into_inner(self.0)
+    }
 }
 
-impl<P> Residual<P> {
-    /// A reservation holding nothing else.
-    pub(crate) fn va(generation: Generation, addr: Addr, len: usize) -> Self {
+/// The parts of a token still held, in the order they go back: mapped bytes, a reference on
+/// shared physical memory, owned physical memory, the reserved VA.
+#[derive(Debug)]
+pub struct Held<P> {
+    /// Whether the VA range is still reserved.
+    pub(crate) reserved: bool,
+    /// Bytes mapped from the start of the range (whole mappings, so one unmap covers them).
+    pub(crate) mapped: usize,
+    /// Physical memory owned by this token alone, and its length.
+    pub(crate) phys: Option<(P, usize)>,
+    /// A reference on shared physical memory, given back once the mapping is gone.
+    pub(crate) shared: Option<SharedPhys<P>>,
+}
+
+impl<P> Held<P> {
+    /// A reservation and nothing else.
+    pub(crate) fn va() -> Self {
         Self {
-            generation,
-            addr,
-            len,
             reserved: true,
             mapped: 0,
             phys: None,
@@ -40,24 +65,53 @@ impl<P> Residual<P> {
         }
     }
 
-    /// A committed allocation: reserved, mapped over its whole length, owning its memory.
-    pub(crate) fn committed(generation: Generation, addr: Addr, len: usize, phys: P) -> Self {
+    /// A reservation mapped over `mapped` bytes.
+    pub(crate) fn mapped(mapped: usize) -> Self {
+        Self { mapped, ..Self::va() }
+    }
+
+    /// A reservation of `len` bytes mapped whole over its own physical memory.
+    pub(crate) fn committed(len: usize, phys: P) -> Self {
         Self {
-            mapped: len,
             phys: Some((phys, len)),
-            ..Self::va(generation, addr, len)
+            ..Self::mapped(len)
         }
     }
 
-    /// Physical memory alone (no VA): an orphan whose release failed.
-    pub(crate) fn phys(generation: Generation, phys: P, len: usize) -> Self {
+    /// Physical memory alone, no VA: memory that no token owns any more.
+    pub(crate) fn orphan(phys: P, len: usize) -> Self {
         Self {
             reserved: false,
             phys: Some((phys, len)),
-            ..Self::va(generation, 0, 0)
+            ..Self::va()
         }
     }
 
+    /// Bytes of physical memory owned by these parts alone.
+    pub(crate) fn owned_bytes(&self) -> usize {
+        self.phys.as_ref().map_or(0, |&(_, len)| len)
+    }
+
+    /// Whether nothing is left.
+    pub(crate) fn is_empty(&self) -> bool {
+        !self.reserved && self.mapped == 0 && self.phys.is_none() && self.shared.is_none()
+    }
+}
+
+/// What is still held of one allocation or mapping after a failed or deferred release: exactly
+/// the parts not yet given back, each still charged to the ledger.
+///
+/// Parts go back in a fixed order — unmap, drop the reference on shared physical memory,
+/// release owned physical memory, free the VA — and each is refunded once, when it goes.
+#[derive(Debug)]
+pub struct Residual<P> {
+    pub(crate) generation: Generation,
+    pub(crate) addr: Addr,
+    pub(crate) len: usize,
+    pub(crate) held: Held<P>,
+}
+
+impl<P> Residual<P> {
     /// The allocation this is what is left of.
     pub fn generation(&self) -> Generation {
         self.generation
@@ -70,27 +124,27 @@ impl<P> Residual<P> {
 
     /// Whether the VA range is still reserved (and so withheld from reuse).
     pub fn holds_va(&self) -> bool {
-        self.reserved
+        self.held.reserved
     }
 
     /// Bytes still mapped (still charged as mapped).
     pub fn mapped_bytes(&self) -> usize {
-        self.mapped
+        self.held.mapped
     }
 
     /// Bytes of physical memory owned by this residual alone (still charged as owned).
     pub fn owned_bytes(&self) -> usize {
-        self.phys.as_ref().map_or(0, |&(_, len)| len)
+        self.held.owned_bytes()
     }
 
     /// Whether it still holds a reference on shared physical memory.
     pub fn holds_shared(&self) -> bool {
-        self.shared.is_some()
+        self.held.shared.is_some()
     }
 
     /// Whether nothing is left.
     pub fn is_empty(&self) -> bool {
-        !self.reserved && self.mapped == 0 && self.phys.is_none() && self.shared.is_none()
+        self.held.is_empty()
     }
 }
 
@@ -112,9 +166,75 @@ pub struct Holdings {
 impl Holdings {
     pub(crate) fn add<P>(&mut self, r: &Residual<P>) {
         self.count += 1;
-        self.reserved_bytes += if r.reserved { r.len as u64 } else { 0 };
-        self.mapped_bytes += r.mapped as u64;
+        self.reserved_bytes += if r.held.reserved { r.len as u64 } else { 0 };
+        self.mapped_bytes += r.held.mapped as u64;
         self.owned_bytes += r.owned_bytes() as u64;
-        self.shared_refs += u64::from(r.shared.is_some());
+        self.shared_refs += u64::from(r.held.shared.is_some());
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ids::Generations;
+
+    fn residual(held: Held<u32>) -> Residual<u32> {
+        let generation = Generations::new().next();
+        Residual {
+            generation,
+            addr: 0x1000,
+            len: 8192,
+            held,
+        }
+    }
+
+    #[test]
+    fn each_part_is_reported_and_empty_means_all_gone() {
+        let r = residual(Held::committed(8192, 7));
+        assert!(r.holds_va() && !r.holds_shared() && !r.is_empty());
+        assert_eq!((r.mapped_bytes(), r.owned_bytes()), (8192, 8192));
+
+        let mut held = Held::committed(8192, 7);
+        held.mapped = 0;
+        held.phys = None;
+        assert!(!residual(held).is_empty(), "the VA is still reserved");
+        let orphan = residual(Held::orphan(7, 4096));
+        assert!(!orphan.holds_va() && orphan.owned_bytes() == 4096);
+        let mut gone = Held::<u32>::va();
+        gone.reserved = false;
+        assert!(residual(gone).is_empty());
+    }
+
+    #[test]
+    fn holdings_add_up_parts() {
+        let shared = SharedPhys::new(9u32, 4096);
+        let mut h = Holdings::default();
+        h.add(&residual(Held::committed(8192, 7)));
+        h.add(&residual(Held {
+            shared: Some(shared.another()),
+            ..Held::mapped(8192)
+        }));
+        h.add(&residual(Held::orphan(3, 4096)));
+        assert_eq!(
+            h,
+            Holdings {
+                count: 3,
+                reserved_bytes: 16384,
+                mapped_bytes: 16384,
+                owned_bytes: 12288,
+                shared_refs: 1,
+            }
+        );
+    }
+
+    #[test]
+    fn only_the_last_shared_reference_returns_the_memory() {
+        let first = SharedPhys::new(5u32, 4096);
+        let second = first.another();
+        assert_eq!((first.refs(), second.refs()), (2, 2));
+        assert_eq!(second.phys(), 5);
+        assert_eq!(first.into_last(), None);
+        assert_eq!(second.refs(), 1);
+        assert_eq!(second.into_last(), Some((5, 4096)));
     }
 }

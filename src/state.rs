@@ -6,12 +6,24 @@
 //!                    │  ▲ error: the same                              │  error: Pending (same token)
 //!                    │  └─ Reserved token back                         ▼  or a backend call failed
 //!                    │ release                                     Quarantined ── retry ──▶ Released
-//!                    └────────▶ Released  (or Quarantined VA)           └── discharge (context gone)
+//!                    └────────▶ Releasing (no fence)                    └── discharge (context lost)
 //! ```
+//!
+//! The shared-prefix states ([`Owner`](crate::Owner), [`Sharer`](crate::Sharer),
+//! [`Diverged`](crate::Diverged)) live with the sharing policy that makes them.
 
-use crate::backend::{Addr, Backend};
-use crate::device::Generation;
-use crate::residual::Residual;
+use crate::backend::Backend;
+use crate::residual::{Held, SharedPhys};
+
+/// What a token holds when it leaves its owner (dropped, or its release started): its parts,
+/// the fence its release waits for (`None`: nothing can still use the memory), and the owned
+/// bytes its binding is charged for it.
+#[derive(Debug)]
+pub struct Retired<B: Backend> {
+    pub(crate) held: Held<B::Phys>,
+    pub(crate) fence: Option<B::Fence>,
+    pub(crate) charged: usize,
+}
 
 pub(crate) mod sealed {
     use super::*;
@@ -21,14 +33,14 @@ pub(crate) mod sealed {
         /// What a token in this state owns beyond its VA range.
         type Parts<B: Backend>;
 
-        /// What a dropped token in this state still holds, and the fence its release waits for.
-        fn into_residual<B: Backend>(
-            backend: &B,
-            generation: Generation,
-            addr: Addr,
-            len: usize,
-            parts: Self::Parts<B>,
-        ) -> (Residual<B::Phys>, Option<B::Fence>);
+        /// Takes a token of `len` bytes in this state apart into what it holds.
+        fn retire<B: Backend>(backend: &B, len: usize, parts: Self::Parts<B>) -> Retired<B>;
+
+        /// The reference on shared physical memory a mapping in this state holds.
+        fn shared<B: Backend>(parts: &Self::Parts<B>) -> Option<&SharedPhys<B::Phys>> {
+            let _ = parts;
+            None
+        }
     }
 }
 
@@ -45,70 +57,69 @@ pub trait State: sealed::Sealed {
     const NAME: &'static str;
 }
 
+/// A state a release can start from: every state but [`Releasing`].
+pub trait Live: State {}
+
+/// A state whose memory is mapped readable, so a host backend lends it as `&[u8]`.
+pub trait Readable: State {}
+
 /// VA reserved, nothing mapped: the memory cannot be accessed.
 #[derive(Debug)]
 pub enum Reserved {}
 /// Physical memory created, mapped read-write and accessible.
 #[derive(Debug)]
 pub enum Committed {}
-/// Retired from use: a fence was recorded, and unmap / release / free wait for it.
+/// Retired from use: unmap / release / free wait for the fence recorded when the release began.
 #[derive(Debug)]
 pub enum Releasing {}
 
 impl sealed::Sealed for Reserved {
     type Parts<B: Backend> = ();
 
-    fn into_residual<B: Backend>(
-        _backend: &B,
-        generation: Generation,
-        addr: Addr,
-        len: usize,
-        (): (),
-    ) -> (Residual<B::Phys>, Option<B::Fence>) {
-        (Residual::va(generation, addr, len), None)
+    fn retire<B: Backend>(_backend: &B, _len: usize, (): ()) -> Retired<B> {
+        Retired {
+            held: Held::va(),
+            fence: None,
+            charged: 0,
+        }
     }
 }
 
 impl sealed::Sealed for Committed {
     type Parts<B: Backend> = B::Phys;
 
-    fn into_residual<B: Backend>(
-        backend: &B,
-        generation: Generation,
-        addr: Addr,
-        len: usize,
-        phys: B::Phys,
-    ) -> (Residual<B::Phys>, Option<B::Fence>) {
-        // Work may still be in flight on the memory: its release waits for a fence.
-        let fence = backend.fence();
-        let residual = Residual::committed(generation, addr, len, phys);
-        (residual, Some(fence))
+    fn retire<B: Backend>(backend: &B, len: usize, phys: B::Phys) -> Retired<B> {
+        Retired {
+            held: Held::committed(len, phys),
+            // Work may still be in flight on the memory: its release waits for a fence.
+            fence: Some(backend.fence()),
+            charged: len,
+        }
     }
 }
 
 impl sealed::Sealed for Releasing {
-    type Parts<B: Backend> = (B::Phys, B::Fence);
+    type Parts<B: Backend> = (Held<B::Phys>, Option<B::Fence>);
 
-    fn into_residual<B: Backend>(
-        _backend: &B,
-        generation: Generation,
-        addr: Addr,
-        len: usize,
-        (phys, fence): (B::Phys, B::Fence),
-    ) -> (Residual<B::Phys>, Option<B::Fence>) {
-        let residual = Residual::committed(generation, addr, len, phys);
-        (residual, Some(fence))
+    fn retire<B: Backend>(_backend: &B, _len: usize, (held, fence): Self::Parts<B>) -> Retired<B> {
+        let charged = held.owned_bytes();
+        Retired {
+            held,
+            fence,
+            charged,
+        }
     }
 }
 
 impl State for Reserved {
     const NAME: &'static str = "Reserved";
 }
-
 impl State for Committed {
     const NAME: &'static str = "Committed";
 }
-
 impl State for Releasing {
     const NAME: &'static str = "Releasing";
 }
+impl Live for Reserved {}
+impl Live for Committed {}
+impl Readable for Committed {}

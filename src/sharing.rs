@@ -1,0 +1,424 @@
+//! Shared prefixes — a policy on top of allocations: [`Prefix`] (the owner's read-write view),
+//! [`PrefixMapping`] (a sharer's read-only view) and [`DivergedMapping`] (a sharer after
+//! copy-on-write of its last granule). Each is an [`Allocation`] in a state of its own, with
+//! the reference on the shared physical memory as its parts.
+
+use crate::allocation::Allocation;
+use crate::backend::{Access, Backend, HostVisible, Op};
+use crate::error::{CommitFailure, CowFailure, Returned, ShareFailure, TransitionError};
+use crate::ledger::Axis;
+use crate::quarantine::Quarantined;
+use crate::residual::{Held, SharedPhys};
+use crate::state::{Committed, Live, Readable, Reserved, Retired, State, sealed::Sealed};
+use crate::token::host_slice_mut;
+
+/// A failed [`map_prefix`](Allocation::map_prefix): the same reservation, unchanged, or the
+/// quarantined remains of a half-made mapping that could not be undone; and why.
+pub type ShareError<'b, 'id, B> =
+    TransitionError<Returned<Allocation<'b, 'id, B, Reserved>, Quarantined<'b, 'id, B>>, ShareFailure>;
+
+/// A failed [`diverge`](Allocation::diverge): the same mapping, unchanged and still shared, or
+/// its quarantined remains when the boundary could be neither remapped nor restored; and why.
+pub type CowError<'b, 'id, B> =
+    TransitionError<Returned<PrefixMapping<'b, 'id, B>, Quarantined<'b, 'id, B>>, CowFailure>;
+
+/// The owner's handle on a shared prefix: its read-write mapping of the prefix's physical
+/// memory, from which sharers map it read-only ([`Allocation::map_prefix`]).
+///
+/// Its physical memory is charged once as owned whatever the number of sharers, and released
+/// exactly once, when its last mapping goes.
+///
+/// # Why counted, not borrowed
+///
+/// In a paged KV cache the sequences that share a system prompt finish in any order, the one
+/// that computed the prompt often first. The physical memory must live as long as the *union*
+/// of its mappings, which no static borrow can express, so a prefix's physical memory is
+/// reference-counted in its device's table: one count per mapping, taken when a mapping is made
+/// and dropped only once the backend confirmed that mapping gone (a quarantined mapping keeps
+/// its count). The count is touched only when a mapping is made or torn down, never on access.
+///
+/// What stays static is what can: every mapping token borrows the [`Binding`] it was made
+/// through (so it cannot outlive the binding's context pin, nor the device), carries the
+/// device's brand (so a prefix of one device cannot be mapped into a reservation of another),
+/// and has no way to write through a read-only mapping. While a prefix is shared its bytes are
+/// immutable — the owner may write only while no sharer maps it — so every `&[u8]` lent by a
+/// mapping stays valid. A sharer that must write inside the last, partially filled granule
+/// takes a private copy of that granule with [`PrefixMapping::diverge`].
+///
+/// Made from a committed allocation by [`Allocation::into_prefix`], with no backend call. The
+/// owner's binding stays charged for the prefix's bytes while this handle lives; after that the
+/// device holds them until the last mapping goes.
+///
+/// A prefix of one device cannot be mapped into a reservation of another (each
+/// `make_guard!` brands its device uniquely, so the second brand cannot be unified with the
+/// first):
+///
+/// ```compile_fail,E0716
+/// use memtoken::{make_guard, Budget, Device};
+/// use memtoken::backend::SimBackend;
+/// make_guard!(ga);
+/// make_guard!(gb);
+/// let a = Device::new(ga, SimBackend::default());
+/// let b = Device::new(gb, SimBackend::default());
+/// let (ba, bb) = (a.bind(Budget::unlimited()).unwrap(), b.bind(Budget::unlimited()).unwrap());
+/// let prefix = ba.reserve(1).unwrap().commit().unwrap().into_prefix();
+/// let shared = bb.reserve(1).unwrap().map_prefix(&prefix);
+/// ```
+pub type Prefix<'b, 'id, B> = Allocation<'b, 'id, B, Owner>;
+
+/// A sharer's read-only mapping of a [`Prefix`]: zero additional physical bytes. It lends
+/// `&[u8]` on the host, never `&mut [u8]`:
+///
+/// ```compile_fail,E0599
+/// # use memtoken::{make_guard, Budget, Device};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// let prefix = binding.reserve(4096).unwrap().commit().unwrap().into_prefix();
+/// let mut shared = binding.reserve(4096).unwrap().map_prefix(&prefix).unwrap();
+/// shared.as_mut_slice()[0] = 1;
+/// ```
+///
+/// and it cannot outlive the binding it was made through:
+///
+/// ```compile_fail,E0505
+/// # use memtoken::{make_guard, Budget, Device};
+/// # use memtoken::backend::SimBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, SimBackend::default());
+/// let owner = device.bind(Budget::unlimited()).unwrap();
+/// let prefix = owner.reserve(1).unwrap().commit().unwrap().into_prefix();
+/// let sharer = device.bind(Budget::unlimited()).unwrap();
+/// let shared = sharer.reserve(1).unwrap().map_prefix(&prefix).unwrap();
+/// drop(sharer);
+/// drop(shared);
+/// ```
+///
+/// nor the device:
+///
+/// ```compile_fail,E0505
+/// # use memtoken::{make_guard, Budget, Device};
+/// # use memtoken::backend::SimBackend;
+/// # make_guard!(guard);
+/// let device = Device::new(guard, SimBackend::default());
+/// let binding = device.bind(Budget::unlimited()).unwrap();
+/// let prefix = binding.reserve(1).unwrap().commit().unwrap().into_prefix();
+/// let shared = binding.reserve(1).unwrap().map_prefix(&prefix).unwrap();
+/// drop(prefix);
+/// drop(device);
+/// drop(shared);
+/// ```
+pub type PrefixMapping<'b, 'id, B> = Allocation<'b, 'id, B, Sharer>;
+
+/// A sharer's mapping after copy-on-write of the boundary granule: the prefix's body is still
+/// shared read-only; the last granule is a private, writable copy.
+pub type DivergedMapping<'b, 'id, B> = Allocation<'b, 'id, B, Diverged>;
+
+/// State of a [`Prefix`]: the owner's read-write mapping of memory that sharers may map.
+#[derive(Debug)]
+pub enum Owner {}
+/// State of a [`PrefixMapping`]: a sharer's read-only mapping, owning no physical bytes.
+#[derive(Debug)]
+pub enum Sharer {}
+/// State of a [`DivergedMapping`]: a sharer's mapping whose last granule is a private copy.
+#[derive(Debug)]
+pub enum Diverged {}
+
+/// A state whose token maps shared physical memory (sealed).
+pub trait Sharing: State {}
+
+impl Sealed for Owner {
+    type Parts<B: Backend> = SharedPhys<B::Phys>;
+
+    fn retire<B: Backend>(backend: &B, len: usize, shared: Self::Parts<B>) -> Retired<B> {
+        Retired {
+            held: Held {
+                shared: Some(shared),
+                ..Held::mapped(len)
+            },
+            fence: Some(backend.fence()),
+            // The owner's binding carries the prefix's bytes while the owner's token lives.
+            charged: len,
+        }
+    }
+
+    fn shared<B: Backend>(parts: &Self::Parts<B>) -> Option<&SharedPhys<B::Phys>> {
+        Some(parts)
+    }
+}
+
+impl Sealed for Sharer {
+    type Parts<B: Backend> = SharedPhys<B::Phys>;
+
+    fn retire<B: Backend>(backend: &B, len: usize, shared: Self::Parts<B>) -> Retired<B> {
+        Retired {
+            held: Held {
+                shared: Some(shared),
+                ..Held::mapped(len)
+            },
+            fence: Some(backend.fence()),
+            charged: 0,
+        }
+    }
+
+    fn shared<B: Backend>(parts: &Self::Parts<B>) -> Option<&SharedPhys<B::Phys>> {
+        Some(parts)
+    }
+}
+
+impl Sealed for Diverged {
+    /// The shared reference and the private last granule.
+    type Parts<B: Backend> = (SharedPhys<B::Phys>, B::Phys);
+
+    fn retire<B: Backend>(backend: &B, len: usize, (shared, private): Self::Parts<B>) -> Retired<B> {
+        let g = backend.granularity();
+        Retired {
+            held: Held {
+                phys: Some((private, g)),
+                shared: Some(shared),
+                ..Held::mapped(len)
+            },
+            fence: Some(backend.fence()),
+            charged: g,
+        }
+    }
+
+    fn shared<B: Backend>(parts: &Self::Parts<B>) -> Option<&SharedPhys<B::Phys>> {
+        Some(&parts.0)
+    }
+}
+
+impl State for Owner {
+    const NAME: &'static str = "Prefix";
+}
+impl State for Sharer {
+    const NAME: &'static str = "PrefixMapping";
+}
+impl State for Diverged {
+    const NAME: &'static str = "DivergedMapping";
+}
+impl Live for Owner {}
+impl Live for Sharer {}
+impl Live for Diverged {}
+impl Readable for Owner {}
+impl Readable for Sharer {}
+impl Readable for Diverged {}
+impl Sharing for Owner {}
+impl Sharing for Sharer {}
+impl Sharing for Diverged {}
+
+impl<B: Backend, S: Sharing> Allocation<'_, '_, B, S> {
+    /// How many mappings of this prefix's physical memory exist now, this one included.
+    pub fn mappings(&self) -> usize {
+        S::shared::<B>(self.parts()).map_or(0, SharedPhys::refs)
+    }
+}
+
+impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
+    /// Turns this allocation into a shared prefix: its mapping stays read-write for the owner,
+    /// and sharers may now map its physical memory read-only. No backend call.
+    pub fn into_prefix(self) -> Prefix<'b, 'id, B> {
+        let (core, phys) = self.into_core();
+        let shared = core.device().share(phys, core.len);
+        Allocation::from_core(core, shared)
+    }
+}
+
+impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
+    /// Maps `prefix` read-only into this reservation, which must be exactly as long. The sharer
+    /// owns no physical bytes: nothing is charged to its budget; its mapped bytes are charged.
+    ///
+    /// The body and the last granule are mapped separately, so that the last one can later be
+    /// replaced by a private copy ([`diverge`](Allocation::diverge)).
+    ///
+    /// # Errors
+    ///
+    /// [`ShareError`]: the same reservation, unchanged, if the lengths differ or a backend
+    /// call fails (everything undone); the quarantined remains if undoing a half-made mapping
+    /// failed too.
+    #[must_use = "a refused share returns the reservation inside the error"]
+    pub fn map_prefix(
+        self,
+        prefix: &Prefix<'_, 'id, B>,
+    ) -> Result<PrefixMapping<'b, 'id, B>, ShareError<'b, 'id, B>> {
+        let refuse = |token, cause| {
+            Err(TransitionError {
+                token: Returned::Unchanged(token),
+                cause,
+            })
+        };
+        if self.len() != prefix.len() {
+            let cause = ShareFailure::SizeMismatch {
+                reservation: self.len(),
+                prefix: prefix.len(),
+            };
+            return refuse(self, cause);
+        }
+        let core = self.core();
+        let (addr, len) = (core.addr, core.len);
+        let device = core.device();
+        let backend = device.backend();
+        if let Err(e) = device.ensure_live(Op::Map, addr, len) {
+            return refuse(self, ShareFailure::Backend(e));
+        }
+        let shared = device.share_again(prefix.parts());
+        let phys = shared.phys();
+        let body = len - device.granularity();
+        if body > 0 {
+            if let Err(e) = backend.map(addr, body, phys, 0, Access::ReadOnly) {
+                device.unshare(shared);
+                return refuse(self, ShareFailure::Backend(e));
+            }
+            device.charge(Axis::Mapped, body);
+        }
+        if let Err(error) = backend.map(addr + body, len - body, phys, body, Access::ReadOnly) {
+            if body > 0 {
+                if let Err(rollback) = backend.unmap(addr, body) {
+                    // The half-made mapping stays, with its reference, in a quarantined token.
+                    let (core, ()) = self.into_core();
+                    let held = Held {
+                        shared: Some(shared),
+                        ..Held::mapped(body)
+                    };
+                    let token = Quarantined::new(core.binding, core.residual(held));
+                    return Err(TransitionError {
+                        token: Returned::Quarantined(token),
+                        cause: ShareFailure::RollbackFailed { error, rollback },
+                    });
+                }
+                device.refund(Axis::Mapped, body);
+            }
+            device.unshare(shared);
+            return refuse(self, ShareFailure::Backend(error));
+        }
+        device.charge(Axis::Mapped, len - body);
+        let (core, ()) = self.into_core();
+        Ok(Allocation::from_core(core, shared))
+    }
+}
+
+impl<B: HostVisible> Allocation<'_, '_, B, Owner> {
+    /// The prefix's bytes, writable — only while no sharer maps them (`None` otherwise), so a
+    /// sharer's `&[u8]` never sees a byte change.
+    pub fn as_mut_slice(&mut self) -> Option<&mut [u8]> {
+        if self.mappings() != 1 {
+            return None;
+        }
+        // SAFETY: the owner's mapping is read-write and stays mapped while `self` is borrowed;
+        // it is the only mapping of the memory, and new ones need `&self`, which `&mut self`
+        // excludes.
+        Some(unsafe { host_slice_mut(self.addr(), self.len()) })
+    }
+}
+
+impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
+    /// Copy-on-write of the boundary granule: creates a private granule, copies the shared
+    /// last granule into it, and remaps it read-write in its place. The shared original is
+    /// untouched and still mapped by the others. Charges one granule to this sharer's budget.
+    ///
+    /// # Errors
+    ///
+    /// [`CowError`]: this same mapping, unchanged, if the budget refuses or a backend call
+    /// fails (everything undone); the mapping's quarantined remains if the boundary could be
+    /// neither remapped nor restored.
+    #[must_use = "a refused copy-on-write returns the mapping inside the error"]
+    pub fn diverge(self) -> Result<DivergedMapping<'b, 'id, B>, CowError<'b, 'id, B>> {
+        let core = self.core();
+        let (binding, device) = (core.binding, core.device());
+        let backend = device.backend();
+        let g = device.granularity();
+        let boundary = core.addr + core.len - g;
+        let refuse = |token, cause| {
+            Err(TransitionError {
+                token: Returned::Unchanged(token),
+                cause: CowFailure::Private(cause),
+            })
+        };
+        if let Err(e) = device.ensure_live(Op::Create, 0, g) {
+            return refuse(self, CommitFailure::Backend(e));
+        }
+        if let Err(cause) = binding.charge(g) {
+            return refuse(self, cause);
+        }
+        // Undoes the private granule (created or not), and says why the mapping is unchanged.
+        let undo = |error, private: Option<B::Phys>| {
+            let rollback = match private {
+                None => {
+                    binding.uncharge(g);
+                    Ok(())
+                }
+                Some(p) => {
+                    binding.refund(g);
+                    device.release_orphan(p, g)
+                }
+            };
+            match rollback {
+                Ok(()) => CommitFailure::Backend(error),
+                Err(rollback) => CommitFailure::RollbackFailed { error, rollback },
+            }
+        };
+        // Quarantines the mapping (`mapped` bytes of it still mapped) when its state is
+        // uncertain; the private granule goes back.
+        let quarantine = |token: Self, mapped, cause, private| {
+            let (core, shared) = token.into_core();
+            binding.refund(g);
+            let _ = device.release_orphan(private, g); // a failure is quarantined
+            let held = Held {
+                shared: Some(shared),
+                ..Held::mapped(mapped)
+            };
+            Err(TransitionError {
+                token: Returned::Quarantined(Quarantined::new(binding, core.residual(held))),
+                cause,
+            })
+        };
+        let private = match backend.create(g) {
+            Ok(p) => p,
+            Err(e) => return refuse(self, undo(e, None)),
+        };
+        if let Err(e) = backend.copy_into_phys(private, 0, boundary, g) {
+            return refuse(self, undo(e, Some(private)));
+        }
+        if let Err(e) = backend.unmap(boundary, g) {
+            // Whether the boundary is still mapped is unknown: the mapping lends no memory any
+            // more, its remains are quarantined.
+            return quarantine(self, core.len, CowFailure::Unmap(e), private);
+        }
+        device.refund(Axis::Mapped, g);
+        if let Err(error) = backend.map(boundary, g, private, 0, Access::ReadWrite) {
+            let shared = self.parts().phys();
+            return match backend.map(boundary, g, shared, core.len - g, Access::ReadOnly) {
+                Ok(()) => {
+                    device.charge(Axis::Mapped, g);
+                    refuse(self, undo(error, Some(private)))
+                }
+                // Neither the copy nor the original is mapped at the boundary.
+                Err(restore) => {
+                    let cause = CowFailure::Remap { error, restore };
+                    quarantine(self, core.len - g, cause, private)
+                }
+            };
+        }
+        device.charge(Axis::Mapped, g);
+        let (core, shared) = self.into_core();
+        Ok(Allocation::from_core(core, (shared, private)))
+    }
+}
+
+impl<B: Backend> Allocation<'_, '_, B, Diverged> {
+    /// Where the private granule starts, as an offset into the mapping.
+    pub fn boundary_offset(&self) -> usize {
+        self.len() - self.binding().device().granularity()
+    }
+}
+
+impl<B: HostVisible> Allocation<'_, '_, B, Diverged> {
+    /// The private last granule, writable.
+    pub fn boundary_mut(&mut self) -> &mut [u8] {
+        let at = self.boundary_offset();
+        // SAFETY: the last granule is this token's own physical memory, mapped read-write, and
+        // `&mut self` makes this the only borrow of it.
+        unsafe { host_slice_mut(self.addr() + at, self.len() - at) }
+    }
+}

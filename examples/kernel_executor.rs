@@ -8,7 +8,7 @@
 //! ```
 
 use memtoken::backend::{Backend, HostBackend};
-use memtoken::{Allocation, Budget, Committed, Device, make_guard};
+use memtoken::{Allocation, Budget, Committed, Device, Released, Releasing, Returned, make_guard};
 use std::error::Error;
 use std::time::Instant;
 
@@ -42,8 +42,8 @@ fn execute<B: Backend, K: Kernels<B>>(device: &Device<'_, B>, kernels: &K, n: us
     println!(
         "{}: committed x and y, {} bytes each ({} granules of {} bytes); ledger {:?}",
         kernels.name(),
-        x.size(),
-        x.size() / device.granularity(),
+        x.len(),
+        x.len() / device.granularity(),
         device.granularity(),
         device.ledger()
     );
@@ -69,18 +69,28 @@ fn execute<B: Backend, K: Kernels<B>>(device: &Device<'_, B>, kernels: &K, n: us
 
     // Release: each token is consumed; on a GPU the release waits for the kernel's fence.
     for a in [x, y] {
-        let mut releasing = a.release();
-        loop {
-            match releasing.complete() {
-                Ok(_) => break,
-                Err(memtoken::CompleteError::Pending(t)) => releasing = t,
-                Err(e) => return Err(e.to_string().into()),
-            }
-        }
+        finish(a.release())?;
     }
     drop(binding);
     println!("released both; ledger {:?}", device.ledger());
     Ok(())
+}
+
+/// Finishes a release, waiting for its fence. A function that takes or returns a token by value
+/// names the lifetimes it carries (`'b` of the binding, `'id` of the device's brand); one that
+/// only borrows a token, like the `Kernels` methods above, elides them with `'_`.
+fn finish<'b, 'id, B: Backend>(
+    mut releasing: Allocation<'b, 'id, B, Releasing>,
+) -> Result<Released> {
+    loop {
+        match releasing.complete() {
+            Ok(receipt) => return Ok(receipt),
+            Err(e) => match e.token {
+                Returned::Unchanged(pending) => releasing = pending, // the kernel still runs
+                Returned::Quarantined(q) => return Err(format!("{} ({})", q, e.cause).into()),
+            },
+        }
+    }
 }
 
 /// The host: a CPU loop over the committed memory.
@@ -178,7 +188,7 @@ mod gpu {
         }
 
         fn upload(&self, dst: &mut Allocation<'_, '_, Gpu, Committed>, src: &[f32]) -> Result<()> {
-            Ok(dst.copy_from_host(&bytes(src))?)
+            Ok(dst.copy_from_host(0, &bytes(src))?)
         }
 
         fn download(
@@ -187,7 +197,7 @@ mod gpu {
             dst: &mut [f32],
         ) -> Result<()> {
             let mut raw = vec![0u8; dst.len() * 4];
-            src.copy_to_host(&mut raw)?;
+            src.copy_to_host(0, &mut raw)?;
             for (d, c) in dst.iter_mut().zip(raw.chunks_exact(4)) {
                 *d = f32::from_ne_bytes(c.try_into()?);
             }

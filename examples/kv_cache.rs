@@ -15,7 +15,7 @@
 use memtoken::backend::{Backend, HostBackend, HostConfig};
 use memtoken::{
     Allocation, Budget, Committed, Device, DivergedMapping, PagePool, PageTable, Prefix,
-    PrefixMapping, make_guard,
+    PrefixMapping, Releasing, Returned, make_guard,
 };
 use std::error::Error;
 use std::time::Instant;
@@ -144,10 +144,7 @@ mod gpu {
             at: usize,
             kv: &[u8],
         ) -> Result<()> {
-            let mut whole = vec![0; at + kv.len()];
-            a.copy_to_host(&mut whole)?;
-            whole[at..].copy_from_slice(kv);
-            Ok(a.copy_from_host(&whole)?)
+            Ok(a.copy_from_host(at, kv)?)
         }
         fn write_boundary(
             &self,
@@ -191,6 +188,21 @@ mod gpu {
         ) -> Result<()> {
             Ok(t.copy_from_page(pos, at, out)?)
         }
+    }
+}
+
+/// Finishes a release now if nothing can still use the memory; else leaves it to the device,
+/// which finishes it at a later poll.
+fn finish<B: Backend>(releasing: Allocation<'_, '_, B, Releasing>) -> Result<()> {
+    match releasing.complete() {
+        Ok(_) => Ok(()),
+        Err(e) => match e.token {
+            Returned::Unchanged(pending) => {
+                drop(pending); // queued behind its fence in the device
+                Ok(())
+            }
+            Returned::Quarantined(q) => Err(format!("{q}: {}", e.cause).into()),
+        },
     }
 }
 
@@ -374,7 +386,7 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
             &kv_bytes(None, position),
         )?;
     }
-    let prompt_len = owner_alloc.size();
+    let prompt_len = owner_alloc.len();
     let mut owner: Option<Prefix<'_, '_, B>> = Some(owner_alloc.into_prefix());
 
     // A tiny xorshift for reproducible sequence lengths (16 to 400 generated tokens).
@@ -425,7 +437,7 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
             };
             let prefix = owner.as_ref().expect("kept until the last arrival");
             let mapping = session
-                .reserve(prefix.size())?
+                .reserve(prefix.len())?
                 .map_prefix(prefix)
                 .map_err(|e| e.to_string())?;
             running.push(Sequence {
@@ -442,7 +454,7 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
             && let Some(prefix) = owner.take()
         {
             // The owner is done; the prompt lives on in the sequences that map it.
-            prefix.release().map_err(|e| e.to_string())?;
+            finish(prefix.release())?;
         }
         for seq in &mut running {
             seq.push_token(kv, &pool, &mut stats)?;
@@ -458,8 +470,8 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
             stats.released += n;
             stats.page_ops += n as u64;
             match seq.prompt.take() {
-                Some(Boundary::Shared(m)) => drop(m.release().map_err(|e| e.to_string())?),
-                Some(Boundary::Private(d)) => drop(d.release().map_err(|e| e.to_string())?),
+                Some(Boundary::Shared(m)) => finish(m.release())?,
+                Some(Boundary::Private(d)) => finish(d.release())?,
                 None => {}
             }
             finished += 1;

@@ -8,7 +8,9 @@ use crate::ids::{Generation, Released};
 use crate::ledger::Axis;
 use crate::quarantine::{Quarantined, settle};
 use crate::residual::Held;
-use crate::state::{Committed, Live, Readable, Releasing, Reserved, Retired, State, sealed::Sealed};
+use crate::state::{
+    Committed, Live, Readable, Releasing, Reserved, Retired, State, sealed::Sealed,
+};
 use crate::token::{Core, host_slice, host_slice_mut};
 use std::fmt;
 use std::mem::ManuallyDrop;

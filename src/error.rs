@@ -82,7 +82,9 @@ pub enum CommitFailure {
         capacity: u64,
     },
     /// A backend call failed; everything done before it was undone.
-    #[error("a backend call failed; everything done before it was undone, nothing stays mapped or charged")]
+    #[error(
+        "a backend call failed; everything done before it was undone, nothing stays mapped or charged"
+    )]
     Backend(#[source] BackendError),
     /// A backend call failed, and releasing the physical memory created for it failed too.
     #[error(
@@ -269,7 +271,12 @@ impl<T: fmt::Display, Q: fmt::Display> fmt::Display for Returned<T, Q> {
 
 impl<T: fmt::Display, C: Failure> fmt::Display for TransitionError<T, C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} failed; the error hands back {}", C::TRANSITION, self.token)
+        write!(
+            f,
+            "{} failed; the error hands back {}",
+            C::TRANSITION,
+            self.token
+        )
     }
 }
 

@@ -132,7 +132,12 @@ mod tests {
         ledger.charge(Axis::Quarantined, 1);
         let s = ledger.snapshot();
         assert_eq!(
-            (s.reserved_bytes, s.mapped_bytes, s.owned_bytes, s.quarantined),
+            (
+                s.reserved_bytes,
+                s.mapped_bytes,
+                s.owned_bytes,
+                s.quarantined
+            ),
             (8192, 4096, 4096, 1)
         );
         ledger.refund(Axis::Mapped, 4096);
@@ -161,7 +166,10 @@ mod tests {
         assert_eq!(ledger.try_charge(Axis::Owned, 400, 1000), Ok(()));
         assert_eq!(ledger.snapshot().owned_bytes, 1000);
         // An overflowing charge is refused, never wrapped.
-        assert_eq!(ledger.try_charge(Axis::Owned, u64::MAX, u64::MAX), Err(1000));
+        assert_eq!(
+            ledger.try_charge(Axis::Owned, u64::MAX, u64::MAX),
+            Err(1000)
+        );
     }
 
     #[test]

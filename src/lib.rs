@@ -5,13 +5,17 @@
 //! lifecycle:
 //!
 //! ```text
-//!   reserve(len)         commit                release (begin)         complete / poll
+//!   reserve(len)         commit                release (begin)         complete
 //! ───────────────▶ Reserved ──────────▶ Committed ───────────────▶ Releasing ──────────────▶ Released
-//!                    │  ▲ error: the same                              │  error: Pending (same token)
-//!                    │  └─ Reserved token back                         ▼  or a backend call failed
-//!                    │ release                                     Quarantined ── retry ──▶ Released
-//!                    └────────▶ Released  (or Quarantined VA)           └── discharge (context gone)
+//!                    │  ▲ error: the same                ▲             │  error: Pending (same token)
+//!                    │  └─ Reserved token back           │             ▼  or a backend call failed
+//!                    │ release (no fence to wait for)    │         Quarantined ── retry ──▶ Released
+//!                    └───────────────────────────────────┘             └── discharge (context lost)
 //! ```
+//!
+//! Every verb means one thing on every token: `release` starts a release and returns the
+//! [`Releasing`] token; `complete` (or `retry`, on a [`Quarantined`] token) finishes it and
+//! returns a [`Released`] receipt, or a token inside a [`TransitionError`].
 //!
 //! ## Quick start
 //!
@@ -58,10 +62,34 @@
 //! ## Layers
 //!
 //! [`backend`] is the mechanism (host VMM over `rustix`, CUDA VMM over `cudarc` or a strict
-//! driver model, a strict simulator, fault injection);
-//! [`Device`], [`Binding`], [`Allocation`], the shared-prefix mappings ([`Prefix`],
-//! [`PrefixMapping`], [`DivergedMapping`]), the page pool ([`PagePool`], [`Page`],
-//! [`PageTable`]) and [`Quarantined`] are the typed layer on top.
+//! driver model, a strict simulator, fault injection). On top of it, lowest first: the
+//! identities, the ledger, residuals and states; the [`Device`] (its ledger and custody:
+//! quarantine and deferred queue); the [`Binding`]; the tokens ([`Allocation`] in each
+//! [`State`], [`Quarantined`]); the policies — shared prefixes ([`Prefix`], [`PrefixMapping`],
+//! [`DivergedMapping`], which are allocations in states of their own) and the page pool
+//! ([`PagePool`], [`Page`], [`PageTable`]); and the CUDA interop. Each layer names only the
+//! ones below it.
+//!
+//! ## Writing code generic over tokens
+//!
+//! A token carries two lifetimes: `'b`, the borrow of its [`Binding`], and `'id`, its device's
+//! brand. A function that only borrows a token elides both; one that takes or returns a token by
+//! value names them, because the result borrows the same binding:
+//!
+//! ```
+//! use memtoken::backend::{Backend, HostVisible};
+//! use memtoken::{Allocation, Committed, Releasing};
+//!
+//! fn checksum<B: HostVisible>(kv: &Allocation<'_, '_, B, Committed>) -> u64 {
+//!     kv.as_slice().iter().map(|&b| u64::from(b)).sum()
+//! }
+//!
+//! fn retire<'b, 'id, B: Backend>(
+//!     kv: Allocation<'b, 'id, B, Committed>,
+//! ) -> Allocation<'b, 'id, B, Releasing> {
+//!     kv.release()
+//! }
+//! ```
 //!
 //! ## The hot path
 //!
@@ -143,7 +171,6 @@ pub use page_pool::{Page, PagePool, PageTable};
 pub use quarantine::{QuarantineError, Quarantined};
 pub use residual::{Holdings, Residual};
 pub use sharing::{
-    CowError, Diverged, DivergedMapping, Owner, Prefix, PrefixMapping, ShareError, Sharer,
-    Sharing,
+    CowError, Diverged, DivergedMapping, Owner, Prefix, PrefixMapping, ShareError, Sharer, Sharing,
 };
 pub use state::{Committed, Live, Readable, Releasing, Reserved, State};

@@ -249,10 +249,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
                 .position(Option::is_none)
                 .unwrap_or(s.chunks.len())
         });
-        let first = (slot * per_chunk) as u64;
-        if first + per_chunk as u64 > u64::from(u32::MAX) + 1 {
-            return Err(PoolError::Full);
-        }
+        let first = first_index(slot, per_chunk).ok_or(PoolError::Full)?;
         let reserved = self
             .binding
             .reserve(self.chunk_bytes)
@@ -269,7 +266,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
             let total = s.chunks.len() * per_chunk;
             s.free.reserve(total - s.free.len());
             s.free
-                .extend((0..per_chunk as u32).rev().map(|i| first as u32 + i));
+                .extend((0..per_chunk as u32).rev().map(|i| first + i));
         });
         Ok(())
     }
@@ -319,16 +316,32 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     /// Address of page `index`.
     #[inline]
     fn page_addr(&self, index: u32) -> Addr {
-        let chunk = (index >> self.pages_per_chunk_shift) as usize;
-        let slot = (index as usize) & ((1 << self.pages_per_chunk_shift) - 1);
+        let (chunk, offset) = locate(index, self.pages_per_chunk_shift, self.page_shift);
         let base = self.with(|s| {
             s.chunks[chunk]
                 .as_ref()
                 .map(Allocation::addr)
                 .expect("a live page's chunk is committed")
         });
-        base + (slot << self.page_shift)
+        base + offset
     }
+}
+
+/// Where page `index` lies: its chunk, and its byte offset in the chunk, with
+/// `2^per_chunk_shift` pages of `2^page_shift` bytes a chunk.
+#[inline]
+fn locate(index: u32, per_chunk_shift: u32, page_shift: u32) -> (usize, usize) {
+    let chunk = (index >> per_chunk_shift) as usize;
+    let slot = (index as usize) & ((1 << per_chunk_shift) - 1);
+    (chunk, slot << page_shift)
+}
+
+/// The indices of chunk `slot`'s pages start at `slot * per_chunk`; `None` if its last page
+/// would not fit in a `u32` index.
+fn first_index(slot: usize, per_chunk: usize) -> Option<u32> {
+    let first = slot.checked_mul(per_chunk)?;
+    let end = first.checked_add(per_chunk)?;
+    (end as u64 <= u64::from(u32::MAX) + 1).then_some(first as u32)
 }
 
 impl<'p, 'pool, 'b, 'id, B: Backend> Page<'p, 'pool, 'b, 'id, B> {
@@ -381,7 +394,6 @@ impl<'p, 'pool, 'b, 'id, B: Backend> PageTable<'p, 'pool, 'b, 'id, B> {
     pub fn addr(&self, position: usize) -> Addr {
         self.pool.page_addr(self.pages[position])
     }
-
 }
 
 impl<B: HostVisible> PageTable<'_, '_, '_, '_, B> {
@@ -458,5 +470,36 @@ impl<B: Backend> fmt::Debug for PagePool<'_, '_, '_, B> {
             .field("capacity", &self.capacity())
             .field("free", &self.free_pages())
             .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_page_index_splits_into_its_chunk_and_offset() {
+        // 512 pages of 4 KiB a chunk (a 2 MiB granule).
+        assert_eq!(locate(0, 9, 12), (0, 0));
+        assert_eq!(locate(1, 9, 12), (0, 4096));
+        assert_eq!(locate(511, 9, 12), (0, 511 * 4096));
+        assert_eq!(locate(512, 9, 12), (1, 0));
+        assert_eq!(locate(513, 9, 12), (1, 4096));
+        // One page a chunk (pages as large as the granule).
+        assert_eq!(locate(7, 0, 21), (7, 0));
+        assert_eq!(
+            locate(u32::MAX, 9, 12),
+            ((u32::MAX >> 9) as usize, 511 * 4096)
+        );
+    }
+
+    #[test]
+    fn chunk_indices_stop_at_two_to_the_32_pages() {
+        assert_eq!(first_index(0, 512), Some(0));
+        assert_eq!(first_index(3, 512), Some(1536));
+        let last = (1usize << 32) / 512 - 1;
+        assert_eq!(first_index(last, 512), Some((last * 512) as u32));
+        assert_eq!(first_index(last + 1, 512), None);
+        assert_eq!(first_index(usize::MAX, 2), None);
     }
 }

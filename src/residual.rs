@@ -67,7 +67,10 @@ impl<P> Held<P> {
 
     /// A reservation mapped over `mapped` bytes.
     pub(crate) fn mapped(mapped: usize) -> Self {
-        Self { mapped, ..Self::va() }
+        Self {
+            mapped,
+            ..Self::va()
+        }
     }
 
     /// A reservation of `len` bytes mapped whole over its own physical memory.

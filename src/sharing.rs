@@ -14,8 +14,10 @@ use crate::token::host_slice_mut;
 
 /// A failed [`map_prefix`](Allocation::map_prefix): the same reservation, unchanged, or the
 /// quarantined remains of a half-made mapping that could not be undone; and why.
-pub type ShareError<'b, 'id, B> =
-    TransitionError<Returned<Allocation<'b, 'id, B, Reserved>, Quarantined<'b, 'id, B>>, ShareFailure>;
+pub type ShareError<'b, 'id, B> = TransitionError<
+    Returned<Allocation<'b, 'id, B, Reserved>, Quarantined<'b, 'id, B>>,
+    ShareFailure,
+>;
 
 /// A failed [`diverge`](Allocation::diverge): the same mapping, unchanged and still shared, or
 /// its quarantined remains when the boundary could be neither remapped nor restored; and why.
@@ -171,7 +173,11 @@ impl Sealed for Diverged {
     /// The shared reference and the private last granule.
     type Parts<B: Backend> = (SharedPhys<B::Phys>, B::Phys);
 
-    fn retire<B: Backend>(backend: &B, len: usize, (shared, private): Self::Parts<B>) -> Retired<B> {
+    fn retire<B: Backend>(
+        backend: &B,
+        len: usize,
+        (shared, private): Self::Parts<B>,
+    ) -> Retired<B> {
         let g = backend.granularity();
         Retired {
             held: Held {

@@ -1,7 +1,7 @@
-// Two devices carry two distinct brands: device B's proof that its context is gone cannot
+// Two devices carry two distinct brands: device B's proof that its context is lost cannot
 // discharge a quarantined token of device A.
 use memtoken::backend::SimBackend;
-use memtoken::{Budget, Device, make_guard};
+use memtoken::{Budget, Device, Returned, make_guard};
 
 fn main() {
     make_guard!(guard_a);
@@ -9,9 +9,11 @@ fn main() {
     let device_a = Device::new(guard_a, SimBackend::default());
     let device_b = Device::new(guard_b, SimBackend::default());
     let binding_a = device_a.bind(Budget::unlimited()).unwrap();
-    let proof_b = device_b.confirm_context_gone().unwrap();
+    let proof_b = device_b.confirm_context_lost().unwrap();
     // (Compile-only: at run time this release would succeed.)
-    if let Err(error) = binding_a.reserve(4096).unwrap().release() {
-        let _ = error.into_token().discharge(&proof_b);
+    if let Err(error) = binding_a.reserve(4096).unwrap().release().complete() {
+        if let Returned::Quarantined(q) = error.into_token() {
+            let _ = q.discharge(&proof_b);
+        }
     }
 }

@@ -1,9 +1,9 @@
 // Brand mismatch, stated generically: a quarantined token of brand 'a cannot be discharged with
-// a proof of brand 'b, even one that outlives 'a (`ContextGone` is invariant over its brand).
+// a proof of brand 'b, even one that outlives 'a (`ContextLost` is invariant over its brand).
 use memtoken::backend::SimBackend;
-use memtoken::{ContextGone, Quarantined};
+use memtoken::{ContextLost, Quarantined};
 
-fn mix<'a, 'b: 'a>(token: Quarantined<'_, 'a, SimBackend>, proof: &ContextGone<'b>) {
+fn mix<'a, 'b: 'a>(token: Quarantined<'_, 'a, SimBackend>, proof: &ContextLost<'b>) {
     let _ = token.discharge(proof);
 }
 

@@ -1,4 +1,4 @@
-// A failed release of a Reserved token hands back a Quarantined token: the result must be used.
+// Starting a release hands back the Releasing token, to complete: the result must be used.
 #![deny(unused_must_use)]
 use memtoken::backend::HostBackend;
 use memtoken::{Budget, Device, make_guard};

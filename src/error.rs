@@ -124,15 +124,18 @@ pub enum ShareFailure {
         #[source]
         error: BackendError,
         /// The failed unmap.
-        rollback: BackendError,
+        rollback: Box<BackendError>,
     },
 }
 
 /// Why copy-on-write of a sharer's boundary granule failed.
+///
+/// (Boxed second errors keep a [`CowError`](crate::CowError) and a
+/// [`ShareError`](crate::ShareError) small enough to return by value.)
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum CowFailure {
-    /// The private granule could not be made (budget, capacity, or a backend call); the mapping
-    /// is unchanged and still shared.
+    /// The private granule could not be made (a budget refused it, or a backend call failed);
+    /// the mapping is unchanged and still shared.
     #[error("the private copy of the boundary granule could not be made; the mapping is unchanged")]
     Private(#[source] CommitFailure),
     /// Unmapping the shared boundary granule failed: whether it is still mapped is unknown.
@@ -149,7 +152,7 @@ pub enum CowFailure {
         #[source]
         error: BackendError,
         /// The failed map of the shared granule back.
-        restore: BackendError,
+        restore: Box<BackendError>,
     },
 }
 
@@ -205,23 +208,40 @@ pub(crate) mod sealed {
 
 /// The cause of a failed transition that hands its token back (sealed).
 pub trait Failure: std::error::Error + sealed::Sealed + 'static {
-    /// The transition, for messages.
-    const TRANSITION: &'static str;
+    /// What happened, in a few words, for the top of the error's message.
+    fn summary(&self) -> &'static str;
 }
 
-macro_rules! failures {
-    ($($t:ty => $what:literal),* $(,)?) => {$(
-        impl sealed::Sealed for $t {}
-        impl Failure for $t {
-            const TRANSITION: &'static str = $what;
-        }
-    )*};
+impl sealed::Sealed for CommitFailure {}
+impl sealed::Sealed for ShareFailure {}
+impl sealed::Sealed for CowFailure {}
+impl sealed::Sealed for ReleaseFailure {}
+
+impl Failure for CommitFailure {
+    fn summary(&self) -> &'static str {
+        "commit failed"
+    }
 }
-failures! {
-    CommitFailure => "commit",
-    ShareFailure => "mapping a prefix",
-    CowFailure => "copy-on-write of the boundary granule",
-    ReleaseFailure => "release",
+
+impl Failure for ShareFailure {
+    fn summary(&self) -> &'static str {
+        "mapping the prefix failed"
+    }
+}
+
+impl Failure for CowFailure {
+    fn summary(&self) -> &'static str {
+        "copy-on-write of the boundary granule failed"
+    }
+}
+
+impl Failure for ReleaseFailure {
+    fn summary(&self) -> &'static str {
+        match self {
+            Self::Pending => "the release cannot complete yet",
+            Self::Backend(_) | Self::ContextLost => "the release failed",
+        }
+    }
 }
 
 /// A failed transition: the token it hands back — nothing is lost — and why.
@@ -273,8 +293,8 @@ impl<T: fmt::Display, C: Failure> fmt::Display for TransitionError<T, C> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "{} failed; the error hands back {}",
-            C::TRANSITION,
+            "{}; the error hands back {}",
+            self.cause.summary(),
             self.token
         )
     }

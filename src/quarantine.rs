@@ -29,7 +29,9 @@ pub type QuarantineError<'b, 'id, B> = TransitionError<Quarantined<'b, 'id, B>, 
 /// ```
 pub struct Quarantined<'b, 'id, B: Backend> {
     binding: &'b Binding<'b, 'id, B>,
-    residual: ManuallyDrop<Residual<B::Phys>>,
+    /// Boxed: quarantine is the rare path, and errors that may hand back either a token or its
+    /// quarantined remains stay small.
+    residual: ManuallyDrop<Box<Residual<B::Phys>>>,
 }
 
 impl<'b, 'id, B: Backend> Quarantined<'b, 'id, B> {
@@ -38,7 +40,7 @@ impl<'b, 'id, B: Backend> Quarantined<'b, 'id, B> {
         binding.device().charge(Axis::Quarantined, 1);
         Self {
             binding,
-            residual: ManuallyDrop::new(residual),
+            residual: ManuallyDrop::new(Box::new(residual)),
         }
     }
 
@@ -46,7 +48,7 @@ impl<'b, 'id, B: Backend> Quarantined<'b, 'id, B> {
         let mut this = ManuallyDrop::new(self);
         // SAFETY: `this` is never dropped nor used again, so the residual is taken once.
         let residual = unsafe { ManuallyDrop::take(&mut this.residual) };
-        (this.binding, residual)
+        (this.binding, *residual)
     }
 
     /// The binding whose budget still carries what this token owns.
@@ -116,7 +118,7 @@ impl<B: Backend> Drop for Quarantined<'_, '_, B> {
         let residual = unsafe { ManuallyDrop::take(&mut self.residual) };
         let owned = residual.owned_bytes();
         self.binding
-            .hand_over(residual, owned, Custody::Quarantined);
+            .hand_over(*residual, owned, Custody::Quarantined);
     }
 }
 
@@ -139,7 +141,7 @@ impl<B: Backend> fmt::Display for Quarantined<'_, '_, B> {
 impl<B: Backend> fmt::Debug for Quarantined<'_, '_, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Quarantined")
-            .field("residual", &*self.residual)
+            .field("residual", &**self.residual)
             .finish()
     }
 }

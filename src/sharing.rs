@@ -290,7 +290,10 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                     let token = Quarantined::new(core.binding, core.residual(held));
                     return Err(TransitionError {
                         token: Returned::Quarantined(token),
-                        cause: ShareFailure::RollbackFailed { error, rollback },
+                        cause: ShareFailure::RollbackFailed {
+                            error,
+                            rollback: Box::new(rollback),
+                        },
                     });
                 }
                 device.refund(Axis::Mapped, body);
@@ -401,6 +404,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
                 }
                 // Neither the copy nor the original is mapped at the boundary.
                 Err(restore) => {
+                    let restore = Box::new(restore);
                     let cause = CowFailure::Remap { error, restore };
                     quarantine(self, core.len - g, cause, private)
                 }

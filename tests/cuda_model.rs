@@ -4,12 +4,40 @@
 
 use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel, ModelConfig};
 use memtoken::backend::{Backend, Faulty, Op};
-use memtoken::{Budget, CompleteError, Device, ReleaseFailure, make_guard};
+use memtoken::{
+    Allocation, Budget, Device, Quarantined, ReleaseFailure, Releasing, Returned, TransitionError,
+    make_guard,
+};
+use std::error::Error;
 
 const G: usize = 2 << 20;
 
 fn backend(model: &DriverModel) -> CudaBackend<DriverModel> {
     CudaBackend::new(model.clone(), 0).expect("the model opens device 0")
+}
+
+/// A message and every cause under it (an error's `Display` leaves its cause to `source()`).
+fn chain(e: &dyn Error) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        text = format!("{text}: {cause}");
+        next = cause.source();
+    }
+    text
+}
+
+/// Completes a started release if its fence allows. A pending one is dropped: the device
+/// finishes it at a later poll. What a failed completion leaves goes to `quarantined`.
+fn complete_or_defer<'b, 'id, B: Backend>(
+    releasing: Allocation<'b, 'id, B, Releasing>,
+    quarantined: &mut Vec<Quarantined<'b, 'id, B>>,
+) {
+    match releasing.complete().map_err(TransitionError::into_token) {
+        Ok(_) => {}
+        Err(Returned::Unchanged(pending)) => drop(pending),
+        Err(Returned::Quarantined(q)) => quarantined.push(q),
+    }
 }
 
 fn held_fences() -> DriverModel {
@@ -26,12 +54,12 @@ fn a_full_cycle_with_data_round_trips_through_the_device() {
     let device = Device::new(guard, backend(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut a = binding.reserve(G + 1).unwrap().commit().unwrap();
-    assert_eq!(a.size(), 2 * G, "rounded to the recommended granularity");
+    assert_eq!(a.len(), 2 * G, "rounded to the recommended granularity");
     assert_eq!(a.device_ptr() % G as u64, 0);
     let data: Vec<u8> = (0..4096).map(|i| i as u8).collect();
-    a.copy_from_host(&data).unwrap();
+    a.copy_from_host(0, &data).unwrap();
     let mut back = vec![0; 4096];
-    a.copy_to_host(&mut back).unwrap();
+    a.copy_to_host(0, &mut back).unwrap();
     assert_eq!(back, data);
     a.release().complete().unwrap();
     drop(binding);
@@ -54,8 +82,9 @@ fn a_failed_set_access_after_a_successful_map_is_rolled_back() {
     let unmaps = model.count(DriverCall::MemUnmap);
     let err = reserved.commit().unwrap_err();
     assert!(
-        err.to_string().contains("CUDA_ERROR_INVALID_VALUE"),
-        "{err}"
+        chain(&err).contains("CUDA_ERROR_INVALID_VALUE"),
+        "{}",
+        chain(&err)
     );
     assert_eq!(
         model.count(DriverCall::MemUnmap),
@@ -71,7 +100,7 @@ fn a_failed_set_access_after_a_successful_map_is_rolled_back() {
     assert!(device.ledger().mapped_bytes == 0 && device.ledger().owned_bytes == 0);
     // The reservation is intact: it commits now, and the memory is usable.
     let mut a = err.into_token().commit().unwrap();
-    a.copy_from_host(&[1, 2, 3]).unwrap();
+    a.copy_from_host(0, &[1, 2, 3]).unwrap();
 }
 
 #[test]
@@ -108,7 +137,11 @@ fn an_explicit_release_waits_for_its_fence_without_blocking() {
     let a = binding.reserve(G).unwrap().commit().unwrap();
     model.submit_work();
     let releasing = a.release();
-    let Err(CompleteError::Pending(releasing)) = releasing.complete() else {
+    let Err(TransitionError {
+        token: Returned::Unchanged(releasing),
+        cause: ReleaseFailure::Pending,
+    }) = releasing.complete()
+    else {
         panic!("the kernel is still running");
     };
     model.complete_work();
@@ -133,23 +166,27 @@ fn no_driver_call_follows_device_loss() {
 
     model.lose_context();
     // The first call after the loss discovers it; from then on, nothing reaches the driver.
-    let Err(CompleteError::Failed(err)) = committed.release().complete() else {
+    let Err(TransitionError {
+        token: Returned::Quarantined(quarantined),
+        cause,
+    }) = committed.release().complete()
+    else {
         panic!("the context is gone");
     };
     // (Recording the release's fence was the call that found the loss.)
-    assert_eq!(err.cause, ReleaseFailure::ContextGone);
+    assert_eq!(cause, ReleaseFailure::ContextLost);
     let discovered = model.calls_after_loss();
     assert!(
         discovered <= 2,
         "{discovered} calls before the loss was known"
     );
-    assert!(device.confirm_context_gone().is_some());
+    assert!(device.confirm_context_lost().is_some());
 
     drop((reserved, shared, prefix));
     device.poll();
     device.retry_quarantine();
-    let err = err.into_token().retry().unwrap_err();
-    assert_eq!(err.cause, ReleaseFailure::ContextGone);
+    let err = quarantined.retry().unwrap_err();
+    assert_eq!(err.cause, ReleaseFailure::ContextLost);
     assert!(binding.reserve(G).is_err());
     assert_eq!(
         model.calls_after_loss(),
@@ -157,7 +194,7 @@ fn no_driver_call_follows_device_loss() {
         "a driver call followed the loss"
     );
 
-    let proof = device.confirm_context_gone().unwrap();
+    let proof = device.confirm_context_lost().unwrap();
     err.into_token().discharge(&proof);
     device.discharge_all(&proof);
     assert!(device.ledger().is_zero(), "{:?}", device.ledger());
@@ -174,7 +211,7 @@ fn sharing_copy_on_write_and_pages_carry_data_on_the_device() {
     let device = Device::new(guard, backend(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut owner = binding.reserve(2 * G).unwrap().commit().unwrap();
-    owner.copy_from_host(&vec![7; 2 * G]).unwrap();
+    owner.copy_from_host(0, &vec![7; 2 * G]).unwrap();
     let prefix = owner.into_prefix();
     let a = binding.reserve(2 * G).unwrap().map_prefix(&prefix).unwrap();
     let b = binding.reserve(2 * G).unwrap().map_prefix(&prefix).unwrap();
@@ -206,8 +243,8 @@ fn sharing_copy_on_write_and_pages_carry_data_on_the_device() {
     make_guard!(pool_guard);
     let pool = memtoken::PagePool::new(pool_guard, &binding, 4096).unwrap();
     let mut table = pool.table();
-    table.push().unwrap();
-    table.push().unwrap();
+    pool.push(&mut table).unwrap();
+    pool.push(&mut table).unwrap();
     table.copy_to_page(1, 8, &[5; 8]).unwrap();
     let mut page = vec![0; 8];
     table.copy_from_page(1, 8, &mut page).unwrap();
@@ -290,7 +327,7 @@ fn a_sticky_error_in_any_driver_call_stops_all_calls_and_everything_is_discharge
             model.complete_work();
             device.poll();
             device.retry_quarantine();
-            if let Some(proof) = device.confirm_context_gone() {
+            if let Some(proof) = device.confirm_context_lost() {
                 device.discharge_all(&proof);
             }
             assert!(device.ledger().is_zero(), "{call:?}: {:?}", device.ledger());
@@ -323,29 +360,21 @@ fn workload<'b, 'id>(
     };
     let prefix = committed.into_prefix();
     if let Ok(r) = binding.reserve(2 * G) {
-        match r.map_prefix(&prefix) {
-            Ok(shared) => match shared.diverge() {
-                Ok(d) => {
-                    if let Err(e) = d.release() {
-                        quarantined.push(e.into_token());
-                    }
-                }
-                Err(memtoken::CowError::Refused { token, .. }) => drop(token),
-                Err(memtoken::CowError::Quarantined(e)) => quarantined.push(e.into_token()),
+        match r.map_prefix(&prefix).map_err(TransitionError::into_token) {
+            Ok(shared) => match shared.diverge().map_err(TransitionError::into_token) {
+                Ok(d) => complete_or_defer(d.release(), &mut quarantined),
+                Err(Returned::Unchanged(token)) => drop(token),
+                Err(Returned::Quarantined(q)) => quarantined.push(q),
             },
-            Err(memtoken::ShareError::Refused { token, .. }) => drop(token),
-            Err(memtoken::ShareError::Quarantined(e)) => quarantined.push(e.into_token()),
+            Err(Returned::Unchanged(token)) => drop(token),
+            Err(Returned::Quarantined(q)) => quarantined.push(q),
         }
     }
     model.submit_work();
     if let Ok(r) = binding.reserve(G)
         && let Ok(c) = r.commit()
     {
-        match c.release().complete() {
-            Ok(_) => {}
-            Err(CompleteError::Pending(t)) => drop(t),
-            Err(CompleteError::Failed(e)) => quarantined.push(e.into_token()),
-        }
+        complete_or_defer(c.release(), &mut quarantined);
     }
     drop(prefix);
     model.complete_work();
@@ -381,7 +410,7 @@ fn an_ordinary_failure_then_a_sticky_one_never_lets_a_call_through() {
                 model.complete_work();
                 device.poll();
                 device.retry_quarantine();
-                if let Some(proof) = device.confirm_context_gone() {
+                if let Some(proof) = device.confirm_context_lost() {
                     device.discharge_all(&proof);
                 }
                 assert!(

@@ -4,8 +4,12 @@
 
 use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
 use cudarc::nvrtc::Ptx;
+use memtoken::backend::Backend;
 use memtoken::backend::cuda::{CudaBackend, SysDriver};
-use memtoken::{Budget, CompleteError, Device, make_guard};
+use memtoken::{
+    Allocation, Budget, Device, ReleaseFailure, Released, Releasing, Returned, TransitionError,
+    make_guard,
+};
 use std::io::Write;
 
 const AXPY: &str = include_str!("../examples/kernels/axpy.ptx");
@@ -32,6 +36,27 @@ fn gpu_or_skip(test: &str) -> Option<CudaBackend<SysDriver>> {
     }
 }
 
+/// Completes a started release, waiting (without blocking in the driver) for its fence.
+///
+/// # Panics
+///
+/// If a backend call fails.
+fn complete_when_ready<B: Backend>(mut releasing: Allocation<'_, '_, B, Releasing>) -> Released {
+    loop {
+        match releasing.complete() {
+            Ok(released) => return released,
+            Err(TransitionError {
+                token: Returned::Unchanged(pending),
+                cause: ReleaseFailure::Pending,
+            }) => {
+                releasing = pending;
+                std::thread::yield_now();
+            }
+            Err(e) => panic!("{e}: {}", e.cause),
+        }
+    }
+}
+
 fn floats(bytes: &[u8]) -> Vec<f32> {
     bytes
         .chunks_exact(4)
@@ -53,20 +78,15 @@ fn gpu_commit_copy_and_release() {
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
     let mut a = binding.reserve(g + 1).unwrap().commit().unwrap();
-    assert_eq!(a.size(), 2 * g);
-    let data: Vec<u8> = (0..a.size()).map(|i| (i % 241) as u8).collect();
-    a.copy_from_host(&data).unwrap();
-    let mut back = vec![0; a.size()];
-    a.copy_to_host(&mut back).unwrap();
+    assert_eq!(a.len(), 2 * g);
+    let data: Vec<u8> = (0..a.len()).map(|i| (i % 241) as u8).collect();
+    a.copy_from_host(0, &data).unwrap();
+    let mut back = vec![0; a.len()];
+    a.copy_to_host(0, &mut back).unwrap();
     assert!(back == data, "device memory did not round-trip");
-    let mut releasing = a.release();
-    loop {
-        match releasing.complete() {
-            Ok(_) => break,
-            Err(CompleteError::Pending(t)) => releasing = t,
-            Err(CompleteError::Failed(e)) => panic!("{e}"),
-        }
-    }
+    let len = a.len();
+    let released = complete_when_ready(a.release());
+    assert_eq!(released.len, len);
     drop(binding);
     let report = device.close();
     assert!(report.is_clean(), "{report:?}");
@@ -85,8 +105,8 @@ fn gpu_kernel_runs_on_committed_memory_and_drop_defers_behind_it() {
     let mut x = binding.reserve(n * 4).unwrap().commit().unwrap();
     let mut y = binding.reserve(n * 4).unwrap().commit().unwrap();
     let xs: Vec<f32> = (0..n).map(|i| i as f32).collect();
-    x.copy_from_host(&bytes(&xs)).unwrap();
-    y.copy_from_host(&bytes(&vec![1.0; n])).unwrap();
+    x.copy_from_host(0, &bytes(&xs)).unwrap();
+    y.copy_from_host(0, &bytes(&vec![1.0; n])).unwrap();
 
     let ctx = CudaContext::new(0).unwrap();
     let module = ctx.load_module(Ptx::from_src(AXPY)).unwrap();
@@ -100,7 +120,7 @@ fn gpu_kernel_runs_on_committed_memory_and_drop_defers_behind_it() {
     unsafe { launch.launch(LaunchConfig::for_num_elems(len)) }.unwrap();
 
     let mut out = vec![0; n * 4];
-    y.copy_to_host(&mut out).unwrap(); // synchronous on the legacy stream
+    y.copy_to_host(0, &mut out).unwrap(); // synchronous on the legacy stream
     let ys = floats(&out);
     assert!(
         (0..n).all(|i| ys[i] == 2.0 * i as f32 + 1.0),
@@ -129,7 +149,7 @@ fn gpu_shared_prefix_and_copy_on_write() {
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
     let mut owner = binding.reserve(2 * g).unwrap().commit().unwrap();
-    owner.copy_from_host(&vec![7; 2 * g]).unwrap();
+    owner.copy_from_host(0, &vec![7; 2 * g]).unwrap();
     let prefix = owner.into_prefix();
     let a = binding.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();
     let b = binding.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();

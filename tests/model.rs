@@ -16,8 +16,8 @@
 use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel, ModelConfig};
 use memtoken::backend::{Backend, FaultHandle, Faulty, HostBackend, Op, SimBackend, SimConfig};
 use memtoken::{
-    Allocation, Binding, Budget, Committed, CompleteError, CowError, Device, DivergedMapping,
-    Prefix, PrefixMapping, Quarantined, Releasing, Reserved, ShareError, make_guard,
+    Allocation, Binding, Budget, Committed, Device, DivergedMapping, Prefix, PrefixMapping,
+    Quarantined, Releasing, Reserved, Returned, make_guard,
 };
 use proptest::prelude::*;
 
@@ -26,7 +26,7 @@ enum Step {
     Reserve(usize),
     Commit(usize),
     Write(usize, u8),
-    /// Reserved → released; Committed → Releasing; Releasing → complete; Quarantined → retry.
+    /// Any live token → Releasing; Releasing → complete; Quarantined → retry.
     Release(usize),
     Drop(usize),
     RetryDevice,
@@ -88,12 +88,23 @@ fn config() -> ProptestConfig {
 enum Token<'b, 'id, B: Backend> {
     Reserved(Allocation<'b, 'id, B, Reserved>),
     Committed(Allocation<'b, 'id, B, Committed>, u8),
-    Releasing(Allocation<'b, 'id, B, Releasing>),
+    /// A release in progress, and the kind of token it started from (which says what it holds).
+    Releasing(Allocation<'b, 'id, B, Releasing>, From),
     Quarantined(Quarantined<'b, 'id, B>),
     Prefix(Prefix<'b, 'id, B>, u8),
     Shared(PrefixMapping<'b, 'id, B>, u8),
     /// Body byte, private boundary byte.
     Diverged(DivergedMapping<'b, 'id, B>, u8, u8),
+}
+
+/// The kind of token a release started from.
+#[derive(Clone, Copy, Debug)]
+enum From {
+    Reserved,
+    Committed,
+    Prefix,
+    Shared,
+    Diverged,
 }
 
 /// The backend-specific part of the model: host memory can be read and written, simulated
@@ -228,13 +239,13 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                     return;
                 };
                 let fill = *fill;
-                let Ok(reserved) = self.sharer.reserve(prefix.size()) else {
+                let Ok(reserved) = self.sharer.reserve(prefix.len()) else {
                     return;
                 };
-                let next = match reserved.map_prefix(prefix) {
+                let next = match reserved.map_prefix(prefix).map_err(|e| e.into_token()) {
                     Ok(m) => Token::Shared(m, fill),
-                    Err(ShareError::Refused { token, .. }) => Token::Reserved(token),
-                    Err(ShareError::Quarantined(e)) => Token::Quarantined(e.into_token()),
+                    Err(Returned::Unchanged(t)) => Token::Reserved(t),
+                    Err(Returned::Quarantined(q)) => Token::Quarantined(q),
                 };
                 self.tokens.push(next);
             }
@@ -244,41 +255,30 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                     let Token::Shared(m, fill) = self.tokens.swap_remove(i) else {
                         unreachable!()
                     };
-                    self.tokens.push(match m.diverge() {
-                        Ok(d) => Token::Diverged(d, fill, fill),
-                        Err(CowError::Refused { token, .. }) => Token::Shared(token, fill),
-                        Err(CowError::Quarantined(e)) => Token::Quarantined(e.into_token()),
-                    });
+                    self.tokens
+                        .push(match m.diverge().map_err(|e| e.into_token()) {
+                            Ok(d) => Token::Diverged(d, fill, fill),
+                            Err(Returned::Unchanged(t)) => Token::Shared(t, fill),
+                            Err(Returned::Quarantined(q)) => Token::Quarantined(q),
+                        });
                 }
             }
             Step::Release(i) => {
                 let Some(i) = pick(i) else { return };
                 let next = match self.tokens.swap_remove(i) {
-                    Token::Reserved(t) => t
-                        .release()
-                        .err()
-                        .map(|e| Token::Quarantined(e.into_token())),
-                    Token::Committed(t, _) => Some(Token::Releasing(t.release())),
-                    Token::Releasing(t) => match t.complete() {
+                    Token::Reserved(t) => Some(Token::Releasing(t.release(), From::Reserved)),
+                    Token::Committed(t, _) => Some(Token::Releasing(t.release(), From::Committed)),
+                    Token::Prefix(p, _) => Some(Token::Releasing(p.release(), From::Prefix)),
+                    Token::Shared(m, _) => Some(Token::Releasing(m.release(), From::Shared)),
+                    Token::Diverged(d, _, _) => Some(Token::Releasing(d.release(), From::Diverged)),
+                    Token::Releasing(t, from) => match t.complete().map_err(|e| e.into_token()) {
                         Ok(_) => None,
-                        Err(CompleteError::Pending(t)) => Some(Token::Releasing(t)),
-                        Err(CompleteError::Failed(e)) => Some(Token::Quarantined(e.into_token())),
+                        Err(Returned::Unchanged(t)) => Some(Token::Releasing(t, from)),
+                        Err(Returned::Quarantined(q)) => Some(Token::Quarantined(q)),
                     },
                     Token::Quarantined(q) => {
                         q.retry().err().map(|e| Token::Quarantined(e.into_token()))
                     }
-                    Token::Prefix(p, _) => p
-                        .release()
-                        .err()
-                        .map(|e| Token::Quarantined(e.into_token())),
-                    Token::Shared(m, _) => m
-                        .release()
-                        .err()
-                        .map(|e| Token::Quarantined(e.into_token())),
-                    Token::Diverged(d, _, _) => d
-                        .release()
-                        .err()
-                        .map(|e| Token::Quarantined(e.into_token())),
                 };
                 self.tokens.extend(next);
             }
@@ -309,26 +309,24 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
         for t in &self.tokens {
             // (range, mapped, owned by the token alone, charged to the budget, holds VA, shared ref)
             let ((addr, len), m, o, charged, holds_va, shares) = match t {
-                Token::Reserved(a) => ((a.addr(), a.size()), 0, 0, 0, true, false),
-                Token::Committed(a, _) => (
-                    (a.addr(), a.size()),
-                    a.size(),
-                    a.size(),
-                    a.size(),
-                    true,
-                    false,
-                ),
-                Token::Releasing(a) => (
-                    (a.addr(), a.size()),
-                    a.size(),
-                    a.size(),
-                    a.size(),
-                    true,
-                    false,
-                ),
-                Token::Prefix(p, _) => ((p.addr(), p.size()), p.size(), 0, p.size(), true, true),
-                Token::Shared(m, _) => ((m.addr(), m.size()), m.size(), 0, 0, true, true),
-                Token::Diverged(d, _, _) => ((d.addr(), d.size()), d.size(), g, g, true, true),
+                Token::Reserved(a) => ((a.addr(), a.len()), 0, 0, 0, true, false),
+                Token::Committed(a, _) => {
+                    ((a.addr(), a.len()), a.len(), a.len(), a.len(), true, false)
+                }
+                // What a release holds until it completes: what its token held, except that a
+                // prefix's bytes left the owner's budget when the release began.
+                Token::Releasing(a, from) => {
+                    let (m, o, shares) = match from {
+                        From::Reserved => (0, 0, false),
+                        From::Committed => (a.len(), a.len(), false),
+                        From::Prefix | From::Shared => (a.len(), 0, true),
+                        From::Diverged => (a.len(), g, true),
+                    };
+                    ((a.addr(), a.len()), m, o, o, true, shares)
+                }
+                Token::Prefix(p, _) => ((p.addr(), p.len()), p.len(), 0, p.len(), true, true),
+                Token::Shared(m, _) => ((m.addr(), m.len()), m.len(), 0, 0, true, true),
+                Token::Diverged(d, _, _) => ((d.addr(), d.len()), d.len(), g, g, true, true),
                 Token::Quarantined(q) => {
                     quarantined += 1;
                     let r = q.residual();
@@ -368,7 +366,7 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
             let binding = match t {
                 Token::Reserved(a) => a.binding(),
                 Token::Committed(a, _) => a.binding(),
-                Token::Releasing(a) => a.binding(),
+                Token::Releasing(a, _) => a.binding(),
                 Token::Prefix(p, _) => p.binding(),
                 Token::Shared(m, _) => m.binding(),
                 Token::Diverged(d, _, _) => d.binding(),
@@ -456,7 +454,7 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
     fn finish(mut self) {
         self.faults.clear();
         self.memory.clear_faults();
-        if let Some(proof) = self.device.confirm_context_gone() {
+        if let Some(proof) = self.device.confirm_context_lost() {
             // The context is lost: nothing can be given back through it. Every residual is
             // discharged with the proof (the driver frees all with the context), and the
             // ledger must still come out at zero.
@@ -592,7 +590,7 @@ fn run_cuda(steps: &[Step]) {
         let faults = backend.handle();
         let device = Device::new(guard, backend);
         run(&device, faults.clone(), CudaMemory(model.clone()), steps);
-        lost = device.confirm_context_gone().is_some();
+        lost = device.confirm_context_lost().is_some();
         let mut left = faults.outstanding();
         left.pins = 0; // an injected unpin failure is counted by the device, not lost
         // After a loss the driver keeps what it held until the context goes.

@@ -2,7 +2,10 @@
 //! of the boundary granule, and exactly-once accounting of shared physical memory.
 
 use memtoken::backend::{Faulty, HostBackend, HostConfig, Op, SimBackend};
-use memtoken::{Budget, CowError, Device, ShareError, ShareFailure, make_guard};
+use memtoken::{
+    Budget, CommitFailure, CowFailure, Device, Returned, ShareFailure, TransitionError, make_guard,
+};
+use std::error::Error;
 
 const PAGE: usize = 4096;
 
@@ -24,6 +27,30 @@ fn proc_map(addr: usize) -> (String, u64, String) {
         }
     }
     panic!("no mapping contains {addr:#x}");
+}
+
+/// The messages along `err`'s `source()` chain, `err`'s own first.
+fn messages(err: &dyn Error) -> Vec<String> {
+    let mut out = vec![err.to_string()];
+    let mut next = err.source();
+    while let Some(e) = next {
+        out.push(e.to_string());
+        next = e.source();
+    }
+    out
+}
+
+/// Each message says its own part: none repeats the text of a cause further down the chain.
+fn assert_no_cause_repeated(err: &dyn Error) {
+    let all = messages(err);
+    for (i, message) in all.iter().enumerate() {
+        for cause in &all[i + 1..] {
+            assert!(
+                !message.contains(cause.as_str()),
+                "{message:?} repeats {cause:?}"
+            );
+        }
+    }
 }
 
 #[test]
@@ -125,7 +152,9 @@ fn shared_memory_lives_as_long_as_its_last_mapping_and_is_released_once() {
     let b = binding.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();
     let releases = || sim.calls().iter().filter(|c| c.op == Op::Release).count();
 
-    prefix.release().unwrap().expect("fences complete at once");
+    let releasing = prefix.release();
+    assert!(releasing.is_ready(), "fences complete at once");
+    releasing.complete().unwrap();
     assert_eq!(
         binding.used(),
         0,
@@ -139,7 +168,7 @@ fn shared_memory_lives_as_long_as_its_last_mapping_and_is_released_once() {
     assert_eq!(device.custody().shared.shared_refs, 2);
     drop(a);
     assert_eq!((releases(), sim.physical_in_use()), (0, 2 * g as u64));
-    b.release().unwrap();
+    b.release().complete().unwrap();
     assert_eq!(
         releases(),
         1,
@@ -287,8 +316,14 @@ fn a_sharers_failed_unmap_quarantines_that_sharers_range_only() {
     let b = binding.reserve(g).unwrap().map_prefix(&prefix).unwrap();
     let a_addr = a.addr();
     faults.fail_nth(Op::Unmap, 1);
-    let err = a.release().unwrap_err();
-    let r = err.token.residual();
+    let Err(TransitionError {
+        token: Returned::Quarantined(quarantined),
+        ..
+    }) = a.release().complete()
+    else {
+        panic!("the unmap was failed on purpose");
+    };
+    let r = quarantined.residual();
     assert_eq!(r.range(), (a_addr, g));
     assert!(r.holds_shared() && r.holds_va());
     assert_eq!(r.mapped_bytes(), g);
@@ -298,13 +333,13 @@ fn a_sharers_failed_unmap_quarantines_that_sharers_range_only() {
         "the quarantined mapping keeps its reference"
     );
     drop(prefix);
-    b.release().unwrap();
+    b.release().complete().unwrap();
     assert_eq!(
         device.ledger().owned_bytes,
         g as u64,
         "still mapped by the quarantined sharer"
     );
-    err.into_token().retry().unwrap();
+    quarantined.retry().unwrap();
     assert!(device.ledger().is_zero());
     drop(binding);
     assert!(faults.outstanding().is_zero());
@@ -325,7 +360,10 @@ fn a_refused_share_returns_the_reservation_unchanged() {
         .unwrap()
         .into_prefix();
 
-    let Err(ShareError::Refused { token, cause }) = binding.reserve(g).unwrap().map_prefix(&prefix)
+    let Err(TransitionError {
+        token: Returned::Unchanged(token),
+        cause,
+    }) = binding.reserve(g).unwrap().map_prefix(&prefix)
     else {
         panic!("sizes differ");
     };
@@ -341,7 +379,11 @@ fn a_refused_share_returns_the_reservation_unchanged() {
         faults.fail_nth(Op::Map, nth);
         let reserved = binding.reserve(2 * g).unwrap();
         let generation = reserved.generation();
-        let Err(ShareError::Refused { token, .. }) = reserved.map_prefix(&prefix) else {
+        let Err(TransitionError {
+            token: Returned::Unchanged(token),
+            ..
+        }) = reserved.map_prefix(&prefix)
+        else {
             panic!("map #{nth} was failed on purpose");
         };
         assert_eq!(token.generation(), generation);
@@ -355,13 +397,17 @@ fn a_refused_share_returns_the_reservation_unchanged() {
     // Boundary map fails and undoing the body fails too: the remains are quarantined.
     faults.fail_nth(Op::Map, 2);
     faults.fail_nth(Op::Unmap, 1);
-    let Err(ShareError::Quarantined(err)) = binding.reserve(2 * g).unwrap().map_prefix(&prefix)
+    let Err(TransitionError {
+        token: Returned::Quarantined(quarantined),
+        cause: ShareFailure::RollbackFailed { error, rollback },
+    }) = binding.reserve(2 * g).unwrap().map_prefix(&prefix)
     else {
         panic!("both failed on purpose");
     };
-    assert_eq!(err.token.residual().mapped_bytes(), g);
+    assert_eq!((error.op, rollback.op), (Op::Map, Op::Unmap));
+    assert_eq!(quarantined.residual().mapped_bytes(), g);
     assert_eq!(prefix.mappings(), 2);
-    err.into_token().retry().unwrap();
+    quarantined.retry().unwrap();
     assert_eq!(prefix.mappings(), 1);
 }
 
@@ -387,10 +433,22 @@ fn a_refused_copy_on_write_leaves_the_mapping_shared_and_nothing_charged() {
     let before = (device.ledger(), binding.used(), faults.outstanding());
     for (op, nth) in [(Op::Create, 1), (Op::Copy, 1), (Op::Map, 1)] {
         faults.fail_nth(op, nth);
-        let Err(CowError::Refused { token, cause }) = shared.diverge() else {
+        let Err(err) = shared.diverge() else {
             panic!("{op:?} was failed on purpose");
         };
-        assert!(cause.to_string().contains(&format!("{op:?}")), "{cause}");
+        assert_no_cause_repeated(&err);
+        let TransitionError {
+            token: Returned::Unchanged(token),
+            cause: CowFailure::Private(cause),
+        } = err
+        else {
+            panic!("{op:?} failed alone: the mapping comes back unchanged");
+        };
+        let chain = messages(&cause);
+        assert!(
+            chain.iter().any(|m| m.contains(&format!("{op:?}"))),
+            "{chain:?}"
+        );
         shared = token;
         assert_eq!(
             (device.ledger(), binding.used(), faults.outstanding()),
@@ -408,10 +466,14 @@ fn a_refused_copy_on_write_leaves_the_mapping_shared_and_nothing_charged() {
         .map_prefix(&prefix)
         .unwrap();
     faults.fail_nth(Op::Unmap, 1);
-    let Err(CowError::Quarantined(err)) = second.diverge() else {
+    let Err(TransitionError {
+        token: Returned::Quarantined(quarantined),
+        cause: CowFailure::Unmap(_),
+    }) = second.diverge()
+    else {
         panic!("the unmap was failed on purpose");
     };
-    let r = err.token.residual();
+    let r = quarantined.residual();
     assert_eq!(
         (r.mapped_bytes(), r.owned_bytes(), r.holds_shared()),
         (2 * PAGE, 0, true)
@@ -421,21 +483,25 @@ fn a_refused_copy_on_write_leaves_the_mapping_shared_and_nothing_charged() {
         before.1,
         "the private granule is not charged"
     );
-    err.into_token().retry().unwrap();
+    quarantined.retry().unwrap();
     // The remap fails and so does restoring the original: the remains are quarantined.
     faults.fail_from(Op::Map, 1);
-    let Err(CowError::Quarantined(err)) = shared.diverge() else {
+    let Err(TransitionError {
+        token: Returned::Quarantined(quarantined),
+        cause: CowFailure::Remap { .. },
+    }) = shared.diverge()
+    else {
         panic!("both maps failed on purpose");
     };
     faults.clear();
-    let r = err.token.residual();
+    let r = quarantined.residual();
     assert_eq!(
         (r.mapped_bytes(), r.owned_bytes()),
         (PAGE, 0),
         "the body only"
     );
     assert_eq!(binding.used(), before.1);
-    err.into_token().retry().unwrap();
+    quarantined.retry().unwrap();
     drop(prefix);
     assert!(device.ledger().is_zero(), "{:?}", device.ledger());
     drop(binding);
@@ -451,13 +517,25 @@ fn a_copy_on_write_past_the_budget_is_refused_with_numbers() {
     let sharer = device.bind(Budget::bytes(0)).unwrap();
     let prefix = owner.reserve(g).unwrap().commit().unwrap().into_prefix();
     let shared = sharer.reserve(g).unwrap().map_prefix(&prefix).unwrap();
-    let Err(CowError::Refused { cause, .. }) = shared.diverge() else {
+    let Err(TransitionError {
+        token: Returned::Unchanged(_),
+        cause: CowFailure::Private(cause),
+    }) = shared.diverge()
+    else {
         panic!("the sharer has no budget for a private granule");
     };
+    assert_eq!(
+        cause,
+        CommitFailure::Budget {
+            requested: g as u64,
+            used: 0,
+            limit: 0
+        }
+    );
     assert!(
         cause
             .to_string()
-            .contains(&format!("commit of {g} bytes exceeds")),
+            .contains(&format!("{g} bytes exceed the binding's budget")),
         "{cause}"
     );
 }
@@ -486,13 +564,18 @@ fn the_device_budget_still_counts_a_prefix_whose_owner_has_gone() {
     let err = owner.reserve(2 * g).unwrap().commit().unwrap_err();
     assert_eq!(
         err.cause,
-        memtoken::CommitFailure::DeviceBudget {
+        CommitFailure::DeviceBudget {
             requested: 2 * g as u64,
             used: 2 * g as u64,
             limit: 3 * g as u64
         }
     );
-    assert!(err.to_string().contains("device's budget"), "{err}");
+    assert!(
+        err.cause.to_string().contains("device's budget"),
+        "{}",
+        err.cause
+    );
+    assert_no_cause_repeated(&err);
     assert_eq!(owner.used(), 0, "a refused commit charges nothing");
     drop(shared);
     owner.reserve(2 * g).unwrap().commit().unwrap();

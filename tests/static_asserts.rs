@@ -3,7 +3,7 @@
 
 use memtoken::backend::{HostBackend, SimBackend};
 use memtoken::{
-    Allocation, Binding, Committed, ContextGone, Device, Generation, QuarantineError, Quarantined,
+    Allocation, Binding, Committed, ContextLost, Device, Generation, QuarantineError, Quarantined,
     Releasing, Reserved,
 };
 use static_assertions::{assert_eq_size, assert_impl_all, assert_not_impl_any};
@@ -31,10 +31,15 @@ const _: () = assert!(size_of::<SimAlloc<Reserved>>() == 32);
 const _: () = assert!(size_of::<HostAlloc<Committed>>() == 48);
 // Committed on the simulator adds a SimPhys (8 bytes).
 const _: () = assert!(size_of::<SimAlloc<Committed>>() == 40);
-// Releasing on the host adds HostPhys + a `()` fence: no bigger than Committed.
-const _: () = assert!(size_of::<HostAlloc<Releasing>>() == 48);
-// Releasing on the simulator adds SimPhys + a u64 fence.
-const _: () = assert!(size_of::<SimAlloc<Releasing>>() == 48);
+// Releasing adds what the token still holds (`Held`: reserved flag, mapped bytes, optional
+// owned phys + length, optional shared reference) and an optional fence, since any live state
+// (Reserved, Committed, Prefix, mappings) can start a release. On the host: Held<HostPhys> is
+// 56 (bool 1 + mapped 8 + Option<(HostPhys, usize)> 32, no niche + Option<Arc> 8, padded) and
+// Option<()> pads to 8: 32 + 56 + 8.
+const _: () = assert!(size_of::<HostAlloc<Releasing>>() == 96);
+// On the simulator: Held<SimPhys> is 48 (bool 1 + mapped 8 + Option<(SimPhys, usize)> 24 +
+// Option<Arc> 8, padded) and Option<u64> is 16 (a u64 has no niche): 32 + 48 + 16.
+const _: () = assert!(size_of::<SimAlloc<Releasing>>() == 96);
 // The backend's parts are exactly as big as claimed above.
 assert_eq_size!(memtoken::backend::HostPhys, [u64; 2]);
 // SimPhys is one u64.
@@ -78,7 +83,7 @@ assert_not_impl_any!(Binding<'static, 'static, HostBackend>: Clone, Copy);
 // Nor on the simulator.
 assert_not_impl_any!(Binding<'static, 'static, SimBackend>: Clone, Copy);
 // A proof that a context is gone cannot be duplicated either (it is handed out per call).
-assert_not_impl_any!(ContextGone<'static>: Clone, Copy);
+assert_not_impl_any!(ContextLost<'static>: Clone, Copy);
 // The error carrying a quarantined token cannot be duplicated (host).
 assert_not_impl_any!(QuarantineError<'static, 'static, HostBackend>: Clone, Copy);
 // Nor on the simulator.
@@ -116,7 +121,7 @@ assert_impl_all!(Quarantined<'static, 'static, HostBackend>: Send, Sync);
 // Same for the simulator.
 assert_impl_all!(Quarantined<'static, 'static, SimBackend>: Send, Sync);
 // The proof of a lost context can be sent to the thread that discharges.
-assert_impl_all!(ContextGone<'static>: Send, Sync);
+assert_impl_all!(ContextLost<'static>: Send, Sync);
 
 // ---- shared prefixes, pages, CUDA ----
 
@@ -129,12 +134,16 @@ type CudaModel = memtoken::backend::cuda::CudaBackend<memtoken::backend::cuda::D
 assert_eq_size!(HostPage, [usize; 2]);
 // A page table is its pool's address and a Vec of 4-byte indices.
 assert_eq_size!(HostTable, [usize; 4]);
-// Mapping tokens are a binding reference, address, length, generation and shared key.
+// The shared-prefix tokens are allocations in states Owner / Sharer / Diverged: the core
+// (binding reference, address, length, generation) and a reference (one Arc pointer) on the
+// shared physical memory. A prefix (Owner):
+assert_eq_size!(memtoken::Prefix<'static, 'static, HostBackend>, [usize; 5]);
+// A sharer's mapping is the same size.
 assert_eq_size!(
     memtoken::PrefixMapping<'static, 'static, HostBackend>,
     [usize; 5]
 );
-// A diverged mapping adds its private granule's handle.
+// A diverged mapping adds its private granule's handle (HostPhys, two words).
 assert_eq_size!(
     memtoken::DivergedMapping<'static, 'static, HostBackend>,
     [usize; 7]
@@ -160,6 +169,8 @@ assert_not_impl_any!(HostTable: Send, Sync);
 assert_impl_all!(HostPool: Send);
 // Mappings lend `&[u8]` only while their bytes cannot change: Send + Sync like allocations.
 assert_impl_all!(memtoken::PrefixMapping<'static, 'static, HostBackend>: Send, Sync);
+// What a failed release leaves may hold a reference on shared memory: it has one owner.
+assert_not_impl_any!(memtoken::Residual<memtoken::backend::HostPhys>: Clone, Copy);
 // A CUDA device and its tokens are shared across threads (the backend locks its record).
 assert_impl_all!(Device<'static, CudaModel>: Send, Sync);
 assert_impl_all!(Allocation<'static, 'static, CudaModel, Committed>: Send, Sync);

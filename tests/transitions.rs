@@ -3,8 +3,10 @@
 
 use memtoken::backend::{Faulty, HostBackend, HostConfig, Op, SimBackend, SimConfig};
 use memtoken::{
-    Budget, CommitFailure, CompleteError, Device, ReleaseFailure, ReserveError, make_guard,
+    Budget, CommitFailure, Device, ReleaseFailure, ReserveError, Returned, TransitionError,
+    make_guard,
 };
+use std::error::Error;
 
 const PAGE: usize = 4096;
 
@@ -22,12 +24,36 @@ fn host() -> HostBackend {
     HostBackend::with_defaults().expect("memfd")
 }
 
+/// The messages along `err`'s `source()` chain, `err`'s own first.
+fn messages(err: &dyn Error) -> Vec<String> {
+    let mut out = vec![err.to_string()];
+    let mut next = err.source();
+    while let Some(e) = next {
+        out.push(e.to_string());
+        next = e.source();
+    }
+    out
+}
+
+/// Each message says its own part: none repeats the text of a cause further down the chain.
+fn assert_no_cause_repeated(err: &dyn Error) {
+    let all = messages(err);
+    for (i, message) in all.iter().enumerate() {
+        for cause in &all[i + 1..] {
+            assert!(
+                !message.contains(cause.as_str()),
+                "{message:?} repeats {cause:?}"
+            );
+        }
+    }
+}
+
 #[test]
 fn full_cycle_on_host_charges_and_refunds_each_axis_once() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let reserved = binding.reserve(3 * PAGE + 1).unwrap();
-    assert_eq!(reserved.size(), 4 * PAGE, "rounded up to the granularity");
+    assert_eq!(reserved.len(), 4 * PAGE, "rounded up to the granularity");
     let l = device.ledger();
     assert_eq!(
         (l.reserved_bytes, l.mapped_bytes, l.owned_bytes),
@@ -98,7 +124,12 @@ fn failed_map_and_failed_rollback_quarantine_the_orphan_physical_memory() {
     faults.fail_nth(Op::Release, 1);
     let err = binding.reserve(PAGE).unwrap().commit().unwrap_err();
     assert!(matches!(err.cause, CommitFailure::RollbackFailed { .. }));
-    assert!(err.to_string().contains("retry_quarantine"), "{err}");
+    assert!(
+        err.cause.to_string().contains("retry_quarantine"),
+        "{}",
+        err.cause
+    );
+    assert_no_cause_repeated(&err);
     assert_eq!(
         binding.used(),
         0,
@@ -121,11 +152,15 @@ fn failed_unmap_quarantines_with_va_withheld_and_mapped_bytes_charged() {
     let committed = binding.reserve(g).unwrap().commit().unwrap();
     let addr = committed.addr();
     faults.fail_nth(Op::Unmap, 1);
-    let Err(CompleteError::Failed(err)) = committed.release().complete() else {
+    let Err(TransitionError {
+        token: Returned::Quarantined(quarantined),
+        cause,
+    }) = committed.release().complete()
+    else {
         panic!("unmap was failed on purpose");
     };
-    assert!(matches!(err.cause, ReleaseFailure::Backend(ref e) if e.op == Op::Unmap));
-    let r = err.token.residual();
+    assert!(matches!(cause, ReleaseFailure::Backend(ref e) if e.op == Op::Unmap));
+    let r = quarantined.residual();
     assert!(r.holds_va());
     assert_eq!((r.mapped_bytes(), r.owned_bytes()), (g, g));
     let l = device.ledger();
@@ -138,7 +173,7 @@ fn failed_unmap_quarantines_with_va_withheld_and_mapped_bytes_charged() {
     let next = binding.reserve(g).unwrap();
     assert_ne!(next.addr(), addr);
     // A retry after the fault clears releases everything.
-    let receipt = err.into_token().retry().unwrap();
+    let receipt = quarantined.retry().unwrap();
     assert_eq!(receipt.len, g);
     drop(next);
     assert!(device.ledger().is_zero(), "{:?}", device.ledger());
@@ -153,10 +188,14 @@ fn failed_physical_release_refunds_mapped_but_not_owned() {
     let binding = device.bind(Budget::unlimited()).unwrap();
     let committed = binding.reserve(2 * PAGE).unwrap().commit().unwrap();
     faults.fail_nth(Op::Release, 1);
-    let Err(CompleteError::Failed(err)) = committed.release().complete() else {
+    let Err(TransitionError {
+        token: Returned::Quarantined(quarantined),
+        ..
+    }) = committed.release().complete()
+    else {
         panic!("release was failed on purpose");
     };
-    let r = err.token.residual();
+    let r = quarantined.residual();
     assert_eq!(
         (r.mapped_bytes(), r.owned_bytes(), r.holds_va()),
         (0, 2 * PAGE, true)
@@ -165,7 +204,7 @@ fn failed_physical_release_refunds_mapped_but_not_owned() {
     assert_eq!((l.mapped_bytes, l.owned_bytes), (0, 2 * PAGE as u64));
     let o = faults.outstanding();
     assert_eq!((o.mappings, o.physical, o.reservations), (0, 1, 1));
-    err.into_token().retry().unwrap();
+    quarantined.retry().unwrap();
     assert!(device.ledger().is_zero());
     drop(binding);
     assert!(faults.outstanding().is_zero());
@@ -179,9 +218,14 @@ fn failed_free_of_reserved_quarantines_the_va_and_retry_frees_it() {
     let reserved = binding.reserve(g).unwrap();
     let addr = reserved.addr();
     faults.fail_from(Op::Free, 1);
-    let err = reserved.release().unwrap_err();
+    let releasing = reserved.release();
+    assert!(releasing.is_ready(), "a reservation has no fence");
+    let err = releasing.complete().unwrap_err();
     assert!(err.to_string().contains("VA withheld"), "{err}");
-    let again = err.into_token().retry().unwrap_err(); // still failing
+    let Returned::Quarantined(quarantined) = err.into_token() else {
+        panic!("the free was failed on purpose");
+    };
+    let again = quarantined.retry().unwrap_err(); // still failing
     assert_eq!(again.token.residual().range(), (addr, g));
     faults.clear();
     again.into_token().retry().unwrap();
@@ -221,10 +265,14 @@ fn dropped_quarantined_token_stays_counted_in_the_device() {
     let binding = device.bind(Budget::unlimited()).unwrap();
     let committed = binding.reserve(1).unwrap().commit().unwrap();
     faults.fail_nth(Op::Unmap, 1);
-    let Err(CompleteError::Failed(err)) = committed.release().complete() else {
+    let Err(TransitionError {
+        token: Returned::Quarantined(quarantined),
+        ..
+    }) = committed.release().complete()
+    else {
         panic!("unmap was failed on purpose");
     };
-    drop(err);
+    drop(quarantined);
     assert_eq!(device.ledger().quarantined, 1);
     assert_eq!(device.retry_quarantine().released, 1);
     assert!(device.ledger().is_zero());
@@ -244,17 +292,18 @@ fn budget_is_enforced_with_numbers_and_the_token_back() {
             limit: 3 * PAGE as u64
         }
     );
-    let message = err.to_string();
+    let message = err.cause.to_string();
     for n in ["8192 bytes", "8192 of 12288"] {
         assert!(message.contains(n), "{message}");
     }
+    assert_no_cause_repeated(&err);
     assert_eq!(
         faults.calls(Op::Create),
         1,
         "no backend call for a refused commit"
     );
-    assert_eq!(err.token.size(), 2 * PAGE, "the reservation comes back");
-    err.into_token().release().unwrap();
+    assert_eq!(err.token.len(), 2 * PAGE, "the reservation comes back");
+    err.into_token().release().complete().unwrap();
     assert_eq!(device.ledger().owned_bytes, 2 * PAGE as u64);
     let _b = binding.reserve(PAGE).unwrap().commit().unwrap();
     assert_eq!(binding.used(), 3 * PAGE as u64);
@@ -306,7 +355,14 @@ fn bad_input_is_an_error_value_and_changes_nothing() {
     // Fits the capacity in total, but not what is left: the backend says so, nothing is charged.
     let _held = binding.reserve(10 * PAGE).unwrap().commit().unwrap();
     let err = binding.reserve(10 * PAGE).unwrap().commit().unwrap_err();
-    assert!(err.to_string().contains("out of physical memory"), "{err}");
+    let chain = messages(&err);
+    assert!(
+        chain[1..]
+            .iter()
+            .any(|m| m.contains("out of physical memory")),
+        "{chain:?}"
+    );
+    assert_no_cause_repeated(&err);
     assert_eq!(device.ledger().owned_bytes, 10 * PAGE as u64);
     assert_eq!(binding.used(), 10 * PAGE as u64);
 }
@@ -317,7 +373,7 @@ fn generations_identify_allocations_even_when_va_is_reused() {
     let binding = device.bind(Budget::unlimited()).unwrap();
     let first = binding.reserve(1).unwrap();
     let (addr, generation) = (first.addr(), first.generation());
-    let receipt = first.release().unwrap();
+    let receipt = first.release().complete().unwrap();
     assert_eq!(receipt.generation, generation);
     let second = binding.reserve(1).unwrap();
     assert_eq!(
@@ -341,7 +397,11 @@ fn drop_defers_until_the_fence_completes_and_never_blocks() {
     let committed = binding.reserve(1).unwrap().commit().unwrap();
     let releasing = binding.reserve(1).unwrap().commit().unwrap().release();
     assert!(!releasing.is_ready());
-    let Err(CompleteError::Pending(releasing)) = releasing.complete() else {
+    let Err(TransitionError {
+        token: Returned::Unchanged(releasing),
+        cause: ReleaseFailure::Pending,
+    }) = releasing.complete()
+    else {
         panic!("the fence is not complete");
     };
     let unmaps_before = sim.calls().iter().filter(|c| c.op == Op::Unmap).count();
@@ -365,27 +425,31 @@ fn drop_defers_until_the_fence_completes_and_never_blocks() {
 }
 
 #[test]
-fn context_gone_means_no_backend_call_and_discharge_with_proof() {
+fn context_lost_means_no_backend_call_and_discharge_with_proof() {
     make_guard!(guard);
     let sim = SimBackend::default();
     let device = Device::new(guard, sim.clone());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let committed = binding.reserve(1).unwrap().commit().unwrap();
     let doomed = binding.reserve(1).unwrap().commit().unwrap();
-    assert!(device.confirm_context_gone().is_none());
+    assert!(device.confirm_context_lost().is_none());
     sim.destroy_context(); // any later VMM call would panic in the simulator
-    let Err(CompleteError::Failed(err)) = committed.release().complete() else {
-        panic!("the context is gone");
+    let Err(TransitionError {
+        token: Returned::Quarantined(quarantined),
+        cause,
+    }) = committed.release().complete()
+    else {
+        panic!("the context is lost");
     };
-    assert_eq!(err.cause, ReleaseFailure::ContextGone);
+    assert_eq!(cause, ReleaseFailure::ContextLost);
     drop(doomed); // to the device quarantine, without a call
     // New work is refused with an error, not attempted (the simulator would panic on a call).
     assert!(binding.reserve(1).is_err());
     assert!(device.bind(Budget::unlimited()).is_err());
     let proof = device
-        .confirm_context_gone()
+        .confirm_context_lost()
         .expect("the simulator confirms it");
-    err.into_token().discharge(&proof);
+    quarantined.discharge(&proof);
     assert_eq!(device.discharge_all(&proof), 1);
     assert!(device.ledger().is_zero(), "{:?}", device.ledger());
     assert_eq!(binding.used(), 0);
@@ -436,7 +500,7 @@ fn two_megabyte_granularity_aligns_reservations() {
     let device = Device::new(guard, HostBackend::new(config).unwrap());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut a = binding.reserve(1).unwrap().commit().unwrap();
-    assert_eq!(a.size(), 2 << 20);
+    assert_eq!(a.len(), 2 << 20);
     assert_eq!(a.addr() % (2 << 20), 0);
     a.as_mut_slice()[(2 << 20) - 1] = 9;
     assert_eq!(a.as_slice()[(2 << 20) - 1], 9);

@@ -8,8 +8,15 @@
 //! ```
 
 use std::collections::BTreeMap;
+use std::error::Error;
 use std::path::{Path, PathBuf};
 use std::process::Command;
+
+use plotters::element::DashedPathElement;
+use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
+use serde::Deserialize;
+use serde::de::DeserializeOwned;
 
 /// (label, bench id, reference id, bound): a ratio `bench / reference` and the bound it must meet.
 const RATIOS: &[(&str, &str, &str, f64)] = &[
@@ -73,12 +80,31 @@ fn target_dir() -> PathBuf {
     std::env::var_os("CARGO_TARGET_DIR").map_or_else(|| PathBuf::from("target"), PathBuf::from)
 }
 
-/// The text after `key` up to the next `"`, or the number after it.
-fn field<'a>(json: &'a str, key: &str) -> Option<&'a str> {
-    let at = json.find(key)? + key.len();
-    let rest = &json[at..];
-    let end = rest.find(['"', ',', '}'])?;
-    Some(&rest[..end])
+/// The part of criterion's `new/benchmark.json` read here.
+#[derive(Deserialize)]
+struct Benchmark {
+    full_id: String,
+}
+
+/// The part of criterion's `new/estimates.json` read here.
+#[derive(Deserialize)]
+struct Estimates {
+    mean: Estimate,
+}
+
+#[derive(Deserialize)]
+struct Estimate {
+    /// Nanoseconds.
+    point_estimate: f64,
+}
+
+/// The JSON file at `path`: `None` if it cannot be read; a warning too if it is not what
+/// criterion writes.
+fn read_json<T: DeserializeOwned>(path: &Path) -> Option<T> {
+    let bytes = std::fs::read(path).ok()?;
+    serde_json::from_slice(&bytes)
+        .map_err(|e| eprintln!("skipping {}: {e}", path.display()))
+        .ok()
 }
 
 /// Mean time in nanoseconds of every bench criterion has results for, by full id.
@@ -93,21 +119,14 @@ fn read_results(dir: &Path, out: &mut BTreeMap<String, f64>) {
         } else if path.file_name().is_some_and(|n| n == "benchmark.json")
             && path.parent().is_some_and(|p| p.ends_with("new"))
         {
-            let Ok(meta) = std::fs::read_to_string(&path) else {
+            let Some(meta) = read_json::<Benchmark>(&path) else {
                 continue;
             };
-            let Ok(estimates) = std::fs::read_to_string(path.with_file_name("estimates.json"))
+            let Some(estimates) = read_json::<Estimates>(&path.with_file_name("estimates.json"))
             else {
                 continue;
             };
-            let id = field(&meta, "\"full_id\":\"");
-            let mean = estimates
-                .find("\"mean\"")
-                .and_then(|at| field(&estimates[at..], "\"point_estimate\":"))
-                .and_then(|v| v.parse::<f64>().ok());
-            if let (Some(id), Some(mean)) = (id, mean) {
-                out.insert(id.to_string(), mean);
-            }
+            out.insert(meta.full_id, estimates.mean.point_estimate);
         }
     }
 }
@@ -133,44 +152,143 @@ fn callgrind(which: &str, cycles: u64) -> Option<f64> {
     Some(n / cycles as f64)
 }
 
-fn svg(rows: &[(String, f64, f64)]) -> String {
-    let (w, bar_h, left, scale) = (760.0, 26.0, 300.0, 180.0);
-    let h = 40.0 + bar_h * rows.len() as f64 + 30.0;
-    let mut s = format!(
-        "<svg xmlns=\"http://www.w3.org/2000/svg\" width=\"{w}\" height=\"{h}\" font-family=\"sans-serif\" font-size=\"12\">\n\
-         <rect width=\"100%\" height=\"100%\" fill=\"white\"/>\n\
-         <text x=\"10\" y=\"20\" font-size=\"14\">memtoken hot paths: time ratio (lower is better; 1.0 = the reference)</text>\n"
-    );
-    let x1 = left + scale;
-    for (i, (label, ratio, bound)) in rows.iter().enumerate() {
-        let y = 35.0 + bar_h * i as f64;
-        let len = (ratio.min(3.0) * scale).max(1.0);
-        let ok = bound.is_nan() || ratio <= bound;
-        let color = if ok { "#3b7dd8" } else { "#d8503b" };
-        s += &format!(
-            "<text x=\"{}\" y=\"{}\" text-anchor=\"end\">{label}</text>\n\
-             <rect x=\"{left}\" y=\"{}\" width=\"{len:.1}\" height=\"{}\" fill=\"{color}\"/>\n\
-             <text x=\"{:.1}\" y=\"{}\">{ratio:.3}{}</text>\n",
-            left - 8.0,
-            y + 16.0,
-            y + 4.0,
-            bar_h - 8.0,
-            left + len + 6.0,
-            y + 16.0,
-            if bound.is_nan() {
-                String::new()
+/// A row of the chart: label, ratio and bound (NaN: none).
+type Row = (String, f64, f64);
+
+/// Width of the chart and (about) the height of one bar's row, in pixels.
+const WIDTH: u32 = 760;
+const ROW_HEIGHT: u32 = 26;
+/// Font sizes as plotters takes them: its SVG backend writes `size / 1.24` pixels (12 and 14).
+const FONT: f64 = 15.0;
+const TITLE_FONT: f64 = 17.5;
+/// Ratios (and bounds) above this do not widen the axis: their bars are cut at its end.
+const LARGEST_SHOWN: f64 = 3.0;
+
+/// Width in pixels of `text` at `size`, on the generous side: an SVG leaves the real width to
+/// whatever renders it.
+fn text_width(text: &str, size: f64) -> i32 {
+    (text.chars().count() as f64 * size / 1.24 * 0.66).ceil() as i32
+}
+
+/// The end of the ratio axis: the largest ratio or bound up to [`LARGEST_SHOWN`], rounded up
+/// to a multiple of 0.5, and at least 1.5.
+fn axis_end(rows: &[Row]) -> f64 {
+    let largest = rows
+        .iter()
+        .flat_map(|r| [r.1, r.2])
+        .filter(|v| *v <= LARGEST_SHOWN)
+        .fold(1.0, f64::max);
+    ((largest / 0.5).ceil() * 0.5).max(1.5)
+}
+
+/// The ratios as horizontal bars, one row each, first row on top. A black tick on a bar marks
+/// its bound, the dashed line 1.0; a bar longer than the axis is cut at its end, and every bar's
+/// label gives its value (and bound).
+fn svg(rows: &[Row]) -> Result<String, Box<dyn Error>> {
+    let n = rows.len().max(1) as i32;
+    let height = 40 + ROW_HEIGHT * n as u32 + 55;
+    let end = axis_end(rows);
+    // The y axis points up and gives each row 10 units: row `i`'s centre.
+    let centre = |i: usize| 10 * (n - i as i32) - 5;
+    let y_ticks = (0..rows.len()).map(centre).collect();
+    let row_label = |y: &i32| {
+        let i = (n - (y + 5) / 10) as usize;
+        rows.get(i).map_or_else(String::new, |r| r.0.clone())
+    };
+    let font = ("sans-serif", FONT);
+
+    let mut out = String::new();
+    {
+        let root = SVGBackend::with_string(&mut out, (WIDTH, height)).into_drawing_area();
+        root.fill(&WHITE)?;
+        let mut chart = ChartBuilder::on(&root)
+            .caption(
+                "memtoken hot paths: time ratio (lower is better; 1.0 = the reference)",
+                ("sans-serif", TITLE_FONT),
+            )
+            .margin(10)
+            .x_label_area_size(45)
+            .y_label_area_size(290)
+            .build_cartesian_2d(0.0..end, (0..10 * n).with_key_points(y_ticks))?;
+        chart
+            .configure_mesh()
+            .disable_y_mesh()
+            .x_labels((end * 2.0) as usize + 1)
+            .light_line_style(TRANSPARENT)
+            .label_style(font)
+            .axis_desc_style(font)
+            .x_label_formatter(&|x| format!("{x:.1}"))
+            .y_label_formatter(&row_label)
+            .x_desc("time ratio (black tick: the bound a ratio must meet)")
+            .draw()?;
+
+        let blue = RGBColor(0x3b, 0x7d, 0xd8);
+        let red = RGBColor(0xd8, 0x50, 0x3b);
+        chart.draw_series(rows.iter().enumerate().map(|(i, &(_, ratio, bound))| {
+            let ok = bound.is_nan() || ratio <= bound;
+            let colour = if ok { blue } else { red };
+            // `min` takes `end` for a NaN ratio too.
+            let to = ratio.min(end);
+            Rectangle::new([(0.0, centre(i) - 3), (to, centre(i) + 3)], colour.filled())
+        }))?;
+        chart.draw_series(std::iter::once(DashedPathElement::new(
+            [(1.0, 0), (1.0, 10 * n)],
+            4,
+            3,
+            BLACK.stroke_width(1),
+        )))?;
+        chart.draw_series(
+            rows.iter()
+                .enumerate()
+                .filter(|(_, r)| r.2 <= end)
+                .map(|(i, r)| {
+                    PathElement::new(
+                        [(r.2, centre(i) - 4), (r.2, centre(i) + 4)],
+                        BLACK.stroke_width(2),
+                    )
+                }),
+        )?;
+
+        // Labels in pixels: right of the bar where they fit inside the plot, else inside it.
+        let right = chart.plotting_area().get_pixel_range().0.end;
+        for (i, &(_, ratio, bound)) in rows.iter().enumerate() {
+            let cut = ratio > end || ratio.is_nan();
+            let (bar_end, y) = chart.backend_coord(&(ratio.min(end), centre(i)));
+            let mut text = format!("{ratio:.3}");
+            if !bound.is_nan() {
+                text += &format!(" (≤ {bound})");
+            }
+            if cut {
+                text += &format!(", bar cut at {end:.1}");
+                // Two white strokes across the bar's end: the cut.
+                let half = y - chart.backend_coord(&(end, centre(i) + 3)).1;
+                for dx in [-14, -9] {
+                    root.draw(&PathElement::new(
+                        [(bar_end + dx - 3, y + half), (bar_end + dx + 3, y - half)],
+                        WHITE.stroke_width(2),
+                    ))?;
+                }
+            }
+            // Right of the bar, the dashed line and the bound's tick, so as not to cross them.
+            let mut clear = bar_end.max(chart.backend_coord(&(1.0, 0)).0);
+            if bound <= end {
+                clear = clear.max(chart.backend_coord(&(bound, 0)).0 + 1);
+            }
+            let outside = clear + 6 + text_width(&text, FONT) <= right;
+            let (x, anchor, colour) = if outside {
+                (clear + 6, HPos::Left, BLACK)
             } else {
-                format!(" (≤ {bound})")
-            },
-        );
+                (bar_end - if cut { 22 } else { 6 }, HPos::Right, WHITE)
+            };
+            let style = font
+                .into_font()
+                .color(&colour)
+                .pos(Pos::new(anchor, VPos::Center));
+            root.draw(&Text::new(text, (x, y), style))?;
+        }
+        root.present()?;
     }
-    s += &format!(
-        "<line x1=\"{x1}\" y1=\"30\" x2=\"{x1}\" y2=\"{}\" stroke=\"black\" stroke-dasharray=\"4 3\"/>\n\
-         <text x=\"{x1}\" y=\"{}\" text-anchor=\"middle\">1.0</text>\n</svg>\n",
-        h - 25.0,
-        h - 10.0
-    );
-    s
+    Ok(out)
 }
 
 fn main() {
@@ -264,7 +382,7 @@ fn main() {
     }
 
     let plot = Path::new("benches/report.svg");
-    match std::fs::write(plot, svg(&rows)) {
+    match svg(&rows).and_then(|s| Ok(std::fs::write(plot, s)?)) {
         Ok(()) => println!("plot: {}", plot.display()),
         Err(e) => println!("plot not written: {e}"),
     }

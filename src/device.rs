@@ -1,6 +1,6 @@
 //! [`Device`]: one backend instance with its brand, ledger, quarantine and deferred-release queue.
 
-use crate::backend::{Addr, Backend, BackendError, Cause, Op};
+use crate::backend::{Addr, Backend, BackendError, Cause, Op, lock};
 use crate::binding::{Binding, Budget};
 use crate::error::{CommitFailure, ReleaseFailure};
 use crate::ledger::{Axis, Ledger, LedgerSnapshot};
@@ -8,8 +8,8 @@ use crate::residual::{Holdings, Residual, SharedKey};
 use generativity::{Guard, Id};
 use std::collections::HashMap;
 use std::num::NonZeroU64;
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
 
 /// The identity of one allocation, from a per-device counter: never derived from an address, so
 /// a reused VA range never makes a stale allocation look alive.
@@ -129,10 +129,6 @@ pub struct Device<'id, B: Backend> {
     closed: bool,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
 impl<'id, B: Backend> Device<'id, B> {
     /// A device over `backend`, branded by `guard` (from [`make_guard!`](crate::make_guard)).
     pub fn new(guard: Guard<'id>, backend: B) -> Self {
@@ -247,7 +243,7 @@ impl<'id, B: Backend> Device<'id, B> {
     /// Proof that the context is gone, if the backend confirms it.
     pub fn confirm_context_gone(&self) -> Option<ContextGone<'id>> {
         self.backend
-            .context_gone()
+            .context_lost()
             .then_some(ContextGone { _brand: self.brand })
     }
 
@@ -332,7 +328,7 @@ impl<'id, B: Backend> Device<'id, B> {
         if r.is_empty() {
             return Ok(());
         }
-        if self.backend.context_gone() {
+        if self.backend.context_lost() {
             return Err(ReleaseFailure::ContextGone);
         }
         if r.mapped > 0 {
@@ -391,7 +387,7 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// Refuses a call into a context that is gone, without making it.
     pub(crate) fn ensure_live(&self, op: Op, addr: Addr, len: usize) -> Result<(), BackendError> {
-        if self.backend.context_gone() {
+        if self.backend.context_lost() {
             return Err(BackendError::new(op, addr, len, Cause::ContextLost));
         }
         Ok(())

@@ -335,7 +335,8 @@ fn drop_defers_until_the_fence_completes_and_never_blocks() {
     let sim = SimBackend::new(SimConfig {
         fences_complete_at_once: false,
         ..SimConfig::default()
-    });
+    })
+    .unwrap();
     let device = Device::new(guard, sim.clone());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let committed = binding.reserve(1).unwrap().commit().unwrap();
@@ -373,7 +374,7 @@ fn context_gone_means_no_backend_call_and_discharge_with_proof() {
     let committed = binding.reserve(1).unwrap().commit().unwrap();
     let doomed = binding.reserve(1).unwrap().commit().unwrap();
     assert!(device.confirm_context_gone().is_none());
-    sim.destroy_context(); // any later VMM call would panic in the simulator
+    sim.lose_context(); // any later VMM call would panic in the simulator
     let Err(CompleteError::Failed(err)) = committed.release().complete() else {
         panic!("the context is gone");
     };

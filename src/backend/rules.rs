@@ -88,6 +88,9 @@ pub enum Violation {
         /// Its length.
         len: usize,
     },
+    /// `unpin` with no pin of this backend held.
+    #[error("no pin is held: every unpin must follow a pin")]
+    NotPinned,
     /// `map` past the end of the physical allocation.
     #[error(
         "mapping {len:#x} bytes at offset {offset:#x} overruns physical memory of {phys_len:#x} bytes"
@@ -446,6 +449,11 @@ impl<P: Copy + Eq + Hash> Book<P> {
         self.reservations.len()
     }
 
+    /// Live mappings.
+    pub(crate) fn mappings(&self) -> usize {
+        self.mappings.len()
+    }
+
     /// Removes and returns every reservation (for a backend tearing itself down).
     pub(crate) fn drain_reservations(&mut self) -> Vec<(Addr, usize, bool)> {
         self.mappings.clear();
@@ -467,7 +475,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
         self.phys.get(&phys).map_or(0, |r| r.len)
     }
 
-    /// Whether a physical allocation is still tracked (live, or released but still mapped).
+    /// Whether physical memory (live, or released while mapped) has a mapping.
     pub(crate) fn is_mapped(&self, phys: P) -> bool {
         self.phys.get(&phys).is_some_and(|r| r.maps > 0)
     }

@@ -189,6 +189,20 @@ impl<P: Copy + Eq + Hash> Book<P> {
         }
     }
 
+    /// Checks that `phys` is live (created, not released) and has `offset + len` bytes.
+    fn check_phys_range(&self, phys: P, offset: usize, len: usize) -> Result<(), Violation> {
+        let rec = self.phys.get(&phys).filter(|r| !r.released);
+        let rec = rec.ok_or(Violation::UnknownPhys)?;
+        if offset.checked_add(len).is_none_or(|end| end > rec.len) {
+            return Err(Violation::OutOfPhys {
+                offset,
+                len,
+                phys_len: rec.len,
+            });
+        }
+        Ok(())
+    }
+
     pub(crate) fn check_reserve(&self, len: usize) -> Result<(), Violation> {
         self.aligned("length", len, true)
     }
@@ -286,16 +300,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
         if overlaps {
             return Err(Violation::AlreadyMapped { addr, len });
         }
-        let rec = self.phys.get(&phys).filter(|r| !r.released);
-        let rec = rec.ok_or(Violation::UnknownPhys)?;
-        if offset.checked_add(len).is_none_or(|end| end > rec.len) {
-            return Err(Violation::OutOfPhys {
-                offset,
-                len,
-                phys_len: rec.len,
-            });
-        }
-        Ok(())
+        self.check_phys_range(phys, offset, len)
     }
 
     pub(crate) fn apply_map(
@@ -405,16 +410,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
         if from_itself {
             return Err(Violation::SelfCopy { addr, len });
         }
-        let rec = self.phys.get(&phys).filter(|r| !r.released);
-        let rec = rec.ok_or(Violation::UnknownPhys)?;
-        if offset.checked_add(len).is_none_or(|e| e > rec.len) {
-            return Err(Violation::OutOfPhys {
-                offset,
-                len,
-                phys_len: rec.len,
-            });
-        }
-        Ok(())
+        self.check_phys_range(phys, offset, len)
     }
 
     pub(crate) fn apply_unmap(&mut self, addr: Addr, len: usize) {

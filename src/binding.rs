@@ -119,7 +119,7 @@ impl<B: Backend> Drop for Binding<'_, '_, B> {
     fn drop(&mut self) {
         let backend = self.device.backend();
         // A lost context took its pins with it: no call into it.
-        if !backend.context_gone() && backend.unpin().is_err() {
+        if !backend.context_lost() && backend.unpin().is_err() {
             self.device.note_failed_unpin();
         }
     }

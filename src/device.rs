@@ -2,14 +2,14 @@
 //! the deferred-release queue. It knows residuals and their parts, never which token or policy
 //! they came from.
 
-use crate::backend::{Addr, Backend, BackendError, Cause, Op};
+use crate::backend::{Addr, Backend, BackendError, Cause, Op, lock};
 use crate::error::{CommitFailure, ReleaseFailure};
 use crate::ids::{ContextLost, Generation, Generations};
 use crate::ledger::{Axis, Budget, Ledger, LedgerSnapshot};
 use crate::residual::{Held, Holdings, Residual, SharedPhys};
 use generativity::{Guard, Id};
+use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
 
 /// What [`Device::retry_quarantine`] and [`Device::poll`] did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -107,10 +107,6 @@ pub struct Device<'id, B: Backend> {
     /// Cap on owned bytes across the whole device.
     limit: u64,
     closed: bool,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 impl<'id, B: Backend> Device<'id, B> {
@@ -214,7 +210,7 @@ impl<'id, B: Backend> Device<'id, B> {
     /// Proof that the context is lost, if the backend confirms it.
     pub fn confirm_context_lost(&self) -> Option<ContextLost<'id>> {
         self.backend
-            .context_gone()
+            .context_lost()
             .then(|| ContextLost::new(self.brand))
     }
 
@@ -299,7 +295,7 @@ impl<'id, B: Backend> Device<'id, B> {
         if h.is_empty() {
             return Ok(());
         }
-        if self.backend.context_gone() {
+        if self.backend.context_lost() {
             return Err(ReleaseFailure::ContextLost);
         }
         if h.mapped > 0 {
@@ -373,7 +369,7 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// Refuses a call into a context that is gone, without making it.
     pub(crate) fn ensure_live(&self, op: Op, addr: Addr, len: usize) -> Result<(), BackendError> {
-        if self.backend.context_gone() {
+        if self.backend.context_lost() {
             return Err(BackendError::new(op, addr, len, Cause::ContextLost));
         }
         Ok(())

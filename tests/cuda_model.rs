@@ -2,7 +2,9 @@
 //! share, copy-on-write, release, quarantine, deferred release behind events, device loss, and
 //! an injected failure of every driver call kind.
 
-use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel, ModelConfig};
+use memtoken::backend::cuda::{
+    CuError, CudaBackend, DriverCall, DriverModel, ModelConfig, ModelOutstanding,
+};
 use memtoken::backend::{Backend, Faulty, Op};
 use memtoken::{
     Allocation, Budget, Device, Quarantined, ReleaseFailure, Releasing, Returned, TransitionError,
@@ -45,6 +47,7 @@ fn held_fences() -> DriverModel {
         events_complete_at_once: false,
         ..ModelConfig::default()
     })
+    .unwrap()
 }
 
 #[test]
@@ -66,7 +69,7 @@ fn a_full_cycle_with_data_round_trips_through_the_device() {
     assert!(device.close().is_clean());
     assert_eq!(
         model.outstanding(),
-        (0, 0, 0, 0),
+        ModelOutstanding::default(),
         "nothing left, the context released"
     );
 }
@@ -91,9 +94,9 @@ fn a_failed_set_access_after_a_successful_map_is_rolled_back() {
         unmaps + 1,
         "the map was undone"
     );
-    let (reservations, physical, _, _) = model.outstanding();
+    let held = model.outstanding();
     assert_eq!(
-        (reservations, physical),
+        (held.reservations, held.physical_bytes),
         (1, 0),
         "nothing mapped, nothing created"
     );
@@ -125,7 +128,7 @@ fn drop_with_work_in_flight_never_blocks_and_releases_after_the_fence() {
     let p = device.poll();
     assert_eq!((p.released, p.deferred), (1, 0));
     assert!(device.ledger().is_zero());
-    assert_eq!(model.outstanding().2, 0, "the event was destroyed");
+    assert_eq!(model.outstanding().events, 0, "the event was destroyed");
 }
 
 #[test]
@@ -256,7 +259,7 @@ fn sharing_copy_on_write_and_pages_carry_data_on_the_device() {
     assert!(device.ledger().is_zero());
     drop(binding);
     assert!(device.close().is_clean());
-    assert_eq!(model.outstanding(), (0, 0, 0, 0));
+    assert_eq!(model.outstanding(), ModelOutstanding::default());
 }
 
 /// Every driver call kind, failed once in the middle of a workload: nothing is lost.
@@ -293,8 +296,8 @@ fn an_injected_failure_of_every_driver_call_kind_loses_nothing() {
                 left.is_zero(),
                 "{call:?} #{nth}: the backend holds {left:?}"
             );
-            let (reservations, physical, events, _) = model.outstanding();
-            if events != 0 {
+            let held = model.outstanding();
+            if held.events != 0 {
                 let log = model.log();
                 let n = |c| log.iter().filter(|&&x| x == c).count();
                 eprintln!(
@@ -304,7 +307,7 @@ fn an_injected_failure_of_every_driver_call_kind_loses_nothing() {
                 );
             }
             assert_eq!(
-                (reservations, physical, events),
+                (held.reservations, held.physical_bytes, held.events),
                 (0, 0, 0),
                 "{call:?} #{nth}"
             );
@@ -448,7 +451,7 @@ fn a_sticky_error_while_opening_makes_no_further_call() {
     let model = DriverModel::default();
     model.fail_nth(DriverCall::DeviceTotalMem, 1, CuError::INVALID_VALUE);
     assert!(CudaBackend::new(model.clone(), 0).is_err());
-    assert_eq!(model.outstanding().3, 0, "the retain was released");
+    assert_eq!(model.outstanding().retains, 0, "the retain was released");
 }
 
 /// A mapping left behind by a failed rollback is unmapped on drop; if that unmap finds the

@@ -391,7 +391,8 @@ fn drop_defers_until_the_fence_completes_and_never_blocks() {
     let sim = SimBackend::new(SimConfig {
         fences_complete_at_once: false,
         ..SimConfig::default()
-    });
+    })
+    .unwrap();
     let device = Device::new(guard, sim.clone());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let committed = binding.reserve(1).unwrap().commit().unwrap();
@@ -433,7 +434,7 @@ fn context_lost_means_no_backend_call_and_discharge_with_proof() {
     let committed = binding.reserve(1).unwrap().commit().unwrap();
     let doomed = binding.reserve(1).unwrap().commit().unwrap();
     assert!(device.confirm_context_lost().is_none());
-    sim.destroy_context(); // any later VMM call would panic in the simulator
+    sim.lose_context(); // any later VMM call would panic in the simulator
     let Err(TransitionError {
         token: Returned::Quarantined(quarantined),
         cause,

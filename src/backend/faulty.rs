@@ -1,9 +1,9 @@
 //! Fault injection and outstanding-resource counting around any backend.
 
-use super::{Access, Addr, Backend, BackendError, Cause, HostVisible, Op};
+use super::faults::{Fault, FaultPlan};
+use super::{Access, Addr, Backend, BackendError, Cause, HostVisible, Op, lock};
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 
 /// What a backend holds right now, as seen through [`Faulty`]: everything that was handed out
 /// successfully and not yet given back.
@@ -32,18 +32,10 @@ impl Outstanding {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
-struct Plan {
-    /// The call number (of its kind, 1-based, counted since the wrapper was made) that fails.
-    at: u64,
-    /// Whether every later call of the kind fails too, until cleared.
-    persistent: bool,
-}
-
 #[derive(Debug, Default)]
 struct FaultState {
-    calls: [AtomicU64; Op::ALL.len()],
-    plans: Mutex<[Option<Plan>; Op::ALL.len()]>,
+    /// Calls counted since the wrapper was made, and the planned faults.
+    plans: Mutex<FaultPlan<Op, ()>>,
     outstanding: Mutex<Outstanding>,
     mappings: Mutex<BTreeMap<Addr, usize>>,
 }
@@ -51,10 +43,6 @@ struct FaultState {
 /// A handle to steer and inspect a [`Faulty`] backend after a [`Device`](crate::Device) took it.
 #[derive(Clone, Debug, Default)]
 pub struct FaultHandle(Arc<FaultState>);
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
 
 impl FaultHandle {
     /// Fails the `n`th call of kind `op` from now (`n = 1`: the next one), once. Each kind has
@@ -64,7 +52,7 @@ impl FaultHandle {
     ///
     /// If `n` is zero.
     pub fn fail_nth(&self, op: Op, n: u64) {
-        self.plan(op, n, false);
+        lock(&self.0.plans).plan(op, n, (), false);
     }
 
     /// Fails the `n`th call of kind `op` from now and every one after it, until [`clear`](Self::clear).
@@ -73,26 +61,17 @@ impl FaultHandle {
     ///
     /// If `n` is zero.
     pub fn fail_from(&self, op: Op, n: u64) {
-        self.plan(op, n, true);
-    }
-
-    fn plan(&self, op: Op, n: u64, persistent: bool) {
-        assert!(
-            n >= 1,
-            "calls are counted from 1: n = 1 fails the next call"
-        );
-        let at = self.0.calls[op as usize].load(Relaxed) + n;
-        lock(&self.0.plans)[op as usize] = Some(Plan { at, persistent });
+        lock(&self.0.plans).plan(op, n, (), true);
     }
 
     /// Removes every planned fault.
     pub fn clear(&self) {
-        *lock(&self.0.plans) = [None; Op::ALL.len()];
+        lock(&self.0.plans).clear();
     }
 
     /// Calls of kind `op` made so far, failed ones included.
     pub fn calls(&self, op: Op) -> u64 {
-        self.0.calls[op as usize].load(Relaxed)
+        lock(&self.0.plans).calls(op)
     }
 
     /// What the wrapped backend holds right now.
@@ -102,18 +81,9 @@ impl FaultHandle {
 
     /// Counts a call; returns the injected error if this call is planned to fail.
     fn enter(&self, op: Op, addr: Addr, len: usize) -> Result<(), BackendError> {
-        let nth = self.0.calls[op as usize].fetch_add(1, Relaxed) + 1;
-        let mut plans = lock(&self.0.plans);
-        let slot = &mut plans[op as usize];
-        match *slot {
-            Some(p) if nth == p.at || (p.persistent && nth > p.at) => {
-                if !p.persistent {
-                    *slot = None;
-                }
-                Err(BackendError::new(op, addr, len, Cause::Injected { nth }))
-            }
-            _ => Ok(()),
-        }
+        lock(&self.0.plans)
+            .enter(op)
+            .map_err(|Fault { nth, .. }| BackendError::new(op, addr, len, Cause::Injected { nth }))
     }
 
     fn count(&self, f: impl FnOnce(&mut Outstanding)) {
@@ -282,8 +252,8 @@ impl<B: Backend> Backend for Faulty<B> {
         Ok(())
     }
 
-    fn context_gone(&self) -> bool {
-        self.inner.context_gone()
+    fn context_lost(&self) -> bool {
+        self.inner.context_lost()
     }
 }
 

@@ -1,23 +1,28 @@
 //! Host VMM over `rustix`: a faithful analog of CUDA's virtual memory management on Linux.
 
 use super::rules::Book;
-use super::{Access, Addr, Backend, BackendError, Cause, HostVisible, Op};
+use super::{
+    Access, Addr, Backend, BackendError, Cause, ConfigError, HostVisible, Op,
+    address_space_exhausted, check_address_space, lock,
+};
 use rustix::fd::OwnedFd;
 use rustix::fs::{FallocateFlags, MemfdFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 use std::collections::BTreeMap;
-use std::io;
 use std::sync::{Mutex, MutexGuard};
 
 /// Settings of a [`HostBackend`].
 #[derive(Clone, Debug)]
 pub struct HostConfig {
-    /// Allocation granularity in bytes: a power-of-two multiple of the OS page size.
+    /// Allocation granularity in bytes: a power of two, at least the OS page size.
     /// Default: 4 KiB; use 2 MiB to mirror a GPU.
     pub granularity: usize,
-    /// Total physical memory the device may create (the `memfd`'s size). Default: 1 GiB.
+    /// Total physical memory the device may create (the `memfd`'s size): a positive multiple
+    /// of the granularity. Default: 1 GiB.
     pub physical_capacity: u64,
-    /// Largest single reservation. Default: 1 TiB.
+    /// Largest single reservation: a positive multiple of the granularity, at most
+    /// `isize::MAX` bytes rounded down to the granularity (the largest mapping the OS takes).
+    /// Default: 1 TiB.
     pub address_space: usize,
 }
 
@@ -79,31 +84,44 @@ fn os_error(op: Op, addr: Addr, len: usize, errno: rustix::io::Errno) -> Backend
     BackendError::new(op, addr, len, Cause::Os { errno })
 }
 
-fn refused(op: Op, addr: Addr, len: usize, v: super::Violation) -> BackendError {
-    BackendError::new(op, addr, len, Cause::Violation(v))
-}
-
 impl HostBackend {
     /// A host device with `config`: creates its `memfd` of `physical_capacity` bytes (sparse:
     /// nothing is allocated until created).
     ///
     /// # Errors
     ///
-    /// `InvalidInput` if the granularity is not a power-of-two multiple of the page size;
-    /// the OS error if the `memfd` cannot be created or sized.
-    pub fn new(config: HostConfig) -> io::Result<Self> {
+    /// A [`ConfigError`] naming the setting if the granularity is not a power of two of at
+    /// least the page size, or the physical capacity or address space is not a positive
+    /// multiple of it (or the address space is larger than one mapping may be);
+    /// [`ConfigError::Memfd`] with the OS error if the `memfd` cannot be created or sized.
+    pub fn new(config: HostConfig) -> Result<Self, ConfigError> {
         let page_size = rustix::param::page_size();
         let g = config.granularity;
-        if !g.is_power_of_two() || g < page_size {
-            return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "granularity {g} must be a power of two and at least the page size ({page_size})"
-                ),
-            ));
+        ConfigError::check_granularity(g)?;
+        if g < page_size {
+            return Err(ConfigError::GranularityBelowPageSize {
+                granularity: g,
+                page_size,
+            });
         }
-        let memfd = rustix::fs::memfd_create("memtoken", MemfdFlags::CLOEXEC)?;
-        rustix::fs::ftruncate(&memfd, config.physical_capacity)?;
+        let capacity = config.physical_capacity;
+        ConfigError::check_multiple("physical capacity", capacity, g)?;
+        ConfigError::check_multiple("address space", config.address_space as u64, g)?;
+        // Reserving over-allocates by up to one granule: that sum stays below `usize::MAX`.
+        let max = isize::MAX as usize & !(g - 1);
+        if config.address_space > max {
+            return Err(ConfigError::AddressSpaceTooLarge {
+                address_space: config.address_space,
+                max,
+            });
+        }
+        let memfd_error = |e: rustix::io::Errno| ConfigError::Memfd {
+            physical_capacity: capacity,
+            source: e.into(),
+        };
+        let memfd =
+            rustix::fs::memfd_create("memtoken", MemfdFlags::CLOEXEC).map_err(memfd_error)?;
+        rustix::fs::ftruncate(&memfd, capacity).map_err(memfd_error)?;
         let state = HostState {
             book: Book::new(g, false),
             ranges: BTreeMap::new(),
@@ -122,8 +140,8 @@ impl HostBackend {
     ///
     /// # Errors
     ///
-    /// As [`HostBackend::new`].
-    pub fn with_defaults() -> io::Result<Self> {
+    /// As [`HostBackend::new`] (the default settings are valid: only the `memfd` can fail).
+    pub fn with_defaults() -> Result<Self, ConfigError> {
         Self::new(HostConfig::default())
     }
 
@@ -135,7 +153,7 @@ impl HostBackend {
     // Backend calls hold this lock across their system call: the record and the address space
     // change together, so two racing calls can never both pass a check on the same range.
     fn state(&self) -> MutexGuard<'_, HostState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
     /// Lowest free `memfd` range of `len` bytes.
@@ -185,23 +203,15 @@ impl Backend for HostBackend {
         let mut s = self.state();
         s.book
             .check_reserve(len)
-            .map_err(|v| refused(Op::Reserve, 0, len, v))?;
-        let g = self.config.granularity;
-        let too_big = || {
-            let space = self.config.address_space as u64;
-            let cause = Cause::Exhausted {
-                requested: len as u64,
-                available: space,
-                capacity: space,
-            };
-            BackendError::new(Op::Reserve, 0, len, cause)
-        };
-        if len > self.config.address_space {
-            return Err(too_big());
-        }
+            .map_err(|v| BackendError::refused(Op::Reserve, 0, len, v))?;
+        let (g, space) = (self.config.granularity, self.config.address_space);
+        check_address_space(len, space)?;
         // Over-reserve by one granule when it exceeds the page size, then trim to alignment.
+        // (`new` bounds the address space so that this cannot overflow; checked all the same.)
         let slack = if g > self.page_size { g } else { 0 };
-        let total = len.checked_add(slack).ok_or_else(too_big)?;
+        let total = len
+            .checked_add(slack)
+            .ok_or_else(|| address_space_exhausted(len, space))?;
         let flags = MapFlags::PRIVATE | MapFlags::NORESERVE;
         // SAFETY: a null hint lets the kernel pick unused addresses; nothing existing is touched.
         let base = unsafe {
@@ -226,7 +236,7 @@ impl Backend for HostBackend {
         let mut s = self.state();
         s.book
             .check_free(addr, len)
-            .map_err(|v| refused(Op::Free, addr, len, v))?;
+            .map_err(|v| BackendError::refused(Op::Free, addr, len, v))?;
         // SAFETY: the book says `[addr, addr + len)` is exactly one of our reservations with
         // nothing mapped in it, so no reference can point into it.
         unsafe { rustix::mm::munmap(addr as *mut _, len) }
@@ -239,7 +249,7 @@ impl Backend for HostBackend {
         let mut s = self.state();
         s.book
             .check_create(len)
-            .map_err(|v| refused(Op::Create, 0, len, v))?;
+            .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
         let capacity = self.config.physical_capacity;
         let Some(offset) = Self::find_range(&s.ranges, len as u64, capacity) else {
             let cause = Cause::Exhausted {
@@ -266,7 +276,7 @@ impl Backend for HostBackend {
         let mut s = self.state();
         s.book
             .check_release(phys, len)
-            .map_err(|v| refused(Op::Release, 0, len, v))?;
+            .map_err(|v| BackendError::refused(Op::Release, 0, len, v))?;
         let mode = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
         rustix::fs::fallocate(&self.memfd, mode, phys.offset, len as u64)
             .map_err(|e| os_error(Op::Release, 0, len, e))?;
@@ -287,7 +297,7 @@ impl Backend for HostBackend {
         let mut s = self.state();
         s.book
             .check_map(addr, len, phys, offset)
-            .map_err(|v| refused(Op::Map, addr, len, v))?;
+            .map_err(|v| BackendError::refused(Op::Map, addr, len, v))?;
         let prot = match access {
             Access::ReadWrite => ProtFlags::READ | ProtFlags::WRITE,
             Access::ReadOnly => ProtFlags::READ,
@@ -322,7 +332,7 @@ impl Backend for HostBackend {
         let mut s = self.state();
         s.book
             .check_unmap(addr, len)
-            .map_err(|v| refused(Op::Unmap, addr, len, v))?;
+            .map_err(|v| BackendError::refused(Op::Unmap, addr, len, v))?;
         // SAFETY: the book says the range is exactly covered by our mappings; the typed layer
         // unmaps only after every borrow of the memory has ended.
         if let Err(e) = unsafe { Self::make_inaccessible(addr, len) } {
@@ -345,7 +355,7 @@ impl Backend for HostBackend {
         let s = self.state();
         s.book
             .check_copy(phys, offset, src, len)
-            .map_err(|v| refused(Op::Copy, src, len, v))?;
+            .map_err(|v| BackendError::refused(Op::Copy, src, len, v))?;
         // SAFETY: the book says every byte of `[src, src + len)` is mapped readable by this
         // backend, and the lock keeps it mapped for the duration of the copy.
         let bytes = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
@@ -392,5 +402,105 @@ impl Drop for HostBackend {
             // SAFETY: the range is one of our reservations and no token can reference it.
             let _ = unsafe { rustix::mm::munmap(addr as *mut _, len) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bad(config: HostConfig) -> ConfigError {
+        HostBackend::new(config).unwrap_err()
+    }
+
+    #[test]
+    fn a_bad_configuration_is_an_error_not_a_panic() {
+        let page = rustix::param::page_size();
+        let e = bad(HostConfig {
+            granularity: 3 * page,
+            ..HostConfig::default()
+        });
+        assert!(
+            matches!(e, ConfigError::GranularityNotPowerOfTwo { .. }),
+            "{e}"
+        );
+        let e = bad(HostConfig {
+            granularity: page / 2,
+            ..HostConfig::default()
+        });
+        assert!(
+            matches!(e, ConfigError::GranularityBelowPageSize { page_size, .. } if page_size == page),
+            "{e}"
+        );
+        assert!(e.to_string().contains("page size"), "{e}");
+        let e = bad(HostConfig {
+            physical_capacity: 0,
+            ..HostConfig::default()
+        });
+        assert!(
+            matches!(
+                e,
+                ConfigError::NotAGranularityMultiple {
+                    what: "physical capacity",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = bad(HostConfig {
+            physical_capacity: (1 << 30) + 1,
+            ..HostConfig::default()
+        });
+        assert!(
+            matches!(e, ConfigError::NotAGranularityMultiple { .. }),
+            "{e}"
+        );
+        let e = bad(HostConfig {
+            address_space: page + 1,
+            ..HostConfig::default()
+        });
+        assert!(
+            matches!(
+                e,
+                ConfigError::NotAGranularityMultiple {
+                    what: "address space",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("address space"), "{e}");
+        let e = bad(HostConfig {
+            address_space: usize::MAX & !(page - 1),
+            ..HostConfig::default()
+        });
+        assert!(matches!(e, ConfigError::AddressSpaceTooLarge { .. }), "{e}");
+    }
+
+    #[test]
+    fn an_os_refusal_of_the_memfd_carries_the_os_error() {
+        // No file may be 2^63 bytes long: `ftruncate` fails, and the error says why.
+        let e = bad(HostConfig {
+            physical_capacity: 1 << 63,
+            ..HostConfig::default()
+        });
+        assert!(matches!(e, ConfigError::Memfd { .. }), "{e}");
+        assert!(std::error::Error::source(&e).is_some(), "{e:?}");
+    }
+
+    #[test]
+    fn a_reservation_past_the_address_space_is_exhausted() {
+        let page = rustix::param::page_size();
+        let host = HostBackend::new(HostConfig {
+            address_space: 4 * page,
+            ..HostConfig::default()
+        })
+        .unwrap();
+        let e = host.reserve(8 * page).unwrap_err();
+        assert!(
+            matches!(e.cause, Cause::Exhausted { requested, .. } if requested == 8 * page as u64)
+        );
+        let addr = host.reserve(4 * page).unwrap();
+        host.free(addr, 4 * page).unwrap();
     }
 }

@@ -18,6 +18,7 @@
 //!   (feature `cuda`), or [`cuda::DriverModel`], a strict model of the driver's rules.
 
 pub mod cuda;
+mod faults;
 mod faulty;
 mod host;
 mod rules;
@@ -29,6 +30,142 @@ pub use rules::Violation;
 pub use sim::{SimBackend, SimConfig, SimPhys};
 
 use std::fmt;
+use std::sync::{Mutex, MutexGuard};
+
+/// Locks `m`, and goes on through poison: a panic in one call (a strict model refusing it,
+/// say) does not make every later call panic too. The one poison-tolerant lock of the crate.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+/// Why a backend could not be made from its configuration. Nothing was created: fix the value
+/// named in the message and make the backend again.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The granularity is not a power of two.
+    #[error(
+        "granularity {granularity:#x} is not a power of two: use a power of two such as \
+         4 KiB (0x1000) or 2 MiB (0x200000)"
+    )]
+    GranularityNotPowerOfTwo {
+        /// The granularity given.
+        granularity: usize,
+    },
+    /// The granularity is smaller than the OS page size (host backend).
+    #[error(
+        "granularity {granularity:#x} is smaller than the OS page size {page_size:#x}: use a \
+         power of two of at least {page_size:#x}"
+    )]
+    GranularityBelowPageSize {
+        /// The granularity given.
+        granularity: usize,
+        /// The OS page size.
+        page_size: usize,
+    },
+    /// A size that must be a positive multiple of the granularity is not.
+    #[error(
+        "{what} is {value:#x} bytes, which is not a positive multiple of the granularity \
+         ({granularity:#x}): set it to a non-zero multiple of the granularity"
+    )]
+    NotAGranularityMultiple {
+        /// Which setting.
+        what: &'static str,
+        /// Its value.
+        value: u64,
+        /// The granularity.
+        granularity: usize,
+    },
+    /// A size that must be positive is zero.
+    #[error("{what} is zero: give it a positive number of bytes")]
+    Zero {
+        /// Which setting.
+        what: &'static str,
+    },
+    /// The address space is larger than one mapping of the OS may be (host backend).
+    #[error(
+        "address space {address_space:#x} is larger than one mapping may be ({max:#x}): \
+         use at most {max:#x}"
+    )]
+    AddressSpaceTooLarge {
+        /// The address space given.
+        address_space: usize,
+        /// The largest allowed.
+        max: usize,
+    },
+    /// The OS could not create or size the host backend's `memfd` (its physical memory).
+    #[error(
+        "the OS refused the memfd of {physical_capacity:#x} bytes that holds the host \
+         backend's physical memory: check the process's file and memory limits, or lower \
+         the physical capacity"
+    )]
+    Memfd {
+        /// The physical capacity asked for.
+        physical_capacity: u64,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl ConfigError {
+    /// Checks that `granularity` is a power of two.
+    pub(crate) fn check_granularity(granularity: usize) -> Result<(), Self> {
+        if granularity.is_power_of_two() {
+            Ok(())
+        } else {
+            Err(Self::GranularityNotPowerOfTwo { granularity })
+        }
+    }
+
+    /// Checks that `value` (the setting `what`) is a positive multiple of `granularity`.
+    pub(crate) fn check_multiple(
+        what: &'static str,
+        value: u64,
+        granularity: usize,
+    ) -> Result<(), Self> {
+        if value > 0 && value.is_multiple_of(granularity as u64) {
+            Ok(())
+        } else {
+            Err(Self::NotAGranularityMultiple {
+                what,
+                value,
+                granularity,
+            })
+        }
+    }
+
+    /// Checks that `value` (the setting `what`) is not zero.
+    pub(crate) fn check_positive(what: &'static str, value: u64) -> Result<(), Self> {
+        if value > 0 {
+            Ok(())
+        } else {
+            Err(Self::Zero { what })
+        }
+    }
+}
+
+/// Checks that a reservation of `len` bytes fits in an address space of `address_space` bytes
+/// (the largest single reservation): [`Cause::Exhausted`] if it does not. Every backend's
+/// `reserve` makes this check before it reserves anything.
+pub(crate) fn check_address_space(len: usize, address_space: usize) -> Result<(), BackendError> {
+    if len <= address_space {
+        Ok(())
+    } else {
+        Err(address_space_exhausted(len, address_space))
+    }
+}
+
+/// The error of a reservation of `len` bytes that does not fit in `address_space` bytes.
+pub(crate) fn address_space_exhausted(len: usize, address_space: usize) -> BackendError {
+    let space = address_space as u64;
+    let cause = Cause::Exhausted {
+        requested: len as u64,
+        available: space,
+        capacity: space,
+    };
+    BackendError::new(Op::Reserve, 0, len, cause)
+}
 
 /// A virtual address, as the backend hands it out (a host pointer or a `CUdeviceptr`).
 pub type Addr = usize;
@@ -151,6 +288,11 @@ impl BackendError {
         }
     }
 
+    /// The error of a call refused because it breaks a VMM rule: nothing was touched.
+    pub(crate) fn refused(op: Op, addr: Addr, len: usize, violation: Violation) -> Self {
+        Self::new(op, addr, len, Cause::Violation(violation))
+    }
+
     /// True when the fault was injected by [`Faulty`].
     pub fn is_injected(&self) -> bool {
         matches!(self.cause, Cause::Injected { .. })
@@ -224,9 +366,10 @@ pub trait Backend {
     /// Releases one pin taken by [`pin`](Backend::pin).
     fn unpin(&self) -> Result<(), BackendError>;
 
-    /// Whether the context is confirmed gone (destroyed or lost): everything it held is freed by
-    /// the driver, so quarantined residuals may be discharged.
-    fn context_gone(&self) -> bool {
+    /// Whether the context is confirmed lost (destroyed, or taken down by a sticky error):
+    /// everything it held is freed by the driver, so quarantined residuals may be discharged,
+    /// and no call is made any more.
+    fn context_lost(&self) -> bool {
         false
     }
 }

@@ -88,6 +88,9 @@ pub enum Violation {
         /// Its length.
         len: usize,
     },
+    /// `unpin` with no pin of this backend held.
+    #[error("no pin is held: every unpin must follow a pin")]
+    NotPinned,
     /// `map` past the end of the physical allocation.
     #[error(
         "mapping {len:#x} bytes at offset {offset:#x} overruns physical memory of {phys_len:#x} bytes"
@@ -184,6 +187,20 @@ impl<P: Copy + Eq + Hash> Book<P> {
         if let Some((&start, _)) = self.reservations.range(..=addr).next_back() {
             self.poisoned.insert(start);
         }
+    }
+
+    /// Checks that `phys` is live (created, not released) and has `offset + len` bytes.
+    fn check_phys_range(&self, phys: P, offset: usize, len: usize) -> Result<(), Violation> {
+        let rec = self.phys.get(&phys).filter(|r| !r.released);
+        let rec = rec.ok_or(Violation::UnknownPhys)?;
+        if offset.checked_add(len).is_none_or(|end| end > rec.len) {
+            return Err(Violation::OutOfPhys {
+                offset,
+                len,
+                phys_len: rec.len,
+            });
+        }
+        Ok(())
     }
 
     pub(crate) fn check_reserve(&self, len: usize) -> Result<(), Violation> {
@@ -283,16 +300,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
         if overlaps {
             return Err(Violation::AlreadyMapped { addr, len });
         }
-        let rec = self.phys.get(&phys).filter(|r| !r.released);
-        let rec = rec.ok_or(Violation::UnknownPhys)?;
-        if offset.checked_add(len).is_none_or(|end| end > rec.len) {
-            return Err(Violation::OutOfPhys {
-                offset,
-                len,
-                phys_len: rec.len,
-            });
-        }
-        Ok(())
+        self.check_phys_range(phys, offset, len)
     }
 
     pub(crate) fn apply_map(
@@ -402,16 +410,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
         if from_itself {
             return Err(Violation::SelfCopy { addr, len });
         }
-        let rec = self.phys.get(&phys).filter(|r| !r.released);
-        let rec = rec.ok_or(Violation::UnknownPhys)?;
-        if offset.checked_add(len).is_none_or(|e| e > rec.len) {
-            return Err(Violation::OutOfPhys {
-                offset,
-                len,
-                phys_len: rec.len,
-            });
-        }
-        Ok(())
+        self.check_phys_range(phys, offset, len)
     }
 
     pub(crate) fn apply_unmap(&mut self, addr: Addr, len: usize) {
@@ -446,6 +445,11 @@ impl<P: Copy + Eq + Hash> Book<P> {
         self.reservations.len()
     }
 
+    /// Live mappings.
+    pub(crate) fn mappings(&self) -> usize {
+        self.mappings.len()
+    }
+
     /// Removes and returns every reservation (for a backend tearing itself down).
     pub(crate) fn drain_reservations(&mut self) -> Vec<(Addr, usize, bool)> {
         self.mappings.clear();
@@ -467,7 +471,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
         self.phys.get(&phys).map_or(0, |r| r.len)
     }
 
-    /// Whether a physical allocation is still tracked (live, or released but still mapped).
+    /// Whether physical memory (live, or released while mapped) has a mapping.
     pub(crate) fn is_mapped(&self, phys: P) -> bool {
         self.phys.get(&phys).is_some_and(|r| r.maps > 0)
     }

@@ -1,7 +1,10 @@
 //! A simulated backend: a strict model of the VMM rules in pure Rust, with no system calls.
 
 use super::rules::Book;
-use super::{Access, Addr, Backend, BackendError, Cause, Op};
+use super::{
+    Access, Addr, Backend, BackendError, Cause, ConfigError, Op, Violation, check_address_space,
+    lock,
+};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Settings of a [`SimBackend`].
@@ -9,9 +12,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 pub struct SimConfig {
     /// Allocation granularity in bytes (a power of two). Default: 2 MiB, like a GPU.
     pub granularity: usize,
-    /// Largest single reservation. Default: 1 TiB.
+    /// Largest single reservation: a positive multiple of the granularity. Default: 1 TiB.
     pub address_space: usize,
-    /// Total physical memory. Default: 16 GiB (simulated: nothing is allocated for real).
+    /// Total physical memory: not zero. Default: 16 GiB (simulated: nothing is allocated for
+    /// real).
     pub physical_capacity: u64,
     /// Whether physical memory may be released while mapped (CUDA: yes, the memory goes with the
     /// last unmap; host: no). Default: false.
@@ -54,7 +58,7 @@ struct SimState {
     phys_used: u64,
     fences_issued: u64,
     fences_done: u64,
-    context_gone: bool,
+    lost: bool,
     pins: u64,
     calls: Vec<SimCall>,
 }
@@ -63,8 +67,8 @@ struct SimState {
 /// first, so freed VA is reused at once), tracks physical memory and mappings, and **panics** on
 /// any illegal call sequence: a map over a mapping, an unmap of something not mapped, a free of a
 /// range with mappings under it, a release of physical memory still mapped (unless configured
-/// like CUDA), a size or address that is not a multiple of the granularity, any call after the
-/// context is gone.
+/// like CUDA), a size or address that is not a multiple of the granularity, an unpin without a
+/// pin, any call after the context is lost.
 ///
 /// Cloning gives another handle on the same simulated device, to inspect or steer it (fences,
 /// context loss, the call log) while a [`Device`](crate::Device) owns the backend.
@@ -80,41 +84,41 @@ const VA_BASE: Addr = 0x7000_0000_0000;
 impl SimBackend {
     /// A simulated device with `config`.
     ///
-    /// # Panics
+    /// # Errors
     ///
-    /// If the granularity is not a power of two.
-    pub fn new(config: SimConfig) -> Self {
-        assert!(
-            config.granularity.is_power_of_two(),
-            "SimConfig::granularity must be a power of two, got {}",
-            config.granularity
-        );
+    /// A [`ConfigError`] naming the setting if the granularity is not a power of two, the
+    /// address space not a positive multiple of it, or the physical capacity zero.
+    pub fn new(config: SimConfig) -> Result<Self, ConfigError> {
+        let g = config.granularity;
+        ConfigError::check_granularity(g)?;
+        ConfigError::check_multiple("address space", config.address_space as u64, g)?;
+        ConfigError::check_positive("physical capacity", config.physical_capacity)?;
         let state = SimState {
             book: Book::new(config.granularity, config.release_while_mapped),
             next_phys: 1,
             phys_used: 0,
             fences_issued: 0,
             fences_done: 0,
-            context_gone: false,
+            lost: false,
             pins: 0,
             calls: Vec::new(),
         };
-        Self {
+        Ok(Self {
             config: Arc::new(config),
             state: Arc::new(Mutex::new(state)),
-        }
+        })
     }
 
     fn state(&self) -> MutexGuard<'_, SimState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
-    /// Locks the state for a call, logs it, and panics if the context is gone.
+    /// Locks the state for a call, logs it, and panics if the context is lost.
     fn call(&self, op: Op, addr: Addr, len: usize) -> MutexGuard<'_, SimState> {
         let mut s = self.state();
         assert!(
-            !s.context_gone,
-            "SimBackend: {op:?} called after the context is gone"
+            !s.lost,
+            "SimBackend: {op:?} called after the context is lost"
         );
         s.calls.push(SimCall { op, addr, len });
         s
@@ -126,9 +130,10 @@ impl SimBackend {
         s.fences_done = s.fences_issued;
     }
 
-    /// Destroys the context: from now on any VMM call panics, and [`Backend::context_gone`] is true.
-    pub fn destroy_context(&self) {
-        self.state().context_gone = true;
+    /// Loses the context (as a sticky error would): from now on any VMM call panics, and
+    /// [`Backend::context_lost`] is true.
+    pub fn lose_context(&self) {
+        self.state().lost = true;
     }
 
     /// Every call received so far, in order.
@@ -154,7 +159,7 @@ impl SimBackend {
 
 impl Default for SimBackend {
     fn default() -> Self {
-        Self::new(SimConfig::default())
+        Self::new(SimConfig::default()).expect("the default settings are valid")
     }
 }
 
@@ -183,18 +188,7 @@ impl Backend for SimBackend {
         s.book
             .check_reserve(len)
             .unwrap_or_else(|v| illegal(Op::Reserve, v));
-        if len > self.config.address_space {
-            return Err(BackendError::new(
-                Op::Reserve,
-                0,
-                len,
-                Cause::Exhausted {
-                    requested: len as u64,
-                    available: self.config.address_space as u64,
-                    capacity: self.config.address_space as u64,
-                },
-            ));
-        }
+        check_address_space(len, self.config.address_space)?;
         let addr = s.book.lowest_gap(VA_BASE, len);
         s.book.apply_reserve(addr, len);
         Ok(addr)
@@ -300,12 +294,86 @@ impl Backend for SimBackend {
 
     fn unpin(&self) -> Result<(), BackendError> {
         let mut s = self.call(Op::Unpin, 0, 0);
-        assert!(s.pins > 0, "SimBackend: illegal Unpin: no pin is held");
+        if s.pins == 0 {
+            illegal(Op::Unpin, Violation::NotPinned);
+        }
         s.pins -= 1;
         Ok(())
     }
 
-    fn context_gone(&self) -> bool {
-        self.state().context_gone
+    fn context_lost(&self) -> bool {
+        self.state().lost
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_configuration_is_an_error_not_a_panic() {
+        let bad = |config: SimConfig| SimBackend::new(config).unwrap_err();
+        let e = bad(SimConfig {
+            granularity: 3 << 20,
+            ..SimConfig::default()
+        });
+        assert!(
+            matches!(e, ConfigError::GranularityNotPowerOfTwo { granularity } if granularity == 3 << 20)
+        );
+        assert!(e.to_string().contains("power of two"), "{e}");
+        let e = bad(SimConfig {
+            granularity: 0,
+            ..SimConfig::default()
+        });
+        assert!(matches!(e, ConfigError::GranularityNotPowerOfTwo { .. }));
+        let e = bad(SimConfig {
+            address_space: (1 << 30) + 4096,
+            ..SimConfig::default()
+        });
+        assert!(
+            matches!(
+                e,
+                ConfigError::NotAGranularityMultiple {
+                    what: "address space",
+                    ..
+                }
+            ),
+            "{e}"
+        );
+        let e = bad(SimConfig {
+            address_space: 0,
+            ..SimConfig::default()
+        });
+        assert!(matches!(
+            e,
+            ConfigError::NotAGranularityMultiple { value: 0, .. }
+        ));
+        let e = bad(SimConfig {
+            physical_capacity: 0,
+            ..SimConfig::default()
+        });
+        assert!(
+            matches!(
+                e,
+                ConfigError::Zero {
+                    what: "physical capacity"
+                }
+            ),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_reservation_past_the_address_space_is_exhausted_not_illegal() {
+        let sim = SimBackend::new(SimConfig {
+            address_space: 4 << 20,
+            ..SimConfig::default()
+        })
+        .unwrap();
+        let e = sim.reserve(6 << 20).unwrap_err();
+        assert!(matches!(e.cause, Cause::Exhausted { requested, .. } if requested == 6 << 20));
+        assert_eq!(sim.reservations(), 0);
+        let addr = sim.reserve(4 << 20).unwrap();
+        sim.free(addr, 4 << 20).unwrap();
     }
 }

@@ -12,45 +12,53 @@ pub struct CuError(pub i32);
 /// Result of a driver call.
 pub type CuResult<T> = Result<T, CuError>;
 
-impl CuError {
-    /// `CUDA_ERROR_INVALID_VALUE`
-    pub const INVALID_VALUE: Self = Self(1);
-    /// `CUDA_ERROR_OUT_OF_MEMORY`
-    pub const OUT_OF_MEMORY: Self = Self(2);
-    /// `CUDA_ERROR_DEINITIALIZED`
-    pub const DEINITIALIZED: Self = Self(4);
-    /// `CUDA_ERROR_NO_DEVICE`
-    pub const NO_DEVICE: Self = Self(100);
-    /// `CUDA_ERROR_INVALID_DEVICE`
-    pub const INVALID_DEVICE: Self = Self(101);
-    /// `CUDA_ERROR_NOT_READY`
-    pub const NOT_READY: Self = Self(600);
-    /// `CUDA_ERROR_ILLEGAL_ADDRESS`
-    pub const ILLEGAL_ADDRESS: Self = Self(700);
-    /// `CUDA_ERROR_CONTEXT_IS_DESTROYED`
-    pub const CONTEXT_IS_DESTROYED: Self = Self(709);
-    /// `CUDA_ERROR_LAUNCH_FAILED`
-    pub const LAUNCH_FAILED: Self = Self(719);
-    /// `CUDA_ERROR_LAUNCH_TIMEOUT`
-    pub const LAUNCH_TIMEOUT: Self = Self(702);
-    /// `CUDA_ERROR_ASSERT`
-    pub const ASSERT: Self = Self(710);
-    /// `CUDA_ERROR_HARDWARE_STACK_ERROR`
-    pub const HARDWARE_STACK_ERROR: Self = Self(714);
-    /// `CUDA_ERROR_ILLEGAL_INSTRUCTION`
-    pub const ILLEGAL_INSTRUCTION: Self = Self(715);
-    /// `CUDA_ERROR_MISALIGNED_ADDRESS`
-    pub const MISALIGNED_ADDRESS: Self = Self(716);
-    /// `CUDA_ERROR_INVALID_ADDRESS_SPACE`
-    pub const INVALID_ADDRESS_SPACE: Self = Self(717);
-    /// `CUDA_ERROR_INVALID_PC`
-    pub const INVALID_PC: Self = Self(718);
-    /// `CUDA_ERROR_UNKNOWN`
-    pub const UNKNOWN: Self = Self(999);
-    /// `CUDA_ERROR_NOT_SUPPORTED`
-    pub const NOT_SUPPORTED: Self = Self(801);
+/// The `CUresult` codes this crate names, from one table: each becomes a constant of
+/// [`CuError`] and an arm of [`CuError::name`].
+macro_rules! cu_errors {
+    ($($name:ident = $code:literal,)*) => {
+        impl CuError {
+            $(
+                #[doc = concat!("`CUDA_ERROR_", stringify!($name), "`")]
+                pub const $name: Self = Self($code);
+            )*
 
-    /// Whether the error means the context is gone for good (a sticky error): after it, no
+            /// The `CUresult` enumerator's name, where known.
+            pub fn name(self) -> &'static str {
+                match self.0 {
+                    $($code => concat!("CUDA_ERROR_", stringify!($name)),)*
+                    _ => "CUresult",
+                }
+            }
+        }
+    };
+}
+
+cu_errors! {
+    INVALID_VALUE = 1,
+    OUT_OF_MEMORY = 2,
+    NOT_INITIALIZED = 3,
+    DEINITIALIZED = 4,
+    NO_DEVICE = 100,
+    INVALID_DEVICE = 101,
+    INVALID_CONTEXT = 201,
+    INVALID_HANDLE = 400,
+    NOT_READY = 600,
+    ILLEGAL_ADDRESS = 700,
+    LAUNCH_TIMEOUT = 702,
+    CONTEXT_IS_DESTROYED = 709,
+    ASSERT = 710,
+    HARDWARE_STACK_ERROR = 714,
+    ILLEGAL_INSTRUCTION = 715,
+    MISALIGNED_ADDRESS = 716,
+    INVALID_ADDRESS_SPACE = 717,
+    INVALID_PC = 718,
+    LAUNCH_FAILED = 719,
+    NOT_SUPPORTED = 801,
+    UNKNOWN = 999,
+}
+
+impl CuError {
+    /// Whether the error means the context is lost for good (a sticky error): after it, no
     /// call into the context can succeed.
     pub fn is_context_loss(self) -> bool {
         // The sticky errors: after a kernel faults, the context is unusable until reset.
@@ -69,34 +77,6 @@ impl CuError {
                 | Self::LAUNCH_FAILED
                 | Self::UNKNOWN
         )
-    }
-
-    /// The `CUresult` enumerator's name, where known.
-    pub fn name(self) -> &'static str {
-        match self.0 {
-            1 => "CUDA_ERROR_INVALID_VALUE",
-            2 => "CUDA_ERROR_OUT_OF_MEMORY",
-            3 => "CUDA_ERROR_NOT_INITIALIZED",
-            4 => "CUDA_ERROR_DEINITIALIZED",
-            100 => "CUDA_ERROR_NO_DEVICE",
-            101 => "CUDA_ERROR_INVALID_DEVICE",
-            201 => "CUDA_ERROR_INVALID_CONTEXT",
-            400 => "CUDA_ERROR_INVALID_HANDLE",
-            600 => "CUDA_ERROR_NOT_READY",
-            700 => "CUDA_ERROR_ILLEGAL_ADDRESS",
-            702 => "CUDA_ERROR_LAUNCH_TIMEOUT",
-            710 => "CUDA_ERROR_ASSERT",
-            714 => "CUDA_ERROR_HARDWARE_STACK_ERROR",
-            715 => "CUDA_ERROR_ILLEGAL_INSTRUCTION",
-            716 => "CUDA_ERROR_MISALIGNED_ADDRESS",
-            717 => "CUDA_ERROR_INVALID_ADDRESS_SPACE",
-            718 => "CUDA_ERROR_INVALID_PC",
-            999 => "CUDA_ERROR_UNKNOWN",
-            709 => "CUDA_ERROR_CONTEXT_IS_DESTROYED",
-            719 => "CUDA_ERROR_LAUNCH_FAILED",
-            801 => "CUDA_ERROR_NOT_SUPPORTED",
-            _ => "CUresult",
-        }
     }
 }
 
@@ -173,6 +153,32 @@ pub type Stream = usize;
 
 /// The CUDA driver calls of the VMM path, one-to-one. Device pointers and allocation handles
 /// are `u64`, as in the driver.
+///
+/// # Safety
+///
+/// The real driver does not promise to survive a stale or foreign handle, an unmapped pointer or
+/// a range that breaks the VMM rules: such a call may corrupt the process. So every method that
+/// takes a context, allocation handle, device pointer, event or stream is an `unsafe fn`, and
+/// its caller must pass only values that come from **this same driver** and are still live:
+///
+/// - a **context** returned by [`primary_ctx_retain`](Driver::primary_ctx_retain) whose retain
+///   has not been released; each [`primary_ctx_release`](Driver::primary_ctx_release) gives
+///   back one retain this caller took, never more;
+/// - an **allocation handle** returned by [`mem_create`](Driver::mem_create) and not yet given
+///   to [`mem_release`](Driver::mem_release);
+/// - a **device pointer range** inside one reservation of
+///   [`mem_address_reserve`](Driver::mem_address_reserve) that has not been freed, and, as the
+///   CUDA rules require for each call: not mapped yet (`mem_map`), exactly covered by whole
+///   mappings (`mem_set_access`, `mem_unmap`), exactly one reservation with nothing mapped in it
+///   (`mem_address_free`), or mapped with access, read-write for a destination (the copies;
+///   a device-to-device copy may still run after the call returns, so its ranges stay mapped
+///   until it has finished);
+/// - an **event** returned by [`event_create`](Driver::event_create) and not yet destroyed;
+/// - a **stream**: 0 (the legacy default stream), or one the caller created and has not
+///   destroyed.
+///
+/// Every such call is made with the context current on the calling thread. The methods that
+/// take none of these values are safe: they only create, or read device properties.
 pub trait Driver {
     /// `cuInit(0)`
     fn init(&self) -> CuResult<()>;
@@ -183,42 +189,137 @@ pub trait Driver {
     /// `cuDevicePrimaryCtxRetain`
     fn primary_ctx_retain(&self, device: i32) -> CuResult<Context>;
     /// `cuDevicePrimaryCtxRelease`
-    fn primary_ctx_release(&self, device: i32) -> CuResult<()>;
+    ///
+    /// # Safety
+    ///
+    /// Gives back one retain of `device`'s primary context that the caller took with
+    /// [`primary_ctx_retain`](Driver::primary_ctx_retain) and has not given back (see
+    /// [the trait's rules](Driver#safety)): releasing a retain someone else holds may destroy
+    /// the context under them.
+    unsafe fn primary_ctx_release(&self, device: i32) -> CuResult<()>;
     /// `cuCtxSetCurrent`
-    fn ctx_set_current(&self, ctx: Context) -> CuResult<()>;
+    ///
+    /// # Safety
+    ///
+    /// `ctx` is a live context of this driver ([the trait's rules](Driver#safety)).
+    unsafe fn ctx_set_current(&self, ctx: Context) -> CuResult<()>;
     /// `cuMemGetAllocationGranularity` for pinned device memory on `device`
     /// (`CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`).
     fn mem_get_allocation_granularity(&self, device: i32) -> CuResult<usize>;
     /// `cuMemAddressReserve(size, alignment, 0, 0)`
     fn mem_address_reserve(&self, size: usize, alignment: usize) -> CuResult<u64>;
     /// `cuMemAddressFree`
-    fn mem_address_free(&self, ptr: u64, size: usize) -> CuResult<()>;
+    ///
+    /// # Safety
+    ///
+    /// `[ptr, ptr + size)` is exactly one live reservation of this driver with nothing mapped
+    /// in it ([the trait's rules](Driver#safety)).
+    unsafe fn mem_address_free(&self, ptr: u64, size: usize) -> CuResult<()>;
     /// `cuMemCreate` of pinned device memory on `device`
     fn mem_create(&self, size: usize, device: i32) -> CuResult<u64>;
     /// `cuMemRelease`
-    fn mem_release(&self, handle: u64) -> CuResult<()>;
+    ///
+    /// # Safety
+    ///
+    /// `handle` is a live allocation handle of this driver, released once
+    /// ([the trait's rules](Driver#safety)).
+    unsafe fn mem_release(&self, handle: u64) -> CuResult<()>;
     /// `cuMemMap(ptr, size, offset, handle, 0)`
-    fn mem_map(&self, ptr: u64, size: usize, offset: usize, handle: u64) -> CuResult<()>;
+    ///
+    /// # Safety
+    ///
+    /// `[ptr, ptr + size)` lies inside a live reservation with nothing mapped there, and
+    /// `handle` is a live allocation handle with at least `offset + size` bytes
+    /// ([the trait's rules](Driver#safety)).
+    unsafe fn mem_map(&self, ptr: u64, size: usize, offset: usize, handle: u64) -> CuResult<()>;
     /// `cuMemSetAccess` for `device`: read-write, or read-only
-    fn mem_set_access(&self, ptr: u64, size: usize, device: i32, read_write: bool) -> CuResult<()>;
+    ///
+    /// # Safety
+    ///
+    /// `[ptr, ptr + size)` is exactly covered by live mappings ([the trait's rules](Driver#safety)).
+    unsafe fn mem_set_access(
+        &self,
+        ptr: u64,
+        size: usize,
+        device: i32,
+        read_write: bool,
+    ) -> CuResult<()>;
     /// `cuMemUnmap`
-    fn mem_unmap(&self, ptr: u64, size: usize) -> CuResult<()>;
+    ///
+    /// # Safety
+    ///
+    /// `[ptr, ptr + size)` is exactly covered by live mappings ([the trait's rules](Driver#safety)).
+    unsafe fn mem_unmap(&self, ptr: u64, size: usize) -> CuResult<()>;
     /// `cuMemcpyDtoD`
-    fn memcpy_dtod(&self, dst: u64, src: u64, size: usize) -> CuResult<()>;
+    ///
+    /// # Safety
+    ///
+    /// `[src, src + size)` is mapped readable and `[dst, dst + size)` mapped read-write, both
+    /// until the copy has finished: it may run after the call returns
+    /// ([the trait's rules](Driver#safety)).
+    unsafe fn memcpy_dtod(&self, dst: u64, src: u64, size: usize) -> CuResult<()>;
     /// `cuCtxSynchronize`
     fn ctx_synchronize(&self) -> CuResult<()>;
     /// `cuMemcpyHtoD`
-    fn memcpy_htod(&self, dst: u64, src: &[u8]) -> CuResult<()>;
+    ///
+    /// # Safety
+    ///
+    /// `[dst, dst + src.len())` is mapped read-write ([the trait's rules](Driver#safety)).
+    unsafe fn memcpy_htod(&self, dst: u64, src: &[u8]) -> CuResult<()>;
     /// `cuMemcpyDtoH`
-    fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> CuResult<()>;
+    ///
+    /// # Safety
+    ///
+    /// `[src, src + dst.len())` is mapped readable for the whole call
+    /// ([the trait's rules](Driver#safety)).
+    unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> CuResult<()>;
     /// `cuEventCreate(CU_EVENT_DISABLE_TIMING)`
     fn event_create(&self) -> CuResult<Event>;
     /// `cuEventRecord`
-    fn event_record(&self, event: Event, stream: Stream) -> CuResult<()>;
+    ///
+    /// # Safety
+    ///
+    /// `event` is a live event and `stream` a live stream of this driver
+    /// ([the trait's rules](Driver#safety)).
+    unsafe fn event_record(&self, event: Event, stream: Stream) -> CuResult<()>;
     /// `cuEventQuery`: `Ok(true)` done, `Ok(false)` for `CUDA_ERROR_NOT_READY`.
-    fn event_query(&self, event: Event) -> CuResult<bool>;
+    ///
+    /// # Safety
+    ///
+    /// `event` is a live event of this driver ([the trait's rules](Driver#safety)).
+    unsafe fn event_query(&self, event: Event) -> CuResult<bool>;
     /// `cuEventDestroy`
-    fn event_destroy(&self, event: Event) -> CuResult<()>;
+    ///
+    /// # Safety
+    ///
+    /// `event` is a live event of this driver, destroyed once
+    /// ([the trait's rules](Driver#safety)).
+    unsafe fn event_destroy(&self, event: Event) -> CuResult<()>;
     /// `cuStreamQuery`: `Ok(true)` idle, `Ok(false)` for `CUDA_ERROR_NOT_READY`.
-    fn stream_query(&self, stream: Stream) -> CuResult<bool>;
+    ///
+    /// # Safety
+    ///
+    /// `stream` is 0 or a live stream of this driver ([the trait's rules](Driver#safety)).
+    unsafe fn stream_query(&self, stream: Stream) -> CuResult<bool>;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CuError;
+
+    #[test]
+    fn names_come_from_the_same_table_as_the_codes() {
+        assert_eq!(CuError::ILLEGAL_ADDRESS.0, 700);
+        assert_eq!(
+            CuError::ILLEGAL_ADDRESS.name(),
+            "CUDA_ERROR_ILLEGAL_ADDRESS"
+        );
+        assert_eq!(CuError::NOT_SUPPORTED.name(), "CUDA_ERROR_NOT_SUPPORTED");
+        assert_eq!(CuError(3).name(), "CUDA_ERROR_NOT_INITIALIZED");
+        assert_eq!(CuError(12345).name(), "CUresult");
+        assert_eq!(
+            CuError::OUT_OF_MEMORY.to_string(),
+            "CUDA_ERROR_OUT_OF_MEMORY (2)"
+        );
+    }
 }

@@ -9,10 +9,10 @@
 //! machine, [`DriverModel`] stands in for the driver with the VMM rules, events, context loss
 //! and fault injection, so the whole state machine runs in `cargo test`.
 //!
-//! After an error that means the context is gone (a sticky error such as
+//! After an error that means the context is lost (a sticky error such as
 //! `CUDA_ERROR_ILLEGAL_ADDRESS`, or `CUDA_ERROR_CONTEXT_IS_DESTROYED`), the backend makes no
 //! driver call at all: every call fails with [`Cause::ContextLost`] and
-//! [`Backend::context_gone`] is true, so the typed layer quarantines instead of calling, and
+//! [`Backend::context_lost`] is true, so the typed layer quarantines instead of calling, and
 //! residuals can be discharged with the proof.
 
 mod driver;
@@ -21,12 +21,12 @@ mod model;
 mod sys;
 
 pub use driver::{Context, CuError, CuResult, Driver, DriverCall, Event, Stream};
-pub use model::{DriverModel, ModelConfig};
+pub use model::{DriverModel, ModelConfig, ModelOutstanding};
 #[cfg(feature = "cuda")]
 pub use sys::SysDriver;
 
 use super::rules::Book;
-use super::{Access, Addr, Backend, BackendError, Cause, Op, Violation};
+use super::{Access, Addr, Backend, BackendError, Cause, Op, Violation, check_address_space, lock};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -79,7 +79,8 @@ pub enum CudaError {
 ///
 /// A committed allocation on it gives its `device_ptr()` for kernel arguments and
 /// `copy_from_host` / `copy_to_host` for copies; prefixes, mappings and page tables have copies
-/// too.///
+/// too.
+///
 /// Host slices are for host memory only: a CUDA token has no `as_slice`.
 ///
 /// ```compile_fail,E0599
@@ -102,7 +103,7 @@ pub struct CudaBackend<D: Driver> {
     lost: AtomicBool,
     /// What this backend handed out and the driver still holds: every call is checked against
     /// it before it reaches the driver, so no safe call can pass the driver a stale or foreign
-    /// handle (which the driver does not promise to survive).
+    /// handle (which the driver does not promise to survive: see [`Driver`'s rules](Driver#safety)).
     state: Mutex<CudaState>,
 }
 
@@ -119,14 +120,9 @@ struct CudaState {
     /// Scratch reservations of copy-on-write whose teardown failed: (address, length).
     /// Retried by the next copy and on drop.
     scratch: Vec<(u64, usize)>,
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-fn refused(op: Op, addr: Addr, len: usize, v: Violation) -> BackendError {
-    BackendError::new(op, addr, len, Cause::Violation(v))
+    /// Context retains taken by [`Backend::pin`] and not yet given back by [`Backend::unpin`]
+    /// (the retain taken when opening is not counted: it is given back on drop).
+    pins: u64,
 }
 
 impl<D: Driver> CudaBackend<D> {
@@ -146,9 +142,8 @@ impl<D: Driver> CudaBackend<D> {
             .primary_ctx_retain(device)
             .map_err(at(DriverCall::PrimaryCtxRetain))?;
         let opened = (|| {
-            driver
-                .ctx_set_current(ctx)
-                .map_err(at(DriverCall::CtxSetCurrent))?;
+            // SAFETY: `ctx` was retained just above from this driver and is not released.
+            unsafe { driver.ctx_set_current(ctx) }.map_err(at(DriverCall::CtxSetCurrent))?;
             let granularity = driver
                 .mem_get_allocation_granularity(device)
                 .map_err(at(DriverCall::MemGetAllocationGranularity))?;
@@ -162,7 +157,8 @@ impl<D: Driver> CudaBackend<D> {
             Err(e) => {
                 // No call into a context a sticky error took down.
                 if !matches!(e, CudaError::Driver { error, .. } if error.is_context_loss()) {
-                    let _ = driver.primary_ctx_release(device);
+                    // SAFETY: gives back the one retain taken just above, once.
+                    let _ = unsafe { driver.primary_ctx_release(device) };
                 }
                 return Err(e);
             }
@@ -181,6 +177,7 @@ impl<D: Driver> CudaBackend<D> {
                 retired: Vec::new(),
                 stuck: Vec::new(),
                 scratch: Vec::new(),
+                pins: 0,
             }),
         })
     }
@@ -188,11 +185,6 @@ impl<D: Driver> CudaBackend<D> {
     /// The device ordinal's `CUdevice`.
     pub fn device(&self) -> i32 {
         self.device
-    }
-
-    /// Whether the context was found lost: no driver call is made any more.
-    pub fn is_lost(&self) -> bool {
-        self.lost.load(Ordering::Acquire)
     }
 
     /// Locks the record and makes the context current, unless the context is lost. Calls hold
@@ -203,16 +195,17 @@ impl<D: Driver> CudaBackend<D> {
         addr: Addr,
         len: usize,
     ) -> Result<MutexGuard<'_, CudaState>, BackendError> {
-        if self.is_lost() {
+        if self.context_lost() {
             return Err(BackendError::new(op, addr, len, Cause::ContextLost));
         }
         let state = lock(&self.state);
-        if self.is_lost() {
+        if self.context_lost() {
             // Another thread found the loss while this one waited for the record.
             return Err(BackendError::new(op, addr, len, Cause::ContextLost));
         }
-        self.driver
-            .ctx_set_current(self.ctx)
+        // SAFETY: `self.ctx` was retained from this driver in `new` and is given back only in
+        // `drop`, so it is live.
+        unsafe { self.driver.ctx_set_current(self.ctx) }
             .map_err(|e| self.fail(op, addr, len, e))?;
         Ok(state)
     }
@@ -238,7 +231,8 @@ impl<D: Driver> CudaBackend<D> {
         write: bool,
     ) -> Result<(), BackendError> {
         let book = &s.book;
-        let not_mapped = || refused(op, addr, len, Violation::NotMapped { addr, len });
+        let not_mapped =
+            || BackendError::refused(op, addr, len, Violation::NotMapped { addr, len });
         let (mut at, end) = (addr, addr.checked_add(len).ok_or_else(not_mapped)?);
         if Self::overlaps(&s.stuck, addr, len) {
             return Err(not_mapped());
@@ -261,8 +255,9 @@ impl<D: Driver> CudaBackend<D> {
     pub fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
         let s = self.enter(Op::Copy, dst, src.len())?;
         Self::check_mapped(&s, Op::Copy, dst, src.len(), true)?;
-        self.driver
-            .memcpy_htod(dst as u64, src)
+        // SAFETY: `check_mapped` above proved every byte of the destination mapped read-write
+        // with access in the record, and the record's lock, held across the call, keeps it so.
+        unsafe { self.driver.memcpy_htod(dst as u64, src) }
             .map_err(|e| self.fail(Op::Copy, dst, src.len(), e))
     }
 
@@ -275,8 +270,9 @@ impl<D: Driver> CudaBackend<D> {
         let len = dst.len();
         let s = self.enter(Op::Copy, src, len)?;
         Self::check_mapped(&s, Op::Copy, src, len, false)?;
-        self.driver
-            .memcpy_dtoh(dst, src as u64)
+        // SAFETY: `check_mapped` above proved every byte of the source mapped with access in
+        // the record, and the record's lock, held across the call, keeps it so.
+        unsafe { self.driver.memcpy_dtoh(dst, src as u64) }
             .map_err(|e| self.fail(Op::Copy, src, len, e))
     }
 
@@ -293,7 +289,10 @@ impl<D: Driver> CudaBackend<D> {
         s.stuck = outside;
         let mut result = Ok(());
         for (ptr, size) in inside {
-            match self.driver.mem_unmap(ptr, size) {
+            // SAFETY: a range is in `s.stuck` only while the driver still holds it mapped
+            // exactly (a map whose rollback unmap failed, still in the book as mapped), and it
+            // leaves the list when unmapped; the record's lock is held.
+            match unsafe { self.driver.mem_unmap(ptr, size) } {
                 Ok(()) => s.book.apply_unmap(ptr as Addr, size),
                 Err(e) => {
                     s.stuck.push((ptr, size));
@@ -310,8 +309,17 @@ impl<D: Driver> CudaBackend<D> {
     /// Frees scratch reservations left by failed copies, unmapping them first if needed.
     fn sweep_scratch(&self, s: &mut CudaState) -> CuResult<()> {
         for (addr, span) in std::mem::take(&mut s.scratch) {
-            let unmapped = self.unstick(s, addr, addr + span as u64);
-            match unmapped.and_then(|()| self.driver.mem_address_free(addr, span)) {
+            let freed = self.unstick(s, addr, addr + span as u64).and_then(|()| {
+                if s.book.check_free(addr as Addr, span).is_err() {
+                    // Not expected (`map` refuses scratch ranges): kept, and tried again later.
+                    return Err(CuError::INVALID_VALUE);
+                }
+                // SAFETY: `check_free` just proved `[addr, addr + span)` exactly one live
+                // reservation of the record with nothing mapped in it (`unstick` unmapped the
+                // copy's mapping, if the copy left one).
+                unsafe { self.driver.mem_address_free(addr, span) }
+            });
+            match freed {
                 Ok(()) => s.book.apply_free(addr as Addr),
                 Err(e) => {
                     s.scratch.push((addr, span));
@@ -359,7 +367,8 @@ impl<D: Driver> Backend for CudaBackend<D> {
         let mut s = self.enter(Op::Reserve, 0, len)?;
         s.book
             .check_reserve(len)
-            .map_err(|v| refused(Op::Reserve, 0, len, v))?;
+            .map_err(|v| BackendError::refused(Op::Reserve, 0, len, v))?;
+        check_address_space(len, self.address_space())?;
         let ptr = self
             .driver
             .mem_address_reserve(len, self.granularity)
@@ -373,20 +382,18 @@ impl<D: Driver> Backend for CudaBackend<D> {
         let (start, end) = (addr as u64, (addr + len) as u64);
         if Self::overlaps(&s.scratch, addr, len) {
             // The backend's own scratch range: not the caller's to free.
-            return Err(refused(
-                Op::Free,
-                addr,
-                len,
-                Violation::NotReserved { addr, len },
-            ));
+            let v = Violation::NotReserved { addr, len };
+            return Err(BackendError::refused(Op::Free, addr, len, v));
         }
         self.unstick(&mut s, start, end)
             .map_err(|e| self.fail(Op::Free, addr, len, e))?;
         s.book
             .check_free(addr, len)
-            .map_err(|v| refused(Op::Free, addr, len, v))?;
-        self.driver
-            .mem_address_free(start, len)
+            .map_err(|v| BackendError::refused(Op::Free, addr, len, v))?;
+        // SAFETY: `s.book.check_free` above proved `[addr, addr + len)` exactly one live
+        // reservation of this driver with nothing mapped in it (`unstick` unmapped what a failed
+        // rollback had left there).
+        unsafe { self.driver.mem_address_free(start, len) }
             .map_err(|e| self.fail(Op::Free, addr, len, e))?;
         s.book.apply_free(addr);
         Ok(())
@@ -396,7 +403,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         let mut s = self.enter(Op::Create, 0, len)?;
         s.book
             .check_create(len)
-            .map_err(|v| refused(Op::Create, 0, len, v))?;
+            .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
         let handle = self
             .driver
             .mem_create(len, self.device)
@@ -409,9 +416,10 @@ impl<D: Driver> Backend for CudaBackend<D> {
         let mut s = self.enter(Op::Release, 0, len)?;
         s.book
             .check_release(phys.0, len)
-            .map_err(|v| refused(Op::Release, 0, len, v))?;
-        self.driver
-            .mem_release(phys.0)
+            .map_err(|v| BackendError::refused(Op::Release, 0, len, v))?;
+        // SAFETY: `s.book.check_release` above proved `phys` a handle this backend created
+        // through this driver and has not released.
+        unsafe { self.driver.mem_release(phys.0) }
             .map_err(|e| self.fail(Op::Release, 0, len, e))?;
         s.book.apply_release(phys.0);
         Ok(())
@@ -427,16 +435,23 @@ impl<D: Driver> Backend for CudaBackend<D> {
     ) -> Result<(), BackendError> {
         let mut s = self.enter(Op::Map, addr, len)?;
         let (ptr, fail) = (addr as u64, |e| self.fail(Op::Map, addr, len, e));
+        if Self::overlaps(&s.scratch, addr, len) {
+            // The backend's own scratch range, waiting to be freed: not the caller's to map.
+            let v = Violation::NotReserved { addr, len };
+            return Err(BackendError::refused(Op::Map, addr, len, v));
+        }
         self.unstick(&mut s, ptr, ptr + len as u64).map_err(fail)?;
         s.book
             .check_map(addr, len, phys.0, offset)
-            .map_err(|v| refused(Op::Map, addr, len, v))?;
-        self.driver
-            .mem_map(ptr, len, offset, phys.0)
-            .map_err(fail)?;
+            .map_err(|v| BackendError::refused(Op::Map, addr, len, v))?;
+        // SAFETY: `s.book.check_map` above proved `[addr, addr + len)` inside a live
+        // reservation with nothing mapped there, and `phys` a live handle with at least
+        // `offset + len` bytes.
+        unsafe { self.driver.mem_map(ptr, len, offset, phys.0) }.map_err(fail)?;
         s.book.apply_map(addr, len, phys.0, offset, access);
         let rw = access == Access::ReadWrite;
-        let Err(e) = self.driver.mem_set_access(ptr, len, self.device, rw) else {
+        // SAFETY: the range was mapped, exactly, just above.
+        let Err(e) = (unsafe { self.driver.mem_set_access(ptr, len, self.device, rw) }) else {
             return Ok(());
         };
         if e.is_context_loss() {
@@ -444,7 +459,8 @@ impl<D: Driver> Backend for CudaBackend<D> {
         }
         // Roll the map back: nothing stays mapped without its access. If even that fails, the
         // mapping is remembered and unmapped before its range is mapped again or freed.
-        match self.driver.mem_unmap(ptr, len) {
+        // SAFETY: the range was mapped, exactly, just above.
+        match unsafe { self.driver.mem_unmap(ptr, len) } {
             Ok(()) => s.book.apply_unmap(addr, len),
             Err(rollback) => {
                 s.stuck.push((ptr, len));
@@ -460,9 +476,10 @@ impl<D: Driver> Backend for CudaBackend<D> {
         let mut s = self.enter(Op::Unmap, addr, len)?;
         s.book
             .check_unmap(addr, len)
-            .map_err(|v| refused(Op::Unmap, addr, len, v))?;
-        self.driver
-            .mem_unmap(addr as u64, len)
+            .map_err(|v| BackendError::refused(Op::Unmap, addr, len, v))?;
+        // SAFETY: `s.book.check_unmap` above proved `[addr, addr + len)` exactly covered by
+        // whole live mappings.
+        unsafe { self.driver.mem_unmap(addr as u64, len) }
             .map_err(|e| self.fail(Op::Unmap, addr, len, e))?;
         s.book.apply_unmap(addr, len);
         let (start, end) = (addr as u64, (addr + len) as u64);
@@ -482,10 +499,10 @@ impl<D: Driver> Backend for CudaBackend<D> {
         self.sweep_scratch(&mut s).map_err(fail)?;
         s.book
             .check_copy(phys.0, offset, src, len)
-            .map_err(|v| refused(Op::Copy, src, len, v))?;
+            .map_err(|v| BackendError::refused(Op::Copy, src, len, v))?;
         if Self::overlaps(&s.stuck, src, len) {
             let v = Violation::NotMapped { addr: src, len };
-            return Err(refused(Op::Copy, src, len, v));
+            return Err(BackendError::refused(Op::Copy, src, len, v));
         }
         // Map `offset + len` bytes of the handle from its start at a scratch range, copy, and
         // take the scratch range down again.
@@ -495,11 +512,14 @@ impl<D: Driver> Backend for CudaBackend<D> {
             .mem_address_reserve(span, self.granularity)
             .map_err(fail)?;
         s.book.apply_reserve(scratch as Addr, span);
-        if let Err(e) = d.mem_map(scratch, span, 0, phys.0) {
+        // SAFETY: `scratch` is a reservation of `span` bytes made just above, nothing mapped in
+        // it; `s.book.check_copy` above proved `phys` live with at least `offset + len` bytes.
+        if let Err(e) = unsafe { d.mem_map(scratch, span, 0, phys.0) } {
             if e.is_context_loss() {
                 return Err(fail(e));
             }
-            match d.mem_address_free(scratch, span) {
+            // SAFETY: the fresh scratch reservation, exactly, with nothing mapped in it.
+            match unsafe { d.mem_address_free(scratch, span) } {
                 Ok(()) => s.book.apply_free(scratch as Addr),
                 Err(freed) if freed.is_context_loss() => return Err(fail(freed)),
                 Err(_) => s.scratch.push((scratch, span)),
@@ -509,19 +529,26 @@ impl<D: Driver> Backend for CudaBackend<D> {
         s.book
             .apply_map(scratch as Addr, span, phys.0, 0, Access::ReadWrite);
         // The copy is asynchronous: wait for it before the scratch mapping goes.
-        let copied = d
-            .mem_set_access(scratch, span, self.device, true)
-            .and_then(|()| d.memcpy_dtod(scratch + offset as u64, src as u64, len))
-            .and_then(|()| d.ctx_synchronize());
+        // SAFETY: the scratch range was mapped, exactly, just above, and is given read-write
+        // access before the copy writes to it; `s.book.check_copy` above proved every byte of
+        // the source mapped, and the `s.stuck` check that it has access; the lock keeps both
+        // mapped, and `ctx_synchronize` waits for the copy before the scratch range is unmapped.
+        let copied = unsafe {
+            d.mem_set_access(scratch, span, self.device, true)
+                .and_then(|()| d.memcpy_dtod(scratch + offset as u64, src as u64, len))
+        }
+        .and_then(|()| d.ctx_synchronize());
         if let Err(e) = copied
             && e.is_context_loss()
         {
             return Err(fail(e));
         }
-        match d.mem_unmap(scratch, span) {
+        // SAFETY: the scratch range was mapped, exactly, above, and nothing else unmapped it.
+        match unsafe { d.mem_unmap(scratch, span) } {
             Ok(()) => {
                 s.book.apply_unmap(scratch as Addr, span);
-                match d.mem_address_free(scratch, span) {
+                // SAFETY: the scratch reservation, exactly, its one mapping just unmapped.
+                match unsafe { d.mem_address_free(scratch, span) } {
                     Ok(()) => s.book.apply_free(scratch as Addr),
                     Err(e) if e.is_context_loss() => return Err(fail(e)),
                     Err(_) => s.scratch.push((scratch, span)),
@@ -549,12 +576,17 @@ impl<D: Driver> Backend for CudaBackend<D> {
             }
         };
         s.events.insert(event);
-        match self.driver.event_record(event, self.stream) {
+        // SAFETY: `event` was created just above by this driver; `self.stream` is 0, the
+        // legacy default stream, which always exists.
+        match unsafe { self.driver.event_record(event, self.stream) } {
             Ok(()) => CudaFence(Some(event)),
             Err(e) => {
                 let _ = self.fail(Op::Fence, 0, 0, e);
-                if !self.is_lost() {
-                    match self.driver.event_destroy(event) {
+                if !self.context_lost() {
+                    // SAFETY: `event` was created just above and is destroyed here once (it
+                    // leaves `s.events` when destroyed, or goes to `s.retired` to be tried
+                    // again, never both).
+                    match unsafe { self.driver.event_destroy(event) } {
                         Ok(()) => {
                             s.events.remove(&event);
                         }
@@ -572,17 +604,20 @@ impl<D: Driver> Backend for CudaBackend<D> {
     fn fence_done(&self, fence: &CudaFence) -> bool {
         // Lost: nothing runs any more; the teardown that follows sees the loss and calls nothing.
         let Ok(s) = self.enter(Op::Fence, 0, 0) else {
-            return self.is_lost();
+            return self.context_lost();
         };
         let done = match fence.0 {
-            Some(event) if s.events.contains(&event) => self.driver.event_query(event),
+            // SAFETY: `s.events.contains` proved `event` created by this driver and not yet
+            // destroyed (events leave the set when destroyed).
+            Some(event) if s.events.contains(&event) => unsafe { self.driver.event_query(event) },
             Some(_) => Ok(true), // not this backend's event: nothing of ours to wait for
-            None => self.driver.stream_query(self.stream),
+            // SAFETY: `self.stream` is 0, the legacy default stream, which always exists.
+            None => unsafe { self.driver.stream_query(self.stream) },
         };
         // A failed query is asked again at the next poll, unless it revealed the loss.
         done.unwrap_or_else(|e| {
             let _ = self.fail(Op::Fence, 0, 0, e);
-            self.is_lost()
+            self.context_lost()
         })
     }
 
@@ -592,16 +627,22 @@ impl<D: Driver> Backend for CudaBackend<D> {
         };
         // This fence's event (if it is one of ours), and any whose destruction failed before.
         let mut retiring = std::mem::take(&mut s.retired);
-        retiring.extend(fence.0.filter(|e| s.events.contains(e)));
-        while let Some(event) = retiring.pop() {
-            match self.driver.event_destroy(event) {
+        retiring.extend(fence.0);
+        for event in retiring {
+            if !s.events.contains(&event) {
+                continue; // not this backend's event, or already destroyed
+            }
+            // SAFETY: `s.events.contains` just proved `event` created by this driver and not
+            // yet destroyed (it leaves the set as soon as it is, so an event named twice, as a
+            // foreign fence could, is destroyed once).
+            match unsafe { self.driver.event_destroy(event) } {
                 Ok(()) => {
                     s.events.remove(&event);
                 }
                 Err(e) => {
                     s.retired.push(event);
                     let _ = self.fail(Op::Fence, 0, 0, e);
-                    if self.is_lost() {
+                    if self.context_lost() {
                         return;
                     }
                 }
@@ -610,22 +651,29 @@ impl<D: Driver> Backend for CudaBackend<D> {
     }
 
     fn pin(&self) -> Result<(), BackendError> {
-        let _s = self.enter(Op::Pin, 0, 0)?;
+        let mut s = self.enter(Op::Pin, 0, 0)?;
         self.driver
             .primary_ctx_retain(self.device)
-            .map(drop)
-            .map_err(|e| self.fail(Op::Pin, 0, 0, e))
+            .map_err(|e| self.fail(Op::Pin, 0, 0, e))?;
+        s.pins += 1;
+        Ok(())
     }
 
     fn unpin(&self) -> Result<(), BackendError> {
-        let _s = self.enter(Op::Unpin, 0, 0)?;
-        self.driver
-            .primary_ctx_release(self.device)
-            .map_err(|e| self.fail(Op::Unpin, 0, 0, e))
+        let mut s = self.enter(Op::Unpin, 0, 0)?;
+        if s.pins == 0 {
+            return Err(BackendError::refused(Op::Unpin, 0, 0, Violation::NotPinned));
+        }
+        // SAFETY: `s.pins` above proved a retain taken by `pin` not yet given back; this gives
+        // back that one (the retain taken when opening is not counted in it).
+        unsafe { self.driver.primary_ctx_release(self.device) }
+            .map_err(|e| self.fail(Op::Unpin, 0, 0, e))?;
+        s.pins -= 1;
+        Ok(())
     }
 
-    fn context_gone(&self) -> bool {
-        self.is_lost()
+    fn context_lost(&self) -> bool {
+        self.lost.load(Ordering::Acquire)
     }
 }
 
@@ -641,16 +689,93 @@ impl<D: Driver> Drop for CudaBackend<D> {
             }
             let events: Vec<Event> = s.events.drain().collect();
             for event in events {
-                if self.is_lost() {
+                if self.context_lost() {
                     break;
                 }
-                if let Err(e) = self.driver.event_destroy(event) {
+                // SAFETY: `s.events` held exactly the events this driver created for this
+                // backend and that are not destroyed; draining it destroys each once.
+                if let Err(e) = unsafe { self.driver.event_destroy(event) } {
                     let _ = self.fail(Op::Fence, 0, 0, e);
                 }
             }
         }
-        if !self.is_lost() {
-            let _ = self.driver.primary_ctx_release(self.device);
+        if !self.context_lost() {
+            // SAFETY: gives back the retain `new` took, once: `drop` runs once, and `unpin`
+            // gives back only the retains `pin` took.
+            let _ = unsafe { self.driver.primary_ctx_release(self.device) };
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn open(model: &DriverModel) -> CudaBackend<DriverModel> {
+        CudaBackend::new(model.clone(), 0).unwrap()
+    }
+
+    #[test]
+    fn an_unpin_without_a_pin_is_refused_and_keeps_the_backends_own_retain() {
+        let model = DriverModel::default();
+        let backend = open(&model);
+        let e = backend.unpin().unwrap_err();
+        assert_eq!(e.cause, Cause::Violation(Violation::NotPinned));
+        assert_eq!(model.outstanding().retains, 1);
+        backend.pin().unwrap();
+        backend.unpin().unwrap();
+        assert_eq!(model.outstanding().retains, 1);
+        drop(backend);
+        assert_eq!(model.outstanding().retains, 0);
+    }
+
+    #[test]
+    fn a_reservation_past_the_address_space_is_exhausted_before_the_driver() {
+        let model = DriverModel::default();
+        let backend = open(&model);
+        let g = backend.granularity();
+        let len = (backend.address_space() + g) & !(g - 1);
+        let e = backend.reserve(len).unwrap_err();
+        assert!(matches!(e.cause, Cause::Exhausted { .. }), "{e}");
+        assert_eq!(model.count(DriverCall::MemAddressReserve), 0);
+    }
+
+    #[test]
+    fn an_event_named_twice_at_retirement_is_destroyed_once() {
+        let model = DriverModel::default();
+        let backend = open(&model);
+        let fence = backend.fence();
+        let event = fence.0.expect("recorded");
+        model.fail_nth(DriverCall::EventDestroy, 1, CuError::INVALID_VALUE);
+        backend.retire_fence(fence); // fails: the event waits in `retired`
+        assert_eq!(model.outstanding().events, 1);
+        // A fence naming the same event (as a foreign one could) retires it once, not twice.
+        backend.retire_fence(CudaFence(Some(event)));
+        assert_eq!(model.outstanding().events, 0);
+        assert_eq!(model.count(DriverCall::EventDestroy), 2);
+    }
+
+    #[test]
+    fn a_scratch_range_waiting_to_be_freed_is_not_the_callers_to_map() {
+        let model = DriverModel::default();
+        let backend = open(&model);
+        let g = backend.granularity();
+        let (addr, src) = (backend.reserve(g).unwrap(), backend.create(g).unwrap());
+        backend.map(addr, g, src, 0, Access::ReadWrite).unwrap();
+        let dst = backend.create(g).unwrap();
+        model.fail_nth(DriverCall::MemAddressFree, 1, CuError::INVALID_VALUE);
+        backend.copy_into_phys(dst, 0, addr, g).unwrap();
+        let (scratch, span) = lock(&backend.state).scratch[0];
+        let e = backend
+            .map(scratch as Addr, span, dst, 0, Access::ReadWrite)
+            .unwrap_err();
+        assert!(
+            matches!(e.cause, Cause::Violation(Violation::NotReserved { .. })),
+            "{e}"
+        );
+        // The next copy frees the scratch range.
+        backend.copy_into_phys(dst, 0, addr, g).unwrap();
+        assert!(lock(&backend.state).scratch.is_empty());
+        assert_eq!(model.outstanding().reservations, 1);
     }
 }

@@ -2,17 +2,18 @@
 //! machine runs in `cargo test` on any machine.
 
 use super::driver::{Context, CuError, CuResult, Driver, DriverCall, Event, Stream};
+use crate::backend::faults::FaultPlan;
 use crate::backend::rules::Book;
-use crate::backend::{Access, Addr};
+use crate::backend::{Access, Addr, ConfigError, lock};
 use std::collections::{BTreeSet, HashMap};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Settings of a [`DriverModel`].
 #[derive(Clone, Debug)]
 pub struct ModelConfig {
-    /// Recommended allocation granularity. Default: 2 MiB.
+    /// Recommended allocation granularity: a power of two. Default: 2 MiB.
     pub granularity: usize,
-    /// Device memory. Default: 16 GiB (modelled: bytes are kept only where written).
+    /// Device memory: not zero. Default: 16 GiB (modelled: bytes are kept only where written).
     pub total_mem: usize,
     /// Whether recorded events complete at once. Default: true.
     pub events_complete_at_once: bool,
@@ -28,11 +29,26 @@ impl Default for ModelConfig {
     }
 }
 
-#[derive(Clone, Copy, Debug)]
-struct Plan {
-    at: u64,
-    error: CuError,
-    persistent: bool,
+/// What the driver model holds right now (see [`DriverModel::outstanding`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ModelOutstanding {
+    /// Live reservations.
+    pub reservations: usize,
+    /// Bytes of physical memory not yet given back (released handles still mapped included).
+    pub physical_bytes: usize,
+    /// Live mappings.
+    pub mappings: usize,
+    /// Live events.
+    pub events: usize,
+    /// Retains of the primary context not yet released.
+    pub retains: u32,
+}
+
+impl ModelOutstanding {
+    /// True when the model holds nothing at all.
+    pub fn is_zero(&self) -> bool {
+        *self == Self::default()
+    }
 }
 
 #[derive(Debug)]
@@ -53,8 +69,8 @@ struct ModelState {
     submitted: u64,
     completed: u64,
     log: Vec<DriverCall>,
-    counts: HashMap<DriverCall, u64>,
-    plans: HashMap<DriverCall, Plan>,
+    /// Calls counted (not those after the loss) and planned failures.
+    faults: FaultPlan<DriverCall, CuError>,
 }
 
 /// A strict model of the CUDA driver's VMM rules, events and context.
@@ -86,7 +102,14 @@ fn misuse(call: DriverCall, what: impl std::fmt::Display) -> ! {
 
 impl DriverModel {
     /// A model with `config`.
-    pub fn new(config: ModelConfig) -> Self {
+    ///
+    /// # Errors
+    ///
+    /// A [`ConfigError`] naming the setting if the granularity is not a power of two or the
+    /// device memory is zero.
+    pub fn new(config: ModelConfig) -> Result<Self, ConfigError> {
+        ConfigError::check_granularity(config.granularity)?;
+        ConfigError::check_positive("device memory", config.total_mem as u64)?;
         let state = ModelState {
             initialized: false,
             retains: 0,
@@ -103,46 +126,40 @@ impl DriverModel {
             submitted: 0,
             completed: 0,
             log: Vec::new(),
-            counts: HashMap::new(),
-            plans: HashMap::new(),
+            faults: FaultPlan::default(),
         };
-        Self {
+        Ok(Self {
             config: Arc::new(config),
             state: Arc::new(Mutex::new(state)),
-        }
+        })
     }
 
     fn state(&self) -> MutexGuard<'_, ModelState> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        lock(&self.state)
     }
 
-    /// Fails the `n`th call of kind `call` from now with `error`, once (one plan per kind).
+    /// Fails the `n`th call of kind `call` from now (`n = 1`: the next one) with `error`, once.
+    /// Each kind has one plan at a time: a new plan for the same kind replaces the previous one.
+    ///
+    /// # Panics
+    ///
+    /// If `n` is zero.
     pub fn fail_nth(&self, call: DriverCall, n: u64, error: CuError) {
-        self.plan(call, n, error, false);
+        self.state().faults.plan(call, n, error, false);
     }
 
     /// Fails the `n`th call of kind `call` from now and all later ones, until [`clear`](Self::clear).
+    ///
+    /// # Panics
+    ///
+    /// If `n` is zero.
     pub fn fail_from(&self, call: DriverCall, n: u64, error: CuError) {
-        self.plan(call, n, error, true);
-    }
-
-    fn plan(&self, call: DriverCall, n: u64, error: CuError, persistent: bool) {
-        assert!(n >= 1, "calls are counted from 1");
-        let mut s = self.state();
-        let at = s.counts.get(&call).copied().unwrap_or(0) + n;
-        s.plans.insert(
-            call,
-            Plan {
-                at,
-                error,
-                persistent,
-            },
-        );
+        self.state().faults.plan(call, n, error, true);
     }
 
     /// Removes every planned failure.
     pub fn clear(&self) {
-        self.state().plans.clear();
+        self.state().faults.clear();
     }
 
     /// The context is lost (as after an illegal address in a kernel).
@@ -171,15 +188,22 @@ impl DriverModel {
         self.state().log.clone()
     }
 
-    /// Calls of kind `call` received so far.
+    /// Calls of kind `call` received so far (not counting those after the context was lost).
     pub fn count(&self, call: DriverCall) -> u64 {
-        self.state().counts.get(&call).copied().unwrap_or(0)
+        self.state().faults.calls(call)
     }
 
-    /// Live reservations, physical allocations' bytes, mapped ranges, events, context retains.
-    pub fn outstanding(&self) -> (usize, usize, usize, u32) {
+    /// What the model holds right now: reservations, physical bytes, mappings, events and
+    /// context retains.
+    pub fn outstanding(&self) -> ModelOutstanding {
         let s = self.state();
-        (s.book.reservations(), s.used, s.events.len(), s.retains)
+        ModelOutstanding {
+            reservations: s.book.reservations(),
+            physical_bytes: s.used,
+            mappings: s.book.mappings(),
+            events: s.events.len(),
+            retains: s.retains,
+        }
     }
 
     /// Logs a call, fails it if planned or if the context is lost, and checks that a context is
@@ -191,21 +215,11 @@ impl DriverModel {
             return Err(CuError::CONTEXT_IS_DESTROYED);
         }
         s.log.push(call);
-        let n = {
-            let c = s.counts.entry(call).or_insert(0);
-            *c += 1;
-            *c
-        };
-        if let Some(p) = s.plans.get(&call).copied()
-            && (n == p.at || (p.persistent && n > p.at))
-        {
-            if !p.persistent {
-                s.plans.remove(&call);
+        if let Err(fault) = s.faults.enter(call) {
+            if fault.error.is_context_loss() {
+                s.lost = true; // a sticky error: the context is lost from this call on
             }
-            if p.error.is_context_loss() {
-                s.lost = true; // a sticky error: the context is gone from this call on
-            }
-            return Err(p.error);
+            return Err(fault.error);
         }
         if call != DriverCall::Init && !s.initialized {
             misuse(call, "cuInit was not called");
@@ -264,13 +278,15 @@ impl DriverModel {
 
 impl Default for DriverModel {
     fn default() -> Self {
-        Self::new(ModelConfig::default())
+        Self::new(ModelConfig::default()).expect("the default settings are valid")
     }
 }
 
 /// The model's only context.
 const CTX: Context = 0xc0de;
 
+// The `unsafe fn`s need no `unsafe` here: the model checks every value it is given and panics on
+// one the real driver would not survive.
 impl Driver for DriverModel {
     fn init(&self) -> CuResult<()> {
         self.enter(DriverCall::Init, false)?.initialized = true;
@@ -300,7 +316,7 @@ impl Driver for DriverModel {
         Ok(CTX)
     }
 
-    fn primary_ctx_release(&self, _device: i32) -> CuResult<()> {
+    unsafe fn primary_ctx_release(&self, _device: i32) -> CuResult<()> {
         let mut s = self.enter(DriverCall::PrimaryCtxRelease, false)?;
         if s.retains == 0 {
             misuse(
@@ -315,7 +331,7 @@ impl Driver for DriverModel {
         Ok(())
     }
 
-    fn ctx_set_current(&self, ctx: Context) -> CuResult<()> {
+    unsafe fn ctx_set_current(&self, ctx: Context) -> CuResult<()> {
         let mut s = self.enter(DriverCall::CtxSetCurrent, false)?;
         if ctx != CTX || s.retains == 0 {
             misuse(DriverCall::CtxSetCurrent, "not a live context");
@@ -341,7 +357,7 @@ impl Driver for DriverModel {
         Ok(addr as u64)
     }
 
-    fn mem_address_free(&self, ptr: u64, size: usize) -> CuResult<()> {
+    unsafe fn mem_address_free(&self, ptr: u64, size: usize) -> CuResult<()> {
         let call = DriverCall::MemAddressFree;
         let mut s = self.enter(call, true)?;
         Self::check(call, s.book.check_free(ptr as Addr, size));
@@ -366,7 +382,7 @@ impl Driver for DriverModel {
         Ok(handle)
     }
 
-    fn mem_release(&self, handle: u64) -> CuResult<()> {
+    unsafe fn mem_release(&self, handle: u64) -> CuResult<()> {
         let call = DriverCall::MemRelease;
         let mut s = self.enter(call, true)?;
         let Some(len) = s.book.phys_len(handle) else {
@@ -382,7 +398,7 @@ impl Driver for DriverModel {
         Ok(())
     }
 
-    fn mem_map(&self, ptr: u64, size: usize, offset: usize, handle: u64) -> CuResult<()> {
+    unsafe fn mem_map(&self, ptr: u64, size: usize, offset: usize, handle: u64) -> CuResult<()> {
         let call = DriverCall::MemMap;
         let mut s = self.enter(call, true)?;
         Self::check(call, s.book.check_map(ptr as Addr, size, handle, offset));
@@ -392,7 +408,13 @@ impl Driver for DriverModel {
         Ok(())
     }
 
-    fn mem_set_access(&self, ptr: u64, size: usize, device: i32, read_write: bool) -> CuResult<()> {
+    unsafe fn mem_set_access(
+        &self,
+        ptr: u64,
+        size: usize,
+        device: i32,
+        read_write: bool,
+    ) -> CuResult<()> {
         let call = DriverCall::MemSetAccess;
         let mut s = self.enter(call, true)?;
         if device != 0 {
@@ -412,7 +434,7 @@ impl Driver for DriverModel {
         Ok(())
     }
 
-    fn mem_unmap(&self, ptr: u64, size: usize) -> CuResult<()> {
+    unsafe fn mem_unmap(&self, ptr: u64, size: usize) -> CuResult<()> {
         let call = DriverCall::MemUnmap;
         let mut s = self.enter(call, true)?;
         let (addr, end) = (ptr as Addr, ptr as Addr + size);
@@ -430,7 +452,7 @@ impl Driver for DriverModel {
         Ok(())
     }
 
-    fn memcpy_dtod(&self, dst: u64, src: u64, size: usize) -> CuResult<()> {
+    unsafe fn memcpy_dtod(&self, dst: u64, src: u64, size: usize) -> CuResult<()> {
         let call = DriverCall::MemcpyDtoD;
         let mut s = self.enter(call, true)?;
         let mut bytes = Vec::with_capacity(size);
@@ -452,7 +474,7 @@ impl Driver for DriverModel {
         Ok(())
     }
 
-    fn memcpy_htod(&self, dst: u64, src: &[u8]) -> CuResult<()> {
+    unsafe fn memcpy_htod(&self, dst: u64, src: &[u8]) -> CuResult<()> {
         let call = DriverCall::MemcpyHtoD;
         let mut s = self.enter(call, true)?;
         let mut at = 0;
@@ -464,7 +486,7 @@ impl Driver for DriverModel {
         Ok(())
     }
 
-    fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> CuResult<()> {
+    unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> CuResult<()> {
         let call = DriverCall::MemcpyDtoH;
         let s = self.enter(call, true)?;
         let mut at = 0;
@@ -483,7 +505,7 @@ impl Driver for DriverModel {
         Ok(event)
     }
 
-    fn event_record(&self, event: Event, stream: Stream) -> CuResult<()> {
+    unsafe fn event_record(&self, event: Event, stream: Stream) -> CuResult<()> {
         let call = DriverCall::EventRecord;
         let mut s = self.enter(call, true)?;
         if stream != 0 {
@@ -500,7 +522,7 @@ impl Driver for DriverModel {
         Ok(())
     }
 
-    fn event_query(&self, event: Event) -> CuResult<bool> {
+    unsafe fn event_query(&self, event: Event) -> CuResult<bool> {
         let call = DriverCall::EventQuery;
         let s = self.enter(call, true)?;
         match s.events.get(&event) {
@@ -510,7 +532,7 @@ impl Driver for DriverModel {
         }
     }
 
-    fn event_destroy(&self, event: Event) -> CuResult<()> {
+    unsafe fn event_destroy(&self, event: Event) -> CuResult<()> {
         let call = DriverCall::EventDestroy;
         let mut s = self.enter(call, true)?;
         if s.events.remove(&event).is_none() {
@@ -519,12 +541,87 @@ impl Driver for DriverModel {
         Ok(())
     }
 
-    fn stream_query(&self, stream: Stream) -> CuResult<bool> {
+    unsafe fn stream_query(&self, stream: Stream) -> CuResult<bool> {
         let call = DriverCall::StreamQuery;
         let s = self.enter(call, true)?;
         if stream != 0 {
             misuse(call, "unknown stream");
         }
         Ok(s.completed == s.submitted)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bad_configuration_is_an_error_not_a_panic() {
+        let e = DriverModel::new(ModelConfig {
+            granularity: 3 << 20,
+            ..ModelConfig::default()
+        })
+        .unwrap_err();
+        assert!(
+            matches!(e, ConfigError::GranularityNotPowerOfTwo { .. }),
+            "{e}"
+        );
+        let e = DriverModel::new(ModelConfig {
+            total_mem: 0,
+            ..ModelConfig::default()
+        })
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ConfigError::Zero {
+                    what: "device memory"
+                }
+            ),
+            "{e}"
+        );
+        assert!(e.to_string().contains("device memory is zero"), "{e}");
+    }
+
+    #[test]
+    fn outstanding_names_what_the_model_holds() {
+        let model = DriverModel::default();
+        model.init().unwrap();
+        let ctx = model.primary_ctx_retain(0).unwrap();
+        // SAFETY: `ctx` was just retained from this model.
+        unsafe { model.ctx_set_current(ctx) }.unwrap();
+        let g = model.config.granularity;
+        let ptr = model.mem_address_reserve(2 * g, g).unwrap();
+        let handle = model.mem_create(g, 0).unwrap();
+        // SAFETY: the first granule of the fresh reservation is unmapped; `handle` is live and
+        // one granule long.
+        unsafe { model.mem_map(ptr, g, 0, handle) }.unwrap();
+        let event = model.event_create().unwrap();
+        let held = model.outstanding();
+        assert_eq!(
+            held,
+            ModelOutstanding {
+                reservations: 1,
+                physical_bytes: g,
+                mappings: 1,
+                events: 1,
+                retains: 1,
+            }
+        );
+        // SAFETY: each value was made above by this model and is given back once, the mapping
+        // before its handle's memory and reservation, the retain last.
+        unsafe {
+            model.event_destroy(event).unwrap();
+            model.mem_release(handle).unwrap();
+            assert_eq!(
+                model.outstanding().physical_bytes,
+                g,
+                "released while mapped"
+            );
+            model.mem_unmap(ptr, g).unwrap();
+            model.mem_address_free(ptr, 2 * g).unwrap();
+            model.primary_ctx_release(0).unwrap();
+        }
+        assert!(model.outstanding().is_zero());
     }
 }

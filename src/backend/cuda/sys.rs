@@ -5,10 +5,10 @@ use super::driver::{Context, CuError, CuResult, Driver, Event, Stream};
 use cudarc::driver::sys;
 
 /// The real CUDA driver, loaded at run time by `cudarc`. Only [`CudaBackend::open`](super::CudaBackend::open)
-/// makes one, after checking that the library is present (calling into a missing one panics);
-/// and only the backend calls it, with handles checked against its record: the driver does not
-/// promise to survive a stale or foreign handle, so its methods must not be reachable with
-/// arbitrary values from safe code.
+/// makes one, after checking that the library is present (calling into a missing one panics).
+/// The driver does not promise to survive a stale or foreign handle, so every method that takes
+/// one is an `unsafe fn` whose contract is [`Driver`'s](Driver#safety); the backend upholds it
+/// by checking each handle against its record before the call.
 #[derive(Debug)]
 pub struct SysDriver(());
 
@@ -70,8 +70,10 @@ impl SysDriver {
 }
 
 // Every call below passes plain values, or pointers to locals that live across the call, to a
-// driver library that `load` proved present. Handles come from the CUDA backend, which passes
-// only those it created and has not released (it checks each against its record first).
+// driver library that `load` proved present. Handles, pointers, events and streams are passed
+// only by the `unsafe fn`s, whose callers promise `Driver`'s rules: each value comes from this
+// driver and is still live, each range is inside a live reservation or mapping as the call
+// requires.
 impl Driver for SysDriver {
     fn init(&self) -> CuResult<()> {
         // SAFETY: see above.
@@ -99,13 +101,13 @@ impl Driver for SysDriver {
         Ok(ctx as Context)
     }
 
-    fn primary_ctx_release(&self, device: i32) -> CuResult<()> {
-        // SAFETY: see above.
+    unsafe fn primary_ctx_release(&self, device: i32) -> CuResult<()> {
+        // SAFETY: the caller gives back a retain it took (`Driver`'s rules).
         check(unsafe { sys::cuDevicePrimaryCtxRelease_v2(device) })
     }
 
-    fn ctx_set_current(&self, ctx: Context) -> CuResult<()> {
-        // SAFETY: `ctx` came from `primary_ctx_retain` and is still retained by the backend.
+    unsafe fn ctx_set_current(&self, ctx: Context) -> CuResult<()> {
+        // SAFETY: the caller passes a context from `primary_ctx_retain` that is still retained.
         check(unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) })
     }
 
@@ -124,8 +126,8 @@ impl Driver for SysDriver {
         Ok(ptr)
     }
 
-    fn mem_address_free(&self, ptr: u64, size: usize) -> CuResult<()> {
-        // SAFETY: see above.
+    unsafe fn mem_address_free(&self, ptr: u64, size: usize) -> CuResult<()> {
+        // SAFETY: the caller passes exactly one live reservation with nothing mapped in it.
         check(unsafe { sys::cuMemAddressFree(ptr, size) })
     }
 
@@ -136,17 +138,24 @@ impl Driver for SysDriver {
         Ok(handle)
     }
 
-    fn mem_release(&self, handle: u64) -> CuResult<()> {
-        // SAFETY: see above.
+    unsafe fn mem_release(&self, handle: u64) -> CuResult<()> {
+        // SAFETY: the caller passes a live handle of this driver.
         check(unsafe { sys::cuMemRelease(handle) })
     }
 
-    fn mem_map(&self, ptr: u64, size: usize, offset: usize, handle: u64) -> CuResult<()> {
-        // SAFETY: see above.
+    unsafe fn mem_map(&self, ptr: u64, size: usize, offset: usize, handle: u64) -> CuResult<()> {
+        // SAFETY: the caller passes an unmapped range of a live reservation and a live handle
+        // long enough for it.
         check(unsafe { sys::cuMemMap(ptr, size, offset, handle, 0) })
     }
 
-    fn mem_set_access(&self, ptr: u64, size: usize, device: i32, read_write: bool) -> CuResult<()> {
+    unsafe fn mem_set_access(
+        &self,
+        ptr: u64,
+        size: usize,
+        device: i32,
+        read_write: bool,
+    ) -> CuResult<()> {
         let flags = if read_write {
             sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
         } else {
@@ -156,17 +165,18 @@ impl Driver for SysDriver {
             location: location(device),
             flags,
         };
-        // SAFETY: `desc` outlives the call; one descriptor is passed.
+        // SAFETY: `desc` outlives the call; one descriptor is passed; the caller passes a range
+        // exactly covered by live mappings.
         check(unsafe { sys::cuMemSetAccess(ptr, size, &desc, 1) })
     }
 
-    fn mem_unmap(&self, ptr: u64, size: usize) -> CuResult<()> {
-        // SAFETY: see above.
+    unsafe fn mem_unmap(&self, ptr: u64, size: usize) -> CuResult<()> {
+        // SAFETY: the caller passes a range exactly covered by live mappings.
         check(unsafe { sys::cuMemUnmap(ptr, size) })
     }
 
-    fn memcpy_dtod(&self, dst: u64, src: u64, size: usize) -> CuResult<()> {
-        // SAFETY: see above.
+    unsafe fn memcpy_dtod(&self, dst: u64, src: u64, size: usize) -> CuResult<()> {
+        // SAFETY: the caller keeps both ranges mapped with access until the copy is done.
         check(unsafe { sys::cuMemcpyDtoD_v2(dst, src, size) })
     }
 
@@ -175,13 +185,15 @@ impl Driver for SysDriver {
         check(unsafe { sys::cuCtxSynchronize() })
     }
 
-    fn memcpy_htod(&self, dst: u64, src: &[u8]) -> CuResult<()> {
-        // SAFETY: `src` is valid for `src.len()` bytes for the whole (synchronous) call.
+    unsafe fn memcpy_htod(&self, dst: u64, src: &[u8]) -> CuResult<()> {
+        // SAFETY: `src` is valid for `src.len()` bytes for the whole (synchronous) call; the
+        // caller passes a destination mapped read-write.
         check(unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len()) })
     }
 
-    fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> CuResult<()> {
-        // SAFETY: `dst` is valid for writes of `dst.len()` bytes for the whole (synchronous) call.
+    unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> CuResult<()> {
+        // SAFETY: `dst` is valid for writes of `dst.len()` bytes for the whole (synchronous)
+        // call; the caller passes a source mapped readable.
         check(unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len()) })
     }
 
@@ -193,23 +205,23 @@ impl Driver for SysDriver {
         Ok(event as Event)
     }
 
-    fn event_record(&self, event: Event, stream: Stream) -> CuResult<()> {
-        // SAFETY: `event` came from `event_create` and is not destroyed; `stream` is 0 (the
-        // legacy default stream) or a stream the backend owns.
+    unsafe fn event_record(&self, event: Event, stream: Stream) -> CuResult<()> {
+        // SAFETY: the caller passes an event from `event_create` that is not destroyed, and
+        // stream 0 (the legacy default stream) or a live stream it owns.
         check(unsafe { sys::cuEventRecord(event as sys::CUevent, stream as sys::CUstream) })
     }
 
-    fn event_query(&self, event: Event) -> CuResult<bool> {
+    unsafe fn event_query(&self, event: Event) -> CuResult<bool> {
         // SAFETY: as for `event_record`.
         ready(unsafe { sys::cuEventQuery(event as sys::CUevent) })
     }
 
-    fn event_destroy(&self, event: Event) -> CuResult<()> {
-        // SAFETY: as for `event_record`; the backend destroys each event once.
+    unsafe fn event_destroy(&self, event: Event) -> CuResult<()> {
+        // SAFETY: as for `event_record`; the caller destroys each event once.
         check(unsafe { sys::cuEventDestroy_v2(event as sys::CUevent) })
     }
 
-    fn stream_query(&self, stream: Stream) -> CuResult<bool> {
+    unsafe fn stream_query(&self, stream: Stream) -> CuResult<bool> {
         // SAFETY: as for `event_record`.
         ready(unsafe { sys::cuStreamQuery(stream as sys::CUstream) })
     }

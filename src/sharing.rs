@@ -130,19 +130,33 @@ pub enum Diverged {}
 /// A state whose token maps shared physical memory (sealed).
 pub trait Sharing: State {}
 
+/// What a mapping of shared memory holds when it goes: its whole range mapped, its reference,
+/// and `private` memory of its own; its binding is charged `charged` bytes for it.
+fn retired<B: Backend>(
+    backend: &B,
+    len: usize,
+    shared: SharedPhys<B::Phys>,
+    private: Option<(B::Phys, usize)>,
+    charged: usize,
+) -> Retired<B> {
+    Retired {
+        held: Held {
+            phys: private,
+            shared: Some(shared),
+            ..Held::mapped(len)
+        },
+        // Work may still read the mapping: its release waits for a fence.
+        fence: Some(backend.fence()),
+        charged,
+    }
+}
+
 impl Sealed for Owner {
     type Parts<B: Backend> = SharedPhys<B::Phys>;
 
     fn retire<B: Backend>(backend: &B, len: usize, shared: Self::Parts<B>) -> Retired<B> {
-        Retired {
-            held: Held {
-                shared: Some(shared),
-                ..Held::mapped(len)
-            },
-            fence: Some(backend.fence()),
-            // The owner's binding carries the prefix's bytes while the owner's token lives.
-            charged: len,
-        }
+        // The owner's binding carries the prefix's bytes while the owner's token lives.
+        retired(backend, len, shared, None, len)
     }
 
     fn shared<B: Backend>(parts: &Self::Parts<B>) -> Option<&SharedPhys<B::Phys>> {
@@ -154,14 +168,7 @@ impl Sealed for Sharer {
     type Parts<B: Backend> = SharedPhys<B::Phys>;
 
     fn retire<B: Backend>(backend: &B, len: usize, shared: Self::Parts<B>) -> Retired<B> {
-        Retired {
-            held: Held {
-                shared: Some(shared),
-                ..Held::mapped(len)
-            },
-            fence: Some(backend.fence()),
-            charged: 0,
-        }
+        retired(backend, len, shared, None, 0)
     }
 
     fn shared<B: Backend>(parts: &Self::Parts<B>) -> Option<&SharedPhys<B::Phys>> {
@@ -179,15 +186,7 @@ impl Sealed for Diverged {
         (shared, private): Self::Parts<B>,
     ) -> Retired<B> {
         let g = backend.granularity();
-        Retired {
-            held: Held {
-                phys: Some((private, g)),
-                shared: Some(shared),
-                ..Held::mapped(len)
-            },
-            fence: Some(backend.fence()),
-            charged: g,
-        }
+        retired(backend, len, shared, Some((private, g)), g)
     }
 
     fn shared<B: Backend>(parts: &Self::Parts<B>) -> Option<&SharedPhys<B::Phys>> {

@@ -1,11 +1,13 @@
 //! Shared prefixes: real aliasing on the host, read-only sharers, teardown order, copy-on-write
 //! of the boundary granule, and exactly-once accounting of shared physical memory.
 
+mod common;
+
+use common::{assert_no_cause_repeated, messages};
 use memtoken::backend::{Faulty, HostBackend, HostConfig, Op, SimBackend};
 use memtoken::{
     Budget, CommitFailure, CowFailure, Device, Returned, ShareFailure, TransitionError, make_guard,
 };
-use std::error::Error;
 
 const PAGE: usize = 4096;
 
@@ -27,30 +29,6 @@ fn proc_map(addr: usize) -> (String, u64, String) {
         }
     }
     panic!("no mapping contains {addr:#x}");
-}
-
-/// The messages along `err`'s `source()` chain, `err`'s own first.
-fn messages(err: &dyn Error) -> Vec<String> {
-    let mut out = vec![err.to_string()];
-    let mut next = err.source();
-    while let Some(e) = next {
-        out.push(e.to_string());
-        next = e.source();
-    }
-    out
-}
-
-/// Each message says its own part: none repeats the text of a cause further down the chain.
-fn assert_no_cause_repeated(err: &dyn Error) {
-    let all = messages(err);
-    for (i, message) in all.iter().enumerate() {
-        for cause in &all[i + 1..] {
-            assert!(
-                !message.contains(cause.as_str()),
-                "{message:?} repeats {cause:?}"
-            );
-        }
-    }
 }
 
 #[test]

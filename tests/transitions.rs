@@ -1,12 +1,14 @@
 //! Every transition and every failure path, on the host backend and the strict simulator, with
 //! faults injected through `Faulty`: nothing is lost, nothing is charged twice.
 
+mod common;
+
+use common::{assert_no_cause_repeated, messages};
 use memtoken::backend::{Faulty, HostBackend, HostConfig, Op, SimBackend, SimConfig};
 use memtoken::{
     Budget, CommitFailure, Device, ReleaseFailure, ReserveError, Returned, TransitionError,
     make_guard,
 };
-use std::error::Error;
 
 const PAGE: usize = 4096;
 
@@ -22,30 +24,6 @@ macro_rules! setup {
 
 fn host() -> HostBackend {
     HostBackend::with_defaults().expect("memfd")
-}
-
-/// The messages along `err`'s `source()` chain, `err`'s own first.
-fn messages(err: &dyn Error) -> Vec<String> {
-    let mut out = vec![err.to_string()];
-    let mut next = err.source();
-    while let Some(e) = next {
-        out.push(e.to_string());
-        next = e.source();
-    }
-    out
-}
-
-/// Each message says its own part: none repeats the text of a cause further down the chain.
-fn assert_no_cause_repeated(err: &dyn Error) {
-    let all = messages(err);
-    for (i, message) in all.iter().enumerate() {
-        for cause in &all[i + 1..] {
-            assert!(
-                !message.contains(cause.as_str()),
-                "{message:?} repeats {cause:?}"
-            );
-        }
-    }
 }
 
 #[test]

@@ -2,6 +2,9 @@
 //! share, copy-on-write, release, quarantine, deferred release behind events, device loss, and
 //! an injected failure of every driver call kind.
 
+mod common;
+
+use common::{assert_no_cause_repeated, messages};
 use memtoken::backend::cuda::{
     CuError, CudaBackend, DriverCall, DriverModel, ModelConfig, ModelOutstanding,
 };
@@ -10,23 +13,11 @@ use memtoken::{
     Allocation, Budget, Device, Quarantined, ReleaseFailure, Releasing, Returned, TransitionError,
     make_guard,
 };
-use std::error::Error;
 
 const G: usize = 2 << 20;
 
 fn backend(model: &DriverModel) -> CudaBackend<DriverModel> {
     CudaBackend::new(model.clone(), 0).expect("the model opens device 0")
-}
-
-/// A message and every cause under it (an error's `Display` leaves its cause to `source()`).
-fn chain(e: &dyn Error) -> String {
-    let mut text = e.to_string();
-    let mut next = e.source();
-    while let Some(cause) = next {
-        text = format!("{text}: {cause}");
-        next = cause.source();
-    }
-    text
 }
 
 /// Completes a started release if its fence allows. A pending one is dropped: the device
@@ -85,10 +76,13 @@ fn a_failed_set_access_after_a_successful_map_is_rolled_back() {
     let unmaps = model.count(DriverCall::MemUnmap);
     let err = reserved.commit().unwrap_err();
     assert!(
-        chain(&err).contains("CUDA_ERROR_INVALID_VALUE"),
+        messages(&err)
+            .join(": ")
+            .contains("CUDA_ERROR_INVALID_VALUE"),
         "{}",
-        chain(&err)
+        messages(&err).join(": ")
     );
+    assert_no_cause_repeated(&err);
     assert_eq!(
         model.count(DriverCall::MemUnmap),
         unmaps + 1,

@@ -39,7 +39,7 @@ pub type CowError<'b, 'id, B> =
 /// and dropped only once the backend confirmed that mapping gone (a quarantined mapping keeps
 /// its count). The count is touched only when a mapping is made or torn down, never on access.
 ///
-/// What stays static is what can: every mapping token borrows the [`Binding`] it was made
+/// What stays static is what can: every mapping token borrows the [`Binding`](crate::Binding) it was made
 /// through (so it cannot outlive the binding's context pin, nor the device), carries the
 /// device's brand (so a prefix of one device cannot be mapped into a reservation of another),
 /// and has no way to write through a read-only mapping. While a prefix is shared its bytes are

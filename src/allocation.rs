@@ -9,7 +9,7 @@ use crate::ledger::Axis;
 use crate::quarantine::{Quarantined, settle};
 use crate::residual::Held;
 use crate::state::{
-    Committed, Live, Readable, Releasing, Reserved, Retired, State, sealed::Sealed,
+    Committed, Internal, Live, Readable, Releasing, Reserved, Retired, State, sealed::Sealed,
 };
 use crate::token::{Core, host_slice, host_slice_mut};
 use std::fmt;
@@ -214,6 +214,10 @@ impl<'b, 'id, B: Backend, S: State> Allocation<'b, 'id, B, S> {
         &self.parts
     }
 
+    pub(crate) fn parts_mut(&mut self) -> &mut <S as Sealed>::Parts<B> {
+        &mut self.parts
+    }
+
     /// Start of the VA range.
     pub fn addr(&self) -> crate::backend::Addr {
         self.core.addr
@@ -303,7 +307,7 @@ impl<'b, 'id, B: Backend, S: Live> Allocation<'b, 'id, B, S> {
             held,
             fence,
             charged,
-        } = S::retire(core.backend(), core.len, parts);
+        } = S::retire(core.backend(), core.len, parts, Internal(()));
         // The binding stays charged for the memory the token still owns, until it is released;
         // the rest leaves its budget now (a prefix's bytes stay with its mappings).
         binding_keeps(core, charged, &held);
@@ -355,6 +359,11 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Releasing> {
     /// [`CompleteError`]: with this same token, unchanged, and [`ReleaseFailure::Pending`] if
     /// the fence has not completed; with a [`Quarantined`] token holding exactly what could not
     /// be given back if a backend call fails.
+    ///
+    /// Shared physical memory is not this token's: when its last mapping goes, the memory is
+    /// released, and if that fails it goes to the device's quarantine (counted there, retried by
+    /// [`Device::retry_quarantine`](crate::Device::retry_quarantine)) while this token's own
+    /// release still succeeds.
     #[must_use = "a pending or failed completion returns a token inside the error"]
     pub fn complete(self) -> Result<Released, CompleteError<'b, 'id, B>> {
         if !self.is_ready() {
@@ -380,7 +389,7 @@ impl<B: Backend, S: State> Drop for Allocation<'_, '_, B, S> {
             held,
             fence,
             charged,
-        } = S::retire(core.backend(), core.len, parts);
+        } = S::retire(core.backend(), core.len, parts, Internal(()));
         core.binding
             .hand_over(core.residual(held), charged, Custody::Fenced(fence));
     }

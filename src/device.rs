@@ -6,7 +6,7 @@ use crate::backend::{Addr, Backend, BackendError, Cause, Op, lock};
 use crate::error::{CommitFailure, ReleaseFailure};
 use crate::ids::{ContextLost, Generation, Generations};
 use crate::ledger::{Axis, Budget, Ledger, LedgerSnapshot};
-use crate::residual::{Held, Holdings, Residual, SharedPhys};
+use crate::residual::{Held, Holdings, Residual, SharedPhys, SharedTotals};
 use generativity::{Guard, Id};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -29,18 +29,10 @@ pub struct Custody {
     pub quarantined: Holdings,
     /// Releases waiting for their fence.
     pub deferred: Holdings,
-    /// Shared physical allocations (prefixes): `count` of them, their `owned_bytes` (each
-    /// charged once, whatever the number of mappings), and the mapping references on them
-    /// (`shared_refs`). One is released when its last reference goes.
+    /// Shared physical memory (mapped by several tokens): `count` allocations, their
+    /// `owned_bytes` (each charged once, whatever the number of mappings), and the references
+    /// on them (`shared_refs`). One is released when its last reference goes.
     pub shared: Holdings,
-}
-
-/// Totals over the device's shared physical allocations.
-#[derive(Debug, Default)]
-struct SharedTotals {
-    count: AtomicU64,
-    bytes: AtomicU64,
-    refs: AtomicU64,
 }
 
 /// What a device held when it closed.
@@ -90,7 +82,8 @@ type Deferred<B> = (Residual<<B as Backend>::Phys>, <B as Backend>::Fence);
 /// use memtoken::backend::SimBackend;
 /// make_guard!(guard);
 /// let device = Device::new(guard, SimBackend::default());
-/// let binding = device.bind(Budget::unlimited()).unwrap();
+/// // Leaked, so that only the token keeps the device borrowed.
+/// let binding: &_ = Box::leak(Box::new(device.bind(Budget::unlimited()).unwrap()));
 /// let token = binding.reserve(1).unwrap();
 /// drop(device);
 /// drop(token);
@@ -115,8 +108,8 @@ impl<'id, B: Backend> Device<'id, B> {
         Self::with_budget(guard, backend, Budget::unlimited())
     }
 
-    /// A device whose owned bytes, over all its bindings and shared prefixes, stay within
-    /// `budget` — also after a prefix's owner has gone and its sharers keep the memory.
+    /// A device whose owned bytes, over all its bindings and its shared physical memory, stay
+    /// within `budget` — shared memory is counted once, whichever tokens still map it.
     pub fn with_budget(guard: Guard<'id>, backend: B, budget: Budget) -> Self {
         Self {
             brand: guard.into(),
@@ -152,9 +145,7 @@ impl<'id, B: Backend> Device<'id, B> {
         for (r, _) in lock(&self.deferred).iter() {
             custody.deferred.add(r);
         }
-        custody.shared.count = self.shared.count.load(Ordering::Relaxed) as usize;
-        custody.shared.owned_bytes = self.shared.bytes.load(Ordering::Relaxed);
-        custody.shared.shared_refs = self.shared.refs.load(Ordering::Relaxed);
+        custody.shared = self.shared.holdings();
         custody
     }
 
@@ -289,7 +280,7 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// Gives back, in order, what `residual` still holds: unmap, drop the shared reference,
     /// release owned memory, free the VA. Each part that goes is refunded once and cleared; the
-    /// first failure stops, leaving the rest held. No backend call once the context is gone.
+    /// first failure stops, leaving the rest held. No backend call once the context is lost.
     pub(crate) fn teardown(&self, r: &mut Residual<B::Phys>) -> Result<(), ReleaseFailure> {
         let h = &mut r.held;
         if h.is_empty() {
@@ -319,34 +310,16 @@ impl<'id, B: Backend> Device<'id, B> {
         Ok(())
     }
 
-    /// Shares `len` bytes of physical memory (already charged as owned): the first reference.
-    pub(crate) fn share(&self, phys: B::Phys, len: usize) -> SharedPhys<B::Phys> {
-        self.shared.count.fetch_add(1, Ordering::Relaxed);
-        self.shared.bytes.fetch_add(len as u64, Ordering::Relaxed);
-        self.shared.refs.fetch_add(1, Ordering::Relaxed);
-        SharedPhys::new(phys, len)
-    }
-
-    /// One more reference on shared memory, for a new mapping of it.
-    pub(crate) fn share_again(&self, shared: &SharedPhys<B::Phys>) -> SharedPhys<B::Phys> {
-        self.shared.refs.fetch_add(1, Ordering::Relaxed);
-        shared.another()
-    }
-
-    /// Gives a reference back; with the last one, the memory is owned by no mapping: it is
-    /// returned for the caller to release.
-    fn drop_shared(&self, shared: SharedPhys<B::Phys>) -> Option<(B::Phys, usize)> {
-        self.shared.refs.fetch_sub(1, Ordering::Relaxed);
-        let (phys, len) = shared.into_last()?;
-        self.shared.count.fetch_sub(1, Ordering::Relaxed);
-        self.shared.bytes.fetch_sub(len as u64, Ordering::Relaxed);
-        Some((phys, len))
+    /// The totals of this device's shared physical memory, through which every reference on it
+    /// is made and given back.
+    pub(crate) fn shared(&self) -> &SharedTotals {
+        &self.shared
     }
 
     /// Gives a reference back once its mapping is gone; the last one releases the memory. A
     /// failed release quarantines the memory, still charged as owned.
     pub(crate) fn unshare(&self, shared: SharedPhys<B::Phys>) {
-        if let Some((phys, len)) = self.drop_shared(shared) {
+        if let Some((phys, len)) = self.shared.give_back(shared) {
             let _ = self.release_orphan(phys, len); // a failure is quarantined
         }
     }
@@ -367,7 +340,7 @@ impl<'id, B: Backend> Device<'id, B> {
         result
     }
 
-    /// Refuses a call into a context that is gone, without making it.
+    /// Refuses a call into a context that is lost, without making it.
     pub(crate) fn ensure_live(&self, op: Op, addr: Addr, len: usize) -> Result<(), BackendError> {
         if self.backend.context_lost() {
             return Err(BackendError::new(op, addr, len, Cause::ContextLost));
@@ -412,7 +385,7 @@ impl<'id, B: Backend> Device<'id, B> {
     pub(crate) fn forget_residual(&self, r: Residual<B::Phys>) {
         let h = r.held;
         self.refund(Axis::Mapped, h.mapped);
-        if let Some((_, len)) = h.shared.and_then(|s| self.drop_shared(s)) {
+        if let Some((_, len)) = h.shared.and_then(|s| self.shared.give_back(s)) {
             self.refund(Axis::Owned, len);
         }
         self.refund(Axis::Owned, h.phys.map_or(0, |(_, len)| len));

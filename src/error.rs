@@ -88,7 +88,7 @@ pub enum CommitFailure {
     Backend(#[source] BackendError),
     /// A backend call failed, and releasing the physical memory created for it failed too.
     #[error(
-        "a backend call failed, and releasing the physical memory created for it failed too ({rollback}): that memory stays owned (and charged) in the device quarantine until Device::retry_quarantine succeeds"
+        "a backend call failed, and releasing the physical memory created for it failed too ({rollback}): that memory stays owned (and charged) in the device quarantine, until Device::retry_quarantine succeeds or, once the context is lost, Device::discharge_all"
     )]
     RollbackFailed {
         /// The failure that stopped the transition.
@@ -193,8 +193,10 @@ pub enum PoolError {
     /// `alloc`'s result costs no more to return than the page.)
     #[error("the pool could not grow: reserving a chunk failed")]
     Reserve(#[source] Box<ReserveError>),
-    /// Committing a new chunk failed (its reservation was released).
-    #[error("the pool could not grow: committing a chunk failed (its reservation was released)")]
+    /// Committing a new chunk failed (its reservation was dropped).
+    #[error(
+        "the pool could not grow: committing a chunk failed (its reservation was dropped: released, or quarantined if that failed)"
+    )]
     Commit(#[source] Box<CommitFailure>),
     /// The pool already has 2^32 pages.
     #[error("the pool cannot index more than 2^32 pages: use a second pool")]

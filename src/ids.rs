@@ -1,5 +1,5 @@
 //! Identities: the [`Generation`] of an allocation, the [`Released`] receipt, and the
-//! [`ContextLost`] proof that a device's context is gone.
+//! [`ContextLost`] proof that a device's context is lost.
 
 use generativity::Id;
 use std::num::NonZeroU64;

@@ -17,12 +17,6 @@ fn within(base: Addr, size: usize, offset: usize, len: usize) -> Addr {
 }
 
 impl<D: Driver, S: Readable> Allocation<'_, '_, CudaBackend<D>, S> {
-    /// The device pointer (`CUdeviceptr`), to pass as a kernel argument or to `cudarc`'s raw
-    /// copy functions. Valid while this token is borrowed.
-    pub fn device_ptr(&self) -> u64 {
-        self.addr() as u64
-    }
-
     /// Copies `dst.len()` bytes at `offset` into the memory to the host.
     ///
     /// # Errors
@@ -39,6 +33,13 @@ impl<D: Driver, S: Readable> Allocation<'_, '_, CudaBackend<D>, S> {
 }
 
 impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Committed> {
+    /// The device pointer (`CUdeviceptr`), to pass as a kernel argument or to `cudarc`'s raw
+    /// copy functions. Valid while this token is borrowed. (Only a committed allocation gives
+    /// one: a prefix's bytes must not change while shared, and a raw pointer cannot say so.)
+    pub fn device_ptr(&self) -> u64 {
+        self.addr() as u64
+    }
+
     /// Copies `src` from the host into the memory, at `offset`.
     ///
     /// # Errors

@@ -3,6 +3,7 @@
 use crate::backend::Addr;
 use crate::ids::Generation;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A reference on physical memory that several tokens map (a shared prefix): the memory goes
 /// with the last reference. The count is the number of references alive, and it is touched only
@@ -29,14 +30,67 @@ impl<P: Copy> SharedPhys<P> {
         self.0.0
     }
 
-    /// References alive now, this one included.
+    /// References alive now, this one included. Only a count: it orders nothing (see
+    /// [`is_unique`](Self::is_unique)).
     pub(crate) fn refs(&self) -> usize {
         Arc::strong_count(&self.0)
+    }
+
+    /// Whether this is the only reference. When it is, every access through a mapping that held
+    /// another reference happened before this returns (the check acquires what their teardown
+    /// released), so the memory may be written.
+    pub(crate) fn is_unique(&mut self) -> bool {
+        Arc::get_mut(&mut self.0).is_some()
     }
 
     /// Gives this reference back: the last one returns the memory, now owned by no mapping.
     pub(crate) fn into_last(self) -> Option<(P, usize)> {
         Arc::into_inner(self.0)
+    }
+}
+
+/// Totals over one device's shared physical memory: how many allocations, their bytes (owned
+/// once each, whatever the number of mappings), and the references on them. Every reference is
+/// made and given back through it.
+#[derive(Debug, Default)]
+pub(crate) struct SharedTotals {
+    count: AtomicU64,
+    bytes: AtomicU64,
+    refs: AtomicU64,
+}
+
+impl SharedTotals {
+    /// Shares `len` bytes of `phys` (already charged as owned): its first reference.
+    pub(crate) fn share<P: Copy>(&self, phys: P, len: usize) -> SharedPhys<P> {
+        self.count.fetch_add(1, Ordering::Relaxed);
+        self.bytes.fetch_add(len as u64, Ordering::Relaxed);
+        self.refs.fetch_add(1, Ordering::Relaxed);
+        SharedPhys::new(phys, len)
+    }
+
+    /// One more reference on `shared`, for one more mapping.
+    pub(crate) fn another<P: Copy>(&self, shared: &SharedPhys<P>) -> SharedPhys<P> {
+        self.refs.fetch_add(1, Ordering::Relaxed);
+        shared.another()
+    }
+
+    /// Gives a reference back; the last one returns the memory, now owned by no mapping.
+    pub(crate) fn give_back<P: Copy>(&self, shared: SharedPhys<P>) -> Option<(P, usize)> {
+        self.refs.fetch_sub(1, Ordering::Relaxed);
+        let (phys, len) = shared.into_last()?;
+        self.count.fetch_sub(1, Ordering::Relaxed);
+        self.bytes.fetch_sub(len as u64, Ordering::Relaxed);
+        Some((phys, len))
+    }
+
+    /// The totals now: `count` allocations, their `owned_bytes`, `shared_refs` references.
+    pub(crate) fn holdings(&self) -> Holdings {
+        Holdings {
+            count: self.count.load(Ordering::Relaxed) as usize,
+            owned_bytes: self.bytes.load(Ordering::Relaxed),
+            shared_refs: self.refs.load(Ordering::Relaxed),
+            ..Holdings::default()
+        }
     }
 }
 
@@ -232,12 +286,18 @@ mod tests {
 
     #[test]
     fn only_the_last_shared_reference_returns_the_memory() {
-        let first = SharedPhys::new(5u32, 4096);
-        let second = first.another();
+        let totals = SharedTotals::default();
+        let mut first = totals.share(5u32, 4096);
+        let second = totals.another(&first);
         assert_eq!((first.refs(), second.refs()), (2, 2));
+        assert!(!first.is_unique());
         assert_eq!(second.phys(), 5);
-        assert_eq!(first.into_last(), None);
-        assert_eq!(second.refs(), 1);
-        assert_eq!(second.into_last(), Some((5, 4096)));
+        let h = totals.holdings();
+        assert_eq!((h.count, h.owned_bytes, h.shared_refs), (1, 4096, 2));
+        assert_eq!(totals.give_back(second), None);
+        assert!(first.is_unique());
+        assert_eq!(totals.holdings().shared_refs, 1);
+        assert_eq!(totals.give_back(first), Some((5, 4096)));
+        assert_eq!(totals.holdings(), Holdings::default());
     }
 }

@@ -9,7 +9,7 @@ use crate::error::{CommitFailure, CowFailure, Returned, ShareFailure, Transition
 use crate::ledger::Axis;
 use crate::quarantine::Quarantined;
 use crate::residual::{Held, SharedPhys};
-use crate::state::{Committed, Live, Readable, Reserved, Retired, State, sealed::Sealed};
+use crate::state::{Committed, Internal, Live, Readable, Reserved, Retired, State, sealed::Sealed};
 use crate::token::host_slice_mut;
 
 /// A failed [`map_prefix`](Allocation::map_prefix): the same reservation, unchanged, or the
@@ -35,12 +35,12 @@ pub type CowError<'b, 'id, B> =
 /// In a paged KV cache the sequences that share a system prompt finish in any order, the one
 /// that computed the prompt often first. The physical memory must live as long as the *union*
 /// of its mappings, which no static borrow can express, so a prefix's physical memory is
-/// reference-counted in its device's table: one count per mapping, taken when a mapping is made
+/// reference-counted: one reference per mapping, held by the mapping token, taken when it is made
 /// and dropped only once the backend confirmed that mapping gone (a quarantined mapping keeps
 /// its count). The count is touched only when a mapping is made or torn down, never on access.
 ///
-/// What stays static is what can: every mapping token borrows the [`Binding`](crate::Binding) it was made
-/// through (so it cannot outlive the binding's context pin, nor the device), carries the
+/// What stays static is what can: every mapping token borrows the [`Binding`](crate::Binding)
+/// it was made through (so it cannot outlive the binding's context pin, nor the device), carries the
 /// device's brand (so a prefix of one device cannot be mapped into a reservation of another),
 /// and has no way to write through a read-only mapping. While a prefix is shared its bytes are
 /// immutable — the owner may write only while no sharer maps it — so every `&[u8]` lent by a
@@ -104,7 +104,8 @@ pub type Prefix<'b, 'id, B> = Allocation<'b, 'id, B, Owner>;
 /// # use memtoken::backend::SimBackend;
 /// # make_guard!(guard);
 /// let device = Device::new(guard, SimBackend::default());
-/// let binding = device.bind(Budget::unlimited()).unwrap();
+/// // Leaked, so that only the mapping keeps the device borrowed.
+/// let binding: &_ = Box::leak(Box::new(device.bind(Budget::unlimited()).unwrap()));
 /// let prefix = binding.reserve(1).unwrap().commit().unwrap().into_prefix();
 /// let shared = binding.reserve(1).unwrap().map_prefix(&prefix).unwrap();
 /// drop(prefix);
@@ -154,7 +155,12 @@ fn retired<B: Backend>(
 impl Sealed for Owner {
     type Parts<B: Backend> = SharedPhys<B::Phys>;
 
-    fn retire<B: Backend>(backend: &B, len: usize, shared: Self::Parts<B>) -> Retired<B> {
+    fn retire<B: Backend>(
+        backend: &B,
+        len: usize,
+        shared: Self::Parts<B>,
+        _: Internal,
+    ) -> Retired<B> {
         // The owner's binding carries the prefix's bytes while the owner's token lives.
         retired(backend, len, shared, None, len)
     }
@@ -167,7 +173,12 @@ impl Sealed for Owner {
 impl Sealed for Sharer {
     type Parts<B: Backend> = SharedPhys<B::Phys>;
 
-    fn retire<B: Backend>(backend: &B, len: usize, shared: Self::Parts<B>) -> Retired<B> {
+    fn retire<B: Backend>(
+        backend: &B,
+        len: usize,
+        shared: Self::Parts<B>,
+        _: Internal,
+    ) -> Retired<B> {
         retired(backend, len, shared, None, 0)
     }
 
@@ -184,6 +195,7 @@ impl Sealed for Diverged {
         backend: &B,
         len: usize,
         (shared, private): Self::Parts<B>,
+        _: Internal,
     ) -> Retired<B> {
         let g = backend.granularity();
         retired(backend, len, shared, Some((private, g)), g)
@@ -225,7 +237,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
     /// and sharers may now map its physical memory read-only. No backend call.
     pub fn into_prefix(self) -> Prefix<'b, 'id, B> {
         let (core, phys) = self.into_core();
-        let shared = core.device().share(phys, core.len);
+        let shared = core.device().shared().share(phys, core.len);
         Allocation::from_core(core, shared)
     }
 }
@@ -267,7 +279,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         if let Err(e) = device.ensure_live(Op::Map, addr, len) {
             return refuse(self, ShareFailure::Backend(e));
         }
-        let shared = device.share_again(prefix.parts());
+        let shared = device.shared().another(prefix.parts());
         let phys = shared.phys();
         let body = len - device.granularity();
         if body > 0 {
@@ -310,11 +322,12 @@ impl<B: HostVisible> Allocation<'_, '_, B, Owner> {
     /// The prefix's bytes, writable — only while no sharer maps them (`None` otherwise), so a
     /// sharer's `&[u8]` never sees a byte change.
     pub fn as_mut_slice(&mut self) -> Option<&mut [u8]> {
-        if self.mappings() != 1 {
+        if !self.parts_mut().is_unique() {
             return None;
         }
         // SAFETY: the owner's mapping is read-write and stays mapped while `self` is borrowed;
-        // it is the only mapping of the memory, and new ones need `&self`, which `&mut self`
+        // it is the only mapping of the memory (`is_unique` also orders every read through a
+        // mapping that is gone before this write), and new ones need `&self`, which `&mut self`
         // excludes.
         Some(unsafe { host_slice_mut(self.addr(), self.len()) })
     }

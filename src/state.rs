@@ -25,6 +25,11 @@ pub struct Retired<B: Backend> {
     pub(crate) charged: usize,
 }
 
+/// A value only this crate can make: [`sealed::Sealed::retire`] takes one, so no code outside
+/// the crate can take a token's parts apart (or record a fence) through it.
+#[derive(Clone, Copy, Debug)]
+pub struct Internal(pub(crate) ());
+
 pub(crate) mod sealed {
     use super::*;
 
@@ -34,7 +39,12 @@ pub(crate) mod sealed {
         type Parts<B: Backend>;
 
         /// Takes a token of `len` bytes in this state apart into what it holds.
-        fn retire<B: Backend>(backend: &B, len: usize, parts: Self::Parts<B>) -> Retired<B>;
+        fn retire<B: Backend>(
+            backend: &B,
+            len: usize,
+            parts: Self::Parts<B>,
+            _: Internal,
+        ) -> Retired<B>;
 
         /// The reference on shared physical memory a mapping in this state holds.
         fn shared<B: Backend>(parts: &Self::Parts<B>) -> Option<&SharedPhys<B::Phys>> {
@@ -76,7 +86,7 @@ pub enum Releasing {}
 impl sealed::Sealed for Reserved {
     type Parts<B: Backend> = ();
 
-    fn retire<B: Backend>(_backend: &B, _len: usize, (): ()) -> Retired<B> {
+    fn retire<B: Backend>(_backend: &B, _len: usize, (): (), _: Internal) -> Retired<B> {
         Retired {
             held: Held::va(),
             fence: None,
@@ -88,7 +98,7 @@ impl sealed::Sealed for Reserved {
 impl sealed::Sealed for Committed {
     type Parts<B: Backend> = B::Phys;
 
-    fn retire<B: Backend>(backend: &B, len: usize, phys: B::Phys) -> Retired<B> {
+    fn retire<B: Backend>(backend: &B, len: usize, phys: B::Phys, _: Internal) -> Retired<B> {
         Retired {
             held: Held::committed(len, phys),
             // Work may still be in flight on the memory: its release waits for a fence.
@@ -101,7 +111,12 @@ impl sealed::Sealed for Committed {
 impl sealed::Sealed for Releasing {
     type Parts<B: Backend> = (Held<B::Phys>, Option<B::Fence>);
 
-    fn retire<B: Backend>(_backend: &B, _len: usize, (held, fence): Self::Parts<B>) -> Retired<B> {
+    fn retire<B: Backend>(
+        _backend: &B,
+        _len: usize,
+        (held, fence): Self::Parts<B>,
+        _: Internal,
+    ) -> Retired<B> {
         let charged = held.owned_bytes();
         Retired {
             held,

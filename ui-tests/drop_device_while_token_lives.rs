@@ -5,7 +5,8 @@ use memtoken::{Budget, Device, make_guard};
 fn main() {
     make_guard!(guard);
     let device = Device::new(guard, SimBackend::default());
-    let binding = device.bind(Budget::unlimited()).unwrap();
+    // Leaked, so that only the token keeps the device borrowed.
+    let binding: &_ = Box::leak(Box::new(device.bind(Budget::unlimited()).unwrap()));
     let token = binding.reserve(4096).unwrap().commit().unwrap();
     drop(device);
     drop(token);

@@ -5,7 +5,8 @@ use memtoken::{Budget, Device, make_guard};
 fn main() {
     make_guard!(guard);
     let device = Device::new(guard, SimBackend::default());
-    let binding = device.bind(Budget::unlimited()).unwrap();
+    // Leaked, so that only the mapping keeps the device borrowed.
+    let binding: &_ = Box::leak(Box::new(device.bind(Budget::unlimited()).unwrap()));
     let prefix = binding.reserve(1).unwrap().commit().unwrap().into_prefix();
     let shared = binding.reserve(1).unwrap().map_prefix(&prefix).unwrap();
     drop(prefix);

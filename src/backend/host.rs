@@ -497,9 +497,7 @@ mod tests {
         })
         .unwrap();
         let e = host.reserve(8 * page).unwrap_err();
-        assert!(
-            matches!(e.cause, Cause::Exhausted { requested, .. } if requested == 8 * page as u64)
-        );
+        assert!(matches!(e.cause, Cause::AddressSpace { requested, .. } if requested == 8 * page));
         let addr = host.reserve(4 * page).unwrap();
         host.free(addr, 4 * page).unwrap();
     }

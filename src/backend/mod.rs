@@ -146,7 +146,7 @@ impl ConfigError {
 }
 
 /// Checks that a reservation of `len` bytes fits in an address space of `address_space` bytes
-/// (the largest single reservation): [`Cause::Exhausted`] if it does not. Every backend's
+/// (the largest single reservation): [`Cause::AddressSpace`] if it does not. Every backend's
 /// `reserve` makes this check before it reserves anything.
 pub(crate) fn check_address_space(len: usize, address_space: usize) -> Result<(), BackendError> {
     if len <= address_space {
@@ -158,11 +158,9 @@ pub(crate) fn check_address_space(len: usize, address_space: usize) -> Result<()
 
 /// The error of a reservation of `len` bytes that does not fit in `address_space` bytes.
 pub(crate) fn address_space_exhausted(len: usize, address_space: usize) -> BackendError {
-    let space = address_space as u64;
-    let cause = Cause::Exhausted {
-        requested: len as u64,
-        available: space,
-        capacity: space,
+    let cause = Cause::AddressSpace {
+        requested: len,
+        limit: address_space,
     };
     BackendError::new(Op::Reserve, 0, len, cause)
 }
@@ -243,6 +241,16 @@ pub enum Cause {
         available: u64,
         /// Total physical capacity.
         capacity: u64,
+    },
+    /// A reservation larger than the address space allows.
+    #[error(
+        "out of address space: requested {requested} bytes, the largest reservation is {limit} bytes"
+    )]
+    AddressSpace {
+        /// Bytes requested.
+        requested: usize,
+        /// The largest reservation.
+        limit: usize,
     },
     /// The CUDA driver returned an error.
     #[error("the driver returned {name} ({code})")]

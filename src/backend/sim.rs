@@ -371,7 +371,7 @@ mod tests {
         })
         .unwrap();
         let e = sim.reserve(6 << 20).unwrap_err();
-        assert!(matches!(e.cause, Cause::Exhausted { requested, .. } if requested == 6 << 20));
+        assert!(matches!(e.cause, Cause::AddressSpace { requested, .. } if requested == 6 << 20));
         assert_eq!(sim.reservations(), 0);
         let addr = sim.reserve(4 << 20).unwrap();
         sim.free(addr, 4 << 20).unwrap();

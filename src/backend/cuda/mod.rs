@@ -736,7 +736,7 @@ mod tests {
         let g = backend.granularity();
         let len = (backend.address_space() + g) & !(g - 1);
         let e = backend.reserve(len).unwrap_err();
-        assert!(matches!(e.cause, Cause::Exhausted { .. }), "{e}");
+        assert!(matches!(e.cause, Cause::AddressSpace { .. }), "{e}");
         assert_eq!(model.count(DriverCall::MemAddressReserve), 0);
     }
 

@@ -283,10 +283,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         };
         if let Err(error) = backend.map(core.addr, len, phys, 0, Access::ReadWrite) {
             binding.refund(len);
-            let cause = match device.release_orphan(phys, len) {
-                Ok(()) => CommitFailure::Backend(error),
-                Err(rollback) => CommitFailure::RollbackFailed { error, rollback },
-            };
+            let cause = CommitFailure::undone(error, device.release_orphan(phys, len));
             return refuse(self, cause);
         }
         device.charge(Axis::Mapped, len);

@@ -99,6 +99,16 @@ pub enum CommitFailure {
     },
 }
 
+impl CommitFailure {
+    /// Why a transition stopped at `error`, given how undoing the memory it created went.
+    pub(crate) fn undone(error: BackendError, rollback: Result<(), ReleaseFailure>) -> Self {
+        match rollback {
+            Ok(()) => Self::Backend(error),
+            Err(rollback) => Self::RollbackFailed { error, rollback },
+        }
+    }
+}
+
 /// Why a prefix could not be mapped into a reservation.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ShareFailure {

@@ -28,6 +28,7 @@ impl Budget {
 }
 
 /// Adds `n` to `counter` if the total stays within `limit`; else returns what it holds.
+#[inline]
 pub(crate) fn try_add(counter: &AtomicU64, n: u64, limit: u64) -> Result<(), u64> {
     counter
         .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
@@ -37,6 +38,7 @@ pub(crate) fn try_add(counter: &AtomicU64, n: u64, limit: u64) -> Result<(), u64
 }
 
 /// Takes `n` from `counter`; returns what it held if that is less than `n`.
+#[inline]
 pub(crate) fn try_sub(counter: &AtomicU64, n: u64) -> Result<(), u64> {
     counter
         .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(n))

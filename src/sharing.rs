@@ -374,10 +374,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
                     device.release_orphan(p, g)
                 }
             };
-            match rollback {
-                Ok(()) => CommitFailure::Backend(error),
-                Err(rollback) => CommitFailure::RollbackFailed { error, rollback },
-            }
+            CommitFailure::undone(error, rollback)
         };
         // Quarantines the mapping (`mapped` bytes of it still mapped) when its state is
         // uncertain; the private granule goes back.

@@ -9,11 +9,13 @@
 //!
 //! `cargo run --release --example bench_report` runs these and prints the ratios.
 
+#[path = "common/granule.rs"]
+mod granule;
 #[path = "common/raw_pool.rs"]
 mod raw_pool;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
-use memtoken::backend::{Access, Backend, HostBackend, HostConfig};
+use memtoken::backend::{Backend, HostBackend, HostConfig};
 use memtoken::{Binding, Budget, Device, PagePool, make_guard};
 use raw_pool::RawPool;
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -114,40 +116,17 @@ fn page_cycle(c: &mut Criterion) {
     });
 }
 
-#[inline(always)]
-fn granule_once_memtoken<B: Backend>(binding: &Binding<'_, '_, B>, len: usize) {
-    let a = binding.reserve(black_box(len)).unwrap();
-    let a = a.commit().unwrap();
-    black_box(a.addr());
-    black_box(a.release().complete().unwrap());
-}
-
-#[inline(always)]
-fn granule_once_raw<B: Backend>(raw: &B, len: usize) {
-    let len = black_box(len);
-    let addr = raw.reserve(len).unwrap();
-    let phys = raw.create(len).unwrap();
-    raw.map(addr, len, phys, 0, Access::ReadWrite).unwrap();
-    black_box(addr);
-    let fence = raw.fence();
-    assert!(raw.fence_done(&fence));
-    raw.retire_fence(fence);
-    raw.unmap(addr, len).unwrap();
-    raw.release(phys, len).unwrap();
-    raw.free(addr, len).unwrap();
-}
-
 fn granule_cycle_memtoken<B: Backend>(
     c: &mut Criterion,
     id: &str,
     binding: &Binding<'_, '_, B>,
     len: usize,
 ) {
-    c.bench_function(id, |b| b.iter(|| granule_once_memtoken(binding, len)));
+    c.bench_function(id, |b| b.iter(|| granule::once_memtoken(binding, len)));
 }
 
 fn granule_cycle_raw<B: Backend>(c: &mut Criterion, id: &str, raw: &B, len: usize) {
-    c.bench_function(id, |b| b.iter(|| granule_once_raw(raw, len)));
+    c.bench_function(id, |b| b.iter(|| granule::once_raw(raw, len)));
 }
 
 fn granule_cycle(c: &mut Criterion) {
@@ -158,8 +137,8 @@ fn granule_cycle(c: &mut Criterion) {
     // Warm both memfds and the kernel's structures alike before measuring either: otherwise
     // whichever cycle runs first pays ~10% more.
     for _ in 0..20_000 {
-        granule_once_memtoken(&binding, PAGE);
-        granule_once_raw(&raw, PAGE);
+        granule::once_memtoken(&binding, PAGE);
+        granule::once_raw(&raw, PAGE);
     }
     granule_cycle_memtoken(c, "granule_cycle/memtoken", &binding, PAGE);
     granule_cycle_raw(c, "granule_cycle/raw", &raw, PAGE);

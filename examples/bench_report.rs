@@ -7,6 +7,8 @@
 //! cargo run --release --example bench_report -- --quick # shorter measurements
 //! ```
 
+mod common;
+
 use std::collections::BTreeMap;
 use std::error::Error;
 use std::path::{Path, PathBuf};
@@ -292,10 +294,7 @@ fn svg(rows: &[Row]) -> Result<String, Box<dyn Error>> {
 }
 
 fn main() {
-    // `cargo test --no-run` builds examples too, and some runners then start every binary it
-    // built with the test harness's flags: this is a program, not a test binary.
-    if std::env::args().any(|a| a == "--include-ignored" || a.starts_with("--test-threads")) {
-        eprintln!("an example, not a test binary: run it with `cargo run --release --example`");
+    if common::started_by_test_harness() {
         return;
     }
     let quick = std::env::args().any(|a| a == "--quick");

@@ -11,44 +11,31 @@
 //!     target/release/examples/granule_cycle raw 20000
 //! ```
 
-use memtoken::backend::{Access, Backend, HostBackend};
+mod common;
+#[path = "../benches/common/granule.rs"]
+mod granule;
+
+use memtoken::backend::{Backend, HostBackend};
 use memtoken::{Binding, Budget, Device, make_guard};
-use std::hint::black_box;
 
 const GRANULE: usize = 4096;
 
 #[inline(never)]
 fn cycles_memtoken<B: Backend>(binding: &Binding<'_, '_, B>, n: u64) {
     for _ in 0..n {
-        let a = binding.reserve(black_box(GRANULE)).unwrap();
-        let a = a.commit().unwrap();
-        black_box(a.addr());
-        black_box(a.release().complete().unwrap());
+        granule::once_memtoken(binding, GRANULE);
     }
 }
 
 #[inline(never)]
 fn cycles_raw<B: Backend>(raw: &B, n: u64) {
     for _ in 0..n {
-        let len = black_box(GRANULE);
-        let addr = raw.reserve(len).unwrap();
-        let phys = raw.create(len).unwrap();
-        raw.map(addr, len, phys, 0, Access::ReadWrite).unwrap();
-        black_box(addr);
-        let fence = raw.fence();
-        assert!(raw.fence_done(&fence));
-        raw.retire_fence(fence);
-        raw.unmap(addr, len).unwrap();
-        raw.release(phys, len).unwrap();
-        raw.free(addr, len).unwrap();
+        granule::once_raw(raw, GRANULE);
     }
 }
 
 fn main() {
-    // `cargo test --no-run` builds examples too, and some runners then start every binary it
-    // built with the test harness's flags: this is a program, not a test binary.
-    if std::env::args().any(|a| a == "--include-ignored" || a.starts_with("--test-threads")) {
-        eprintln!("an example, not a test binary: run it with `cargo run --release --example`");
+    if common::started_by_test_harness() {
         return;
     }
     let mut args = std::env::args().skip(1);

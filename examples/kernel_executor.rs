@@ -7,6 +7,8 @@
 //! cargo run --release --example kernel_executor -- --gpu   # CUDA device 0
 //! ```
 
+mod common;
+
 use memtoken::backend::{Backend, HostBackend};
 use memtoken::{Allocation, Budget, Committed, Device, Released, Releasing, Returned, make_guard};
 use std::error::Error;
@@ -223,10 +225,7 @@ mod gpu {
 }
 
 fn main() -> Result<()> {
-    // `cargo test --no-run` builds examples too, and some runners then start every binary it
-    // built with the test harness's flags: this is a program, not a test binary.
-    if std::env::args().any(|a| a == "--include-ignored" || a.starts_with("--test-threads")) {
-        eprintln!("an example, not a test binary: run it with `cargo run --release --example`");
+    if common::started_by_test_harness() {
         return Ok(());
     }
     let args: Vec<String> = std::env::args().skip(1).collect();

@@ -12,6 +12,8 @@
 //! cargo run --release --example kv_cache [-- --gpu --sequences N --seed S --prompt-tokens P]
 //! ```
 
+mod common;
+
 use memtoken::backend::{Backend, HostBackend, HostConfig};
 use memtoken::{
     Allocation, Budget, Committed, Device, DivergedMapping, PagePool, PageTable, Prefix,
@@ -524,10 +526,7 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
 }
 
 fn main() -> Result<()> {
-    // `cargo test --no-run` builds examples too, and some runners then start every binary it
-    // built with the test harness's flags: this is a program, not a test binary.
-    if std::env::args().any(|a| a == "--include-ignored" || a.starts_with("--test-threads")) {
-        eprintln!("an example, not a test binary: run it with `cargo run --release --example`");
+    if common::started_by_test_harness() {
         return Ok(());
     }
     let args = parse_args()?;

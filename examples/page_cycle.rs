@@ -11,6 +11,7 @@
 //!
 //! `cargo run --release --example bench_report` runs both and prints the ratio.
 
+mod common;
 #[path = "../benches/common/raw_pool.rs"]
 mod raw_pool;
 
@@ -62,10 +63,7 @@ fn cycles_raw<B: Backend>(pool: &mut RawPool<'_, B>, n: u64) {
 }
 
 fn main() {
-    // `cargo test --no-run` builds examples too, and some runners then start every binary it
-    // built with the test harness's flags: this is a program, not a test binary.
-    if std::env::args().any(|a| a == "--include-ignored" || a.starts_with("--test-threads")) {
-        eprintln!("an example, not a test binary: run it with `cargo run --release --example`");
+    if common::started_by_test_harness() {
         return;
     }
     let mut args = std::env::args().skip(1);

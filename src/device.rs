@@ -60,6 +60,11 @@ type Deferred<B> = (Residual<<B as Backend>::Phys>, <B as Backend>::Fence);
 /// A device carries a **brand** `'id`, a lifetime unique to it (from [`generativity`]): its
 /// tokens carry the same brand, so the compiler rejects combining them with another device's.
 ///
+/// **Dropping a device is the one place that may wait.** Its context can outlive it (cudarc
+/// shares the primary context), so releases still waiting for their fence are finished as the
+/// device drops, each once its work has completed, and its quarantine is retried; nothing the
+/// device holds is left behind while the context lives. Every other call returns at once.
+///
 /// ```
 /// use memtoken::{make_guard, Budget, Device};
 /// use memtoken::backend::HostBackend;
@@ -223,6 +228,8 @@ impl<'id, B: Backend> Device<'id, B> {
     }
 
     /// Closes the device after a last poll and quarantine retry, reporting what is left.
+    /// Releases still waiting for their fence then wait for it as the device drops (see
+    /// `Drop`): the one place where memtoken blocks on the device.
     pub fn close(mut self) -> CloseReport {
         self.closed = true;
         self.shutdown()
@@ -400,10 +407,20 @@ impl<B: Backend> Drop for Device<'_, B> {
         if !self.closed {
             self.shutdown();
         }
-        // Releases still waiting for their fence are left to the backend's own teardown (on
-        // CUDA, the context's); their fences are given back so that no event outlives it.
-        for (_, fence) in std::mem::take(&mut *lock(&self.deferred)) {
+        // The one place that waits: the context may live on after the device (cudarc shares
+        // it), so what still waits for a fence is freed once its work has finished, in order —
+        // unless the context is lost, when the driver freed it all. Taken out of the queue
+        // first: no lock is held while waiting or calling the backend.
+        let deferred = std::mem::take(&mut *lock(&self.deferred));
+        for (residual, fence) in deferred {
+            let done = !self.backend.context_lost() && self.backend.wait_fence(&fence);
             self.backend.retire_fence(fence);
+            if done {
+                self.teardown_or_quarantine(residual);
+            }
+        }
+        if !self.backend.context_lost() {
+            self.retry_quarantine();
         }
     }
 }

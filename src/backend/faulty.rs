@@ -234,6 +234,10 @@ impl<B: Backend> Backend for Faulty<B> {
         self.inner.fence_done(fence)
     }
 
+    fn wait_fence(&self, fence: &B::Fence) -> bool {
+        self.inner.wait_fence(fence)
+    }
+
     fn retire_fence(&self, fence: B::Fence) {
         self.inner.retire_fence(fence);
     }

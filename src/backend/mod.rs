@@ -364,6 +364,12 @@ pub trait Backend {
     fn fence(&self) -> Self::Fence;
     /// Whether the work before `fence` has finished. Never blocks.
     fn fence_done(&self, fence: &Self::Fence) -> bool;
+    /// Blocks until the work before `fence` has finished, if the backend can wait for it;
+    /// returns whether it has. Only a [`Device`](crate::Device) dropped while its context lives
+    /// on waits, so that it can free everything it still holds; nothing else ever blocks.
+    fn wait_fence(&self, fence: &Self::Fence) -> bool {
+        self.fence_done(fence)
+    }
     /// Gives back a fence that is no longer needed (destroys a CUDA event).
     fn retire_fence(&self, fence: Self::Fence) {
         let _ = fence;

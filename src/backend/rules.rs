@@ -91,6 +91,20 @@ pub enum Violation {
     /// `unpin` with no pin of this backend held.
     #[error("no pin is held: every unpin must follow a pin")]
     NotPinned,
+    /// A stream of another context than the backend's.
+    #[error("the stream belongs to another context: fences can only cover this device's streams")]
+    ForeignStream,
+    /// The range is in use by a copy running outside the backend's lock: unmapping, freeing or
+    /// mapping over it waits until the copy has finished.
+    #[error(
+        "[{addr:#x}, +{len:#x}) is in use by a copy in progress: try again once it has finished"
+    )]
+    Busy {
+        /// Start of the range.
+        addr: Addr,
+        /// Its length.
+        len: usize,
+    },
     /// `map` past the end of the physical allocation.
     #[error(
         "mapping {len:#x} bytes at offset {offset:#x} overruns physical memory of {phys_len:#x} bytes"

@@ -112,7 +112,7 @@ pub enum DriverCall {
     EventRecord,
     EventQuery,
     EventDestroy,
-    StreamQuery,
+    EventSynchronize,
 }
 
 impl DriverCall {
@@ -140,7 +140,7 @@ impl DriverCall {
         Self::EventRecord,
         Self::EventQuery,
         Self::EventDestroy,
-        Self::StreamQuery,
+        Self::EventSynchronize,
     ];
 }
 
@@ -295,12 +295,12 @@ pub trait Driver {
     /// `event` is a live event of this driver, destroyed once
     /// ([the trait's rules](Driver#safety)).
     unsafe fn event_destroy(&self, event: Event) -> CuResult<()>;
-    /// `cuStreamQuery`: `Ok(true)` idle, `Ok(false)` for `CUDA_ERROR_NOT_READY`.
+    /// `cuEventSynchronize`: blocks the calling thread until the event's work has completed.
     ///
     /// # Safety
     ///
-    /// `stream` is 0 or a live stream of this driver ([the trait's rules](Driver#safety)).
-    unsafe fn stream_query(&self, stream: Stream) -> CuResult<bool>;
+    /// `event` is a live event of this driver ([the trait's rules](Driver#safety)).
+    unsafe fn event_synchronize(&self, event: Event) -> CuResult<()>;
 }
 
 #[cfg(test)]

@@ -42,10 +42,19 @@ impl CudaPhys {
     }
 }
 
-/// A fence: an event recorded on the backend's stream, or, when none could be recorded, the
-/// stream itself (done once the stream is idle).
+/// A fence: one event per stream the backend covers, recorded after the work submitted there
+/// so far. A mark whose event could not be created or recorded is recorded at the next query
+/// (which covers at least as much work), never replaced by a weaker check.
 #[derive(Debug)]
-pub struct CudaFence(Option<Event>);
+pub struct CudaFence(Mutex<Vec<Mark>>);
+
+/// One stream's part of a fence.
+#[derive(Clone, Copy, Debug)]
+struct Mark {
+    stream: Stream,
+    event: Option<Event>,
+    recorded: bool,
+}
 
 /// Why a CUDA backend could not be opened.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -65,10 +74,14 @@ pub enum CudaError {
 
 /// CUDA virtual memory management on one device, over driver `D`.
 ///
-/// **What a fence covers.** Fences are events recorded on the legacy default stream (stream 0,
-/// cudarc's `default_stream()`), which waits for all *blocking* streams. Work on a stream made
-/// with `CU_STREAM_NON_BLOCKING` (cudarc's `new_stream()`) is not covered: make the legacy
-/// stream wait for such a stream (an event, or a synchronize) before releasing memory it uses.
+/// **What a fence covers.** A fence is one event per *covered* stream, recorded when a token's
+/// release starts (or when it is dropped), after everything submitted on that stream so far.
+/// The legacy default stream (0, cudarc's `default_stream()`) is always covered; it waits for
+/// every *blocking* stream, but not for the non-blocking streams that cudarc's `new_stream()`
+/// makes — those are covered once memtoken learns of them: through a typed view (which covers
+/// the stream it is used on), [`cover`](CudaBackend::cover) for a cudarc stream, or
+/// [`cover_stream`](CudaBackend::cover_stream) for a raw handle. Memory used by a kernel on a
+/// covered stream is unmapped only after that kernel's work has finished.
 ///
 /// **Other driver facts to know.** Every call makes this device's primary context current on
 /// the calling thread (and leaves it so). `cuMemUnmap` synchronizes with the device; the typed
@@ -99,7 +112,16 @@ pub struct CudaBackend<D: Driver> {
     ctx: Context,
     granularity: usize,
     capacity: u64,
-    stream: Stream,
+    /// Whether `drop` gives back a retain of the primary context (one `new` took).
+    owns_retain: bool,
+    /// Streams every fence covers (the legacy stream first). Its own lock, never held across a
+    /// driver call.
+    covered: Mutex<Vec<Stream>>,
+    /// cudarc's handles on what this backend uses but does not own: the context it was opened
+    /// on, and the streams it covers, kept alive as long as the backend records events there.
+    #[cfg(feature = "cuda")]
+    #[allow(dead_code)] // see `Kept`
+    kept: Mutex<Kept>,
     lost: AtomicBool,
     /// What this backend handed out and the driver still holds: every call is checked against
     /// it before it reaches the driver, so no safe call can pass the driver a stale or foreign
@@ -123,6 +145,17 @@ struct CudaState {
     /// Context retains taken by [`Backend::pin`] and not yet given back by [`Backend::unpin`]
     /// (the retain taken when opening is not counted: it is given back on drop).
     pins: u64,
+    /// Ranges a copy is using while it runs outside the lock: unmap, free and map refuse them.
+    busy: Vec<(u64, usize)>,
+}
+
+/// What a backend keeps alive for cudarc (feature `cuda`): held, never read.
+#[cfg(feature = "cuda")]
+#[derive(Debug, Default)]
+#[allow(dead_code)] // the handles are kept only so that cudarc does not destroy them
+struct Kept {
+    context: Option<std::sync::Arc<cudarc::driver::CudaContext>>,
+    streams: Vec<std::sync::Arc<cudarc::driver::CudaStream>>,
 }
 
 impl<D: Driver> CudaBackend<D> {
@@ -141,8 +174,27 @@ impl<D: Driver> CudaBackend<D> {
         let ctx = driver
             .primary_ctx_retain(device)
             .map_err(at(DriverCall::PrimaryCtxRetain))?;
+        // SAFETY: `ctx` was retained just above from this driver; the backend gives that
+        // retain back when it drops (`owns_retain`), and not before.
+        unsafe { Self::open_on(driver, device, ctx, true) }
+    }
+
+    /// Opens the backend on context `ctx` of `device`.
+    ///
+    /// # Safety
+    ///
+    /// `ctx` is a live context of `device` from `driver`, and stays live until the backend is
+    /// dropped: retained by the caller and given back by the backend when `owns_retain`, or
+    /// kept alive by its owner otherwise.
+    unsafe fn open_on(
+        driver: D,
+        device: i32,
+        ctx: Context,
+        owns_retain: bool,
+    ) -> Result<Self, CudaError> {
+        let at = |call| move |error| CudaError::Driver { call, error };
         let opened = (|| {
-            // SAFETY: `ctx` was retained just above from this driver and is not released.
+            // SAFETY: the caller promises `ctx` live.
             unsafe { driver.ctx_set_current(ctx) }.map_err(at(DriverCall::CtxSetCurrent))?;
             let granularity = driver
                 .mem_get_allocation_granularity(device)
@@ -156,8 +208,9 @@ impl<D: Driver> CudaBackend<D> {
             Ok(v) => v,
             Err(e) => {
                 // No call into a context a sticky error took down.
-                if !matches!(e, CudaError::Driver { error, .. } if error.is_context_loss()) {
-                    // SAFETY: gives back the one retain taken just above, once.
+                let lost = matches!(e, CudaError::Driver { error, .. } if error.is_context_loss());
+                if owns_retain && !lost {
+                    // SAFETY: gives back the retain the caller handed over, once.
                     let _ = unsafe { driver.primary_ctx_release(device) };
                 }
                 return Err(e);
@@ -169,7 +222,10 @@ impl<D: Driver> CudaBackend<D> {
             ctx,
             granularity,
             capacity,
-            stream: 0,
+            owns_retain,
+            covered: Mutex::new(vec![0]),
+            #[cfg(feature = "cuda")]
+            kept: Mutex::new(Kept::default()),
             lost: AtomicBool::new(false),
             state: Mutex::new(CudaState {
                 book: Book::new(granularity, true),
@@ -178,6 +234,7 @@ impl<D: Driver> CudaBackend<D> {
                 stuck: Vec::new(),
                 scratch: Vec::new(),
                 pins: 0,
+                busy: Vec::new(),
             }),
         })
     }
@@ -185,6 +242,25 @@ impl<D: Driver> CudaBackend<D> {
     /// The device ordinal's `CUdevice`.
     pub fn device(&self) -> i32 {
         self.device
+    }
+
+    /// Makes every fence recorded from now on cover `stream` too: a release waits for the work
+    /// submitted there. (Typed views and [`cover`](Self::cover) do this for cudarc streams.)
+    ///
+    /// # Safety
+    ///
+    /// `stream` is 0 (the legacy stream) or a live stream of this backend's context, and stays
+    /// live until the backend is dropped: fences record events on it until then.
+    pub unsafe fn cover_stream(&self, stream: Stream) {
+        let mut covered = lock(&self.covered);
+        if !covered.contains(&stream) {
+            covered.push(stream);
+        }
+    }
+
+    /// The streams fences cover now, the legacy stream first.
+    pub fn covered_streams(&self) -> Vec<Stream> {
+        lock(&self.covered).clone()
     }
 
     /// Locks the record and makes the context current, unless the context is lost. Calls hold
@@ -253,12 +329,13 @@ impl<D: Driver> CudaBackend<D> {
     ///
     /// [`Cause::Violation`] if it is not; the driver's error.
     pub fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
-        let s = self.enter(Op::Copy, dst, src.len())?;
-        Self::check_mapped(&s, Op::Copy, dst, src.len(), true)?;
-        // SAFETY: `check_mapped` above proved every byte of the destination mapped read-write
-        // with access in the record, and the record's lock, held across the call, keeps it so.
+        let len = src.len();
+        let _busy = self.hold(dst, len, true)?;
+        // SAFETY: `hold` proved every byte of the destination mapped read-write with access in
+        // the record, and keeps the range from being unmapped, freed or mapped over until
+        // `_busy` is dropped, after the copy (synchronous for pageable host memory).
         unsafe { self.driver.memcpy_htod(dst as u64, src) }
-            .map_err(|e| self.fail(Op::Copy, dst, src.len(), e))
+            .map_err(|e| self.fail(Op::Copy, dst, len, e))
     }
 
     /// Copies device memory at `src`, which must be mapped, to the host.
@@ -268,12 +345,38 @@ impl<D: Driver> CudaBackend<D> {
     /// [`Cause::Violation`] if it is not; the driver's error.
     pub fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError> {
         let len = dst.len();
-        let s = self.enter(Op::Copy, src, len)?;
-        Self::check_mapped(&s, Op::Copy, src, len, false)?;
-        // SAFETY: `check_mapped` above proved every byte of the source mapped with access in
-        // the record, and the record's lock, held across the call, keeps it so.
+        let _busy = self.hold(src, len, false)?;
+        // SAFETY: `hold` proved every byte of the source mapped with access in the record, and
+        // keeps the range from being unmapped, freed or mapped over until `_busy` is dropped,
+        // after the (synchronous) copy.
         unsafe { self.driver.memcpy_dtoh(dst, src as u64) }
             .map_err(|e| self.fail(Op::Copy, src, len, e))
+    }
+
+    /// Checks that `[addr, addr + len)` is mapped with access (read-write if `write`) and marks
+    /// it busy until the returned guard drops, so that a copy can use it outside the lock.
+    fn hold(&self, addr: Addr, len: usize, write: bool) -> Result<Busy<'_, D>, BackendError> {
+        let mut s = self.enter(Op::Copy, addr, len)?;
+        Self::check_mapped(&s, Op::Copy, addr, len, write)?;
+        let range = (addr as u64, len);
+        s.busy.push(range);
+        Ok(Busy {
+            backend: self,
+            range,
+        })
+    }
+
+    /// Refuses a call on a range a copy is using.
+    fn check_not_busy(s: &CudaState, op: Op, addr: Addr, len: usize) -> Result<(), BackendError> {
+        if Self::overlaps(&s.busy, addr, len) {
+            return Err(BackendError::refused(
+                op,
+                addr,
+                len,
+                Violation::Busy { addr, len },
+            ));
+        }
+        Ok(())
     }
 
     /// Whether any listed range overlaps `[addr, addr + len)`.
@@ -306,6 +409,80 @@ impl<D: Driver> CudaBackend<D> {
         result
     }
 
+    /// Creates an event and records it on `stream` now. An event that cannot be recorded is
+    /// destroyed again (or left to be retried with the retired ones).
+    fn record_now(&self, s: &mut CudaState, stream: Stream) -> CuResult<Event> {
+        let event = self.driver.event_create()?;
+        s.events.insert(event);
+        // SAFETY: `event` was created just above by this driver; `stream` is a covered stream:
+        // 0, or one whose owner promised it live until this backend is dropped (`cover_stream`).
+        match unsafe { self.driver.event_record(event, stream) } {
+            Ok(()) => Ok(event),
+            Err(e) => {
+                if !e.is_context_loss() {
+                    self.destroy_event(s, event);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Records every mark of a fence not yet recorded; whether all are.
+    fn record_marks(&self, marks: &mut [Mark]) -> bool {
+        if marks.iter().all(|m| m.recorded) {
+            return true;
+        }
+        let Ok(mut s) = self.enter(Op::Fence, 0, 0) else {
+            return false;
+        };
+        for m in marks.iter_mut().filter(|m| !m.recorded) {
+            let event = match m.event {
+                Some(event) => event,
+                None => match self.driver.event_create() {
+                    Ok(event) => {
+                        s.events.insert(event);
+                        m.event = Some(event);
+                        event
+                    }
+                    Err(e) => {
+                        let _ = self.fail(Op::Fence, 0, 0, e);
+                        return false;
+                    }
+                },
+            };
+            // SAFETY: `event` is live (created by this driver, in `s.events`, destroyed only
+            // when its fence is retired); `m.stream` is a covered stream, live until this
+            // backend is dropped (`cover_stream`'s contract; 0 always is).
+            match unsafe { self.driver.event_record(event, m.stream) } {
+                Ok(()) => m.recorded = true,
+                Err(e) => {
+                    let _ = self.fail(Op::Fence, 0, 0, e);
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Destroys one of this backend's events, once; a failed destruction is retried later.
+    fn destroy_event(&self, s: &mut CudaState, event: Event) {
+        if !s.events.contains(&event) {
+            return; // not this backend's event, or already destroyed
+        }
+        // SAFETY: `s.events.contains` just proved `event` created by this driver and not yet
+        // destroyed (it leaves the set as soon as it is, so an event named twice is destroyed
+        // once).
+        match unsafe { self.driver.event_destroy(event) } {
+            Ok(()) => {
+                s.events.remove(&event);
+            }
+            Err(e) => {
+                s.retired.push(event);
+                let _ = self.fail(Op::Fence, 0, 0, e);
+            }
+        }
+    }
+
     /// Frees scratch reservations left by failed copies, unmapping them first if needed.
     fn sweep_scratch(&self, s: &mut CudaState) -> CuResult<()> {
         for (addr, span) in std::mem::take(&mut s.scratch) {
@@ -333,6 +510,21 @@ impl<D: Driver> CudaBackend<D> {
     }
 }
 
+/// A range marked busy by a copy running outside the lock; unmarked when dropped.
+struct Busy<'a, D: Driver> {
+    backend: &'a CudaBackend<D>,
+    range: (u64, usize),
+}
+
+impl<D: Driver> Drop for Busy<'_, D> {
+    fn drop(&mut self) {
+        let mut s = lock(&self.backend.state);
+        if let Some(i) = s.busy.iter().position(|&r| r == self.range) {
+            s.busy.swap_remove(i);
+        }
+    }
+}
+
 #[cfg(feature = "cuda")]
 impl CudaBackend<SysDriver> {
     /// Opens device `ordinal` through the real driver, loaded at run time.
@@ -343,6 +535,51 @@ impl CudaBackend<SysDriver> {
     /// this never panics), [`CudaError::Driver`] when a call fails.
     pub fn open(ordinal: i32) -> Result<Self, CudaError> {
         Self::new(SysDriver::load()?, ordinal)
+    }
+
+    /// Opens the backend on the context of a cudarc `CudaContext` the caller already uses,
+    /// sharing it instead of retaining the context behind cudarc's back: the backend keeps the
+    /// `Arc` (so the context lives as long as the backend) and makes that context current for
+    /// its calls.
+    ///
+    /// # Errors
+    ///
+    /// [`CudaError::Driver`] when a call fails while opening.
+    pub fn from_context(
+        context: std::sync::Arc<cudarc::driver::CudaContext>,
+    ) -> Result<Self, CudaError> {
+        let driver = SysDriver::load()?;
+        let (device, ctx) = (context.cu_device(), context.cu_ctx() as Context);
+        // SAFETY: `ctx` is the live context of `context`, which the backend keeps (below) until
+        // it is dropped; the backend takes no retain of its own (`owns_retain` false).
+        let backend = unsafe { Self::open_on(driver, device, ctx, false) }?;
+        lock(&backend.kept).context = Some(context);
+        Ok(backend)
+    }
+
+    /// Makes every fence recorded from now on cover the cudarc `stream` (see
+    /// [`cover_stream`](Self::cover_stream)); the backend keeps the stream alive meanwhile.
+    ///
+    /// # Errors
+    ///
+    /// [`Cause::Violation`] if the stream belongs to another context.
+    pub fn cover(
+        &self,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> Result<(), BackendError> {
+        if stream.context().cu_ctx() as Context != self.ctx {
+            let v = Violation::ForeignStream;
+            return Err(BackendError::refused(Op::Fence, 0, 0, v));
+        }
+        let handle = stream.cu_stream() as Stream;
+        if self.covered_streams().contains(&handle) {
+            return Ok(());
+        }
+        lock(&self.kept).streams.push(std::sync::Arc::clone(stream));
+        // SAFETY: the stream belongs to this backend's context (checked above) and lives until
+        // the backend drops: the backend holds an `Arc` of it (just above).
+        unsafe { self.cover_stream(handle) };
+        Ok(())
     }
 }
 
@@ -379,6 +616,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
 
     fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
         let mut s = self.enter(Op::Free, addr, len)?;
+        Self::check_not_busy(&s, Op::Free, addr, len)?;
         let (start, end) = (addr as u64, (addr + len) as u64);
         if Self::overlaps(&s.scratch, addr, len) {
             // The backend's own scratch range: not the caller's to free.
@@ -434,6 +672,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         access: Access,
     ) -> Result<(), BackendError> {
         let mut s = self.enter(Op::Map, addr, len)?;
+        Self::check_not_busy(&s, Op::Map, addr, len)?;
         let (ptr, fail) = (addr as u64, |e| self.fail(Op::Map, addr, len, e));
         if Self::overlaps(&s.scratch, addr, len) {
             // The backend's own scratch range, waiting to be freed: not the caller's to map.
@@ -474,6 +713,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
 
     fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
         let mut s = self.enter(Op::Unmap, addr, len)?;
+        Self::check_not_busy(&s, Op::Unmap, addr, len)?;
         s.book
             .check_unmap(addr, len)
             .map_err(|v| BackendError::refused(Op::Unmap, addr, len, v))?;
@@ -494,56 +734,94 @@ impl<D: Driver> Backend for CudaBackend<D> {
         src: Addr,
         len: usize,
     ) -> Result<(), BackendError> {
-        let mut s = self.enter(Op::Copy, src, len)?;
         let fail = |e| self.fail(Op::Copy, src, len, e);
-        self.sweep_scratch(&mut s).map_err(fail)?;
-        s.book
-            .check_copy(phys.0, offset, src, len)
-            .map_err(|v| BackendError::refused(Op::Copy, src, len, v))?;
-        if Self::overlaps(&s.stuck, src, len) {
-            let v = Violation::NotMapped { addr: src, len };
-            return Err(BackendError::refused(Op::Copy, src, len, v));
-        }
-        // Map `offset + len` bytes of the handle from its start at a scratch range, copy, and
-        // take the scratch range down again.
+        // Map `offset + len` bytes of the handle from its start at a scratch range, start the
+        // copy, and wait for it outside the lock (the source and the scratch range are busy
+        // meanwhile); then take the scratch range down again.
         let span = offset + len;
         let d = &self.driver;
-        let scratch = d
-            .mem_address_reserve(span, self.granularity)
-            .map_err(fail)?;
-        s.book.apply_reserve(scratch as Addr, span);
-        // SAFETY: `scratch` is a reservation of `span` bytes made just above, nothing mapped in
-        // it; `s.book.check_copy` above proved `phys` live with at least `offset + len` bytes.
-        if let Err(e) = unsafe { d.mem_map(scratch, span, 0, phys.0) } {
-            if e.is_context_loss() {
+        let (scratch, copied, event) = {
+            let mut s = self.enter(Op::Copy, src, len)?;
+            self.sweep_scratch(&mut s).map_err(fail)?;
+            s.book
+                .check_copy(phys.0, offset, src, len)
+                .map_err(|v| BackendError::refused(Op::Copy, src, len, v))?;
+            if Self::overlaps(&s.stuck, src, len) {
+                let v = Violation::NotMapped { addr: src, len };
+                return Err(BackendError::refused(Op::Copy, src, len, v));
+            }
+            let scratch = d
+                .mem_address_reserve(span, self.granularity)
+                .map_err(fail)?;
+            s.book.apply_reserve(scratch as Addr, span);
+            // SAFETY: `scratch` is a reservation of `span` bytes made just above, nothing
+            // mapped in it; `s.book.check_copy` above proved `phys` live with at least
+            // `offset + len` bytes.
+            if let Err(e) = unsafe { d.mem_map(scratch, span, 0, phys.0) } {
+                if e.is_context_loss() {
+                    return Err(fail(e));
+                }
+                // SAFETY: the fresh scratch reservation, exactly, with nothing mapped in it.
+                match unsafe { d.mem_address_free(scratch, span) } {
+                    Ok(()) => s.book.apply_free(scratch as Addr),
+                    Err(freed) if freed.is_context_loss() => return Err(fail(freed)),
+                    Err(_) => s.scratch.push((scratch, span)),
+                }
                 return Err(fail(e));
             }
-            // SAFETY: the fresh scratch reservation, exactly, with nothing mapped in it.
-            match unsafe { d.mem_address_free(scratch, span) } {
-                Ok(()) => s.book.apply_free(scratch as Addr),
-                Err(freed) if freed.is_context_loss() => return Err(fail(freed)),
-                Err(_) => s.scratch.push((scratch, span)),
+            s.book
+                .apply_map(scratch as Addr, span, phys.0, 0, Access::ReadWrite);
+            // SAFETY: the scratch range was mapped, exactly, just above, and is given
+            // read-write access before the copy writes to it; `s.book.check_copy` above proved
+            // every byte of the source mapped, and the `s.stuck` check that it has access. Both
+            // stay mapped until the copy has finished: the source and the scratch range are
+            // marked busy below (unmap, free and map refuse busy ranges) until the wait below.
+            let copied = unsafe {
+                d.mem_set_access(scratch, span, self.device, true)
+                    .and_then(|()| d.memcpy_dtod(scratch + offset as u64, src as u64, len))
+            };
+            if let Err(e) = copied
+                && e.is_context_loss()
+            {
+                return Err(fail(e));
             }
-            return Err(fail(e));
-        }
-        s.book
-            .apply_map(scratch as Addr, span, phys.0, 0, Access::ReadWrite);
-        // The copy is asynchronous: wait for it before the scratch mapping goes.
-        // SAFETY: the scratch range was mapped, exactly, just above, and is given read-write
-        // access before the copy writes to it; `s.book.check_copy` above proved every byte of
-        // the source mapped, and the `s.stuck` check that it has access; the lock keeps both
-        // mapped, and `ctx_synchronize` waits for the copy before the scratch range is unmapped.
-        let copied = unsafe {
-            d.mem_set_access(scratch, span, self.device, true)
-                .and_then(|()| d.memcpy_dtod(scratch + offset as u64, src as u64, len))
-        }
-        .and_then(|()| d.ctx_synchronize());
-        if let Err(e) = copied
+            // The copy runs on the legacy stream: an event after it is what to wait for.
+            let event = copied.and_then(|()| self.record_now(&mut s, 0));
+            if let Err(e) = event
+                && (e.is_context_loss() || self.context_lost())
+            {
+                return Err(fail(e));
+            }
+            s.busy.push((src as u64, len));
+            s.busy.push((scratch, span));
+            (scratch, copied, event.ok())
+        };
+        // The wait, outside the lock: drops, fences and polls on other threads go on.
+        let waited = match (copied, event) {
+            (Err(_), _) => Ok(()), // nothing was started
+            // SAFETY: `event` was created and recorded above and is destroyed only below, by
+            // this call.
+            (Ok(()), Some(event)) => unsafe { d.event_synchronize(event) },
+            // No event could be recorded: wait for the whole context instead, still unlocked.
+            (Ok(()), None) => d.ctx_synchronize(),
+        };
+        if let Err(e) = waited
             && e.is_context_loss()
         {
-            return Err(fail(e));
+            return Err(fail(e)); // no call after it: the driver freed everything
         }
-        // SAFETY: the scratch range was mapped, exactly, above, and nothing else unmapped it.
+        let mut s = self.enter(Op::Copy, src, len)?;
+        s.busy
+            .retain(|&r| r != (src as u64, len) && r != (scratch, span));
+        if let Some(event) = event {
+            self.destroy_event(&mut s, event);
+        }
+        if self.context_lost() {
+            // Destroying the event revealed the loss: no call after it.
+            return Err(BackendError::new(Op::Copy, src, len, Cause::ContextLost));
+        }
+        // SAFETY: the scratch range was mapped, exactly, above, and nothing else unmapped it
+        // (it was busy, and is the backend's own).
         match unsafe { d.mem_unmap(scratch, span) } {
             Ok(()) => {
                 s.book.apply_unmap(scratch as Addr, span);
@@ -561,91 +839,90 @@ impl<D: Driver> Backend for CudaBackend<D> {
                 s.scratch.push((scratch, span));
             }
         }
-        copied.map_err(fail)
+        copied.and(waited).map_err(fail)
     }
 
     fn fence(&self) -> CudaFence {
-        let Ok(mut s) = self.enter(Op::Fence, 0, 0) else {
-            return CudaFence(None);
-        };
-        let event = match self.driver.event_create() {
-            Ok(event) => event,
-            Err(e) => {
-                let _ = self.fail(Op::Fence, 0, 0, e);
-                return CudaFence(None);
-            }
-        };
-        s.events.insert(event);
-        // SAFETY: `event` was created just above by this driver; `self.stream` is 0, the
-        // legacy default stream, which always exists.
-        match unsafe { self.driver.event_record(event, self.stream) } {
-            Ok(()) => CudaFence(Some(event)),
-            Err(e) => {
-                let _ = self.fail(Op::Fence, 0, 0, e);
-                if !self.context_lost() {
-                    // SAFETY: `event` was created just above and is destroyed here once (it
-                    // leaves `s.events` when destroyed, or goes to `s.retired` to be tried
-                    // again, never both).
-                    match unsafe { self.driver.event_destroy(event) } {
-                        Ok(()) => {
-                            s.events.remove(&event);
-                        }
-                        Err(destroy) => {
-                            let _ = self.fail(Op::Fence, 0, 0, destroy);
-                            s.retired.push(event); // retried at the next retirement
-                        }
-                    }
-                }
-                CudaFence(None)
-            }
-        }
+        let mut marks: Vec<Mark> = self
+            .covered_streams()
+            .into_iter()
+            .map(|stream| Mark {
+                stream,
+                event: None,
+                recorded: false,
+            })
+            .collect();
+        // What cannot be recorded now is recorded at the next query.
+        let _ = self.record_marks(&mut marks);
+        CudaFence(Mutex::new(marks))
     }
 
     fn fence_done(&self, fence: &CudaFence) -> bool {
         // Lost: nothing runs any more; the teardown that follows sees the loss and calls nothing.
+        let mut marks = lock(&fence.0);
+        if !self.record_marks(&mut marks) {
+            return self.context_lost();
+        }
         let Ok(s) = self.enter(Op::Fence, 0, 0) else {
             return self.context_lost();
         };
-        let done = match fence.0 {
+        for event in marks.iter().filter_map(|m| m.event) {
+            if !s.events.contains(&event) {
+                continue; // not this backend's event: nothing of ours to wait for
+            }
             // SAFETY: `s.events.contains` proved `event` created by this driver and not yet
             // destroyed (events leave the set when destroyed).
-            Some(event) if s.events.contains(&event) => unsafe { self.driver.event_query(event) },
-            Some(_) => Ok(true), // not this backend's event: nothing of ours to wait for
-            // SAFETY: `self.stream` is 0, the legacy default stream, which always exists.
-            None => unsafe { self.driver.stream_query(self.stream) },
-        };
-        // A failed query is asked again at the next poll, unless it revealed the loss.
-        done.unwrap_or_else(|e| {
-            let _ = self.fail(Op::Fence, 0, 0, e);
-            self.context_lost()
-        })
+            match unsafe { self.driver.event_query(event) } {
+                Ok(true) => {}
+                Ok(false) => return false,
+                // A failed query is asked again at the next poll, unless it revealed the loss.
+                Err(e) => {
+                    let _ = self.fail(Op::Fence, 0, 0, e);
+                    return self.context_lost();
+                }
+            }
+        }
+        true
+    }
+
+    fn wait_fence(&self, fence: &CudaFence) -> bool {
+        let mut marks = lock(&fence.0);
+        if !self.record_marks(&mut marks) {
+            return self.context_lost();
+        }
+        for event in marks.iter().filter_map(|m| m.event) {
+            {
+                let Ok(s) = self.enter(Op::Fence, 0, 0) else {
+                    return self.context_lost();
+                };
+                if !s.events.contains(&event) {
+                    continue;
+                }
+            }
+            // Outside the lock. SAFETY: `s.events.contains` just proved `event` live, and it
+            // stays so: it belongs to `fence`, borrowed for this call, and an event is destroyed
+            // only when its fence is retired (which takes the fence by value) or the backend
+            // dropped.
+            if let Err(e) = unsafe { self.driver.event_synchronize(event) } {
+                let _ = self.fail(Op::Fence, 0, 0, e);
+                return self.context_lost();
+            }
+        }
+        true
     }
 
     fn retire_fence(&self, fence: CudaFence) {
         let Ok(mut s) = self.enter(Op::Fence, 0, 0) else {
             return; // lost: the driver freed the events with the context
         };
-        // This fence's event (if it is one of ours), and any whose destruction failed before.
+        // This fence's events (those that are ours), and any whose destruction failed before.
         let mut retiring = std::mem::take(&mut s.retired);
-        retiring.extend(fence.0);
+        let marks = fence.0.into_inner().unwrap_or_else(|e| e.into_inner());
+        retiring.extend(marks.iter().filter_map(|m| m.event));
         for event in retiring {
-            if !s.events.contains(&event) {
-                continue; // not this backend's event, or already destroyed
-            }
-            // SAFETY: `s.events.contains` just proved `event` created by this driver and not
-            // yet destroyed (it leaves the set as soon as it is, so an event named twice, as a
-            // foreign fence could, is destroyed once).
-            match unsafe { self.driver.event_destroy(event) } {
-                Ok(()) => {
-                    s.events.remove(&event);
-                }
-                Err(e) => {
-                    s.retired.push(event);
-                    let _ = self.fail(Op::Fence, 0, 0, e);
-                    if self.context_lost() {
-                        return;
-                    }
-                }
+            self.destroy_event(&mut s, event);
+            if self.context_lost() {
+                return;
             }
         }
     }
@@ -699,7 +976,7 @@ impl<D: Driver> Drop for CudaBackend<D> {
                 }
             }
         }
-        if !self.context_lost() {
+        if self.owns_retain && !self.context_lost() {
             // SAFETY: gives back the retain `new` took, once: `drop` runs once, and `unpin`
             // gives back only the retains `pin` took.
             let _ = unsafe { self.driver.primary_ctx_release(self.device) };
@@ -745,12 +1022,12 @@ mod tests {
         let model = DriverModel::default();
         let backend = open(&model);
         let fence = backend.fence();
-        let event = fence.0.expect("recorded");
+        let marks = lock(&fence.0).clone();
         model.fail_nth(DriverCall::EventDestroy, 1, CuError::INVALID_VALUE);
         backend.retire_fence(fence); // fails: the event waits in `retired`
         assert_eq!(model.outstanding().events, 1);
         // A fence naming the same event (as a foreign one could) retires it once, not twice.
-        backend.retire_fence(CudaFence(Some(event)));
+        backend.retire_fence(CudaFence(Mutex::new(marks)));
         assert_eq!(model.outstanding().events, 0);
         assert_eq!(model.count(DriverCall::EventDestroy), 2);
     }

@@ -6,7 +6,7 @@ use crate::backend::faults::FaultPlan;
 use crate::backend::rules::Book;
 use crate::backend::{Access, Addr, ConfigError, lock};
 use std::collections::{BTreeSet, HashMap};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// Settings of a [`DriverModel`].
 #[derive(Clone, Debug)]
@@ -17,6 +17,11 @@ pub struct ModelConfig {
     pub total_mem: usize,
     /// Whether recorded events complete at once. Default: true.
     pub events_complete_at_once: bool,
+    /// Whether `cuEventSynchronize` and `cuCtxSynchronize` block the calling thread until
+    /// another thread completes the work (`complete_work`, `complete_work_on`), as a real wait
+    /// does. Default: false — the wait returns with the work complete, as if the GPU finished
+    /// it meanwhile (so a test that never completes its work does not hang).
+    pub synchronize_blocks: bool,
 }
 
 impl Default for ModelConfig {
@@ -25,6 +30,7 @@ impl Default for ModelConfig {
             granularity: 2 << 20,
             total_mem: 16 << 30,
             events_complete_at_once: true,
+            synchronize_blocks: false,
         }
     }
 }
@@ -64,10 +70,14 @@ struct ModelState {
     next_handle: u64,
     used: usize,
     contents: HashMap<u64, Vec<u8>>,
-    events: HashMap<Event, Option<u64>>,
+    /// Live events, and where each was last recorded: its stream and the work it covers.
+    events: HashMap<Event, Option<(Stream, u64)>>,
     next_event: Event,
-    submitted: u64,
-    completed: u64,
+    /// Work per stream: (submitted, completed). Stream 0 is the legacy default stream; the
+    /// others are non-blocking (as cudarc's `new_stream()` makes them), so an event on one
+    /// stream covers nothing on another.
+    streams: HashMap<Stream, (u64, u64)>,
+    next_stream: Stream,
     log: Vec<DriverCall>,
     /// Calls counted (not those after the loss) and planned failures.
     faults: FaultPlan<DriverCall, CuError>,
@@ -92,6 +102,8 @@ struct ModelState {
 pub struct DriverModel {
     config: Arc<ModelConfig>,
     state: Arc<Mutex<ModelState>>,
+    /// Signalled when work completes or the context is lost: `cuEventSynchronize` waits on it.
+    done: Arc<Condvar>,
 }
 
 const VA_BASE: Addr = 0x7f00_0000_0000;
@@ -123,19 +135,26 @@ impl DriverModel {
             contents: HashMap::new(),
             events: HashMap::new(),
             next_event: 1,
-            submitted: 0,
-            completed: 0,
+            streams: HashMap::from([(0, (0, 0))]),
+            next_stream: 0x5000,
             log: Vec::new(),
             faults: FaultPlan::default(),
         };
         Ok(Self {
             config: Arc::new(config),
             state: Arc::new(Mutex::new(state)),
+            done: Arc::new(Condvar::new()),
         })
     }
 
     fn state(&self) -> MutexGuard<'_, ModelState> {
         lock(&self.state)
+    }
+
+    /// Whether the work an event recorded has completed (a never-recorded event counts as
+    /// done, as in CUDA).
+    fn covered(s: &ModelState, recorded: Option<(Stream, u64)>) -> bool {
+        recorded.is_none_or(|(stream, at)| s.streams.get(&stream).is_none_or(|w| at <= w.1))
     }
 
     /// Fails the `n`th call of kind `call` from now (`n = 1`: the next one) with `error`, once.
@@ -165,6 +184,7 @@ impl DriverModel {
     /// The context is lost (as after an illegal address in a kernel).
     pub fn lose_context(&self) {
         self.state().lost = true;
+        self.done.notify_all();
     }
 
     /// Calls made after the context was lost (each one fails).
@@ -172,15 +192,56 @@ impl DriverModel {
         self.state().calls_after_loss
     }
 
-    /// Submits work on the stream: events recorded from now on complete only after it.
+    /// Submits work on the legacy default stream: events recorded on it from now on complete
+    /// only after it.
     pub fn submit_work(&self) {
-        self.state().submitted += 1;
+        self.submit_work_on(0);
     }
 
-    /// Completes all submitted work.
+    /// Completes all work submitted on every stream.
     pub fn complete_work(&self) {
         let mut s = self.state();
-        s.completed = s.submitted;
+        for (submitted, completed) in s.streams.values_mut() {
+            *completed = *submitted;
+        }
+        self.done.notify_all();
+    }
+
+    /// A new non-blocking stream (as cudarc's `new_stream()` makes): it is not ordered with the
+    /// legacy stream nor with any other.
+    pub fn new_stream(&self) -> Stream {
+        let mut s = self.state();
+        let stream = s.next_stream;
+        s.next_stream += 1;
+        s.streams.insert(stream, (0, 0));
+        stream
+    }
+
+    /// Submits work on `stream` (a kernel still running there).
+    ///
+    /// # Panics
+    ///
+    /// If `stream` is not one of the model's.
+    pub fn submit_work_on(&self, stream: Stream) {
+        let mut s = self.state();
+        let Some(work) = s.streams.get_mut(&stream) else {
+            panic!("DriverModel: no stream {stream:#x}");
+        };
+        work.0 += 1;
+    }
+
+    /// Completes the work submitted on `stream` so far.
+    ///
+    /// # Panics
+    ///
+    /// If `stream` is not one of the model's.
+    pub fn complete_work_on(&self, stream: Stream) {
+        let mut s = self.state();
+        let Some(work) = s.streams.get_mut(&stream) else {
+            panic!("DriverModel: no stream {stream:#x}");
+        };
+        work.1 = work.0;
+        self.done.notify_all();
     }
 
     /// Every call received, in order.
@@ -470,7 +531,16 @@ impl Driver for DriverModel {
 
     fn ctx_synchronize(&self) -> CuResult<()> {
         let mut s = self.enter(DriverCall::CtxSynchronize, true)?;
-        s.completed = s.submitted;
+        let idle = |s: &ModelState| s.streams.values().all(|&(sub, done)| done >= sub);
+        while self.config.synchronize_blocks && !idle(&s) {
+            s = self.done.wait(s).unwrap_or_else(|e| e.into_inner());
+            if s.lost {
+                return Err(CuError::CONTEXT_IS_DESTROYED);
+            }
+        }
+        for (submitted, completed) in s.streams.values_mut() {
+            *completed = *submitted;
+        }
         Ok(())
     }
 
@@ -508,16 +578,15 @@ impl Driver for DriverModel {
     unsafe fn event_record(&self, event: Event, stream: Stream) -> CuResult<()> {
         let call = DriverCall::EventRecord;
         let mut s = self.enter(call, true)?;
-        if stream != 0 {
-            misuse(call, "unknown stream");
-        }
-        let at = s.submitted;
+        let Some(&(submitted, _)) = s.streams.get(&stream) else {
+            misuse(call, format_args!("unknown stream {stream:#x}"));
+        };
         let Some(slot) = s.events.get_mut(&event) else {
             misuse(call, "unknown event");
         };
-        *slot = Some(at);
+        *slot = Some((stream, submitted));
         if self.config.events_complete_at_once {
-            s.completed = s.submitted;
+            s.streams.get_mut(&stream).expect("checked").1 = submitted;
         }
         Ok(())
     }
@@ -527,9 +596,31 @@ impl Driver for DriverModel {
         let s = self.enter(call, true)?;
         match s.events.get(&event) {
             None => misuse(call, "unknown event"),
-            Some(None) => Ok(true),
-            Some(Some(at)) => Ok(*at <= s.completed),
+            Some(recorded) => Ok(Self::covered(&s, *recorded)),
         }
+    }
+
+    unsafe fn event_synchronize(&self, event: Event) -> CuResult<()> {
+        let call = DriverCall::EventSynchronize;
+        let mut s = self.enter(call, true)?;
+        let Some(&recorded) = s.events.get(&event) else {
+            misuse(call, "unknown event");
+        };
+        // With `synchronize_blocks`, blocks the calling thread, as the driver does, until
+        // another thread completes the work; every other call goes on meanwhile. Otherwise the
+        // work completes now, as if the GPU had finished it during the wait.
+        while self.config.synchronize_blocks && !Self::covered(&s, recorded) {
+            s = self.done.wait(s).unwrap_or_else(|e| e.into_inner());
+            if s.lost {
+                return Err(CuError::CONTEXT_IS_DESTROYED);
+            }
+        }
+        if let Some((stream, at)) = recorded
+            && let Some(work) = s.streams.get_mut(&stream)
+        {
+            work.1 = work.1.max(at);
+        }
+        Ok(())
     }
 
     unsafe fn event_destroy(&self, event: Event) -> CuResult<()> {
@@ -539,15 +630,6 @@ impl Driver for DriverModel {
             misuse(call, "unknown event");
         }
         Ok(())
-    }
-
-    unsafe fn stream_query(&self, stream: Stream) -> CuResult<bool> {
-        let call = DriverCall::StreamQuery;
-        let s = self.enter(call, true)?;
-        if stream != 0 {
-            misuse(call, "unknown stream");
-        }
-        Ok(s.completed == s.submitted)
     }
 }
 

@@ -221,8 +221,8 @@ impl Driver for SysDriver {
         check(unsafe { sys::cuEventDestroy_v2(event as sys::CUevent) })
     }
 
-    unsafe fn stream_query(&self, stream: Stream) -> CuResult<bool> {
-        // SAFETY: as for `event_record`.
-        ready(unsafe { sys::cuStreamQuery(stream as sys::CUstream) })
+    unsafe fn event_synchronize(&self, event: Event) -> CuResult<()> {
+        // SAFETY: the caller passes a live event of this driver (`Driver`'s rules).
+        check(unsafe { sys::cuEventSynchronize(event as sys::CUevent) })
     }
 }

@@ -466,3 +466,79 @@ fn a_sticky_error_while_dropping_the_backend_stops_its_cleanup() {
         "the backend's cleanup called into a lost context"
     );
 }
+
+/// `CUDA_ERROR_UNKNOWN` (999) has no sticky wording in the CUDA documentation: after it the
+/// context is not declared lost (which would let quarantined memory be discharged while the
+/// live context still holds it), and later calls reach the driver.
+#[test]
+fn an_unknown_error_from_a_vmm_call_does_not_lose_the_context() {
+    let model = DriverModel::default();
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let reserved = binding.reserve(G).unwrap();
+    model.fail_nth(DriverCall::MemCreate, 1, CuError::UNKNOWN);
+    let err = reserved.commit().unwrap_err();
+    assert!(
+        messages(&err).join(": ").contains("CUDA_ERROR_UNKNOWN"),
+        "{}",
+        messages(&err).join(": ")
+    );
+    assert!(
+        device.confirm_context_lost().is_none(),
+        "999 was taken for context loss"
+    );
+    let (creates, maps) = (
+        model.count(DriverCall::MemCreate),
+        model.count(DriverCall::MemMap),
+    );
+    let mut a = err.into_token().commit().expect("the context lives on");
+    assert_eq!(model.count(DriverCall::MemCreate), creates + 1);
+    assert_eq!(model.count(DriverCall::MemMap), maps + 1);
+    a.copy_from_host(0, &[1, 2, 3]).unwrap();
+    a.release().complete().unwrap();
+    assert!(device.confirm_context_lost().is_none());
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert_eq!(model.calls_after_loss(), 0);
+    assert_eq!(model.outstanding(), ModelOutstanding::default());
+}
+
+/// `CUDA_ERROR_EXTERNAL_DEVICE` (911) is sticky ("the process must be terminated and
+/// relaunched"): the context is lost from that call on, and no call follows it.
+#[test]
+fn an_external_device_error_from_a_vmm_call_loses_the_context() {
+    let model = DriverModel::default();
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let reserved = binding.reserve(G).unwrap();
+    model.fail_nth(DriverCall::MemCreate, 1, CuError::EXTERNAL_DEVICE);
+    let err = reserved.commit().unwrap_err();
+    assert!(
+        messages(&err)
+            .join(": ")
+            .contains("CUDA_ERROR_EXTERNAL_DEVICE"),
+        "{}",
+        messages(&err).join(": ")
+    );
+    let calls = model.log().len();
+    let proof = device
+        .confirm_context_lost()
+        .expect("911 is sticky: the context is lost");
+    assert!(err.into_token().commit().is_err());
+    assert!(binding.reserve(G).is_err());
+    device.poll();
+    device.retry_quarantine();
+    assert_eq!(model.log().len(), calls, "a call followed the sticky error");
+    assert_eq!(
+        model.calls_after_loss(),
+        0,
+        "a call followed the sticky error"
+    );
+    device.discharge_all(&proof);
+    assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert_eq!(model.calls_after_loss(), 0);
+}

@@ -20,7 +20,7 @@ mod model;
 #[cfg(feature = "cuda")]
 mod sys;
 
-pub use driver::{Context, CuError, CuResult, Driver, DriverCall, Event, Stream};
+pub use driver::{Context, CuError, CuResult, Driver, DriverCall, ErrorFate, Event, Stream};
 pub use model::{DriverModel, ModelConfig, ModelOutstanding};
 #[cfg(feature = "cuda")]
 pub use sys::SysDriver;

@@ -259,6 +259,11 @@ pub type Stream = usize;
 /// - a **stream**: 0 (the legacy default stream), or one the caller created and has not
 ///   destroyed.
 ///
+/// The driver promises no unique values: a released handle's or destroyed event's value may be
+/// returned again by a later `mem_create` or `event_create`, and then names the new one. A value
+/// is live from the call that last returned it until its release; a caller that keeps values
+/// past their release must not take them for the new ones.
+///
 /// Every such call is made with the context current on the calling thread. The methods that
 /// take none of these values are safe: they only create, or read device properties.
 pub trait Driver {

@@ -27,25 +27,41 @@ pub use sys::SysDriver;
 
 use super::rules::Book;
 use super::{Access, Addr, Backend, BackendError, Cause, Op, Violation, check_address_space, lock};
-use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-/// A CUDA physical allocation handle (`CUmemGenericAllocationHandle`).
+/// A CUDA physical allocation: the driver's handle (`CUmemGenericAllocationHandle`) and a
+/// serial number of the backend's. The driver promises no unique handle values (a released
+/// handle's value may come back from a later `cuMemCreate`, even while the old memory is still
+/// mapped), so the backend keys its record by the pair: a stale `CudaPhys` is refused even when
+/// its handle's value has come back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct CudaPhys(u64);
+pub struct CudaPhys {
+    handle: u64,
+    serial: u64,
+}
 
 impl CudaPhys {
     /// The raw handle.
     pub fn handle(self) -> u64 {
-        self.0
+        self.handle
     }
 }
 
 /// A fence: an event recorded on the backend's stream, or, when none could be recorded, the
-/// stream itself (done once the stream is idle).
+/// stream itself (done once the stream is idle). It names its event by a serial number of the
+/// backend's, which the backend's record maps to the driver's event: a destroyed event's value
+/// may come back from a later `cuEventCreate`, and must not be taken for this fence's.
 #[derive(Debug)]
-pub struct CudaFence(Option<Event>);
+pub struct CudaFence(Option<u64>);
+
+/// A serial number never handed out before in this process: physical memory and fences of
+/// every CUDA backend are keyed by one, never by a value the driver may hand out again.
+fn next_serial() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
 
 /// Why a CUDA backend could not be opened.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -109,11 +125,12 @@ pub struct CudaBackend<D: Driver> {
 
 #[derive(Debug)]
 struct CudaState {
-    book: Book<u64>,
-    /// Live events this backend created.
-    events: HashSet<Event>,
-    /// Events no fence refers to any more whose destruction failed: retried later.
-    retired: Vec<Event>,
+    /// Physical memory keyed by [`CudaPhys`] (handle and serial), never by the handle alone.
+    book: Book<CudaPhys>,
+    /// Live events this backend created, by the serial their fence names.
+    events: HashMap<u64, Event>,
+    /// Serials of events no fence refers to any more whose destruction failed: retried later.
+    retired: Vec<u64>,
     /// Mappings whose access could not be set and whose rollback unmap failed too: unmapped
     /// before their range is mapped again or freed, and on drop.
     stuck: Vec<(u64, usize)>,
@@ -173,7 +190,7 @@ impl<D: Driver> CudaBackend<D> {
             lost: AtomicBool::new(false),
             state: Mutex::new(CudaState {
                 book: Book::new(granularity, true),
-                events: HashSet::new(),
+                events: HashMap::new(),
                 retired: Vec::new(),
                 stuck: Vec::new(),
                 scratch: Vec::new(),
@@ -408,20 +425,25 @@ impl<D: Driver> Backend for CudaBackend<D> {
             .driver
             .mem_create(len, self.device)
             .map_err(|e| self.fail(Op::Create, 0, len, e))?;
-        s.book.apply_create(handle, len);
-        Ok(CudaPhys(handle))
+        let phys = CudaPhys {
+            handle,
+            serial: next_serial(),
+        };
+        s.book.apply_create(phys, len);
+        Ok(phys)
     }
 
     fn release(&self, phys: CudaPhys, len: usize) -> Result<(), BackendError> {
         let mut s = self.enter(Op::Release, 0, len)?;
         s.book
-            .check_release(phys.0, len)
+            .check_release(phys, len)
             .map_err(|v| BackendError::refused(Op::Release, 0, len, v))?;
-        // SAFETY: `s.book.check_release` above proved `phys` a handle this backend created
-        // through this driver and has not released.
-        unsafe { self.driver.mem_release(phys.0) }
+        // SAFETY: `s.book.check_release` above proved `phys` created by this backend through
+        // this driver and not released, so its handle is live: the record marks `phys` released
+        // once its handle is, and a value the driver hands out again gets a new serial.
+        unsafe { self.driver.mem_release(phys.handle) }
             .map_err(|e| self.fail(Op::Release, 0, len, e))?;
-        s.book.apply_release(phys.0);
+        s.book.apply_release(phys);
         Ok(())
     }
 
@@ -442,13 +464,13 @@ impl<D: Driver> Backend for CudaBackend<D> {
         }
         self.unstick(&mut s, ptr, ptr + len as u64).map_err(fail)?;
         s.book
-            .check_map(addr, len, phys.0, offset)
+            .check_map(addr, len, phys, offset)
             .map_err(|v| BackendError::refused(Op::Map, addr, len, v))?;
         // SAFETY: `s.book.check_map` above proved `[addr, addr + len)` inside a live
-        // reservation with nothing mapped there, and `phys` a live handle with at least
-        // `offset + len` bytes.
-        unsafe { self.driver.mem_map(ptr, len, offset, phys.0) }.map_err(fail)?;
-        s.book.apply_map(addr, len, phys.0, offset, access);
+        // reservation with nothing mapped there, and `phys` live (so its handle is: see
+        // `release`) with at least `offset + len` bytes.
+        unsafe { self.driver.mem_map(ptr, len, offset, phys.handle) }.map_err(fail)?;
+        s.book.apply_map(addr, len, phys, offset, access);
         let rw = access == Access::ReadWrite;
         // SAFETY: the range was mapped, exactly, just above.
         let Err(e) = (unsafe { self.driver.mem_set_access(ptr, len, self.device, rw) }) else {
@@ -498,7 +520,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         let fail = |e| self.fail(Op::Copy, src, len, e);
         self.sweep_scratch(&mut s).map_err(fail)?;
         s.book
-            .check_copy(phys.0, offset, src, len)
+            .check_copy(phys, offset, src, len)
             .map_err(|v| BackendError::refused(Op::Copy, src, len, v))?;
         if Self::overlaps(&s.stuck, src, len) {
             let v = Violation::NotMapped { addr: src, len };
@@ -513,8 +535,9 @@ impl<D: Driver> Backend for CudaBackend<D> {
             .map_err(fail)?;
         s.book.apply_reserve(scratch as Addr, span);
         // SAFETY: `scratch` is a reservation of `span` bytes made just above, nothing mapped in
-        // it; `s.book.check_copy` above proved `phys` live with at least `offset + len` bytes.
-        if let Err(e) = unsafe { d.mem_map(scratch, span, 0, phys.0) } {
+        // it; `s.book.check_copy` above proved `phys` live (so its handle is: see `release`)
+        // with at least `offset + len` bytes.
+        if let Err(e) = unsafe { d.mem_map(scratch, span, 0, phys.handle) } {
             if e.is_context_loss() {
                 return Err(fail(e));
             }
@@ -527,7 +550,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
             return Err(fail(e));
         }
         s.book
-            .apply_map(scratch as Addr, span, phys.0, 0, Access::ReadWrite);
+            .apply_map(scratch as Addr, span, phys, 0, Access::ReadWrite);
         // The copy is asynchronous: wait for it before the scratch mapping goes.
         // SAFETY: the scratch range was mapped, exactly, just above, and is given read-write
         // access before the copy writes to it; `s.book.check_copy` above proved every byte of
@@ -575,24 +598,25 @@ impl<D: Driver> Backend for CudaBackend<D> {
                 return CudaFence(None);
             }
         };
-        s.events.insert(event);
+        let serial = next_serial();
+        s.events.insert(serial, event);
         // SAFETY: `event` was created just above by this driver; `self.stream` is 0, the
         // legacy default stream, which always exists.
         match unsafe { self.driver.event_record(event, self.stream) } {
-            Ok(()) => CudaFence(Some(event)),
+            Ok(()) => CudaFence(Some(serial)),
             Err(e) => {
                 let _ = self.fail(Op::Fence, 0, 0, e);
                 if !self.context_lost() {
-                    // SAFETY: `event` was created just above and is destroyed here once (it
-                    // leaves `s.events` when destroyed, or goes to `s.retired` to be tried
-                    // again, never both).
+                    // SAFETY: `event` was created just above and is destroyed here once (its
+                    // entry leaves `s.events` when it is destroyed, or its serial goes to
+                    // `s.retired` to be tried again, never both).
                     match unsafe { self.driver.event_destroy(event) } {
                         Ok(()) => {
-                            s.events.remove(&event);
+                            s.events.remove(&serial);
                         }
                         Err(destroy) => {
                             let _ = self.fail(Op::Fence, 0, 0, destroy);
-                            s.retired.push(event); // retried at the next retirement
+                            s.retired.push(serial); // retried at the next retirement
                         }
                     }
                 }
@@ -606,11 +630,13 @@ impl<D: Driver> Backend for CudaBackend<D> {
         let Ok(s) = self.enter(Op::Fence, 0, 0) else {
             return self.context_lost();
         };
-        let done = match fence.0 {
-            // SAFETY: `s.events.contains` proved `event` created by this driver and not yet
-            // destroyed (events leave the set when destroyed).
-            Some(event) if s.events.contains(&event) => unsafe { self.driver.event_query(event) },
-            Some(_) => Ok(true), // not this backend's event: nothing of ours to wait for
+        let done = match fence.0.map(|serial| s.events.get(&serial).copied()) {
+            // SAFETY: `s.events` maps the fence's serial to an event created by this driver and
+            // not yet destroyed (an entry leaves when its event is destroyed; serials are never
+            // reused, so an event value the driver hands out again is another entry's).
+            Some(Some(event)) => unsafe { self.driver.event_query(event) },
+            // Not this backend's fence, or its event is destroyed: nothing of ours to wait for.
+            Some(None) => Ok(true),
             // SAFETY: `self.stream` is 0, the legacy default stream, which always exists.
             None => unsafe { self.driver.stream_query(self.stream) },
         };
@@ -628,19 +654,20 @@ impl<D: Driver> Backend for CudaBackend<D> {
         // This fence's event (if it is one of ours), and any whose destruction failed before.
         let mut retiring = std::mem::take(&mut s.retired);
         retiring.extend(fence.0);
-        for event in retiring {
-            if !s.events.contains(&event) {
+        for serial in retiring {
+            let Some(&event) = s.events.get(&serial) else {
                 continue; // not this backend's event, or already destroyed
-            }
-            // SAFETY: `s.events.contains` just proved `event` created by this driver and not
-            // yet destroyed (it leaves the set as soon as it is, so an event named twice, as a
-            // foreign fence could, is destroyed once).
+            };
+            // SAFETY: `s.events` just mapped `serial` to an event created by this driver and not
+            // yet destroyed (the entry leaves as soon as it is, so a serial named twice, as a
+            // foreign fence could, is destroyed once; serials are never reused, so a stale one
+            // never names an event value the driver handed out again).
             match unsafe { self.driver.event_destroy(event) } {
                 Ok(()) => {
-                    s.events.remove(&event);
+                    s.events.remove(&serial);
                 }
                 Err(e) => {
-                    s.retired.push(event);
+                    s.retired.push(serial);
                     let _ = self.fail(Op::Fence, 0, 0, e);
                     if self.context_lost() {
                         return;
@@ -687,7 +714,7 @@ impl<D: Driver> Drop for CudaBackend<D> {
             if let Err(e) = swept {
                 let _ = self.fail(Op::Free, 0, 0, e);
             }
-            let events: Vec<Event> = s.events.drain().collect();
+            let events: Vec<Event> = s.events.drain().map(|(_, event)| event).collect();
             for event in events {
                 if self.context_lost() {
                     break;
@@ -745,12 +772,12 @@ mod tests {
         let model = DriverModel::default();
         let backend = open(&model);
         let fence = backend.fence();
-        let event = fence.0.expect("recorded");
+        let serial = fence.0.expect("recorded");
         model.fail_nth(DriverCall::EventDestroy, 1, CuError::INVALID_VALUE);
         backend.retire_fence(fence); // fails: the event waits in `retired`
         assert_eq!(model.outstanding().events, 1);
         // A fence naming the same event (as a foreign one could) retires it once, not twice.
-        backend.retire_fence(CudaFence(Some(event)));
+        backend.retire_fence(CudaFence(Some(serial)));
         assert_eq!(model.outstanding().events, 0);
         assert_eq!(model.count(DriverCall::EventDestroy), 2);
     }

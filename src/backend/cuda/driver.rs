@@ -33,7 +33,7 @@ impl ErrorFate {
 }
 
 /// The documentation's words for most sticky errors (`CUDA_ERROR_ILLEGAL_ADDRESS` and its
-/// kin): the driver API's `CUresult` docs, and the runtime's for 810.
+/// kin, and `CUDA_ERROR_MPS_CLIENT_TERMINATED`).
 const STICKY_RELAUNCH: &str = "sticky: the CUDA documentation says that to continue using \
      CUDA the process must be terminated and relaunched (for all but 810 also: the process is \
      left in an inconsistent state, and any further CUDA work returns the same error)";

@@ -466,3 +466,187 @@ fn a_sticky_error_while_dropping_the_backend_stops_its_cleanup() {
         "the backend's cleanup called into a lost context"
     );
 }
+
+/// `CUDA_ERROR_UNKNOWN` (999) has no sticky wording in the CUDA documentation: after it the
+/// context is not declared lost (which would let quarantined memory be discharged while the
+/// live context still holds it), and later calls reach the driver.
+#[test]
+fn an_unknown_error_from_a_vmm_call_does_not_lose_the_context() {
+    let model = DriverModel::default();
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let reserved = binding.reserve(G).unwrap();
+    model.fail_nth(DriverCall::MemCreate, 1, CuError::UNKNOWN);
+    let err = reserved.commit().unwrap_err();
+    assert!(
+        messages(&err).join(": ").contains("CUDA_ERROR_UNKNOWN"),
+        "{}",
+        messages(&err).join(": ")
+    );
+    assert!(
+        device.confirm_context_lost().is_none(),
+        "999 was taken for context loss"
+    );
+    let (creates, maps) = (
+        model.count(DriverCall::MemCreate),
+        model.count(DriverCall::MemMap),
+    );
+    let mut a = err.into_token().commit().expect("the context lives on");
+    assert_eq!(model.count(DriverCall::MemCreate), creates + 1);
+    assert_eq!(model.count(DriverCall::MemMap), maps + 1);
+    a.copy_from_host(0, &[1, 2, 3]).unwrap();
+    a.release().complete().unwrap();
+    assert!(device.confirm_context_lost().is_none());
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert_eq!(model.calls_after_loss(), 0);
+    assert_eq!(model.outstanding(), ModelOutstanding::default());
+}
+
+/// `CUDA_ERROR_EXTERNAL_DEVICE` (911) is sticky ("the process must be terminated and
+/// relaunched"): the context is lost from that call on, and no call follows it.
+#[test]
+fn an_external_device_error_from_a_vmm_call_loses_the_context() {
+    let model = DriverModel::default();
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let reserved = binding.reserve(G).unwrap();
+    model.fail_nth(DriverCall::MemCreate, 1, CuError::EXTERNAL_DEVICE);
+    let err = reserved.commit().unwrap_err();
+    assert!(
+        messages(&err)
+            .join(": ")
+            .contains("CUDA_ERROR_EXTERNAL_DEVICE"),
+        "{}",
+        messages(&err).join(": ")
+    );
+    let calls = model.log().len();
+    let proof = device
+        .confirm_context_lost()
+        .expect("911 is sticky: the context is lost");
+    assert!(err.into_token().commit().is_err());
+    assert!(binding.reserve(G).is_err());
+    device.poll();
+    device.retry_quarantine();
+    assert_eq!(model.log().len(), calls, "a call followed the sticky error");
+    assert_eq!(
+        model.calls_after_loss(),
+        0,
+        "a call followed the sticky error"
+    );
+    device.discharge_all(&proof);
+    assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert_eq!(model.calls_after_loss(), 0);
+}
+
+/// The driver may hand a released handle's value out again, even while the old memory is still
+/// mapped (the model does, on purpose): the backend takes it for a new allocation, the stale
+/// `CudaPhys` is refused before the driver, and the old memory's unmap and the new memory's use
+/// and release do not touch each other.
+#[test]
+fn a_handle_value_reissued_while_its_old_memory_is_mapped_is_a_new_allocation() {
+    use memtoken::backend::Access;
+    let model = DriverModel::default();
+    let backend = backend(&model);
+    let old_addr = backend.reserve(G).unwrap();
+    let old = backend.create(G).unwrap();
+    backend.map(old_addr, G, old, 0, Access::ReadWrite).unwrap();
+    backend.copy_from_host(old_addr, &[1; 16]).unwrap();
+    backend.release(old, G).unwrap(); // legal while mapped: the memory goes with the unmap
+    let new = backend.create(G).unwrap();
+    assert_eq!(
+        new.handle(),
+        old.handle(),
+        "the model hands the value out again"
+    );
+    assert_ne!(new, old, "but the backend tells the allocations apart");
+    let new_addr = backend.reserve(G).unwrap();
+    backend.map(new_addr, G, new, 0, Access::ReadWrite).unwrap();
+    backend.copy_from_host(new_addr, &[2; 16]).unwrap();
+    assert_eq!(model.outstanding().physical_bytes, 2 * G);
+
+    // The stale one names the new allocation's handle: refused, no driver call.
+    let releases = model.count(DriverCall::MemRelease);
+    assert!(backend.release(old, G).is_err());
+    let spare = backend.reserve(G).unwrap();
+    assert!(backend.map(spare, G, old, 0, Access::ReadWrite).is_err());
+    assert_eq!(model.count(DriverCall::MemRelease), releases);
+    assert_eq!(model.count(DriverCall::MemMap), 2);
+
+    // Each mapping still reads its own memory.
+    let mut seen = [0; 16];
+    backend.copy_to_host(&mut seen, old_addr).unwrap();
+    assert_eq!(seen, [1; 16]);
+    backend.copy_to_host(&mut seen, new_addr).unwrap();
+    assert_eq!(seen, [2; 16]);
+
+    // The old memory goes with its unmap; the new one stays, readable.
+    backend.unmap(old_addr, G).unwrap();
+    assert_eq!(model.outstanding().physical_bytes, G);
+    backend.copy_to_host(&mut seen, new_addr).unwrap();
+    assert_eq!(seen, [2; 16]);
+    // Copy-on-write from the new memory into a third allocation reads the new bytes.
+    let third = backend.create(G).unwrap();
+    backend.copy_into_phys(third, 0, new_addr, G).unwrap();
+    backend.map(spare, G, third, 0, Access::ReadOnly).unwrap();
+    backend.copy_to_host(&mut seen, spare).unwrap();
+    assert_eq!(seen, [2; 16]);
+
+    for addr in [new_addr, spare] {
+        backend.unmap(addr, G).unwrap();
+    }
+    backend.release(new, G).unwrap();
+    backend.release(third, G).unwrap();
+    for addr in [old_addr, new_addr, spare] {
+        backend.free(addr, G).unwrap();
+    }
+    assert_eq!(
+        model.outstanding(),
+        ModelOutstanding {
+            retains: 1,
+            ..ModelOutstanding::default()
+        }
+    );
+    drop(backend);
+    assert!(model.outstanding().is_zero());
+}
+
+/// The driver may hand a destroyed event's value out again (the model does, on purpose): an
+/// old fence whose event was destroyed never stands for the new event that reuses the value.
+/// Retiring it destroys nothing of the new fence's, which does not look done before its work.
+#[test]
+fn an_event_value_reissued_after_destroy_is_not_taken_for_an_old_fence() {
+    use memtoken::backend::Backend;
+    let model = held_fences();
+    let (a, b) = (backend(&model), backend(&model));
+    let old = a.fence();
+    drop(a); // destroys the old fence's event: its value is free again
+    assert_eq!(model.outstanding().events, 0);
+    model.submit_work(); // what `b`'s fences must wait for
+    let first = b.fence(); // reuses the destroyed event's value
+    assert!(!b.fence_done(&first));
+    b.retire_fence(old);
+    assert_eq!(
+        model.outstanding().events,
+        1,
+        "the old fence's retirement destroyed the new fence's event"
+    );
+    assert!(
+        !b.fence_done(&first),
+        "the old fence's retirement made the new fence look done"
+    );
+    let second = b.fence();
+    b.retire_fence(first);
+    assert_eq!(model.outstanding().events, 1);
+    assert!(!b.fence_done(&second), "the new fence looks done");
+    model.complete_work();
+    assert!(b.fence_done(&second));
+    b.retire_fence(second);
+    assert_eq!(model.outstanding().events, 0);
+    drop(b);
+    assert!(model.outstanding().is_zero());
+}

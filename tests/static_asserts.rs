@@ -148,11 +148,13 @@ assert_eq_size!(
     memtoken::DivergedMapping<'static, 'static, HostBackend>,
     [usize; 7]
 );
-// A committed CUDA token: the handle is one word.
+// A committed CUDA token: its CudaPhys is two words, the driver's handle and the backend's
+// serial (the driver may hand a released handle's value out again).
 assert_eq_size!(
     Allocation<'static, 'static, CudaModel, Committed>,
-    [usize; 5]
+    [usize; 6]
 );
+assert_eq_size!(memtoken::backend::cuda::CudaPhys, [u64; 2]);
 // None of them can be duplicated.
 assert_not_impl_any!(HostPage: Clone, Copy);
 assert_not_impl_any!(HostTable: Clone, Copy);

@@ -253,6 +253,9 @@ impl<P: Copy + Eq + Hash> Book<P> {
         self.aligned("length", len, true)
     }
 
+    /// Records new physical memory. `phys` must not be recorded already, live or released while
+    /// still mapped: a backend whose system may hand a released value out again (CUDA's
+    /// handles) keys its record by a serial of its own.
     pub(crate) fn apply_create(&mut self, phys: P, len: usize) {
         let fresh = self
             .phys

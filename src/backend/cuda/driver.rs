@@ -12,15 +12,76 @@ pub struct CuError(pub i32);
 /// Result of a driver call.
 pub type CuResult<T> = Result<T, CuError>;
 
+/// What a failed call means for the context, by the CUDA documentation's wording for its code
+/// (see [`CuError::fate`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorFate {
+    /// A sticky error: the context is unusable for good, and every later call fails.
+    Sticky,
+    /// The context, or the driver itself, is already gone: no later call into it can succeed.
+    ContextGone,
+    /// Only this call failed: the context lives on, and later calls may succeed.
+    Transient,
+}
+
+impl ErrorFate {
+    /// Whether the context is lost: [`Sticky`](Self::Sticky) or
+    /// [`ContextGone`](Self::ContextGone).
+    pub fn is_context_loss(self) -> bool {
+        !matches!(self, Self::Transient)
+    }
+}
+
+/// The documentation's words for most sticky errors (`CUDA_ERROR_ILLEGAL_ADDRESS` and its
+/// kin, and `CUDA_ERROR_MPS_CLIENT_TERMINATED`).
+const STICKY_RELAUNCH: &str = "sticky: the CUDA documentation says that to continue using \
+     CUDA the process must be terminated and relaunched (for all but 810 also: the process is \
+     left in an inconsistent state, and any further CUDA work returns the same error)";
+/// `CUDA_ERROR_ASSERT`.
+const STICKY_ASSERT: &str = "sticky: the driver documentation says the context cannot be used \
+     anymore and must be destroyed (the runtime's: the process must be terminated and \
+     relaunched)";
+/// `CUDA_ERROR_CONTEXT_IS_DESTROYED`.
+const GONE_DESTROYED: &str = "context gone: the context was destroyed (or the primary context \
+     is not initialized), so no call into it can succeed; the documentation has no sticky \
+     wording, but nothing brings a destroyed context back (the driver model's lost context \
+     returns this code to every call, and the backend relies on treating it as loss)";
+/// `CUDA_ERROR_DEINITIALIZED`.
+const GONE_DEINITIALIZED: &str = "context gone: the driver is shutting down (deinitialized), \
+     so no further call can succeed";
+/// Hardware and unknown errors the documentation does not call sticky.
+const TRANSIENT_NOT_STICKY: &str = "transient: the CUDA documentation does not say that the \
+     context or the process is unusable after it (whether it sticks in practice is not known)";
+/// `CUDA_ERROR_NOT_READY`.
+const TRANSIENT_NOT_READY: &str = "transient: not an error; the work has not completed yet";
+/// The stream-capture errors.
+const TRANSIENT_CAPTURE: &str = "transient: a stream-capture error; it invalidates the \
+     capture, not the context";
+/// Errors of the call's arguments or resources.
+const TRANSIENT_REFUSED: &str = "transient: the call was refused or could not be served; the \
+     context is intact";
+/// Codes not in the table.
+const TRANSIENT_UNLISTED: &str =
+    "transient: not in the table, and no documented wording makes it sticky";
+
 /// The `CUresult` codes this crate names, from one table: each becomes a constant of
-/// [`CuError`] and an arm of [`CuError::name`].
+/// [`CuError`], an arm of [`CuError::name`], and an arm of [`CuError::fate`] and
+/// [`CuError::fate_reason`] with its fate and the documented reason for it. Codes not in the
+/// table are [`ErrorFate::Transient`].
 macro_rules! cu_errors {
-    ($($name:ident = $code:literal,)*) => {
+    ($($name:ident = $code:literal => $fate:ident($reason:ident),)*) => {
         impl CuError {
             $(
-                #[doc = concat!("`CUDA_ERROR_", stringify!($name), "`")]
+                #[doc = concat!(
+                    "`CUDA_ERROR_", stringify!($name), "` (", stringify!($code), "): ",
+                    "[`", stringify!($fate), "`](ErrorFate::", stringify!($fate), ")"
+                )]
                 pub const $name: Self = Self($code);
             )*
+
+            /// Every code in the table.
+            #[cfg(test)]
+            const LISTED: &'static [Self] = &[$(Self::$name,)*];
 
             /// The `CUresult` enumerator's name, where known.
             pub fn name(self) -> &'static str {
@@ -29,54 +90,75 @@ macro_rules! cu_errors {
                     _ => "CUresult",
                 }
             }
+
+            /// What the error means for the context, from the documentation's wording for the
+            /// code: sticky, context gone, or transient (codes not in the table included).
+            pub fn fate(self) -> ErrorFate {
+                match self.0 {
+                    $($code => ErrorFate::$fate,)*
+                    _ => ErrorFate::Transient,
+                }
+            }
+
+            /// Why the error has its [`fate`](Self::fate), in the documentation's words where it
+            /// has any.
+            pub fn fate_reason(self) -> &'static str {
+                match self.0 {
+                    $($code => $reason,)*
+                    _ => TRANSIENT_UNLISTED,
+                }
+            }
         }
     };
 }
 
 cu_errors! {
-    INVALID_VALUE = 1,
-    OUT_OF_MEMORY = 2,
-    NOT_INITIALIZED = 3,
-    DEINITIALIZED = 4,
-    NO_DEVICE = 100,
-    INVALID_DEVICE = 101,
-    INVALID_CONTEXT = 201,
-    INVALID_HANDLE = 400,
-    NOT_READY = 600,
-    ILLEGAL_ADDRESS = 700,
-    LAUNCH_TIMEOUT = 702,
-    CONTEXT_IS_DESTROYED = 709,
-    ASSERT = 710,
-    HARDWARE_STACK_ERROR = 714,
-    ILLEGAL_INSTRUCTION = 715,
-    MISALIGNED_ADDRESS = 716,
-    INVALID_ADDRESS_SPACE = 717,
-    INVALID_PC = 718,
-    LAUNCH_FAILED = 719,
-    NOT_SUPPORTED = 801,
-    UNKNOWN = 999,
+    INVALID_VALUE = 1 => Transient(TRANSIENT_REFUSED),
+    OUT_OF_MEMORY = 2 => Transient(TRANSIENT_REFUSED),
+    NOT_INITIALIZED = 3 => Transient(TRANSIENT_REFUSED),
+    DEINITIALIZED = 4 => ContextGone(GONE_DEINITIALIZED),
+    DEVICE_UNAVAILABLE = 46 => Transient(TRANSIENT_REFUSED),
+    NO_DEVICE = 100 => Transient(TRANSIENT_REFUSED),
+    INVALID_DEVICE = 101 => Transient(TRANSIENT_REFUSED),
+    INVALID_CONTEXT = 201 => Transient(TRANSIENT_REFUSED),
+    ECC_UNCORRECTABLE = 214 => Transient(TRANSIENT_NOT_STICKY),
+    NVLINK_UNCORRECTABLE = 220 => Transient(TRANSIENT_NOT_STICKY),
+    CONTAINED = 226 => Sticky(STICKY_RELAUNCH),
+    INVALID_HANDLE = 400 => Transient(TRANSIENT_REFUSED),
+    NOT_READY = 600 => Transient(TRANSIENT_NOT_READY),
+    ILLEGAL_ADDRESS = 700 => Sticky(STICKY_RELAUNCH),
+    LAUNCH_OUT_OF_RESOURCES = 701 => Transient(TRANSIENT_REFUSED),
+    LAUNCH_TIMEOUT = 702 => Sticky(STICKY_RELAUNCH),
+    CONTEXT_IS_DESTROYED = 709 => ContextGone(GONE_DESTROYED),
+    ASSERT = 710 => Sticky(STICKY_ASSERT),
+    HARDWARE_STACK_ERROR = 714 => Sticky(STICKY_RELAUNCH),
+    ILLEGAL_INSTRUCTION = 715 => Sticky(STICKY_RELAUNCH),
+    MISALIGNED_ADDRESS = 716 => Sticky(STICKY_RELAUNCH),
+    INVALID_ADDRESS_SPACE = 717 => Sticky(STICKY_RELAUNCH),
+    INVALID_PC = 718 => Sticky(STICKY_RELAUNCH),
+    LAUNCH_FAILED = 719 => Sticky(STICKY_RELAUNCH),
+    TENSOR_MEMORY_LEAK = 721 => Sticky(STICKY_RELAUNCH),
+    NOT_SUPPORTED = 801 => Transient(TRANSIENT_REFUSED),
+    MPS_CLIENT_TERMINATED = 810 => Sticky(STICKY_RELAUNCH),
+    STREAM_CAPTURE_UNSUPPORTED = 900 => Transient(TRANSIENT_CAPTURE),
+    STREAM_CAPTURE_INVALIDATED = 901 => Transient(TRANSIENT_CAPTURE),
+    STREAM_CAPTURE_MERGE = 902 => Transient(TRANSIENT_CAPTURE),
+    STREAM_CAPTURE_UNMATCHED = 903 => Transient(TRANSIENT_CAPTURE),
+    STREAM_CAPTURE_UNJOINED = 904 => Transient(TRANSIENT_CAPTURE),
+    STREAM_CAPTURE_ISOLATION = 905 => Transient(TRANSIENT_CAPTURE),
+    STREAM_CAPTURE_IMPLICIT = 906 => Transient(TRANSIENT_CAPTURE),
+    CAPTURED_EVENT = 907 => Transient(TRANSIENT_CAPTURE),
+    STREAM_CAPTURE_WRONG_THREAD = 908 => Transient(TRANSIENT_CAPTURE),
+    EXTERNAL_DEVICE = 911 => Sticky(STICKY_RELAUNCH),
+    UNKNOWN = 999 => Transient(TRANSIENT_NOT_STICKY),
 }
 
 impl CuError {
-    /// Whether the error means the context is lost for good (a sticky error): after it, no
-    /// call into the context can succeed.
+    /// Whether the error means the context is lost for good: a sticky error, or a context (or
+    /// driver) already gone. After it, no call into the context can succeed. Read from the
+    /// table: see [`fate`](Self::fate).
     pub fn is_context_loss(self) -> bool {
-        // The sticky errors: after a kernel faults, the context is unusable until reset.
-        matches!(
-            self,
-            Self::DEINITIALIZED
-                | Self::ILLEGAL_ADDRESS
-                | Self::LAUNCH_TIMEOUT
-                | Self::CONTEXT_IS_DESTROYED
-                | Self::ASSERT
-                | Self::HARDWARE_STACK_ERROR
-                | Self::ILLEGAL_INSTRUCTION
-                | Self::MISALIGNED_ADDRESS
-                | Self::INVALID_ADDRESS_SPACE
-                | Self::INVALID_PC
-                | Self::LAUNCH_FAILED
-                | Self::UNKNOWN
-        )
+        self.fate().is_context_loss()
     }
 }
 
@@ -176,6 +258,11 @@ pub type Stream = usize;
 /// - an **event** returned by [`event_create`](Driver::event_create) and not yet destroyed;
 /// - a **stream**: 0 (the legacy default stream), or one the caller created and has not
 ///   destroyed.
+///
+/// The driver promises no unique values: a released handle's or destroyed event's value may be
+/// returned again by a later `mem_create` or `event_create`, and then names the new one. A value
+/// is live from the call that last returned it until its release; a caller that keeps values
+/// past their release must not take them for the new ones.
 ///
 /// Every such call is made with the context current on the calling thread. The methods that
 /// take none of these values are safe: they only create, or read device properties.
@@ -321,5 +408,97 @@ mod tests {
             CuError::OUT_OF_MEMORY.to_string(),
             "CUDA_ERROR_OUT_OF_MEMORY (2)"
         );
+    }
+}
+
+/// Every code of the table with the fate the CUDA documentation gives it, written out here
+/// rather than read from the table (facts 33–35 of the CUDA facts sheet).
+#[cfg(test)]
+mod fates {
+    use super::{CuError, ErrorFate};
+    use ErrorFate::{ContextGone, Sticky, Transient};
+
+    /// (code, name, fate, words its reason must contain)
+    #[rustfmt::skip]
+    const EXPECTED: &[(i32, &str, ErrorFate, &str)] = &[
+        // "the process must be terminated and relaunched" (facts 33, 34)
+        (700, "CUDA_ERROR_ILLEGAL_ADDRESS", Sticky, "terminated and relaunched"),
+        (702, "CUDA_ERROR_LAUNCH_TIMEOUT", Sticky, "terminated and relaunched"),
+        (714, "CUDA_ERROR_HARDWARE_STACK_ERROR", Sticky, "terminated and relaunched"),
+        (715, "CUDA_ERROR_ILLEGAL_INSTRUCTION", Sticky, "terminated and relaunched"),
+        (716, "CUDA_ERROR_MISALIGNED_ADDRESS", Sticky, "terminated and relaunched"),
+        (717, "CUDA_ERROR_INVALID_ADDRESS_SPACE", Sticky, "terminated and relaunched"),
+        (718, "CUDA_ERROR_INVALID_PC", Sticky, "terminated and relaunched"),
+        (719, "CUDA_ERROR_LAUNCH_FAILED", Sticky, "terminated and relaunched"),
+        (911, "CUDA_ERROR_EXTERNAL_DEVICE", Sticky, "terminated and relaunched"),
+        (226, "CUDA_ERROR_CONTAINED", Sticky, "terminated and relaunched"),
+        (721, "CUDA_ERROR_TENSOR_MEMORY_LEAK", Sticky, "terminated and relaunched"),
+        (810, "CUDA_ERROR_MPS_CLIENT_TERMINATED", Sticky, "terminated and relaunched"),
+        // "the context cannot be used anymore" (fact 34)
+        (710, "CUDA_ERROR_ASSERT", Sticky, "context cannot be used anymore"),
+        // The context or the driver is gone: no later call can succeed.
+        (709, "CUDA_ERROR_CONTEXT_IS_DESTROYED", ContextGone, "destroyed"),
+        (4, "CUDA_ERROR_DEINITIALIZED", ContextGone, "deinitialized"),
+        // No sticky wording (fact 35).
+        (999, "CUDA_ERROR_UNKNOWN", Transient, "does not say"),
+        (214, "CUDA_ERROR_ECC_UNCORRECTABLE", Transient, "does not say"),
+        (220, "CUDA_ERROR_NVLINK_UNCORRECTABLE", Transient, "does not say"),
+        (46, "CUDA_ERROR_DEVICE_UNAVAILABLE", Transient, "transient"),
+        (701, "CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES", Transient, "transient"),
+        (2, "CUDA_ERROR_OUT_OF_MEMORY", Transient, "transient"),
+        (600, "CUDA_ERROR_NOT_READY", Transient, "not an error"),
+        (900, "CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED", Transient, "capture"),
+        (901, "CUDA_ERROR_STREAM_CAPTURE_INVALIDATED", Transient, "capture"),
+        (902, "CUDA_ERROR_STREAM_CAPTURE_MERGE", Transient, "capture"),
+        (903, "CUDA_ERROR_STREAM_CAPTURE_UNMATCHED", Transient, "capture"),
+        (904, "CUDA_ERROR_STREAM_CAPTURE_UNJOINED", Transient, "capture"),
+        (905, "CUDA_ERROR_STREAM_CAPTURE_ISOLATION", Transient, "capture"),
+        (906, "CUDA_ERROR_STREAM_CAPTURE_IMPLICIT", Transient, "capture"),
+        (907, "CUDA_ERROR_CAPTURED_EVENT", Transient, "capture"),
+        (908, "CUDA_ERROR_STREAM_CAPTURE_WRONG_THREAD", Transient, "capture"),
+        // The other codes this crate names: ordinary failures.
+        (1, "CUDA_ERROR_INVALID_VALUE", Transient, "transient"),
+        (3, "CUDA_ERROR_NOT_INITIALIZED", Transient, "transient"),
+        (100, "CUDA_ERROR_NO_DEVICE", Transient, "transient"),
+        (101, "CUDA_ERROR_INVALID_DEVICE", Transient, "transient"),
+        (201, "CUDA_ERROR_INVALID_CONTEXT", Transient, "transient"),
+        (400, "CUDA_ERROR_INVALID_HANDLE", Transient, "transient"),
+        (801, "CUDA_ERROR_NOT_SUPPORTED", Transient, "transient"),
+    ];
+
+    #[test]
+    fn every_code_in_the_table_has_its_documented_fate() {
+        // Every code is checked, and every mismatch reported, before the test fails.
+        let mut wrong = Vec::new();
+        for &(code, name, fate, reason) in EXPECTED {
+            let e = CuError(code);
+            let got = (e.name(), e.fate(), e.is_context_loss());
+            if got != (name, fate, fate != Transient) || !e.fate_reason().contains(reason) {
+                wrong.push(format!(
+                    "{code}: expected ({name}, {fate:?}, loss: {}, reason with {reason:?}), \
+                     got {got:?} because {:?}",
+                    fate != Transient,
+                    e.fate_reason()
+                ));
+            }
+        }
+        assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+    }
+
+    #[test]
+    fn the_table_has_exactly_the_codes_checked_here() {
+        let mut listed: Vec<i32> = CuError::LISTED.iter().map(|e| e.0).collect();
+        let mut expected: Vec<i32> = EXPECTED.iter().map(|&(code, ..)| code).collect();
+        listed.sort_unstable();
+        expected.sort_unstable();
+        assert_eq!(listed, expected);
+    }
+
+    #[test]
+    fn a_code_not_in_the_table_is_transient() {
+        for code in [5, 300, 705, 720, 999_999] {
+            assert_eq!(CuError(code).fate(), Transient, "{code}");
+            assert!(!CuError(code).is_context_loss(), "{code}");
+        }
     }
 }

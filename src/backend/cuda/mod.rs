@@ -20,31 +20,41 @@ mod model;
 #[cfg(feature = "cuda")]
 mod sys;
 
-pub use driver::{Context, CuError, CuResult, Driver, DriverCall, Event, Stream};
+pub use driver::{Context, CuError, CuResult, Driver, DriverCall, ErrorFate, Event, Stream};
 pub use model::{DriverModel, ModelConfig, ModelOutstanding};
 #[cfg(feature = "cuda")]
 pub use sys::SysDriver;
 
 use super::rules::Book;
 use super::{Access, Addr, Backend, BackendError, Cause, Op, Violation, check_address_space, lock};
-use std::collections::HashSet;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
-/// A CUDA physical allocation handle (`CUmemGenericAllocationHandle`).
+/// A CUDA physical allocation: the driver's handle (`CUmemGenericAllocationHandle`) and a
+/// serial number of the backend's. The driver promises no unique handle values (a released
+/// handle's value may come back from a later `cuMemCreate`, even while the old memory is still
+/// mapped), so the backend keys its record by the pair: a stale `CudaPhys` is refused even when
+/// its handle's value has come back.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct CudaPhys(u64);
+pub struct CudaPhys {
+    handle: u64,
+    serial: u64,
+}
 
 impl CudaPhys {
     /// The raw handle.
     pub fn handle(self) -> u64 {
-        self.0
+        self.handle
     }
 }
 
 /// A fence: one event per stream the backend covers, recorded after the work submitted there
 /// so far. A mark whose event could not be created or recorded is recorded at the next query
-/// (which covers at least as much work), never replaced by a weaker check.
+/// (which covers at least as much work), never replaced by a weaker check. Marks name their
+/// events by serial numbers of the backend's, which its record maps to the driver's events: a
+/// destroyed event's value may come back from a later `cuEventCreate`, and must not be taken
+/// for this fence's.
 #[derive(Debug)]
 pub struct CudaFence(Mutex<Vec<Mark>>);
 
@@ -52,8 +62,16 @@ pub struct CudaFence(Mutex<Vec<Mark>>);
 #[derive(Clone, Copy, Debug)]
 struct Mark {
     stream: Stream,
-    event: Option<Event>,
+    /// The serial of its event, once created.
+    event: Option<u64>,
     recorded: bool,
+}
+
+/// A serial number never handed out before in this process: physical memory and fences of
+/// every CUDA backend are keyed by one, never by a value the driver may hand out again.
+fn next_serial() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 /// Why a CUDA backend could not be opened.
@@ -131,11 +149,12 @@ pub struct CudaBackend<D: Driver> {
 
 #[derive(Debug)]
 struct CudaState {
-    book: Book<u64>,
-    /// Live events this backend created.
-    events: HashSet<Event>,
-    /// Events no fence refers to any more whose destruction failed: retried later.
-    retired: Vec<Event>,
+    /// Physical memory keyed by [`CudaPhys`] (handle and serial), never by the handle alone.
+    book: Book<CudaPhys>,
+    /// Live events this backend created, by the serial their fence names.
+    events: HashMap<u64, Event>,
+    /// Serials of events no fence refers to any more whose destruction failed: retried later.
+    retired: Vec<u64>,
     /// Mappings whose access could not be set and whose rollback unmap failed too: unmapped
     /// before their range is mapped again or freed, and on drop.
     stuck: Vec<(u64, usize)>,
@@ -229,7 +248,7 @@ impl<D: Driver> CudaBackend<D> {
             lost: AtomicBool::new(false),
             state: Mutex::new(CudaState {
                 book: Book::new(granularity, true),
-                events: HashSet::new(),
+                events: HashMap::new(),
                 retired: Vec::new(),
                 stuck: Vec::new(),
                 scratch: Vec::new(),
@@ -409,22 +428,29 @@ impl<D: Driver> CudaBackend<D> {
         result
     }
 
-    /// Creates an event and records it on `stream` now. An event that cannot be recorded is
-    /// destroyed again (or left to be retried with the retired ones).
-    fn record_now(&self, s: &mut CudaState, stream: Stream) -> CuResult<Event> {
-        let event = self.driver.event_create()?;
-        s.events.insert(event);
-        // SAFETY: `event` was created just above by this driver; `stream` is a covered stream:
-        // 0, or one whose owner promised it live until this backend is dropped (`cover_stream`).
-        match unsafe { self.driver.event_record(event, stream) } {
-            Ok(()) => Ok(event),
+    /// Creates an event and records it on `stream` now; returns its serial. An event that
+    /// cannot be recorded is destroyed again (or left to be retried with the retired ones).
+    fn record_now(&self, s: &mut CudaState, stream: Stream) -> CuResult<u64> {
+        let serial = self.create_event(s)?;
+        // SAFETY: the event was created just above by this driver; `stream` is a covered
+        // stream: 0, or one whose owner promised it live until this backend is dropped.
+        match unsafe { self.driver.event_record(s.events[&serial], stream) } {
+            Ok(()) => Ok(serial),
             Err(e) => {
                 if !e.is_context_loss() {
-                    self.destroy_event(s, event);
+                    self.destroy_event(s, serial);
                 }
                 Err(e)
             }
         }
+    }
+
+    /// Creates an event and enters it in the record under a new serial.
+    fn create_event(&self, s: &mut CudaState) -> CuResult<u64> {
+        let event = self.driver.event_create()?;
+        let serial = next_serial();
+        s.events.insert(serial, event);
+        Ok(serial)
     }
 
     /// Records every mark of a fence not yet recorded; whether all are.
@@ -436,13 +462,12 @@ impl<D: Driver> CudaBackend<D> {
             return false;
         };
         for m in marks.iter_mut().filter(|m| !m.recorded) {
-            let event = match m.event {
-                Some(event) => event,
-                None => match self.driver.event_create() {
-                    Ok(event) => {
-                        s.events.insert(event);
-                        m.event = Some(event);
-                        event
+            let serial = match m.event {
+                Some(serial) => serial,
+                None => match self.create_event(&mut s) {
+                    Ok(serial) => {
+                        m.event = Some(serial);
+                        serial
                     }
                     Err(e) => {
                         let _ = self.fail(Op::Fence, 0, 0, e);
@@ -450,9 +475,14 @@ impl<D: Driver> CudaBackend<D> {
                     }
                 },
             };
-            // SAFETY: `event` is live (created by this driver, in `s.events`, destroyed only
-            // when its fence is retired); `m.stream` is a covered stream, live until this
-            // backend is dropped (`cover_stream`'s contract; 0 always is).
+            let Some(&event) = s.events.get(&serial) else {
+                m.recorded = true; // not this backend's event: nothing of ours to record
+                continue;
+            };
+            // SAFETY: `s.events` maps the serial to an event created by this driver and not yet
+            // destroyed (destroyed only when its fence is retired); `m.stream` is a covered
+            // stream, live until this backend is dropped (`cover_stream`'s contract; 0 always
+            // is).
             match unsafe { self.driver.event_record(event, m.stream) } {
                 Ok(()) => m.recorded = true,
                 Err(e) => {
@@ -464,20 +494,21 @@ impl<D: Driver> CudaBackend<D> {
         true
     }
 
-    /// Destroys one of this backend's events, once; a failed destruction is retried later.
-    fn destroy_event(&self, s: &mut CudaState, event: Event) {
-        if !s.events.contains(&event) {
+    /// Destroys one of this backend's events, named by its serial, once; a failed
+    /// destruction is retried later.
+    fn destroy_event(&self, s: &mut CudaState, serial: u64) {
+        let Some(&event) = s.events.get(&serial) else {
             return; // not this backend's event, or already destroyed
-        }
-        // SAFETY: `s.events.contains` just proved `event` created by this driver and not yet
-        // destroyed (it leaves the set as soon as it is, so an event named twice is destroyed
-        // once).
+        };
+        // SAFETY: `s.events` just mapped `serial` to an event created by this driver and not
+        // yet destroyed (the entry leaves as soon as it is, so a serial named twice is
+        // destroyed once; serials are never reused, so a stale one names nothing).
         match unsafe { self.driver.event_destroy(event) } {
             Ok(()) => {
-                s.events.remove(&event);
+                s.events.remove(&serial);
             }
             Err(e) => {
-                s.retired.push(event);
+                s.retired.push(serial);
                 let _ = self.fail(Op::Fence, 0, 0, e);
             }
         }
@@ -646,20 +677,25 @@ impl<D: Driver> Backend for CudaBackend<D> {
             .driver
             .mem_create(len, self.device)
             .map_err(|e| self.fail(Op::Create, 0, len, e))?;
-        s.book.apply_create(handle, len);
-        Ok(CudaPhys(handle))
+        let phys = CudaPhys {
+            handle,
+            serial: next_serial(),
+        };
+        s.book.apply_create(phys, len);
+        Ok(phys)
     }
 
     fn release(&self, phys: CudaPhys, len: usize) -> Result<(), BackendError> {
         let mut s = self.enter(Op::Release, 0, len)?;
         s.book
-            .check_release(phys.0, len)
+            .check_release(phys, len)
             .map_err(|v| BackendError::refused(Op::Release, 0, len, v))?;
-        // SAFETY: `s.book.check_release` above proved `phys` a handle this backend created
-        // through this driver and has not released.
-        unsafe { self.driver.mem_release(phys.0) }
+        // SAFETY: `s.book.check_release` above proved `phys` created by this backend through
+        // this driver and not released, so its handle is live: the record marks `phys` released
+        // once its handle is, and a value the driver hands out again gets a new serial.
+        unsafe { self.driver.mem_release(phys.handle) }
             .map_err(|e| self.fail(Op::Release, 0, len, e))?;
-        s.book.apply_release(phys.0);
+        s.book.apply_release(phys);
         Ok(())
     }
 
@@ -681,13 +717,13 @@ impl<D: Driver> Backend for CudaBackend<D> {
         }
         self.unstick(&mut s, ptr, ptr + len as u64).map_err(fail)?;
         s.book
-            .check_map(addr, len, phys.0, offset)
+            .check_map(addr, len, phys, offset)
             .map_err(|v| BackendError::refused(Op::Map, addr, len, v))?;
         // SAFETY: `s.book.check_map` above proved `[addr, addr + len)` inside a live
-        // reservation with nothing mapped there, and `phys` a live handle with at least
-        // `offset + len` bytes.
-        unsafe { self.driver.mem_map(ptr, len, offset, phys.0) }.map_err(fail)?;
-        s.book.apply_map(addr, len, phys.0, offset, access);
+        // reservation with nothing mapped there, and `phys` live (so its handle is: see
+        // `release`) with at least `offset + len` bytes.
+        unsafe { self.driver.mem_map(ptr, len, offset, phys.handle) }.map_err(fail)?;
+        s.book.apply_map(addr, len, phys, offset, access);
         let rw = access == Access::ReadWrite;
         // SAFETY: the range was mapped, exactly, just above.
         let Err(e) = (unsafe { self.driver.mem_set_access(ptr, len, self.device, rw) }) else {
@@ -744,7 +780,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
             let mut s = self.enter(Op::Copy, src, len)?;
             self.sweep_scratch(&mut s).map_err(fail)?;
             s.book
-                .check_copy(phys.0, offset, src, len)
+                .check_copy(phys, offset, src, len)
                 .map_err(|v| BackendError::refused(Op::Copy, src, len, v))?;
             if Self::overlaps(&s.stuck, src, len) {
                 let v = Violation::NotMapped { addr: src, len };
@@ -755,9 +791,9 @@ impl<D: Driver> Backend for CudaBackend<D> {
                 .map_err(fail)?;
             s.book.apply_reserve(scratch as Addr, span);
             // SAFETY: `scratch` is a reservation of `span` bytes made just above, nothing
-            // mapped in it; `s.book.check_copy` above proved `phys` live with at least
-            // `offset + len` bytes.
-            if let Err(e) = unsafe { d.mem_map(scratch, span, 0, phys.0) } {
+            // mapped in it; `s.book.check_copy` above proved `phys` live (so its handle is: see
+            // `release`) with at least `offset + len` bytes.
+            if let Err(e) = unsafe { d.mem_map(scratch, span, 0, phys.handle) } {
                 if e.is_context_loss() {
                     return Err(fail(e));
                 }
@@ -770,7 +806,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
                 return Err(fail(e));
             }
             s.book
-                .apply_map(scratch as Addr, span, phys.0, 0, Access::ReadWrite);
+                .apply_map(scratch as Addr, span, phys, 0, Access::ReadWrite);
             // SAFETY: the scratch range was mapped, exactly, just above, and is given
             // read-write access before the copy writes to it; `s.book.check_copy` above proved
             // every byte of the source mapped, and the `s.stuck` check that it has access. Both
@@ -794,14 +830,15 @@ impl<D: Driver> Backend for CudaBackend<D> {
             }
             s.busy.push((src as u64, len));
             s.busy.push((scratch, span));
-            (scratch, copied, event.ok())
+            let event = event.ok().map(|serial| (serial, s.events[&serial]));
+            (scratch, copied, event)
         };
         // The wait, outside the lock: drops, fences and polls on other threads go on.
         let waited = match (copied, event) {
             (Err(_), _) => Ok(()), // nothing was started
             // SAFETY: `event` was created and recorded above and is destroyed only below, by
             // this call.
-            (Ok(()), Some(event)) => unsafe { d.event_synchronize(event) },
+            (Ok(()), Some((_, event))) => unsafe { d.event_synchronize(event) },
             // No event could be recorded: wait for the whole context instead, still unlocked.
             (Ok(()), None) => d.ctx_synchronize(),
         };
@@ -813,8 +850,8 @@ impl<D: Driver> Backend for CudaBackend<D> {
         let mut s = self.enter(Op::Copy, src, len)?;
         s.busy
             .retain(|&r| r != (src as u64, len) && r != (scratch, span));
-        if let Some(event) = event {
-            self.destroy_event(&mut s, event);
+        if let Some((serial, _)) = event {
+            self.destroy_event(&mut s, serial);
         }
         if self.context_lost() {
             // Destroying the event revealed the loss: no call after it.
@@ -866,12 +903,12 @@ impl<D: Driver> Backend for CudaBackend<D> {
         let Ok(s) = self.enter(Op::Fence, 0, 0) else {
             return self.context_lost();
         };
-        for event in marks.iter().filter_map(|m| m.event) {
-            if !s.events.contains(&event) {
+        for serial in marks.iter().filter_map(|m| m.event) {
+            let Some(&event) = s.events.get(&serial) else {
                 continue; // not this backend's event: nothing of ours to wait for
-            }
-            // SAFETY: `s.events.contains` proved `event` created by this driver and not yet
-            // destroyed (events leave the set when destroyed).
+            };
+            // SAFETY: `s.events` maps the serial to an event created by this driver and not yet
+            // destroyed (an entry leaves when its event is destroyed; serials are never reused).
             match unsafe { self.driver.event_query(event) } {
                 Ok(true) => {}
                 Ok(false) => return false,
@@ -890,19 +927,20 @@ impl<D: Driver> Backend for CudaBackend<D> {
         if !self.record_marks(&mut marks) {
             return self.context_lost();
         }
-        for event in marks.iter().filter_map(|m| m.event) {
-            {
+        for serial in marks.iter().filter_map(|m| m.event) {
+            let event = {
                 let Ok(s) = self.enter(Op::Fence, 0, 0) else {
                     return self.context_lost();
                 };
-                if !s.events.contains(&event) {
-                    continue;
+                match s.events.get(&serial) {
+                    Some(&event) => event,
+                    None => continue,
                 }
-            }
-            // Outside the lock. SAFETY: `s.events.contains` just proved `event` live, and it
-            // stays so: it belongs to `fence`, borrowed for this call, and an event is destroyed
-            // only when its fence is retired (which takes the fence by value) or the backend
-            // dropped.
+            };
+            // Outside the lock. SAFETY: `s.events` just mapped the serial to a live event, and
+            // it stays live: it belongs to `fence`, borrowed for this call, and an event is
+            // destroyed only when its fence is retired (which takes the fence by value) or the
+            // backend dropped.
             if let Err(e) = unsafe { self.driver.event_synchronize(event) } {
                 let _ = self.fail(Op::Fence, 0, 0, e);
                 return self.context_lost();
@@ -964,7 +1002,7 @@ impl<D: Driver> Drop for CudaBackend<D> {
             if let Err(e) = swept {
                 let _ = self.fail(Op::Free, 0, 0, e);
             }
-            let events: Vec<Event> = s.events.drain().collect();
+            let events: Vec<Event> = s.events.drain().map(|(_, event)| event).collect();
             for event in events {
                 if self.context_lost() {
                     break;

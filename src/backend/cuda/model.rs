@@ -64,14 +64,24 @@ struct ModelState {
     current: bool,
     lost: bool,
     calls_after_loss: u64,
+    /// Reservations, allocations and mappings, allocations keyed by the model's own allocation
+    /// number: a handle value names an allocation only until its release.
     book: Book<u64>,
     /// Mappings (by start) made but not yet given access: unusable until `cuMemSetAccess`.
     no_access: BTreeSet<Addr>,
+    /// Live (not released) handle values → allocation number.
+    handles: HashMap<u64, u64>,
+    /// Released handle values, handed out again before new ones (the last released first).
+    free_handles: Vec<u64>,
     next_handle: u64,
+    next_allocation: u64,
     used: usize,
+    /// Bytes written, by allocation number.
     contents: HashMap<u64, Vec<u8>>,
     /// Live events, and where each was last recorded: its stream and the work it covers.
     events: HashMap<Event, Option<(Stream, u64)>>,
+    /// Destroyed event values, handed out again before new ones (the last destroyed first).
+    free_events: Vec<Event>,
     next_event: Event,
     /// Work per stream: (submitted, completed). Stream 0 is the legacy default stream; the
     /// others are non-blocking (as cudarc's `new_stream()` makes them), so an event on one
@@ -92,6 +102,13 @@ struct ModelState {
 /// through memory without access, an unknown handle or event — because the CUDA backend must
 /// never make one. Releasing a handle while mapped is allowed, as in CUDA: the memory goes
 /// with its last unmap.
+///
+/// It hands values out again on purpose, as the driver may (it promises no unique values): a
+/// released handle's value comes back from the next `cuMemCreate`, and a destroyed event's from
+/// the next `cuEventCreate`, the last given back first. A handle's value may come back while
+/// its old memory is still mapped: `cuMemRelease` may run while mapped, and nothing in the
+/// documentation keeps the value reserved until the last unmap, so the strictest reading is
+/// that it is free as soon as `cuMemRelease` returned.
 ///
 /// It fails on purpose where asked ([`fail_nth`](Self::fail_nth) with any `CUresult`), loses
 /// the context where asked ([`lose_context`](Self::lose_context): from then on every call
@@ -130,10 +147,14 @@ impl DriverModel {
             calls_after_loss: 0,
             book: Book::new(config.granularity, true),
             no_access: BTreeSet::new(),
+            handles: HashMap::new(),
+            free_handles: Vec::new(),
             next_handle: 1,
+            next_allocation: 1,
             used: 0,
             contents: HashMap::new(),
             events: HashMap::new(),
+            free_events: Vec::new(),
             next_event: 1,
             streams: HashMap::from([(0, (0, 0))]),
             next_stream: 0x5000,
@@ -296,7 +317,7 @@ impl DriverModel {
     }
 
     /// The bytes behind `[addr, addr + len)`, which must be mapped with access, as
-    /// (handle, offset) pieces.
+    /// (allocation, offset, length) pieces.
     fn pieces(
         s: &ModelState,
         call: DriverCall,
@@ -307,7 +328,7 @@ impl DriverModel {
         let mut out = Vec::new();
         let (mut at, mut left) = (addr as Addr, len);
         while left > 0 {
-            let Some((handle, offset, run, access)) = s.book.resolve(at) else {
+            let Some((allocation, offset, run, access)) = s.book.resolve(at) else {
                 misuse(call, format_args!("{at:#x} is not mapped"));
             };
             let start = s.book.mapping_start(at).expect("resolved");
@@ -318,21 +339,21 @@ impl DriverModel {
                 misuse(call, format_args!("{at:#x} is mapped read-only"));
             }
             let n = run.min(left);
-            out.push((handle, offset, n));
+            out.push((allocation, offset, n));
             at += n;
             left -= n;
         }
         out
     }
 
-    fn read(s: &ModelState, handle: u64, offset: usize, n: usize) -> Vec<u8> {
+    fn read(s: &ModelState, allocation: u64, offset: usize, n: usize) -> Vec<u8> {
         s.contents
-            .get(&handle)
+            .get(&allocation)
             .map_or_else(|| vec![0; n], |b| b[offset..offset + n].to_vec())
     }
 
-    fn write(s: &mut ModelState, handle: u64, len: usize, offset: usize, bytes: &[u8]) {
-        let buf = s.contents.entry(handle).or_insert_with(|| vec![0; len]);
+    fn write(s: &mut ModelState, allocation: u64, len: usize, offset: usize, bytes: &[u8]) {
+        let buf = s.contents.entry(allocation).or_insert_with(|| vec![0; len]);
         buf[offset..offset + bytes.len()].copy_from_slice(bytes);
     }
 }
@@ -436,35 +457,55 @@ impl Driver for DriverModel {
         if s.used + size > self.config.total_mem {
             return Err(CuError::OUT_OF_MEMORY);
         }
-        let handle = s.next_handle;
-        s.next_handle += 1;
+        let handle = match s.free_handles.pop() {
+            Some(released) => released,
+            None => {
+                s.next_handle += 1;
+                s.next_handle - 1
+            }
+        };
+        let allocation = s.next_allocation;
+        s.next_allocation += 1;
         s.used += size;
-        s.book.apply_create(handle, size);
+        s.handles.insert(handle, allocation);
+        s.book.apply_create(allocation, size);
         Ok(handle)
     }
 
     unsafe fn mem_release(&self, handle: u64) -> CuResult<()> {
         let call = DriverCall::MemRelease;
         let mut s = self.enter(call, true)?;
-        let Some(len) = s.book.phys_len(handle) else {
+        let Some(allocation) = s.handles.remove(&handle) else {
             misuse(call, "unknown or released handle");
         };
-        Self::check(call, s.book.check_release(handle, len));
-        let mapped = s.book.is_mapped(handle);
-        s.book.apply_release(handle);
+        let len = s
+            .book
+            .phys_len(allocation)
+            .expect("a live handle's allocation");
+        Self::check(call, s.book.check_release(allocation, len));
+        let mapped = s.book.is_mapped(allocation);
+        s.book.apply_release(allocation);
         if !mapped {
             s.used -= len;
-            s.contents.remove(&handle);
+            s.contents.remove(&allocation);
         }
+        // The value is free from now on, even while the memory stays mapped.
+        s.free_handles.push(handle);
         Ok(())
     }
 
     unsafe fn mem_map(&self, ptr: u64, size: usize, offset: usize, handle: u64) -> CuResult<()> {
         let call = DriverCall::MemMap;
         let mut s = self.enter(call, true)?;
-        Self::check(call, s.book.check_map(ptr as Addr, size, handle, offset));
+        let Some(&allocation) = s.handles.get(&handle) else {
+            misuse(call, "unknown or released handle");
+        };
+        Self::check(
+            call,
+            s.book.check_map(ptr as Addr, size, allocation, offset),
+        );
         s.book
-            .apply_map(ptr as Addr, size, handle, offset, Access::ReadOnly);
+            .apply_map(ptr as Addr, size, allocation, offset, Access::ReadOnly);
         s.no_access.insert(ptr as Addr);
         Ok(())
     }
@@ -500,10 +541,10 @@ impl Driver for DriverModel {
         let mut s = self.enter(call, true)?;
         let (addr, end) = (ptr as Addr, ptr as Addr + size);
         Self::check(call, s.book.check_unmap(addr, size));
-        for (handle, len) in s.book.handles_in(addr, size) {
-            // A handle released while mapped goes with its last mapping.
+        for (allocation, len) in s.book.handles_in(addr, size) {
+            // Memory released while mapped goes with its last mapping.
             s.used -= len;
-            s.contents.remove(&handle);
+            s.contents.remove(&allocation);
         }
         s.book.apply_unmap(addr, size);
         let starts: Vec<Addr> = s.no_access.range(addr..end).copied().collect();
@@ -569,8 +610,13 @@ impl Driver for DriverModel {
 
     fn event_create(&self) -> CuResult<Event> {
         let mut s = self.enter(DriverCall::EventCreate, true)?;
-        let event = s.next_event;
-        s.next_event += 1;
+        let event = match s.free_events.pop() {
+            Some(destroyed) => destroyed,
+            None => {
+                s.next_event += 1;
+                s.next_event - 1
+            }
+        };
         s.events.insert(event, None);
         Ok(event)
     }
@@ -629,6 +675,7 @@ impl Driver for DriverModel {
         if s.events.remove(&event).is_none() {
             misuse(call, "unknown event");
         }
+        s.free_events.push(event);
         Ok(())
     }
 }
@@ -702,6 +749,40 @@ mod tests {
             );
             model.mem_unmap(ptr, g).unwrap();
             model.mem_address_free(ptr, 2 * g).unwrap();
+            model.primary_ctx_release(0).unwrap();
+        }
+        assert!(model.outstanding().is_zero());
+    }
+
+    #[test]
+    fn released_handles_and_destroyed_events_come_back() {
+        let model = DriverModel::default();
+        model.init().unwrap();
+        let ctx = model.primary_ctx_retain(0).unwrap();
+        // SAFETY: `ctx` was just retained from this model.
+        unsafe { model.ctx_set_current(ctx) }.unwrap();
+        let g = model.config.granularity;
+        let ptr = model.mem_address_reserve(g, g).unwrap();
+        let old = model.mem_create(g, 0).unwrap();
+        let event = model.event_create().unwrap();
+        // SAFETY: the fresh reservation is unmapped and `old` live; each value is given back
+        // once, and the reissued ones are new live values.
+        unsafe {
+            model.mem_map(ptr, g, 0, old).unwrap();
+            model.mem_release(old).unwrap();
+            let new = model.mem_create(g, 0).unwrap();
+            assert_eq!(
+                new, old,
+                "released while mapped, the value comes back at once"
+            );
+            assert_eq!(model.outstanding().physical_bytes, 2 * g);
+            model.mem_unmap(ptr, g).unwrap();
+            assert_eq!(model.outstanding().physical_bytes, g, "the old memory went");
+            model.mem_release(new).unwrap();
+            model.event_destroy(event).unwrap();
+            assert_eq!(model.event_create().unwrap(), event);
+            model.event_destroy(event).unwrap();
+            model.mem_address_free(ptr, g).unwrap();
             model.primary_ctx_release(0).unwrap();
         }
         assert!(model.outstanding().is_zero());

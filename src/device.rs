@@ -2,6 +2,9 @@
 //! the deferred-release queue. It knows residuals and their parts, never which token or policy
 //! they came from.
 
+#[cfg(feature = "cuda")]
+use crate::backend::cuda::SysDriver;
+use crate::backend::cuda::{CudaBackend, Driver, Stream};
 use crate::backend::{Addr, Backend, BackendError, Cause, Op, lock};
 use crate::error::{CommitFailure, ReleaseFailure};
 use crate::ids::{ContextLost, Generation, Generations};
@@ -399,6 +402,37 @@ impl<'id, B: Backend> Device<'id, B> {
         if h.reserved {
             self.refund(Axis::Reserved, r.len);
         }
+    }
+}
+
+impl<D: Driver> Device<'_, CudaBackend<D>> {
+    /// Releases from now on wait for the work on `stream` too: every fence the device's
+    /// backend records covers it (see [`CudaBackend::cover_stream`]). Typed views do this for
+    /// the streams they are used on; this is the way for raw pointers.
+    ///
+    /// # Safety
+    ///
+    /// As for [`CudaBackend::cover_stream`]: `stream` is 0 or a live stream of the device's
+    /// context, and stays live until the device is dropped.
+    pub unsafe fn cover_stream(&self, stream: Stream) {
+        // SAFETY: the caller's promise is the one `cover_stream` asks for.
+        unsafe { self.backend.cover_stream(stream) }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Device<'_, CudaBackend<SysDriver>> {
+    /// Releases from now on wait for the work on the cudarc `stream` too (see
+    /// [`CudaBackend::cover`]); the device keeps the stream alive meanwhile.
+    ///
+    /// # Errors
+    ///
+    /// [`Cause::Violation`] if the stream belongs to another context.
+    pub fn cover(
+        &self,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> Result<(), BackendError> {
+        self.backend.cover(stream)
     }
 }
 

@@ -1,0 +1,171 @@
+//! What a CUDA fence covers, and who waits for it, against the strict driver model: a release
+//! waits for every stream that may still use the memory; a fence whose event could not be
+//! recorded is never weaker for it; a copy waits for the GPU outside the backend's lock; and a
+//! device dropped while its context lives on frees everything once the work is done.
+
+use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel, ModelConfig};
+use memtoken::{Budget, Device, make_guard};
+use std::sync::mpsc;
+use std::time::Duration;
+
+const G: usize = 2 << 20;
+
+fn model(synchronize_blocks: bool) -> DriverModel {
+    DriverModel::new(ModelConfig {
+        events_complete_at_once: false,
+        synchronize_blocks,
+        ..ModelConfig::default()
+    })
+    .unwrap()
+}
+
+fn backend(model: &DriverModel) -> CudaBackend<DriverModel> {
+    CudaBackend::new(model.clone(), 0).expect("the model opens device 0")
+}
+
+/// The model keeps streams apart: work on a non-blocking stream is not covered by an event on
+/// the legacy stream. A device that was never told of the stream releases the memory while the
+/// work still runs — the use after free the covered streams exist to prevent.
+#[test]
+fn an_uncovered_stream_is_not_waited_for() {
+    let model = model(false);
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let stream = model.new_stream();
+    let a = binding.reserve(G).unwrap().commit().unwrap();
+    model.submit_work_on(stream); // a kernel on `stream` reads `a`
+    drop(a);
+    assert_eq!(device.poll().deferred, 0, "released under the running kernel");
+}
+
+#[test]
+fn a_release_waits_for_work_on_every_covered_stream() {
+    let model = model(false);
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let stream = model.new_stream();
+    // SAFETY: `stream` is a stream of the model's only context and lives as long as the model.
+    unsafe { device.cover_stream(stream) };
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(G).unwrap().commit().unwrap();
+    model.submit_work_on(stream); // a kernel on `stream` reads `a`
+    model.submit_work(); // and something on the legacy stream
+    let unmaps = model.count(DriverCall::MemUnmap);
+    drop(a);
+    assert_eq!(device.poll().deferred, 1);
+    model.complete_work_on(0);
+    assert_eq!(device.poll().deferred, 1, "the kernel on `stream` still runs");
+    assert_eq!(model.count(DriverCall::MemUnmap), unmaps, "nothing unmapped under it");
+    model.complete_work_on(stream);
+    let p = device.poll();
+    assert_eq!((p.released, p.deferred), (1, 0));
+    assert!(device.ledger().is_zero());
+    assert_eq!(model.outstanding().events, 0, "one event per stream, all destroyed");
+}
+
+/// A failed `cuEventRecord` leaves the fence's mark to be recorded at the next query — never a
+/// check of the legacy stream, which says nothing about a non-blocking one.
+#[test]
+fn a_fence_whose_event_could_not_be_recorded_still_waits_for_its_stream() {
+    let model = model(false);
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let stream = model.new_stream();
+    // SAFETY: as above.
+    unsafe { device.cover_stream(stream) };
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(G).unwrap().commit().unwrap();
+    model.submit_work_on(stream);
+    // The fence records on the legacy stream first, then on `stream`: the second one fails.
+    model.fail_nth(DriverCall::EventRecord, 2, CuError::INVALID_VALUE);
+    drop(a);
+    assert_eq!(device.poll().deferred, 1, "the legacy stream is idle, `stream` is not");
+    assert_eq!(device.poll().deferred, 1);
+    model.complete_work_on(stream);
+    assert_eq!(device.poll().released, 1);
+    assert!(device.ledger().is_zero());
+    assert_eq!(model.outstanding().events, 0);
+}
+
+/// Copy-on-write waits for its device-to-device copy outside the backend's lock: while it
+/// waits, another thread's drop (a backend call) and poll finish.
+#[test]
+fn a_copy_that_waits_for_the_gpu_holds_no_lock() {
+    let model = model(true);
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let prefix = binding.reserve(G).unwrap().commit().unwrap().into_prefix();
+    let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
+    let other = binding.reserve(G).unwrap();
+    model.submit_work(); // the copy queues behind this on the legacy stream
+    let (done, finished) = mpsc::channel();
+    std::thread::scope(|scope| {
+        let copier = scope.spawn(|| shared.diverge().map(drop).map_err(|e| e.to_string()));
+        // Wait until the copy waits for the GPU (bounded: the copier is in no hurry).
+        for _ in 0..10_000 {
+            if model.count(DriverCall::EventSynchronize) > 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(model.count(DriverCall::EventSynchronize), 1, "the copy waits");
+        scope.spawn(|| {
+            drop(other); // frees its VA: a backend call
+            device.poll();
+            done.send(()).unwrap();
+        });
+        let unblocked = finished.recv_timeout(Duration::from_secs(20));
+        model.complete_work(); // the GPU finishes the copy
+        assert!(
+            unblocked.is_ok(),
+            "a drop and a poll on another thread stalled behind the waiting copy"
+        );
+        assert_eq!(copier.join().unwrap(), Ok(()));
+    });
+    drop(prefix);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// A device dropped while the context lives on (another owner retains it, as cudarc's
+/// `CudaContext` does) frees everything its backend held, once the work is done.
+#[test]
+fn a_device_dropped_while_its_context_lives_frees_everything() {
+    let model = model(true);
+    let _ = backend(&model); // initializes the driver (and gives its retain back)
+    use memtoken::backend::cuda::Driver;
+    model.primary_ctx_retain(0).unwrap(); // the other owner
+    std::thread::scope(|scope| {
+        make_guard!(guard);
+        let device = Device::new(guard, backend(&model));
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        let a = binding.reserve(G).unwrap().commit().unwrap();
+        let prefix = binding.reserve(G).unwrap().commit().unwrap().into_prefix();
+        let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
+        model.submit_work(); // a kernel still uses them
+        drop((a, shared, prefix));
+        drop(binding);
+        assert_eq!(device.poll().deferred, 3);
+        let gpu = scope.spawn(|| {
+            // The GPU finishes while the device is being dropped.
+            for _ in 0..10_000 {
+                if model.count(DriverCall::EventSynchronize) > 0 {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            model.complete_work();
+        });
+        drop(device); // waits for the work, then frees
+        gpu.join().unwrap();
+    });
+    let held = model.outstanding();
+    assert_eq!(
+        (held.reservations, held.physical_bytes, held.mappings, held.events),
+        (0, 0, 0, 0),
+        "the dropped device left {held:?}"
+    );
+    assert_eq!(held.retains, 1, "the other owner still retains the context");
+}

@@ -148,6 +148,12 @@ pub enum CowFailure {
     /// the mapping is unchanged and still shared.
     #[error("the private copy of the boundary granule could not be made; the mapping is unchanged")]
     Private(#[source] CommitFailure),
+    /// Work that may still read the mapping has not finished (its fence is pending), so the
+    /// boundary cannot be unmapped yet; nothing was done.
+    #[error(
+        "work that may still read the mapping has not finished, so its boundary granule cannot be swapped yet; nothing was done: try again once it has (see Device::poll)"
+    )]
+    Pending,
     /// Unmapping the shared boundary granule failed: whether it is still mapped is unknown.
     #[error(
         "unmapping the shared boundary granule failed, so whether it is still mapped is unknown: the mapping's remains are quarantined"
@@ -243,7 +249,12 @@ impl Failure for ShareFailure {
 
 impl Failure for CowFailure {
     fn summary(&self) -> &'static str {
-        "copy-on-write of the boundary granule failed"
+        match self {
+            Self::Pending => "copy-on-write of the boundary granule cannot start yet",
+            Self::Private(_) | Self::Unmap(_) | Self::Remap { .. } => {
+                "copy-on-write of the boundary granule failed"
+            }
+        }
     }
 }
 

@@ -340,9 +340,10 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
     ///
     /// # Errors
     ///
-    /// [`CowError`]: this same mapping, unchanged, if the budget refuses or a backend call
-    /// fails (everything undone); the mapping's quarantined remains if the boundary could be
-    /// neither remapped nor restored.
+    /// [`CowError`]: this same mapping, unchanged, if work that may read it is still running
+    /// ([`CowFailure::Pending`]), the budget refuses or a backend call fails (everything
+    /// undone); the mapping's quarantined remains if the boundary could be neither remapped nor
+    /// restored.
     #[must_use = "a refused copy-on-write returns the mapping inside the error"]
     pub fn diverge(self) -> Result<DivergedMapping<'b, 'id, B>, CowError<'b, 'id, B>> {
         let core = self.core();
@@ -358,6 +359,17 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
         };
         if let Err(e) = device.ensure_live(Op::Create, 0, g) {
             return refuse(self, CommitFailure::Backend(e));
+        }
+        // The boundary is unmapped below: not while work that may read it still runs (on any
+        // stream the backend's fences cover). The token is moved in, so no new work can start.
+        let fence = backend.fence();
+        let idle = backend.fence_done(&fence);
+        backend.retire_fence(fence);
+        if !idle {
+            return Err(TransitionError {
+                token: Returned::Unchanged(self),
+                cause: CowFailure::Pending,
+            });
         }
         if let Err(cause) = binding.charge(g) {
             return refuse(self, cause);

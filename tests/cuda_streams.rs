@@ -36,7 +36,11 @@ fn an_uncovered_stream_is_not_waited_for() {
     let a = binding.reserve(G).unwrap().commit().unwrap();
     model.submit_work_on(stream); // a kernel on `stream` reads `a`
     drop(a);
-    assert_eq!(device.poll().deferred, 0, "released under the running kernel");
+    assert_eq!(
+        device.poll().deferred,
+        0,
+        "released under the running kernel"
+    );
 }
 
 #[test]
@@ -55,13 +59,25 @@ fn a_release_waits_for_work_on_every_covered_stream() {
     drop(a);
     assert_eq!(device.poll().deferred, 1);
     model.complete_work_on(0);
-    assert_eq!(device.poll().deferred, 1, "the kernel on `stream` still runs");
-    assert_eq!(model.count(DriverCall::MemUnmap), unmaps, "nothing unmapped under it");
+    assert_eq!(
+        device.poll().deferred,
+        1,
+        "the kernel on `stream` still runs"
+    );
+    assert_eq!(
+        model.count(DriverCall::MemUnmap),
+        unmaps,
+        "nothing unmapped under it"
+    );
     model.complete_work_on(stream);
     let p = device.poll();
     assert_eq!((p.released, p.deferred), (1, 0));
     assert!(device.ledger().is_zero());
-    assert_eq!(model.outstanding().events, 0, "one event per stream, all destroyed");
+    assert_eq!(
+        model.outstanding().events,
+        0,
+        "one event per stream, all destroyed"
+    );
 }
 
 /// A failed `cuEventRecord` leaves the fence's mark to be recorded at the next query — never a
@@ -80,7 +96,11 @@ fn a_fence_whose_event_could_not_be_recorded_still_waits_for_its_stream() {
     // The fence records on the legacy stream first, then on `stream`: the second one fails.
     model.fail_nth(DriverCall::EventRecord, 2, CuError::INVALID_VALUE);
     drop(a);
-    assert_eq!(device.poll().deferred, 1, "the legacy stream is idle, `stream` is not");
+    assert_eq!(
+        device.poll().deferred,
+        1,
+        "the legacy stream is idle, `stream` is not"
+    );
     assert_eq!(device.poll().deferred, 1);
     model.complete_work_on(stream);
     assert_eq!(device.poll().released, 1);
@@ -99,7 +119,7 @@ fn a_copy_that_waits_for_the_gpu_holds_no_lock() {
     let prefix = binding.reserve(G).unwrap().commit().unwrap().into_prefix();
     let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
     let other = binding.reserve(G).unwrap();
-    model.submit_work(); // the copy queues behind this on the legacy stream
+    // The model runs the copy as work on the legacy stream, completed only when told.
     let (done, finished) = mpsc::channel();
     std::thread::scope(|scope| {
         let copier = scope.spawn(|| shared.diverge().map(drop).map_err(|e| e.to_string()));
@@ -110,7 +130,11 @@ fn a_copy_that_waits_for_the_gpu_holds_no_lock() {
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        assert_eq!(model.count(DriverCall::EventSynchronize), 1, "the copy waits");
+        assert_eq!(
+            model.count(DriverCall::EventSynchronize),
+            1,
+            "the copy waits"
+        );
         scope.spawn(|| {
             drop(other); // frees its VA: a backend call
             device.poll();
@@ -148,7 +172,9 @@ fn a_device_dropped_while_its_context_lives_frees_everything() {
         drop((a, shared, prefix));
         drop(binding);
         assert_eq!(device.poll().deferred, 3);
-        let gpu = scope.spawn(|| {
+        let unmaps = model.count(DriverCall::MemUnmap);
+        let model = &model;
+        let gpu = scope.spawn(move || {
             // The GPU finishes while the device is being dropped.
             for _ in 0..10_000 {
                 if model.count(DriverCall::EventSynchronize) > 0 {
@@ -156,16 +182,111 @@ fn a_device_dropped_while_its_context_lives_frees_everything() {
                 }
                 std::thread::sleep(Duration::from_millis(1));
             }
+            let unmapped_under_the_work = model.count(DriverCall::MemUnmap) - unmaps;
             model.complete_work();
+            unmapped_under_the_work
         });
         drop(device); // waits for the work, then frees
-        gpu.join().unwrap();
+        assert_eq!(gpu.join().unwrap(), 0, "unmapped before the work finished");
     });
     let held = model.outstanding();
     assert_eq!(
-        (held.reservations, held.physical_bytes, held.mappings, held.events),
+        (
+            held.reservations,
+            held.physical_bytes,
+            held.mappings,
+            held.events
+        ),
         (0, 0, 0, 0),
         "the dropped device left {held:?}"
     );
     assert_eq!(held.retains, 1, "the other owner still retains the context");
+}
+
+/// A wait that fails without losing the context falls back to waiting for the whole context —
+/// never to freeing memory the work may still use.
+#[test]
+fn a_failed_wait_falls_back_to_the_whole_context() {
+    let model = model(false);
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let prefix = binding.reserve(G).unwrap().commit().unwrap().into_prefix();
+    let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
+    model.fail_nth(DriverCall::EventSynchronize, 1, CuError::UNKNOWN);
+    let diverged = shared.diverge().map_err(|e| e.to_string()).unwrap();
+    let log = model.log();
+    let at = |c| log.iter().rposition(|&x| x == c).unwrap();
+    assert!(
+        at(DriverCall::CtxSynchronize) < at(DriverCall::MemUnmap),
+        "the scratch range went before the copy was known to be done"
+    );
+    drop((diverged, prefix));
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// Copy-on-write swaps the boundary granule only once nothing may still read it: while a
+/// kernel on a covered stream runs, it is refused with the mapping unchanged.
+#[test]
+fn copy_on_write_waits_for_work_reading_the_mapping() {
+    let model = model(false);
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let stream = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.cover_stream(stream) };
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let prefix = binding.reserve(G).unwrap().commit().unwrap().into_prefix();
+    let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
+    model.submit_work_on(stream); // a kernel reads `shared`
+    let unmaps = model.count(DriverCall::MemUnmap);
+    let err = shared.diverge().unwrap_err();
+    assert_eq!(err.cause, memtoken::CowFailure::Pending);
+    assert_eq!(
+        model.count(DriverCall::MemUnmap),
+        unmaps,
+        "nothing unmapped under it"
+    );
+    let memtoken::Returned::Unchanged(shared) = err.into_token() else {
+        panic!("the mapping comes back unchanged");
+    };
+    model.complete_work_on(stream);
+    let diverged = shared.diverge().map_err(|e| e.to_string()).unwrap();
+    drop((diverged, prefix));
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// Two copies from the same source: one that fails does not unmark the other's busy range.
+#[test]
+fn a_failed_copy_leaves_another_copys_range_busy() {
+    use memtoken::backend::{Access, Backend};
+    let model = model(true);
+    let backend = backend(&model);
+    let src = backend.reserve(G).unwrap();
+    let phys = backend.create(G).unwrap();
+    backend.map(src, G, phys, 0, Access::ReadWrite).unwrap();
+    let (first, second) = (backend.create(G).unwrap(), backend.create(G).unwrap());
+    model.submit_work(); // the first copy waits behind this
+    std::thread::scope(|scope| {
+        let copier = scope.spawn(|| backend.copy_into_phys(first, 0, src, G));
+        for _ in 0..10_000 {
+            if model.count(DriverCall::EventSynchronize) > 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
+        assert!(backend.copy_into_phys(second, 0, src, G).is_err());
+        let refused = backend.unmap(src, G);
+        model.complete_work();
+        assert!(refused.is_err(), "unmapped under the first copy");
+        copier.join().unwrap().unwrap();
+    });
+    backend.unmap(src, G).unwrap();
+    for p in [phys, first, second] {
+        backend.release(p, G).unwrap();
+    }
+    backend.free(src, G).unwrap();
 }

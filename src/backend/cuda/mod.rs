@@ -164,8 +164,9 @@ struct CudaState {
     /// Context retains taken by [`Backend::pin`] and not yet given back by [`Backend::unpin`]
     /// (the retain taken when opening is not counted: it is given back on drop).
     pins: u64,
-    /// Ranges a copy is using while it runs outside the lock: unmap, free and map refuse them.
-    busy: Vec<(u64, usize)>,
+    /// Ranges a copy is using while it runs outside the lock, each under a serial of its own:
+    /// unmap, free and map refuse them.
+    busy: Vec<(u64, u64, usize)>,
 }
 
 /// What a backend keeps alive for cudarc (feature `cuda`): held, never read.
@@ -349,12 +350,23 @@ impl<D: Driver> CudaBackend<D> {
     /// [`Cause::Violation`] if it is not; the driver's error.
     pub fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
         let len = src.len();
-        let _busy = self.hold(dst, len, true)?;
+        let fail = |e| self.fail(Op::Copy, dst, len, e);
+        let busy = self.hold(dst, len, true)?;
         // SAFETY: `hold` proved every byte of the destination mapped read-write with access in
         // the record, and keeps the range from being unmapped, freed or mapped over until
-        // `_busy` is dropped, after the copy (synchronous for pageable host memory).
-        unsafe { self.driver.memcpy_htod(dst as u64, src) }
-            .map_err(|e| self.fail(Op::Copy, dst, len, e))
+        // `busy` is released, once the copy has landed (below).
+        unsafe { self.driver.memcpy_htod(dst as u64, src) }.map_err(fail)?;
+        // From pageable memory the call returns once the bytes are staged; the DMA to the
+        // destination may still run on the legacy stream: wait for it before the range is free.
+        match self.wait_legacy() {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                if !e.is_context_loss() {
+                    std::mem::forget(busy); // not known to have landed: the range stays busy
+                }
+                Err(fail(e))
+            }
+        }
     }
 
     /// Copies device memory at `src`, which must be mapped, to the host.
@@ -377,17 +389,69 @@ impl<D: Driver> CudaBackend<D> {
     fn hold(&self, addr: Addr, len: usize, write: bool) -> Result<Busy<'_, D>, BackendError> {
         let mut s = self.enter(Op::Copy, addr, len)?;
         Self::check_mapped(&s, Op::Copy, addr, len, write)?;
-        let range = (addr as u64, len);
-        s.busy.push(range);
         Ok(Busy {
             backend: self,
-            range,
+            id: Self::mark_busy(&mut s, addr as u64, len),
         })
+    }
+
+    /// Marks `[addr, addr + len)` busy; returns the mark's serial, to unmark exactly it.
+    fn mark_busy(s: &mut CudaState, addr: u64, len: usize) -> u64 {
+        let id = next_serial();
+        s.busy.push((id, addr, len));
+        id
+    }
+
+    /// Waits, outside the lock, for everything submitted so far on the legacy stream: for an
+    /// event recorded there now, or for the whole context if no event can be recorded or the
+    /// wait on it fails (never less than what was asked).
+    fn wait_legacy(&self) -> CuResult<()> {
+        let event = {
+            let Ok(mut s) = self.enter(Op::Copy, 0, 0) else {
+                return Err(CuError::CONTEXT_IS_DESTROYED);
+            };
+            match self.record_now(&mut s, 0) {
+                Ok(serial) => Some((serial, s.events[&serial])),
+                Err(e) if e.is_context_loss() || self.context_lost() => return Err(e),
+                Err(_) => None,
+            }
+        };
+        let waited = match event {
+            // SAFETY: the event was created and recorded just above, and is destroyed only
+            // below, by this call (its serial is known to no fence).
+            Some((_, ev)) => unsafe { self.driver.event_synchronize(ev) }.or_else(|e| {
+                if e.is_context_loss() {
+                    Err(e)
+                } else {
+                    self.driver.ctx_synchronize()
+                }
+            }),
+            None => self.driver.ctx_synchronize(),
+        };
+        if let Err(e) = waited
+            && e.is_context_loss()
+        {
+            let _ = self.fail(Op::Copy, 0, 0, e); // no call after it
+            return Err(e);
+        }
+        if let Some((serial, _)) = event {
+            // Destroyed under the lock; if the context cannot be made current now, it is left
+            // to the next retirement.
+            match self.enter(Op::Copy, 0, 0) {
+                Ok(mut s) => self.destroy_event(&mut s, serial),
+                Err(_) => lock(&self.state).retired.push(serial),
+            }
+        }
+        waited
     }
 
     /// Refuses a call on a range a copy is using.
     fn check_not_busy(s: &CudaState, op: Op, addr: Addr, len: usize) -> Result<(), BackendError> {
-        if Self::overlaps(&s.busy, addr, len) {
+        let (start, end) = (addr as u64, (addr + len) as u64);
+        if s.busy
+            .iter()
+            .any(|&(_, p, n)| p < end && start < p + n as u64)
+        {
             return Err(BackendError::refused(
                 op,
                 addr,
@@ -541,18 +605,18 @@ impl<D: Driver> CudaBackend<D> {
     }
 }
 
-/// A range marked busy by a copy running outside the lock; unmarked when dropped.
+/// A range marked busy by a copy running outside the lock; unmarked when dropped (and only
+/// this mark: another copy may hold the same range).
 struct Busy<'a, D: Driver> {
     backend: &'a CudaBackend<D>,
-    range: (u64, usize),
+    id: u64,
 }
 
 impl<D: Driver> Drop for Busy<'_, D> {
     fn drop(&mut self) {
-        let mut s = lock(&self.backend.state);
-        if let Some(i) = s.busy.iter().position(|&r| r == self.range) {
-            s.busy.swap_remove(i);
-        }
+        lock(&self.backend.state)
+            .busy
+            .retain(|&(id, _, _)| id != self.id);
     }
 }
 
@@ -776,7 +840,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         // meanwhile); then take the scratch range down again.
         let span = offset + len;
         let d = &self.driver;
-        let (scratch, copied, event) = {
+        let (scratch, copied, marks) = {
             let mut s = self.enter(Op::Copy, src, len)?;
             self.sweep_scratch(&mut s).map_err(fail)?;
             s.book
@@ -821,41 +885,41 @@ impl<D: Driver> Backend for CudaBackend<D> {
             {
                 return Err(fail(e));
             }
-            // The copy runs on the legacy stream: an event after it is what to wait for.
-            let event = copied.and_then(|()| self.record_now(&mut s, 0));
-            if let Err(e) = event
-                && (e.is_context_loss() || self.context_lost())
-            {
-                return Err(fail(e));
-            }
-            s.busy.push((src as u64, len));
-            s.busy.push((scratch, span));
-            let event = event.ok().map(|serial| (serial, s.events[&serial]));
-            (scratch, copied, event)
+            let marks = (
+                Self::mark_busy(&mut s, src as u64, len),
+                Self::mark_busy(&mut s, scratch, span),
+            );
+            (scratch, copied, marks)
         };
-        // The wait, outside the lock: drops, fences and polls on other threads go on.
-        let waited = match (copied, event) {
-            (Err(_), _) => Ok(()), // nothing was started
-            // SAFETY: `event` was created and recorded above and is destroyed only below, by
-            // this call.
-            (Ok(()), Some((_, event))) => unsafe { d.event_synchronize(event) },
-            // No event could be recorded: wait for the whole context instead, still unlocked.
-            (Ok(()), None) => d.ctx_synchronize(),
+        // The copy runs on the legacy stream: wait for it there, outside the lock, so that
+        // drops, fences and polls on other threads go on meanwhile.
+        let waited = match copied {
+            Ok(()) => self.wait_legacy(),
+            Err(_) => Ok(()), // nothing was started
         };
         if let Err(e) = waited
             && e.is_context_loss()
         {
             return Err(fail(e)); // no call after it: the driver freed everything
         }
-        let mut s = self.enter(Op::Copy, src, len)?;
-        s.busy
-            .retain(|&r| r != (src as u64, len) && r != (scratch, span));
-        if let Some((serial, _)) = event {
-            self.destroy_event(&mut s, serial);
+        // Under the lock before the context is made current: whatever happens next, the
+        // record stays true.
+        let mut s = lock(&self.state);
+        if let Err(e) = waited {
+            // The copy is not known to have finished: its ranges stay busy and the scratch range
+            // stays mapped — never reused, never freed under a copy that may still run.
+            return Err(fail(e));
         }
+        s.busy.retain(|&(id, _, _)| id != marks.0 && id != marks.1);
         if self.context_lost() {
-            // Destroying the event revealed the loss: no call after it.
             return Err(BackendError::new(Op::Copy, src, len, Cause::ContextLost));
+        }
+        // SAFETY: `self.ctx` is live until the backend is dropped (see `enter`).
+        if let Err(e) = unsafe { d.ctx_set_current(self.ctx) } {
+            // Not current: the scratch range is taken down by a later sweep.
+            s.stuck.push((scratch, span));
+            s.scratch.push((scratch, span));
+            return Err(fail(e));
         }
         // SAFETY: the scratch range was mapped, exactly, above, and nothing else unmapped it
         // (it was busy, and is the backend's own).
@@ -876,7 +940,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
                 s.scratch.push((scratch, span));
             }
         }
-        copied.and(waited).map_err(fail)
+        copied.map_err(fail)
     }
 
     fn fence(&self) -> CudaFence {
@@ -941,7 +1005,14 @@ impl<D: Driver> Backend for CudaBackend<D> {
             // it stays live: it belongs to `fence`, borrowed for this call, and an event is
             // destroyed only when its fence is retired (which takes the fence by value) or the
             // backend dropped.
-            if let Err(e) = unsafe { self.driver.event_synchronize(event) } {
+            let waited = unsafe { self.driver.event_synchronize(event) }.or_else(|e| {
+                if e.is_context_loss() {
+                    Err(e)
+                } else {
+                    self.driver.ctx_synchronize() // the whole context: never less
+                }
+            });
+            if let Err(e) = waited {
                 let _ = self.fail(Op::Fence, 0, 0, e);
                 return self.context_lost();
             }
@@ -950,13 +1021,18 @@ impl<D: Driver> Backend for CudaBackend<D> {
     }
 
     fn retire_fence(&self, fence: CudaFence) {
+        let marks = fence.0.into_inner().unwrap_or_else(|e| e.into_inner());
+        let serials = marks.iter().filter_map(|m| m.event);
         let Ok(mut s) = self.enter(Op::Fence, 0, 0) else {
+            if !self.context_lost() {
+                // Not current now: destroyed at the next retirement.
+                lock(&self.state).retired.extend(serials);
+            }
             return; // lost: the driver freed the events with the context
         };
         // This fence's events (those that are ours), and any whose destruction failed before.
         let mut retiring = std::mem::take(&mut s.retired);
-        let marks = fence.0.into_inner().unwrap_or_else(|e| e.into_inner());
-        retiring.extend(marks.iter().filter_map(|m| m.event));
+        retiring.extend(serials);
         for event in retiring {
             self.destroy_event(&mut s, event);
             if self.context_lost() {

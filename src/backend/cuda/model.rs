@@ -172,6 +172,16 @@ impl DriverModel {
         lock(&self.state)
     }
 
+    /// Submits a copy as work on the legacy stream (completed at once in the model's default
+    /// mode, where recorded work completes at once).
+    fn enqueue_legacy(s: &mut ModelState, at_once: bool) {
+        let work = s.streams.get_mut(&0).expect("the legacy stream exists");
+        work.0 += 1;
+        if at_once {
+            work.1 = work.0;
+        }
+    }
+
     /// Whether the work an event recorded has completed (a never-recorded event counts as
     /// done, as in CUDA).
     fn covered(s: &ModelState, recorded: Option<(Stream, u64)>) -> bool {
@@ -567,6 +577,8 @@ impl Driver for DriverModel {
             Self::write(&mut s, h, len, off, &bytes[at..at + n]);
             at += n;
         }
+        // The copy may run after the call returns: work on the legacy stream until completed.
+        Self::enqueue_legacy(&mut s, self.config.events_complete_at_once);
         Ok(())
     }
 
@@ -594,6 +606,9 @@ impl Driver for DriverModel {
             Self::write(&mut s, h, len, off, &src[at..at + n]);
             at += n;
         }
+        // From pageable memory the DMA may still run after the call returns (the bytes are
+        // staged): work on the legacy stream until completed.
+        Self::enqueue_legacy(&mut s, self.config.events_complete_at_once);
         Ok(())
     }
 

@@ -124,24 +124,23 @@ fn a_copy_that_waits_for_the_gpu_holds_no_lock() {
     std::thread::scope(|scope| {
         let copier = scope.spawn(|| shared.diverge().map(drop).map_err(|e| e.to_string()));
         // Wait until the copy waits for the GPU (bounded: the copier is in no hurry).
+        let waits =
+            || model.count(DriverCall::EventSynchronize) + model.count(DriverCall::CtxSynchronize);
         for _ in 0..10_000 {
-            if model.count(DriverCall::EventSynchronize) > 0 {
+            if waits() > 0 {
                 break;
             }
             std::thread::sleep(Duration::from_millis(1));
         }
-        assert_eq!(
-            model.count(DriverCall::EventSynchronize),
-            1,
-            "the copy waits"
-        );
+        let waiting = waits();
         scope.spawn(|| {
             drop(other); // frees its VA: a backend call
             device.poll();
             done.send(()).unwrap();
         });
         let unblocked = finished.recv_timeout(Duration::from_secs(20));
-        model.complete_work(); // the GPU finishes the copy
+        model.complete_work(); // the GPU finishes the copy (before any assertion can fail)
+        assert_eq!(waiting, 1, "the copy waits");
         assert!(
             unblocked.is_ok(),
             "a drop and a poll on another thread stalled behind the waiting copy"

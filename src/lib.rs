@@ -162,10 +162,12 @@ pub use binding::Binding;
 pub use device::{CloseReport, Custody, Device, Progress};
 pub use error::{
     CommitFailure, CowFailure, Failure, PoolError, ReleaseFailure, ReserveError, Returned,
-    ShareFailure, TransitionError,
+    ShareFailure, TransitionError, ViewError,
 };
 pub use generativity::{Guard, make_guard};
 pub use ids::{ContextLost, Generation, Released};
+#[cfg(feature = "cuda")]
+pub use interop::{DeviceView, DeviceViewMut};
 pub use ledger::{Budget, LedgerSnapshot};
 pub use page_pool::{Page, PagePool, PageTable};
 pub use quarantine::{QuarantineError, Quarantined};

@@ -1,4 +1,13 @@
-//! CUDA interop: CUDA tokens as device memory for `cudarc` and kernels, and host copies.
+//! Interop: tokens as typed memory — host tokens as `&[T]` / `&mut [T]` of plain-old-data
+//! types ([`host`]), CUDA tokens as cudarc device memory of `T` ([`device`], feature `cuda`) —
+//! and the CUDA tokens' host copies (here).
+
+#[cfg(feature = "cuda")]
+mod device;
+mod host;
+
+#[cfg(feature = "cuda")]
+pub use device::{DeviceView, DeviceViewMut};
 
 use crate::allocation::Allocation;
 use crate::backend::cuda::{CudaBackend, Driver};

@@ -16,7 +16,10 @@ fn ui() {
         })
         .collect();
     cases.sort();
-    assert!(!cases.is_empty(), "no compile-fail case found under ui-tests/");
+    assert!(
+        !cases.is_empty(),
+        "no compile-fail case found under ui-tests/"
+    );
     for case in cases {
         t.compile_fail(case);
     }

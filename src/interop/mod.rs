@@ -45,6 +45,11 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Committed> {
     /// The device pointer (`CUdeviceptr`), to pass as a kernel argument or to `cudarc`'s raw
     /// copy functions. Valid while this token is borrowed. (Only a committed allocation gives
     /// one: a prefix's bytes must not change while shared, and a raw pointer cannot say so.)
+    ///
+    /// The raw path: the token's release waits only for the streams the backend covers (the
+    /// legacy stream always; others once covered, e.g. by `CudaBackend::cover`). With
+    /// `CudaBackend<SysDriver>`, prefer the typed views (`view`, `view_mut`), which cover their
+    /// stream and order their uses for cudarc.
     pub fn device_ptr(&self) -> u64 {
         self.addr() as u64
     }

@@ -1,6 +1,7 @@
 //! A kernel executor written once, generic over the backend: it commits `x` and `y`, uploads
-//! them, runs `y = a·x + y`, checks the result and releases everything — a CPU loop on the
-//! host backend, a PTX kernel (launched through cudarc) on a CUDA device.
+//! them, runs `y = a·x + y`, checks the result and releases everything — a CPU loop over the
+//! tokens' memory seen as `f32`s on the host backend; on a CUDA device, a PTX kernel launched
+//! through cudarc on a `new_stream()` stream, with the tokens lent as typed device views.
 //!
 //! ```text
 //! cargo run --release --example kernel_executor            # host
@@ -95,14 +96,8 @@ fn finish<'b, 'id, B: Backend>(
     }
 }
 
-/// The host: a CPU loop over the committed memory.
+/// The host: a CPU loop over the committed memory, seen as `f32`s.
 struct Cpu;
-
-fn floats(bytes: &[u8]) -> impl Iterator<Item = f32> + '_ {
-    bytes
-        .chunks_exact(4)
-        .map(|c| f32::from_ne_bytes(c.try_into().expect("4 bytes")))
-}
 
 impl Kernels<HostBackend> for Cpu {
     fn name(&self) -> String {
@@ -114,9 +109,7 @@ impl Kernels<HostBackend> for Cpu {
         dst: &mut Allocation<'_, '_, HostBackend, Committed>,
         src: &[f32],
     ) -> Result<()> {
-        for (chunk, v) in dst.as_mut_slice().chunks_exact_mut(4).zip(src) {
-            chunk.copy_from_slice(&v.to_ne_bytes());
-        }
+        dst.as_mut_slice_of::<f32>()?[..src.len()].copy_from_slice(src);
         Ok(())
     }
 
@@ -125,9 +118,7 @@ impl Kernels<HostBackend> for Cpu {
         src: &Allocation<'_, '_, HostBackend, Committed>,
         dst: &mut [f32],
     ) -> Result<()> {
-        for (d, v) in dst.iter_mut().zip(floats(src.as_slice())) {
-            *d = v;
-        }
+        dst.copy_from_slice(&src.as_slice_of::<f32>()?[..dst.len()]);
         Ok(())
     }
 
@@ -138,14 +129,9 @@ impl Kernels<HostBackend> for Cpu {
         y: &mut Allocation<'_, '_, HostBackend, Committed>,
         n: usize,
     ) -> Result<()> {
-        for (yc, xv) in y
-            .as_mut_slice()
-            .chunks_exact_mut(4)
-            .zip(floats(x.as_slice()))
-            .take(n)
-        {
-            let yv = f32::from_ne_bytes((&*yc).try_into().expect("4 bytes"));
-            yc.copy_from_slice(&(a * xv + yv).to_ne_bytes());
+        let x = x.as_slice_of::<f32>()?;
+        for (yv, xv) in y.as_mut_slice_of::<f32>()?.iter_mut().zip(x).take(n) {
+            *yv += a * xv;
         }
         Ok(())
     }
@@ -154,7 +140,9 @@ impl Kernels<HostBackend> for Cpu {
 #[cfg(feature = "cuda")]
 mod gpu {
     use super::{Kernels, Result};
-    use cudarc::driver::{CudaContext, CudaFunction, CudaStream, LaunchConfig, PushKernelArg};
+    use cudarc::driver::{
+        CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+    };
     use cudarc::nvrtc::Ptx;
     use memtoken::backend::cuda::{CudaBackend, SysDriver};
     use memtoken::{Allocation, Committed};
@@ -162,35 +150,45 @@ mod gpu {
 
     pub type Gpu = CudaBackend<SysDriver>;
 
-    /// CUDA: an axpy PTX kernel, loaded as text (no NVRTC), launched on the legacy stream,
-    /// where the backend records its release fences.
+    /// Device 0's primary context, shared by cudarc and memtoken's backend.
+    pub fn open() -> Result<(Arc<CudaContext>, Gpu)> {
+        // Opening by ordinal first says plainly when there is no driver (cudarc would panic);
+        // kept open until the shared backend holds the context, so it is not torn down between.
+        let probe = Gpu::open(0).map_err(|e| format!("--gpu: {e}"))?;
+        let ctx = CudaContext::new(0)?;
+        let backend = Gpu::from_context(ctx.clone())?;
+        drop(probe);
+        Ok((ctx, backend))
+    }
+
+    /// CUDA: an axpy PTX kernel, loaded as text (no NVRTC), and everything on one stream of
+    /// cudarc's `new_stream()` (non-blocking: not ordered with the legacy stream). The typed
+    /// views are made for that stream, so the device's fences cover it: a token released
+    /// after a kernel there is unmapped only once the kernel has finished.
     pub struct Ptxs {
         stream: Arc<CudaStream>,
         axpy: CudaFunction,
     }
 
     impl Ptxs {
-        pub fn load() -> Result<Self> {
-            let ctx = CudaContext::new(0)?;
+        pub fn load(ctx: &Arc<CudaContext>) -> Result<Self> {
             let module = ctx.load_module(Ptx::from_src(include_str!("kernels/axpy.ptx")))?;
             Ok(Self {
                 axpy: module.load_function("axpy")?,
-                stream: ctx.default_stream(),
+                stream: ctx.new_stream()?,
             })
         }
     }
 
-    fn bytes(values: &[f32]) -> Vec<u8> {
-        values.iter().flat_map(|v| v.to_ne_bytes()).collect()
-    }
-
     impl Kernels<Gpu> for Ptxs {
         fn name(&self) -> String {
-            "CUDA device 0 (PTX kernel)".into()
+            "CUDA device 0 (PTX kernel on a new stream)".into()
         }
 
         fn upload(&self, dst: &mut Allocation<'_, '_, Gpu, Committed>, src: &[f32]) -> Result<()> {
-            Ok(dst.copy_from_host(0, &bytes(src))?)
+            let mut view = dst.view_mut::<f32>(&self.stream)?;
+            self.stream.memcpy_htod(src, &mut view)?;
+            Ok(())
         }
 
         fn download(
@@ -198,11 +196,9 @@ mod gpu {
             src: &Allocation<'_, '_, Gpu, Committed>,
             dst: &mut [f32],
         ) -> Result<()> {
-            let mut raw = vec![0u8; dst.len() * 4];
-            src.copy_to_host(0, &mut raw)?;
-            for (d, c) in dst.iter_mut().zip(raw.chunks_exact(4)) {
-                *d = f32::from_ne_bytes(c.try_into()?);
-            }
+            let view = src.view::<f32>(&self.stream)?;
+            self.stream.memcpy_dtoh(&view.slice(..dst.len()), dst)?;
+            self.stream.synchronize()?; // `dst` is read on the host next
             Ok(())
         }
 
@@ -213,11 +209,24 @@ mod gpu {
             y: &mut Allocation<'_, '_, Gpu, Committed>,
             n: usize,
         ) -> Result<()> {
-            let (xp, yp, len) = (x.device_ptr(), y.device_ptr(), u32::try_from(n)?);
-            let mut launch = self.stream.launch_builder(&self.axpy);
+            let stream = &self.stream;
+            let (x, mut y) = (x.view::<f32>(stream)?, y.view_mut::<f32>(stream)?);
+            if n > x.len() || n > y.len() {
+                return Err(format!(
+                    "{n} elements do not fit in x ({}) and y ({})",
+                    x.len(),
+                    y.len()
+                )
+                .into());
+            }
+            let len = u32::try_from(n)?;
+            let (xp, _x) = x.device_ptr(stream);
+            let (yp, _y) = y.device_ptr_mut(stream);
+            let mut launch = stream.launch_builder(&self.axpy);
             launch.arg(&a).arg(&xp).arg(&yp).arg(&len);
-            // SAFETY: x and y are committed allocations of at least `n` floats; they are
-            // borrowed for this call and released only after the fence recorded after it.
+            // SAFETY: axpy(a, x, y, n) reads n floats at `xp` and writes n at `yp`; both views
+            // hold at least n (checked above). The pointers were lent for `stream`, the stream
+            // the kernel runs on, and their guards (`_x`, `_y`) drop after the launch.
             unsafe { launch.launch(LaunchConfig::for_num_elems(len)) }?;
             Ok(())
         }
@@ -246,9 +255,9 @@ fn main() -> Result<()> {
         #[cfg(feature = "cuda")]
         {
             make_guard!(guard);
-            let backend = gpu::Gpu::open(0).map_err(|e| format!("--gpu: {e}"))?;
+            let (ctx, backend) = gpu::open()?;
             let device = Device::new(guard, backend);
-            execute(&device, &gpu::Ptxs::load()?, n)?;
+            execute(&device, &gpu::Ptxs::load(&ctx)?, n)?;
             let report = device.close();
             return if report.is_clean() {
                 Ok(())

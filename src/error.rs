@@ -219,6 +219,35 @@ pub enum PoolError {
     Full,
 }
 
+/// Why memory could not be lent as elements of a type `T` (a typed view): nothing was lent.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ViewError {
+    /// The bytes are not a whole number of `T`s (or `T` is zero-sized).
+    #[error(
+        "{bytes} bytes do not hold a whole number of {size}-byte elements: view a type whose size divides the length (a zero-sized type never does)"
+    )]
+    Length {
+        /// The length of the memory, in bytes.
+        bytes: usize,
+        /// The size of `T`, in bytes.
+        size: usize,
+    },
+    /// The memory does not start at a multiple of `T`'s alignment.
+    #[error("address {addr:#x} is not aligned to {align} bytes, the alignment of the element type")]
+    Alignment {
+        /// Where the memory starts.
+        addr: usize,
+        /// The alignment of `T`.
+        align: usize,
+    },
+    /// The stream cannot be covered by the device's fences (it belongs to another context), so
+    /// the memory's release could not wait for work on it: no view is lent for it.
+    #[error(
+        "the view's stream cannot be covered by the device's fences: use a stream of the device's context"
+    )]
+    Stream(#[source] BackendError),
+}
+
 pub(crate) mod sealed {
     /// Only this crate's causes are [`Failure`](super::Failure)s.
     pub trait Sealed {}

@@ -44,8 +44,8 @@
 //! At compile time (each one has a `compile_fail` example in these docs and a `trybuild` case):
 //! no access to reserved or releasing memory, no use after release, no double release, no
 //! clone or copy of a token, no dropping of a device or binding while its tokens live, no slice
-//! kept across a release, no mixing of two devices' tokens, no state added outside the crate,
-//! no ignored fallible transition.
+//! or typed view kept across a release, no mixing of two devices' tokens, no state added
+//! outside the crate, no ignored fallible transition.
 //!
 //! At run time (each one proven by tests, property tests with injected faults among them):
 //! a fallible transition hands the original token back; a VA range is never handed out again
@@ -67,8 +67,10 @@
 //! quarantine and deferred queue); the [`Binding`]; the tokens ([`Allocation`] in each
 //! [`State`], [`Quarantined`]); the policies — shared prefixes ([`Prefix`], [`PrefixMapping`],
 //! [`DivergedMapping`], which are allocations in states of their own) and the page pool
-//! ([`PagePool`], [`Page`], [`PageTable`]); and the CUDA interop. Each layer names only the
-//! ones below it.
+//! ([`PagePool`], [`Page`], [`PageTable`]); and interop: typed views — host tokens lend
+//! `&[T]` / `&mut [T]` of plain-old-data `T` (`as_slice_of`, checked by `bytemuck`), CUDA
+//! tokens lend cudarc device memory of `T` (`DeviceView`, `DeviceViewMut`, feature `cuda`) —
+//! and the CUDA tokens' host copies. Each layer names only the ones below it.
 //!
 //! ## Writing code generic over tokens
 //!
@@ -162,10 +164,12 @@ pub use binding::Binding;
 pub use device::{CloseReport, Custody, Device, Progress};
 pub use error::{
     CommitFailure, CowFailure, Failure, PoolError, ReleaseFailure, ReserveError, Returned,
-    ShareFailure, TransitionError,
+    ShareFailure, TransitionError, ViewError,
 };
 pub use generativity::{Guard, make_guard};
 pub use ids::{ContextLost, Generation, Released};
+#[cfg(feature = "cuda")]
+pub use interop::{DeviceView, DeviceViewMut};
 pub use ledger::{Budget, LedgerSnapshot};
 pub use page_pool::{Page, PagePool, PageTable};
 pub use quarantine::{QuarantineError, Quarantined};

@@ -354,6 +354,18 @@ impl<'p, 'pool, 'b, 'id, B: Backend> Page<'p, 'pool, 'b, 'id, B> {
     pub fn addr(&self) -> Addr {
         self.pool.page_addr(self.index)
     }
+
+    /// The page's size in bytes (its pool's page size).
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn size(&self) -> usize {
+        self.pool.page_size()
+    }
+
+    /// The backend, for interop.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(crate) fn backend(&self) -> &B {
+        self.pool.binding.device().backend()
+    }
 }
 
 impl<'p, 'pool, 'b, 'id, B: Backend> PageTable<'p, 'pool, 'b, 'id, B> {

@@ -2,17 +2,23 @@
 //! skip and pass; with `MEMTOKEN_REQUIRE_GPU=1` they must run, and fail if there is no GPU.
 #![cfg(feature = "cuda")]
 
-use cudarc::driver::{CudaContext, LaunchConfig, PushKernelArg};
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
+};
 use cudarc::nvrtc::Ptx;
 use memtoken::backend::Backend;
 use memtoken::backend::cuda::{CudaBackend, SysDriver};
 use memtoken::{
-    Allocation, Budget, Device, ReleaseFailure, Released, Releasing, Returned, TransitionError,
-    make_guard,
+    Allocation, Budget, Committed, Device, PagePool, ReleaseFailure, Released, Releasing, Returned,
+    TransitionError, ViewError, make_guard,
 };
 use std::io::Write;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 const AXPY: &str = include_str!("../examples/kernels/axpy.ptx");
+/// `axpy` that first spins for a given number of nanoseconds in every thread.
+const SPIN_AXPY: &str = include_str!("kernels/spin_axpy.ptx");
 
 /// The real device, or `None` (with the reason printed) when this machine has none.
 ///
@@ -33,6 +39,71 @@ fn gpu_or_skip(test: &str) -> Option<CudaBackend<SysDriver>> {
             );
             None
         }
+    }
+}
+
+/// Device 0's primary context and a backend sharing it ([`CudaBackend::from_context`]), or
+/// `None` (with the reason printed) when this machine has no GPU.
+///
+/// # Panics
+///
+/// As [`gpu_or_skip`]; and if the context cannot be shared.
+fn shared_or_skip(test: &str) -> Option<(Arc<CudaContext>, CudaBackend<SysDriver>)> {
+    // Opened by ordinal first: it says when there is no driver, where cudarc would panic. Kept
+    // until the shared backend holds the context, so the context is not torn down between.
+    let probe = gpu_or_skip(test)?;
+    let ctx = CudaContext::new(0).expect("cudarc opens device 0");
+    let backend = CudaBackend::from_context(ctx.clone()).expect("the backend shares the context");
+    drop(probe);
+    Some((ctx, backend))
+}
+
+/// The `spin_axpy` kernel of [`SPIN_AXPY`], loaded into `ctx`. Kept by the test until its
+/// kernels have finished: unloading a module while its kernel runs is not something to test.
+fn spin_axpy(ctx: &Arc<CudaContext>) -> CudaFunction {
+    let module = ctx.load_module(Ptx::from_src(SPIN_AXPY)).unwrap();
+    module.load_function("spin_axpy").unwrap()
+}
+
+/// Launches `spin_axpy` on `stream`: after spinning for `spin`, each of the first `n` threads
+/// does `y[i] = a * x[i] + y[i]`. The views' pointers are taken for `stream`, the stream the
+/// kernel runs on.
+fn launch_spin_axpy(
+    f: &CudaFunction,
+    stream: &Arc<CudaStream>,
+    a: f32,
+    x: &Allocation<'_, '_, CudaBackend<SysDriver>, Committed>,
+    y: &mut Allocation<'_, '_, CudaBackend<SysDriver>, Committed>,
+    n: usize,
+    spin: Duration,
+) {
+    let xv = x.view::<f32>(stream).unwrap();
+    let mut yv = y.view_mut::<f32>(stream).unwrap();
+    assert!(n <= xv.len() && n <= yv.len());
+    let (len, ns) = (n as u32, spin.as_nanos() as u64);
+    let (xp, _x) = xv.device_ptr(stream);
+    let (yp, _y) = yv.device_ptr_mut(stream);
+    let mut launch = stream.launch_builder(f);
+    launch.arg(&a).arg(&xp).arg(&yp).arg(&len).arg(&ns);
+    // SAFETY: spin_axpy(a, x, y, n, ns) reads n floats at `xp` and writes n at `yp`; both views
+    // hold at least n (asserted above), lent for `stream`, where the kernel runs; the guards
+    // drop after the launch.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(len)) }.unwrap();
+}
+
+/// Polls `device` until nothing waits in its deferred queue.
+///
+/// # Panics
+///
+/// After 60 s.
+fn poll_until_released<B: Backend>(device: &Device<'_, B>) {
+    let start = Instant::now();
+    while device.poll().deferred > 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "a release still waits after 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(1));
     }
 }
 
@@ -191,6 +262,253 @@ fn gpu_shared_prefix_and_copy_on_write() {
         std::thread::yield_now();
     }
     assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+    drop(binding);
+    let report = device.close();
+    assert!(report.is_clean(), "{report:?}");
+}
+
+#[test]
+fn gpu_a_token_dropped_while_a_kernel_on_a_new_stream_reads_it_is_unmapped_after_the_kernel() {
+    let test =
+        "gpu_a_token_dropped_while_a_kernel_on_a_new_stream_reads_it_is_unmapped_after_the_kernel";
+    let Some((ctx, backend)) = shared_or_skip(test) else {
+        return;
+    };
+    make_guard!(guard);
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    // A non-blocking stream: the legacy stream, where fences were once the only ones, does not
+    // wait for it.
+    let stream = ctx.new_stream().unwrap();
+    let n = 1 << 16; // 64 blocks: all resident at once, so the kernel lasts about one spin
+    let mut x = binding.reserve(n * 4).unwrap().commit().unwrap();
+    let mut y = binding.reserve(n * 4).unwrap().commit().unwrap();
+    let xs: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    stream
+        .memcpy_htod(&xs, &mut x.view_mut::<f32>(&stream).unwrap())
+        .unwrap();
+    stream
+        .memcpy_htod(&vec![1.0f32; n], &mut y.view_mut::<f32>(&stream).unwrap())
+        .unwrap();
+
+    let spin = spin_axpy(&ctx);
+    launch_spin_axpy(
+        &spin,
+        &stream,
+        2.0,
+        &x,
+        &mut y,
+        n,
+        Duration::from_millis(500),
+    );
+    let kernel_done = stream.record_event(None).unwrap();
+    drop(x); // the kernel spins, then reads x: its release must wait
+    let progress = device.poll();
+    let still_running = !kernel_done.try_is_complete().unwrap();
+    assert!(
+        still_running,
+        "the kernel ended before the test could look: lengthen its spin"
+    );
+    assert_eq!(
+        progress.deferred, 1,
+        "x was released while a kernel on a covered stream still ran"
+    );
+
+    poll_until_released(&device);
+    assert!(
+        kernel_done.try_is_complete().unwrap(),
+        "x was unmapped before the kernel reading it had finished"
+    );
+    let ys = stream
+        .clone_dtoh(&y.view::<f32>(&stream).unwrap().slice(..n))
+        .unwrap();
+    let wrong = (0..n).filter(|&i| ys[i] != 2.0 * i as f32 + 1.0).count();
+    assert_eq!(
+        wrong, 0,
+        "the kernel read x wrong after its token was dropped"
+    );
+
+    // No sticky error: the context still works and reported nothing.
+    stream.synchronize().unwrap();
+    ctx.check_err().unwrap();
+    assert!(device.confirm_context_lost().is_none());
+    drop(y);
+    poll_until_released(&device);
+    assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+    drop(binding);
+    let report = device.close();
+    assert!(report.is_clean(), "{report:?}");
+}
+
+#[test]
+fn gpu_memcpy_and_launch_through_typed_views() {
+    let Some((ctx, backend)) = shared_or_skip("gpu_memcpy_and_launch_through_typed_views") else {
+        return;
+    };
+    make_guard!(guard);
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let stream = ctx.new_stream().unwrap();
+    let module = ctx.load_module(Ptx::from_src(AXPY)).unwrap();
+    let axpy = module.load_function("axpy").unwrap();
+
+    // A committed allocation: memcpy in, a kernel, memcpy out, all through the views.
+    let n = 1 << 20;
+    let mut x = binding.reserve(n * 4).unwrap().commit().unwrap();
+    let mut y = binding.reserve(n * 4).unwrap().commit().unwrap();
+    assert_eq!(x.view::<f32>(&stream).unwrap().len(), x.len() / 4);
+    let xs: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    stream
+        .memcpy_htod(&xs, &mut x.view_mut::<f32>(&stream).unwrap())
+        .unwrap();
+    stream
+        .memset_zeros(&mut y.view_mut::<f32>(&stream).unwrap())
+        .unwrap();
+    stream
+        .memcpy_htod(&vec![1.0f32; n], &mut y.view_mut::<f32>(&stream).unwrap())
+        .unwrap();
+    {
+        let xv = x.view::<f32>(&stream).unwrap();
+        let mut yv = y.view_mut::<f32>(&stream).unwrap();
+        let (a, len) = (2.0f32, n as u32);
+        let (xp, _x) = xv.device_ptr(&stream);
+        let (yp, _y) = yv.device_ptr_mut(&stream);
+        let mut launch = stream.launch_builder(&axpy);
+        launch.arg(&a).arg(&xp).arg(&yp).arg(&len);
+        // SAFETY: axpy reads n floats at `xp` and writes n at `yp`, views of n floats each, lent
+        // for `stream`, where it runs; the guards drop after the launch.
+        unsafe { launch.launch(LaunchConfig::for_num_elems(len)) }.unwrap();
+    }
+    let ys = stream.clone_dtoh(&y.view::<f32>(&stream).unwrap()).unwrap();
+    assert_eq!(ys.len(), n);
+    assert!(
+        (0..n).all(|i| ys[i] == 2.0 * i as f32 + 1.0),
+        "axpy through views"
+    );
+    // Sub-views, and a device-to-device copy between two views.
+    let mut head = vec![0.0f32; 4];
+    stream
+        .memcpy_dtoh(&y.view::<f32>(&stream).unwrap().slice(1..5), &mut head)
+        .unwrap();
+    stream.synchronize().unwrap();
+    assert_eq!(head, [3.0, 5.0, 7.0, 9.0]);
+    stream
+        .memcpy_dtod(
+            &y.view::<f32>(&stream).unwrap().slice(..n / 2),
+            &mut x.view_mut::<f32>(&stream).unwrap().slice_mut(n / 2..),
+        )
+        .unwrap();
+    let back = stream
+        .clone_dtoh(&x.view::<f32>(&stream).unwrap().slice(n / 2..n / 2 + 2))
+        .unwrap();
+    assert_eq!(back, [1.0, 3.0]);
+
+    // The views' misfits are errors, not pointers.
+    assert_eq!(
+        x.view::<[u8; 3]>(&stream).unwrap_err(),
+        ViewError::Length {
+            bytes: x.len(),
+            size: 3
+        }
+    );
+
+    // Pages, a page table's pages, a prefix and its mappings lend views too.
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, 1 << 16).unwrap();
+    let mut page = pool.alloc().unwrap();
+    stream
+        .memcpy_htod(&[4u32; 8], &mut page.view_mut::<u32>(&stream).unwrap())
+        .unwrap();
+    let mut table = pool.table();
+    pool.push(&mut table).unwrap();
+    stream
+        .memcpy_htod(
+            &[5u32; 8],
+            &mut table.page_view_mut::<u32>(0, &stream).unwrap(),
+        )
+        .unwrap();
+    let from_page = stream
+        .clone_dtoh(&page.view::<u32>(&stream).unwrap().slice(..8))
+        .unwrap();
+    let from_table = stream
+        .clone_dtoh(&table.page_view::<u32>(0, &stream).unwrap().slice(..8))
+        .unwrap();
+    assert_eq!((from_page, from_table), (vec![4; 8], vec![5; 8]));
+    drop(table);
+    drop(page);
+
+    let mut owner = binding.reserve(2 * g).unwrap().commit().unwrap();
+    stream
+        .memset_zeros(&mut owner.view_mut::<u8>(&stream).unwrap())
+        .unwrap();
+    // Copy-on-write copies on the legacy stream, which does not wait for `stream`.
+    stream.synchronize().unwrap();
+    let prefix = owner.into_prefix();
+    let shared = binding.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();
+    let mut diverged = shared.diverge().unwrap();
+    stream
+        .memcpy_htod(
+            &[9u8; 4],
+            &mut diverged.boundary_view_mut::<u8>(&stream).unwrap(),
+        )
+        .unwrap();
+    let tail = stream
+        .clone_dtoh(&diverged.view::<u8>(&stream).unwrap().slice(g - 2..g + 6))
+        .unwrap();
+    assert_eq!(
+        tail,
+        [0, 0, 9, 9, 9, 9, 0, 0],
+        "body shared, boundary private"
+    );
+    let original = stream
+        .clone_dtoh(&prefix.view::<u8>(&stream).unwrap().slice(g..g + 4))
+        .unwrap();
+    assert_eq!(original, [0; 4], "the prefix keeps its bytes");
+
+    stream.synchronize().unwrap();
+    ctx.check_err().unwrap();
+    assert!(device.confirm_context_lost().is_none());
+    drop((x, y, diverged, prefix));
+    drop(pool);
+    poll_until_released(&device);
+    assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+    drop(binding);
+    let report = device.close();
+    assert!(report.is_clean(), "{report:?}");
+}
+
+#[test]
+fn gpu_a_view_used_on_another_stream_waits_for_its_home_stream() {
+    let test = "gpu_a_view_used_on_another_stream_waits_for_its_home_stream";
+    let Some((ctx, backend)) = shared_or_skip(test) else {
+        return;
+    };
+    make_guard!(guard);
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let (home, other) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+    let n = 1 << 10;
+    let mut x = binding.reserve(n * 4).unwrap().commit().unwrap();
+    let mut y = binding.reserve(n * 4).unwrap().commit().unwrap();
+    home.memcpy_htod(&vec![1.0f32; n], &mut x.view_mut::<f32>(&home).unwrap())
+        .unwrap();
+    home.memcpy_htod(&vec![1.0f32; n], &mut y.view_mut::<f32>(&home).unwrap())
+        .unwrap();
+    let spin = spin_axpy(&ctx);
+    launch_spin_axpy(&spin, &home, 2.0, &x, &mut y, n, Duration::from_millis(200));
+    // Read on `other` through a view whose home is `home`: it must see the kernel's writes.
+    let view = y.view::<f32>(&home).unwrap();
+    let ys = other.clone_dtoh(&view.slice(..n)).unwrap();
+    assert!(
+        ys.iter().all(|&v| v == 3.0),
+        "a read on another stream did not wait for the kernel on the view's home stream"
+    );
+    drop(view);
+    home.synchronize().unwrap();
+    ctx.check_err().unwrap();
+    drop((x, y));
+    poll_until_released(&device);
     drop(binding);
     let report = device.close();
     assert!(report.is_clean(), "{report:?}");

@@ -1,4 +1,13 @@
-//! CUDA interop: CUDA tokens as device memory for `cudarc` and kernels, and host copies.
+//! Interop: tokens as typed memory — host tokens as `&[T]` / `&mut [T]` of plain-old-data
+//! types ([`host`]), CUDA tokens as cudarc device memory of `T` ([`device`], feature `cuda`) —
+//! and the CUDA tokens' host copies (here).
+
+#[cfg(feature = "cuda")]
+mod device;
+mod host;
+
+#[cfg(feature = "cuda")]
+pub use device::{DeviceView, DeviceViewMut};
 
 use crate::allocation::Allocation;
 use crate::backend::cuda::{CudaBackend, Driver};
@@ -36,6 +45,11 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Committed> {
     /// The device pointer (`CUdeviceptr`), to pass as a kernel argument or to `cudarc`'s raw
     /// copy functions. Valid while this token is borrowed. (Only a committed allocation gives
     /// one: a prefix's bytes must not change while shared, and a raw pointer cannot say so.)
+    ///
+    /// The raw path: the token's release waits only for the streams the backend covers (the
+    /// legacy stream always; others once covered, e.g. by `CudaBackend::cover`). With
+    /// `CudaBackend<SysDriver>`, prefer the typed views (`view`, `view_mut`), which cover their
+    /// stream and order their uses for cudarc.
     pub fn device_ptr(&self) -> u64 {
         self.addr() as u64
     }

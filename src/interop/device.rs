@@ -1,0 +1,543 @@
+//! Device typed views (feature `cuda`): CUDA tokens as cudarc device memory of `T`, for
+//! `CudaBackend<SysDriver>`, the backend whose streams are cudarc's.
+
+use crate::allocation::Allocation;
+use crate::backend::Addr;
+use crate::backend::cuda::{CudaBackend, SysDriver};
+use crate::error::ViewError;
+use crate::page_pool::{Page, PageTable};
+use crate::sharing::Diverged;
+use crate::state::{Committed, Readable};
+use cudarc::driver::sys::CUdeviceptr;
+use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
+use std::fmt;
+use std::marker::PhantomData;
+use std::ops::{Bound, RangeBounds};
+use std::sync::Arc;
+
+/// The backend whose tokens lend device views.
+type Gpu = CudaBackend<SysDriver>;
+
+/// What a view lends: `len` elements at `ptr`, and its home stream.
+struct Span {
+    ptr: CUdeviceptr,
+    len: usize,
+    home: Arc<CudaStream>,
+}
+
+/// How many `T`s the `bytes` bytes at `addr` hold, or why they cannot be viewed as `T`s.
+/// The alignment is checked first, as `bytemuck` does for the host views.
+fn fit<T>(addr: Addr, bytes: usize) -> Result<usize, ViewError> {
+    let align = align_of::<T>();
+    if !addr.is_multiple_of(align) {
+        return Err(ViewError::Alignment { addr, align });
+    }
+    let size = size_of::<T>();
+    if size == 0 || !bytes.is_multiple_of(size) {
+        return Err(ViewError::Length { bytes, size });
+    }
+    Ok(bytes / size)
+}
+
+/// `range` of `0..len` as `(start, end)`.
+///
+/// # Panics
+///
+/// If it is out of bounds (or its ends overflow).
+fn bounds(range: impl RangeBounds<usize>, len: usize) -> (usize, usize) {
+    let start = match range.start_bound() {
+        Bound::Included(&s) => s,
+        Bound::Excluded(&s) => s.checked_add(1).expect("range start overflows"),
+        Bound::Unbounded => 0,
+    };
+    let end = match range.end_bound() {
+        Bound::Included(&e) => e.checked_add(1).expect("range end overflows"),
+        Bound::Excluded(&e) => e,
+        Bound::Unbounded => len,
+    };
+    assert!(
+        start <= end && end <= len,
+        "range {start}..{end} out of bounds of a view of {len} elements"
+    );
+    (start, end)
+}
+
+impl Span {
+    /// `bytes` bytes at `addr` as `T`s on `stream`, which the backend's fences cover from now
+    /// on.
+    fn lend<T>(
+        backend: &Gpu,
+        addr: Addr,
+        bytes: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<Self, ViewError> {
+        let len = fit::<T>(addr, bytes)?;
+        backend.cover(stream).map_err(ViewError::Stream)?;
+        Ok(Self {
+            ptr: addr as CUdeviceptr,
+            len,
+            home: Arc::clone(stream),
+        })
+    }
+
+    /// Elements `range` of this span (of `T`s), on the same home stream.
+    fn sub<T>(&self, range: impl RangeBounds<usize>) -> Self {
+        let (start, end) = bounds(range, self.len);
+        Self {
+            ptr: self.ptr + (start * size_of::<T>()) as CUdeviceptr,
+            len: end - start,
+            home: Arc::clone(&self.home),
+        }
+    }
+
+    /// Orders a use on `stream` after every earlier use through this view, and (through the
+    /// returned guard) every later use after it. See [`DeviceView`]'s "Streams".
+    ///
+    /// # Panics
+    ///
+    /// If `stream` belongs to another context than the home stream.
+    fn order<'a>(&'a self, stream: &'a CudaStream) -> SyncOnDrop<'a> {
+        let home = &*self.home;
+        if stream == home {
+            return SyncOnDrop::Record(None); // the stream's own order is enough
+        }
+        let ctx = stream.context();
+        assert!(
+            ctx.cu_ctx() == home.context().cu_ctx(),
+            "a memtoken device view was used on a stream of another CUDA context than its \
+             memory's: the device's fences cannot cover that stream, so no pointer is lent for \
+             it; make the view on a stream of the device's context"
+        );
+        if let Err(e) = stream.join(home) {
+            // The cudarc way for a call that cannot return its error; then a host wait on the
+            // home stream, so the use still comes after every earlier one.
+            ctx.record_err::<()>(Err(e));
+            ctx.record_err(home.synchronize());
+        }
+        SyncOnDrop::sync_stream(stream)
+    }
+}
+
+/// A typed, read-only view of a CUDA token's memory: `len()` elements of `T`, lent by
+/// [`Allocation::view`] (a committed allocation, a [`Prefix`](crate::Prefix), a
+/// [`PrefixMapping`](crate::PrefixMapping), a [`DivergedMapping`](crate::DivergedMapping)),
+/// [`Page::view`] and [`PageTable::page_view`]. It is cudarc device memory: it implements
+/// [`DeviceSlice`] and [`DevicePtr`], so it goes straight into `stream.memcpy_dtoh`,
+/// `clone_dtoh`, `memcpy_dtod` (as the source), or any function that takes a `DevicePtr`; a
+/// kernel takes its pointer as `let (x, _x) = view.device_ptr(&stream); launch.arg(&x)` (see
+/// below why not `arg(&view)`).
+///
+/// **It borrows its token**, so the token cannot be released, dropped or written from the host
+/// while the view lives:
+///
+/// ```compile_fail,E0505
+/// use cudarc::driver::CudaContext;
+/// use memtoken::backend::cuda::CudaBackend;
+/// use memtoken::{make_guard, Budget, Device};
+/// make_guard!(guard);
+/// let ctx = CudaContext::new(0).unwrap();
+/// let device = Device::new(guard, CudaBackend::from_context(ctx.clone()).unwrap());
+/// let binding = device.bind(Budget::unlimited()).unwrap();
+/// let x = binding.reserve(1 << 21).unwrap().commit().unwrap();
+/// let view = x.view::<f32>(&ctx.default_stream()).unwrap();
+/// let releasing = x.release(); // error: `x` is borrowed by the view
+/// println!("{}", view.len());
+/// ```
+///
+/// # Streams
+///
+/// A view has one *home stream*, the one it is made for: the device's fences cover it from
+/// then on (so the token's release waits for the work submitted there; the view is refused
+/// with [`ViewError::Stream`] if they cannot, for a stream of another context), and
+/// [`DeviceSlice::stream`] returns it. Used on its home stream, a view adds no call: the
+/// stream's own order puts each use after every earlier read and write made through the view.
+/// Used on another stream of the same context, that stream first waits for everything
+/// submitted to the home stream so far, and the returned [`SyncOnDrop`] synchronizes that
+/// stream when it drops, so the use has finished before the view — and so the token — can be
+/// let go; this honours [`DevicePtr`]'s contract (wait for earlier writes) and
+/// [`DevicePtrMut`]'s (wait for earlier reads and writes) whether or not cudarc manages stream
+/// synchronization, at the price of a host wait: make views on the stream that uses them. A
+/// stream of another context panics: its work could not be fenced, so no pointer is lent for
+/// it. What a view does not order is work submitted before it was made through another path —
+/// another view with another home stream, or the token's `copy_from_host`/`copy_to_host` on the
+/// legacy stream: order those streams yourself (`home.join(&other)`), as with any two cudarc
+/// streams.
+///
+/// **Why no `launch_builder().arg(&view)`:** cudarc keeps a launch's stream and its lists of
+/// events to wait for and to record private to cudarc, so an argument of another crate cannot
+/// learn which stream the kernel runs on; a view passed so could be used, unfenced and
+/// unordered, on any stream. `device_ptr(&stream)` names the stream.
+pub struct DeviceView<'a, T> {
+    span: Span,
+    _lent: PhantomData<&'a [T]>,
+}
+
+/// A typed, writable view of a CUDA token's memory: as [`DeviceView`] (same streams, same
+/// ordering), and [`DevicePtrMut`] too, so it is also the destination of `stream.memcpy_htod`,
+/// `memcpy_dtod` and `memset_zeros`. Lent only by the tokens that may write their memory, each
+/// borrowed mutably: [`Allocation::view_mut`] (committed), [`Page::view_mut`],
+/// [`PageTable::page_view_mut`], and [`Allocation::boundary_view_mut`] (a diverged mapping's
+/// private granule).
+///
+/// ```compile_fail,E0505
+/// use cudarc::driver::CudaContext;
+/// use memtoken::backend::cuda::CudaBackend;
+/// use memtoken::{make_guard, Budget, Device};
+/// make_guard!(guard);
+/// let ctx = CudaContext::new(0).unwrap();
+/// let stream = ctx.new_stream().unwrap();
+/// let device = Device::new(guard, CudaBackend::from_context(ctx.clone()).unwrap());
+/// let binding = device.bind(Budget::unlimited()).unwrap();
+/// let mut y = binding.reserve(1 << 21).unwrap().commit().unwrap();
+/// let mut view = y.view_mut::<f32>(&stream).unwrap();
+/// drop(y); // error: `y` is borrowed by the view
+/// stream.memcpy_htod(&[1.0f32], &mut view).unwrap();
+/// ```
+pub struct DeviceViewMut<'a, T> {
+    span: Span,
+    _lent: PhantomData<&'a mut [T]>,
+}
+
+impl<'a, T> DeviceView<'a, T> {
+    fn new(span: Span) -> Self {
+        Self {
+            span,
+            _lent: PhantomData,
+        }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.span.len
+    }
+
+    /// Whether it has no element.
+    pub fn is_empty(&self) -> bool {
+        self.span.len == 0
+    }
+
+    /// The home stream (see "Streams" above).
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.span.home
+    }
+
+    /// Elements `range` of this view, on the same home stream.
+    ///
+    /// # Panics
+    ///
+    /// If the range is out of bounds.
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> DeviceView<'_, T> {
+        DeviceView::new(self.span.sub::<T>(range))
+    }
+}
+
+impl<'a, T> DeviceViewMut<'a, T> {
+    fn new(span: Span) -> Self {
+        Self {
+            span,
+            _lent: PhantomData,
+        }
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.span.len
+    }
+
+    /// Whether it has no element.
+    pub fn is_empty(&self) -> bool {
+        self.span.len == 0
+    }
+
+    /// The home stream (see [`DeviceView`]'s "Streams").
+    pub fn stream(&self) -> &Arc<CudaStream> {
+        &self.span.home
+    }
+
+    /// Elements `range` of this view, read-only, on the same home stream.
+    ///
+    /// # Panics
+    ///
+    /// If the range is out of bounds.
+    pub fn slice(&self, range: impl RangeBounds<usize>) -> DeviceView<'_, T> {
+        DeviceView::new(self.span.sub::<T>(range))
+    }
+
+    /// Elements `range` of this view, writable, on the same home stream.
+    ///
+    /// # Panics
+    ///
+    /// If the range is out of bounds.
+    pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> DeviceViewMut<'_, T> {
+        DeviceViewMut::new(self.span.sub::<T>(range))
+    }
+}
+
+impl<T> DeviceSlice<T> for DeviceView<'_, T> {
+    fn len(&self) -> usize {
+        self.span.len
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.span.home
+    }
+}
+
+impl<T> DeviceSlice<T> for DeviceViewMut<'_, T> {
+    fn len(&self) -> usize {
+        self.span.len
+    }
+
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.span.home
+    }
+}
+
+impl<T> DevicePtr<T> for DeviceView<'_, T> {
+    /// The pointer, for a read on `stream`: see [`DeviceView`]'s "Streams".
+    ///
+    /// # Panics
+    ///
+    /// If `stream` belongs to another CUDA context than the view's memory.
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        (self.span.ptr, self.span.order(stream))
+    }
+}
+
+impl<T> DevicePtr<T> for DeviceViewMut<'_, T> {
+    /// The pointer, for a read on `stream`: see [`DeviceView`]'s "Streams".
+    ///
+    /// # Panics
+    ///
+    /// If `stream` belongs to another CUDA context than the view's memory.
+    fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        (self.span.ptr, self.span.order(stream))
+    }
+}
+
+impl<T> DevicePtrMut<T> for DeviceViewMut<'_, T> {
+    /// The pointer, for a write on `stream`: see [`DeviceView`]'s "Streams".
+    ///
+    /// # Panics
+    ///
+    /// If `stream` belongs to another CUDA context than the view's memory.
+    fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
+        (self.span.ptr, self.span.order(stream))
+    }
+}
+
+impl<T> fmt::Debug for DeviceView<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceView")
+            .field("ptr", &format_args!("{:#x}", self.span.ptr))
+            .field("len", &self.span.len)
+            .field("stream", &self.span.home.cu_stream())
+            .finish()
+    }
+}
+
+impl<T> fmt::Debug for DeviceViewMut<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeviceViewMut")
+            .field("ptr", &format_args!("{:#x}", self.span.ptr))
+            .field("len", &self.span.len)
+            .field("stream", &self.span.home.cu_stream())
+            .finish()
+    }
+}
+
+impl<S: Readable> Allocation<'_, '_, Gpu, S> {
+    /// The memory as `len() / size_of::<T>()` elements of `T` on the device, read-only, for
+    /// work on `stream` (its home stream: see [`DeviceView`]'s "Streams"). Borrows the token.
+    ///
+    /// ```no_run
+    /// use cudarc::driver::CudaContext;
+    /// use memtoken::backend::cuda::CudaBackend;
+    /// use memtoken::{make_guard, Budget, Device};
+    /// make_guard!(guard);
+    /// let ctx = CudaContext::new(0)?;
+    /// let stream = ctx.new_stream()?;
+    /// let device = Device::new(guard, CudaBackend::from_context(ctx.clone())?);
+    /// let binding = device.bind(Budget::unlimited())?;
+    /// let mut x = binding.reserve(1 << 21)?.commit().map_err(|e| e.cause)?;
+    /// stream.memcpy_htod(&[1.0f32, 2.0, 3.0], &mut x.view_mut::<f32>(&stream)?)?;
+    /// let back = stream.clone_dtoh(&x.view::<f32>(&stream)?.slice(..3))?;
+    /// assert_eq!(back, [1.0, 2.0, 3.0]);
+    /// drop(x); // unmapped once the work on `stream` has finished
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`ViewError::Length`] if the length is not a multiple of `T`'s size (or `T` is
+    /// zero-sized), [`ViewError::Alignment`] if the memory is not aligned for `T`,
+    /// [`ViewError::Stream`] if `stream` belongs to another context.
+    pub fn view<T>(&self, stream: &Arc<CudaStream>) -> Result<DeviceView<'_, T>, ViewError> {
+        let backend = self.binding().device().backend();
+        Span::lend::<T>(backend, self.addr(), self.len(), stream).map(DeviceView::new)
+    }
+}
+
+impl Allocation<'_, '_, Gpu, Committed> {
+    /// The memory as elements of `T` on the device, writable, for work on `stream` (see
+    /// [`view`](Self::view)). Borrows the token mutably.
+    ///
+    /// # Errors
+    ///
+    /// As for [`view`](Self::view).
+    pub fn view_mut<T>(
+        &mut self,
+        stream: &Arc<CudaStream>,
+    ) -> Result<DeviceViewMut<'_, T>, ViewError> {
+        let backend = self.binding().device().backend();
+        Span::lend::<T>(backend, self.addr(), self.len(), stream).map(DeviceViewMut::new)
+    }
+}
+
+impl Allocation<'_, '_, Gpu, Diverged> {
+    /// The private last granule as elements of `T` on the device, writable, for work on
+    /// `stream` (see [`view`](Self::view)). Borrows the mapping mutably.
+    ///
+    /// # Errors
+    ///
+    /// As for [`view`](Self::view).
+    pub fn boundary_view_mut<T>(
+        &mut self,
+        stream: &Arc<CudaStream>,
+    ) -> Result<DeviceViewMut<'_, T>, ViewError> {
+        let at = self.boundary_offset();
+        let backend = self.binding().device().backend();
+        Span::lend::<T>(backend, self.addr() + at, self.len() - at, stream).map(DeviceViewMut::new)
+    }
+}
+
+impl Page<'_, '_, '_, '_, Gpu> {
+    /// The page as elements of `T` on the device, read-only, for work on `stream` (see
+    /// [`Allocation::view`]). Borrows the page.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Allocation::view`].
+    pub fn view<T>(&self, stream: &Arc<CudaStream>) -> Result<DeviceView<'_, T>, ViewError> {
+        Span::lend::<T>(self.backend(), self.addr(), self.size(), stream).map(DeviceView::new)
+    }
+
+    /// The page as elements of `T` on the device, writable, for work on `stream`. Borrows the
+    /// page mutably.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Allocation::view`].
+    pub fn view_mut<T>(
+        &mut self,
+        stream: &Arc<CudaStream>,
+    ) -> Result<DeviceViewMut<'_, T>, ViewError> {
+        Span::lend::<T>(self.backend(), self.addr(), self.size(), stream).map(DeviceViewMut::new)
+    }
+}
+
+impl PageTable<'_, '_, '_, '_, Gpu> {
+    /// The page at `position` as elements of `T` on the device, read-only, for work on
+    /// `stream` (see [`Allocation::view`]). Borrows the table.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Allocation::view`].
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn page_view<T>(
+        &self,
+        position: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<DeviceView<'_, T>, ViewError> {
+        let (addr, size) = (self.addr(position), self.page_size());
+        Span::lend::<T>(self.backend(), addr, size, stream).map(DeviceView::new)
+    }
+
+    /// The page at `position` as elements of `T` on the device, writable, for work on
+    /// `stream`. Borrows the table mutably.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Allocation::view`].
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn page_view_mut<T>(
+        &mut self,
+        position: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<DeviceViewMut<'_, T>, ViewError> {
+        let (addr, size) = (self.addr(position), self.page_size());
+        Span::lend::<T>(self.backend(), addr, size, stream).map(DeviceViewMut::new)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_view_holds_the_whole_number_of_elements_in_its_bytes() {
+        assert_eq!(fit::<f32>(1 << 21, 1 << 21), Ok(1 << 19));
+        assert_eq!(fit::<[f32; 3]>(0x1000, 12 * 7), Ok(7));
+        assert_eq!(fit::<u8>(0x1001, 3), Ok(3));
+    }
+
+    #[test]
+    fn a_length_that_is_no_multiple_of_the_element_is_refused() {
+        assert_eq!(
+            fit::<f32>(0x1000, 6),
+            Err(ViewError::Length { bytes: 6, size: 4 })
+        );
+        assert_eq!(
+            fit::<[u8; 3]>(0x1000, 1 << 21),
+            Err(ViewError::Length {
+                bytes: 1 << 21,
+                size: 3
+            })
+        );
+        assert_eq!(
+            fit::<()>(0x1000, 8),
+            Err(ViewError::Length { bytes: 8, size: 0 })
+        );
+    }
+
+    #[test]
+    fn a_misaligned_start_is_refused() {
+        assert_eq!(
+            fit::<u64>(0x1004, 8),
+            Err(ViewError::Alignment {
+                addr: 0x1004,
+                align: 8
+            })
+        );
+        // Both misfits: the alignment is named, as on the host.
+        assert_eq!(
+            fit::<f32>(0x1002, 6),
+            Err(ViewError::Alignment {
+                addr: 0x1002,
+                align: 4
+            })
+        );
+    }
+
+    #[test]
+    fn sub_ranges_are_bounded_like_slices() {
+        assert_eq!(bounds(.., 10), (0, 10));
+        assert_eq!(bounds(2..5, 10), (2, 5));
+        assert_eq!(bounds(2..=5, 10), (2, 6));
+        assert_eq!(bounds(..3, 10), (0, 3));
+        assert_eq!(bounds(10.., 10), (10, 10));
+        for bad in [
+            std::panic::catch_unwind(|| bounds(5..11, 10)),
+            std::panic::catch_unwind(|| bounds((Bound::Included(6), Bound::Excluded(5)), 10)),
+            std::panic::catch_unwind(|| bounds(..=usize::MAX, 10)),
+        ] {
+            assert!(bad.is_err());
+        }
+    }
+}

@@ -1,0 +1,168 @@
+//! Host typed views: every host token that lends bytes lends them as `&[T]` / `&mut [T]` of a
+//! plain-old-data `T`, with the length in `T`s, and refuses a misfit with an error value.
+
+use memtoken::backend::HostBackend;
+use memtoken::{Budget, Device, PagePool, ViewError, make_guard};
+
+#[test]
+fn a_committed_allocation_lends_its_bytes_as_floats_and_back() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut a = binding.reserve(4096).unwrap().commit().unwrap();
+    let len = a.len();
+    let floats = a.as_mut_slice_of::<f32>().unwrap();
+    assert_eq!(floats.len(), len / 4, "the length is in elements");
+    for (i, v) in floats.iter_mut().enumerate() {
+        *v = i as f32 * 0.5;
+    }
+    // The same memory, as bytes and as another type.
+    assert_eq!(&a.as_slice()[4..8], &0.5f32.to_ne_bytes());
+    let words = a.as_slice_of::<u32>().unwrap();
+    assert_eq!(words[3], 1.5f32.to_bits());
+    assert_eq!(
+        a.as_slice_of::<[f32; 4]>().unwrap()[1],
+        [2.0, 2.5, 3.0, 3.5]
+    );
+    assert_eq!(a.as_slice_of::<u8>().unwrap(), a.as_slice());
+}
+
+#[test]
+fn an_element_that_does_not_divide_the_length_is_a_length_error() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut a = binding.reserve(4096).unwrap().commit().unwrap();
+    let bytes = a.len();
+    let misfit = ViewError::Length { bytes, size: 3 };
+    assert_eq!(a.as_slice_of::<[u8; 3]>().unwrap_err(), misfit);
+    assert_eq!(a.as_mut_slice_of::<[u8; 3]>().unwrap_err(), misfit);
+    let zero = ViewError::Length { bytes, size: 0 };
+    assert_eq!(a.as_slice_of::<()>().unwrap_err(), zero);
+    // Refusing lent nothing: the token is as usable as before.
+    a.as_mut_slice_of::<u16>().unwrap()[0] = 7;
+    assert_eq!(a.as_slice()[..2], 7u16.to_ne_bytes());
+}
+
+#[test]
+fn the_readable_prefix_states_lend_typed_views_of_the_shared_bytes() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let mut owner = binding.reserve(2 * g).unwrap().commit().unwrap();
+    owner.as_mut_slice_of::<u32>().unwrap().fill(0xabcd);
+    let prefix = owner.into_prefix();
+    assert_eq!(prefix.as_slice_of::<u32>().unwrap().len(), 2 * g / 4);
+    let sharer = binding.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();
+    assert!(
+        sharer
+            .as_slice_of::<u32>()
+            .unwrap()
+            .iter()
+            .all(|&w| w == 0xabcd)
+    );
+    let mut diverged = sharer.diverge().unwrap();
+    diverged.boundary_mut().fill(0);
+    let words = diverged.as_slice_of::<u32>().unwrap();
+    assert_eq!(words[0], 0xabcd, "the shared body");
+    assert_eq!(words[words.len() - 1], 0, "the private granule");
+    assert_eq!(
+        diverged.as_slice_of::<[u8; 3]>().unwrap_err(),
+        ViewError::Length {
+            bytes: 2 * g,
+            size: 3
+        }
+    );
+}
+
+#[test]
+fn pages_lend_typed_views_and_refuse_misaligned_or_short_ones() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(pool_guard);
+    // 4-byte pages: page 0 starts a granule, page 1 is 4 bytes in.
+    let pool = PagePool::new(pool_guard, &binding, 4).unwrap();
+    let mut first = pool.alloc().unwrap();
+    let mut second = pool.alloc().unwrap();
+    first.as_mut_slice_of::<f32>().unwrap()[0] = 1.25;
+    assert_eq!(first.as_slice_of::<f32>().unwrap(), &[1.25]);
+    assert_eq!(first.as_slice(), &1.25f32.to_ne_bytes());
+    assert_eq!(second.as_mut_slice_of::<u16>().unwrap().len(), 2);
+    // A u64 does not fit in 4 bytes; on the second page it is not aligned either, and the
+    // alignment is what is named then.
+    assert_eq!(
+        first.as_slice_of::<u64>().unwrap_err(),
+        ViewError::Length { bytes: 4, size: 8 }
+    );
+    assert_eq!(
+        second.as_slice_of::<u64>().unwrap_err(),
+        ViewError::Alignment {
+            addr: second.addr(),
+            align: 8
+        }
+    );
+    assert_eq!(second.addr() % 8, 4);
+    pool.free(first);
+    pool.free(second);
+}
+
+#[test]
+fn a_page_tables_pages_lend_typed_views() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, 256).unwrap();
+    let mut table = pool.table();
+    for _ in 0..3 {
+        pool.push(&mut table).unwrap();
+    }
+    for position in 0..3 {
+        let page = table.page_mut_of::<f32>(position).unwrap();
+        assert_eq!(page.len(), 64);
+        page.fill(position as f32);
+    }
+    assert!((0..3).all(|p| {
+        table
+            .page_of::<f32>(p)
+            .unwrap()
+            .iter()
+            .all(|&v| v == p as f32)
+    }));
+    assert_eq!(&table.page(2)[..4], &2.0f32.to_ne_bytes());
+    assert_eq!(
+        table.page_of::<[u8; 3]>(1).unwrap_err(),
+        ViewError::Length {
+            bytes: 256,
+            size: 3
+        }
+    );
+    assert_eq!(
+        table.page_mut_of::<[u8; 3]>(1).unwrap_err(),
+        ViewError::Length {
+            bytes: 256,
+            size: 3
+        }
+    );
+    pool.clear(&mut table);
+}
+
+#[test]
+fn a_view_error_says_what_misfit_and_with_which_numbers() {
+    let length = ViewError::Length { bytes: 6, size: 4 }.to_string();
+    assert!(
+        length.contains("6 bytes") && length.contains("4-byte"),
+        "{length}"
+    );
+    let align = ViewError::Alignment {
+        addr: 0x1004,
+        align: 8,
+    }
+    .to_string();
+    assert!(
+        align.contains("0x1004") && align.contains("8 bytes"),
+        "{align}"
+    );
+}

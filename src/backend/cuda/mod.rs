@@ -5,7 +5,7 @@
 //! The backend holds the logic (current context, rollback of a half-done map, loss detection);
 //! the driver only forwards. With feature `cuda`, `SysDriver` forwards to
 //! `cudarc::driver::sys` (loaded at run time: it builds with no CUDA toolkit, and
-//! [`CudaBackend::open`] returns an error, never panics, when no driver is installed). On any
+//! `CudaBackend::open` returns an error, never panics, when no driver is installed). On any
 //! machine, [`DriverModel`] stands in for the driver with the VMM rules, events, context loss
 //! and fault injection, so the whole state machine runs in `cargo test`.
 //!
@@ -97,7 +97,7 @@ pub enum CudaError {
 /// The legacy default stream (0, cudarc's `default_stream()`) is always covered; it waits for
 /// every *blocking* stream, but not for the non-blocking streams that cudarc's `new_stream()`
 /// makes — those are covered once memtoken learns of them: through a typed view (which covers
-/// the stream it is used on), [`cover`](CudaBackend::cover) for a cudarc stream, or
+/// the stream it is used on), `cover` (feature `cuda`) for a cudarc stream, or
 /// [`cover_stream`](CudaBackend::cover_stream) for a raw handle. Memory used by a kernel on a
 /// covered stream is unmapped only after that kernel's work has finished.
 ///
@@ -108,9 +108,11 @@ pub enum CudaError {
 /// context's retains are not released either; a process that wants the device back must reset
 /// it (`cuDevicePrimaryCtxReset`) itself.
 ///
-/// A committed allocation on it gives its `device_ptr()` for kernel arguments and
-/// `copy_from_host` / `copy_to_host` for copies; prefixes, mappings and page tables have copies
-/// too.
+/// Its tokens lend typed views (feature `cuda`: `view::<T>(&stream)`, `view_mut`) that are
+/// cudarc device memory — `DeviceSlice`, `DevicePtr`, `DevicePtrMut` — for cudarc's copies and,
+/// through `device_ptr(&stream)`, kernel arguments; a view covers its stream. A committed
+/// allocation also gives its raw `device_ptr()` (cover the stream yourself) and
+/// `copy_from_host` / `copy_to_host`; prefixes, mappings and page tables have copies too.
 ///
 /// Host slices are for host memory only: a CUDA token has no `as_slice`.
 ///
@@ -265,7 +267,7 @@ impl<D: Driver> CudaBackend<D> {
     }
 
     /// Makes every fence recorded from now on cover `stream` too: a release waits for the work
-    /// submitted there. (Typed views and [`cover`](Self::cover) do this for cudarc streams.)
+    /// submitted there. (Typed views and `cover`, feature `cuda`, do this for cudarc streams.)
     ///
     /// # Safety
     ///
@@ -667,7 +669,7 @@ impl CudaBackend<SysDriver> {
             return Err(BackendError::refused(Op::Fence, 0, 0, v));
         }
         let handle = stream.cu_stream() as Stream;
-        if self.covered_streams().contains(&handle) {
+        if lock(&self.covered).contains(&handle) {
             return Ok(());
         }
         lock(&self.kept).streams.push(std::sync::Arc::clone(stream));

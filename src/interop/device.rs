@@ -194,7 +194,8 @@ pub struct DeviceView<'a, T> {
 /// stream.memcpy_htod(&[1.0f32], &mut view).unwrap();
 /// ```
 pub struct DeviceViewMut<'a, T> {
-    span: Span,
+    /// What it shares with a read-only view (`len`, `stream`, `slice`, through `Deref`).
+    view: DeviceView<'a, T>,
     _lent: PhantomData<&'a mut [T]>,
 }
 
@@ -234,33 +235,9 @@ impl<'a, T> DeviceView<'a, T> {
 impl<'a, T> DeviceViewMut<'a, T> {
     fn new(span: Span) -> Self {
         Self {
-            span,
+            view: DeviceView::new(span),
             _lent: PhantomData,
         }
-    }
-
-    /// Elements.
-    pub fn len(&self) -> usize {
-        self.span.len
-    }
-
-    /// Whether it has no element.
-    pub fn is_empty(&self) -> bool {
-        self.span.len == 0
-    }
-
-    /// The home stream (see [`DeviceView`]'s "Streams").
-    pub fn stream(&self) -> &Arc<CudaStream> {
-        &self.span.home
-    }
-
-    /// Elements `range` of this view, read-only, on the same home stream.
-    ///
-    /// # Panics
-    ///
-    /// If the range is out of bounds.
-    pub fn slice(&self, range: impl RangeBounds<usize>) -> DeviceView<'_, T> {
-        DeviceView::new(self.span.sub::<T>(range))
     }
 
     /// Elements `range` of this view, writable, on the same home stream.
@@ -269,7 +246,15 @@ impl<'a, T> DeviceViewMut<'a, T> {
     ///
     /// If the range is out of bounds.
     pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> DeviceViewMut<'_, T> {
-        DeviceViewMut::new(self.span.sub::<T>(range))
+        DeviceViewMut::new(self.view.span.sub::<T>(range))
+    }
+}
+
+impl<'a, T> std::ops::Deref for DeviceViewMut<'a, T> {
+    type Target = DeviceView<'a, T>;
+
+    fn deref(&self) -> &DeviceView<'a, T> {
+        &self.view
     }
 }
 
@@ -285,11 +270,11 @@ impl<T> DeviceSlice<T> for DeviceView<'_, T> {
 
 impl<T> DeviceSlice<T> for DeviceViewMut<'_, T> {
     fn len(&self) -> usize {
-        self.span.len
+        self.view.span.len
     }
 
     fn stream(&self) -> &Arc<CudaStream> {
-        &self.span.home
+        &self.view.span.home
     }
 }
 
@@ -311,7 +296,7 @@ impl<T> DevicePtr<T> for DeviceViewMut<'_, T> {
     ///
     /// If `stream` belongs to another CUDA context than the view's memory.
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
-        (self.span.ptr, self.span.order(stream))
+        self.view.device_ptr(stream)
     }
 }
 
@@ -322,7 +307,7 @@ impl<T> DevicePtrMut<T> for DeviceViewMut<'_, T> {
     ///
     /// If `stream` belongs to another CUDA context than the view's memory.
     fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
-        (self.span.ptr, self.span.order(stream))
+        self.view.device_ptr(stream)
     }
 }
 
@@ -338,11 +323,7 @@ impl<T> fmt::Debug for DeviceView<'_, T> {
 
 impl<T> fmt::Debug for DeviceViewMut<'_, T> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("DeviceViewMut")
-            .field("ptr", &format_args!("{:#x}", self.span.ptr))
-            .field("len", &self.span.len)
-            .field("stream", &self.span.home.cu_stream())
-            .finish()
+        f.debug_tuple("DeviceViewMut").field(&self.view).finish()
     }
 }
 

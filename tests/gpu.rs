@@ -303,8 +303,10 @@ fn gpu_a_token_dropped_while_a_kernel_on_a_new_stream_reads_it_is_unmapped_after
     );
     let kernel_done = stream.record_event(None).unwrap();
     drop(x); // the kernel spins, then reads x: its release must wait
-    let progress = device.poll();
+    // Looked at before polling: a poll that wrongly unmaps would wait in `cuMemUnmap` for the
+    // kernel, and then the failure below must name the early release, not a short spin.
     let still_running = !kernel_done.try_is_complete().unwrap();
+    let progress = device.poll();
     assert!(
         still_running,
         "the kernel ended before the test could look: lengthen its spin"

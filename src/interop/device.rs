@@ -8,6 +8,7 @@ use crate::error::ViewError;
 use crate::page_pool::{Page, PageTable};
 use crate::sharing::Diverged;
 use crate::state::{Committed, Readable};
+use bytemuck::Pod;
 use cudarc::driver::sys::CUdeviceptr;
 use cudarc::driver::{CudaStream, DevicePtr, DevicePtrMut, DeviceSlice, SyncOnDrop};
 use std::fmt;
@@ -62,10 +63,13 @@ fn bounds(range: impl RangeBounds<usize>, len: usize) -> (usize, usize) {
     (start, end)
 }
 
+/// `CU_STREAM_PER_THREAD`: the calling thread's default stream.
+const PER_THREAD_STREAM: usize = 0x2;
+
 impl Span {
     /// `bytes` bytes at `addr` as `T`s on `stream`, which the backend's fences cover from now
     /// on.
-    fn lend<T>(
+    fn lend<T: Pod>(
         backend: &Gpu,
         addr: Addr,
         bytes: usize,
@@ -98,7 +102,10 @@ impl Span {
     /// If `stream` belongs to another context than the home stream.
     fn order<'a>(&'a self, stream: &'a CudaStream) -> SyncOnDrop<'a> {
         let home = &*self.home;
-        if stream == home {
+        // The per-thread stream has one handle on every thread but is a different stream on
+        // each: never taken for the home stream.
+        let per_thread = home.cu_stream() as usize == PER_THREAD_STREAM;
+        if stream == home && !per_thread {
             return SyncOnDrop::Record(None); // the stream's own order is enough
         }
         let ctx = stream.context();
@@ -157,11 +164,18 @@ impl Span {
 /// let go; this honours [`DevicePtr`]'s contract (wait for earlier writes) and
 /// [`DevicePtrMut`]'s (wait for earlier reads and writes) whether or not cudarc manages stream
 /// synchronization, at the price of a host wait: make views on the stream that uses them. A
-/// stream of another context panics: its work could not be fenced, so no pointer is lent for
-/// it. What a view does not order is work submitted before it was made through another path —
-/// another view with another home stream, or the token's `copy_from_host`/`copy_to_host` on the
-/// legacy stream: order those streams yourself (`home.join(&other)`), as with any two cudarc
-/// streams.
+/// stream of another context panics (the memory is not that context's to use), and the
+/// per-thread stream is never taken for the home stream (it is a different stream on each
+/// thread).
+///
+/// **Limits — ordering is per view, not per memory.** A view does not order its uses after
+/// work submitted through another path before it was made: an earlier view with another home
+/// stream (even one already dropped), the token's `copy_from_host`/`copy_to_host` on the legacy
+/// stream, or a previous owner of a page the pool handed out again. Order those yourself
+/// (`home.join(&other)`). A cudarc `CudaSlice` tracks this with read and write events of its
+/// own; memtoken's tokens do not yet. A cross-device `memcpy_dtod` (peer copy) reads through the
+/// source view on the *destination's* stream, which no fence of this device covers:
+/// synchronize that stream before the token goes.
 ///
 /// **Why no `launch_builder().arg(&view)`:** cudarc keeps a launch's stream and its lists of
 /// events to wait for and to record private to cudarc, so an argument of another crate cannot
@@ -353,7 +367,7 @@ impl<S: Readable> Allocation<'_, '_, Gpu, S> {
     /// [`ViewError::Length`] if the length is not a multiple of `T`'s size (or `T` is
     /// zero-sized), [`ViewError::Alignment`] if the memory is not aligned for `T`,
     /// [`ViewError::Stream`] if `stream` belongs to another context.
-    pub fn view<T>(&self, stream: &Arc<CudaStream>) -> Result<DeviceView<'_, T>, ViewError> {
+    pub fn view<T: Pod>(&self, stream: &Arc<CudaStream>) -> Result<DeviceView<'_, T>, ViewError> {
         let backend = self.binding().device().backend();
         Span::lend::<T>(backend, self.addr(), self.len(), stream).map(DeviceView::new)
     }
@@ -366,7 +380,7 @@ impl Allocation<'_, '_, Gpu, Committed> {
     /// # Errors
     ///
     /// As for [`view`](Self::view).
-    pub fn view_mut<T>(
+    pub fn view_mut<T: Pod>(
         &mut self,
         stream: &Arc<CudaStream>,
     ) -> Result<DeviceViewMut<'_, T>, ViewError> {
@@ -382,7 +396,7 @@ impl Allocation<'_, '_, Gpu, Diverged> {
     /// # Errors
     ///
     /// As for [`view`](Self::view).
-    pub fn boundary_view_mut<T>(
+    pub fn boundary_view_mut<T: Pod>(
         &mut self,
         stream: &Arc<CudaStream>,
     ) -> Result<DeviceViewMut<'_, T>, ViewError> {
@@ -399,7 +413,7 @@ impl Page<'_, '_, '_, '_, Gpu> {
     /// # Errors
     ///
     /// As for [`Allocation::view`].
-    pub fn view<T>(&self, stream: &Arc<CudaStream>) -> Result<DeviceView<'_, T>, ViewError> {
+    pub fn view<T: Pod>(&self, stream: &Arc<CudaStream>) -> Result<DeviceView<'_, T>, ViewError> {
         Span::lend::<T>(self.backend(), self.addr(), self.size(), stream).map(DeviceView::new)
     }
 
@@ -409,7 +423,7 @@ impl Page<'_, '_, '_, '_, Gpu> {
     /// # Errors
     ///
     /// As for [`Allocation::view`].
-    pub fn view_mut<T>(
+    pub fn view_mut<T: Pod>(
         &mut self,
         stream: &Arc<CudaStream>,
     ) -> Result<DeviceViewMut<'_, T>, ViewError> {
@@ -428,7 +442,7 @@ impl PageTable<'_, '_, '_, '_, Gpu> {
     /// # Panics
     ///
     /// If `position` is out of bounds.
-    pub fn page_view<T>(
+    pub fn page_view<T: Pod>(
         &self,
         position: usize,
         stream: &Arc<CudaStream>,
@@ -447,7 +461,7 @@ impl PageTable<'_, '_, '_, '_, Gpu> {
     /// # Panics
     ///
     /// If `position` is out of bounds.
-    pub fn page_view_mut<T>(
+    pub fn page_view_mut<T: Pod>(
         &mut self,
         position: usize,
         stream: &Arc<CudaStream>,

@@ -97,7 +97,7 @@ pub enum CudaError {
 /// The legacy default stream (0, cudarc's `default_stream()`) is always covered; it waits for
 /// every *blocking* stream, but not for the non-blocking streams that cudarc's `new_stream()`
 /// makes — those are covered once memtoken learns of them: through a typed view (which covers
-/// the stream it is used on), `cover` (feature `cuda`) for a cudarc stream, or
+/// the stream it is made for), `cover` (feature `cuda`) for a cudarc stream, or
 /// [`cover_stream`](CudaBackend::cover_stream) for a raw handle. Memory used by a kernel on a
 /// covered stream is unmapped only after that kernel's work has finished.
 ///

@@ -1,7 +1,7 @@
 //! Compile-fail cases: each file under `ui-tests/` is a misuse the type system must reject.
 
 /// Cases about the CUDA device views, which exist only with feature `cuda`.
-const CUDA_ONLY: &[&str] = &["view_across_release.rs"];
+const CUDA_ONLY: &[&str] = &["device_view_of_non_pod.rs", "view_across_release.rs"];
 
 #[test]
 fn ui() {

@@ -151,6 +151,21 @@ impl Span {
 /// println!("{}", view.len());
 /// ```
 ///
+/// **Only plain-old-data** (`bytemuck::Pod`) may be viewed: every bit pattern must be a value
+/// of `T`, since the bytes come from the device.
+///
+/// ```compile_fail,E0277
+/// use cudarc::driver::CudaContext;
+/// use memtoken::backend::cuda::CudaBackend;
+/// use memtoken::{make_guard, Budget, Device};
+/// make_guard!(guard);
+/// let ctx = CudaContext::new(0).unwrap();
+/// let device = Device::new(guard, CudaBackend::from_context(ctx.clone()).unwrap());
+/// let binding = device.bind(Budget::unlimited()).unwrap();
+/// let x = binding.reserve(1 << 21).unwrap().commit().unwrap();
+/// let flags = x.view::<bool>(&ctx.default_stream()); // error: `bool` is not `Pod`
+/// ```
+///
 /// # Streams
 ///
 /// A view has one *home stream*, the one it is made for: the device's fences cover it from

@@ -14,6 +14,9 @@ struct PoolState<'b, 'id, B: Backend> {
     chunks: Vec<Option<Allocation<'b, 'id, B, Committed>>>,
     /// Indices of free pages; its capacity always covers every page of every chunk.
     free: Vec<u32>,
+    /// Pages given back while work may still use them (a backend that is not
+    /// [`IMMEDIATE`](Backend::IMMEDIATE)): free once their fence has completed.
+    cooling: Vec<(B::Fence, Vec<u32>)>,
 }
 
 /// Fixed-size pages sub-allocated in O(1) from committed chunks — the KV cache's hot path.
@@ -29,6 +32,12 @@ struct PoolState<'b, 'id, B: Backend> {
 /// for a [`PageTable`]. The page table is the zero-cost form: it holds its pool once for all
 /// its pages, and the pool at hand makes each push and clear the hand-written pool's code (see
 /// the README's benchmark). A `Page` token carries its pool, so it can return itself on drop.
+///
+/// **On a GPU, a freed page waits.** Where work may still use memory asynchronously (a
+/// backend that is not [`IMMEDIATE`](Backend::IMMEDIATE), such as CUDA), a page given back goes
+/// behind a fence covering every stream the device's fences cover, and is handed out again only
+/// once that work has finished ([`cooling_pages`](Self::cooling_pages) counts them meanwhile);
+/// on the host it is free at once, and the hot path is unchanged.
 ///
 /// **Metadata:** 4 bytes per free page (its index in the free list), nothing per live page in
 /// the pool, one [`Allocation`] per chunk. A [`Page`] token is a reference to its pool and a
@@ -155,6 +164,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
             state: UnsafeCell::new(PoolState {
                 chunks: Vec::new(),
                 free: Vec::new(),
+                cooling: Vec::new(),
             }),
         })
     }
@@ -182,8 +192,57 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
 
     #[cold]
     fn grow_and_alloc(&self) -> Result<Page<'_, 'pool, 'b, 'id, B>, PoolError> {
-        self.grow()?;
+        if !self.reclaim() {
+            self.grow()?;
+        }
         self.alloc()
+    }
+
+    fn backend(&self) -> &'b B {
+        self.binding.device().backend()
+    }
+
+    /// Frees the pages whose fence has completed; whether any page is free now.
+    #[cold]
+    fn reclaim(&self) -> bool {
+        if B::IMMEDIATE {
+            return false;
+        }
+        let cooling = self.with(|s| std::mem::take(&mut s.cooling));
+        let backend = self.backend();
+        let mut still = Vec::new();
+        for (fence, pages) in cooling {
+            if backend.fence_done(&fence) {
+                backend.retire_fence(fence);
+                self.with(|s| s.free.extend_from_slice(&pages));
+            } else {
+                still.push((fence, pages));
+            }
+        }
+        self.with(|s| {
+            s.cooling.extend(still);
+            !s.free.is_empty()
+        })
+    }
+
+    /// Gives pages back: at once where nothing can use them asynchronously, else behind a
+    /// fence recorded now (work on every stream the device's fences cover may still use them).
+    #[inline]
+    fn give_back(&self, pages: &[u32]) {
+        if B::IMMEDIATE {
+            self.with(|s| s.free.extend_from_slice(pages));
+        } else {
+            self.cool(pages.to_vec());
+        }
+    }
+
+    #[cold]
+    fn cool(&self, pages: Vec<u32>) {
+        if pages.is_empty() {
+            return;
+        }
+        let fence = self.backend().fence();
+        self.with(|s| s.cooling.push((fence, pages)));
     }
 
     /// Returns `page` to this pool — as dropping it does, without reading the pool back out of
@@ -192,7 +251,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     pub fn free(&self, page: Page<'_, 'pool, 'b, 'id, B>) {
         let index = page.index;
         std::mem::forget(page);
-        self.with(|s| s.free.push(index));
+        self.give_back(&[index]);
     }
 
     /// Takes a page and appends it to `table`; returns its position.
@@ -224,7 +283,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     /// Returns every page of `table` to this pool; the table can be reused.
     #[inline]
     pub fn clear(&self, table: &mut PageTable<'_, 'pool, 'b, 'id, B>) {
-        self.with(|s| s.free.extend_from_slice(&table.pages));
+        self.give_back(&table.pages);
         table.pages.clear();
     }
 
@@ -273,6 +332,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
 
     /// Releases every chunk whose pages are all free; returns how many were released.
     pub fn shrink(&self) -> usize {
+        self.reclaim();
         let per_chunk = 1usize << self.pages_per_chunk_shift;
         let shift = self.pages_per_chunk_shift;
         let idle: Vec<Allocation<'b, 'id, B, Committed>> = self.with(|s| {
@@ -303,9 +363,15 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         self.with(|s| s.free.len())
     }
 
+    /// Pages given back whose fence has not completed yet: work may still use them, so they
+    /// are handed out again only once it has (never on the host).
+    pub fn cooling_pages(&self) -> usize {
+        self.with(|s| s.cooling.iter().map(|(_, pages)| pages.len()).sum())
+    }
+
     /// Pages handed out and not yet returned.
     pub fn live_pages(&self) -> usize {
-        self.capacity() - self.free_pages()
+        self.capacity() - self.free_pages() - self.cooling_pages()
     }
 
     /// The page size in bytes.
@@ -464,8 +530,17 @@ impl<B: HostVisible> Page<'_, '_, '_, '_, B> {
 impl<B: Backend> Drop for Page<'_, '_, '_, '_, B> {
     #[inline]
     fn drop(&mut self) {
-        let index = self.index;
-        self.pool.with(|s| s.free.push(index));
+        self.pool.give_back(&[self.index]);
+    }
+}
+
+impl<B: Backend> Drop for PagePool<'_, '_, '_, B> {
+    fn drop(&mut self) {
+        // The chunks' own teardown fences cover the work that cooling pages waited for.
+        let backend = self.backend();
+        for (fence, _) in std::mem::take(&mut self.state.get_mut().cooling) {
+            backend.retire_fence(fence);
+        }
     }
 }
 

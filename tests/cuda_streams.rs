@@ -289,3 +289,48 @@ fn a_failed_copy_leaves_another_copys_range_busy() {
     }
     backend.free(src, G).unwrap();
 }
+
+/// A page given back while work on a covered stream may still use it is handed out again only
+/// once that work has finished: until then the pool hands out other pages (or grows).
+#[test]
+fn a_freed_page_is_not_reissued_under_running_work() {
+    use memtoken::PagePool;
+    let model = model(false);
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let stream = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.cover_stream(stream) };
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, G / 4).unwrap();
+    let page = pool.alloc().unwrap();
+    let index = page.index();
+    model.submit_work_on(stream); // a kernel on `stream` uses the page
+    pool.free(page);
+    assert_eq!(pool.cooling_pages(), 1);
+    let mut others = Vec::new();
+    for _ in 0..8 {
+        let p = pool.alloc().unwrap();
+        assert_ne!(p.index(), index, "handed out again under the kernel");
+        others.push(p);
+    }
+    let mut table = pool.table();
+    pool.push(&mut table).unwrap();
+    pool.clear(&mut table); // cools too
+    model.complete_work_on(stream);
+    drop(others);
+    let mut seen = Vec::new();
+    while pool.free_pages() + pool.cooling_pages() > 0 && seen.len() < 64 {
+        seen.push(pool.alloc().unwrap());
+    }
+    assert!(
+        seen.iter().any(|p| p.index() == index),
+        "the page comes back once the work has finished"
+    );
+    drop(seen);
+    drop(table);
+    drop(pool);
+    drop(binding);
+    assert!(device.close().is_clean());
+}

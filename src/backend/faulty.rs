@@ -129,6 +129,7 @@ impl<B: Backend> Faulty<B> {
 impl<B: Backend> Backend for Faulty<B> {
     type Phys = B::Phys;
     type Fence = B::Fence;
+    const IMMEDIATE: bool = B::IMMEDIATE;
 
     fn granularity(&self) -> usize {
         self.inner.granularity()

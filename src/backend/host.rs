@@ -186,6 +186,7 @@ impl HostBackend {
 impl Backend for HostBackend {
     type Phys = HostPhys;
     type Fence = ();
+    const IMMEDIATE: bool = true;
 
     fn granularity(&self) -> usize {
         self.config.granularity

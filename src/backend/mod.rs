@@ -319,6 +319,10 @@ pub trait Backend {
     type Phys: Copy + Eq + fmt::Debug;
     /// A fence marking the end of the work submitted so far (a CUDA event; `()` on the host).
     type Fence;
+    /// Whether nothing can use this backend's memory asynchronously, so every fence is done as
+    /// soon as it is recorded (the host). Lets a page pool hand a freed page out again at once;
+    /// elsewhere a freed page waits behind a fence.
+    const IMMEDIATE: bool = false;
 
     /// The allocation granularity in bytes: every address and length is a multiple of it.
     fn granularity(&self) -> usize;

@@ -16,8 +16,8 @@ mod common;
 
 use memtoken::backend::{Backend, HostBackend, HostConfig};
 use memtoken::{
-    Allocation, Budget, Committed, Device, DivergedMapping, PagePool, PageTable, Prefix,
-    PrefixMapping, Releasing, Returned, make_guard,
+    Allocation, Budget, Device, DivergedMapping, PagePool, PageTable, Prefix, PrefixMapping,
+    Releasing, Returned, make_guard,
 };
 use std::error::Error;
 use std::time::Instant;
@@ -32,12 +32,7 @@ const PAGE: usize = TOKENS_PER_PAGE * BYTES_PER_TOKEN;
 /// How the demo reads and writes K/V on a backend: host slices, or copies to a device.
 trait Kv<B: Backend> {
     fn name(&self) -> &'static str;
-    fn write_prompt(
-        &self,
-        a: &mut Allocation<'_, '_, B, Committed>,
-        at: usize,
-        kv: &[u8],
-    ) -> Result<()>;
+    fn write_prompt(&self, p: &mut Prefix<'_, '_, B>, at: usize, kv: &[u8]) -> Result<()>;
     fn write_boundary(
         &self,
         d: &mut DivergedMapping<'_, '_, B>,
@@ -74,11 +69,14 @@ impl Kv<HostBackend> for HostKv {
     }
     fn write_prompt(
         &self,
-        a: &mut Allocation<'_, '_, HostBackend, Committed>,
+        p: &mut Prefix<'_, '_, HostBackend>,
         at: usize,
         kv: &[u8],
     ) -> Result<()> {
-        a.as_mut_slice()[at..at + kv.len()].copy_from_slice(kv);
+        let bytes = p
+            .as_mut_slice()
+            .ok_or("the prompt is written before it is shared")?;
+        bytes[at..at + kv.len()].copy_from_slice(kv);
         Ok(())
     }
     fn write_boundary(
@@ -140,13 +138,9 @@ mod gpu {
         fn name(&self) -> &'static str {
             "CUDA device 0"
         }
-        fn write_prompt(
-            &self,
-            a: &mut Allocation<'_, '_, Gpu, Committed>,
-            at: usize,
-            kv: &[u8],
-        ) -> Result<()> {
-            Ok(a.copy_from_host(at, kv)?)
+        fn write_prompt(&self, p: &mut Prefix<'_, '_, Gpu>, at: usize, kv: &[u8]) -> Result<()> {
+            let copied = p.copy_from_host(at, kv);
+            Ok(copied.ok_or("the prompt is written before it is shared")??)
         }
         fn write_boundary(
             &self,
@@ -379,7 +373,7 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
     let prompt_bytes = args.prompt_tokens * BYTES_PER_TOKEN;
     let mut owner_alloc = system
         .reserve(prompt_bytes)?
-        .commit()
+        .commit_prefix()
         .map_err(|e| e.cause)?;
     for position in 0..args.prompt_tokens {
         kv.write_prompt(
@@ -389,7 +383,7 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
         )?;
     }
     let prompt_len = owner_alloc.len();
-    let mut owner: Option<Prefix<'_, '_, B>> = Some(owner_alloc.into_prefix());
+    let mut owner: Option<Prefix<'_, '_, B>> = Some(owner_alloc);
 
     // A tiny xorshift for reproducible sequence lengths (16 to 400 generated tokens).
     let mut state = args.seed.max(1);

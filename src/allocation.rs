@@ -245,6 +245,25 @@ impl<'b, 'id, B: Backend, S: State> Allocation<'b, 'id, B, S> {
 }
 
 impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
+    /// The checks and the charge before this reservation's memory is created: the context
+    /// lives, the length fits the physical capacity, and the budgets take it (charged to the
+    /// binding and the device when this returns `Ok`).
+    pub(crate) fn admit(&self) -> Result<(), CommitFailure> {
+        let (binding, len) = (self.core.binding, self.core.len);
+        let device = self.core.device();
+        device
+            .ensure_live(Op::Create, 0, len)
+            .map_err(CommitFailure::Backend)?;
+        let capacity = device.backend().physical_capacity();
+        if len as u64 > capacity {
+            return Err(CommitFailure::Capacity {
+                requested: len as u64,
+                capacity,
+            });
+        }
+        binding.charge(len)
+    }
+
     /// Creates physical memory, maps it read-write and charges it: the memory becomes usable.
     ///
     /// # Errors
@@ -260,18 +279,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         let device = core.device();
         let backend = device.backend();
         let refuse = |token, cause| Err(TransitionError { token, cause });
-        if let Err(e) = device.ensure_live(Op::Create, 0, len) {
-            return refuse(self, CommitFailure::Backend(e));
-        }
-        let capacity = backend.physical_capacity();
-        if len as u64 > capacity {
-            let cause = CommitFailure::Capacity {
-                requested: len as u64,
-                capacity,
-            };
-            return refuse(self, cause);
-        }
-        if let Err(cause) = binding.charge(len) {
+        if let Err(cause) = self.admit() {
             return refuse(self, cause);
         }
         let phys = match backend.create(len) {
@@ -281,7 +289,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                 return refuse(self, CommitFailure::Backend(e));
             }
         };
-        if let Err(error) = backend.map(core.addr, len, phys, 0, Access::ReadWrite) {
+        if let Err(error) = backend.map(core.addr, len, phys, Access::ReadWrite) {
             binding.refund(len);
             let cause = CommitFailure::undone(error, device.release_orphan(phys, len));
             return refuse(self, cause);

@@ -329,8 +329,12 @@ impl<'id, B: Backend> Device<'id, B> {
     /// Gives a reference back once its mapping is gone; the last one releases the memory. A
     /// failed release quarantines the memory, still charged as owned.
     pub(crate) fn unshare(&self, shared: SharedPhys<B::Phys>) {
-        if let Some((phys, len)) = self.shared.give_back(shared) {
-            let _ = self.release_orphan(phys, len); // a failure is quarantined
+        if let Some(split) = self.shared.give_back(shared) {
+            // Failures are quarantined.
+            if let Some((body, len)) = split.body {
+                let _ = self.release_orphan(body, len);
+            }
+            let _ = self.release_orphan(split.boundary.0, split.boundary.1);
         }
     }
 
@@ -395,8 +399,8 @@ impl<'id, B: Backend> Device<'id, B> {
     pub(crate) fn forget_residual(&self, r: Residual<B::Phys>) {
         let h = r.held;
         self.refund(Axis::Mapped, h.mapped);
-        if let Some((_, len)) = h.shared.and_then(|s| self.shared.give_back(s)) {
-            self.refund(Axis::Owned, len);
+        if let Some(split) = h.shared.and_then(|s| self.shared.give_back(s)) {
+            self.refund(Axis::Owned, split.len());
         }
         self.refund(Axis::Owned, h.phys.map_or(0, |(_, len)| len));
         if h.reserved {

@@ -97,6 +97,19 @@ pub enum CommitFailure {
         /// The failure of the rollback.
         rollback: ReleaseFailure,
     },
+    /// A backend call failed, and unmapping what was already mapped failed too (a prefix,
+    /// whose memory is mapped in two calls): the reservation, what is mapped in it and its
+    /// physical memory are quarantined.
+    #[error(
+        "a backend call failed, and unmapping the part already mapped failed too ({rollback}): that part, its physical memory and the reservation are quarantined"
+    )]
+    UnmapFailed {
+        /// The failure that stopped the transition.
+        #[source]
+        error: BackendError,
+        /// The failed unmap.
+        rollback: Box<BackendError>,
+    },
 }
 
 impl CommitFailure {

@@ -129,7 +129,7 @@
 //! let device = Device::new(guard, HostBackend::with_defaults()?);
 //! let (system, session) = (device.bind(Budget::unlimited())?, device.bind(Budget::bytes(4096))?);
 //!
-//! let mut prompt = system.reserve(8192)?.commit().map_err(|e| e.cause)?.into_prefix();
+//! let mut prompt = system.reserve(8192)?.commit_prefix().map_err(|e| e.cause)?;
 //! prompt.as_mut_slice().expect("not shared yet").fill(7);
 //! let seq = session.reserve(8192)?.map_prefix(&prompt).map_err(|e| e.to_string())?;
 //! assert_eq!(seq.as_slice()[0], 7); // the same physical page, mapped read-only
@@ -175,6 +175,7 @@ pub use page_pool::{Page, PagePool, PageTable};
 pub use quarantine::{QuarantineError, Quarantined};
 pub use residual::{Holdings, Residual};
 pub use sharing::{
-    CowError, Diverged, DivergedMapping, Owner, Prefix, PrefixMapping, ShareError, Sharer, Sharing,
+    CowError, Diverged, DivergedMapping, Owner, Prefix, PrefixError, PrefixMapping, ShareError,
+    Sharer, Sharing,
 };
 pub use state::{Committed, Live, Readable, Releasing, Reserved, State};

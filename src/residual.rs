@@ -5,6 +5,31 @@ use crate::ids::Generation;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// A shared prefix's physical memory, laid out for sharing when it is made: the body (all but
+/// the last granule, when there is more than one) in one allocation, and the boundary granule
+/// in an allocation of its own. Every mapping of it maps whole allocations from offset 0 (the
+/// only mapping the CUDA driver documents), and copy-on-write swaps the boundary's allocation
+/// for a private one without touching the body's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Split<P> {
+    /// The body's memory and length, when the prefix is longer than one granule.
+    pub(crate) body: Option<(P, usize)>,
+    /// The boundary granule's memory and length.
+    pub(crate) boundary: (P, usize),
+}
+
+impl<P> Split<P> {
+    /// The body's length: where the boundary granule starts.
+    pub(crate) fn body_len(&self) -> usize {
+        self.body.as_ref().map_or(0, |&(_, len)| len)
+    }
+
+    /// Bytes of physical memory in all.
+    pub(crate) fn len(&self) -> usize {
+        self.body_len() + self.boundary.1
+    }
+}
+
 /// A reference on physical memory that several tokens map (a shared prefix): the memory goes
 /// with the last reference. The count is the number of references alive, and it is touched only
 /// when a mapping is made or torn down, never on access.
@@ -12,12 +37,12 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// It has no `Drop`: the device gives each reference back (and releases the memory with the
 /// last one) when the mapping holding it is confirmed gone.
 #[derive(Debug)]
-pub struct SharedPhys<P>(Arc<(P, usize)>);
+pub struct SharedPhys<P>(Arc<Split<P>>);
 
 impl<P: Copy> SharedPhys<P> {
-    /// The first reference on `len` bytes of `phys`.
-    pub(crate) fn new(phys: P, len: usize) -> Self {
-        Self(Arc::new((phys, len)))
+    /// The first reference on `split`.
+    pub(crate) fn new(split: Split<P>) -> Self {
+        Self(Arc::new(split))
     }
 
     /// One more reference, for one more mapping.
@@ -25,9 +50,9 @@ impl<P: Copy> SharedPhys<P> {
         Self(Arc::clone(&self.0))
     }
 
-    /// The physical memory's handle.
-    pub(crate) fn phys(&self) -> P {
-        self.0.0
+    /// The physical memory's layout and handles.
+    pub(crate) fn split(&self) -> Split<P> {
+        *self.0
     }
 
     /// References alive now, this one included. Only a count: it orders nothing (see
@@ -44,7 +69,7 @@ impl<P: Copy> SharedPhys<P> {
     }
 
     /// Gives this reference back: the last one returns the memory, now owned by no mapping.
-    pub(crate) fn into_last(self) -> Option<(P, usize)> {
+    pub(crate) fn into_last(self) -> Option<Split<P>> {
         Arc::into_inner(self.0)
     }
 }
@@ -60,12 +85,12 @@ pub(crate) struct SharedTotals {
 }
 
 impl SharedTotals {
-    /// Shares `len` bytes of `phys` (already charged as owned): its first reference.
-    pub(crate) fn share<P: Copy>(&self, phys: P, len: usize) -> SharedPhys<P> {
+    /// Shares the memory of `split` (already charged as owned): its first reference.
+    pub(crate) fn share<P: Copy>(&self, split: Split<P>) -> SharedPhys<P> {
         self.count.fetch_add(1, Ordering::Relaxed);
-        self.bytes.fetch_add(len as u64, Ordering::Relaxed);
+        self.bytes.fetch_add(split.len() as u64, Ordering::Relaxed);
         self.refs.fetch_add(1, Ordering::Relaxed);
-        SharedPhys::new(phys, len)
+        SharedPhys::new(split)
     }
 
     /// One more reference on `shared`, for one more mapping.
@@ -75,12 +100,12 @@ impl SharedTotals {
     }
 
     /// Gives a reference back; the last one returns the memory, now owned by no mapping.
-    pub(crate) fn give_back<P: Copy>(&self, shared: SharedPhys<P>) -> Option<(P, usize)> {
+    pub(crate) fn give_back<P: Copy>(&self, shared: SharedPhys<P>) -> Option<Split<P>> {
         self.refs.fetch_sub(1, Ordering::Relaxed);
-        let (phys, len) = shared.into_last()?;
+        let split = shared.into_last()?;
         self.count.fetch_sub(1, Ordering::Relaxed);
-        self.bytes.fetch_sub(len as u64, Ordering::Relaxed);
-        Some((phys, len))
+        self.bytes.fetch_sub(split.len() as u64, Ordering::Relaxed);
+        Some(split)
     }
 
     /// The totals now: `count` allocations, their `owned_bytes`, `shared_refs` references.
@@ -264,7 +289,10 @@ mod tests {
 
     #[test]
     fn holdings_add_up_parts() {
-        let shared = SharedPhys::new(9u32, 4096);
+        let shared = SharedPhys::new(Split {
+            body: None,
+            boundary: (9u32, 4096),
+        });
         let mut h = Holdings::default();
         h.add(&residual(Held::committed(8192, 7)));
         h.add(&residual(Held {
@@ -287,17 +315,21 @@ mod tests {
     #[test]
     fn only_the_last_shared_reference_returns_the_memory() {
         let totals = SharedTotals::default();
-        let mut first = totals.share(5u32, 4096);
+        let split = Split {
+            body: Some((4u32, 8192)),
+            boundary: (5u32, 4096),
+        };
+        let mut first = totals.share(split);
         let second = totals.another(&first);
         assert_eq!((first.refs(), second.refs()), (2, 2));
         assert!(!first.is_unique());
-        assert_eq!(second.phys(), 5);
+        assert_eq!(second.split(), split);
         let h = totals.holdings();
-        assert_eq!((h.count, h.owned_bytes, h.shared_refs), (1, 4096, 2));
+        assert_eq!((h.count, h.owned_bytes, h.shared_refs), (1, 12288, 2));
         assert_eq!(totals.give_back(second), None);
         assert!(first.is_unique());
         assert_eq!(totals.holdings().shared_refs, 1);
-        assert_eq!(totals.give_back(first), Some((5, 4096)));
+        assert_eq!(totals.give_back(first), Some(split));
         assert_eq!(totals.holdings(), Holdings::default());
     }
 }

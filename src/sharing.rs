@@ -8,8 +8,8 @@ use crate::backend::{Access, Backend, HostVisible, Op};
 use crate::error::{CommitFailure, CowFailure, Returned, ShareFailure, TransitionError};
 use crate::ledger::Axis;
 use crate::quarantine::Quarantined;
-use crate::residual::{Held, SharedPhys};
-use crate::state::{Committed, Internal, Live, Readable, Reserved, Retired, State, sealed::Sealed};
+use crate::residual::{Held, SharedPhys, Split};
+use crate::state::{Internal, Live, Readable, Reserved, Retired, State, sealed::Sealed};
 use crate::token::host_slice_mut;
 
 /// A failed [`map_prefix`](Allocation::map_prefix): the same reservation, unchanged, or the
@@ -17,6 +17,13 @@ use crate::token::host_slice_mut;
 pub type ShareError<'b, 'id, B> = TransitionError<
     Returned<Allocation<'b, 'id, B, Reserved>, Quarantined<'b, 'id, B>>,
     ShareFailure,
+>;
+
+/// A failed [`commit_prefix`](Allocation::commit_prefix): the same reservation, unchanged, or
+/// the quarantined remains of a half-made prefix that could not be undone; and why.
+pub type PrefixError<'b, 'id, B> = TransitionError<
+    Returned<Allocation<'b, 'id, B, Reserved>, Quarantined<'b, 'id, B>>,
+    CommitFailure,
 >;
 
 /// A failed [`diverge`](Allocation::diverge): the same mapping, unchanged and still shared, or
@@ -47,8 +54,9 @@ pub type CowError<'b, 'id, B> =
 /// mapping stays valid. A sharer that must write inside the last, partially filled granule
 /// takes a private copy of that granule with [`PrefixMapping::diverge`].
 ///
-/// Made from a committed allocation by [`Allocation::into_prefix`], with no backend call. The
-/// owner's binding stays charged for the prefix's bytes while this handle lives; after that the
+/// Made from a reservation by [`Allocation::commit_prefix`], which lays its physical memory out
+/// for sharing (the boundary granule in an allocation of its own, so that every mapping maps
+/// whole allocations); the owner fills it before sharing it. The owner's binding stays charged for the prefix's bytes while this handle lives; after that the
 /// device holds them until the last mapping goes.
 ///
 /// A prefix of one device cannot be mapped into a reservation of another (each
@@ -63,7 +71,7 @@ pub type CowError<'b, 'id, B> =
 /// let a = Device::new(ga, SimBackend::default());
 /// let b = Device::new(gb, SimBackend::default());
 /// let (ba, bb) = (a.bind(Budget::unlimited()).unwrap(), b.bind(Budget::unlimited()).unwrap());
-/// let prefix = ba.reserve(1).unwrap().commit().unwrap().into_prefix();
+/// let prefix = ba.reserve(1).unwrap().commit_prefix().unwrap();
 /// let shared = bb.reserve(1).unwrap().map_prefix(&prefix);
 /// ```
 pub type Prefix<'b, 'id, B> = Allocation<'b, 'id, B, Owner>;
@@ -77,7 +85,7 @@ pub type Prefix<'b, 'id, B> = Allocation<'b, 'id, B, Owner>;
 /// # make_guard!(guard);
 /// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
 /// # let binding = device.bind(Budget::unlimited()).unwrap();
-/// let prefix = binding.reserve(4096).unwrap().commit().unwrap().into_prefix();
+/// let prefix = binding.reserve(4096).unwrap().commit_prefix().unwrap();
 /// let mut shared = binding.reserve(4096).unwrap().map_prefix(&prefix).unwrap();
 /// shared.as_mut_slice()[0] = 1;
 /// ```
@@ -90,7 +98,7 @@ pub type Prefix<'b, 'id, B> = Allocation<'b, 'id, B, Owner>;
 /// # make_guard!(guard);
 /// # let device = Device::new(guard, SimBackend::default());
 /// let owner = device.bind(Budget::unlimited()).unwrap();
-/// let prefix = owner.reserve(1).unwrap().commit().unwrap().into_prefix();
+/// let prefix = owner.reserve(1).unwrap().commit_prefix().unwrap();
 /// let sharer = device.bind(Budget::unlimited()).unwrap();
 /// let shared = sharer.reserve(1).unwrap().map_prefix(&prefix).unwrap();
 /// drop(sharer);
@@ -106,7 +114,7 @@ pub type Prefix<'b, 'id, B> = Allocation<'b, 'id, B, Owner>;
 /// let device = Device::new(guard, SimBackend::default());
 /// // Leaked, so that only the mapping keeps the device borrowed.
 /// let binding: &_ = Box::leak(Box::new(device.bind(Budget::unlimited()).unwrap()));
-/// let prefix = binding.reserve(1).unwrap().commit().unwrap().into_prefix();
+/// let prefix = binding.reserve(1).unwrap().commit_prefix().unwrap();
 /// let shared = binding.reserve(1).unwrap().map_prefix(&prefix).unwrap();
 /// drop(prefix);
 /// drop(device);
@@ -232,22 +240,111 @@ impl<B: Backend, S: Sharing> Allocation<'_, '_, B, S> {
     }
 }
 
-impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
-    /// Turns this allocation into a shared prefix: its mapping stays read-write for the owner,
-    /// and sharers may now map its physical memory read-only. No backend call.
-    pub fn into_prefix(self) -> Prefix<'b, 'id, B> {
-        let (core, phys) = self.into_core();
-        let shared = core.device().shared().share(phys, core.len);
-        Allocation::from_core(core, shared)
-    }
-}
-
 impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
+    /// Commits this reservation as a shared prefix: creates its physical memory, maps it
+    /// read-write for the owner and charges it, as [`commit`](Allocation::commit) does; sharers
+    /// may then map it read-only ([`map_prefix`](Allocation::map_prefix)).
+    ///
+    /// The memory is laid out for sharing: a prefix longer than one granule keeps its last
+    /// (boundary) granule in a physical allocation of its own, apart from the body. Every
+    /// mapping of the prefix then maps whole allocations from offset 0 — the only mapping the
+    /// CUDA driver documents — and a sharer's copy-on-write ([`diverge`](Allocation::diverge))
+    /// swaps one whole allocation for another. (So a prefix of `n > 1` granules costs two
+    /// create, map and release calls where a plain commit costs one.)
+    ///
+    /// # Errors
+    ///
+    /// [`PrefixError`]: the same reservation, unchanged, when the budget or the capacity
+    /// refuses or a backend call fails (everything undone; a release that fails while undoing
+    /// is quarantined, as for `commit`); or, when unmapping the half-made mapping fails too,
+    /// its quarantined remains (reservation, mapping and memory together).
+    #[must_use = "a failed commit returns the reservation inside the error"]
+    pub fn commit_prefix(self) -> Result<Prefix<'b, 'id, B>, PrefixError<'b, 'id, B>> {
+        let refuse = |token, cause| {
+            Err(TransitionError {
+                token: Returned::Unchanged(token),
+                cause,
+            })
+        };
+        if let Err(cause) = self.admit() {
+            return refuse(self, cause);
+        }
+        let core = self.core();
+        let (binding, addr, len) = (core.binding, core.addr, core.len);
+        let device = core.device();
+        let backend = device.backend();
+        let body = len - device.granularity();
+        let g = len - body;
+        // Releases what was created (a failure is quarantined) after a failure at `error`.
+        let undo = |error, created: [Option<(B::Phys, usize)>; 2]| {
+            let n = created.iter().flatten().map(|&(_, n)| n).sum();
+            binding.uncharge(len - n);
+            binding.refund(n);
+            let released = created.map(|c| c.map_or(Ok(()), |(p, n)| device.release_orphan(p, n)));
+            CommitFailure::undone(error, released.into_iter().collect())
+        };
+        let body_phys = if body > 0 {
+            match backend.create(body) {
+                Ok(p) => Some((p, body)),
+                Err(e) => return refuse(self, undo(e, [None, None])),
+            }
+        } else {
+            None
+        };
+        let boundary = match backend.create(g) {
+            Ok(p) => p,
+            Err(e) => return refuse(self, undo(e, [body_phys, None])),
+        };
+        let created = [body_phys, Some((boundary, g))];
+        if let Some((p, n)) = body_phys {
+            if let Err(e) = backend.map(addr, n, p, Access::ReadWrite) {
+                return refuse(self, undo(e, created));
+            }
+            device.charge(Axis::Mapped, n);
+        }
+        if let Err(error) = backend.map(addr + body, g, boundary, Access::ReadWrite) {
+            if let Some((p, n)) = body_phys {
+                if let Err(rollback) = backend.unmap(addr, n) {
+                    // The body stays mapped: it, its memory and the VA are quarantined together,
+                    // still charged; the boundary's memory goes back.
+                    binding.refund(g);
+                    let _ = device.release_orphan(boundary, g); // a failure is quarantined
+                    let (core, ()) = self.into_core();
+                    let held = Held {
+                        phys: Some((p, n)),
+                        ..Held::mapped(n)
+                    };
+                    return Err(TransitionError {
+                        token: Returned::Quarantined(Quarantined::new(
+                            binding,
+                            core.residual(held),
+                        )),
+                        cause: CommitFailure::UnmapFailed {
+                            error,
+                            rollback: Box::new(rollback),
+                        },
+                    });
+                }
+                device.refund(Axis::Mapped, n);
+            }
+            return refuse(self, undo(error, created));
+        }
+        device.charge(Axis::Mapped, g);
+        let split = Split {
+            body: body_phys,
+            boundary: (boundary, g),
+        };
+        let (core, ()) = self.into_core();
+        let shared = device.shared().share(split);
+        Ok(Allocation::from_core(core, shared))
+    }
+
     /// Maps `prefix` read-only into this reservation, which must be exactly as long. The sharer
     /// owns no physical bytes: nothing is charged to its budget; its mapped bytes are charged.
     ///
-    /// The body and the last granule are mapped separately, so that the last one can later be
-    /// replaced by a private copy ([`diverge`](Allocation::diverge)).
+    /// The body and the boundary granule are two physical allocations, each mapped whole, so
+    /// that the boundary can later be replaced by a private copy
+    /// ([`diverge`](Allocation::diverge)).
     ///
     /// # Errors
     ///
@@ -280,16 +377,17 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
             return refuse(self, ShareFailure::Backend(e));
         }
         let shared = device.shared().another(prefix.parts());
-        let phys = shared.phys();
-        let body = len - device.granularity();
-        if body > 0 {
-            if let Err(e) = backend.map(addr, body, phys, 0, Access::ReadOnly) {
+        let split = shared.split();
+        let body = split.body_len();
+        if let Some((phys, n)) = split.body {
+            if let Err(e) = backend.map(addr, n, phys, Access::ReadOnly) {
                 device.unshare(shared);
                 return refuse(self, ShareFailure::Backend(e));
             }
-            device.charge(Axis::Mapped, body);
+            device.charge(Axis::Mapped, n);
         }
-        if let Err(error) = backend.map(addr + body, len - body, phys, body, Access::ReadOnly) {
+        let (boundary, g) = split.boundary;
+        if let Err(error) = backend.map(addr + body, g, boundary, Access::ReadOnly) {
             if body > 0 {
                 if let Err(rollback) = backend.unmap(addr, body) {
                     // The half-made mapping stays, with its reference, in a quarantined token.
@@ -407,7 +505,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
             Ok(p) => p,
             Err(e) => return refuse(self, undo(e, None)),
         };
-        if let Err(e) = backend.copy_into_phys(private, 0, boundary, g) {
+        if let Err(e) = backend.copy_into_phys(private, boundary, g) {
             return refuse(self, undo(e, Some(private)));
         }
         if let Err(e) = backend.unmap(boundary, g) {
@@ -416,9 +514,9 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
             return quarantine(self, core.len, CowFailure::Unmap(e), private);
         }
         device.refund(Axis::Mapped, g);
-        if let Err(error) = backend.map(boundary, g, private, 0, Access::ReadWrite) {
-            let shared = self.parts().phys();
-            return match backend.map(boundary, g, shared, core.len - g, Access::ReadOnly) {
+        if let Err(error) = backend.map(boundary, g, private, Access::ReadWrite) {
+            let (shared, _) = self.parts().split().boundary;
+            return match backend.map(boundary, g, shared, Access::ReadOnly) {
                 Ok(()) => {
                     device.charge(Axis::Mapped, g);
                     refuse(self, undo(error, Some(private)))

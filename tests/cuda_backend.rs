@@ -155,7 +155,7 @@ fn no_driver_call_follows_device_loss() {
     let binding = device.bind(Budget::unlimited()).unwrap();
     let committed = binding.reserve(G).unwrap().commit().unwrap();
     let reserved = binding.reserve(G).unwrap();
-    let prefix = binding.reserve(G).unwrap().commit().unwrap().into_prefix();
+    let prefix = binding.reserve(G).unwrap().commit_prefix().unwrap();
     let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
     model.submit_work();
     let in_flight = binding.reserve(G).unwrap().commit().unwrap();
@@ -207,9 +207,9 @@ fn sharing_copy_on_write_and_pages_carry_data_on_the_device() {
     make_guard!(guard);
     let device = Device::new(guard, backend(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let mut owner = binding.reserve(2 * G).unwrap().commit().unwrap();
-    owner.copy_from_host(0, &vec![7; 2 * G]).unwrap();
-    let prefix = owner.into_prefix();
+    let mut prefix = binding.reserve(2 * G).unwrap().commit_prefix().unwrap();
+    let filled = prefix.copy_from_host(0, &vec![7; 2 * G]);
+    filled.expect("no sharer yet").unwrap();
     let a = binding.reserve(2 * G).unwrap().map_prefix(&prefix).unwrap();
     let b = binding.reserve(2 * G).unwrap().map_prefix(&prefix).unwrap();
     let mut seen = vec![0; 16];
@@ -348,14 +348,13 @@ fn workload<'b, 'id>(
     let Ok(reserved) = binding.reserve(2 * G) else {
         return;
     };
-    let committed = match reserved.commit() {
-        Ok(c) => c,
+    let prefix = match reserved.commit_prefix() {
+        Ok(p) => p,
         Err(e) => {
             drop(e.into_token());
             return;
         }
     };
-    let prefix = committed.into_prefix();
     if let Ok(r) = binding.reserve(2 * G) {
         match r.map_prefix(&prefix).map_err(TransitionError::into_token) {
             Ok(shared) => match shared.diverge().map_err(TransitionError::into_token) {
@@ -455,7 +454,7 @@ fn a_sticky_error_while_dropping_the_backend_stops_its_cleanup() {
         let phys = backend.create(G).unwrap();
         model.fail_nth(DriverCall::MemSetAccess, 1, CuError::INVALID_VALUE);
         model.fail_nth(DriverCall::MemUnmap, 1, CuError::INVALID_VALUE);
-        assert!(backend.map(addr, G, phys, 0, Access::ReadWrite).is_err());
+        assert!(backend.map(addr, G, phys, Access::ReadWrite).is_err());
         let _event = backend.fence();
         model.fail_nth(DriverCall::MemUnmap, 1, CuError::ILLEGAL_ADDRESS);
     }
@@ -554,7 +553,7 @@ fn a_handle_value_reissued_while_its_old_memory_is_mapped_is_a_new_allocation() 
     let backend = backend(&model);
     let old_addr = backend.reserve(G).unwrap();
     let old = backend.create(G).unwrap();
-    backend.map(old_addr, G, old, 0, Access::ReadWrite).unwrap();
+    backend.map(old_addr, G, old, Access::ReadWrite).unwrap();
     backend.copy_from_host(old_addr, &[1; 16]).unwrap();
     backend.release(old, G).unwrap(); // legal while mapped: the memory goes with the unmap
     let new = backend.create(G).unwrap();
@@ -565,7 +564,7 @@ fn a_handle_value_reissued_while_its_old_memory_is_mapped_is_a_new_allocation() 
     );
     assert_ne!(new, old, "but the backend tells the allocations apart");
     let new_addr = backend.reserve(G).unwrap();
-    backend.map(new_addr, G, new, 0, Access::ReadWrite).unwrap();
+    backend.map(new_addr, G, new, Access::ReadWrite).unwrap();
     backend.copy_from_host(new_addr, &[2; 16]).unwrap();
     assert_eq!(model.outstanding().physical_bytes, 2 * G);
 
@@ -573,7 +572,7 @@ fn a_handle_value_reissued_while_its_old_memory_is_mapped_is_a_new_allocation() 
     let releases = model.count(DriverCall::MemRelease);
     assert!(backend.release(old, G).is_err());
     let spare = backend.reserve(G).unwrap();
-    assert!(backend.map(spare, G, old, 0, Access::ReadWrite).is_err());
+    assert!(backend.map(spare, G, old, Access::ReadWrite).is_err());
     assert_eq!(model.count(DriverCall::MemRelease), releases);
     assert_eq!(model.count(DriverCall::MemMap), 2);
 
@@ -591,8 +590,8 @@ fn a_handle_value_reissued_while_its_old_memory_is_mapped_is_a_new_allocation() 
     assert_eq!(seen, [2; 16]);
     // Copy-on-write from the new memory into a third allocation reads the new bytes.
     let third = backend.create(G).unwrap();
-    backend.copy_into_phys(third, 0, new_addr, G).unwrap();
-    backend.map(spare, G, third, 0, Access::ReadOnly).unwrap();
+    backend.copy_into_phys(third, new_addr, G).unwrap();
+    backend.map(spare, G, third, Access::ReadOnly).unwrap();
     backend.copy_to_host(&mut seen, spare).unwrap();
     assert_eq!(seen, [2; 16]);
 

@@ -116,7 +116,7 @@ fn a_copy_that_waits_for_the_gpu_holds_no_lock() {
     make_guard!(guard);
     let device = Device::new(guard, backend(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let prefix = binding.reserve(G).unwrap().commit().unwrap().into_prefix();
+    let prefix = binding.reserve(G).unwrap().commit_prefix().unwrap();
     let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
     let other = binding.reserve(G).unwrap();
     // The model runs the copy as work on the legacy stream, completed only when told.
@@ -165,7 +165,7 @@ fn a_device_dropped_while_its_context_lives_frees_everything() {
         let device = Device::new(guard, backend(&model));
         let binding = device.bind(Budget::unlimited()).unwrap();
         let a = binding.reserve(G).unwrap().commit().unwrap();
-        let prefix = binding.reserve(G).unwrap().commit().unwrap().into_prefix();
+        let prefix = binding.reserve(G).unwrap().commit_prefix().unwrap();
         let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
         model.submit_work(); // a kernel still uses them
         drop((a, shared, prefix));
@@ -210,7 +210,7 @@ fn a_failed_wait_falls_back_to_the_whole_context() {
     make_guard!(guard);
     let device = Device::new(guard, backend(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let prefix = binding.reserve(G).unwrap().commit().unwrap().into_prefix();
+    let prefix = binding.reserve(G).unwrap().commit_prefix().unwrap();
     let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
     model.fail_nth(DriverCall::EventSynchronize, 1, CuError::UNKNOWN);
     let diverged = shared.diverge().map_err(|e| e.to_string()).unwrap();
@@ -236,7 +236,7 @@ fn copy_on_write_waits_for_work_reading_the_mapping() {
     // SAFETY: a stream of the model's only context, live as long as the model.
     unsafe { device.cover_stream(stream) };
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let prefix = binding.reserve(G).unwrap().commit().unwrap().into_prefix();
+    let prefix = binding.reserve(G).unwrap().commit_prefix().unwrap();
     let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
     model.submit_work_on(stream); // a kernel reads `shared`
     let unmaps = model.count(DriverCall::MemUnmap);
@@ -265,11 +265,11 @@ fn a_failed_copy_leaves_another_copys_range_busy() {
     let backend = backend(&model);
     let src = backend.reserve(G).unwrap();
     let phys = backend.create(G).unwrap();
-    backend.map(src, G, phys, 0, Access::ReadWrite).unwrap();
+    backend.map(src, G, phys, Access::ReadWrite).unwrap();
     let (first, second) = (backend.create(G).unwrap(), backend.create(G).unwrap());
     model.submit_work(); // the first copy waits behind this
     std::thread::scope(|scope| {
-        let copier = scope.spawn(|| backend.copy_into_phys(first, 0, src, G));
+        let copier = scope.spawn(|| backend.copy_into_phys(first, src, G));
         for _ in 0..10_000 {
             if model.count(DriverCall::EventSynchronize) > 0 {
                 break;
@@ -277,7 +277,7 @@ fn a_failed_copy_leaves_another_copys_range_busy() {
             std::thread::sleep(Duration::from_millis(1));
         }
         model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
-        assert!(backend.copy_into_phys(second, 0, src, G).is_err());
+        assert!(backend.copy_into_phys(second, src, G).is_err());
         let refused = backend.unmap(src, G);
         model.complete_work();
         assert!(refused.is_err(), "unmapped under the first copy");

@@ -219,9 +219,9 @@ fn gpu_shared_prefix_and_copy_on_write() {
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
-    let mut owner = binding.reserve(2 * g).unwrap().commit().unwrap();
-    owner.copy_from_host(0, &vec![7; 2 * g]).unwrap();
-    let prefix = owner.into_prefix();
+    let mut prefix = binding.reserve(2 * g).unwrap().commit_prefix().unwrap();
+    let filled = prefix.copy_from_host(0, &vec![7; 2 * g]);
+    filled.expect("no sharer yet").unwrap();
     let a = binding.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();
     let b = binding.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();
     assert_eq!(
@@ -440,13 +440,9 @@ fn gpu_memcpy_and_launch_through_typed_views() {
     drop(table);
     drop(page);
 
-    let mut owner = binding.reserve(2 * g).unwrap().commit().unwrap();
-    stream
-        .memset_zeros(&mut owner.view_mut::<u8>(&stream).unwrap())
-        .unwrap();
-    // Copy-on-write copies on the legacy stream, which does not wait for `stream`.
-    stream.synchronize().unwrap();
-    let prefix = owner.into_prefix();
+    let mut prefix = binding.reserve(2 * g).unwrap().commit_prefix().unwrap();
+    let zeroed = prefix.copy_from_host(0, &vec![0; 2 * g]);
+    zeroed.expect("no sharer yet").unwrap();
     let shared = binding.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();
     let mut diverged = shared.diverge().unwrap();
     stream

@@ -33,8 +33,8 @@ enum Step {
     Poll,
     CompleteFences,
     Fault(Op, u64),
-    /// Committed → a shared prefix.
-    Promote(usize),
+    /// Reserved → a shared prefix (`commit_prefix`).
+    CommitPrefix(usize),
     /// Prefix → a new sharer's read-only mapping.
     Share(usize),
     /// Sharer → copy-on-write of its boundary granule.
@@ -64,7 +64,7 @@ fn step() -> impl Strategy<Value = Step> {
         1 => Just(Step::Poll),
         1 => Just(Step::CompleteFences),
         2 => (op, 1u64..4).prop_map(|(op, n)| Step::Fault(op, n)),
-        2 => any::<usize>().prop_map(Step::Promote),
+        2 => any::<usize>().prop_map(Step::CommitPrefix),
         3 => any::<usize>().prop_map(Step::Share),
         2 => any::<usize>().prop_map(Step::Diverge),
         2 => (any::<usize>(), 1u64..4).prop_map(|(c, n)| Step::DriverFault(c, n)),
@@ -224,13 +224,22 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                     *fill = byte;
                 }
             }
-            Step::Promote(i) => {
+            Step::CommitPrefix(i) => {
                 let Some(i) = pick(i) else { return };
-                if let Token::Committed(..) = self.tokens[i] {
-                    let Token::Committed(a, fill) = self.tokens.swap_remove(i) else {
+                if let Token::Reserved(_) = self.tokens[i] {
+                    let Token::Reserved(t) = self.tokens.swap_remove(i) else {
                         unreachable!()
                     };
-                    self.tokens.push(Token::Prefix(a.into_prefix(), fill));
+                    let generation = t.generation();
+                    let next = match t.commit_prefix().map_err(|e| e.into_token()) {
+                        Ok(p) => Token::Prefix(p, 0),
+                        Err(Returned::Unchanged(t)) => {
+                            assert_eq!(t.generation(), generation, "the same token comes back");
+                            Token::Reserved(t)
+                        }
+                        Err(Returned::Quarantined(q)) => Token::Quarantined(q),
+                    };
+                    self.tokens.push(next);
                 }
             }
             Step::Share(i) => {

@@ -40,12 +40,7 @@ fn sharers_alias_the_owners_physical_pages_read_only() {
     let owner = device.bind(Budget::unlimited()).unwrap();
     let sharer = device.bind(Budget::bytes(0)).unwrap(); // sharing costs no owned bytes
 
-    let mut prefix = owner
-        .reserve(3 * PAGE)
-        .unwrap()
-        .commit()
-        .unwrap()
-        .into_prefix();
+    let mut prefix = owner.reserve(3 * PAGE).unwrap().commit_prefix().unwrap();
     let prompt: Vec<u8> = (0..3 * PAGE).map(|i| (i % 251) as u8).collect();
     prefix
         .as_mut_slice()
@@ -120,12 +115,7 @@ fn shared_memory_lives_as_long_as_its_last_mapping_and_is_released_once() {
     let device = Device::new(guard, Faulty::new(sim.clone()));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
-    let prefix = binding
-        .reserve(2 * g)
-        .unwrap()
-        .commit()
-        .unwrap()
-        .into_prefix();
+    let prefix = binding.reserve(2 * g).unwrap().commit_prefix().unwrap();
     let a = binding.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();
     let b = binding.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();
     let releases = || sim.calls().iter().filter(|c| c.op == Op::Release).count();
@@ -148,9 +138,10 @@ fn shared_memory_lives_as_long_as_its_last_mapping_and_is_released_once() {
     assert_eq!((releases(), sim.physical_in_use()), (0, 2 * g as u64));
     b.release().complete().unwrap();
     assert_eq!(
-        releases(),
-        1,
-        "released exactly once, with the last mapping"
+        (releases(), sim.physical_in_use()),
+        (2, 0),
+        "its two allocations (body and boundary granule) released exactly once each, with the \
+         last mapping"
     );
     assert!(device.ledger().is_zero());
     assert_eq!(device.custody().shared.count, 0);
@@ -167,12 +158,7 @@ fn dropping_a_sequence_unmaps_its_prefix_before_the_binding_unpins() {
     let device = Device::new(guard, sim.clone());
     let g = device.granularity();
     let system = device.bind(Budget::unlimited()).unwrap();
-    let prompt = system
-        .reserve(2 * g)
-        .unwrap()
-        .commit()
-        .unwrap()
-        .into_prefix();
+    let prompt = system.reserve(2 * g).unwrap().commit_prefix().unwrap();
     {
         let session = device.bind(Budget::unlimited()).unwrap();
         let seqs: Vec<Sequence> = (0..3)
@@ -215,12 +201,7 @@ fn copy_on_write_gives_one_sharer_a_private_boundary_granule() {
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let mut prefix = binding
-        .reserve(2 * PAGE)
-        .unwrap()
-        .commit()
-        .unwrap()
-        .into_prefix();
+    let mut prefix = binding.reserve(2 * PAGE).unwrap().commit_prefix().unwrap();
     prefix.as_mut_slice().unwrap().fill(7);
     let a = binding
         .reserve(2 * PAGE)
@@ -289,7 +270,7 @@ fn a_sharers_failed_unmap_quarantines_that_sharers_range_only() {
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
-    let prefix = binding.reserve(g).unwrap().commit().unwrap().into_prefix();
+    let prefix = binding.reserve(g).unwrap().commit_prefix().unwrap();
     let a = binding.reserve(g).unwrap().map_prefix(&prefix).unwrap();
     let b = binding.reserve(g).unwrap().map_prefix(&prefix).unwrap();
     let a_addr = a.addr();
@@ -331,12 +312,7 @@ fn a_refused_share_returns_the_reservation_unchanged() {
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
-    let prefix = binding
-        .reserve(2 * g)
-        .unwrap()
-        .commit()
-        .unwrap()
-        .into_prefix();
+    let prefix = binding.reserve(2 * g).unwrap().commit_prefix().unwrap();
 
     let Err(TransitionError {
         token: Returned::Unchanged(token),
@@ -396,12 +372,7 @@ fn a_refused_copy_on_write_leaves_the_mapping_shared_and_nothing_charged() {
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let mut prefix = binding
-        .reserve(2 * PAGE)
-        .unwrap()
-        .commit()
-        .unwrap()
-        .into_prefix();
+    let mut prefix = binding.reserve(2 * PAGE).unwrap().commit_prefix().unwrap();
     prefix.as_mut_slice().unwrap().fill(5);
     let mut shared = binding
         .reserve(2 * PAGE)
@@ -493,7 +464,7 @@ fn a_copy_on_write_past_the_budget_is_refused_with_numbers() {
     let g = device.granularity();
     let owner = device.bind(Budget::unlimited()).unwrap();
     let sharer = device.bind(Budget::bytes(0)).unwrap();
-    let prefix = owner.reserve(g).unwrap().commit().unwrap().into_prefix();
+    let prefix = owner.reserve(g).unwrap().commit_prefix().unwrap();
     let shared = sharer.reserve(g).unwrap().map_prefix(&prefix).unwrap();
     let Err(TransitionError {
         token: Returned::Unchanged(_),
@@ -525,12 +496,7 @@ fn the_device_budget_still_counts_a_prefix_whose_owner_has_gone() {
     let g = device.granularity();
     let owner = device.bind(Budget::bytes(2 * g as u64)).unwrap();
     let sharer = device.bind(Budget::bytes(0)).unwrap();
-    let prefix = owner
-        .reserve(2 * g)
-        .unwrap()
-        .commit()
-        .unwrap()
-        .into_prefix();
+    let prefix = owner.reserve(2 * g).unwrap().commit_prefix().unwrap();
     let shared = sharer.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();
     drop(prefix);
     assert_eq!(
@@ -557,4 +523,102 @@ fn the_device_budget_still_counts_a_prefix_whose_owner_has_gone() {
     assert_eq!(owner.used(), 0, "a refused commit charges nothing");
     drop(shared);
     owner.reserve(2 * g).unwrap().commit().unwrap();
+}
+
+#[test]
+fn a_prefix_keeps_its_boundary_granule_in_an_allocation_of_its_own() {
+    make_guard!(guard);
+    let sim = SimBackend::default();
+    let device = Device::new(guard, sim.clone());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let creates = || {
+        let calls = sim.calls();
+        let lens = calls.iter().filter(|c| c.op == Op::Create).map(|c| c.len);
+        lens.collect::<Vec<_>>()
+    };
+    let prefix = binding.reserve(3 * g).unwrap().commit_prefix().unwrap();
+    assert_eq!(creates(), [2 * g, g], "the body, then the boundary granule");
+    let one = binding.reserve(g).unwrap().commit_prefix().unwrap();
+    assert_eq!(creates(), [2 * g, g, g], "one granule: one allocation");
+    // Every map of a prefix, the owner's and a sharer's, is a whole allocation: the strict
+    // simulator refuses (panics on) anything else.
+    let shared = binding.reserve(3 * g).unwrap().map_prefix(&prefix).unwrap();
+    let maps = sim.calls().iter().filter(|c| c.op == Op::Map).count();
+    assert_eq!(maps, 2 + 1 + 2);
+    let diverged = shared.diverge().unwrap();
+    drop((diverged, one, prefix));
+    drop(binding);
+    assert!(device.ledger().is_zero());
+    assert_eq!(sim.physical_in_use(), 0);
+}
+
+#[test]
+fn a_prefix_whose_boundary_cannot_be_created_or_mapped_comes_back_unchanged() {
+    make_guard!(guard);
+    let backend = Faulty::new(SimBackend::default());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let mut reserved = binding.reserve(2 * g).unwrap();
+    let addr = reserved.addr();
+    // The boundary's create fails (the body's succeeded), then its map (the body's succeeded).
+    for (op, nth) in [(Op::Create, 2), (Op::Map, 2)] {
+        faults.fail_nth(op, nth);
+        let Err(e) = reserved.commit_prefix() else {
+            panic!("{op:?} #{nth} was failed on purpose");
+        };
+        assert!(matches!(e.cause, CommitFailure::Backend(ref b) if b.op == op));
+        let Returned::Unchanged(back) = e.into_token() else {
+            panic!("everything could be undone");
+        };
+        assert_eq!(back.addr(), addr);
+        assert_eq!(binding.used(), 0, "nothing charged");
+        let ledger = device.ledger();
+        assert_eq!((ledger.owned_bytes, ledger.mapped_bytes), (0, 0));
+        let o = faults.outstanding();
+        assert_eq!((o.physical, o.mappings), (0, 0), "the body is gone again");
+        reserved = back;
+        faults.clear();
+    }
+    let prefix = reserved.commit_prefix().unwrap();
+    drop(prefix);
+    drop(binding);
+    assert!(faults.outstanding().is_zero());
+}
+
+#[test]
+fn a_half_made_prefix_that_cannot_be_unmapped_is_quarantined_whole_and_a_retry_frees_it() {
+    make_guard!(guard);
+    let backend = Faulty::new(SimBackend::default());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let reserved = binding.reserve(3 * g).unwrap();
+    let addr = reserved.addr();
+    faults.fail_nth(Op::Map, 2);
+    faults.fail_nth(Op::Unmap, 1);
+    let Err(e) = reserved.commit_prefix() else {
+        panic!("the boundary's map was failed on purpose");
+    };
+    assert!(matches!(e.cause, CommitFailure::UnmapFailed { .. }));
+    assert_no_cause_repeated(&e);
+    assert!(messages(&e).iter().any(|m| m.contains("quarantined")));
+    let Returned::Quarantined(q) = e.into_token() else {
+        panic!("the body could not be unmapped");
+    };
+    let r = q.residual();
+    assert_eq!(r.range(), (addr, 3 * g));
+    assert!(r.holds_va());
+    assert_eq!((r.mapped_bytes(), r.owned_bytes()), (2 * g, 2 * g));
+    assert_eq!(binding.used(), 2 * g as u64, "the body stays charged");
+    let o = faults.outstanding();
+    assert_eq!(o.physical, 1, "the boundary's memory went back");
+    q.retry().unwrap();
+    assert_eq!(binding.used(), 0);
+    assert!(device.ledger().is_zero());
+    drop(binding);
+    assert!(faults.outstanding().is_zero());
 }

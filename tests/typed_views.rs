@@ -50,9 +50,9 @@ fn the_readable_prefix_states_lend_typed_views_of_the_shared_bytes() {
     let device = Device::new(guard, HostBackend::with_defaults().unwrap());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
-    let mut owner = binding.reserve(2 * g).unwrap().commit().unwrap();
-    owner.as_mut_slice_of::<u32>().unwrap().fill(0xabcd);
-    let prefix = owner.into_prefix();
+    let mut prefix = binding.reserve(2 * g).unwrap().commit_prefix().unwrap();
+    let words = bytemuck::cast_slice_mut::<u8, u32>(prefix.as_mut_slice().unwrap());
+    words.fill(0xabcd);
     assert_eq!(prefix.as_slice_of::<u32>().unwrap().len(), 2 * g / 4);
     let sharer = binding.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();
     assert!(

@@ -7,7 +7,7 @@ fn main() {
     let device = Device::new(guard, SimBackend::default());
     // Leaked, so that only the mapping keeps the device borrowed.
     let binding: &_ = Box::leak(Box::new(device.bind(Budget::unlimited()).unwrap()));
-    let prefix = binding.reserve(1).unwrap().commit().unwrap().into_prefix();
+    let prefix = binding.reserve(1).unwrap().commit_prefix().unwrap();
     let shared = binding.reserve(1).unwrap().map_prefix(&prefix).unwrap();
     drop(prefix);
     drop(device);

@@ -7,7 +7,7 @@ fn main() {
     make_guard!(guard);
     let device = Device::new(guard, SimBackend::default());
     let owner = device.bind(Budget::unlimited()).unwrap();
-    let prefix = owner.reserve(1).unwrap().commit().unwrap().into_prefix();
+    let prefix = owner.reserve(1).unwrap().commit_prefix().unwrap();
     drop(owner);
     drop(prefix);
 }

@@ -9,6 +9,6 @@ fn main() {
     let device_b = Device::new(guard_b, SimBackend::default());
     let binding_a = device_a.bind(Budget::unlimited()).unwrap();
     let binding_b = device_b.bind(Budget::unlimited()).unwrap();
-    let prefix = binding_a.reserve(1).unwrap().commit().unwrap().into_prefix();
+    let prefix = binding_a.reserve(1).unwrap().commit_prefix().unwrap();
     let _ = binding_b.reserve(1).unwrap().map_prefix(&prefix);
 }

@@ -18,7 +18,7 @@ pub fn once_raw<B: Backend>(raw: &B, len: usize) {
     let len = black_box(len);
     let addr = raw.reserve(len).unwrap();
     let phys = raw.create(len).unwrap();
-    raw.map(addr, len, phys, 0, Access::ReadWrite).unwrap();
+    raw.map(addr, len, phys, Access::ReadWrite).unwrap();
     black_box(addr);
     let fence = raw.fence();
     assert!(raw.fence_done(&fence));

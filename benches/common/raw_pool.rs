@@ -46,7 +46,7 @@ impl<'a, B: Backend> RawPool<'a, B> {
         let addr = self.backend.reserve(len).map_err(drop)?;
         let phys = self.backend.create(len).map_err(drop)?;
         self.backend
-            .map(addr, len, phys, 0, Access::ReadWrite)
+            .map(addr, len, phys, Access::ReadWrite)
             .map_err(drop)?;
         let per_chunk = 1u32 << self.pages_per_chunk_shift;
         let first = self.chunks.len() as u32 * per_chunk;

@@ -188,11 +188,10 @@ impl<B: Backend> Backend for Faulty<B> {
         addr: Addr,
         len: usize,
         phys: B::Phys,
-        offset: usize,
         access: Access,
     ) -> Result<(), BackendError> {
         self.handle.enter(Op::Map, addr, len)?;
-        self.inner.map(addr, len, phys, offset, access)?;
+        self.inner.map(addr, len, phys, access)?;
         lock(&self.handle.0.mappings).insert(addr, len);
         self.handle.count(|o| {
             o.mappings += 1;
@@ -216,15 +215,9 @@ impl<B: Backend> Backend for Faulty<B> {
         Ok(())
     }
 
-    fn copy_into_phys(
-        &self,
-        phys: B::Phys,
-        offset: usize,
-        src: Addr,
-        len: usize,
-    ) -> Result<(), BackendError> {
+    fn copy_into_phys(&self, phys: B::Phys, src: Addr, len: usize) -> Result<(), BackendError> {
         self.handle.enter(Op::Copy, src, len)?;
-        self.inner.copy_into_phys(phys, offset, src, len)
+        self.inner.copy_into_phys(phys, src, len)
     }
 
     fn fence(&self) -> B::Fence {

@@ -292,12 +292,11 @@ impl Backend for HostBackend {
         addr: Addr,
         len: usize,
         phys: HostPhys,
-        offset: usize,
         access: Access,
     ) -> Result<(), BackendError> {
         let mut s = self.state();
         s.book
-            .check_map(addr, len, phys, offset)
+            .check_map(addr, len, phys, 0)
             .map_err(|v| BackendError::refused(Op::Map, addr, len, v))?;
         let prot = match access {
             Access::ReadWrite => ProtFlags::READ | ProtFlags::WRITE,
@@ -306,16 +305,8 @@ impl Backend for HostBackend {
         let flags = MapFlags::SHARED | MapFlags::FIXED;
         // SAFETY: the book says `[addr, addr + len)` lies inside one of our reservations with
         // nothing mapped there, so replacing its `PROT_NONE` placeholder touches no live memory.
-        let mapped = unsafe {
-            rustix::mm::mmap(
-                addr as *mut _,
-                len,
-                prot,
-                flags,
-                &self.memfd,
-                phys.offset + offset as u64,
-            )
-        };
+        let mapped =
+            unsafe { rustix::mm::mmap(addr as *mut _, len, prot, flags, &self.memfd, phys.offset) };
         if let Err(e) = mapped {
             // A failed MAP_FIXED may leave a hole; put the reservation's placeholder back, and
             // if even that fails, never touch the reservation again.
@@ -325,7 +316,7 @@ impl Backend for HostBackend {
             }
             return Err(os_error(Op::Map, addr, len, e));
         }
-        s.book.apply_map(addr, len, phys, offset, access);
+        s.book.apply_map(addr, len, phys, access);
         Ok(())
     }
 
@@ -346,21 +337,15 @@ impl Backend for HostBackend {
         Ok(())
     }
 
-    fn copy_into_phys(
-        &self,
-        phys: HostPhys,
-        offset: usize,
-        src: Addr,
-        len: usize,
-    ) -> Result<(), BackendError> {
+    fn copy_into_phys(&self, phys: HostPhys, src: Addr, len: usize) -> Result<(), BackendError> {
         let s = self.state();
         s.book
-            .check_copy(phys, offset, src, len)
+            .check_copy(phys, src, len)
             .map_err(|v| BackendError::refused(Op::Copy, src, len, v))?;
         // SAFETY: the book says every byte of `[src, src + len)` is mapped readable by this
         // backend, and the lock keeps it mapped for the duration of the copy.
         let bytes = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
-        let mut at = phys.offset + offset as u64;
+        let mut at = phys.offset;
         let mut rest = bytes;
         while !rest.is_empty() {
             let n = rustix::io::pwrite(&self.memfd, rest, at)

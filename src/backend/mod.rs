@@ -339,29 +339,25 @@ pub trait Backend {
     fn create(&self, len: usize) -> Result<Self::Phys, BackendError>;
     /// Releases physical memory created by [`create`](Backend::create) with the same `len`.
     fn release(&self, phys: Self::Phys, len: usize) -> Result<(), BackendError>;
-    /// Maps `len` bytes of `phys`, starting `offset` bytes into it, at `addr` inside a
-    /// reservation, with `access`. Nothing may already be mapped there.
+    /// Maps all of `phys` — `len` bytes, its whole length — at `addr` inside a reservation,
+    /// with `access`. Nothing may already be mapped there. A mapping is always one whole
+    /// physical allocation from its start: the CUDA driver documents no other (`cuMemMap`'s
+    /// offset "currently must be zero"), so no backend offers one and the typed layer never
+    /// depends on one.
     fn map(
         &self,
         addr: Addr,
         len: usize,
         phys: Self::Phys,
-        offset: usize,
         access: Access,
     ) -> Result<(), BackendError>;
     /// Unmaps `[addr, addr + len)`, which must be exactly covered by whole mappings. The VA stays
     /// reserved.
     fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError>;
 
-    /// Copies `len` mapped bytes at `src` into `phys`, starting `offset` bytes into it (a
+    /// Copies `len` mapped bytes at `src` into all of `phys` (which has exactly `len` bytes; a
     /// device-to-device copy on CUDA). Used by copy-on-write before the copy is mapped.
-    fn copy_into_phys(
-        &self,
-        phys: Self::Phys,
-        offset: usize,
-        src: Addr,
-        len: usize,
-    ) -> Result<(), BackendError>;
+    fn copy_into_phys(&self, phys: Self::Phys, src: Addr, len: usize) -> Result<(), BackendError>;
 
     /// Records a fence after all work submitted so far. Infallible: a backend that cannot record
     /// one returns a fence that reports done only once the work is known to be finished.

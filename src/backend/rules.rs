@@ -105,14 +105,18 @@ pub enum Violation {
         /// Its length.
         len: usize,
     },
-    /// `map` past the end of the physical allocation.
+    /// `map` (or a copy into physical memory) of anything but one whole physical allocation
+    /// from offset 0: the CUDA driver maps only whole allocations (`cuMemMap`'s offset
+    /// "currently must be zero"), and every backend keeps that rule so that the typed layer
+    /// never depends on it being relaxed.
     #[error(
-        "mapping {len:#x} bytes at offset {offset:#x} overruns physical memory of {phys_len:#x} bytes"
+        "{len:#x} bytes at offset {offset:#x} of physical memory of {phys_len:#x} bytes: only a \
+         whole physical allocation, from offset 0, may be mapped or copied into"
     )]
-    OutOfPhys {
+    PartialHandle {
         /// Offset into the physical memory.
         offset: usize,
-        /// Bytes to map.
+        /// Bytes to map or copy.
         len: usize,
         /// Size of the physical memory.
         phys_len: usize,
@@ -131,7 +135,6 @@ struct PhysRecord {
 struct MapRecord<P> {
     len: usize,
     phys: P,
-    offset: usize,
     access: Access,
 }
 
@@ -203,12 +206,13 @@ impl<P: Copy + Eq + Hash> Book<P> {
         }
     }
 
-    /// Checks that `phys` is live (created, not released) and has `offset + len` bytes.
-    fn check_phys_range(&self, phys: P, offset: usize, len: usize) -> Result<(), Violation> {
+    /// Checks that `phys` is live (created, not released) and that `len` bytes from `offset`
+    /// are all of it.
+    fn check_whole_phys(&self, phys: P, offset: usize, len: usize) -> Result<(), Violation> {
         let rec = self.phys.get(&phys).filter(|r| !r.released);
         let rec = rec.ok_or(Violation::UnknownPhys)?;
-        if offset.checked_add(len).is_none_or(|end| end > rec.len) {
-            return Err(Violation::OutOfPhys {
+        if offset != 0 || len != rec.len {
+            return Err(Violation::PartialHandle {
                 offset,
                 len,
                 phys_len: rec.len,
@@ -304,7 +308,6 @@ impl<P: Copy + Eq + Hash> Book<P> {
     ) -> Result<(), Violation> {
         self.aligned("address", addr, false)?;
         self.aligned("length", len, true)?;
-        self.aligned("offset", offset, false)?;
         self.unpoisoned(addr, len)?;
         if self.containing_reservation(addr, len).is_none() {
             return Err(Violation::NotReserved { addr, len });
@@ -317,24 +320,12 @@ impl<P: Copy + Eq + Hash> Book<P> {
         if overlaps {
             return Err(Violation::AlreadyMapped { addr, len });
         }
-        self.check_phys_range(phys, offset, len)
+        self.check_whole_phys(phys, offset, len)
     }
 
-    pub(crate) fn apply_map(
-        &mut self,
-        addr: Addr,
-        len: usize,
-        phys: P,
-        offset: usize,
-        access: Access,
-    ) {
+    pub(crate) fn apply_map(&mut self, addr: Addr, len: usize, phys: P, access: Access) {
         self.phys.get_mut(&phys).expect("checked").maps += 1;
-        let record = MapRecord {
-            len,
-            phys,
-            offset,
-            access,
-        };
+        let record = MapRecord { len, phys, access };
         self.mappings.insert(addr, record);
     }
 
@@ -343,7 +334,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
     pub(crate) fn resolve(&self, addr: Addr) -> Option<(P, usize, usize, Access)> {
         let (&start, m) = self.mappings.range(..=addr).next_back()?;
         let into = addr - start;
-        (into < m.len).then_some((m.phys, m.offset + into, m.len - into, m.access))
+        (into < m.len).then_some((m.phys, into, m.len - into, m.access))
     }
 
     /// Changes the recorded access of the mappings that exactly cover `[addr, addr + len)`.
@@ -384,15 +375,9 @@ impl<P: Copy + Eq + Hash> Book<P> {
         Ok(())
     }
 
-    /// Checks that every byte of `[addr, addr + len)` is mapped, and that `offset + len` fits
-    /// in `phys`: the arguments of a copy from mapped memory into physical memory.
-    pub(crate) fn check_copy(
-        &self,
-        phys: P,
-        offset: usize,
-        addr: Addr,
-        len: usize,
-    ) -> Result<(), Violation> {
+    /// Checks that every byte of `[addr, addr + len)` is mapped, and that `phys` has exactly
+    /// `len` bytes: the arguments of a copy from mapped memory into (all of) physical memory.
+    pub(crate) fn check_copy(&self, phys: P, addr: Addr, len: usize) -> Result<(), Violation> {
         let not_mapped = Violation::NotMapped { addr, len };
         let end = addr
             .checked_add(len)
@@ -400,7 +385,6 @@ impl<P: Copy + Eq + Hash> Book<P> {
             .ok_or(not_mapped.clone())?;
         self.aligned("address", addr, false)?;
         self.aligned("length", len, true)?;
-        self.aligned("offset", offset, false)?;
         self.unpoisoned(addr, len)?;
         let mut next = addr;
         let first = self.mappings.range(..=addr).next_back();
@@ -427,7 +411,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
         if from_itself {
             return Err(Violation::SelfCopy { addr, len });
         }
-        self.check_phys_range(phys, offset, len)
+        self.check_whole_phys(phys, 0, len)
     }
 
     pub(crate) fn apply_unmap(&mut self, addr: Addr, len: usize) {
@@ -527,15 +511,35 @@ mod tests {
         let mut book: Book<u32> = Book::new(G, false);
         book.apply_reserve(0x10000, 4 * G);
         book.apply_create(7, 2 * G);
-        book.apply_map(0x10000, 2 * G, 7, 0, Access::ReadWrite);
+        book.apply_map(0x10000, 2 * G, 7, Access::ReadWrite);
         book.poison(0x10000 + G);
         let poisoned = |r: Result<(), Violation>| matches!(r, Err(Violation::Poisoned { .. }));
         assert!(poisoned(book.check_unmap(0x10000, 2 * G)));
         assert!(poisoned(book.check_map(0x10000 + 2 * G, G, 7, 0)));
         assert!(poisoned(book.check_free(0x10000, 4 * G)));
-        assert!(poisoned(book.check_copy(7, 0, 0x10000, G)));
+        assert!(poisoned(book.check_copy(7, 0x10000, G)));
         let drained = book.drain_reservations();
         assert_eq!(drained, vec![(0x10000, 4 * G, true)]);
+    }
+
+    #[test]
+    fn only_whole_physical_allocations_from_offset_zero_are_mapped_or_copied_into() {
+        let mut book: Book<u32> = Book::new(G, false);
+        book.apply_reserve(0x10000, 4 * G);
+        book.apply_create(1, 2 * G);
+        book.apply_create(2, G);
+        let partial = |r: Result<(), Violation>| matches!(r, Err(Violation::PartialHandle { .. }));
+        // A part of a handle: its first granule, its second one, or a non-zero offset.
+        assert!(partial(book.check_map(0x10000, G, 1, 0)));
+        assert!(partial(book.check_map(0x10000, G, 1, G)));
+        assert!(partial(book.check_map(0x10000, 2 * G, 2, 0)));
+        assert_eq!(book.check_map(0x10000, 2 * G, 1, 0), Ok(()));
+        book.apply_map(0x10000, 2 * G, 1, Access::ReadWrite);
+        // A copy must fill the whole destination allocation.
+        book.apply_create(3, 2 * G);
+        assert!(partial(book.check_copy(3, 0x10000, G)));
+        assert!(partial(book.check_copy(2, 0x10000, 2 * G)));
+        assert_eq!(book.check_copy(2, 0x10000 + G, G), Ok(()));
     }
 
     #[test]
@@ -544,18 +548,18 @@ mod tests {
         book.apply_reserve(0x10000, 2 * G);
         book.apply_create(1, G);
         book.apply_create(2, G);
-        book.apply_map(0x10000, G, 1, 0, Access::ReadOnly);
+        book.apply_map(0x10000, G, 1, Access::ReadOnly);
         assert!(matches!(
-            book.check_copy(1, 0, 0x10000, G),
+            book.check_copy(1, 0x10000, G),
             Err(Violation::SelfCopy { .. })
         ));
-        assert_eq!(book.check_copy(2, 0, 0x10000, G), Ok(()));
+        assert_eq!(book.check_copy(2, 0x10000, G), Ok(()));
         assert!(matches!(
-            book.check_copy(2, 0, 0x10000, 0),
+            book.check_copy(2, 0x10000, 0),
             Err(Violation::NotMapped { .. })
         ));
         assert!(matches!(
-            book.check_copy(2, 0, 0x10000 + G, G),
+            book.check_copy(2, 0x10000 + G, G),
             Err(Violation::NotMapped { .. })
         ));
     }

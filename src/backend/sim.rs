@@ -240,14 +240,13 @@ impl Backend for SimBackend {
         addr: Addr,
         len: usize,
         phys: SimPhys,
-        offset: usize,
         access: Access,
     ) -> Result<(), BackendError> {
         let mut s = self.call(Op::Map, addr, len);
         s.book
-            .check_map(addr, len, phys, offset)
+            .check_map(addr, len, phys, 0)
             .unwrap_or_else(|v| illegal(Op::Map, v));
-        s.book.apply_map(addr, len, phys, offset, access);
+        s.book.apply_map(addr, len, phys, access);
         Ok(())
     }
 
@@ -260,16 +259,10 @@ impl Backend for SimBackend {
         Ok(())
     }
 
-    fn copy_into_phys(
-        &self,
-        phys: SimPhys,
-        offset: usize,
-        src: Addr,
-        len: usize,
-    ) -> Result<(), BackendError> {
+    fn copy_into_phys(&self, phys: SimPhys, src: Addr, len: usize) -> Result<(), BackendError> {
         let s = self.call(Op::Copy, src, len);
         s.book
-            .check_copy(phys, offset, src, len)
+            .check_copy(phys, src, len)
             .unwrap_or_else(|v| illegal(Op::Copy, v));
         Ok(())
     }

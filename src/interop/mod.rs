@@ -13,7 +13,7 @@ use crate::allocation::Allocation;
 use crate::backend::cuda::{CudaBackend, Driver};
 use crate::backend::{Addr, BackendError};
 use crate::page_pool::PageTable;
-use crate::sharing::Diverged;
+use crate::sharing::{Diverged, Owner};
 use crate::state::{Committed, Readable};
 
 /// `[offset, offset + len)` inside a region of `size` bytes at `base`, or a panic.
@@ -66,6 +66,27 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Committed> {
     pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<(), BackendError> {
         let at = within(self.addr(), self.len(), offset, src.len());
         self.binding().device().backend().copy_from_host(at, src)
+    }
+}
+
+impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Owner> {
+    /// Copies `src` from the host into the prefix, at `offset` — only while no sharer maps it
+    /// (`None` otherwise), so a sharer never sees a byte change; the owner fills its prefix
+    /// before sharing it. Else the driver's result.
+    ///
+    /// # Panics
+    ///
+    /// If the range does not fit in the prefix.
+    pub fn copy_from_host(
+        &mut self,
+        offset: usize,
+        src: &[u8],
+    ) -> Option<Result<(), BackendError>> {
+        if !self.parts_mut().is_unique() {
+            return None;
+        }
+        let at = within(self.addr(), self.len(), offset, src.len());
+        Some(self.binding().device().backend().copy_from_host(at, src))
     }
 }
 

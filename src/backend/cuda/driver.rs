@@ -316,7 +316,8 @@ pub trait Driver {
     /// # Safety
     ///
     /// `[ptr, ptr + size)` lies inside a live reservation with nothing mapped there, and
-    /// `handle` is a live allocation handle with at least `offset + size` bytes
+    /// `handle` is a live allocation handle of exactly `size` bytes, with `offset` 0: the
+    /// reference says the offset "currently must be zero", so only whole handles are mapped
     /// ([the trait's rules](Driver#safety)).
     unsafe fn mem_map(&self, ptr: u64, size: usize, offset: usize, handle: u64) -> CuResult<()>;
     /// `cuMemSetAccess` for `device`: read-write, or read-only

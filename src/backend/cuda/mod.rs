@@ -770,7 +770,6 @@ impl<D: Driver> Backend for CudaBackend<D> {
         addr: Addr,
         len: usize,
         phys: CudaPhys,
-        offset: usize,
         access: Access,
     ) -> Result<(), BackendError> {
         let mut s = self.enter(Op::Map, addr, len)?;
@@ -783,13 +782,13 @@ impl<D: Driver> Backend for CudaBackend<D> {
         }
         self.unstick(&mut s, ptr, ptr + len as u64).map_err(fail)?;
         s.book
-            .check_map(addr, len, phys, offset)
+            .check_map(addr, len, phys, 0)
             .map_err(|v| BackendError::refused(Op::Map, addr, len, v))?;
         // SAFETY: `s.book.check_map` above proved `[addr, addr + len)` inside a live
         // reservation with nothing mapped there, and `phys` live (so its handle is: see
-        // `release`) with at least `offset + len` bytes.
-        unsafe { self.driver.mem_map(ptr, len, offset, phys.handle) }.map_err(fail)?;
-        s.book.apply_map(addr, len, phys, offset, access);
+        // `release`) with exactly `len` bytes, all mapped from offset 0.
+        unsafe { self.driver.mem_map(ptr, len, 0, phys.handle) }.map_err(fail)?;
+        s.book.apply_map(addr, len, phys, access);
         let rw = access == Access::ReadWrite;
         // SAFETY: the range was mapped, exactly, just above.
         let Err(e) = (unsafe { self.driver.mem_set_access(ptr, len, self.device, rw) }) else {
@@ -829,24 +828,18 @@ impl<D: Driver> Backend for CudaBackend<D> {
         Ok(())
     }
 
-    fn copy_into_phys(
-        &self,
-        phys: CudaPhys,
-        offset: usize,
-        src: Addr,
-        len: usize,
-    ) -> Result<(), BackendError> {
+    fn copy_into_phys(&self, phys: CudaPhys, src: Addr, len: usize) -> Result<(), BackendError> {
         let fail = |e| self.fail(Op::Copy, src, len, e);
-        // Map `offset + len` bytes of the handle from its start at a scratch range, start the
-        // copy, and wait for it outside the lock (the source and the scratch range are busy
-        // meanwhile); then take the scratch range down again.
-        let span = offset + len;
+        // Map the whole handle at a scratch range, start the copy, and wait for it outside the
+        // lock (the source and the scratch range are busy meanwhile); then take the scratch
+        // range down again.
+        let span = len;
         let d = &self.driver;
         let (scratch, copied, marks) = {
             let mut s = self.enter(Op::Copy, src, len)?;
             self.sweep_scratch(&mut s).map_err(fail)?;
             s.book
-                .check_copy(phys, offset, src, len)
+                .check_copy(phys, src, len)
                 .map_err(|v| BackendError::refused(Op::Copy, src, len, v))?;
             if Self::overlaps(&s.stuck, src, len) {
                 let v = Violation::NotMapped { addr: src, len };
@@ -858,7 +851,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
             s.book.apply_reserve(scratch as Addr, span);
             // SAFETY: `scratch` is a reservation of `span` bytes made just above, nothing
             // mapped in it; `s.book.check_copy` above proved `phys` live (so its handle is: see
-            // `release`) with at least `offset + len` bytes.
+            // `release`) with exactly `span` bytes, all mapped from offset 0.
             if let Err(e) = unsafe { d.mem_map(scratch, span, 0, phys.handle) } {
                 if e.is_context_loss() {
                     return Err(fail(e));
@@ -872,7 +865,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
                 return Err(fail(e));
             }
             s.book
-                .apply_map(scratch as Addr, span, phys, 0, Access::ReadWrite);
+                .apply_map(scratch as Addr, span, phys, Access::ReadWrite);
             // SAFETY: the scratch range was mapped, exactly, just above, and is given
             // read-write access before the copy writes to it; `s.book.check_copy` above proved
             // every byte of the source mapped, and the `s.stuck` check that it has access. Both
@@ -880,7 +873,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
             // marked busy below (unmap, free and map refuse busy ranges) until the wait below.
             let copied = unsafe {
                 d.mem_set_access(scratch, span, self.device, true)
-                    .and_then(|()| d.memcpy_dtod(scratch + offset as u64, src as u64, len))
+                    .and_then(|()| d.memcpy_dtod(scratch, src as u64, len))
             };
             if let Err(e) = copied
                 && e.is_context_loss()
@@ -1154,20 +1147,20 @@ mod tests {
         let backend = open(&model);
         let g = backend.granularity();
         let (addr, src) = (backend.reserve(g).unwrap(), backend.create(g).unwrap());
-        backend.map(addr, g, src, 0, Access::ReadWrite).unwrap();
+        backend.map(addr, g, src, Access::ReadWrite).unwrap();
         let dst = backend.create(g).unwrap();
         model.fail_nth(DriverCall::MemAddressFree, 1, CuError::INVALID_VALUE);
-        backend.copy_into_phys(dst, 0, addr, g).unwrap();
+        backend.copy_into_phys(dst, addr, g).unwrap();
         let (scratch, span) = lock(&backend.state).scratch[0];
         let e = backend
-            .map(scratch as Addr, span, dst, 0, Access::ReadWrite)
+            .map(scratch as Addr, span, dst, Access::ReadWrite)
             .unwrap_err();
         assert!(
             matches!(e.cause, Cause::Violation(Violation::NotReserved { .. })),
             "{e}"
         );
         // The next copy frees the scratch range.
-        backend.copy_into_phys(dst, 0, addr, g).unwrap();
+        backend.copy_into_phys(dst, addr, g).unwrap();
         assert!(lock(&backend.state).scratch.is_empty());
         assert_eq!(model.outstanding().reservations, 1);
     }

@@ -515,7 +515,7 @@ impl Driver for DriverModel {
             s.book.check_map(ptr as Addr, size, allocation, offset),
         );
         s.book
-            .apply_map(ptr as Addr, size, allocation, offset, Access::ReadOnly);
+            .apply_map(ptr as Addr, size, allocation, Access::ReadOnly);
         s.no_access.insert(ptr as Addr);
         Ok(())
     }

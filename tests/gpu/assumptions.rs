@@ -214,9 +214,10 @@ fn minimum_granularity(device: i32) -> CuResult<usize> {
     }
 }
 
-/// Assumption 1: `PROT_READ` for the owning device (CUDA facts sheet, fact 19). A shared
-/// prefix's sharers map the owner's memory read-only on the same device and read it through
-/// host copies and, for copy-on-write, device-to-device copies.
+/// Assumption 1: `PROT_READ` for the owning device (no reference says whether the device that
+/// holds the memory may get read-only access). A shared prefix's sharers map the owner's
+/// memory read-only on the same device and read it through host copies and, for copy-on-write,
+/// device-to-device copies.
 #[test]
 fn gpu_read_only_access_for_the_owning_device() {
     let Some(raw) = Raw::open_or_skip("gpu_read_only_access_for_the_owning_device") else {
@@ -271,7 +272,7 @@ fn gpu_read_only_access_for_the_owning_device() {
     }
 }
 
-/// Assumption 2: one `cuMemUnmap` over several adjacent mappings (fact 20: the samples do it,
+/// Assumption 2: one `cuMemUnmap` over several adjacent mappings (the samples do it,
 /// the reference only says a sub-range cannot be unmapped). A prefix mapping's body and tail
 /// handles are mapped side by side and go with one unmap.
 #[test]
@@ -335,7 +336,7 @@ fn gpu_one_unmap_covers_adjacent_mappings() {
 }
 
 /// Assumption 3: one `cuMemSetAccess` over several adjacent mappings, read-write and read-only
-/// (fact 18: the samples do it across devices; the reference asks for "a fully mapped address
+/// (the samples do it across devices; the reference asks for "a fully mapped address
 /// range"). The backend grants access per mapping today; this checks the rule before anything
 /// grants it once for a prefix's body and tail.
 #[test]
@@ -391,7 +392,7 @@ fn gpu_one_set_access_covers_adjacent_mappings() {
 
 /// Assumption 4: one copy may span adjacent mappings of different handles (the backend checks
 /// a copy mapping by mapping and then makes one call; a prefix's body and tail are two
-/// handles). PyTorch's expandable segments use mapped pieces as one buffer (fact 13); no
+/// handles). PyTorch's expandable segments use mapped pieces as one buffer; no
 /// reference says so for copies.
 #[test]
 fn gpu_one_copy_spans_adjacent_mappings() {
@@ -455,10 +456,9 @@ fn gpu_one_copy_spans_adjacent_mappings() {
 }
 
 /// Assumption 5: the recommended granularity, which the backend uses for every size, address
-/// and offset, is a multiple of the minimum one (which `cuMemCreate` and `cuMemMap` require,
-/// fact 15), a power of two (`cuMemAddressReserve` takes it as the alignment, fact 12) and a
-/// multiple of the host page size (reservation sizes, fact 12). The reference says only that it
-/// is "for best performance".
+/// and offset, is a multiple of the minimum one (which `cuMemCreate` and `cuMemMap` require), a
+/// power of two (`cuMemAddressReserve` takes it as the alignment) and a multiple of the host
+/// page size (reservation sizes). The reference says only that it is "for best performance".
 #[test]
 fn gpu_recommended_granularity_is_a_power_of_two_multiple_of_the_minimum() {
     let test = "gpu_recommended_granularity_is_a_power_of_two_multiple_of_the_minimum";

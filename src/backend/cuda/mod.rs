@@ -210,9 +210,8 @@ pub enum CudaError {
 /// covered stream is unmapped only after that kernel's work has finished.
 ///
 /// **Other driver facts to know.** Every call makes this device's primary context current on
-/// the calling thread (and leaves it so). `cuMemUnmap` synchronizes with the device; the typed
-/// layer unmaps only after the memory's fence completed, so nothing is left to wait for, but a
-/// drop still makes that call. After a sticky error no call is made at all — so the primary
+/// the calling thread (and leaves it so). `cuMemUnmap` does not reliably wait for device work
+/// (see the module docs), so the typed layer unmaps only after the memory's fence completed. After a sticky error no call is made at all — so the primary
 /// context's retains are not released either; a process that wants the device back must reset
 /// it (`cuDevicePrimaryCtxReset`) itself.
 ///

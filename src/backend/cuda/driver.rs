@@ -43,9 +43,10 @@ const STICKY_ASSERT: &str = "sticky: the driver documentation says the context c
      relaunched)";
 /// `CUDA_ERROR_CONTEXT_IS_DESTROYED`.
 const GONE_DESTROYED: &str = "context gone: the context was destroyed (or the primary context \
-     is not initialized), so no call into it can succeed; the documentation has no sticky \
-     wording, but nothing brings a destroyed context back (the driver model's lost context \
-     returns this code to every call, and the backend relies on treating it as loss)";
+     is not initialized); not sticky (fact 35: the process may make a new context), but the \
+     handles, mappings and reservations went with the destroyed one (fact 45), so the safe \
+     reading is loss: no further call passes them on (a new primary context would not know \
+     them), and what they held is gone";
 /// `CUDA_ERROR_DEINITIALIZED`.
 const GONE_DEINITIALIZED: &str = "context gone: the driver is shutting down (deinitialized), \
      so no further call can succeed";

@@ -663,7 +663,7 @@ fn the_model_maps_only_whole_handles_from_offset_zero() {
     // SAFETY: the context was just retained from this model.
     unsafe { model.ctx_set_current(ctx) }.unwrap();
     let handle = model.mem_create(2 * G, 0).unwrap();
-    let ptr = model.mem_address_reserve(2 * G, G).unwrap();
+    let ptr = model.mem_address_reserve(2 * G, G, 0).unwrap();
     for (size, offset) in [(G, 0), (G, G)] {
         // SAFETY: a live reservation with nothing mapped, and a live handle of 2 G bytes.
         let refused = catch_unwind(AssertUnwindSafe(|| unsafe {

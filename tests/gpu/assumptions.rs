@@ -56,7 +56,7 @@ impl Raw {
     fn reserve(&self, granules: usize) -> u64 {
         let size = granules * self.g;
         ok(
-            self.driver.mem_address_reserve(size, self.g),
+            self.driver.mem_address_reserve(size, self.g, 0),
             "cuMemAddressReserve",
         )
     }

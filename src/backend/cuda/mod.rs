@@ -129,7 +129,7 @@ mod model;
 mod sys;
 
 pub use driver::{Context, CuError, CuResult, Driver, DriverCall, ErrorFate, Event, Stream};
-pub use model::{DriverModel, ModelConfig, ModelOutstanding};
+pub use model::{CaptureMode, DriverModel, ModelConfig, ModelOutstanding, Placement};
 #[cfg(feature = "cuda")]
 pub use sys::SysDriver;
 
@@ -210,10 +210,12 @@ pub enum CudaError {
 /// covered stream is unmapped only after that kernel's work has finished.
 ///
 /// **Other driver facts to know.** Every call makes this device's primary context current on
-/// the calling thread (and leaves it so). `cuMemUnmap` does not reliably wait for device work
-/// (see the module docs), so the typed layer unmaps only after the memory's fence completed. After a sticky error no call is made at all — so the primary
-/// context's retains are not released either; a process that wants the device back must reset
-/// it (`cuDevicePrimaryCtxReset`) itself.
+/// the calling thread (and leaves it so). `cuMemUnmap` does not wait for work in flight (a
+/// kernel still using the range faults with the sticky `CUDA_ERROR_ILLEGAL_ADDRESS`), so the
+/// typed layer unmaps only after the memory's fence completed: work on a stream the fence does
+/// not cover is the caller's to finish first. After a sticky error no call is made at all — so
+/// the primary context's retains are not released either; a process that wants the device back
+/// must reset it (`cuDevicePrimaryCtxReset`) itself.
 ///
 /// Its tokens lend typed views (feature `cuda`: `view::<T>(&stream)`, `view_mut`) that are
 /// cudarc device memory — `DeviceSlice`, `DevicePtr`, `DevicePtrMut` — for cudarc's copies and,
@@ -812,7 +814,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         check_address_space(len, self.address_space())?;
         let ptr = self
             .driver
-            .mem_address_reserve(len, self.granularity)
+            .mem_address_reserve(len, self.granularity, 0)
             .map_err(|e| self.fail(Op::Reserve, 0, len, e))?;
         s.book.apply_reserve(ptr as Addr, len);
         Ok(ptr as Addr)
@@ -953,7 +955,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
                 return Err(BackendError::refused(Op::Copy, src, len, v));
             }
             let scratch = d
-                .mem_address_reserve(span, self.granularity)
+                .mem_address_reserve(span, self.granularity, 0)
                 .map_err(fail)?;
             s.book.apply_reserve(scratch as Addr, span);
             // SAFETY: `scratch` is a reservation of `span` bytes made just above, nothing

@@ -97,6 +97,13 @@ impl Driver for SysDriver {
         Ok(bytes)
     }
 
+    fn device_can_access_peer(&self, dev: i32, peer: i32) -> CuResult<bool> {
+        let mut can = 0;
+        // SAFETY: `can` outlives the call; the devices are plain ordinals the driver checks.
+        check(unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, peer) })?;
+        Ok(can == 1)
+    }
+
     fn primary_ctx_retain(&self, device: i32) -> CuResult<Context> {
         let mut ctx = std::ptr::null_mut();
         // SAFETY: `ctx` outlives the call.
@@ -122,10 +129,10 @@ impl Driver for SysDriver {
         Ok(granularity)
     }
 
-    fn mem_address_reserve(&self, size: usize, alignment: usize) -> CuResult<u64> {
+    fn mem_address_reserve(&self, size: usize, alignment: usize, hint: u64) -> CuResult<u64> {
         let mut ptr = 0;
-        // SAFETY: `ptr` outlives the call.
-        check(unsafe { sys::cuMemAddressReserve(&mut ptr, size, alignment, 0, 0) })?;
+        // SAFETY: `ptr` outlives the call; the hint is a plain address the driver may ignore.
+        check(unsafe { sys::cuMemAddressReserve(&mut ptr, size, alignment, hint, 0) })?;
         Ok(ptr)
     }
 

@@ -456,8 +456,14 @@ fn gpu_memcpy_and_launch_through_typed_views() {
     drop(page);
 
     let mut prefix = binding.reserve(2 * g).unwrap().commit_prefix().unwrap();
-    let zeroed = prefix.copy_from_host(0, &vec![0; 2 * g]);
-    zeroed.expect("no sharer yet").unwrap();
+    let mut whole = prefix
+        .view_mut::<u8>(&stream)
+        .expect("no sharer yet")
+        .unwrap();
+    stream.memset_zeros(&mut whole).unwrap();
+    drop(whole);
+    // Copy-on-write copies on the legacy stream, which does not wait for `stream`.
+    stream.synchronize().unwrap();
     let shared = binding.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();
     let mut diverged = shared.diverge().unwrap();
     stream

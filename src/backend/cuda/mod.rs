@@ -93,8 +93,10 @@
 //! 1. Read-only access (`PROT_READ`) for the *owning* device works, for host and
 //!    device-to-device copies. Used by: prefix sharers, and copy-on-write copies from them.
 //!    Test: `gpu_read_only_access_for_the_owning_device`.
-//! 2. One `cuMemUnmap` covers several adjacent mappings (the samples do it). Used by: a prefix
-//!    mapping's body and tail, unmapped at once. Test: `gpu_one_unmap_covers_adjacent_mappings`.
+//! 2. One `cuMemUnmap` covers several adjacent mappings (the samples do it). Used by: every
+//!    mapping of a prefix longer than one granule — the owner's, each sharer's, a diverged
+//!    one's — whose body and boundary are unmapped in one call (if a GPU refuses it, each of
+//!    their releases is quarantined). Test: `gpu_one_unmap_covers_adjacent_mappings`.
 //! 3. One `cuMemSetAccess` covers several adjacent mappings (the samples do it). Used by:
 //!    nothing yet, `map` grants access per mapping. Test:
 //!    `gpu_one_set_access_covers_adjacent_mappings`.

@@ -155,7 +155,7 @@ impl Driver for SysDriver {
 
     unsafe fn mem_map(&self, ptr: u64, size: usize, offset: usize, handle: u64) -> CuResult<()> {
         // SAFETY: the caller passes an unmapped range of a live reservation and a live handle
-        // long enough for it.
+        // of exactly `size` bytes, mapped whole from `offset` 0 (the trait's contract).
         check(unsafe { sys::cuMemMap(ptr, size, offset, handle, 0) })
     }
 

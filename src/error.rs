@@ -261,6 +261,105 @@ pub enum ViewError {
     Stream(#[source] BackendError),
 }
 
+/// Why an elastic region could not grow. Whatever the cause, the region comes back with the
+/// committed length it had.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum GrowFailure {
+    /// The growth does not fit: past the reserved range, or over granules withheld after a
+    /// failed unmap (see [`Region::reclaim`](crate::Region::reclaim)). Nothing was done.
+    #[error(
+        "cannot grow by {requested} granules: {committed} are committed and the region has room for {room} (its reserved length, or up to its first withheld granule); shrink first, reclaim withheld granules, or reserve a larger region"
+    )]
+    Full {
+        /// Granules asked for.
+        requested: usize,
+        /// Granules committed.
+        committed: usize,
+        /// Granules the region can hold now.
+        room: usize,
+    },
+    /// A budget, the capacity or a backend call refused granule `at` (0-based, of this call):
+    /// every granule this call mapped was unmapped again and given back where it came from
+    /// (the cache, or released), and nothing stays charged to the binding.
+    #[error(
+        "growing stopped at granule {at} of {requested}: every granule this call mapped was unmapped and given back, the region is unchanged{}",
+        quarantine_note(*quarantined)
+    )]
+    Undone {
+        /// The granule (of this call, from 0) that could not be added.
+        at: usize,
+        /// Granules asked for.
+        requested: usize,
+        /// Why it could not.
+        #[source]
+        cause: CommitFailure,
+        /// Granules whose release failed while undoing: in the device's quarantine, still owned.
+        quarantined: usize,
+    },
+    /// As [`Undone`](Self::Undone), but unmapping some of the granules this call mapped failed
+    /// too: those stay owned, charged and withheld in the region, which cannot grow over them
+    /// until [`Region::reclaim`](crate::Region::reclaim) frees them.
+    #[error(
+        "growing stopped at granule {at} of {requested}, and unmapping {stuck} of the granules it had mapped failed too ({rollback}): they stay owned and withheld in the region, which cannot grow over them until Region::reclaim frees them; the committed length is unchanged{}",
+        quarantine_note(*quarantined)
+    )]
+    Stuck {
+        /// The granule (of this call, from 0) that could not be added.
+        at: usize,
+        /// Granules asked for.
+        requested: usize,
+        /// Why it could not.
+        #[source]
+        cause: CommitFailure,
+        /// Granules left withheld in the region.
+        stuck: usize,
+        /// The (last) failed unmap.
+        rollback: Box<BackendError>,
+        /// Granules whose release failed while undoing: in the device's quarantine.
+        quarantined: usize,
+    },
+}
+
+/// Why an elastic region could not shrink (or give back its withheld granules). The region
+/// stays usable; its committed length says how far it shrank.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ShrinkFailure {
+    /// More granules asked for than are committed. Nothing was done.
+    #[error("cannot shrink by {requested} granules: only {committed} are committed")]
+    TooMany {
+        /// Granules asked for.
+        requested: usize,
+        /// Granules committed.
+        committed: usize,
+    },
+    /// The context is lost: no call was made, nothing was done.
+    #[error("the region could not shrink; nothing was done")]
+    Backend(#[source] BackendError),
+    /// Unmapping `stuck` granules failed: the committed length shrank as asked, but those
+    /// granules stay owned, charged and withheld in the region (it cannot grow over them) until
+    /// [`Region::reclaim`](crate::Region::reclaim) frees them; the others were given back.
+    #[error(
+        "unmapping {stuck} granules failed: they stay owned, charged and withheld in the region (it cannot grow over them) until Region::reclaim frees them; the other granules were given back"
+    )]
+    Stuck {
+        /// Granules withheld in the region now.
+        stuck: usize,
+        /// The (last) failed unmap.
+        #[source]
+        error: BackendError,
+    },
+}
+
+fn quarantine_note(quarantined: usize) -> String {
+    if quarantined == 0 {
+        String::new()
+    } else {
+        format!(
+            " ({quarantined} granules whose release failed while undoing are in the device quarantine, still owned: see Device::retry_quarantine)"
+        )
+    }
+}
+
 pub(crate) mod sealed {
     /// Only this crate's causes are [`Failure`](super::Failure)s.
     pub trait Sealed {}
@@ -276,6 +375,13 @@ impl sealed::Sealed for CommitFailure {}
 impl sealed::Sealed for ShareFailure {}
 impl sealed::Sealed for CowFailure {}
 impl sealed::Sealed for ReleaseFailure {}
+impl sealed::Sealed for GrowFailure {}
+
+impl Failure for GrowFailure {
+    fn summary(&self) -> &'static str {
+        "the region could not grow"
+    }
+}
 
 impl Failure for CommitFailure {
     fn summary(&self) -> &'static str {

@@ -154,6 +154,7 @@ mod interop;
 mod ledger;
 mod page_pool;
 mod quarantine;
+mod region;
 mod residual;
 mod sharing;
 mod state;
@@ -163,8 +164,8 @@ pub use allocation::{Allocation, CommitError, CompleteError};
 pub use binding::Binding;
 pub use device::{CloseReport, Custody, Device, Progress};
 pub use error::{
-    CommitFailure, CowFailure, Failure, PoolError, ReleaseFailure, ReserveError, Returned,
-    ShareFailure, TransitionError, ViewError,
+    CommitFailure, CowFailure, Failure, GrowFailure, PoolError, ReleaseFailure, ReserveError,
+    Returned, ShareFailure, ShrinkFailure, TransitionError, ViewError,
 };
 pub use generativity::{Guard, make_guard};
 pub use ids::{ContextLost, Generation, Released};
@@ -173,6 +174,7 @@ pub use interop::{DeviceView, DeviceViewMut};
 pub use ledger::{Budget, LedgerSnapshot};
 pub use page_pool::{Page, PagePool, PageTable};
 pub use quarantine::{QuarantineError, Quarantined};
+pub use region::{Elastic, GrowError, Region};
 pub use residual::{Holdings, Residual};
 pub use sharing::{
     CowError, Diverged, DivergedMapping, Owner, Prefix, PrefixError, PrefixMapping, ShareError,

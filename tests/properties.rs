@@ -1,6 +1,7 @@
 //! Property test: random sequences of reserve / commit / write / release / drop / retry /
-//! share / copy-on-write with faults injected at random backend calls, on the strict simulator
-//! and on the host backend.
+//! share / copy-on-write / elastic regions (grow, shrink, reclaim, cache trims and caps) with
+//! faults injected at random backend calls, on the strict simulator, the host backend and the
+//! CUDA backend over the driver model.
 //!
 //! After every step: the ledger equals the sum of live tokens, quarantined tokens and what the
 //! device holds in custody; the owned bytes of a shared physical allocation are counted once,
@@ -16,8 +17,8 @@
 use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel, ModelConfig};
 use memtoken::backend::{Backend, FaultHandle, Faulty, HostBackend, Op, SimBackend, SimConfig};
 use memtoken::{
-    Allocation, Binding, Budget, Committed, Device, DivergedMapping, Prefix, PrefixMapping,
-    Quarantined, Releasing, Reserved, Returned, make_guard,
+    Allocation, Binding, Budget, Committed, Device, DivergedMapping, GrowFailure, Prefix,
+    PrefixMapping, Quarantined, Region, Releasing, Reserved, Returned, ShrinkFailure, make_guard,
 };
 use proptest::prelude::*;
 
@@ -43,6 +44,18 @@ enum Step {
     DriverFault(usize, u64),
     /// Work is submitted: fences recorded from now on wait for it (CUDA model only).
     Submit,
+    /// Reserved → an elastic region.
+    IntoRegion(usize),
+    /// A region grows by 1-3 granules.
+    Grow(usize, usize),
+    /// A region shrinks by 1-3 granules.
+    Shrink(usize, usize),
+    /// A region retries its withheld granules.
+    Reclaim(usize),
+    /// The device trims its granule cache.
+    TrimCache,
+    /// The device's cache cap becomes 0-3 granules.
+    CacheCap(u64),
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -69,6 +82,12 @@ fn step() -> impl Strategy<Value = Step> {
         2 => any::<usize>().prop_map(Step::Diverge),
         2 => (any::<usize>(), 1u64..4).prop_map(|(c, n)| Step::DriverFault(c, n)),
         1 => Just(Step::Submit),
+        2 => any::<usize>().prop_map(Step::IntoRegion),
+        3 => (any::<usize>(), 1usize..4).prop_map(|(i, n)| Step::Grow(i, n)),
+        3 => (any::<usize>(), 1usize..4).prop_map(|(i, n)| Step::Shrink(i, n)),
+        1 => any::<usize>().prop_map(Step::Reclaim),
+        1 => Just(Step::TrimCache),
+        1 => (0u64..4).prop_map(Step::CacheCap),
     ]
 }
 
@@ -95,6 +114,7 @@ enum Token<'b, 'id, B: Backend> {
     Shared(PrefixMapping<'b, 'id, B>, u8),
     /// Body byte, private boundary byte.
     Diverged(DivergedMapping<'b, 'id, B>, u8, u8),
+    Region(Region<'b, 'id, B>),
 }
 
 /// The kind of token a release started from.
@@ -105,6 +125,11 @@ enum From {
     Prefix,
     Shared,
     Diverged,
+    /// A region, with the bytes it mapped and owned when its release began.
+    Region {
+        mapped: usize,
+        owned: usize,
+    },
 }
 
 /// The backend-specific part of the model: host memory can be read and written, simulated
@@ -280,6 +305,15 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                     Token::Prefix(p, _) => Some(Token::Releasing(p.release(), From::Prefix)),
                     Token::Shared(m, _) => Some(Token::Releasing(m.release(), From::Shared)),
                     Token::Diverged(d, _, _) => Some(Token::Releasing(d.release(), From::Diverged)),
+                    Token::Region(r) => {
+                        let g = r.binding().device().granularity();
+                        let stuck = r.withheld_granules() * g;
+                        let from = From::Region {
+                            mapped: r.committed_len() + stuck,
+                            owned: r.committed_len() + stuck,
+                        };
+                        Some(Token::Releasing(r.release(), from))
+                    }
                     Token::Releasing(t, from) => match t.complete().map_err(|e| e.into_token()) {
                         Ok(_) => None,
                         Err(Returned::Unchanged(t)) => Some(Token::Releasing(t, from)),
@@ -295,6 +329,73 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                 if let Some(i) = pick(i) {
                     drop(self.tokens.swap_remove(i));
                 }
+            }
+            Step::IntoRegion(i) => {
+                let Some(i) = pick(i) else { return };
+                if let Token::Reserved(_) = self.tokens[i] {
+                    let Token::Reserved(t) = self.tokens.swap_remove(i) else {
+                        unreachable!()
+                    };
+                    self.tokens.push(Token::Region(t.into_region()));
+                }
+            }
+            Step::Grow(i, n) => {
+                let Some(i) = pick(i) else { return };
+                if let Token::Region(_) = self.tokens[i] {
+                    let Token::Region(r) = self.tokens.swap_remove(i) else {
+                        unreachable!()
+                    };
+                    let (generation, before) = (r.generation(), r.committed_len());
+                    let (committed, withheld) = (r.committed_granules(), r.withheld_granules());
+                    let r = match r.grow(n) {
+                        Ok(r) => {
+                            assert_eq!(r.committed_granules(), committed + n);
+                            r
+                        }
+                        Err(e) => {
+                            let stuck = match e.cause {
+                                GrowFailure::Stuck { stuck, .. } => stuck,
+                                _ => 0,
+                            };
+                            let r = e.into_token();
+                            assert_eq!(r.generation(), generation, "the same region comes back");
+                            assert_eq!(r.committed_len(), before, "unchanged");
+                            assert_eq!(r.withheld_granules(), withheld + stuck);
+                            r
+                        }
+                    };
+                    self.tokens.push(Token::Region(r));
+                }
+            }
+            Step::Shrink(i, n) => {
+                let Some(i) = pick(i) else { return };
+                if let Token::Region(r) = &mut self.tokens[i] {
+                    let committed = r.committed_granules();
+                    let done = r.shrink(n);
+                    let expected = match done {
+                        Err(ShrinkFailure::TooMany { .. } | ShrinkFailure::Backend(_)) => committed,
+                        _ => committed - n,
+                    };
+                    assert_eq!(r.committed_granules(), expected, "{done:?}");
+                }
+            }
+            Step::Reclaim(i) => {
+                let Some(i) = pick(i) else { return };
+                if let Token::Region(r) = &mut self.tokens[i] {
+                    let withheld = r.withheld_granules();
+                    if r.reclaim().is_ok() {
+                        assert_eq!(r.withheld_granules(), 0);
+                    } else {
+                        assert!(r.withheld_granules() <= withheld);
+                    }
+                }
+            }
+            Step::TrimCache => {
+                self.device.trim_cache();
+            }
+            Step::CacheCap(granules) => {
+                let g = self.device.granularity() as u64;
+                self.device.set_cache_cap(granules * g);
             }
             Step::RetryDevice => {
                 self.device.retry_quarantine();
@@ -330,12 +431,18 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                         From::Committed => (a.len(), a.len(), false),
                         From::Prefix | From::Shared => (a.len(), 0, true),
                         From::Diverged => (a.len(), g, true),
+                        From::Region { mapped, owned } => (*mapped, *owned, false),
                     };
                     ((a.addr(), a.len()), m, o, o, true, shares)
                 }
                 Token::Prefix(p, _) => ((p.addr(), p.len()), p.len(), 0, p.len(), true, true),
                 Token::Shared(m, _) => ((m.addr(), m.len()), m.len(), 0, 0, true, true),
                 Token::Diverged(d, _, _) => ((d.addr(), d.len()), d.len(), g, g, true, true),
+                Token::Region(r) => {
+                    // Withheld granules stay mapped, owned and charged.
+                    let n = r.committed_len() + r.withheld_granules() * g;
+                    ((r.addr(), r.len()), n, n, n, true, false)
+                }
                 Token::Quarantined(q) => {
                     quarantined += 1;
                     let r = q.residual();
@@ -379,6 +486,7 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                 Token::Prefix(p, _) => p.binding(),
                 Token::Shared(m, _) => m.binding(),
                 Token::Diverged(d, _, _) => d.binding(),
+                Token::Region(r) => r.binding(),
                 Token::Quarantined(q) => q.binding(),
             };
             if std::ptr::eq(binding, self.sharer) {
@@ -397,6 +505,9 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
         }
         // Shared physical memory is owned once, by the device's table, whatever its mappings.
         owned += custody.shared.owned_bytes;
+        // Cached granules are owned by the device, mapped nowhere.
+        let cached = self.device.ledger().cached_bytes;
+        owned += cached;
         quarantined += custody.quarantined.count as u64;
         assert_eq!(
             custody.shared.shared_refs, shared_refs,
@@ -491,6 +602,7 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
         }
         self.memory.complete_fences(); // the fences recorded by the drops above
         self.device.poll();
+        self.device.trim_cache();
         let p = self.device.retry_quarantine();
         assert_eq!((p.quarantined, p.deferred), (0, 0), "{p:?}");
         assert!(self.device.ledger().is_zero(), "{:?}", self.device.ledger());

@@ -282,17 +282,15 @@ pub enum GrowFailure {
     /// every granule this call mapped was unmapped again and given back where it came from
     /// (the cache, or released), and nothing stays charged to the binding.
     #[error(
-        "growing stopped at granule {at} of {requested}: every granule this call mapped was unmapped and given back, the region is unchanged{}",
+        "growing stopped at granule {at} of this call (from 0): every granule this call mapped was unmapped and given back, the region is unchanged{}",
         quarantine_note(*quarantined)
     )]
     Undone {
         /// The granule (of this call, from 0) that could not be added.
         at: usize,
-        /// Granules asked for.
-        requested: usize,
         /// Why it could not.
         #[source]
-        cause: CommitFailure,
+        cause: Box<CommitFailure>,
         /// Granules whose release failed while undoing: in the device's quarantine, still owned.
         quarantined: usize,
     },
@@ -300,23 +298,18 @@ pub enum GrowFailure {
     /// too: those stay owned, charged and withheld in the region, which cannot grow over them
     /// until [`Region::reclaim`](crate::Region::reclaim) frees them.
     #[error(
-        "growing stopped at granule {at} of {requested}, and unmapping {stuck} of the granules it had mapped failed too ({rollback}): they stay owned and withheld in the region, which cannot grow over them until Region::reclaim frees them; the committed length is unchanged{}",
-        quarantine_note(*quarantined)
+        "growing stopped at granule {at} of this call (from 0), and unmapping {stuck} of the granules it had mapped failed too ({rollback}): they stay owned and withheld in the region, which cannot grow over them until Region::reclaim frees them; the committed length is unchanged (a granule whose release failed while undoing is in the device quarantine, counted on the ledger)"
     )]
     Stuck {
         /// The granule (of this call, from 0) that could not be added.
         at: usize,
-        /// Granules asked for.
-        requested: usize,
         /// Why it could not.
         #[source]
-        cause: CommitFailure,
+        cause: Box<CommitFailure>,
         /// Granules left withheld in the region.
         stuck: usize,
         /// The (last) failed unmap.
         rollback: Box<BackendError>,
-        /// Granules whose release failed while undoing: in the device's quarantine.
-        quarantined: usize,
     },
 }
 

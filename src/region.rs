@@ -254,7 +254,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             return Err(TransitionError { token: self, cause });
         }
         if let Err(e) = device.ensure_live(Op::Map, core.addr + start * g, granules * g) {
-            return self.undo_grow(start, 0, 0, granules, CommitFailure::Backend(e));
+            return self.undo_grow(start, 0, 0, CommitFailure::Backend(e));
         }
         // Granules come from the cache first; once it has none ready, they are created.
         let mut from_cache = 0;
@@ -269,21 +269,21 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
                 Some(phys) => {
                     if let Err(cause) = binding.charge_budget(g) {
                         Self::uncache(device, phys);
-                        return self.undo_grow(start, from_cache, at, granules, cause);
+                        return self.undo_grow(start, from_cache, at, cause);
                     }
                     from_cache += 1;
                     phys
                 }
                 None => {
                     if let Err(cause) = binding.charge(g) {
-                        return self.undo_grow(start, from_cache, at, granules, cause);
+                        return self.undo_grow(start, from_cache, at, cause);
                     }
                     match backend.create(g) {
                         Ok(phys) => phys,
                         Err(e) => {
                             binding.uncharge(g);
                             let cause = CommitFailure::Backend(e);
-                            return self.undo_grow(start, from_cache, at, granules, cause);
+                            return self.undo_grow(start, from_cache, at, cause);
                         }
                     }
                 }
@@ -300,7 +300,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
                 let q = back.finish();
                 let cause = CommitFailure::Backend(e);
                 return self
-                    .undo_grow(start, from_cache, at, granules, cause)
+                    .undo_grow(start, from_cache, at, cause)
                     .map_err(|mut e| {
                         add_quarantined(&mut e.cause, q);
                         e
@@ -324,13 +324,12 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
 
     /// Unmaps and gives back the granules this growth mapped past `start` (the first
     /// `from_cache` of them came from the cache and go back there), and says why it stopped at
-    /// granule `at` of `requested`.
+    /// granule `at`.
     fn undo_grow(
         mut self,
         start: usize,
         from_cache: usize,
         at: usize,
-        requested: usize,
         cause: CommitFailure,
     ) -> Result<Self, GrowError<'b, 'id, B>> {
         let core = self.core();
@@ -371,17 +370,14 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         let cause = match failed {
             None => GrowFailure::Undone {
                 at,
-                requested,
-                cause,
+                cause: Box::new(cause),
                 quarantined,
             },
             Some((stuck, rollback)) => GrowFailure::Stuck {
                 at,
-                requested,
-                cause,
+                cause: Box::new(cause),
                 stuck,
                 rollback: Box::new(rollback),
-                quarantined,
             },
         };
         Err(TransitionError { token: self, cause })
@@ -505,10 +501,8 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
 /// Counts `n` more granules quarantined while undoing a growth.
 fn add_quarantined(cause: &mut GrowFailure, n: usize) {
     match cause {
-        GrowFailure::Undone { quarantined, .. } | GrowFailure::Stuck { quarantined, .. } => {
-            *quarantined += n;
-        }
-        GrowFailure::Full { .. } => {}
+        GrowFailure::Undone { quarantined, .. } => *quarantined += n,
+        GrowFailure::Stuck { .. } | GrowFailure::Full { .. } => {}
     }
 }
 

@@ -15,10 +15,13 @@
 //! 1,000 cases per backend by default; `PROPTEST_CASES=N` for more.
 
 use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel, ModelConfig};
-use memtoken::backend::{Backend, FaultHandle, Faulty, HostBackend, Op, SimBackend, SimConfig};
+use memtoken::backend::{
+    Backend, Cause, FaultHandle, Faulty, HostBackend, Op, SimBackend, SimConfig,
+};
 use memtoken::{
-    Allocation, Binding, Budget, Committed, Device, DivergedMapping, GrowFailure, Prefix,
-    PrefixMapping, Quarantined, Region, Releasing, Reserved, Returned, ShrinkFailure, make_guard,
+    Allocation, Binding, Budget, CommitFailure, Committed, Device, DivergedMapping, GrowFailure,
+    Prefix, PrefixMapping, Quarantined, Region, Releasing, Reserved, Returned, ShrinkFailure,
+    make_guard,
 };
 use proptest::prelude::*;
 
@@ -353,6 +356,18 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                             r
                         }
                         Err(e) => {
+                            // The typed layer never makes a call that breaks the VMM rules
+                            // (mapping over a withheld granule, say): only injected faults,
+                            // budgets and lost contexts stop a growth.
+                            if let GrowFailure::Undone { cause, .. }
+                            | GrowFailure::Stuck { cause, .. } = &e.cause
+                                && let CommitFailure::Backend(b) = &**cause
+                            {
+                                assert!(
+                                    !matches!(b.cause, Cause::Violation(_)),
+                                    "a growth broke a VMM rule: {b}"
+                                );
+                            }
                             let stuck = match e.cause {
                                 GrowFailure::Stuck { stuck, .. } => stuck,
                                 _ => 0,

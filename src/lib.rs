@@ -44,7 +44,7 @@
 //! At compile time (each one has a `compile_fail` example in these docs and a `trybuild` case):
 //! no access to reserved or releasing memory, no use after release, no double release, no
 //! clone or copy of a token, no dropping of a device or binding while its tokens live, no slice
-//! or typed view kept across a release, no mixing of two devices' tokens, no state added
+//! or typed view kept across a release (nor a region's slice across a shrink), no mixing of two devices' tokens, no state added
 //! outside the crate, no ignored fallible transition.
 //!
 //! At run time (each one proven by tests, property tests with injected faults among them):

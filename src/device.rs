@@ -32,9 +32,10 @@ pub struct Custody {
     pub quarantined: Holdings,
     /// Releases waiting for their fence.
     pub deferred: Holdings,
-    /// Shared physical memory (mapped by several tokens): `count` allocations, their
+    /// Shared physical memory (mapped by several tokens): `count` prefixes, their
     /// `owned_bytes` (each charged once, whatever the number of mappings), and the references
-    /// on them (`shared_refs`). One is released when its last reference goes.
+    /// on them (`shared_refs`). A prefix's memory (one or two physical allocations) is released
+    /// when its last reference goes.
     pub shared: Holdings,
 }
 

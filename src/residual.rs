@@ -74,7 +74,7 @@ impl<P: Copy> SharedPhys<P> {
     }
 }
 
-/// Totals over one device's shared physical memory: how many allocations, their bytes (owned
+/// Totals over one device's shared physical memory: how many prefixes, their bytes (owned
 /// once each, whatever the number of mappings), and the references on them. Every reference is
 /// made and given back through it.
 #[derive(Debug, Default)]
@@ -108,7 +108,7 @@ impl SharedTotals {
         Some(split)
     }
 
-    /// The totals now: `count` allocations, their `owned_bytes`, `shared_refs` references.
+    /// The totals now: `count` prefixes, their `owned_bytes`, `shared_refs` references.
     pub(crate) fn holdings(&self) -> Holdings {
         Holdings {
             count: self.count.load(Ordering::Relaxed) as usize,

@@ -34,8 +34,9 @@ pub type CowError<'b, 'id, B> =
 /// The owner's handle on a shared prefix: its read-write mapping of the prefix's physical
 /// memory, from which sharers map it read-only ([`Allocation::map_prefix`]).
 ///
-/// Its physical memory is charged once as owned whatever the number of sharers, and released
-/// exactly once, when its last mapping goes.
+/// Its physical memory is charged once as owned whatever the number of sharers, and each of its
+/// physical allocations (the body's and the boundary granule's) is released exactly once, when
+/// its last mapping goes.
 ///
 /// # Why counted, not borrowed
 ///
@@ -56,8 +57,9 @@ pub type CowError<'b, 'id, B> =
 ///
 /// Made from a reservation by [`Allocation::commit_prefix`], which lays its physical memory out
 /// for sharing (the boundary granule in an allocation of its own, so that every mapping maps
-/// whole allocations); the owner fills it before sharing it. The owner's binding stays charged for the prefix's bytes while this handle lives; after that the
-/// device holds them until the last mapping goes.
+/// whole allocations); the owner fills it before sharing it. The owner's binding stays charged
+/// for the prefix's bytes while this handle lives; after that the device holds them until the
+/// last mapping goes.
 ///
 /// A prefix of one device cannot be mapped into a reservation of another (each
 /// `make_guard!` brands its device uniquely, so the second brand cannot be unified with the
@@ -306,7 +308,8 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
             if let Some((p, n)) = body_phys {
                 if let Err(rollback) = backend.unmap(addr, n) {
                     // The body stays mapped: it, its memory and the VA are quarantined together,
-                    // still charged; the boundary's memory goes back.
+                    // still charged; the boundary's memory is released (or, if that fails too,
+                    // quarantined on its own, still counted).
                     binding.refund(g);
                     let _ = device.release_orphan(boundary, g); // a failure is quarantined
                     let (core, ()) = self.into_core();

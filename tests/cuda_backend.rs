@@ -649,3 +649,40 @@ fn an_event_value_reissued_after_destroy_is_not_taken_for_an_old_fence() {
     drop(b);
     assert!(model.outstanding().is_zero());
 }
+
+/// The model maps only whole allocations from offset 0 (CUDA-FACTS 17: `cuMemMap`'s offset
+/// "currently must be zero", and mapped memory "cannot be split up"): a part of a handle, at
+/// offset 0 or past it, is refused as illegal, and the whole handle is accepted.
+#[test]
+fn the_model_maps_only_whole_handles_from_offset_zero() {
+    use memtoken::backend::cuda::Driver;
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    let model = DriverModel::default();
+    model.init().unwrap();
+    let ctx = model.primary_ctx_retain(0).unwrap();
+    // SAFETY: the context was just retained from this model.
+    unsafe { model.ctx_set_current(ctx) }.unwrap();
+    let handle = model.mem_create(2 * G, 0).unwrap();
+    let ptr = model.mem_address_reserve(2 * G, G, 0).unwrap();
+    for (size, offset) in [(G, 0), (G, G)] {
+        // SAFETY: a live reservation with nothing mapped, and a live handle of 2 G bytes.
+        let refused = catch_unwind(AssertUnwindSafe(|| unsafe {
+            model.mem_map(ptr, size, offset, handle)
+        }));
+        let message = *refused
+            .expect_err("a part of a handle is refused")
+            .downcast::<String>()
+            .unwrap();
+        assert!(message.contains("whole physical allocation"), "{message}");
+    }
+    // SAFETY: as above; nothing was mapped by the refused calls.
+    unsafe { model.mem_map(ptr, 2 * G, 0, handle) }.unwrap();
+    // SAFETY: exactly the mapping made above, then its reservation and handle.
+    unsafe {
+        model.mem_unmap(ptr, 2 * G).unwrap();
+        model.mem_address_free(ptr, 2 * G).unwrap();
+        model.mem_release(handle).unwrap();
+        model.primary_ctx_release(0).unwrap();
+    }
+    assert!(model.outstanding().is_zero());
+}

@@ -146,7 +146,8 @@ trait Memory<B: Backend> {
     fn complete_fences(&self) {}
     /// Fails the `n`th call of driver call kind `which` (CUDA model only).
     fn driver_fault(&self, _which: usize, _n: u64) {}
-    fn submit(&self) {}
+    /// Work is submitted that uses `ranges` (address, length).
+    fn submit(&self, _ranges: &[(u64, usize)]) {}
     fn clear_faults(&self) {}
 }
 
@@ -421,7 +422,22 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
             Step::CompleteFences => self.memory.complete_fences(),
             Step::Fault(op, nth) => self.faults.fail_nth(op, nth),
             Step::DriverFault(which, nth) => self.memory.driver_fault(which, nth),
-            Step::Submit => self.memory.submit(),
+            Step::Submit => {
+                // A kernel using every token usable now: none reserved, releasing or
+                // quarantined (they have no access), so an unmap of those cannot fault it.
+                let ranges: Vec<(u64, usize)> = self
+                    .tokens
+                    .iter()
+                    .filter_map(|t| match t {
+                        Token::Committed(a, _) => Some((a.addr() as u64, a.len())),
+                        Token::Prefix(p, _) => Some((p.addr() as u64, p.len())),
+                        Token::Shared(m, _) => Some((m.addr() as u64, m.len())),
+                        Token::Diverged(d, ..) => Some((d.addr() as u64, d.len())),
+                        _ => None,
+                    })
+                    .collect();
+                self.memory.submit(&ranges)
+            }
         }
     }
 
@@ -707,8 +723,8 @@ impl Memory<Cuda> for CudaMemory {
         };
         self.0.fail_nth(call, n, error);
     }
-    fn submit(&self) {
-        self.0.submit_work();
+    fn submit(&self, ranges: &[(u64, usize)]) {
+        self.0.submit_work_touching(0, ranges);
     }
     fn clear_faults(&self) {
         self.0.clear();

@@ -622,3 +622,146 @@ fn a_half_made_prefix_that_cannot_be_unmapped_is_quarantined_whole_and_a_retry_f
     drop(binding);
     assert!(faults.outstanding().is_zero());
 }
+
+/// A copy-on-write whose private map fails maps the shared *boundary* allocation back, not the
+/// body's: with body and boundary filled differently, the restored granule shows the boundary's
+/// bytes and the boundary's physical page.
+#[test]
+fn a_failed_copy_on_write_maps_the_boundary_allocation_back() {
+    make_guard!(guard);
+    let backend = Faulty::new(HostBackend::new(HostConfig::default()).unwrap());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    assert_eq!(device.granularity(), PAGE);
+    let mut prefix = binding.reserve(2 * PAGE).unwrap().commit_prefix().unwrap();
+    let bytes = prefix.as_mut_slice().unwrap();
+    bytes[..PAGE].fill(1);
+    bytes[PAGE..].fill(2);
+    let shared = binding
+        .reserve(2 * PAGE)
+        .unwrap()
+        .map_prefix(&prefix)
+        .unwrap();
+    faults.fail_nth(Op::Map, 1);
+    let Err(TransitionError {
+        token: Returned::Unchanged(shared),
+        ..
+    }) = shared.diverge()
+    else {
+        panic!("the private granule's map was failed on purpose");
+    };
+    let page = |addr| proc_map(addr).1;
+    assert_eq!(page(shared.addr() + PAGE), page(prefix.addr() + PAGE));
+    assert!(shared.as_slice()[PAGE..].iter().all(|&b| b == 2));
+    drop((shared, prefix));
+    drop(binding);
+    assert!(device.ledger().is_zero());
+}
+
+/// Every way `commit_prefix` can fail and be undone: the reservation comes back, nothing stays
+/// charged to it, and what could not be released is in the device's quarantine, counted and
+/// owned, until a retry frees it.
+#[test]
+fn every_undone_commit_prefix_leaves_the_ledger_equal_to_the_backend() {
+    /// Which calls fail: the `n`th of a kind, or (`true`) every one from the `n`th on.
+    type Faults = &'static [(Op, u64, bool)];
+    let plans: [(&str, Faults); 6] = [
+        ("body create", &[(Op::Create, 1, false)]),
+        ("body map", &[(Op::Map, 1, false)]),
+        (
+            "body map, body release",
+            &[(Op::Map, 1, false), (Op::Release, 1, false)],
+        ),
+        (
+            "boundary map, body release",
+            &[(Op::Map, 2, false), (Op::Release, 1, false)],
+        ),
+        (
+            "boundary map, both releases",
+            &[(Op::Map, 2, false), (Op::Release, 1, true)],
+        ),
+        (
+            "boundary create, body release",
+            &[(Op::Create, 2, false), (Op::Release, 1, false)],
+        ),
+    ];
+    for (name, plan) in plans {
+        make_guard!(guard);
+        let backend = Faulty::new(SimBackend::default());
+        let faults = backend.handle();
+        let device = Device::new(guard, backend);
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        let g = device.granularity();
+        let reserved = binding.reserve(3 * g).unwrap();
+        for &(op, n, from) in plan {
+            if from {
+                faults.fail_from(op, n);
+            } else {
+                faults.fail_nth(op, n);
+            }
+        }
+        let Err(e) = reserved.commit_prefix() else {
+            panic!("{name}: failed on purpose");
+        };
+        let Returned::Unchanged(back) = e.into_token() else {
+            panic!("{name}: nothing stays mapped, so the reservation comes back");
+        };
+        let ledger = device.ledger();
+        assert_eq!((binding.used(), ledger.mapped_bytes), (0, 0), "{name}");
+        assert_eq!(ledger.reserved_bytes, 3 * g as u64, "{name}");
+        let o = faults.outstanding();
+        assert_eq!(
+            ledger.owned_bytes, o.physical_bytes,
+            "{name}: owned = created"
+        );
+        let quarantined = device.custody().quarantined.count as u64;
+        assert_eq!(ledger.quarantined, quarantined, "{name}");
+        assert_eq!(
+            quarantined, o.physical,
+            "{name}: each unreleased allocation quarantined"
+        );
+        faults.clear();
+        device.retry_quarantine();
+        drop(back);
+        drop(binding);
+        assert!(device.ledger().is_zero(), "{name}");
+        assert!(faults.outstanding().is_zero(), "{name}");
+    }
+}
+
+#[test]
+fn a_half_made_prefix_whose_boundary_release_fails_too_keeps_both_counted() {
+    make_guard!(guard);
+    let backend = Faulty::new(SimBackend::default());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let reserved = binding.reserve(3 * g).unwrap();
+    faults.fail_nth(Op::Map, 2);
+    faults.fail_nth(Op::Unmap, 1);
+    faults.fail_nth(Op::Release, 1);
+    let Err(e) = reserved.commit_prefix() else {
+        panic!("failed on purpose");
+    };
+    let Returned::Quarantined(q) = e.into_token() else {
+        panic!("the body could not be unmapped");
+    };
+    let ledger = device.ledger();
+    assert_eq!(
+        ledger.quarantined, 2,
+        "the half-made prefix and the boundary's memory"
+    );
+    assert_eq!(
+        (ledger.owned_bytes, ledger.mapped_bytes),
+        (3 * g as u64, 2 * g as u64)
+    );
+    assert_eq!(binding.used(), 2 * g as u64);
+    faults.clear();
+    q.retry().unwrap();
+    device.retry_quarantine();
+    drop(binding);
+    assert!(device.ledger().is_zero());
+    assert!(faults.outstanding().is_zero());
+}

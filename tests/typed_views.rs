@@ -51,7 +51,10 @@ fn the_readable_prefix_states_lend_typed_views_of_the_shared_bytes() {
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
     let mut prefix = binding.reserve(2 * g).unwrap().commit_prefix().unwrap();
-    let words = bytemuck::cast_slice_mut::<u8, u32>(prefix.as_mut_slice().unwrap());
+    let words = prefix
+        .as_mut_slice_of::<u32>()
+        .expect("no sharer yet")
+        .unwrap();
     words.fill(0xabcd);
     assert_eq!(prefix.as_slice_of::<u32>().unwrap().len(), 2 * g / 4);
     let sharer = binding.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();

@@ -6,7 +6,7 @@ use crate::backend::Addr;
 use crate::backend::cuda::{CudaBackend, SysDriver};
 use crate::error::ViewError;
 use crate::page_pool::{Page, PageTable};
-use crate::sharing::Diverged;
+use crate::sharing::{Diverged, Owner};
 use crate::state::{Committed, Readable};
 use bytemuck::Pod;
 use cudarc::driver::sys::CUdeviceptr;
@@ -385,6 +385,29 @@ impl<S: Readable> Allocation<'_, '_, Gpu, S> {
     pub fn view<T: Pod>(&self, stream: &Arc<CudaStream>) -> Result<DeviceView<'_, T>, ViewError> {
         let backend = self.binding().device().backend();
         Span::lend::<T>(backend, self.addr(), self.len(), stream).map(DeviceView::new)
+    }
+}
+
+impl Allocation<'_, '_, Gpu, Owner> {
+    /// The prefix as elements of `T` on the device, writable, for work on `stream` (see
+    /// [`view`](Self::view)) — only while no sharer maps it (`None` otherwise), so the owner
+    /// can compute its prefix on the device before sharing it. Borrows the prefix mutably, so
+    /// no sharer maps it while the view lives; work through the view must be finished (or
+    /// ordered before the sharers' work) by the time they read it, as for any view.
+    ///
+    /// # Errors
+    ///
+    /// As for [`view`](Self::view).
+    pub fn view_mut<T: Pod>(
+        &mut self,
+        stream: &Arc<CudaStream>,
+    ) -> Option<Result<DeviceViewMut<'_, T>, ViewError>> {
+        if !self.parts_mut().is_unique() {
+            return None;
+        }
+        let backend = self.binding().device().backend();
+        let span = Span::lend::<T>(backend, self.addr(), self.len(), stream);
+        Some(span.map(DeviceViewMut::new))
     }
 }
 

@@ -7,6 +7,7 @@ use crate::allocation::Allocation;
 use crate::backend::HostVisible;
 use crate::error::ViewError;
 use crate::page_pool::{Page, PageTable};
+use crate::sharing::Owner;
 use crate::state::{Committed, Readable};
 use bytemuck::{Pod, PodCastError};
 
@@ -73,6 +74,18 @@ impl<B: HostVisible> Allocation<'_, '_, B, Committed> {
     /// As for [`as_slice_of`](Self::as_slice_of).
     pub fn as_mut_slice_of<T: Pod>(&mut self) -> Result<&mut [T], ViewError> {
         cast_mut(self.as_mut_slice())
+    }
+}
+
+impl<B: HostVisible> Allocation<'_, '_, B, Owner> {
+    /// The prefix as `T`s, writable — only while no sharer maps it (`None` otherwise), as for
+    /// [`as_mut_slice`](Allocation::as_mut_slice).
+    ///
+    /// # Errors
+    ///
+    /// As for [`as_slice_of`](Self::as_slice_of).
+    pub fn as_mut_slice_of<T: Pod>(&mut self) -> Option<Result<&mut [T], ViewError>> {
+        self.as_mut_slice().map(cast_mut)
     }
 }
 

@@ -43,9 +43,10 @@ const STICKY_ASSERT: &str = "sticky: the driver documentation says the context c
      relaunched)";
 /// `CUDA_ERROR_CONTEXT_IS_DESTROYED`.
 const GONE_DESTROYED: &str = "context gone: the context was destroyed (or the primary context \
-     is not initialized), so no call into it can succeed; the documentation has no sticky \
-     wording, but nothing brings a destroyed context back (the driver model's lost context \
-     returns this code to every call, and the backend relies on treating it as loss)";
+     is not initialized); not sticky (fact 35: the process may make a new context), but the \
+     handles, mappings and reservations went with the destroyed one (fact 45), so the safe \
+     reading is loss: no further call passes them on (a new primary context would not know \
+     them), and what they held is gone";
 /// `CUDA_ERROR_DEINITIALIZED`.
 const GONE_DEINITIALIZED: &str = "context gone: the driver is shutting down (deinitialized), \
      so no further call can succeed";
@@ -175,6 +176,7 @@ pub enum DriverCall {
     Init,
     DeviceGet,
     DeviceTotalMem,
+    DeviceCanAccessPeer,
     PrimaryCtxRetain,
     PrimaryCtxRelease,
     CtxSetCurrent,
@@ -199,10 +201,11 @@ pub enum DriverCall {
 
 impl DriverCall {
     /// Every kind, in a fixed order.
-    pub const ALL: [DriverCall; 23] = [
+    pub const ALL: [DriverCall; 24] = [
         Self::Init,
         Self::DeviceGet,
         Self::DeviceTotalMem,
+        Self::DeviceCanAccessPeer,
         Self::PrimaryCtxRetain,
         Self::PrimaryCtxRelease,
         Self::CtxSetCurrent,
@@ -273,6 +276,10 @@ pub trait Driver {
     fn device_get(&self, ordinal: i32) -> CuResult<i32>;
     /// `cuDeviceTotalMem`
     fn device_total_mem(&self, device: i32) -> CuResult<usize>;
+    /// `cuDeviceCanAccessPeer(&can, dev, peer)`: whether `dev` can directly access memory
+    /// on `peer` (`can == 1`). A `cuMemSetAccess` for a device other than the memory's own
+    /// is made only for a pair this returned `true` for (fact 32 of the CUDA facts sheet).
+    fn device_can_access_peer(&self, dev: i32, peer: i32) -> CuResult<bool>;
     /// `cuDevicePrimaryCtxRetain`
     fn primary_ctx_retain(&self, device: i32) -> CuResult<Context>;
     /// `cuDevicePrimaryCtxRelease`
@@ -293,8 +300,10 @@ pub trait Driver {
     /// `cuMemGetAllocationGranularity` for pinned device memory on `device`
     /// (`CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`).
     fn mem_get_allocation_granularity(&self, device: i32) -> CuResult<usize>;
-    /// `cuMemAddressReserve(size, alignment, 0, 0)`
-    fn mem_address_reserve(&self, size: usize, alignment: usize) -> CuResult<u64>;
+    /// `cuMemAddressReserve(size, alignment, hint, 0)`. A non-zero `hint` is only a hint: the
+    /// driver may place the reservation anywhere (fact 12 of the CUDA facts sheet), so the
+    /// caller must use the address returned, never assume the hint was honoured.
+    fn mem_address_reserve(&self, size: usize, alignment: usize, hint: u64) -> CuResult<u64>;
     /// `cuMemAddressFree`
     ///
     /// # Safety

@@ -14,6 +14,116 @@
 //! driver call at all: every call fails with [`Cause::ContextLost`] and
 //! [`Backend::context_lost`] is true, so the typed layer quarantines instead of calling, and
 //! residuals can be discharged with the proof.
+//!
+//! # The driver facts it relies on
+//!
+//! Each with its source (listed at the end). This section changes whenever a GPU run teaches
+//! something new: a GPU test that fails here means the backend, the model and this text are
+//! fixed together.
+//!
+//! **Streams and events.**
+//! - Fences record on stream 0, the *legacy* default stream: cudarc loads the plain driver
+//!   symbols, not the `_ptsz` ones, so 0 is never the per-thread stream. — `cuda.h`; cudarc
+//!   `driver/sys/mod.rs`.
+//! - The legacy stream waits for every *blocking* stream of its context, not for
+//!   `CU_STREAM_NON_BLOCKING` ones, and cudarc's `new_stream()` and `fork()` make non-blocking
+//!   streams. So a fence covers such a stream only once the backend learns of it (a view,
+//!   `cover`, [`cover_stream`](CudaBackend::cover_stream)). — SYNC; cudarc `core.rs`.
+//! - An event stands for the work its stream held when it was recorded; a never-recorded event
+//!   queries as complete. So a fence mark is recorded before it is ever queried. — EVENT.
+//! - Events are made with `CU_EVENT_DISABLE_TIMING`, the cheapest to query; destroying one
+//!   whose work is unfinished does not block. — EVENT.
+//! - `cuMemcpyHtoD` from pageable memory returns once the bytes are staged, and `cuMemcpyDtoD`
+//!   may return before it has copied: both run on the legacy stream, so the backend waits there
+//!   before a range they touch is free again. — API-SYNC.
+//!
+//! **VMM call rules.**
+//! - `cuMemAddressReserve`: size a multiple of the host page, alignment 0 or a power of two.
+//!   The backend always passes the granularity as the alignment, so it does not depend on the
+//!   undocumented default alignment. — VMM; PT (default in practice ≥ 2 MiB).
+//! - `cuMemCreate`: size a multiple of the *minimum* granularity; it maps nothing. The backend
+//!   sizes everything by the *recommended* granularity ("for best performance"), which must be
+//!   a multiple of the minimum (assumption 5 below). — VMM.
+//! - `cuMemMap`: an unmapped range inside one reservation; it grants no access. One handle may
+//!   be mapped at several addresses. The reference says the offset "currently must be zero",
+//!   and PyTorch finds mapped memory "cannot be split up": so **every map is a whole handle at
+//!   offset 0** (the strict reading). A shared prefix longer than one granule keeps its
+//!   boundary granule in a handle of its own: body and tail handles, mapped side by side. —
+//!   VMM; PG §14.5; PT.
+//! - `cuMemSetAccess` after every map (a new mapping has no access), one descriptor for this
+//!   device, read-write or read-only, over a fully mapped range. — VMM.
+//! - `cuMemUnmap` takes whole mappings, never a part, and leaves the range reserved. It does
+//!   not reliably wait for device work (PyTorch syncs first): the typed layer unmaps only after
+//!   the memory's fence has completed. — VMM; PT.
+//! - `cuMemRelease` is allowed while mapped; the memory goes with the last mapping and
+//!   reference. Releasing a stale handle is undefined behaviour, not an error: every handle is
+//!   checked against the backend's record first, and keyed by a serial, since the driver does
+//!   not promise fresh handle values. — VMM.
+//! - `cuMemAddressFree` takes exactly one reservation, with nothing mapped in it. — VMM;
+//!   PG §14.4.
+//!
+//! **Errors and fates** ([`CuError::fate`] holds the table).
+//! - Sticky — 700, 702, 714–719, 721, 226, 911, 810 ("the process must be terminated and
+//!   relaunched") and 710 ("the context cannot be used anymore"): the context is lost, and the
+//!   backend calls nothing more. — TYPES.
+//! - Gone — 709 `CONTEXT_IS_DESTROYED`, 4 `DEINITIALIZED`: no sticky wording, but no later call
+//!   can succeed; treated as loss. — TYPES.
+//! - Everything else is transient, 214 `ECC_UNCORRECTABLE`, 999 `UNKNOWN` and the capture
+//!   errors 900–908 included (whether 214 and 999 stick in practice is not documented).
+//!   — TYPES.
+//!
+//! **Primary context.** The backend retains the device's primary context and gives the retain back
+//! when dropped, or shares cudarc's (whose `CudaContext` retains and releases it); every call
+//! makes it current on the calling thread. A reset destroys all the device's resources in the
+//! process; whether VMM handles survive it is not documented, so the model drops them. After a
+//! sticky error the backend keeps its retain (it calls nothing). — PCTX; cudarc `core.rs`.
+//!
+//! **Capture.** The VMM calls take no stream and are never captured; whether they break another
+//! thread's global-mode capture is not documented (the model refuses them with 900 then).
+//! Recording a fence on the legacy stream is invalid while a *blocking* stream of the context
+//! captures (906, and that capture is invalidated); cudarc's streams are non-blocking. — STREAM;
+//! PG §6.2.8.7.3.
+//!
+//! # Assumptions not yet verified on a GPU
+//!
+//! What the backend relies on that no reference states. Each has a test in `tests/gpu.rs`
+//! (module `assumptions`), run against the real driver below the backend; none has run on a GPU
+//! yet.
+//!
+//! 1. Read-only access (`PROT_READ`) for the *owning* device works, for host and
+//!    device-to-device copies. Used by: prefix sharers, and copy-on-write copies from them.
+//!    Test: `gpu_read_only_access_for_the_owning_device`.
+//! 2. One `cuMemUnmap` covers several adjacent mappings (the samples do it). Used by: every
+//!    mapping of a prefix longer than one granule — the owner's, each sharer's, a diverged
+//!    one's — whose body and boundary are unmapped in one call (if a GPU refuses it, each of
+//!    their releases is quarantined). Test: `gpu_one_unmap_covers_adjacent_mappings`.
+//! 3. One `cuMemSetAccess` covers several adjacent mappings (the samples do it). Used by:
+//!    nothing yet, `map` grants access per mapping. Test:
+//!    `gpu_one_set_access_covers_adjacent_mappings`.
+//! 4. One copy may span adjacent mappings of different handles. Used by: copies and views over
+//!    a prefix's body and boundary. Test: `gpu_one_copy_spans_adjacent_mappings`.
+//! 5. The recommended granularity is a power of two and a multiple of the minimum granularity
+//!    and of the host page. Used by: every size, address and alignment. Test:
+//!    `gpu_recommended_granularity_is_a_power_of_two_multiple_of_the_minimum`.
+//! 6. A failed `cuMemSetAccess` is transient and leaves its mapping, without access, for a
+//!    rollback `cuMemUnmap`. Used by: `map`'s rollback. Test:
+//!    `gpu_a_failed_set_access_leaves_the_mapping_to_unmap`.
+//!
+//! Not relied on, so not tested: the default reservation alignment, access on part of a
+//! mapping, and a map at a non-zero offset.
+//!
+//! # Sources
+//!
+//! - VMM: CUDA Driver API, "Virtual Memory Management" (`cuMem*`), checked against `cuda.h`
+//!   12.6.3.
+//! - STREAM, EVENT, PCTX: CUDA Driver API, Stream, Event and Primary Context Management.
+//! - SYNC: CUDA Driver API, "Stream synchronization behavior"; API-SYNC: "API synchronization
+//!   behavior".
+//! - TYPES: the `CUresult` comments in `cuda.h` 12.6.3 (226 and 721 from 12.8).
+//! - PG: CUDA C++ Programming Guide (13.1, legacy edition), §6.2.8.7.3 (capture), §14 (VMM).
+//! - cudarc 0.19.10: `src/driver/safe/core.rs`, `src/driver/sys/mod.rs`.
+//! - PT: PyTorch, `c10/cuda/CUDACachingAllocator.cpp`.
+//! - Samples: NVIDIA `cuda-samples`, `vectorAddMMAP` and `memMapIPCDrv`.
 
 mod driver;
 mod model;
@@ -21,7 +131,7 @@ mod model;
 mod sys;
 
 pub use driver::{Context, CuError, CuResult, Driver, DriverCall, ErrorFate, Event, Stream};
-pub use model::{DriverModel, ModelConfig, ModelOutstanding};
+pub use model::{CaptureMode, DriverModel, ModelConfig, ModelOutstanding, Placement};
 #[cfg(feature = "cuda")]
 pub use sys::SysDriver;
 
@@ -102,11 +212,12 @@ pub enum CudaError {
 /// covered stream is unmapped only after that kernel's work has finished.
 ///
 /// **Other driver facts to know.** Every call makes this device's primary context current on
-/// the calling thread (and leaves it so). `cuMemUnmap` synchronizes with the device; the typed
-/// layer unmaps only after the memory's fence completed, so nothing is left to wait for, but a
-/// drop still makes that call. After a sticky error no call is made at all — so the primary
-/// context's retains are not released either; a process that wants the device back must reset
-/// it (`cuDevicePrimaryCtxReset`) itself.
+/// the calling thread (and leaves it so). `cuMemUnmap` does not wait for work in flight (a
+/// kernel still using the range faults with the sticky `CUDA_ERROR_ILLEGAL_ADDRESS`), so the
+/// typed layer unmaps only after the memory's fence completed: work on a stream the fence does
+/// not cover is the caller's to finish first. After a sticky error no call is made at all — so
+/// the primary context's retains are not released either; a process that wants the device back
+/// must reset it (`cuDevicePrimaryCtxReset`) itself.
 ///
 /// Its tokens lend typed views (feature `cuda`: `view::<T>(&stream)`, `view_mut`) that are
 /// cudarc device memory — `DeviceSlice`, `DevicePtr`, `DevicePtrMut` — for cudarc's copies and,
@@ -705,7 +816,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         check_address_space(len, self.address_space())?;
         let ptr = self
             .driver
-            .mem_address_reserve(len, self.granularity)
+            .mem_address_reserve(len, self.granularity, 0)
             .map_err(|e| self.fail(Op::Reserve, 0, len, e))?;
         s.book.apply_reserve(ptr as Addr, len);
         Ok(ptr as Addr)
@@ -846,7 +957,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
                 return Err(BackendError::refused(Op::Copy, src, len, v));
             }
             let scratch = d
-                .mem_address_reserve(span, self.granularity)
+                .mem_address_reserve(span, self.granularity, 0)
                 .map_err(fail)?;
             s.book.apply_reserve(scratch as Addr, span);
             // SAFETY: `scratch` is a reservation of `span` bytes made just above, nothing

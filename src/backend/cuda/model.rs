@@ -1,12 +1,47 @@
 //! [`DriverModel`]: the CUDA driver's VMM rules in pure Rust, so the CUDA backend's whole state
 //! machine runs in `cargo test` on any machine.
+//!
+//! Where the CUDA documentation is silent, the model takes the strictest reading the CUDA facts
+//! sheet (`CUDA-FACTS.md`) gives; each such rule names its fact number.
 
 use super::driver::{Context, CuError, CuResult, Driver, DriverCall, Event, Stream};
 use crate::backend::faults::FaultPlan;
 use crate::backend::rules::Book;
 use crate::backend::{Access, Addr, ConfigError, lock};
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::thread::ThreadId;
+
+/// Where the model places a reservation. A non-zero address passed to `cuMemAddressReserve` is
+/// only a hint, and the driver documents no placement (fact 12): the model ignores hints, and
+/// the backend must work wherever a reservation lands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Placement {
+    /// The lowest gap above the model's base: addresses rise, and a freed gap is filled first.
+    LowestFirst,
+    /// The highest gap below the top of the model's window: addresses fall.
+    TopDown,
+    /// Pseudo-random aligned places in the model's window, drawn from `seed` (the highest gap
+    /// when a few draws all collide).
+    Scattered {
+        /// The same seed gives the same places for the same calls.
+        seed: u64,
+    },
+}
+
+/// A stream capture's mode (`CUstreamCaptureMode`, fact 40), for
+/// [`DriverModel::begin_capture`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CaptureMode {
+    /// `CU_STREAM_CAPTURE_MODE_GLOBAL` (the default): while it is open, a potentially unsafe
+    /// call from any thread is refused.
+    Global,
+    /// `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`: only the capturing thread's own unsafe calls are
+    /// refused.
+    ThreadLocal,
+    /// `CU_STREAM_CAPTURE_MODE_RELAXED`: no call is refused for it.
+    Relaxed,
+}
 
 /// Settings of a [`DriverModel`].
 #[derive(Clone, Debug)]
@@ -22,6 +57,16 @@ pub struct ModelConfig {
     /// does. Default: false — the wait returns with the work complete, as if the GPU finished
     /// it meanwhile (so a test that never completes its work does not hang).
     pub synchronize_blocks: bool,
+    /// Where reservations land (fact 12). Default: [`Placement::Scattered`], so that nothing
+    /// comes to depend on where the driver places a reservation.
+    pub placement: Placement,
+    /// Devices: ordinals `0..devices`, not zero. Default: 1. Only device 0 has a (primary)
+    /// context in the model; the others can own memory (`cuMemCreate`) and be granted access
+    /// (`cuMemSetAccess`).
+    pub devices: i32,
+    /// The pairs `(dev, peer)` for which `cuDeviceCanAccessPeer(dev, peer)` says 1: `dev` can
+    /// access memory on `peer` (fact 32). Default: none.
+    pub peer_access: Vec<(i32, i32)>,
 }
 
 impl Default for ModelConfig {
@@ -31,6 +76,9 @@ impl Default for ModelConfig {
             total_mem: 16 << 30,
             events_complete_at_once: true,
             synchronize_blocks: false,
+            placement: Placement::Scattered { seed: 0x5eed },
+            devices: 1,
+            peer_access: Vec::new(),
         }
     }
 }
@@ -57,18 +105,80 @@ impl ModelOutstanding {
     }
 }
 
+/// The codes after which, by facts 33–34, "any further CUDA work will return the same error"
+/// (the documentation: the process must be terminated and relaunched; 710: the context cannot
+/// be used anymore). Exactly these are sticky in the model; it keeps its own list, so that it
+/// checks [`CuError::fate`] rather than agreeing with it by construction.
+const STICKY: [i32; 13] = [
+    700, 702, 714, 715, 716, 717, 718, 719, 911, 226, 721, // fact 33
+    710, 810, // fact 34
+];
+
+/// How the context (or the process) is lost.
+#[derive(Clone, Copy, Debug)]
+struct Lost {
+    /// What every affected call returns.
+    error: CuError,
+    /// Every call fails (a sticky error, or the driver deinitialized), not only those into the
+    /// context (a destroyed context: `CUDA_ERROR_CONTEXT_IS_DESTROYED`).
+    process_wide: bool,
+}
+
+/// One stream's work: how much was submitted and completed, the work not yet completed, and
+/// the first of it that an unmap pulled memory from under.
+#[derive(Debug, Default)]
+struct StreamWork {
+    submitted: u64,
+    completed: u64,
+    /// Each unfinished piece, in order.
+    pending: VecDeque<Work>,
+    /// The first unfinished piece that faults when it completes (fact 21).
+    doomed: Option<u64>,
+}
+
+/// A piece of work submitted on a stream.
+#[derive(Debug)]
+struct Work {
+    /// Its sequence number on its stream.
+    seq: u64,
+    /// The global epoch at submission: it may touch mappings given access before it.
+    epoch: u64,
+    /// The ranges it uses, if it named them (`submit_work_touching`); otherwise it may touch
+    /// any memory mapped with access.
+    touches: Option<Vec<(Addr, usize)>>,
+}
+
+/// An open stream capture.
+#[derive(Debug)]
+struct Capture {
+    mode: CaptureMode,
+    thread: ThreadId,
+    invalidated: bool,
+}
+
 #[derive(Debug)]
 struct ModelState {
     initialized: bool,
     retains: u32,
     current: bool,
-    lost: bool,
+    lost: Option<Lost>,
     calls_after_loss: u64,
     /// Reservations, allocations and mappings, allocations keyed by the model's own allocation
     /// number: a handle value names an allocation only until its release.
     book: Book<u64>,
+    /// Live reservations (start → length), for placing new ones.
+    placed: BTreeMap<Addr, usize>,
+    /// The state of the [`Placement::Scattered`] draw.
+    draw: u64,
     /// Mappings (by start) made but not yet given access: unusable until `cuMemSetAccess`.
     no_access: BTreeSet<Addr>,
+    /// Mappings (by start) given access: their length, and the work epoch when they first
+    /// got it (work submitted after that may touch them).
+    access_epoch: BTreeMap<Addr, (usize, u64)>,
+    /// The device that owns each allocation (by allocation number).
+    owners: HashMap<u64, i32>,
+    /// Answers of `cuDeviceCanAccessPeer` given so far, by `(dev, peer)`.
+    peers_asked: HashMap<(i32, i32), bool>,
     /// Live (not released) handle values → allocation number.
     handles: HashMap<u64, u64>,
     /// Released handle values, handed out again before new ones (the last released first).
@@ -83,14 +193,184 @@ struct ModelState {
     /// Destroyed event values, handed out again before new ones (the last destroyed first).
     free_events: Vec<Event>,
     next_event: Event,
-    /// Work per stream: (submitted, completed). Stream 0 is the legacy default stream; the
-    /// others are non-blocking (as cudarc's `new_stream()` makes them), so an event on one
-    /// stream covers nothing on another.
-    streams: HashMap<Stream, (u64, u64)>,
+    /// Work per stream. Stream 0 is the legacy default stream; the others are non-blocking (as
+    /// cudarc's `new_stream()` makes them), so an event on one stream covers nothing on another.
+    streams: HashMap<Stream, StreamWork>,
     next_stream: Stream,
+    /// Work submitted so far on all streams: each piece's epoch.
+    epoch: u64,
+    /// Open stream captures, by stream.
+    captures: HashMap<Stream, Capture>,
     log: Vec<DriverCall>,
     /// Calls counted (not those after the loss) and planned failures.
     faults: FaultPlan<DriverCall, CuError>,
+}
+
+impl ModelState {
+    fn lose(&mut self, error: CuError, process_wide: bool) {
+        if self.lost.is_none() {
+            self.lost = Some(Lost {
+                error,
+                process_wide,
+            });
+        }
+    }
+
+    /// The error every call now returns, if a fault surfaced.
+    fn check_lost(&self) -> CuResult<()> {
+        self.lost.map_or(Ok(()), |l| Err(l.error))
+    }
+
+    /// Submits one piece of work on `stream`, touching `touches` (`None`: anything mapped).
+    fn submit(&mut self, stream: Stream, touches: Option<Vec<(Addr, usize)>>) {
+        self.epoch += 1;
+        let epoch = self.epoch;
+        let work = self.streams.get_mut(&stream).expect("a known stream");
+        work.submitted += 1;
+        work.pending.push_back(Work {
+            seq: work.submitted,
+            epoch,
+            touches,
+        });
+    }
+
+    /// Completes the work on `stream` up to sequence number `upto`. Work an unmap pulled memory
+    /// from under faults as it completes: the context takes the sticky
+    /// `CUDA_ERROR_ILLEGAL_ADDRESS` (fact 21).
+    fn complete(&mut self, stream: Stream, upto: u64) {
+        let Some(work) = self.streams.get_mut(&stream) else {
+            return;
+        };
+        let upto = upto.min(work.submitted);
+        if upto <= work.completed {
+            return;
+        }
+        work.completed = upto;
+        while work.pending.front().is_some_and(|w| w.seq <= upto) {
+            work.pending.pop_front();
+        }
+        if work.doomed.is_some_and(|seq| seq <= upto) {
+            work.doomed = None;
+            self.lose(CuError::ILLEGAL_ADDRESS, true);
+        }
+    }
+
+    fn complete_all(&mut self) {
+        let all: Vec<(Stream, u64)> = self
+            .streams
+            .iter()
+            .map(|(&k, w)| (k, w.submitted))
+            .collect();
+        for (stream, upto) in all {
+            self.complete(stream, upto);
+        }
+    }
+
+    /// Fact 21: `cuMemUnmap` does not wait for work in flight. Work submitted on any stream
+    /// may touch any memory mapped with access when it was submitted (or, if it named its
+    /// ranges, those); each unfinished piece that may touch a mapping in `[addr, end)` faults
+    /// when it completes.
+    fn unmap_under_work(&mut self, addr: Addr, end: Addr) {
+        let granted: Vec<Addr> = self
+            .access_epoch
+            .range(addr..end)
+            .map(|(&a, _)| a)
+            .collect();
+        for start in granted {
+            let (len, since) = self.access_epoch.remove(&start).expect("listed");
+            let touched = |w: &Work| {
+                w.epoch > since
+                    && w.touches.as_ref().is_none_or(|ranges| {
+                        ranges
+                            .iter()
+                            .any(|&(a, n)| a < start + len && start < a + n)
+                    })
+            };
+            for work in self.streams.values_mut() {
+                if let Some(seq) = work.pending.iter().find(|w| touched(w)).map(|w| w.seq) {
+                    work.doomed = Some(work.doomed.map_or(seq, |d| d.min(seq)));
+                }
+            }
+        }
+    }
+
+    /// Facts 40–43: whether a potentially unsafe call (the VMM calls) from this thread is
+    /// refused by an open capture — any thread's GLOBAL capture, or this thread's own
+    /// non-relaxed one — and if so, invalidates those captures (fact 42: a call refused under
+    /// GLOBAL mode invalidates another thread's capture too).
+    fn refused_by_capture(&mut self) -> CuResult<()> {
+        let me = std::thread::current().id();
+        let mut refused = false;
+        for c in self.captures.values_mut() {
+            let bars = match c.mode {
+                CaptureMode::Global => true,
+                CaptureMode::ThreadLocal => c.thread == me,
+                CaptureMode::Relaxed => false,
+            };
+            if bars {
+                c.invalidated = true;
+                refused = true;
+            }
+        }
+        if refused {
+            Err(CuError::STREAM_CAPTURE_UNSUPPORTED)
+        } else {
+            Ok(())
+        }
+    }
+
+    /// A place for a reservation of `len` bytes aligned to `align`, by `placement`; `None`
+    /// when the model's window has no room.
+    fn place(&mut self, placement: Placement, len: usize, align: usize) -> Option<Addr> {
+        if len > VA_TOP - VA_BASE {
+            return None;
+        }
+        let fits = |placed: &BTreeMap<Addr, usize>, at: Addr| {
+            let before = placed.range(..at + len).next_back();
+            before.is_none_or(|(&start, &n)| start + n <= at)
+        };
+        let top_down = |placed: &BTreeMap<Addr, usize>| {
+            let mut candidate = (VA_TOP - len) & !(align - 1);
+            for (&start, &n) in placed.range(..VA_TOP).rev() {
+                if start >= candidate + len {
+                    continue;
+                }
+                if start + n <= candidate {
+                    break;
+                }
+                candidate = start.checked_sub(len)? & !(align - 1);
+            }
+            (candidate >= VA_BASE).then_some(candidate)
+        };
+        match placement {
+            Placement::LowestFirst => {
+                let mut candidate = VA_BASE;
+                for (&start, &n) in self.placed.range(VA_BASE..) {
+                    if start >= candidate + len {
+                        break;
+                    }
+                    candidate = (start + n).next_multiple_of(align);
+                }
+                (candidate + len <= VA_TOP).then_some(candidate)
+            }
+            Placement::TopDown => top_down(&self.placed),
+            Placement::Scattered { seed } => {
+                let slots = ((VA_TOP - VA_BASE - len) / align) as u64;
+                for _ in 0..16 {
+                    // SplitMix64.
+                    self.draw = self.draw.wrapping_add(0x9e37_79b9_7f4a_7c15);
+                    let mut z = (self.draw ^ seed).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+                    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+                    z ^= z >> 31;
+                    let at = VA_BASE + (z % (slots + 1)) as Addr * align;
+                    if fits(&self.placed, at) {
+                        return Some(at);
+                    }
+                }
+                top_down(&self.placed)
+            }
+        }
+    }
 }
 
 /// A strict model of the CUDA driver's VMM rules, events and context.
@@ -99,21 +379,46 @@ struct ModelState {
 /// current context, a reservation or mapping not aligned to the granularity, a free of
 /// anything but exactly a reservation or with mappings under it, a map over a mapping, an
 /// unmap of something not exactly mapped, an access change or copy on unmapped memory, a copy
-/// through memory without access, an unknown handle or event — because the CUDA backend must
-/// never make one. Releasing a handle while mapped is allowed, as in CUDA: the memory goes
-/// with its last unmap.
+/// through memory without access, an unknown handle or event, access for a peer device never
+/// asked about — because the CUDA backend must never make one. Releasing a handle while mapped
+/// is allowed, as in CUDA: the memory goes with its last unmap.
 ///
-/// It hands values out again on purpose, as the driver may (it promises no unique values): a
-/// released handle's value comes back from the next `cuMemCreate`, and a destroyed event's from
-/// the next `cuEventCreate`, the last given back first. A handle's value may come back while
-/// its old memory is still mapped: `cuMemRelease` may run while mapped, and nothing in the
-/// documentation keeps the value reserved until the last unmap, so the strictest reading is
-/// that it is free as soon as `cuMemRelease` returned.
+/// Where the documentation is silent it takes the strictest reading of the CUDA facts sheet:
+///
+/// - **Unmap under running work faults** (fact 21): `cuMemUnmap` does not wait. Work submitted
+///   on any stream ([`submit_work_on`](Self::submit_work_on), or a copy) may touch any memory
+///   mapped with access when it was submitted; if such a mapping is unmapped before the work
+///   completes, the context takes the sticky `CUDA_ERROR_ILLEGAL_ADDRESS` (700) when that work
+///   completes (or is synchronized). A mapping made after the work was submitted may be
+///   unmapped freely.
+/// - **Address hints are ignored** (fact 12): `cuMemAddressReserve` places a reservation by
+///   [`ModelConfig::placement`], never at the hint.
+/// - **Values come back** (fact 25): a released handle's value comes back from the next
+///   `cuMemCreate`, and a destroyed event's from the next `cuEventCreate`, the last given back
+///   first. A handle's value may come back while its old memory is still mapped: nothing in
+///   the documentation keeps it reserved until the last unmap, so it is free as soon as
+///   `cuMemRelease` returned.
+/// - **Exactly the sticky codes stick** (facts 33–35): after an injected 700, 702, 714–719,
+///   911, 226, 721, 710 or 810 every call returns that same code; after 4
+///   (`DEINITIALIZED`) every call returns 4; after 709 (`CONTEXT_IS_DESTROYED`, not sticky
+///   in the sheet's sense: the process could make a new context) the context is destroyed, and
+///   every call into it returns 709, while calls that need no context (`cuInit`,
+///   `cuDeviceGet`, `cuDeviceTotalMem`, `cuDeviceCanAccessPeer`) still succeed; every other
+///   code fails only its call.
+/// - **Captures refuse VMM calls** (facts 40–43): while a GLOBAL capture is open on any thread
+///   (or a THREAD_LOCAL one on the calling thread), `cuMemAddressReserve`,
+///   `cuMemAddressFree`, `cuMemCreate`, `cuMemRelease`, `cuMemMap`, `cuMemSetAccess`,
+///   `cuMemUnmap` and `cuCtxSynchronize` return `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` (900)
+///   with nothing changed, and invalidate that capture ([`end_capture`](Self::end_capture)
+///   then says so). RELAXED captures refuse nothing.
+/// - **Peer access only after asking** (fact 32): `cuMemSetAccess` for a device other than
+///   the one owning the memory panics unless `cuDeviceCanAccessPeer(device, owner)` was
+///   called, and returns `CUDA_ERROR_INVALID_DEVICE` (101) if that said 0.
 ///
 /// It fails on purpose where asked ([`fail_nth`](Self::fail_nth) with any `CUresult`), loses
-/// the context where asked ([`lose_context`](Self::lose_context): from then on every call
-/// returns `CUDA_ERROR_CONTEXT_IS_DESTROYED` and is counted in
-/// [`calls_after_loss`](Self::calls_after_loss)), and runs a stream whose recorded events
+/// the context where asked ([`lose_context`](Self::lose_context): from then on every call into
+/// the context returns `CUDA_ERROR_CONTEXT_IS_DESTROYED` and is counted in
+/// [`calls_after_loss`](Self::calls_after_loss)), and runs streams whose recorded events
 /// complete when told ([`complete_work`](Self::complete_work)). Clones share one model.
 #[derive(Clone, Debug)]
 pub struct DriverModel {
@@ -123,7 +428,9 @@ pub struct DriverModel {
     done: Arc<Condvar>,
 }
 
-const VA_BASE: Addr = 0x7f00_0000_0000;
+/// The model's VA window: `[VA_BASE, VA_TOP)`, 16 TiB to 128 TiB.
+const VA_BASE: Addr = 0x1000_0000_0000;
+const VA_TOP: Addr = 0x8000_0000_0000;
 
 fn misuse(call: DriverCall, what: impl std::fmt::Display) -> ! {
     panic!("DriverModel: illegal {call:?}: {what}")
@@ -134,19 +441,25 @@ impl DriverModel {
     ///
     /// # Errors
     ///
-    /// A [`ConfigError`] naming the setting if the granularity is not a power of two or the
-    /// device memory is zero.
+    /// A [`ConfigError`] naming the setting if the granularity is not a power of two, or the
+    /// device memory or the number of devices is zero.
     pub fn new(config: ModelConfig) -> Result<Self, ConfigError> {
         ConfigError::check_granularity(config.granularity)?;
         ConfigError::check_positive("device memory", config.total_mem as u64)?;
+        ConfigError::check_positive("devices", config.devices.max(0) as u64)?;
         let state = ModelState {
             initialized: false,
             retains: 0,
             current: false,
-            lost: false,
+            lost: None,
             calls_after_loss: 0,
             book: Book::new(config.granularity, true),
+            placed: BTreeMap::new(),
+            draw: 0,
             no_access: BTreeSet::new(),
+            access_epoch: BTreeMap::new(),
+            owners: HashMap::new(),
+            peers_asked: HashMap::new(),
             handles: HashMap::new(),
             free_handles: Vec::new(),
             next_handle: 1,
@@ -156,8 +469,10 @@ impl DriverModel {
             events: HashMap::new(),
             free_events: Vec::new(),
             next_event: 1,
-            streams: HashMap::from([(0, (0, 0))]),
+            streams: HashMap::from([(0, StreamWork::default())]),
             next_stream: 0x5000,
+            epoch: 0,
+            captures: HashMap::new(),
             log: Vec::new(),
             faults: FaultPlan::default(),
         };
@@ -175,17 +490,17 @@ impl DriverModel {
     /// Submits a copy as work on the legacy stream (completed at once in the model's default
     /// mode, where recorded work completes at once).
     fn enqueue_legacy(s: &mut ModelState, at_once: bool) {
-        let work = s.streams.get_mut(&0).expect("the legacy stream exists");
-        work.0 += 1;
+        s.submit(0, None);
         if at_once {
-            work.1 = work.0;
+            let upto = s.streams[&0].submitted;
+            s.complete(0, upto);
         }
     }
 
     /// Whether the work an event recorded has completed (a never-recorded event counts as
     /// done, as in CUDA).
     fn covered(s: &ModelState, recorded: Option<(Stream, u64)>) -> bool {
-        recorded.is_none_or(|(stream, at)| s.streams.get(&stream).is_none_or(|w| at <= w.1))
+        recorded.is_none_or(|(stream, at)| s.streams.get(&stream).is_none_or(|w| at <= w.completed))
     }
 
     /// Fails the `n`th call of kind `call` from now (`n = 1`: the next one) with `error`, once.
@@ -212,15 +527,21 @@ impl DriverModel {
         self.state().faults.clear();
     }
 
-    /// The context is lost (as after an illegal address in a kernel).
+    /// The context is destroyed: from now on every call into it returns
+    /// `CUDA_ERROR_CONTEXT_IS_DESTROYED`.
     pub fn lose_context(&self) {
-        self.state().lost = true;
+        self.state().lose(CuError::CONTEXT_IS_DESTROYED, false);
         self.done.notify_all();
     }
 
-    /// Calls made after the context was lost (each one fails).
+    /// Calls made after the context was lost (each one into the context fails).
     pub fn calls_after_loss(&self) -> u64 {
         self.state().calls_after_loss
+    }
+
+    /// The error that lost the context (or the process), if any: what calls into it return.
+    pub fn lost_with(&self) -> Option<CuError> {
+        self.state().lost.map(|l| l.error)
     }
 
     /// Submits work on the legacy default stream: events recorded on it from now on complete
@@ -229,12 +550,10 @@ impl DriverModel {
         self.submit_work_on(0);
     }
 
-    /// Completes all work submitted on every stream.
+    /// Completes all work submitted on every stream. Work whose memory was unmapped under it
+    /// faults (fact 21: see [`DriverModel`]).
     pub fn complete_work(&self) {
-        let mut s = self.state();
-        for (submitted, completed) in s.streams.values_mut() {
-            *completed = *submitted;
-        }
+        self.state().complete_all();
         self.done.notify_all();
     }
 
@@ -244,35 +563,96 @@ impl DriverModel {
         let mut s = self.state();
         let stream = s.next_stream;
         s.next_stream += 1;
-        s.streams.insert(stream, (0, 0));
+        s.streams.insert(stream, StreamWork::default());
         stream
     }
 
-    /// Submits work on `stream` (a kernel still running there).
+    /// Submits work on `stream` (a kernel still running there). It may touch any memory mapped
+    /// with access now (fact 21).
     ///
     /// # Panics
     ///
     /// If `stream` is not one of the model's.
     pub fn submit_work_on(&self, stream: Stream) {
         let mut s = self.state();
-        let Some(work) = s.streams.get_mut(&stream) else {
+        if !s.streams.contains_key(&stream) {
             panic!("DriverModel: no stream {stream:#x}");
-        };
-        work.0 += 1;
+        }
+        s.submit(stream, None);
     }
 
-    /// Completes the work submitted on `stream` so far.
+    /// Submits work on `stream` that uses only the ranges `touches` (a kernel given those
+    /// pointers): an unmap elsewhere does not fault it (fact 21).
+    ///
+    /// # Panics
+    ///
+    /// If `stream` is not one of the model's.
+    pub fn submit_work_touching(&self, stream: Stream, touches: &[(u64, usize)]) {
+        let mut s = self.state();
+        if !s.streams.contains_key(&stream) {
+            panic!("DriverModel: no stream {stream:#x}");
+        }
+        let touches = touches.iter().map(|&(a, n)| (a as Addr, n)).collect();
+        s.submit(stream, Some(touches));
+    }
+
+    /// Completes the work submitted on `stream` so far. Work whose memory was unmapped under it
+    /// faults (fact 21: see [`DriverModel`]).
     ///
     /// # Panics
     ///
     /// If `stream` is not one of the model's.
     pub fn complete_work_on(&self, stream: Stream) {
         let mut s = self.state();
-        let Some(work) = s.streams.get_mut(&stream) else {
+        let Some(work) = s.streams.get(&stream) else {
             panic!("DriverModel: no stream {stream:#x}");
         };
-        work.1 = work.0;
+        let upto = work.submitted;
+        s.complete(stream, upto);
         self.done.notify_all();
+    }
+
+    /// Begins a stream capture on `stream` in `mode` on the calling thread
+    /// (`cuStreamBeginCapture`; facts 40–43).
+    ///
+    /// # Panics
+    ///
+    /// If `stream` is not one of the model's, is the legacy stream (capture cannot start
+    /// there, fact 41), or is capturing already.
+    pub fn begin_capture(&self, stream: Stream, mode: CaptureMode) {
+        let mut s = self.state();
+        if stream == 0 || !s.streams.contains_key(&stream) {
+            panic!("DriverModel: cannot capture on stream {stream:#x}");
+        }
+        let capture = Capture {
+            mode,
+            thread: std::thread::current().id(),
+            invalidated: false,
+        };
+        if s.captures.insert(stream, capture).is_some() {
+            panic!("DriverModel: stream {stream:#x} is capturing already");
+        }
+    }
+
+    /// Ends the capture on `stream` (`cuStreamEndCapture`).
+    ///
+    /// # Errors
+    ///
+    /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` if a refused call invalidated it (the real call
+    /// then returns a NULL graph).
+    ///
+    /// # Panics
+    ///
+    /// If `stream` is not capturing.
+    pub fn end_capture(&self, stream: Stream) -> CuResult<()> {
+        let Some(capture) = self.state().captures.remove(&stream) else {
+            panic!("DriverModel: stream {stream:#x} is not capturing");
+        };
+        if capture.invalidated {
+            Err(CuError::STREAM_CAPTURE_INVALIDATED)
+        } else {
+            Ok(())
+        }
     }
 
     /// Every call received, in order.
@@ -302,16 +682,29 @@ impl DriverModel {
     /// current for calls that need one.
     fn enter(&self, call: DriverCall, needs_ctx: bool) -> CuResult<MutexGuard<'_, ModelState>> {
         let mut s = self.state();
-        if s.lost {
+        if let Some(lost) = s.lost {
             s.calls_after_loss += 1;
-            return Err(CuError::CONTEXT_IS_DESTROYED);
+            let into_ctx = needs_ctx
+                || matches!(
+                    call,
+                    DriverCall::PrimaryCtxRetain
+                        | DriverCall::PrimaryCtxRelease
+                        | DriverCall::CtxSetCurrent
+                );
+            if lost.process_wide || into_ctx {
+                return Err(lost.error);
+            }
         }
         s.log.push(call);
         if let Err(fault) = s.faults.enter(call) {
-            if fault.error.is_context_loss() {
-                s.lost = true; // a sticky error: the context is lost from this call on
+            // Facts 33–35: exactly the sticky codes stick.
+            let e = fault.error;
+            if STICKY.contains(&e.0) || e == CuError::DEINITIALIZED {
+                s.lose(e, true);
+            } else if e == CuError::CONTEXT_IS_DESTROYED {
+                s.lose(e, false);
             }
-            return Err(fault.error);
+            return Err(e);
         }
         if call != DriverCall::Init && !s.initialized {
             misuse(call, "cuInit was not called");
@@ -324,6 +717,12 @@ impl DriverModel {
 
     fn check<T>(call: DriverCall, r: Result<T, crate::backend::Violation>) -> T {
         r.unwrap_or_else(|v| misuse(call, v))
+    }
+
+    fn check_device(&self, call: DriverCall, device: i32) {
+        if !(0..self.config.devices).contains(&device) {
+            misuse(call, format_args!("unknown device {device}"));
+        }
     }
 
     /// The bytes behind `[addr, addr + len)`, which must be mapped with access, as
@@ -356,6 +755,19 @@ impl DriverModel {
         out
     }
 
+    /// The mappings exactly covering `[addr, addr + size)` (checked by the caller): (start,
+    /// length, allocation) each.
+    fn mappings_in(s: &ModelState, addr: Addr, size: usize) -> Vec<(Addr, usize, u64)> {
+        let mut out = Vec::new();
+        let mut at = addr;
+        while at < addr + size {
+            let (allocation, _, run, _) = s.book.resolve(at).expect("checked: mapped");
+            out.push((at, run, allocation));
+            at += run;
+        }
+        out
+    }
+
     fn read(s: &ModelState, allocation: u64, offset: usize, n: usize) -> Vec<u8> {
         s.contents
             .get(&allocation)
@@ -374,7 +786,7 @@ impl Default for DriverModel {
     }
 }
 
-/// The model's only context.
+/// The model's only context (device 0's primary context).
 const CTX: Context = 0xc0de;
 
 // The `unsafe fn`s need no `unsafe` here: the model checks every value it is given and panics on
@@ -387,22 +799,40 @@ impl Driver for DriverModel {
 
     fn device_get(&self, ordinal: i32) -> CuResult<i32> {
         let _s = self.enter(DriverCall::DeviceGet, false)?;
-        if ordinal == 0 {
-            Ok(0)
+        if (0..self.config.devices).contains(&ordinal) {
+            Ok(ordinal)
         } else {
             Err(CuError::INVALID_DEVICE)
         }
     }
 
-    fn device_total_mem(&self, _device: i32) -> CuResult<usize> {
+    fn device_total_mem(&self, device: i32) -> CuResult<usize> {
         let _s = self.enter(DriverCall::DeviceTotalMem, false)?;
+        self.check_device(DriverCall::DeviceTotalMem, device);
         Ok(self.config.total_mem)
+    }
+
+    /// Fact 32: says what [`ModelConfig::peer_access`] lists, and remembers that it was asked;
+    /// a device and itself are not peers (0).
+    fn device_can_access_peer(&self, dev: i32, peer: i32) -> CuResult<bool> {
+        let call = DriverCall::DeviceCanAccessPeer;
+        let mut s = self.enter(call, false)?;
+        let devices = 0..self.config.devices;
+        if !devices.contains(&dev) || !devices.contains(&peer) {
+            return Err(CuError::INVALID_DEVICE);
+        }
+        let can = dev != peer && self.config.peer_access.contains(&(dev, peer));
+        s.peers_asked.insert((dev, peer), can);
+        Ok(can)
     }
 
     fn primary_ctx_retain(&self, device: i32) -> CuResult<Context> {
         let mut s = self.enter(DriverCall::PrimaryCtxRetain, false)?;
         if device != 0 {
-            misuse(DriverCall::PrimaryCtxRetain, "unknown device");
+            misuse(
+                DriverCall::PrimaryCtxRetain,
+                "only device 0 has a context in the model",
+            );
         }
         s.retains += 1;
         Ok(CTX)
@@ -432,20 +862,34 @@ impl Driver for DriverModel {
         Ok(())
     }
 
-    fn mem_get_allocation_granularity(&self, _device: i32) -> CuResult<usize> {
+    fn mem_get_allocation_granularity(&self, device: i32) -> CuResult<usize> {
         let _s = self.enter(DriverCall::MemGetAllocationGranularity, true)?;
+        self.check_device(DriverCall::MemGetAllocationGranularity, device);
         Ok(self.config.granularity)
     }
 
-    fn mem_address_reserve(&self, size: usize, alignment: usize) -> CuResult<u64> {
+    /// Fact 12: the hint is ignored; the reservation lands where
+    /// [`ModelConfig::placement`] puts it. Fact 43: refused during a global capture.
+    fn mem_address_reserve(&self, size: usize, alignment: usize, hint: u64) -> CuResult<u64> {
         let call = DriverCall::MemAddressReserve;
         let mut s = self.enter(call, true)?;
         Self::check(call, s.book.check_reserve(size));
-        if !alignment.is_multiple_of(self.config.granularity) {
+        let g = self.config.granularity;
+        if !alignment.is_multiple_of(g) {
             misuse(call, "alignment is not a multiple of the granularity");
         }
-        let addr = s.book.lowest_gap(VA_BASE, size);
+        if !(hint as Addr).is_multiple_of(g) {
+            misuse(
+                call,
+                "the address hint is not a multiple of the granularity",
+            );
+        }
+        s.refused_by_capture()?;
+        let Some(addr) = s.place(self.config.placement, size, alignment.max(g)) else {
+            return Err(CuError::OUT_OF_MEMORY);
+        };
         s.book.apply_reserve(addr, size);
+        s.placed.insert(addr, size);
         Ok(addr as u64)
     }
 
@@ -453,7 +897,9 @@ impl Driver for DriverModel {
         let call = DriverCall::MemAddressFree;
         let mut s = self.enter(call, true)?;
         Self::check(call, s.book.check_free(ptr as Addr, size));
+        s.refused_by_capture()?;
         s.book.apply_free(ptr as Addr);
+        s.placed.remove(&(ptr as Addr));
         Ok(())
     }
 
@@ -461,9 +907,8 @@ impl Driver for DriverModel {
         let call = DriverCall::MemCreate;
         let mut s = self.enter(call, true)?;
         Self::check(call, s.book.check_create(size));
-        if device != 0 {
-            misuse(call, "unknown device");
-        }
+        self.check_device(call, device);
+        s.refused_by_capture()?;
         if s.used + size > self.config.total_mem {
             return Err(CuError::OUT_OF_MEMORY);
         }
@@ -478,6 +923,7 @@ impl Driver for DriverModel {
         s.next_allocation += 1;
         s.used += size;
         s.handles.insert(handle, allocation);
+        s.owners.insert(allocation, device);
         s.book.apply_create(allocation, size);
         Ok(handle)
     }
@@ -485,7 +931,7 @@ impl Driver for DriverModel {
     unsafe fn mem_release(&self, handle: u64) -> CuResult<()> {
         let call = DriverCall::MemRelease;
         let mut s = self.enter(call, true)?;
-        let Some(allocation) = s.handles.remove(&handle) else {
+        let Some(&allocation) = s.handles.get(&handle) else {
             misuse(call, "unknown or released handle");
         };
         let len = s
@@ -493,11 +939,14 @@ impl Driver for DriverModel {
             .phys_len(allocation)
             .expect("a live handle's allocation");
         Self::check(call, s.book.check_release(allocation, len));
+        s.refused_by_capture()?;
+        s.handles.remove(&handle);
         let mapped = s.book.is_mapped(allocation);
         s.book.apply_release(allocation);
         if !mapped {
             s.used -= len;
             s.contents.remove(&allocation);
+            s.owners.remove(&allocation);
         }
         // The value is free from now on, even while the memory stays mapped.
         s.free_handles.push(handle);
@@ -514,12 +963,17 @@ impl Driver for DriverModel {
             call,
             s.book.check_map(ptr as Addr, size, allocation, offset),
         );
+        s.refused_by_capture()?;
         s.book
             .apply_map(ptr as Addr, size, allocation, Access::ReadOnly);
         s.no_access.insert(ptr as Addr);
         Ok(())
     }
 
+    /// Fact 32: access for a device other than the memory's owner needs a
+    /// `cuDeviceCanAccessPeer(device, owner)` asked before (else misuse) that said 1 (else
+    /// `CUDA_ERROR_INVALID_DEVICE`). Fact 21: a mapping's first access starts the work that may
+    /// touch it. Fact 43: refused during a global capture.
     unsafe fn mem_set_access(
         &self,
         ptr: u64,
@@ -529,38 +983,73 @@ impl Driver for DriverModel {
     ) -> CuResult<()> {
         let call = DriverCall::MemSetAccess;
         let mut s = self.enter(call, true)?;
-        if device != 0 {
-            misuse(call, "unknown device");
-        }
-        let access = if read_write {
-            Access::ReadWrite
-        } else {
-            Access::ReadOnly
-        };
+        self.check_device(call, device);
         let (addr, end) = (ptr as Addr, ptr as Addr + size);
-        Self::check(call, s.book.set_access(addr, size, access));
-        let starts: Vec<Addr> = s.no_access.range(addr..end).copied().collect();
-        for start in starts {
-            s.no_access.remove(&start);
+        Self::check(call, s.book.check_unmap(addr, size));
+        let mappings = Self::mappings_in(&s, addr, size);
+        let mut refused = false;
+        for &(_, _, allocation) in &mappings {
+            let owner = s.owners[&allocation];
+            if owner == device {
+                continue;
+            }
+            match s.peers_asked.get(&(device, owner)) {
+                None => misuse(
+                    call,
+                    format_args!(
+                        "access for device {device} to memory on device {owner} without asking \
+                         cuDeviceCanAccessPeer({device}, {owner}) first"
+                    ),
+                ),
+                Some(false) => refused = true,
+                Some(true) => {}
+            }
+        }
+        if refused {
+            return Err(CuError::INVALID_DEVICE);
+        }
+        s.refused_by_capture()?;
+        // The context's own device (0) is the one whose copies the model checks: its access is
+        // what the record and `no_access` hold. A peer's grant changes neither.
+        if device == 0 {
+            let access = if read_write {
+                Access::ReadWrite
+            } else {
+                Access::ReadOnly
+            };
+            Self::check(call, s.book.set_access(addr, size, access));
+            let starts: Vec<Addr> = s.no_access.range(addr..end).copied().collect();
+            for start in starts {
+                s.no_access.remove(&start);
+            }
+        }
+        let epoch = s.epoch;
+        for (start, len, _) in mappings {
+            s.access_epoch.entry(start).or_insert((len, epoch));
         }
         Ok(())
     }
 
+    /// Fact 21: does not wait for work in flight; work that may touch the range faults when it
+    /// completes. Fact 43: refused during a global capture.
     unsafe fn mem_unmap(&self, ptr: u64, size: usize) -> CuResult<()> {
         let call = DriverCall::MemUnmap;
         let mut s = self.enter(call, true)?;
         let (addr, end) = (ptr as Addr, ptr as Addr + size);
         Self::check(call, s.book.check_unmap(addr, size));
+        s.refused_by_capture()?;
         for (allocation, len) in s.book.handles_in(addr, size) {
             // Memory released while mapped goes with its last mapping.
             s.used -= len;
             s.contents.remove(&allocation);
+            s.owners.remove(&allocation);
         }
         s.book.apply_unmap(addr, size);
         let starts: Vec<Addr> = s.no_access.range(addr..end).copied().collect();
         for start in starts {
             s.no_access.remove(&start);
         }
+        s.unmap_under_work(addr, end);
         Ok(())
     }
 
@@ -579,22 +1068,26 @@ impl Driver for DriverModel {
         }
         // The copy may run after the call returns: work on the legacy stream until completed.
         Self::enqueue_legacy(&mut s, self.config.events_complete_at_once);
-        Ok(())
+        s.check_lost()
     }
 
+    /// Fact 41: synchronizing the context of a capturing stream is refused (and invalidates
+    /// the capture).
     fn ctx_synchronize(&self) -> CuResult<()> {
         let mut s = self.enter(DriverCall::CtxSynchronize, true)?;
-        let idle = |s: &ModelState| s.streams.values().all(|&(sub, done)| done >= sub);
+        if !s.captures.is_empty() {
+            for c in s.captures.values_mut() {
+                c.invalidated = true;
+            }
+            return Err(CuError::STREAM_CAPTURE_UNSUPPORTED);
+        }
+        let idle = |s: &ModelState| s.streams.values().all(|w| w.completed >= w.submitted);
         while self.config.synchronize_blocks && !idle(&s) {
             s = self.done.wait(s).unwrap_or_else(|e| e.into_inner());
-            if s.lost {
-                return Err(CuError::CONTEXT_IS_DESTROYED);
-            }
+            s.check_lost()?;
         }
-        for (submitted, completed) in s.streams.values_mut() {
-            *completed = *submitted;
-        }
-        Ok(())
+        s.complete_all();
+        s.check_lost()
     }
 
     unsafe fn memcpy_htod(&self, dst: u64, src: &[u8]) -> CuResult<()> {
@@ -609,7 +1102,7 @@ impl Driver for DriverModel {
         // From pageable memory the DMA may still run after the call returns (the bytes are
         // staged): work on the legacy stream until completed.
         Self::enqueue_legacy(&mut s, self.config.events_complete_at_once);
-        Ok(())
+        s.check_lost()
     }
 
     unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> CuResult<()> {
@@ -639,7 +1132,7 @@ impl Driver for DriverModel {
     unsafe fn event_record(&self, event: Event, stream: Stream) -> CuResult<()> {
         let call = DriverCall::EventRecord;
         let mut s = self.enter(call, true)?;
-        let Some(&(submitted, _)) = s.streams.get(&stream) else {
+        let Some(submitted) = s.streams.get(&stream).map(|w| w.submitted) else {
             misuse(call, format_args!("unknown stream {stream:#x}"));
         };
         let Some(slot) = s.events.get_mut(&event) else {
@@ -647,9 +1140,10 @@ impl Driver for DriverModel {
         };
         *slot = Some((stream, submitted));
         if self.config.events_complete_at_once {
-            s.streams.get_mut(&stream).expect("checked").1 = submitted;
+            s.complete(stream, submitted);
+            self.done.notify_all();
         }
-        Ok(())
+        s.check_lost()
     }
 
     unsafe fn event_query(&self, event: Event) -> CuResult<bool> {
@@ -672,16 +1166,12 @@ impl Driver for DriverModel {
         // work completes now, as if the GPU had finished it during the wait.
         while self.config.synchronize_blocks && !Self::covered(&s, recorded) {
             s = self.done.wait(s).unwrap_or_else(|e| e.into_inner());
-            if s.lost {
-                return Err(CuError::CONTEXT_IS_DESTROYED);
-            }
+            s.check_lost()?;
         }
-        if let Some((stream, at)) = recorded
-            && let Some(work) = s.streams.get_mut(&stream)
-        {
-            work.1 = work.1.max(at);
+        if let Some((stream, at)) = recorded {
+            s.complete(stream, at);
         }
-        Ok(())
+        s.check_lost()
     }
 
     unsafe fn event_destroy(&self, event: Event) -> CuResult<()> {
@@ -735,7 +1225,7 @@ mod tests {
         // SAFETY: `ctx` was just retained from this model.
         unsafe { model.ctx_set_current(ctx) }.unwrap();
         let g = model.config.granularity;
-        let ptr = model.mem_address_reserve(2 * g, g).unwrap();
+        let ptr = model.mem_address_reserve(2 * g, g, 0).unwrap();
         let handle = model.mem_create(g, 0).unwrap();
         // SAFETY: the first granule of the fresh reservation is unmapped; `handle` is live and
         // one granule long.
@@ -777,7 +1267,7 @@ mod tests {
         // SAFETY: `ctx` was just retained from this model.
         unsafe { model.ctx_set_current(ctx) }.unwrap();
         let g = model.config.granularity;
-        let ptr = model.mem_address_reserve(g, g).unwrap();
+        let ptr = model.mem_address_reserve(g, g, 0).unwrap();
         let old = model.mem_create(g, 0).unwrap();
         let event = model.event_create().unwrap();
         // SAFETY: the fresh reservation is unmapped and `old` live; each value is given back

@@ -4,8 +4,10 @@ use super::CudaError;
 use super::driver::{Context, CuError, CuResult, Driver, Event, Stream};
 use cudarc::driver::sys;
 
-/// The real CUDA driver, loaded at run time by `cudarc`. Only [`CudaBackend::open`](super::CudaBackend::open)
-/// makes one, after checking that the library is present (calling into a missing one panics).
+/// The real CUDA driver, loaded at run time by `cudarc`. [`SysDriver::load`] makes one after
+/// checking that the library is present (calling into a missing one panics);
+/// [`CudaBackend::open`](super::CudaBackend::open) uses it, and so do the GPU tests that check
+/// the driver's behaviour below the backend.
 /// The driver does not promise to survive a stale or foreign handle, so every method that takes
 /// one is an `unsafe fn` whose contract is [`Driver`'s](Driver#safety); the backend upholds it
 /// by checking each handle against its record before the call.
@@ -52,12 +54,13 @@ fn pinned(device: i32) -> sys::CUmemAllocationProp {
 }
 
 impl SysDriver {
-    /// The real driver, if its library can be loaded on this machine.
+    /// The real driver, if its library can be loaded on this machine. Nothing is initialized:
+    /// call [`Driver::init`] first, and make a context current before the calls that need one.
     ///
     /// # Errors
     ///
     /// [`CudaError::NoDriver`] when it cannot.
-    pub(crate) fn load() -> Result<Self, CudaError> {
+    pub fn load() -> Result<Self, CudaError> {
         // SAFETY: `is_culib_present` only tries to open the driver library by its usual names.
         if unsafe { sys::is_culib_present() } {
             Ok(Self(()))
@@ -94,6 +97,13 @@ impl Driver for SysDriver {
         Ok(bytes)
     }
 
+    fn device_can_access_peer(&self, dev: i32, peer: i32) -> CuResult<bool> {
+        let mut can = 0;
+        // SAFETY: `can` outlives the call; the devices are plain ordinals the driver checks.
+        check(unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, peer) })?;
+        Ok(can == 1)
+    }
+
     fn primary_ctx_retain(&self, device: i32) -> CuResult<Context> {
         let mut ctx = std::ptr::null_mut();
         // SAFETY: `ctx` outlives the call.
@@ -119,10 +129,10 @@ impl Driver for SysDriver {
         Ok(granularity)
     }
 
-    fn mem_address_reserve(&self, size: usize, alignment: usize) -> CuResult<u64> {
+    fn mem_address_reserve(&self, size: usize, alignment: usize, hint: u64) -> CuResult<u64> {
         let mut ptr = 0;
-        // SAFETY: `ptr` outlives the call.
-        check(unsafe { sys::cuMemAddressReserve(&mut ptr, size, alignment, 0, 0) })?;
+        // SAFETY: `ptr` outlives the call; the hint is a plain address the driver may ignore.
+        check(unsafe { sys::cuMemAddressReserve(&mut ptr, size, alignment, hint, 0) })?;
         Ok(ptr)
     }
 

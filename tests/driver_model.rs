@@ -1,0 +1,504 @@
+//! The driver model's strictest readings of the CUDA facts sheet (`CUDA-FACTS.md`), one group
+//! per rule, each named by its fact number: the model refuses, faults or places as the sheet
+//! says it should, and the backend and the typed layer still lose nothing.
+
+use memtoken::backend::cuda::{
+    CaptureMode, CuError, CudaBackend, Driver, DriverCall, DriverModel, ErrorFate, ModelConfig,
+    ModelOutstanding, Placement,
+};
+use memtoken::{Budget, Device, make_guard};
+
+const G: usize = 2 << 20;
+
+fn config() -> ModelConfig {
+    ModelConfig::default()
+}
+
+/// A model with `config`, initialized, with its context retained and current.
+fn opened(config: ModelConfig) -> DriverModel {
+    let model = DriverModel::new(config).unwrap();
+    model.init().unwrap();
+    let ctx = model.primary_ctx_retain(0).unwrap();
+    // SAFETY: `ctx` was just retained from this model.
+    unsafe { model.ctx_set_current(ctx) }.unwrap();
+    model
+}
+
+/// Reserves, creates, maps and grants read-write access to `G` bytes on device 0; (address,
+/// handle).
+fn mapped(model: &DriverModel) -> (u64, u64) {
+    let ptr = model.mem_address_reserve(G, G, 0).unwrap();
+    let handle = model.mem_create(G, 0).unwrap();
+    // SAFETY: the fresh reservation is unmapped; `handle` is live and `G` bytes long; the
+    // mapping just made is exactly `[ptr, ptr + G)`.
+    unsafe {
+        model.mem_map(ptr, G, 0, handle).unwrap();
+        model.mem_set_access(ptr, G, 0, true).unwrap();
+    }
+    (ptr, handle)
+}
+
+fn backend(model: &DriverModel) -> CudaBackend<DriverModel> {
+    CudaBackend::new(model.clone(), 0).expect("the model opens device 0")
+}
+
+// ---- Fact 21: cuMemUnmap does not wait for work in flight. ----
+
+#[test]
+fn unmapping_memory_under_running_work_faults_when_the_work_completes() {
+    let model = opened(config());
+    let stream = model.new_stream();
+    let (ptr, handle) = mapped(&model);
+    model.submit_work_on(stream); // a kernel that may use `ptr`
+    // SAFETY: `[ptr, ptr + G)` is exactly one live mapping; `handle` is live.
+    unsafe {
+        model
+            .mem_unmap(ptr, G)
+            .expect("the unmap itself does not wait");
+        model.mem_release(handle).unwrap();
+    }
+    assert_eq!(model.lost_with(), None, "nothing has touched it yet");
+    model.complete_work_on(stream);
+    assert_eq!(
+        model.event_create().unwrap_err(),
+        CuError::ILLEGAL_ADDRESS,
+        "the kernel faulted on the unmapped range: the context is lost, sticky"
+    );
+    assert_eq!(model.device_get(0).unwrap_err(), CuError::ILLEGAL_ADDRESS);
+}
+
+#[test]
+fn synchronizing_work_whose_memory_was_unmapped_returns_illegal_address() {
+    let model = opened(ModelConfig {
+        events_complete_at_once: false,
+        ..config()
+    });
+    let (ptr, _handle) = mapped(&model);
+    model.submit_work();
+    let event = model.event_create().unwrap();
+    // SAFETY: `event` is live, stream 0 always is; `[ptr, ptr + G)` is exactly one mapping.
+    unsafe {
+        model.event_record(event, 0).unwrap();
+        model.mem_unmap(ptr, G).unwrap();
+        assert_eq!(
+            model.event_synchronize(event).unwrap_err(),
+            CuError::ILLEGAL_ADDRESS
+        );
+    }
+}
+
+#[test]
+fn memory_mapped_after_the_work_was_submitted_may_be_unmapped_under_it() {
+    let model = opened(config());
+    let stream = model.new_stream();
+    let (old, _) = mapped(&model);
+    model.submit_work_on(stream);
+    let (new, _) = mapped(&model); // given access after the kernel was launched
+    // SAFETY: `[new, new + G)` is exactly one live mapping.
+    unsafe { model.mem_unmap(new, G) }.unwrap();
+    // Work that named its ranges faults only on those.
+    model.submit_work_touching(stream, &[(old, G)]);
+    let (other, _) = mapped(&model);
+    model.submit_work_touching(stream, &[(old, G)]);
+    // SAFETY: as above.
+    unsafe { model.mem_unmap(other, G) }.unwrap();
+    model.complete_work_on(stream);
+    assert_eq!(model.lost_with(), None);
+    assert!(model.event_create().is_ok());
+}
+
+/// The backend never unmaps under work on a stream its fences cover; work on a stream it was
+/// never told of is the caller's to finish first, and the model shows what happens otherwise.
+#[test]
+fn a_kernel_on_an_uncovered_stream_faults_once_its_memory_is_released() {
+    let model = DriverModel::new(ModelConfig {
+        events_complete_at_once: false,
+        ..config()
+    })
+    .unwrap();
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let (covered, uncovered) = (model.new_stream(), model.new_stream());
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.cover_stream(covered) };
+    let a = binding.reserve(G).unwrap().commit().unwrap();
+    model.submit_work_on(covered);
+    drop(a);
+    assert_eq!(device.poll().deferred, 1, "waits for the covered stream");
+    model.complete_work_on(covered);
+    assert_eq!(device.poll().released, 1);
+    assert_eq!(model.lost_with(), None, "nothing was unmapped under it");
+
+    let b = binding.reserve(G).unwrap().commit().unwrap();
+    model.submit_work_on(uncovered);
+    let unmaps = model.count(DriverCall::MemUnmap);
+    drop(b);
+    device.poll();
+    assert_eq!(
+        model.count(DriverCall::MemUnmap),
+        unmaps + 1,
+        "released under the kernel"
+    );
+    model.complete_work_on(uncovered);
+    assert_eq!(model.lost_with(), Some(CuError::ILLEGAL_ADDRESS));
+    assert!(binding.reserve(G).is_err());
+    assert!(device.confirm_context_lost().is_some());
+}
+
+// ---- Fact 12: an address hint to cuMemAddressReserve may be ignored. ----
+
+const PLACEMENTS: [Placement; 5] = [
+    Placement::LowestFirst,
+    Placement::TopDown,
+    Placement::Scattered { seed: 1 },
+    Placement::Scattered { seed: 2 },
+    Placement::Scattered { seed: 0x5eed },
+];
+
+#[test]
+fn an_address_hint_is_ignored() {
+    for placement in PLACEMENTS {
+        let model = opened(ModelConfig {
+            placement,
+            ..config()
+        });
+        let first = model.mem_address_reserve(G, G, 0).unwrap();
+        let hint = first + 64 * G as u64; // free and aligned
+        let second = model.mem_address_reserve(G, G, hint).unwrap();
+        assert_ne!(second, hint, "{placement:?}");
+        assert_ne!(second, first, "{placement:?}");
+    }
+}
+
+#[test]
+fn by_default_reservations_do_not_land_in_the_lowest_gap() {
+    let model = opened(config());
+    let first = model.mem_address_reserve(G, G, 0).unwrap();
+    let second = model.mem_address_reserve(G, G, 0).unwrap();
+    assert_ne!(second, first + G as u64, "placed right after the first");
+    // SAFETY: `first` is exactly one live reservation with nothing mapped.
+    unsafe { model.mem_address_free(first, G) }.unwrap();
+    let third = model.mem_address_reserve(G, G, 0).unwrap();
+    assert_ne!(third, first, "the freed gap was filled first");
+}
+
+/// The whole typed cycle — commit, copies, sharing, copy-on-write, pages, release — works
+/// wherever the driver places reservations.
+#[test]
+fn the_backend_works_wherever_reservations_land() {
+    for placement in PLACEMENTS {
+        let model = DriverModel::new(ModelConfig {
+            placement,
+            ..config()
+        })
+        .unwrap();
+        make_guard!(guard);
+        let device = Device::new(guard, backend(&model));
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        let mut prefix = binding.reserve(2 * G).unwrap().commit_prefix().unwrap();
+        let filled = prefix.copy_from_host(G, &[7; 64]);
+        filled.expect("no sharer yet").unwrap();
+        let shared = binding.reserve(2 * G).unwrap().map_prefix(&prefix).unwrap();
+        let mut seen = [0; 64];
+        shared.copy_to_host(G, &mut seen).unwrap();
+        assert_eq!(seen, [7; 64], "{placement:?}");
+        let mut diverged = shared.diverge().unwrap();
+        diverged.copy_to_boundary(0, &[9; 8]).unwrap();
+        diverged.copy_to_host(G, &mut seen[..8]).unwrap();
+        assert_eq!(seen[..8], [9; 8], "{placement:?}");
+        make_guard!(pool_guard);
+        let pool = memtoken::PagePool::new(pool_guard, &binding, 4096).unwrap();
+        let mut table = pool.table();
+        pool.push(&mut table).unwrap();
+        table.copy_to_page(0, 0, &[5; 8]).unwrap();
+        drop(table);
+        drop(pool);
+        let a = binding.reserve(3 * G).unwrap().commit().unwrap();
+        a.release().complete().unwrap();
+        drop((diverged, prefix));
+        drop(binding);
+        assert!(device.close().is_clean(), "{placement:?}");
+        assert_eq!(model.outstanding(), ModelOutstanding::default());
+    }
+}
+
+// ---- Facts 33–35: exactly the sheet's sticky codes stick. ----
+
+/// Fact 33 and 34: "any further CUDA work will return the same error".
+const SHEET_STICKY: [i32; 13] = [
+    700, 702, 714, 715, 716, 717, 718, 719, 911, 226, 721, 710, 810,
+];
+/// Fact 35: no such wording (709 apart: see below).
+const SHEET_NOT_STICKY: [i32; 15] = [
+    214, 220, 999, 46, 701, 2, 600, 900, 901, 902, 903, 904, 905, 906, 907,
+];
+
+#[test]
+fn the_error_table_has_the_sheets_fates() {
+    for code in SHEET_STICKY {
+        assert_eq!(CuError(code).fate(), ErrorFate::Sticky, "{code}");
+    }
+    for code in SHEET_NOT_STICKY.into_iter().chain([908]) {
+        assert_eq!(CuError(code).fate(), ErrorFate::Transient, "{code}");
+    }
+    // 709 is not sticky (the process may make a new context), but the context that returned
+    // it is destroyed with everything in it: the backend takes it for loss, so that it never
+    // passes that context's handles on again (see the model's docs).
+    assert_eq!(CuError(709).fate(), ErrorFate::ContextGone);
+}
+
+#[test]
+fn the_model_makes_exactly_the_sheets_sticky_codes_sticky() {
+    let mut wrong = Vec::new();
+    for code in SHEET_STICKY
+        .into_iter()
+        .chain(SHEET_NOT_STICKY)
+        .chain([908, 709, 4])
+    {
+        let model = opened(config());
+        model.fail_nth(DriverCall::MemCreate, 1, CuError(code));
+        let first = model.mem_create(G, 0);
+        let (later, device) = (model.mem_create(G, 0).map(|_| ()), model.device_get(0));
+        let expected = if SHEET_STICKY.contains(&code) || code == 4 {
+            // Every later call, into the context or not, returns the same error.
+            (Err(CuError(code)), Err(CuError(code)))
+        } else if code == 709 {
+            // The context is destroyed: calls into it fail; the driver itself lives on.
+            (Err(CuError(code)), Ok(0))
+        } else {
+            (Ok(()), Ok(0))
+        };
+        if first != Err(CuError(code)) || (later, device) != expected {
+            wrong.push(format!(
+                "{code}: first {first:?}, then {later:?} and device_get {device:?}; \
+                 expected {expected:?}"
+            ));
+        }
+    }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
+}
+
+// ---- Facts 40–43: VMM calls are refused while a global capture is open. ----
+
+/// Each VMM call, made while a capture of `mode` is open: its result and whether the capture
+/// survived.
+fn vmm_calls_during_capture(mode: CaptureMode, other_thread: bool) -> Vec<(DriverCall, bool)> {
+    const CALLS: [DriverCall; 8] = [
+        DriverCall::MemAddressReserve,
+        DriverCall::MemAddressFree,
+        DriverCall::MemCreate,
+        DriverCall::MemRelease,
+        DriverCall::MemMap,
+        DriverCall::MemSetAccess,
+        DriverCall::MemUnmap,
+        DriverCall::CtxSynchronize,
+    ];
+    let mut out = Vec::new();
+    for call in CALLS {
+        // A fresh model for each call: an allowed call changes what the next would find.
+        let model = opened(config());
+        let stream = model.new_stream();
+        let (ptr, _) = mapped(&model);
+        let spare = model.mem_create(G, 0).unwrap();
+        let free = model.mem_address_reserve(G, G, 0).unwrap();
+        let make = || -> Result<(), CuError> {
+            // SAFETY (each call): the values are live and the ranges as the call requires.
+            unsafe {
+                match call {
+                    DriverCall::MemAddressReserve => model.mem_address_reserve(G, G, 0).map(drop),
+                    DriverCall::MemAddressFree => model.mem_address_free(free, G),
+                    DriverCall::MemCreate => model.mem_create(G, 0).map(drop),
+                    DriverCall::MemRelease => model.mem_release(spare),
+                    DriverCall::MemMap => model.mem_map(free, G, 0, spare),
+                    DriverCall::MemSetAccess => model.mem_set_access(ptr, G, 0, false),
+                    DriverCall::MemUnmap => model.mem_unmap(ptr, G),
+                    _ => model.ctx_synchronize(),
+                }
+            }
+        };
+        model.begin_capture(stream, mode);
+        let r = if other_thread {
+            std::thread::scope(|s| s.spawn(make).join().unwrap())
+        } else {
+            make()
+        };
+        let ended = model.end_capture(stream);
+        let refused = r == Err(CuError::STREAM_CAPTURE_UNSUPPORTED);
+        assert!(refused || r.is_ok(), "{call:?}: {r:?}");
+        assert_eq!(
+            ended.is_err(),
+            refused,
+            "{call:?}: a refused call invalidates the capture, an allowed one does not"
+        );
+        if refused {
+            assert_eq!(ended, Err(CuError::STREAM_CAPTURE_INVALIDATED));
+            assert_eq!(model.lost_with(), None, "900 is not sticky");
+        }
+        out.push((call, refused));
+    }
+    out
+}
+
+#[test]
+fn vmm_calls_are_refused_while_a_global_capture_is_open() {
+    for other_thread in [false, true] {
+        for (call, refused) in vmm_calls_during_capture(CaptureMode::Global, other_thread) {
+            assert!(refused, "{call:?} (other thread: {other_thread})");
+        }
+    }
+    // A thread-local capture bars only its own thread; a relaxed one bars nobody (except a
+    // context synchronize, which conflicts with any capture).
+    for (call, refused) in vmm_calls_during_capture(CaptureMode::ThreadLocal, false) {
+        assert!(refused, "{call:?}");
+    }
+    for (mode, other_thread) in [
+        (CaptureMode::ThreadLocal, true),
+        (CaptureMode::Relaxed, false),
+    ] {
+        for (call, refused) in vmm_calls_during_capture(mode, other_thread) {
+            assert_eq!(
+                refused,
+                call == DriverCall::CtxSynchronize,
+                "{mode:?} {call:?}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_commit_during_a_global_capture_is_refused_with_nothing_charged() {
+    let model = DriverModel::default();
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let reserved = binding.reserve(G).unwrap();
+    let stream = model.new_stream();
+    let held = model.outstanding();
+    model.begin_capture(stream, CaptureMode::Global);
+    let err = reserved.commit().unwrap_err();
+    assert!(
+        err.to_string().contains("STREAM_CAPTURE_UNSUPPORTED")
+            || format!("{err:?}").contains("900"),
+        "{err}"
+    );
+    assert_eq!(device.ledger().mapped_bytes, 0);
+    assert_eq!(device.ledger().owned_bytes, 0);
+    assert_eq!(model.outstanding(), held, "nothing created or mapped");
+    assert!(binding.reserve(G).is_err(), "a reservation is refused too");
+    assert_eq!(
+        model.end_capture(stream),
+        Err(CuError::STREAM_CAPTURE_INVALIDATED)
+    );
+    assert!(device.confirm_context_lost().is_none());
+    let a = err.into_token().commit().expect("after the capture");
+    a.release().complete().unwrap();
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert_eq!(model.outstanding(), ModelOutstanding::default());
+}
+
+#[test]
+fn a_release_during_a_global_capture_completes_after_it_and_loses_nothing() {
+    let model = DriverModel::default();
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(G).unwrap().commit().unwrap();
+    let b = binding.reserve(G).unwrap().commit().unwrap();
+    let stream = model.new_stream();
+    model.begin_capture(stream, CaptureMode::Global);
+    // An explicit release: refused by the driver, it comes back quarantined, still charged.
+    let q = match a.release().complete().map_err(|e| e.into_token()) {
+        Err(memtoken::Returned::Quarantined(q)) => q,
+        _ => panic!("released during the capture, or not quarantined"),
+    };
+    // A drop: deferred, then quarantined by the poll, still charged.
+    drop(b);
+    let p = device.poll();
+    assert_eq!(p.released, 0, "{p:?}");
+    assert_eq!(device.ledger().owned_bytes, 2 * G as u64);
+    assert_eq!(device.ledger().mapped_bytes, 2 * G as u64);
+    assert_eq!(model.outstanding().physical_bytes, 2 * G);
+    assert_eq!(
+        model.end_capture(stream),
+        Err(CuError::STREAM_CAPTURE_INVALIDATED)
+    );
+    assert!(device.confirm_context_lost().is_none());
+    // After the capture: both go.
+    q.retry().map_err(|e| e.to_string()).unwrap();
+    device.poll();
+    device.retry_quarantine();
+    assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert_eq!(model.outstanding(), ModelOutstanding::default());
+}
+
+// ---- Fact 32: access for a peer only after cuDeviceCanAccessPeer. ----
+
+fn two_devices(peer_access: Vec<(i32, i32)>) -> DriverModel {
+    opened(ModelConfig {
+        devices: 2,
+        peer_access,
+        ..config()
+    })
+}
+
+#[test]
+fn a_peer_gets_access_only_where_can_access_peer_said_1() {
+    let model = two_devices(vec![(1, 0)]);
+    assert_eq!(model.device_get(1), Ok(1));
+    assert_eq!(
+        model.device_can_access_peer(0, 1),
+        Ok(false),
+        "one way only"
+    );
+    assert_eq!(
+        model.device_can_access_peer(1, 1),
+        Ok(false),
+        "not its own peer"
+    );
+    assert_eq!(
+        model.device_can_access_peer(1, 2),
+        Err(CuError::INVALID_DEVICE)
+    );
+    assert_eq!(model.device_can_access_peer(1, 0), Ok(true));
+    let (ptr, _) = mapped(&model); // on device 0
+    // SAFETY: `[ptr, ptr + G)` is exactly one live mapping.
+    unsafe { model.mem_set_access(ptr, G, 1, false) }.expect("device 1 may read device 0's");
+    // Memory on device 1: device 0 asked, and was told no.
+    let far = model.mem_address_reserve(G, G, 0).unwrap();
+    let handle = model.mem_create(G, 1).unwrap();
+    // SAFETY: the fresh reservation is unmapped; `handle` is live and `G` long.
+    unsafe {
+        model.mem_map(far, G, 0, handle).unwrap();
+        assert_eq!(
+            model.mem_set_access(far, G, 0, true),
+            Err(CuError::INVALID_DEVICE)
+        );
+        model
+            .mem_set_access(far, G, 1, true)
+            .expect("its own device");
+    }
+    assert_eq!(model.lost_with(), None);
+}
+
+#[test]
+#[should_panic(expected = "without asking cuDeviceCanAccessPeer(1, 0) first")]
+fn access_for_a_peer_never_asked_about_is_misuse() {
+    let model = two_devices(vec![(1, 0)]);
+    let (ptr, _) = mapped(&model);
+    // SAFETY: `[ptr, ptr + G)` is exactly one live mapping (the model panics: see above).
+    let _ = unsafe { model.mem_set_access(ptr, G, 1, true) };
+}
+
+#[test]
+fn one_device_by_default() {
+    let model = opened(config());
+    assert_eq!(model.device_get(1), Err(CuError::INVALID_DEVICE));
+    assert_eq!(
+        model.device_can_access_peer(0, 1),
+        Err(CuError::INVALID_DEVICE)
+    );
+}

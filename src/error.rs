@@ -328,6 +328,12 @@ pub enum ShrinkFailure {
     /// The context is lost: no call was made, nothing was done.
     #[error("the region could not shrink; nothing was done")]
     Backend(#[source] BackendError),
+    /// Work that may still use the region's memory has not finished (its fence is pending), so
+    /// no granule may be unmapped yet (`cuMemUnmap` does not wait for it). Nothing was done.
+    #[error(
+        "work that may still use the region has not finished, so it cannot shrink yet; nothing was done: try again once it has (see Device::poll)"
+    )]
+    Pending,
     /// Unmapping `stuck` granules failed: the committed length shrank as asked, but those
     /// granules stay owned, charged and withheld in the region (it cannot grow over them) until
     /// [`Region::reclaim`](crate::Region::reclaim) frees them; the others were given back.

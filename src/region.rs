@@ -416,6 +416,15 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         device
             .ensure_live(Op::Unmap, end - granules * g, granules * g)
             .map_err(ShrinkFailure::Backend)?;
+        // Granules are unmapped below: not while work that may use them still runs (on any
+        // stream the backend's fences cover): the driver's unmap does not wait for it.
+        let backend = device.backend();
+        let fence = backend.fence();
+        let idle = backend.fence_done(&fence);
+        backend.retire_fence(fence);
+        if !idle {
+            return Err(ShrinkFailure::Pending);
+        }
         let mut back = GiveBack::new(device, binding);
         let mut failed = None;
         for _ in 0..granules {

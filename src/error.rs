@@ -261,6 +261,58 @@ pub enum ViewError {
     Stream(#[source] BackendError),
 }
 
+/// Why committed memory (an allocation or a region) could not be suspended.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SuspendFailure {
+    /// Work that may still use the memory has not finished (its fence is pending), so it cannot
+    /// be unmapped yet (`cuMemUnmap` does not wait for it). Nothing was done.
+    #[error(
+        "work that may still use the memory has not finished, so it cannot be unmapped yet; nothing was done: try again once it has (see Device::poll)"
+    )]
+    Pending,
+    /// The context is lost: no call was made, nothing was done.
+    #[error("the context is lost; nothing was done")]
+    Backend(#[source] BackendError),
+    /// Saving the bytes to the host failed. Nothing else was done: the memory is as it was.
+    #[error("saving the bytes to the host failed; nothing else was done")]
+    Save(#[source] BackendError),
+    /// Unmapping failed, so whether the memory is still mapped is unknown: it lends nothing any
+    /// more, and its remains are quarantined.
+    #[error(
+        "unmapping the memory failed, so whether it is still mapped is unknown: its remains are quarantined"
+    )]
+    Unmap(#[source] BackendError),
+}
+
+/// Why suspended memory could not be resumed. Whatever the cause, the token is still suspended,
+/// with its addresses and its saved bytes, and nothing new is charged — unless undoing a
+/// half-done resume failed too, and its remains are quarantined.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ResumeFailure {
+    /// The allocation's memory could not be committed again.
+    #[error("its memory could not be committed again; nothing stays mapped or charged")]
+    Commit(#[source] CommitFailure),
+    /// The region could not grow back to its suspended length (every granule this call mapped
+    /// was given back).
+    #[error("the region could not grow back to its suspended length")]
+    Grow(#[source] Box<GrowFailure>),
+    /// Restoring the saved bytes failed; the memory mapped for them was given back.
+    #[error("restoring the saved bytes failed; the memory mapped for them was given back")]
+    Restore(#[source] BackendError),
+    /// Restoring the saved bytes failed, and unmapping the memory mapped for them failed too:
+    /// the remains are quarantined (the saved bytes go with them).
+    #[error(
+        "restoring the saved bytes failed, and unmapping the memory mapped for them failed too ({rollback}): the remains are quarantined"
+    )]
+    RestoreUndo {
+        /// The failed restore.
+        #[source]
+        error: BackendError,
+        /// The failed unmap.
+        rollback: Box<BackendError>,
+    },
+}
+
 /// Why an elastic region could not grow. Whatever the cause, the region comes back with the
 /// committed length it had.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
@@ -375,6 +427,24 @@ impl sealed::Sealed for ShareFailure {}
 impl sealed::Sealed for CowFailure {}
 impl sealed::Sealed for ReleaseFailure {}
 impl sealed::Sealed for GrowFailure {}
+
+impl sealed::Sealed for SuspendFailure {}
+impl sealed::Sealed for ResumeFailure {}
+
+impl Failure for SuspendFailure {
+    fn summary(&self) -> &'static str {
+        match self {
+            Self::Pending => "the memory cannot be suspended yet",
+            Self::Backend(_) | Self::Save(_) | Self::Unmap(_) => "suspending the memory failed",
+        }
+    }
+}
+
+impl Failure for ResumeFailure {
+    fn summary(&self) -> &'static str {
+        "resuming the memory failed"
+    }
+}
 
 impl Failure for GrowFailure {
     fn summary(&self) -> &'static str {

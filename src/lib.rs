@@ -157,6 +157,7 @@ mod quarantine;
 mod region;
 mod residual;
 mod sharing;
+mod sleep;
 mod state;
 mod token;
 
@@ -165,7 +166,8 @@ pub use binding::Binding;
 pub use device::{CloseReport, Custody, Device, Progress};
 pub use error::{
     CommitFailure, CowFailure, Failure, GrowFailure, PoolError, ReleaseFailure, ReserveError,
-    Returned, ShareFailure, ShrinkFailure, TransitionError, ViewError,
+    ResumeFailure, Returned, ShareFailure, ShrinkFailure, SuspendFailure, TransitionError,
+    ViewError,
 };
 pub use generativity::{Guard, make_guard};
 pub use ids::{ContextLost, Generation, Released};
@@ -179,5 +181,8 @@ pub use residual::{Holdings, Residual};
 pub use sharing::{
     CowError, Diverged, DivergedMapping, Owner, Prefix, PrefixError, PrefixMapping, ShareError,
     Sharer, Sharing,
+};
+pub use sleep::{
+    ResumeError, SuspendError, Suspendable, Suspended, SuspendedAllocation, SuspendedRegion,
 };
 pub use state::{Committed, Live, Readable, Releasing, Reserved, State};

@@ -11,7 +11,7 @@ use crate::error::{CommitFailure, GrowFailure, ShrinkFailure, TransitionError};
 use crate::ledger::Axis;
 use crate::residual::{Granule, Held};
 use crate::state::{Internal, Live, Reserved, Retired, State, sealed::Sealed};
-use crate::token::{host_slice, host_slice_mut};
+use crate::token::{Core, host_slice, host_slice_mut};
 
 /// A failed [`grow`](Allocation::grow): the same region, with the committed length it had, and
 /// why.
@@ -87,8 +87,8 @@ pub enum Elastic {}
 /// of the range, and the granules withheld after a failed unmap.
 #[derive(Debug)]
 pub struct Granules<P> {
-    committed: Vec<P>,
-    stuck: Vec<Granule<P>>,
+    pub(crate) committed: Vec<P>,
+    pub(crate) stuck: Vec<Granule<P>>,
 }
 
 impl Sealed for Elastic {
@@ -410,7 +410,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             return Ok(());
         }
         let core = self.core();
-        let (binding, device) = (core.binding, core.device());
+        let device = core.device();
         let g = device.granularity();
         let end = core.addr + committed * g;
         device
@@ -425,6 +425,16 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         if !idle {
             return Err(ShrinkFailure::Pending);
         }
+        self.shrink_now(granules, false)
+    }
+
+    /// Unmaps the last `granules` committed granules (no more than are committed) and gives
+    /// them back; `fresh`: no work can have used them (mapped within the current call), so no
+    /// fence guards their reuse.
+    pub(crate) fn shrink_now(&mut self, granules: usize, fresh: bool) -> Result<(), ShrinkFailure> {
+        let core = self.core();
+        let (binding, device) = (core.binding, core.device());
+        let g = device.granularity();
         let mut back = GiveBack::new(device, binding);
         let mut failed = None;
         for _ in 0..granules {
@@ -438,7 +448,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             match device.backend().unmap(core.addr + offset, g) {
                 Ok(()) => {
                     device.refund(Axis::Mapped, g);
-                    back.give(phys, false);
+                    back.give(phys, fresh);
                 }
                 Err(e) => {
                     self.parts_mut().stuck.push(Granule {
@@ -470,40 +480,48 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// (nothing done) when the context is lost — its granules then go with the region's
     /// release, discharged with the device's quarantine.
     pub fn reclaim(&mut self) -> Result<(), ShrinkFailure> {
-        if self.withheld_granules() == 0 {
-            return Ok(());
-        }
         let core = self.core();
-        let (binding, device) = (core.binding, core.device());
-        device
-            .ensure_live(Op::Unmap, core.addr, core.len)
-            .map_err(ShrinkFailure::Backend)?;
-        let mut back = GiveBack::new(device, binding);
-        let mut failed = None;
-        let stuck = std::mem::take(&mut self.parts_mut().stuck);
-        for mut granule in stuck {
-            if granule.mapped {
-                if let Err(e) = device
-                    .backend()
-                    .unmap(core.addr + granule.offset, granule.len)
-                {
-                    self.parts_mut().stuck.push(granule);
-                    failed = Some(e);
-                    continue;
-                }
-                device.refund(Axis::Mapped, granule.len);
-                granule.mapped = false;
+        reclaim_withheld(core, &mut self.parts_mut().stuck)
+    }
+}
+
+/// Unmaps the granules of `core`'s range withheld in `stuck` after a failed unmap, and gives back
+/// those it can (to the cache, or released); the others stay in `stuck`.
+pub(crate) fn reclaim_withheld<B: Backend>(
+    core: Core<'_, '_, B>,
+    stuck: &mut Vec<Granule<B::Phys>>,
+) -> Result<(), ShrinkFailure> {
+    if stuck.is_empty() {
+        return Ok(());
+    }
+    let (binding, device) = (core.binding, core.device());
+    device
+        .ensure_live(Op::Unmap, core.addr, core.len)
+        .map_err(ShrinkFailure::Backend)?;
+    let mut back = GiveBack::new(device, binding);
+    let mut failed = None;
+    for mut granule in std::mem::take(stuck) {
+        if granule.mapped {
+            if let Err(e) = device
+                .backend()
+                .unmap(core.addr + granule.offset, granule.len)
+            {
+                stuck.push(granule);
+                failed = Some(e);
+                continue;
             }
-            back.give(granule.phys, false);
+            device.refund(Axis::Mapped, granule.len);
+            granule.mapped = false;
         }
-        back.finish();
-        match failed {
-            None => Ok(()),
-            Some(error) => Err(ShrinkFailure::Stuck {
-                stuck: self.withheld_granules(),
-                error,
-            }),
-        }
+        back.give(granule.phys, false);
+    }
+    back.finish();
+    match failed {
+        None => Ok(()),
+        Some(error) => Err(ShrinkFailure::Stuck {
+            stuck: stuck.len(),
+            error,
+        }),
     }
 }
 

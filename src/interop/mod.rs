@@ -11,7 +11,7 @@ pub use device::{DeviceView, DeviceViewMut};
 
 use crate::allocation::Allocation;
 use crate::backend::cuda::{CudaBackend, Driver};
-use crate::backend::{Addr, BackendError};
+use crate::backend::{Addr, Backend, BackendError};
 use crate::page_pool::PageTable;
 use crate::sharing::{Diverged, Owner};
 use crate::state::{Committed, Readable};

@@ -272,16 +272,16 @@ pub enum SuspendFailure {
     Pending,
     /// The context is lost: no call was made, nothing was done.
     #[error("the context is lost; nothing was done")]
-    Backend(#[source] BackendError),
+    Backend(#[source] Box<BackendError>),
     /// Saving the bytes to the host failed. Nothing else was done: the memory is as it was.
     #[error("saving the bytes to the host failed; nothing else was done")]
-    Save(#[source] BackendError),
+    Save(#[source] Box<BackendError>),
     /// Unmapping failed, so whether the memory is still mapped is unknown: it lends nothing any
     /// more, and its remains are quarantined.
     #[error(
         "unmapping the memory failed, so whether it is still mapped is unknown: its remains are quarantined"
     )]
-    Unmap(#[source] BackendError),
+    Unmap(#[source] Box<BackendError>),
 }
 
 /// Why suspended memory could not be resumed. Whatever the cause, the token is still suspended,
@@ -291,14 +291,14 @@ pub enum SuspendFailure {
 pub enum ResumeFailure {
     /// The allocation's memory could not be committed again.
     #[error("its memory could not be committed again; nothing stays mapped or charged")]
-    Commit(#[source] CommitFailure),
+    Commit(#[source] Box<CommitFailure>),
     /// The region could not grow back to its suspended length (every granule this call mapped
     /// was given back).
     #[error("the region could not grow back to its suspended length")]
     Grow(#[source] Box<GrowFailure>),
     /// Restoring the saved bytes failed; the memory mapped for them was given back.
     #[error("restoring the saved bytes failed; the memory mapped for them was given back")]
-    Restore(#[source] BackendError),
+    Restore(#[source] Box<BackendError>),
     /// Restoring the saved bytes failed, and unmapping the memory mapped for them failed too:
     /// the remains are quarantined (the saved bytes go with them).
     #[error(
@@ -307,7 +307,7 @@ pub enum ResumeFailure {
     RestoreUndo {
         /// The failed restore.
         #[source]
-        error: BackendError,
+        error: Box<BackendError>,
         /// The failed unmap.
         rollback: Box<BackendError>,
     },

@@ -170,7 +170,7 @@ fn prepare<B: Backend>(
     let device = core.device();
     device
         .ensure_live(Op::Unmap, core.addr, core.len)
-        .map_err(SuspendFailure::Backend)?;
+        .map_err(|e| SuspendFailure::Backend(Box::new(e)))?;
     if !idle(core) {
         return Err(SuspendFailure::Pending);
     }
@@ -181,7 +181,7 @@ fn prepare<B: Backend>(
     device
         .backend()
         .copy_to_host(&mut bytes, core.addr)
-        .map_err(SuspendFailure::Save)?;
+        .map_err(|e| SuspendFailure::Save(Box::new(e)))?;
     Ok(Some(bytes))
 }
 
@@ -236,7 +236,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
             let token = Returned::Quarantined(token);
             return Err(TransitionError {
                 token,
-                cause: SuspendFailure::Unmap(e),
+                cause: SuspendFailure::Unmap(Box::new(e)),
             });
         }
         device.refund(Axis::Mapped, len);
@@ -274,7 +274,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Committed>> {
             Ok(committed) => committed,
             Err(e) => {
                 let (core, ()) = e.token.into_core();
-                return back(core, asleep, ResumeFailure::Commit(e.cause));
+                return back(core, asleep, ResumeFailure::Commit(Box::new(e.cause)));
             }
         };
         let Some(bytes) = &asleep.saved else {
@@ -290,7 +290,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Committed>> {
         if let Err(rollback) = device.backend().unmap(core.addr, len) {
             let token = Quarantined::new(binding, core.residual(Held::committed(len, phys)));
             let cause = ResumeFailure::RestoreUndo {
-                error,
+                error: Box::new(error),
                 rollback: Box::new(rollback),
             };
             let token = Returned::Quarantined(token);
@@ -299,7 +299,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Committed>> {
         device.refund(Axis::Mapped, len);
         binding.refund(len);
         let _ = device.release_orphan(phys, len); // a failure is quarantined, still counted
-        back(core, asleep, ResumeFailure::Restore(error))
+        back(core, asleep, ResumeFailure::Restore(Box::new(error)))
     }
 }
 
@@ -423,6 +423,6 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Elastic>> {
         // Nothing can have used the memory mapped just now: shrink it back (a granule whose
         // unmap fails stays withheld).
         let _ = region.shrink_now(len / g, true);
-        asleep_again(region, saved, ResumeFailure::Restore(error))
+        asleep_again(region, saved, ResumeFailure::Restore(Box::new(error)))
     }
 }

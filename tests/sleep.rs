@@ -301,7 +301,11 @@ fn releasing_a_sleeping_token_frees_its_va_once() {
     drop(region.suspend().unwrap()); // dropped asleep: the device frees it
     assert_eq!(faults.calls(Op::Free), frees + 2);
     drop(binding);
-    assert_eq!(device.ledger().cached_bytes, g as u64, "its granule waits in the cache");
+    assert_eq!(
+        device.ledger().cached_bytes,
+        g as u64,
+        "its granule waits in the cache"
+    );
     device.trim_cache();
     assert!(device.ledger().is_zero());
     assert!(faults.outstanding().is_zero());

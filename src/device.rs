@@ -61,16 +61,6 @@ type Deferred<B> = (Residual<<B as Backend>::Phys>, <B as Backend>::Fence);
 /// The default cap of a device's granule cache, in granules (see [`Device::set_cache_cap`]).
 const DEFAULT_CACHE_GRANULES: u64 = 64;
 
-/// Physical granules given back by elastic regions, kept for reuse: owned, mapped nowhere,
-/// one granule each. Counted on the ledger's cached axis (and its owned axis).
-struct GranuleCache<B: Backend> {
-    /// Free for reuse now.
-    ready: Vec<B::Phys>,
-    /// Given back after work that may still use them (not [`Backend::IMMEDIATE`]): reused once
-    /// their fence has completed.
-    cooling: Vec<(B::Fence, Vec<B::Phys>)>,
-}
-
 /// One backend instance — a CUDA context, or the host — owning the VA bookkeeping, the byte
 /// ledger, the quarantine and the deferred-release queue.
 ///
@@ -119,7 +109,7 @@ pub struct Device<'id, B: Backend> {
     quarantine: Mutex<Vec<Residual<B::Phys>>>,
     deferred: Mutex<Vec<Deferred<B>>>,
     shared: SharedTotals,
-    cache: Mutex<GranuleCache<B>>,
+    cache: Mutex<Vec<B::Phys>>,
     /// Cap on the cache's bytes.
     cache_cap: AtomicU64,
     /// Cap on owned bytes across the whole device.
@@ -146,10 +136,7 @@ impl<'id, B: Backend> Device<'id, B> {
     /// The cached bytes count in `budget`, and are trimmed when a commit needs them.
     pub fn with_cache(guard: Guard<'id>, backend: B, budget: Budget, cache: Budget) -> Self {
         Self {
-            cache: Mutex::new(GranuleCache {
-                ready: Vec::new(),
-                cooling: Vec::new(),
-            }),
+            cache: Mutex::new(Vec::new()),
             cache_cap: AtomicU64::new(cache.limit()),
             brand: guard.into(),
             backend,
@@ -307,20 +294,16 @@ impl<'id, B: Backend> Device<'id, B> {
         self.ledger.snapshot().cached_bytes
     }
 
-    /// Releases every cached granule that no work can still use; returns the bytes released.
-    /// A granule whose release fails goes to the device's quarantine, still owned. Granules
-    /// whose fence is pending stay until it completes.
+    /// Releases every cached granule; returns the bytes released. A granule whose release fails
+    /// goes to the device's quarantine, still owned.
     pub fn trim_cache(&self) -> u64 {
         self.trim_cache_to(0)
     }
 
-    /// Takes a free granule from the cache, if there is one: owned, mapped nowhere, and no work
-    /// can still use it. Moves it off the cached axis; the owned axis keeps it.
+    /// Takes a granule from the cache, if there is one: owned, mapped nowhere, and no work can
+    /// still use it. Moves it off the cached axis; the owned axis keeps it.
     pub(crate) fn cache_take(&self) -> Option<B::Phys> {
-        let mut phys = lock(&self.cache).ready.pop();
-        if phys.is_none() && !B::IMMEDIATE && self.refresh_cache() {
-            phys = lock(&self.cache).ready.pop();
-        }
+        let phys = lock(&self.cache).pop();
         if phys.is_some() {
             self.refund(Axis::Cached, self.granularity());
         }
@@ -328,8 +311,7 @@ impl<'id, B: Backend> Device<'id, B> {
     }
 
     /// Makes room in the cache for one granule, if its cap allows (counted as cached from now
-    /// on): the caller then puts it there with [`cache_put`](Self::cache_put) or
-    /// [`cache_put_cooling`](Self::cache_put_cooling).
+    /// on): the caller then puts it there with [`cache_put`](Self::cache_put).
     pub(crate) fn cache_admit(&self) -> bool {
         let g = self.granularity() as u64;
         self.ledger
@@ -337,52 +319,24 @@ impl<'id, B: Backend> Device<'id, B> {
             .is_ok()
     }
 
-    /// Puts an admitted granule that no work can use any more into the cache.
+    /// Puts an admitted granule into the cache. No work may still use it: it was unmapped only
+    /// once no work covered by the backend's fences was pending (or mapped and unmapped within
+    /// one call), so it is free for reuse at once — on CUDA, the fence of its last use has
+    /// completed before it enters the cache.
     pub(crate) fn cache_put(&self, phys: B::Phys) {
-        lock(&self.cache).ready.push(phys);
+        lock(&self.cache).push(phys);
     }
 
-    /// Puts admitted granules whose last use may still be running into the cache, behind
-    /// `fence`.
-    pub(crate) fn cache_put_cooling(&self, fence: B::Fence, phys: Vec<B::Phys>) {
-        lock(&self.cache).cooling.push((fence, phys));
-    }
-
-    /// Moves the granules whose fence has completed to the ready list; whether any moved.
-    /// Fences are queried outside the lock.
-    fn refresh_cache(&self) -> bool {
-        let cooling = std::mem::take(&mut lock(&self.cache).cooling);
-        if cooling.is_empty() {
-            return false;
-        }
-        let (done, waiting): (Vec<_>, Vec<_>) = cooling
-            .into_iter()
-            .partition(|(fence, _)| self.backend.fence_done(fence));
-        let any = !done.is_empty();
-        let mut freed = Vec::new();
-        for (fence, phys) in done {
-            self.backend.retire_fence(fence);
-            freed.extend(phys);
-        }
-        let mut cache = lock(&self.cache);
-        cache.cooling.extend(waiting);
-        cache.ready.extend(freed);
-        any
-    }
-
-    /// Releases ready granules until the cache holds at most `keep` bytes (or none is ready);
-    /// returns the bytes that left the cache. No lock is held across a release.
+    /// Releases cached granules until the cache holds at most `keep` bytes; returns the bytes
+    /// that left the cache. No lock is held across a release.
     fn trim_cache_to(&self, keep: u64) -> u64 {
         if self.backend.context_lost() {
             return 0;
         }
         let g = self.granularity();
-        if !B::IMMEDIATE {
-            self.refresh_cache();
-        }
         let mut trimmed = 0;
         while self.cached_bytes() > keep {
-            let Some(phys) = lock(&self.cache).ready.pop() else {
+            let Some(phys) = lock(&self.cache).pop() else {
                 break;
             };
             self.refund(Axis::Cached, g);
@@ -404,21 +358,9 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// Forgets the cache without backend calls (the context is lost, and the driver freed it).
     fn forget_cache(&self) {
-        let (ready, cooling) = {
-            let mut cache = lock(&self.cache);
-            (
-                std::mem::take(&mut cache.ready),
-                std::mem::take(&mut cache.cooling),
-            )
-        };
-        let g = self.granularity();
-        let mut n = ready.len();
-        for (fence, phys) in cooling {
-            self.backend.retire_fence(fence);
-            n += phys.len();
-        }
-        self.refund(Axis::Cached, n * g);
-        self.refund(Axis::Owned, n * g);
+        let n = std::mem::take(&mut *lock(&self.cache)).len() * self.granularity();
+        self.refund(Axis::Cached, n);
+        self.refund(Axis::Owned, n);
     }
 
     // ---- crate-internal: what tokens call ----
@@ -632,19 +574,6 @@ impl<B: Backend> Drop for Device<'_, B> {
             self.backend.retire_fence(fence);
             if done {
                 self.teardown_or_quarantine(residual);
-            }
-        }
-        // Cached granules still behind a fence, likewise.
-        let cooling = std::mem::take(&mut lock(&self.cache).cooling);
-        let g = self.granularity();
-        for (fence, phys) in cooling {
-            let done = !self.backend.context_lost() && self.backend.wait_fence(&fence);
-            self.backend.retire_fence(fence);
-            for p in phys {
-                self.refund(Axis::Cached, g);
-                if done {
-                    let _ = self.release_orphan(p, g);
-                }
             }
         }
         if self.backend.context_lost() {

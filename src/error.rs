@@ -267,7 +267,7 @@ pub enum SuspendFailure {
     /// Work that may still use the memory has not finished (its fence is pending), so it cannot
     /// be unmapped yet (`cuMemUnmap` does not wait for it). Nothing was done.
     #[error(
-        "work that may still use the memory has not finished, so it cannot be unmapped yet; nothing was done: try again once it has (see Device::poll)"
+        "work that may still use the memory has not finished, so it cannot be unmapped yet; nothing was done: try again once that work has finished"
     )]
     Pending,
     /// The context is lost: no call was made, nothing was done.
@@ -383,7 +383,7 @@ pub enum ShrinkFailure {
     /// Work that may still use the region's memory has not finished (its fence is pending), so
     /// no granule may be unmapped yet (`cuMemUnmap` does not wait for it). Nothing was done.
     #[error(
-        "work that may still use the region has not finished, so it cannot shrink yet; nothing was done: try again once it has (see Device::poll)"
+        "work that may still use the region has not finished, so it cannot shrink yet; nothing was done: try again once that work has finished"
     )]
     Pending,
     /// Unmapping `stuck` granules failed: the committed length shrank as asked, but those

@@ -31,6 +31,11 @@ pub type GrowError<'b, 'id, B> = TransitionError<Region<'b, 'id, B>, GrowFailure
 ///   withheld, as above.
 /// - Budgets and the ledger move granule by granule: a committed granule is charged as owned and
 ///   mapped, and to the region's binding; a cached one is owned by the device alone.
+/// - Nothing is unmapped while work that may use the region still runs:
+///   [`shrink`](Allocation::shrink) and [`reclaim`](Allocation::reclaim) refuse with
+///   [`ShrinkFailure::Pending`] then.
+/// - Memory a growth maps is uninitialised: a granule from the cache keeps the bytes of its
+///   last use, by any region of the device.
 ///
 /// Host slices cover the committed part only and borrow the region, so it cannot shrink while
 /// one lives:
@@ -144,14 +149,12 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     }
 }
 
-/// Gives granules that a region no longer maps back to the device: to its cache while the cap
-/// allows (on a backend whose work runs asynchronously, behind one fence recorded after the work
-/// submitted so far), else released. Each one leaves the binding's budget.
+/// Gives granules that a region no longer maps, and that no work can still use, back to the
+/// device: to its cache while the cap allows, else released (a failure is quarantined). Each
+/// one leaves the binding's budget.
 struct GiveBack<'a, 'b, 'id, B: Backend> {
     device: &'a Device<'id, B>,
     binding: &'b Binding<'b, 'id, B>,
-    fence: Option<B::Fence>,
-    cooling: Vec<B::Phys>,
     quarantined: usize,
 }
 
@@ -160,37 +163,24 @@ impl<'a, 'b, 'id, B: Backend> GiveBack<'a, 'b, 'id, B> {
         Self {
             device,
             binding,
-            fence: None,
-            cooling: Vec::new(),
             quarantined: 0,
         }
     }
 
-    /// `phys`, unmapped, leaves the binding: cached or released. `fresh`: no work can have used
-    /// it (mapped and unmapped within one call), so it needs no fence.
-    fn give(&mut self, phys: B::Phys, fresh: bool) {
+    /// `phys`, unmapped and unused, leaves the binding: cached or released.
+    fn give(&mut self, phys: B::Phys) {
         let (device, g) = (self.device, self.device.granularity());
         self.binding.refund(g);
         if device.cache_admit() {
-            if B::IMMEDIATE || fresh {
-                device.cache_put(phys);
-            } else {
-                if self.fence.is_none() {
-                    self.fence = Some(device.backend().fence());
-                }
-                self.cooling.push(phys);
-            }
+            device.cache_put(phys);
         } else if device.release_orphan(phys, g).is_err() {
             // Quarantined in the device, still owned.
             self.quarantined += 1;
         }
     }
 
-    /// Puts the granules that wait for the fence into the cache; how many went to quarantine.
+    /// How many granules went to quarantine.
     fn finish(self) -> usize {
-        if let Some(fence) = self.fence {
-            self.device.cache_put_cooling(fence, self.cooling);
-        }
         self.quarantined
     }
 }
@@ -292,7 +282,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             if let Err(e) = backend.map(addr, g, phys, Access::ReadWrite) {
                 let mut back = GiveBack::new(device, binding);
                 if cached {
-                    back.give(phys, true);
+                    back.give(phys);
                 } else {
                     binding.refund(g);
                     back.quarantined += usize::from(device.release_orphan(phys, g).is_err());
@@ -349,7 +339,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
                 Ok(()) => {
                     device.refund(Axis::Mapped, g);
                     if i - start < from_cache {
-                        back.give(phys, true);
+                        back.give(phys);
                     } else {
                         binding.refund(g);
                         back.quarantined += usize::from(device.release_orphan(phys, g).is_err());
@@ -384,9 +374,10 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     }
 
     /// Shrinks the committed part by `granules` granules at its tail: each is unmapped and
-    /// given to the device's cache of physical granules (on a backend whose work runs
-    /// asynchronously, reused only once a fence recorded now has completed), or released when
-    /// the cache is full. Each one leaves the binding's budget and the mapped bytes.
+    /// given to the device's cache of physical granules, or released when the cache is full.
+    /// Each one leaves the binding's budget and the mapped bytes. Nothing is unmapped while work
+    /// that may use the region still runs (the driver's unmap does not wait for it), so a
+    /// cached granule is free for reuse at once: the fence of its last use has completed.
     ///
     /// A granule whose release fails goes to the device's quarantine, still owned (see
     /// [`Device::retry_quarantine`](crate::Device::retry_quarantine)); the shrink succeeds.
@@ -394,8 +385,9 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// # Errors
     ///
     /// [`ShrinkFailure::TooMany`] (nothing done) when fewer granules are committed;
-    /// [`ShrinkFailure::Backend`] (nothing done) when the context is lost;
-    /// [`ShrinkFailure::Stuck`] when some granules could not be unmapped: the committed part
+    /// [`ShrinkFailure::Pending`] (nothing done) while work covered by the backend's fences
+    /// may still use the memory; [`ShrinkFailure::Backend`] (nothing done) when the context is
+    /// lost; [`ShrinkFailure::Stuck`] when some granules could not be unmapped: the committed part
     /// shrank all the same, and those granules stay owned and withheld in the region until
     /// [`reclaim`](Self::reclaim) frees them.
     pub fn shrink(&mut self, granules: usize) -> Result<(), ShrinkFailure> {
@@ -416,22 +408,16 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         device
             .ensure_live(Op::Unmap, end - granules * g, granules * g)
             .map_err(ShrinkFailure::Backend)?;
-        // Granules are unmapped below: not while work that may use them still runs (on any
-        // stream the backend's fences cover): the driver's unmap does not wait for it.
-        let backend = device.backend();
-        let fence = backend.fence();
-        let idle = backend.fence_done(&fence);
-        backend.retire_fence(fence);
-        if !idle {
+        if !idle(core) {
             return Err(ShrinkFailure::Pending);
         }
-        self.shrink_now(granules, false)
+        self.shrink_now(granules)
     }
 
     /// Unmaps the last `granules` committed granules (no more than are committed) and gives
-    /// them back; `fresh`: no work can have used them (mapped within the current call), so no
-    /// fence guards their reuse.
-    pub(crate) fn shrink_now(&mut self, granules: usize, fresh: bool) -> Result<(), ShrinkFailure> {
+    /// them back. No work may still use them: the caller checked [`idle`], or mapped them
+    /// within the current call.
+    pub(crate) fn shrink_now(&mut self, granules: usize) -> Result<(), ShrinkFailure> {
         let core = self.core();
         let (binding, device) = (core.binding, core.device());
         let g = device.granularity();
@@ -448,7 +434,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             match device.backend().unmap(core.addr + offset, g) {
                 Ok(()) => {
                     device.refund(Axis::Mapped, g);
-                    back.give(phys, fresh);
+                    back.give(phys);
                 }
                 Err(e) => {
                     self.parts_mut().stuck.push(Granule {
@@ -476,13 +462,24 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     ///
     /// # Errors
     ///
-    /// [`ShrinkFailure::Stuck`] with the granules still withheld; [`ShrinkFailure::Backend`]
+    /// [`ShrinkFailure::Stuck`] with the granules still withheld; [`ShrinkFailure::Pending`]
+    /// (nothing done) while work may still use the memory; [`ShrinkFailure::Backend`]
     /// (nothing done) when the context is lost — its granules then go with the region's
     /// release, discharged with the device's quarantine.
     pub fn reclaim(&mut self) -> Result<(), ShrinkFailure> {
         let core = self.core();
         reclaim_withheld(core, &mut self.parts_mut().stuck)
     }
+}
+
+/// Whether no work that may use `core`'s memory still runs on any stream the backend's fences
+/// cover: before an unmap, which does not wait for it.
+pub(crate) fn idle<B: Backend>(core: Core<'_, '_, B>) -> bool {
+    let backend = core.backend();
+    let fence = backend.fence();
+    let done = backend.fence_done(&fence);
+    backend.retire_fence(fence);
+    done
 }
 
 /// Unmaps the granules of `core`'s range withheld in `stuck` after a failed unmap, and gives back
@@ -498,6 +495,10 @@ pub(crate) fn reclaim_withheld<B: Backend>(
     device
         .ensure_live(Op::Unmap, core.addr, core.len)
         .map_err(ShrinkFailure::Backend)?;
+    // Withheld granules lie past the committed part, but work may reach them all the same.
+    if !idle(core) {
+        return Err(ShrinkFailure::Pending);
+    }
     let mut back = GiveBack::new(device, binding);
     let mut failed = None;
     for mut granule in std::mem::take(stuck) {
@@ -513,7 +514,7 @@ pub(crate) fn reclaim_withheld<B: Backend>(
             device.refund(Axis::Mapped, granule.len);
             granule.mapped = false;
         }
-        back.give(granule.phys, false);
+        back.give(granule.phys);
     }
     back.finish();
     match failed {

@@ -9,7 +9,7 @@ use crate::backend::{Backend, Op};
 use crate::error::{ResumeFailure, Returned, ShrinkFailure, SuspendFailure, TransitionError};
 use crate::ledger::Axis;
 use crate::quarantine::Quarantined;
-use crate::region::{Elastic, Granules, reclaim_withheld};
+use crate::region::{Elastic, Granules, idle, reclaim_withheld};
 use crate::residual::{Granule, Held};
 use crate::state::{Committed, Internal, Live, Reserved, Retired, State, sealed::Sealed};
 use crate::token::Core;
@@ -148,16 +148,6 @@ impl<B: Backend, S: Suspendable> Allocation<'_, '_, B, Suspended<S>> {
     pub fn is_saved(&self) -> bool {
         self.parts().saved.is_some()
     }
-}
-
-/// Whether no work that may use `core`'s memory is still running (on any stream the backend's
-/// fences cover): the driver's unmap does not wait for it.
-fn idle<B: Backend>(core: Core<'_, '_, B>) -> bool {
-    let backend = core.backend();
-    let fence = backend.fence();
-    let done = backend.fence_done(&fence);
-    backend.retire_fence(fence);
-    done
 }
 
 /// The checks before a suspend of `len` committed bytes: the context lives, no work runs; then
@@ -346,7 +336,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             }
         };
         // Granules whose unmap fails are withheld in the region: they stay with it.
-        let _ = self.shrink_now(self.committed_granules(), false);
+        let _ = self.shrink_now(self.committed_granules());
         let (core, granules) = self.into_core();
         let asleep = Asleep {
             len,
@@ -422,7 +412,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Elastic>> {
         };
         // Nothing can have used the memory mapped just now: shrink it back (a granule whose
         // unmap fails stays withheld).
-        let _ = region.shrink_now(len / g, true);
+        let _ = region.shrink_now(len / g);
         asleep_again(region, saved, ResumeFailure::Restore(Box::new(error)))
     }
 }

@@ -21,7 +21,7 @@ use memtoken::backend::{
 use memtoken::{
     Allocation, Binding, Budget, CommitFailure, Committed, Device, DivergedMapping, GrowFailure,
     Prefix, PrefixMapping, Quarantined, Region, Releasing, Reserved, Returned, ShrinkFailure,
-    make_guard,
+    SuspendedAllocation, SuspendedRegion, make_guard,
 };
 use proptest::prelude::*;
 
@@ -55,6 +55,10 @@ enum Step {
     Shrink(usize, usize),
     /// A region retries its withheld granules.
     Reclaim(usize),
+    /// A committed allocation or a region is suspended, its bytes saved or not.
+    Suspend(usize, bool),
+    /// A suspended token resumes.
+    Resume(usize),
     /// The device trims its granule cache.
     TrimCache,
     /// The device's cache cap becomes 0-3 granules.
@@ -89,6 +93,8 @@ fn step() -> impl Strategy<Value = Step> {
         3 => (any::<usize>(), 1usize..4).prop_map(|(i, n)| Step::Grow(i, n)),
         3 => (any::<usize>(), 1usize..4).prop_map(|(i, n)| Step::Shrink(i, n)),
         1 => any::<usize>().prop_map(Step::Reclaim),
+        2 => (any::<usize>(), any::<bool>()).prop_map(|(i, save)| Step::Suspend(i, save)),
+        2 => any::<usize>().prop_map(Step::Resume),
         1 => Just(Step::TrimCache),
         1 => (0u64..4).prop_map(Step::CacheCap),
     ]
@@ -118,6 +124,9 @@ enum Token<'b, 'id, B: Backend> {
     /// Body byte, private boundary byte.
     Diverged(DivergedMapping<'b, 'id, B>, u8, u8),
     Region(Region<'b, 'id, B>),
+    /// A suspended allocation, and the byte it held if it was saved.
+    Asleep(SuspendedAllocation<'b, 'id, B>, Option<u8>),
+    AsleepRegion(SuspendedRegion<'b, 'id, B>),
 }
 
 /// The kind of token a release started from.
@@ -318,6 +327,21 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                         };
                         Some(Token::Releasing(r.release(), from))
                     }
+                    Token::Asleep(t, _) => {
+                        let from = From::Region {
+                            mapped: 0,
+                            owned: 0,
+                        };
+                        Some(Token::Releasing(t.release(), from))
+                    }
+                    Token::AsleepRegion(t) => {
+                        let stuck = t.withheld_granules() * t.binding().device().granularity();
+                        let from = From::Region {
+                            mapped: stuck,
+                            owned: stuck,
+                        };
+                        Some(Token::Releasing(t.release(), from))
+                    }
                     Token::Releasing(t, from) => match t.complete().map_err(|e| e.into_token()) {
                         Ok(_) => None,
                         Err(Returned::Unchanged(t)) => Some(Token::Releasing(t, from)),
@@ -410,6 +434,91 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                     }
                 }
             }
+            Step::Suspend(i, save) => {
+                let Some(i) = pick(i) else { return };
+                let next = match self.tokens.swap_remove(i) {
+                    Token::Committed(a, fill) => {
+                        let addr = a.addr();
+                        let done = if save {
+                            a.suspend_saving()
+                        } else {
+                            a.suspend()
+                        };
+                        match done.map_err(|e| e.into_token()) {
+                            Ok(t) => {
+                                assert_eq!(t.addr(), addr, "the VA stays");
+                                Token::Asleep(t, save.then_some(fill))
+                            }
+                            Err(Returned::Unchanged(a)) => Token::Committed(a, fill),
+                            Err(Returned::Quarantined(q)) => Token::Quarantined(q),
+                        }
+                    }
+                    Token::Region(r) => {
+                        let (addr, len) = (r.addr(), r.committed_len());
+                        let done = if save {
+                            r.suspend_saving()
+                        } else {
+                            r.suspend()
+                        };
+                        match done.map_err(|e| e.into_token()) {
+                            Ok(t) => {
+                                assert_eq!((t.addr(), t.suspended_len()), (addr, len));
+                                Token::AsleepRegion(t)
+                            }
+                            Err(Returned::Unchanged(r)) => {
+                                assert_eq!(r.committed_len(), len, "unchanged");
+                                Token::Region(r)
+                            }
+                            Err(Returned::Quarantined(q)) => Token::Quarantined(q),
+                        }
+                    }
+                    other => other,
+                };
+                self.tokens.push(next);
+            }
+            Step::Resume(i) => {
+                let Some(i) = pick(i) else { return };
+                let next = match self.tokens.swap_remove(i) {
+                    Token::Asleep(t, saved) => {
+                        let (addr, generation) = (t.addr(), t.generation());
+                        match t.resume().map_err(|e| e.into_token()) {
+                            Ok(mut a) => {
+                                assert_eq!((a.addr(), a.generation()), (addr, generation));
+                                // Unsaved bytes are not kept: the model fills them anew.
+                                let fill = saved.unwrap_or_else(|| {
+                                    if let Some(bytes) = self.memory.committed(&mut a) {
+                                        bytes.fill(0);
+                                    }
+                                    0
+                                });
+                                Token::Committed(a, fill)
+                            }
+                            Err(Returned::Unchanged(t)) => {
+                                assert_eq!(t.addr(), addr);
+                                assert_eq!(t.is_saved(), saved.is_some(), "saved bytes kept");
+                                Token::Asleep(t, saved)
+                            }
+                            Err(Returned::Quarantined(q)) => Token::Quarantined(q),
+                        }
+                    }
+                    Token::AsleepRegion(t) => {
+                        let (addr, len) = (t.addr(), t.suspended_len());
+                        match t.resume().map_err(|e| e.into_token()) {
+                            Ok(r) => {
+                                assert_eq!((r.addr(), r.committed_len()), (addr, len));
+                                Token::Region(r)
+                            }
+                            Err(Returned::Unchanged(t)) => {
+                                assert_eq!((t.addr(), t.suspended_len()), (addr, len));
+                                Token::AsleepRegion(t)
+                            }
+                            Err(Returned::Quarantined(q)) => Token::Quarantined(q),
+                        }
+                    }
+                    other => other,
+                };
+                self.tokens.push(next);
+            }
             Step::TrimCache => {
                 self.device.trim_cache();
             }
@@ -437,6 +546,8 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                         Token::Prefix(p, _) => Some((p.addr() as u64, p.len())),
                         Token::Shared(m, _) => Some((m.addr() as u64, m.len())),
                         Token::Diverged(d, ..) => Some((d.addr() as u64, d.len())),
+                        // A kernel may reach past the committed part, to withheld granules.
+                        Token::Region(r) => Some((r.addr() as u64, r.len())),
                         _ => None,
                     })
                     .collect();
@@ -476,6 +587,11 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                 Token::Region(r) => {
                     // Withheld granules stay mapped, owned and charged.
                     let n = r.committed_len() + r.withheld_granules() * g;
+                    ((r.addr(), r.len()), n, n, n, true, false)
+                }
+                Token::Asleep(a, _) => ((a.addr(), a.len()), 0, 0, 0, true, false),
+                Token::AsleepRegion(r) => {
+                    let n = r.withheld_granules() * g;
                     ((r.addr(), r.len()), n, n, n, true, false)
                 }
                 Token::Quarantined(q) => {
@@ -522,6 +638,8 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                 Token::Shared(m, _) => m.binding(),
                 Token::Diverged(d, _, _) => d.binding(),
                 Token::Region(r) => r.binding(),
+                Token::Asleep(a, _) => a.binding(),
+                Token::AsleepRegion(r) => r.binding(),
                 Token::Quarantined(q) => q.binding(),
             };
             if std::ptr::eq(binding, self.sharer) {
@@ -719,9 +837,11 @@ impl Memory<Cuda> for CudaMemory {
     }
     fn driver_fault(&self, which: usize, n: u64) {
         let call = DriverCall::ALL[which % DriverCall::ALL.len()];
-        // One fault in eight is a sticky error: the context is lost from that call on.
+        // One fault in eight is a sticky error: the context is lost from that call on. Not
+        // ILLEGAL_ADDRESS, which only the model's own fault may raise: memory unmapped under a
+        // running kernel, which the typed layer must never do.
         let error = if which.is_multiple_of(8) {
-            CuError::ILLEGAL_ADDRESS
+            CuError::LAUNCH_FAILED
         } else {
             CuError::OUT_OF_MEMORY
         };
@@ -758,6 +878,11 @@ fn run_cuda(steps: &[Step]) {
         model.calls_after_loss(),
         0,
         "a driver call followed a sticky error"
+    );
+    assert_ne!(
+        model.lost_with(),
+        Some(CuError::ILLEGAL_ADDRESS),
+        "memory was unmapped under a running kernel"
     );
     if !lost {
         let held = model.outstanding();

@@ -447,3 +447,40 @@ fn on_cuda_a_region_shrinks_only_once_work_that_may_use_it_has_finished() {
     model.complete_work();
     assert!(device.close().is_clean());
 }
+
+/// Withheld granules are unmapped by `reclaim` only once no work may use them: the strict model
+/// faults the context (sticky 700) when memory goes under a running kernel.
+#[test]
+fn on_cuda_reclaim_waits_for_work_that_may_use_the_withheld_granules() {
+    let model = DriverModel::new(ModelConfig {
+        events_complete_at_once: false,
+        ..ModelConfig::default()
+    })
+    .unwrap();
+    setup!(CudaBackend::new(model.clone(), 0).unwrap(), device, faults);
+    let g = device.granularity();
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding
+        .reserve(4 * g)
+        .unwrap()
+        .into_region()
+        .grow(3)
+        .unwrap();
+    faults.fail_nth(Op::Unmap, 1);
+    assert!(matches!(region.shrink(1), Err(ShrinkFailure::Stuck { .. })));
+    assert_eq!(region.withheld_granules(), 1);
+    model.submit_work(); // a kernel that may reach the withheld granule
+    assert!(matches!(region.reclaim(), Err(ShrinkFailure::Pending)));
+    assert_eq!(
+        region.withheld_granules(),
+        1,
+        "nothing was unmapped under it"
+    );
+    model.complete_work();
+    region.reclaim().unwrap();
+    assert_eq!(region.withheld_granules(), 0);
+    drop(region);
+    drop(binding);
+    assert!(model.lost_with().is_none(), "no kernel faulted");
+    assert!(device.close().is_clean());
+}

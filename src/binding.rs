@@ -71,13 +71,27 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
     /// Charges `n` owned bytes to this binding's budget and the device's (and so to the
     /// ledger's owned axis), before the memory is created; or says which budget refuses.
     pub(crate) fn charge(&self, n: usize) -> Result<(), CommitFailure> {
+        self.charge_budget(n)?;
+        // Cached granules count in the device's budget: trim them when they stand in the way.
+        let device = self.device;
+        device
+            .charge_owned(n)
+            .or_else(|e| match e {
+                CommitFailure::DeviceBudget { .. } if device.make_room(n) => device.charge_owned(n),
+                e => Err(e),
+            })
+            .inspect_err(|_| self.refund(n))
+    }
+
+    /// Charges `n` bytes to this binding's budget alone: memory the device already owns (a
+    /// cached granule) that one of its tokens takes over.
+    pub(crate) fn charge_budget(&self, n: usize) -> Result<(), CommitFailure> {
         let requested = n as u64;
         try_add(&self.used, requested, self.limit).map_err(|used| CommitFailure::Budget {
             requested,
             used,
             limit: self.limit,
-        })?;
-        self.device.charge_owned(n).inspect_err(|_| self.refund(n))
+        })
     }
 
     /// Undoes [`charge`](Self::charge) when the memory could not be created.

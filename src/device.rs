@@ -58,6 +58,9 @@ impl CloseReport {
 
 type Deferred<B> = (Residual<<B as Backend>::Phys>, <B as Backend>::Fence);
 
+/// The default cap of a device's granule cache, in granules (see [`Device::set_cache_cap`]).
+const DEFAULT_CACHE_GRANULES: u64 = 64;
+
 /// One backend instance — a CUDA context, or the host — owning the VA bookkeeping, the byte
 /// ledger, the quarantine and the deferred-release queue.
 ///
@@ -106,6 +109,9 @@ pub struct Device<'id, B: Backend> {
     quarantine: Mutex<Vec<Residual<B::Phys>>>,
     deferred: Mutex<Vec<Deferred<B>>>,
     shared: SharedTotals,
+    cache: Mutex<Vec<B::Phys>>,
+    /// Cap on the cache's bytes.
+    cache_cap: AtomicU64,
     /// Cap on owned bytes across the whole device.
     limit: u64,
     closed: bool,
@@ -119,8 +125,19 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// A device whose owned bytes, over all its bindings and its shared physical memory, stay
     /// within `budget` — shared memory is counted once, whichever tokens still map it.
+    /// Its granule cache holds at most 64 granules.
     pub fn with_budget(guard: Guard<'id>, backend: B, budget: Budget) -> Self {
+        let cache = backend.granularity() as u64 * DEFAULT_CACHE_GRANULES;
+        Self::with_cache(guard, backend, budget, Budget::bytes(cache))
+    }
+
+    /// A device as [`with_budget`](Self::with_budget) makes it, whose cache of physical
+    /// granules holds at most `cache` bytes (see [`set_cache_cap`](Self::set_cache_cap)).
+    /// The cached bytes count in `budget`, and are trimmed when a commit needs them.
+    pub fn with_cache(guard: Guard<'id>, backend: B, budget: Budget, cache: Budget) -> Self {
         Self {
+            cache: Mutex::new(Vec::new()),
+            cache_cap: AtomicU64::new(cache.limit()),
             brand: guard.into(),
             backend,
             ledger: Ledger::default(),
@@ -220,6 +237,7 @@ impl<'id, B: Backend> Device<'id, B> {
         let quarantined = std::mem::take(&mut *lock(&self.quarantine));
         let deferred = std::mem::take(&mut *lock(&self.deferred));
         let n = quarantined.len() + deferred.len();
+        self.forget_cache();
         for residual in quarantined {
             self.ledger.refund(Axis::Quarantined, 1);
             self.forget_residual(residual);
@@ -241,6 +259,7 @@ impl<'id, B: Backend> Device<'id, B> {
 
     fn shutdown(&self) -> CloseReport {
         self.poll();
+        self.trim_cache();
         let progress = self.retry_quarantine();
         CloseReport {
             ledger: self.ledger(),
@@ -254,6 +273,94 @@ impl<'id, B: Backend> Device<'id, B> {
             quarantined: lock(&self.quarantine).len(),
             deferred: lock(&self.deferred).len(),
         }
+    }
+
+    // ---- the cache of physical granules ----
+
+    /// Bytes the cache may hold at most.
+    pub fn cache_cap(&self) -> u64 {
+        self.cache_cap.load(Ordering::Relaxed)
+    }
+
+    /// Sets the cache's cap to `bytes` (0: no cache, every granule an elastic region gives
+    /// back is released at once), and trims the cache down to it.
+    pub fn set_cache_cap(&self, bytes: u64) {
+        self.cache_cap.store(bytes, Ordering::Relaxed);
+        self.trim_cache_to(bytes);
+    }
+
+    /// Bytes in the cache now (also [`LedgerSnapshot::cached_bytes`]).
+    pub fn cached_bytes(&self) -> u64 {
+        self.ledger.snapshot().cached_bytes
+    }
+
+    /// Releases every cached granule; returns the bytes released. A granule whose release fails
+    /// goes to the device's quarantine, still owned.
+    pub fn trim_cache(&self) -> u64 {
+        self.trim_cache_to(0)
+    }
+
+    /// Takes a granule from the cache, if there is one: owned, mapped nowhere, and no work can
+    /// still use it. Moves it off the cached axis; the owned axis keeps it.
+    pub(crate) fn cache_take(&self) -> Option<B::Phys> {
+        let phys = lock(&self.cache).pop();
+        if phys.is_some() {
+            self.refund(Axis::Cached, self.granularity());
+        }
+        phys
+    }
+
+    /// Makes room in the cache for one granule, if its cap allows (counted as cached from now
+    /// on): the caller then puts it there with [`cache_put`](Self::cache_put).
+    pub(crate) fn cache_admit(&self) -> bool {
+        let g = self.granularity() as u64;
+        self.ledger
+            .try_charge(Axis::Cached, g, self.cache_cap())
+            .is_ok()
+    }
+
+    /// Puts an admitted granule into the cache. No work may still use it: it was unmapped only
+    /// once no work covered by the backend's fences was pending (or mapped and unmapped within
+    /// one call), so it is free for reuse at once — on CUDA, the fence of its last use has
+    /// completed before it enters the cache.
+    pub(crate) fn cache_put(&self, phys: B::Phys) {
+        lock(&self.cache).push(phys);
+    }
+
+    /// Releases cached granules until the cache holds at most `keep` bytes; returns the bytes
+    /// that left the cache. No lock is held across a release.
+    fn trim_cache_to(&self, keep: u64) -> u64 {
+        if self.backend.context_lost() {
+            return 0;
+        }
+        let g = self.granularity();
+        let mut trimmed = 0;
+        while self.cached_bytes() > keep {
+            let Some(phys) = lock(&self.cache).pop() else {
+                break;
+            };
+            self.refund(Axis::Cached, g);
+            let _ = self.release_orphan(phys, g); // a failure is quarantined, still owned
+            trimmed += g as u64;
+        }
+        trimmed
+    }
+
+    /// Trims the cache so that `n` more owned bytes fit in the device's budget, if cached
+    /// bytes stand in the way; whether any were trimmed.
+    pub(crate) fn make_room(&self, n: usize) -> bool {
+        let ledger = self.ledger.snapshot();
+        let over = (ledger.owned_bytes + n as u64).saturating_sub(self.limit);
+        over > 0
+            && ledger.cached_bytes > 0
+            && self.trim_cache_to(ledger.cached_bytes.saturating_sub(over)) > 0
+    }
+
+    /// Forgets the cache without backend calls (the context is lost, and the driver freed it).
+    fn forget_cache(&self) {
+        let n = std::mem::take(&mut *lock(&self.cache)).len() * self.granularity();
+        self.refund(Axis::Cached, n);
+        self.refund(Axis::Owned, n);
     }
 
     // ---- crate-internal: what tokens call ----
@@ -305,6 +412,11 @@ impl<'id, B: Backend> Device<'id, B> {
             self.refund(Axis::Mapped, h.mapped);
             h.mapped = 0;
         }
+        for granule in h.granules.iter_mut().filter(|g| g.mapped) {
+            self.backend.unmap(r.addr + granule.offset, granule.len)?;
+            self.refund(Axis::Mapped, granule.len);
+            granule.mapped = false;
+        }
         if let Some(shared) = h.shared.take() {
             self.unshare(shared);
         }
@@ -312,6 +424,11 @@ impl<'id, B: Backend> Device<'id, B> {
             self.backend.release(phys, len)?;
             h.phys = None;
             self.refund(Axis::Owned, len);
+        }
+        while let Some(&granule) = h.granules.last() {
+            self.backend.release(granule.phys, granule.len)?;
+            h.granules.pop();
+            self.refund(Axis::Owned, granule.len);
         }
         if h.reserved {
             self.backend.free(r.addr, r.len)?;
@@ -399,7 +516,8 @@ impl<'id, B: Backend> Device<'id, B> {
     /// Refunds every part of a residual whose context is lost, without backend calls.
     pub(crate) fn forget_residual(&self, r: Residual<B::Phys>) {
         let h = r.held;
-        self.refund(Axis::Mapped, h.mapped);
+        self.refund(Axis::Mapped, h.mapped_bytes());
+        self.refund(Axis::Owned, h.granules.iter().map(|g| g.len).sum());
         if let Some(split) = h.shared.and_then(|s| self.shared.give_back(s)) {
             self.refund(Axis::Owned, split.len());
         }
@@ -458,7 +576,10 @@ impl<B: Backend> Drop for Device<'_, B> {
                 self.teardown_or_quarantine(residual);
             }
         }
-        if !self.backend.context_lost() {
+        if self.backend.context_lost() {
+            self.forget_cache();
+        } else {
+            self.trim_cache();
             self.retry_quarantine();
         }
     }

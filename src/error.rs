@@ -261,6 +261,156 @@ pub enum ViewError {
     Stream(#[source] BackendError),
 }
 
+/// Why committed memory (an allocation or a region) could not be suspended.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum SuspendFailure {
+    /// Work that may still use the memory has not finished (its fence is pending), so it cannot
+    /// be unmapped yet (`cuMemUnmap` does not wait for it). Nothing was done.
+    #[error(
+        "work that may still use the memory has not finished, so it cannot be unmapped yet; nothing was done: try again once that work has finished"
+    )]
+    Pending,
+    /// The context is lost: no call was made, nothing was done.
+    #[error("the context is lost; nothing was done")]
+    Backend(#[source] Box<BackendError>),
+    /// Saving the bytes to the host failed. Nothing else was done: the memory is as it was.
+    #[error("saving the bytes to the host failed; nothing else was done")]
+    Save(#[source] Box<BackendError>),
+    /// Unmapping failed, so whether the memory is still mapped is unknown: it lends nothing any
+    /// more, and its remains are quarantined.
+    #[error(
+        "unmapping the memory failed, so whether it is still mapped is unknown: its remains are quarantined"
+    )]
+    Unmap(#[source] Box<BackendError>),
+}
+
+/// Why suspended memory could not be resumed. Whatever the cause, the token is still suspended,
+/// with its addresses and its saved bytes, and nothing new is charged — unless undoing a
+/// half-done resume failed too, and its remains are quarantined.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ResumeFailure {
+    /// The allocation's memory could not be committed again.
+    #[error("its memory could not be committed again; nothing stays mapped or charged")]
+    Commit(#[source] Box<CommitFailure>),
+    /// The region could not grow back to its suspended length (every granule this call mapped
+    /// was given back).
+    #[error("the region could not grow back to its suspended length")]
+    Grow(#[source] Box<GrowFailure>),
+    /// Restoring the saved bytes failed; the memory mapped for them was given back.
+    #[error("restoring the saved bytes failed; the memory mapped for them was given back")]
+    Restore(#[source] Box<BackendError>),
+    /// Restoring the saved bytes failed, and unmapping the memory mapped for them failed too:
+    /// the remains are quarantined (the saved bytes go with them).
+    #[error(
+        "restoring the saved bytes failed, and unmapping the memory mapped for them failed too ({rollback}): the remains are quarantined"
+    )]
+    RestoreUndo {
+        /// The failed restore.
+        #[source]
+        error: Box<BackendError>,
+        /// The failed unmap.
+        rollback: Box<BackendError>,
+    },
+}
+
+/// Why an elastic region could not grow. Whatever the cause, the region comes back with the
+/// committed length it had.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum GrowFailure {
+    /// The growth does not fit: past the reserved range, or over granules withheld after a
+    /// failed unmap (see [`Region::reclaim`](crate::Region::reclaim)). Nothing was done.
+    #[error(
+        "cannot grow by {requested} granules: {committed} are committed and the region has room for {room} (its reserved length, or up to its first withheld granule); shrink first, reclaim withheld granules, or reserve a larger region"
+    )]
+    Full {
+        /// Granules asked for.
+        requested: usize,
+        /// Granules committed.
+        committed: usize,
+        /// Granules the region can hold now.
+        room: usize,
+    },
+    /// A budget, the capacity or a backend call refused granule `at` (0-based, of this call):
+    /// every granule this call mapped was unmapped again and given back where it came from
+    /// (the cache, or released), and nothing stays charged to the binding.
+    #[error(
+        "growing stopped at granule {at} of this call (from 0): every granule this call mapped was unmapped and given back, the region is unchanged{}",
+        quarantine_note(*quarantined)
+    )]
+    Undone {
+        /// The granule (of this call, from 0) that could not be added.
+        at: usize,
+        /// Why it could not.
+        #[source]
+        cause: Box<CommitFailure>,
+        /// Granules whose release failed while undoing: in the device's quarantine, still owned.
+        quarantined: usize,
+    },
+    /// As [`Undone`](Self::Undone), but unmapping some of the granules this call mapped failed
+    /// too: those stay owned, charged and withheld in the region, which cannot grow over them
+    /// until [`Region::reclaim`](crate::Region::reclaim) frees them.
+    #[error(
+        "growing stopped at granule {at} of this call (from 0), and unmapping {stuck} of the granules it had mapped failed too ({rollback}): they stay owned and withheld in the region, which cannot grow over them until Region::reclaim frees them; the committed length is unchanged (a granule whose release failed while undoing is in the device quarantine, counted on the ledger)"
+    )]
+    Stuck {
+        /// The granule (of this call, from 0) that could not be added.
+        at: usize,
+        /// Why it could not.
+        #[source]
+        cause: Box<CommitFailure>,
+        /// Granules left withheld in the region.
+        stuck: usize,
+        /// The (last) failed unmap.
+        rollback: Box<BackendError>,
+    },
+}
+
+/// Why an elastic region could not shrink (or give back its withheld granules). The region
+/// stays usable; its committed length says how far it shrank.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum ShrinkFailure {
+    /// More granules asked for than are committed. Nothing was done.
+    #[error("cannot shrink by {requested} granules: only {committed} are committed")]
+    TooMany {
+        /// Granules asked for.
+        requested: usize,
+        /// Granules committed.
+        committed: usize,
+    },
+    /// The context is lost: no call was made, nothing was done.
+    #[error("the region could not shrink; nothing was done")]
+    Backend(#[source] BackendError),
+    /// Work that may still use the region's memory has not finished (its fence is pending), so
+    /// no granule may be unmapped yet (`cuMemUnmap` does not wait for it). Nothing was done.
+    #[error(
+        "work that may still use the region has not finished, so it cannot shrink yet; nothing was done: try again once that work has finished"
+    )]
+    Pending,
+    /// Unmapping `stuck` granules failed: the committed length shrank as asked, but those
+    /// granules stay owned, charged and withheld in the region (it cannot grow over them) until
+    /// [`Region::reclaim`](crate::Region::reclaim) frees them; the others were given back.
+    #[error(
+        "unmapping {stuck} granules failed: they stay owned, charged and withheld in the region (it cannot grow over them) until Region::reclaim frees them; the other granules were given back"
+    )]
+    Stuck {
+        /// Granules withheld in the region now.
+        stuck: usize,
+        /// The (last) failed unmap.
+        #[source]
+        error: BackendError,
+    },
+}
+
+fn quarantine_note(quarantined: usize) -> String {
+    if quarantined == 0 {
+        String::new()
+    } else {
+        format!(
+            " ({quarantined} granules whose release failed while undoing are in the device quarantine, still owned: see Device::retry_quarantine)"
+        )
+    }
+}
+
 pub(crate) mod sealed {
     /// Only this crate's causes are [`Failure`](super::Failure)s.
     pub trait Sealed {}
@@ -276,6 +426,31 @@ impl sealed::Sealed for CommitFailure {}
 impl sealed::Sealed for ShareFailure {}
 impl sealed::Sealed for CowFailure {}
 impl sealed::Sealed for ReleaseFailure {}
+impl sealed::Sealed for GrowFailure {}
+
+impl sealed::Sealed for SuspendFailure {}
+impl sealed::Sealed for ResumeFailure {}
+
+impl Failure for SuspendFailure {
+    fn summary(&self) -> &'static str {
+        match self {
+            Self::Pending => "the memory cannot be suspended yet",
+            Self::Backend(_) | Self::Save(_) | Self::Unmap(_) => "suspending the memory failed",
+        }
+    }
+}
+
+impl Failure for ResumeFailure {
+    fn summary(&self) -> &'static str {
+        "resuming the memory failed"
+    }
+}
+
+impl Failure for GrowFailure {
+    fn summary(&self) -> &'static str {
+        "the region could not grow"
+    }
+}
 
 impl Failure for CommitFailure {
     fn summary(&self) -> &'static str {

@@ -1,5 +1,6 @@
 //! Byte accounting: the device's ledger on its axes — **reserved**, **mapped** and **owned**
-//! bytes, and the count of quarantined residuals — and the [`Budget`]s that cap owned bytes.
+//! bytes, the part of the owned bytes held in the device's granule cache (**cached**), and the
+//! count of quarantined residuals — and the [`Budget`]s that cap owned bytes.
 //! Each charge is refunded exactly once: the typed layer refunds an axis only when the
 //! corresponding part of a residual goes from held to gone, and a refund of more than was
 //! charged panics, because it can only be a double refund.
@@ -51,6 +52,7 @@ pub(crate) enum Axis {
     Reserved,
     Mapped,
     Owned,
+    Cached,
     Quarantined,
 }
 
@@ -60,6 +62,7 @@ pub(crate) struct Ledger {
     reserved: AtomicU64,
     mapped: AtomicU64,
     owned: AtomicU64,
+    cached: AtomicU64,
     quarantined: AtomicU64,
 }
 
@@ -72,6 +75,10 @@ pub struct LedgerSnapshot {
     pub mapped_bytes: u64,
     /// Bytes of physical memory owned: refunded only when the backend confirms the release.
     pub owned_bytes: u64,
+    /// Of the owned bytes, those in the device's cache of physical granules: owned, mapped
+    /// nowhere, reused by the next growth of an elastic region (see
+    /// [`Device::trim_cache`](crate::Device::trim_cache)).
+    pub cached_bytes: u64,
     /// Residuals in quarantine (as tokens or in the device's quarantine), not yet released.
     pub quarantined: u64,
 }
@@ -89,6 +96,7 @@ impl Ledger {
             Axis::Reserved => &self.reserved,
             Axis::Mapped => &self.mapped,
             Axis::Owned => &self.owned,
+            Axis::Cached => &self.cached,
             Axis::Quarantined => &self.quarantined,
         }
     }
@@ -116,6 +124,7 @@ impl Ledger {
             reserved_bytes: self.reserved.load(Ordering::Relaxed),
             mapped_bytes: self.mapped.load(Ordering::Relaxed),
             owned_bytes: self.owned.load(Ordering::Relaxed),
+            cached_bytes: self.cached.load(Ordering::Relaxed),
             quarantined: self.quarantined.load(Ordering::Relaxed),
         }
     }

@@ -44,7 +44,7 @@
 //! At compile time (each one has a `compile_fail` example in these docs and a `trybuild` case):
 //! no access to reserved or releasing memory, no use after release, no double release, no
 //! clone or copy of a token, no dropping of a device or binding while its tokens live, no slice
-//! or typed view kept across a release, no mixing of two devices' tokens, no state added
+//! or typed view kept across a release (nor a region's slice across a shrink), no mixing of two devices' tokens, no state added
 //! outside the crate, no ignored fallible transition.
 //!
 //! At run time (each one proven by tests, property tests with injected faults among them):
@@ -154,8 +154,10 @@ mod interop;
 mod ledger;
 mod page_pool;
 mod quarantine;
+mod region;
 mod residual;
 mod sharing;
+mod sleep;
 mod state;
 mod token;
 
@@ -163,8 +165,9 @@ pub use allocation::{Allocation, CommitError, CompleteError};
 pub use binding::Binding;
 pub use device::{CloseReport, Custody, Device, Progress};
 pub use error::{
-    CommitFailure, CowFailure, Failure, PoolError, ReleaseFailure, ReserveError, Returned,
-    ShareFailure, TransitionError, ViewError,
+    CommitFailure, CowFailure, Failure, GrowFailure, PoolError, ReleaseFailure, ReserveError,
+    ResumeFailure, Returned, ShareFailure, ShrinkFailure, SuspendFailure, TransitionError,
+    ViewError,
 };
 pub use generativity::{Guard, make_guard};
 pub use ids::{ContextLost, Generation, Released};
@@ -173,9 +176,13 @@ pub use interop::{DeviceView, DeviceViewMut};
 pub use ledger::{Budget, LedgerSnapshot};
 pub use page_pool::{Page, PagePool, PageTable};
 pub use quarantine::{QuarantineError, Quarantined};
+pub use region::{Elastic, GrowError, Region};
 pub use residual::{Holdings, Residual};
 pub use sharing::{
     CowError, Diverged, DivergedMapping, Owner, Prefix, PrefixError, PrefixMapping, ShareError,
     Sharer, Sharing,
+};
+pub use sleep::{
+    ResumeError, SuspendError, Suspendable, Suspended, SuspendedAllocation, SuspendedRegion,
 };
 pub use state::{Committed, Live, Readable, Releasing, Reserved, State};

@@ -89,16 +89,18 @@ impl<'b, 'id, B: Backend> Quarantined<'b, 'id, B> {
     }
 }
 
-/// Releases a token's `residual` now, refunding `binding` once the token's own physical memory
-/// is gone; what fails is handed back as a [`Quarantined`] token.
+/// Releases a token's `residual` now, refunding `binding` for each part of the token's own
+/// physical memory once it is gone; what fails is handed back as a [`Quarantined`] token.
 pub(crate) fn settle<'b, 'id, B: Backend>(
     binding: &'b Binding<'b, 'id, B>,
     mut residual: Residual<B::Phys>,
 ) -> Result<Released, QuarantineError<'b, 'id, B>> {
     let owned = residual.owned_bytes();
     let result = binding.device().teardown(&mut residual);
-    if owned > 0 && residual.owned_bytes() == 0 {
-        binding.refund(owned);
+    // A region's granules go one by one: what went leaves the budget, what is left stays.
+    let gone = owned - residual.owned_bytes();
+    if gone > 0 {
+        binding.refund(gone);
     }
     match result {
         Ok(()) => Ok(Released {

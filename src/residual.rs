@@ -131,6 +131,23 @@ pub struct Held<P> {
     pub(crate) phys: Option<(P, usize)>,
     /// A reference on shared physical memory, given back once the mapping is gone.
     pub(crate) shared: Option<SharedPhys<P>>,
+    /// Granules of an elastic region: each one whole physical allocation of its own, owned by
+    /// these parts alone, and mapped at its offset unless `mapped` covers it already.
+    pub(crate) granules: Vec<Granule<P>>,
+}
+
+/// One granule of an elastic region, as a residual holds it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Granule<P> {
+    /// Where it is (or was) mapped, as an offset into the range.
+    pub(crate) offset: usize,
+    /// Its length (the granularity).
+    pub(crate) len: usize,
+    /// Its physical memory.
+    pub(crate) phys: P,
+    /// Whether it is mapped at `offset` on its own (apart from the `mapped` bytes from the
+    /// start of the range, which one unmap covers).
+    pub(crate) mapped: bool,
 }
 
 impl<P> Held<P> {
@@ -141,6 +158,7 @@ impl<P> Held<P> {
             mapped: 0,
             phys: None,
             shared: None,
+            granules: Vec::new(),
         }
     }
 
@@ -171,12 +189,28 @@ impl<P> Held<P> {
 
     /// Bytes of physical memory owned by these parts alone.
     pub(crate) fn owned_bytes(&self) -> usize {
-        self.phys.as_ref().map_or(0, |&(_, len)| len)
+        let granules: usize = self.granules.iter().map(|g| g.len).sum();
+        self.phys.as_ref().map_or(0, |&(_, len)| len) + granules
+    }
+
+    /// Bytes still mapped, in all.
+    pub(crate) fn mapped_bytes(&self) -> usize {
+        let granules: usize = self
+            .granules
+            .iter()
+            .filter(|g| g.mapped)
+            .map(|g| g.len)
+            .sum();
+        self.mapped + granules
     }
 
     /// Whether nothing is left.
     pub(crate) fn is_empty(&self) -> bool {
-        !self.reserved && self.mapped == 0 && self.phys.is_none() && self.shared.is_none()
+        !self.reserved
+            && self.mapped == 0
+            && self.phys.is_none()
+            && self.shared.is_none()
+            && self.granules.is_empty()
     }
 }
 
@@ -211,7 +245,7 @@ impl<P> Residual<P> {
 
     /// Bytes still mapped (still charged as mapped).
     pub fn mapped_bytes(&self) -> usize {
-        self.held.mapped
+        self.held.mapped_bytes()
     }
 
     /// Bytes of physical memory owned by this residual alone (still charged as owned).
@@ -249,7 +283,7 @@ impl Holdings {
     pub(crate) fn add<P>(&mut self, r: &Residual<P>) {
         self.count += 1;
         self.reserved_bytes += if r.held.reserved { r.len as u64 } else { 0 };
-        self.mapped_bytes += r.held.mapped as u64;
+        self.mapped_bytes += r.held.mapped_bytes() as u64;
         self.owned_bytes += r.owned_bytes() as u64;
         self.shared_refs += u64::from(r.held.shared.is_some());
     }

@@ -154,6 +154,70 @@ fn bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_ne_bytes()).collect()
 }
 
+/// Issue 10 on a GPU: a region grows and shrinks through the granule cache, then a region and
+/// an allocation sleep with their bytes saved and wake at the same addresses with every byte.
+#[test]
+fn gpu_region_grow_shrink_and_sleep_wake() {
+    let Some(backend) = gpu_or_skip("gpu_region_grow_shrink_and_sleep_wake") else {
+        return;
+    };
+    make_guard!(guard);
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let mut region = binding
+        .reserve(8 * g)
+        .unwrap()
+        .into_region()
+        .grow(3)
+        .unwrap();
+    let data: Vec<u8> = (0..3 * g).map(|i| (i % 239) as u8).collect();
+    region.copy_from_host(0, &data).unwrap();
+    region.shrink(1).unwrap();
+    assert_eq!(
+        device.ledger().cached_bytes,
+        g as u64,
+        "the granule is cached"
+    );
+    let mut region = region.grow(2).unwrap();
+    assert_eq!(
+        (region.committed_len(), device.ledger().cached_bytes),
+        (4 * g, 0)
+    );
+    region.copy_from_host(2 * g, &data[2 * g..]).unwrap();
+    let mut a = binding.reserve(2 * g).unwrap().commit().unwrap();
+    a.copy_from_host(0, &data[..2 * g]).unwrap();
+    let (region_addr, a_addr) = (region.addr(), a.addr());
+
+    let asleep_region = region.suspend_saving().unwrap();
+    let asleep = a.suspend_saving().unwrap();
+    let ledger = device.ledger();
+    assert_eq!(ledger.mapped_bytes, 0);
+    assert_eq!(
+        ledger.owned_bytes, ledger.cached_bytes,
+        "owned by the cache alone"
+    );
+    device.trim_cache();
+    assert_eq!(device.ledger().owned_bytes, 0, "nothing owned while asleep");
+
+    let region = asleep_region.resume().unwrap();
+    let a = asleep.resume().unwrap();
+    assert_eq!(
+        (region.addr(), a.addr()),
+        (region_addr, a_addr),
+        "every address kept"
+    );
+    let mut seen = vec![0; 3 * g];
+    region.copy_to_host(0, &mut seen).unwrap();
+    assert_eq!(seen, data, "the region's bytes restored");
+    let mut seen = vec![0; 2 * g];
+    a.copy_to_host(0, &mut seen).unwrap();
+    assert_eq!(seen, data[..2 * g], "the allocation's bytes restored");
+    drop((region, a));
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
 #[test]
 fn gpu_commit_copy_and_release() {
     let Some(backend) = gpu_or_skip("gpu_commit_copy_and_release") else {

@@ -1,6 +1,7 @@
 //! Property test: random sequences of reserve / commit / write / release / drop / retry /
-//! share / copy-on-write with faults injected at random backend calls, on the strict simulator
-//! and on the host backend.
+//! share / copy-on-write / elastic regions (grow, shrink, reclaim, cache trims and caps) with
+//! faults injected at random backend calls, on the strict simulator, the host backend and the
+//! CUDA backend over the driver model.
 //!
 //! After every step: the ledger equals the sum of live tokens, quarantined tokens and what the
 //! device holds in custody; the owned bytes of a shared physical allocation are counted once,
@@ -14,10 +15,13 @@
 //! 1,000 cases per backend by default; `PROPTEST_CASES=N` for more.
 
 use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel, ModelConfig};
-use memtoken::backend::{Backend, FaultHandle, Faulty, HostBackend, Op, SimBackend, SimConfig};
+use memtoken::backend::{
+    Backend, Cause, FaultHandle, Faulty, HostBackend, Op, SimBackend, SimConfig,
+};
 use memtoken::{
-    Allocation, Binding, Budget, Committed, Device, DivergedMapping, Prefix, PrefixMapping,
-    Quarantined, Releasing, Reserved, Returned, make_guard,
+    Allocation, Binding, Budget, CommitFailure, Committed, Device, DivergedMapping, GrowFailure,
+    Prefix, PrefixMapping, Quarantined, Region, Releasing, Reserved, Returned, ShrinkFailure,
+    SuspendedAllocation, SuspendedRegion, make_guard,
 };
 use proptest::prelude::*;
 
@@ -43,6 +47,22 @@ enum Step {
     DriverFault(usize, u64),
     /// Work is submitted: fences recorded from now on wait for it (CUDA model only).
     Submit,
+    /// Reserved → an elastic region.
+    IntoRegion(usize),
+    /// A region grows by 1-3 granules.
+    Grow(usize, usize),
+    /// A region shrinks by 1-3 granules.
+    Shrink(usize, usize),
+    /// A region retries its withheld granules.
+    Reclaim(usize),
+    /// A committed allocation or a region is suspended, its bytes saved or not.
+    Suspend(usize, bool),
+    /// A suspended token resumes.
+    Resume(usize),
+    /// The device trims its granule cache.
+    TrimCache,
+    /// The device's cache cap becomes 0-3 granules.
+    CacheCap(u64),
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -69,6 +89,14 @@ fn step() -> impl Strategy<Value = Step> {
         2 => any::<usize>().prop_map(Step::Diverge),
         2 => (any::<usize>(), 1u64..4).prop_map(|(c, n)| Step::DriverFault(c, n)),
         1 => Just(Step::Submit),
+        2 => any::<usize>().prop_map(Step::IntoRegion),
+        3 => (any::<usize>(), 1usize..4).prop_map(|(i, n)| Step::Grow(i, n)),
+        3 => (any::<usize>(), 1usize..4).prop_map(|(i, n)| Step::Shrink(i, n)),
+        1 => any::<usize>().prop_map(Step::Reclaim),
+        2 => (any::<usize>(), any::<bool>()).prop_map(|(i, save)| Step::Suspend(i, save)),
+        2 => any::<usize>().prop_map(Step::Resume),
+        1 => Just(Step::TrimCache),
+        1 => (0u64..4).prop_map(Step::CacheCap),
     ]
 }
 
@@ -95,6 +123,10 @@ enum Token<'b, 'id, B: Backend> {
     Shared(PrefixMapping<'b, 'id, B>, u8),
     /// Body byte, private boundary byte.
     Diverged(DivergedMapping<'b, 'id, B>, u8, u8),
+    Region(Region<'b, 'id, B>),
+    /// A suspended allocation, and the byte it held if it was saved.
+    Asleep(SuspendedAllocation<'b, 'id, B>, Option<u8>),
+    AsleepRegion(SuspendedRegion<'b, 'id, B>),
 }
 
 /// The kind of token a release started from.
@@ -105,6 +137,11 @@ enum From {
     Prefix,
     Shared,
     Diverged,
+    /// A region, with the bytes it mapped and owned when its release began.
+    Region {
+        mapped: usize,
+        owned: usize,
+    },
 }
 
 /// The backend-specific part of the model: host memory can be read and written, simulated
@@ -281,6 +318,30 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                     Token::Prefix(p, _) => Some(Token::Releasing(p.release(), From::Prefix)),
                     Token::Shared(m, _) => Some(Token::Releasing(m.release(), From::Shared)),
                     Token::Diverged(d, _, _) => Some(Token::Releasing(d.release(), From::Diverged)),
+                    Token::Region(r) => {
+                        let g = r.binding().device().granularity();
+                        let stuck = r.withheld_granules() * g;
+                        let from = From::Region {
+                            mapped: r.committed_len() + stuck,
+                            owned: r.committed_len() + stuck,
+                        };
+                        Some(Token::Releasing(r.release(), from))
+                    }
+                    Token::Asleep(t, _) => {
+                        let from = From::Region {
+                            mapped: 0,
+                            owned: 0,
+                        };
+                        Some(Token::Releasing(t.release(), from))
+                    }
+                    Token::AsleepRegion(t) => {
+                        let stuck = t.withheld_granules() * t.binding().device().granularity();
+                        let from = From::Region {
+                            mapped: stuck,
+                            owned: stuck,
+                        };
+                        Some(Token::Releasing(t.release(), from))
+                    }
                     Token::Releasing(t, from) => match t.complete().map_err(|e| e.into_token()) {
                         Ok(_) => None,
                         Err(Returned::Unchanged(t)) => Some(Token::Releasing(t, from)),
@@ -296,6 +357,174 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                 if let Some(i) = pick(i) {
                     drop(self.tokens.swap_remove(i));
                 }
+            }
+            Step::IntoRegion(i) => {
+                let Some(i) = pick(i) else { return };
+                if let Token::Reserved(_) = self.tokens[i] {
+                    let Token::Reserved(t) = self.tokens.swap_remove(i) else {
+                        unreachable!()
+                    };
+                    self.tokens.push(Token::Region(t.into_region()));
+                }
+            }
+            Step::Grow(i, n) => {
+                let Some(i) = pick(i) else { return };
+                if let Token::Region(_) = self.tokens[i] {
+                    let Token::Region(r) = self.tokens.swap_remove(i) else {
+                        unreachable!()
+                    };
+                    let (generation, before) = (r.generation(), r.committed_len());
+                    let (committed, withheld) = (r.committed_granules(), r.withheld_granules());
+                    let r = match r.grow(n) {
+                        Ok(r) => {
+                            assert_eq!(r.committed_granules(), committed + n);
+                            r
+                        }
+                        Err(e) => {
+                            // The typed layer never makes a call that breaks the VMM rules
+                            // (mapping over a withheld granule, say): only injected faults,
+                            // budgets and lost contexts stop a growth.
+                            if let GrowFailure::Undone { cause, .. }
+                            | GrowFailure::Stuck { cause, .. } = &e.cause
+                                && let CommitFailure::Backend(b) = &**cause
+                            {
+                                assert!(
+                                    !matches!(b.cause, Cause::Violation(_)),
+                                    "a growth broke a VMM rule: {b}"
+                                );
+                            }
+                            let stuck = match e.cause {
+                                GrowFailure::Stuck { stuck, .. } => stuck,
+                                _ => 0,
+                            };
+                            let r = e.into_token();
+                            assert_eq!(r.generation(), generation, "the same region comes back");
+                            assert_eq!(r.committed_len(), before, "unchanged");
+                            assert_eq!(r.withheld_granules(), withheld + stuck);
+                            r
+                        }
+                    };
+                    self.tokens.push(Token::Region(r));
+                }
+            }
+            Step::Shrink(i, n) => {
+                let Some(i) = pick(i) else { return };
+                if let Token::Region(r) = &mut self.tokens[i] {
+                    let committed = r.committed_granules();
+                    let done = r.shrink(n);
+                    let expected = match done {
+                        Err(
+                            ShrinkFailure::TooMany { .. }
+                            | ShrinkFailure::Backend(_)
+                            | ShrinkFailure::Pending,
+                        ) => committed,
+                        _ => committed - n,
+                    };
+                    assert_eq!(r.committed_granules(), expected, "{done:?}");
+                }
+            }
+            Step::Reclaim(i) => {
+                let Some(i) = pick(i) else { return };
+                if let Token::Region(r) = &mut self.tokens[i] {
+                    let withheld = r.withheld_granules();
+                    if r.reclaim().is_ok() {
+                        assert_eq!(r.withheld_granules(), 0);
+                    } else {
+                        assert!(r.withheld_granules() <= withheld);
+                    }
+                }
+            }
+            Step::Suspend(i, save) => {
+                let Some(i) = pick(i) else { return };
+                let next = match self.tokens.swap_remove(i) {
+                    Token::Committed(a, fill) => {
+                        let addr = a.addr();
+                        let done = if save {
+                            a.suspend_saving()
+                        } else {
+                            a.suspend()
+                        };
+                        match done.map_err(|e| e.into_token()) {
+                            Ok(t) => {
+                                assert_eq!(t.addr(), addr, "the VA stays");
+                                Token::Asleep(t, save.then_some(fill))
+                            }
+                            Err(Returned::Unchanged(a)) => Token::Committed(a, fill),
+                            Err(Returned::Quarantined(q)) => Token::Quarantined(q),
+                        }
+                    }
+                    Token::Region(r) => {
+                        let (addr, len) = (r.addr(), r.committed_len());
+                        let done = if save {
+                            r.suspend_saving()
+                        } else {
+                            r.suspend()
+                        };
+                        match done.map_err(|e| e.into_token()) {
+                            Ok(t) => {
+                                assert_eq!((t.addr(), t.suspended_len()), (addr, len));
+                                Token::AsleepRegion(t)
+                            }
+                            Err(Returned::Unchanged(r)) => {
+                                assert_eq!(r.committed_len(), len, "unchanged");
+                                Token::Region(r)
+                            }
+                            Err(Returned::Quarantined(q)) => Token::Quarantined(q),
+                        }
+                    }
+                    other => other,
+                };
+                self.tokens.push(next);
+            }
+            Step::Resume(i) => {
+                let Some(i) = pick(i) else { return };
+                let next = match self.tokens.swap_remove(i) {
+                    Token::Asleep(t, saved) => {
+                        let (addr, generation) = (t.addr(), t.generation());
+                        match t.resume().map_err(|e| e.into_token()) {
+                            Ok(mut a) => {
+                                assert_eq!((a.addr(), a.generation()), (addr, generation));
+                                // Unsaved bytes are not kept: the model fills them anew.
+                                let fill = saved.unwrap_or_else(|| {
+                                    if let Some(bytes) = self.memory.committed(&mut a) {
+                                        bytes.fill(0);
+                                    }
+                                    0
+                                });
+                                Token::Committed(a, fill)
+                            }
+                            Err(Returned::Unchanged(t)) => {
+                                assert_eq!(t.addr(), addr);
+                                assert_eq!(t.is_saved(), saved.is_some(), "saved bytes kept");
+                                Token::Asleep(t, saved)
+                            }
+                            Err(Returned::Quarantined(q)) => Token::Quarantined(q),
+                        }
+                    }
+                    Token::AsleepRegion(t) => {
+                        let (addr, len) = (t.addr(), t.suspended_len());
+                        match t.resume().map_err(|e| e.into_token()) {
+                            Ok(r) => {
+                                assert_eq!((r.addr(), r.committed_len()), (addr, len));
+                                Token::Region(r)
+                            }
+                            Err(Returned::Unchanged(t)) => {
+                                assert_eq!((t.addr(), t.suspended_len()), (addr, len));
+                                Token::AsleepRegion(t)
+                            }
+                            Err(Returned::Quarantined(q)) => Token::Quarantined(q),
+                        }
+                    }
+                    other => other,
+                };
+                self.tokens.push(next);
+            }
+            Step::TrimCache => {
+                self.device.trim_cache();
+            }
+            Step::CacheCap(granules) => {
+                let g = self.device.granularity() as u64;
+                self.device.set_cache_cap(granules * g);
             }
             Step::RetryDevice => {
                 self.device.retry_quarantine();
@@ -317,6 +546,8 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                         Token::Prefix(p, _) => Some((p.addr() as u64, p.len())),
                         Token::Shared(m, _) => Some((m.addr() as u64, m.len())),
                         Token::Diverged(d, ..) => Some((d.addr() as u64, d.len())),
+                        // A kernel may reach past the committed part, to withheld granules.
+                        Token::Region(r) => Some((r.addr() as u64, r.len())),
                         _ => None,
                     })
                     .collect();
@@ -346,12 +577,23 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                         From::Committed => (a.len(), a.len(), false),
                         From::Prefix | From::Shared => (a.len(), 0, true),
                         From::Diverged => (a.len(), g, true),
+                        From::Region { mapped, owned } => (*mapped, *owned, false),
                     };
                     ((a.addr(), a.len()), m, o, o, true, shares)
                 }
                 Token::Prefix(p, _) => ((p.addr(), p.len()), p.len(), 0, p.len(), true, true),
                 Token::Shared(m, _) => ((m.addr(), m.len()), m.len(), 0, 0, true, true),
                 Token::Diverged(d, _, _) => ((d.addr(), d.len()), d.len(), g, g, true, true),
+                Token::Region(r) => {
+                    // Withheld granules stay mapped, owned and charged.
+                    let n = r.committed_len() + r.withheld_granules() * g;
+                    ((r.addr(), r.len()), n, n, n, true, false)
+                }
+                Token::Asleep(a, _) => ((a.addr(), a.len()), 0, 0, 0, true, false),
+                Token::AsleepRegion(r) => {
+                    let n = r.withheld_granules() * g;
+                    ((r.addr(), r.len()), n, n, n, true, false)
+                }
                 Token::Quarantined(q) => {
                     quarantined += 1;
                     let r = q.residual();
@@ -395,6 +637,9 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                 Token::Prefix(p, _) => p.binding(),
                 Token::Shared(m, _) => m.binding(),
                 Token::Diverged(d, _, _) => d.binding(),
+                Token::Region(r) => r.binding(),
+                Token::Asleep(a, _) => a.binding(),
+                Token::AsleepRegion(r) => r.binding(),
                 Token::Quarantined(q) => q.binding(),
             };
             if std::ptr::eq(binding, self.sharer) {
@@ -413,6 +658,9 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
         }
         // Shared physical memory is owned once, by the device's table, whatever its mappings.
         owned += custody.shared.owned_bytes;
+        // Cached granules are owned by the device, mapped nowhere.
+        let cached = self.device.ledger().cached_bytes;
+        owned += cached;
         quarantined += custody.quarantined.count as u64;
         assert_eq!(
             custody.shared.shared_refs, shared_refs,
@@ -507,6 +755,7 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
         }
         self.memory.complete_fences(); // the fences recorded by the drops above
         self.device.poll();
+        self.device.trim_cache();
         let p = self.device.retry_quarantine();
         assert_eq!((p.quarantined, p.deferred), (0, 0), "{p:?}");
         assert!(self.device.ledger().is_zero(), "{:?}", self.device.ledger());
@@ -588,9 +837,11 @@ impl Memory<Cuda> for CudaMemory {
     }
     fn driver_fault(&self, which: usize, n: u64) {
         let call = DriverCall::ALL[which % DriverCall::ALL.len()];
-        // One fault in eight is a sticky error: the context is lost from that call on.
+        // One fault in eight is a sticky error: the context is lost from that call on. Not
+        // ILLEGAL_ADDRESS, which only the model's own fault may raise: memory unmapped under a
+        // running kernel, which the typed layer must never do.
         let error = if which.is_multiple_of(8) {
-            CuError::ILLEGAL_ADDRESS
+            CuError::LAUNCH_FAILED
         } else {
             CuError::OUT_OF_MEMORY
         };
@@ -627,6 +878,11 @@ fn run_cuda(steps: &[Step]) {
         model.calls_after_loss(),
         0,
         "a driver call followed a sticky error"
+    );
+    assert_ne!(
+        model.lost_with(),
+        Some(CuError::ILLEGAL_ADDRESS),
+        "memory was unmapped under a running kernel"
     );
     if !lost {
         let held = model.outstanding();

@@ -3,8 +3,8 @@
 
 use memtoken::backend::{HostBackend, SimBackend};
 use memtoken::{
-    Allocation, Binding, Committed, ContextLost, Device, Generation, QuarantineError, Quarantined,
-    Releasing, Reserved,
+    Allocation, Binding, Committed, ContextLost, Device, Elastic, Generation, QuarantineError,
+    Quarantined, Releasing, Reserved,
 };
 use static_assertions::{assert_eq_size, assert_impl_all, assert_not_impl_any};
 use std::mem::size_of;
@@ -32,14 +32,17 @@ const _: () = assert!(size_of::<HostAlloc<Committed>>() == 48);
 // Committed on the simulator adds a SimPhys (8 bytes).
 const _: () = assert!(size_of::<SimAlloc<Committed>>() == 40);
 // Releasing adds what the token still holds (`Held`: reserved flag, mapped bytes, optional
-// owned phys + length, optional shared reference) and an optional fence, since any live state
-// (Reserved, Committed, Prefix, mappings) can start a release. On the host: Held<HostPhys> is
-// 56 (bool 1 + mapped 8 + Option<(HostPhys, usize)> 32, no niche + Option<Arc> 8, padded) and
-// Option<()> pads to 8: 32 + 56 + 8.
-const _: () = assert!(size_of::<HostAlloc<Releasing>>() == 96);
-// On the simulator: Held<SimPhys> is 48 (bool 1 + mapped 8 + Option<(SimPhys, usize)> 24 +
-// Option<Arc> 8, padded) and Option<u64> is 16 (a u64 has no niche): 32 + 48 + 16.
-const _: () = assert!(size_of::<SimAlloc<Releasing>>() == 96);
+// owned phys + length, optional shared reference, a region's granules as a `Vec` (24, empty and
+// unallocated for every other token)) and an optional fence, since any live state (Reserved,
+// Committed, Prefix, mappings, Region) can start a release. On the host: Held<HostPhys> is 80
+// (bool 1 + mapped 8 + Option<(HostPhys, usize)> 32, no niche + Option<Arc> 8 + Vec 24, padded)
+// and Option<()> pads to 8: 32 + 80 + 8.
+const _: () = assert!(size_of::<HostAlloc<Releasing>>() == 120);
+// On the simulator: Held<SimPhys> is 72 (bool 1 + mapped 8 + Option<(SimPhys, usize)> 24 +
+// Option<Arc> 8 + Vec 24, padded) and Option<u64> is 16 (a u64 has no niche): 32 + 72 + 16.
+const _: () = assert!(size_of::<SimAlloc<Releasing>>() == 120);
+// A region adds its committed granules' handles and its withheld granules: two `Vec`s.
+const _: () = assert!(size_of::<HostAlloc<Elastic>>() == 80);
 // The backend's parts are exactly as big as claimed above.
 assert_eq_size!(memtoken::backend::HostPhys, [u64; 2]);
 // SimPhys is one u64.

@@ -220,6 +220,16 @@ impl<B: Backend> Backend for Faulty<B> {
         self.inner.copy_into_phys(phys, src, len)
     }
 
+    fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError> {
+        self.handle.enter(Op::Copy, src, dst.len())?;
+        self.inner.copy_to_host(dst, src)
+    }
+
+    fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
+        self.handle.enter(Op::Copy, dst, src.len())?;
+        self.inner.copy_from_host(dst, src)
+    }
+
     fn fence(&self) -> B::Fence {
         self.inner.fence()
     }

@@ -356,6 +356,30 @@ impl Backend for HostBackend {
         Ok(())
     }
 
+    fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError> {
+        let s = self.state();
+        s.book
+            .check_access(src, dst.len(), false)
+            .map_err(|v| BackendError::refused(Op::Copy, src, dst.len(), v))?;
+        // SAFETY: the book says every byte of `[src, src + dst.len())` is mapped readable by this
+        // backend, and the lock keeps it mapped for the duration of the copy; `dst` is the
+        // caller's own buffer (`ptr::copy` allows it to overlap the source).
+        unsafe { std::ptr::copy(src as *const u8, dst.as_mut_ptr(), dst.len()) };
+        Ok(())
+    }
+
+    fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
+        let s = self.state();
+        s.book
+            .check_access(dst, src.len(), true)
+            .map_err(|v| BackendError::refused(Op::Copy, dst, src.len(), v))?;
+        // SAFETY: the book says every byte of `[dst, dst + src.len())` is mapped read-write by
+        // this backend, and the lock keeps it mapped for the duration of the copy; the typed
+        // layer copies only into memory of a token it holds by value, which lends no slice.
+        unsafe { std::ptr::copy(src.as_ptr(), dst as *mut u8, src.len()) };
+        Ok(())
+    }
+
     fn fence(&self) {}
 
     fn fence_done(&self, _fence: &()) -> bool {

@@ -359,6 +359,13 @@ pub trait Backend {
     /// device-to-device copy on CUDA). Used by copy-on-write before the copy is mapped.
     fn copy_into_phys(&self, phys: Self::Phys, src: Addr, len: usize) -> Result<(), BackendError>;
 
+    /// Copies `dst.len()` bytes of mapped memory at `src` to the host (what a suspend saves).
+    /// Every byte must be mapped.
+    fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError>;
+    /// Copies `src` from the host into memory at `dst` (what a resume restores). Every byte
+    /// must be mapped read-write.
+    fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError>;
+
     /// Records a fence after all work submitted so far. Infallible: a backend that cannot record
     /// one returns a fence that reports done only once the work is known to be finished.
     fn fence(&self) -> Self::Fence;
@@ -395,5 +402,5 @@ pub trait Backend {
 /// After a successful [`Backend::map`] of `len` bytes at `addr` with [`Access::ReadWrite`], the
 /// bytes `[addr, addr + len)` must be readable and writable host memory, and with
 /// [`Access::ReadOnly`] readable host memory, until the range is unmapped. The backend must never
-/// unmap or remap a range except when asked to through [`Backend`].
+/// unmap, remap or write a range except when asked to through [`Backend`].
 pub unsafe trait HostVisible: Backend {}

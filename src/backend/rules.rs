@@ -88,6 +88,14 @@ pub enum Violation {
         /// Its length.
         len: usize,
     },
+    /// A copy into memory that is mapped read-only.
+    #[error("[{addr:#x}, +{len:#x}) is mapped read-only: it cannot be written")]
+    ReadOnly {
+        /// Start of the range.
+        addr: Addr,
+        /// Its length.
+        len: usize,
+    },
     /// `unpin` with no pin of this backend held.
     #[error("no pin is held: every unpin must follow a pin")]
     NotPinned,
@@ -347,6 +355,28 @@ impl<P: Copy + Eq + Hash> Book<P> {
         self.check_unmap(addr, len)?;
         for (_, m) in self.mappings.range_mut(addr..addr + len) {
             m.access = access;
+        }
+        Ok(())
+    }
+
+    /// Checks that every byte of `[addr, addr + len)` is mapped, read-write if `write`: the
+    /// range of a copy to (`write`) or from the host.
+    pub(crate) fn check_access(
+        &self,
+        addr: Addr,
+        len: usize,
+        write: bool,
+    ) -> Result<(), Violation> {
+        let not_mapped = || Violation::NotMapped { addr, len };
+        let end = addr.checked_add(len).ok_or_else(not_mapped)?;
+        self.unpoisoned(addr, len)?;
+        let mut at = addr;
+        while at < end {
+            let (_, _, run, access) = self.resolve(at).ok_or_else(not_mapped)?;
+            if write && access != Access::ReadWrite {
+                return Err(Violation::ReadOnly { addr, len });
+            }
+            at += run;
         }
         Ok(())
     }

@@ -5,6 +5,7 @@ use super::{
     Access, Addr, Backend, BackendError, Cause, ConfigError, Op, Violation, check_address_space,
     lock,
 };
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Settings of a [`SimBackend`].
@@ -61,6 +62,9 @@ struct SimState {
     lost: bool,
     pins: u64,
     calls: Vec<SimCall>,
+    /// The bytes of physical memory written so far (through copies; memory never written
+    /// reads as zeros), so that what a suspend saves and a resume restores can be checked.
+    contents: HashMap<SimPhys, Vec<u8>>,
 }
 
 /// A strict, deterministic model of CUDA-style VMM: it hands out addresses (lowest free range
@@ -102,6 +106,7 @@ impl SimBackend {
             lost: false,
             pins: 0,
             calls: Vec::new(),
+            contents: HashMap::new(),
         };
         Ok(Self {
             config: Arc::new(config),
@@ -122,6 +127,21 @@ impl SimBackend {
         );
         s.calls.push(SimCall { op, addr, len });
         s
+    }
+
+    /// Reads the mapped bytes at `src` into `dst` (checked mapped by the caller).
+    fn read(s: &SimState, dst: &mut [u8], src: Addr) {
+        let mut at = 0;
+        while at < dst.len() {
+            let (phys, into, run, _) = s.book.resolve(src + at).expect("checked");
+            let n = run.min(dst.len() - at);
+            let out = &mut dst[at..at + n];
+            match s.contents.get(&phys) {
+                Some(bytes) => out.copy_from_slice(&bytes[into..into + n]),
+                None => out.fill(0),
+            }
+            at += n;
+        }
     }
 
     /// Marks every fence recorded so far as complete (the stream caught up).
@@ -230,8 +250,12 @@ impl Backend for SimBackend {
         s.book
             .check_release(phys, len)
             .unwrap_or_else(|v| illegal(Op::Release, v));
+        let mapped = s.book.is_mapped(phys);
         s.book.apply_release(phys);
         s.phys_used -= len as u64;
+        if !mapped {
+            s.contents.remove(&phys);
+        }
         Ok(())
     }
 
@@ -255,15 +279,47 @@ impl Backend for SimBackend {
         s.book
             .check_unmap(addr, len)
             .unwrap_or_else(|v| illegal(Op::Unmap, v));
+        for (phys, _) in s.book.handles_in(addr, len) {
+            s.contents.remove(&phys);
+        }
         s.book.apply_unmap(addr, len);
         Ok(())
     }
 
     fn copy_into_phys(&self, phys: SimPhys, src: Addr, len: usize) -> Result<(), BackendError> {
-        let s = self.call(Op::Copy, src, len);
+        let mut s = self.call(Op::Copy, src, len);
         s.book
             .check_copy(phys, src, len)
             .unwrap_or_else(|v| illegal(Op::Copy, v));
+        let mut bytes = vec![0; len];
+        Self::read(&s, &mut bytes, src);
+        s.contents.insert(phys, bytes);
+        Ok(())
+    }
+
+    fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError> {
+        let s = self.call(Op::Copy, src, dst.len());
+        s.book
+            .check_access(src, dst.len(), false)
+            .unwrap_or_else(|v| illegal(Op::Copy, v));
+        Self::read(&s, dst, src);
+        Ok(())
+    }
+
+    fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
+        let mut s = self.call(Op::Copy, dst, src.len());
+        s.book
+            .check_access(dst, src.len(), true)
+            .unwrap_or_else(|v| illegal(Op::Copy, v));
+        let mut at = 0;
+        while at < src.len() {
+            let (phys, into, run, _) = s.book.resolve(dst + at).expect("checked");
+            let phys_len = into + run;
+            let n = run.min(src.len() - at);
+            let bytes = s.contents.entry(phys).or_insert_with(|| vec![0; phys_len]);
+            bytes[into..into + n].copy_from_slice(&src[at..at + n]);
+            at += n;
+        }
         Ok(())
     }
 

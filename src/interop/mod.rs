@@ -11,8 +11,9 @@ pub use device::{DeviceView, DeviceViewMut};
 
 use crate::allocation::Allocation;
 use crate::backend::cuda::{CudaBackend, Driver};
-use crate::backend::{Addr, BackendError};
+use crate::backend::{Addr, Backend, BackendError};
 use crate::page_pool::PageTable;
+use crate::region::Elastic;
 use crate::sharing::{Diverged, Owner};
 use crate::state::{Committed, Readable};
 
@@ -87,6 +88,44 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Owner> {
         }
         let at = within(self.addr(), self.len(), offset, src.len());
         Some(self.binding().device().backend().copy_from_host(at, src))
+    }
+}
+
+impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Elastic> {
+    /// The device pointer of the region's start, for kernel arguments: valid over the committed
+    /// part ([`committed_len`](Allocation::committed_len)) while this region is borrowed. The
+    /// raw path, as for a committed allocation's `device_ptr`: its release waits only for the
+    /// streams the backend covers.
+    pub fn device_ptr(&self) -> u64 {
+        self.addr() as u64
+    }
+
+    /// Copies `dst.len()` bytes of the committed part at `offset` to the host.
+    ///
+    /// # Errors
+    ///
+    /// The driver's error.
+    ///
+    /// # Panics
+    ///
+    /// If the range does not fit in the committed part.
+    pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
+        let at = within(self.addr(), self.committed_len(), offset, dst.len());
+        self.binding().device().backend().copy_to_host(dst, at)
+    }
+
+    /// Copies `src` from the host into the committed part, at `offset`.
+    ///
+    /// # Errors
+    ///
+    /// The driver's error.
+    ///
+    /// # Panics
+    ///
+    /// If the range does not fit in the committed part.
+    pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<(), BackendError> {
+        let at = within(self.addr(), self.committed_len(), offset, src.len());
+        self.binding().device().backend().copy_from_host(at, src)
     }
 }
 

@@ -456,47 +456,6 @@ impl<D: Driver> CudaBackend<D> {
         Ok(())
     }
 
-    /// Copies `src` from the host to device memory at `dst`, which must be mapped read-write.
-    ///
-    /// # Errors
-    ///
-    /// [`Cause::Violation`] if it is not; the driver's error.
-    pub fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
-        let len = src.len();
-        let fail = |e| self.fail(Op::Copy, dst, len, e);
-        let busy = self.hold(dst, len, true)?;
-        // SAFETY: `hold` proved every byte of the destination mapped read-write with access in
-        // the record, and keeps the range from being unmapped, freed or mapped over until
-        // `busy` is released, once the copy has landed (below).
-        unsafe { self.driver.memcpy_htod(dst as u64, src) }.map_err(fail)?;
-        // From pageable memory the call returns once the bytes are staged; the DMA to the
-        // destination may still run on the legacy stream: wait for it before the range is free.
-        match self.wait_legacy() {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                if !e.is_context_loss() {
-                    std::mem::forget(busy); // not known to have landed: the range stays busy
-                }
-                Err(fail(e))
-            }
-        }
-    }
-
-    /// Copies device memory at `src`, which must be mapped, to the host.
-    ///
-    /// # Errors
-    ///
-    /// [`Cause::Violation`] if it is not; the driver's error.
-    pub fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError> {
-        let len = dst.len();
-        let _busy = self.hold(src, len, false)?;
-        // SAFETY: `hold` proved every byte of the source mapped with access in the record, and
-        // keeps the range from being unmapped, freed or mapped over until `_busy` is dropped,
-        // after the (synchronous) copy.
-        unsafe { self.driver.memcpy_dtoh(dst, src as u64) }
-            .map_err(|e| self.fail(Op::Copy, src, len, e))
-    }
-
     /// Checks that `[addr, addr + len)` is mapped with access (read-write if `write`) and marks
     /// it busy until the returned guard drops, so that a copy can use it outside the lock.
     fn hold(&self, addr: Addr, len: usize, write: bool) -> Result<Busy<'_, D>, BackendError> {
@@ -1047,6 +1006,37 @@ impl<D: Driver> Backend for CudaBackend<D> {
             }
         }
         copied.map_err(fail)
+    }
+
+    fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
+        let len = src.len();
+        let fail = |e| self.fail(Op::Copy, dst, len, e);
+        let busy = self.hold(dst, len, true)?;
+        // SAFETY: `hold` proved every byte of the destination mapped read-write with access in
+        // the record, and keeps the range from being unmapped, freed or mapped over until
+        // `busy` is released, once the copy has landed (below).
+        unsafe { self.driver.memcpy_htod(dst as u64, src) }.map_err(fail)?;
+        // From pageable memory the call returns once the bytes are staged; the DMA to the
+        // destination may still run on the legacy stream: wait for it before the range is free.
+        match self.wait_legacy() {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                if !e.is_context_loss() {
+                    std::mem::forget(busy); // not known to have landed: the range stays busy
+                }
+                Err(fail(e))
+            }
+        }
+    }
+
+    fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError> {
+        let len = dst.len();
+        let _busy = self.hold(src, len, false)?;
+        // SAFETY: `hold` proved every byte of the source mapped with access in the record, and
+        // keeps the range from being unmapped, freed or mapped over until `_busy` is dropped,
+        // after the (synchronous) copy.
+        unsafe { self.driver.memcpy_dtoh(dst, src as u64) }
+            .map_err(|e| self.fail(Op::Copy, src, len, e))
     }
 
     fn fence(&self) -> CudaFence {

@@ -1,0 +1,552 @@
+//! Elastic regions — a policy on top of allocations: [`Region`], one reserved range whose
+//! committed part grows and shrinks by granules at its tail. Each granule is a physical
+//! allocation of its own (every mapping maps one whole allocation from offset 0), so granules
+//! come and go one by one, through the device's cache of physical granules.
+
+use crate::allocation::Allocation;
+use crate::backend::{Access, Backend, HostVisible, Op};
+use crate::binding::Binding;
+use crate::device::Device;
+use crate::error::{CommitFailure, GrowFailure, ShrinkFailure, TransitionError};
+use crate::ledger::Axis;
+use crate::residual::{Granule, Held};
+use crate::state::{Internal, Live, Reserved, Retired, State, sealed::Sealed};
+use crate::token::{Core, host_slice, host_slice_mut};
+
+/// A failed [`grow`](Allocation::grow): the same region, with the committed length it had, and
+/// why.
+pub type GrowError<'b, 'id, B> = TransitionError<Region<'b, 'id, B>, GrowFailure>;
+
+/// An elastic region: one reserved range whose committed part — from its start to its
+/// [`committed_len`](Allocation::committed_len) — grows and shrinks by granules at its tail.
+/// Made from a reservation by [`Allocation::into_region`].
+///
+/// - [`grow`](Allocation::grow) is all-or-nothing: on failure every granule the call mapped is
+///   unmapped and given back, and the region comes back inside the error; a granule that
+///   cannot be unmapped stays in the region, owned and withheld (the region cannot grow over
+///   it) until [`reclaim`](Allocation::reclaim) frees it.
+/// - [`shrink`](Allocation::shrink) unmaps granules at the tail and gives them to the device's
+///   cache of physical granules (released instead once the cache is full), from which the next
+///   growth takes them before it creates anything. A granule that cannot be unmapped stays
+///   withheld, as above.
+/// - Budgets and the ledger move granule by granule: a committed granule is charged as owned and
+///   mapped, and to the region's binding; a cached one is owned by the device alone.
+/// - Nothing is unmapped while work that may use the region still runs:
+///   [`shrink`](Allocation::shrink) and [`reclaim`](Allocation::reclaim) refuse with
+///   [`ShrinkFailure::Pending`] then.
+/// - Memory a growth maps is uninitialised: a granule from the cache keeps the bytes of its
+///   last use, by any region of the device.
+///
+/// Host slices cover the committed part only and borrow the region, so it cannot shrink while
+/// one lives:
+///
+/// ```compile_fail,E0502
+/// # use memtoken::{make_guard, Budget, Device};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// let mut region = binding.reserve(4 * 4096).unwrap().into_region().grow(2).unwrap();
+/// let bytes = region.as_slice();
+/// region.shrink(1).unwrap();
+/// println!("{}", bytes[4096]);
+/// ```
+///
+/// and a released region is gone:
+///
+/// ```compile_fail,E0382
+/// # use memtoken::{make_guard, Budget, Device};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// let region = binding.reserve(4 * 4096).unwrap().into_region().grow(2).unwrap();
+/// let releasing = region.release();
+/// let region = region.grow(1);
+/// ```
+///
+/// ```
+/// use memtoken::{make_guard, Budget, Device};
+/// use memtoken::backend::HostBackend;
+///
+/// make_guard!(guard);
+/// let device = Device::new(guard, HostBackend::with_defaults()?);
+/// let binding = device.bind(Budget::unlimited())?;
+/// let g = device.granularity();
+/// let mut region = binding.reserve(8 * g)?.into_region().grow(2).map_err(|e| e.cause)?;
+/// region.as_mut_slice()[2 * g - 1] = 7;
+/// region.shrink(1)?; // the last granule goes to the device's cache
+/// assert_eq!((region.committed_len(), device.ledger().cached_bytes), (g, g as u64));
+/// let region = region.grow(3).map_err(|e| e.cause)?; // takes it back: no new memory
+/// assert_eq!(device.ledger().cached_bytes, 0);
+/// region.release().complete().map_err(|e| e.to_string())?;
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+pub type Region<'b, 'id, B> = Allocation<'b, 'id, B, Elastic>;
+
+/// State of a [`Region`]: a reservation whose committed part grows and shrinks at its tail.
+#[derive(Debug)]
+pub enum Elastic {}
+
+/// What a [`Region`] owns beyond its VA range: its committed granules, in order from the start
+/// of the range, and the granules withheld after a failed unmap.
+#[derive(Debug)]
+pub struct Granules<P> {
+    pub(crate) committed: Vec<P>,
+    pub(crate) stuck: Vec<Granule<P>>,
+}
+
+impl Sealed for Elastic {
+    type Parts<B: Backend> = Granules<B::Phys>;
+
+    fn retire<B: Backend>(
+        backend: &B,
+        _len: usize,
+        parts: Self::Parts<B>,
+        _: Internal,
+    ) -> Retired<B> {
+        let g = backend.granularity();
+        let Granules {
+            committed,
+            mut stuck,
+        } = parts;
+        let mapped = committed.len() * g;
+        // The committed granules are mapped from the start of the range: one unmap covers them.
+        stuck.extend(committed.into_iter().enumerate().map(|(i, phys)| Granule {
+            offset: i * g,
+            len: g,
+            phys,
+            mapped: false,
+        }));
+        let charged = stuck.len() * g;
+        Retired {
+            // Work may still use the memory: its release waits for a fence.
+            fence: (!stuck.is_empty()).then(|| backend.fence()),
+            held: Held {
+                granules: stuck,
+                ..Held::mapped(mapped)
+            },
+            charged,
+        }
+    }
+}
+
+impl State for Elastic {
+    const NAME: &'static str = "Region";
+}
+impl Live for Elastic {}
+
+impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
+    /// Turns this reservation into an elastic [`Region`] with nothing committed yet. Makes no
+    /// backend call and cannot fail.
+    pub fn into_region(self) -> Region<'b, 'id, B> {
+        let (core, ()) = self.into_core();
+        let granules = Granules {
+            committed: Vec::new(),
+            stuck: Vec::new(),
+        };
+        Allocation::from_core(core, granules)
+    }
+}
+
+/// Gives granules that a region no longer maps, and that no work can still use, back to the
+/// device: to its cache while the cap allows, else released (a failure is quarantined). Each
+/// one leaves the binding's budget.
+struct GiveBack<'a, 'b, 'id, B: Backend> {
+    device: &'a Device<'id, B>,
+    binding: &'b Binding<'b, 'id, B>,
+    quarantined: usize,
+}
+
+impl<'a, 'b, 'id, B: Backend> GiveBack<'a, 'b, 'id, B> {
+    fn new(device: &'a Device<'id, B>, binding: &'b Binding<'b, 'id, B>) -> Self {
+        Self {
+            device,
+            binding,
+            quarantined: 0,
+        }
+    }
+
+    /// `phys`, unmapped and unused, leaves the binding: cached or released.
+    fn give(&mut self, phys: B::Phys) {
+        let (device, g) = (self.device, self.device.granularity());
+        self.binding.refund(g);
+        if device.cache_admit() {
+            device.cache_put(phys);
+        } else if device.release_orphan(phys, g).is_err() {
+            // Quarantined in the device, still owned.
+            self.quarantined += 1;
+        }
+    }
+
+    /// How many granules went to quarantine.
+    fn finish(self) -> usize {
+        self.quarantined
+    }
+}
+
+impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
+    /// Bytes committed: mapped read-write from the start of the range.
+    pub fn committed_len(&self) -> usize {
+        self.parts().committed.len() * self.granularity()
+    }
+
+    /// Granules committed.
+    pub fn committed_granules(&self) -> usize {
+        self.parts().committed.len()
+    }
+
+    /// Granules withheld after a failed unmap: owned and charged, inside the range past the
+    /// committed part, which cannot grow over them until [`reclaim`](Self::reclaim) frees them.
+    pub fn withheld_granules(&self) -> usize {
+        self.parts().stuck.len()
+    }
+
+    /// Granules the committed part can grow to now: up to the end of the range, or to the
+    /// first withheld granule.
+    pub fn room_granules(&self) -> usize {
+        let g = self.granularity();
+        let stuck = self.parts().stuck.iter().map(|s| s.offset / g).min();
+        stuck.unwrap_or(self.len() / g)
+    }
+
+    fn granularity(&self) -> usize {
+        self.binding().device().granularity()
+    }
+
+    /// Grows the committed part by `granules` granules at its tail: each one taken from the
+    /// device's cache of physical granules while it has one ready, else created (charged to
+    /// the budgets first, which trim the cache when it stands in the way); then mapped
+    /// read-write and charged as mapped.
+    ///
+    /// # Errors
+    ///
+    /// [`GrowError`], with this region and its committed length unchanged: when the growth
+    /// does not fit ([`GrowFailure::Full`], nothing done), or when a budget, the capacity or a
+    /// backend call refuses a granule ([`GrowFailure::Undone`]): every granule this call mapped
+    /// is unmapped and given back where it came from, and the binding is charged nothing. When
+    /// unmapping one of them fails too ([`GrowFailure::Stuck`]), it stays in the region, owned
+    /// and withheld.
+    #[must_use = "a failed growth returns the region inside the error"]
+    pub fn grow(mut self, granules: usize) -> Result<Self, GrowError<'b, 'id, B>> {
+        let core = self.core();
+        let (binding, device) = (core.binding, core.device());
+        let backend = device.backend();
+        let g = device.granularity();
+        let start = self.committed_granules();
+        let room = self.room_granules();
+        if granules > room - start {
+            let cause = GrowFailure::Full {
+                requested: granules,
+                committed: start,
+                room,
+            };
+            return Err(TransitionError { token: self, cause });
+        }
+        if let Err(e) = device.ensure_live(Op::Map, core.addr + start * g, granules * g) {
+            return self.undo_grow(start, 0, 0, CommitFailure::Backend(e));
+        }
+        // Granules come from the cache first; once it has none ready, they are created.
+        let mut from_cache = 0;
+        for at in 0..granules {
+            let taken = if from_cache == at {
+                device.cache_take()
+            } else {
+                None
+            };
+            let cached = taken.is_some();
+            let phys = match taken {
+                Some(phys) => {
+                    if let Err(cause) = binding.charge_budget(g) {
+                        Self::uncache(device, phys);
+                        return self.undo_grow(start, from_cache, at, cause);
+                    }
+                    from_cache += 1;
+                    phys
+                }
+                None => {
+                    if let Err(cause) = binding.charge(g) {
+                        return self.undo_grow(start, from_cache, at, cause);
+                    }
+                    match backend.create(g) {
+                        Ok(phys) => phys,
+                        Err(e) => {
+                            binding.uncharge(g);
+                            let cause = CommitFailure::Backend(e);
+                            return self.undo_grow(start, from_cache, at, cause);
+                        }
+                    }
+                }
+            };
+            let addr = core.addr + (start + at) * g;
+            if let Err(e) = backend.map(addr, g, phys, Access::ReadWrite) {
+                let mut back = GiveBack::new(device, binding);
+                if cached {
+                    back.give(phys);
+                } else {
+                    binding.refund(g);
+                    back.quarantined += usize::from(device.release_orphan(phys, g).is_err());
+                }
+                let q = back.finish();
+                let cause = CommitFailure::Backend(e);
+                return self
+                    .undo_grow(start, from_cache, at, cause)
+                    .map_err(|mut e| {
+                        add_quarantined(&mut e.cause, q);
+                        e
+                    });
+            }
+            device.charge(Axis::Mapped, g);
+            self.parts_mut().committed.push(phys);
+        }
+        Ok(self)
+    }
+
+    /// A granule taken from the cache goes back there unused (released if the cap shrank
+    /// meanwhile; a failure is quarantined).
+    fn uncache(device: &Device<'id, B>, phys: B::Phys) {
+        if device.cache_admit() {
+            device.cache_put(phys);
+        } else {
+            let _ = device.release_orphan(phys, device.granularity());
+        }
+    }
+
+    /// Unmaps and gives back the granules this growth mapped past `start` (the first
+    /// `from_cache` of them came from the cache and go back there), and says why it stopped at
+    /// granule `at`.
+    fn undo_grow(
+        mut self,
+        start: usize,
+        from_cache: usize,
+        at: usize,
+        cause: CommitFailure,
+    ) -> Result<Self, GrowError<'b, 'id, B>> {
+        let core = self.core();
+        let (binding, device) = (core.binding, core.device());
+        let g = device.granularity();
+        let mut back = GiveBack::new(device, binding);
+        let mut failed = None;
+        while self.committed_granules() > start {
+            let i = self.committed_granules() - 1;
+            let phys = self
+                .parts_mut()
+                .committed
+                .pop()
+                .expect("a granule past start");
+            let offset = i * g;
+            match device.backend().unmap(core.addr + offset, g) {
+                Ok(()) => {
+                    device.refund(Axis::Mapped, g);
+                    if i - start < from_cache {
+                        back.give(phys);
+                    } else {
+                        binding.refund(g);
+                        back.quarantined += usize::from(device.release_orphan(phys, g).is_err());
+                    }
+                }
+                Err(e) => {
+                    self.parts_mut().stuck.push(Granule {
+                        offset,
+                        len: g,
+                        phys,
+                        mapped: true,
+                    });
+                    failed = Some((failed.map_or(0, |(n, _)| n) + 1, e));
+                }
+            }
+        }
+        let quarantined = back.finish();
+        let cause = match failed {
+            None => GrowFailure::Undone {
+                at,
+                cause: Box::new(cause),
+                quarantined,
+            },
+            Some((stuck, rollback)) => GrowFailure::Stuck {
+                at,
+                cause: Box::new(cause),
+                stuck,
+                rollback: Box::new(rollback),
+            },
+        };
+        Err(TransitionError { token: self, cause })
+    }
+
+    /// Shrinks the committed part by `granules` granules at its tail: each is unmapped and
+    /// given to the device's cache of physical granules, or released when the cache is full.
+    /// Each one leaves the binding's budget and the mapped bytes. Nothing is unmapped while work
+    /// that may use the region still runs (the driver's unmap does not wait for it), so a
+    /// cached granule is free for reuse at once: the fence of its last use has completed.
+    ///
+    /// A granule whose release fails goes to the device's quarantine, still owned (see
+    /// [`Device::retry_quarantine`](crate::Device::retry_quarantine)); the shrink succeeds.
+    ///
+    /// # Errors
+    ///
+    /// [`ShrinkFailure::TooMany`] (nothing done) when fewer granules are committed;
+    /// [`ShrinkFailure::Pending`] (nothing done) while work covered by the backend's fences
+    /// may still use the memory; [`ShrinkFailure::Backend`] (nothing done) when the context is
+    /// lost; [`ShrinkFailure::Stuck`] when some granules could not be unmapped: the committed part
+    /// shrank all the same, and those granules stay owned and withheld in the region until
+    /// [`reclaim`](Self::reclaim) frees them.
+    pub fn shrink(&mut self, granules: usize) -> Result<(), ShrinkFailure> {
+        let committed = self.committed_granules();
+        if granules > committed {
+            return Err(ShrinkFailure::TooMany {
+                requested: granules,
+                committed,
+            });
+        }
+        if granules == 0 {
+            return Ok(());
+        }
+        let core = self.core();
+        let device = core.device();
+        let g = device.granularity();
+        let end = core.addr + committed * g;
+        device
+            .ensure_live(Op::Unmap, end - granules * g, granules * g)
+            .map_err(ShrinkFailure::Backend)?;
+        if !idle(core) {
+            return Err(ShrinkFailure::Pending);
+        }
+        self.shrink_now(granules)
+    }
+
+    /// Unmaps the last `granules` committed granules (no more than are committed) and gives
+    /// them back. No work may still use them: the caller checked [`idle`], or mapped them
+    /// within the current call.
+    pub(crate) fn shrink_now(&mut self, granules: usize) -> Result<(), ShrinkFailure> {
+        let core = self.core();
+        let (binding, device) = (core.binding, core.device());
+        let g = device.granularity();
+        let mut back = GiveBack::new(device, binding);
+        let mut failed = None;
+        for _ in 0..granules {
+            let i = self.committed_granules() - 1;
+            let phys = self
+                .parts_mut()
+                .committed
+                .pop()
+                .expect("a committed granule");
+            let offset = i * g;
+            match device.backend().unmap(core.addr + offset, g) {
+                Ok(()) => {
+                    device.refund(Axis::Mapped, g);
+                    back.give(phys);
+                }
+                Err(e) => {
+                    self.parts_mut().stuck.push(Granule {
+                        offset,
+                        len: g,
+                        phys,
+                        mapped: true,
+                    });
+                    failed = Some(e);
+                }
+            }
+        }
+        back.finish();
+        match failed {
+            None => Ok(()),
+            Some(error) => Err(ShrinkFailure::Stuck {
+                stuck: self.withheld_granules(),
+                error,
+            }),
+        }
+    }
+
+    /// Tries again to unmap the granules withheld after a failed unmap, and gives back those
+    /// it can (to the cache, or released), so the region can grow over them again.
+    ///
+    /// # Errors
+    ///
+    /// [`ShrinkFailure::Stuck`] with the granules still withheld; [`ShrinkFailure::Pending`]
+    /// (nothing done) while work may still use the memory; [`ShrinkFailure::Backend`]
+    /// (nothing done) when the context is lost — its granules then go with the region's
+    /// release, discharged with the device's quarantine.
+    pub fn reclaim(&mut self) -> Result<(), ShrinkFailure> {
+        let core = self.core();
+        reclaim_withheld(core, &mut self.parts_mut().stuck)
+    }
+}
+
+/// Whether no work that may use `core`'s memory still runs on any stream the backend's fences
+/// cover: before an unmap, which does not wait for it.
+pub(crate) fn idle<B: Backend>(core: Core<'_, '_, B>) -> bool {
+    let backend = core.backend();
+    let fence = backend.fence();
+    let done = backend.fence_done(&fence);
+    backend.retire_fence(fence);
+    done
+}
+
+/// Unmaps the granules of `core`'s range withheld in `stuck` after a failed unmap, and gives back
+/// those it can (to the cache, or released); the others stay in `stuck`.
+pub(crate) fn reclaim_withheld<B: Backend>(
+    core: Core<'_, '_, B>,
+    stuck: &mut Vec<Granule<B::Phys>>,
+) -> Result<(), ShrinkFailure> {
+    if stuck.is_empty() {
+        return Ok(());
+    }
+    let (binding, device) = (core.binding, core.device());
+    device
+        .ensure_live(Op::Unmap, core.addr, core.len)
+        .map_err(ShrinkFailure::Backend)?;
+    // Withheld granules lie past the committed part, but work may reach them all the same.
+    if !idle(core) {
+        return Err(ShrinkFailure::Pending);
+    }
+    let mut back = GiveBack::new(device, binding);
+    let mut failed = None;
+    for mut granule in std::mem::take(stuck) {
+        if granule.mapped {
+            if let Err(e) = device
+                .backend()
+                .unmap(core.addr + granule.offset, granule.len)
+            {
+                stuck.push(granule);
+                failed = Some(e);
+                continue;
+            }
+            device.refund(Axis::Mapped, granule.len);
+            granule.mapped = false;
+        }
+        back.give(granule.phys);
+    }
+    back.finish();
+    match failed {
+        None => Ok(()),
+        Some(error) => Err(ShrinkFailure::Stuck {
+            stuck: stuck.len(),
+            error,
+        }),
+    }
+}
+
+/// Counts `n` more granules quarantined while undoing a growth.
+fn add_quarantined(cause: &mut GrowFailure, n: usize) {
+    match cause {
+        GrowFailure::Undone { quarantined, .. } => *quarantined += n,
+        GrowFailure::Stuck { .. } | GrowFailure::Full { .. } => {}
+    }
+}
+
+impl<B: HostVisible> Allocation<'_, '_, B, Elastic> {
+    /// The committed part, read-only, borrowed from the region: it cannot shrink (or be
+    /// released) while borrowed.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: the committed granules are mapped read-write from the start of the range and
+        // stay mapped until `shrink` (`&mut self`) or a release (by value) — both excluded by
+        // this borrow; the region is their only owner, so only its `&mut` writes them.
+        unsafe { host_slice(self.addr(), self.committed_len()) }
+    }
+
+    /// The committed part, read-write, borrowed mutably from the region.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: as for `as_slice`; `&mut self` makes this the only borrow of the memory.
+        unsafe { host_slice_mut(self.addr(), self.committed_len()) }
+    }
+}

@@ -1,0 +1,418 @@
+//! Sleep and wake — a policy on top of allocations and regions: committed memory is
+//! [suspended](Allocation::suspend) (unmapped and its physical memory given back, its bytes
+//! optionally saved to the host first) while its VA stays reserved, and
+//! [resumed](Allocation::resume) at the same addresses, all or nothing. A suspended token is an
+//! [`Allocation`] in the state [`Suspended<S>`], `S` the state it comes back to.
+
+use crate::allocation::Allocation;
+use crate::backend::{Backend, Op};
+use crate::error::{ResumeFailure, Returned, ShrinkFailure, SuspendFailure, TransitionError};
+use crate::ledger::Axis;
+use crate::quarantine::Quarantined;
+use crate::region::{Elastic, Granules, idle, reclaim_withheld};
+use crate::residual::{Granule, Held};
+use crate::state::{Committed, Internal, Live, Reserved, Retired, State, sealed::Sealed};
+use crate::token::Core;
+use std::convert::Infallible;
+use std::fmt;
+use std::marker::PhantomData;
+
+/// A failed suspend: the same token, unchanged and usable, or its quarantined remains when
+/// unmapping failed; and why.
+pub type SuspendError<'b, 'id, B, S> =
+    TransitionError<Returned<Allocation<'b, 'id, B, S>, Quarantined<'b, 'id, B>>, SuspendFailure>;
+
+/// A failed resume: the same suspended token, with its addresses and saved bytes, or the
+/// quarantined remains of a half-done resume that could not be undone; and why.
+pub type ResumeError<'b, 'id, B, S> = TransitionError<
+    Returned<Allocation<'b, 'id, B, Suspended<S>>, Quarantined<'b, 'id, B>>,
+    ResumeFailure,
+>;
+
+/// A suspended [`Allocation`]: its VA is reserved at the same address, nothing is mapped, it
+/// owns no physical memory. [`resume`](Allocation::resume) gives the committed allocation back.
+pub type SuspendedAllocation<'b, 'id, B> = Allocation<'b, 'id, B, Suspended<Committed>>;
+
+/// A suspended [`Region`](crate::Region): its VA is reserved, nothing committed;
+/// [`resume`](Allocation::resume) grows it back to the committed length it had.
+pub type SuspendedRegion<'b, 'id, B> = Allocation<'b, 'id, B, Suspended<Elastic>>;
+
+/// State of a suspended token that resumes into state `S` ([`Committed`] or [`Elastic`]). It has
+/// no access methods — the memory is not mapped:
+///
+/// ```compile_fail,E0599
+/// # use memtoken::{make_guard, Budget, Device};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// let asleep = binding.reserve(4096).unwrap().commit().unwrap().suspend().unwrap();
+/// let bytes = asleep.as_slice();
+/// ```
+///
+/// a suspended token cannot be suspended again:
+///
+/// ```compile_fail,E0599
+/// # use memtoken::{make_guard, Budget, Device};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// let asleep = binding.reserve(4096).unwrap().commit().unwrap().suspend().unwrap();
+/// let twice = asleep.suspend();
+/// ```
+///
+/// only a suspended token resumes:
+///
+/// ```compile_fail,E0599
+/// # use memtoken::{make_guard, Budget, Device};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// let awake = binding.reserve(4096).unwrap().commit().unwrap();
+/// let again = awake.resume();
+/// ```
+///
+/// and no slice of the memory outlives its suspend:
+///
+/// ```compile_fail,E0505
+/// # use memtoken::{make_guard, Budget, Device};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// let region = binding.reserve(4 * 4096).unwrap().into_region().grow(2).unwrap();
+/// let bytes = region.as_slice();
+/// let asleep = region.suspend_saving().unwrap();
+/// println!("{}", bytes[0]);
+/// ```
+///
+/// Releasing a suspended token frees its VA, once, like any other release.
+pub struct Suspended<S>(Infallible, PhantomData<S>);
+
+impl<S> fmt::Debug for Suspended<S> {
+    fn fmt(&self, _: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.0 {}
+    }
+}
+
+/// What a suspended token holds beyond its VA: the committed length to come back, the bytes
+/// saved from it, and (a region's) granules withheld after a failed unmap.
+#[derive(Debug)]
+pub struct Asleep<P> {
+    len: usize,
+    saved: Option<Box<[u8]>>,
+    stuck: Vec<Granule<P>>,
+}
+
+/// A state that can be suspended and resumed (sealed): [`Committed`] and [`Elastic`].
+pub trait Suspendable: Live {}
+impl Suspendable for Committed {}
+impl Suspendable for Elastic {}
+
+impl<S: Suspendable> Sealed for Suspended<S> {
+    type Parts<B: Backend> = Asleep<B::Phys>;
+
+    fn retire<B: Backend>(
+        backend: &B,
+        _len: usize,
+        parts: Self::Parts<B>,
+        _: Internal,
+    ) -> Retired<B> {
+        let charged = parts.stuck.len() * backend.granularity();
+        Retired {
+            // Withheld granules may still be mapped from before: their release waits for work.
+            fence: (!parts.stuck.is_empty()).then(|| backend.fence()),
+            held: Held {
+                granules: parts.stuck,
+                ..Held::va()
+            },
+            charged,
+        }
+    }
+}
+
+impl<S: Suspendable> State for Suspended<S> {
+    const NAME: &'static str = "Suspended";
+}
+impl<S: Suspendable> Live for Suspended<S> {}
+
+impl<B: Backend, S: Suspendable> Allocation<'_, '_, B, Suspended<S>> {
+    /// Bytes that come back mapped on resume (the committed length when suspended).
+    pub fn suspended_len(&self) -> usize {
+        self.parts().len
+    }
+
+    /// Whether the bytes were saved, so that resume restores them.
+    pub fn is_saved(&self) -> bool {
+        self.parts().saved.is_some()
+    }
+}
+
+/// The checks before a suspend of `len` committed bytes: the context lives, no work runs; then
+/// the bytes saved, if asked.
+fn prepare<B: Backend>(
+    core: Core<'_, '_, B>,
+    len: usize,
+    save: bool,
+) -> Result<Option<Box<[u8]>>, SuspendFailure> {
+    let device = core.device();
+    device
+        .ensure_live(Op::Unmap, core.addr, core.len)
+        .map_err(|e| SuspendFailure::Backend(Box::new(e)))?;
+    if !idle(core) {
+        return Err(SuspendFailure::Pending);
+    }
+    if !save {
+        return Ok(None);
+    }
+    let mut bytes = vec![0; len].into_boxed_slice();
+    device
+        .backend()
+        .copy_to_host(&mut bytes, core.addr)
+        .map_err(|e| SuspendFailure::Save(Box::new(e)))?;
+    Ok(Some(bytes))
+}
+
+impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
+    /// Suspends this allocation without saving its bytes: unmaps and releases its physical
+    /// memory (refunded to the budgets and the ledger) while its VA stays reserved. A resume
+    /// maps fresh memory at the same addresses.
+    ///
+    /// # Errors
+    ///
+    /// [`SuspendError`]: this allocation, unchanged, while work may still use it
+    /// ([`SuspendFailure::Pending`]) or once the context is lost; its quarantined remains when
+    /// the unmap fails. A release that fails after the unmap is quarantined in the device and
+    /// the suspend succeeds.
+    #[must_use = "a failed suspend returns the allocation inside the error"]
+    pub fn suspend(
+        self,
+    ) -> Result<SuspendedAllocation<'b, 'id, B>, SuspendError<'b, 'id, B, Committed>> {
+        self.suspend_with(false)
+    }
+
+    /// Suspends this allocation as [`suspend`](Self::suspend) does, after saving its bytes to
+    /// host memory; a resume restores them.
+    ///
+    /// # Errors
+    ///
+    /// As for [`suspend`](Self::suspend); also the allocation, unchanged, when saving fails.
+    #[must_use = "a failed suspend returns the allocation inside the error"]
+    pub fn suspend_saving(
+        self,
+    ) -> Result<SuspendedAllocation<'b, 'id, B>, SuspendError<'b, 'id, B, Committed>> {
+        self.suspend_with(true)
+    }
+
+    fn suspend_with(
+        self,
+        save: bool,
+    ) -> Result<SuspendedAllocation<'b, 'id, B>, SuspendError<'b, 'id, B, Committed>> {
+        let core = self.core();
+        let (binding, device, len) = (core.binding, core.device(), core.len);
+        let saved = match prepare(core, len, save) {
+            Ok(saved) => saved,
+            Err(cause) => {
+                let token = Returned::Unchanged(self);
+                return Err(TransitionError { token, cause });
+            }
+        };
+        let (core, phys) = self.into_core();
+        if let Err(e) = device.backend().unmap(core.addr, len) {
+            // Whether it is still mapped is unknown: quarantined whole, as a failed release is.
+            let token = Quarantined::new(binding, core.residual(Held::committed(len, phys)));
+            let token = Returned::Quarantined(token);
+            return Err(TransitionError {
+                token,
+                cause: SuspendFailure::Unmap(Box::new(e)),
+            });
+        }
+        device.refund(Axis::Mapped, len);
+        binding.refund(len);
+        let _ = device.release_orphan(phys, len); // a failure is quarantined, still counted
+        let asleep = Asleep {
+            len,
+            saved,
+            stuck: Vec::new(),
+        };
+        Ok(Allocation::from_core(core, asleep))
+    }
+}
+
+impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Committed>> {
+    /// Resumes this allocation: commits physical memory at the same addresses and restores the
+    /// saved bytes, if any — all or nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`ResumeError`]: this suspended allocation, with its saved bytes, when the commit or the
+    /// restore fails (nothing stays mapped or charged); the quarantined remains when undoing a
+    /// failed restore fails too.
+    #[must_use = "a failed resume returns the suspended allocation inside the error"]
+    pub fn resume(
+        self,
+    ) -> Result<Allocation<'b, 'id, B, Committed>, ResumeError<'b, 'id, B, Committed>> {
+        let (core, asleep) = self.into_core();
+        let back = |core, asleep, cause| {
+            let token = Returned::Unchanged(Allocation::from_core(core, asleep));
+            Err(TransitionError { token, cause })
+        };
+        let reserved = Allocation::<'b, 'id, B, Reserved>::from_core(core, ());
+        let committed = match reserved.commit() {
+            Ok(committed) => committed,
+            Err(e) => {
+                let (core, ()) = e.token.into_core();
+                return back(core, asleep, ResumeFailure::Commit(Box::new(e.cause)));
+            }
+        };
+        let Some(bytes) = &asleep.saved else {
+            return Ok(committed);
+        };
+        let device = core.device();
+        let Err(error) = device.backend().copy_from_host(core.addr, bytes) else {
+            return Ok(committed);
+        };
+        // Undo the commit: nothing can have used the memory mapped just now.
+        let (core, phys) = committed.into_core();
+        let (binding, len) = (core.binding, core.len);
+        if let Err(rollback) = device.backend().unmap(core.addr, len) {
+            let token = Quarantined::new(binding, core.residual(Held::committed(len, phys)));
+            let cause = ResumeFailure::RestoreUndo {
+                error: Box::new(error),
+                rollback: Box::new(rollback),
+            };
+            let token = Returned::Quarantined(token);
+            return Err(TransitionError { token, cause });
+        }
+        device.refund(Axis::Mapped, len);
+        binding.refund(len);
+        let _ = device.release_orphan(phys, len); // a failure is quarantined, still counted
+        back(core, asleep, ResumeFailure::Restore(Box::new(error)))
+    }
+}
+
+impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
+    /// Suspends this region without saving its bytes: shrinks its committed part to nothing
+    /// (each granule to the device's cache, or released) while its VA stays reserved. A resume
+    /// grows it back at the same addresses.
+    ///
+    /// A granule whose unmap fails stays withheld in the suspended region, as after a failed
+    /// shrink (see [`reclaim`](Allocation::reclaim) on the suspended region).
+    ///
+    /// # Errors
+    ///
+    /// [`SuspendError`]: this region, unchanged, while work may still use it
+    /// ([`SuspendFailure::Pending`]) or once the context is lost.
+    #[must_use = "a failed suspend returns the region inside the error"]
+    pub fn suspend(self) -> Result<SuspendedRegion<'b, 'id, B>, SuspendError<'b, 'id, B, Elastic>> {
+        self.suspend_with(false)
+    }
+
+    /// Suspends this region as [`suspend`](Self::suspend) does, after saving its committed
+    /// bytes to host memory; a resume restores them.
+    ///
+    /// # Errors
+    ///
+    /// As for [`suspend`](Self::suspend); also the region, unchanged, when saving fails.
+    #[must_use = "a failed suspend returns the region inside the error"]
+    pub fn suspend_saving(
+        self,
+    ) -> Result<SuspendedRegion<'b, 'id, B>, SuspendError<'b, 'id, B, Elastic>> {
+        self.suspend_with(true)
+    }
+
+    fn suspend_with(
+        mut self,
+        save: bool,
+    ) -> Result<SuspendedRegion<'b, 'id, B>, SuspendError<'b, 'id, B, Elastic>> {
+        let (core, len) = (self.core(), self.committed_len());
+        let saved = match prepare(core, len, save) {
+            Ok(saved) => saved,
+            Err(cause) => {
+                let token = Returned::Unchanged(self);
+                return Err(TransitionError { token, cause });
+            }
+        };
+        // Granules whose unmap fails are withheld in the region: they stay with it.
+        let _ = self.shrink_now(self.committed_granules());
+        let (core, granules) = self.into_core();
+        let asleep = Asleep {
+            len,
+            saved,
+            stuck: granules.stuck,
+        };
+        Ok(Allocation::from_core(core, asleep))
+    }
+}
+
+impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Elastic>> {
+    /// Granules withheld after a failed unmap (see [`Region::withheld_granules`]).
+    ///
+    /// [`Region::withheld_granules`]: Allocation::withheld_granules
+    pub fn withheld_granules(&self) -> usize {
+        self.parts().stuck.len()
+    }
+
+    /// Tries again to unmap and give back the granules withheld after a failed unmap.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Region::reclaim`](Allocation::reclaim).
+    pub fn reclaim(&mut self) -> Result<(), ShrinkFailure> {
+        let core = self.core();
+        reclaim_withheld(core, &mut self.parts_mut().stuck)
+    }
+
+    /// Resumes this region: grows it back to its suspended length at the same addresses (from
+    /// the device's cache of granules first) and restores the saved bytes, if any — all or
+    /// nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`ResumeError`]: this suspended region, with its saved bytes, when the growth or the
+    /// restore fails (every granule mapped for it given back, nothing charged); granules whose
+    /// unmap fails meanwhile stay withheld in it.
+    #[must_use = "a failed resume returns the suspended region inside the error"]
+    pub fn resume(
+        self,
+    ) -> Result<Allocation<'b, 'id, B, Elastic>, ResumeError<'b, 'id, B, Elastic>> {
+        let g = self.binding().device().granularity();
+        let (core, asleep) = self.into_core();
+        let Asleep { len, saved, stuck } = asleep;
+        let asleep_again = |region: Allocation<'b, 'id, B, Elastic>, saved, cause| {
+            let (core, granules) = region.into_core();
+            debug_assert!(
+                granules.committed.is_empty(),
+                "a failed growth maps nothing"
+            );
+            let asleep = Asleep {
+                len,
+                saved,
+                stuck: granules.stuck,
+            };
+            let token = Returned::Unchanged(Allocation::from_core(core, asleep));
+            Err(TransitionError { token, cause })
+        };
+        let granules = Granules {
+            committed: Vec::with_capacity(len / g),
+            stuck,
+        };
+        let region = Allocation::<'b, 'id, B, Elastic>::from_core(core, granules);
+        let mut region = match region.grow(len / g) {
+            Ok(region) => region,
+            Err(e) => return asleep_again(e.token, saved, ResumeFailure::Grow(Box::new(e.cause))),
+        };
+        let Some(bytes) = &saved else {
+            return Ok(region);
+        };
+        let Err(error) = core.backend().copy_from_host(core.addr, bytes) else {
+            return Ok(region);
+        };
+        // Nothing can have used the memory mapped just now: shrink it back (a granule whose
+        // unmap fails stays withheld).
+        let _ = region.shrink_now(len / g);
+        asleep_again(region, saved, ResumeFailure::Restore(Box::new(error)))
+    }
+}

@@ -1,0 +1,486 @@
+//! Elastic regions and the device's cache of physical granules: growth and shrinkage by
+//! granules, all-or-nothing growth, withheld granules after a failed unmap, reuse of cached
+//! granules (counted on `Faulty`'s call counters), budgets that trim the cache, and fences that
+//! hold cached granules back on CUDA.
+
+use memtoken::backend::cuda::{CudaBackend, DriverModel, ModelConfig};
+use memtoken::backend::{Faulty, HostBackend, Op, SimBackend};
+use memtoken::{Budget, CommitFailure, Device, GrowFailure, ShrinkFailure, make_guard};
+
+const PAGE: usize = 4096;
+
+/// A device over `Faulty<$backend>`, its fault handle, and an unlimited binding.
+macro_rules! setup {
+    ($backend:expr, $device:ident, $faults:ident) => {
+        make_guard!(guard);
+        let backend = Faulty::new($backend);
+        let $faults = backend.handle();
+        let $device = Device::new(guard, backend);
+    };
+}
+
+fn host() -> HostBackend {
+    HostBackend::with_defaults().expect("memfd")
+}
+
+#[test]
+fn grow_and_shrink_move_the_ledger_and_budget_granule_by_granule() {
+    setup!(host(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(8 * PAGE).unwrap().into_region();
+    assert_eq!((region.len(), region.committed_len()), (8 * PAGE, 0));
+    assert!(region.as_slice().is_empty());
+
+    let mut region = region.grow(3).unwrap();
+    let l = device.ledger();
+    assert_eq!(
+        (l.mapped_bytes, l.owned_bytes),
+        (3 * PAGE as u64, 3 * PAGE as u64)
+    );
+    assert_eq!(binding.used(), 3 * PAGE as u64);
+    region.as_mut_slice().fill(5);
+    assert_eq!(region.as_slice().len(), 3 * PAGE);
+
+    region.shrink(1).unwrap();
+    let l = device.ledger();
+    assert_eq!(
+        (l.mapped_bytes, l.owned_bytes, l.cached_bytes),
+        (2 * PAGE as u64, 3 * PAGE as u64, PAGE as u64),
+        "the shrunk granule is cached: owned, not mapped"
+    );
+    assert_eq!(binding.used(), 2 * PAGE as u64);
+    assert!(region.as_slice().iter().all(|&b| b == 5));
+
+    let creates = faults.calls(Op::Create);
+    let region = region.grow(2).unwrap();
+    assert_eq!(faults.calls(Op::Create), creates + 1, "one from the cache");
+    assert_eq!(device.ledger().cached_bytes, 0);
+    assert_eq!(binding.used(), 4 * PAGE as u64);
+
+    region.release().complete().unwrap();
+    assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+    assert_eq!(binding.used(), 0);
+    drop(binding);
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+    assert!(device.close().is_clean());
+}
+
+/// Grows and shrinks a region of `granules` granules `cycles` times after one warm-up cycle;
+/// returns the create and release calls made by the cycles.
+fn cycle_calls(cache_cap: u64, granules: usize, cycles: usize) -> (u64, u64) {
+    setup!(SimBackend::default(), device, faults);
+    device.set_cache_cap(cache_cap);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let mut region = binding.reserve(granules * g).unwrap().into_region();
+    region = region.grow(granules).unwrap();
+    region.shrink(granules).unwrap();
+    let (creates, releases) = (faults.calls(Op::Create), faults.calls(Op::Release));
+    for _ in 0..cycles {
+        region = region.grow(granules).unwrap();
+        region.shrink(granules).unwrap();
+    }
+    let calls = (
+        faults.calls(Op::Create) - creates,
+        faults.calls(Op::Release) - releases,
+    );
+    drop(region);
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+    calls
+}
+
+#[test]
+fn cached_granules_make_grow_shrink_cycles_free_of_create_and_release() {
+    let g = backend_granularity() as u64;
+    assert_eq!(cycle_calls(4 * g, 4, 10_000), (0, 0));
+}
+
+#[test]
+fn with_the_cache_capped_at_zero_each_cycle_creates_and_releases_each_granule() {
+    assert_eq!(cycle_calls(0, 4, 10_000), (40_000, 40_000));
+}
+
+#[test]
+fn grow_failing_at_the_kth_granule_hands_back_the_unchanged_region_with_nothing_charged() {
+    for (op, k) in [(Op::Create, 3), (Op::Map, 3), (Op::Map, 1), (Op::Create, 5)] {
+        setup!(host(), device, faults);
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        let mut region = binding
+            .reserve(8 * PAGE)
+            .unwrap()
+            .into_region()
+            .grow(2)
+            .unwrap();
+        region.as_mut_slice().fill(9);
+        // One granule in the cache, so the growth takes one from there and creates the rest.
+        region.shrink(1).unwrap();
+        let (generation, addr) = (region.generation(), region.addr());
+        let ledger = device.ledger();
+        let used = binding.used();
+        let outstanding = faults.outstanding();
+
+        // Granule 0 comes from the cache: creates are one behind maps.
+        faults.fail_nth(op, if op == Op::Create { k - 1 } else { k });
+        let e = region.grow(5).unwrap_err();
+        match &e.cause {
+            GrowFailure::Undone {
+                at,
+                cause,
+                quarantined: 0,
+            } => {
+                let CommitFailure::Backend(b) = &**cause else {
+                    panic!("{cause:?}")
+                };
+                assert_eq!(*at, k as usize - 1, "{op:?} #{k}");
+                assert!(b.is_injected());
+            }
+            other => panic!("{op:?} #{k}: {other:?}"),
+        }
+        let region = e.into_token();
+        assert_eq!((region.generation(), region.addr()), (generation, addr));
+        assert_eq!(
+            region.committed_len(),
+            PAGE,
+            "the committed length is unchanged"
+        );
+        assert_eq!(region.withheld_granules(), 0);
+        assert!(region.as_slice().iter().all(|&b| b == 9), "bytes kept");
+        assert_eq!(device.ledger(), ledger, "{op:?} #{k}: nothing charged");
+        assert_eq!(binding.used(), used, "the budget is unchanged");
+        assert_eq!(
+            faults.outstanding(),
+            outstanding,
+            "every granule mapped was unmapped"
+        );
+
+        // The same region grows once the fault is gone.
+        let region = region.grow(5).unwrap();
+        assert_eq!(region.committed_len(), 6 * PAGE);
+        drop(region);
+        drop(binding);
+        assert!(device.close().is_clean());
+        assert!(faults.outstanding().is_zero());
+    }
+}
+
+#[test]
+fn grow_refused_by_the_budget_at_the_kth_granule_is_undone() {
+    setup!(SimBackend::default(), device, faults);
+    let g = device.granularity();
+    let binding = device.bind(Budget::bytes(3 * g as u64)).unwrap();
+    let region = binding
+        .reserve(8 * g)
+        .unwrap()
+        .into_region()
+        .grow(1)
+        .unwrap();
+    let ledger = device.ledger();
+    let e = region.grow(4).unwrap_err();
+    assert!(
+        matches!(
+            e.cause,
+            GrowFailure::Undone { at: 2, ref cause, .. } if matches!(**cause, CommitFailure::Budget { .. })
+        ),
+        "{:?}",
+        e.cause
+    );
+    let region = e.into_token();
+    assert_eq!(region.committed_granules(), 1);
+    assert_eq!(device.ledger(), ledger);
+    assert_eq!(binding.used(), g as u64);
+    let e = region.grow(8).unwrap_err();
+    assert!(matches!(e.cause, GrowFailure::Full { room: 8, .. }));
+    drop(e);
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero());
+}
+
+#[test]
+fn a_failed_unmap_while_undoing_a_growth_withholds_the_granule() {
+    setup!(SimBackend::default(), device, faults);
+    let g = device.granularity();
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding
+        .reserve(8 * g)
+        .unwrap()
+        .into_region()
+        .grow(1)
+        .unwrap();
+    faults.fail_nth(Op::Map, 3);
+    faults.fail_nth(Op::Unmap, 1);
+    let e = region.grow(4).unwrap_err();
+    assert!(
+        matches!(
+            e.cause,
+            GrowFailure::Stuck {
+                at: 2,
+                stuck: 1,
+                ..
+            }
+        ),
+        "{:?}",
+        e.cause
+    );
+    let region = e.into_token();
+    assert_eq!(
+        (region.committed_granules(), region.withheld_granules()),
+        (1, 1)
+    );
+    // The granule at index 2 is withheld: the region cannot grow over it.
+    assert_eq!(region.room_granules(), 2);
+    let e = region.grow(2).unwrap_err();
+    assert!(matches!(e.cause, GrowFailure::Full { room: 2, .. }));
+    let mut region = e.into_token();
+    let l = device.ledger();
+    assert_eq!(
+        (l.mapped_bytes, l.owned_bytes),
+        (2 * g as u64, 2 * g as u64)
+    );
+    assert_eq!(
+        binding.used(),
+        2 * g as u64,
+        "the withheld granule stays charged"
+    );
+    region.reclaim().unwrap();
+    assert_eq!(region.withheld_granules(), 0);
+    let region = region.grow(7).unwrap();
+    assert_eq!(region.committed_granules(), 8);
+    drop(region);
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero());
+}
+
+#[test]
+fn a_failed_shrink_withholds_the_stuck_granules_until_a_retry_frees_them() {
+    setup!(host(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding
+        .reserve(8 * PAGE)
+        .unwrap()
+        .into_region()
+        .grow(6)
+        .unwrap();
+    // Unmaps go from the tail: the 2nd and 3rd of this shrink are granules 4 and 3.
+    faults.fail_from(Op::Unmap, 2);
+    let e = region.shrink(4).unwrap_err();
+    faults.clear();
+    assert!(matches!(e, ShrinkFailure::Stuck { stuck: 3, .. }), "{e:?}");
+    assert_eq!(region.committed_len(), 2 * PAGE, "shrunk as asked");
+    assert_eq!(region.withheld_granules(), 3);
+    assert_eq!(
+        region.room_granules(),
+        2,
+        "no growth over the withheld granules"
+    );
+    let l = device.ledger();
+    assert_eq!(
+        (l.mapped_bytes, l.owned_bytes, l.cached_bytes),
+        (5 * PAGE as u64, 6 * PAGE as u64, PAGE as u64),
+        "stuck granules stay mapped and owned; the unmapped one is cached"
+    );
+    assert_eq!(binding.used(), 5 * PAGE as u64);
+    let e = region.grow(1).unwrap_err();
+    assert!(matches!(e.cause, GrowFailure::Full { .. }));
+    let mut region = e.into_token();
+
+    // A retry that fails again keeps them; one that succeeds frees them.
+    faults.fail_nth(Op::Unmap, 1);
+    assert!(matches!(
+        region.reclaim(),
+        Err(ShrinkFailure::Stuck { stuck: 1, .. })
+    ));
+    region.reclaim().unwrap();
+    assert_eq!(region.withheld_granules(), 0);
+    assert_eq!(region.room_granules(), 8);
+    let l = device.ledger();
+    assert_eq!(
+        (l.mapped_bytes, l.owned_bytes, l.cached_bytes),
+        (2 * PAGE as u64, 6 * PAGE as u64, 4 * PAGE as u64)
+    );
+    assert_eq!(binding.used(), 2 * PAGE as u64);
+    let region = region.grow(6).unwrap();
+    assert_eq!(device.ledger().cached_bytes, 0);
+    drop(region);
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero());
+}
+
+#[test]
+fn a_region_dropped_with_withheld_granules_hands_them_to_the_device() {
+    setup!(SimBackend::default(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let mut region = binding
+        .reserve(4 * g)
+        .unwrap()
+        .into_region()
+        .grow(3)
+        .unwrap();
+    faults.fail_nth(Op::Unmap, 1);
+    assert!(region.shrink(2).is_err());
+    assert_eq!(region.withheld_granules(), 1);
+    drop(region);
+    // Teardown unmaps the withheld granule on its own and releases every granule.
+    assert_eq!(binding.used(), 0);
+    drop(binding);
+    let report = device.close();
+    assert!(report.is_clean(), "{report:?}");
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+}
+
+#[test]
+fn a_device_budget_trims_the_cache_when_it_needs_the_bytes() {
+    make_guard!(guard);
+    let backend = Faulty::new(SimBackend::default());
+    let faults = backend.handle();
+    let g = backend_granularity();
+    let device = Device::with_cache(
+        guard,
+        backend,
+        Budget::bytes(4 * g as u64),
+        Budget::unlimited(),
+    );
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding
+        .reserve(4 * g)
+        .unwrap()
+        .into_region()
+        .grow(4)
+        .unwrap();
+    region.shrink(4).unwrap();
+    assert_eq!(device.ledger().cached_bytes, 4 * g as u64);
+    // The cached bytes count in the device's budget; a commit that needs them trims them.
+    let releases = faults.calls(Op::Release);
+    let committed = binding.reserve(3 * g).unwrap().commit().unwrap();
+    assert_eq!(
+        faults.calls(Op::Release),
+        releases + 3,
+        "just enough trimmed"
+    );
+    assert_eq!(device.ledger().cached_bytes, g as u64);
+    assert_eq!(device.trim_cache(), g as u64);
+    assert_eq!(device.ledger().owned_bytes, 3 * g as u64);
+    drop((committed, region));
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+fn backend_granularity() -> usize {
+    memtoken::backend::Backend::granularity(&SimBackend::default())
+}
+
+#[test]
+fn the_cache_cap_bounds_what_is_kept_and_a_lower_cap_trims() {
+    setup!(SimBackend::default(), device, faults);
+    let g = device.granularity() as u64;
+    device.set_cache_cap(2 * g);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding
+        .reserve(4 * g as usize)
+        .unwrap()
+        .into_region()
+        .grow(4)
+        .unwrap();
+    let releases = faults.calls(Op::Release);
+    region.shrink(4).unwrap();
+    assert_eq!(device.cached_bytes(), 2 * g);
+    assert_eq!(
+        faults.calls(Op::Release),
+        releases + 2,
+        "past the cap: released"
+    );
+    device.set_cache_cap(g);
+    assert_eq!(device.cached_bytes(), g);
+    assert_eq!(device.cache_cap(), g);
+    // A cached granule whose release fails is quarantined, still owned.
+    faults.fail_nth(Op::Release, 1);
+    assert_eq!(device.trim_cache(), g);
+    let l = device.ledger();
+    assert_eq!((l.cached_bytes, l.owned_bytes, l.quarantined), (0, g, 1));
+    assert_eq!(device.retry_quarantine().released, 1);
+    drop(region);
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero());
+}
+
+#[test]
+fn on_cuda_a_region_shrinks_only_once_work_that_may_use_it_has_finished() {
+    let model = DriverModel::new(ModelConfig {
+        events_complete_at_once: false,
+        ..ModelConfig::default()
+    })
+    .unwrap();
+    setup!(CudaBackend::new(model.clone(), 0).unwrap(), device, faults);
+    let g = device.granularity();
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding
+        .reserve(4 * g)
+        .unwrap()
+        .into_region()
+        .grow(2)
+        .unwrap();
+    model.submit_work(); // a kernel may still use the region's memory
+    assert!(matches!(region.shrink(2), Err(ShrinkFailure::Pending)));
+    assert_eq!(
+        region.committed_granules(),
+        2,
+        "nothing was unmapped under the kernel"
+    );
+    model.complete_work();
+    region.shrink(2).unwrap();
+    assert_eq!(device.cached_bytes(), 2 * g as u64);
+    let creates = faults.calls(Op::Create);
+    let region = region.grow(2).unwrap();
+    assert_eq!(
+        faults.calls(Op::Create),
+        creates,
+        "granules cached after the work finished are reused"
+    );
+    drop(region);
+    drop(binding);
+    model.complete_work();
+    assert!(device.close().is_clean());
+}
+
+/// Withheld granules are unmapped by `reclaim` only once no work may use them: the strict model
+/// faults the context (sticky 700) when memory goes under a running kernel.
+#[test]
+fn on_cuda_reclaim_waits_for_work_that_may_use_the_withheld_granules() {
+    let model = DriverModel::new(ModelConfig {
+        events_complete_at_once: false,
+        ..ModelConfig::default()
+    })
+    .unwrap();
+    setup!(CudaBackend::new(model.clone(), 0).unwrap(), device, faults);
+    let g = device.granularity();
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding
+        .reserve(4 * g)
+        .unwrap()
+        .into_region()
+        .grow(3)
+        .unwrap();
+    faults.fail_nth(Op::Unmap, 1);
+    assert!(matches!(region.shrink(1), Err(ShrinkFailure::Stuck { .. })));
+    assert_eq!(region.withheld_granules(), 1);
+    model.submit_work(); // a kernel that may reach the withheld granule
+    assert!(matches!(region.reclaim(), Err(ShrinkFailure::Pending)));
+    assert_eq!(
+        region.withheld_granules(),
+        1,
+        "nothing was unmapped under it"
+    );
+    model.complete_work();
+    region.reclaim().unwrap();
+    assert_eq!(region.withheld_granules(), 0);
+    drop(region);
+    drop(binding);
+    assert!(model.lost_with().is_none(), "no kernel faulted");
+    assert!(device.close().is_clean());
+}

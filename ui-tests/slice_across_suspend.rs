@@ -1,0 +1,14 @@
+// A region's slice borrows the region: it cannot be suspended while the slice is still used.
+use memtoken::backend::HostBackend;
+use memtoken::{Budget, Device, make_guard};
+
+fn main() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(4 * 4096).unwrap().into_region().grow(2).unwrap();
+    let s = region.as_slice();
+    let asleep = region.suspend_saving().unwrap();
+    println!("{}", s[0]);
+    drop(asleep);
+}

@@ -24,6 +24,7 @@ use memtoken::{
     SuspendedAllocation, SuspendedRegion, make_guard,
 };
 use proptest::prelude::*;
+use std::collections::HashMap;
 
 #[derive(Clone, Debug)]
 enum Step {
@@ -150,6 +151,10 @@ trait Memory<B: Backend> {
     fn committed<'a>(&self, a: &'a mut Allocation<'_, '_, B, Committed>) -> Option<&'a mut [u8]>;
     fn prefix<'a>(&self, p: &'a mut Prefix<'_, '_, B>) -> Option<&'a mut [u8]>;
     fn boundary<'a>(&self, d: &'a mut DivergedMapping<'_, '_, B>) -> Option<&'a mut [u8]>;
+    /// A region's committed bytes (host only).
+    fn region<'a>(&self, _r: &'a mut Region<'_, '_, B>) -> Option<&'a mut [u8]> {
+        None
+    }
     /// The bytes of any mapped token, read-only.
     fn read<'a>(&self, t: &'a Token<'_, '_, B>) -> Option<&'a [u8]>;
     fn complete_fences(&self) {}
@@ -197,6 +202,9 @@ impl Memory<Host> for HostMemory {
     fn prefix<'a>(&self, p: &'a mut Prefix<'_, '_, Host>) -> Option<&'a mut [u8]> {
         p.as_mut_slice()
     }
+    fn region<'a>(&self, r: &'a mut Region<'_, '_, Host>) -> Option<&'a mut [u8]> {
+        Some(r.as_mut_slice())
+    }
     fn boundary<'a>(&self, d: &'a mut DivergedMapping<'_, '_, Host>) -> Option<&'a mut [u8]> {
         Some(d.boundary_mut())
     }
@@ -206,6 +214,7 @@ impl Memory<Host> for HostMemory {
             Token::Prefix(p, _) => Some(p.as_slice()),
             Token::Shared(m, _) => Some(m.as_slice()),
             Token::Diverged(d, _, _) => Some(d.as_slice()),
+            Token::Region(r) => Some(r.as_slice()),
             _ => None,
         }
     }
@@ -219,6 +228,9 @@ struct Model<'b, 'id, B: Backend, M> {
     faults: FaultHandle,
     memory: M,
     tokens: Vec<Token<'b, 'id, B>>,
+    /// What the model knows of each region's bytes (host only), by generation: the byte its
+    /// first `n` committed bytes hold, (byte, n). Kept across a suspend that saves them.
+    region_bytes: HashMap<u64, (u8, usize)>,
 }
 
 impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
@@ -255,6 +267,14 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                     Token::Committed(a, fill) => (self.memory.committed(a), fill),
                     Token::Prefix(p, fill) => (self.memory.prefix(p), fill),
                     Token::Diverged(d, _, fill) => (self.memory.boundary(d), fill),
+                    Token::Region(r) => {
+                        let key = r.generation().get();
+                        if let Some(bytes) = self.memory.region(r) {
+                            bytes.fill(byte);
+                            self.region_bytes.insert(key, (byte, bytes.len()));
+                        }
+                        return;
+                    }
                     _ => return,
                 };
                 if let Some(bytes) = bytes {
@@ -412,6 +432,9 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                 if let Token::Region(r) = &mut self.tokens[i] {
                     let committed = r.committed_granules();
                     let done = r.shrink(n);
+                    if let Some((_, known)) = self.region_bytes.get_mut(&r.generation().get()) {
+                        *known = (*known).min(r.committed_len());
+                    }
                     let expected = match done {
                         Err(
                             ShrinkFailure::TooMany { .. }
@@ -455,6 +478,9 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                     }
                     Token::Region(r) => {
                         let (addr, len) = (r.addr(), r.committed_len());
+                        if !save {
+                            self.region_bytes.remove(&r.generation().get());
+                        }
                         let done = if save {
                             r.suspend_saving()
                         } else {
@@ -463,6 +489,11 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                         match done.map_err(|e| e.into_token()) {
                             Ok(t) => {
                                 assert_eq!((t.addr(), t.suspended_len()), (addr, len));
+                                // Half the time its granules leave the cache: the resume then
+                                // maps other memory, and only the saved bytes can restore it.
+                                if i % 2 == 0 {
+                                    self.device.trim_cache();
+                                }
                                 Token::AsleepRegion(t)
                             }
                             Err(Returned::Unchanged(r)) => {
@@ -608,7 +639,14 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                     )
                 }
             };
-            if let Some(bytes) = self.memory.read(t) {
+            if let (Token::Region(r), Some(bytes)) = (t, self.memory.read(t)) {
+                if let Some(&(byte, known)) = self.region_bytes.get(&r.generation().get()) {
+                    assert!(
+                        bytes[..known].iter().all(|&b| b == byte),
+                        "{addr:#x}: a region lost its bytes (across a shrink, grow or sleep)"
+                    );
+                }
+            } else if let Some(bytes) = self.memory.read(t) {
                 let (body, boundary) = match *t {
                     Token::Committed(_, f) | Token::Prefix(_, f) | Token::Shared(_, f) => (f, f),
                     Token::Diverged(_, body, boundary) => (body, boundary),
@@ -782,6 +820,7 @@ fn run<B: Backend, M: Memory<B>>(
         faults,
         memory,
         tokens: Vec::new(),
+        region_bytes: HashMap::new(),
     };
     for step in steps {
         model.apply(step);

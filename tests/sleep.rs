@@ -310,3 +310,27 @@ fn releasing_a_sleeping_token_frees_its_va_once() {
     assert!(device.ledger().is_zero());
     assert!(faults.outstanding().is_zero());
 }
+
+#[test]
+fn a_region_whose_granules_left_the_cache_while_asleep_gets_its_bytes_back() {
+    setup!(host(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding
+        .reserve(4 * PAGE)
+        .unwrap()
+        .into_region()
+        .grow(2)
+        .unwrap();
+    region.as_mut_slice().fill(7);
+    let asleep = region.suspend_saving().unwrap();
+    assert_eq!(device.trim_cache(), 2 * PAGE as u64);
+    let region = asleep.resume().unwrap();
+    assert!(
+        region.as_slice().iter().all(|&b| b == 7),
+        "restored, not the cache's"
+    );
+    drop(region);
+    drop(binding);
+    device.trim_cache();
+    assert!(faults.outstanding().is_zero());
+}

@@ -316,6 +316,7 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// Takes a free granule from the cache, if there is one: owned, mapped nowhere, and no work
     /// can still use it. Moves it off the cached axis; the owned axis keeps it.
+    #[inline]
     pub(crate) fn cache_take(&self) -> Option<B::Phys> {
         let mut phys = lock(&self.cache).ready.pop();
         if phys.is_none() && !B::IMMEDIATE && self.refresh_cache() {
@@ -330,6 +331,7 @@ impl<'id, B: Backend> Device<'id, B> {
     /// Makes room in the cache for one granule, if its cap allows (counted as cached from now
     /// on): the caller then puts it there with [`cache_put`](Self::cache_put) or
     /// [`cache_put_cooling`](Self::cache_put_cooling).
+    #[inline]
     pub(crate) fn cache_admit(&self) -> bool {
         let g = self.granularity() as u64;
         self.ledger
@@ -338,6 +340,7 @@ impl<'id, B: Backend> Device<'id, B> {
     }
 
     /// Puts an admitted granule that no work can use any more into the cache.
+    #[inline]
     pub(crate) fn cache_put(&self, phys: B::Phys) {
         lock(&self.cache).ready.push(phys);
     }

@@ -168,6 +168,7 @@ impl<'a, 'b, 'id, B: Backend> GiveBack<'a, 'b, 'id, B> {
 
     /// `phys`, unmapped, leaves the binding: cached or released. `fresh`: no work can have used
     /// it (mapped and unmapped within one call), so it needs no fence.
+    #[inline]
     fn give(&mut self, phys: B::Phys, fresh: bool) {
         let (device, g) = (self.device, self.device.granularity());
         self.binding.refund(g);

@@ -4,6 +4,8 @@
 //! - `page_cycle/{memtoken,raw,slab,malloc}`: allocate the 16 pages of a 256-token sequence
 //!   (16 tokens a page, 4 KiB pages) and free them.
 //! - `granule_cycle/{memtoken,raw}`: reserve, commit, release one 4 KiB granule on the host.
+//! - `region_cycle/{memtoken,raw}`: grow an elastic region by 16 granules and shrink it back,
+//!   on the host, in steady state (every granule from the cache: no create or release).
 //! - `page_scale/memtoken/N`: one page alloc + free with N pages live.
 //! - `gpu/...`: the cycles on a CUDA device, when one is present.
 //!
@@ -13,6 +15,8 @@
 mod granule;
 #[path = "common/raw_pool.rs"]
 mod raw_pool;
+#[path = "common/region.rs"]
+mod region;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use memtoken::backend::{Backend, HostBackend, HostConfig};
@@ -144,6 +148,37 @@ fn granule_cycle(c: &mut Criterion) {
     granule_cycle_raw(c, "granule_cycle/raw", &raw, PAGE);
 }
 
+fn region_cycle(c: &mut Criterion) {
+    // Both sides' steady state makes no create or release call (on `Faulty`'s counters).
+    region::check_steady_state();
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let raw_backend = HostBackend::with_defaults().unwrap();
+    let mut memtoken = Some(region::warm_region(&binding));
+    let mut raw = region::warm_raw(&raw_backend);
+    // Warm both memfds and the kernel's structures alike, as for the granule cycle.
+    for _ in 0..2_000 {
+        memtoken = memtoken.map(|r| region::once_memtoken(r, region::GRANULES));
+        region::once_raw(&mut raw, region::GRANULES);
+    }
+    c.bench_function("region_cycle/memtoken", |b| {
+        b.iter(|| {
+            let r = memtoken.take().unwrap();
+            memtoken = Some(region::once_memtoken(r, region::GRANULES));
+        })
+    });
+    c.bench_function("region_cycle/raw", |b| {
+        b.iter(|| region::once_raw(&mut raw, region::GRANULES))
+    });
+    // Still in steady state: the cache holds the region's granules, nothing more was owned.
+    let bytes = (region::GRANULES * device.granularity()) as u64;
+    let owned = device.ledger().owned_bytes;
+    assert_eq!((owned, device.cached_bytes()), (bytes, bytes));
+    assert_eq!(raw.free_granules(), region::GRANULES);
+    memtoken.unwrap().release().complete().unwrap();
+}
+
 fn page_scale(c: &mut Criterion) {
     let mut group = c.benchmark_group("page_scale/memtoken");
     for live in [1usize << 10, 1 << 16, 1 << 20] {
@@ -192,5 +227,12 @@ fn gpu(c: &mut Criterion) {
 #[cfg(not(feature = "cuda"))]
 fn gpu(_: &mut Criterion) {}
 
-criterion_group!(benches, page_cycle, granule_cycle, page_scale, gpu);
+criterion_group!(
+    benches,
+    page_cycle,
+    granule_cycle,
+    region_cycle,
+    page_scale,
+    gpu
+);
 criterion_main!(benches);

@@ -53,6 +53,12 @@ const RATIOS: &[(&str, &str, &str, f64)] = &[
         1.05,
     ),
     (
+        "region cycle: tokens / raw",
+        "region_cycle/memtoken",
+        "region_cycle/raw",
+        1.05,
+    ),
+    (
         "page scale: 64 Ki live / 1 Ki live",
         "page_scale/memtoken/65536",
         "page_scale/memtoken/1024",

@@ -302,6 +302,7 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// Takes a granule from the cache, if there is one: owned, mapped nowhere, and no work can
     /// still use it. Moves it off the cached axis; the owned axis keeps it.
+    #[inline]
     pub(crate) fn cache_take(&self) -> Option<B::Phys> {
         let phys = lock(&self.cache).pop();
         if phys.is_some() {
@@ -312,6 +313,7 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// Makes room in the cache for one granule, if its cap allows (counted as cached from now
     /// on): the caller then puts it there with [`cache_put`](Self::cache_put).
+    #[inline]
     pub(crate) fn cache_admit(&self) -> bool {
         let g = self.granularity() as u64;
         self.ledger
@@ -323,6 +325,7 @@ impl<'id, B: Backend> Device<'id, B> {
     /// once no work covered by the backend's fences was pending (or mapped and unmapped within
     /// one call), so it is free for reuse at once — on CUDA, the fence of its last use has
     /// completed before it enters the cache.
+    #[inline]
     pub(crate) fn cache_put(&self, phys: B::Phys) {
         lock(&self.cache).push(phys);
     }

@@ -168,6 +168,7 @@ impl<'a, 'b, 'id, B: Backend> GiveBack<'a, 'b, 'id, B> {
     }
 
     /// `phys`, unmapped and unused, leaves the binding: cached or released.
+    #[inline]
     fn give(&mut self, phys: B::Phys) {
         let (device, g) = (self.device, self.device.granularity());
         self.binding.refund(g);

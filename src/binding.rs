@@ -73,13 +73,8 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
     pub(crate) fn charge(&self, n: usize) -> Result<(), CommitFailure> {
         self.charge_budget(n)?;
         // Cached granules count in the device's budget: trim them when they stand in the way.
-        let device = self.device;
-        device
-            .charge_owned(n)
-            .or_else(|e| match e {
-                CommitFailure::DeviceBudget { .. } if device.make_room(n) => device.charge_owned(n),
-                e => Err(e),
-            })
+        self.device
+            .charge_owned_or_trim(n)
             .inspect_err(|_| self.refund(n))
     }
 

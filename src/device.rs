@@ -301,24 +301,30 @@ impl<'id, B: Backend> Device<'id, B> {
     }
 
     /// Takes a granule from the cache, if there is one: owned, mapped nowhere, and no work can
-    /// still use it. Moves it off the cached axis; the owned axis keeps it.
+    /// still use it. It stays on the cached axis until the caller moves all it took off it at
+    /// once ([`cache_taken`](Self::cache_taken)); the owned axis keeps it.
     #[inline]
-    pub(crate) fn cache_take(&self) -> Option<B::Phys> {
-        let phys = lock(&self.cache).pop();
-        if phys.is_some() {
-            self.refund(Axis::Cached, self.granularity());
-        }
-        phys
+    pub(crate) fn cache_pop(&self) -> Option<B::Phys> {
+        lock(&self.cache).pop()
     }
 
-    /// Makes room in the cache for one granule, if its cap allows (counted as cached from now
-    /// on): the caller then puts it there with [`cache_put`](Self::cache_put).
+    /// Moves `n` granules taken by [`cache_pop`](Self::cache_pop) off the cached axis.
     #[inline]
-    pub(crate) fn cache_admit(&self) -> bool {
+    pub(crate) fn cache_taken(&self, n: usize) {
+        if n > 0 {
+            self.refund(Axis::Cached, n * self.granularity());
+        }
+    }
+
+    /// Makes room in the cache for up to `n` granules, as far as its cap allows (counted as
+    /// cached from now on); returns how many. The caller puts that many there with
+    /// [`cache_put`](Self::cache_put), and gives the room it does not use back with
+    /// [`cache_taken`](Self::cache_taken).
+    #[inline]
+    pub(crate) fn cache_admit(&self, n: usize) -> usize {
         let g = self.granularity() as u64;
-        self.ledger
-            .try_charge(Axis::Cached, g, self.cache_cap())
-            .is_ok()
+        let cap = self.cache_cap();
+        self.ledger.charge_up_to(Axis::Cached, g, n as u64, cap) as usize
     }
 
     /// Puts an admitted granule into the cache. No work may still use it: it was unmapped only
@@ -370,6 +376,15 @@ impl<'id, B: Backend> Device<'id, B> {
 
     pub(crate) fn backend(&self) -> &B {
         &self.backend
+    }
+
+    /// Charges `n` owned bytes against the device's budget, trimming the cache once when cached
+    /// granules stand in the way; or says why not.
+    pub(crate) fn charge_owned_or_trim(&self, n: usize) -> Result<(), CommitFailure> {
+        self.charge_owned(n).or_else(|e| match e {
+            CommitFailure::DeviceBudget { .. } if self.make_room(n) => self.charge_owned(n),
+            e => Err(e),
+        })
     }
 
     /// Charges `n` owned bytes against the device's budget, or says why not.

@@ -38,6 +38,17 @@ pub(crate) fn try_add(counter: &AtomicU64, n: u64, limit: u64) -> Result<(), u64
         .map(drop)
 }
 
+/// Adds as many `unit`s to `counter` as fit under `limit`, up to `n`; returns how many.
+#[inline]
+pub(crate) fn add_up_to(counter: &AtomicU64, unit: u64, n: u64, limit: u64) -> u64 {
+    let mut taken = 0;
+    let _ = counter.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+        taken = (limit.saturating_sub(v) / unit).min(n);
+        (taken > 0).then(|| v + taken * unit)
+    });
+    taken
+}
+
 /// Takes `n` from `counter`; returns what it held if that is less than `n`.
 #[inline]
 pub(crate) fn try_sub(counter: &AtomicU64, n: u64) -> Result<(), u64> {
@@ -103,6 +114,11 @@ impl Ledger {
 
     pub(crate) fn charge(&self, axis: Axis, n: u64) {
         self.axis(axis).fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// Charges as many `unit`s on `axis` as fit under `limit`, up to `n`; returns how many.
+    pub(crate) fn charge_up_to(&self, axis: Axis, unit: u64, n: u64, limit: u64) -> u64 {
+        add_up_to(self.axis(axis), unit, n, limit)
     }
 
     /// Charges `n` on `axis` if the total stays within `limit`; else returns what is charged.

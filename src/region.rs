@@ -150,19 +150,26 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
 }
 
 /// Gives granules that a region no longer maps, and that no work can still use, back to the
-/// device: to its cache while the cap allows, else released (a failure is quarantined). Each
-/// one leaves the binding's budget.
+/// device: to its cache while the cap allows, else released (a failure is quarantined). They
+/// leave the binding's budget, all at once when it finishes.
 struct GiveBack<'a, 'b, 'id, B: Backend> {
     device: &'a Device<'id, B>,
     binding: &'b Binding<'b, 'id, B>,
+    /// Room made in the cache and not used yet.
+    room: usize,
+    given: usize,
     quarantined: usize,
 }
 
 impl<'a, 'b, 'id, B: Backend> GiveBack<'a, 'b, 'id, B> {
-    fn new(device: &'a Device<'id, B>, binding: &'b Binding<'b, 'id, B>) -> Self {
+    /// Ready for up to `expected` granules (room for them is made in the cache at once).
+    #[inline]
+    fn new(device: &'a Device<'id, B>, binding: &'b Binding<'b, 'id, B>, expected: usize) -> Self {
         Self {
             device,
             binding,
+            room: device.cache_admit(expected),
+            given: 0,
             quarantined: 0,
         }
     }
@@ -170,18 +177,28 @@ impl<'a, 'b, 'id, B: Backend> GiveBack<'a, 'b, 'id, B> {
     /// `phys`, unmapped and unused, leaves the binding: cached or released.
     #[inline]
     fn give(&mut self, phys: B::Phys) {
-        let (device, g) = (self.device, self.device.granularity());
-        self.binding.refund(g);
-        if device.cache_admit() {
-            device.cache_put(phys);
-        } else if device.release_orphan(phys, g).is_err() {
+        self.given += 1;
+        if self.room > 0 {
+            self.room -= 1;
+            self.device.cache_put(phys);
+        } else if self
+            .device
+            .release_orphan(phys, self.device.granularity())
+            .is_err()
+        {
             // Quarantined in the device, still owned.
             self.quarantined += 1;
         }
     }
 
-    /// How many granules went to quarantine.
+    /// Refunds the binding for what was given, and the cache for the room not used; how many
+    /// granules went to quarantine.
+    #[inline]
     fn finish(self) -> usize {
+        if self.given > 0 {
+            self.binding.refund(self.given * self.device.granularity());
+        }
+        self.device.cache_taken(self.room);
         self.quarantined
     }
 }
@@ -247,70 +264,88 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         if let Err(e) = device.ensure_live(Op::Map, core.addr + start * g, granules * g) {
             return self.undo_grow(start, 0, 0, CommitFailure::Backend(e));
         }
-        // Granules come from the cache first; once it has none ready, they are created.
+        // The binding's budget takes the whole growth at once, or none of it.
+        if let Err(cause) = binding.charge_budget(granules * g) {
+            let free = binding.limit().saturating_sub(binding.used()) / g as u64;
+            let cause = GrowFailure::Undone {
+                at: granules.min(free as usize),
+                cause: Box::new(cause),
+                quarantined: 0,
+            };
+            return Err(TransitionError { token: self, cause });
+        }
+        // Granules come from the cache first; once it has none, they are created. The cached
+        // and mapped axes move once for the whole growth.
         let mut from_cache = 0;
         for at in 0..granules {
             let taken = if from_cache == at {
-                device.cache_take()
+                device.cache_pop()
             } else {
                 None
             };
             let cached = taken.is_some();
             let phys = match taken {
                 Some(phys) => {
-                    if let Err(cause) = binding.charge_budget(g) {
-                        Self::uncache(device, phys);
-                        return self.undo_grow(start, from_cache, at, cause);
-                    }
                     from_cache += 1;
                     phys
                 }
-                None => {
-                    if let Err(cause) = binding.charge(g) {
-                        return self.undo_grow(start, from_cache, at, cause);
-                    }
-                    match backend.create(g) {
+                None => match device.charge_owned_or_trim(g) {
+                    Err(cause) => return self.stop_grow(start, from_cache, at, granules, cause),
+                    Ok(()) => match backend.create(g) {
                         Ok(phys) => phys,
                         Err(e) => {
-                            binding.uncharge(g);
+                            device.refund(Axis::Owned, g);
                             let cause = CommitFailure::Backend(e);
-                            return self.undo_grow(start, from_cache, at, cause);
+                            return self.stop_grow(start, from_cache, at, granules, cause);
                         }
-                    }
-                }
+                    },
+                },
             };
             let addr = core.addr + (start + at) * g;
             if let Err(e) = backend.map(addr, g, phys, Access::ReadWrite) {
-                let mut back = GiveBack::new(device, binding);
-                if cached {
-                    back.give(phys);
+                // This granule goes back where it came from (its budget goes with the rest): to
+                // the cache, whose axis still counts it, or released.
+                let q = if cached {
+                    device.cache_put(phys);
+                    0
                 } else {
-                    binding.refund(g);
-                    back.quarantined += usize::from(device.release_orphan(phys, g).is_err());
-                }
-                let q = back.finish();
+                    usize::from(device.release_orphan(phys, g).is_err())
+                };
                 let cause = CommitFailure::Backend(e);
+                let from_cache = from_cache - usize::from(cached);
                 return self
-                    .undo_grow(start, from_cache, at, cause)
+                    .stop_grow(start, from_cache, at, granules, cause)
                     .map_err(|mut e| {
                         add_quarantined(&mut e.cause, q);
                         e
                     });
             }
-            device.charge(Axis::Mapped, g);
             self.parts_mut().committed.push(phys);
         }
+        device.cache_taken(from_cache);
+        device.charge(Axis::Mapped, granules * g);
         Ok(self)
     }
 
-    /// A granule taken from the cache goes back there unused (released if the cap shrank
-    /// meanwhile; a failure is quarantined).
-    fn uncache(device: &Device<'id, B>, phys: B::Phys) {
-        if device.cache_admit() {
-            device.cache_put(phys);
-        } else {
-            let _ = device.release_orphan(phys, device.granularity());
-        }
+    /// Stops a growth at granule `at` of `granules`: the axes charged for the whole growth are
+    /// settled for what was done — the budget of the granules not mapped goes back, the
+    /// `from_cache` granules mapped from the cache leave its axis, the mapped ones are charged
+    /// as mapped — then the growth is undone.
+    fn stop_grow(
+        self,
+        start: usize,
+        from_cache: usize,
+        at: usize,
+        granules: usize,
+        cause: CommitFailure,
+    ) -> Result<Self, GrowError<'b, 'id, B>> {
+        let core = self.core();
+        let (binding, device) = (core.binding, core.device());
+        let g = device.granularity();
+        binding.refund((granules - at) * g);
+        device.cache_taken(from_cache);
+        device.charge(Axis::Mapped, at * g);
+        self.undo_grow(start, from_cache, at, cause)
     }
 
     /// Unmaps and gives back the granules this growth mapped past `start` (the first
@@ -326,7 +361,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         let core = self.core();
         let (binding, device) = (core.binding, core.device());
         let g = device.granularity();
-        let mut back = GiveBack::new(device, binding);
+        let mut back = GiveBack::new(device, binding, from_cache);
         let mut failed = None;
         while self.committed_granules() > start {
             let i = self.committed_granules() - 1;
@@ -422,8 +457,9 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         let core = self.core();
         let (binding, device) = (core.binding, core.device());
         let g = device.granularity();
-        let mut back = GiveBack::new(device, binding);
+        let mut back = GiveBack::new(device, binding, granules);
         let mut failed = None;
+        let mut unmapped = 0;
         for _ in 0..granules {
             let i = self.committed_granules() - 1;
             let phys = self
@@ -434,7 +470,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             let offset = i * g;
             match device.backend().unmap(core.addr + offset, g) {
                 Ok(()) => {
-                    device.refund(Axis::Mapped, g);
+                    unmapped += 1;
                     back.give(phys);
                 }
                 Err(e) => {
@@ -447,6 +483,9 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
                     failed = Some(e);
                 }
             }
+        }
+        if unmapped > 0 {
+            device.refund(Axis::Mapped, unmapped * g);
         }
         back.finish();
         match failed {
@@ -500,7 +539,7 @@ pub(crate) fn reclaim_withheld<B: Backend>(
     if !idle(core) {
         return Err(ShrinkFailure::Pending);
     }
-    let mut back = GiveBack::new(device, binding);
+    let mut back = GiveBack::new(device, binding, stuck.len());
     let mut failed = None;
     for mut granule in std::mem::take(stuck) {
         if granule.mapped {

@@ -8,16 +8,24 @@
 //! sequences keep arriving; the prompt's owner lets go after the last arrival, and the prompt's
 //! memory lives on until the last sequence that maps it is gone.
 //!
+//! `--elastic` runs the same workload vAttention-style instead: each sequence's K/V is one
+//! virtually contiguous `Region` that grows one granule at a time and is shrunk to nothing when
+//! the sequence finishes, its granules reused through the device's granule cache (the prompt is
+//! copied into every region: regions share no physical memory). Half-way, every live sequence
+//! sleeps (`suspend_saving`: the device owns nothing) and wakes at the same addresses, every
+//! byte checked. At the end it prints the create and release calls that the cache avoided.
+//!
 //! ```text
 //! cargo run --release --example kv_cache [-- --gpu --sequences N --seed S --prompt-tokens P]
+//! cargo run --release --example kv_cache -- --elastic [--gpu ...]
 //! ```
 
 mod common;
 
-use memtoken::backend::{Backend, HostBackend, HostConfig};
+use memtoken::backend::{Backend, FaultHandle, Faulty, HostBackend, HostConfig, HostVisible, Op};
 use memtoken::{
     Allocation, Budget, Device, DivergedMapping, PagePool, PageTable, Prefix, PrefixMapping,
-    Releasing, Returned, make_guard,
+    Region, Releasing, Returned, make_guard,
 };
 use std::error::Error;
 use std::time::Instant;
@@ -28,6 +36,9 @@ const TOKENS_PER_PAGE: usize = 16;
 /// Bytes of K and V one token needs in this toy model.
 const BYTES_PER_TOKEN: usize = 256;
 const PAGE: usize = TOKENS_PER_PAGE * BYTES_PER_TOKEN;
+/// Tokens a sequence generates: from 16 to 400.
+const MIN_GENERATED: usize = 16;
+const MAX_GENERATED: usize = 400;
 
 /// How the demo reads and writes K/V on a backend: host slices, or copies to a device.
 trait Kv<B: Backend> {
@@ -60,19 +71,19 @@ trait Kv<B: Backend> {
         at: usize,
         out: &mut [u8],
     ) -> Result<()>;
+    /// `--elastic`: a sequence's region, over its committed part.
+    fn write_region(&self, r: &mut Region<'_, '_, B>, at: usize, kv: &[u8]) -> Result<()>;
+    fn read_region(&self, r: &Region<'_, '_, B>, at: usize, out: &mut [u8]) -> Result<()>;
 }
 
+/// Host slices, on the host backend (or on any backend whose memory the host can touch, such as
+/// the call-counting `Faulty<HostBackend>` of `--elastic`).
 struct HostKv;
-impl Kv<HostBackend> for HostKv {
+impl<B: HostVisible> Kv<B> for HostKv {
     fn name(&self) -> &'static str {
         "host backend"
     }
-    fn write_prompt(
-        &self,
-        p: &mut Prefix<'_, '_, HostBackend>,
-        at: usize,
-        kv: &[u8],
-    ) -> Result<()> {
+    fn write_prompt(&self, p: &mut Prefix<'_, '_, B>, at: usize, kv: &[u8]) -> Result<()> {
         let bytes = p
             .as_mut_slice()
             .ok_or("the prompt is written before it is shared")?;
@@ -81,7 +92,7 @@ impl Kv<HostBackend> for HostKv {
     }
     fn write_boundary(
         &self,
-        d: &mut DivergedMapping<'_, '_, HostBackend>,
+        d: &mut DivergedMapping<'_, '_, B>,
         at: usize,
         kv: &[u8],
     ) -> Result<()> {
@@ -90,7 +101,7 @@ impl Kv<HostBackend> for HostKv {
     }
     fn write_page(
         &self,
-        t: &mut PageTable<'_, '_, '_, '_, HostBackend>,
+        t: &mut PageTable<'_, '_, '_, '_, B>,
         pos: usize,
         at: usize,
         kv: &[u8],
@@ -98,18 +109,13 @@ impl Kv<HostBackend> for HostKv {
         t.page_mut(pos)[at..at + kv.len()].copy_from_slice(kv);
         Ok(())
     }
-    fn read_shared(
-        &self,
-        m: &PrefixMapping<'_, '_, HostBackend>,
-        at: usize,
-        out: &mut [u8],
-    ) -> Result<()> {
+    fn read_shared(&self, m: &PrefixMapping<'_, '_, B>, at: usize, out: &mut [u8]) -> Result<()> {
         out.copy_from_slice(&m.as_slice()[at..at + out.len()]);
         Ok(())
     }
     fn read_diverged(
         &self,
-        d: &DivergedMapping<'_, '_, HostBackend>,
+        d: &DivergedMapping<'_, '_, B>,
         at: usize,
         out: &mut [u8],
     ) -> Result<()> {
@@ -118,12 +124,20 @@ impl Kv<HostBackend> for HostKv {
     }
     fn read_page(
         &self,
-        t: &PageTable<'_, '_, '_, '_, HostBackend>,
+        t: &PageTable<'_, '_, '_, '_, B>,
         pos: usize,
         at: usize,
         out: &mut [u8],
     ) -> Result<()> {
         out.copy_from_slice(&t.page(pos)[at..at + out.len()]);
+        Ok(())
+    }
+    fn write_region(&self, r: &mut Region<'_, '_, B>, at: usize, kv: &[u8]) -> Result<()> {
+        r.as_mut_slice()[at..at + kv.len()].copy_from_slice(kv);
+        Ok(())
+    }
+    fn read_region(&self, r: &Region<'_, '_, B>, at: usize, out: &mut [u8]) -> Result<()> {
+        out.copy_from_slice(&r.as_slice()[at..at + out.len()]);
         Ok(())
     }
 }
@@ -183,6 +197,12 @@ mod gpu {
             out: &mut [u8],
         ) -> Result<()> {
             Ok(t.copy_from_page(pos, at, out)?)
+        }
+        fn write_region(&self, r: &mut Region<'_, '_, Gpu>, at: usize, kv: &[u8]) -> Result<()> {
+            Ok(r.copy_from_host(at, kv)?)
+        }
+        fn read_region(&self, r: &Region<'_, '_, Gpu>, at: usize, out: &mut [u8]) -> Result<()> {
+            Ok(r.copy_to_host(at, out)?)
         }
     }
 }
@@ -320,6 +340,7 @@ struct Args {
     seed: u64,
     prompt_tokens: usize,
     gpu: bool,
+    elastic: bool,
 }
 
 fn parse_args() -> std::result::Result<Args, String> {
@@ -328,6 +349,7 @@ fn parse_args() -> std::result::Result<Args, String> {
         seed: 7,
         prompt_tokens: 40,
         gpu: false,
+        elastic: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -341,10 +363,12 @@ fn parse_args() -> std::result::Result<Args, String> {
             "--seed" => args.seed = value("--seed")?,
             "--prompt-tokens" => args.prompt_tokens = value("--prompt-tokens")?.max(1) as usize,
             "--gpu" => args.gpu = true,
+            "--elastic" => args.elastic = true,
             "-h" | "--help" => {
                 println!(
                     "kv_cache: a paged KV cache with a shared system prompt, on memtoken\n\n\
                      --gpu               run on CUDA device 0 instead of the host backend\n\
+                     --elastic           one growing region per sequence instead of pages (vAttention)\n\
                      --sequences N       how many sequences arrive (default 64)\n\
                      --seed S            seed of the sequence lengths (default 7)\n\
                      --prompt-tokens P   tokens in the shared system prompt (default 40)"
@@ -359,6 +383,22 @@ fn parse_args() -> std::result::Result<Args, String> {
 
 fn kib(bytes: u64) -> u64 {
     bytes / 1024
+}
+
+/// The sequences that will arrive, as (id, tokens to generate), the first one last (to `pop`).
+/// A tiny xorshift makes the lengths reproducible; both modes see the same ones.
+fn arrivals(args: &Args) -> Vec<(usize, usize)> {
+    let mut state = args.seed.max(1);
+    let mut next_len = move || {
+        state ^= state << 13;
+        state ^= state >> 7;
+        state ^= state << 17;
+        MIN_GENERATED + (state % (MAX_GENERATED - MIN_GENERATED + 1) as u64) as usize
+    };
+    let mut arrivals: Vec<(usize, usize)> =
+        (0..args.sequences).map(|id| (id, next_len())).collect();
+    arrivals.reverse();
+    arrivals
 }
 
 /// The whole demo, for any backend.
@@ -385,18 +425,7 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
     let prompt_len = owner_alloc.len();
     let mut owner: Option<Prefix<'_, '_, B>> = Some(owner_alloc);
 
-    // A tiny xorshift for reproducible sequence lengths (16 to 400 generated tokens).
-    let mut state = args.seed.max(1);
-    let mut next_len = move || {
-        state ^= state << 13;
-        state ^= state >> 7;
-        state ^= state << 17;
-        16 + (state % 385) as usize
-    };
-    let mut arrivals: Vec<(usize, usize)> =
-        (0..args.sequences).map(|id| (id, next_len())).collect();
-    arrivals.reverse();
-
+    let mut arrivals = arrivals(args);
     let mut running: Vec<Sequence<'_, '_, '_, '_, B>> = Vec::new();
     let mut stats = Stats::default();
     let max_batch = 16;
@@ -519,6 +548,325 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
     Ok(())
 }
 
+// ---- `--elastic`: one growing region per sequence (vAttention-style) ----
+
+/// A sequence whose K/V — its own copy of the prompt's included — lies in one virtually
+/// contiguous region `R`: a `Region` while awake, a suspended region while asleep.
+struct ElasticSeq<R> {
+    id: usize,
+    prompt_tokens: usize,
+    target: usize,
+    /// Tokens written so far, the prompt's included: token `i` lies at `i * BYTES_PER_TOKEN`.
+    len: usize,
+    region: R,
+}
+
+impl<R> ElasticSeq<R> {
+    /// The same sequence, its region passed through `f` (suspended, or resumed).
+    fn map_region<T>(self, f: impl FnOnce(R) -> Result<T>) -> Result<ElasticSeq<T>> {
+        let ElasticSeq {
+            id,
+            prompt_tokens,
+            target,
+            len,
+            region,
+        } = self;
+        let region = f(region)?;
+        Ok(ElasticSeq {
+            id,
+            prompt_tokens,
+            target,
+            len,
+            region,
+        })
+    }
+}
+
+impl<'b, 'id, B: Backend> ElasticSeq<Region<'b, 'id, B>> {
+    /// Appends the next token's K/V (a prompt token's first), growing the region by one
+    /// granule when its committed part is full.
+    fn push_token(mut self, kv: &impl Kv<B>, grown: &mut usize) -> Result<Self> {
+        let at = self.len * BYTES_PER_TOKEN;
+        if at + BYTES_PER_TOKEN > self.region.committed_len() {
+            self.region = self.region.grow(1).map_err(|e| e.cause)?;
+            *grown += 1;
+        }
+        let owner = (self.len >= self.prompt_tokens).then_some(self.id);
+        kv.write_region(&mut self.region, at, &kv_bytes(owner, self.len))?;
+        self.len += 1;
+        Ok(self)
+    }
+
+    /// Reads back every token's K/V.
+    fn verify(&self, kv: &impl Kv<B>) -> Result<bool> {
+        let mut got = [0u8; BYTES_PER_TOKEN];
+        for position in 0..self.len {
+            kv.read_region(&self.region, position * BYTES_PER_TOKEN, &mut got)?;
+            let owner = (position >= self.prompt_tokens).then_some(self.id);
+            if got != kv_bytes(owner, position) {
+                return Ok(false);
+            }
+        }
+        Ok(true)
+    }
+}
+
+/// What the elastic run counts: granules its regions grew by and gave back, and (on a backend
+/// wrapped in `Faulty`) the create and release calls the backend really received.
+struct Counts<'h> {
+    handle: Option<&'h FaultHandle>,
+    grown: usize,
+    given_back: usize,
+}
+
+impl Counts<'_> {
+    fn of(&self, op: Op) -> String {
+        self.handle
+            .map_or_else(|| "n/a".into(), |h| h.calls(op).to_string())
+    }
+
+    fn avoided(&self, granules: usize, op: Op) -> String {
+        self.handle.map_or_else(
+            || "not counted on this backend".into(),
+            |h| {
+                format!(
+                    "{} avoided by the cache",
+                    granules as i64 - h.calls(op) as i64
+                )
+            },
+        )
+    }
+}
+
+/// Parks every live sequence — its bytes saved to the host, its physical memory given back, its
+/// VA kept — shows that the device then owns nothing, and wakes them all at the same addresses,
+/// every byte checked.
+fn sleep_and_wake<'b, 'id, B: Backend>(
+    device: &Device<'id, B>,
+    kv: &impl Kv<B>,
+    running: Vec<ElasticSeq<Region<'b, 'id, B>>>,
+    counts: &mut Counts<'_>,
+) -> Result<Vec<ElasticSeq<Region<'b, 'id, B>>>> {
+    let g = device.granularity();
+    let addrs: Vec<_> = running.iter().map(|s| s.region.addr()).collect();
+    let same_addrs = |now: Vec<usize>| now == addrs;
+
+    let mut asleep = Vec::with_capacity(running.len());
+    for seq in running {
+        asleep.push(seq.map_region(|r| Ok(r.suspend_saving().map_err(|e| e.cause)?))?);
+    }
+    let granules = asleep
+        .iter()
+        .map(|s| s.region.suspended_len())
+        .sum::<usize>()
+        / g;
+    counts.given_back += granules;
+    let parked = device.ledger();
+    println!(
+        "\nsleep: {} sequences suspended, their bytes saved to the host ({} KiB committed); their \
+         {granules} granules went to the cache (cap: {} granules; the rest released): owned {} KiB \
+         = cached {} KiB, mapped {} KiB",
+        asleep.len(),
+        kib((granules * g) as u64),
+        device.cache_cap() / g as u64,
+        kib(parked.owned_bytes),
+        kib(parked.cached_bytes),
+        kib(parked.mapped_bytes)
+    );
+    let trimmed = device.trim_cache();
+    let l = device.ledger();
+    println!(
+        "sleep: trim_cache released {} KiB: owned {} KiB, mapped {} KiB; VA still reserved: {} KiB",
+        kib(trimmed),
+        kib(l.owned_bytes),
+        kib(l.mapped_bytes),
+        kib(l.reserved_bytes)
+    );
+    if parked.owned_bytes != parked.cached_bytes || l.owned_bytes != 0 || l.mapped_bytes != 0 {
+        return Err("asleep, the device still owned memory".into());
+    }
+    if !asleep.iter().all(|s| s.region.is_saved()) {
+        return Err("a sequence slept without its bytes".into());
+    }
+    let asleep_at_same = same_addrs(asleep.iter().map(|s| s.region.addr()).collect());
+
+    let creates = counts.of(Op::Create);
+    let mut awake = Vec::with_capacity(asleep.len());
+    for seq in asleep {
+        awake.push(seq.map_region(|r| Ok(r.resume().map_err(|e| e.cause)?))?);
+    }
+    counts.grown += granules;
+    if !(asleep_at_same && same_addrs(awake.iter().map(|s| s.region.addr()).collect())) {
+        return Err("a region moved while asleep".into());
+    }
+    println!(
+        "wake: {} regions resumed, {granules} granules grown back (create calls: {creates} before, \
+         {} after); addresses unchanged: yes",
+        awake.len(),
+        counts.of(Op::Create)
+    );
+    let mut tokens = 0;
+    for seq in &awake {
+        if !seq.verify(kv)? {
+            return Err(format!("sequence {} lost its K/V in its sleep", seq.id).into());
+        }
+        tokens += seq.len;
+    }
+    println!(
+        "wake: every byte checked: {tokens} tokens of {} sequences ({} KiB of K/V, prompt copies \
+         included); owned {} KiB again\n",
+        awake.len(),
+        kib((tokens * BYTES_PER_TOKEN) as u64),
+        kib(device.ledger().owned_bytes)
+    );
+    Ok(awake)
+}
+
+/// `--elastic`: the same workload as `run`, each sequence in one region that grows a granule at a
+/// time; half-way, every live sequence sleeps and wakes.
+fn run_elastic<B: Backend>(
+    device: &Device<'_, B>,
+    kv: &impl Kv<B>,
+    args: &Args,
+    counted: Option<&FaultHandle>,
+) -> Result<()> {
+    let g = device.granularity();
+    let session = device.bind(Budget::bytes(1 << 30))?;
+    // Every region reserves VA for the longest sequence; only what is written is committed.
+    let region_bytes = ((args.prompt_tokens + MAX_GENERATED) * BYTES_PER_TOKEN).next_multiple_of(g);
+    let mut counts = Counts {
+        handle: counted,
+        grown: 0,
+        given_back: 0,
+    };
+    let mut arrivals = arrivals(args);
+    let mut running: Vec<ElasticSeq<Region<'_, '_, B>>> = Vec::new();
+    let mut slept = false;
+    let max_batch = 16;
+    let started = Instant::now();
+    println!(
+        "memtoken kv_cache --elastic on the {}{}: {} sequences, each in one region of {} KiB of \
+         VA that grows one granule ({} bytes, {} tokens) at a time; the {}-token system prompt \
+         is copied into every region (regions share no physical memory)\n",
+        kv.name(),
+        if counted.is_some() {
+            ", backend calls counted by backend::Faulty"
+        } else {
+            ""
+        },
+        args.sequences,
+        region_bytes / 1024,
+        g,
+        g / BYTES_PER_TOKEN,
+        args.prompt_tokens,
+    );
+    println!(
+        "{:>5} {:>7} {:>8} {:>8} {:>11} {:>10} {:>10} {:>7} {:>8}",
+        "step",
+        "running",
+        "finished",
+        "granules",
+        "mapped KiB",
+        "owned KiB",
+        "cached KiB",
+        "creates",
+        "releases"
+    );
+    let mut finished = 0;
+    let mut step = 0;
+    while !arrivals.is_empty() || !running.is_empty() {
+        while running.len() < max_batch {
+            let Some((id, generated)) = arrivals.pop() else {
+                break;
+            };
+            let mut seq = ElasticSeq {
+                id,
+                prompt_tokens: args.prompt_tokens,
+                target: args.prompt_tokens + generated,
+                len: 0,
+                region: session.reserve(region_bytes)?.into_region(),
+            };
+            for _ in 0..args.prompt_tokens {
+                seq = seq.push_token(kv, &mut counts.grown)?; // the prompt's copy
+            }
+            running.push(seq);
+        }
+        running = running
+            .into_iter()
+            .map(|seq| seq.push_token(kv, &mut counts.grown))
+            .collect::<Result<_>>()?;
+        let (done, still): (Vec<_>, Vec<_>) = running.into_iter().partition(|s| s.len == s.target);
+        running = still;
+        for mut seq in done {
+            if !seq.verify(kv)? {
+                return Err(format!("sequence {} lost its K/V", seq.id).into());
+            }
+            // Its granules go to the device's cache, for the next growth; then its VA goes.
+            let n = seq.region.committed_granules();
+            seq.region.shrink(n)?;
+            counts.given_back += n;
+            finish(seq.region.release())?;
+            finished += 1;
+        }
+        // Half-way: every live sequence sleeps, and wakes.
+        if !slept && finished >= args.sequences / 2 && !running.is_empty() {
+            running = sleep_and_wake(device, kv, running, &mut counts)?;
+            slept = true;
+        }
+        if step % 100 == 0 || (arrivals.is_empty() && running.is_empty()) {
+            let l = device.ledger();
+            let granules: usize = running.iter().map(|s| s.region.committed_granules()).sum();
+            println!(
+                "{step:>5} {:>7} {finished:>8} {granules:>8} {:>11} {:>10} {:>10} {:>7} {:>8}",
+                running.len(),
+                kib(l.mapped_bytes),
+                kib(l.owned_bytes),
+                kib(l.cached_bytes),
+                counts.of(Op::Create),
+                counts.of(Op::Release),
+            );
+        }
+        step += 1;
+    }
+    let elapsed = started.elapsed();
+    drop((running, arrivals));
+    drop(session);
+    let trimmed = device.trim_cache();
+    device.poll();
+    println!(
+        "\n{finished} sequences in {step} steps ({:.1} ms); at the end trim_cache released the \
+         {} KiB left in the cache",
+        elapsed.as_secs_f64() * 1e3,
+        kib(trimmed)
+    );
+    if !slept {
+        println!("sleep: skipped (no sequence was running half-way)");
+    }
+    println!(
+        "creates, releases: the backend's create and release calls so far (counted by \
+         backend::Faulty on the host)"
+    );
+    println!(
+        "granules grown: {}; create calls: {} ({})",
+        counts.grown,
+        counts.of(Op::Create),
+        counts.avoided(counts.grown, Op::Create)
+    );
+    println!(
+        "granules given back: {}; release calls: {} ({})",
+        counts.given_back,
+        counts.of(Op::Release),
+        counts.avoided(counts.given_back, Op::Release)
+    );
+    let ledger = device.ledger();
+    println!("ledger at the end: {ledger:?}");
+    if !ledger.is_zero() {
+        return Err("the ledger did not end at zero".into());
+    }
+    println!("ledger ends at zero: every granule and every region was released exactly once");
+    Ok(())
+}
+
 fn main() -> Result<()> {
     if common::started_by_test_harness() {
         return Ok(());
@@ -530,6 +878,10 @@ fn main() -> Result<()> {
             make_guard!(guard);
             let backend = gpu::Gpu::open(0).map_err(|e| format!("--gpu: {e}"))?;
             let device = Device::new(guard, backend);
+            if args.elastic {
+                // Without create and release counts: the region copies are `CudaBackend`'s own.
+                return run_elastic(&device, &gpu::GpuKv, &args, None);
+            }
             return run(&device, &gpu::GpuKv, &args);
         }
         #[cfg(not(feature = "cuda"))]
@@ -541,6 +893,13 @@ fn main() -> Result<()> {
         physical_capacity: 1 << 30,
         ..HostConfig::default()
     })?;
+    if args.elastic {
+        // `Faulty` with no fault planned forwards every call and counts it.
+        let backend = Faulty::new(backend);
+        let counted = backend.handle();
+        let device = Device::new(guard, backend);
+        return run_elastic(&device, &HostKv, &args, Some(&counted));
+    }
     let device = Device::new(guard, backend);
     run(&device, &HostKv, &args)
 }

@@ -6,6 +6,8 @@
 //! - `granule_cycle/{memtoken,raw}`: reserve, commit, release one 4 KiB granule on the host.
 //! - `region_cycle/{memtoken,raw}`: grow an elastic region by 16 granules and shrink it back,
 //!   on the host, in steady state (every granule from the cache: no create or release).
+//! - `sleep_wake/{memtoken,raw}`: suspend a 64 MiB allocation with its bytes saved to the host
+//!   and resume it at the same address with its bytes, on the host.
 //! - `page_scale/memtoken/N`: one page alloc + free with N pages live.
 //! - `gpu/...`: the cycles on a CUDA device, when one is present.
 //!
@@ -17,6 +19,8 @@ mod granule;
 mod raw_pool;
 #[path = "common/region.rs"]
 mod region;
+#[path = "common/sleep.rs"]
+mod sleep;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use memtoken::backend::{Backend, HostBackend, HostConfig};
@@ -179,6 +183,35 @@ fn region_cycle(c: &mut Criterion) {
     memtoken.unwrap().release().complete().unwrap();
 }
 
+fn sleep_wake(c: &mut Criterion) {
+    make_guard!(guard);
+    let device = Device::new(guard, sleep::backend());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut a = binding.reserve(sleep::LEN).unwrap().commit().unwrap();
+    a.as_mut_slice().fill(7);
+    let mut memtoken = Some(a);
+    let raw = sleep::backend();
+    let (addr, mut phys) = sleep::raw_committed(&raw, 7);
+    let mut group = c.benchmark_group("sleep_wake");
+    group.sample_size(20);
+    group.bench_function("memtoken", |b| {
+        b.iter(|| {
+            let a = memtoken.take().unwrap();
+            memtoken = Some(sleep::once_memtoken(a));
+        })
+    });
+    group.bench_function("raw", |b| {
+        b.iter(|| phys = sleep::once_raw(&raw, addr, phys))
+    });
+    group.finish();
+    // Both woke with their bytes.
+    let a = memtoken.unwrap();
+    assert!(a.as_slice().iter().all(|&b| b == 7));
+    let mut seen = vec![0; sleep::LEN];
+    raw.copy_to_host(&mut seen, addr).unwrap();
+    assert!(seen.iter().all(|&b| b == 7));
+}
+
 fn page_scale(c: &mut Criterion) {
     let mut group = c.benchmark_group("page_scale/memtoken");
     for live in [1usize << 10, 1 << 16, 1 << 20] {
@@ -232,6 +265,7 @@ criterion_group!(
     page_cycle,
     granule_cycle,
     region_cycle,
+    sleep_wake,
     page_scale,
     gpu
 );

@@ -59,6 +59,12 @@ const RATIOS: &[(&str, &str, &str, f64)] = &[
         1.05,
     ),
     (
+        "sleep/wake 64 MiB: tokens / raw",
+        "sleep_wake/memtoken",
+        "sleep_wake/raw",
+        1.05,
+    ),
+    (
         "page scale: 64 Ki live / 1 Ki live",
         "page_scale/memtoken/65536",
         "page_scale/memtoken/1024",

@@ -1,0 +1,84 @@
+//! The sleep/wake cycle of `benches/hot_paths.rs` (suspend a 64 MiB allocation with its bytes
+//! saved to the host, resume it at the same address with its bytes) on the host backend, as a
+//! plain program for instruction counting and paired timing runs: `suspend_saving` + `resume`
+//! versus the same backend calls by hand (`benches/common/sleep.rs`).
+//!
+//! ```text
+//! cargo build --release --example sleep_wake
+//! valgrind --tool=callgrind --toggle-collect='sleep_wake::cycles_*' \
+//!     target/release/examples/sleep_wake memtoken 5
+//! valgrind --tool=callgrind --toggle-collect='sleep_wake::cycles_*' \
+//!     target/release/examples/sleep_wake raw 5
+//! ```
+//!
+//! Each run prints the milliseconds per cycle of the cycles it counts (after one warm-up cycle).
+
+mod common;
+#[path = "../benches/common/sleep.rs"]
+mod sleep;
+
+use memtoken::backend::{Addr, Backend};
+use memtoken::{Allocation, Budget, Committed, Device, make_guard};
+use std::time::Instant;
+
+#[inline(never)]
+fn cycles_memtoken<'b, 'id, B: Backend>(
+    mut a: Allocation<'b, 'id, B, Committed>,
+    n: u64,
+) -> Allocation<'b, 'id, B, Committed> {
+    for _ in 0..n {
+        a = sleep::once_memtoken(a);
+    }
+    a
+}
+
+#[inline(never)]
+fn cycles_raw<B: Backend>(raw: &B, addr: Addr, mut phys: B::Phys, n: u64) -> B::Phys {
+    for _ in 0..n {
+        phys = sleep::once_raw(raw, addr, phys);
+    }
+    phys
+}
+
+fn main() {
+    if common::started_by_test_harness() {
+        return;
+    }
+    let mut args = std::env::args().skip(1);
+    let which = args.next().unwrap_or_else(|| "memtoken".into());
+    let n: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(20);
+    let elapsed = match which.as_str() {
+        "memtoken" => {
+            make_guard!(guard);
+            let device = Device::new(guard, sleep::backend());
+            let binding = device.bind(Budget::unlimited()).unwrap();
+            let mut a = binding.reserve(sleep::LEN).unwrap().commit().unwrap();
+            a.as_mut_slice().fill(7);
+            let a = sleep::once_memtoken(a);
+            let start = Instant::now();
+            let a = cycles_memtoken(a, n);
+            let elapsed = start.elapsed();
+            assert!(a.as_slice().iter().all(|&b| b == 7), "every byte woke");
+            elapsed
+        }
+        "raw" => {
+            let raw = sleep::backend();
+            let (addr, phys) = sleep::raw_committed(&raw, 7);
+            let phys = sleep::once_raw(&raw, addr, phys);
+            let start = Instant::now();
+            let phys = cycles_raw(&raw, addr, phys, n);
+            let elapsed = start.elapsed();
+            let mut seen = vec![0; sleep::LEN];
+            raw.copy_to_host(&mut seen, addr).unwrap();
+            assert!(seen.iter().all(|&b| b == 7), "every byte woke");
+            let _ = phys;
+            elapsed
+        }
+        other => {
+            eprintln!("usage: sleep_wake [memtoken|raw] [cycles]; not {other:?}");
+            std::process::exit(2);
+        }
+    };
+    let per = elapsed.as_secs_f64() * 1e3 / n.max(1) as f64;
+    println!("{which}: {n} cycles, {per:.3} ms per cycle");
+}

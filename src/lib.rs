@@ -160,6 +160,7 @@ mod sharing;
 mod sleep;
 mod state;
 mod token;
+mod transfer;
 
 pub use allocation::{Allocation, CommitError, CompleteError};
 pub use binding::Binding;
@@ -186,3 +187,4 @@ pub use sleep::{
     ResumeError, SuspendError, Suspendable, Suspended, SuspendedAllocation, SuspendedRegion,
 };
 pub use state::{Committed, Live, Readable, Releasing, Reserved, State};
+pub use transfer::{Descriptor, Registration};

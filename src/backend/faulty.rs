@@ -1,7 +1,7 @@
 //! Fault injection and outstanding-resource counting around any backend.
 
 use super::faults::{Fault, FaultPlan};
-use super::{Access, Addr, Backend, BackendError, Cause, HostVisible, Op, lock};
+use super::{Access, Addr, Backend, BackendError, Cause, HostVisible, Location, Op, lock};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
@@ -218,6 +218,10 @@ impl<B: Backend> Backend for Faulty<B> {
     fn copy_into_phys(&self, phys: B::Phys, src: Addr, len: usize) -> Result<(), BackendError> {
         self.handle.enter(Op::Copy, src, len)?;
         self.inner.copy_into_phys(phys, src, len)
+    }
+
+    fn location(&self) -> Location {
+        self.inner.location()
     }
 
     fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError> {

@@ -209,6 +209,20 @@ impl Op {
     ];
 }
 
+/// Where a backend's memory lives: what a transfer engine needs to know besides its address.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Location {
+    /// Host memory.
+    Host,
+    /// Memory of a CUDA device (`CUdevice`).
+    Cuda {
+        /// The device.
+        device: i32,
+    },
+    /// Memory of the simulator: nothing real.
+    Simulated,
+}
+
 /// How a mapping may be accessed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Access {
@@ -330,6 +344,10 @@ pub trait Backend {
     fn address_space(&self) -> usize;
     /// The total physical memory this backend can create.
     fn physical_capacity(&self) -> u64;
+    /// Where this backend's memory lives.
+    fn location(&self) -> Location {
+        Location::Host
+    }
 
     /// Reserves `len` bytes of VA, aligned to the granularity. Nothing is accessible yet.
     fn reserve(&self, len: usize) -> Result<Addr, BackendError>;

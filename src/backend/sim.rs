@@ -2,8 +2,8 @@
 
 use super::rules::Book;
 use super::{
-    Access, Addr, Backend, BackendError, Cause, ConfigError, Op, Violation, check_address_space,
-    lock,
+    Access, Addr, Backend, BackendError, Cause, ConfigError, Location, Op, Violation,
+    check_address_space, lock,
 };
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -201,6 +201,10 @@ impl Backend for SimBackend {
 
     fn physical_capacity(&self) -> u64 {
         self.config.physical_capacity
+    }
+
+    fn location(&self) -> Location {
+        Location::Simulated
     }
 
     fn reserve(&self, len: usize) -> Result<Addr, BackendError> {

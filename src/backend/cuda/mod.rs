@@ -136,7 +136,9 @@ pub use model::{CaptureMode, DriverModel, ModelConfig, ModelOutstanding, Placeme
 pub use sys::SysDriver;
 
 use super::rules::Book;
-use super::{Access, Addr, Backend, BackendError, Cause, Op, Violation, check_address_space, lock};
+use super::{
+    Access, Addr, Backend, BackendError, Cause, Location, Op, Violation, check_address_space, lock,
+};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
@@ -765,6 +767,12 @@ impl<D: Driver> Backend for CudaBackend<D> {
 
     fn physical_capacity(&self) -> u64 {
         self.capacity
+    }
+
+    fn location(&self) -> Location {
+        Location::Cuda {
+            device: self.device,
+        }
     }
 
     fn reserve(&self, len: usize) -> Result<Addr, BackendError> {

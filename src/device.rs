@@ -283,7 +283,9 @@ impl<'id, B: Backend> Device<'id, B> {
     }
 
     /// Sets the cache's cap to `bytes` (0: no cache, every granule an elastic region gives
-    /// back is released at once), and trims the cache down to it.
+    /// back is released at once), and trims the cache down to it. A region giving granules back
+    /// at the same moment, on another thread, may still put them in under the old cap: they
+    /// stay until the next trim.
     pub fn set_cache_cap(&self, bytes: u64) {
         self.cache_cap.store(bytes, Ordering::Relaxed);
         self.trim_cache_to(bytes);

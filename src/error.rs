@@ -276,12 +276,6 @@ pub enum SuspendFailure {
     /// Saving the bytes to the host failed. Nothing else was done: the memory is as it was.
     #[error("saving the bytes to the host failed; nothing else was done")]
     Save(#[source] Box<BackendError>),
-    /// Unmapping failed, so whether the memory is still mapped is unknown: it lends nothing any
-    /// more, and its remains are quarantined.
-    #[error(
-        "unmapping the memory failed, so whether it is still mapped is unknown: its remains are quarantined"
-    )]
-    Unmap(#[source] Box<BackendError>),
 }
 
 /// Why suspended memory could not be resumed. Whatever the cause, the token is still suspended,
@@ -299,10 +293,17 @@ pub enum ResumeFailure {
     /// Restoring the saved bytes failed; the memory mapped for them was given back.
     #[error("restoring the saved bytes failed; the memory mapped for them was given back")]
     Restore(#[source] Box<BackendError>),
-    /// Restoring the saved bytes failed, and unmapping the memory mapped for them failed too:
-    /// the remains are quarantined (the saved bytes go with them).
+    /// Memory withheld after an earlier failed unmap could not be reclaimed first, so nothing
+    /// was mapped; the token is still suspended with its saved bytes.
     #[error(
-        "restoring the saved bytes failed, and unmapping the memory mapped for them failed too ({rollback}): the remains are quarantined"
+        "memory withheld after an earlier failed unmap could not be reclaimed; nothing was mapped"
+    )]
+    Withheld(#[source] Box<ShrinkFailure>),
+    /// Restoring the saved bytes failed, and unmapping the memory mapped for them failed too:
+    /// the token is still suspended with its saved bytes, and that memory stays withheld in
+    /// it, charged, until a reclaim (or the next resume) frees it.
+    #[error(
+        "restoring the saved bytes failed, and unmapping the memory mapped for them failed too ({rollback}): that memory stays withheld in the suspended token until a reclaim frees it"
     )]
     RestoreUndo {
         /// The failed restore.
@@ -435,7 +436,7 @@ impl Failure for SuspendFailure {
     fn summary(&self) -> &'static str {
         match self {
             Self::Pending => "the memory cannot be suspended yet",
-            Self::Backend(_) | Self::Save(_) | Self::Unmap(_) => "suspending the memory failed",
+            Self::Backend(_) | Self::Save(_) => "suspending the memory failed",
         }
     }
 }

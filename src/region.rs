@@ -554,7 +554,14 @@ pub(crate) fn reclaim_withheld<B: Backend>(
             device.refund(Axis::Mapped, granule.len);
             granule.mapped = false;
         }
-        back.give(granule.phys);
+        if granule.len == device.granularity() {
+            back.give(granule.phys);
+        } else {
+            // A suspended allocation's whole mapping: not a granule the cache could hand out.
+            binding.refund(granule.len);
+            back.quarantined +=
+                usize::from(device.release_orphan(granule.phys, granule.len).is_err());
+        }
     }
     back.finish();
     match failed {

@@ -6,9 +6,8 @@
 
 use crate::allocation::Allocation;
 use crate::backend::{Backend, Op};
-use crate::error::{ResumeFailure, Returned, ShrinkFailure, SuspendFailure, TransitionError};
+use crate::error::{ResumeFailure, ShrinkFailure, SuspendFailure, TransitionError};
 use crate::ledger::Axis;
-use crate::quarantine::Quarantined;
 use crate::region::{Elastic, Granules, idle, reclaim_withheld};
 use crate::residual::{Granule, Held};
 use crate::state::{Committed, Internal, Live, Reserved, Retired, State, sealed::Sealed};
@@ -17,17 +16,13 @@ use std::convert::Infallible;
 use std::fmt;
 use std::marker::PhantomData;
 
-/// A failed suspend: the same token, unchanged and usable, or its quarantined remains when
-/// unmapping failed; and why.
-pub type SuspendError<'b, 'id, B, S> =
-    TransitionError<Returned<Allocation<'b, 'id, B, S>, Quarantined<'b, 'id, B>>, SuspendFailure>;
+/// A failed suspend: the same token, unchanged and usable; and why.
+pub type SuspendError<'b, 'id, B, S> = TransitionError<Allocation<'b, 'id, B, S>, SuspendFailure>;
 
-/// A failed resume: the same suspended token, with its addresses and saved bytes, or the
-/// quarantined remains of a half-done resume that could not be undone; and why.
-pub type ResumeError<'b, 'id, B, S> = TransitionError<
-    Returned<Allocation<'b, 'id, B, Suspended<S>>, Quarantined<'b, 'id, B>>,
-    ResumeFailure,
->;
+/// A failed resume: the same suspended token, with its addresses and saved bytes (and what a
+/// failed unmap withheld, if anything); and why.
+pub type ResumeError<'b, 'id, B, S> =
+    TransitionError<Allocation<'b, 'id, B, Suspended<S>>, ResumeFailure>;
 
 /// A suspended [`Allocation`]: its VA is reserved at the same address, nothing is mapped, it
 /// owns no physical memory. [`resume`](Allocation::resume) gives the committed allocation back.
@@ -120,7 +115,7 @@ impl<S: Suspendable> Sealed for Suspended<S> {
         parts: Self::Parts<B>,
         _: Internal,
     ) -> Retired<B> {
-        let charged = parts.stuck.len() * backend.granularity();
+        let charged = parts.stuck.iter().map(|s| s.len).sum();
         Retired {
             // Withheld granules may still be mapped from before: their release waits for work.
             fence: (!parts.stuck.is_empty()).then(|| backend.fence()),
@@ -147,6 +142,24 @@ impl<B: Backend, S: Suspendable> Allocation<'_, '_, B, Suspended<S>> {
     /// Whether the bytes were saved, so that resume restores them.
     pub fn is_saved(&self) -> bool {
         self.parts().saved.is_some()
+    }
+
+    /// Bytes withheld after a failed unmap: still mapped (as far as anyone knows), owned and
+    /// charged, until [`reclaim`](Self::reclaim) frees them; `resume` reclaims them first.
+    pub fn withheld_bytes(&self) -> usize {
+        self.parts().stuck.iter().map(|s| s.len).sum()
+    }
+
+    /// Tries again to unmap and give back what is withheld after a failed unmap.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Region::reclaim`](Allocation::reclaim): [`ShrinkFailure::Stuck`] with what is
+    /// still withheld, [`ShrinkFailure::Pending`] while work may still use it,
+    /// [`ShrinkFailure::Backend`] once the context is lost.
+    pub fn reclaim(&mut self) -> Result<(), ShrinkFailure> {
+        let core = self.core();
+        reclaim_withheld(core, &mut self.parts_mut().stuck)
     }
 }
 
@@ -183,9 +196,10 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
     /// # Errors
     ///
     /// [`SuspendError`]: this allocation, unchanged, while work may still use it
-    /// ([`SuspendFailure::Pending`]) or once the context is lost; its quarantined remains when
-    /// the unmap fails. A release that fails after the unmap is quarantined in the device and
-    /// the suspend succeeds.
+    /// ([`SuspendFailure::Pending`]) or once the context is lost. When the unmap fails, the
+    /// suspend succeeds and the mapping stays withheld in the suspended token, charged
+    /// ([`withheld_bytes`](Allocation::withheld_bytes)), until a reclaim or the resume frees
+    /// it; a release that fails after the unmap is quarantined in the device.
     #[must_use = "a failed suspend returns the allocation inside the error"]
     pub fn suspend(
         self,
@@ -215,28 +229,27 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
         let saved = match prepare(core, len, save) {
             Ok(saved) => saved,
             Err(cause) => {
-                let token = Returned::Unchanged(self);
+                let token = self;
                 return Err(TransitionError { token, cause });
             }
         };
         let (core, phys) = self.into_core();
-        if let Err(e) = device.backend().unmap(core.addr, len) {
-            // Whether it is still mapped is unknown: quarantined whole, as a failed release is.
-            let token = Quarantined::new(binding, core.residual(Held::committed(len, phys)));
-            let token = Returned::Quarantined(token);
-            return Err(TransitionError {
-                token,
-                cause: SuspendFailure::Unmap(Box::new(e)),
+        let mut stuck = Vec::new();
+        if device.backend().unmap(core.addr, len).is_err() {
+            // Whether it is still mapped is unknown: the mapping stays withheld in the suspended
+            // token, owned and charged, until a reclaim (or the resume) frees it.
+            stuck.push(Granule {
+                offset: 0,
+                len,
+                phys,
+                mapped: true,
             });
+        } else {
+            device.refund(Axis::Mapped, len);
+            binding.refund(len);
+            let _ = device.release_orphan(phys, len); // a failure is quarantined, still counted
         }
-        device.refund(Axis::Mapped, len);
-        binding.refund(len);
-        let _ = device.release_orphan(phys, len); // a failure is quarantined, still counted
-        let asleep = Asleep {
-            len,
-            saved,
-            stuck: Vec::new(),
-        };
+        let asleep = Asleep { len, saved, stuck };
         Ok(Allocation::from_core(core, asleep))
     }
 }
@@ -248,17 +261,21 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Committed>> {
     /// # Errors
     ///
     /// [`ResumeError`]: this suspended allocation, with its saved bytes, when the commit or the
-    /// restore fails (nothing stays mapped or charged); the quarantined remains when undoing a
-    /// failed restore fails too.
+    /// restore fails (nothing stays mapped or charged), or when memory withheld by an earlier
+    /// failed unmap cannot be reclaimed first; if undoing a failed restore fails too, that
+    /// memory stays withheld in the suspended token, charged.
     #[must_use = "a failed resume returns the suspended allocation inside the error"]
     pub fn resume(
         self,
     ) -> Result<Allocation<'b, 'id, B, Committed>, ResumeError<'b, 'id, B, Committed>> {
-        let (core, asleep) = self.into_core();
+        let (core, mut asleep) = self.into_core();
         let back = |core, asleep, cause| {
-            let token = Returned::Unchanged(Allocation::from_core(core, asleep));
+            let token = Allocation::from_core(core, asleep);
             Err(TransitionError { token, cause })
         };
+        if let Err(e) = reclaim_withheld(core, &mut asleep.stuck) {
+            return back(core, asleep, ResumeFailure::Withheld(Box::new(e)));
+        }
         let reserved = Allocation::<'b, 'id, B, Reserved>::from_core(core, ());
         let committed = match reserved.commit() {
             Ok(committed) => committed,
@@ -278,13 +295,18 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Committed>> {
         let (core, phys) = committed.into_core();
         let (binding, len) = (core.binding, core.len);
         if let Err(rollback) = device.backend().unmap(core.addr, len) {
-            let token = Quarantined::new(binding, core.residual(Held::committed(len, phys)));
+            // Still suspended, with its saved bytes; the mapping stays withheld, charged.
+            asleep.stuck.push(Granule {
+                offset: 0,
+                len,
+                phys,
+                mapped: true,
+            });
             let cause = ResumeFailure::RestoreUndo {
                 error: Box::new(error),
                 rollback: Box::new(rollback),
             };
-            let token = Returned::Quarantined(token);
-            return Err(TransitionError { token, cause });
+            return back(core, asleep, cause);
         }
         device.refund(Axis::Mapped, len);
         binding.refund(len);
@@ -331,7 +353,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         let saved = match prepare(core, len, save) {
             Ok(saved) => saved,
             Err(cause) => {
-                let token = Returned::Unchanged(self);
+                let token = self;
                 return Err(TransitionError { token, cause });
             }
         };
@@ -355,16 +377,6 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Elastic>> {
         self.parts().stuck.len()
     }
 
-    /// Tries again to unmap and give back the granules withheld after a failed unmap.
-    ///
-    /// # Errors
-    ///
-    /// As for [`Region::reclaim`](Allocation::reclaim).
-    pub fn reclaim(&mut self) -> Result<(), ShrinkFailure> {
-        let core = self.core();
-        reclaim_withheld(core, &mut self.parts_mut().stuck)
-    }
-
     /// Resumes this region: grows it back to its suspended length at the same addresses (from
     /// the device's cache of granules first) and restores the saved bytes, if any — all or
     /// nothing.
@@ -379,7 +391,12 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Elastic>> {
         self,
     ) -> Result<Allocation<'b, 'id, B, Elastic>, ResumeError<'b, 'id, B, Elastic>> {
         let g = self.binding().device().granularity();
-        let (core, asleep) = self.into_core();
+        let (core, mut asleep) = self.into_core();
+        if let Err(e) = reclaim_withheld(core, &mut asleep.stuck) {
+            let token = Allocation::from_core(core, asleep);
+            let cause = ResumeFailure::Withheld(Box::new(e));
+            return Err(TransitionError { token, cause });
+        }
         let Asleep { len, saved, stuck } = asleep;
         let asleep_again = |region: Allocation<'b, 'id, B, Elastic>, saved, cause| {
             let (core, granules) = region.into_core();
@@ -392,7 +409,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Elastic>> {
                 saved,
                 stuck: granules.stuck,
             };
-            let token = Returned::Unchanged(Allocation::from_core(core, asleep));
+            let token = Allocation::from_core(core, asleep);
             Err(TransitionError { token, cause })
         };
         let granules = Granules {

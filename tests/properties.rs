@@ -348,14 +348,15 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                         Some(Token::Releasing(r.release(), from))
                     }
                     Token::Asleep(t, _) => {
+                        let stuck = t.withheld_bytes();
                         let from = From::Region {
-                            mapped: 0,
-                            owned: 0,
+                            mapped: stuck,
+                            owned: stuck,
                         };
                         Some(Token::Releasing(t.release(), from))
                     }
                     Token::AsleepRegion(t) => {
-                        let stuck = t.withheld_granules() * t.binding().device().granularity();
+                        let stuck = t.withheld_bytes();
                         let from = From::Region {
                             mapped: stuck,
                             owned: stuck,
@@ -448,6 +449,23 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
             }
             Step::Reclaim(i) => {
                 let Some(i) = pick(i) else { return };
+                match &mut self.tokens[i] {
+                    Token::Asleep(t, _) => {
+                        let withheld = t.withheld_bytes();
+                        let done = t.reclaim();
+                        assert!(t.withheld_bytes() <= withheld);
+                        assert!(done.is_err() || t.withheld_bytes() == 0);
+                        return;
+                    }
+                    Token::AsleepRegion(t) => {
+                        let withheld = t.withheld_bytes();
+                        let done = t.reclaim();
+                        assert!(t.withheld_bytes() <= withheld);
+                        assert!(done.is_err() || t.withheld_bytes() == 0);
+                        return;
+                    }
+                    _ => {}
+                }
                 if let Token::Region(r) = &mut self.tokens[i] {
                     let withheld = r.withheld_granules();
                     if r.reclaim().is_ok() {
@@ -472,8 +490,7 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                                 assert_eq!(t.addr(), addr, "the VA stays");
                                 Token::Asleep(t, save.then_some(fill))
                             }
-                            Err(Returned::Unchanged(a)) => Token::Committed(a, fill),
-                            Err(Returned::Quarantined(q)) => Token::Quarantined(q),
+                            Err(a) => Token::Committed(a, fill),
                         }
                     }
                     Token::Region(r) => {
@@ -496,11 +513,10 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                                 }
                                 Token::AsleepRegion(t)
                             }
-                            Err(Returned::Unchanged(r)) => {
+                            Err(r) => {
                                 assert_eq!(r.committed_len(), len, "unchanged");
                                 Token::Region(r)
                             }
-                            Err(Returned::Quarantined(q)) => Token::Quarantined(q),
                         }
                     }
                     other => other,
@@ -524,12 +540,11 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                                 });
                                 Token::Committed(a, fill)
                             }
-                            Err(Returned::Unchanged(t)) => {
+                            Err(t) => {
                                 assert_eq!(t.addr(), addr);
                                 assert_eq!(t.is_saved(), saved.is_some(), "saved bytes kept");
                                 Token::Asleep(t, saved)
                             }
-                            Err(Returned::Quarantined(q)) => Token::Quarantined(q),
                         }
                     }
                     Token::AsleepRegion(t) => {
@@ -539,11 +554,10 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                                 assert_eq!((r.addr(), r.committed_len()), (addr, len));
                                 Token::Region(r)
                             }
-                            Err(Returned::Unchanged(t)) => {
+                            Err(t) => {
                                 assert_eq!((t.addr(), t.suspended_len()), (addr, len));
                                 Token::AsleepRegion(t)
                             }
-                            Err(Returned::Quarantined(q)) => Token::Quarantined(q),
                         }
                     }
                     other => other,
@@ -620,9 +634,13 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                     let n = r.committed_len() + r.withheld_granules() * g;
                     ((r.addr(), r.len()), n, n, n, true, false)
                 }
-                Token::Asleep(a, _) => ((a.addr(), a.len()), 0, 0, 0, true, false),
+                // What a failed unmap withheld stays mapped, owned and charged.
+                Token::Asleep(a, _) => {
+                    let n = a.withheld_bytes();
+                    ((a.addr(), a.len()), n, n, n, true, false)
+                }
                 Token::AsleepRegion(r) => {
-                    let n = r.withheld_granules() * g;
+                    let n = r.withheld_bytes();
                     ((r.addr(), r.len()), n, n, n, true, false)
                 }
                 Token::Quarantined(q) => {

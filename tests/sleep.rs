@@ -7,7 +7,7 @@ mod common;
 use common::assert_no_cause_repeated;
 use memtoken::backend::cuda::{CudaBackend, DriverModel, ModelConfig};
 use memtoken::backend::{Backend, Faulty, HostBackend, Op, SimBackend};
-use memtoken::{Budget, Device, GrowFailure, ResumeFailure, Returned, SuspendFailure, make_guard};
+use memtoken::{Budget, Device, GrowFailure, ResumeFailure, SuspendFailure, make_guard};
 
 const PAGE: usize = 4096;
 
@@ -135,9 +135,7 @@ fn a_resume_that_fails_halfway_leaves_the_token_asleep_with_nothing_charged() {
             (_, ResumeFailure::Grow(g)) => assert!(matches!(**g, GrowFailure::Undone { .. })),
             (_, cause) => panic!("{op:?}: {cause}"),
         }
-        let Returned::Unchanged(back) = e.into_token() else {
-            panic!("{op:?}: everything could be undone");
-        };
+        let back = e.into_token();
         asleep = back;
         assert_eq!((asleep.addr(), asleep.suspended_len()), (addr, 4 * PAGE));
         assert!(asleep.is_saved(), "{op:?}: the saved bytes are intact");
@@ -171,9 +169,7 @@ fn an_allocation_whose_restore_fails_stays_asleep_and_wakes_on_retry() {
         .resume()
         .expect_err("the restore was failed on purpose");
     assert!(matches!(e.cause, ResumeFailure::Restore(_)));
-    let Returned::Unchanged(asleep) = e.into_token() else {
-        panic!("undone");
-    };
+    let asleep = e.into_token();
     assert_eq!((binding.used(), device.ledger().owned_bytes), (0, 0));
     let a = asleep.resume().unwrap();
     assert!(a.as_slice().iter().all(|&b| b == 4));
@@ -183,19 +179,58 @@ fn an_allocation_whose_restore_fails_stays_asleep_and_wakes_on_retry() {
 }
 
 #[test]
-fn a_suspend_whose_unmap_fails_quarantines_the_allocation_and_a_retry_frees_it() {
-    setup!(SimBackend::default(), device, faults);
+fn a_suspend_whose_unmap_fails_withholds_the_mapping_and_keeps_the_saved_bytes() {
+    setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let g = device.granularity();
-    let a = binding.reserve(2 * g).unwrap().commit().unwrap();
+    let mut a = binding.reserve(2 * PAGE).unwrap().commit().unwrap();
+    a.as_mut_slice().fill(6);
     faults.fail_nth(Op::Unmap, 1);
-    let e = a.suspend().expect_err("the unmap was failed on purpose");
-    assert!(matches!(e.cause, SuspendFailure::Unmap(_)));
-    let Returned::Quarantined(q) = e.into_token() else {
-        panic!("whether it is still mapped is unknown");
-    };
-    assert_eq!(q.residual().mapped_bytes(), 2 * g);
-    q.retry().unwrap();
+    let mut asleep = a.suspend_saving().unwrap();
+    assert!(asleep.is_saved());
+    assert_eq!(asleep.withheld_bytes(), 2 * PAGE, "withheld, still charged");
+    assert_eq!(binding.used(), 2 * PAGE as u64);
+    assert_eq!(device.ledger().mapped_bytes, 2 * PAGE as u64);
+    asleep.reclaim().unwrap();
+    assert_eq!((asleep.withheld_bytes(), binding.used()), (0, 0));
+    assert_eq!(device.ledger().owned_bytes, 0);
+    let a = asleep.resume().unwrap();
+    assert!(
+        a.as_slice().iter().all(|&b| b == 6),
+        "the saved bytes came back"
+    );
+    drop(a);
+    drop(binding);
+    assert!(device.ledger().is_zero());
+    assert!(faults.outstanding().is_zero());
+}
+
+#[test]
+fn a_resume_whose_restore_and_undo_fail_stays_asleep_with_its_bytes_and_wakes_later() {
+    setup!(host(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut a = binding.reserve(2 * PAGE).unwrap().commit().unwrap();
+    a.as_mut_slice().fill(0xab);
+    let asleep = a.suspend_saving().unwrap();
+    faults.fail_nth(Op::Copy, 1);
+    faults.fail_nth(Op::Unmap, 1);
+    let e = asleep
+        .resume()
+        .expect_err("the restore and its undo were failed on purpose");
+    assert!(matches!(e.cause, ResumeFailure::RestoreUndo { .. }));
+    assert_no_cause_repeated(&e);
+    let asleep = e.into_token();
+    assert!(asleep.is_saved(), "the saved bytes are kept");
+    assert_eq!(
+        asleep.withheld_bytes(),
+        2 * PAGE,
+        "the new mapping is withheld"
+    );
+    assert_eq!(binding.used(), 2 * PAGE as u64, "and charged");
+    // The next resume reclaims it first, then maps and restores.
+    let a = asleep.resume().unwrap();
+    assert!(a.as_slice().iter().all(|&b| b == 0xab));
+    assert_eq!(binding.used(), 2 * PAGE as u64);
+    drop(a);
     drop(binding);
     assert!(device.ledger().is_zero());
     assert!(faults.outstanding().is_zero());
@@ -250,14 +285,10 @@ fn on_cuda_memory_sleeps_only_once_its_work_finished_and_wakes_with_its_bytes() 
     model.submit_work(); // a kernel may use both
     let e = a.suspend_saving().expect_err("work is running");
     assert!(matches!(e.cause, SuspendFailure::Pending));
-    let Returned::Unchanged(a) = e.into_token() else {
-        panic!("nothing was done");
-    };
+    let a = e.into_token();
     let e = region.suspend().expect_err("work is running");
     assert!(matches!(e.cause, SuspendFailure::Pending));
-    let Returned::Unchanged(region) = e.into_token() else {
-        panic!("nothing was done");
-    };
+    let region = e.into_token();
     model.complete_work();
 
     let (addr, raddr) = (a.addr(), region.addr());

@@ -33,7 +33,7 @@ fn mapped(model: &DriverModel) -> (u64, u64) {
     // mapping just made is exactly `[ptr, ptr + G)`.
     unsafe {
         model.mem_map(ptr, G, 0, handle).unwrap();
-        model.mem_set_access(ptr, G, 0, true).unwrap();
+        model.mem_set_access(ptr, G, &[(0, true)]).unwrap();
     }
     (ptr, handle)
 }
@@ -311,7 +311,7 @@ fn vmm_calls_during_capture(mode: CaptureMode, other_thread: bool) -> Vec<(Drive
                     DriverCall::MemCreate => model.mem_create(G, 0).map(drop),
                     DriverCall::MemRelease => model.mem_release(spare),
                     DriverCall::MemMap => model.mem_map(free, G, 0, spare),
-                    DriverCall::MemSetAccess => model.mem_set_access(ptr, G, 0, false),
+                    DriverCall::MemSetAccess => model.mem_set_access(ptr, G, &[(0, false)]),
                     DriverCall::MemUnmap => model.mem_unmap(ptr, G),
                     _ => model.ctx_synchronize(),
                 }
@@ -466,7 +466,7 @@ fn a_peer_gets_access_only_where_can_access_peer_said_1() {
     assert_eq!(model.device_can_access_peer(1, 0), Ok(true));
     let (ptr, _) = mapped(&model); // on device 0
     // SAFETY: `[ptr, ptr + G)` is exactly one live mapping.
-    unsafe { model.mem_set_access(ptr, G, 1, false) }.expect("device 1 may read device 0's");
+    unsafe { model.mem_set_access(ptr, G, &[(1, false)]) }.expect("device 1 may read device 0's");
     // Memory on device 1: device 0 asked, and was told no.
     let far = model.mem_address_reserve(G, G, 0).unwrap();
     let handle = model.mem_create(G, 1).unwrap();
@@ -474,11 +474,11 @@ fn a_peer_gets_access_only_where_can_access_peer_said_1() {
     unsafe {
         model.mem_map(far, G, 0, handle).unwrap();
         assert_eq!(
-            model.mem_set_access(far, G, 0, true),
+            model.mem_set_access(far, G, &[(0, true)]),
             Err(CuError::INVALID_DEVICE)
         );
         model
-            .mem_set_access(far, G, 1, true)
+            .mem_set_access(far, G, &[(1, true)])
             .expect("its own device");
     }
     assert_eq!(model.lost_with(), None);
@@ -490,7 +490,7 @@ fn access_for_a_peer_never_asked_about_is_misuse() {
     let model = two_devices(vec![(1, 0)]);
     let (ptr, _) = mapped(&model);
     // SAFETY: `[ptr, ptr + G)` is exactly one live mapping (the model panics: see above).
-    let _ = unsafe { model.mem_set_access(ptr, G, 1, true) };
+    let _ = unsafe { model.mem_set_access(ptr, G, &[(1, true)]) };
 }
 
 #[test]

@@ -15,7 +15,7 @@ use crate::backend::{Addr, Backend, BackendError};
 use crate::page_pool::PageTable;
 use crate::region::Elastic;
 use crate::sharing::{Diverged, Owner};
-use crate::state::{Committed, Readable};
+use crate::state::{Committed, Readable, State};
 
 /// `[offset, offset + len)` inside a region of `size` bytes at `base`, or a panic.
 fn within(base: Addr, size: usize, offset: usize, len: usize) -> Addr {
@@ -24,6 +24,17 @@ fn within(base: Addr, size: usize, offset: usize, len: usize) -> Addr {
         "{len} bytes at offset {offset} do not fit in {size}"
     );
     base + offset
+}
+
+impl<D: Driver, S: State> Allocation<'_, '_, CudaBackend<D>, S> {
+    /// The peer devices (`CUdevice`s) that get access to this token's memory along with its
+    /// own device, in the same `cuMemSetAccess` call, at every map and remap: when it is
+    /// committed, grown, diverged or woken (see [`CudaBackend::with_peers`]). Read-only where
+    /// the token's own access is (a prefix sharer's mapping). Empty unless the backend was
+    /// given peers.
+    pub fn peers(&self) -> &[i32] {
+        self.binding().device().backend().peers()
+    }
 }
 
 impl<D: Driver, S: Readable> Allocation<'_, '_, CudaBackend<D>, S> {

@@ -89,7 +89,7 @@ impl Raw {
         // SAFETY: the caller's promise.
         unsafe {
             self.driver
-                .mem_set_access(ptr, size, self.device, read_write)
+                .mem_set_access(ptr, size, &[(self.device, read_write)])
         }
     }
 
@@ -518,7 +518,7 @@ fn gpu_a_failed_set_access_leaves_the_mapping_to_unmap() {
     unsafe {
         ok(raw.map(va, handle, 1), "cuMemMap");
         let no_device = 1 << 20;
-        let refused = raw.driver.mem_set_access(va, g, no_device, true);
+        let refused = raw.driver.mem_set_access(va, g, &[(no_device, true)]);
         let e = refused.expect_err("cuMemSetAccess for a device that does not exist succeeded");
         assert_eq!(
             e.fate(),

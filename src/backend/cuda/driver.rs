@@ -329,18 +329,17 @@ pub trait Driver {
     /// reference says the offset "currently must be zero", so only whole handles are mapped
     /// ([the trait's rules](Driver#safety)).
     unsafe fn mem_map(&self, ptr: u64, size: usize, offset: usize, handle: u64) -> CuResult<()>;
-    /// `cuMemSetAccess` for `device`: read-write, or read-only
+    /// `cuMemSetAccess(ptr, size, desc, count)` with one descriptor per `(device, read_write)`
+    /// of `access`: read-write, or read-only. One call covers every device listed (fact 18),
+    /// so a mapping is never left with some of its devices' access and not the others'. The
+    /// list names at least one device and none twice; a device other than the memory's own is
+    /// listed only after [`device_can_access_peer`](Driver::device_can_access_peer) said `true`
+    /// for it (fact 32).
     ///
     /// # Safety
     ///
     /// `[ptr, ptr + size)` is exactly covered by live mappings ([the trait's rules](Driver#safety)).
-    unsafe fn mem_set_access(
-        &self,
-        ptr: u64,
-        size: usize,
-        device: i32,
-        read_write: bool,
-    ) -> CuResult<()>;
+    unsafe fn mem_set_access(&self, ptr: u64, size: usize, access: &[(i32, bool)]) -> CuResult<()>;
     /// `cuMemUnmap`
     ///
     /// # Safety

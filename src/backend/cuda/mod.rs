@@ -50,8 +50,15 @@
 //!   offset 0** (the strict reading). A shared prefix longer than one granule keeps its
 //!   boundary granule in a handle of its own: body and tail handles, mapped side by side. —
 //!   VMM; PG §14.5; PT.
-//! - `cuMemSetAccess` after every map (a new mapping has no access), one descriptor for this
-//!   device, read-write or read-only, over a fully mapped range. — VMM.
+//! - `cuMemSetAccess` after every map (a new mapping has no access), over a fully mapped range,
+//!   with one descriptor per device in one call: this device's and every peer's
+//!   ([`with_peers`](CudaBackend::with_peers)), read-write or read-only. So a remap (a regrown
+//!   granule, a copy-on-write boundary, a wake) gives every peer its access back, and no
+//!   mapping has this device's access without its peers'. — VMM.
+//! - Peer access: VMM memory is shared per allocation by `cuMemSetAccess` descriptors, not by
+//!   `cuCtxEnablePeerAccess` (which covers `cudaMalloc` memory only), and a peer is named only
+//!   once `cuDeviceCanAccessPeer(peer, device)` said 1, checked when the backend is opened.
+//!   — PG §14.1, §14.7; PEER; Samples.
 //! - `cuMemUnmap` takes whole mappings, never a part, and leaves the range reserved. It does
 //!   not reliably wait for device work (PyTorch syncs first): the typed layer unmaps only after
 //!   the memory's fence has completed. — VMM; PT.
@@ -116,7 +123,8 @@
 //!
 //! - VMM: CUDA Driver API, "Virtual Memory Management" (`cuMem*`), checked against `cuda.h`
 //!   12.6.3.
-//! - STREAM, EVENT, PCTX: CUDA Driver API, Stream, Event and Primary Context Management.
+//! - STREAM, EVENT, PCTX, PEER: CUDA Driver API, Stream, Event, Primary Context and Peer
+//!   Context Memory Access.
 //! - SYNC: CUDA Driver API, "Stream synchronization behavior"; API-SYNC: "API synchronization
 //!   behavior".
 //! - TYPES: the `CUresult` comments in `cuda.h` 12.6.3 (226 and 721 from 12.8).
@@ -200,6 +208,22 @@ pub enum CudaError {
         /// What it returned.
         error: CuError,
     },
+    /// A peer given to [`CudaBackend::with_peers`] cannot access the device's memory:
+    /// `cuDeviceCanAccessPeer(peer, device)` said 0.
+    #[error(
+        "device {peer} cannot access memory on device {device}: \
+         cuDeviceCanAccessPeer({peer}, {device}) said 0"
+    )]
+    NoPeerAccess {
+        /// The backend's device.
+        device: i32,
+        /// The peer that cannot access it.
+        peer: i32,
+    },
+    /// A peer list given to [`CudaBackend::with_peers`] names the backend's own device or a
+    /// device twice, or comes after memory was mapped.
+    #[error("bad peer list: {0}")]
+    BadPeers(String),
 }
 
 /// CUDA virtual memory management on one device, over driver `D`.
@@ -227,6 +251,11 @@ pub enum CudaError {
 /// allocation also gives its raw `device_ptr()` (cover the stream yourself) and
 /// `copy_from_host` / `copy_to_host`; prefixes, mappings and page tables have copies too.
 ///
+/// **Peers.** [`with_peers`](Self::with_peers) names the devices that may access this device's
+/// memory along with it (each checked with `cuDeviceCanAccessPeer` first). Every map gives them
+/// all access in the same `cuMemSetAccess` call as this device, with the mapping's own access
+/// (read-only for a prefix sharer), so no remap leaves a peer out; tokens say so with `peers()`.
+///
 /// Host slices are for host memory only: a CUDA token has no `as_slice`.
 ///
 /// ```compile_fail,E0599
@@ -245,6 +274,12 @@ pub struct CudaBackend<D: Driver> {
     ctx: Context,
     granularity: usize,
     capacity: u64,
+    /// The peer devices given access with this one: see [`with_peers`](Self::with_peers).
+    peers: Vec<i32>,
+    /// The access descriptors of every map, this device first, then each peer: read-write,
+    /// and read-only.
+    grant_rw: Vec<(i32, bool)>,
+    grant_ro: Vec<(i32, bool)>,
     /// Whether `drop` gives back a retain of the primary context (one `new` took).
     owns_retain: bool,
     /// Streams every fence covers (the legacy stream first). Its own lock, never held across a
@@ -357,6 +392,9 @@ impl<D: Driver> CudaBackend<D> {
             ctx,
             granularity,
             capacity,
+            peers: Vec::new(),
+            grant_rw: vec![(device, true)],
+            grant_ro: vec![(device, false)],
             owns_retain,
             covered: Mutex::new(vec![0]),
             #[cfg(feature = "cuda")]
@@ -377,6 +415,86 @@ impl<D: Driver> CudaBackend<D> {
     /// The device ordinal's `CUdevice`.
     pub fn device(&self) -> i32 {
         self.device
+    }
+
+    /// Gives the devices `peers` (ordinals) access to every mapping this backend makes, along
+    /// with its own device: each map's one `cuMemSetAccess` names them all (fact 18), with the
+    /// mapping's access, so every remap — a region's regrown granule, a copy-on-write boundary,
+    /// memory woken at the same address — gives each peer its access back. Each peer is
+    /// checked first with `cuDeviceCanAccessPeer(peer, device)` (fact 32), and is never dropped
+    /// silently: a peer that cannot access is an error.
+    ///
+    /// ```
+    /// use memtoken::backend::cuda::{CudaBackend, DriverModel, ModelConfig};
+    /// let model = DriverModel::new(ModelConfig {
+    ///     devices: 2,
+    ///     peer_access: vec![(1, 0)],
+    ///     ..ModelConfig::default()
+    /// })
+    /// .unwrap();
+    /// let backend = CudaBackend::new(model, 0).unwrap().with_peers(&[1]).unwrap();
+    /// assert_eq!(backend.peers(), &[1]);
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`CudaError::NoPeerAccess`] for a peer that cannot access this device's memory;
+    /// [`CudaError::BadPeers`] if `peers` names this device or a device twice, or if the
+    /// backend has mapped memory already (it would lack the peers' access);
+    /// [`CudaError::Driver`] if `cuDeviceGet` or `cuDeviceCanAccessPeer` fails. The backend is
+    /// dropped then.
+    pub fn with_peers(mut self, peers: &[i32]) -> Result<Self, CudaError> {
+        if lock(&self.state).book.mappings() > 0 {
+            let why = "peers must be set before anything is mapped".to_string();
+            return Err(CudaError::BadPeers(why));
+        }
+        let mut devices = Vec::with_capacity(peers.len());
+        let lost = &self.lost;
+        let at = |call| {
+            move |error: CuError| {
+                if error.is_context_loss() {
+                    lost.store(true, Ordering::Release); // no call into it on drop
+                }
+                CudaError::Driver { call, error }
+            }
+        };
+        for &ordinal in peers {
+            let peer = self
+                .driver
+                .device_get(ordinal)
+                .map_err(at(DriverCall::DeviceGet))?;
+            if peer == self.device {
+                let why = format!("device {ordinal} is the backend's own device");
+                return Err(CudaError::BadPeers(why));
+            }
+            if devices.contains(&peer) {
+                return Err(CudaError::BadPeers(format!(
+                    "device {ordinal} is named twice"
+                )));
+            }
+            let can = self
+                .driver
+                .device_can_access_peer(peer, self.device)
+                .map_err(at(DriverCall::DeviceCanAccessPeer))?;
+            if !can {
+                let device = self.device;
+                return Err(CudaError::NoPeerAccess { device, peer });
+            }
+            devices.push(peer);
+        }
+        let grants = |rw| {
+            let peers = devices.iter().map(move |&peer| (peer, rw));
+            std::iter::once((self.device, rw)).chain(peers).collect()
+        };
+        (self.grant_rw, self.grant_ro) = (grants(true), grants(false));
+        self.peers = devices;
+        Ok(self)
+    }
+
+    /// The peer devices (`CUdevice`s) given access to every mapping along with this device
+    /// (see [`with_peers`](Self::with_peers)); empty unless set.
+    pub fn peers(&self) -> &[i32] {
+        &self.peers
     }
 
     /// Makes every fence recorded from now on cover `stream` too: a release waits for the work
@@ -867,9 +985,13 @@ impl<D: Driver> Backend for CudaBackend<D> {
         // `release`) with exactly `len` bytes, all mapped from offset 0.
         unsafe { self.driver.mem_map(ptr, len, 0, phys.handle) }.map_err(fail)?;
         s.book.apply_map(addr, len, phys, access);
-        let rw = access == Access::ReadWrite;
+        // This device and every peer, in one call: no mapping has one's access without all.
+        let grants = match access {
+            Access::ReadWrite => &self.grant_rw,
+            Access::ReadOnly => &self.grant_ro,
+        };
         // SAFETY: the range was mapped, exactly, just above.
-        let Err(e) = (unsafe { self.driver.mem_set_access(ptr, len, self.device, rw) }) else {
+        let Err(e) = (unsafe { self.driver.mem_set_access(ptr, len, grants) }) else {
             return Ok(());
         };
         if e.is_context_loss() {
@@ -944,13 +1066,14 @@ impl<D: Driver> Backend for CudaBackend<D> {
             }
             s.book
                 .apply_map(scratch as Addr, span, phys, Access::ReadWrite);
+            // The scratch range is the backend's own, for this copy only: no peer gets access.
             // SAFETY: the scratch range was mapped, exactly, just above, and is given
             // read-write access before the copy writes to it; `s.book.check_copy` above proved
             // every byte of the source mapped, and the `s.stuck` check that it has access. Both
             // stay mapped until the copy has finished: the source and the scratch range are
             // marked busy below (unmap, free and map refuse busy ranges) until the wait below.
             let copied = unsafe {
-                d.mem_set_access(scratch, span, self.device, true)
+                d.mem_set_access(scratch, span, &[(self.device, true)])
                     .and_then(|()| d.memcpy_dtod(scratch, src as u64, len))
             };
             if let Err(e) = copied

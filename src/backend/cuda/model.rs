@@ -60,9 +60,10 @@ pub struct ModelConfig {
     /// Where reservations land (fact 12). Default: [`Placement::Scattered`], so that nothing
     /// comes to depend on where the driver places a reservation.
     pub placement: Placement,
-    /// Devices: ordinals `0..devices`, not zero. Default: 1. Only device 0 has a (primary)
-    /// context in the model; the others can own memory (`cuMemCreate`) and be granted access
-    /// (`cuMemSetAccess`).
+    /// Devices: ordinals `0..devices`, not zero. Default: 1 (peer tests ask for 2 or more).
+    /// Only device 0 has a (primary) context in the model; the others can own memory
+    /// (`cuMemCreate`) and be granted access (`cuMemSetAccess`), which
+    /// [`DriverModel::access_of`] reads back per device.
     pub devices: i32,
     /// The pairs `(dev, peer)` for which `cuDeviceCanAccessPeer(dev, peer)` says 1: `dev` can
     /// access memory on `peer` (fact 32). Default: none.
@@ -177,6 +178,13 @@ struct ModelState {
     access_epoch: BTreeMap<Addr, (usize, u64)>,
     /// The device that owns each allocation (by allocation number).
     owners: HashMap<u64, i32>,
+    /// Access granted to each mapping (by start), per device: read-write or not. Gone with
+    /// the mapping's unmap.
+    grants: BTreeMap<Addr, BTreeMap<i32, bool>>,
+    /// Every device ever granted access to a mapping in each reservation (by start), until
+    /// the reservation is freed: a new mapping there must be given access for all of them in
+    /// its first `cuMemSetAccess` (no peer loses access across a remap).
+    granted_in: HashMap<Addr, BTreeSet<i32>>,
     /// Answers of `cuDeviceCanAccessPeer` given so far, by `(dev, peer)`.
     peers_asked: HashMap<(i32, i32), bool>,
     /// Live (not released) handle values → allocation number.
@@ -413,7 +421,15 @@ impl ModelState {
 ///   then says so). RELAXED captures refuse nothing.
 /// - **Peer access only after asking** (fact 32): `cuMemSetAccess` for a device other than
 ///   the one owning the memory panics unless `cuDeviceCanAccessPeer(device, owner)` was
-///   called, and returns `CUDA_ERROR_INVALID_DEVICE` (101) if that said 0.
+///   called, and returns `CUDA_ERROR_INVALID_DEVICE` (101) if that said 0. A descriptor list
+///   that is empty, or names a device twice or a device the model does not have, panics.
+/// - **No peer loses access across a remap** (facts 18, 31): the model remembers every device
+///   given access to any mapping of a reservation, until the reservation is freed. A new
+///   mapping there (a region's regrown granule, a copy-on-write boundary, memory woken at the
+///   same address) whose first `cuMemSetAccess` leaves one of them out panics: the real driver
+///   would accept it, and the peer's next access would fault or hang (NCCL deadlocked for
+///   56 minutes on such a remap, openxla/xla#40852). [`access_of`](Self::access_of) reads the
+///   access each device has.
 ///
 /// It fails on purpose where asked ([`fail_nth`](Self::fail_nth) with any `CUresult`), loses
 /// the context where asked ([`lose_context`](Self::lose_context): from then on every call into
@@ -459,6 +475,8 @@ impl DriverModel {
             no_access: BTreeSet::new(),
             access_epoch: BTreeMap::new(),
             owners: HashMap::new(),
+            grants: BTreeMap::new(),
+            granted_in: HashMap::new(),
             peers_asked: HashMap::new(),
             handles: HashMap::new(),
             free_handles: Vec::new(),
@@ -655,6 +673,19 @@ impl DriverModel {
         }
     }
 
+    /// The access `device` has to the memory mapped at `addr`, as granted by
+    /// `cuMemSetAccess`: `None` where nothing is mapped or `device` was given no access there.
+    pub fn access_of(&self, addr: u64, device: i32) -> Option<Access> {
+        let s = self.state();
+        let start = s.book.mapping_start(addr as Addr)?;
+        let read_write = *s.grants.get(&start)?.get(&device)?;
+        Some(if read_write {
+            Access::ReadWrite
+        } else {
+            Access::ReadOnly
+        })
+    }
+
     /// Every call received, in order.
     pub fn log(&self) -> Vec<DriverCall> {
         self.state().log.clone()
@@ -766,6 +797,16 @@ impl DriverModel {
             at += run;
         }
         out
+    }
+
+    /// The start of the reservation holding `addr` (which the caller found mapped).
+    fn reservation_of(s: &ModelState, addr: Addr) -> Addr {
+        let (&start, _) = s
+            .placed
+            .range(..=addr)
+            .next_back()
+            .expect("mapped: reserved");
+        start
     }
 
     fn read(s: &ModelState, allocation: u64, offset: usize, n: usize) -> Vec<u8> {
@@ -900,6 +941,7 @@ impl Driver for DriverModel {
         s.refused_by_capture()?;
         s.book.apply_free(ptr as Addr);
         s.placed.remove(&(ptr as Addr));
+        s.granted_in.remove(&(ptr as Addr));
         Ok(())
     }
 
@@ -970,39 +1012,62 @@ impl Driver for DriverModel {
         Ok(())
     }
 
-    /// Fact 32: access for a device other than the memory's owner needs a
+    /// One descriptor per device (fact 18): none, a device twice or an unknown device is
+    /// misuse. Fact 32: access for a device other than the memory's owner needs a
     /// `cuDeviceCanAccessPeer(device, owner)` asked before (else misuse) that said 1 (else
-    /// `CUDA_ERROR_INVALID_DEVICE`). Fact 21: a mapping's first access starts the work that may
-    /// touch it. Fact 43: refused during a global capture.
-    unsafe fn mem_set_access(
-        &self,
-        ptr: u64,
-        size: usize,
-        device: i32,
-        read_write: bool,
-    ) -> CuResult<()> {
+    /// `CUDA_ERROR_INVALID_DEVICE`, and nothing changes). A new mapping's first access must
+    /// name every device given access in its reservation before (else misuse: see
+    /// [`DriverModel`]). Fact 21: a mapping's first access starts the work that may touch it.
+    /// Fact 43: refused during a global capture.
+    unsafe fn mem_set_access(&self, ptr: u64, size: usize, access: &[(i32, bool)]) -> CuResult<()> {
         let call = DriverCall::MemSetAccess;
         let mut s = self.enter(call, true)?;
-        self.check_device(call, device);
+        if access.is_empty() {
+            misuse(call, "no access descriptor");
+        }
+        for (i, &(device, _)) in access.iter().enumerate() {
+            self.check_device(call, device);
+            if access[..i].iter().any(|&(d, _)| d == device) {
+                misuse(
+                    call,
+                    format_args!("device {device} is named twice in one descriptor list"),
+                );
+            }
+        }
+        let named = |device: i32| access.iter().any(|&(d, _)| d == device);
         let (addr, end) = (ptr as Addr, ptr as Addr + size);
         Self::check(call, s.book.check_unmap(addr, size));
         let mappings = Self::mappings_in(&s, addr, size);
         let mut refused = false;
-        for &(_, _, allocation) in &mappings {
+        for &(start, _, allocation) in &mappings {
             let owner = s.owners[&allocation];
-            if owner == device {
-                continue;
+            for &(device, _) in access.iter().filter(|&&(d, _)| d != owner) {
+                match s.peers_asked.get(&(device, owner)) {
+                    None => misuse(
+                        call,
+                        format_args!(
+                            "access for device {device} to memory on device {owner} without \
+                             asking cuDeviceCanAccessPeer({device}, {owner}) first"
+                        ),
+                    ),
+                    Some(false) => refused = true,
+                    Some(true) => {}
+                }
             }
-            match s.peers_asked.get(&(device, owner)) {
-                None => misuse(
+            if s.grants.contains_key(&start) {
+                continue; // not a new mapping: devices not named keep what they have
+            }
+            let reservation = Self::reservation_of(&s, start);
+            let had = s.granted_in.get(&reservation);
+            if let Some(lost) = had.and_then(|had| had.iter().find(|&&d| !named(d))) {
+                misuse(
                     call,
                     format_args!(
-                        "access for device {device} to memory on device {owner} without asking \
-                         cuDeviceCanAccessPeer({device}, {owner}) first"
+                        "the new mapping at {start:#x} is given access without device {lost}, \
+                         which had access in its reservation at {reservation:#x}: a peer lost \
+                         access across a remap (openxla/xla#40852)"
                     ),
-                ),
-                Some(false) => refused = true,
-                Some(true) => {}
+                );
             }
         }
         if refused {
@@ -1011,7 +1076,7 @@ impl Driver for DriverModel {
         s.refused_by_capture()?;
         // The context's own device (0) is the one whose copies the model checks: its access is
         // what the record and `no_access` hold. A peer's grant changes neither.
-        if device == 0 {
+        if let Some(&(_, read_write)) = access.iter().find(|&&(d, _)| d == 0) {
             let access = if read_write {
                 Access::ReadWrite
             } else {
@@ -1026,6 +1091,13 @@ impl Driver for DriverModel {
         let epoch = s.epoch;
         for (start, len, _) in mappings {
             s.access_epoch.entry(start).or_insert((len, epoch));
+            s.grants
+                .entry(start)
+                .or_default()
+                .extend(access.iter().copied());
+            let reservation = Self::reservation_of(&s, start);
+            let devices = access.iter().map(|&(d, _)| d);
+            s.granted_in.entry(reservation).or_default().extend(devices);
         }
         Ok(())
     }
@@ -1048,6 +1120,10 @@ impl Driver for DriverModel {
         let starts: Vec<Addr> = s.no_access.range(addr..end).copied().collect();
         for start in starts {
             s.no_access.remove(&start);
+        }
+        let granted: Vec<Addr> = s.grants.range(addr..end).map(|(&a, _)| a).collect();
+        for start in granted {
+            s.grants.remove(&start);
         }
         s.unmap_under_work(addr, end);
         Ok(())

@@ -159,25 +159,21 @@ impl Driver for SysDriver {
         check(unsafe { sys::cuMemMap(ptr, size, offset, handle, 0) })
     }
 
-    unsafe fn mem_set_access(
-        &self,
-        ptr: u64,
-        size: usize,
-        device: i32,
-        read_write: bool,
-    ) -> CuResult<()> {
-        let flags = if read_write {
-            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-        } else {
-            sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ
-        };
-        let desc = sys::CUmemAccessDesc {
-            location: location(device),
-            flags,
-        };
-        // SAFETY: `desc` outlives the call; one descriptor is passed; the caller passes a range
-        // exactly covered by live mappings.
-        check(unsafe { sys::cuMemSetAccess(ptr, size, &desc, 1) })
+    unsafe fn mem_set_access(&self, ptr: u64, size: usize, access: &[(i32, bool)]) -> CuResult<()> {
+        let desc: Vec<sys::CUmemAccessDesc> = access
+            .iter()
+            .map(|&(device, read_write)| sys::CUmemAccessDesc {
+                location: location(device),
+                flags: if read_write {
+                    sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+                } else {
+                    sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READ
+                },
+            })
+            .collect();
+        // SAFETY: `desc` holds `desc.len()` descriptors and outlives the call, which only reads
+        // them; the caller passes a range exactly covered by live mappings.
+        check(unsafe { sys::cuMemSetAccess(ptr, size, desc.as_ptr(), desc.len()) })
     }
 
     unsafe fn mem_unmap(&self, ptr: u64, size: usize) -> CuResult<()> {

@@ -494,11 +494,14 @@ fn access_for_a_peer_never_asked_about_is_misuse() {
 }
 
 #[test]
-fn one_device_by_default() {
+fn two_peer_devices_by_default() {
     let model = opened(config());
-    assert_eq!(model.device_get(1), Err(CuError::INVALID_DEVICE));
+    assert_eq!(model.device_get(1), Ok(1));
+    assert_eq!(model.device_get(2), Err(CuError::INVALID_DEVICE));
+    assert_eq!(model.device_can_access_peer(0, 1), Ok(true));
+    assert_eq!(model.device_can_access_peer(1, 0), Ok(true));
     assert_eq!(
-        model.device_can_access_peer(0, 1),
+        model.device_can_access_peer(0, 2),
         Err(CuError::INVALID_DEVICE)
     );
 }

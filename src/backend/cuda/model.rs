@@ -60,13 +60,14 @@ pub struct ModelConfig {
     /// Where reservations land (fact 12). Default: [`Placement::Scattered`], so that nothing
     /// comes to depend on where the driver places a reservation.
     pub placement: Placement,
-    /// Devices: ordinals `0..devices`, not zero. Default: 1 (peer tests ask for 2 or more).
+    /// Devices: ordinals `0..devices`, not zero. Default: 2, peers of each other (as two GPUs
+    /// of one NVLink pair).
     /// Only device 0 has a (primary) context in the model; the others can own memory
     /// (`cuMemCreate`) and be granted access (`cuMemSetAccess`), which
     /// [`DriverModel::access_of`] reads back per device.
     pub devices: i32,
     /// The pairs `(dev, peer)` for which `cuDeviceCanAccessPeer(dev, peer)` says 1: `dev` can
-    /// access memory on `peer` (fact 32). Default: none.
+    /// access memory on `peer` (fact 32). Default: `(0, 1)` and `(1, 0)`.
     pub peer_access: Vec<(i32, i32)>,
 }
 
@@ -78,8 +79,8 @@ impl Default for ModelConfig {
             events_complete_at_once: true,
             synchronize_blocks: false,
             placement: Placement::Scattered { seed: 0x5eed },
-            devices: 1,
-            peer_access: Vec::new(),
+            devices: 2,
+            peer_access: vec![(0, 1), (1, 0)],
         }
     }
 }

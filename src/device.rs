@@ -445,6 +445,11 @@ impl<'id, B: Backend> Device<'id, B> {
             h.phys = None;
             self.refund(Axis::Owned, len);
         }
+        // Another process's memory: this process's handles on it go, nothing was owned here.
+        while let Some(&(phys, len)) = h.imported.last() {
+            self.backend.release(phys, len)?;
+            h.imported.pop();
+        }
         while let Some(&granule) = h.granules.last() {
             self.backend.release(granule.phys, granule.len)?;
             h.granules.pop();
@@ -456,6 +461,12 @@ impl<'id, B: Backend> Device<'id, B> {
             self.refund(Axis::Reserved, r.len);
         }
         Ok(())
+    }
+
+    /// How many exports of this device's shared physical memory to other processes are
+    /// outstanding: each holds a reference on the memory, so it lives until the export ends.
+    pub fn outstanding_exports(&self) -> u64 {
+        self.shared.exports()
     }
 
     /// The totals of this device's shared physical memory, through which every reference on it

@@ -174,14 +174,17 @@ pub use generativity::{Guard, make_guard};
 pub use ids::{ContextLost, Generation, Released};
 #[cfg(feature = "cuda")]
 pub use interop::{DeviceView, DeviceViewMut};
+pub use interop::{
+    Export, ImportError, Imported, ImportedPrefix, MESSAGE_LEN, Offer, PrefixMessage, WireError,
+};
 pub use ledger::{Budget, LedgerSnapshot};
 pub use page_pool::{Page, PagePool, PageTable};
 pub use quarantine::{QuarantineError, Quarantined};
 pub use region::{Elastic, GrowError, Region};
 pub use residual::{Holdings, Residual};
 pub use sharing::{
-    CowError, Diverged, DivergedMapping, Owner, Prefix, PrefixError, PrefixMapping, ShareError,
-    Sharer, Sharing,
+    Capability, CowError, Diverged, DivergedMapping, ExportablePrefix, Local, Owner, Prefix,
+    PrefixError, PrefixMapping, ShareError, Sharer, Sharing,
 };
 pub use sleep::{
     ResumeError, SuspendError, Suspendable, Suspended, SuspendedAllocation, SuspendedRegion,

@@ -82,6 +82,7 @@ pub(crate) struct SharedTotals {
     count: AtomicU64,
     bytes: AtomicU64,
     refs: AtomicU64,
+    exports: AtomicU64,
 }
 
 impl SharedTotals {
@@ -106,6 +107,22 @@ impl SharedTotals {
         self.count.fetch_sub(1, Ordering::Relaxed);
         self.bytes.fetch_sub(split.len() as u64, Ordering::Relaxed);
         Some(split)
+    }
+
+    /// One more reference on `shared`, held by an export to another process.
+    pub(crate) fn export<P: Copy>(&self, shared: &SharedPhys<P>) -> SharedPhys<P> {
+        self.exports.fetch_add(1, Ordering::Relaxed);
+        self.another(shared)
+    }
+
+    /// An export ended: its reference is given back with [`give_back`](Self::give_back).
+    pub(crate) fn export_ended(&self) {
+        self.exports.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// How many exports are outstanding.
+    pub(crate) fn exports(&self) -> u64 {
+        self.exports.load(Ordering::Relaxed)
     }
 
     /// The totals now: `count` prefixes, their `owned_bytes`, `shared_refs` references.
@@ -134,6 +151,10 @@ pub struct Held<P> {
     /// Granules of an elastic region: each one whole physical allocation of its own, owned by
     /// these parts alone, and mapped at its offset unless `mapped` covers it already.
     pub(crate) granules: Vec<Granule<P>>,
+    /// Handles on another process's physical memory (an imported prefix), each released once
+    /// after the mapping is gone. They are this process's handles only: they were never
+    /// charged as owned here, and releasing them refunds nothing.
+    pub(crate) imported: Vec<(P, usize)>,
 }
 
 /// One granule of an elastic region, as a residual holds it.
@@ -159,6 +180,7 @@ impl<P> Held<P> {
             phys: None,
             shared: None,
             granules: Vec::new(),
+            imported: Vec::new(),
         }
     }
 
@@ -211,6 +233,7 @@ impl<P> Held<P> {
             && self.phys.is_none()
             && self.shared.is_none()
             && self.granules.is_empty()
+            && self.imported.is_empty()
     }
 }
 

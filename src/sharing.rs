@@ -4,13 +4,15 @@
 //! the reference on the shared physical memory as its parts.
 
 use crate::allocation::Allocation;
-use crate::backend::{Access, Backend, HostVisible, Op};
+use crate::backend::{Access, Backend, BackendError, Exportable, HandleKind, HostVisible, Op};
 use crate::error::{CommitFailure, CowFailure, Returned, ShareFailure, TransitionError};
 use crate::ledger::Axis;
 use crate::quarantine::Quarantined;
 use crate::residual::{Held, SharedPhys, Split};
 use crate::state::{Internal, Live, Readable, Reserved, Retired, State, sealed::Sealed};
 use crate::token::host_slice_mut;
+use std::convert::Infallible;
+use std::marker::PhantomData;
 
 /// A failed [`map_prefix`](Allocation::map_prefix): the same reservation, unchanged, or the
 /// quarantined remains of a half-made mapping that could not be undone; and why.
@@ -78,6 +80,24 @@ pub type CowError<'b, 'id, B> =
 /// ```
 pub type Prefix<'b, 'id, B> = Allocation<'b, 'id, B, Owner>;
 
+/// A [`Prefix`] whose physical memory was created exportable as handles of kind `K`
+/// ([`commit_prefix_exportable`](Allocation::commit_prefix_exportable)), so that another
+/// process can map it read-only ([`export`](Allocation::export)). Everything a prefix does, it
+/// does; only it has `export`. A prefix made by [`commit_prefix`](Allocation::commit_prefix)
+/// cannot be exported — the handle kinds are chosen when the memory is created (fact 26 of the
+/// CUDA facts sheet):
+///
+/// ```compile_fail,E0599
+/// # use memtoken::{make_guard, Budget, Device};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// let prefix = binding.reserve(4096).unwrap().commit_prefix().unwrap();
+/// let export = prefix.export();
+/// ```
+pub type ExportablePrefix<'b, 'id, B, K> = Allocation<'b, 'id, B, Owner<K>>;
+
 /// A sharer's read-only mapping of a [`Prefix`]: zero additional physical bytes. It lends
 /// `&[u8]` on the host, never `&mut [u8]`:
 ///
@@ -129,8 +149,28 @@ pub type PrefixMapping<'b, 'id, B> = Allocation<'b, 'id, B, Sharer>;
 pub type DivergedMapping<'b, 'id, B> = Allocation<'b, 'id, B, Diverged>;
 
 /// State of a [`Prefix`]: the owner's read-write mapping of memory that sharers may map.
+/// `K` is what its memory may be exported as: [`Local`] (nothing; the default), or a
+/// [`HandleKind`] for an [`ExportablePrefix`].
 #[derive(Debug)]
-pub enum Owner {}
+pub struct Owner<K = Local>(Infallible, PhantomData<K>);
+
+/// The capability of a prefix that cannot be exported: its memory was created for this process
+/// alone.
+#[derive(Debug)]
+pub enum Local {}
+
+mod capability {
+    /// Only this crate names this trait, so only it adds capabilities.
+    pub trait Sealed {}
+}
+
+/// What a prefix's physical memory may be exported as (sealed): [`Local`] (nothing), or a
+/// [`HandleKind`] ([`PosixFd`](crate::backend::PosixFd), [`Fabric`](crate::backend::Fabric)).
+pub trait Capability: capability::Sealed + 'static {}
+impl capability::Sealed for Local {}
+impl<K: HandleKind> capability::Sealed for K {}
+impl Capability for Local {}
+impl<K: HandleKind> Capability for K {}
 /// State of a [`PrefixMapping`]: a sharer's read-only mapping, owning no physical bytes.
 #[derive(Debug)]
 pub enum Sharer {}
@@ -162,7 +202,7 @@ fn retired<B: Backend>(
     }
 }
 
-impl Sealed for Owner {
+impl<K: Capability> Sealed for Owner<K> {
     type Parts<B: Backend> = SharedPhys<B::Phys>;
 
     fn retire<B: Backend>(
@@ -216,7 +256,7 @@ impl Sealed for Diverged {
     }
 }
 
-impl State for Owner {
+impl<K: Capability> State for Owner<K> {
     const NAME: &'static str = "Prefix";
 }
 impl State for Sharer {
@@ -225,13 +265,13 @@ impl State for Sharer {
 impl State for Diverged {
     const NAME: &'static str = "DivergedMapping";
 }
-impl Live for Owner {}
+impl<K: Capability> Live for Owner<K> {}
 impl Live for Sharer {}
 impl Live for Diverged {}
-impl Readable for Owner {}
+impl<K: Capability> Readable for Owner<K> {}
 impl Readable for Sharer {}
 impl Readable for Diverged {}
-impl Sharing for Owner {}
+impl<K: Capability> Sharing for Owner<K> {}
 impl Sharing for Sharer {}
 impl Sharing for Diverged {}
 
@@ -262,6 +302,33 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     /// its quarantined remains (reservation, mapping and memory together).
     #[must_use = "a failed commit returns the reservation inside the error"]
     pub fn commit_prefix(self) -> Result<Prefix<'b, 'id, B>, PrefixError<'b, 'id, B>> {
+        self.commit_shared(B::create)
+    }
+
+    /// Commits this reservation as a shared prefix whose physical memory is created exportable
+    /// as handles of kind `K` (CUDA: `requestedHandleTypes` at `cuMemCreate`; host: each
+    /// physical allocation in a sealed `memfd` of its own), so that it can be
+    /// [`export`](Allocation::export)ed to another process. Otherwise exactly
+    /// [`commit_prefix`](Allocation::commit_prefix).
+    ///
+    /// # Errors
+    ///
+    /// As for [`commit_prefix`](Allocation::commit_prefix).
+    #[must_use = "a failed commit returns the reservation inside the error"]
+    pub fn commit_prefix_exportable<K: HandleKind>(
+        self,
+    ) -> Result<ExportablePrefix<'b, 'id, B, K>, PrefixError<'b, 'id, B>>
+    where
+        B: Exportable<K>,
+    {
+        self.commit_shared(<B as Exportable<K>>::create_exportable)
+    }
+
+    /// [`commit_prefix`](Allocation::commit_prefix), its memory made by `create`.
+    fn commit_shared<K: Capability>(
+        self,
+        create: impl Fn(&B, usize) -> Result<B::Phys, BackendError>,
+    ) -> Result<Allocation<'b, 'id, B, Owner<K>>, PrefixError<'b, 'id, B>> {
         let refuse = |token, cause| {
             Err(TransitionError {
                 token: Returned::Unchanged(token),
@@ -286,14 +353,14 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
             CommitFailure::undone(error, released.into_iter().collect())
         };
         let body_phys = if body > 0 {
-            match backend.create(body) {
+            match create(backend, body) {
                 Ok(p) => Some((p, body)),
                 Err(e) => return refuse(self, undo(e, [None, None])),
             }
         } else {
             None
         };
-        let boundary = match backend.create(g) {
+        let boundary = match create(backend, g) {
             Ok(p) => p,
             Err(e) => return refuse(self, undo(e, [body_phys, None])),
         };
@@ -355,9 +422,9 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     /// call fails (everything undone); the quarantined remains if undoing a half-made mapping
     /// failed too.
     #[must_use = "a refused share returns the reservation inside the error"]
-    pub fn map_prefix(
+    pub fn map_prefix<K: Capability>(
         self,
-        prefix: &Prefix<'_, 'id, B>,
+        prefix: &Allocation<'_, 'id, B, Owner<K>>,
     ) -> Result<PrefixMapping<'b, 'id, B>, ShareError<'b, 'id, B>> {
         let refuse = |token, cause| {
             Err(TransitionError {
@@ -419,7 +486,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     }
 }
 
-impl<B: HostVisible> Allocation<'_, '_, B, Owner> {
+impl<B: HostVisible, K: Capability> Allocation<'_, '_, B, Owner<K>> {
     /// The prefix's bytes, writable — only while no sharer maps them (`None` otherwise), so a
     /// sharer's `&[u8]` never sees a byte change.
     pub fn as_mut_slice(&mut self) -> Option<&mut [u8]> {

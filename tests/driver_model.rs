@@ -505,3 +505,136 @@ fn two_peer_devices_by_default() {
         Err(CuError::INVALID_DEVICE)
     );
 }
+
+// ---- Facts 26–29: export as a POSIX descriptor, import, and the memory's lifetime. ----
+
+/// Maps `handle` (`G` bytes) read-only at a fresh reservation; its address.
+fn map_read_only(model: &DriverModel, handle: u64) -> u64 {
+    let ptr = model.mem_address_reserve(G, G, 0).unwrap();
+    // SAFETY: the fresh reservation is unmapped; `handle` is live and `G` bytes long; the
+    // mapping just made is exactly `[ptr, ptr + G)`.
+    unsafe {
+        model.mem_map(ptr, G, 0, handle).unwrap();
+        model.mem_set_access(ptr, G, &[(0, false)]).unwrap();
+    }
+    ptr
+}
+
+/// Unmaps, releases and frees `[ptr, ptr + G)` mapped over `handle`.
+fn unmap_release_free(model: &DriverModel, ptr: u64, handle: u64) {
+    // SAFETY: `[ptr, ptr + G)` is exactly one live mapping of live `handle`, in a reservation of
+    // exactly that range.
+    unsafe {
+        model.mem_unmap(ptr, G).unwrap();
+        model.mem_release(handle).unwrap();
+        model.mem_address_free(ptr, G).unwrap();
+    }
+}
+
+#[test]
+fn export_needs_the_handle_type_requested_at_creation() {
+    use memtoken::backend::cuda::{HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD};
+    let model = opened(config());
+    let plain = model.mem_create(G, 0).unwrap();
+    let fabric = model
+        .mem_create_exportable(G, 0, HANDLE_TYPE_FABRIC)
+        .unwrap();
+    let fd = model
+        .mem_create_exportable(G, 0, HANDLE_TYPE_POSIX_FD)
+        .unwrap();
+    // SAFETY: the three handles are live.
+    unsafe {
+        let e = model.mem_export_to_shareable_handle(plain, HANDLE_TYPE_POSIX_FD);
+        assert_eq!(e, Err(CuError::INVALID_VALUE), "fact 26: not requested");
+        let e = model.mem_export_to_shareable_handle(fabric, HANDLE_TYPE_POSIX_FD);
+        assert_eq!(
+            e,
+            Err(CuError::INVALID_VALUE),
+            "fact 26: another type requested"
+        );
+        let shared = model
+            .mem_export_to_shareable_handle(fabric, HANDLE_TYPE_FABRIC)
+            .unwrap();
+        model.close_shareable(shared).unwrap();
+        let shared = model
+            .mem_export_to_shareable_handle(fd, HANDLE_TYPE_POSIX_FD)
+            .unwrap();
+        model.close_shareable(shared).unwrap();
+        assert_eq!(model.close_shareable(shared), Err(CuError::INVALID_VALUE));
+        for h in [plain, fabric, fd] {
+            model.mem_release(h).unwrap();
+        }
+    }
+    let e = model.mem_create_exportable(G, 0, 2); // a Win32 handle: not modelled
+    assert_eq!(e, Err(CuError::INVALID_VALUE));
+    assert_eq!(model.outstanding().physical_bytes, 0);
+}
+
+#[test]
+fn an_import_maps_the_exported_bytes_and_the_memory_lives_while_anything_holds_it() {
+    use memtoken::backend::cuda::{HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD};
+    let model = opened(config());
+    let ptr = model.mem_address_reserve(G, G, 0).unwrap();
+    let handle = model
+        .mem_create_exportable(G, 0, HANDLE_TYPE_POSIX_FD)
+        .unwrap();
+    // SAFETY: the fresh reservation is unmapped; `handle` is live and `G` bytes long; the
+    // mapping made is exactly `[ptr, ptr + G)`, read-write.
+    let shared = unsafe {
+        model.mem_map(ptr, G, 0, handle).unwrap();
+        model.mem_set_access(ptr, G, &[(0, true)]).unwrap();
+        model.memcpy_htod(ptr, b"system prompt").unwrap();
+        model
+            .mem_export_to_shareable_handle(handle, HANDLE_TYPE_POSIX_FD)
+            .unwrap()
+    };
+    // Import checks the value and its type: an error, not misuse.
+    let e = model.mem_import_from_shareable_handle(shared + 1, HANDLE_TYPE_POSIX_FD);
+    assert_eq!(e, Err(CuError::INVALID_VALUE));
+    let e = model.mem_import_from_shareable_handle(shared, HANDLE_TYPE_FABRIC);
+    assert_eq!(e, Err(CuError::INVALID_VALUE));
+    let imported = model
+        .mem_import_from_shareable_handle(shared, HANDLE_TYPE_POSIX_FD)
+        .unwrap();
+    assert_ne!(imported, handle, "a handle of its own");
+    // Fact 28: the importer may close the descriptor right after import.
+    model.close_shareable(shared).unwrap();
+    let at = map_read_only(&model, imported);
+    let mut bytes = [0u8; 13];
+    // SAFETY: `[at, at + 13)` is mapped readable.
+    unsafe { model.memcpy_dtoh(&mut bytes, at) }.unwrap();
+    assert_eq!(&bytes, b"system prompt");
+    // The exporter goes first: the import keeps the memory (fact 27).
+    unmap_release_free(&model, ptr, handle);
+    assert_eq!(model.outstanding().physical_bytes, G);
+    // SAFETY: as above.
+    unsafe { model.memcpy_dtoh(&mut bytes, at) }.unwrap();
+    assert_eq!(&bytes, b"system prompt");
+    unmap_release_free(&model, at, imported);
+    assert_eq!(
+        model.outstanding().physical_bytes,
+        0,
+        "the last holder freed it"
+    );
+    assert_eq!(model.open_shareables(), 0);
+
+    // An open descriptor alone keeps released memory too.
+    let handle = model
+        .mem_create_exportable(G, 0, HANDLE_TYPE_POSIX_FD)
+        .unwrap();
+    // SAFETY: `handle` is live; released once.
+    let shared = unsafe {
+        let shared = model
+            .mem_export_to_shareable_handle(handle, HANDLE_TYPE_POSIX_FD)
+            .unwrap();
+        model.mem_release(handle).unwrap();
+        shared
+    };
+    assert_eq!(
+        model.outstanding().physical_bytes,
+        G,
+        "the descriptor is open"
+    );
+    model.close_shareable(shared).unwrap();
+    assert_eq!(model.outstanding().physical_bytes, 0);
+}

@@ -32,15 +32,16 @@ const _: () = assert!(size_of::<HostAlloc<Committed>>() == 48);
 // Committed on the simulator adds a SimPhys (8 bytes).
 const _: () = assert!(size_of::<SimAlloc<Committed>>() == 40);
 // Releasing adds what the token still holds (`Held`: reserved flag, mapped bytes, optional
-// owned phys + length, optional shared reference, a region's granules as a `Vec` (24, empty and
-// unallocated for every other token)) and an optional fence, since any live state (Reserved,
-// Committed, Prefix, mappings, Region) can start a release. On the host: Held<HostPhys> is 80
-// (bool 1 + mapped 8 + Option<(HostPhys, usize)> 32, no niche + Option<Arc> 8 + Vec 24, padded)
-// and Option<()> pads to 8: 32 + 80 + 8.
-const _: () = assert!(size_of::<HostAlloc<Releasing>>() == 120);
-// On the simulator: Held<SimPhys> is 72 (bool 1 + mapped 8 + Option<(SimPhys, usize)> 24 +
-// Option<Arc> 8 + Vec 24, padded) and Option<u64> is 16 (a u64 has no niche): 32 + 72 + 16.
-const _: () = assert!(size_of::<SimAlloc<Releasing>>() == 120);
+// owned phys + length, optional shared reference, a region's granules and an imported prefix's
+// handles as two `Vec`s (24 each, empty and unallocated for every other token)) and an optional
+// fence, since any live state (Reserved, Committed, Prefix, mappings, Region, ImportedPrefix)
+// can start a release. On the host: Held<HostPhys> is 104 (bool 1 + mapped 8 +
+// Option<(HostPhys, usize)> 32, no niche + Option<Arc> 8 + 2 Vec 48, padded) and Option<()>
+// pads to 8: 32 + 104 + 8.
+const _: () = assert!(size_of::<HostAlloc<Releasing>>() == 144);
+// On the simulator: Held<SimPhys> is 96 (bool 1 + mapped 8 + Option<(SimPhys, usize)> 24 +
+// Option<Arc> 8 + 2 Vec 48, padded) and Option<u64> is 16 (a u64 has no niche): 32 + 96 + 16.
+const _: () = assert!(size_of::<SimAlloc<Releasing>>() == 144);
 // A region adds its committed granules' handles and its withheld granules: two `Vec`s.
 const _: () = assert!(size_of::<HostAlloc<Elastic>>() == 80);
 // The backend's parts are exactly as big as claimed above.

@@ -1,5 +1,6 @@
 //! Fault injection and outstanding-resource counting around any backend.
 
+use super::export::{Exportable, HandleKind, Shareable};
 use super::faults::{Fault, FaultPlan};
 use super::{Access, Addr, Backend, BackendError, Cause, HostVisible, Location, Op, lock};
 use std::collections::BTreeMap;
@@ -271,3 +272,34 @@ impl<B: Backend> Backend for Faulty<B> {
 
 // SAFETY: every call is forwarded unchanged to `B` or not made at all, so `B`'s guarantee holds.
 unsafe impl<B: HostVisible> HostVisible for Faulty<B> {}
+
+/// Exports and imports are made as [`Op::Create`] calls (each makes a handle): a fault aimed at
+/// the Nth create may hit one. Memory created exportable and imported handles count as physical
+/// allocations until released; an exported handle is the caller's and is not counted.
+impl<K: HandleKind, B: Exportable<K>> Exportable<K> for Faulty<B> {
+    fn create_exportable(&self, len: usize) -> Result<B::Phys, BackendError> {
+        self.handle.enter(Op::Create, 0, len)?;
+        let phys = self.inner.create_exportable(len)?;
+        self.handle.count(|o| {
+            o.physical += 1;
+            o.physical_bytes += len as u64;
+        });
+        Ok(phys)
+    }
+
+    fn export(&self, phys: B::Phys, len: usize) -> Result<Shareable, BackendError> {
+        self.handle.enter(Op::Create, 0, len)?;
+        self.inner.export(phys, len)
+    }
+
+    fn import(&self, handle: Shareable) -> Result<B::Phys, BackendError> {
+        let len = handle.len;
+        self.handle.enter(Op::Create, 0, len)?;
+        let phys = self.inner.import(handle)?;
+        self.handle.count(|o| {
+            o.physical += 1;
+            o.physical_bytes += len as u64;
+        });
+        Ok(phys)
+    }
+}

@@ -1,14 +1,15 @@
 //! Host VMM over `rustix`: a faithful analog of CUDA's virtual memory management on Linux.
 
-use super::rules::Book;
+use super::export::{Exportable, PosixFd, Shareable};
+use super::rules::{Book, Violation};
 use super::{
     Access, Addr, Backend, BackendError, Cause, ConfigError, HostVisible, Op,
     address_space_exhausted, check_address_space, lock,
 };
-use rustix::fd::OwnedFd;
-use rustix::fs::{FallocateFlags, MemfdFlags};
+use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
+use rustix::fs::{FallocateFlags, FileType, MemfdFlags, Mode, OFlags, SealFlags};
 use rustix::mm::{MapFlags, ProtFlags};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, MutexGuard};
 
 /// Settings of a [`HostBackend`].
@@ -36,8 +37,9 @@ impl Default for HostConfig {
     }
 }
 
-/// Physical memory on the host: a range of the device's `memfd`, with a serial number so a stale
-/// handle is refused even when its offset has been reused.
+/// Physical memory on the host: a range of the device's `memfd` — or, for memory created
+/// exportable or imported from another process, a file of its own — with a serial number so a
+/// stale handle is refused even when its offset has been reused.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct HostPhys {
     offset: u64,
@@ -51,7 +53,26 @@ struct HostState {
     ranges: BTreeMap<u64, u64>,
     used: u64,
     next_serial: u64,
+    /// Physical memory in a file of its own, by serial: memory created exportable (its own
+    /// sealed `memfd`) and memory imported from another process (the descriptor received).
+    files: HashMap<u64, HostFile>,
 }
+
+/// Physical memory that is not a range of the device's `memfd`.
+#[derive(Debug)]
+struct HostFile {
+    fd: OwnedFd,
+    offset: u64,
+    /// Imported: mapped read-only only, written never, and not counted in this backend's
+    /// physical capacity (the exporter's memory).
+    imported: bool,
+}
+
+/// The seals of an exportable `memfd`: its size is fixed for good, so no process that maps it
+/// can be made to fault by a shrink.
+const EXPORT_SEALS: SealFlags = SealFlags::SHRINK
+    .union(SealFlags::GROW)
+    .union(SealFlags::SEAL);
 
 /// Host virtual memory management through `rustix`:
 ///
@@ -127,6 +148,7 @@ impl HostBackend {
             ranges: BTreeMap::new(),
             used: 0,
             next_serial: 1,
+            files: HashMap::new(),
         };
         Ok(Self {
             config,
@@ -148,6 +170,49 @@ impl HostBackend {
     /// The OS page size.
     pub fn page_size(&self) -> usize {
         self.page_size
+    }
+
+    /// Bytes of physical memory created and not yet released (the device's `memfd` ranges and
+    /// exportable files; imported memory is the exporter's and is not counted).
+    pub fn physical_in_use(&self) -> u64 {
+        self.state().used
+    }
+
+    /// How many files of their own this backend holds open: exportable allocations and
+    /// imported handles not yet released.
+    pub fn open_files(&self) -> usize {
+        self.state().files.len()
+    }
+
+    /// The file `phys` lives in, and where: its own, or the device's `memfd`.
+    fn file_of<'a>(&'a self, s: &'a HostState, phys: HostPhys) -> (BorrowedFd<'a>, u64, bool) {
+        match s.files.get(&phys.serial) {
+            Some(f) => (f.fd.as_fd(), f.offset, f.imported),
+            None => (self.memfd.as_fd(), phys.offset, false),
+        }
+    }
+
+    fn next_phys(s: &mut HostState, offset: u64) -> HostPhys {
+        let phys = HostPhys {
+            offset,
+            serial: s.next_serial,
+        };
+        s.next_serial += 1;
+        phys
+    }
+
+    /// The error of an exhausted capacity for `len` more bytes, if it is.
+    fn check_capacity(&self, s: &HostState, len: usize) -> Result<(), BackendError> {
+        let capacity = self.config.physical_capacity;
+        if s.used + len as u64 > capacity {
+            let cause = Cause::Exhausted {
+                requested: len as u64,
+                available: capacity - s.used,
+                capacity,
+            };
+            return Err(BackendError::new(Op::Create, 0, len, cause));
+        }
+        Ok(())
     }
 
     // Backend calls hold this lock across their system call: the record and the address space
@@ -251,6 +316,7 @@ impl Backend for HostBackend {
         s.book
             .check_create(len)
             .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
+        self.check_capacity(&s, len)?;
         let capacity = self.config.physical_capacity;
         let Some(offset) = Self::find_range(&s.ranges, len as u64, capacity) else {
             let cause = Cause::Exhausted {
@@ -278,6 +344,17 @@ impl Backend for HostBackend {
         s.book
             .check_release(phys, len)
             .map_err(|v| BackendError::refused(Op::Release, 0, len, v))?;
+        if let Some(file) = s.files.remove(&phys.serial) {
+            // A file of its own: closing this process's descriptor is the release. Another
+            // process that imported it keeps its pages until it unmaps and closes them too
+            // (the kernel counts); imported memory was never counted here.
+            if !file.imported {
+                s.used -= len as u64;
+            }
+            drop(file);
+            s.book.apply_release(phys);
+            return Ok(());
+        }
         let mode = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
         rustix::fs::fallocate(&self.memfd, mode, phys.offset, len as u64)
             .map_err(|e| os_error(Op::Release, 0, len, e))?;
@@ -298,6 +375,15 @@ impl Backend for HostBackend {
         s.book
             .check_map(addr, len, phys, 0)
             .map_err(|v| BackendError::refused(Op::Map, addr, len, v))?;
+        let (fd, offset, imported) = self.file_of(&s, phys);
+        if imported && access == Access::ReadWrite {
+            return Err(BackendError::refused(
+                Op::Map,
+                addr,
+                len,
+                Violation::ReadOnly { addr, len },
+            ));
+        }
         let prot = match access {
             Access::ReadWrite => ProtFlags::READ | ProtFlags::WRITE,
             Access::ReadOnly => ProtFlags::READ,
@@ -305,8 +391,8 @@ impl Backend for HostBackend {
         let flags = MapFlags::SHARED | MapFlags::FIXED;
         // SAFETY: the book says `[addr, addr + len)` lies inside one of our reservations with
         // nothing mapped there, so replacing its `PROT_NONE` placeholder touches no live memory.
-        let mapped =
-            unsafe { rustix::mm::mmap(addr as *mut _, len, prot, flags, &self.memfd, phys.offset) };
+        // The file holds `len` bytes from `offset` (created so, or checked by `import`).
+        let mapped = unsafe { rustix::mm::mmap(addr as *mut _, len, prot, flags, fd, offset) };
         if let Err(e) = mapped {
             // A failed MAP_FIXED may leave a hole; put the reservation's placeholder back, and
             // if even that fails, never touch the reservation again.
@@ -345,11 +431,15 @@ impl Backend for HostBackend {
         // SAFETY: the book says every byte of `[src, src + len)` is mapped readable by this
         // backend, and the lock keeps it mapped for the duration of the copy.
         let bytes = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
-        let mut at = phys.offset;
+        let (fd, mut at, imported) = self.file_of(&s, phys);
+        if imported {
+            let v = Violation::ReadOnly { addr: src, len };
+            return Err(BackendError::refused(Op::Copy, src, len, v));
+        }
         let mut rest = bytes;
         while !rest.is_empty() {
-            let n = rustix::io::pwrite(&self.memfd, rest, at)
-                .map_err(|e| os_error(Op::Copy, src, len, e))?;
+            let n =
+                rustix::io::pwrite(fd, rest, at).map_err(|e| os_error(Op::Copy, src, len, e))?;
             rest = &rest[n..];
             at += n as u64;
         }
@@ -395,7 +485,114 @@ impl Backend for HostBackend {
     }
 }
 
-// SAFETY: a successful `map` places a `MAP_SHARED` mapping of the `memfd` with `PROT_READ`
+/// `/proc/self/fd/N` of `fd` opened again, read-only: a new open file description that can
+/// never map the memory writable, whatever the process holding it does.
+fn reopen_read_only(fd: BorrowedFd<'_>) -> rustix::io::Result<OwnedFd> {
+    let path = format!("/proc/self/fd/{}", fd.as_raw_fd());
+    rustix::fs::open(path, OFlags::RDONLY | OFlags::CLOEXEC, Mode::empty())
+}
+
+impl Exportable<PosixFd> for HostBackend {
+    /// A `memfd` of its own, `len` bytes allocated now and sealed at that size, so that the
+    /// descriptor sent to another process exposes this allocation and nothing else, and the
+    /// kernel keeps its pages while any process maps it.
+    fn create_exportable(&self, len: usize) -> Result<HostPhys, BackendError> {
+        let mut s = self.state();
+        s.book
+            .check_create(len)
+            .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
+        self.check_capacity(&s, len)?;
+        let fail = |e| os_error(Op::Create, 0, len, e);
+        let flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
+        let fd = rustix::fs::memfd_create("memtoken-export", flags).map_err(fail)?;
+        rustix::fs::ftruncate(&fd, len as u64).map_err(fail)?;
+        rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, len as u64).map_err(fail)?;
+        rustix::fs::fcntl_add_seals(&fd, EXPORT_SEALS).map_err(fail)?;
+        let phys = Self::next_phys(&mut s, 0);
+        let file = HostFile {
+            fd,
+            offset: 0,
+            imported: false,
+        };
+        s.files.insert(phys.serial, file);
+        s.used += len as u64;
+        s.book.apply_create(phys, len);
+        Ok(phys)
+    }
+
+    /// A read-only descriptor of the allocation's own `memfd` (opened again through
+    /// `/proc/self/fd`): the process it is sent to can read this allocation and nothing else,
+    /// and can never write it.
+    fn export(&self, phys: HostPhys, len: usize) -> Result<Shareable, BackendError> {
+        let s = self.state();
+        s.book
+            .check_release(phys, len)
+            .or_else(|v| match v {
+                Violation::PhysStillMapped { .. } => Ok(()),
+                v => Err(v),
+            })
+            .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
+        let Some(file) = s.files.get(&phys.serial).filter(|f| !f.imported) else {
+            return Err(BackendError::refused(
+                Op::Create,
+                0,
+                len,
+                Violation::NotExportable,
+            ));
+        };
+        let fd = reopen_read_only(file.fd.as_fd()).map_err(|e| os_error(Op::Create, 0, len, e))?;
+        Ok(Shareable {
+            fd,
+            offset: file.offset,
+            len,
+        })
+    }
+
+    /// Checks the descriptor before anything is mapped: a regular file sealed against
+    /// shrinking (so no mapping of it can fault later), an offset aligned to the page, whole
+    /// granules, and a file at least `offset + len` bytes long (`fstat`). The descriptor is
+    /// then opened again read-only, and only ever mapped read-only.
+    fn import(&self, handle: Shareable) -> Result<HostPhys, BackendError> {
+        let Shareable { fd, offset, len } = handle;
+        let refuse = |v| BackendError::refused(Op::Create, 0, len, v);
+        let mut s = self.state();
+        s.book.check_create(len).map_err(refuse)?;
+        if !offset.is_multiple_of(self.page_size as u64) {
+            return Err(refuse(Violation::Import(
+                "offset not aligned to the page size",
+            )));
+        }
+        let stat = rustix::fs::fstat(&fd).map_err(|e| os_error(Op::Create, 0, len, e))?;
+        if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile {
+            return Err(refuse(Violation::Import("not a regular file")));
+        }
+        let size = u64::try_from(stat.st_size).unwrap_or(0);
+        let end = offset.checked_add(len as u64);
+        if end.is_none_or(|end| end > size) {
+            return Err(refuse(Violation::ImportTooSmall { offset, len, size }));
+        }
+        let seals = rustix::fs::fcntl_get_seals(&fd)
+            .map_err(|_| refuse(Violation::Import("not a sealed memfd")))?;
+        if !seals.contains(SealFlags::SHRINK) {
+            return Err(refuse(Violation::Import(
+                "not sealed against shrinking (a mapping of it could fault)",
+            )));
+        }
+        let fd = reopen_read_only(fd.as_fd()).map_err(|e| os_error(Op::Create, 0, len, e))?;
+        let phys = Self::next_phys(&mut s, offset);
+        let file = HostFile {
+            fd,
+            offset,
+            imported: true,
+        };
+        s.files.insert(phys.serial, file);
+        s.book.apply_create(phys, len);
+        Ok(phys)
+    }
+}
+
+// SAFETY: a successful `map` places a `MAP_SHARED` mapping of the `memfd` (or of the
+// allocation's own file, exportable or imported and checked as long as it claims) with `PROT_READ`
 // (and `PROT_WRITE` for `ReadWrite`) at exactly `[addr, addr + len)`, backed by pages that
 // `create` allocated; only `unmap`, `free` and `Drop` change mappings, each after its checks.
 unsafe impl HostVisible for HostBackend {}

@@ -18,12 +18,14 @@
 //!   (feature `cuda`), or [`cuda::DriverModel`], a strict model of the driver's rules.
 
 pub mod cuda;
+mod export;
 mod faults;
 mod faulty;
 mod host;
 mod rules;
 mod sim;
 
+pub use export::{Exportable, Fabric, HandleKind, HandleType, PosixFd, Shareable};
 pub use faulty::{FaultHandle, Faulty, Outstanding};
 pub use host::{HostBackend, HostConfig, HostPhys};
 pub use rules::Violation;

@@ -113,6 +113,26 @@ pub enum Violation {
         /// Its length.
         len: usize,
     },
+    /// An imported handle the backend refuses to map: it names memory it cannot trust (not a
+    /// sealed regular file, a misaligned offset, a length that is not whole granules).
+    #[error("imported handle refused: {0}")]
+    Import(&'static str),
+    /// An imported handle whose file is smaller than the memory it claims.
+    #[error(
+        "imported handle claims {len:#x} bytes at offset {offset:#x} of a file of {size:#x} \
+         bytes: refused, never mapped"
+    )]
+    ImportTooSmall {
+        /// Offset the handle claims.
+        offset: u64,
+        /// Length the handle claims.
+        len: usize,
+        /// The file's real size.
+        size: u64,
+    },
+    /// Memory created without the handle kind asked for: it cannot be exported as it.
+    #[error("physical memory was not created exportable as this handle kind")]
+    NotExportable,
     /// `map` (or a copy into physical memory) of anything but one whole physical allocation
     /// from offset 0: the CUDA driver maps only whole allocations (`cuMemMap`'s offset
     /// "currently must be zero"), and every backend keeps that rule so that the typed layer

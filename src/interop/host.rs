@@ -7,7 +7,7 @@ use crate::allocation::Allocation;
 use crate::backend::HostVisible;
 use crate::error::ViewError;
 use crate::page_pool::{Page, PageTable};
-use crate::sharing::Owner;
+use crate::sharing::{Capability, Owner};
 use crate::state::{Committed, Readable};
 use bytemuck::{Pod, PodCastError};
 
@@ -77,7 +77,7 @@ impl<B: HostVisible> Allocation<'_, '_, B, Committed> {
     }
 }
 
-impl<B: HostVisible> Allocation<'_, '_, B, Owner> {
+impl<B: HostVisible, K: Capability> Allocation<'_, '_, B, Owner<K>> {
     /// The prefix as `T`s, writable — only while no sharer maps it (`None` otherwise), as for
     /// [`as_mut_slice`](Allocation::as_mut_slice).
     ///

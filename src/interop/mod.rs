@@ -5,16 +5,20 @@
 #[cfg(feature = "cuda")]
 mod device;
 mod host;
+mod ipc;
 
 #[cfg(feature = "cuda")]
 pub use device::{DeviceView, DeviceViewMut};
+pub use ipc::{
+    Export, ImportError, Imported, ImportedPrefix, MESSAGE_LEN, Offer, PrefixMessage, WireError,
+};
 
 use crate::allocation::Allocation;
 use crate::backend::cuda::{CudaBackend, Driver};
 use crate::backend::{Addr, Backend, BackendError};
 use crate::page_pool::PageTable;
 use crate::region::Elastic;
-use crate::sharing::{Diverged, Owner};
+use crate::sharing::{Capability, Diverged, Owner};
 use crate::state::{Committed, Readable, State};
 
 /// `[offset, offset + len)` inside a region of `size` bytes at `base`, or a panic.
@@ -81,7 +85,7 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Committed> {
     }
 }
 
-impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Owner> {
+impl<D: Driver, K: Capability> Allocation<'_, '_, CudaBackend<D>, Owner<K>> {
     /// Copies `src` from the host into the prefix, at `offset` — only while no sharer maps it
     /// (`None` otherwise), so a sharer never sees a byte change; the owner fills its prefix
     /// before sharing it. Else the driver's result.

@@ -197,11 +197,13 @@ pub enum DriverCall {
     EventQuery,
     EventDestroy,
     EventSynchronize,
+    MemExportToShareableHandle,
+    MemImportFromShareableHandle,
 }
 
 impl DriverCall {
     /// Every kind, in a fixed order.
-    pub const ALL: [DriverCall; 24] = [
+    pub const ALL: [DriverCall; 26] = [
         Self::Init,
         Self::DeviceGet,
         Self::DeviceTotalMem,
@@ -226,8 +228,16 @@ impl DriverCall {
         Self::EventQuery,
         Self::EventDestroy,
         Self::EventSynchronize,
+        Self::MemExportToShareableHandle,
+        Self::MemImportFromShareableHandle,
     ];
 }
+
+/// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`: a bit of `requestedHandleTypes`, and a
+/// handle type to export as.
+pub const HANDLE_TYPE_POSIX_FD: u32 = 1;
+/// `CU_MEM_HANDLE_TYPE_FABRIC` (CUDA 12.4+; facts 28–30 of the CUDA facts sheet).
+pub const HANDLE_TYPE_FABRIC: u32 = 8;
 
 /// A `CUcontext`, as an integer.
 pub type Context = usize;
@@ -313,6 +323,39 @@ pub trait Driver {
     unsafe fn mem_address_free(&self, ptr: u64, size: usize) -> CuResult<()>;
     /// `cuMemCreate` of pinned device memory on `device`
     fn mem_create(&self, size: usize, device: i32) -> CuResult<u64>;
+    /// `cuMemCreate` of pinned device memory on `device` that may be exported as the handle
+    /// types `handle_types` (`requestedHandleTypes`: [`HANDLE_TYPE_POSIX_FD`],
+    /// [`HANDLE_TYPE_FABRIC`]). The types are chosen here, once (fact 26 of the CUDA facts
+    /// sheet). A driver that cannot export returns `CUDA_ERROR_NOT_SUPPORTED` (the default).
+    fn mem_create_exportable(&self, size: usize, device: i32, handle_types: u32) -> CuResult<u64> {
+        let _ = (size, device, handle_types);
+        Err(CuError::NOT_SUPPORTED)
+    }
+    /// `cuMemExportToShareableHandle(&shareable, handle, handle_type, 0)`: a new shareable
+    /// handle (for [`HANDLE_TYPE_POSIX_FD`], a file descriptor the caller owns and closes). The
+    /// memory lives while a shareable handle is open (fact 27). `CUDA_ERROR_INVALID_VALUE` if
+    /// the allocation was not created with `handle_type` requested (fact 26).
+    ///
+    /// # Safety
+    ///
+    /// `handle` is a live allocation handle of this driver ([the trait's rules](Driver#safety)).
+    unsafe fn mem_export_to_shareable_handle(
+        &self,
+        handle: u64,
+        handle_type: u32,
+    ) -> CuResult<u64> {
+        let _ = (handle, handle_type);
+        Err(CuError::NOT_SUPPORTED)
+    }
+    /// `cuMemImportFromShareableHandle(&handle, shareable, handle_type)`: a new allocation
+    /// handle on memory another process (or this one) exported, released once with
+    /// [`mem_release`](Driver::mem_release). A POSIX descriptor is passed by value, and may be
+    /// closed right after (fact 28). The driver checks the value: a descriptor that names no
+    /// exported memory is an error, not misuse.
+    fn mem_import_from_shareable_handle(&self, shareable: u64, handle_type: u32) -> CuResult<u64> {
+        let _ = (shareable, handle_type);
+        Err(CuError::NOT_SUPPORTED)
+    }
     /// `cuMemRelease`
     ///
     /// # Safety

@@ -138,7 +138,10 @@ mod model;
 #[cfg(feature = "cuda")]
 mod sys;
 
-pub use driver::{Context, CuError, CuResult, Driver, DriverCall, ErrorFate, Event, Stream};
+pub use driver::{
+    Context, CuError, CuResult, Driver, DriverCall, ErrorFate, Event, HANDLE_TYPE_FABRIC,
+    HANDLE_TYPE_POSIX_FD, Stream,
+};
 pub use model::{CaptureMode, DriverModel, ModelConfig, ModelOutstanding, Placement};
 #[cfg(feature = "cuda")]
 pub use sys::SysDriver;

@@ -4,7 +4,10 @@
 //! Where the CUDA documentation is silent, the model takes the strictest reading the CUDA facts
 //! sheet (`CUDA-FACTS.md`) gives; each such rule names its fact number.
 
-use super::driver::{Context, CuError, CuResult, Driver, DriverCall, Event, Stream};
+use super::driver::{
+    Context, CuError, CuResult, Driver, DriverCall, Event, HANDLE_TYPE_FABRIC,
+    HANDLE_TYPE_POSIX_FD, Stream,
+};
 use crate::backend::faults::FaultPlan;
 use crate::backend::rules::Book;
 use crate::backend::{Access, Addr, ConfigError, lock};
@@ -194,6 +197,19 @@ struct ModelState {
     free_handles: Vec<u64>,
     next_handle: u64,
     next_allocation: u64,
+    /// Handle types each allocation may be exported as (by allocation number; 0: none).
+    handle_types: HashMap<u64, u32>,
+    /// Open shareable handles (exported, not closed): value → (allocation, handle type). A
+    /// POSIX descriptor is modelled as an opaque value the model hands out and tracks.
+    shareables: HashMap<u64, (u64, u32)>,
+    next_shareable: u64,
+    /// Imported allocations (by allocation number) → the exported allocation they name.
+    aliases: HashMap<u64, u64>,
+    /// How many open shareable handles and live imports hold each exported allocation: it
+    /// lives while any does (fact 27).
+    holders: HashMap<u64, usize>,
+    /// Exported allocations released and unmapped here, kept for their holders: their length.
+    held_over: HashMap<u64, usize>,
     used: usize,
     /// Bytes written, by allocation number.
     contents: HashMap<u64, Vec<u8>>,
@@ -216,6 +232,39 @@ struct ModelState {
 }
 
 impl ModelState {
+    /// `allocation` (`len` bytes) has no handle and no mapping left: an import gives its hold
+    /// on the exported memory back; exported memory still held stays (fact 27); else it goes.
+    fn gone(&mut self, allocation: u64, len: usize) {
+        self.owners.remove(&allocation);
+        self.handle_types.remove(&allocation);
+        if let Some(source) = self.aliases.remove(&allocation) {
+            self.unhold(source);
+        } else if self.holders.get(&allocation).is_some_and(|&n| n > 0) {
+            self.held_over.insert(allocation, len);
+        } else {
+            self.used -= len;
+            self.contents.remove(&allocation);
+        }
+    }
+
+    /// One holder of exported `allocation` went; the last one frees it if it was released.
+    fn unhold(&mut self, allocation: u64) {
+        let n = self.holders.entry(allocation).or_insert(1);
+        *n -= 1;
+        if *n == 0 {
+            self.holders.remove(&allocation);
+            if let Some(len) = self.held_over.remove(&allocation) {
+                self.used -= len;
+                self.contents.remove(&allocation);
+            }
+        }
+    }
+
+    /// The allocation whose bytes `allocation` names (an import names the exported one's).
+    fn backing(&self, allocation: u64) -> u64 {
+        self.aliases.get(&allocation).copied().unwrap_or(allocation)
+    }
+
     fn lose(&mut self, error: CuError, process_wide: bool) {
         if self.lost.is_none() {
             self.lost = Some(Lost {
@@ -480,6 +529,12 @@ impl DriverModel {
             granted_in: HashMap::new(),
             peers_asked: HashMap::new(),
             handles: HashMap::new(),
+            handle_types: HashMap::new(),
+            shareables: HashMap::new(),
+            next_shareable: 1 << 20,
+            aliases: HashMap::new(),
+            holders: HashMap::new(),
+            held_over: HashMap::new(),
             free_handles: Vec::new(),
             next_handle: 1,
             next_allocation: 1,
@@ -697,6 +752,64 @@ impl DriverModel {
         self.state().faults.calls(call)
     }
 
+    /// `cuMemCreate`, with `handle_types` requested (0: none).
+    fn create(&self, size: usize, device: i32, handle_types: u32) -> CuResult<u64> {
+        let call = DriverCall::MemCreate;
+        let mut s = self.enter(call, true)?;
+        Self::check(call, s.book.check_create(size));
+        self.check_device(call, device);
+        s.refused_by_capture()?;
+        if s.used + size > self.config.total_mem {
+            return Err(CuError::OUT_OF_MEMORY);
+        }
+        if handle_types & !(HANDLE_TYPE_POSIX_FD | HANDLE_TYPE_FABRIC) != 0 {
+            return Err(CuError::INVALID_VALUE);
+        }
+        let handle = Self::new_handle(&mut s);
+        let allocation = s.next_allocation;
+        s.next_allocation += 1;
+        s.used += size;
+        s.handles.insert(handle, allocation);
+        s.owners.insert(allocation, device);
+        if handle_types != 0 {
+            s.handle_types.insert(allocation, handle_types);
+        }
+        s.book.apply_create(allocation, size);
+        Ok(handle)
+    }
+
+    /// A handle value: a released one first (the last released), else a new one.
+    fn new_handle(s: &mut ModelState) -> u64 {
+        match s.free_handles.pop() {
+            Some(released) => released,
+            None => {
+                s.next_handle += 1;
+                s.next_handle - 1
+            }
+        }
+    }
+
+    /// Closes an exported shareable handle (`close(fd)` for a POSIX descriptor; no driver
+    /// call): the exported memory loses one holder (fact 27).
+    ///
+    /// # Errors
+    ///
+    /// `CUDA_ERROR_INVALID_VALUE` for a value that names no open shareable handle.
+    pub fn close_shareable(&self, shareable: u64) -> CuResult<()> {
+        let mut s = self.state();
+        let (allocation, _) = s
+            .shareables
+            .remove(&shareable)
+            .ok_or(CuError::INVALID_VALUE)?;
+        s.unhold(allocation);
+        Ok(())
+    }
+
+    /// How many exported shareable handles are open.
+    pub fn open_shareables(&self) -> usize {
+        self.state().shareables.len()
+    }
+
     /// What the model holds right now: reservations, physical bytes, mappings, events and
     /// context retains.
     pub fn outstanding(&self) -> ModelOutstanding {
@@ -811,12 +924,14 @@ impl DriverModel {
     }
 
     fn read(s: &ModelState, allocation: u64, offset: usize, n: usize) -> Vec<u8> {
+        let allocation = s.backing(allocation);
         s.contents
             .get(&allocation)
             .map_or_else(|| vec![0; n], |b| b[offset..offset + n].to_vec())
     }
 
     fn write(s: &mut ModelState, allocation: u64, len: usize, offset: usize, bytes: &[u8]) {
+        let allocation = s.backing(allocation);
         let buf = s.contents.entry(allocation).or_insert_with(|| vec![0; len]);
         buf[offset..offset + bytes.len()].copy_from_slice(bytes);
     }
@@ -947,27 +1062,56 @@ impl Driver for DriverModel {
     }
 
     fn mem_create(&self, size: usize, device: i32) -> CuResult<u64> {
-        let call = DriverCall::MemCreate;
+        self.create(size, device, 0)
+    }
+
+    fn mem_create_exportable(&self, size: usize, device: i32, handle_types: u32) -> CuResult<u64> {
+        self.create(size, device, handle_types)
+    }
+
+    unsafe fn mem_export_to_shareable_handle(
+        &self,
+        handle: u64,
+        handle_type: u32,
+    ) -> CuResult<u64> {
+        let call = DriverCall::MemExportToShareableHandle;
         let mut s = self.enter(call, true)?;
-        Self::check(call, s.book.check_create(size));
-        self.check_device(call, device);
-        s.refused_by_capture()?;
-        if s.used + size > self.config.total_mem {
-            return Err(CuError::OUT_OF_MEMORY);
-        }
-        let handle = match s.free_handles.pop() {
-            Some(released) => released,
-            None => {
-                s.next_handle += 1;
-                s.next_handle - 1
-            }
+        let Some(&allocation) = s.handles.get(&handle) else {
+            misuse(call, "unknown or released handle");
         };
+        // Fact 26: only a type requested at creation (the error is the model's choice).
+        let requested = s.handle_types.get(&allocation).copied().unwrap_or(0);
+        if handle_type.count_ones() != 1 || requested & handle_type == 0 {
+            return Err(CuError::INVALID_VALUE);
+        }
+        let value = s.next_shareable;
+        s.next_shareable += 1;
+        s.shareables.insert(value, (allocation, handle_type));
+        *s.holders.entry(allocation).or_insert(0) += 1;
+        Ok(value)
+    }
+
+    fn mem_import_from_shareable_handle(&self, shareable: u64, handle_type: u32) -> CuResult<u64> {
+        let call = DriverCall::MemImportFromShareableHandle;
+        let mut s = self.enter(call, true)?;
+        // A value that names no open shareable handle of that type: refused, as the driver
+        // refuses a descriptor it cannot use.
+        let Some(&(source, kind)) = s.shareables.get(&shareable) else {
+            return Err(CuError::INVALID_VALUE);
+        };
+        if kind != handle_type {
+            return Err(CuError::INVALID_VALUE);
+        }
+        let len = s.book.phys_len_any(source);
+        let device = s.owners.get(&source).copied().unwrap_or(0);
+        let handle = Self::new_handle(&mut s);
         let allocation = s.next_allocation;
         s.next_allocation += 1;
-        s.used += size;
         s.handles.insert(handle, allocation);
         s.owners.insert(allocation, device);
-        s.book.apply_create(allocation, size);
+        s.aliases.insert(allocation, source);
+        *s.holders.entry(source).or_insert(0) += 1;
+        s.book.apply_create(allocation, len);
         Ok(handle)
     }
 
@@ -987,9 +1131,7 @@ impl Driver for DriverModel {
         let mapped = s.book.is_mapped(allocation);
         s.book.apply_release(allocation);
         if !mapped {
-            s.used -= len;
-            s.contents.remove(&allocation);
-            s.owners.remove(&allocation);
+            s.gone(allocation, len);
         }
         // The value is free from now on, even while the memory stays mapped.
         s.free_handles.push(handle);
@@ -1113,9 +1255,7 @@ impl Driver for DriverModel {
         s.refused_by_capture()?;
         for (allocation, len) in s.book.handles_in(addr, size) {
             // Memory released while mapped goes with its last mapping.
-            s.used -= len;
-            s.contents.remove(&allocation);
-            s.owners.remove(&allocation);
+            s.gone(allocation, len);
         }
         s.book.apply_unmap(addr, size);
         let starts: Vec<Addr> = s.no_access.range(addr..end).copied().collect();

@@ -1,0 +1,290 @@
+//! Shared prefixes across processes: export, the message over a Unix domain socket, import in
+//! a child process (this test binary run again), read-only mappings there, and the physical
+//! memory given back once the owner, the export and the child are gone.
+
+use memtoken::backend::{Faulty, HostBackend, Op, PosixFd};
+use memtoken::{
+    Budget, Device, ImportError, MESSAGE_LEN, Offer, PrefixMessage, WireError, make_guard,
+};
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::process::Command;
+
+const PAGE: usize = 4096;
+/// The child's role: the path of the socket it connects to.
+const CHILD_ENV: &str = "MEMTOKEN_IPC_CHILD";
+
+/// The byte at `i` of the test prefix.
+fn pattern(i: usize) -> u8 {
+    (i % 251) as u8 ^ 0x5a
+}
+
+/// `/proc/self/maps`' permissions of the mapping that holds `addr`.
+fn perms(addr: usize) -> String {
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("procfs");
+    for line in maps.lines() {
+        let mut fields = line.split_whitespace();
+        let (range, perms) = (fields.next().unwrap(), fields.next().unwrap());
+        let (start, end) = range.split_once('-').unwrap();
+        let start = usize::from_str_radix(start, 16).unwrap();
+        let end = usize::from_str_radix(end, 16).unwrap();
+        if (start..end).contains(&addr) {
+            return perms.to_string();
+        }
+    }
+    panic!("no mapping holds {addr:#x}");
+}
+
+/// The inode of the file mapped at `addr`, from `/proc/self/maps`.
+fn inode_at(addr: usize) -> u64 {
+    let maps = std::fs::read_to_string("/proc/self/maps").expect("procfs");
+    for line in maps.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let (start, end) = fields[0].split_once('-').unwrap();
+        let start = usize::from_str_radix(start, 16).unwrap();
+        let end = usize::from_str_radix(end, 16).unwrap();
+        if (start..end).contains(&addr) {
+            return fields[4].parse().unwrap();
+        }
+    }
+    panic!("no mapping holds {addr:#x}");
+}
+
+/// How many descriptors of this process name one of the files `inodes`.
+fn open_descriptors_of(inodes: &[u64]) -> usize {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::read_dir("/proc/self/fd")
+        .expect("procfs")
+        .filter_map(|e| std::fs::metadata(e.ok()?.path()).ok())
+        .filter(|m| inodes.contains(&m.ino()))
+        .count()
+}
+
+/// Nothing the backend handed out is left: no physical allocation or handle, no mapping.
+fn nothing_left(o: memtoken::backend::Outstanding) -> bool {
+    o.physical == 0 && o.mappings == 0 && o.reservations == 0
+}
+
+/// The child: imports the prefix offered on the socket at `path`, checks every byte, checks
+/// that the mapping is read-only and cannot be made writable, and reports on the socket.
+fn child(path: &str) {
+    let mut socket = UnixStream::connect(path).expect("connect to the parent");
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::bytes(0)).unwrap(); // an importer owns nothing
+    let offer = Offer::recv(&socket).expect("a valid offer");
+    let imported = binding.import(offer).expect("imported");
+    let bytes = imported.as_slice();
+    let wrong = bytes
+        .iter()
+        .enumerate()
+        .filter(|&(i, &b)| b != pattern(i))
+        .count();
+    assert_eq!(wrong, 0, "every byte as the exporter wrote it");
+    let addr = imported.addr();
+    let (first, last) = (perms(addr), perms(addr + imported.len() - 1));
+    assert!(first.starts_with("r-") && first.ends_with('s'), "{first}");
+    assert!(last.starts_with("r-") && last.ends_with('s'), "{last}");
+    // The kernel refuses to make it writable: the descriptor behind it was opened read-only.
+    let flags = rustix::mm::MprotectFlags::READ | rustix::mm::MprotectFlags::WRITE;
+    // SAFETY: the range is the imported mapping, which this process holds; the call is expected
+    // to fail, and if it did not the test fails before anything is written.
+    let writable = unsafe { rustix::mm::mprotect(addr as *mut _, imported.len(), flags) };
+    assert_eq!(writable, Err(rustix::io::Errno::ACCESS));
+    let owned = device.ledger().owned_bytes;
+    writeln!(socket, "ok owned={owned} len={}", imported.len()).unwrap();
+    drop(imported);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+#[test]
+fn a_child_imports_a_prefix_read_only_and_the_pages_go_back_after_it() {
+    if let Ok(path) = std::env::var(CHILD_ENV) {
+        return child(&path);
+    }
+    make_guard!(guard);
+    let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let owner = device.bind(Budget::unlimited()).unwrap();
+    let len = 5 * PAGE;
+    let mut prefix = owner
+        .reserve(len)
+        .unwrap()
+        .commit_prefix_exportable::<PosixFd>()
+        .unwrap();
+    for (i, b) in prefix.as_mut_slice().unwrap().iter_mut().enumerate() {
+        *b = pattern(i);
+    }
+    // The body's file and the boundary granule's.
+    let inodes = [inode_at(prefix.addr()), inode_at(prefix.addr() + len - 1)];
+    assert_ne!(inodes[0], inodes[1]);
+    let export = prefix.export().unwrap();
+    assert_eq!(device.outstanding_exports(), 1);
+    assert!(
+        prefix.as_mut_slice().is_none(),
+        "exported: the owner cannot write"
+    );
+    assert_eq!(export.message().len, len as u64);
+
+    let path = std::env::temp_dir().join(format!("memtoken-ipc-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args([
+            "a_child_imports_a_prefix_read_only_and_the_pages_go_back_after_it",
+            "--exact",
+            "--nocapture",
+        ])
+        .env(CHILD_ENV, &path)
+        .spawn()
+        .unwrap();
+    let (mut socket, _) = listener.accept().unwrap();
+    let _ = std::fs::remove_file(&path);
+    export.send(&socket).unwrap();
+    // The owner goes first: the export keeps the memory for the child.
+    prefix.release().complete().unwrap();
+    assert_eq!(device.custody().shared.count, 1, "still exported");
+    let mut report = String::new();
+    socket.read_to_string(&mut report).unwrap();
+    assert!(child.wait().unwrap().success(), "the child's checks failed");
+    assert_eq!(report.trim(), format!("ok owned=0 len={len}"));
+
+    // The child is gone; the export ends: the pages go back.
+    // Two descriptors each: the backend's and the export's read-only one.
+    assert_eq!(open_descriptors_of(&inodes), 4);
+    export.end();
+    assert_eq!(device.outstanding_exports(), 0);
+    // No process maps the files or holds a descriptor of them any more: the kernel frees them.
+    assert_eq!(
+        open_descriptors_of(&inodes),
+        0,
+        "a descriptor of the memory is left open"
+    );
+    assert!(
+        nothing_left(faults.outstanding()),
+        "{:?}",
+        faults.outstanding()
+    );
+    drop(owner);
+    assert!(device.close().is_clean());
+}
+
+/// An exporter and an importer in one process, over a socket pair.
+#[test]
+fn an_import_maps_exactly_the_export_owns_nothing_and_goes_once() {
+    make_guard!(guard);
+    let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let owner = device.bind(Budget::unlimited()).unwrap();
+    let importer = device.bind(Budget::bytes(0)).unwrap();
+    let (a, b) = UnixStream::pair().unwrap();
+    for len in [PAGE, 3 * PAGE] {
+        let mut prefix = owner
+            .reserve(len)
+            .unwrap()
+            .commit_prefix_exportable::<PosixFd>()
+            .unwrap();
+        prefix.as_mut_slice().unwrap().fill(7);
+        let export = prefix.export().unwrap();
+        export.send(&a).unwrap();
+        let imported = importer.import(Offer::recv(&b).unwrap()).unwrap();
+        assert_eq!(imported.len(), len);
+        assert!(imported.as_slice().iter().all(|&x| x == 7));
+        assert_eq!(importer.used(), 0);
+        assert_eq!(
+            device.ledger().owned_bytes,
+            len as u64,
+            "owned once, by the owner"
+        );
+        drop(prefix);
+        drop(export);
+        // The importer's handles keep the pages: its bytes are still there.
+        assert!(imported.as_slice().iter().all(|&x| x == 7));
+        let before = faults.calls(Op::Release);
+        imported.release().complete().unwrap();
+        assert_eq!(
+            faults.calls(Op::Release) - before,
+            1 + usize::from(len > PAGE) as u64
+        );
+        assert!(
+            nothing_left(faults.outstanding()),
+            "{:?}",
+            faults.outstanding()
+        );
+    }
+    drop((owner, importer));
+    assert!(device.close().is_clean());
+}
+
+#[test]
+fn a_wrong_or_short_message_is_an_error_value() {
+    let (a, b) = UnixStream::pair().unwrap();
+    (&a).write_all(&[0u8; MESSAGE_LEN]).unwrap();
+    assert!(matches!(Offer::recv(&b), Err(WireError::Malformed(_))));
+    (&a).write_all(b"MTPREFIX").unwrap();
+    drop(a);
+    assert!(matches!(
+        Offer::recv(&b),
+        Err(WireError::Truncated { got: 8 })
+    ));
+    let message = PrefixMessage::decode(&[1; 3]);
+    assert!(matches!(message, Err(WireError::Truncated { got: 3 })));
+}
+
+/// A descriptor smaller than the message claims is refused before anything is mapped, and
+/// one of another granularity is refused by the importer.
+#[test]
+fn a_descriptor_smaller_than_claimed_is_refused() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let owner = device.bind(Budget::unlimited()).unwrap();
+    let prefix = owner
+        .reserve(2 * PAGE)
+        .unwrap()
+        .commit_prefix_exportable::<PosixFd>()
+        .unwrap();
+    let export = prefix.export().unwrap();
+    let mut message = *export.message();
+    message.body_len = 2 * PAGE as u64; // claims 3 pages, the body's file holds 1
+    message.len = 3 * PAGE as u64;
+    let small = rustix::fs::memfd_create("small", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    rustix::fs::ftruncate(&small, PAGE as u64).unwrap();
+    let other = rustix::fs::memfd_create("other", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    rustix::fs::ftruncate(&other, PAGE as u64).unwrap();
+    let e = Offer::new(&message.encode(), vec![small, other]).unwrap_err();
+    assert!(
+        matches!(e, WireError::TooSmall { index: 0, size, .. } if size == PAGE as u64),
+        "{e}"
+    );
+
+    // Another granularity: refused by the importer, nothing reserved.
+    let mut message = *export.message();
+    message.granularity = 2 * PAGE as u64;
+    message.body_len = 0;
+    let fd = rustix::fs::memfd_create("g", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    rustix::fs::ftruncate(&fd, 2 * PAGE as u64).unwrap();
+    let offer = Offer::new(&message.encode(), vec![fd]).unwrap();
+    let e = owner.import(offer).unwrap_err();
+    assert!(matches!(e, ImportError::Granularity { .. }), "{e}");
+    // An unsealed file is refused by the host backend: a shrink could make its mapping fault.
+    let mut message = *export.message();
+    message.len = PAGE as u64;
+    message.body_len = 0;
+    message.body_offset = 0;
+    let fd = rustix::fs::memfd_create("unsealed", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    rustix::fs::ftruncate(&fd, PAGE as u64).unwrap();
+    let offer = Offer::new(&message.encode(), vec![fd]).unwrap();
+    let e = owner.import(offer).unwrap_err();
+    assert!(e.to_string().contains("importing"), "{e}");
+    assert_eq!(
+        device.ledger().reserved_bytes,
+        2 * PAGE as u64,
+        "only the prefix"
+    );
+    drop((export, prefix));
+    drop(owner);
+    assert!(device.close().is_clean());
+}

@@ -43,7 +43,7 @@ fn eight_threads_on_one_device_with_faults_leave_nothing_outstanding() {
         for t in 0..THREADS {
             let (device, faults, done) = (&device, faults.clone(), &done);
             scope.spawn(move || {
-                let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ (t as u64 + 1) * 0x1000_0001);
+                let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ ((t as u64 + 1) * 0x1000_0001));
                 let binding = device.bind(Budget::bytes(64 * g as u64)).unwrap();
                 for _ in 0..OPS_PER_THREAD {
                     // Now and then, a fault at one of the next calls of some kind.

@@ -3,7 +3,7 @@
 use crate::backend::Addr;
 use crate::ids::Generation;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 /// A shared prefix's physical memory, laid out for sharing when it is made: the body (all but
 /// the last granule, when there is more than one) in one allocation, and the boundary granule
@@ -37,12 +37,29 @@ impl<P> Split<P> {
 /// It has no `Drop`: the device gives each reference back (and releases the memory with the
 /// last one) when the mapping holding it is confirmed gone.
 #[derive(Debug)]
-pub struct SharedPhys<P>(Arc<Split<P>>);
+pub struct SharedPhys<P>(Arc<Shared<P>>);
+
+/// What the references of a [`SharedPhys`] share: the memory, and whether it was ever exported
+/// to another process (from then on nobody in this process writes it: an importer elsewhere
+/// may be reading it, whatever this process's count of references says).
+#[derive(Debug)]
+struct Shared<P> {
+    split: Split<P>,
+    exported: AtomicBool,
+}
 
 impl<P: Copy> SharedPhys<P> {
     /// The first reference on `split`.
     pub(crate) fn new(split: Split<P>) -> Self {
-        Self(Arc::new(split))
+        Self(Arc::new(Shared {
+            split,
+            exported: AtomicBool::new(false),
+        }))
+    }
+
+    /// Marks the memory exported, for good: it is never written again from this process.
+    pub(crate) fn mark_exported(&self) {
+        self.0.exported.store(true, Ordering::Release);
     }
 
     /// One more reference, for one more mapping.
@@ -52,7 +69,7 @@ impl<P: Copy> SharedPhys<P> {
 
     /// The physical memory's layout and handles.
     pub(crate) fn split(&self) -> Split<P> {
-        *self.0
+        self.0.split
     }
 
     /// References alive now, this one included. Only a count: it orders nothing (see
@@ -61,16 +78,17 @@ impl<P: Copy> SharedPhys<P> {
         Arc::strong_count(&self.0)
     }
 
-    /// Whether this is the only reference. When it is, every access through a mapping that held
-    /// another reference happened before this returns (the check acquires what their teardown
-    /// released), so the memory may be written.
+    /// Whether the memory may be written: this is the only reference, and the memory was never
+    /// exported to another process. When it is the only reference, every access through a
+    /// mapping that held another reference happened before this returns (the check acquires
+    /// what their teardown released).
     pub(crate) fn is_unique(&mut self) -> bool {
-        Arc::get_mut(&mut self.0).is_some()
+        Arc::get_mut(&mut self.0).is_some_and(|s| !*s.exported.get_mut())
     }
 
     /// Gives this reference back: the last one returns the memory, now owned by no mapping.
     pub(crate) fn into_last(self) -> Option<Split<P>> {
-        Arc::into_inner(self.0)
+        Arc::into_inner(self.0).map(|s| s.split)
     }
 }
 

@@ -288,3 +288,148 @@ fn a_descriptor_smaller_than_claimed_is_refused() {
     drop(owner);
     assert!(device.close().is_clean());
 }
+
+/// Exporting is one-way for writes: once the export ended, the owner still cannot write, since
+/// an importer may still read the bytes (its `&[u8]` must not change).
+#[test]
+fn an_owner_never_writes_its_prefix_again_once_exported() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let owner = device.bind(Budget::unlimited()).unwrap();
+    let importer = device.bind(Budget::bytes(0)).unwrap();
+    let mut prefix = owner
+        .reserve(PAGE)
+        .unwrap()
+        .commit_prefix_exportable::<PosixFd>()
+        .unwrap();
+    prefix.as_mut_slice().unwrap().fill(7);
+    let export = prefix.export().unwrap();
+    let (a, b) = UnixStream::pair().unwrap();
+    export.send(&a).unwrap();
+    let imported = importer.import(Offer::recv(&b).unwrap()).unwrap();
+    export.end();
+    assert!(prefix.as_mut_slice().is_none(), "never writable again");
+    assert!(imported.as_slice().iter().all(|&b| b == 7));
+    drop(imported);
+    assert!(
+        prefix.as_mut_slice().is_none(),
+        "not even with no import left"
+    );
+}
+
+/// The descriptor a peer receives cannot be used to write the memory, even opened again
+/// read-write through `/proc/self/fd`: the file is sealed against every future write.
+#[test]
+fn a_peer_cannot_write_the_exported_memory_even_through_a_reopened_descriptor() {
+    use rustix::fs::{Mode, OFlags};
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let owner = device.bind(Budget::unlimited()).unwrap();
+    let mut prefix = owner
+        .reserve(PAGE)
+        .unwrap()
+        .commit_prefix_exportable::<PosixFd>()
+        .unwrap();
+    prefix.as_mut_slice().unwrap().fill(7);
+    let export = prefix.export().unwrap();
+    let (a, b) = UnixStream::pair().unwrap();
+    export.send(&a).unwrap();
+    let offer = Offer::recv(&b).unwrap();
+    let _ = offer;
+    // The same descriptors again, as raw files, as a hostile peer would hold them.
+    export.send(&a).unwrap();
+    let mut buf = [0u8; memtoken::MESSAGE_LEN];
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    let mut control = rustix::net::RecvAncillaryBuffer::new(&mut space);
+    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+    rustix::net::recvmsg(
+        &b,
+        &mut iov,
+        &mut control,
+        rustix::net::RecvFlags::CMSG_CLOEXEC,
+    )
+    .unwrap();
+    let mut fds = Vec::new();
+    for message in control.drain() {
+        if let rustix::net::RecvAncillaryMessage::ScmRights(rights) = message {
+            fds.extend(rights);
+        }
+    }
+    assert!(!fds.is_empty());
+    for fd in &fds {
+        assert!(
+            rustix::io::pwrite(fd, &[1], 0).is_err(),
+            "read-only descriptor"
+        );
+        let path = format!("/proc/self/fd/{}", rustix::fd::AsRawFd::as_raw_fd(fd));
+        if let Ok(rw) = rustix::fs::open(path, OFlags::RDWR | OFlags::CLOEXEC, Mode::empty()) {
+            assert!(
+                rustix::io::pwrite(&rw, &[0xee], 0).is_err(),
+                "sealed against future writes"
+            );
+        }
+    }
+    assert!(
+        prefix.as_slice().iter().all(|&b| b == 7),
+        "the owner's bytes unchanged"
+    );
+}
+
+/// The seals are checked before the size: a peer that shrinks its file and seals it between
+/// the two checks can never make the importer map past the end of the file.
+#[test]
+fn an_import_never_maps_past_a_file_shrunk_while_it_was_checked() {
+    use memtoken::backend::{Backend, Exportable, Shareable};
+    use rustix::fs::{MemfdFlags, SealFlags};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::{Arc, Mutex};
+    const TRIALS: u64 = 20_000;
+    let backend = Arc::new(HostBackend::with_defaults().unwrap());
+    let (go, done) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+    let slot: Arc<Mutex<Option<rustix::fd::OwnedFd>>> = Arc::default();
+    let attacker = {
+        let (go, done, slot) = (go.clone(), done.clone(), slot.clone());
+        std::thread::spawn(move || {
+            for t in 1..=TRIALS {
+                while go.load(Ordering::Acquire) != t {
+                    std::hint::spin_loop();
+                }
+                let fd = slot.lock().unwrap().take().unwrap();
+                for _ in 0..(t % 64) * 8 {
+                    std::hint::spin_loop();
+                }
+                rustix::fs::ftruncate(&fd, 0).unwrap();
+                let seals = SealFlags::SHRINK | SealFlags::FUTURE_WRITE;
+                rustix::fs::fcntl_add_seals(&fd, seals).unwrap();
+                done.store(t, Ordering::Release);
+            }
+        })
+    };
+    let mut accepted_short = 0;
+    for t in 1..=TRIALS {
+        let flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
+        let fd = rustix::fs::memfd_create("race", flags).unwrap();
+        rustix::fs::ftruncate(&fd, 2 * PAGE as u64).unwrap();
+        *slot.lock().unwrap() = Some(rustix::io::dup(&fd).unwrap());
+        let size = || rustix::fs::fstat(&fd).unwrap().st_size;
+        go.store(t, Ordering::Release);
+        let mine = rustix::io::dup(&fd).unwrap();
+        let imported = backend.import(Shareable {
+            fd: mine,
+            offset: 0,
+            len: 2 * PAGE,
+        });
+        while done.load(Ordering::Acquire) != t {
+            std::hint::spin_loop();
+        }
+        if let Ok(phys) = imported {
+            accepted_short += u64::from(size() < 2 * PAGE as i64);
+            backend.release(phys, 2 * PAGE).unwrap();
+        }
+    }
+    attacker.join().unwrap();
+    assert_eq!(
+        accepted_short, 0,
+        "imports of a file now shorter than the mapping"
+    );
+}

@@ -32,7 +32,7 @@ impl Fd {
                 let bytes = vec![seed; (pages * PAGE) as usize];
                 rustix::io::pwrite(&fd, &bytes, 0).unwrap();
                 if sealed {
-                    let seals = SealFlags::SHRINK | SealFlags::GROW;
+                    let seals = SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE;
                     rustix::fs::fcntl_add_seals(&fd, seals).unwrap();
                 }
                 fd

@@ -68,11 +68,14 @@ struct HostFile {
     imported: bool,
 }
 
-/// The seals of an exportable `memfd`: its size is fixed for good, so no process that maps it
-/// can be made to fault by a shrink.
-const EXPORT_SEALS: SealFlags = SealFlags::SHRINK
-    .union(SealFlags::GROW)
-    .union(SealFlags::SEAL);
+/// The seals of an exportable `memfd` from its creation: its size is fixed for good, so no
+/// process that maps it can be made to fault by a shrink.
+const EXPORT_SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW);
+
+/// The seals added at its first export: no new write to it, through any descriptor or any new
+/// mapping, in any process (the owner's own mapping, made before, stays; the typed layer never
+/// writes through it again once exported), and no seal changes after that.
+const EXPORTED_SEALS: SealFlags = SealFlags::FUTURE_WRITE.union(SealFlags::SEAL);
 
 /// Host virtual memory management through `rustix`:
 ///
@@ -521,8 +524,10 @@ impl Exportable<PosixFd> for HostBackend {
     }
 
     /// A read-only descriptor of the allocation's own `memfd` (opened again through
-    /// `/proc/self/fd`): the process it is sent to can read this allocation and nothing else,
-    /// and can never write it.
+    /// `/proc/self/fd`), after sealing the file against every future write
+    /// (`F_SEAL_FUTURE_WRITE`, then `F_SEAL_SEAL`): the process it is sent to can read this
+    /// allocation and nothing else, and can write it neither through this descriptor nor
+    /// through any it opens again from it.
     fn export(&self, phys: HostPhys, len: usize) -> Result<Shareable, BackendError> {
         let s = self.state();
         s.book
@@ -540,7 +545,12 @@ impl Exportable<PosixFd> for HostBackend {
                 Violation::NotExportable,
             ));
         };
-        let fd = reopen_read_only(file.fd.as_fd()).map_err(|e| os_error(Op::Create, 0, len, e))?;
+        let fail = |e| os_error(Op::Create, 0, len, e);
+        let seals = rustix::fs::fcntl_get_seals(&file.fd).map_err(fail)?;
+        if !seals.contains(SealFlags::SEAL) {
+            rustix::fs::fcntl_add_seals(&file.fd, EXPORTED_SEALS).map_err(fail)?;
+        }
+        let fd = reopen_read_only(file.fd.as_fd()).map_err(fail)?;
         Ok(Shareable {
             fd,
             offset: file.offset,
@@ -549,9 +559,11 @@ impl Exportable<PosixFd> for HostBackend {
     }
 
     /// Checks the descriptor before anything is mapped: a regular file sealed against
-    /// shrinking (so no mapping of it can fault later), an offset aligned to the page, whole
-    /// granules, and a file at least `offset + len` bytes long (`fstat`). The descriptor is
-    /// then opened again read-only, and only ever mapped read-only.
+    /// shrinking and against future writes — the seals first, since a seal can never be
+    /// removed: once the file cannot shrink its size can only grow, so the size checked next
+    /// holds for good and no mapping of it can fault later — an offset aligned to the page,
+    /// whole granules, and a file at least `offset + len` bytes long (`fstat`). The descriptor
+    /// is then opened again read-only, and only ever mapped read-only.
     fn import(&self, handle: Shareable) -> Result<HostPhys, BackendError> {
         let Shareable { fd, offset, len } = handle;
         let refuse = |v| BackendError::refused(Op::Create, 0, len, v);
@@ -562,6 +574,18 @@ impl Exportable<PosixFd> for HostBackend {
                 "offset not aligned to the page size",
             )));
         }
+        let seals = rustix::fs::fcntl_get_seals(&fd)
+            .map_err(|_| refuse(Violation::Import("not a sealed memfd")))?;
+        if !seals.contains(SealFlags::SHRINK) {
+            return Err(refuse(Violation::Import(
+                "not sealed against shrinking (a mapping of it could fault)",
+            )));
+        }
+        if !seals.intersects(SealFlags::WRITE | SealFlags::FUTURE_WRITE) {
+            return Err(refuse(Violation::Import(
+                "not sealed against writes (the exporter could change bytes lent as &[u8])",
+            )));
+        }
         let stat = rustix::fs::fstat(&fd).map_err(|e| os_error(Op::Create, 0, len, e))?;
         if FileType::from_raw_mode(stat.st_mode) != FileType::RegularFile {
             return Err(refuse(Violation::Import("not a regular file")));
@@ -570,13 +594,6 @@ impl Exportable<PosixFd> for HostBackend {
         let end = offset.checked_add(len as u64);
         if end.is_none_or(|end| end > size) {
             return Err(refuse(Violation::ImportTooSmall { offset, len, size }));
-        }
-        let seals = rustix::fs::fcntl_get_seals(&fd)
-            .map_err(|_| refuse(Violation::Import("not a sealed memfd")))?;
-        if !seals.contains(SealFlags::SHRINK) {
-            return Err(refuse(Violation::Import(
-                "not sealed against shrinking (a mapping of it could fault)",
-            )));
         }
         let fd = reopen_read_only(fd.as_fd()).map_err(|e| os_error(Op::Create, 0, len, e))?;
         let phys = Self::next_phys(&mut s, offset);

@@ -366,6 +366,11 @@ impl Offer {
         if received.flags.contains(ReturnFlags::CTRUNC) {
             return Err(WireError::ControlTruncated);
         }
+        if received.flags.contains(ReturnFlags::TRUNC) {
+            return Err(WireError::Malformed(
+                "the datagram was longer than a message",
+            ));
+        }
         let mut got = received.bytes.min(MESSAGE_LEN);
         while got < MESSAGE_LEN {
             let (n, _) = rustix::net::recv(socket, &mut buf[got..], RecvFlags::empty())
@@ -422,6 +427,11 @@ fn send(
 /// is safe for both processes, but from then on the exporter's ledger no longer counts the
 /// memory the peer still maps. End an export once the peer has confirmed it is done with it:
 /// it exited, or it said so on the socket.
+///
+/// Exporting is one-way for writes: once a prefix was exported, its owner never writes it
+/// again (`as_mut_slice` and the other writers give `None` for good, even after every export
+/// ended), since an importer may still read it; on the host the file is also sealed against
+/// every future write. One export may be sent to several peers; it is counted once.
 #[must_use = "dropping an export ends it at once"]
 pub struct Export<'b, 'id, B: Exportable<K>, K: HandleKind> {
     binding: &'b Binding<'b, 'id, B>,
@@ -443,8 +453,7 @@ impl<B: Exportable<K>, K: HandleKind> std::fmt::Debug for Export<'_, '_, B, K> {
 impl<'b, 'id, B: Exportable<K>, K: HandleKind> Allocation<'b, 'id, B, Owner<K>> {
     /// Exports this prefix's physical memory (each allocation, body and boundary, as a new
     /// handle of kind `K`) for one other process. The export holds a reference on the memory
-    /// until it ends (see [`Export`]); meanwhile the prefix is shared, so the owner cannot
-    /// write it.
+    /// until it ends (see [`Export`]). From now on the owner never writes the prefix again.
     ///
     /// # Errors
     ///
@@ -469,6 +478,8 @@ impl<'b, 'id, B: Exportable<K>, K: HandleKind> Allocation<'b, 'id, B, Owner<K>> 
             body_offset: if split.body.is_some() { offset(0) } else { 0 },
             boundary_offset: offset(handles.len() - 1),
         };
+        // From now on the owner never writes the memory: an importer may be reading it.
+        self.parts().mark_exported();
         let shared = device.shared().export(self.parts());
         Ok(Export {
             binding,

@@ -69,6 +69,23 @@
 //! - `cuMemAddressFree` takes exactly one reservation, with nothing mapped in it. — VMM;
 //!   PG §14.4.
 //!
+//! **Export and import** (POSIX descriptors only; [`Exportable`] for [`PosixFd`]).
+//! - The handle type must be requested at `cuMemCreate` (`requestedHandleTypes`): exportable
+//!   memory is created so, and only it is exported (the model refuses others with
+//!   `INVALID_VALUE`, the error being unknown). — VMM (attribute 103); Samples.
+//! - `cuMemExportToShareableHandle` writes an `int` descriptor, which the exporter owns and
+//!   closes; the memory is freed only once every shareable handle is closed and the allocation
+//!   released. — VMM.
+//! - `cuMemImportFromShareableHandle` takes the descriptor by value, `(void*)(uintptr_t)fd`, and
+//!   the importer may close it right after. — Samples; PT.
+//! - The importer imports, reserves, maps and sets access, and releases each imported handle
+//!   once. — VMM; PG §14.6.
+//! - No call says an imported allocation's size (`CUmemAllocationProp` has no size field): the
+//!   backend maps the length the message claims, and relies on `cuMemMap` refusing a size past
+//!   the allocation ("offset + size must be less than the size of the memory allocation"):
+//!   assumption 7 below. The driver model knows the size ([`Driver::mem_allocation_size`]),
+//!   and the backend refuses a mismatch before mapping.
+//!
 //! **Errors and fates** ([`CuError::fate`] holds the table).
 //! - Sticky — 700, 702, 714–719, 721, 226, 911, 810 ("the process must be terminated and
 //!   relaunched") and 710 ("the context cannot be used anymore"): the context is lost, and the
@@ -115,6 +132,12 @@
 //! 6. A failed `cuMemSetAccess` is transient and leaves its mapping, without access, for a
 //!    rollback `cuMemUnmap`. Used by: `map`'s rollback. Test:
 //!    `gpu_a_failed_set_access_leaves_the_mapping_to_unmap`.
+//!
+//! 7. `cuMemMap` of an imported handle refuses (with a transient error) a size past the
+//!    allocation's end, as its reference requires of the caller. Used by: every import on the
+//!    real driver, which cannot ask the size of what it imported; a message claiming more than
+//!    the exporter's allocation is then refused at the map, not mapped. Test:
+//!    `gpu_a_map_past_an_imported_allocation_is_refused`.
 //!
 //! Not relied on, so not tested: the default reservation alignment, access on part of a
 //! mapping, and a map at a non-zero offset.

@@ -4,9 +4,10 @@
 
 use memtoken::backend::cuda::{
     CaptureMode, CuError, CudaBackend, Driver, DriverCall, DriverModel, ErrorFate, ModelConfig,
-    ModelOutstanding, Placement,
+    ModelOutstanding, Placement, ShareableHandle,
 };
 use memtoken::{Budget, Device, make_guard};
+use std::os::fd::{AsRawFd, OwnedFd};
 
 const G: usize = 2 << 20;
 
@@ -531,6 +532,14 @@ fn unmap_release_free(model: &DriverModel, ptr: u64, handle: u64) {
     }
 }
 
+/// The descriptor of an exported POSIX handle.
+fn fd_of(shared: ShareableHandle) -> OwnedFd {
+    match shared {
+        ShareableHandle::Fd(fd) => fd,
+        other => panic!("a POSIX handle is a descriptor, got {other:?}"),
+    }
+}
+
 #[test]
 fn export_needs_the_handle_type_requested_at_creation() {
     use memtoken::backend::cuda::{HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD};
@@ -545,22 +554,39 @@ fn export_needs_the_handle_type_requested_at_creation() {
     // SAFETY: the three handles are live.
     unsafe {
         let e = model.mem_export_to_shareable_handle(plain, HANDLE_TYPE_POSIX_FD);
-        assert_eq!(e, Err(CuError::INVALID_VALUE), "fact 26: not requested");
+        assert_eq!(
+            e.err(),
+            Some(CuError::INVALID_VALUE),
+            "fact 26: not requested"
+        );
         let e = model.mem_export_to_shareable_handle(fabric, HANDLE_TYPE_POSIX_FD);
         assert_eq!(
-            e,
-            Err(CuError::INVALID_VALUE),
+            e.err(),
+            Some(CuError::INVALID_VALUE),
             "fact 26: another type requested"
         );
-        let shared = model
+        let ShareableHandle::Opaque(shared) = model
             .mem_export_to_shareable_handle(fabric, HANDLE_TYPE_FABRIC)
-            .unwrap();
-        model.close_shareable(shared).unwrap();
-        let shared = model
-            .mem_export_to_shareable_handle(fd, HANDLE_TYPE_POSIX_FD)
-            .unwrap();
+            .unwrap()
+        else {
+            panic!("a fabric handle is an opaque value in the model");
+        };
         model.close_shareable(shared).unwrap();
         assert_eq!(model.close_shareable(shared), Err(CuError::INVALID_VALUE));
+        let shared = fd_of(
+            model
+                .mem_export_to_shareable_handle(fd, HANDLE_TYPE_POSIX_FD)
+                .unwrap(),
+        );
+        assert_eq!(model.open_shareables(), 1);
+        let raw = shared.as_raw_fd() as u64;
+        assert_eq!(
+            model.close_shareable(raw),
+            Err(CuError::INVALID_VALUE),
+            "a descriptor is closed by closing it"
+        );
+        drop(shared);
+        assert_eq!(model.open_shareables(), 0);
         for h in [plain, fabric, fd] {
             model.mem_release(h).unwrap();
         }
@@ -584,21 +610,34 @@ fn an_import_maps_the_exported_bytes_and_the_memory_lives_while_anything_holds_i
         model.mem_map(ptr, G, 0, handle).unwrap();
         model.mem_set_access(ptr, G, &[(0, true)]).unwrap();
         model.memcpy_htod(ptr, b"system prompt").unwrap();
-        model
-            .mem_export_to_shareable_handle(handle, HANDLE_TYPE_POSIX_FD)
-            .unwrap()
+        fd_of(
+            model
+                .mem_export_to_shareable_handle(handle, HANDLE_TYPE_POSIX_FD)
+                .unwrap(),
+        )
     };
-    // Import checks the value and its type: an error, not misuse.
-    let e = model.mem_import_from_shareable_handle(shared + 1, HANDLE_TYPE_POSIX_FD);
-    assert_eq!(e, Err(CuError::INVALID_VALUE));
-    let e = model.mem_import_from_shareable_handle(shared, HANDLE_TYPE_FABRIC);
+    // A real descriptor: a copy of it (another number, as in another process) names the same
+    // memory; anything else is an error, not misuse.
+    let copy = shared.try_clone().unwrap();
+    let other = std::fs::File::open("/dev/null").unwrap();
+    for bad in [other.as_raw_fd() as u64, u64::MAX, 1 << 40] {
+        let e = model.mem_import_from_shareable_handle(bad, HANDLE_TYPE_POSIX_FD);
+        assert_eq!(e, Err(CuError::INVALID_VALUE), "{bad}");
+    }
+    let e = model.mem_import_from_shareable_handle(copy.as_raw_fd() as u64, HANDLE_TYPE_FABRIC);
     assert_eq!(e, Err(CuError::INVALID_VALUE));
     let imported = model
-        .mem_import_from_shareable_handle(shared, HANDLE_TYPE_POSIX_FD)
+        .mem_import_from_shareable_handle(copy.as_raw_fd() as u64, HANDLE_TYPE_POSIX_FD)
         .unwrap();
     assert_ne!(imported, handle, "a handle of its own");
-    // Fact 28: the importer may close the descriptor right after import.
-    model.close_shareable(shared).unwrap();
+    // SAFETY: `imported` is live.
+    assert_eq!(unsafe { model.mem_allocation_size(imported) }, Some(G));
+    // Fact 28: the importer may close the descriptor right after import; the exporter's stays
+    // open until it drops it.
+    drop(copy);
+    assert_eq!(model.open_shareables(), 1);
+    drop(shared);
+    assert_eq!(model.open_shareables(), 0);
     let at = map_read_only(&model, imported);
     let mut bytes = [0u8; 13];
     // SAFETY: `[at, at + 13)` is mapped readable.
@@ -616,7 +655,6 @@ fn an_import_maps_the_exported_bytes_and_the_memory_lives_while_anything_holds_i
         0,
         "the last holder freed it"
     );
-    assert_eq!(model.open_shareables(), 0);
 
     // An open descriptor alone keeps released memory too.
     let handle = model
@@ -628,13 +666,15 @@ fn an_import_maps_the_exported_bytes_and_the_memory_lives_while_anything_holds_i
             .mem_export_to_shareable_handle(handle, HANDLE_TYPE_POSIX_FD)
             .unwrap();
         model.mem_release(handle).unwrap();
-        shared
+        fd_of(shared)
     };
     assert_eq!(
         model.outstanding().physical_bytes,
         G,
         "the descriptor is open"
     );
-    model.close_shareable(shared).unwrap();
+    drop(shared);
     assert_eq!(model.outstanding().physical_bytes, 0);
+    let e = model.mem_import_from_shareable_handle(u64::from(u32::MAX), HANDLE_TYPE_POSIX_FD);
+    assert_eq!(e, Err(CuError::INVALID_VALUE));
 }

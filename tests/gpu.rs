@@ -596,3 +596,92 @@ fn gpu_a_view_used_on_another_stream_waits_for_its_home_stream() {
     let report = device.close();
     assert!(report.is_clean(), "{report:?}");
 }
+
+/// The child's role in [`gpu_export_import_in_a_child_process`]: the path of the socket it
+/// connects to.
+const IPC_CHILD_ENV: &str = "MEMTOKEN_GPU_IPC_CHILD";
+
+/// The byte at `i` of the exported prefix.
+fn ipc_pattern(i: usize) -> u8 {
+    (i % 251) as u8 ^ 0x3c
+}
+
+/// The child of [`gpu_export_import_in_a_child_process`]: opens the GPU, imports the prefix
+/// offered on the socket at `path`, checks every byte, and reports on the socket.
+fn gpu_ipc_child(path: &str) {
+    use std::os::unix::net::UnixStream;
+    let mut socket = UnixStream::connect(path).expect("connect to the parent");
+    let backend = CudaBackend::open(0).expect("the child opens the GPU the parent opened");
+    make_guard!(guard);
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::bytes(0)).unwrap(); // an importer owns nothing
+    let offer = memtoken::Offer::recv(&socket).expect("a valid offer");
+    let imported = binding.import(offer).expect("imported");
+    let mut bytes = vec![0u8; imported.len()];
+    imported.copy_to_host(0, &mut bytes).unwrap();
+    let wrong = bytes
+        .iter()
+        .enumerate()
+        .filter(|&(i, &b)| b != ipc_pattern(i))
+        .count();
+    assert_eq!(wrong, 0, "every byte as the exporter wrote it");
+    let owned = device.ledger().owned_bytes;
+    writeln!(socket, "ok owned={owned} len={}", imported.len()).unwrap();
+    imported.release().complete().unwrap();
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// A prefix exported as POSIX descriptors (`cuMemExportToShareableHandle`), sent over a Unix
+/// socket to this test binary run again, imported there (`cuMemImportFromShareableHandle`),
+/// read back byte for byte; the parent releases after the child exits.
+#[test]
+fn gpu_export_import_in_a_child_process() {
+    use memtoken::backend::PosixFd;
+    use std::io::Read;
+    use std::os::unix::net::UnixListener;
+    if let Ok(path) = std::env::var(IPC_CHILD_ENV) {
+        return gpu_ipc_child(&path);
+    }
+    let test = "gpu_export_import_in_a_child_process";
+    let Some(backend) = gpu_or_skip(test) else {
+        return;
+    };
+    let g = backend.granularity();
+    make_guard!(guard);
+    let device = Device::new(guard, backend);
+    let owner = device.bind(Budget::unlimited()).unwrap();
+    let len = 3 * g; // a body and a boundary granule: two descriptors
+    let bytes: Vec<u8> = (0..len).map(ipc_pattern).collect();
+    let mut prefix = owner
+        .reserve(len)
+        .unwrap()
+        .commit_prefix_exportable::<PosixFd>()
+        .unwrap();
+    prefix.copy_from_host(0, &bytes).unwrap().unwrap();
+    let export = prefix.export().unwrap();
+    assert_eq!(device.outstanding_exports(), 1);
+
+    let path = std::env::temp_dir().join(format!("memtoken-gpu-ipc-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(IPC_CHILD_ENV, &path)
+        .spawn()
+        .unwrap();
+    let (mut socket, _) = listener.accept().unwrap();
+    let _ = std::fs::remove_file(&path);
+    export.send(&socket).unwrap();
+    let mut report = String::new();
+    socket.read_to_string(&mut report).unwrap();
+    assert!(child.wait().unwrap().success(), "the child's checks failed");
+    assert_eq!(report.trim(), format!("ok owned=0 len={len}"));
+
+    // The child is gone: the parent releases.
+    export.end();
+    assert_eq!(device.outstanding_exports(), 0);
+    prefix.release().complete().unwrap();
+    drop(owner);
+    assert!(device.close().is_clean());
+}

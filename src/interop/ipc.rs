@@ -133,7 +133,7 @@ pub enum WireError {
         /// What came.
         got: usize,
     },
-    /// A descriptor is not a regular file as long as the message says.
+    /// A descriptor is a regular file shorter than the message says.
     #[error(
         "descriptor {index} holds {size:#x} bytes, the message claims {len:#x} at offset \
          {offset:#x}: refused, never mapped"
@@ -145,7 +145,7 @@ pub enum WireError {
         offset: u64,
         /// Length the message claims.
         len: u64,
-        /// The file's real size (0 for anything but a regular file).
+        /// The file's real size.
         size: u64,
     },
 }
@@ -300,7 +300,9 @@ impl PrefixMessage {
 
 /// A prefix offered by another process, received and checked but not mapped: the message
 /// and its descriptors, each a regular file at least as long as the message claims (checked
-/// with `fstat`). Import it with [`Binding::import`]; dropping it closes the descriptors.
+/// with `fstat`), or a descriptor of another kind (a CUDA driver's), which the importing
+/// backend checks with what it knows (the driver refuses a descriptor that names no exported
+/// memory). Import it with [`Binding::import`]; dropping it closes the descriptors.
 #[derive(Debug)]
 pub struct Offer {
     message: PrefixMessage,
@@ -309,12 +311,13 @@ pub struct Offer {
 
 impl Offer {
     /// Decodes `bytes` and checks `fds` against it: exactly as many as the message says, each
-    /// a regular file holding at least `offset + len` bytes.
+    /// regular file among them holding at least `offset + len` bytes. Other descriptors are
+    /// left to the backend that imports them (the host refuses anything but a sealed `memfd`).
     ///
     /// # Errors
     ///
     /// As [`PrefixMessage::decode`], [`WireError::Descriptors`] for a wrong count, and
-    /// [`WireError::TooSmall`] for a descriptor shorter than its piece (or not a file).
+    /// [`WireError::TooSmall`] for a regular file shorter than its piece.
     pub fn new(bytes: &[u8], fds: Vec<OwnedFd>) -> Result<Self, WireError> {
         let message = PrefixMessage::decode(bytes)?;
         if fds.len() != message.descriptors() {
@@ -326,7 +329,9 @@ impl Offer {
                 Ok(st) if rustix::fs::FileType::from_raw_mode(st.st_mode).is_file() => {
                     u64::try_from(st.st_size).unwrap_or(0)
                 }
-                _ => 0,
+                // Not a file: its size means nothing here; the importing backend checks it.
+                Ok(_) => continue,
+                Err(e) => return Err(WireError::Io(e.into())),
             };
             if offset.checked_add(len).is_none_or(|end| end > size) {
                 return Err(WireError::TooSmall {

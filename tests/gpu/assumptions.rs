@@ -538,3 +538,67 @@ fn gpu_a_failed_set_access_leaves_the_mapping_to_unmap() {
         raw.release(&[handle]);
     }
 }
+
+/// Assumption 7: `cuMemMap` of an imported handle refuses a size past the allocation's end
+/// (the reference: "offset + size must be less than the size of the memory allocation"), so an
+/// importer that cannot ask the driver for the size may map the length the message claims.
+/// A one-granule exportable allocation is exported, imported in this process, and mapped with
+/// two granules: refused, with a transient error; then with one: mapped, and its bytes read.
+#[test]
+fn gpu_a_map_past_an_imported_allocation_is_refused() {
+    use memtoken::backend::cuda::{HANDLE_TYPE_POSIX_FD, ShareableHandle};
+    use std::os::fd::AsRawFd;
+    let Some(raw) = Raw::open_or_skip("gpu_a_map_past_an_imported_allocation_is_refused") else {
+        return;
+    };
+    let handle = ok(
+        raw.driver
+            .mem_create_exportable(raw.g, raw.device, HANDLE_TYPE_POSIX_FD),
+        "cuMemCreate (POSIX fd requested)",
+    );
+    let ptr = raw.reserve(1);
+    let want = pattern(raw.g, 7);
+    // SAFETY: `[ptr, ptr + g)` is a fresh reservation; `handle` is live and one granule long.
+    unsafe {
+        ok(raw.map(ptr, handle, 1), "cuMemMap");
+        ok(raw.access(ptr, raw.g, true), "cuMemSetAccess");
+        raw.write(ptr, &want);
+    }
+    // SAFETY: `handle` is live.
+    let shared = ok(
+        unsafe {
+            raw.driver
+                .mem_export_to_shareable_handle(handle, HANDLE_TYPE_POSIX_FD)
+        },
+        "cuMemExportToShareableHandle",
+    );
+    let ShareableHandle::Fd(fd) = shared else {
+        panic!("a POSIX handle is a descriptor");
+    };
+    let imported = ok(
+        raw.driver
+            .mem_import_from_shareable_handle(fd.as_raw_fd() as u64, HANDLE_TYPE_POSIX_FD),
+        "cuMemImportFromShareableHandle",
+    );
+    drop(fd); // fact 28
+    let two = raw.reserve(2);
+    // SAFETY: the assumption under test: the driver refuses a size past the allocation rather
+    // than mapping it. `[two, two + 2g)` is a fresh reservation; `imported` is live.
+    let past = unsafe { raw.map(two, imported, 2) };
+    let e = past.expect_err("a map of two granules of a one-granule import must be refused");
+    assert_eq!(e.fate(), ErrorFate::Transient, "{e}");
+    // SAFETY: `[two, two + g)` is unmapped (the map above was refused); `imported` is live and
+    // one granule long.
+    unsafe {
+        ok(raw.map(two, imported, 1), "cuMemMap of the import");
+        ok(raw.access(two, raw.g, false), "cuMemSetAccess (read-only)");
+        assert_bytes(&raw.read(two, raw.g), &want, "the imported bytes");
+        ok(raw.driver.mem_unmap(two, raw.g), "cuMemUnmap");
+        ok(
+            raw.driver.mem_address_free(two, 2 * raw.g),
+            "cuMemAddressFree",
+        );
+        raw.unmap_and_free(ptr, raw.g);
+        raw.release(&[imported, handle]);
+    }
+}

@@ -3,6 +3,7 @@
 //! an implementation forwards each call (see `SysDriver`, feature `cuda`) or models it
 //! ([`DriverModel`](super::DriverModel)).
 
+use rustix::fd::OwnedFd;
 use std::fmt;
 
 /// A `CUresult` other than `CUDA_SUCCESS`.
@@ -233,6 +234,17 @@ impl DriverCall {
     ];
 }
 
+/// A shareable handle, as [`Driver::mem_export_to_shareable_handle`] hands it over.
+#[derive(Debug)]
+pub enum ShareableHandle {
+    /// [`HANDLE_TYPE_POSIX_FD`]: the descriptor the driver wrote, owned by the caller (dropping
+    /// it closes the handle).
+    Fd(OwnedFd),
+    /// Another type, as an opaque value: the model's stand-in for a fabric handle (the real
+    /// 64-byte `CUmemFabricHandle` does not pass through this seam yet).
+    Opaque(u64),
+}
+
 /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`: a bit of `requestedHandleTypes`, and a
 /// handle type to export as.
 pub const HANDLE_TYPE_POSIX_FD: u32 = 1;
@@ -332,9 +344,11 @@ pub trait Driver {
         Err(CuError::NOT_SUPPORTED)
     }
     /// `cuMemExportToShareableHandle(&shareable, handle, handle_type, 0)`: a new shareable
-    /// handle (for [`HANDLE_TYPE_POSIX_FD`], a file descriptor the caller owns and closes). The
-    /// memory lives while a shareable handle is open (fact 27). `CUDA_ERROR_INVALID_VALUE` if
-    /// the allocation was not created with `handle_type` requested (fact 26).
+    /// handle. For [`HANDLE_TYPE_POSIX_FD`] the driver writes an `int` file descriptor (fact 27),
+    /// which the implementation hands over as [`ShareableHandle::Fd`], owned: closing it closes
+    /// the handle. The memory lives while a shareable handle is open (fact 27).
+    /// `CUDA_ERROR_INVALID_VALUE` if the allocation was not created with `handle_type` requested
+    /// (fact 26).
     ///
     /// # Safety
     ///
@@ -343,18 +357,32 @@ pub trait Driver {
         &self,
         handle: u64,
         handle_type: u32,
-    ) -> CuResult<u64> {
+    ) -> CuResult<ShareableHandle> {
         let _ = (handle, handle_type);
         Err(CuError::NOT_SUPPORTED)
     }
     /// `cuMemImportFromShareableHandle(&handle, shareable, handle_type)`: a new allocation
     /// handle on memory another process (or this one) exported, released once with
-    /// [`mem_release`](Driver::mem_release). A POSIX descriptor is passed by value, and may be
-    /// closed right after (fact 28). The driver checks the value: a descriptor that names no
-    /// exported memory is an error, not misuse.
+    /// [`mem_release`](Driver::mem_release). A POSIX descriptor is passed by value,
+    /// `(void*)(uintptr_t)fd`, and may be closed right after (fact 28). The driver checks the
+    /// value: a descriptor that names no exported memory is an error, not misuse.
     fn mem_import_from_shareable_handle(&self, shareable: u64, handle_type: u32) -> CuResult<u64> {
         let _ = (shareable, handle_type);
         Err(CuError::NOT_SUPPORTED)
+    }
+    /// The size in bytes of the allocation `handle` names, where the driver can say it. Not a
+    /// driver call: the real driver has none (`CUmemAllocationProp` carries no size), so
+    /// `SysDriver` says `None` (the default), and the size of imported memory is then the
+    /// exporter's word, checked by `cuMemMap` (assumption 7 of the backend's docs). The model
+    /// knows every allocation's size and says it, so a backend over it refuses an import whose
+    /// message claims another size before anything is mapped.
+    ///
+    /// # Safety
+    ///
+    /// `handle` is a live allocation handle of this driver ([the trait's rules](Driver#safety)).
+    unsafe fn mem_allocation_size(&self, handle: u64) -> Option<usize> {
+        let _ = handle;
+        None
     }
     /// `cuMemRelease`
     ///

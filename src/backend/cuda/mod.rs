@@ -69,6 +69,23 @@
 //! - `cuMemAddressFree` takes exactly one reservation, with nothing mapped in it. — VMM;
 //!   PG §14.4.
 //!
+//! **Export and import** (POSIX descriptors only; [`Exportable`] for [`PosixFd`]).
+//! - The handle type must be requested at `cuMemCreate` (`requestedHandleTypes`): exportable
+//!   memory is created so, and only it is exported (the model refuses others with
+//!   `INVALID_VALUE`, the error being unknown). — VMM (attribute 103); Samples.
+//! - `cuMemExportToShareableHandle` writes an `int` descriptor, which the exporter owns and
+//!   closes; the memory is freed only once every shareable handle is closed and the allocation
+//!   released. — VMM.
+//! - `cuMemImportFromShareableHandle` takes the descriptor by value, `(void*)(uintptr_t)fd`, and
+//!   the importer may close it right after. — Samples; PT.
+//! - The importer imports, reserves, maps and sets access, and releases each imported handle
+//!   once. — VMM; PG §14.6.
+//! - No call says an imported allocation's size (`CUmemAllocationProp` has no size field): the
+//!   backend maps the length the message claims, and relies on `cuMemMap` refusing a size past
+//!   the allocation ("offset + size must be less than the size of the memory allocation"):
+//!   assumption 7 below. The driver model knows the size ([`Driver::mem_allocation_size`]),
+//!   and the backend refuses a mismatch before mapping.
+//!
 //! **Errors and fates** ([`CuError::fate`] holds the table).
 //! - Sticky — 700, 702, 714–719, 721, 226, 911, 810 ("the process must be terminated and
 //!   relaunched") and 710 ("the context cannot be used anymore"): the context is lost, and the
@@ -116,6 +133,12 @@
 //!    rollback `cuMemUnmap`. Used by: `map`'s rollback. Test:
 //!    `gpu_a_failed_set_access_leaves_the_mapping_to_unmap`.
 //!
+//! 7. `cuMemMap` of an imported handle refuses (with a transient error) a size past the
+//!    allocation's end, as its reference requires of the caller. Used by: every import on the
+//!    real driver, which cannot ask the size of what it imported; a message claiming more than
+//!    the exporter's allocation is then refused at the map, not mapped. Test:
+//!    `gpu_a_map_past_an_imported_allocation_is_refused`.
+//!
 //! Not relied on, so not tested: the default reservation alignment, access on part of a
 //! mapping, and a map at a non-zero offset.
 //!
@@ -140,7 +163,7 @@ mod sys;
 
 pub use driver::{
     Context, CuError, CuResult, Driver, DriverCall, ErrorFate, Event, HANDLE_TYPE_FABRIC,
-    HANDLE_TYPE_POSIX_FD, Stream,
+    HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
 };
 pub use model::{CaptureMode, DriverModel, ModelConfig, ModelOutstanding, Placement};
 #[cfg(feature = "cuda")]
@@ -148,9 +171,11 @@ pub use sys::SysDriver;
 
 use super::rules::Book;
 use super::{
-    Access, Addr, Backend, BackendError, Cause, Location, Op, Violation, check_address_space, lock,
+    Access, Addr, Backend, BackendError, Cause, Exportable, Location, Op, PosixFd, Shareable,
+    Violation, check_address_space, lock,
 };
-use std::collections::HashMap;
+use rustix::fd::AsRawFd;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
@@ -320,6 +345,10 @@ struct CudaState {
     /// Ranges a copy is using while it runs outside the lock, each under a serial of its own:
     /// unmap, free and map refuse them.
     busy: Vec<(u64, u64, usize)>,
+    /// Live physical memory created exportable as a POSIX descriptor.
+    exportable: HashSet<CudaPhys>,
+    /// Live physical memory imported from a descriptor: mapped read-only, written never.
+    imported: HashSet<CudaPhys>,
 }
 
 /// What a backend keeps alive for cudarc (feature `cuda`): held, never read.
@@ -411,6 +440,8 @@ impl<D: Driver> CudaBackend<D> {
                 scratch: Vec::new(),
                 pins: 0,
                 busy: Vec::new(),
+                exportable: HashSet::new(),
+                imported: HashSet::new(),
             }),
         })
     }
@@ -961,6 +992,8 @@ impl<D: Driver> Backend for CudaBackend<D> {
         unsafe { self.driver.mem_release(phys.handle) }
             .map_err(|e| self.fail(Op::Release, 0, len, e))?;
         s.book.apply_release(phys);
+        s.exportable.remove(&phys);
+        s.imported.remove(&phys);
         Ok(())
     }
 
@@ -983,6 +1016,10 @@ impl<D: Driver> Backend for CudaBackend<D> {
         s.book
             .check_map(addr, len, phys, 0)
             .map_err(|v| BackendError::refused(Op::Map, addr, len, v))?;
+        if access == Access::ReadWrite && s.imported.contains(&phys) {
+            let v = Violation::Import("imported memory is mapped read-only only");
+            return Err(BackendError::refused(Op::Map, addr, len, v));
+        }
         // SAFETY: `s.book.check_map` above proved `[addr, addr + len)` inside a live
         // reservation with nothing mapped there, and `phys` live (so its handle is: see
         // `release`) with exactly `len` bytes, all mapped from offset 0.
@@ -1044,6 +1081,10 @@ impl<D: Driver> Backend for CudaBackend<D> {
             s.book
                 .check_copy(phys, src, len)
                 .map_err(|v| BackendError::refused(Op::Copy, src, len, v))?;
+            if s.imported.contains(&phys) {
+                let v = Violation::Import("imported memory is written never");
+                return Err(BackendError::refused(Op::Copy, src, len, v));
+            }
             if Self::overlaps(&s.stuck, src, len) {
                 let v = Violation::NotMapped { addr: src, len };
                 return Err(BackendError::refused(Op::Copy, src, len, v));
@@ -1295,6 +1336,109 @@ impl<D: Driver> Backend for CudaBackend<D> {
 
     fn context_lost(&self) -> bool {
         self.lost.load(Ordering::Acquire)
+    }
+}
+
+/// Export as a POSIX descriptor (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, facts 26–29).
+/// Fabric handles are declared ([`Fabric`](super::Fabric)) but not exported by this backend.
+impl<D: Driver> Exportable<PosixFd> for CudaBackend<D> {
+    /// `cuMemCreate` with `requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`:
+    /// the handle type is chosen here, once (fact 26).
+    fn create_exportable(&self, len: usize) -> Result<CudaPhys, BackendError> {
+        let mut s = self.enter(Op::Create, 0, len)?;
+        s.book
+            .check_create(len)
+            .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
+        let handle = self
+            .driver
+            .mem_create_exportable(len, self.device, HANDLE_TYPE_POSIX_FD)
+            .map_err(|e| self.fail(Op::Create, 0, len, e))?;
+        let phys = CudaPhys {
+            handle,
+            serial: next_serial(),
+        };
+        s.book.apply_create(phys, len);
+        s.exportable.insert(phys);
+        Ok(phys)
+    }
+
+    /// `cuMemExportToShareableHandle`: a new descriptor of the whole allocation (offset 0),
+    /// owned by the caller. The memory lives while it is open, whatever this process releases
+    /// (fact 27).
+    fn export(&self, phys: CudaPhys, len: usize) -> Result<Shareable, BackendError> {
+        let s = self.enter(Op::Create, 0, len)?;
+        let refuse = |v| BackendError::refused(Op::Create, 0, len, v);
+        s.book
+            .check_release(phys, len)
+            .or_else(|v| match v {
+                Violation::PhysStillMapped { .. } => Ok(()),
+                v => Err(v),
+            })
+            .map_err(refuse)?;
+        if !s.exportable.contains(&phys) {
+            return Err(refuse(Violation::NotExportable));
+        }
+        // SAFETY: `check_release` above proved `phys` created by this backend through this
+        // driver and not released, so its handle is live (see `release`).
+        let shared = unsafe {
+            self.driver
+                .mem_export_to_shareable_handle(phys.handle, HANDLE_TYPE_POSIX_FD)
+        }
+        .map_err(|e| self.fail(Op::Create, 0, len, e))?;
+        match shared {
+            ShareableHandle::Fd(fd) => Ok(Shareable { fd, offset: 0, len }),
+            ShareableHandle::Opaque(_) => Err(refuse(Violation::Import(
+                "the driver exported something other than a descriptor",
+            ))),
+        }
+    }
+
+    /// `cuMemImportFromShareableHandle` with the descriptor by value (fact 28); the descriptor
+    /// is closed right after. A CUDA handle is a whole allocation: an offset other than 0 is
+    /// refused before the call. Where the driver says the allocation's size (the model), a size
+    /// other than the message's is refused and the import released at once; the real driver
+    /// does not say it, and then `cuMemMap` of the claimed length is what checks it
+    /// (assumption 7). The handle is released once, by [`Backend::release`] (fact 29).
+    fn import(&self, handle: Shareable) -> Result<CudaPhys, BackendError> {
+        let Shareable { fd, offset, len } = handle;
+        let mut s = self.enter(Op::Create, 0, len)?;
+        let refuse = |v| BackendError::refused(Op::Create, 0, len, v);
+        s.book.check_create(len).map_err(refuse)?;
+        if offset != 0 {
+            return Err(refuse(Violation::Import(
+                "an offset into a CUDA allocation: handles are mapped whole, from 0",
+            )));
+        }
+        let raw = fd.as_raw_fd() as u64;
+        let imported = self
+            .driver
+            .mem_import_from_shareable_handle(raw, HANDLE_TYPE_POSIX_FD)
+            .map_err(|e| self.fail(Op::Create, 0, len, e))?;
+        drop(fd); // fact 28: the importer may close its descriptor right after the import
+        // SAFETY: `imported` was returned just above by this driver and is not released.
+        let size = unsafe { self.driver.mem_allocation_size(imported) };
+        if let Some(size) = size.filter(|&size| size != len) {
+            // SAFETY: as above; released once, here, and never recorded.
+            if let Err(e) = unsafe { self.driver.mem_release(imported) } {
+                return Err(self.fail(Op::Release, 0, len, e));
+            }
+            return Err(refuse(if size < len {
+                Violation::ImportTooSmall {
+                    offset,
+                    len,
+                    size: size as u64,
+                }
+            } else {
+                Violation::Import("the allocation is longer than the message claims")
+            }));
+        }
+        let phys = CudaPhys {
+            handle: imported,
+            serial: next_serial(),
+        };
+        s.book.apply_create(phys, len);
+        s.imported.insert(phys);
+        Ok(phys)
     }
 }
 

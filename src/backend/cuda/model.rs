@@ -6,11 +6,13 @@
 
 use super::driver::{
     Context, CuError, CuResult, Driver, DriverCall, Event, HANDLE_TYPE_FABRIC,
-    HANDLE_TYPE_POSIX_FD, Stream,
+    HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
 };
 use crate::backend::faults::FaultPlan;
 use crate::backend::rules::Book;
 use crate::backend::{Access, Addr, ConfigError, lock};
+use rustix::fd::{AsFd, OwnedFd};
+use rustix::net::{AddressFamily, RecvFlags, SocketFlags, SocketType};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::ThreadId;
@@ -161,6 +163,51 @@ struct Capture {
     invalidated: bool,
 }
 
+/// An open shareable handle.
+#[derive(Debug)]
+struct Shared {
+    /// The allocation it names, and its handle type.
+    allocation: u64,
+    kind: u32,
+    /// A POSIX descriptor: a real one, one end of a Unix socket pair, handed to the exporter;
+    /// the model keeps the other end (`watch`) and knows the handed-out end by its inode
+    /// (`ino`, with its device). The handle is closed once every copy of the handed-out end is
+    /// (the exporter's, one passed to another process or in flight to it): then `watch` reads
+    /// end of file. `None` for an opaque value ([`DriverModel::close_shareable`] closes it).
+    fd: Option<Watched>,
+}
+
+#[derive(Debug)]
+struct Watched {
+    watch: OwnedFd,
+    ino: (u64, u64),
+}
+
+impl Watched {
+    /// Whether every copy of the handed-out end is closed.
+    fn closed(&self) -> bool {
+        let mut byte = [0u8; 1];
+        // The handed-out end never writes: a read sees end of file once it is closed, else
+        // would block.
+        let flags = RecvFlags::DONTWAIT | RecvFlags::PEEK;
+        matches!(rustix::net::recv(&self.watch, &mut byte, flags), Ok((0, _)))
+    }
+}
+
+/// The inode (and its device) of the open descriptor numbered `fd` in this process, read
+/// through `/proc/self/fd` so that no descriptor the model does not own is ever borrowed.
+fn inode_of(fd: u64) -> Option<(u64, u64)> {
+    let fd = i32::try_from(fd).ok().filter(|&fd| fd >= 0)?;
+    let st = rustix::fs::stat(format!("/proc/self/fd/{fd}")).ok()?;
+    Some(identity(&st))
+}
+
+/// A file's device and inode, which name it whatever descriptor refers to it.
+#[allow(clippy::unnecessary_cast)] // their widths differ between targets
+fn identity(st: &rustix::fs::Stat) -> (u64, u64) {
+    (st.st_dev as u64, st.st_ino as u64)
+}
+
 #[derive(Debug)]
 struct ModelState {
     initialized: bool,
@@ -199,9 +246,8 @@ struct ModelState {
     next_allocation: u64,
     /// Handle types each allocation may be exported as (by allocation number; 0: none).
     handle_types: HashMap<u64, u32>,
-    /// Open shareable handles (exported, not closed): value → (allocation, handle type). A
-    /// POSIX descriptor is modelled as an opaque value the model hands out and tracks.
-    shareables: HashMap<u64, (u64, u32)>,
+    /// Open shareable handles (exported, not closed), by a number of the model's.
+    shareables: HashMap<u64, Shared>,
     next_shareable: u64,
     /// Imported allocations (by allocation number) → the exported allocation they name.
     aliases: HashMap<u64, u64>,
@@ -232,6 +278,22 @@ struct ModelState {
 }
 
 impl ModelState {
+    /// Closes the shareable handles whose descriptors are all closed: each gives its hold on
+    /// the exported memory back (fact 27).
+    fn reap_shareables(&mut self) {
+        let closed: Vec<u64> = self
+            .shareables
+            .iter()
+            .filter(|(_, sh)| sh.fd.as_ref().is_some_and(Watched::closed))
+            .map(|(&k, _)| k)
+            .collect();
+        for k in closed {
+            if let Some(sh) = self.shareables.remove(&k) {
+                self.unhold(sh.allocation);
+            }
+        }
+    }
+
     /// `allocation` (`len` bytes) has no handle and no mapping left: an import gives its hold
     /// on the exported memory back; exported memory still held stays (fact 27); else it goes.
     fn gone(&mut self, allocation: u64, len: usize) {
@@ -789,31 +851,39 @@ impl DriverModel {
         }
     }
 
-    /// Closes an exported shareable handle (`close(fd)` for a POSIX descriptor; no driver
-    /// call): the exported memory loses one holder (fact 27).
+    /// Closes an exported shareable handle given as an opaque value
+    /// ([`ShareableHandle::Opaque`]; no driver call): the exported memory loses one holder
+    /// (fact 27). A POSIX descriptor is closed by dropping it, as in a process.
     ///
     /// # Errors
     ///
-    /// `CUDA_ERROR_INVALID_VALUE` for a value that names no open shareable handle.
+    /// `CUDA_ERROR_INVALID_VALUE` for a value that names no open opaque shareable handle.
     pub fn close_shareable(&self, shareable: u64) -> CuResult<()> {
         let mut s = self.state();
-        let (allocation, _) = s
-            .shareables
-            .remove(&shareable)
-            .ok_or(CuError::INVALID_VALUE)?;
-        s.unhold(allocation);
+        if s.shareables
+            .get(&shareable)
+            .is_none_or(|sh| sh.fd.is_some())
+        {
+            return Err(CuError::INVALID_VALUE);
+        }
+        let sh = s.shareables.remove(&shareable).expect("checked above");
+        s.unhold(sh.allocation);
         Ok(())
     }
 
-    /// How many exported shareable handles are open.
+    /// How many exported shareable handles are open (a descriptor is, while any copy of it is).
     pub fn open_shareables(&self) -> usize {
-        self.state().shareables.len()
+        let mut s = self.state();
+        s.reap_shareables();
+        s.shareables.len()
     }
 
     /// What the model holds right now: reservations, physical bytes, mappings, events and
     /// context retains.
     pub fn outstanding(&self) -> ModelOutstanding {
-        let s = self.state();
+        let mut s = self.state();
+        // Exported memory is held while a descriptor of it is open anywhere (fact 27).
+        s.reap_shareables();
         ModelOutstanding {
             reservations: s.book.reservations(),
             physical_bytes: s.used,
@@ -1073,7 +1143,7 @@ impl Driver for DriverModel {
         &self,
         handle: u64,
         handle_type: u32,
-    ) -> CuResult<u64> {
+    ) -> CuResult<ShareableHandle> {
         let call = DriverCall::MemExportToShareableHandle;
         let mut s = self.enter(call, true)?;
         let Some(&allocation) = s.handles.get(&handle) else {
@@ -1084,19 +1154,59 @@ impl Driver for DriverModel {
         if handle_type.count_ones() != 1 || requested & handle_type == 0 {
             return Err(CuError::INVALID_VALUE);
         }
-        let value = s.next_shareable;
+        let key = s.next_shareable;
         s.next_shareable += 1;
-        s.shareables.insert(value, (allocation, handle_type));
+        let (fd, out) = if handle_type == HANDLE_TYPE_POSIX_FD {
+            // A real descriptor, as the driver writes one (fact 27): one end of a socket pair,
+            // known by its inode; the model keeps the other end to learn when it is closed.
+            let flags = SocketFlags::CLOEXEC;
+            let pair =
+                rustix::net::socketpair(AddressFamily::UNIX, SocketType::STREAM, flags, None);
+            let Ok((watch, handed)) = pair else {
+                return Err(CuError::OUT_OF_MEMORY);
+            };
+            let Ok(st) = rustix::fs::fstat(handed.as_fd()) else {
+                return Err(CuError::OUT_OF_MEMORY);
+            };
+            let ino = identity(&st);
+            (Some(Watched { watch, ino }), ShareableHandle::Fd(handed))
+        } else {
+            (None, ShareableHandle::Opaque(key))
+        };
+        let kind = handle_type;
+        s.shareables.insert(
+            key,
+            Shared {
+                allocation,
+                kind,
+                fd,
+            },
+        );
         *s.holders.entry(allocation).or_insert(0) += 1;
-        Ok(value)
+        Ok(out)
     }
 
     fn mem_import_from_shareable_handle(&self, shareable: u64, handle_type: u32) -> CuResult<u64> {
         let call = DriverCall::MemImportFromShareableHandle;
         let mut s = self.enter(call, true)?;
+        s.reap_shareables();
         // A value that names no open shareable handle of that type: refused, as the driver
-        // refuses a descriptor it cannot use.
-        let Some(&(source, kind)) = s.shareables.get(&shareable) else {
+        // refuses a descriptor it cannot use. A POSIX descriptor is known by its inode (any
+        // copy of it, whatever its number), an opaque value by itself.
+        let found = if handle_type == HANDLE_TYPE_POSIX_FD {
+            let ino = inode_of(shareable);
+            s.shareables
+                .values()
+                .find(|sh| ino.is_some() && sh.fd.as_ref().map(|w| w.ino) == ino)
+        } else {
+            s.shareables.get(&shareable).filter(|sh| sh.fd.is_none())
+        };
+        let Some(&Shared {
+            allocation: source,
+            kind,
+            ..
+        }) = found
+        else {
             return Err(CuError::INVALID_VALUE);
         };
         if kind != handle_type {
@@ -1113,6 +1223,12 @@ impl Driver for DriverModel {
         *s.holders.entry(source).or_insert(0) += 1;
         s.book.apply_create(allocation, len);
         Ok(handle)
+    }
+
+    unsafe fn mem_allocation_size(&self, handle: u64) -> Option<usize> {
+        let s = self.state();
+        let &allocation = s.handles.get(&handle)?;
+        s.book.phys_len(allocation)
     }
 
     unsafe fn mem_release(&self, handle: u64) -> CuResult<()> {

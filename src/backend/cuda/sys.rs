@@ -1,8 +1,11 @@
 //! `SysDriver`: the [`Driver`] seam forwarded one-to-one to `cudarc::driver::sys`.
 
 use super::CudaError;
-use super::driver::{Context, CuError, CuResult, Driver, Event, Stream};
+use super::driver::{
+    Context, CuError, CuResult, Driver, Event, HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
+};
 use cudarc::driver::sys;
+use rustix::fd::{FromRawFd, OwnedFd};
 
 /// The real CUDA driver, loaded at run time by `cudarc`. [`SysDriver::load`] makes one after
 /// checking that the library is present (calling into a missing one panics);
@@ -39,9 +42,14 @@ fn location(device: i32) -> sys::CUmemLocation {
 }
 
 fn pinned(device: i32) -> sys::CUmemAllocationProp {
+    exportable(device, 0)
+}
+
+/// Pinned device memory on `device` that may be exported as `handle_types` (0: none).
+fn exportable(device: i32, handle_types: u32) -> sys::CUmemAllocationProp {
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        requestedHandleTypes: sys::CUmemAllocationHandleType(handle_types),
         location: location(device),
         win32HandleMetaData: std::ptr::null_mut(),
         allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
@@ -145,6 +153,51 @@ impl Driver for SysDriver {
         let (mut handle, prop) = (0, pinned(device));
         // SAFETY: `handle` and `prop` outlive the call.
         check(unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) })?;
+        Ok(handle)
+    }
+
+    fn mem_create_exportable(&self, size: usize, device: i32, handle_types: u32) -> CuResult<u64> {
+        let (mut handle, prop) = (0, exportable(device, handle_types));
+        // SAFETY: `handle` and `prop` outlive the call; the driver checks the handle types.
+        check(unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) })?;
+        Ok(handle)
+    }
+
+    unsafe fn mem_export_to_shareable_handle(
+        &self,
+        handle: u64,
+        handle_type: u32,
+    ) -> CuResult<ShareableHandle> {
+        // Only a descriptor passes through this seam: a fabric handle is 64 bytes of its own.
+        if handle_type != HANDLE_TYPE_POSIX_FD {
+            return Err(CuError::NOT_SUPPORTED);
+        }
+        let mut fd: std::ffi::c_int = -1;
+        let kind = sys::CUmemAllocationHandleType(handle_type);
+        // SAFETY: for a POSIX descriptor the driver writes one `int` (fact 27) into `fd`, which
+        // outlives the call; the caller passes a live handle of this driver.
+        let exported =
+            unsafe { sys::cuMemExportToShareableHandle((&raw mut fd).cast(), handle, kind, 0) };
+        check(exported)?;
+        if fd < 0 {
+            return Err(CuError::UNKNOWN);
+        }
+        // SAFETY: the call succeeded, so `fd` is a descriptor the driver opened for this call
+        // and handed to the caller (who closes it: fact 27); nothing else owns it.
+        Ok(ShareableHandle::Fd(unsafe { OwnedFd::from_raw_fd(fd) }))
+    }
+
+    fn mem_import_from_shareable_handle(&self, shareable: u64, handle_type: u32) -> CuResult<u64> {
+        if handle_type != HANDLE_TYPE_POSIX_FD {
+            return Err(CuError::NOT_SUPPORTED);
+        }
+        // A descriptor travels by value, `(void*)(uintptr_t)fd` (fact 28).
+        let fd = std::ffi::c_int::try_from(shareable).map_err(|_| CuError::INVALID_VALUE)?;
+        let os_handle = fd as usize as *mut std::ffi::c_void;
+        let (mut handle, kind) = (0, sys::CUmemAllocationHandleType(handle_type));
+        // SAFETY: `handle` outlives the call; `os_handle` is a plain integer, never dereferenced
+        // for a POSIX descriptor (fact 28), which the driver checks (an error, not misuse).
+        check(unsafe { sys::cuMemImportFromShareableHandle(&mut handle, os_handle, kind) })?;
         Ok(handle)
     }
 

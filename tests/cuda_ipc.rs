@@ -1,0 +1,186 @@
+//! CUDA prefixes across processes, on the driver model: an exportable prefix of one
+//! `CudaBackend<DriverModel>` exported as POSIX descriptors (real ones: the model backs each
+//! with a socket it watches), sent over a Unix socket pair, and imported by a binding of a second
+//! backend on the same model — another process, as far as the model can tell — which reads the
+//! bytes back, owns nothing, and gives back its handles once.
+
+use memtoken::backend::cuda::{CudaBackend, DriverCall, DriverModel, ModelConfig};
+use memtoken::backend::{Backend, Exportable, HandleType, HostBackend, PosixFd};
+use memtoken::{Budget, Device, ImportError, Offer, PrefixMessage, make_guard};
+use std::os::unix::net::UnixStream;
+
+const G: usize = 2 << 20;
+
+fn model() -> DriverModel {
+    DriverModel::new(ModelConfig {
+        granularity: G,
+        total_mem: 64 * G,
+        ..ModelConfig::default()
+    })
+    .unwrap()
+}
+
+fn pattern(i: usize) -> u8 {
+    (i % 251) as u8 ^ 0xa5
+}
+
+#[test]
+fn a_cuda_prefix_imports_through_the_model_reads_back_owns_nothing_and_goes_in_either_order() {
+    for (len, importer_first) in [(G, false), (G, true), (3 * G, false), (3 * G, true)] {
+        let model = model();
+        make_guard!(ga);
+        make_guard!(gb);
+        let exporter = Device::new(ga, CudaBackend::new(model.clone(), 0).unwrap());
+        let importer = Device::new(gb, CudaBackend::new(model.clone(), 0).unwrap());
+        let owner = exporter.bind(Budget::unlimited()).unwrap();
+        let reader = importer.bind(Budget::bytes(0)).unwrap(); // an importer owns nothing
+        let bytes: Vec<u8> = (0..len).map(pattern).collect();
+        let mut prefix = owner
+            .reserve(len)
+            .unwrap()
+            .commit_prefix_exportable::<PosixFd>()
+            .unwrap();
+        prefix.copy_from_host(0, &bytes).unwrap().unwrap();
+        let export = prefix.export().unwrap();
+        assert_eq!(exporter.outstanding_exports(), 1);
+        assert_eq!(model.open_shareables(), 1 + usize::from(len > G));
+        assert_eq!(export.message().kind, HandleType::PosixFd);
+        assert_eq!(export.message().body_offset, 0);
+        assert_eq!(export.message().boundary_offset, 0);
+
+        let (a, b) = UnixStream::pair().unwrap();
+        export.send(&a).unwrap();
+        let offer = Offer::recv(&b).unwrap();
+        let before = model.count(DriverCall::MemImportFromShareableHandle);
+        let imported = reader.import(offer).unwrap();
+        let imports = model.count(DriverCall::MemImportFromShareableHandle) - before;
+        assert_eq!(imports, 1 + u64::from(len > G), "one import per descriptor");
+        assert_eq!(imported.len(), len);
+        let mut back = vec![0u8; len];
+        imported.copy_to_host(0, &mut back).unwrap();
+        assert!(back == bytes, "every byte as the exporter wrote it");
+        assert_eq!(reader.used(), 0);
+        assert_eq!(
+            importer.ledger().owned_bytes,
+            0,
+            "the importer owns 0 bytes"
+        );
+        assert_eq!(exporter.ledger().owned_bytes, len as u64);
+
+        let before = model.count(DriverCall::MemRelease);
+        if importer_first {
+            imported.release().complete().unwrap();
+            assert_eq!(
+                model.count(DriverCall::MemRelease) - before,
+                1 + u64::from(len > G),
+                "each imported handle released once"
+            );
+            export.end();
+            assert_eq!(exporter.outstanding_exports(), 0);
+            prefix.release().complete().unwrap();
+        } else {
+            prefix.release().complete().unwrap();
+            export.end();
+            assert_eq!(exporter.outstanding_exports(), 0);
+            // The import holds the memory (fact 27): its bytes are still there.
+            let mut again = vec![0u8; len];
+            imported.copy_to_host(0, &mut again).unwrap();
+            assert!(again == bytes, "the import keeps the memory");
+            assert_eq!(model.outstanding().physical_bytes, len);
+            imported.release().complete().unwrap();
+        }
+        assert_eq!(model.open_shareables(), 0, "every descriptor closed");
+        drop((owner, reader));
+        assert!(exporter.close().is_clean());
+        assert!(importer.close().is_clean());
+        assert!(
+            model.outstanding().is_zero(),
+            "{len:#x}, importer first: {importer_first}: {:?}",
+            model.outstanding()
+        );
+    }
+}
+
+/// A message that claims other sizes than the driver's: the importer checks the driver's size
+/// against it and refuses before anything is mapped; a descriptor that names no exported
+/// memory is an error value, never a panic.
+#[test]
+fn an_import_that_disagrees_with_the_drivers_size_or_names_nothing_is_refused() {
+    let model = model();
+    // The exporter, below the typed layer: two exported allocations of 2G and G bytes.
+    let exporter = CudaBackend::new(model.clone(), 0).unwrap();
+    let big = Exportable::<PosixFd>::create_exportable(&exporter, 2 * G).unwrap();
+    let small = Exportable::<PosixFd>::create_exportable(&exporter, G).unwrap();
+    let plain = exporter.create(G).unwrap();
+    let e = Exportable::<PosixFd>::export(&exporter, plain, G).unwrap_err();
+    assert!(e.to_string().contains("not created exportable"), "{e}");
+    let message = PrefixMessage {
+        len: 3 * G as u64,
+        body_len: 2 * G as u64,
+        granularity: G as u64,
+        kind: HandleType::PosixFd,
+        generation: 1,
+        body_offset: 0,
+        boundary_offset: 0,
+    };
+    let export = |phys, n| {
+        Exportable::<PosixFd>::export(&exporter, phys, n)
+            .unwrap()
+            .fd
+    };
+
+    make_guard!(guard);
+    let importer = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+    let reader = importer.bind(Budget::bytes(0)).unwrap();
+    let refused = |fds| {
+        let offer =
+            Offer::new(&message.encode(), fds).expect("a socket is not a file: let through");
+        let e = reader.import(offer).unwrap_err();
+        assert!(matches!(e, ImportError::Backend(_)), "{e}");
+        e.to_string()
+    };
+    // The descriptors swapped: the body claims 2G of a G allocation.
+    let e = refused(vec![export(small, G), export(big, 2 * G)]);
+    assert!(e.contains("importing"), "{e}");
+    // Both the big one: the boundary claims G of a 2G allocation.
+    refused(vec![export(big, 2 * G), export(big, 2 * G)]);
+    // A descriptor of nothing the driver exported.
+    let null = std::fs::File::open("/dev/null").unwrap();
+    refused(vec![export(big, 2 * G), null.into()]);
+    // Nothing stays imported, mapped or reserved; every descriptor is closed.
+    assert_eq!(importer.ledger().reserved_bytes, 0);
+    assert_eq!(model.open_shareables(), 0);
+    drop(reader);
+    assert!(importer.close().is_clean());
+    for (phys, n) in [(big, 2 * G), (small, G), (plain, G)] {
+        exporter.release(phys, n).unwrap();
+    }
+    drop(exporter);
+    assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+}
+
+/// The host backend still refuses a descriptor that is not a file: `Offer` lets a non-file
+/// through (a CUDA driver's descriptor is one), and the host's import checks it.
+#[test]
+fn a_host_import_of_a_descriptor_that_is_not_a_file_is_refused() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity() as u64;
+    let message = PrefixMessage {
+        len: g,
+        body_len: 0,
+        granularity: g,
+        kind: HandleType::PosixFd,
+        generation: 1,
+        body_offset: 0,
+        boundary_offset: 0,
+    };
+    let (socket, _peer) = UnixStream::pair().unwrap();
+    let offer = Offer::new(&message.encode(), vec![socket.into()]).unwrap();
+    let e = binding.import(offer).unwrap_err();
+    assert!(format!("{:?}", e).contains("not a regular file"), "{e:?}");
+    assert_eq!(device.ledger().reserved_bytes, 0);
+    drop(binding);
+    assert!(device.close().is_clean());
+}

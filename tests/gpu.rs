@@ -670,7 +670,26 @@ fn gpu_export_import_in_a_child_process() {
         .env(IPC_CHILD_ENV, &path)
         .spawn()
         .unwrap();
-    let (mut socket, _) = listener.accept().unwrap();
+    // The child connects, or the test fails (never hangs) once it exited without connecting.
+    listener.set_nonblocking(true).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let mut socket = loop {
+        match listener.accept() {
+            Ok((socket, _)) => break socket,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if let Some(status) = child.try_wait().unwrap() {
+                    panic!("the child exited ({status}) without connecting");
+                }
+                assert!(
+                    std::time::Instant::now() < deadline,
+                    "the child never connected"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            Err(e) => panic!("accept: {e}"),
+        }
+    };
+    socket.set_nonblocking(false).unwrap();
     let _ = std::fs::remove_file(&path);
     export.send(&socket).unwrap();
     let mut report = String::new();

@@ -602,3 +602,37 @@ fn gpu_a_map_past_an_imported_allocation_is_refused() {
         raw.release(&[imported, handle]);
     }
 }
+
+/// Assumption 8: a descriptor that names no exported memory — a device node, a socket, a memfd,
+/// a number no longer open — is an error of the import call, not a crash or a handle.
+#[test]
+fn gpu_importing_a_foreign_descriptor_is_an_error() {
+    use memtoken::backend::cuda::HANDLE_TYPE_POSIX_FD;
+    use std::os::fd::{AsRawFd, OwnedFd};
+    let Some(raw) = Raw::open_or_skip("gpu_importing_a_foreign_descriptor_is_an_error") else {
+        return;
+    };
+    let null: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
+    let (socket, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
+    let memfd = rustix::fs::memfd_create("foreign", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    rustix::fs::ftruncate(&memfd, raw.g as u64).unwrap();
+    let closed = {
+        let fd: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
+        fd.as_raw_fd()
+    };
+    let cases = [
+        ("/dev/null", null.as_raw_fd()),
+        ("a socket", socket.as_raw_fd()),
+        ("a memfd", memfd.as_raw_fd()),
+        ("a closed number", closed),
+    ];
+    for (what, fd) in cases {
+        let imported = raw
+            .driver
+            .mem_import_from_shareable_handle(fd as u64, HANDLE_TYPE_POSIX_FD);
+        assert!(imported.is_err(), "{what} was imported as {imported:?}");
+    }
+    // The descriptors are untouched: still open, still what they were.
+    assert!(rustix::fs::fstat(&memfd).unwrap().st_size == raw.g as i64);
+    assert!(rustix::fs::fstat(&null).is_ok());
+}

@@ -137,7 +137,16 @@
 //!    allocation's end, as its reference requires of the caller. Used by: every import on the
 //!    real driver, which cannot ask the size of what it imported; a message claiming more than
 //!    the exporter's allocation is then refused at the map, not mapped. Test:
-//!    `gpu_a_map_past_an_imported_allocation_is_refused`.
+//!    `gpu_a_map_past_an_imported_allocation_is_refused`. A message claiming *less* than the
+//!    allocation would map part of the handle from offset 0, which fact 17 leaves unknown
+//!    (the model refuses it up front, since it knows the size): same test, second case.
+//! 8. `cuMemImportFromShareableHandle` given a descriptor that names no exported memory (a
+//!    device node, a socket, a memfd, a closed number) returns an error, and does nothing
+//!    else to the descriptor. Used by: every import on the real driver, whose descriptors
+//!    come from another process. Test: `gpu_importing_a_foreign_descriptor_is_an_error`.
+//! 9. The descriptor `cuMemExportToShareableHandle` writes may not be close-on-exec; the
+//!    backend sets `FD_CLOEXEC` on it at once, so a child started later does not inherit it
+//!    (and keep the memory alive, fact 27). Not relied on beyond that call.
 //!
 //! Not relied on, so not tested: the default reservation alignment, access on part of a
 //! mapping, and a map at a non-zero offset.
@@ -1022,7 +1031,10 @@ impl<D: Driver> Backend for CudaBackend<D> {
         }
         // SAFETY: `s.book.check_map` above proved `[addr, addr + len)` inside a live
         // reservation with nothing mapped there, and `phys` live (so its handle is: see
-        // `release`) with exactly `len` bytes, all mapped from offset 0.
+        // `release`) with exactly `len` bytes, all mapped from offset 0 — for an imported
+        // handle, `len` is what the import was checked to hold where the driver can say
+        // (`mem_allocation_size`), and otherwise what the peer's message claims, which the
+        // driver refuses at the map if it is wrong (assumptions 7 and 8 in the module docs).
         unsafe { self.driver.mem_map(ptr, len, 0, phys.handle) }.map_err(fail)?;
         s.book.apply_map(addr, len, phys, access);
         // This device and every peer, in one call: no mapping has one's access without all.

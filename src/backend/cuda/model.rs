@@ -821,6 +821,8 @@ impl DriverModel {
         Self::check(call, s.book.check_create(size));
         self.check_device(call, device);
         s.refused_by_capture()?;
+        // Memory whose last exported descriptor was closed meanwhile is gone by now.
+        s.reap_shareables();
         if s.used + size > self.config.total_mem {
             return Err(CuError::OUT_OF_MEMORY);
         }

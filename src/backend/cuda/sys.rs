@@ -184,7 +184,11 @@ impl Driver for SysDriver {
         }
         // SAFETY: the call succeeded, so `fd` is a descriptor the driver opened for this call
         // and handed to the caller (who closes it: fact 27); nothing else owns it.
-        Ok(ShareableHandle::Fd(unsafe { OwnedFd::from_raw_fd(fd) }))
+        let fd = unsafe { OwnedFd::from_raw_fd(fd) };
+        // Not inherited by a child started later, which would keep the memory alive (fact 27):
+        // the driver does not document close-on-exec (assumption 9 in the backend's docs).
+        rustix::io::fcntl_setfd(&fd, rustix::io::FdFlags::CLOEXEC).map_err(|_| CuError::UNKNOWN)?;
+        Ok(ShareableHandle::Fd(fd))
     }
 
     fn mem_import_from_shareable_handle(&self, shareable: u64, handle_type: u32) -> CuResult<u64> {

@@ -4,7 +4,7 @@
 //! come and go one by one, through the device's cache of physical granules.
 
 use crate::allocation::Allocation;
-use crate::backend::{Access, Backend, HostVisible, Op};
+use crate::backend::{Access, Backend, BackendError, HostVisible, Op};
 use crate::binding::Binding;
 use crate::device::Device;
 use crate::error::{CommitFailure, GrowFailure, ShrinkFailure, TransitionError};
@@ -364,15 +364,8 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         let mut back = GiveBack::new(device, binding, from_cache);
         let mut failed = None;
         while self.committed_granules() > start {
-            let i = self.committed_granules() - 1;
-            let phys = self
-                .parts_mut()
-                .committed
-                .pop()
-                .expect("a granule past start");
-            let offset = i * g;
-            match device.backend().unmap(core.addr + offset, g) {
-                Ok(()) => {
+            match self.unmap_last() {
+                Ok((i, phys)) => {
                     device.refund(Axis::Mapped, g);
                     if i - start < from_cache {
                         back.give(phys);
@@ -381,15 +374,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
                         back.quarantined += usize::from(device.release_orphan(phys, g).is_err());
                     }
                 }
-                Err(e) => {
-                    self.parts_mut().stuck.push(Granule {
-                        offset,
-                        len: g,
-                        phys,
-                        mapped: true,
-                    });
-                    failed = Some((failed.map_or(0, |(n, _)| n) + 1, e));
-                }
+                Err(e) => failed = Some((failed.map_or(0, |(n, _)| n) + 1, e)),
             }
         }
         let quarantined = back.finish();
@@ -450,6 +435,33 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         self.shrink_now(granules)
     }
 
+    /// Pops the last committed granule and unmaps it: its index and memory once unmapped, or
+    /// the unmap's error, the granule then withheld (still mapped as far as anyone knows).
+    #[inline]
+    fn unmap_last(&mut self) -> Result<(usize, B::Phys), BackendError> {
+        let core = self.core();
+        let g = core.device().granularity();
+        let i = self.committed_granules() - 1;
+        let phys = self
+            .parts_mut()
+            .committed
+            .pop()
+            .expect("a committed granule");
+        let offset = i * g;
+        match core.device().backend().unmap(core.addr + offset, g) {
+            Ok(()) => Ok((i, phys)),
+            Err(e) => {
+                self.parts_mut().stuck.push(Granule {
+                    offset,
+                    len: g,
+                    phys,
+                    mapped: true,
+                });
+                Err(e)
+            }
+        }
+    }
+
     /// Unmaps the last `granules` committed granules (no more than are committed) and gives
     /// them back. No work may still use them: the caller checked [`idle`], or mapped them
     /// within the current call.
@@ -461,27 +473,12 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         let mut failed = None;
         let mut unmapped = 0;
         for _ in 0..granules {
-            let i = self.committed_granules() - 1;
-            let phys = self
-                .parts_mut()
-                .committed
-                .pop()
-                .expect("a committed granule");
-            let offset = i * g;
-            match device.backend().unmap(core.addr + offset, g) {
-                Ok(()) => {
+            match self.unmap_last() {
+                Ok((_, phys)) => {
                     unmapped += 1;
                     back.give(phys);
                 }
-                Err(e) => {
-                    self.parts_mut().stuck.push(Granule {
-                        offset,
-                        len: g,
-                        phys,
-                        mapped: true,
-                    });
-                    failed = Some(e);
-                }
+                Err(e) => failed = Some(e),
             }
         }
         if unmapped > 0 {

@@ -33,10 +33,19 @@ impl Outstanding {
     }
 }
 
+/// What a planned fault does to its call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Effect {
+    /// The call returns [`Cause::Injected`].
+    Fail,
+    /// The call panics, as a buggy backend or driver binding might.
+    Panic,
+}
+
 #[derive(Debug, Default)]
 struct FaultState {
     /// Calls counted since the wrapper was made, and the planned faults.
-    plans: Mutex<FaultPlan<Op, ()>>,
+    plans: Mutex<FaultPlan<Op, Effect>>,
     outstanding: Mutex<Outstanding>,
     mappings: Mutex<BTreeMap<Addr, usize>>,
 }
@@ -53,7 +62,19 @@ impl FaultHandle {
     ///
     /// If `n` is zero.
     pub fn fail_nth(&self, op: Op, n: u64) {
-        lock(&self.0.plans).plan(op, n, (), false);
+        lock(&self.0.plans).plan(op, n, Effect::Fail, false);
+    }
+
+    /// Makes the `n`th call of kind `op` from now panic, once, before it reaches the wrapped
+    /// backend (which is left untouched, as with [`fail_nth`](Self::fail_nth)). The panic's
+    /// message names the call: `Faulty: panic injected into Map call #3`. For testing that a
+    /// panicking backend leaves the typed layer consistent. It replaces the kind's plan.
+    ///
+    /// # Panics
+    ///
+    /// If `n` is zero.
+    pub fn panic_nth(&self, op: Op, n: u64) {
+        lock(&self.0.plans).plan(op, n, Effect::Panic, false);
     }
 
     /// Fails the `n`th call of kind `op` from now and every one after it, until [`clear`](Self::clear).
@@ -62,7 +83,7 @@ impl FaultHandle {
     ///
     /// If `n` is zero.
     pub fn fail_from(&self, op: Op, n: u64) {
-        lock(&self.0.plans).plan(op, n, (), true);
+        lock(&self.0.plans).plan(op, n, Effect::Fail, true);
     }
 
     /// Removes every planned fault.
@@ -80,11 +101,27 @@ impl FaultHandle {
         *lock(&self.0.outstanding)
     }
 
-    /// Counts a call; returns the injected error if this call is planned to fail.
+    /// Counts a call; returns the injected error if this call is planned to fail, and panics
+    /// (with no lock held) if it is planned to panic.
     fn enter(&self, op: Op, addr: Addr, len: usize) -> Result<(), BackendError> {
-        lock(&self.0.plans)
-            .enter(op)
-            .map_err(|Fault { nth, .. }| BackendError::new(op, addr, len, Cause::Injected { nth }))
+        let planned = lock(&self.0.plans).enter(op);
+        match planned {
+            Ok(()) => Ok(()),
+            Err(Fault {
+                nth,
+                error: Effect::Fail,
+            }) => Err(BackendError::new(op, addr, len, Cause::Injected { nth })),
+            Err(Fault {
+                nth,
+                error: Effect::Panic,
+            }) => panic!("Faulty: panic injected into {op:?} call #{nth}"),
+        }
+    }
+
+    /// Counts a call that cannot fail (a fence's): only a planned panic applies to it; a
+    /// planned failure is used up without effect.
+    fn enter_infallible(&self, op: Op) {
+        let _ = self.enter(op, 0, 0);
     }
 
     fn count(&self, f: impl FnOnce(&mut Outstanding)) {
@@ -236,18 +273,22 @@ impl<B: Backend> Backend for Faulty<B> {
     }
 
     fn fence(&self) -> B::Fence {
+        self.handle.enter_infallible(Op::Fence);
         self.inner.fence()
     }
 
     fn fence_done(&self, fence: &B::Fence) -> bool {
+        self.handle.enter_infallible(Op::Fence);
         self.inner.fence_done(fence)
     }
 
     fn wait_fence(&self, fence: &B::Fence) -> bool {
+        self.handle.enter_infallible(Op::Fence);
         self.inner.wait_fence(fence)
     }
 
     fn retire_fence(&self, fence: B::Fence) {
+        self.handle.enter_infallible(Op::Fence);
         self.inner.retire_fence(fence);
     }
 

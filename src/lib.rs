@@ -161,6 +161,7 @@ mod sleep;
 mod state;
 mod token;
 mod transfer;
+mod unwind;
 
 pub use allocation::{Allocation, CommitError, CompleteError};
 pub use binding::Binding;

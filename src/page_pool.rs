@@ -294,8 +294,16 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     /// Returns every page of `table` to this pool; the table can be reused.
     #[inline]
     pub fn clear(&self, table: &mut PageTable<'_, 'pool, 'b, 'id, B>) {
-        self.give_back(&table.pages);
-        table.pages.clear();
+        if B::IMMEDIATE {
+            self.give_back(&table.pages);
+            table.pages.clear();
+        } else {
+            // The table lets go of its pages before they cool: a backend panic contained while
+            // recording their fence resumes from `cool`, and must find them given back once.
+            let pages = table.pages.to_vec();
+            table.pages.clear();
+            self.cool(pages);
+        }
     }
 
     /// An empty page table drawing from this pool.

@@ -9,9 +9,10 @@ use crate::ledger::Axis;
 use crate::quarantine::{Quarantined, settle};
 use crate::residual::Held;
 use crate::state::{
-    Committed, Internal, Live, Readable, Releasing, Reserved, Retired, State, sealed::Sealed,
+    Committed, Internal, Live, Readable, Releasing, Reserved, Retired, State, Wait, sealed::Sealed,
 };
 use crate::token::{Core, host_slice, host_slice_mut};
+use crate::unwind::Scope;
 use std::fmt;
 use std::mem::ManuallyDrop;
 
@@ -178,15 +179,17 @@ impl<'b, 'id, B: Backend> Binding<'b, 'id, B> {
             });
         }
         device.ensure_live(Op::Reserve, 0, rounded)?;
-        let addr = backend.reserve(rounded)?;
-        device.charge(Axis::Reserved, rounded);
-        let core = Core {
-            binding: self,
-            addr,
-            len: rounded,
-            generation: device.next_generation(),
-        };
-        Ok(Allocation::from_core(core, ()))
+        Scope::run(move || {
+            let addr = backend.reserve(rounded)?;
+            device.charge(Axis::Reserved, rounded);
+            let core = Core {
+                binding: self,
+                addr,
+                len: rounded,
+                generation: device.next_generation(),
+            };
+            Ok(Allocation::from_core(core, ()))
+        })
     }
 }
 
@@ -274,29 +277,31 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     /// device's quarantine, charged as owned, and the cause says so.
     #[must_use = "a failed commit returns the reserved token inside the error"]
     pub fn commit(self) -> Result<Allocation<'b, 'id, B, Committed>, CommitError<'b, 'id, B>> {
-        let core = self.core;
-        let (binding, len) = (core.binding, core.len);
-        let device = core.device();
-        let backend = device.backend();
-        let refuse = |token, cause| Err(TransitionError { token, cause });
-        if let Err(cause) = self.admit() {
-            return refuse(self, cause);
-        }
-        let phys = match backend.create(len) {
-            Ok(phys) => phys,
-            Err(e) => {
-                binding.uncharge(len);
-                return refuse(self, CommitFailure::Backend(e));
+        Scope::run(move || {
+            let core = self.core;
+            let (binding, len) = (core.binding, core.len);
+            let device = core.device();
+            let backend = device.backend();
+            let refuse = |token, cause| Err(TransitionError { token, cause });
+            if let Err(cause) = self.admit() {
+                return refuse(self, cause);
             }
-        };
-        if let Err(error) = backend.map(core.addr, len, phys, Access::ReadWrite) {
-            binding.refund(len);
-            let cause = CommitFailure::undone(error, device.release_orphan(phys, len));
-            return refuse(self, cause);
-        }
-        device.charge(Axis::Mapped, len);
-        let (core, ()) = self.into_core();
-        Ok(Allocation::from_core(core, phys))
+            let phys = match backend.create(len) {
+                Ok(phys) => phys,
+                Err(e) => {
+                    binding.uncharge(len);
+                    return refuse(self, CommitFailure::Backend(e));
+                }
+            };
+            if let Err(error) = backend.map(core.addr, len, phys, Access::ReadWrite) {
+                binding.refund(len);
+                let cause = CommitFailure::undone(error, device.release_orphan(phys, len));
+                return refuse(self, cause);
+            }
+            device.charge(Axis::Mapped, len);
+            let (core, ()) = self.into_core();
+            Ok(Allocation::from_core(core, phys))
+        })
     }
 }
 
@@ -307,16 +312,18 @@ impl<'b, 'id, B: Backend, S: Live> Allocation<'b, 'id, B, S> {
     /// it has completed. Cannot fail.
     #[must_use = "dropping the Releasing token hands the release to the device; call complete()"]
     pub fn release(self) -> Allocation<'b, 'id, B, Releasing> {
-        let (core, parts) = self.into_core();
-        let Retired {
-            held,
-            fence,
-            charged,
-        } = S::retire(core.backend(), core.len, parts, Internal(()));
-        // The binding stays charged for the memory the token still owns, until it is released;
-        // the rest leaves its budget now (a prefix's bytes stay with its mappings).
-        binding_keeps(core, charged, &held);
-        Allocation::from_core(core, (held, fence))
+        Scope::run(move || {
+            let (core, parts) = self.into_core();
+            let Retired {
+                held,
+                fence,
+                charged,
+            } = S::retire(core.backend(), core.len, parts, Internal(()));
+            // The binding stays charged for the memory the token still owns, until it is released;
+            // the rest leaves its budget now (a prefix's bytes stay with its mappings).
+            binding_keeps(core, charged, &held);
+            Allocation::from_core(core, (held, fence))
+        })
     }
 }
 
@@ -352,8 +359,11 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Releasing> {
     /// Whether the fence has completed (or there is none), so [`complete`](Self::complete) can
     /// proceed. Never blocks.
     pub fn is_ready(&self) -> bool {
-        let backend = self.core.backend();
-        self.parts.1.as_ref().is_none_or(|f| backend.fence_done(f))
+        match &self.parts.1 {
+            Wait::Nothing => true,
+            Wait::On(fence) => self.core.backend().fence_done(fence),
+            Wait::Unrecorded => false,
+        }
     }
 
     /// Finishes the release once the fence has completed: unmaps, gives back shared and owned
@@ -370,23 +380,32 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Releasing> {
     /// [`Device::retry_quarantine`](crate::Device::retry_quarantine)) while this token's own
     /// release still succeeds.
     #[must_use = "a pending or failed completion returns a token inside the error"]
-    pub fn complete(self) -> Result<Released, CompleteError<'b, 'id, B>> {
-        if !self.is_ready() {
-            return Err(TransitionError {
-                token: Returned::Unchanged(self),
-                cause: ReleaseFailure::Pending,
-            });
-        }
-        let (core, (held, fence)) = self.into_core();
-        if let Some(fence) = fence {
-            core.backend().retire_fence(fence);
-        }
-        settle(core.binding, core.residual(held)).map_err(|e| e.map_token(Returned::Quarantined))
+    pub fn complete(mut self) -> Result<Released, CompleteError<'b, 'id, B>> {
+        Scope::run(move || {
+            if let Wait::Unrecorded = self.parts.1 {
+                // The fence the release began with could not be recorded: one recorded now covers
+                // the same work.
+                self.parts.1 = Wait::on(self.core.backend().fence());
+            }
+            if !self.is_ready() {
+                return Err(TransitionError {
+                    token: Returned::Unchanged(self),
+                    cause: ReleaseFailure::Pending,
+                });
+            }
+            let (core, (held, fence)) = self.into_core();
+            if let Wait::On(fence) = fence {
+                core.backend().retire_fence(fence);
+            }
+            settle(core.binding, core.residual(held))
+                .map_err(|e| e.map_token(Returned::Quarantined))
+        })
     }
 }
 
 impl<B: Backend, S: State> Drop for Allocation<'_, '_, B, S> {
     fn drop(&mut self) {
+        let _scope = Scope::enter();
         // SAFETY: `drop` runs once and nothing uses `self.parts` after it.
         let parts = unsafe { ManuallyDrop::take(&mut self.parts) };
         let core = self.core;

@@ -5,6 +5,8 @@ use crate::device::Device;
 use crate::error::CommitFailure;
 use crate::ledger::{Axis, Budget, try_add, try_sub};
 use crate::residual::Residual;
+use crate::state::Wait;
+use crate::unwind::Scope;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A consumer's pinned handle on a [`Device`] — a model session, a KV cache. It holds a context
@@ -29,8 +31,8 @@ pub struct Binding<'d, 'id, B: Backend> {
 
 /// Where a residual goes when it leaves its token.
 pub(crate) enum Custody<F> {
-    /// To the device: released now if its fence is done (or it has none), else queued.
-    Fenced(Option<F>),
+    /// To the device: released now if what it waits for is done, else queued.
+    Fenced(Wait<F>),
     /// To the device's quarantine, where it is already counted.
     Quarantined,
 }
@@ -42,12 +44,15 @@ impl<'id, B: Backend> Device<'id, B> {
     ///
     /// The backend's error if the context cannot be pinned.
     pub fn bind(&self, budget: Budget) -> Result<Binding<'_, 'id, B>, BackendError> {
-        self.ensure_live(Op::Pin, 0, 0)?;
-        self.backend().pin()?;
-        Ok(Binding {
-            device: self,
-            limit: budget.limit(),
-            used: AtomicU64::new(0),
+        Scope::run(move || {
+            self.ensure_live(Op::Pin, 0, 0)?;
+            self.backend().pin()?;
+            self.note_bound();
+            Ok(Binding {
+                device: self,
+                limit: budget.limit(),
+                used: AtomicU64::new(0),
+            })
         })
     }
 }
@@ -126,6 +131,8 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
 
 impl<B: Backend> Drop for Binding<'_, '_, B> {
     fn drop(&mut self) {
+        let _scope = Scope::enter();
+        self.device.note_unbound();
         let backend = self.device.backend();
         // A lost context took its pins with it: no call into it.
         if !backend.context_lost() && backend.unpin().is_err() {

@@ -10,6 +10,8 @@ use crate::error::{CommitFailure, ReleaseFailure};
 use crate::ids::{ContextLost, Generation, Generations};
 use crate::ledger::{Axis, Budget, Ledger, LedgerSnapshot};
 use crate::residual::{Held, Holdings, Residual, SharedPhys, SharedTotals};
+use crate::state::Wait;
+use crate::unwind::{Guarded, Scope};
 use generativity::{Guard, Id};
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -39,6 +41,25 @@ pub struct Custody {
     pub shared: Holdings,
 }
 
+/// What was forgotten (`mem::forget`, or leaked) and never given back to a device, beyond the
+/// bytes its ledger shows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Forgotten {
+    /// Bindings never dropped. Each still held its context pin, which the device releases as it
+    /// drops (a binding borrows its device, so none can be alive by then).
+    pub bindings: u64,
+    /// Pages of a [`PagePool`](crate::PagePool) (alone, or in a page table) never given back
+    /// before their pool dropped; their memory went with the pool's chunks.
+    pub pages: u64,
+}
+
+impl Forgotten {
+    /// True when nothing was forgotten.
+    pub fn is_zero(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
 /// What a device held when it closed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CloseReport {
@@ -47,16 +68,94 @@ pub struct CloseReport {
     pub ledger: LedgerSnapshot,
     /// What the last poll and retry left.
     pub progress: Progress,
+    /// Bindings and pages forgotten, which hold no bytes of the ledger.
+    pub forgotten: Forgotten,
 }
 
 impl CloseReport {
-    /// True when the device closed with nothing outstanding.
+    /// True when the device closed with nothing outstanding and nothing forgotten.
     pub fn is_clean(&self) -> bool {
-        self.ledger.is_zero() && self.progress.deferred == 0
+        self.ledger.is_zero() && self.progress.deferred == 0 && self.forgotten.is_zero()
     }
 }
 
-type Deferred<B> = (Residual<<B as Backend>::Phys>, <B as Backend>::Fence);
+/// A release waiting for its fence; `None`: recording the fence failed (the backend
+/// panicked), so one is recorded before the release can go on.
+type Deferred<B> = (
+    Residual<<B as Backend>::Phys>,
+    Option<<B as Backend>::Fence>,
+);
+
+/// Which queue a residual being torn down came from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Queue {
+    Quarantine,
+    Deferred,
+}
+
+/// A residual taken out of a queue by a poll or a retry and being torn down outside the lock:
+/// still counted where it came from until it lands (released, quarantined or queued again),
+/// so that no reading of the custody under-reports it.
+#[derive(Debug)]
+struct Busy {
+    generation: Generation,
+    from: Queue,
+    holdings: Holdings,
+    /// Its VA, while it still holds it.
+    range: Option<(Addr, usize)>,
+}
+
+impl Busy {
+    fn new<P>(residual: &Residual<P>, from: Queue) -> Self {
+        let mut holdings = Holdings::default();
+        holdings.add(residual);
+        Self {
+            generation: residual.generation,
+            from,
+            holdings,
+            range: residual.holds_va().then(|| residual.range()),
+        }
+    }
+}
+
+/// The device's custody, under one lock so that a residual moving between its parts is always
+/// seen in one of them: the quarantine, the deferred queue, and what is being torn down.
+struct Books<B: Backend> {
+    quarantine: Vec<Residual<B::Phys>>,
+    deferred: Vec<Deferred<B>>,
+    busy: Vec<Busy>,
+}
+
+impl<B: Backend> Books<B> {
+    /// Takes every residual of `from` out, counting each as busy until it lands.
+    fn take(&mut self, from: Queue) -> Vec<Deferred<B>> {
+        let taken: Vec<Deferred<B>> = match from {
+            Queue::Deferred => std::mem::take(&mut self.deferred),
+            Queue::Quarantine => std::mem::take(&mut self.quarantine)
+                .into_iter()
+                .map(|r| (r, None))
+                .collect(),
+        };
+        self.busy
+            .extend(taken.iter().map(|(r, _)| Busy::new(r, from)));
+        taken
+    }
+
+    /// A busy residual has landed: it is counted where it is now, or nowhere.
+    fn landed(&mut self, generation: Generation) {
+        if let Some(i) = self.busy.iter().position(|b| b.generation == generation) {
+            self.busy.swap_remove(i);
+        }
+    }
+
+    fn count(&self, queue: Queue) -> usize {
+        let busy = self.busy.iter().filter(|b| b.from == queue).count();
+        busy + match queue {
+            Queue::Quarantine => self.quarantine.len(),
+            Queue::Deferred => self.deferred.len(),
+        }
+    }
+}
 
 /// The default cap of a device's granule cache, in granules (see [`Device::set_cache_cap`]).
 const DEFAULT_CACHE_GRANULES: u64 = 64;
@@ -102,12 +201,15 @@ const DEFAULT_CACHE_GRANULES: u64 = 64;
 /// ```
 pub struct Device<'id, B: Backend> {
     brand: Id<'id>,
-    backend: B,
+    backend: Guarded<B>,
     ledger: Ledger,
     generations: Generations,
     failed_unpins: AtomicU64,
-    quarantine: Mutex<Vec<Residual<B::Phys>>>,
-    deferred: Mutex<Vec<Deferred<B>>>,
+    /// Bindings alive (or forgotten).
+    bindings: AtomicU64,
+    /// Pages forgotten in pools that have dropped.
+    forgotten_pages: AtomicU64,
+    books: Mutex<Books<B>>,
     shared: SharedTotals,
     cache: Mutex<Vec<B::Phys>>,
     /// Cap on the cache's bytes.
@@ -139,12 +241,17 @@ impl<'id, B: Backend> Device<'id, B> {
             cache: Mutex::new(Vec::new()),
             cache_cap: AtomicU64::new(cache.limit()),
             brand: guard.into(),
-            backend,
+            backend: Guarded::new(backend),
             ledger: Ledger::default(),
             generations: Generations::new(),
             failed_unpins: AtomicU64::new(0),
-            quarantine: Mutex::new(Vec::new()),
-            deferred: Mutex::new(Vec::new()),
+            bindings: AtomicU64::new(0),
+            forgotten_pages: AtomicU64::new(0),
+            books: Mutex::new(Books {
+                quarantine: Vec::new(),
+                deferred: Vec::new(),
+                busy: Vec::new(),
+            }),
             shared: SharedTotals::default(),
             limit: budget.limit(),
             closed: false,
@@ -162,29 +269,43 @@ impl<'id, B: Backend> Device<'id, B> {
     }
 
     /// What the device holds in its own custody: residuals quarantined after a dropped
-    /// token's teardown failed, and releases waiting for their fence.
+    /// token's teardown failed, and releases waiting for their fence. A residual that a poll or
+    /// a retry on another thread is tearing down right now is counted where it came from, with
+    /// what it held when it was taken out: a reading never under-reports.
     pub fn custody(&self) -> Custody {
         let mut custody = Custody::default();
-        for r in lock(&self.quarantine).iter() {
-            custody.quarantined.add(r);
-        }
-        for (r, _) in lock(&self.deferred).iter() {
-            custody.deferred.add(r);
+        {
+            let books = lock(&self.books);
+            for r in &books.quarantine {
+                custody.quarantined.add(r);
+            }
+            for (r, _) in &books.deferred {
+                custody.deferred.add(r);
+            }
+            for b in &books.busy {
+                let into = match b.from {
+                    Queue::Quarantine => &mut custody.quarantined,
+                    Queue::Deferred => &mut custody.deferred,
+                };
+                into.absorb(&b.holdings);
+            }
         }
         custody.shared = self.shared.holdings();
         custody
     }
 
     /// The VA ranges the device withholds from reuse: quarantined residuals that still hold
-    /// their VA, and releases waiting for their fence.
+    /// their VA, releases waiting for their fence, and those being torn down right now.
     pub fn withheld_ranges(&self) -> Vec<(Addr, usize)> {
-        let quarantined = lock(&self.quarantine);
-        let deferred = lock(&self.deferred);
-        quarantined
+        let books = lock(&self.books);
+        let queued = books
+            .quarantine
             .iter()
-            .chain(deferred.iter().map(|(r, _)| r))
+            .chain(books.deferred.iter().map(|(r, _)| r));
+        queued
             .filter(|r| r.holds_va())
-            .map(|r| (r.addr, r.len))
+            .map(|r| r.range())
+            .chain(books.busy.iter().filter_map(|b| b.range))
             .collect()
     }
 
@@ -194,34 +315,61 @@ impl<'id, B: Backend> Device<'id, B> {
     }
 
     /// Releases what waited for a fence that has now completed. Never blocks.
+    ///
+    /// What it takes out of the queue stays counted in [`custody`](Self::custody) and in the
+    /// `deferred` of every [`Progress`] until it has landed, so that a loop such as
+    /// `while device.poll().deferred > 0` on another thread does not stop early.
     pub fn poll(&self) -> Progress {
-        // Fences are queried outside the lock: dropped tokens need it to queue themselves.
-        let queued = std::mem::take(&mut *lock(&self.deferred));
-        let (ready, waiting): (Vec<Deferred<B>>, Vec<Deferred<B>>) = queued
-            .into_iter()
-            .partition(|(_, fence)| self.backend.fence_done(fence));
-        lock(&self.deferred).extend(waiting);
-        let mut released = 0;
-        for (residual, fence) in ready {
-            self.backend.retire_fence(fence);
-            released += usize::from(self.teardown_or_quarantine(residual));
-        }
-        self.progress(released)
+        Scope::run(move || {
+            // Fences are queried outside the lock: dropped tokens need it to queue themselves.
+            let queued = lock(&self.books).take(Queue::Deferred);
+            let mut released = 0;
+            for (residual, fence) in queued {
+                // A release whose fence could not be recorded gets one now: it covers the work
+                // submitted before the release began.
+                let fence = fence.or_else(|| self.backend.fence());
+                if !fence.as_ref().is_some_and(|f| self.backend.fence_done(f)) {
+                    let mut books = lock(&self.books);
+                    books.landed(residual.generation);
+                    books.deferred.push((residual, fence));
+                    continue;
+                }
+                if let Some(fence) = fence {
+                    self.backend.retire_fence(fence);
+                }
+                released += usize::from(self.teardown_busy(residual, Queue::Deferred));
+            }
+            self.progress(released)
+        })
     }
 
     /// Retries every residual in the device's quarantine; what fails again stays there.
     pub fn retry_quarantine(&self) -> Progress {
-        let residuals = std::mem::take(&mut *lock(&self.quarantine));
-        let mut released = 0;
-        for mut residual in residuals {
-            if self.teardown(&mut residual).is_ok() {
-                self.ledger.refund(Axis::Quarantined, 1);
-                released += 1;
-            } else {
-                lock(&self.quarantine).push(residual);
+        Scope::run(move || {
+            let residuals = lock(&self.books).take(Queue::Quarantine);
+            let mut released = 0;
+            for (residual, _) in residuals {
+                released += usize::from(self.teardown_busy(residual, Queue::Quarantine));
             }
+            self.progress(released)
+        })
+    }
+
+    /// Tears down a residual taken out of `from`: it lands released (refunded), or in the
+    /// quarantine with what is left. Whether it was released.
+    fn teardown_busy(&self, mut residual: Residual<B::Phys>, from: Queue) -> bool {
+        let done = self.teardown(&mut residual).is_ok();
+        if done && from == Queue::Quarantine {
+            self.ledger.refund(Axis::Quarantined, 1);
+        } else if !done && from == Queue::Deferred {
+            self.ledger.charge(Axis::Quarantined, 1);
         }
-        self.progress(released)
+        let mut books = lock(&self.books);
+        books.landed(residual.generation);
+        if !done {
+            books.quarantine.push(residual);
+        }
+        done
     }
 
     /// Proof that the context is lost, if the backend confirms it.
@@ -234,19 +382,26 @@ impl<'id, B: Backend> Device<'id, B> {
     /// Discharges the device's quarantine and deferred queue: with the context lost, the driver
     /// freed everything they held. Returns how many residuals were discharged.
     pub fn discharge_all(&self, _proof: &ContextLost<'id>) -> usize {
-        let quarantined = std::mem::take(&mut *lock(&self.quarantine));
-        let deferred = std::mem::take(&mut *lock(&self.deferred));
-        let n = quarantined.len() + deferred.len();
-        self.forget_cache();
-        for residual in quarantined {
-            self.ledger.refund(Axis::Quarantined, 1);
-            self.forget_residual(residual);
-        }
-        for (residual, fence) in deferred {
-            self.backend.retire_fence(fence);
-            self.forget_residual(residual);
-        }
-        n
+        Scope::run(move || {
+            let (quarantined, deferred) = {
+                let mut books = lock(&self.books);
+                let quarantined = std::mem::take(&mut books.quarantine);
+                (quarantined, std::mem::take(&mut books.deferred))
+            };
+            let n = quarantined.len() + deferred.len();
+            self.forget_cache();
+            for residual in quarantined {
+                self.ledger.refund(Axis::Quarantined, 1);
+                self.forget_residual(residual);
+            }
+            for (residual, fence) in deferred {
+                if let Some(fence) = fence {
+                    self.backend.retire_fence(fence);
+                }
+                self.forget_residual(residual);
+            }
+            n
+        })
     }
 
     /// Closes the device after a last poll and quarantine retry, reporting what is left.
@@ -264,14 +419,19 @@ impl<'id, B: Backend> Device<'id, B> {
         CloseReport {
             ledger: self.ledger(),
             progress,
+            forgotten: Forgotten {
+                bindings: self.bindings.load(Ordering::Relaxed),
+                pages: self.forgotten_pages.load(Ordering::Relaxed),
+            },
         }
     }
 
     fn progress(&self, released: usize) -> Progress {
+        let books = lock(&self.books);
         Progress {
             released,
-            quarantined: lock(&self.quarantine).len(),
-            deferred: lock(&self.deferred).len(),
+            quarantined: books.count(Queue::Quarantine),
+            deferred: books.count(Queue::Deferred),
         }
     }
 
@@ -287,6 +447,7 @@ impl<'id, B: Backend> Device<'id, B> {
     /// at the same moment, on another thread, may still put them in under the old cap: they
     /// stay until the next trim.
     pub fn set_cache_cap(&self, bytes: u64) {
+        let _scope = Scope::enter();
         self.cache_cap.store(bytes, Ordering::Relaxed);
         self.trim_cache_to(bytes);
     }
@@ -341,20 +502,22 @@ impl<'id, B: Backend> Device<'id, B> {
     /// Releases cached granules until the cache holds at most `keep` bytes; returns the bytes
     /// that left the cache. No lock is held across a release.
     fn trim_cache_to(&self, keep: u64) -> u64 {
-        if self.backend.context_lost() {
-            return 0;
-        }
-        let g = self.granularity();
-        let mut trimmed = 0;
-        while self.cached_bytes() > keep {
-            let Some(phys) = lock(&self.cache).pop() else {
-                break;
-            };
-            self.refund(Axis::Cached, g);
-            let _ = self.release_orphan(phys, g); // a failure is quarantined, still owned
-            trimmed += g as u64;
-        }
-        trimmed
+        Scope::run(move || {
+            if self.backend.context_lost() {
+                return 0;
+            }
+            let g = self.granularity();
+            let mut trimmed = 0;
+            while self.cached_bytes() > keep {
+                let Some(phys) = lock(&self.cache).pop() else {
+                    break;
+                };
+                self.refund(Axis::Cached, g);
+                let _ = self.release_orphan(phys, g); // a failure is quarantined, still owned
+                trimmed += g as u64;
+            }
+            trimmed
+        })
     }
 
     /// Trims the cache so that `n` more owned bytes fit in the device's budget, if cached
@@ -376,7 +539,8 @@ impl<'id, B: Backend> Device<'id, B> {
 
     // ---- crate-internal: what tokens call ----
 
-    pub(crate) fn backend(&self) -> &B {
+    /// The backend, every call contained (see [`crate::unwind`]).
+    pub(crate) fn backend(&self) -> &Guarded<B> {
         &self.backend
     }
 
@@ -414,6 +578,21 @@ impl<'id, B: Backend> Device<'id, B> {
 
     pub(crate) fn note_failed_unpin(&self) {
         self.failed_unpins.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A binding was opened (its pin taken).
+    pub(crate) fn note_bound(&self) {
+        self.bindings.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A binding was dropped.
+    pub(crate) fn note_unbound(&self) {
+        self.bindings.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// A pool dropped with `n` of its pages never given back.
+    pub(crate) fn note_forgotten_pages(&self, n: u64) {
+        self.forgotten_pages.fetch_add(n, Ordering::Relaxed);
     }
 
     /// Gives back, in order, what `residual` still holds: unmap, drop the shared reference,
@@ -524,24 +703,30 @@ impl<'id, B: Backend> Device<'id, B> {
     /// Puts a residual into the device's quarantine, counting it.
     pub(crate) fn quarantine(&self, residual: Residual<B::Phys>) {
         self.ledger.charge(Axis::Quarantined, 1);
-        lock(&self.quarantine).push(residual);
+        lock(&self.books).quarantine.push(residual);
     }
 
     /// Takes a dropped token's residual: released now if its fence is done, else queued.
-    pub(crate) fn dispose(&self, residual: Residual<B::Phys>, fence: Option<B::Fence>) {
-        if let Some(fence) = fence {
-            if !self.backend.fence_done(&fence) {
-                lock(&self.deferred).push((residual, fence));
-                return;
+    pub(crate) fn dispose(&self, residual: Residual<B::Phys>, wait: Wait<B::Fence>) {
+        match wait {
+            Wait::Nothing => {}
+            Wait::On(fence) if self.backend.fence_done(&fence) => {
+                self.backend.retire_fence(fence);
             }
-            self.backend.retire_fence(fence);
+            Wait::On(fence) => return self.defer(residual, Some(fence)),
+            Wait::Unrecorded => return self.defer(residual, None),
         }
         self.teardown_or_quarantine(residual);
     }
 
+    /// Queues a release behind its fence (`None`: one is recorded at the next poll).
+    fn defer(&self, residual: Residual<B::Phys>, fence: Option<B::Fence>) {
+        lock(&self.books).deferred.push((residual, fence));
+    }
+
     /// Adds an already-counted quarantined residual (a dropped `Quarantined` token) to the list.
     pub(crate) fn adopt_quarantined(&self, residual: Residual<B::Phys>) {
-        lock(&self.quarantine).push(residual);
+        lock(&self.books).quarantine.push(residual);
     }
 
     /// Refunds every part of a residual whose context is lost, without backend calls.
@@ -570,7 +755,7 @@ impl<D: Driver> Device<'_, CudaBackend<D>> {
     /// context, and stays live until the device is dropped.
     pub unsafe fn cover_stream(&self, stream: Stream) {
         // SAFETY: the caller's promise is the one `cover_stream` asks for.
-        unsafe { self.backend.cover_stream(stream) }
+        unsafe { self.backend.raw().cover_stream(stream) }
     }
 }
 
@@ -586,7 +771,7 @@ impl Device<'_, CudaBackend<SysDriver>> {
         &self,
         stream: &std::sync::Arc<cudarc::driver::CudaStream>,
     ) -> Result<(), BackendError> {
-        self.backend.cover(stream)
+        self.backend.raw().cover(stream)
     }
 }
 
@@ -599,10 +784,17 @@ impl<B: Backend> Drop for Device<'_, B> {
         // it), so what still waits for a fence is freed once its work has finished, in order —
         // unless the context is lost, when the driver freed it all. Taken out of the queue
         // first: no lock is held while waiting or calling the backend.
-        let deferred = std::mem::take(&mut *lock(&self.deferred));
+        let _scope = Scope::enter();
+        let deferred = std::mem::take(&mut lock(&self.books).deferred);
         for (residual, fence) in deferred {
-            let done = !self.backend.context_lost() && self.backend.wait_fence(&fence);
-            self.backend.retire_fence(fence);
+            let fence = fence.or_else(|| self.backend.fence());
+            let lost = self.backend.context_lost();
+            let done = !lost && fence.as_ref().is_some_and(|f| self.backend.wait_fence(f));
+            if let Some(fence) = fence {
+                self.backend.retire_fence(fence);
+            }
+            // Work never known to have finished: its memory is left to the driver, never
+            // freed under it.
             if done {
                 self.teardown_or_quarantine(residual);
             }
@@ -612,6 +804,14 @@ impl<B: Backend> Drop for Device<'_, B> {
         } else {
             self.trim_cache();
             self.retry_quarantine();
+            // A binding borrows the device: any still counted was forgotten, and its pin with
+            // it. The pins go back here, so that a forgotten binding does not keep the context
+            // retained after its device.
+            for _ in 0..*self.bindings.get_mut() {
+                if self.backend.unpin().is_err() {
+                    self.note_failed_unpin();
+                }
+            }
         }
     }
 }

@@ -161,10 +161,11 @@ mod sleep;
 mod state;
 mod token;
 mod transfer;
+mod unwind;
 
 pub use allocation::{Allocation, CommitError, CompleteError};
 pub use binding::Binding;
-pub use device::{CloseReport, Custody, Device, Progress};
+pub use device::{CloseReport, Custody, Device, Forgotten, Progress};
 pub use error::{
     CommitFailure, CowFailure, Failure, GrowFailure, PoolError, ReleaseFailure, ReserveError,
     ResumeFailure, Returned, ShareFailure, ShrinkFailure, SuspendFailure, TransitionError,

@@ -6,6 +6,7 @@ use crate::binding::Binding;
 use crate::error::PoolError;
 use crate::state::Committed;
 use crate::token::{host_slice, host_slice_mut};
+use crate::unwind::{Guarded, Scope};
 use generativity::{Guard, Id};
 use std::cell::UnsafeCell;
 use std::fmt;
@@ -15,8 +16,10 @@ struct PoolState<'b, 'id, B: Backend> {
     /// Indices of free pages; its capacity always covers every page of every chunk.
     free: Vec<u32>,
     /// Pages given back while work may still use them (a backend that is not
-    /// [`IMMEDIATE`](Backend::IMMEDIATE)): free once their fence has completed.
-    cooling: Vec<(B::Fence, Vec<u32>)>,
+    /// [`IMMEDIATE`](Backend::IMMEDIATE)): free once the fence recorded when they were given
+    /// back has completed (`None`: recording it panicked, and one recorded at the next reclaim
+    /// covers the same work).
+    cooling: Vec<(Option<B::Fence>, Vec<u32>)>,
 }
 
 /// Fixed-size pages sub-allocated in O(1) from committed chunks — the KV cache's hot path.
@@ -146,26 +149,28 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         binding: &'b Binding<'b, 'id, B>,
         page_size: usize,
     ) -> Result<Self, PoolError> {
-        let granularity = binding.device().granularity();
-        if !page_size.is_power_of_two() || !granularity.is_power_of_two() {
-            return Err(PoolError::PageSize(page_size));
-        }
-        let chunk_bytes = granularity.max(page_size);
-        if chunk_bytes / page_size > 1 << 24 {
-            // Indices are u32 and a chunk's pages must leave room for many chunks.
-            return Err(PoolError::PageSize(page_size));
-        }
-        Ok(Self {
-            _brand: guard.into(),
-            binding,
-            page_shift: page_size.trailing_zeros(),
-            chunk_bytes,
-            pages_per_chunk_shift: (chunk_bytes / page_size).trailing_zeros(),
-            state: UnsafeCell::new(PoolState {
-                chunks: Vec::new(),
-                free: Vec::new(),
-                cooling: Vec::new(),
-            }),
+        Scope::run(move || {
+            let granularity = binding.device().granularity();
+            if !page_size.is_power_of_two() || !granularity.is_power_of_two() {
+                return Err(PoolError::PageSize(page_size));
+            }
+            let chunk_bytes = granularity.max(page_size);
+            if chunk_bytes / page_size > 1 << 24 {
+                // Indices are u32 and a chunk's pages must leave room for many chunks.
+                return Err(PoolError::PageSize(page_size));
+            }
+            Ok(Self {
+                _brand: guard.into(),
+                binding,
+                page_shift: page_size.trailing_zeros(),
+                chunk_bytes,
+                pages_per_chunk_shift: (chunk_bytes / page_size).trailing_zeros(),
+                state: UnsafeCell::new(PoolState {
+                    chunks: Vec::new(),
+                    free: Vec::new(),
+                    cooling: Vec::new(),
+                }),
+            })
         })
     }
 
@@ -192,36 +197,41 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
 
     #[cold]
     fn grow_and_alloc(&self) -> Result<Page<'_, 'pool, 'b, 'id, B>, PoolError> {
-        if !self.reclaim() {
-            self.grow()?;
-        }
-        self.alloc()
+        Scope::run(move || {
+            if !self.reclaim() {
+                self.grow()?;
+            }
+            self.alloc()
+        })
     }
 
-    fn backend(&self) -> &'b B {
+    fn backend(&self) -> &'b Guarded<B> {
         self.binding.device().backend()
     }
 
     /// Frees the pages whose fence has completed; whether any page is free now.
     #[cold]
     fn reclaim(&self) -> bool {
-        if B::IMMEDIATE {
-            return false;
-        }
-        let cooling = self.with(|s| std::mem::take(&mut s.cooling));
-        let backend = self.backend();
-        let mut still = Vec::new();
-        for (fence, pages) in cooling {
-            if backend.fence_done(&fence) {
-                backend.retire_fence(fence);
-                self.with(|s| s.free.extend_from_slice(&pages));
-            } else {
-                still.push((fence, pages));
+        Scope::run(move || {
+            if B::IMMEDIATE {
+                return false;
             }
-        }
-        self.with(|s| {
-            s.cooling.extend(still);
-            !s.free.is_empty()
+            let cooling = self.with(|s| std::mem::take(&mut s.cooling));
+            let backend = self.backend();
+            let mut still = Vec::new();
+            for (fence, pages) in cooling {
+                match fence.or_else(|| backend.fence()) {
+                    Some(fence) if backend.fence_done(&fence) => {
+                        backend.retire_fence(fence);
+                        self.with(|s| s.free.extend_from_slice(&pages));
+                    }
+                    fence => still.push((fence, pages)),
+                }
+            }
+            self.with(|s| {
+                s.cooling.extend(still);
+                !s.free.is_empty()
+            })
         })
     }
 
@@ -238,6 +248,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
 
     #[cold]
     fn cool(&self, pages: Vec<u32>) {
+        let _scope = Scope::enter();
         if pages.is_empty() {
             return;
         }
@@ -301,55 +312,59 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     ///
     /// [`PoolError`] when reserving or committing fails (nothing is kept or charged then).
     pub fn grow(&self) -> Result<(), PoolError> {
-        let per_chunk = 1usize << self.pages_per_chunk_shift;
-        let slot = self.with(|s| {
-            s.chunks
-                .iter()
-                .position(Option::is_none)
-                .unwrap_or(s.chunks.len())
-        });
-        let first = first_index(slot, per_chunk).ok_or(PoolError::Full)?;
-        let reserved = self
-            .binding
-            .reserve(self.chunk_bytes)
-            .map_err(|e| PoolError::Reserve(Box::new(e)))?;
-        let chunk = reserved
-            .commit()
-            .map_err(|e| PoolError::Commit(Box::new(e.cause)))?;
-        self.with(|s| {
-            if slot == s.chunks.len() {
-                s.chunks.push(None);
-            }
-            s.chunks[slot] = Some(chunk);
-            // Capacity for every page of every chunk: the hot path's pushes never reallocate.
-            let total = s.chunks.len() * per_chunk;
-            s.free.reserve(total - s.free.len());
-            s.free
-                .extend((0..per_chunk as u32).rev().map(|i| first + i));
-        });
-        Ok(())
+        Scope::run(move || {
+            let per_chunk = 1usize << self.pages_per_chunk_shift;
+            let slot = self.with(|s| {
+                s.chunks
+                    .iter()
+                    .position(Option::is_none)
+                    .unwrap_or(s.chunks.len())
+            });
+            let first = first_index(slot, per_chunk).ok_or(PoolError::Full)?;
+            let reserved = self
+                .binding
+                .reserve(self.chunk_bytes)
+                .map_err(|e| PoolError::Reserve(Box::new(e)))?;
+            let chunk = reserved
+                .commit()
+                .map_err(|e| PoolError::Commit(Box::new(e.cause)))?;
+            self.with(|s| {
+                if slot == s.chunks.len() {
+                    s.chunks.push(None);
+                }
+                s.chunks[slot] = Some(chunk);
+                // Capacity for every page of every chunk: the hot path's pushes never reallocate.
+                let total = s.chunks.len() * per_chunk;
+                s.free.reserve(total - s.free.len());
+                s.free
+                    .extend((0..per_chunk as u32).rev().map(|i| first + i));
+            });
+            Ok(())
+        })
     }
 
     /// Releases every chunk whose pages are all free; returns how many were released.
     pub fn shrink(&self) -> usize {
-        self.reclaim();
-        let per_chunk = 1usize << self.pages_per_chunk_shift;
-        let shift = self.pages_per_chunk_shift;
-        let idle: Vec<Allocation<'b, 'id, B, Committed>> = self.with(|s| {
-            let mut free_in = vec![0usize; s.chunks.len()];
-            for &i in &s.free {
-                free_in[(i >> shift) as usize] += 1;
-            }
-            let idle: Vec<usize> = (0..s.chunks.len())
-                .filter(|&c| free_in[c] == per_chunk && s.chunks[c].is_some())
-                .collect();
-            s.free
-                .retain(|&i| free_in[(i >> shift) as usize] != per_chunk);
-            idle.iter().filter_map(|&c| s.chunks[c].take()).collect()
-        });
-        let n = idle.len();
-        drop(idle); // teardown outside the state: it calls the backend
-        n
+        Scope::run(move || {
+            self.reclaim();
+            let per_chunk = 1usize << self.pages_per_chunk_shift;
+            let shift = self.pages_per_chunk_shift;
+            let idle: Vec<Allocation<'b, 'id, B, Committed>> = self.with(|s| {
+                let mut free_in = vec![0usize; s.chunks.len()];
+                for &i in &s.free {
+                    free_in[(i >> shift) as usize] += 1;
+                }
+                let idle: Vec<usize> = (0..s.chunks.len())
+                    .filter(|&c| free_in[c] == per_chunk && s.chunks[c].is_some())
+                    .collect();
+                s.free
+                    .retain(|&i| free_in[(i >> shift) as usize] != per_chunk);
+                idle.iter().filter_map(|&c| s.chunks[c].take()).collect()
+            });
+            let n = idle.len();
+            drop(idle); // teardown outside the state: it calls the backend
+            n
+        })
     }
 
     /// Pages in committed chunks.
@@ -429,7 +444,7 @@ impl<'p, 'pool, 'b, 'id, B: Backend> Page<'p, 'pool, 'b, 'id, B> {
 
     /// The backend, for interop.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    pub(crate) fn backend(&self) -> &B {
+    pub(crate) fn backend(&self) -> &Guarded<B> {
         self.pool.binding.device().backend()
     }
 }
@@ -445,7 +460,7 @@ impl<'p, 'pool, 'b, 'id, B: Backend> PageTable<'p, 'pool, 'b, 'id, B> {
     }
 
     /// The backend, for interop.
-    pub(crate) fn backend(&self) -> &B {
+    pub(crate) fn backend(&self) -> &Guarded<B> {
         self.pool.binding.device().backend()
     }
 
@@ -536,10 +551,20 @@ impl<B: Backend> Drop for Page<'_, '_, '_, '_, B> {
 
 impl<B: Backend> Drop for PagePool<'_, '_, '_, B> {
     fn drop(&mut self) {
+        let _scope = Scope::enter();
+        // A page borrows its pool: one still handed out now was forgotten (`mem::forget` of
+        // the page or of its table). Its memory goes with the pool's chunks; the device's
+        // close report counts it.
+        let forgotten = self.live_pages();
+        if forgotten > 0 {
+            self.binding.device().note_forgotten_pages(forgotten as u64);
+        }
         // The chunks' own teardown fences cover the work that cooling pages waited for.
         let backend = self.backend();
         for (fence, _) in std::mem::take(&mut self.state.get_mut().cooling) {
-            backend.retire_fence(fence);
+            if let Some(fence) = fence {
+                backend.retire_fence(fence);
+            }
         }
     }
 }

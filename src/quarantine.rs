@@ -6,6 +6,7 @@ use crate::error::{ReleaseFailure, TransitionError};
 use crate::ids::{ContextLost, Released};
 use crate::ledger::Axis;
 use crate::residual::Residual;
+use crate::unwind::Scope;
 use std::fmt;
 use std::mem::ManuallyDrop;
 
@@ -69,11 +70,13 @@ impl<'b, 'id, B: Backend> Quarantined<'b, 'id, B> {
     /// [`QuarantineError`] with the token, holding whatever is still left, if a call fails again.
     #[must_use = "a failed retry returns the quarantined token inside the error"]
     pub fn retry(self) -> Result<Released, QuarantineError<'b, 'id, B>> {
-        let (binding, residual) = self.into_parts();
-        let result = settle(binding, residual);
-        // This token's count goes; remains that failed again were counted anew by `settle`.
-        binding.device().refund(Axis::Quarantined, 1);
-        result
+        Scope::run(move || {
+            let (binding, residual) = self.into_parts();
+            let result = settle(binding, residual);
+            // This token's count goes; remains that failed again were counted anew by `settle`.
+            binding.device().refund(Axis::Quarantined, 1);
+            result
+        })
     }
 
     /// Discharges the residual without backend calls: the context is lost, and with it
@@ -116,6 +119,7 @@ pub(crate) fn settle<'b, 'id, B: Backend>(
 
 impl<B: Backend> Drop for Quarantined<'_, '_, B> {
     fn drop(&mut self) {
+        let _scope = Scope::enter();
         // SAFETY: `drop` runs once and nothing uses `self.residual` after it.
         let residual = unsafe { ManuallyDrop::take(&mut self.residual) };
         let owned = residual.owned_bytes();

@@ -10,8 +10,10 @@ use crate::device::Device;
 use crate::error::{CommitFailure, GrowFailure, ShrinkFailure, TransitionError};
 use crate::ledger::Axis;
 use crate::residual::{Granule, Held};
+use crate::state::Wait;
 use crate::state::{Internal, Live, Reserved, Retired, State, sealed::Sealed};
 use crate::token::{Core, host_slice, host_slice_mut};
+use crate::unwind::{Guarded, Scope};
 
 /// A failed [`grow`](Allocation::grow): the same region, with the committed length it had, and
 /// why.
@@ -100,7 +102,7 @@ impl Sealed for Elastic {
     type Parts<B: Backend> = Granules<B::Phys>;
 
     fn retire<B: Backend>(
-        backend: &B,
+        backend: &Guarded<B>,
         _len: usize,
         parts: Self::Parts<B>,
         _: Internal,
@@ -121,7 +123,7 @@ impl Sealed for Elastic {
         let charged = stuck.len() * g;
         Retired {
             // Work may still use the memory: its release waits for a fence.
-            fence: (!stuck.is_empty()).then(|| backend.fence()),
+            fence: Wait::unless(stuck.is_empty(), || backend.fence()),
             held: Held {
                 granules: stuck,
                 ..Held::mapped(mapped)
@@ -247,84 +249,88 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// and withheld.
     #[must_use = "a failed growth returns the region inside the error"]
     pub fn grow(mut self, granules: usize) -> Result<Self, GrowError<'b, 'id, B>> {
-        let core = self.core();
-        let (binding, device) = (core.binding, core.device());
-        let backend = device.backend();
-        let g = device.granularity();
-        let start = self.committed_granules();
-        let room = self.room_granules();
-        if granules > room - start {
-            let cause = GrowFailure::Full {
-                requested: granules,
-                committed: start,
-                room,
-            };
-            return Err(TransitionError { token: self, cause });
-        }
-        if let Err(e) = device.ensure_live(Op::Map, core.addr + start * g, granules * g) {
-            return self.undo_grow(start, 0, 0, CommitFailure::Backend(e));
-        }
-        // The binding's budget takes the whole growth at once, or none of it.
-        if let Err(cause) = binding.charge_budget(granules * g) {
-            let free = binding.limit().saturating_sub(binding.used()) / g as u64;
-            let cause = GrowFailure::Undone {
-                at: granules.min(free as usize),
-                cause: Box::new(cause),
-                quarantined: 0,
-            };
-            return Err(TransitionError { token: self, cause });
-        }
-        // Granules come from the cache first; once it has none, they are created. The cached
-        // and mapped axes move once for the whole growth.
-        let mut from_cache = 0;
-        for at in 0..granules {
-            let taken = if from_cache == at {
-                device.cache_pop()
-            } else {
-                None
-            };
-            let cached = taken.is_some();
-            let phys = match taken {
-                Some(phys) => {
-                    from_cache += 1;
-                    phys
-                }
-                None => match device.charge_owned_or_trim(g) {
-                    Err(cause) => return self.stop_grow(start, from_cache, at, granules, cause),
-                    Ok(()) => match backend.create(g) {
-                        Ok(phys) => phys,
-                        Err(e) => {
-                            device.refund(Axis::Owned, g);
-                            let cause = CommitFailure::Backend(e);
+        Scope::run(move || {
+            let core = self.core();
+            let (binding, device) = (core.binding, core.device());
+            let backend = device.backend();
+            let g = device.granularity();
+            let start = self.committed_granules();
+            let room = self.room_granules();
+            if granules > room - start {
+                let cause = GrowFailure::Full {
+                    requested: granules,
+                    committed: start,
+                    room,
+                };
+                return Err(TransitionError { token: self, cause });
+            }
+            if let Err(e) = device.ensure_live(Op::Map, core.addr + start * g, granules * g) {
+                return self.undo_grow(start, 0, 0, CommitFailure::Backend(e));
+            }
+            // The binding's budget takes the whole growth at once, or none of it.
+            if let Err(cause) = binding.charge_budget(granules * g) {
+                let free = binding.limit().saturating_sub(binding.used()) / g as u64;
+                let cause = GrowFailure::Undone {
+                    at: granules.min(free as usize),
+                    cause: Box::new(cause),
+                    quarantined: 0,
+                };
+                return Err(TransitionError { token: self, cause });
+            }
+            // Granules come from the cache first; once it has none, they are created. The cached
+            // and mapped axes move once for the whole growth.
+            let mut from_cache = 0;
+            for at in 0..granules {
+                let taken = if from_cache == at {
+                    device.cache_pop()
+                } else {
+                    None
+                };
+                let cached = taken.is_some();
+                let phys = match taken {
+                    Some(phys) => {
+                        from_cache += 1;
+                        phys
+                    }
+                    None => match device.charge_owned_or_trim(g) {
+                        Err(cause) => {
                             return self.stop_grow(start, from_cache, at, granules, cause);
                         }
+                        Ok(()) => match backend.create(g) {
+                            Ok(phys) => phys,
+                            Err(e) => {
+                                device.refund(Axis::Owned, g);
+                                let cause = CommitFailure::Backend(e);
+                                return self.stop_grow(start, from_cache, at, granules, cause);
+                            }
+                        },
                     },
-                },
-            };
-            let addr = core.addr + (start + at) * g;
-            if let Err(e) = backend.map(addr, g, phys, Access::ReadWrite) {
-                // This granule goes back where it came from (its budget goes with the rest): to
-                // the cache, whose axis still counts it, or released.
-                let q = if cached {
-                    device.cache_put(phys);
-                    0
-                } else {
-                    usize::from(device.release_orphan(phys, g).is_err())
                 };
-                let cause = CommitFailure::Backend(e);
-                let from_cache = from_cache - usize::from(cached);
-                return self
-                    .stop_grow(start, from_cache, at, granules, cause)
-                    .map_err(|mut e| {
-                        add_quarantined(&mut e.cause, q);
-                        e
-                    });
+                let addr = core.addr + (start + at) * g;
+                if let Err(e) = backend.map(addr, g, phys, Access::ReadWrite) {
+                    // This granule goes back where it came from (its budget goes with the rest): to
+                    // the cache, whose axis still counts it, or released.
+                    let q = if cached {
+                        device.cache_put(phys);
+                        0
+                    } else {
+                        usize::from(device.release_orphan(phys, g).is_err())
+                    };
+                    let cause = CommitFailure::Backend(e);
+                    let from_cache = from_cache - usize::from(cached);
+                    return self
+                        .stop_grow(start, from_cache, at, granules, cause)
+                        .map_err(|mut e| {
+                            add_quarantined(&mut e.cause, q);
+                            e
+                        });
+                }
+                self.parts_mut().committed.push(phys);
             }
-            self.parts_mut().committed.push(phys);
-        }
-        device.cache_taken(from_cache);
-        device.charge(Axis::Mapped, granules * g);
-        Ok(self)
+            device.cache_taken(from_cache);
+            device.charge(Axis::Mapped, granules * g);
+            Ok(self)
+        })
     }
 
     /// Stops a growth at granule `at` of `granules`: the axes charged for the whole growth are
@@ -412,27 +418,29 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// shrank all the same, and those granules stay owned and withheld in the region until
     /// [`reclaim`](Self::reclaim) frees them.
     pub fn shrink(&mut self, granules: usize) -> Result<(), ShrinkFailure> {
-        let committed = self.committed_granules();
-        if granules > committed {
-            return Err(ShrinkFailure::TooMany {
-                requested: granules,
-                committed,
-            });
-        }
-        if granules == 0 {
-            return Ok(());
-        }
-        let core = self.core();
-        let device = core.device();
-        let g = device.granularity();
-        let end = core.addr + committed * g;
-        device
-            .ensure_live(Op::Unmap, end - granules * g, granules * g)
-            .map_err(ShrinkFailure::Backend)?;
-        if !idle(core) {
-            return Err(ShrinkFailure::Pending);
-        }
-        self.shrink_now(granules)
+        Scope::run(move || {
+            let committed = self.committed_granules();
+            if granules > committed {
+                return Err(ShrinkFailure::TooMany {
+                    requested: granules,
+                    committed,
+                });
+            }
+            if granules == 0 {
+                return Ok(());
+            }
+            let core = self.core();
+            let device = core.device();
+            let g = device.granularity();
+            let end = core.addr + committed * g;
+            device
+                .ensure_live(Op::Unmap, end - granules * g, granules * g)
+                .map_err(ShrinkFailure::Backend)?;
+            if !idle(core) {
+                return Err(ShrinkFailure::Pending);
+            }
+            self.shrink_now(granules)
+        })
     }
 
     /// Pops the last committed granule and unmaps it: its index and memory once unmapped, or
@@ -504,19 +512,17 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// (nothing done) when the context is lost — its granules then go with the region's
     /// release, discharged with the device's quarantine.
     pub fn reclaim(&mut self) -> Result<(), ShrinkFailure> {
-        let core = self.core();
-        reclaim_withheld(core, &mut self.parts_mut().stuck)
+        Scope::run(move || {
+            let core = self.core();
+            reclaim_withheld(core, &mut self.parts_mut().stuck)
+        })
     }
 }
 
 /// Whether no work that may use `core`'s memory still runs on any stream the backend's fences
 /// cover: before an unmap, which does not wait for it.
 pub(crate) fn idle<B: Backend>(core: Core<'_, '_, B>) -> bool {
-    let backend = core.backend();
-    let fence = backend.fence();
-    let done = backend.fence_done(&fence);
-    backend.retire_fence(fence);
-    done
+    core.backend().idle()
 }
 
 /// Unmaps the granules of `core`'s range withheld in `stuck` after a failed unmap, and gives back

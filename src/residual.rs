@@ -321,6 +321,15 @@ pub struct Holdings {
 }
 
 impl Holdings {
+    /// Adds what `other` counts.
+    pub(crate) fn absorb(&mut self, other: &Holdings) {
+        self.count += other.count;
+        self.reserved_bytes += other.reserved_bytes;
+        self.mapped_bytes += other.mapped_bytes;
+        self.owned_bytes += other.owned_bytes;
+        self.shared_refs += other.shared_refs;
+    }
+
     pub(crate) fn add<P>(&mut self, r: &Residual<P>) {
         self.count += 1;
         self.reserved_bytes += if r.held.reserved { r.len as u64 } else { 0 };

@@ -9,8 +9,10 @@ use crate::error::{CommitFailure, CowFailure, Returned, ShareFailure, Transition
 use crate::ledger::Axis;
 use crate::quarantine::Quarantined;
 use crate::residual::{Held, SharedPhys, Split};
+use crate::state::Wait;
 use crate::state::{Internal, Live, Readable, Reserved, Retired, State, sealed::Sealed};
 use crate::token::host_slice_mut;
+use crate::unwind::{Guarded, Scope};
 use std::convert::Infallible;
 use std::marker::PhantomData;
 
@@ -184,7 +186,7 @@ pub trait Sharing: State {}
 /// What a mapping of shared memory holds when it goes: its whole range mapped, its reference,
 /// and `private` memory of its own; its binding is charged `charged` bytes for it.
 fn retired<B: Backend>(
-    backend: &B,
+    backend: &Guarded<B>,
     len: usize,
     shared: SharedPhys<B::Phys>,
     private: Option<(B::Phys, usize)>,
@@ -197,7 +199,7 @@ fn retired<B: Backend>(
             ..Held::mapped(len)
         },
         // Work may still read the mapping: its release waits for a fence.
-        fence: Some(backend.fence()),
+        fence: Wait::on(backend.fence()),
         charged,
     }
 }
@@ -206,7 +208,7 @@ impl<K: Capability> Sealed for Owner<K> {
     type Parts<B: Backend> = SharedPhys<B::Phys>;
 
     fn retire<B: Backend>(
-        backend: &B,
+        backend: &Guarded<B>,
         len: usize,
         shared: Self::Parts<B>,
         _: Internal,
@@ -224,7 +226,7 @@ impl Sealed for Sharer {
     type Parts<B: Backend> = SharedPhys<B::Phys>;
 
     fn retire<B: Backend>(
-        backend: &B,
+        backend: &Guarded<B>,
         len: usize,
         shared: Self::Parts<B>,
         _: Internal,
@@ -242,7 +244,7 @@ impl Sealed for Diverged {
     type Parts<B: Backend> = (SharedPhys<B::Phys>, B::Phys);
 
     fn retire<B: Backend>(
-        backend: &B,
+        backend: &Guarded<B>,
         len: usize,
         (shared, private): Self::Parts<B>,
         _: Internal,
@@ -302,7 +304,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     /// its quarantined remains (reservation, mapping and memory together).
     #[must_use = "a failed commit returns the reservation inside the error"]
     pub fn commit_prefix(self) -> Result<Prefix<'b, 'id, B>, PrefixError<'b, 'id, B>> {
-        self.commit_shared(B::create)
+        self.commit_shared(Guarded::create)
     }
 
     /// Commits this reservation as a shared prefix whose physical memory is created exportable
@@ -321,92 +323,95 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     where
         B: Exportable<K>,
     {
-        self.commit_shared(<B as Exportable<K>>::create_exportable)
+        self.commit_shared(Guarded::create_exportable::<K>)
     }
 
     /// [`commit_prefix`](Allocation::commit_prefix), its memory made by `create`.
     fn commit_shared<K: Capability>(
         self,
-        create: impl Fn(&B, usize) -> Result<B::Phys, BackendError>,
+        create: impl Fn(&Guarded<B>, usize) -> Result<B::Phys, BackendError>,
     ) -> Result<Allocation<'b, 'id, B, Owner<K>>, PrefixError<'b, 'id, B>> {
-        let refuse = |token, cause| {
-            Err(TransitionError {
-                token: Returned::Unchanged(token),
-                cause,
-            })
-        };
-        if let Err(cause) = self.admit() {
-            return refuse(self, cause);
-        }
-        let core = self.core();
-        let (binding, addr, len) = (core.binding, core.addr, core.len);
-        let device = core.device();
-        let backend = device.backend();
-        let body = len - device.granularity();
-        let g = len - body;
-        // Releases what was created (a failure is quarantined) after a failure at `error`.
-        let undo = |error, created: [Option<(B::Phys, usize)>; 2]| {
-            let n = created.iter().flatten().map(|&(_, n)| n).sum();
-            binding.uncharge(len - n);
-            binding.refund(n);
-            let released = created.map(|c| c.map_or(Ok(()), |(p, n)| device.release_orphan(p, n)));
-            CommitFailure::undone(error, released.into_iter().collect())
-        };
-        let body_phys = if body > 0 {
-            match create(backend, body) {
-                Ok(p) => Some((p, body)),
-                Err(e) => return refuse(self, undo(e, [None, None])),
+        Scope::run(move || {
+            let refuse = |token, cause| {
+                Err(TransitionError {
+                    token: Returned::Unchanged(token),
+                    cause,
+                })
+            };
+            if let Err(cause) = self.admit() {
+                return refuse(self, cause);
             }
-        } else {
-            None
-        };
-        let boundary = match create(backend, g) {
-            Ok(p) => p,
-            Err(e) => return refuse(self, undo(e, [body_phys, None])),
-        };
-        let created = [body_phys, Some((boundary, g))];
-        if let Some((p, n)) = body_phys {
-            if let Err(e) = backend.map(addr, n, p, Access::ReadWrite) {
-                return refuse(self, undo(e, created));
-            }
-            device.charge(Axis::Mapped, n);
-        }
-        if let Err(error) = backend.map(addr + body, g, boundary, Access::ReadWrite) {
-            if let Some((p, n)) = body_phys {
-                if let Err(rollback) = backend.unmap(addr, n) {
-                    // The body stays mapped: it, its memory and the VA are quarantined together,
-                    // still charged; the boundary's memory is released (or, if that fails too,
-                    // quarantined on its own, still counted).
-                    binding.refund(g);
-                    let _ = device.release_orphan(boundary, g); // a failure is quarantined
-                    let (core, ()) = self.into_core();
-                    let held = Held {
-                        phys: Some((p, n)),
-                        ..Held::mapped(n)
-                    };
-                    return Err(TransitionError {
-                        token: Returned::Quarantined(Quarantined::new(
-                            binding,
-                            core.residual(held),
-                        )),
-                        cause: CommitFailure::UnmapFailed {
-                            error,
-                            rollback: Box::new(rollback),
-                        },
-                    });
+            let core = self.core();
+            let (binding, addr, len) = (core.binding, core.addr, core.len);
+            let device = core.device();
+            let backend = device.backend();
+            let body = len - device.granularity();
+            let g = len - body;
+            // Releases what was created (a failure is quarantined) after a failure at `error`.
+            let undo = |error, created: [Option<(B::Phys, usize)>; 2]| {
+                let n = created.iter().flatten().map(|&(_, n)| n).sum();
+                binding.uncharge(len - n);
+                binding.refund(n);
+                let released =
+                    created.map(|c| c.map_or(Ok(()), |(p, n)| device.release_orphan(p, n)));
+                CommitFailure::undone(error, released.into_iter().collect())
+            };
+            let body_phys = if body > 0 {
+                match create(backend, body) {
+                    Ok(p) => Some((p, body)),
+                    Err(e) => return refuse(self, undo(e, [None, None])),
                 }
-                device.refund(Axis::Mapped, n);
+            } else {
+                None
+            };
+            let boundary = match create(backend, g) {
+                Ok(p) => p,
+                Err(e) => return refuse(self, undo(e, [body_phys, None])),
+            };
+            let created = [body_phys, Some((boundary, g))];
+            if let Some((p, n)) = body_phys {
+                if let Err(e) = backend.map(addr, n, p, Access::ReadWrite) {
+                    return refuse(self, undo(e, created));
+                }
+                device.charge(Axis::Mapped, n);
             }
-            return refuse(self, undo(error, created));
-        }
-        device.charge(Axis::Mapped, g);
-        let split = Split {
-            body: body_phys,
-            boundary: (boundary, g),
-        };
-        let (core, ()) = self.into_core();
-        let shared = device.shared().share(split);
-        Ok(Allocation::from_core(core, shared))
+            if let Err(error) = backend.map(addr + body, g, boundary, Access::ReadWrite) {
+                if let Some((p, n)) = body_phys {
+                    if let Err(rollback) = backend.unmap(addr, n) {
+                        // The body stays mapped: it, its memory and the VA are quarantined together,
+                        // still charged; the boundary's memory is released (or, if that fails too,
+                        // quarantined on its own, still counted).
+                        binding.refund(g);
+                        let _ = device.release_orphan(boundary, g); // a failure is quarantined
+                        let (core, ()) = self.into_core();
+                        let held = Held {
+                            phys: Some((p, n)),
+                            ..Held::mapped(n)
+                        };
+                        return Err(TransitionError {
+                            token: Returned::Quarantined(Quarantined::new(
+                                binding,
+                                core.residual(held),
+                            )),
+                            cause: CommitFailure::UnmapFailed {
+                                error,
+                                rollback: Box::new(rollback),
+                            },
+                        });
+                    }
+                    device.refund(Axis::Mapped, n);
+                }
+                return refuse(self, undo(error, created));
+            }
+            device.charge(Axis::Mapped, g);
+            let split = Split {
+                body: body_phys,
+                boundary: (boundary, g),
+            };
+            let (core, ()) = self.into_core();
+            let shared = device.shared().share(split);
+            Ok(Allocation::from_core(core, shared))
+        })
     }
 
     /// Maps `prefix` read-only into this reservation, which must be exactly as long. The sharer
@@ -426,63 +431,65 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         self,
         prefix: &Allocation<'_, 'id, B, Owner<K>>,
     ) -> Result<PrefixMapping<'b, 'id, B>, ShareError<'b, 'id, B>> {
-        let refuse = |token, cause| {
-            Err(TransitionError {
-                token: Returned::Unchanged(token),
-                cause,
-            })
-        };
-        if self.len() != prefix.len() {
-            let cause = ShareFailure::SizeMismatch {
-                reservation: self.len(),
-                prefix: prefix.len(),
+        Scope::run(move || {
+            let refuse = |token, cause| {
+                Err(TransitionError {
+                    token: Returned::Unchanged(token),
+                    cause,
+                })
             };
-            return refuse(self, cause);
-        }
-        let core = self.core();
-        let (addr, len) = (core.addr, core.len);
-        let device = core.device();
-        let backend = device.backend();
-        if let Err(e) = device.ensure_live(Op::Map, addr, len) {
-            return refuse(self, ShareFailure::Backend(e));
-        }
-        let shared = device.shared().another(prefix.parts());
-        let split = shared.split();
-        let body = split.body_len();
-        if let Some((phys, n)) = split.body {
-            if let Err(e) = backend.map(addr, n, phys, Access::ReadOnly) {
-                device.unshare(shared);
+            if self.len() != prefix.len() {
+                let cause = ShareFailure::SizeMismatch {
+                    reservation: self.len(),
+                    prefix: prefix.len(),
+                };
+                return refuse(self, cause);
+            }
+            let core = self.core();
+            let (addr, len) = (core.addr, core.len);
+            let device = core.device();
+            let backend = device.backend();
+            if let Err(e) = device.ensure_live(Op::Map, addr, len) {
                 return refuse(self, ShareFailure::Backend(e));
             }
-            device.charge(Axis::Mapped, n);
-        }
-        let (boundary, g) = split.boundary;
-        if let Err(error) = backend.map(addr + body, g, boundary, Access::ReadOnly) {
-            if body > 0 {
-                if let Err(rollback) = backend.unmap(addr, body) {
-                    // The half-made mapping stays, with its reference, in a quarantined token.
-                    let (core, ()) = self.into_core();
-                    let held = Held {
-                        shared: Some(shared),
-                        ..Held::mapped(body)
-                    };
-                    let token = Quarantined::new(core.binding, core.residual(held));
-                    return Err(TransitionError {
-                        token: Returned::Quarantined(token),
-                        cause: ShareFailure::RollbackFailed {
-                            error,
-                            rollback: Box::new(rollback),
-                        },
-                    });
+            let shared = device.shared().another(prefix.parts());
+            let split = shared.split();
+            let body = split.body_len();
+            if let Some((phys, n)) = split.body {
+                if let Err(e) = backend.map(addr, n, phys, Access::ReadOnly) {
+                    device.unshare(shared);
+                    return refuse(self, ShareFailure::Backend(e));
                 }
-                device.refund(Axis::Mapped, body);
+                device.charge(Axis::Mapped, n);
             }
-            device.unshare(shared);
-            return refuse(self, ShareFailure::Backend(error));
-        }
-        device.charge(Axis::Mapped, len - body);
-        let (core, ()) = self.into_core();
-        Ok(Allocation::from_core(core, shared))
+            let (boundary, g) = split.boundary;
+            if let Err(error) = backend.map(addr + body, g, boundary, Access::ReadOnly) {
+                if body > 0 {
+                    if let Err(rollback) = backend.unmap(addr, body) {
+                        // The half-made mapping stays, with its reference, in a quarantined token.
+                        let (core, ()) = self.into_core();
+                        let held = Held {
+                            shared: Some(shared),
+                            ..Held::mapped(body)
+                        };
+                        let token = Quarantined::new(core.binding, core.residual(held));
+                        return Err(TransitionError {
+                            token: Returned::Quarantined(token),
+                            cause: ShareFailure::RollbackFailed {
+                                error,
+                                rollback: Box::new(rollback),
+                            },
+                        });
+                    }
+                    device.refund(Axis::Mapped, body);
+                }
+                device.unshare(shared);
+                return refuse(self, ShareFailure::Backend(error));
+            }
+            device.charge(Axis::Mapped, len - body);
+            let (core, ()) = self.into_core();
+            Ok(Allocation::from_core(core, shared))
+        })
     }
 }
 
@@ -514,94 +521,93 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
     /// restored.
     #[must_use = "a refused copy-on-write returns the mapping inside the error"]
     pub fn diverge(self) -> Result<DivergedMapping<'b, 'id, B>, CowError<'b, 'id, B>> {
-        let core = self.core();
-        let (binding, device) = (core.binding, core.device());
-        let backend = device.backend();
-        let g = device.granularity();
-        let boundary = core.addr + core.len - g;
-        let refuse = |token, cause| {
-            Err(TransitionError {
-                token: Returned::Unchanged(token),
-                cause: CowFailure::Private(cause),
-            })
-        };
-        if let Err(e) = device.ensure_live(Op::Create, 0, g) {
-            return refuse(self, CommitFailure::Backend(e));
-        }
-        // The boundary is unmapped below: not while work that may read it still runs (on any
-        // stream the backend's fences cover). The token is moved in, so no new work can start.
-        let fence = backend.fence();
-        let idle = backend.fence_done(&fence);
-        backend.retire_fence(fence);
-        if !idle {
-            return Err(TransitionError {
-                token: Returned::Unchanged(self),
-                cause: CowFailure::Pending,
-            });
-        }
-        if let Err(cause) = binding.charge(g) {
-            return refuse(self, cause);
-        }
-        // Undoes the private granule (created or not), and says why the mapping is unchanged.
-        let undo = |error, private: Option<B::Phys>| {
-            let rollback = match private {
-                None => {
-                    binding.uncharge(g);
-                    Ok(())
-                }
-                Some(p) => {
-                    binding.refund(g);
-                    device.release_orphan(p, g)
-                }
+        Scope::run(move || {
+            let core = self.core();
+            let (binding, device) = (core.binding, core.device());
+            let backend = device.backend();
+            let g = device.granularity();
+            let boundary = core.addr + core.len - g;
+            let refuse = |token, cause| {
+                Err(TransitionError {
+                    token: Returned::Unchanged(token),
+                    cause: CowFailure::Private(cause),
+                })
             };
-            CommitFailure::undone(error, rollback)
-        };
-        // Quarantines the mapping (`mapped` bytes of it still mapped) when its state is
-        // uncertain; the private granule goes back.
-        let quarantine = |token: Self, mapped, cause, private| {
-            let (core, shared) = token.into_core();
-            binding.refund(g);
-            let _ = device.release_orphan(private, g); // a failure is quarantined
-            let held = Held {
-                shared: Some(shared),
-                ..Held::mapped(mapped)
+            if let Err(e) = device.ensure_live(Op::Create, 0, g) {
+                return refuse(self, CommitFailure::Backend(e));
+            }
+            // The boundary is unmapped below: not while work that may read it still runs (on any
+            // stream the backend's fences cover). The token is moved in, so no new work can start.
+            if !backend.idle() {
+                return Err(TransitionError {
+                    token: Returned::Unchanged(self),
+                    cause: CowFailure::Pending,
+                });
+            }
+            if let Err(cause) = binding.charge(g) {
+                return refuse(self, cause);
+            }
+            // Undoes the private granule (created or not), and says why the mapping is unchanged.
+            let undo = |error, private: Option<B::Phys>| {
+                let rollback = match private {
+                    None => {
+                        binding.uncharge(g);
+                        Ok(())
+                    }
+                    Some(p) => {
+                        binding.refund(g);
+                        device.release_orphan(p, g)
+                    }
+                };
+                CommitFailure::undone(error, rollback)
             };
-            Err(TransitionError {
-                token: Returned::Quarantined(Quarantined::new(binding, core.residual(held))),
-                cause,
-            })
-        };
-        let private = match backend.create(g) {
-            Ok(p) => p,
-            Err(e) => return refuse(self, undo(e, None)),
-        };
-        if let Err(e) = backend.copy_into_phys(private, boundary, g) {
-            return refuse(self, undo(e, Some(private)));
-        }
-        if let Err(e) = backend.unmap(boundary, g) {
-            // Whether the boundary is still mapped is unknown: the mapping lends no memory any
-            // more, its remains are quarantined.
-            return quarantine(self, core.len, CowFailure::Unmap(e), private);
-        }
-        device.refund(Axis::Mapped, g);
-        if let Err(error) = backend.map(boundary, g, private, Access::ReadWrite) {
-            let (shared, _) = self.parts().split().boundary;
-            return match backend.map(boundary, g, shared, Access::ReadOnly) {
-                Ok(()) => {
-                    device.charge(Axis::Mapped, g);
-                    refuse(self, undo(error, Some(private)))
-                }
-                // Neither the copy nor the original is mapped at the boundary.
-                Err(restore) => {
-                    let restore = Box::new(restore);
-                    let cause = CowFailure::Remap { error, restore };
-                    quarantine(self, core.len - g, cause, private)
-                }
+            // Quarantines the mapping (`mapped` bytes of it still mapped) when its state is
+            // uncertain; the private granule goes back.
+            let quarantine = |token: Self, mapped, cause, private| {
+                let (core, shared) = token.into_core();
+                binding.refund(g);
+                let _ = device.release_orphan(private, g); // a failure is quarantined
+                let held = Held {
+                    shared: Some(shared),
+                    ..Held::mapped(mapped)
+                };
+                Err(TransitionError {
+                    token: Returned::Quarantined(Quarantined::new(binding, core.residual(held))),
+                    cause,
+                })
             };
-        }
-        device.charge(Axis::Mapped, g);
-        let (core, shared) = self.into_core();
-        Ok(Allocation::from_core(core, (shared, private)))
+            let private = match backend.create(g) {
+                Ok(p) => p,
+                Err(e) => return refuse(self, undo(e, None)),
+            };
+            if let Err(e) = backend.copy_into_phys(private, boundary, g) {
+                return refuse(self, undo(e, Some(private)));
+            }
+            if let Err(e) = backend.unmap(boundary, g) {
+                // Whether the boundary is still mapped is unknown: the mapping lends no memory any
+                // more, its remains are quarantined.
+                return quarantine(self, core.len, CowFailure::Unmap(e), private);
+            }
+            device.refund(Axis::Mapped, g);
+            if let Err(error) = backend.map(boundary, g, private, Access::ReadWrite) {
+                let (shared, _) = self.parts().split().boundary;
+                return match backend.map(boundary, g, shared, Access::ReadOnly) {
+                    Ok(()) => {
+                        device.charge(Axis::Mapped, g);
+                        refuse(self, undo(error, Some(private)))
+                    }
+                    // Neither the copy nor the original is mapped at the boundary.
+                    Err(restore) => {
+                        let restore = Box::new(restore);
+                        let cause = CowFailure::Remap { error, restore };
+                        quarantine(self, core.len - g, cause, private)
+                    }
+                };
+            }
+            device.charge(Axis::Mapped, g);
+            let (core, shared) = self.into_core();
+            Ok(Allocation::from_core(core, (shared, private)))
+        })
     }
 }
 

@@ -10,8 +10,10 @@ use crate::error::{ResumeFailure, ShrinkFailure, SuspendFailure, TransitionError
 use crate::ledger::Axis;
 use crate::region::{Elastic, Granules, idle, reclaim_withheld};
 use crate::residual::{Granule, Held};
+use crate::state::Wait;
 use crate::state::{Committed, Internal, Live, Reserved, Retired, State, sealed::Sealed};
 use crate::token::Core;
+use crate::unwind::{Guarded, Scope};
 use std::convert::Infallible;
 use std::fmt;
 use std::marker::PhantomData;
@@ -110,7 +112,7 @@ impl<S: Suspendable> Sealed for Suspended<S> {
     type Parts<B: Backend> = Asleep<B::Phys>;
 
     fn retire<B: Backend>(
-        backend: &B,
+        backend: &Guarded<B>,
         _len: usize,
         parts: Self::Parts<B>,
         _: Internal,
@@ -118,7 +120,7 @@ impl<S: Suspendable> Sealed for Suspended<S> {
         let charged = parts.stuck.iter().map(|s| s.len).sum();
         Retired {
             // Withheld granules may still be mapped from before: their release waits for work.
-            fence: (!parts.stuck.is_empty()).then(|| backend.fence()),
+            fence: Wait::unless(parts.stuck.is_empty(), || backend.fence()),
             held: Held {
                 granules: parts.stuck,
                 ..Held::va()
@@ -158,8 +160,10 @@ impl<B: Backend, S: Suspendable> Allocation<'_, '_, B, Suspended<S>> {
     /// still withheld, [`ShrinkFailure::Pending`] while work may still use it,
     /// [`ShrinkFailure::Backend`] once the context is lost.
     pub fn reclaim(&mut self) -> Result<(), ShrinkFailure> {
-        let core = self.core();
-        reclaim_withheld(core, &mut self.parts_mut().stuck)
+        Scope::run(move || {
+            let core = self.core();
+            reclaim_withheld(core, &mut self.parts_mut().stuck)
+        })
     }
 }
 
@@ -204,7 +208,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
     pub fn suspend(
         self,
     ) -> Result<SuspendedAllocation<'b, 'id, B>, SuspendError<'b, 'id, B, Committed>> {
-        self.suspend_with(false)
+        Scope::run(move || self.suspend_with(false))
     }
 
     /// Suspends this allocation as [`suspend`](Self::suspend) does, after saving its bytes to
@@ -217,7 +221,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
     pub fn suspend_saving(
         self,
     ) -> Result<SuspendedAllocation<'b, 'id, B>, SuspendError<'b, 'id, B, Committed>> {
-        self.suspend_with(true)
+        Scope::run(move || self.suspend_with(true))
     }
 
     fn suspend_with(
@@ -268,50 +272,52 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Committed>> {
     pub fn resume(
         self,
     ) -> Result<Allocation<'b, 'id, B, Committed>, ResumeError<'b, 'id, B, Committed>> {
-        let (core, mut asleep) = self.into_core();
-        let back = |core, asleep, cause| {
-            let token = Allocation::from_core(core, asleep);
-            Err(TransitionError { token, cause })
-        };
-        if let Err(e) = reclaim_withheld(core, &mut asleep.stuck) {
-            return back(core, asleep, ResumeFailure::Withheld(Box::new(e)));
-        }
-        let reserved = Allocation::<'b, 'id, B, Reserved>::from_core(core, ());
-        let committed = match reserved.commit() {
-            Ok(committed) => committed,
-            Err(e) => {
-                let (core, ()) = e.token.into_core();
-                return back(core, asleep, ResumeFailure::Commit(Box::new(e.cause)));
-            }
-        };
-        let Some(bytes) = &asleep.saved else {
-            return Ok(committed);
-        };
-        let device = core.device();
-        let Err(error) = device.backend().copy_from_host(core.addr, bytes) else {
-            return Ok(committed);
-        };
-        // Undo the commit: nothing can have used the memory mapped just now.
-        let (core, phys) = committed.into_core();
-        let (binding, len) = (core.binding, core.len);
-        if let Err(rollback) = device.backend().unmap(core.addr, len) {
-            // Still suspended, with its saved bytes; the mapping stays withheld, charged.
-            asleep.stuck.push(Granule {
-                offset: 0,
-                len,
-                phys,
-                mapped: true,
-            });
-            let cause = ResumeFailure::RestoreUndo {
-                error: Box::new(error),
-                rollback: Box::new(rollback),
+        Scope::run(move || {
+            let (core, mut asleep) = self.into_core();
+            let back = |core, asleep, cause| {
+                let token = Allocation::from_core(core, asleep);
+                Err(TransitionError { token, cause })
             };
-            return back(core, asleep, cause);
-        }
-        device.refund(Axis::Mapped, len);
-        binding.refund(len);
-        let _ = device.release_orphan(phys, len); // a failure is quarantined, still counted
-        back(core, asleep, ResumeFailure::Restore(Box::new(error)))
+            if let Err(e) = reclaim_withheld(core, &mut asleep.stuck) {
+                return back(core, asleep, ResumeFailure::Withheld(Box::new(e)));
+            }
+            let reserved = Allocation::<'b, 'id, B, Reserved>::from_core(core, ());
+            let committed = match reserved.commit() {
+                Ok(committed) => committed,
+                Err(e) => {
+                    let (core, ()) = e.token.into_core();
+                    return back(core, asleep, ResumeFailure::Commit(Box::new(e.cause)));
+                }
+            };
+            let Some(bytes) = &asleep.saved else {
+                return Ok(committed);
+            };
+            let device = core.device();
+            let Err(error) = device.backend().copy_from_host(core.addr, bytes) else {
+                return Ok(committed);
+            };
+            // Undo the commit: nothing can have used the memory mapped just now.
+            let (core, phys) = committed.into_core();
+            let (binding, len) = (core.binding, core.len);
+            if let Err(rollback) = device.backend().unmap(core.addr, len) {
+                // Still suspended, with its saved bytes; the mapping stays withheld, charged.
+                asleep.stuck.push(Granule {
+                    offset: 0,
+                    len,
+                    phys,
+                    mapped: true,
+                });
+                let cause = ResumeFailure::RestoreUndo {
+                    error: Box::new(error),
+                    rollback: Box::new(rollback),
+                };
+                return back(core, asleep, cause);
+            }
+            device.refund(Axis::Mapped, len);
+            binding.refund(len);
+            let _ = device.release_orphan(phys, len); // a failure is quarantined, still counted
+            back(core, asleep, ResumeFailure::Restore(Box::new(error)))
+        })
     }
 }
 
@@ -329,7 +335,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// ([`SuspendFailure::Pending`]) or once the context is lost.
     #[must_use = "a failed suspend returns the region inside the error"]
     pub fn suspend(self) -> Result<SuspendedRegion<'b, 'id, B>, SuspendError<'b, 'id, B, Elastic>> {
-        self.suspend_with(false)
+        Scope::run(move || self.suspend_with(false))
     }
 
     /// Suspends this region as [`suspend`](Self::suspend) does, after saving its committed
@@ -342,7 +348,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     pub fn suspend_saving(
         self,
     ) -> Result<SuspendedRegion<'b, 'id, B>, SuspendError<'b, 'id, B, Elastic>> {
-        self.suspend_with(true)
+        Scope::run(move || self.suspend_with(true))
     }
 
     fn suspend_with(
@@ -390,46 +396,50 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Elastic>> {
     pub fn resume(
         self,
     ) -> Result<Allocation<'b, 'id, B, Elastic>, ResumeError<'b, 'id, B, Elastic>> {
-        let g = self.binding().device().granularity();
-        let (core, mut asleep) = self.into_core();
-        if let Err(e) = reclaim_withheld(core, &mut asleep.stuck) {
-            let token = Allocation::from_core(core, asleep);
-            let cause = ResumeFailure::Withheld(Box::new(e));
-            return Err(TransitionError { token, cause });
-        }
-        let Asleep { len, saved, stuck } = asleep;
-        let asleep_again = |region: Allocation<'b, 'id, B, Elastic>, saved, cause| {
-            let (core, granules) = region.into_core();
-            debug_assert!(
-                granules.committed.is_empty(),
-                "a failed growth maps nothing"
-            );
-            let asleep = Asleep {
-                len,
-                saved,
-                stuck: granules.stuck,
+        Scope::run(move || {
+            let g = self.binding().device().granularity();
+            let (core, mut asleep) = self.into_core();
+            if let Err(e) = reclaim_withheld(core, &mut asleep.stuck) {
+                let token = Allocation::from_core(core, asleep);
+                let cause = ResumeFailure::Withheld(Box::new(e));
+                return Err(TransitionError { token, cause });
+            }
+            let Asleep { len, saved, stuck } = asleep;
+            let asleep_again = |region: Allocation<'b, 'id, B, Elastic>, saved, cause| {
+                let (core, granules) = region.into_core();
+                debug_assert!(
+                    granules.committed.is_empty(),
+                    "a failed growth maps nothing"
+                );
+                let asleep = Asleep {
+                    len,
+                    saved,
+                    stuck: granules.stuck,
+                };
+                let token = Allocation::from_core(core, asleep);
+                Err(TransitionError { token, cause })
             };
-            let token = Allocation::from_core(core, asleep);
-            Err(TransitionError { token, cause })
-        };
-        let granules = Granules {
-            committed: Vec::with_capacity(len / g),
-            stuck,
-        };
-        let region = Allocation::<'b, 'id, B, Elastic>::from_core(core, granules);
-        let mut region = match region.grow(len / g) {
-            Ok(region) => region,
-            Err(e) => return asleep_again(e.token, saved, ResumeFailure::Grow(Box::new(e.cause))),
-        };
-        let Some(bytes) = &saved else {
-            return Ok(region);
-        };
-        let Err(error) = core.backend().copy_from_host(core.addr, bytes) else {
-            return Ok(region);
-        };
-        // Nothing can have used the memory mapped just now: shrink it back (a granule whose
-        // unmap fails stays withheld).
-        let _ = region.shrink_now(len / g);
-        asleep_again(region, saved, ResumeFailure::Restore(Box::new(error)))
+            let granules = Granules {
+                committed: Vec::with_capacity(len / g),
+                stuck,
+            };
+            let region = Allocation::<'b, 'id, B, Elastic>::from_core(core, granules);
+            let mut region = match region.grow(len / g) {
+                Ok(region) => region,
+                Err(e) => {
+                    return asleep_again(e.token, saved, ResumeFailure::Grow(Box::new(e.cause)));
+                }
+            };
+            let Some(bytes) = &saved else {
+                return Ok(region);
+            };
+            let Err(error) = core.backend().copy_from_host(core.addr, bytes) else {
+                return Ok(region);
+            };
+            // Nothing can have used the memory mapped just now: shrink it back (a granule whose
+            // unmap fails stays withheld).
+            let _ = region.shrink_now(len / g);
+            asleep_again(region, saved, ResumeFailure::Restore(Box::new(error)))
+        })
     }
 }

@@ -14,14 +14,43 @@
 
 use crate::backend::Backend;
 use crate::residual::{Held, SharedPhys};
+use crate::unwind::Guarded;
+
+/// What a release waits for.
+#[derive(Debug)]
+pub enum Wait<F> {
+    /// Nothing: no work can still use the memory.
+    Nothing,
+    /// This fence.
+    On(F),
+    /// A fence that could not be recorded (the backend panicked): one recorded later covers
+    /// the same work, and the release waits for that.
+    Unrecorded,
+}
+
+impl<F> Wait<F> {
+    /// Waits for a fence, if one was recorded: `None` from [`Guarded::fence`] is
+    /// [`Unrecorded`](Self::Unrecorded).
+    pub(crate) fn on(fence: Option<F>) -> Self {
+        fence.map_or(Self::Unrecorded, Self::On)
+    }
+
+    /// [`Nothing`](Self::Nothing) if `idle`, else a fence recorded now.
+    pub(crate) fn unless(idle: bool, fence: impl FnOnce() -> Option<F>) -> Self {
+        if idle {
+            Self::Nothing
+        } else {
+            Self::on(fence())
+        }
+    }
+}
 
 /// What a token holds when it leaves its owner (dropped, or its release started): its parts,
-/// the fence its release waits for (`None`: nothing can still use the memory), and the owned
-/// bytes its binding is charged for it.
+/// what its release waits for, and the owned bytes its binding is charged for it.
 #[derive(Debug)]
 pub struct Retired<B: Backend> {
     pub(crate) held: Held<B::Phys>,
-    pub(crate) fence: Option<B::Fence>,
+    pub(crate) fence: Wait<B::Fence>,
     pub(crate) charged: usize,
 }
 
@@ -40,7 +69,7 @@ pub(crate) mod sealed {
 
         /// Takes a token of `len` bytes in this state apart into what it holds.
         fn retire<B: Backend>(
-            backend: &B,
+            backend: &Guarded<B>,
             len: usize,
             parts: Self::Parts<B>,
             _: Internal,
@@ -86,10 +115,10 @@ pub enum Releasing {}
 impl sealed::Sealed for Reserved {
     type Parts<B: Backend> = ();
 
-    fn retire<B: Backend>(_backend: &B, _len: usize, (): (), _: Internal) -> Retired<B> {
+    fn retire<B: Backend>(_: &Guarded<B>, _len: usize, (): (), _: Internal) -> Retired<B> {
         Retired {
             held: Held::va(),
-            fence: None,
+            fence: Wait::Nothing,
             charged: 0,
         }
     }
@@ -98,21 +127,26 @@ impl sealed::Sealed for Reserved {
 impl sealed::Sealed for Committed {
     type Parts<B: Backend> = B::Phys;
 
-    fn retire<B: Backend>(backend: &B, len: usize, phys: B::Phys, _: Internal) -> Retired<B> {
+    fn retire<B: Backend>(
+        backend: &Guarded<B>,
+        len: usize,
+        phys: B::Phys,
+        _: Internal,
+    ) -> Retired<B> {
         Retired {
             held: Held::committed(len, phys),
             // Work may still be in flight on the memory: its release waits for a fence.
-            fence: Some(backend.fence()),
+            fence: Wait::on(backend.fence()),
             charged: len,
         }
     }
 }
 
 impl sealed::Sealed for Releasing {
-    type Parts<B: Backend> = (Held<B::Phys>, Option<B::Fence>);
+    type Parts<B: Backend> = (Held<B::Phys>, Wait<B::Fence>);
 
     fn retire<B: Backend>(
-        _backend: &B,
+        _: &Guarded<B>,
         _len: usize,
         (held, fence): Self::Parts<B>,
         _: Internal,

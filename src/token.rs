@@ -6,6 +6,7 @@ use crate::binding::Binding;
 use crate::device::Device;
 use crate::ids::Generation;
 use crate::residual::{Held, Residual};
+use crate::unwind::Guarded;
 
 /// A token's binding, range and identity: all `Copy`, so a transition takes a token apart and
 /// builds the next one from the same core.
@@ -29,7 +30,7 @@ impl<'b, 'id, B: Backend> Core<'b, 'id, B> {
         self.binding.device()
     }
 
-    pub(crate) fn backend(&self) -> &'b B {
+    pub(crate) fn backend(&self) -> &'b Guarded<B> {
         self.device().backend()
     }
 

@@ -65,7 +65,7 @@ fn describe<B: Backend, S: crate::state::State>(
     Descriptor {
         addr: token.addr(),
         len: token.len(),
-        location: token.binding().device().backend().location(),
+        location: token.binding().device().backend().raw().location(),
         generation: token.generation(),
         writable,
     }

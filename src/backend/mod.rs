@@ -279,6 +279,15 @@ pub enum Cause {
     /// The context is lost: no call was made.
     #[error("the context is lost, so no driver call was made")]
     ContextLost,
+    /// The backend panicked in this call. memtoken took the call's failure path (nothing was
+    /// lost; what could not be undone is quarantined), and the panic resumes when the public
+    /// call that made it returns: this error is seen only inside memtoken and in the residuals
+    /// it quarantined.
+    #[error("the backend panicked: {message}")]
+    Panicked {
+        /// The panic's message.
+        message: String,
+    },
     /// A fault injected by [`Faulty`] (the Nth call of its kind).
     #[error("fault injected into call #{nth} of this kind")]
     Injected {

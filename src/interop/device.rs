@@ -384,7 +384,7 @@ impl<S: Readable> Allocation<'_, '_, Gpu, S> {
     /// [`ViewError::Stream`] if `stream` belongs to another context.
     pub fn view<T: Pod>(&self, stream: &Arc<CudaStream>) -> Result<DeviceView<'_, T>, ViewError> {
         let backend = self.binding().device().backend();
-        Span::lend::<T>(backend, self.addr(), self.len(), stream).map(DeviceView::new)
+        Span::lend::<T>(backend.raw(), self.addr(), self.len(), stream).map(DeviceView::new)
     }
 }
 
@@ -406,7 +406,7 @@ impl Allocation<'_, '_, Gpu, Owner> {
             return None;
         }
         let backend = self.binding().device().backend();
-        let span = Span::lend::<T>(backend, self.addr(), self.len(), stream);
+        let span = Span::lend::<T>(backend.raw(), self.addr(), self.len(), stream);
         Some(span.map(DeviceViewMut::new))
     }
 }
@@ -423,7 +423,7 @@ impl Allocation<'_, '_, Gpu, Committed> {
         stream: &Arc<CudaStream>,
     ) -> Result<DeviceViewMut<'_, T>, ViewError> {
         let backend = self.binding().device().backend();
-        Span::lend::<T>(backend, self.addr(), self.len(), stream).map(DeviceViewMut::new)
+        Span::lend::<T>(backend.raw(), self.addr(), self.len(), stream).map(DeviceViewMut::new)
     }
 }
 
@@ -440,7 +440,8 @@ impl Allocation<'_, '_, Gpu, Diverged> {
     ) -> Result<DeviceViewMut<'_, T>, ViewError> {
         let at = self.boundary_offset();
         let backend = self.binding().device().backend();
-        Span::lend::<T>(backend, self.addr() + at, self.len() - at, stream).map(DeviceViewMut::new)
+        Span::lend::<T>(backend.raw(), self.addr() + at, self.len() - at, stream)
+            .map(DeviceViewMut::new)
     }
 }
 
@@ -452,7 +453,7 @@ impl Page<'_, '_, '_, '_, Gpu> {
     ///
     /// As for [`Allocation::view`].
     pub fn view<T: Pod>(&self, stream: &Arc<CudaStream>) -> Result<DeviceView<'_, T>, ViewError> {
-        Span::lend::<T>(self.backend(), self.addr(), self.size(), stream).map(DeviceView::new)
+        Span::lend::<T>(self.backend().raw(), self.addr(), self.size(), stream).map(DeviceView::new)
     }
 
     /// The page as elements of `T` on the device, writable, for work on `stream`. Borrows the
@@ -465,7 +466,8 @@ impl Page<'_, '_, '_, '_, Gpu> {
         &mut self,
         stream: &Arc<CudaStream>,
     ) -> Result<DeviceViewMut<'_, T>, ViewError> {
-        Span::lend::<T>(self.backend(), self.addr(), self.size(), stream).map(DeviceViewMut::new)
+        Span::lend::<T>(self.backend().raw(), self.addr(), self.size(), stream)
+            .map(DeviceViewMut::new)
     }
 }
 
@@ -486,7 +488,7 @@ impl PageTable<'_, '_, '_, '_, Gpu> {
         stream: &Arc<CudaStream>,
     ) -> Result<DeviceView<'_, T>, ViewError> {
         let (addr, size) = (self.addr(position), self.page_size());
-        Span::lend::<T>(self.backend(), addr, size, stream).map(DeviceView::new)
+        Span::lend::<T>(self.backend().raw(), addr, size, stream).map(DeviceView::new)
     }
 
     /// The page at `position` as elements of `T` on the device, writable, for work on
@@ -505,7 +507,7 @@ impl PageTable<'_, '_, '_, '_, Gpu> {
         stream: &Arc<CudaStream>,
     ) -> Result<DeviceViewMut<'_, T>, ViewError> {
         let (addr, size) = (self.addr(position), self.page_size());
-        Span::lend::<T>(self.backend(), addr, size, stream).map(DeviceViewMut::new)
+        Span::lend::<T>(self.backend().raw(), addr, size, stream).map(DeviceViewMut::new)
     }
 }
 

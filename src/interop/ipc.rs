@@ -17,7 +17,9 @@ use crate::error::ReserveError;
 use crate::ledger::Axis;
 use crate::residual::{Held, SharedPhys};
 use crate::sharing::Owner;
+use crate::state::Wait;
 use crate::state::{Internal, Live, Readable, Retired, State, sealed::Sealed};
+use crate::unwind::{Guarded, Scope};
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
@@ -77,7 +79,7 @@ impl Sealed for Imported {
     type Parts<B: Backend> = (Option<(B::Phys, usize)>, (B::Phys, usize));
 
     fn retire<B: Backend>(
-        backend: &B,
+        backend: &Guarded<B>,
         len: usize,
         (body, boundary): Self::Parts<B>,
         _: Internal,
@@ -89,7 +91,7 @@ impl Sealed for Imported {
                 ..Held::mapped(len)
             },
             // Work may still read the mapping: its release waits for a fence.
-            fence: Some(backend.fence()),
+            fence: Wait::on(backend.fence()),
             charged: 0,
         }
     }
@@ -464,34 +466,36 @@ impl<'b, 'id, B: Exportable<K>, K: HandleKind> Allocation<'b, 'id, B, Owner<K>> 
     ///
     /// The backend's, if a handle cannot be made (nothing is left exported).
     pub fn export(&self) -> Result<Export<'b, 'id, B, K>, BackendError> {
-        let binding = self.binding();
-        let device = binding.device();
-        device.ensure_live(Op::Create, 0, self.len())?;
-        let backend = device.backend();
-        let split = self.parts().split();
-        let mut handles = Vec::with_capacity(MAX_FDS);
-        for (phys, len) in split.body.into_iter().chain([split.boundary]) {
-            handles.push(backend.export(phys, len)?);
-        }
-        let offset = |i: usize| handles.get(i).map_or(0, |h: &Shareable| h.offset);
-        let message = PrefixMessage {
-            len: self.len() as u64,
-            body_len: split.body_len() as u64,
-            granularity: device.granularity() as u64,
-            kind: K::TYPE,
-            generation: self.generation().get(),
-            body_offset: if split.body.is_some() { offset(0) } else { 0 },
-            boundary_offset: offset(handles.len() - 1),
-        };
-        // From now on the owner never writes the memory: an importer may be reading it.
-        self.parts().mark_exported();
-        let shared = device.shared().export(self.parts());
-        Ok(Export {
-            binding,
-            shared: ManuallyDrop::new(shared),
-            handles,
-            message,
-            kind: PhantomData,
+        Scope::run(move || {
+            let binding = self.binding();
+            let device = binding.device();
+            device.ensure_live(Op::Create, 0, self.len())?;
+            let backend = device.backend();
+            let split = self.parts().split();
+            let mut handles = Vec::with_capacity(MAX_FDS);
+            for (phys, len) in split.body.into_iter().chain([split.boundary]) {
+                handles.push(backend.export(phys, len)?);
+            }
+            let offset = |i: usize| handles.get(i).map_or(0, |h: &Shareable| h.offset);
+            let message = PrefixMessage {
+                len: self.len() as u64,
+                body_len: split.body_len() as u64,
+                granularity: device.granularity() as u64,
+                kind: K::TYPE,
+                generation: self.generation().get(),
+                body_offset: if split.body.is_some() { offset(0) } else { 0 },
+                boundary_offset: offset(handles.len() - 1),
+            };
+            // From now on the owner never writes the memory: an importer may be reading it.
+            self.parts().mark_exported();
+            let shared = device.shared().export(self.parts());
+            Ok(Export {
+                binding,
+                shared: ManuallyDrop::new(shared),
+                handles,
+                message,
+                kind: PhantomData,
+            })
         })
     }
 }
@@ -521,6 +525,7 @@ impl<B: Exportable<K>, K: HandleKind> Export<'_, '_, B, K> {
 
 impl<B: Exportable<K>, K: HandleKind> Drop for Export<'_, '_, B, K> {
     fn drop(&mut self) {
+        let _scope = Scope::enter();
         let device = self.binding.device();
         // SAFETY: taken once, here, and never used again.
         let shared = unsafe { ManuallyDrop::take(&mut self.shared) };
@@ -540,51 +545,53 @@ impl<'b, 'id, B: Exportable<PosixFd>> Binding<'b, 'id, B> {
     /// refuses a handle (a descriptor shorter than it claims, one it cannot trust) or its
     /// mapping. Whatever was done is undone; what cannot be is quarantined in the device.
     pub fn import(&'b self, offer: Offer) -> Result<ImportedPrefix<'b, 'id, B>, ImportError> {
-        let device = self.device();
-        let (message, fds) = (offer.message, offer.fds);
-        let g = device.granularity();
-        if message.granularity != g as u64 {
-            return Err(ImportError::Granularity {
-                offer: usize::try_from(message.granularity).unwrap_or(usize::MAX),
-                device: g,
-            });
-        }
-        // `decode` bounded the length by `isize::MAX`, and the granularity matches.
-        let len = usize::try_from(message.len).map_err(|_| ReserveError::Overflow {
-            requested: usize::MAX,
-            granularity: g,
-        })?;
-        let reserved = self.reserve(len)?;
-        let (core, ()) = reserved.into_core();
-        let backend = device.backend();
-        let mut imported = Vec::with_capacity(MAX_FDS);
-        let mut mapped = 0;
-        let step = || -> Result<(), BackendError> {
-            device.ensure_live(Op::Map, core.addr, len)?;
-            for ((offset, n), fd) in message.pieces().zip(fds) {
-                let n = n as usize; // each piece is at most `len`, a usize
-                let phys = backend.import(Shareable { fd, offset, len: n })?;
-                imported.push((phys, n));
+        Scope::run(move || {
+            let device = self.device();
+            let (message, fds) = (offer.message, offer.fds);
+            let g = device.granularity();
+            if message.granularity != g as u64 {
+                return Err(ImportError::Granularity {
+                    offer: usize::try_from(message.granularity).unwrap_or(usize::MAX),
+                    device: g,
+                });
             }
-            for &(phys, n) in &imported {
-                backend.map(core.addr + mapped, n, phys, Access::ReadOnly)?;
-                device.charge(Axis::Mapped, n);
-                mapped += n;
-            }
-            Ok(())
-        };
-        if let Err(e) = step() {
-            let held = Held {
-                imported,
-                ..Held::mapped(mapped)
+            // `decode` bounded the length by `isize::MAX`, and the granularity matches.
+            let len = usize::try_from(message.len).map_err(|_| ReserveError::Overflow {
+                requested: usize::MAX,
+                granularity: g,
+            })?;
+            let reserved = self.reserve(len)?;
+            let (core, ()) = reserved.into_core();
+            let backend = device.backend();
+            let mut imported = Vec::with_capacity(MAX_FDS);
+            let mut mapped = 0;
+            let step = || -> Result<(), BackendError> {
+                device.ensure_live(Op::Map, core.addr, len)?;
+                for ((offset, n), fd) in message.pieces().zip(fds) {
+                    let n = n as usize; // each piece is at most `len`, a usize
+                    let phys = backend.import(Shareable { fd, offset, len: n })?;
+                    imported.push((phys, n));
+                }
+                for &(phys, n) in &imported {
+                    backend.map(core.addr + mapped, n, phys, Access::ReadOnly)?;
+                    device.charge(Axis::Mapped, n);
+                    mapped += n;
+                }
+                Ok(())
             };
-            let residual = core.residual(held);
-            device.teardown_or_quarantine(residual);
-            return Err(ImportError::Backend(e));
-        }
-        let boundary = imported
-            .pop()
-            .expect("one piece per descriptor, the boundary last");
-        Ok(Allocation::from_core(core, (imported.pop(), boundary)))
+            if let Err(e) = step() {
+                let held = Held {
+                    imported,
+                    ..Held::mapped(mapped)
+                };
+                let residual = core.residual(held);
+                device.teardown_or_quarantine(residual);
+                return Err(ImportError::Backend(e));
+            }
+            let boundary = imported
+                .pop()
+                .expect("one piece per descriptor, the boundary last");
+            Ok(Allocation::from_core(core, (imported.pop(), boundary)))
+        })
     }
 }

@@ -15,11 +15,12 @@ pub use ipc::{
 
 use crate::allocation::Allocation;
 use crate::backend::cuda::{CudaBackend, Driver};
-use crate::backend::{Addr, Backend, BackendError};
+use crate::backend::{Addr, BackendError};
 use crate::page_pool::PageTable;
 use crate::region::Elastic;
 use crate::sharing::{Capability, Diverged, Owner};
 use crate::state::{Committed, Readable, State};
+use crate::unwind::Scope;
 
 /// `[offset, offset + len)` inside a region of `size` bytes at `base`, or a panic.
 fn within(base: Addr, size: usize, offset: usize, len: usize) -> Addr {
@@ -37,7 +38,7 @@ impl<D: Driver, S: State> Allocation<'_, '_, CudaBackend<D>, S> {
     /// the token's own access is (a prefix sharer's mapping). Empty unless the backend was
     /// given peers.
     pub fn peers(&self) -> &[i32] {
-        self.binding().device().backend().peers()
+        self.binding().device().backend().raw().peers()
     }
 }
 
@@ -52,8 +53,10 @@ impl<D: Driver, S: Readable> Allocation<'_, '_, CudaBackend<D>, S> {
     ///
     /// If the range does not fit in the token.
     pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
-        let at = within(self.addr(), self.len(), offset, dst.len());
-        self.binding().device().backend().copy_to_host(dst, at)
+        Scope::run(move || {
+            let at = within(self.addr(), self.len(), offset, dst.len());
+            self.binding().device().backend().copy_to_host(dst, at)
+        })
     }
 }
 
@@ -80,8 +83,10 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Committed> {
     ///
     /// If the range does not fit in the allocation.
     pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<(), BackendError> {
-        let at = within(self.addr(), self.len(), offset, src.len());
-        self.binding().device().backend().copy_from_host(at, src)
+        Scope::run(move || {
+            let at = within(self.addr(), self.len(), offset, src.len());
+            self.binding().device().backend().copy_from_host(at, src)
+        })
     }
 }
 
@@ -98,11 +103,13 @@ impl<D: Driver, K: Capability> Allocation<'_, '_, CudaBackend<D>, Owner<K>> {
         offset: usize,
         src: &[u8],
     ) -> Option<Result<(), BackendError>> {
-        if !self.parts_mut().is_unique() {
-            return None;
-        }
-        let at = within(self.addr(), self.len(), offset, src.len());
-        Some(self.binding().device().backend().copy_from_host(at, src))
+        Scope::run(move || {
+            if !self.parts_mut().is_unique() {
+                return None;
+            }
+            let at = within(self.addr(), self.len(), offset, src.len());
+            Some(self.binding().device().backend().copy_from_host(at, src))
+        })
     }
 }
 
@@ -125,8 +132,10 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Elastic> {
     ///
     /// If the range does not fit in the committed part.
     pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
-        let at = within(self.addr(), self.committed_len(), offset, dst.len());
-        self.binding().device().backend().copy_to_host(dst, at)
+        Scope::run(move || {
+            let at = within(self.addr(), self.committed_len(), offset, dst.len());
+            self.binding().device().backend().copy_to_host(dst, at)
+        })
     }
 
     /// Copies `src` from the host into the committed part, at `offset`.
@@ -139,8 +148,10 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Elastic> {
     ///
     /// If the range does not fit in the committed part.
     pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<(), BackendError> {
-        let at = within(self.addr(), self.committed_len(), offset, src.len());
-        self.binding().device().backend().copy_from_host(at, src)
+        Scope::run(move || {
+            let at = within(self.addr(), self.committed_len(), offset, src.len());
+            self.binding().device().backend().copy_from_host(at, src)
+        })
     }
 }
 
@@ -155,14 +166,16 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Diverged> {
     ///
     /// If the range does not fit in the granule.
     pub fn copy_to_boundary(&mut self, offset: usize, src: &[u8]) -> Result<(), BackendError> {
-        let boundary = self.boundary_offset();
-        let at = within(
-            self.addr() + boundary,
-            self.len() - boundary,
-            offset,
-            src.len(),
-        );
-        self.binding().device().backend().copy_from_host(at, src)
+        Scope::run(move || {
+            let boundary = self.boundary_offset();
+            let at = within(
+                self.addr() + boundary,
+                self.len() - boundary,
+                offset,
+                src.len(),
+            );
+            self.binding().device().backend().copy_from_host(at, src)
+        })
     }
 }
 
@@ -182,8 +195,10 @@ impl<D: Driver> PageTable<'_, '_, '_, '_, CudaBackend<D>> {
         offset: usize,
         src: &[u8],
     ) -> Result<(), BackendError> {
-        let at = within(self.addr(position), self.page_size(), offset, src.len());
-        self.backend().copy_from_host(at, src)
+        Scope::run(move || {
+            let at = within(self.addr(position), self.page_size(), offset, src.len());
+            self.backend().copy_from_host(at, src)
+        })
     }
 
     /// Copies bytes of the page at `position`, from `offset`, to the host.
@@ -201,7 +216,9 @@ impl<D: Driver> PageTable<'_, '_, '_, '_, CudaBackend<D>> {
         offset: usize,
         dst: &mut [u8],
     ) -> Result<(), BackendError> {
-        let at = within(self.addr(position), self.page_size(), offset, dst.len());
-        self.backend().copy_to_host(dst, at)
+        Scope::run(move || {
+            let at = within(self.addr(position), self.page_size(), offset, dst.len());
+            self.backend().copy_to_host(dst, at)
+        })
     }
 }

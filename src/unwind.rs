@@ -1,0 +1,324 @@
+//! Unwind safety at the seam: a backend call that panics is **contained** — the typed layer
+//! sees it as a failed call and takes the same path as for any failure (the token handed back,
+//! what was made undone, what cannot be undone quarantined, queues left whole) — and the panic
+//! then **resumes**, with its own payload, when the public call that made it returns.
+//!
+//! A public operation opens a [`Scope`] on its thread; every backend call goes through
+//! [`Guarded`], which catches a panic only inside a scope (outside one it unwinds at once, as
+//! it would without memtoken). The first panic caught in a scope is kept and resumed when the
+//! outermost scope of the thread closes; a panic caught while the thread is already unwinding
+//! is dropped (the panic hook has reported it), since a second unwind would abort the process.
+
+use crate::backend::Shareable;
+use crate::backend::{Access, Addr, Backend, BackendError, Cause, Exportable, HandleKind, Op};
+use std::any::Any;
+use std::cell::{Cell, RefCell};
+use std::marker::PhantomData;
+use std::panic::{self, AssertUnwindSafe};
+
+thread_local! {
+    /// Scopes open on this thread.
+    static DEPTH: Cell<u32> = const { Cell::new(0) };
+    /// Whether a panic was caught in the open scopes (so [`CAUGHT`] is looked at only then).
+    static PENDING: Cell<bool> = const { Cell::new(false) };
+    /// The panic kept for the outermost scope.
+    static CAUGHT: RefCell<Option<Box<dyn Any + Send>>> = const { RefCell::new(None) };
+}
+
+/// A public operation in progress on this thread: backend panics inside it are contained, and
+/// the first one resumes when the outermost scope closes (see the module docs).
+pub(crate) struct Scope {
+    /// Scopes are per thread.
+    _not_send: PhantomData<*const ()>,
+}
+
+impl Scope {
+    /// Opens a scope.
+    #[inline]
+    pub(crate) fn enter() -> Self {
+        DEPTH.with(|d| d.set(d.get() + 1));
+        Self {
+            _not_send: PhantomData,
+        }
+    }
+}
+
+impl Scope {
+    /// Runs `body` in a scope of its own, and returns what it returns — unless a backend
+    /// panic was contained in it and this is the thread's outermost scope: then what it
+    /// returned is dropped first (a token inside goes to the device's custody as any dropped
+    /// token does), and the panic resumes.
+    #[inline]
+    pub(crate) fn run<R>(body: impl FnOnce() -> R) -> R {
+        let scope = Self::enter();
+        let out = body();
+        scope.exit(out)
+    }
+
+    /// Closes the scope, handing `out` back (see [`run`](Self::run)). A panic resumed from
+    /// a guard's `Drop` at a function's end would leak the function's return value, so
+    /// functions that return one close their scope here instead.
+    #[inline]
+    fn exit<R>(self, out: R) -> R {
+        if DEPTH.with(Cell::get) == 1 && PENDING.with(Cell::get) {
+            drop(out);
+            drop(self); // resumes the panic
+            unreachable!("the kept panic resumed");
+        }
+        out
+    }
+}
+
+/// Closing a scope by dropping it is for bodies that return nothing (`Drop` impls): the
+/// outermost one resumes a kept panic, unless the thread is unwinding already.
+impl Drop for Scope {
+    #[inline]
+    fn drop(&mut self) {
+        let depth = DEPTH.with(|d| {
+            let n = d.get() - 1;
+            d.set(n);
+            n
+        });
+        if depth == 0 && PENDING.with(Cell::get) {
+            resume();
+        }
+    }
+}
+
+/// Resumes the panic kept for this thread, unless the thread is unwinding already.
+#[cold]
+fn resume() {
+    PENDING.with(|p| p.set(false));
+    if let Some(payload) = CAUGHT.with(|c| c.borrow_mut().take())
+        && !std::thread::panicking()
+    {
+        panic::resume_unwind(payload);
+    }
+}
+
+/// Keeps `payload` for this thread's outermost scope, unless one is kept already.
+#[cold]
+fn keep(payload: Box<dyn Any + Send>) -> String {
+    let message = message(payload.as_ref());
+    if !PENDING.with(Cell::get) {
+        PENDING.with(|p| p.set(true));
+        CAUGHT.with(|c| *c.borrow_mut() = Some(payload));
+    }
+    message
+}
+
+/// A panic payload's message, where it has one.
+fn message(payload: &(dyn Any + Send)) -> String {
+    if let Some(s) = payload.downcast_ref::<&str>() {
+        (*s).to_owned()
+    } else if let Some(s) = payload.downcast_ref::<String>() {
+        s.clone()
+    } else {
+        "a panic without a message".to_owned()
+    }
+}
+
+/// Runs `call`; inside a scope, a panic is kept for the scope's end and `Err` gives its
+/// message. Outside one, a panic unwinds at once.
+#[inline]
+fn contain<R>(call: impl FnOnce() -> R) -> Result<R, String> {
+    if DEPTH.with(Cell::get) == 0 {
+        return Ok(call());
+    }
+    // The closure only makes one backend call: nothing of the typed layer's is touched in it,
+    // so nothing of ours can be seen half-changed after a panic.
+    panic::catch_unwind(AssertUnwindSafe(call)).map_err(keep)
+}
+
+/// A backend whose calls are contained: each one that panics inside a [`Scope`] returns
+/// [`Cause::Panicked`] (or, for the calls that cannot fail, the answer that does no harm), and
+/// the panic resumes when the scope closes. The one way the typed layer calls its backend.
+#[derive(Debug)]
+pub struct Guarded<B>(B);
+
+impl<B: Backend> Guarded<B> {
+    pub(crate) fn new(backend: B) -> Self {
+        Self(backend)
+    }
+
+    /// The backend itself, for what is not a VMM call (sizes, capabilities, CUDA streams).
+    #[inline]
+    pub(crate) fn raw(&self) -> &B {
+        &self.0
+    }
+
+    /// `call`, with a panic turned into the error of `op` on `len` bytes at `addr`.
+    #[inline]
+    fn run<R>(
+        op: Op,
+        addr: Addr,
+        len: usize,
+        call: impl FnOnce() -> Result<R, BackendError>,
+    ) -> Result<R, BackendError> {
+        contain(call).unwrap_or_else(|message| {
+            Err(BackendError::new(
+                op,
+                addr,
+                len,
+                Cause::Panicked { message },
+            ))
+        })
+    }
+
+    #[inline]
+    pub(crate) fn granularity(&self) -> usize {
+        self.0.granularity()
+    }
+
+    #[inline]
+    pub(crate) fn address_space(&self) -> usize {
+        self.0.address_space()
+    }
+
+    #[inline]
+    pub(crate) fn physical_capacity(&self) -> u64 {
+        self.0.physical_capacity()
+    }
+
+    #[inline]
+    pub(crate) fn reserve(&self, len: usize) -> Result<Addr, BackendError> {
+        Self::run(Op::Reserve, 0, len, || self.0.reserve(len))
+    }
+
+    #[inline]
+    pub(crate) fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+        Self::run(Op::Free, addr, len, || self.0.free(addr, len))
+    }
+
+    #[inline]
+    pub(crate) fn create(&self, len: usize) -> Result<B::Phys, BackendError> {
+        Self::run(Op::Create, 0, len, || self.0.create(len))
+    }
+
+    #[inline]
+    pub(crate) fn release(&self, phys: B::Phys, len: usize) -> Result<(), BackendError> {
+        Self::run(Op::Release, 0, len, || self.0.release(phys, len))
+    }
+
+    #[inline]
+    pub(crate) fn map(
+        &self,
+        addr: Addr,
+        len: usize,
+        phys: B::Phys,
+        access: Access,
+    ) -> Result<(), BackendError> {
+        Self::run(Op::Map, addr, len, || self.0.map(addr, len, phys, access))
+    }
+
+    #[inline]
+    pub(crate) fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+        Self::run(Op::Unmap, addr, len, || self.0.unmap(addr, len))
+    }
+
+    #[inline]
+    pub(crate) fn copy_into_phys(
+        &self,
+        phys: B::Phys,
+        src: Addr,
+        len: usize,
+    ) -> Result<(), BackendError> {
+        Self::run(Op::Copy, src, len, || self.0.copy_into_phys(phys, src, len))
+    }
+
+    #[inline]
+    pub(crate) fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError> {
+        let len = dst.len();
+        Self::run(Op::Copy, src, len, || self.0.copy_to_host(dst, src))
+    }
+
+    #[inline]
+    pub(crate) fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
+        Self::run(Op::Copy, dst, src.len(), || self.0.copy_from_host(dst, src))
+    }
+
+    /// A fence after the work submitted so far; `None` if recording one panicked (then no
+    /// fence covers the work yet: record one later, before the memory goes).
+    #[inline]
+    pub(crate) fn fence(&self) -> Option<B::Fence> {
+        contain(|| self.0.fence()).ok()
+    }
+
+    /// Whether the fence is done; a panic answers "not yet", which never frees memory early.
+    #[inline]
+    pub(crate) fn fence_done(&self, fence: &B::Fence) -> bool {
+        contain(|| self.0.fence_done(fence)).unwrap_or(false)
+    }
+
+    /// Waits for the fence where the backend can; a panic answers "not done".
+    pub(crate) fn wait_fence(&self, fence: &B::Fence) -> bool {
+        contain(|| self.0.wait_fence(fence)).unwrap_or(false)
+    }
+
+    /// Gives a fence back; a panic leaves it to the backend (at worst an event is not reused).
+    #[inline]
+    pub(crate) fn retire_fence(&self, fence: B::Fence) {
+        let _ = contain(|| self.0.retire_fence(fence));
+    }
+
+    /// Whether no work covered by the backend's fences may still run: a fence recorded now
+    /// and already done. Any doubt (a panic) answers no.
+    pub(crate) fn idle(&self) -> bool {
+        let Some(fence) = self.fence() else {
+            return false;
+        };
+        let done = self.fence_done(&fence);
+        self.retire_fence(fence);
+        done
+    }
+
+    #[inline]
+    pub(crate) fn pin(&self) -> Result<(), BackendError> {
+        Self::run(Op::Pin, 0, 0, || self.0.pin())
+    }
+
+    #[inline]
+    pub(crate) fn unpin(&self) -> Result<(), BackendError> {
+        Self::run(Op::Unpin, 0, 0, || self.0.unpin())
+    }
+
+    /// Whether the context is lost; a panic answers no (the calls that follow are contained
+    /// too, and refused by a backend that knows better).
+    #[inline]
+    pub(crate) fn context_lost(&self) -> bool {
+        contain(|| self.0.context_lost()).unwrap_or(false)
+    }
+
+    pub(crate) fn create_exportable<K: HandleKind>(
+        &self,
+        len: usize,
+    ) -> Result<B::Phys, BackendError>
+    where
+        B: Exportable<K>,
+    {
+        Self::run(Op::Create, 0, len, || self.0.create_exportable(len))
+    }
+
+    pub(crate) fn export<K: HandleKind>(
+        &self,
+        phys: B::Phys,
+        len: usize,
+    ) -> Result<Shareable, BackendError>
+    where
+        B: Exportable<K>,
+    {
+        Self::run(Op::Create, 0, len, || {
+            <B as Exportable<K>>::export(&self.0, phys, len)
+        })
+    }
+
+    pub(crate) fn import<K: HandleKind>(&self, handle: Shareable) -> Result<B::Phys, BackendError>
+    where
+        B: Exportable<K>,
+    {
+        let len = handle.len;
+        Self::run(Op::Create, 0, len, || {
+            <B as Exportable<K>>::import(&self.0, handle)
+        })
+    }
+}

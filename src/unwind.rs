@@ -152,6 +152,16 @@ impl<B: Backend> Guarded<B> {
         &self.0
     }
 
+    /// `call`, contained where `B` may panic (see [`Guarded::contain`]).
+    #[inline(always)]
+    fn contain<R>(call: impl FnOnce() -> R) -> Result<R, String> {
+        if B::MAY_PANIC {
+            contain(call)
+        } else {
+            Ok(call())
+        }
+    }
+
     /// `call`, with a panic turned into the error of `op` on `len` bytes at `addr`.
     #[inline(always)]
     fn run<R>(
@@ -160,7 +170,7 @@ impl<B: Backend> Guarded<B> {
         len: usize,
         call: impl FnOnce() -> Result<R, BackendError>,
     ) -> Result<R, BackendError> {
-        contain(call).unwrap_or_else(|message| {
+        Self::contain(call).unwrap_or_else(|message| {
             Err(BackendError::new(
                 op,
                 addr,
@@ -246,24 +256,24 @@ impl<B: Backend> Guarded<B> {
     /// fence covers the work yet: record one later, before the memory goes).
     #[inline]
     pub(crate) fn fence(&self) -> Option<B::Fence> {
-        contain(|| self.0.fence()).ok()
+        Self::contain(|| self.0.fence()).ok()
     }
 
     /// Whether the fence is done; a panic answers "not yet", which never frees memory early.
     #[inline]
     pub(crate) fn fence_done(&self, fence: &B::Fence) -> bool {
-        contain(|| self.0.fence_done(fence)).unwrap_or(false)
+        Self::contain(|| self.0.fence_done(fence)).unwrap_or(false)
     }
 
     /// Waits for the fence where the backend can; a panic answers "not done".
     pub(crate) fn wait_fence(&self, fence: &B::Fence) -> bool {
-        contain(|| self.0.wait_fence(fence)).unwrap_or(false)
+        Self::contain(|| self.0.wait_fence(fence)).unwrap_or(false)
     }
 
     /// Gives a fence back; a panic leaves it to the backend (at worst an event is not reused).
     #[inline]
     pub(crate) fn retire_fence(&self, fence: B::Fence) {
-        let _ = contain(|| self.0.retire_fence(fence));
+        let _ = Self::contain(|| self.0.retire_fence(fence));
     }
 
     /// Whether no work covered by the backend's fences may still run: a fence recorded now
@@ -291,7 +301,7 @@ impl<B: Backend> Guarded<B> {
     /// too, and refused by a backend that knows better).
     #[inline]
     pub(crate) fn context_lost(&self) -> bool {
-        contain(|| self.0.context_lost()).unwrap_or(false)
+        Self::contain(|| self.0.context_lost()).unwrap_or(false)
     }
 
     pub(crate) fn create_exportable<K: HandleKind>(

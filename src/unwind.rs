@@ -337,3 +337,123 @@ impl<B: Backend> Guarded<B> {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+    use std::panic::catch_unwind;
+
+    /// Panics quietly with `message` (the default hook would print every expected panic).
+    fn boom(message: &'static str) -> u32 {
+        panic::resume_unwind(Box::new(message))
+    }
+
+    /// The message of a caught panic.
+    fn text(payload: Box<dyn Any + Send>) -> String {
+        message(payload.as_ref())
+    }
+
+    /// Sets its flag when dropped.
+    #[derive(Debug)]
+    struct Dropped<'a>(&'a Cell<bool>);
+
+    impl Drop for Dropped<'_> {
+        fn drop(&mut self) {
+            self.0.set(true);
+        }
+    }
+
+    #[test]
+    fn outside_a_scope_a_panic_unwinds_at_once() {
+        let caught = catch_unwind(|| contain(|| boom("at once")));
+        assert_eq!(text(caught.unwrap_err()), "at once");
+        assert!(!PENDING.with(Cell::get), "nothing kept");
+    }
+
+    #[test]
+    fn a_contained_panic_resumes_after_the_scope_returns_and_its_value_is_dropped() {
+        let dropped = Cell::new(false);
+        let after_the_call = Cell::new(false);
+        let caught = catch_unwind(AssertUnwindSafe(|| {
+            Scope::run(|| {
+                assert_eq!(contain(|| boom("later")), Err("later".to_owned()));
+                after_the_call.set(true);
+                Dropped(&dropped)
+            })
+        }));
+        assert!(
+            after_the_call.get(),
+            "the body went on after the contained panic"
+        );
+        assert!(
+            dropped.get(),
+            "the scope's value was dropped before the panic resumed"
+        );
+        assert_eq!(text(caught.unwrap_err()), "later");
+        assert!(!PENDING.with(Cell::get));
+        assert_eq!(
+            Scope::run(|| contain(|| 7)),
+            Ok(7),
+            "nothing left to resume"
+        );
+    }
+
+    #[test]
+    fn only_the_outermost_scope_resumes_and_it_resumes_the_first_panic() {
+        let inner_returned = Cell::new(false);
+        let caught = catch_unwind(AssertUnwindSafe(|| {
+            Scope::run(|| {
+                let inner = Scope::run(|| contain(|| boom("first")));
+                inner_returned.set(true);
+                assert!(inner.is_err());
+                assert!(contain(|| boom("second")).is_err());
+            })
+        }));
+        assert!(inner_returned.get(), "an inner scope does not resume");
+        assert_eq!(text(caught.unwrap_err()), "first");
+    }
+
+    #[test]
+    fn a_scope_closed_by_drop_resumes_too() {
+        let caught = catch_unwind(|| {
+            let _scope = Scope::enter();
+            let _ = contain(|| boom("dropped scope"));
+        });
+        assert_eq!(text(caught.unwrap_err()), "dropped scope");
+        assert_eq!(DEPTH.with(Cell::get), 0);
+    }
+
+    /// Contains a panic inside a scope while the thread unwinds from another one.
+    struct ContainsWhileUnwinding;
+
+    impl Drop for ContainsWhileUnwinding {
+        fn drop(&mut self) {
+            let _scope = Scope::enter();
+            assert!(contain(|| boom("while unwinding")).is_err());
+        }
+    }
+
+    #[test]
+    fn a_panic_contained_while_unwinding_is_dropped_not_resumed_later() {
+        let caught = catch_unwind(|| {
+            let _guard = ContainsWhileUnwinding;
+            boom("the first panic");
+        });
+        assert_eq!(
+            text(caught.unwrap_err()),
+            "the first panic",
+            "no abort, no swap"
+        );
+        assert!(!PENDING.with(Cell::get), "the second panic is not kept");
+        assert_eq!(Scope::run(|| 1), 1);
+        assert_eq!(DEPTH.with(Cell::get), 0);
+    }
+
+    #[test]
+    fn messages_of_string_and_other_payloads() {
+        assert_eq!(message(&String::from("owned")), "owned");
+        assert_eq!(message(&"borrowed"), "borrowed");
+        assert_eq!(message(&17_u8), "a panic without a message");
+    }
+}

@@ -320,7 +320,7 @@ impl<'id, B: Backend> Device<'id, B> {
     /// `deferred` of every [`Progress`] until it has landed, so that a loop such as
     /// `while device.poll().deferred > 0` on another thread does not stop early.
     pub fn poll(&self) -> Progress {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             // Fences are queried outside the lock: dropped tokens need it to queue themselves.
             let queued = lock(&self.books).take(Queue::Deferred);
             let mut released = 0;
@@ -345,7 +345,7 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// Retries every residual in the device's quarantine; what fails again stays there.
     pub fn retry_quarantine(&self) -> Progress {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let residuals = lock(&self.books).take(Queue::Quarantine);
             let mut released = 0;
             for (residual, _) in residuals {
@@ -382,7 +382,7 @@ impl<'id, B: Backend> Device<'id, B> {
     /// Discharges the device's quarantine and deferred queue: with the context lost, the driver
     /// freed everything they held. Returns how many residuals were discharged.
     pub fn discharge_all(&self, _proof: &ContextLost<'id>) -> usize {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let (quarantined, deferred) = {
                 let mut books = lock(&self.books);
                 let quarantined = std::mem::take(&mut books.quarantine);
@@ -447,7 +447,7 @@ impl<'id, B: Backend> Device<'id, B> {
     /// at the same moment, on another thread, may still put them in under the old cap: they
     /// stay until the next trim.
     pub fn set_cache_cap(&self, bytes: u64) {
-        let _scope = Scope::enter();
+        let _scope = Scope::open::<B>();
         self.cache_cap.store(bytes, Ordering::Relaxed);
         self.trim_cache_to(bytes);
     }
@@ -502,7 +502,7 @@ impl<'id, B: Backend> Device<'id, B> {
     /// Releases cached granules until the cache holds at most `keep` bytes; returns the bytes
     /// that left the cache. No lock is held across a release.
     fn trim_cache_to(&self, keep: u64) -> u64 {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             if self.backend.context_lost() {
                 return 0;
             }
@@ -784,7 +784,7 @@ impl<B: Backend> Drop for Device<'_, B> {
         // it), so what still waits for a fence is freed once its work has finished, in order —
         // unless the context is lost, when the driver freed it all. Taken out of the queue
         // first: no lock is held while waiting or calling the backend.
-        let _scope = Scope::enter();
+        let _scope = Scope::open::<B>();
         let deferred = std::mem::take(&mut lock(&self.books).deferred);
         for (residual, fence) in deferred {
             let fence = fence.or_else(|| self.backend.fence());

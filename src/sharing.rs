@@ -331,7 +331,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         self,
         create: impl Fn(&Guarded<B>, usize) -> Result<B::Phys, BackendError>,
     ) -> Result<Allocation<'b, 'id, B, Owner<K>>, PrefixError<'b, 'id, B>> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let refuse = |token, cause| {
                 Err(TransitionError {
                     token: Returned::Unchanged(token),
@@ -431,7 +431,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         self,
         prefix: &Allocation<'_, 'id, B, Owner<K>>,
     ) -> Result<PrefixMapping<'b, 'id, B>, ShareError<'b, 'id, B>> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let refuse = |token, cause| {
                 Err(TransitionError {
                     token: Returned::Unchanged(token),
@@ -521,7 +521,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
     /// restored.
     #[must_use = "a refused copy-on-write returns the mapping inside the error"]
     pub fn diverge(self) -> Result<DivergedMapping<'b, 'id, B>, CowError<'b, 'id, B>> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let core = self.core();
             let (binding, device) = (core.binding, core.device());
             let backend = device.backend();

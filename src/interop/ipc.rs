@@ -466,7 +466,7 @@ impl<'b, 'id, B: Exportable<K>, K: HandleKind> Allocation<'b, 'id, B, Owner<K>> 
     ///
     /// The backend's, if a handle cannot be made (nothing is left exported).
     pub fn export(&self) -> Result<Export<'b, 'id, B, K>, BackendError> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let binding = self.binding();
             let device = binding.device();
             device.ensure_live(Op::Create, 0, self.len())?;
@@ -525,7 +525,7 @@ impl<B: Exportable<K>, K: HandleKind> Export<'_, '_, B, K> {
 
 impl<B: Exportable<K>, K: HandleKind> Drop for Export<'_, '_, B, K> {
     fn drop(&mut self) {
-        let _scope = Scope::enter();
+        let _scope = Scope::open::<B>();
         let device = self.binding.device();
         // SAFETY: taken once, here, and never used again.
         let shared = unsafe { ManuallyDrop::take(&mut self.shared) };
@@ -545,7 +545,7 @@ impl<'b, 'id, B: Exportable<PosixFd>> Binding<'b, 'id, B> {
     /// refuses a handle (a descriptor shorter than it claims, one it cannot trust) or its
     /// mapping. Whatever was done is undone; what cannot be is quarantined in the device.
     pub fn import(&'b self, offer: Offer) -> Result<ImportedPrefix<'b, 'id, B>, ImportError> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let device = self.device();
             let (message, fds) = (offer.message, offer.fds);
             let g = device.granularity();

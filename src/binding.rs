@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// use memtoken::{make_guard, Budget, Device};
 /// use memtoken::backend::SimBackend;
 /// make_guard!(guard);
-/// let device = Device::new(guard, SimBackend::default());
+/// let device = Device::new(guard, SimBackend::strict());
 /// let binding = device.bind(Budget::unlimited()).unwrap();
 /// let token = binding.reserve(1).unwrap();
 /// drop(binding);

@@ -192,7 +192,7 @@ const DEFAULT_CACHE_GRANULES: u64 = 64;
 /// use memtoken::{make_guard, Budget, Device};
 /// use memtoken::backend::SimBackend;
 /// make_guard!(guard);
-/// let device = Device::new(guard, SimBackend::default());
+/// let device = Device::new(guard, SimBackend::strict());
 /// // Leaked, so that only the token keeps the device borrowed.
 /// let binding: &_ = Box::leak(Box::new(device.bind(Budget::unlimited()).unwrap()));
 /// let token = binding.reserve(1).unwrap();

@@ -74,8 +74,8 @@ pub type CowError<'b, 'id, B> =
 /// use memtoken::backend::SimBackend;
 /// make_guard!(ga);
 /// make_guard!(gb);
-/// let a = Device::new(ga, SimBackend::default());
-/// let b = Device::new(gb, SimBackend::default());
+/// let a = Device::new(ga, SimBackend::strict());
+/// let b = Device::new(gb, SimBackend::strict());
 /// let (ba, bb) = (a.bind(Budget::unlimited()).unwrap(), b.bind(Budget::unlimited()).unwrap());
 /// let prefix = ba.reserve(1).unwrap().commit_prefix().unwrap();
 /// let shared = bb.reserve(1).unwrap().map_prefix(&prefix);
@@ -120,7 +120,7 @@ pub type ExportablePrefix<'b, 'id, B, K> = Allocation<'b, 'id, B, Owner<K>>;
 /// # use memtoken::{make_guard, Budget, Device};
 /// # use memtoken::backend::SimBackend;
 /// # make_guard!(guard);
-/// # let device = Device::new(guard, SimBackend::default());
+/// # let device = Device::new(guard, SimBackend::strict());
 /// let owner = device.bind(Budget::unlimited()).unwrap();
 /// let prefix = owner.reserve(1).unwrap().commit_prefix().unwrap();
 /// let sharer = device.bind(Budget::unlimited()).unwrap();
@@ -135,7 +135,7 @@ pub type ExportablePrefix<'b, 'id, B, K> = Allocation<'b, 'id, B, Owner<K>>;
 /// # use memtoken::{make_guard, Budget, Device};
 /// # use memtoken::backend::SimBackend;
 /// # make_guard!(guard);
-/// let device = Device::new(guard, SimBackend::default());
+/// let device = Device::new(guard, SimBackend::strict());
 /// // Leaked, so that only the mapping keeps the device borrowed.
 /// let binding: &_ = Box::leak(Box::new(device.bind(Budget::unlimited()).unwrap()));
 /// let prefix = binding.reserve(1).unwrap().commit_prefix().unwrap();

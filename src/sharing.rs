@@ -302,6 +302,20 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     /// refuses or a backend call fails (everything undone; a release that fails while undoing
     /// is quarantined, as for `commit`); or, when unmapping the half-made mapping fails too,
     /// its quarantined remains (reservation, mapping and memory together).
+    ///
+    /// The prefix borrows the owner's binding, so the owner cannot drop its binding (its
+    /// context pin) while the prefix lives:
+    ///
+    /// ```compile_fail,E0505
+    /// use memtoken::backend::SimBackend;
+    /// use memtoken::{make_guard, Budget, Device};
+    /// make_guard!(guard);
+    /// let device = Device::new(guard, SimBackend::strict());
+    /// let owner = device.bind(Budget::unlimited()).unwrap();
+    /// let prefix = owner.reserve(1).unwrap().commit_prefix().unwrap();
+    /// drop(owner);
+    /// drop(prefix);
+    /// ```
     #[must_use = "a failed commit returns the reservation inside the error"]
     pub fn commit_prefix(self) -> Result<Prefix<'b, 'id, B>, PrefixError<'b, 'id, B>> {
         self.commit_shared(Guarded::create)

@@ -465,6 +465,22 @@ impl<'b, 'id, B: Exportable<K>, K: HandleKind> Allocation<'b, 'id, B, Owner<K>> 
     /// # Errors
     ///
     /// The backend's, if a handle cannot be made (nothing is left exported).
+    ///
+    /// The export borrows the binding like any token, so the binding cannot be dropped while
+    /// the export is outstanding:
+    ///
+    /// ```compile_fail,E0505
+    /// use memtoken::backend::{HostBackend, PosixFd};
+    /// use memtoken::{make_guard, Budget, Device};
+    /// make_guard!(guard);
+    /// let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    /// let binding = device.bind(Budget::unlimited()).unwrap();
+    /// let prefix = binding.reserve(4096).unwrap().commit_prefix_exportable::<PosixFd>().unwrap();
+    /// let export = prefix.export().unwrap();
+    /// drop(prefix);
+    /// drop(binding);
+    /// drop(export);
+    /// ```
     pub fn export(&self) -> Result<Export<'b, 'id, B, K>, BackendError> {
         Scope::run::<B, _>(move || {
             let binding = self.binding();

@@ -287,6 +287,7 @@ impl<B: Backend> Guarded<B> {
 
     /// Whether no work covered by the backend's fences may still run: a fence recorded now
     /// and already done. Any doubt (a panic) answers no.
+    #[inline]
     pub(crate) fn idle(&self) -> bool {
         let Some(fence) = self.fence() else {
             return false;

@@ -244,6 +244,10 @@ impl<P: Copy + Eq + Hash> Book<P> {
     /// (a range that starts in a sound reservation and runs on into a poisoned neighbour is
     /// refused too).
     fn unpoisoned(&self, addr: Addr, len: usize) -> Result<(), Violation> {
+        if self.poisoned.is_empty() {
+            // The common case, and the hot path's: nothing to look up.
+            return Ok(());
+        }
         let start_in_poisoned = self
             .reservations
             .range(..=addr)

@@ -359,14 +359,15 @@ impl<'id, B: Backend> Device<'id, B> {
     /// quarantine with what is left. Whether it was released.
     fn teardown_busy(&self, mut residual: Residual<B::Phys>, from: Queue) -> bool {
         let done = self.teardown(&mut residual).is_ok();
-        if done && from == Queue::Quarantine {
-            self.ledger.refund(Axis::Quarantined, 1);
-        } else if !done && from == Queue::Deferred {
-            self.ledger.charge(Axis::Quarantined, 1);
-        }
         let mut books = lock(&self.books);
         books.landed(residual.generation);
-        if !done {
+        // The quarantined count moves with the residual, under the same lock.
+        if done && from == Queue::Quarantine {
+            self.ledger.refund(Axis::Quarantined, 1);
+        } else if !done {
+            if from == Queue::Deferred {
+                self.ledger.charge(Axis::Quarantined, 1);
+            }
             books.quarantine.push(residual);
         }
         done
@@ -383,22 +384,27 @@ impl<'id, B: Backend> Device<'id, B> {
     /// freed everything they held. Returns how many residuals were discharged.
     pub fn discharge_all(&self, _proof: &ContextLost<'id>) -> usize {
         Scope::run::<B, _>(move || {
+            // Counted as busy until each is forgotten, as a poll's would be.
             let (quarantined, deferred) = {
                 let mut books = lock(&self.books);
-                let quarantined = std::mem::take(&mut books.quarantine);
-                (quarantined, std::mem::take(&mut books.deferred))
+                let quarantined = books.take(Queue::Quarantine);
+                (quarantined, books.take(Queue::Deferred))
             };
             let n = quarantined.len() + deferred.len();
             self.forget_cache();
-            for residual in quarantined {
+            for (residual, _) in quarantined {
+                let generation = residual.generation;
                 self.ledger.refund(Axis::Quarantined, 1);
                 self.forget_residual(residual);
+                lock(&self.books).landed(generation);
             }
             for (residual, fence) in deferred {
+                let generation = residual.generation;
+                self.forget_residual(residual);
+                lock(&self.books).landed(generation);
                 if let Some(fence) = fence {
                     self.backend.retire_fence(fence);
                 }
-                self.forget_residual(residual);
             }
             n
         })
@@ -409,7 +415,7 @@ impl<'id, B: Backend> Device<'id, B> {
     /// `Drop`): the one place where memtoken blocks on the device.
     pub fn close(mut self) -> CloseReport {
         self.closed = true;
-        self.shutdown()
+        Scope::run::<B, _>(|| self.shutdown())
     }
 
     fn shutdown(&self) -> CloseReport {
@@ -777,6 +783,9 @@ impl Device<'_, CudaBackend<SysDriver>> {
 
 impl<B: Backend> Drop for Device<'_, B> {
     fn drop(&mut self) {
+        // One scope for all of it: a backend panic contained in the last poll resumes only
+        // once everything below has run.
+        let _scope = Scope::open::<B>();
         if !self.closed {
             self.shutdown();
         }
@@ -784,7 +793,6 @@ impl<B: Backend> Drop for Device<'_, B> {
         // it), so what still waits for a fence is freed once its work has finished, in order —
         // unless the context is lost, when the driver freed it all. Taken out of the queue
         // first: no lock is held while waiting or calling the backend.
-        let _scope = Scope::open::<B>();
         let deferred = std::mem::take(&mut lock(&self.books).deferred);
         for (residual, fence) in deferred {
             let fence = fence.or_else(|| self.backend.fence());

@@ -69,11 +69,13 @@ impl Scope {
     /// functions that return one close their scope here instead.
     #[inline(always)]
     fn exit<R>(self, out: R) -> R {
-        if DEPTH.with(Cell::get) == 1 && PENDING.with(Cell::get) {
+        if DEPTH.with(Cell::get) == 1 && PENDING.with(Cell::get) && !std::thread::panicking() {
             drop(out);
             drop(self); // resumes the panic
             unreachable!("the kept panic resumed");
         }
+        // Not the outermost scope, or nothing kept, or the thread unwinds already (dropping
+        // the scope then drops the kept panic: a second unwind would abort the process).
         out
     }
 }

@@ -1,4 +1,4 @@
-//! Review: `Scope::exit` (the close of every `Scope::run`) assumes that dropping the outermost
+//! Regression test (found in review, fixed): `Scope::exit` (the close of every `Scope::run`) assumes that dropping the outermost
 //! scope resumes the kept panic, and follows it with `unreachable!`. While the thread is already
 //! unwinding, `resume` drops the payload instead of resuming it — so `unreachable!` panics while
 //! panicking and the process aborts. Any public `Scope::run` operation that is the outermost

@@ -1,4 +1,4 @@
-//! Review: `Device::drop` calls `shutdown()` (poll, trim_cache, retry_quarantine) before it
+//! Regression test (found in review, fixed): `Device::drop` calls `shutdown()` (poll, trim_cache, retry_quarantine) before it
 //! opens its own scope, so `poll`'s `Scope::run` is the outermost scope and resumes a contained
 //! backend panic in the middle of `Device::drop`: the rest of the drop (the deferred queue's
 //! wait-and-release, the cache trim, the quarantine retry, the forgotten bindings' unpins) is

@@ -1,4 +1,4 @@
-//! Review: `Device::discharge_all` takes the quarantine and the deferred queue out of the books
+//! Regression test (found in review, fixed): `Device::discharge_all` takes the quarantine and the deferred queue out of the books
 //! without counting them as busy, then makes backend calls (`retire_fence`) before it refunds
 //! the ledger: while it runs, another thread sees `custody()` / `Progress` report nothing
 //! deferred while the ledger still holds the bytes (the under-report `Books::busy` was made to

@@ -8,153 +8,23 @@
 //! - the host backend, which skips panic containment, refuses misuse with an error, never a
 //!   panic.
 
+#[path = "common/gate.rs"]
+mod gate;
+
+use gate::{Gate, GateHandle, STALL};
 use memtoken::backend::cuda::{CudaBackend, DriverCall, DriverModel, ModelConfig};
 use memtoken::backend::{
-    Access, Addr, Backend, BackendError, Faulty, HostBackend, HostConfig, Location, Op, SimBackend,
-    SimConfig,
+    Access, Backend, Faulty, HostBackend, HostConfig, Op, SimBackend, SimConfig,
 };
 use memtoken::{
     Budget, CommitFailure, Device, ReserveError, Returned, ShrinkFailure, TransitionError,
     make_guard,
 };
 use std::sync::mpsc;
-use std::sync::{Arc, Condvar, Mutex};
-use std::time::Duration;
 
 // ---------------------------------------------------------------------------------------------
 // No backend call under the device's own locks
 // ---------------------------------------------------------------------------------------------
-
-/// Long enough for any bookkeeping call on a loaded machine; reached only when one is stalled.
-const STALL: Duration = Duration::from_secs(20);
-
-/// Where a [`Gate`] stands: armed (the next unmap stops at it), entered (one has), open (it may
-/// go on).
-#[derive(Default)]
-struct GateState {
-    armed: bool,
-    entered: bool,
-    open: bool,
-}
-
-/// A handle on a [`Gate`]'s state, shared with the test.
-#[derive(Clone, Default)]
-struct GateHandle(Arc<(Mutex<GateState>, Condvar)>);
-
-impl GateHandle {
-    /// The next unmap stops at the gate until [`open`](Self::open).
-    fn arm(&self) {
-        self.0.0.lock().unwrap().armed = true;
-    }
-
-    /// Waits (bounded) until an unmap has stopped at the gate; whether one has.
-    fn wait_entered(&self) -> bool {
-        let (state, changed) = &*self.0;
-        let state = state.lock().unwrap();
-        let (state, _) = changed
-            .wait_timeout_while(state, STALL, |s| !s.entered)
-            .unwrap();
-        state.entered
-    }
-
-    /// Lets the stopped unmap go on.
-    fn open(&self) {
-        let (state, changed) = &*self.0;
-        state.lock().unwrap().open = true;
-        changed.notify_all();
-    }
-}
-
-/// A backend whose next unmap, once armed, blocks (outside the inner backend) until the test
-/// opens the gate: a slow driver call, made on purpose.
-struct Gate<B> {
-    inner: B,
-    gate: GateHandle,
-}
-
-impl<B: Backend> Backend for Gate<B> {
-    type Phys = B::Phys;
-    type Fence = B::Fence;
-    const IMMEDIATE: bool = B::IMMEDIATE;
-    const MAY_PANIC: bool = B::MAY_PANIC;
-
-    fn granularity(&self) -> usize {
-        self.inner.granularity()
-    }
-    fn address_space(&self) -> usize {
-        self.inner.address_space()
-    }
-    fn physical_capacity(&self) -> u64 {
-        self.inner.physical_capacity()
-    }
-    fn location(&self) -> Location {
-        self.inner.location()
-    }
-    fn reserve(&self, len: usize) -> Result<Addr, BackendError> {
-        self.inner.reserve(len)
-    }
-    fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
-        self.inner.free(addr, len)
-    }
-    fn create(&self, len: usize) -> Result<B::Phys, BackendError> {
-        self.inner.create(len)
-    }
-    fn release(&self, phys: B::Phys, len: usize) -> Result<(), BackendError> {
-        self.inner.release(phys, len)
-    }
-    fn map(
-        &self,
-        addr: Addr,
-        len: usize,
-        phys: B::Phys,
-        access: Access,
-    ) -> Result<(), BackendError> {
-        self.inner.map(addr, len, phys, access)
-    }
-    fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
-        {
-            let (state, changed) = &*self.gate.0;
-            let mut s = state.lock().unwrap();
-            if s.armed {
-                s.armed = false;
-                s.entered = true;
-                changed.notify_all();
-                let _open = changed.wait_while(s, |s| !s.open).unwrap();
-            }
-        }
-        self.inner.unmap(addr, len)
-    }
-    fn copy_into_phys(&self, phys: B::Phys, src: Addr, len: usize) -> Result<(), BackendError> {
-        self.inner.copy_into_phys(phys, src, len)
-    }
-    fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError> {
-        self.inner.copy_to_host(dst, src)
-    }
-    fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
-        self.inner.copy_from_host(dst, src)
-    }
-    fn fence(&self) -> B::Fence {
-        self.inner.fence()
-    }
-    fn fence_done(&self, fence: &B::Fence) -> bool {
-        self.inner.fence_done(fence)
-    }
-    fn wait_fence(&self, fence: &B::Fence) -> bool {
-        self.inner.wait_fence(fence)
-    }
-    fn retire_fence(&self, fence: B::Fence) {
-        self.inner.retire_fence(fence)
-    }
-    fn pin(&self) -> Result<(), BackendError> {
-        self.inner.pin()
-    }
-    fn unpin(&self) -> Result<(), BackendError> {
-        self.inner.unpin()
-    }
-    fn context_lost(&self) -> bool {
-        self.inner.context_lost()
-    }
-}
 
 /// While a poll on one thread is stopped inside the backend's unmap (tearing down a release
 /// whose fence completed), another thread reads the custody, polls, retries the quarantine and
@@ -182,7 +52,7 @@ fn a_poll_stalled_in_the_backend_holds_no_lock_of_the_device() {
     drop(stalled);
     assert_eq!(device.custody().deferred.count, 1);
     sim.complete_fences();
-    gate.arm();
+    gate.arm(Op::Unmap);
     let (sent, seen) = mpsc::channel();
     std::thread::scope(|s| {
         let poller = s.spawn(|| device.poll());
@@ -258,7 +128,7 @@ fn a_quarantine_retry_stalled_in_the_backend_holds_no_lock_of_the_device() {
         panic!("the unmap was failed on purpose");
     };
     assert_eq!(device.custody().quarantined.count, 1);
-    gate.arm();
+    gate.arm(Op::Unmap);
     let (sent, seen) = mpsc::channel();
     std::thread::scope(|s| {
         let retrier = s.spawn(|| device.retry_quarantine());

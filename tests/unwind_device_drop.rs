@@ -74,5 +74,9 @@ fn a_panic_in_the_drops_poll_skips_the_forgotten_bindings_unpin() {
         drop(device);
     }));
     assert!(caught.is_err());
-    assert_eq!(sim.pins(), 0, "the forgotten binding's pin was never given back");
+    assert_eq!(
+        sim.pins(),
+        0,
+        "the forgotten binding's pin was never given back"
+    );
 }

@@ -31,8 +31,8 @@ fn in_child(case: &str) -> (std::process::ExitStatus, String) {
         .env(CHILD, "1")
         .output()
         .unwrap();
-    let text = String::from_utf8_lossy(&out.stdout).into_owned()
-        + &String::from_utf8_lossy(&out.stderr);
+    let text =
+        String::from_utf8_lossy(&out.stdout).into_owned() + &String::from_utf8_lossy(&out.stderr);
     (out.status, text)
 }
 

@@ -749,6 +749,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn an_os_refusal_of_the_memfd_carries_the_os_error() {
         // No file may be 2^63 bytes long: `ftruncate` fails, and the error says why.
         let e = bad(HostConfig {
@@ -844,6 +845,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn a_reservation_past_the_address_space_is_exhausted() {
         let page = rustix::param::page_size();
         let host = HostBackend::new(HostConfig {

@@ -772,6 +772,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn a_reservation_never_lands_in_the_hole_of_a_poisoned_one() {
         let host = HostBackend::with_defaults().unwrap();
         // Large, so that the kernel finds few higher gaps to offer first; each request is half
@@ -820,6 +821,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn a_handle_of_another_host_backend_is_unknown_here() {
         let (a, b) = (
             HostBackend::with_defaults().unwrap(),
@@ -835,6 +837,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn an_unpin_without_a_pin_is_refused() {
         let host = HostBackend::with_defaults().unwrap();
         let e = host.unpin().unwrap_err();

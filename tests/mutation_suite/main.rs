@@ -1,0 +1,43 @@
+//! The mutation-testing suite: the integration tests that run without a GPU and without a
+//! child process, compiled into one test binary, so that `cargo mutants` (see
+//! `.cargo/mutants.toml`) relinks one binary per mutant instead of one per file.
+//!
+//! Not run by a plain `cargo test` (`test = false` in `Cargo.toml`): each file below is
+//! already its own test target. `tests/ipc.rs` stays its own target because its child
+//! process re-runs the test binary by its unqualified test name; `tests/gpu.rs` needs a GPU,
+//! `tests/ui.rs` (trybuild) and `tests/static_asserts.rs` test types, which no mutant of a
+//! function body changes. `tests/mutants_kill.rs`, the tests written to kill surviving mutants,
+//! is in it too.
+
+#[path = "../cuda_backend.rs"]
+mod cuda_backend;
+#[path = "../cuda_ipc.rs"]
+mod cuda_ipc;
+#[path = "../cuda_peers.rs"]
+mod cuda_peers;
+#[path = "../cuda_streams.rs"]
+mod cuda_streams;
+#[path = "../driver_model.rs"]
+mod driver_model;
+#[path = "../ipc_decoder.rs"]
+mod ipc_decoder;
+#[path = "../page_pool.rs"]
+mod page_pool;
+#[path = "../properties.rs"]
+mod properties;
+#[path = "../region.rs"]
+mod region;
+#[path = "../sharing.rs"]
+mod sharing;
+#[path = "../sleep.rs"]
+mod sleep;
+#[path = "../threads.rs"]
+mod threads;
+#[path = "../transfer.rs"]
+mod transfer;
+#[path = "../transitions.rs"]
+mod transitions;
+#[path = "../typed_views.rs"]
+mod typed_views;
+#[path = "../mutants_kill.rs"]
+mod mutants_kill;

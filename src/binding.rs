@@ -47,6 +47,7 @@ impl<'id, B: Backend> Device<'id, B> {
         Scope::run(move || {
             self.ensure_live(Op::Pin, 0, 0)?;
             self.backend().pin()?;
+            self.note_bound();
             Ok(Binding {
                 device: self,
                 limit: budget.limit(),
@@ -131,6 +132,7 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
 impl<B: Backend> Drop for Binding<'_, '_, B> {
     fn drop(&mut self) {
         let _scope = Scope::enter();
+        self.device.note_unbound();
         let backend = self.device.backend();
         // A lost context took its pins with it: no call into it.
         if !backend.context_lost() && backend.unpin().is_err() {

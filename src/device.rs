@@ -41,6 +41,25 @@ pub struct Custody {
     pub shared: Holdings,
 }
 
+/// What was forgotten (`mem::forget`, or leaked) and never given back to a device, beyond the
+/// bytes its ledger shows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Forgotten {
+    /// Bindings never dropped. Each still held its context pin, which the device releases as it
+    /// drops (a binding borrows its device, so none can be alive by then).
+    pub bindings: u64,
+    /// Pages of a [`PagePool`](crate::PagePool) (alone, or in a page table) never given back
+    /// before their pool dropped; their memory went with the pool's chunks.
+    pub pages: u64,
+}
+
+impl Forgotten {
+    /// True when nothing was forgotten.
+    pub fn is_zero(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
 /// What a device held when it closed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CloseReport {
@@ -49,12 +68,14 @@ pub struct CloseReport {
     pub ledger: LedgerSnapshot,
     /// What the last poll and retry left.
     pub progress: Progress,
+    /// Bindings and pages forgotten, which hold no bytes of the ledger.
+    pub forgotten: Forgotten,
 }
 
 impl CloseReport {
-    /// True when the device closed with nothing outstanding.
+    /// True when the device closed with nothing outstanding and nothing forgotten.
     pub fn is_clean(&self) -> bool {
-        self.ledger.is_zero() && self.progress.deferred == 0
+        self.ledger.is_zero() && self.progress.deferred == 0 && self.forgotten.is_zero()
     }
 }
 
@@ -184,6 +205,10 @@ pub struct Device<'id, B: Backend> {
     ledger: Ledger,
     generations: Generations,
     failed_unpins: AtomicU64,
+    /// Bindings alive (or forgotten).
+    bindings: AtomicU64,
+    /// Pages forgotten in pools that have dropped.
+    forgotten_pages: AtomicU64,
     books: Mutex<Books<B>>,
     shared: SharedTotals,
     cache: Mutex<Vec<B::Phys>>,
@@ -220,6 +245,8 @@ impl<'id, B: Backend> Device<'id, B> {
             ledger: Ledger::default(),
             generations: Generations::new(),
             failed_unpins: AtomicU64::new(0),
+            bindings: AtomicU64::new(0),
+            forgotten_pages: AtomicU64::new(0),
             books: Mutex::new(Books {
                 quarantine: Vec::new(),
                 deferred: Vec::new(),
@@ -392,6 +419,10 @@ impl<'id, B: Backend> Device<'id, B> {
         CloseReport {
             ledger: self.ledger(),
             progress,
+            forgotten: Forgotten {
+                bindings: self.bindings.load(Ordering::Relaxed),
+                pages: self.forgotten_pages.load(Ordering::Relaxed),
+            },
         }
     }
 
@@ -547,6 +578,21 @@ impl<'id, B: Backend> Device<'id, B> {
 
     pub(crate) fn note_failed_unpin(&self) {
         self.failed_unpins.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A binding was opened (its pin taken).
+    pub(crate) fn note_bound(&self) {
+        self.bindings.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A binding was dropped.
+    pub(crate) fn note_unbound(&self) {
+        self.bindings.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// A pool dropped with `n` of its pages never given back.
+    pub(crate) fn note_forgotten_pages(&self, n: u64) {
+        self.forgotten_pages.fetch_add(n, Ordering::Relaxed);
     }
 
     /// Gives back, in order, what `residual` still holds: unmap, drop the shared reference,
@@ -758,6 +804,14 @@ impl<B: Backend> Drop for Device<'_, B> {
         } else {
             self.trim_cache();
             self.retry_quarantine();
+            // A binding borrows the device: any still counted was forgotten, and its pin with
+            // it. The pins go back here, so that a forgotten binding does not keep the context
+            // retained after its device.
+            for _ in 0..*self.bindings.get_mut() {
+                if self.backend.unpin().is_err() {
+                    self.note_failed_unpin();
+                }
+            }
         }
     }
 }

@@ -165,7 +165,7 @@ mod unwind;
 
 pub use allocation::{Allocation, CommitError, CompleteError};
 pub use binding::Binding;
-pub use device::{CloseReport, Custody, Device, Progress};
+pub use device::{CloseReport, Custody, Device, Forgotten, Progress};
 pub use error::{
     CommitFailure, CowFailure, Failure, GrowFailure, PoolError, ReleaseFailure, ReserveError,
     ResumeFailure, Returned, ShareFailure, ShrinkFailure, SuspendFailure, TransitionError,

@@ -16,9 +16,9 @@ struct PoolState<'b, 'id, B: Backend> {
     /// Indices of free pages; its capacity always covers every page of every chunk.
     free: Vec<u32>,
     /// Pages given back while work may still use them (a backend that is not
-    /// [`IMMEDIATE`](Backend::IMMEDIATE)): free once their fence has completed.
-    /// Pages behind the fence recorded when they were given back (`None`: recording it
-    /// panicked, and one recorded at the next reclaim covers the same work).
+    /// [`IMMEDIATE`](Backend::IMMEDIATE)): free once the fence recorded when they were given
+    /// back has completed (`None`: recording it panicked, and one recorded at the next reclaim
+    /// covers the same work).
     cooling: Vec<(Option<B::Fence>, Vec<u32>)>,
 }
 
@@ -294,8 +294,16 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     /// Returns every page of `table` to this pool; the table can be reused.
     #[inline]
     pub fn clear(&self, table: &mut PageTable<'_, 'pool, 'b, 'id, B>) {
-        self.give_back(&table.pages);
-        table.pages.clear();
+        if B::IMMEDIATE {
+            self.give_back(&table.pages);
+            table.pages.clear();
+        } else {
+            // The table lets go of its pages before they cool: a backend panic contained while
+            // recording their fence resumes from `cool`, and must find them given back once.
+            let pages = table.pages.to_vec();
+            table.pages.clear();
+            self.cool(pages);
+        }
     }
 
     /// An empty page table drawing from this pool.
@@ -552,6 +560,13 @@ impl<B: Backend> Drop for Page<'_, '_, '_, '_, B> {
 impl<B: Backend> Drop for PagePool<'_, '_, '_, B> {
     fn drop(&mut self) {
         let _scope = Scope::enter();
+        // A page borrows its pool: one still handed out now was forgotten (`mem::forget` of
+        // the page or of its table). Its memory goes with the pool's chunks; the device's
+        // close report counts it.
+        let forgotten = self.live_pages();
+        if forgotten > 0 {
+            self.binding.device().note_forgotten_pages(forgotten as u64);
+        }
         // The chunks' own teardown fences cover the work that cooling pages waited for.
         let backend = self.backend();
         for (fence, _) in std::mem::take(&mut self.state.get_mut().cooling) {

@@ -120,14 +120,19 @@ fn message(payload: &(dyn Any + Send)) -> String {
 
 /// Runs `call`; inside a scope, a panic is kept for the scope's end and `Err` gives its
 /// message. Outside one, a panic unwinds at once.
-#[inline]
+#[inline(always)]
 fn contain<R>(call: impl FnOnce() -> R) -> Result<R, String> {
     if DEPTH.with(Cell::get) == 0 {
         return Ok(call());
     }
+    // The result is written in place, so that unwinding machinery moves nothing but `()`.
+    let mut out = None;
     // The closure only makes one backend call: nothing of the typed layer's is touched in it,
     // so nothing of ours can be seen half-changed after a panic.
-    panic::catch_unwind(AssertUnwindSafe(call)).map_err(keep)
+    match panic::catch_unwind(AssertUnwindSafe(|| out = Some(call()))) {
+        Ok(()) => out.ok_or_else(|| unreachable!("the call returned")),
+        Err(payload) => Err(keep(payload)),
+    }
 }
 
 /// A backend whose calls are contained: each one that panics inside a [`Scope`] returns
@@ -148,7 +153,7 @@ impl<B: Backend> Guarded<B> {
     }
 
     /// `call`, with a panic turned into the error of `op` on `len` bytes at `addr`.
-    #[inline]
+    #[inline(always)]
     fn run<R>(
         op: Op,
         addr: Addr,

@@ -3,8 +3,9 @@
 //! `.cargo/mutants.toml`) relinks one binary per mutant instead of one per file.
 //!
 //! Not run by a plain `cargo test` (`test = false` in `Cargo.toml`): each file below is
-//! already its own test target. `tests/ipc.rs` stays its own target because its child
-//! process re-runs the test binary by its unqualified test name; `tests/gpu.rs` needs a GPU,
+//! already its own test target. `tests/ipc.rs` and `tests/unwind.rs` stay their own targets
+//! because their child processes re-run the test binary by unqualified test name (and
+//! `tests/unwind.rs` sets a panic hook for the whole process); `tests/gpu.rs` needs a GPU,
 //! `tests/ui.rs` (trybuild) and `tests/static_asserts.rs` test types, which no mutant of a
 //! function body changes. `tests/mutants_kill.rs`, the tests written to kill surviving mutants,
 //! is in it too.
@@ -17,8 +18,12 @@ mod cuda_ipc;
 mod cuda_peers;
 #[path = "../cuda_streams.rs"]
 mod cuda_streams;
+#[path = "../custody.rs"]
+mod custody;
 #[path = "../driver_model.rs"]
 mod driver_model;
+#[path = "../forgotten.rs"]
+mod forgotten;
 #[path = "../ipc_decoder.rs"]
 mod ipc_decoder;
 #[path = "../page_pool.rs"]

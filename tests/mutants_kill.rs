@@ -2,3 +2,49 @@
 //! the other suites: each names the mutant it catches (as cargo-mutants names it) in its
 //! comment. `.cargo/mutants-survivors.md` lists the mutants that survive everything, with why
 //! each cannot change behaviour.
+
+use memtoken::backend::{SimBackend, SimConfig};
+use memtoken::{Budget, Device, make_guard};
+
+const GRANULE: usize = 2 << 20;
+
+fn sim(physical_capacity: u64) -> SimBackend {
+    SimBackend::new(SimConfig {
+        physical_capacity,
+        ..SimConfig::default()
+    })
+    .unwrap()
+}
+
+/// Kills `src/allocation.rs: replace > with >= in Allocation<'b, 'id, B, Reserved>::admit`:
+/// a commit of exactly the physical capacity fits.
+#[test]
+fn a_commit_of_exactly_the_physical_capacity_fits() {
+    make_guard!(guard);
+    let device = Device::new(guard, sim(4 * GRANULE as u64));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let all = binding.reserve(4 * GRANULE).unwrap().commit().unwrap();
+    assert_eq!(device.ledger().owned_bytes, 4 * GRANULE as u64);
+    all.release().complete().unwrap();
+}
+
+/// Kills `src/device.rs: replace Device<'id, B>::forget_cache with ()`: once the context is
+/// lost, discharging the device forgets its cached granules (the driver freed them), so the
+/// ledger holds nothing owned or cached any more.
+#[test]
+fn a_lost_context_discharges_the_granule_cache_from_the_ledger() {
+    let sim = sim(16 * GRANULE as u64);
+    make_guard!(guard);
+    let device = Device::new(guard, sim.clone());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding.reserve(4 * GRANULE).unwrap().into_region();
+    region = region.grow(3).unwrap();
+    region.shrink(3).unwrap();
+    region.release().complete().unwrap();
+    let l = device.ledger();
+    assert_eq!((l.owned_bytes, l.cached_bytes), (3 * GRANULE as u64, 3 * GRANULE as u64));
+    sim.lose_context();
+    let proof = device.confirm_context_lost().expect("the simulator says it is lost");
+    device.discharge_all(&proof);
+    assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+}

@@ -152,6 +152,16 @@ impl<B: Backend> Guarded<B> {
         &self.0
     }
 
+    /// `call`, contained where `B` may panic (see [`Guarded::contain`]).
+    #[inline(always)]
+    fn contain<R>(call: impl FnOnce() -> R) -> Result<R, String> {
+        if B::MAY_PANIC {
+            contain(call)
+        } else {
+            Ok(call())
+        }
+    }
+
     /// `call`, with a panic turned into the error of `op` on `len` bytes at `addr`.
     #[inline(always)]
     fn run<R>(
@@ -160,7 +170,7 @@ impl<B: Backend> Guarded<B> {
         len: usize,
         call: impl FnOnce() -> Result<R, BackendError>,
     ) -> Result<R, BackendError> {
-        contain(call).unwrap_or_else(|message| {
+        Self::contain(call).unwrap_or_else(|message| {
             Err(BackendError::new(
                 op,
                 addr,
@@ -246,24 +256,24 @@ impl<B: Backend> Guarded<B> {
     /// fence covers the work yet: record one later, before the memory goes).
     #[inline]
     pub(crate) fn fence(&self) -> Option<B::Fence> {
-        contain(|| self.0.fence()).ok()
+        Self::contain(|| self.0.fence()).ok()
     }
 
     /// Whether the fence is done; a panic answers "not yet", which never frees memory early.
     #[inline]
     pub(crate) fn fence_done(&self, fence: &B::Fence) -> bool {
-        contain(|| self.0.fence_done(fence)).unwrap_or(false)
+        Self::contain(|| self.0.fence_done(fence)).unwrap_or(false)
     }
 
     /// Waits for the fence where the backend can; a panic answers "not done".
     pub(crate) fn wait_fence(&self, fence: &B::Fence) -> bool {
-        contain(|| self.0.wait_fence(fence)).unwrap_or(false)
+        Self::contain(|| self.0.wait_fence(fence)).unwrap_or(false)
     }
 
     /// Gives a fence back; a panic leaves it to the backend (at worst an event is not reused).
     #[inline]
     pub(crate) fn retire_fence(&self, fence: B::Fence) {
-        let _ = contain(|| self.0.retire_fence(fence));
+        let _ = Self::contain(|| self.0.retire_fence(fence));
     }
 
     /// Whether no work covered by the backend's fences may still run: a fence recorded now
@@ -291,7 +301,7 @@ impl<B: Backend> Guarded<B> {
     /// too, and refused by a backend that knows better).
     #[inline]
     pub(crate) fn context_lost(&self) -> bool {
-        contain(|| self.0.context_lost()).unwrap_or(false)
+        Self::contain(|| self.0.context_lost()).unwrap_or(false)
     }
 
     pub(crate) fn create_exportable<K: HandleKind>(
@@ -325,5 +335,125 @@ impl<B: Backend> Guarded<B> {
         Self::run(Op::Create, 0, len, || {
             <B as Exportable<K>>::import(&self.0, handle)
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::cell::Cell;
+    use std::panic::catch_unwind;
+
+    /// Panics quietly with `message` (the default hook would print every expected panic).
+    fn boom(message: &'static str) -> u32 {
+        panic::resume_unwind(Box::new(message))
+    }
+
+    /// The message of a caught panic.
+    fn text(payload: Box<dyn Any + Send>) -> String {
+        message(payload.as_ref())
+    }
+
+    /// Sets its flag when dropped.
+    #[derive(Debug)]
+    struct Dropped<'a>(&'a Cell<bool>);
+
+    impl Drop for Dropped<'_> {
+        fn drop(&mut self) {
+            self.0.set(true);
+        }
+    }
+
+    #[test]
+    fn outside_a_scope_a_panic_unwinds_at_once() {
+        let caught = catch_unwind(|| contain(|| boom("at once")));
+        assert_eq!(text(caught.unwrap_err()), "at once");
+        assert!(!PENDING.with(Cell::get), "nothing kept");
+    }
+
+    #[test]
+    fn a_contained_panic_resumes_after_the_scope_returns_and_its_value_is_dropped() {
+        let dropped = Cell::new(false);
+        let after_the_call = Cell::new(false);
+        let caught = catch_unwind(AssertUnwindSafe(|| {
+            Scope::run(|| {
+                assert_eq!(contain(|| boom("later")), Err("later".to_owned()));
+                after_the_call.set(true);
+                Dropped(&dropped)
+            })
+        }));
+        assert!(
+            after_the_call.get(),
+            "the body went on after the contained panic"
+        );
+        assert!(
+            dropped.get(),
+            "the scope's value was dropped before the panic resumed"
+        );
+        assert_eq!(text(caught.unwrap_err()), "later");
+        assert!(!PENDING.with(Cell::get));
+        assert_eq!(
+            Scope::run(|| contain(|| 7)),
+            Ok(7),
+            "nothing left to resume"
+        );
+    }
+
+    #[test]
+    fn only_the_outermost_scope_resumes_and_it_resumes_the_first_panic() {
+        let inner_returned = Cell::new(false);
+        let caught = catch_unwind(AssertUnwindSafe(|| {
+            Scope::run(|| {
+                let inner = Scope::run(|| contain(|| boom("first")));
+                inner_returned.set(true);
+                assert!(inner.is_err());
+                assert!(contain(|| boom("second")).is_err());
+            })
+        }));
+        assert!(inner_returned.get(), "an inner scope does not resume");
+        assert_eq!(text(caught.unwrap_err()), "first");
+    }
+
+    #[test]
+    fn a_scope_closed_by_drop_resumes_too() {
+        let caught = catch_unwind(|| {
+            let _scope = Scope::enter();
+            let _ = contain(|| boom("dropped scope"));
+        });
+        assert_eq!(text(caught.unwrap_err()), "dropped scope");
+        assert_eq!(DEPTH.with(Cell::get), 0);
+    }
+
+    /// Contains a panic inside a scope while the thread unwinds from another one.
+    struct ContainsWhileUnwinding;
+
+    impl Drop for ContainsWhileUnwinding {
+        fn drop(&mut self) {
+            let _scope = Scope::enter();
+            assert!(contain(|| boom("while unwinding")).is_err());
+        }
+    }
+
+    #[test]
+    fn a_panic_contained_while_unwinding_is_dropped_not_resumed_later() {
+        let caught = catch_unwind(|| {
+            let _guard = ContainsWhileUnwinding;
+            boom("the first panic");
+        });
+        assert_eq!(
+            text(caught.unwrap_err()),
+            "the first panic",
+            "no abort, no swap"
+        );
+        assert!(!PENDING.with(Cell::get), "the second panic is not kept");
+        assert_eq!(Scope::run(|| 1), 1);
+        assert_eq!(DEPTH.with(Cell::get), 0);
+    }
+
+    #[test]
+    fn messages_of_string_and_other_payloads() {
+        assert_eq!(message(&String::from("owned")), "owned");
+        assert_eq!(message(&"borrowed"), "borrowed");
+        assert_eq!(message(&17_u8), "a panic without a message");
     }
 }

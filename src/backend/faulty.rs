@@ -168,6 +168,8 @@ impl<B: Backend> Backend for Faulty<B> {
     type Phys = B::Phys;
     type Fence = B::Fence;
     const IMMEDIATE: bool = B::IMMEDIATE;
+    /// It panics where planned ([`FaultHandle::panic_nth`]), whatever the backend inside.
+    const MAY_PANIC: bool = true;
 
     fn granularity(&self) -> usize {
         self.inner.granularity()

@@ -348,6 +348,14 @@ pub trait Backend {
     /// soon as it is recorded (the host). Lets a page pool hand a freed page out again at once;
     /// elsewhere a freed page waits behind a fence.
     const IMMEDIATE: bool = false;
+    /// Whether a call may panic. Inside memtoken every call of a backend that may is
+    /// **contained**: a panic is taken as that call's failure (the typed layer's error path runs,
+    /// nothing is lost), and resumes when the public call that made it returns. `false`
+    /// promises that no call panics on any input (the host backend: a failed allocation aborts
+    /// instead), so its calls skip the containment's cost, a few dozen instructions each; a
+    /// panic from such a backend unwinds at once, which is never unsafe, but may leave the
+    /// ledger charged for what it interrupted.
+    const MAY_PANIC: bool = true;
 
     /// The allocation granularity in bytes: every address and length is a multiple of it.
     fn granularity(&self) -> usize;

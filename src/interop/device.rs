@@ -40,27 +40,32 @@ fn fit<T>(addr: Addr, bytes: usize) -> Result<usize, ViewError> {
     Ok(bytes / size)
 }
 
+/// `range` of `0..len` as `(start, end)`, or `None` if it is out of bounds (or its ends
+/// overflow).
+fn checked_bounds(range: impl RangeBounds<usize>, len: usize) -> Option<(usize, usize)> {
+    let start = match range.start_bound() {
+        Bound::Included(&s) => s,
+        Bound::Excluded(&s) => s.checked_add(1)?,
+        Bound::Unbounded => 0,
+    };
+    let end = match range.end_bound() {
+        Bound::Included(&e) => e.checked_add(1)?,
+        Bound::Excluded(&e) => e,
+        Bound::Unbounded => len,
+    };
+    (start <= end && end <= len).then_some((start, end))
+}
+
 /// `range` of `0..len` as `(start, end)`.
 ///
 /// # Panics
 ///
-/// If it is out of bounds (or its ends overflow).
+/// If it is out of bounds (or its ends overflow), as slice indexing does.
 fn bounds(range: impl RangeBounds<usize>, len: usize) -> (usize, usize) {
-    let start = match range.start_bound() {
-        Bound::Included(&s) => s,
-        Bound::Excluded(&s) => s.checked_add(1).expect("range start overflows"),
-        Bound::Unbounded => 0,
-    };
-    let end = match range.end_bound() {
-        Bound::Included(&e) => e.checked_add(1).expect("range end overflows"),
-        Bound::Excluded(&e) => e,
-        Bound::Unbounded => len,
-    };
-    assert!(
-        start <= end && end <= len,
-        "range {start}..{end} out of bounds of a view of {len} elements"
-    );
-    (start, end)
+    let (start, end) = (range.start_bound().cloned(), range.end_bound().cloned());
+    checked_bounds((start, end), len).unwrap_or_else(|| {
+        panic!("range {start:?}..{end:?} out of bounds of a view of {len} elements")
+    })
 }
 
 /// `CU_STREAM_PER_THREAD`: the calling thread's default stream.
@@ -87,6 +92,17 @@ impl Span {
     /// Elements `range` of this span (of `T`s), on the same home stream.
     fn sub<T>(&self, range: impl RangeBounds<usize>) -> Self {
         let (start, end) = bounds(range, self.len);
+        self.between::<T>(start, end)
+    }
+
+    /// Elements `range`, or `None` if it is out of bounds.
+    fn get<T>(&self, range: impl RangeBounds<usize>) -> Option<Self> {
+        let (start, end) = checked_bounds(range, self.len)?;
+        Some(self.between::<T>(start, end))
+    }
+
+    /// Elements `start..end`, in bounds.
+    fn between<T>(&self, start: usize, end: usize) -> Self {
         Self {
             ptr: self.ptr + (start * size_of::<T>()) as CUdeviceptr,
             len: end - start,
@@ -259,6 +275,12 @@ impl<'a, T> DeviceView<'a, T> {
     pub fn slice(&self, range: impl RangeBounds<usize>) -> DeviceView<'_, T> {
         DeviceView::new(self.span.sub::<T>(range))
     }
+
+    /// Elements `range` of this view, or `None` if it is out of bounds: [`slice`](Self::slice)
+    /// without the panic.
+    pub fn get(&self, range: impl RangeBounds<usize>) -> Option<DeviceView<'_, T>> {
+        self.span.get::<T>(range).map(DeviceView::new)
+    }
 }
 
 impl<'a, T> DeviceViewMut<'a, T> {
@@ -276,6 +298,12 @@ impl<'a, T> DeviceViewMut<'a, T> {
     /// If the range is out of bounds.
     pub fn slice_mut(&mut self, range: impl RangeBounds<usize>) -> DeviceViewMut<'_, T> {
         DeviceViewMut::new(self.view.span.sub::<T>(range))
+    }
+
+    /// Elements `range` of this view, writable, or `None` if it is out of bounds:
+    /// [`slice_mut`](Self::slice_mut) without the panic.
+    pub fn get_mut(&mut self, range: impl RangeBounds<usize>) -> Option<DeviceViewMut<'_, T>> {
+        self.view.span.get::<T>(range).map(DeviceViewMut::new)
     }
 }
 
@@ -574,5 +602,15 @@ mod tests {
         ] {
             assert!(bad.is_err());
         }
+        let excluded_max = (Bound::Excluded(usize::MAX), Bound::Unbounded);
+        for bad in [
+            checked_bounds(5..11, 10),
+            checked_bounds((Bound::Included(6), Bound::Excluded(5)), 10),
+            checked_bounds(..=usize::MAX, 10),
+            checked_bounds(excluded_max, 10),
+        ] {
+            assert_eq!(bad, None, "no panic, no wrap: out of bounds");
+        }
+        assert_eq!(checked_bounds(2..=5, 10), Some((2, 6)));
     }
 }

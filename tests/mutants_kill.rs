@@ -42,9 +42,14 @@ fn a_lost_context_discharges_the_granule_cache_from_the_ledger() {
     region.shrink(3).unwrap();
     region.release().complete().unwrap();
     let l = device.ledger();
-    assert_eq!((l.owned_bytes, l.cached_bytes), (3 * GRANULE as u64, 3 * GRANULE as u64));
+    assert_eq!(
+        (l.owned_bytes, l.cached_bytes),
+        (3 * GRANULE as u64, 3 * GRANULE as u64)
+    );
     sim.lose_context();
-    let proof = device.confirm_context_lost().expect("the simulator says it is lost");
+    let proof = device
+        .confirm_context_lost()
+        .expect("the simulator says it is lost");
     device.discharge_all(&proof);
     assert!(device.ledger().is_zero(), "{:?}", device.ledger());
 }

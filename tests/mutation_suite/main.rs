@@ -10,6 +10,9 @@
 //! function body changes. `tests/mutants_kill.rs`, the tests written to kill surviving mutants,
 //! is in it too.
 
+// Several of the files include `tests/common` as their own module, as they do as targets.
+#![allow(clippy::duplicate_mod)]
+
 #[path = "../cuda_backend.rs"]
 mod cuda_backend;
 #[path = "../cuda_ipc.rs"]
@@ -26,6 +29,8 @@ mod driver_model;
 mod forgotten;
 #[path = "../ipc_decoder.rs"]
 mod ipc_decoder;
+#[path = "../mutants_kill.rs"]
+mod mutants_kill;
 #[path = "../page_pool.rs"]
 mod page_pool;
 #[path = "../properties.rs"]
@@ -44,5 +49,3 @@ mod transfer;
 mod transitions;
 #[path = "../typed_views.rs"]
 mod typed_views;
-#[path = "../mutants_kill.rs"]
-mod mutants_kill;

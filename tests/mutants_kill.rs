@@ -3,8 +3,8 @@
 //! comment. `.cargo/mutants-survivors.md` lists the mutants that survive everything, with why
 //! each cannot change behaviour.
 
-use memtoken::backend::{SimBackend, SimConfig};
-use memtoken::{Budget, Device, make_guard};
+use memtoken::backend::{Cause, Faulty, Op, SimBackend, SimConfig};
+use memtoken::{Budget, Device, ShrinkFailure, make_guard};
 
 const GRANULE: usize = 2 << 20;
 
@@ -52,4 +52,52 @@ fn a_lost_context_discharges_the_granule_cache_from_the_ledger() {
         .expect("the simulator says it is lost");
     device.discharge_all(&proof);
     assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+}
+
+/// Kills `src/error.rs: replace <impl Failure for ResumeFailure>::summary -> &'static str with ""`:
+/// a failed resume's message starts by saying so.
+#[test]
+fn a_failed_resume_says_so_first() {
+    make_guard!(guard);
+    let backend = Faulty::new(sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let asleep = binding
+        .reserve(GRANULE)
+        .unwrap()
+        .commit()
+        .unwrap()
+        .suspend()
+        .unwrap();
+    faults.fail_nth(Op::Create, 1);
+    let e = asleep
+        .resume()
+        .expect_err("the create was failed on purpose");
+    let message = e.to_string();
+    assert!(
+        message.starts_with("resuming the memory failed; "),
+        "{message}"
+    );
+    drop(e.into_token());
+}
+
+/// Kills `src/region.rs: replace - with + in Allocation<'b, 'id, B, Elastic>::shrink`: a shrink
+/// refused for a lost context names the granules it was asked to give back, at the tail.
+#[test]
+fn a_shrink_after_the_context_is_lost_names_the_tail_it_would_unmap() {
+    let sim = sim(16 * GRANULE as u64);
+    make_guard!(guard);
+    let device = Device::new(guard, sim.clone());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding.reserve(4 * GRANULE).unwrap().into_region();
+    region = region.grow(3).unwrap();
+    sim.lose_context();
+    let Err(ShrinkFailure::Backend(e)) = region.shrink(1) else {
+        panic!("a lost context refuses the shrink");
+    };
+    assert_eq!(e.cause, Cause::ContextLost);
+    assert_eq!(e.op, Op::Unmap);
+    assert_eq!((e.addr, e.len), (region.addr() + 2 * GRANULE, GRANULE));
+    assert_eq!(region.committed_len(), 3 * GRANULE, "nothing was done");
 }

@@ -3,7 +3,10 @@
 //! comment. `.cargo/mutants-survivors.md` lists the mutants that survive everything, with why
 //! each cannot change behaviour.
 
-use memtoken::backend::{Cause, Faulty, Op, SimBackend, SimConfig};
+use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel, ModelConfig};
+use memtoken::backend::{
+    Backend, Cause, Exportable, Faulty, Op, PosixFd, Shareable, SimBackend, SimConfig, Violation,
+};
 use memtoken::{Budget, Device, ShrinkFailure, make_guard};
 
 const GRANULE: usize = 2 << 20;
@@ -100,4 +103,73 @@ fn a_shrink_after_the_context_is_lost_names_the_tail_it_would_unmap() {
     assert_eq!(e.op, Op::Unmap);
     assert_eq!((e.addr, e.len), (region.addr() + 2 * GRANULE, GRANULE));
     assert_eq!(region.committed_len(), 3 * GRANULE, "nothing was done");
+}
+
+fn model() -> DriverModel {
+    DriverModel::new(ModelConfig {
+        granularity: GRANULE,
+        total_mem: 64 * GRANULE,
+        ..ModelConfig::default()
+    })
+    .unwrap()
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace && with || in CudaBackend<D>::check_not_busy`: a
+/// copy not known to have landed keeps its own range busy, and only that range: another
+/// allocation still releases.
+#[test]
+fn a_range_left_busy_by_a_copy_holds_back_only_itself() {
+    let model = model();
+    make_guard!(guard);
+    let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut a = binding.reserve(GRANULE).unwrap().commit().unwrap();
+    let b = binding.reserve(GRANULE).unwrap().commit().unwrap();
+    // Neither the event nor the whole context can be waited for: the copy into `a` is not
+    // known to have landed, so `a` stays busy.
+    model.fail_nth(DriverCall::EventSynchronize, 1, CuError::UNKNOWN);
+    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::UNKNOWN);
+    a.copy_from_host(0, &[7; 64])
+        .expect_err("the wait was failed on purpose");
+    b.release()
+        .complete()
+        .map_err(|e| e.to_string())
+        .expect("b is not busy");
+    std::mem::forget(a); // still busy: it may never be unmapped
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace < with > in <impl Exportable<PosixFd> for
+/// CudaBackend<D>>::import`: an import that claims more than the driver's allocation is "too
+/// small"; one that claims less is "longer than the message claims".
+#[test]
+fn a_cuda_import_tells_a_short_allocation_from_a_long_one() {
+    let model = model();
+    let exporter = CudaBackend::new(model.clone(), 0).unwrap();
+    let importer = CudaBackend::new(model.clone(), 0).unwrap();
+    let small = Exportable::<PosixFd>::create_exportable(&exporter, GRANULE).unwrap();
+    let big = Exportable::<PosixFd>::create_exportable(&exporter, 2 * GRANULE).unwrap();
+    let claim = |phys, real, len| {
+        let fd = Exportable::<PosixFd>::export(&exporter, phys, real)
+            .unwrap()
+            .fd;
+        let handle = Shareable { fd, offset: 0, len };
+        Exportable::<PosixFd>::import(&importer, handle).expect_err("the size disagrees")
+    };
+    let short = claim(small, GRANULE, 2 * GRANULE);
+    assert!(
+        matches!(
+            short.cause,
+            Cause::Violation(Violation::ImportTooSmall { size, len, .. })
+                if size == GRANULE as u64 && len == 2 * GRANULE
+        ),
+        "{short}"
+    );
+    let long = claim(big, 2 * GRANULE, GRANULE);
+    assert!(
+        matches!(long.cause, Cause::Violation(Violation::Import(m)) if m.contains("longer")),
+        "{long}"
+    );
+    for (phys, n) in [(small, GRANULE), (big, 2 * GRANULE)] {
+        exporter.release(phys, n).unwrap();
+    }
 }

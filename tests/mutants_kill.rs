@@ -5,7 +5,8 @@
 
 use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel, ModelConfig};
 use memtoken::backend::{
-    Backend, Cause, Exportable, Faulty, Op, PosixFd, Shareable, SimBackend, SimConfig, Violation,
+    Backend, Cause, Exportable, Faulty, HostBackend, HostConfig, Op, PosixFd, Shareable,
+    SimBackend, SimConfig, Violation,
 };
 use memtoken::{Budget, Device, ShrinkFailure, make_guard};
 
@@ -172,4 +173,33 @@ fn a_cuda_import_tells_a_short_allocation_from_a_long_one() {
     for (phys, n) in [(small, GRANULE), (big, 2 * GRANULE)] {
         exporter.release(phys, n).unwrap();
     }
+}
+
+/// Kills `src/backend/host.rs: replace HostBackend::page_size -> usize with 0`: the page size
+/// is the OS's, a power of two no larger than the granularity.
+#[test]
+fn the_host_backend_says_the_os_page_size() {
+    let host = HostBackend::with_defaults().unwrap();
+    let page = host.page_size();
+    assert!(page.is_power_of_two(), "{page}");
+    assert!(page <= host.granularity(), "{page}");
+}
+
+/// Kills `src/backend/host.rs: replace > with == in HostBackend::check_capacity`: the host
+/// backend creates up to exactly its capacity, and refuses a byte more.
+#[test]
+fn the_host_backend_creates_up_to_exactly_its_capacity() {
+    let page = HostBackend::with_defaults().unwrap().granularity();
+    let host = HostBackend::new(HostConfig {
+        physical_capacity: 4 * page as u64,
+        ..HostConfig::default()
+    })
+    .unwrap();
+    let three = host.create(3 * page).unwrap();
+    let e = host.create(2 * page).expect_err("past the capacity");
+    assert!(matches!(e.cause, Cause::Exhausted { available, .. } if available == page as u64));
+    let one = host.create(page).expect("exactly the capacity");
+    assert_eq!(host.physical_in_use(), 4 * page as u64);
+    host.release(one, page).unwrap();
+    host.release(three, 3 * page).unwrap();
 }

@@ -238,3 +238,26 @@ fn a_host_reservation_gives_back_the_slack_past_its_end() {
     });
     assert!(trimmed, "the slack past the end is unmapped");
 }
+
+/// Kills `src/interop/ipc.rs: replace <impl std::fmt::Debug for Export<'_, '_, B, K>>::fmt ->
+/// std::fmt::Result with Ok(Default::default())`: an export's debug form shows its message
+/// and handles.
+#[test]
+fn an_export_debugs_as_its_message_and_handles() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let owner = device.bind(Budget::unlimited()).unwrap();
+    let page = device.granularity();
+    let prefix = owner
+        .reserve(3 * page)
+        .unwrap()
+        .commit_prefix_exportable::<PosixFd>()
+        .unwrap();
+    let export = prefix.export().unwrap();
+    let debug = format!("{export:?}");
+    assert!(debug.starts_with("Export {"), "{debug}");
+    assert!(debug.contains("message: PrefixMessage"), "{debug}");
+    assert!(debug.contains("handles: ["), "{debug}");
+    drop(export);
+    prefix.release().complete().unwrap();
+}

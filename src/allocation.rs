@@ -179,7 +179,7 @@ impl<'b, 'id, B: Backend> Binding<'b, 'id, B> {
             });
         }
         device.ensure_live(Op::Reserve, 0, rounded)?;
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let addr = backend.reserve(rounded)?;
             device.charge(Axis::Reserved, rounded);
             let core = Core {
@@ -277,7 +277,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     /// device's quarantine, charged as owned, and the cause says so.
     #[must_use = "a failed commit returns the reserved token inside the error"]
     pub fn commit(self) -> Result<Allocation<'b, 'id, B, Committed>, CommitError<'b, 'id, B>> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let core = self.core;
             let (binding, len) = (core.binding, core.len);
             let device = core.device();
@@ -312,7 +312,7 @@ impl<'b, 'id, B: Backend, S: Live> Allocation<'b, 'id, B, S> {
     /// it has completed. Cannot fail.
     #[must_use = "dropping the Releasing token hands the release to the device; call complete()"]
     pub fn release(self) -> Allocation<'b, 'id, B, Releasing> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let (core, parts) = self.into_core();
             let Retired {
                 held,
@@ -381,7 +381,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Releasing> {
     /// release still succeeds.
     #[must_use = "a pending or failed completion returns a token inside the error"]
     pub fn complete(mut self) -> Result<Released, CompleteError<'b, 'id, B>> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             if let Wait::Unrecorded = self.parts.1 {
                 // The fence the release began with could not be recorded: one recorded now covers
                 // the same work.
@@ -405,7 +405,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Releasing> {
 
 impl<B: Backend, S: State> Drop for Allocation<'_, '_, B, S> {
     fn drop(&mut self) {
-        let _scope = Scope::enter();
+        let _scope = Scope::open::<B>();
         // SAFETY: `drop` runs once and nothing uses `self.parts` after it.
         let parts = unsafe { ManuallyDrop::take(&mut self.parts) };
         let core = self.core;

@@ -17,7 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// use memtoken::{make_guard, Budget, Device};
 /// use memtoken::backend::SimBackend;
 /// make_guard!(guard);
-/// let device = Device::new(guard, SimBackend::default());
+/// let device = Device::new(guard, SimBackend::strict());
 /// let binding = device.bind(Budget::unlimited()).unwrap();
 /// let token = binding.reserve(1).unwrap();
 /// drop(binding);
@@ -44,7 +44,7 @@ impl<'id, B: Backend> Device<'id, B> {
     ///
     /// The backend's error if the context cannot be pinned.
     pub fn bind(&self, budget: Budget) -> Result<Binding<'_, 'id, B>, BackendError> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             self.ensure_live(Op::Pin, 0, 0)?;
             self.backend().pin()?;
             self.note_bound();
@@ -131,7 +131,7 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
 
 impl<B: Backend> Drop for Binding<'_, '_, B> {
     fn drop(&mut self) {
-        let _scope = Scope::enter();
+        let _scope = Scope::open::<B>();
         self.device.note_unbound();
         let backend = self.device.backend();
         // A lost context took its pins with it: no call into it.

@@ -192,7 +192,7 @@ const DEFAULT_CACHE_GRANULES: u64 = 64;
 /// use memtoken::{make_guard, Budget, Device};
 /// use memtoken::backend::SimBackend;
 /// make_guard!(guard);
-/// let device = Device::new(guard, SimBackend::default());
+/// let device = Device::new(guard, SimBackend::strict());
 /// // Leaked, so that only the token keeps the device borrowed.
 /// let binding: &_ = Box::leak(Box::new(device.bind(Budget::unlimited()).unwrap()));
 /// let token = binding.reserve(1).unwrap();
@@ -320,7 +320,7 @@ impl<'id, B: Backend> Device<'id, B> {
     /// `deferred` of every [`Progress`] until it has landed, so that a loop such as
     /// `while device.poll().deferred > 0` on another thread does not stop early.
     pub fn poll(&self) -> Progress {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             // Fences are queried outside the lock: dropped tokens need it to queue themselves.
             let queued = lock(&self.books).take(Queue::Deferred);
             let mut released = 0;
@@ -345,7 +345,7 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// Retries every residual in the device's quarantine; what fails again stays there.
     pub fn retry_quarantine(&self) -> Progress {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let residuals = lock(&self.books).take(Queue::Quarantine);
             let mut released = 0;
             for (residual, _) in residuals {
@@ -359,14 +359,15 @@ impl<'id, B: Backend> Device<'id, B> {
     /// quarantine with what is left. Whether it was released.
     fn teardown_busy(&self, mut residual: Residual<B::Phys>, from: Queue) -> bool {
         let done = self.teardown(&mut residual).is_ok();
-        if done && from == Queue::Quarantine {
-            self.ledger.refund(Axis::Quarantined, 1);
-        } else if !done && from == Queue::Deferred {
-            self.ledger.charge(Axis::Quarantined, 1);
-        }
         let mut books = lock(&self.books);
         books.landed(residual.generation);
-        if !done {
+        // The quarantined count moves with the residual, under the same lock.
+        if done && from == Queue::Quarantine {
+            self.ledger.refund(Axis::Quarantined, 1);
+        } else if !done {
+            if from == Queue::Deferred {
+                self.ledger.charge(Axis::Quarantined, 1);
+            }
             books.quarantine.push(residual);
         }
         done
@@ -382,23 +383,28 @@ impl<'id, B: Backend> Device<'id, B> {
     /// Discharges the device's quarantine and deferred queue: with the context lost, the driver
     /// freed everything they held. Returns how many residuals were discharged.
     pub fn discharge_all(&self, _proof: &ContextLost<'id>) -> usize {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
+            // Counted as busy until each is forgotten, as a poll's would be.
             let (quarantined, deferred) = {
                 let mut books = lock(&self.books);
-                let quarantined = std::mem::take(&mut books.quarantine);
-                (quarantined, std::mem::take(&mut books.deferred))
+                let quarantined = books.take(Queue::Quarantine);
+                (quarantined, books.take(Queue::Deferred))
             };
             let n = quarantined.len() + deferred.len();
             self.forget_cache();
-            for residual in quarantined {
+            for (residual, _) in quarantined {
+                let generation = residual.generation;
                 self.ledger.refund(Axis::Quarantined, 1);
                 self.forget_residual(residual);
+                lock(&self.books).landed(generation);
             }
             for (residual, fence) in deferred {
+                let generation = residual.generation;
+                self.forget_residual(residual);
+                lock(&self.books).landed(generation);
                 if let Some(fence) = fence {
                     self.backend.retire_fence(fence);
                 }
-                self.forget_residual(residual);
             }
             n
         })
@@ -409,7 +415,7 @@ impl<'id, B: Backend> Device<'id, B> {
     /// `Drop`): the one place where memtoken blocks on the device.
     pub fn close(mut self) -> CloseReport {
         self.closed = true;
-        self.shutdown()
+        Scope::run::<B, _>(|| self.shutdown())
     }
 
     fn shutdown(&self) -> CloseReport {
@@ -447,7 +453,7 @@ impl<'id, B: Backend> Device<'id, B> {
     /// at the same moment, on another thread, may still put them in under the old cap: they
     /// stay until the next trim.
     pub fn set_cache_cap(&self, bytes: u64) {
-        let _scope = Scope::enter();
+        let _scope = Scope::open::<B>();
         self.cache_cap.store(bytes, Ordering::Relaxed);
         self.trim_cache_to(bytes);
     }
@@ -502,7 +508,7 @@ impl<'id, B: Backend> Device<'id, B> {
     /// Releases cached granules until the cache holds at most `keep` bytes; returns the bytes
     /// that left the cache. No lock is held across a release.
     fn trim_cache_to(&self, keep: u64) -> u64 {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             if self.backend.context_lost() {
                 return 0;
             }
@@ -777,6 +783,9 @@ impl Device<'_, CudaBackend<SysDriver>> {
 
 impl<B: Backend> Drop for Device<'_, B> {
     fn drop(&mut self) {
+        // One scope for all of it: a backend panic contained in the last poll resumes only
+        // once everything below has run.
+        let _scope = Scope::open::<B>();
         if !self.closed {
             self.shutdown();
         }
@@ -784,7 +793,6 @@ impl<B: Backend> Drop for Device<'_, B> {
         // it), so what still waits for a fence is freed once its work has finished, in order —
         // unless the context is lost, when the driver freed it all. Taken out of the queue
         // first: no lock is held while waiting or calling the backend.
-        let _scope = Scope::enter();
         let deferred = std::mem::take(&mut lock(&self.books).deferred);
         for (residual, fence) in deferred {
             let fence = fence.or_else(|| self.backend.fence());

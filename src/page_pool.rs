@@ -149,7 +149,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         binding: &'b Binding<'b, 'id, B>,
         page_size: usize,
     ) -> Result<Self, PoolError> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let granularity = binding.device().granularity();
             if !page_size.is_power_of_two() || !granularity.is_power_of_two() {
                 return Err(PoolError::PageSize(page_size));
@@ -197,7 +197,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
 
     #[cold]
     fn grow_and_alloc(&self) -> Result<Page<'_, 'pool, 'b, 'id, B>, PoolError> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             if !self.reclaim() {
                 self.grow()?;
             }
@@ -212,7 +212,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     /// Frees the pages whose fence has completed; whether any page is free now.
     #[cold]
     fn reclaim(&self) -> bool {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             if B::IMMEDIATE {
                 return false;
             }
@@ -248,7 +248,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
 
     #[cold]
     fn cool(&self, pages: Vec<u32>) {
-        let _scope = Scope::enter();
+        let _scope = Scope::open::<B>();
         if pages.is_empty() {
             return;
         }
@@ -320,7 +320,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     ///
     /// [`PoolError`] when reserving or committing fails (nothing is kept or charged then).
     pub fn grow(&self) -> Result<(), PoolError> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let per_chunk = 1usize << self.pages_per_chunk_shift;
             let slot = self.with(|s| {
                 s.chunks
@@ -353,7 +353,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
 
     /// Releases every chunk whose pages are all free; returns how many were released.
     pub fn shrink(&self) -> usize {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             self.reclaim();
             let per_chunk = 1usize << self.pages_per_chunk_shift;
             let shift = self.pages_per_chunk_shift;
@@ -559,7 +559,7 @@ impl<B: Backend> Drop for Page<'_, '_, '_, '_, B> {
 
 impl<B: Backend> Drop for PagePool<'_, '_, '_, B> {
     fn drop(&mut self) {
-        let _scope = Scope::enter();
+        let _scope = Scope::open::<B>();
         // A page borrows its pool: one still handed out now was forgotten (`mem::forget` of
         // the page or of its table). Its memory goes with the pool's chunks; the device's
         // close report counts it.

@@ -70,7 +70,7 @@ impl<'b, 'id, B: Backend> Quarantined<'b, 'id, B> {
     /// [`QuarantineError`] with the token, holding whatever is still left, if a call fails again.
     #[must_use = "a failed retry returns the quarantined token inside the error"]
     pub fn retry(self) -> Result<Released, QuarantineError<'b, 'id, B>> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let (binding, residual) = self.into_parts();
             let result = settle(binding, residual);
             // This token's count goes; remains that failed again were counted anew by `settle`.
@@ -119,7 +119,7 @@ pub(crate) fn settle<'b, 'id, B: Backend>(
 
 impl<B: Backend> Drop for Quarantined<'_, '_, B> {
     fn drop(&mut self) {
-        let _scope = Scope::enter();
+        let _scope = Scope::open::<B>();
         // SAFETY: `drop` runs once and nothing uses `self.residual` after it.
         let residual = unsafe { ManuallyDrop::take(&mut self.residual) };
         let owned = residual.owned_bytes();

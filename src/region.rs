@@ -249,7 +249,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// and withheld.
     #[must_use = "a failed growth returns the region inside the error"]
     pub fn grow(mut self, granules: usize) -> Result<Self, GrowError<'b, 'id, B>> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let core = self.core();
             let (binding, device) = (core.binding, core.device());
             let backend = device.backend();
@@ -418,7 +418,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// shrank all the same, and those granules stay owned and withheld in the region until
     /// [`reclaim`](Self::reclaim) frees them.
     pub fn shrink(&mut self, granules: usize) -> Result<(), ShrinkFailure> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let committed = self.committed_granules();
             if granules > committed {
                 return Err(ShrinkFailure::TooMany {
@@ -445,7 +445,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
 
     /// Pops the last committed granule and unmaps it: its index and memory once unmapped, or
     /// the unmap's error, the granule then withheld (still mapped as far as anyone knows).
-    #[inline]
+    #[inline(always)]
     fn unmap_last(&mut self) -> Result<(usize, B::Phys), BackendError> {
         let core = self.core();
         let g = core.device().granularity();
@@ -512,7 +512,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// (nothing done) when the context is lost — its granules then go with the region's
     /// release, discharged with the device's quarantine.
     pub fn reclaim(&mut self) -> Result<(), ShrinkFailure> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let core = self.core();
             reclaim_withheld(core, &mut self.parts_mut().stuck)
         })

@@ -74,8 +74,8 @@ pub type CowError<'b, 'id, B> =
 /// use memtoken::backend::SimBackend;
 /// make_guard!(ga);
 /// make_guard!(gb);
-/// let a = Device::new(ga, SimBackend::default());
-/// let b = Device::new(gb, SimBackend::default());
+/// let a = Device::new(ga, SimBackend::strict());
+/// let b = Device::new(gb, SimBackend::strict());
 /// let (ba, bb) = (a.bind(Budget::unlimited()).unwrap(), b.bind(Budget::unlimited()).unwrap());
 /// let prefix = ba.reserve(1).unwrap().commit_prefix().unwrap();
 /// let shared = bb.reserve(1).unwrap().map_prefix(&prefix);
@@ -120,7 +120,7 @@ pub type ExportablePrefix<'b, 'id, B, K> = Allocation<'b, 'id, B, Owner<K>>;
 /// # use memtoken::{make_guard, Budget, Device};
 /// # use memtoken::backend::SimBackend;
 /// # make_guard!(guard);
-/// # let device = Device::new(guard, SimBackend::default());
+/// # let device = Device::new(guard, SimBackend::strict());
 /// let owner = device.bind(Budget::unlimited()).unwrap();
 /// let prefix = owner.reserve(1).unwrap().commit_prefix().unwrap();
 /// let sharer = device.bind(Budget::unlimited()).unwrap();
@@ -135,7 +135,7 @@ pub type ExportablePrefix<'b, 'id, B, K> = Allocation<'b, 'id, B, Owner<K>>;
 /// # use memtoken::{make_guard, Budget, Device};
 /// # use memtoken::backend::SimBackend;
 /// # make_guard!(guard);
-/// let device = Device::new(guard, SimBackend::default());
+/// let device = Device::new(guard, SimBackend::strict());
 /// // Leaked, so that only the mapping keeps the device borrowed.
 /// let binding: &_ = Box::leak(Box::new(device.bind(Budget::unlimited()).unwrap()));
 /// let prefix = binding.reserve(1).unwrap().commit_prefix().unwrap();
@@ -302,6 +302,20 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     /// refuses or a backend call fails (everything undone; a release that fails while undoing
     /// is quarantined, as for `commit`); or, when unmapping the half-made mapping fails too,
     /// its quarantined remains (reservation, mapping and memory together).
+    ///
+    /// The prefix borrows the owner's binding, so the owner cannot drop its binding (its
+    /// context pin) while the prefix lives:
+    ///
+    /// ```compile_fail,E0505
+    /// use memtoken::backend::SimBackend;
+    /// use memtoken::{make_guard, Budget, Device};
+    /// make_guard!(guard);
+    /// let device = Device::new(guard, SimBackend::strict());
+    /// let owner = device.bind(Budget::unlimited()).unwrap();
+    /// let prefix = owner.reserve(1).unwrap().commit_prefix().unwrap();
+    /// drop(owner);
+    /// drop(prefix);
+    /// ```
     #[must_use = "a failed commit returns the reservation inside the error"]
     pub fn commit_prefix(self) -> Result<Prefix<'b, 'id, B>, PrefixError<'b, 'id, B>> {
         self.commit_shared(Guarded::create)
@@ -331,7 +345,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         self,
         create: impl Fn(&Guarded<B>, usize) -> Result<B::Phys, BackendError>,
     ) -> Result<Allocation<'b, 'id, B, Owner<K>>, PrefixError<'b, 'id, B>> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let refuse = |token, cause| {
                 Err(TransitionError {
                     token: Returned::Unchanged(token),
@@ -431,7 +445,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         self,
         prefix: &Allocation<'_, 'id, B, Owner<K>>,
     ) -> Result<PrefixMapping<'b, 'id, B>, ShareError<'b, 'id, B>> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let refuse = |token, cause| {
                 Err(TransitionError {
                     token: Returned::Unchanged(token),
@@ -521,7 +535,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
     /// restored.
     #[must_use = "a refused copy-on-write returns the mapping inside the error"]
     pub fn diverge(self) -> Result<DivergedMapping<'b, 'id, B>, CowError<'b, 'id, B>> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let core = self.core();
             let (binding, device) = (core.binding, core.device());
             let backend = device.backend();

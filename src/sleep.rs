@@ -160,7 +160,7 @@ impl<B: Backend, S: Suspendable> Allocation<'_, '_, B, Suspended<S>> {
     /// still withheld, [`ShrinkFailure::Pending`] while work may still use it,
     /// [`ShrinkFailure::Backend`] once the context is lost.
     pub fn reclaim(&mut self) -> Result<(), ShrinkFailure> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let core = self.core();
             reclaim_withheld(core, &mut self.parts_mut().stuck)
         })
@@ -208,7 +208,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
     pub fn suspend(
         self,
     ) -> Result<SuspendedAllocation<'b, 'id, B>, SuspendError<'b, 'id, B, Committed>> {
-        Scope::run(move || self.suspend_with(false))
+        Scope::run::<B, _>(move || self.suspend_with(false))
     }
 
     /// Suspends this allocation as [`suspend`](Self::suspend) does, after saving its bytes to
@@ -221,7 +221,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
     pub fn suspend_saving(
         self,
     ) -> Result<SuspendedAllocation<'b, 'id, B>, SuspendError<'b, 'id, B, Committed>> {
-        Scope::run(move || self.suspend_with(true))
+        Scope::run::<B, _>(move || self.suspend_with(true))
     }
 
     fn suspend_with(
@@ -272,7 +272,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Committed>> {
     pub fn resume(
         self,
     ) -> Result<Allocation<'b, 'id, B, Committed>, ResumeError<'b, 'id, B, Committed>> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let (core, mut asleep) = self.into_core();
             let back = |core, asleep, cause| {
                 let token = Allocation::from_core(core, asleep);
@@ -335,7 +335,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// ([`SuspendFailure::Pending`]) or once the context is lost.
     #[must_use = "a failed suspend returns the region inside the error"]
     pub fn suspend(self) -> Result<SuspendedRegion<'b, 'id, B>, SuspendError<'b, 'id, B, Elastic>> {
-        Scope::run(move || self.suspend_with(false))
+        Scope::run::<B, _>(move || self.suspend_with(false))
     }
 
     /// Suspends this region as [`suspend`](Self::suspend) does, after saving its committed
@@ -348,7 +348,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     pub fn suspend_saving(
         self,
     ) -> Result<SuspendedRegion<'b, 'id, B>, SuspendError<'b, 'id, B, Elastic>> {
-        Scope::run(move || self.suspend_with(true))
+        Scope::run::<B, _>(move || self.suspend_with(true))
     }
 
     fn suspend_with(
@@ -396,7 +396,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Elastic>> {
     pub fn resume(
         self,
     ) -> Result<Allocation<'b, 'id, B, Elastic>, ResumeError<'b, 'id, B, Elastic>> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let g = self.binding().device().granularity();
             let (core, mut asleep) = self.into_core();
             if let Err(e) = reclaim_withheld(core, &mut asleep.stuck) {

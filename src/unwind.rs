@@ -34,12 +34,18 @@ pub(crate) struct Scope {
 
 impl Scope {
     /// Opens a scope.
-    #[inline]
-    pub(crate) fn enter() -> Self {
+    #[inline(always)]
+    fn enter() -> Self {
         DEPTH.with(|d| d.set(d.get() + 1));
         Self {
             _not_send: PhantomData,
         }
+    }
+
+    /// Opens a scope for calls into a `B` — none where `B` never panics (nothing to contain).
+    #[inline(always)]
+    pub(crate) fn open<B: Backend>() -> Option<Self> {
+        B::MAY_PANIC.then(Self::enter)
     }
 }
 
@@ -48,8 +54,11 @@ impl Scope {
     /// panic was contained in it and this is the thread's outermost scope: then what it
     /// returned is dropped first (a token inside goes to the device's custody as any dropped
     /// token does), and the panic resumes.
-    #[inline]
-    pub(crate) fn run<R>(body: impl FnOnce() -> R) -> R {
+    #[inline(always)]
+    pub(crate) fn run<B: Backend, R>(body: impl FnOnce() -> R) -> R {
+        if !B::MAY_PANIC {
+            return body();
+        }
         let scope = Self::enter();
         let out = body();
         scope.exit(out)
@@ -58,13 +67,15 @@ impl Scope {
     /// Closes the scope, handing `out` back (see [`run`](Self::run)). A panic resumed from
     /// a guard's `Drop` at a function's end would leak the function's return value, so
     /// functions that return one close their scope here instead.
-    #[inline]
+    #[inline(always)]
     fn exit<R>(self, out: R) -> R {
-        if DEPTH.with(Cell::get) == 1 && PENDING.with(Cell::get) {
+        if DEPTH.with(Cell::get) == 1 && PENDING.with(Cell::get) && !std::thread::panicking() {
             drop(out);
             drop(self); // resumes the panic
             unreachable!("the kept panic resumed");
         }
+        // Not the outermost scope, or nothing kept, or the thread unwinds already (dropping
+        // the scope then drops the kept panic: a second unwind would abort the process).
         out
     }
 }
@@ -72,7 +83,7 @@ impl Scope {
 /// Closing a scope by dropping it is for bodies that return nothing (`Drop` impls): the
 /// outermost one resumes a kept panic, unless the thread is unwinding already.
 impl Drop for Scope {
-    #[inline]
+    #[inline(always)]
     fn drop(&mut self) {
         let depth = DEPTH.with(|d| {
             let n = d.get() - 1;
@@ -278,6 +289,7 @@ impl<B: Backend> Guarded<B> {
 
     /// Whether no work covered by the backend's fences may still run: a fence recorded now
     /// and already done. Any doubt (a panic) answers no.
+    #[inline]
     pub(crate) fn idle(&self) -> bool {
         let Some(fence) = self.fence() else {
             return false;
@@ -341,6 +353,7 @@ impl<B: Backend> Guarded<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::SimBackend;
     use std::cell::Cell;
     use std::panic::catch_unwind;
 
@@ -376,7 +389,7 @@ mod tests {
         let dropped = Cell::new(false);
         let after_the_call = Cell::new(false);
         let caught = catch_unwind(AssertUnwindSafe(|| {
-            Scope::run(|| {
+            Scope::run::<SimBackend, _>(|| {
                 assert_eq!(contain(|| boom("later")), Err("later".to_owned()));
                 after_the_call.set(true);
                 Dropped(&dropped)
@@ -393,7 +406,7 @@ mod tests {
         assert_eq!(text(caught.unwrap_err()), "later");
         assert!(!PENDING.with(Cell::get));
         assert_eq!(
-            Scope::run(|| contain(|| 7)),
+            Scope::run::<SimBackend, _>(|| contain(|| 7)),
             Ok(7),
             "nothing left to resume"
         );
@@ -403,8 +416,8 @@ mod tests {
     fn only_the_outermost_scope_resumes_and_it_resumes_the_first_panic() {
         let inner_returned = Cell::new(false);
         let caught = catch_unwind(AssertUnwindSafe(|| {
-            Scope::run(|| {
-                let inner = Scope::run(|| contain(|| boom("first")));
+            Scope::run::<SimBackend, _>(|| {
+                let inner = Scope::run::<SimBackend, _>(|| contain(|| boom("first")));
                 inner_returned.set(true);
                 assert!(inner.is_err());
                 assert!(contain(|| boom("second")).is_err());
@@ -446,7 +459,7 @@ mod tests {
             "no abort, no swap"
         );
         assert!(!PENDING.with(Cell::get), "the second panic is not kept");
-        assert_eq!(Scope::run(|| 1), 1);
+        assert_eq!(Scope::run::<SimBackend, _>(|| 1), 1);
         assert_eq!(DEPTH.with(Cell::get), 0);
     }
 

@@ -17,7 +17,7 @@ fn sim() -> (SimBackend, Faulty<SimBackend>) {
     let sim = SimBackend::new(SimConfig {
         granularity: 1 << 16,
         fences_complete_at_once: false,
-        ..SimConfig::default()
+        ..SimConfig::strict()
     })
     .unwrap();
     (sim.clone(), Faulty::new(sim))

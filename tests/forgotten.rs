@@ -7,7 +7,7 @@ use memtoken::{Budget, Device, Forgotten, PagePool, make_guard};
 
 #[test]
 fn a_forgotten_binding_shows_in_the_close_report_and_its_pin_goes_with_the_device() {
-    let sim = SimBackend::default();
+    let sim = SimBackend::strict();
     make_guard!(guard);
     let device = Device::new(guard, sim.clone());
     let kept = device.bind(Budget::unlimited()).unwrap();
@@ -29,7 +29,7 @@ fn a_forgotten_binding_shows_in_the_close_report_and_its_pin_goes_with_the_devic
 
 #[test]
 fn forgotten_pages_and_page_tables_show_in_the_close_report() {
-    let faulty = Faulty::new(SimBackend::default());
+    let faulty = Faulty::new(SimBackend::strict());
     let faults = faulty.handle();
     make_guard!(guard);
     let device = Device::new(guard, faulty);
@@ -58,7 +58,7 @@ fn forgotten_pages_and_page_tables_show_in_the_close_report() {
 #[test]
 fn a_device_whose_bindings_and_pages_all_went_back_closes_clean() {
     make_guard!(guard);
-    let device = Device::new(guard, SimBackend::default());
+    let device = Device::new(guard, SimBackend::strict());
     let binding = device.bind(Budget::unlimited()).unwrap();
     {
         make_guard!(pool_guard);

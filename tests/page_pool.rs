@@ -144,7 +144,7 @@ proptest! {
 #[test]
 fn the_hot_path_makes_no_backend_call() {
     make_guard!(guard);
-    let sim = SimBackend::default();
+    let sim = SimBackend::strict();
     let device = Device::new(guard, sim.clone());
     let binding = device.bind(Budget::unlimited()).unwrap();
     make_guard!(pool_guard);
@@ -167,7 +167,7 @@ fn the_hot_path_makes_no_backend_call() {
 #[test]
 fn a_pool_grows_by_chunks_and_gives_idle_chunks_back() {
     make_guard!(guard);
-    let device = Device::new(guard, SimBackend::default());
+    let device = Device::new(guard, SimBackend::strict());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
     make_guard!(pool_guard);
@@ -198,7 +198,7 @@ fn a_pool_grows_by_chunks_and_gives_idle_chunks_back() {
 #[test]
 fn an_invalid_page_size_and_a_refused_growth_are_errors() {
     make_guard!(guard);
-    let device = Device::new(guard, SimBackend::default());
+    let device = Device::new(guard, SimBackend::strict());
     let binding = device.bind(Budget::bytes(0)).unwrap();
     make_guard!(g3000);
     assert!(matches!(

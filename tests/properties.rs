@@ -851,7 +851,7 @@ fn run_sim(steps: &[Step]) {
     make_guard!(guard);
     let sim = SimBackend::new(SimConfig {
         fences_complete_at_once: false,
-        ..SimConfig::default()
+        ..SimConfig::strict()
     })
     .unwrap();
     let backend = Faulty::new(sim.clone());

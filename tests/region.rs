@@ -68,7 +68,7 @@ fn grow_and_shrink_move_the_ledger_and_budget_granule_by_granule() {
 /// Grows and shrinks a region of `granules` granules `cycles` times after one warm-up cycle;
 /// returns the create and release calls made by the cycles.
 fn cycle_calls(cache_cap: u64, granules: usize, cycles: usize) -> (u64, u64) {
-    setup!(SimBackend::default(), device, faults);
+    setup!(SimBackend::strict(), device, faults);
     device.set_cache_cap(cache_cap);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
@@ -167,7 +167,7 @@ fn grow_failing_at_the_kth_granule_hands_back_the_unchanged_region_with_nothing_
 
 #[test]
 fn grow_refused_by_the_budget_at_the_kth_granule_is_undone() {
-    setup!(SimBackend::default(), device, faults);
+    setup!(SimBackend::strict(), device, faults);
     let g = device.granularity();
     let binding = device.bind(Budget::bytes(3 * g as u64)).unwrap();
     let region = binding
@@ -200,7 +200,7 @@ fn grow_refused_by_the_budget_at_the_kth_granule_is_undone() {
 
 #[test]
 fn a_failed_unmap_while_undoing_a_growth_withholds_the_granule() {
-    setup!(SimBackend::default(), device, faults);
+    setup!(SimBackend::strict(), device, faults);
     let g = device.granularity();
     let binding = device.bind(Budget::unlimited()).unwrap();
     let region = binding
@@ -312,7 +312,7 @@ fn a_failed_shrink_withholds_the_stuck_granules_until_a_retry_frees_them() {
 
 #[test]
 fn a_region_dropped_with_withheld_granules_hands_them_to_the_device() {
-    setup!(SimBackend::default(), device, faults);
+    setup!(SimBackend::strict(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
     let mut region = binding
@@ -336,7 +336,7 @@ fn a_region_dropped_with_withheld_granules_hands_them_to_the_device() {
 #[test]
 fn a_device_budget_trims_the_cache_when_it_needs_the_bytes() {
     make_guard!(guard);
-    let backend = Faulty::new(SimBackend::default());
+    let backend = Faulty::new(SimBackend::strict());
     let faults = backend.handle();
     let g = backend_granularity();
     let device = Device::with_cache(
@@ -371,12 +371,12 @@ fn a_device_budget_trims_the_cache_when_it_needs_the_bytes() {
 }
 
 fn backend_granularity() -> usize {
-    memtoken::backend::Backend::granularity(&SimBackend::default())
+    memtoken::backend::Backend::granularity(&SimBackend::strict())
 }
 
 #[test]
 fn the_cache_cap_bounds_what_is_kept_and_a_lower_cap_trims() {
-    setup!(SimBackend::default(), device, faults);
+    setup!(SimBackend::strict(), device, faults);
     let g = device.granularity() as u64;
     device.set_cache_cap(2 * g);
     let binding = device.bind(Budget::unlimited()).unwrap();

@@ -111,7 +111,7 @@ fn sharers_alias_the_owners_physical_pages_read_only() {
 #[test]
 fn shared_memory_lives_as_long_as_its_last_mapping_and_is_released_once() {
     make_guard!(guard);
-    let sim = SimBackend::default();
+    let sim = SimBackend::strict();
     let device = Device::new(guard, Faulty::new(sim.clone()));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
@@ -154,7 +154,7 @@ fn dropping_a_sequence_unmaps_its_prefix_before_the_binding_unpins() {
         pages: Vec<memtoken::Allocation<'b, 'id, SimBackend, memtoken::Committed>>,
     }
     make_guard!(guard);
-    let sim = SimBackend::default();
+    let sim = SimBackend::strict();
     let device = Device::new(guard, sim.clone());
     let g = device.granularity();
     let system = device.bind(Budget::unlimited()).unwrap();
@@ -265,7 +265,7 @@ fn copy_on_write_gives_one_sharer_a_private_boundary_granule() {
 #[test]
 fn a_sharers_failed_unmap_quarantines_that_sharers_range_only() {
     make_guard!(guard);
-    let backend = Faulty::new(SimBackend::default());
+    let backend = Faulty::new(SimBackend::strict());
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -307,7 +307,7 @@ fn a_sharers_failed_unmap_quarantines_that_sharers_range_only() {
 #[test]
 fn a_refused_share_returns_the_reservation_unchanged() {
     make_guard!(guard);
-    let backend = Faulty::new(SimBackend::default());
+    let backend = Faulty::new(SimBackend::strict());
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -460,7 +460,7 @@ fn a_refused_copy_on_write_leaves_the_mapping_shared_and_nothing_charged() {
 #[test]
 fn a_copy_on_write_past_the_budget_is_refused_with_numbers() {
     make_guard!(guard);
-    let device = Device::new(guard, SimBackend::default());
+    let device = Device::new(guard, SimBackend::strict());
     let g = device.granularity();
     let owner = device.bind(Budget::unlimited()).unwrap();
     let sharer = device.bind(Budget::bytes(0)).unwrap();
@@ -492,7 +492,7 @@ fn a_copy_on_write_past_the_budget_is_refused_with_numbers() {
 #[test]
 fn the_device_budget_still_counts_a_prefix_whose_owner_has_gone() {
     make_guard!(guard);
-    let device = Device::with_budget(guard, SimBackend::default(), Budget::bytes(3 << 21));
+    let device = Device::with_budget(guard, SimBackend::strict(), Budget::bytes(3 << 21));
     let g = device.granularity();
     let owner = device.bind(Budget::bytes(2 * g as u64)).unwrap();
     let sharer = device.bind(Budget::bytes(0)).unwrap();
@@ -528,7 +528,7 @@ fn the_device_budget_still_counts_a_prefix_whose_owner_has_gone() {
 #[test]
 fn a_prefix_keeps_its_boundary_granule_in_an_allocation_of_its_own() {
     make_guard!(guard);
-    let sim = SimBackend::default();
+    let sim = SimBackend::strict();
     let device = Device::new(guard, sim.clone());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
@@ -556,7 +556,7 @@ fn a_prefix_keeps_its_boundary_granule_in_an_allocation_of_its_own() {
 #[test]
 fn a_prefix_whose_boundary_cannot_be_created_or_mapped_comes_back_unchanged() {
     make_guard!(guard);
-    let backend = Faulty::new(SimBackend::default());
+    let backend = Faulty::new(SimBackend::strict());
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -591,7 +591,7 @@ fn a_prefix_whose_boundary_cannot_be_created_or_mapped_comes_back_unchanged() {
 #[test]
 fn a_half_made_prefix_that_cannot_be_unmapped_is_quarantined_whole_and_a_retry_frees_it() {
     make_guard!(guard);
-    let backend = Faulty::new(SimBackend::default());
+    let backend = Faulty::new(SimBackend::strict());
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -688,7 +688,7 @@ fn every_undone_commit_prefix_leaves_the_ledger_equal_to_the_backend() {
     ];
     for (name, plan) in plans {
         make_guard!(guard);
-        let backend = Faulty::new(SimBackend::default());
+        let backend = Faulty::new(SimBackend::strict());
         let faults = backend.handle();
         let device = Device::new(guard, backend);
         let binding = device.bind(Budget::unlimited()).unwrap();
@@ -733,7 +733,7 @@ fn every_undone_commit_prefix_leaves_the_ledger_equal_to_the_backend() {
 #[test]
 fn a_half_made_prefix_whose_boundary_release_fails_too_keeps_both_counted() {
     make_guard!(guard);
-    let backend = Faulty::new(SimBackend::default());
+    let backend = Faulty::new(SimBackend::strict());
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();

@@ -238,7 +238,7 @@ fn a_resume_whose_restore_and_undo_fail_stays_asleep_with_its_bytes_and_wakes_la
 
 #[test]
 fn the_simulator_keeps_and_restores_the_saved_bytes() {
-    let sim = SimBackend::default();
+    let sim = SimBackend::strict();
     setup!(sim.clone(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
@@ -310,7 +310,7 @@ fn on_cuda_memory_sleeps_only_once_its_work_finished_and_wakes_with_its_bytes() 
 
 #[test]
 fn releasing_a_sleeping_token_frees_its_va_once() {
-    setup!(SimBackend::default(), device, faults);
+    setup!(SimBackend::strict(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
     let asleep = binding

@@ -31,7 +31,7 @@ fn eight_threads_on_one_device_with_faults_leave_nothing_outstanding() {
     let sim = SimBackend::new(SimConfig {
         granularity: 1 << 16,
         // Physical memory on release: the simulator forbids releasing mapped memory.
-        ..SimConfig::default()
+        ..SimConfig::strict()
     })
     .unwrap();
     let backend = Faulty::new(sim.clone());

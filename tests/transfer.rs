@@ -57,7 +57,7 @@ fn a_descriptor_says_where_how_long_which_device_and_which_allocation() {
 fn a_registration_cache_keyed_with_the_generation_refuses_a_recycled_address() {
     make_guard!(guard);
     // The simulator hands the lowest free range out again at once: the address is recycled.
-    let device = Device::new(guard, SimBackend::default());
+    let device = Device::new(guard, SimBackend::strict());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut cache = RegistrationCache::default();
     let a = binding.reserve(1).unwrap().commit().unwrap();

@@ -124,7 +124,7 @@ fn failed_map_and_failed_rollback_quarantine_the_orphan_physical_memory() {
 
 #[test]
 fn failed_unmap_quarantines_with_va_withheld_and_mapped_bytes_charged() {
-    setup!(SimBackend::default(), device, faults);
+    setup!(SimBackend::strict(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
     let committed = binding.reserve(g).unwrap().commit().unwrap();
@@ -190,7 +190,7 @@ fn failed_physical_release_refunds_mapped_but_not_owned() {
 
 #[test]
 fn failed_free_of_reserved_quarantines_the_va_and_retry_frees_it() {
-    setup!(SimBackend::default(), device, faults);
+    setup!(SimBackend::strict(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
     let reserved = binding.reserve(g).unwrap();
@@ -239,7 +239,7 @@ fn dropped_tokens_whose_teardown_fails_land_in_the_device_quarantine() {
 
 #[test]
 fn dropped_quarantined_token_stays_counted_in_the_device() {
-    setup!(SimBackend::default(), device, faults);
+    setup!(SimBackend::strict(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let committed = binding.reserve(1).unwrap().commit().unwrap();
     faults.fail_nth(Op::Unmap, 1);
@@ -347,7 +347,7 @@ fn bad_input_is_an_error_value_and_changes_nothing() {
 
 #[test]
 fn generations_identify_allocations_even_when_va_is_reused() {
-    setup!(SimBackend::default(), device, faults);
+    setup!(SimBackend::strict(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let first = binding.reserve(1).unwrap();
     let (addr, generation) = (first.addr(), first.generation());
@@ -368,7 +368,7 @@ fn drop_defers_until_the_fence_completes_and_never_blocks() {
     make_guard!(guard);
     let sim = SimBackend::new(SimConfig {
         fences_complete_at_once: false,
-        ..SimConfig::default()
+        ..SimConfig::strict()
     })
     .unwrap();
     let device = Device::new(guard, sim.clone());
@@ -406,7 +406,7 @@ fn drop_defers_until_the_fence_completes_and_never_blocks() {
 #[test]
 fn context_lost_means_no_backend_call_and_discharge_with_proof() {
     make_guard!(guard);
-    let sim = SimBackend::default();
+    let sim = SimBackend::strict();
     let device = Device::new(guard, sim.clone());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let committed = binding.reserve(1).unwrap().commit().unwrap();
@@ -497,7 +497,7 @@ fn an_invalid_host_granularity_is_refused() {
 
 #[test]
 fn bindings_pin_and_unpin_the_context() {
-    setup!(SimBackend::default(), device, faults);
+    setup!(SimBackend::strict(), device, faults);
     let a = device.bind(Budget::unlimited()).unwrap();
     let b = device.bind(Budget::unlimited()).unwrap();
     assert_eq!(faults.outstanding().pins, 2);

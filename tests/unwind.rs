@@ -153,7 +153,7 @@ impl Env for Sim {
         let sim = SimBackend::new(SimConfig {
             granularity: GRANULE,
             fences_complete_at_once: !manual,
-            ..SimConfig::default()
+            ..SimConfig::strict()
         })
         .expect("a simulator");
         (Self(sim.clone()), sim)

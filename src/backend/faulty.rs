@@ -134,7 +134,7 @@ impl FaultHandle {
 ///
 /// ```
 /// use memtoken::backend::{Backend, Faulty, Op, SimBackend};
-/// let faulty = Faulty::new(SimBackend::default());
+/// let faulty = Faulty::new(SimBackend::strict());
 /// let faults = faulty.handle();
 /// faults.fail_nth(Op::Reserve, 1);
 /// assert!(faulty.reserve(2 << 20).unwrap_err().is_injected());

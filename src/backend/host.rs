@@ -10,6 +10,7 @@ use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use rustix::fs::{FallocateFlags, FileType, MemfdFlags, Mode, OFlags, SealFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// Settings of a [`HostBackend`].
@@ -38,8 +39,9 @@ impl Default for HostConfig {
 }
 
 /// Physical memory on the host: a range of the device's `memfd` — or, for memory created
-/// exportable or imported from another process, a file of its own — with a serial number so a
-/// stale handle is refused even when its offset has been reused.
+/// exportable or imported from another process, a file of its own — with a serial number,
+/// unique in the process, so a stale handle is refused even when its offset has been reused,
+/// and another host backend's handle is refused too.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct HostPhys {
     offset: u64,
@@ -52,7 +54,8 @@ struct HostState {
     /// Live physical ranges of the `memfd`: offset → length.
     ranges: BTreeMap<u64, u64>,
     used: u64,
-    next_serial: u64,
+    /// Pins taken by [`Backend::pin`] and not yet given back.
+    pins: u64,
     /// Physical memory in a file of its own, by serial: memory created exportable (its own
     /// sealed `memfd`) and memory imported from another process (the descriptor received).
     files: HashMap<u64, HostFile>,
@@ -103,6 +106,16 @@ pub struct HostBackend {
     state: Mutex<HostState>,
 }
 
+/// How many times [`Backend::reserve`] asks the kernel for a range before it gives up because
+/// every range offered lay over a poisoned reservation.
+const RESERVE_ATTEMPTS: usize = 64;
+
+/// The next serial number of a [`HostPhys`], shared by every host backend of the process.
+fn next_serial() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
+}
+
 fn os_error(op: Op, addr: Addr, len: usize, errno: rustix::io::Errno) -> BackendError {
     let errno = errno.raw_os_error();
     BackendError::new(op, addr, len, Cause::Os { errno })
@@ -150,7 +163,7 @@ impl HostBackend {
             book: Book::new(g, false),
             ranges: BTreeMap::new(),
             used: 0,
-            next_serial: 1,
+            pins: 0,
             files: HashMap::new(),
         };
         Ok(Self {
@@ -195,19 +208,18 @@ impl HostBackend {
         }
     }
 
-    fn next_phys(s: &mut HostState, offset: u64) -> HostPhys {
-        let phys = HostPhys {
+    fn next_phys(offset: u64) -> HostPhys {
+        HostPhys {
             offset,
-            serial: s.next_serial,
-        };
-        s.next_serial += 1;
-        phys
+            serial: next_serial(),
+        }
     }
 
     /// The error of an exhausted capacity for `len` more bytes, if it is.
     fn check_capacity(&self, s: &HostState, len: usize) -> Result<(), BackendError> {
         let capacity = self.config.physical_capacity;
-        if s.used + len as u64 > capacity {
+        let after = s.used.checked_add(len as u64);
+        if after.is_none_or(|after| after > capacity) {
             let cause = Cause::Exhausted {
                 requested: len as u64,
                 available: capacity - s.used,
@@ -272,6 +284,14 @@ impl Backend for HostBackend {
         self.config.physical_capacity
     }
 
+    /// Reserves through an anonymous `PROT_NONE` mapping where the kernel chooses. The kernel
+    /// never places it over a live mapping, but a poisoned reservation (a failed `MAP_FIXED`
+    /// whose placeholder could not be put back) may have a hole that it fills: a range that
+    /// overlaps any reservation of the record is never handed out (it would be VA handed out
+    /// twice). It is kept where it is instead, as a plug that fills the hole with an
+    /// inaccessible mapping of this backend's (so nobody else's memory lands there later), the
+    /// reservations it overlaps are poisoned, and the kernel is asked again, up to
+    /// 64 times (`RESERVE_ATTEMPTS`).
     fn reserve(&self, len: usize) -> Result<Addr, BackendError> {
         let mut s = self.state();
         s.book
@@ -286,23 +306,38 @@ impl Backend for HostBackend {
             .checked_add(slack)
             .ok_or_else(|| address_space_exhausted(len, space))?;
         let flags = MapFlags::PRIVATE | MapFlags::NORESERVE;
-        // SAFETY: a null hint lets the kernel pick unused addresses; nothing existing is touched.
-        let base = unsafe {
-            rustix::mm::mmap_anonymous(std::ptr::null_mut(), total, ProtFlags::empty(), flags)
-        }
-        .map_err(|e| os_error(Op::Reserve, 0, len, e))? as Addr;
-        let addr = base.next_multiple_of(g);
-        let (head, tail) = (addr - base, total - len - (addr - base));
-        for (start, n) in [(base, head), (addr + len, tail)] {
-            if n > 0 {
-                // SAFETY: `[start, start + n)` is slack of the mapping made just above, never
-                // handed out.
-                unsafe { rustix::mm::munmap(start as *mut _, n) }
-                    .map_err(|e| os_error(Op::Reserve, start, n, e))?;
+        let mut offered = 0;
+        for _ in 0..RESERVE_ATTEMPTS {
+            // SAFETY: a null hint lets the kernel pick unused addresses; nothing existing is
+            // touched.
+            let base = unsafe {
+                rustix::mm::mmap_anonymous(std::ptr::null_mut(), total, ProtFlags::empty(), flags)
             }
+            .map_err(|e| os_error(Op::Reserve, 0, len, e))? as Addr;
+            if s.book.overlaps_reservation(base, total) {
+                // In the hole of a poisoned reservation: a plug, never handed out or unmapped.
+                s.book.poison(base, total);
+                offered = base;
+                continue;
+            }
+            let addr = base.next_multiple_of(g);
+            let (head, tail) = (addr - base, total - len - (addr - base));
+            for (start, n) in [(base, head), (addr + len, tail)] {
+                if n > 0 {
+                    // SAFETY: `[start, start + n)` is slack of the mapping made just above,
+                    // never handed out.
+                    unsafe { rustix::mm::munmap(start as *mut _, n) }
+                        .map_err(|e| os_error(Op::Reserve, start, n, e))?;
+                }
+            }
+            s.book.apply_reserve(addr, len);
+            return Ok(addr);
         }
-        s.book.apply_reserve(addr, len);
-        Ok(addr)
+        let v = Violation::Poisoned {
+            addr: offered,
+            len: total,
+        };
+        Err(BackendError::refused(Op::Reserve, offered, len, v))
     }
 
     fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
@@ -335,11 +370,7 @@ impl Backend for HostBackend {
         };
         rustix::fs::fallocate(&self.memfd, FallocateFlags::KEEP_SIZE, offset, len as u64)
             .map_err(|e| os_error(Op::Create, 0, len, e))?;
-        let phys = HostPhys {
-            offset,
-            serial: s.next_serial,
-        };
-        s.next_serial += 1;
+        let phys = Self::next_phys(offset);
         s.ranges.insert(offset, len as u64);
         s.used += len as u64;
         s.book.apply_create(phys, len);
@@ -405,7 +436,7 @@ impl Backend for HostBackend {
             // if even that fails, never touch the reservation again.
             // SAFETY: as above, the range is ours and unreferenced.
             if unsafe { Self::make_inaccessible(addr, len) }.is_err() {
-                s.book.poison(addr);
+                s.book.poison(addr, len);
             }
             return Err(os_error(Op::Map, addr, len, e));
         }
@@ -423,7 +454,7 @@ impl Backend for HostBackend {
         if let Err(e) = unsafe { Self::make_inaccessible(addr, len) } {
             // A failed MAP_FIXED may have removed the mapping and left a hole that the kernel
             // can fill with someone else's memory: never touch this reservation again.
-            s.book.poison(addr);
+            s.book.poison(addr, len);
             return Err(os_error(Op::Unmap, addr, len, e));
         }
         s.book.apply_unmap(addr, len);
@@ -458,6 +489,9 @@ impl Backend for HostBackend {
         s.book
             .check_access(src, dst.len(), false)
             .map_err(|v| BackendError::refused(Op::Copy, src, dst.len(), v))?;
+        if dst.is_empty() {
+            return Ok(()); // nothing to copy: `src` may be any address, even null
+        }
         // SAFETY: the book says every byte of `[src, src + dst.len())` is mapped readable by this
         // backend, and the lock keeps it mapped for the duration of the copy; `dst` is the
         // caller's own buffer (`ptr::copy` allows it to overlap the source).
@@ -470,6 +504,9 @@ impl Backend for HostBackend {
         s.book
             .check_access(dst, src.len(), true)
             .map_err(|v| BackendError::refused(Op::Copy, dst, src.len(), v))?;
+        if src.is_empty() {
+            return Ok(()); // nothing to copy: `dst` may be any address, even null
+        }
         // SAFETY: the book says every byte of `[dst, dst + src.len())` is mapped read-write by
         // this backend, and the lock keeps it mapped for the duration of the copy; the typed
         // layer copies only into memory of a token it holds by value, which lends no slice.
@@ -484,10 +521,16 @@ impl Backend for HostBackend {
     }
 
     fn pin(&self) -> Result<(), BackendError> {
+        self.state().pins += 1;
         Ok(())
     }
 
     fn unpin(&self) -> Result<(), BackendError> {
+        let mut s = self.state();
+        if s.pins == 0 {
+            return Err(BackendError::refused(Op::Unpin, 0, 0, Violation::NotPinned));
+        }
+        s.pins -= 1;
         Ok(())
     }
 }
@@ -515,7 +558,7 @@ impl Exportable<PosixFd> for HostBackend {
         rustix::fs::ftruncate(&fd, len as u64).map_err(fail)?;
         rustix::fs::fallocate(&fd, FallocateFlags::empty(), 0, len as u64).map_err(fail)?;
         rustix::fs::fcntl_add_seals(&fd, EXPORT_SEALS).map_err(fail)?;
-        let phys = Self::next_phys(&mut s, 0);
+        let phys = Self::next_phys(0);
         let file = HostFile {
             fd,
             offset: 0,
@@ -600,7 +643,7 @@ impl Exportable<PosixFd> for HostBackend {
             return Err(refuse(Violation::ImportTooSmall { offset, len, size }));
         }
         let fd = reopen_read_only(fd.as_fd()).map_err(|e| os_error(Op::Create, 0, len, e))?;
-        let phys = Self::next_phys(&mut s, offset);
+        let phys = Self::next_phys(offset);
         let file = HostFile {
             fd,
             offset,
@@ -714,6 +757,90 @@ mod tests {
         });
         assert!(matches!(e, ConfigError::Memfd { .. }), "{e}");
         assert!(std::error::Error::source(&e).is_some(), "{e:?}");
+    }
+
+    /// Whether any page of `[addr, addr + len)` is mapped (by anything): `msync` of one page
+    /// fails with `ENOMEM` where nothing is.
+    fn any_mapped(addr: Addr, len: usize) -> bool {
+        let page = rustix::param::page_size();
+        (addr..addr + len).step_by(page).any(|at| {
+            // SAFETY: an asynchronous `msync` only schedules write-back of what is mapped
+            // there; it changes no mapping and no byte.
+            unsafe { rustix::mm::msync(at as *mut _, page, rustix::mm::MsyncFlags::ASYNC) }.is_ok()
+        })
+    }
+
+    #[test]
+    fn a_reservation_never_lands_in_the_hole_of_a_poisoned_one() {
+        let host = HostBackend::with_defaults().unwrap();
+        // Large, so that the kernel finds few higher gaps to offer first; each request is half
+        // of it, so that it fits there even when the kernel aligns it to 2 MiB (THP).
+        let hole = 64 << 20;
+        let len = hole / 2;
+        let outer = host.reserve(3 * hole).unwrap();
+        let at = outer + hole;
+        {
+            // What a failed `MAP_FIXED` whose placeholder could not be put back leaves behind:
+            // a poisoned reservation with a hole in it, which the kernel may hand out again.
+            let mut s = host.state();
+            s.book.poison(at, hole);
+            // SAFETY: the middle of a reservation of this backend, which nothing references;
+            // it is poisoned, so the backend never touches it again.
+            unsafe { rustix::mm::munmap(at as *mut _, hole) }.unwrap();
+        }
+        assert!(!any_mapped(at, hole));
+        // The kernel places a new mapping in the highest gap that fits: sooner or later in
+        // the hole. What it offers there is kept as a plug and never handed out.
+        let mut reserved = Vec::new();
+        for _ in 0..64 {
+            match host.reserve(len) {
+                Ok(addr) => reserved.push(addr),
+                Err(e) => assert!(
+                    matches!(e.cause, Cause::Violation(Violation::Poisoned { .. })),
+                    "{e}"
+                ),
+            }
+            if any_mapped(at, hole) {
+                break;
+            }
+        }
+        assert!(any_mapped(at, hole), "the kernel never offered the hole");
+        for &addr in &reserved {
+            assert!(addr + len <= outer || outer + 3 * hole <= addr, "{addr:#x}");
+        }
+        for addr in reserved {
+            host.free(addr, len).unwrap();
+        }
+        let e = host.free(outer, 3 * hole).unwrap_err();
+        assert!(
+            matches!(e.cause, Cause::Violation(Violation::Poisoned { .. })),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_handle_of_another_host_backend_is_unknown_here() {
+        let (a, b) = (
+            HostBackend::with_defaults().unwrap(),
+            HostBackend::with_defaults().unwrap(),
+        );
+        let g = a.granularity();
+        let (pa, pb) = (a.create(g).unwrap(), b.create(g).unwrap());
+        let e = b.release(pa, g).unwrap_err();
+        assert_eq!(e.cause, Cause::Violation(Violation::UnknownPhys));
+        assert_eq!(b.physical_in_use(), g as u64);
+        a.release(pa, g).unwrap();
+        b.release(pb, g).unwrap();
+    }
+
+    #[test]
+    fn an_unpin_without_a_pin_is_refused() {
+        let host = HostBackend::with_defaults().unwrap();
+        let e = host.unpin().unwrap_err();
+        assert_eq!(e.cause, Cause::Violation(Violation::NotPinned));
+        host.pin().unwrap();
+        host.unpin().unwrap();
+        assert!(host.unpin().is_err());
     }
 
     #[test]

@@ -5,14 +5,18 @@
 //! records fences for stream-ordered release. It knows nothing about tokens, states, budgets or
 //! ledgers: those live above it, in [`Device`](crate::Device) and the token types.
 //!
-//! Every backend call is *safe* to make: a backend validates each address and handle against its
-//! own record of what it handed out, and refuses (with [`Cause::Violation`]) a call that breaks
-//! the VMM rules instead of touching memory it does not own. All `unsafe` system calls of the
-//! crate live behind this trait.
+//! Every backend call is *safe* to make, with any argument: a backend validates each address,
+//! length and handle against its own record of what it handed out, and refuses (with
+//! [`Cause::Violation`]) a call that breaks the VMM rules instead of touching memory it does not
+//! own — a handle it never created (another backend's included) or released, a zero, unaligned
+//! or huge length, a range whose end `addr + len` overflows. No such call panics or wraps
+//! around, in a debug build or a release one. All `unsafe` system calls of the crate live
+//! behind this trait.
 //!
 //! Backends shipped here:
 //! - [`HostBackend`]: real host VMM on Linux over `rustix` (`mmap`, a `memfd`, hole punching);
-//! - [`SimBackend`]: a pure-Rust strict model of the VMM rules that panics on any illegal call;
+//! - [`SimBackend`]: a pure-Rust strict model of the VMM rules that refuses any illegal call and
+//!   records it (or, made [`strict`](SimBackend::strict), panics at it);
 //! - [`Faulty`]: a wrapper around any backend that injects failures and counts what is outstanding;
 //! - [`cuda::CudaBackend`]: CUDA VMM over a thin driver seam — the real driver through `cudarc`
 //!   (feature `cuda`), or [`cuda::DriverModel`], a strict model of the driver's rules.
@@ -336,8 +340,11 @@ impl BackendError {
 ///
 /// Lengths and addresses are multiples of [`granularity`](Backend::granularity); the layer above
 /// rounds requests before it calls. Implementations validate every argument against what they
-/// handed out and return [`Cause::Violation`] (or, for the strict [`SimBackend`], panic) on a
-/// call that breaks the rules, so that no safe call can touch memory the backend does not own.
+/// handed out and return [`Cause::Violation`] on a call that breaks the rules (a
+/// [`SimBackend`] made [`strict`](SimBackend::strict) panics instead, for tests), so that no
+/// safe call can touch memory the backend does not own, whatever its arguments: no call panics
+/// or wraps around on an address, length or handle, however wrong (`tests/backend_input.rs`
+/// throws arbitrary ones at each backend).
 pub trait Backend {
     /// A handle on physical memory (a `memfd` range on the host, a `CUmemGenericAllocationHandle`
     /// on CUDA). Handles are never reused, so a stale one is always refused.
@@ -397,10 +404,11 @@ pub trait Backend {
     fn copy_into_phys(&self, phys: Self::Phys, src: Addr, len: usize) -> Result<(), BackendError>;
 
     /// Copies `dst.len()` bytes of mapped memory at `src` to the host (what a suspend saves).
-    /// Every byte must be mapped.
+    /// Every byte must be mapped. An empty `dst` copies nothing and succeeds, whatever `src`
+    /// (no system or driver call sees it).
     fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError>;
     /// Copies `src` from the host into memory at `dst` (what a resume restores). Every byte
-    /// must be mapped read-write.
+    /// must be mapped read-write. An empty `src` copies nothing and succeeds, whatever `dst`.
     fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError>;
 
     /// Records a fence after all work submitted so far. Infallible: a backend that cannot record
@@ -421,7 +429,8 @@ pub trait Backend {
 
     /// Pins the context for a new binding (`cuDevicePrimaryCtxRetain` on CUDA).
     fn pin(&self) -> Result<(), BackendError>;
-    /// Releases one pin taken by [`pin`](Backend::pin).
+    /// Releases one pin taken by [`pin`](Backend::pin); with no pin held, refused with
+    /// [`Violation::NotPinned`].
     fn unpin(&self) -> Result<(), BackendError>;
 
     /// Whether the context is confirmed lost (destroyed, or taken down by a sticky error):

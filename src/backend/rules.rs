@@ -1,7 +1,12 @@
 //! The VMM rules, as bookkeeping shared by every backend: what is reserved, what physical memory
-//! exists, what is mapped where. [`SimBackend`](super::SimBackend) panics on a violation; the
-//! real backends refuse the call with [`Cause::Violation`](super::Cause::Violation) before making
-//! any system call.
+//! exists, what is mapped where. Every backend refuses a call that breaks them with
+//! [`Cause::Violation`](super::Cause::Violation) before it makes any system or driver call
+//! ([`SimBackend`](super::SimBackend) also records it, and panics on it when strict).
+//!
+//! Every check takes arbitrary input: an address, a length or a handle the backend never handed
+//! out, a range whose end `addr + len` overflows, a zero or unaligned length. Each one is a
+//! [`Violation`], never a panic or a wrapped sum: a range's end is computed with `checked_add`
+//! before anything uses it.
 
 use super::{Access, Addr};
 use std::collections::{BTreeMap, HashMap};
@@ -210,28 +215,59 @@ impl<P: Copy + Eq + Hash> Book<P> {
         (end <= start + rlen).then_some((start, rlen))
     }
 
+    /// Mappings that start in `[addr, addr + len)` (the end saturates at the top of the
+    /// address space).
     fn mappings_in(&self, addr: Addr, len: usize) -> usize {
-        self.mappings.range(addr..addr + len).count()
+        self.mappings.range(addr..addr.saturating_add(len)).count()
     }
 
-    /// Refuses any call on a range inside a poisoned reservation.
+    /// The starts of the reservations that overlap `[addr, addr + len)` (the end saturates at
+    /// the top of the address space).
+    fn reservations_over(&self, addr: Addr, len: usize) -> impl Iterator<Item = Addr> + '_ {
+        let end = addr.saturating_add(len);
+        let first = self
+            .reservations
+            .range(..=addr)
+            .next_back()
+            .filter(|&(&s, &l)| s + l > addr)
+            .map(|(&s, _)| s);
+        let after = self.reservations.range(addr..end).map(|(&s, _)| s);
+        first.into_iter().chain(after.filter(move |&s| s != addr))
+    }
+
+    /// Whether `[addr, addr + len)` overlaps any live reservation.
+    pub(crate) fn overlaps_reservation(&self, addr: Addr, len: usize) -> bool {
+        self.reservations_over(addr, len).next().is_some()
+    }
+
+    /// Refuses any call on a range that touches a poisoned reservation, wherever in the range
+    /// (a range that starts in a sound reservation and runs on into a poisoned neighbour is
+    /// refused too).
     fn unpoisoned(&self, addr: Addr, len: usize) -> Result<(), Violation> {
-        let poisoned = self
+        if self.poisoned.is_empty() {
+            // The common case, and the hot path's: nothing to look up.
+            return Ok(());
+        }
+        let start_in_poisoned = self
             .reservations
             .range(..=addr)
             .next_back()
             .is_some_and(|(s, _)| self.poisoned.contains(s));
+        let poisoned = start_in_poisoned
+            || self
+                .reservations_over(addr, len.max(1))
+                .any(|s| self.poisoned.contains(&s));
         if poisoned {
             return Err(Violation::Poisoned { addr, len });
         }
         Ok(())
     }
 
-    /// Marks the reservation containing `addr` as poisoned: no call touches it again.
-    pub(crate) fn poison(&mut self, addr: Addr) {
-        if let Some((&start, _)) = self.reservations.range(..=addr).next_back() {
-            self.poisoned.insert(start);
-        }
+    /// Marks every reservation that overlaps `[addr, addr + len)` as poisoned: no call touches
+    /// any of them again, and their VA is never handed out again.
+    pub(crate) fn poison(&mut self, addr: Addr, len: usize) {
+        let hit: Vec<Addr> = self.reservations_over(addr, len.max(1)).collect();
+        self.poisoned.extend(hit);
     }
 
     /// Checks that `phys` is live (created, not released) and that `len` bytes from `offset`
@@ -253,14 +289,15 @@ impl<P: Copy + Eq + Hash> Book<P> {
         self.aligned("length", len, true)
     }
 
+    /// Records a new reservation. The backend checked [`overlaps_reservation`] first (the
+    /// host) or got the range from a system that never hands out VA twice (the simulator's own
+    /// [`lowest_gap`], the driver): an overlap here is a bug of the backend, not of its caller.
+    ///
+    /// [`overlaps_reservation`]: Self::overlaps_reservation
+    /// [`lowest_gap`]: Self::lowest_gap
     pub(crate) fn apply_reserve(&mut self, addr: Addr, len: usize) {
-        let overlaps = self
-            .reservations
-            .range(..addr + len)
-            .next_back()
-            .is_some_and(|(&s, &l)| s + l > addr);
         assert!(
-            !overlaps,
+            addr.checked_add(len).is_some() && !self.overlaps_reservation(addr, len),
             "VA [{addr:#x}, +{len:#x}) handed out twice: it overlaps a live reservation"
         );
         self.reservations.insert(addr, len);
@@ -362,7 +399,8 @@ impl<P: Copy + Eq + Hash> Book<P> {
     pub(crate) fn resolve(&self, addr: Addr) -> Option<(P, usize, usize, Access)> {
         let (&start, m) = self.mappings.range(..=addr).next_back()?;
         let into = addr - start;
-        (into < m.len).then_some((m.phys, into, m.len - into, m.access))
+        // `then`, not `then_some`: `m.len - into` is only computed once it cannot underflow.
+        (into < m.len).then(|| (m.phys, into, m.len - into, m.access))
     }
 
     /// Changes the recorded access of the mappings that exactly cover `[addr, addr + len)`.
@@ -480,16 +518,17 @@ impl<P: Copy + Eq + Hash> Book<P> {
         }
     }
 
-    /// The lowest gap of `len` bytes at or above `base`, granularity-aligned.
-    pub(crate) fn lowest_gap(&self, base: Addr, len: usize) -> Addr {
+    /// The lowest gap of `len` bytes at or above `base`, granularity-aligned; `None` if no gap
+    /// of `len` bytes is left below the top of the address space.
+    pub(crate) fn lowest_gap(&self, base: Addr, len: usize) -> Option<Addr> {
         let mut candidate = base;
         for (&start, &rlen) in self.reservations.range(base..) {
-            if start >= candidate + len {
+            if start >= candidate.checked_add(len)? {
                 break;
             }
             candidate = candidate.max(start + rlen);
         }
-        candidate
+        candidate.checked_add(len).map(|_| candidate)
     }
 
     pub(crate) fn reservations(&self) -> usize {
@@ -562,7 +601,7 @@ mod tests {
         book.apply_reserve(0x10000, 4 * G);
         book.apply_create(7, 2 * G);
         book.apply_map(0x10000, 2 * G, 7, Access::ReadWrite);
-        book.poison(0x10000 + G);
+        book.poison(0x10000 + G, G);
         let poisoned = |r: Result<(), Violation>| matches!(r, Err(Violation::Poisoned { .. }));
         assert!(poisoned(book.check_unmap(0x10000, 2 * G)));
         assert!(poisoned(book.check_map(0x10000 + 2 * G, G, 7, 0)));
@@ -570,6 +609,64 @@ mod tests {
         assert!(poisoned(book.check_copy(7, 0x10000, G)));
         let drained = book.drain_reservations();
         assert_eq!(drained, vec![(0x10000, 4 * G, true)]);
+    }
+
+    #[test]
+    fn a_range_that_runs_on_into_a_poisoned_neighbour_is_refused() {
+        let mut book: Book<u32> = Book::new(G, false);
+        // Two adjacent reservations, each with one mapping; the second one is poisoned.
+        book.apply_reserve(0x10000, G);
+        book.apply_reserve(0x10000 + G, G);
+        book.apply_create(1, G);
+        book.apply_create(2, G);
+        book.apply_map(0x10000, G, 1, Access::ReadWrite);
+        book.apply_map(0x10000 + G, G, 2, Access::ReadWrite);
+        assert_eq!(book.check_unmap(0x10000, 2 * G), Ok(()));
+        book.poison(0x10000 + G, G);
+        let poisoned = |r: Result<(), Violation>| matches!(r, Err(Violation::Poisoned { .. }));
+        assert!(poisoned(book.check_unmap(0x10000, 2 * G)));
+        assert!(poisoned(book.check_access(0x10000, 2 * G, false)));
+        assert!(poisoned(book.check_access(0x10000 + G - 1, 2, true)));
+        // The sound neighbour on its own is still served.
+        assert_eq!(book.check_unmap(0x10000, G), Ok(()));
+        assert_eq!(book.check_access(0x10000, G, true), Ok(()));
+    }
+
+    #[test]
+    fn a_range_whose_end_overflows_is_refused_by_every_check() {
+        let mut book: Book<u32> = Book::new(G, false);
+        // The highest granule a reservation can have: its end, 2^64 - G, still fits.
+        let top = usize::MAX - 2 * G + 1;
+        book.apply_reserve(top, G);
+        book.apply_create(1, G);
+        book.apply_create(2, G);
+        book.apply_map(top, G, 1, Access::ReadWrite);
+        for (addr, len) in [
+            (top, 2 * G),
+            (top, 3 * G),
+            (top, usize::MAX - G + 1),
+            (top, usize::MAX),
+            (top + G, G + 1),
+            (usize::MAX - G + 1, 2 * G),
+        ] {
+            let at = format!("{len:#x} bytes at {addr:#x}");
+            assert!(book.check_map(addr, len, 2, 0).is_err(), "{at}");
+            assert!(book.check_unmap(addr, len).is_err(), "{at}");
+            assert!(book.check_access(addr, len, false).is_err(), "{at}");
+            assert!(book.check_access(addr, len, true).is_err(), "{at}");
+            assert!(book.check_copy(2, addr, len).is_err(), "{at}");
+            assert!(book.check_free(addr, len).is_err(), "{at}");
+        }
+        assert!(book.overlaps_reservation(0, usize::MAX));
+        assert!(!book.overlaps_reservation(top + G, usize::MAX));
+        // Past `top` only the last granule is left, and its end, 2^64, does not fit.
+        assert_eq!(book.lowest_gap(top, G), None);
+        assert_eq!(book.lowest_gap(top - G, G), Some(top - G));
+        assert_eq!(book.lowest_gap(top - G, 2 * G), None);
+        assert_eq!(book.lowest_gap(0, usize::MAX), None);
+        assert_eq!(book.lowest_gap(0, top), Some(0));
+        assert_eq!(book.check_unmap(top, G), Ok(()));
+        assert_eq!(book.check_copy(2, top, G), Ok(()));
     }
 
     #[test]

@@ -1,11 +1,18 @@
 //! A simulated backend: a strict model of the VMM rules in pure Rust, with no system calls.
+//!
+//! An illegal call is refused with [`Cause::Violation`] (a call after the context is lost with
+//! [`Cause::ContextLost`]) and touches nothing, like on the real backends; the simulator also
+//! records it ([`SimBackend::violations`]), so a test can assert that none happened. A strict
+//! simulator ([`SimBackend::strict`], [`SimConfig::panic_on_violation`]) panics at the first
+//! one instead, for a backtrace at the fault.
 
 use super::rules::Book;
 use super::{
     Access, Addr, Backend, BackendError, Cause, ConfigError, Location, Op, Violation,
-    check_address_space, lock,
+    address_space_exhausted, check_address_space, lock,
 };
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Settings of a [`SimBackend`].
@@ -23,6 +30,11 @@ pub struct SimConfig {
     pub release_while_mapped: bool,
     /// Whether fences complete as soon as they are recorded. Default: true.
     pub fences_complete_at_once: bool,
+    /// Whether an illegal call panics, at the call, instead of being refused with an error
+    /// (it is recorded in [`SimBackend::violations`] either way). Default: false, like every
+    /// other backend; [`SimConfig::strict`] sets it, for tests that want a backtrace at the
+    /// first violation.
+    pub panic_on_violation: bool,
 }
 
 impl Default for SimConfig {
@@ -33,13 +45,42 @@ impl Default for SimConfig {
             physical_capacity: 16 << 30,
             release_while_mapped: false,
             fences_complete_at_once: true,
+            panic_on_violation: false,
         }
     }
 }
 
-/// A physical handle of the simulated backend: a serial number, never reused.
+impl SimConfig {
+    /// The default settings, strict: the first illegal call panics (see
+    /// [`panic_on_violation`](Self::panic_on_violation)).
+    ///
+    /// ```
+    /// use memtoken::backend::{SimBackend, SimConfig};
+    /// let sim = SimBackend::new(SimConfig {
+    ///     granularity: 4096,
+    ///     ..SimConfig::strict()
+    /// })
+    /// .unwrap();
+    /// # let _ = sim;
+    /// ```
+    pub fn strict() -> Self {
+        Self {
+            panic_on_violation: true,
+            ..Self::default()
+        }
+    }
+}
+
+/// A physical handle of the simulated backend: a serial number, never reused, and unique among
+/// every simulator of the process (so a handle of one simulator is refused by another).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SimPhys(u64);
+
+/// The next serial number of a [`SimPhys`], shared by every simulator of the process.
+fn next_phys() -> SimPhys {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    SimPhys(NEXT.fetch_add(1, Ordering::Relaxed))
+}
 
 /// One call the simulated backend received (see [`SimBackend::calls`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -55,27 +96,53 @@ pub struct SimCall {
 #[derive(Debug)]
 struct SimState {
     book: Book<SimPhys>,
-    next_phys: u64,
     phys_used: u64,
     fences_issued: u64,
     fences_done: u64,
     lost: bool,
     pins: u64,
     calls: Vec<SimCall>,
+    /// Every call refused for breaking a rule or coming after the context loss, as refused.
+    violations: Vec<BackendError>,
     /// The bytes of physical memory written so far (through copies; memory never written
     /// reads as zeros), so that what a suspend saves and a resume restores can be checked.
     contents: HashMap<SimPhys, Vec<u8>>,
 }
 
 /// A strict, deterministic model of CUDA-style VMM: it hands out addresses (lowest free range
-/// first, so freed VA is reused at once), tracks physical memory and mappings, and **panics** on
-/// any illegal call sequence: a map over a mapping, an unmap of something not mapped, a free of a
-/// range with mappings under it, a release of physical memory still mapped (unless configured
-/// like CUDA), a size or address that is not a multiple of the granularity, an unpin without a
-/// pin, any call after the context is lost.
+/// first, so freed VA is reused at once), tracks physical memory and mappings, and **refuses**
+/// any illegal call sequence with [`Cause::Violation`], touching nothing: a map over a mapping,
+/// an unmap of something not mapped, a free of a range with mappings under it, a release of
+/// physical memory still mapped (unless configured like CUDA), a size or address that is not a
+/// multiple of the granularity, a range whose end overflows, a handle it never created (or
+/// another simulator's, or one released), an unpin without a pin. Any VMM call (all but the
+/// fence calls) after the context is lost is refused with [`Cause::ContextLost`].
+///
+/// Each refused call is recorded ([`violations`](Self::violations)): a test that means to make
+/// only legal calls asserts that none is recorded, or uses a strict simulator
+/// ([`SimBackend::strict`], [`SimConfig::strict`]), which panics at the first one — the
+/// backtrace then points at the faulty call.
+///
+/// ```
+/// use memtoken::backend::{Backend, Cause, SimBackend, Violation};
+/// let sim = SimBackend::default();
+/// let g = sim.granularity();
+/// let addr = sim.reserve(g).unwrap();
+/// let e = sim.unmap(addr, g).unwrap_err(); // nothing is mapped there
+/// assert!(matches!(e.cause, Cause::Violation(Violation::NotMapped { .. })));
+/// assert_eq!(sim.violations(), vec![e]);
+/// sim.free(addr, g).unwrap();
+/// ```
+///
+/// ```should_panic
+/// use memtoken::backend::{Backend, SimBackend};
+/// let sim = SimBackend::strict();
+/// let _ = sim.free(0x1000, 4096); // panics: "SimBackend: illegal Free: ..."
+/// ```
 ///
 /// Cloning gives another handle on the same simulated device, to inspect or steer it (fences,
-/// context loss, the call log) while a [`Device`](crate::Device) owns the backend.
+/// context loss, the call log, the violations) while a [`Device`](crate::Device) owns the
+/// backend.
 #[derive(Clone, Debug)]
 pub struct SimBackend {
     config: Arc<SimConfig>,
@@ -99,13 +166,13 @@ impl SimBackend {
         ConfigError::check_positive("physical capacity", config.physical_capacity)?;
         let state = SimState {
             book: Book::new(config.granularity, config.release_while_mapped),
-            next_phys: 1,
             phys_used: 0,
             fences_issued: 0,
             fences_done: 0,
             lost: false,
             pins: 0,
             calls: Vec::new(),
+            violations: Vec::new(),
             contents: HashMap::new(),
         };
         Ok(Self {
@@ -114,19 +181,57 @@ impl SimBackend {
         })
     }
 
+    /// A simulated device with the default settings that panics at the first illegal call
+    /// ([`SimConfig::strict`]).
+    pub fn strict() -> Self {
+        Self::new(SimConfig::strict()).expect("the default settings are valid")
+    }
+
     fn state(&self) -> MutexGuard<'_, SimState> {
         lock(&self.state)
     }
 
-    /// Locks the state for a call, logs it, and panics if the context is lost.
-    fn call(&self, op: Op, addr: Addr, len: usize) -> MutexGuard<'_, SimState> {
+    /// Locks the state for a call and logs it; refuses it if the context is lost.
+    fn call(
+        &self,
+        op: Op,
+        addr: Addr,
+        len: usize,
+    ) -> Result<MutexGuard<'_, SimState>, BackendError> {
         let mut s = self.state();
-        assert!(
-            !s.lost,
-            "SimBackend: {op:?} called after the context is lost"
-        );
         s.calls.push(SimCall { op, addr, len });
-        s
+        if s.lost {
+            let error = BackendError::new(op, addr, len, Cause::ContextLost);
+            return Err(self.refuse(s, error));
+        }
+        Ok(s)
+    }
+
+    /// Refuses an illegal call: records `error`, lets go of the state, and panics if strict.
+    fn refuse(&self, mut s: MutexGuard<'_, SimState>, error: BackendError) -> BackendError {
+        s.violations.push(error.clone());
+        drop(s); // a strict panic leaves the state unlocked and sound
+        if self.config.panic_on_violation {
+            let op = error.op;
+            match &error.cause {
+                Cause::Violation(v) => panic!("SimBackend: illegal {op:?}: {v}"),
+                _ => panic!("SimBackend: {op:?} called after the context is lost"),
+            }
+        }
+        error
+    }
+
+    /// Refuses the call if `check` found a violation.
+    fn checked<'a>(
+        &self,
+        s: MutexGuard<'a, SimState>,
+        (op, addr, len): (Op, Addr, usize),
+        check: impl FnOnce(&SimState) -> Result<(), Violation>,
+    ) -> Result<MutexGuard<'a, SimState>, BackendError> {
+        match check(&s) {
+            Ok(()) => Ok(s),
+            Err(v) => Err(self.refuse(s, BackendError::refused(op, addr, len, v))),
+        }
     }
 
     /// Reads the mapped bytes at `src` into `dst` (checked mapped by the caller).
@@ -150,20 +255,35 @@ impl SimBackend {
         s.fences_done = s.fences_issued;
     }
 
-    /// Loses the context (as a sticky error would): from now on any VMM call panics, and
-    /// [`Backend::context_lost`] is true.
+    /// Loses the context (as a sticky error would): from now on every VMM call is refused
+    /// with [`Cause::ContextLost`] (and recorded as a violation: nothing may call a lost
+    /// context), and [`Backend::context_lost`] is true.
     pub fn lose_context(&self) {
         self.state().lost = true;
     }
 
-    /// Every call received so far, in order.
+    /// Every call received so far, in order, refused ones included.
     pub fn calls(&self) -> Vec<SimCall> {
         self.state().calls.clone()
+    }
+
+    /// Every call refused so far, in order, as the error it returned: its cause is a
+    /// [`Cause::Violation`] (it broke a VMM rule) or [`Cause::ContextLost`] (it came after
+    /// [`lose_context`](Self::lose_context)). Empty as long as every call was legal; a call
+    /// that failed for want of resources ([`Cause::Exhausted`], [`Cause::AddressSpace`]) is no
+    /// violation and is not recorded.
+    pub fn violations(&self) -> Vec<BackendError> {
+        self.state().violations.clone()
     }
 
     /// Live reservations.
     pub fn reservations(&self) -> usize {
         self.state().book.reservations()
+    }
+
+    /// Live mappings.
+    pub fn mappings(&self) -> usize {
+        self.state().book.mappings()
     }
 
     /// Physical bytes currently created.
@@ -178,13 +298,11 @@ impl SimBackend {
 }
 
 impl Default for SimBackend {
+    /// The default settings ([`SimConfig::default`]): illegal calls are refused and recorded,
+    /// not panicked on.
     fn default() -> Self {
         Self::new(SimConfig::default()).expect("the default settings are valid")
     }
-}
-
-fn illegal(op: Op, v: impl std::fmt::Display) -> ! {
-    panic!("SimBackend: illegal {op:?}: {v}")
 }
 
 impl Backend for SimBackend {
@@ -208,30 +326,31 @@ impl Backend for SimBackend {
     }
 
     fn reserve(&self, len: usize) -> Result<Addr, BackendError> {
-        let mut s = self.call(Op::Reserve, 0, len);
-        s.book
-            .check_reserve(len)
-            .unwrap_or_else(|v| illegal(Op::Reserve, v));
+        let call = (Op::Reserve, 0, len);
+        let s = self.call(Op::Reserve, 0, len)?;
+        let mut s = self.checked(s, call, |s| s.book.check_reserve(len))?;
         check_address_space(len, self.config.address_space)?;
-        let addr = s.book.lowest_gap(VA_BASE, len);
+        let space = self.config.address_space;
+        let addr = s
+            .book
+            .lowest_gap(VA_BASE, len)
+            .ok_or_else(|| address_space_exhausted(len, space))?;
         s.book.apply_reserve(addr, len);
         Ok(addr)
     }
 
     fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
-        let mut s = self.call(Op::Free, addr, len);
-        s.book
-            .check_free(addr, len)
-            .unwrap_or_else(|v| illegal(Op::Free, v));
+        let call = (Op::Free, addr, len);
+        let s = self.call(Op::Free, addr, len)?;
+        let mut s = self.checked(s, call, |s| s.book.check_free(addr, len))?;
         s.book.apply_free(addr);
         Ok(())
     }
 
     fn create(&self, len: usize) -> Result<SimPhys, BackendError> {
-        let mut s = self.call(Op::Create, 0, len);
-        s.book
-            .check_create(len)
-            .unwrap_or_else(|v| illegal(Op::Create, v));
+        let call = (Op::Create, 0, len);
+        let s = self.call(Op::Create, 0, len)?;
+        let mut s = self.checked(s, call, |s| s.book.check_create(len))?;
         let capacity = self.config.physical_capacity;
         let available = capacity - s.phys_used;
         if len as u64 > available {
@@ -242,18 +361,16 @@ impl Backend for SimBackend {
             };
             return Err(BackendError::new(Op::Create, 0, len, cause));
         }
-        let phys = SimPhys(s.next_phys);
-        s.next_phys += 1;
+        let phys = next_phys();
         s.phys_used += len as u64;
         s.book.apply_create(phys, len);
         Ok(phys)
     }
 
     fn release(&self, phys: SimPhys, len: usize) -> Result<(), BackendError> {
-        let mut s = self.call(Op::Release, 0, len);
-        s.book
-            .check_release(phys, len)
-            .unwrap_or_else(|v| illegal(Op::Release, v));
+        let call = (Op::Release, 0, len);
+        let s = self.call(Op::Release, 0, len)?;
+        let mut s = self.checked(s, call, |s| s.book.check_release(phys, len))?;
         let mapped = s.book.is_mapped(phys);
         s.book.apply_release(phys);
         s.phys_used -= len as u64;
@@ -270,19 +387,17 @@ impl Backend for SimBackend {
         phys: SimPhys,
         access: Access,
     ) -> Result<(), BackendError> {
-        let mut s = self.call(Op::Map, addr, len);
-        s.book
-            .check_map(addr, len, phys, 0)
-            .unwrap_or_else(|v| illegal(Op::Map, v));
+        let call = (Op::Map, addr, len);
+        let s = self.call(Op::Map, addr, len)?;
+        let mut s = self.checked(s, call, |s| s.book.check_map(addr, len, phys, 0))?;
         s.book.apply_map(addr, len, phys, access);
         Ok(())
     }
 
     fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
-        let mut s = self.call(Op::Unmap, addr, len);
-        s.book
-            .check_unmap(addr, len)
-            .unwrap_or_else(|v| illegal(Op::Unmap, v));
+        let call = (Op::Unmap, addr, len);
+        let s = self.call(Op::Unmap, addr, len)?;
+        let mut s = self.checked(s, call, |s| s.book.check_unmap(addr, len))?;
         for (phys, _) in s.book.handles_in(addr, len) {
             s.contents.remove(&phys);
         }
@@ -291,10 +406,9 @@ impl Backend for SimBackend {
     }
 
     fn copy_into_phys(&self, phys: SimPhys, src: Addr, len: usize) -> Result<(), BackendError> {
-        let mut s = self.call(Op::Copy, src, len);
-        s.book
-            .check_copy(phys, src, len)
-            .unwrap_or_else(|v| illegal(Op::Copy, v));
+        let call = (Op::Copy, src, len);
+        let s = self.call(Op::Copy, src, len)?;
+        let mut s = self.checked(s, call, |s| s.book.check_copy(phys, src, len))?;
         let mut bytes = vec![0; len];
         Self::read(&s, &mut bytes, src);
         s.contents.insert(phys, bytes);
@@ -302,19 +416,17 @@ impl Backend for SimBackend {
     }
 
     fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError> {
-        let s = self.call(Op::Copy, src, dst.len());
-        s.book
-            .check_access(src, dst.len(), false)
-            .unwrap_or_else(|v| illegal(Op::Copy, v));
+        let call = (Op::Copy, src, dst.len());
+        let s = self.call(Op::Copy, src, dst.len())?;
+        let s = self.checked(s, call, |s| s.book.check_access(src, dst.len(), false))?;
         Self::read(&s, dst, src);
         Ok(())
     }
 
     fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
-        let mut s = self.call(Op::Copy, dst, src.len());
-        s.book
-            .check_access(dst, src.len(), true)
-            .unwrap_or_else(|v| illegal(Op::Copy, v));
+        let call = (Op::Copy, dst, src.len());
+        let s = self.call(Op::Copy, dst, src.len())?;
+        let mut s = self.checked(s, call, |s| s.book.check_access(dst, src.len(), true))?;
         let mut at = 0;
         while at < src.len() {
             let (phys, into, run, _) = s.book.resolve(dst + at).expect("checked");
@@ -341,15 +453,17 @@ impl Backend for SimBackend {
     }
 
     fn pin(&self) -> Result<(), BackendError> {
-        self.call(Op::Pin, 0, 0).pins += 1;
+        self.call(Op::Pin, 0, 0)?.pins += 1;
         Ok(())
     }
 
     fn unpin(&self) -> Result<(), BackendError> {
-        let mut s = self.call(Op::Unpin, 0, 0);
-        if s.pins == 0 {
-            illegal(Op::Unpin, Violation::NotPinned);
-        }
+        let s = self.call(Op::Unpin, 0, 0)?;
+        let check = |s: &SimState| match s.pins {
+            0 => Err(Violation::NotPinned),
+            _ => Ok(()),
+        };
+        let mut s = self.checked(s, (Op::Unpin, 0, 0), check)?;
         s.pins -= 1;
         Ok(())
     }
@@ -420,7 +534,7 @@ mod tests {
     fn a_reservation_past_the_address_space_is_exhausted_not_illegal() {
         let sim = SimBackend::new(SimConfig {
             address_space: 4 << 20,
-            ..SimConfig::default()
+            ..SimConfig::strict()
         })
         .unwrap();
         let e = sim.reserve(6 << 20).unwrap_err();
@@ -428,5 +542,105 @@ mod tests {
         assert_eq!(sim.reservations(), 0);
         let addr = sim.reserve(4 << 20).unwrap();
         sim.free(addr, 4 << 20).unwrap();
+    }
+
+    #[test]
+    fn a_reservation_whose_end_would_pass_the_top_of_the_address_space_is_exhausted() {
+        let g = 4096;
+        let sim = SimBackend::new(SimConfig {
+            granularity: g,
+            address_space: usize::MAX & !(g - 1),
+            ..SimConfig::strict()
+        })
+        .unwrap();
+        let len = usize::MAX - VA_BASE + 1; // VA_BASE + len is 2^64
+        let e = sim.reserve(len).unwrap_err();
+        assert!(matches!(e.cause, Cause::AddressSpace { requested, .. } if requested == len));
+        assert_eq!((sim.reservations(), sim.violations().len()), (0, 0));
+    }
+
+    #[test]
+    fn an_illegal_call_is_refused_recorded_and_changes_nothing() {
+        let sim = SimBackend::default();
+        let g = sim.granularity();
+        let addr = sim.reserve(2 * g).unwrap();
+        let phys = sim.create(g).unwrap();
+        sim.map(addr, g, phys, Access::ReadWrite).unwrap();
+        sim.copy_from_host(addr, &[7; 16]).unwrap();
+        let refused = [
+            sim.map(addr, g, phys, Access::ReadWrite).unwrap_err(), // already mapped
+            sim.free(addr, 2 * g).unwrap_err(),                     // still mapped
+            sim.release(phys, g).unwrap_err(),                      // still mapped
+            sim.unmap(addr + g, g).unwrap_err(),                    // not mapped
+            sim.unmap(usize::MAX - g + 1, 2 * g).unwrap_err(),      // end overflows
+            sim.copy_from_host(addr + g, &[1]).unwrap_err(),        // not mapped
+            sim.unpin().unwrap_err(),                               // no pin
+        ];
+        assert!(
+            refused
+                .iter()
+                .all(|e| matches!(e.cause, Cause::Violation(_)))
+        );
+        assert_eq!(sim.violations(), refused.to_vec());
+        let mut bytes = [0; 16];
+        sim.copy_to_host(&mut bytes, addr).unwrap();
+        assert_eq!(bytes, [7; 16]);
+        assert_eq!((sim.reservations(), sim.mappings()), (1, 1));
+        assert_eq!(sim.physical_in_use(), g as u64);
+        sim.unmap(addr, g).unwrap();
+        sim.release(phys, g).unwrap();
+        sim.free(addr, 2 * g).unwrap();
+        assert_eq!(sim.violations().len(), refused.len());
+    }
+
+    #[test]
+    fn a_handle_of_another_simulator_is_unknown_here() {
+        let (a, b) = (SimBackend::strict(), SimBackend::default());
+        let g = a.granularity();
+        let (pa, pb) = (a.create(g).unwrap(), b.create(g).unwrap());
+        let e = b.release(pa, g).unwrap_err();
+        assert_eq!(e.cause, Cause::Violation(Violation::UnknownPhys));
+        assert_eq!(b.physical_in_use(), g as u64);
+        a.release(pa, g).unwrap();
+        b.release(pb, g).unwrap();
+    }
+
+    #[test]
+    fn a_call_after_the_context_is_lost_is_refused_and_recorded() {
+        let sim = SimBackend::default();
+        let g = sim.granularity();
+        sim.lose_context();
+        let e = sim.reserve(g).unwrap_err();
+        assert_eq!(e, BackendError::new(Op::Reserve, 0, g, Cause::ContextLost));
+        assert_eq!(sim.violations(), vec![e]);
+        assert_eq!(sim.reservations(), 0);
+    }
+
+    #[test]
+    #[should_panic(
+        expected = "SimBackend: illegal Free: [0x1000, +0x1000) is not (inside) a reservation"
+    )]
+    fn a_strict_simulator_panics_at_the_first_violation() {
+        let _ = SimBackend::strict().free(0x1000, 0x1000);
+    }
+
+    #[test]
+    #[should_panic(expected = "SimBackend: Pin called after the context is lost")]
+    fn a_strict_simulator_panics_at_a_call_after_the_loss() {
+        let sim = SimBackend::strict();
+        sim.lose_context();
+        let _ = sim.pin();
+    }
+
+    #[test]
+    fn a_strict_panic_leaves_the_simulator_usable() {
+        let sim = SimBackend::strict();
+        let probe = sim.clone();
+        let panicked = std::thread::spawn(move || probe.unpin()).join();
+        assert!(panicked.is_err());
+        assert_eq!(sim.violations().len(), 1);
+        let g = sim.granularity();
+        let addr = sim.reserve(g).unwrap();
+        sim.free(addr, g).unwrap();
     }
 }

@@ -465,8 +465,24 @@ impl<'b, 'id, B: Exportable<K>, K: HandleKind> Allocation<'b, 'id, B, Owner<K>> 
     /// # Errors
     ///
     /// The backend's, if a handle cannot be made (nothing is left exported).
+    ///
+    /// The export borrows the binding like any token, so the binding cannot be dropped while
+    /// the export is outstanding:
+    ///
+    /// ```compile_fail,E0505
+    /// use memtoken::backend::{HostBackend, PosixFd};
+    /// use memtoken::{make_guard, Budget, Device};
+    /// make_guard!(guard);
+    /// let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    /// let binding = device.bind(Budget::unlimited()).unwrap();
+    /// let prefix = binding.reserve(4096).unwrap().commit_prefix_exportable::<PosixFd>().unwrap();
+    /// let export = prefix.export().unwrap();
+    /// drop(prefix);
+    /// drop(binding);
+    /// drop(export);
+    /// ```
     pub fn export(&self) -> Result<Export<'b, 'id, B, K>, BackendError> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let binding = self.binding();
             let device = binding.device();
             device.ensure_live(Op::Create, 0, self.len())?;
@@ -525,7 +541,7 @@ impl<B: Exportable<K>, K: HandleKind> Export<'_, '_, B, K> {
 
 impl<B: Exportable<K>, K: HandleKind> Drop for Export<'_, '_, B, K> {
     fn drop(&mut self) {
-        let _scope = Scope::enter();
+        let _scope = Scope::open::<B>();
         let device = self.binding.device();
         // SAFETY: taken once, here, and never used again.
         let shared = unsafe { ManuallyDrop::take(&mut self.shared) };
@@ -545,7 +561,7 @@ impl<'b, 'id, B: Exportable<PosixFd>> Binding<'b, 'id, B> {
     /// refuses a handle (a descriptor shorter than it claims, one it cannot trust) or its
     /// mapping. Whatever was done is undone; what cannot be is quarantined in the device.
     pub fn import(&'b self, offer: Offer) -> Result<ImportedPrefix<'b, 'id, B>, ImportError> {
-        Scope::run(move || {
+        Scope::run::<B, _>(move || {
             let device = self.device();
             let (message, fds) = (offer.message, offer.fds);
             let g = device.granularity();

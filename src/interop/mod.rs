@@ -53,7 +53,7 @@ impl<D: Driver, S: Readable> Allocation<'_, '_, CudaBackend<D>, S> {
     ///
     /// If the range does not fit in the token.
     pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
-        Scope::run(move || {
+        Scope::run::<CudaBackend<D>, _>(move || {
             let at = within(self.addr(), self.len(), offset, dst.len());
             self.binding().device().backend().copy_to_host(dst, at)
         })
@@ -83,7 +83,7 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Committed> {
     ///
     /// If the range does not fit in the allocation.
     pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<(), BackendError> {
-        Scope::run(move || {
+        Scope::run::<CudaBackend<D>, _>(move || {
             let at = within(self.addr(), self.len(), offset, src.len());
             self.binding().device().backend().copy_from_host(at, src)
         })
@@ -103,7 +103,7 @@ impl<D: Driver, K: Capability> Allocation<'_, '_, CudaBackend<D>, Owner<K>> {
         offset: usize,
         src: &[u8],
     ) -> Option<Result<(), BackendError>> {
-        Scope::run(move || {
+        Scope::run::<CudaBackend<D>, _>(move || {
             if !self.parts_mut().is_unique() {
                 return None;
             }
@@ -132,7 +132,7 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Elastic> {
     ///
     /// If the range does not fit in the committed part.
     pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
-        Scope::run(move || {
+        Scope::run::<CudaBackend<D>, _>(move || {
             let at = within(self.addr(), self.committed_len(), offset, dst.len());
             self.binding().device().backend().copy_to_host(dst, at)
         })
@@ -148,7 +148,7 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Elastic> {
     ///
     /// If the range does not fit in the committed part.
     pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<(), BackendError> {
-        Scope::run(move || {
+        Scope::run::<CudaBackend<D>, _>(move || {
             let at = within(self.addr(), self.committed_len(), offset, src.len());
             self.binding().device().backend().copy_from_host(at, src)
         })
@@ -166,7 +166,7 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Diverged> {
     ///
     /// If the range does not fit in the granule.
     pub fn copy_to_boundary(&mut self, offset: usize, src: &[u8]) -> Result<(), BackendError> {
-        Scope::run(move || {
+        Scope::run::<CudaBackend<D>, _>(move || {
             let boundary = self.boundary_offset();
             let at = within(
                 self.addr() + boundary,
@@ -195,7 +195,7 @@ impl<D: Driver> PageTable<'_, '_, '_, '_, CudaBackend<D>> {
         offset: usize,
         src: &[u8],
     ) -> Result<(), BackendError> {
-        Scope::run(move || {
+        Scope::run::<CudaBackend<D>, _>(move || {
             let at = within(self.addr(position), self.page_size(), offset, src.len());
             self.backend().copy_from_host(at, src)
         })
@@ -216,7 +216,7 @@ impl<D: Driver> PageTable<'_, '_, '_, '_, CudaBackend<D>> {
         offset: usize,
         dst: &mut [u8],
     ) -> Result<(), BackendError> {
-        Scope::run(move || {
+        Scope::run::<CudaBackend<D>, _>(move || {
             let at = within(self.addr(position), self.page_size(), offset, dst.len());
             self.backend().copy_to_host(dst, at)
         })

@@ -680,9 +680,24 @@ impl<D: Driver> CudaBackend<D> {
         waited
     }
 
-    /// Refuses a call on a range a copy is using.
+    /// `[addr, addr + len)` as driver pointers, or `refusal` if its end overflows: the first
+    /// check of every call that takes a range, before anything adds `len` to `addr`.
+    fn span(
+        op: Op,
+        addr: Addr,
+        len: usize,
+        refusal: Violation,
+    ) -> Result<(u64, u64), BackendError> {
+        match addr.checked_add(len) {
+            Some(end) => Ok((addr as u64, end as u64)),
+            None => Err(BackendError::refused(op, addr, len, refusal)),
+        }
+    }
+
+    /// Refuses a call on a range a copy is using. The range's end does not overflow (checked
+    /// by [`span`](Self::span) first).
     fn check_not_busy(s: &CudaState, op: Op, addr: Addr, len: usize) -> Result<(), BackendError> {
-        let (start, end) = (addr as u64, (addr + len) as u64);
+        let (start, end) = (addr as u64, addr.saturating_add(len) as u64);
         if s.busy
             .iter()
             .any(|&(_, p, n)| p < end && start < p + n as u64)
@@ -697,9 +712,10 @@ impl<D: Driver> CudaBackend<D> {
         Ok(())
     }
 
-    /// Whether any listed range overlaps `[addr, addr + len)`.
+    /// Whether any listed range overlaps `[addr, addr + len)` (its end saturating at the top of
+    /// the address space).
     fn overlaps(ranges: &[(u64, usize)], addr: Addr, len: usize) -> bool {
-        let (start, end) = (addr as u64, (addr + len) as u64);
+        let (start, end) = (addr as u64, addr.saturating_add(len) as u64);
         ranges.iter().any(|&(p, n)| p < end && start < p + n as u64)
     }
 
@@ -951,9 +967,9 @@ impl<D: Driver> Backend for CudaBackend<D> {
     }
 
     fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+        let (start, end) = Self::span(Op::Free, addr, len, Violation::NotReserved { addr, len })?;
         let mut s = self.enter(Op::Free, addr, len)?;
         Self::check_not_busy(&s, Op::Free, addr, len)?;
-        let (start, end) = (addr as u64, (addr + len) as u64);
         if Self::overlaps(&s.scratch, addr, len) {
             // The backend's own scratch range: not the caller's to free.
             let v = Violation::NotReserved { addr, len };
@@ -1013,15 +1029,16 @@ impl<D: Driver> Backend for CudaBackend<D> {
         phys: CudaPhys,
         access: Access,
     ) -> Result<(), BackendError> {
+        let (ptr, end) = Self::span(Op::Map, addr, len, Violation::NotReserved { addr, len })?;
         let mut s = self.enter(Op::Map, addr, len)?;
         Self::check_not_busy(&s, Op::Map, addr, len)?;
-        let (ptr, fail) = (addr as u64, |e| self.fail(Op::Map, addr, len, e));
+        let fail = |e| self.fail(Op::Map, addr, len, e);
         if Self::overlaps(&s.scratch, addr, len) {
             // The backend's own scratch range, waiting to be freed: not the caller's to map.
             let v = Violation::NotReserved { addr, len };
             return Err(BackendError::refused(Op::Map, addr, len, v));
         }
-        self.unstick(&mut s, ptr, ptr + len as u64).map_err(fail)?;
+        self.unstick(&mut s, ptr, end).map_err(fail)?;
         s.book
             .check_map(addr, len, phys, 0)
             .map_err(|v| BackendError::refused(Op::Map, addr, len, v))?;
@@ -1065,6 +1082,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
     }
 
     fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+        let (start, end) = Self::span(Op::Unmap, addr, len, Violation::NotMapped { addr, len })?;
         let mut s = self.enter(Op::Unmap, addr, len)?;
         Self::check_not_busy(&s, Op::Unmap, addr, len)?;
         s.book
@@ -1075,7 +1093,6 @@ impl<D: Driver> Backend for CudaBackend<D> {
         unsafe { self.driver.mem_unmap(addr as u64, len) }
             .map_err(|e| self.fail(Op::Unmap, addr, len, e))?;
         s.book.apply_unmap(addr, len);
-        let (start, end) = (addr as u64, (addr + len) as u64);
         s.stuck.retain(|&(p, _)| !(start <= p && p < end));
         Ok(())
     }
@@ -1199,6 +1216,9 @@ impl<D: Driver> Backend for CudaBackend<D> {
         let len = src.len();
         let fail = |e| self.fail(Op::Copy, dst, len, e);
         let busy = self.hold(dst, len, true)?;
+        if len == 0 {
+            return Ok(()); // nothing to copy: no driver call with an address that may be none
+        }
         // SAFETY: `hold` proved every byte of the destination mapped read-write with access in
         // the record, and keeps the range from being unmapped, freed or mapped over until
         // `busy` is released, once the copy has landed (below).
@@ -1219,6 +1239,9 @@ impl<D: Driver> Backend for CudaBackend<D> {
     fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError> {
         let len = dst.len();
         let _busy = self.hold(src, len, false)?;
+        if len == 0 {
+            return Ok(()); // nothing to copy: no driver call with an address that may be none
+        }
         // SAFETY: `hold` proved every byte of the source mapped with access in the record, and
         // keeps the range from being unmapped, freed or mapped over until `_busy` is dropped,
         // after the (synchronous) copy.
@@ -1515,6 +1538,54 @@ mod tests {
         let e = backend.reserve(len).unwrap_err();
         assert!(matches!(e.cause, Cause::AddressSpace { .. }), "{e}");
         assert_eq!(model.count(DriverCall::MemAddressReserve), 0);
+    }
+
+    #[test]
+    fn a_range_whose_end_overflows_is_refused_before_the_driver() {
+        let model = DriverModel::default();
+        let backend = open(&model);
+        let g = backend.granularity();
+        let phys = backend.create(g).unwrap();
+        let top = usize::MAX - g + 1;
+        let refused = [
+            backend.free(top, 2 * g).unwrap_err(),
+            backend
+                .map(top, 2 * g, phys, Access::ReadWrite)
+                .unwrap_err(),
+            backend.unmap(top, 2 * g).unwrap_err(),
+            backend.unmap(g, usize::MAX).unwrap_err(),
+            backend.copy_into_phys(phys, top, 2 * g).unwrap_err(),
+            backend.copy_from_host(usize::MAX, &[1, 2]).unwrap_err(),
+            backend.copy_to_host(&mut [0; 2], usize::MAX).unwrap_err(),
+        ];
+        for e in &refused {
+            assert!(matches!(e.cause, Cause::Violation(_)), "{e}");
+        }
+        for call in [
+            DriverCall::MemAddressFree,
+            DriverCall::MemMap,
+            DriverCall::MemUnmap,
+            DriverCall::MemcpyHtoD,
+            DriverCall::MemcpyDtoH,
+            DriverCall::MemcpyDtoD,
+        ] {
+            assert_eq!(model.count(call), 0, "{call:?}");
+        }
+        // An empty copy copies nothing, wherever: no driver call sees its address.
+        backend.copy_from_host(0, &[]).unwrap();
+        backend.copy_to_host(&mut [], usize::MAX).unwrap();
+        assert_eq!(model.count(DriverCall::MemcpyHtoD), 0);
+        backend.release(phys, g).unwrap();
+    }
+
+    #[test]
+    fn a_create_past_the_device_memory_is_out_of_memory() {
+        let model = DriverModel::default();
+        let backend = open(&model);
+        let g = backend.granularity();
+        let e = backend.create(usize::MAX & !(g - 1)).unwrap_err();
+        assert!(matches!(e.cause, Cause::Driver { .. }), "{e}");
+        assert_eq!(model.outstanding().physical_bytes, 0);
     }
 
     #[test]

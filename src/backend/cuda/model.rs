@@ -823,7 +823,11 @@ impl DriverModel {
         s.refused_by_capture()?;
         // Memory whose last exported descriptor was closed meanwhile is gone by now.
         s.reap_shareables();
-        if s.used + size > self.config.total_mem {
+        // A size past the device's memory is out of memory, however large: not misuse.
+        if s.used
+            .checked_add(size)
+            .is_none_or(|n| n > self.config.total_mem)
+        {
             return Err(CuError::OUT_OF_MEMORY);
         }
         if handle_types & !(HANDLE_TYPE_POSIX_FD | HANDLE_TYPE_FABRIC) != 0 {

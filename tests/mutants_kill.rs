@@ -3,7 +3,9 @@
 //! comment. `.cargo/mutants-survivors.md` lists the mutants that survive everything, with why
 //! each cannot change behaviour.
 
-use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel, ModelConfig};
+use memtoken::backend::cuda::{
+    CuError, CudaBackend, Driver, DriverCall, DriverModel, ModelConfig, Placement,
+};
 use memtoken::backend::{
     Backend, Cause, Exportable, Faulty, HostBackend, HostConfig, Op, PosixFd, Shareable,
     SimBackend, SimConfig, Violation,
@@ -260,4 +262,61 @@ fn an_export_debugs_as_its_message_and_handles() {
     assert!(debug.contains("handles: ["), "{debug}");
     drop(export);
     prefix.release().complete().unwrap();
+}
+
+/// A model with `config`, initialized, with its context retained and current.
+fn opened(config: ModelConfig) -> DriverModel {
+    let model = DriverModel::new(config).unwrap();
+    model.init().unwrap();
+    let ctx = model.primary_ctx_retain(0).unwrap();
+    // SAFETY: `ctx` was just retained from this model.
+    unsafe { model.ctx_set_current(ctx) }.unwrap();
+    model
+}
+
+/// Kills `src/backend/cuda/model.rs: replace + with - in ModelState::unmap_under_work`: work
+/// that named the range it uses faults when exactly that range is unmapped under it (fact 21).
+#[test]
+fn work_that_named_its_range_faults_when_that_range_is_unmapped() {
+    let model = opened(ModelConfig::default());
+    let stream = model.new_stream();
+    let ptr = model.mem_address_reserve(GRANULE, GRANULE, 0).unwrap();
+    let handle = model.mem_create(GRANULE, 0).unwrap();
+    model.submit_work_touching(stream, &[]); // an epoch before the access below
+    // SAFETY: the fresh reservation is unmapped; `handle` is live and `GRANULE` bytes long;
+    // the mapping is exactly `[ptr, ptr + GRANULE)`, unmapped once, then released.
+    unsafe {
+        model.mem_map(ptr, GRANULE, 0, handle).unwrap();
+        model.mem_set_access(ptr, GRANULE, &[(0, true)]).unwrap();
+        model.submit_work_touching(stream, &[(ptr, GRANULE)]);
+        model.mem_unmap(ptr, GRANULE).unwrap();
+        model.mem_release(handle).unwrap();
+    }
+    model.complete_work_on(stream);
+    assert_eq!(model.lost_with(), Some(CuError::ILLEGAL_ADDRESS));
+}
+
+/// Kills `src/backend/cuda/model.rs: replace + with - in ModelState::place`: scattered
+/// reservations never overlap, even when they are large enough that random places collide.
+#[test]
+fn scattered_reservations_never_overlap() {
+    let len = 1usize << 45; // two fit in the model's window, at most three
+    for seed in 1..=8 {
+        let model = opened(ModelConfig {
+            placement: Placement::Scattered { seed },
+            ..ModelConfig::default()
+        });
+        let a = model.mem_address_reserve(len, GRANULE, 0).unwrap();
+        let b = model.mem_address_reserve(len, GRANULE, 0).unwrap();
+        let (a, b) = (a as usize, b as usize);
+        assert!(
+            a + len <= b || b + len <= a,
+            "seed {seed}: {a:#x} and {b:#x}"
+        );
+        // SAFETY: each is exactly one reservation with nothing mapped in it.
+        unsafe {
+            model.mem_address_free(a as u64, len).unwrap();
+            model.mem_address_free(b as u64, len).unwrap();
+        }
+    }
 }

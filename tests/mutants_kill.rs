@@ -10,7 +10,7 @@ use memtoken::backend::{
     Backend, Cause, Exportable, Faulty, HostBackend, HostConfig, Op, PosixFd, Shareable,
     SimBackend, SimConfig, Violation,
 };
-use memtoken::{Budget, Device, ShrinkFailure, make_guard};
+use memtoken::{Budget, Device, PagePool, Returned, ShrinkFailure, TransitionError, make_guard};
 
 const GRANULE: usize = 2 << 20;
 
@@ -319,4 +319,73 @@ fn scattered_reservations_never_overlap() {
             model.mem_address_free(b as u64, len).unwrap();
         }
     }
+}
+
+/// Kills `src/device.rs: delete ! in <impl Drop for Device<'_, B>>::drop`: a device dropped
+/// without `close` still shuts down first (a poll and a quarantine retry) before its own last
+/// retry, so a residual whose first retry fails is released by the second.
+#[test]
+fn a_dropped_device_retries_its_quarantine_twice() {
+    make_guard!(guard);
+    let backend = Faulty::new(sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(GRANULE).unwrap().commit().unwrap();
+    faults.fail_nth(Op::Release, 1);
+    let Err(TransitionError {
+        token: Returned::Quarantined(quarantined),
+        ..
+    }) = a.release().complete()
+    else {
+        panic!("the release was failed on purpose");
+    };
+    drop(quarantined); // into the device's quarantine
+    faults.fail_nth(Op::Release, 1); // the next retry fails too
+    drop(binding);
+    drop(device);
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+}
+
+/// Kills `src/error.rs: replace <impl Failure for GrowFailure>::summary -> &'static str with
+/// "xyzzy"`: a failed growth's message starts by saying so.
+#[test]
+fn a_failed_growth_says_so_first() {
+    make_guard!(guard);
+    let backend = Faulty::new(sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(2 * GRANULE).unwrap().into_region();
+    faults.fail_nth(Op::Create, 1);
+    let e = region
+        .grow(1)
+        .expect_err("the create was failed on purpose");
+    let message = e.to_string();
+    assert!(
+        message.starts_with("the region could not grow; "),
+        "{message}"
+    );
+    e.into_token().release().complete().unwrap();
+}
+
+/// Kills `src/page_pool.rs: replace - with + in PagePool<'pool, 'b, 'id, B>::push` and
+/// `src/page_pool.rs: replace PageTable<'p, 'pool, 'b, 'id, B>::is_empty -> bool with true`:
+/// `push` answers the new page's position in the table, which is then not empty.
+#[test]
+fn a_pushed_page_is_at_the_position_push_answers() {
+    make_guard!(guard);
+    let device = Device::new(guard, sim(16 * GRANULE as u64));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, 4096).unwrap();
+    let mut table = pool.table();
+    assert!(table.is_empty());
+    assert_eq!(pool.push(&mut table).unwrap(), 0);
+    assert!(!table.is_empty());
+    assert_eq!(pool.push(&mut table).unwrap(), 1);
+    assert_eq!(table.len(), 2);
+    assert_ne!(table.addr(0), table.addr(1));
+    pool.clear(&mut table);
+    assert!(table.is_empty());
 }

@@ -3,16 +3,18 @@
 //! `.cargo/mutants.toml`) relinks one binary per mutant instead of one per file.
 //!
 //! Not run by a plain `cargo test` (`test = false` in `Cargo.toml`): each file below is
-//! already its own test target. `tests/ipc.rs` and `tests/unwind.rs` stay their own targets
-//! because their child processes re-run the test binary by unqualified test name (and
-//! `tests/unwind.rs` sets a panic hook for the whole process); `tests/gpu.rs` needs a GPU,
-//! `tests/ui.rs` (trybuild) and `tests/static_asserts.rs` test types, which no mutant of a
-//! function body changes. `tests/mutants_kill.rs`, the tests written to kill surviving mutants,
-//! is in it too.
+//! already its own test target. `tests/ipc.rs`, `tests/unwind.rs`,
+//! `tests/unwind_device_drop.rs` and `tests/unwind_while_unwinding.rs` stay their own targets:
+//! they re-run the test binary as a child process by unqualified test name, or set a panic
+//! hook for the whole process. `tests/gpu.rs` needs a GPU; `tests/ui.rs` (trybuild) and
+//! `tests/static_asserts.rs` test types, which no mutant of a function body changes.
+//! `tests/mutants_kill.rs`, the tests written to kill surviving mutants, is in it too.
 
 // Several of the files include `tests/common` as their own module, as they do as targets.
 #![allow(clippy::duplicate_mod)]
 
+#[path = "../backend_input.rs"]
+mod backend_input;
 #[path = "../cuda_backend.rs"]
 mod cuda_backend;
 #[path = "../cuda_ipc.rs"]
@@ -23,6 +25,8 @@ mod cuda_peers;
 mod cuda_streams;
 #[path = "../custody.rs"]
 mod custody;
+#[path = "../custody_discharge.rs"]
+mod custody_discharge;
 #[path = "../driver_model.rs"]
 mod driver_model;
 #[path = "../forgotten.rs"]
@@ -33,6 +37,8 @@ mod ipc_decoder;
 mod mutants_kill;
 #[path = "../page_pool.rs"]
 mod page_pool;
+#[path = "../promises.rs"]
+mod promises;
 #[path = "../properties.rs"]
 mod properties;
 #[path = "../region.rs"]

@@ -4,10 +4,10 @@
 //! each cannot change behaviour.
 
 use memtoken::backend::cuda::{
-    CuError, CudaBackend, Driver, DriverCall, DriverModel, ModelConfig, Placement,
+    CuError, CudaBackend, CudaPhys, Driver, DriverCall, DriverModel, ModelConfig, Placement,
 };
 use memtoken::backend::{
-    Backend, Cause, Exportable, Faulty, HostBackend, HostConfig, Op, PosixFd, Shareable,
+    Access, Backend, Cause, Exportable, Faulty, HostBackend, HostConfig, Op, PosixFd, Shareable,
     SimBackend, SimConfig, Violation,
 };
 use memtoken::{Budget, Device, PagePool, Returned, ShrinkFailure, TransitionError, make_guard};
@@ -388,4 +388,109 @@ fn a_pushed_page_is_at_the_position_push_answers() {
     assert_ne!(table.addr(0), table.addr(1));
     pool.clear(&mut table);
     assert!(table.is_empty());
+}
+
+/// A CUDA backend on `model` with `n` reservations of `GRANULE` bytes, each with its own
+/// physical memory, not mapped.
+fn reserved(model: &DriverModel, n: usize) -> (CudaBackend<DriverModel>, Vec<(usize, CudaPhys)>) {
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let ranges = (0..n)
+        .map(|_| {
+            let addr = backend.reserve(GRANULE).unwrap();
+            (addr, backend.create(GRANULE).unwrap())
+        })
+        .collect();
+    (backend, ranges)
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace CudaBackend<D>::device -> i32 with 1`: the backend
+/// says the `CUdevice` of the ordinal it was opened on.
+#[test]
+fn a_cuda_backend_says_its_device() {
+    let model = model();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    assert_eq!(backend.device(), model.device_get(0).unwrap());
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace && with || in CudaBackend<D>::unstick`: a mapping
+/// left by a failed rollback in one range is unmapped before that range is mapped or freed,
+/// and only then: a map elsewhere does not touch it (nor fail when unmapping it would).
+#[test]
+fn a_stuck_mapping_is_unstuck_only_by_its_own_range() {
+    let model = model();
+    let (backend, r) = reserved(&model, 2);
+    let [(a, pa), (b, pb)] = [r[0], r[1]];
+    model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the rollback
+    backend
+        .map(a, GRANULE, pa, Access::ReadWrite)
+        .expect_err("the access was failed on purpose");
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN);
+    let unmaps = model.count(DriverCall::MemUnmap);
+    backend
+        .map(b, GRANULE, pb, Access::ReadWrite)
+        .expect("b has nothing stuck");
+    assert_eq!(
+        model.count(DriverCall::MemUnmap),
+        unmaps,
+        "a's mapping left alone"
+    );
+    model.clear();
+    backend.unmap(b, GRANULE).unwrap();
+    backend
+        .free(a, GRANULE)
+        .expect("a's stuck mapping goes first");
+    backend.free(b, GRANULE).unwrap();
+    backend.release(pa, GRANULE).unwrap();
+    backend.release(pb, GRANULE).unwrap();
+    drop(backend);
+    assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace + with - in CudaBackend<D>::sweep_scratch`: a
+/// copy's scratch range whose unmap failed is unmapped and freed by the next copy's sweep.
+#[test]
+fn the_next_copy_sweeps_a_scratch_range_left_mapped() {
+    let model = model();
+    let (backend, r) = reserved(&model, 1);
+    let (src, psrc) = r[0];
+    backend.map(src, GRANULE, psrc, Access::ReadWrite).unwrap();
+    let dst = backend.create(GRANULE).unwrap();
+    let before = model.outstanding().reservations;
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the scratch range's
+    backend.copy_into_phys(dst, src, GRANULE).unwrap();
+    assert_eq!(
+        model.outstanding().reservations,
+        before + 1,
+        "the scratch range is left"
+    );
+    backend.copy_into_phys(dst, src, GRANULE).unwrap();
+    assert_eq!(model.outstanding().reservations, before, "swept");
+    backend.unmap(src, GRANULE).unwrap();
+    backend.free(src, GRANULE).unwrap();
+    backend.release(psrc, GRANULE).unwrap();
+    backend.release(dst, GRANULE).unwrap();
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace match guard freed.is_context_loss() with false in
+/// <impl Backend for CudaBackend<D>>::copy_into_phys`: when freeing a copy's scratch range
+/// loses the context, the copy fails with that loss, and the backend calls the driver no more.
+#[test]
+fn a_context_lost_freeing_a_scratch_range_is_the_copys_error() {
+    let model = model();
+    let (backend, r) = reserved(&model, 1);
+    let (src, psrc) = r[0];
+    backend.map(src, GRANULE, psrc, Access::ReadWrite).unwrap();
+    let dst = backend.create(GRANULE).unwrap();
+    model.fail_nth(DriverCall::MemMap, 1, CuError::OUT_OF_MEMORY); // the scratch map
+    model.fail_nth(DriverCall::MemAddressFree, 1, CuError::ILLEGAL_ADDRESS); // sticky
+    let e = backend.copy_into_phys(dst, src, GRANULE).unwrap_err();
+    assert!(
+        matches!(e.cause, Cause::Driver { code, .. } if code == CuError::ILLEGAL_ADDRESS.0),
+        "{e}"
+    );
+    assert!(backend.context_lost());
+    let _ = backend.unmap(src, GRANULE);
+    drop(backend);
+    assert_eq!(model.calls_after_loss(), 0);
 }

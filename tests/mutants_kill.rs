@@ -494,3 +494,44 @@ fn a_context_lost_freeing_a_scratch_range_is_the_copys_error() {
     drop(backend);
     assert_eq!(model.calls_after_loss(), 0);
 }
+
+/// Kills `src/backend/host.rs: replace -= with /= in <impl Backend for HostBackend>::release`:
+/// a release gives its bytes back to the host backend's count of physical memory in use.
+#[test]
+fn a_host_release_gives_back_its_bytes() {
+    let host = HostBackend::with_defaults().unwrap();
+    let page = host.granularity();
+    let a = host.create(2 * page).unwrap();
+    let b = host.create(page).unwrap();
+    assert_eq!(host.physical_in_use(), 3 * page as u64);
+    host.release(a, 2 * page).unwrap();
+    assert_eq!(host.physical_in_use(), page as u64);
+    host.release(b, page).unwrap();
+    assert_eq!(host.physical_in_use(), 0);
+}
+
+/// Kills `src/backend/host.rs: replace > with < in <impl Exportable<PosixFd> for
+/// HostBackend>::import`: a host import may claim all of an exported file, and is refused when
+/// it claims more.
+#[test]
+fn a_host_import_may_claim_all_of_the_file_and_no_more() {
+    let exporter = HostBackend::with_defaults().unwrap();
+    let importer = HostBackend::with_defaults().unwrap();
+    let page = exporter.granularity();
+    let phys = Exportable::<PosixFd>::create_exportable(&exporter, 2 * page).unwrap();
+    let claim = |len| {
+        let fd = Exportable::<PosixFd>::export(&exporter, phys, 2 * page)
+            .unwrap()
+            .fd;
+        Exportable::<PosixFd>::import(&importer, Shareable { fd, offset: 0, len })
+    };
+    let e = claim(3 * page).expect_err("more than the file holds");
+    assert!(
+        matches!(e.cause, Cause::Violation(Violation::ImportTooSmall { len, size, .. })
+            if len == 3 * page && size == 2 * page as u64),
+        "{e}"
+    );
+    let whole = claim(2 * page).expect("exactly the file");
+    importer.release(whole, 2 * page).unwrap();
+    exporter.release(phys, 2 * page).unwrap();
+}

@@ -283,10 +283,12 @@ pub enum Cause {
     /// The context is lost: no call was made.
     #[error("the context is lost, so no driver call was made")]
     ContextLost,
-    /// The backend panicked in this call. memtoken took the call's failure path (nothing was
-    /// lost; what could not be undone is quarantined), and the panic resumes when the public
-    /// call that made it returns: this error is seen only inside memtoken and in the residuals
-    /// it quarantined.
+    /// The backend panicked in this call (one whose [`Backend::MAY_PANIC`] is true). memtoken
+    /// took the call's failure path (nothing was lost; what could not be undone is
+    /// quarantined), and the panic resumes when the public call that made it returns, so a
+    /// caller normally sees the panic, not this error — unless its thread was unwinding
+    /// already (a token dropped during a panic, say): the second panic is then dropped, and
+    /// this error is what is left of it.
     #[error("the backend panicked: {message}")]
     Panicked {
         /// The panic's message.

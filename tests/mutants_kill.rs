@@ -10,7 +10,10 @@ use memtoken::backend::{
     Access, Backend, Cause, Exportable, Faulty, HostBackend, HostConfig, Op, PosixFd, Shareable,
     SimBackend, SimConfig, Violation,
 };
-use memtoken::{Budget, Device, PagePool, Returned, ShrinkFailure, TransitionError, make_guard};
+use memtoken::{
+    Budget, CommitFailure, Device, GrowFailure, PagePool, Returned, ShrinkFailure, TransitionError,
+    make_guard,
+};
 
 const GRANULE: usize = 2 << 20;
 
@@ -534,4 +537,97 @@ fn a_host_import_may_claim_all_of_the_file_and_no_more() {
     let whole = claim(2 * page).expect("exactly the file");
     importer.release(whole, 2 * page).unwrap();
     exporter.release(phys, 2 * page).unwrap();
+}
+
+/// Kills `src/error.rs: replace quarantine_note -> String with String::new()`: an undone
+/// growth whose granule could not be released either says that it is in the quarantine.
+#[test]
+fn an_undone_growth_tells_of_what_it_left_in_the_quarantine() {
+    make_guard!(guard);
+    let backend = Faulty::new(sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(2 * GRANULE).unwrap().into_region();
+    faults.fail_nth(Op::Map, 1);
+    faults.fail_nth(Op::Release, 1);
+    let e = region.grow(1).expect_err("the map was failed on purpose");
+    assert!(
+        matches!(e.cause, GrowFailure::Undone { quarantined: 1, .. }),
+        "{:?}",
+        e.cause
+    );
+    let message = e.cause.to_string();
+    assert!(
+        message
+            .contains("1 granules whose release failed while undoing are in the device quarantine"),
+        "{message}"
+    );
+    assert_eq!(device.retry_quarantine().released, 1);
+    e.into_token().release().complete().unwrap();
+}
+
+/// Kills `src/region.rs: replace * with / in Allocation<'b, 'id, B, Elastic>::grow`: a growth
+/// refused for a lost context names the granules it would have mapped.
+#[test]
+fn a_growth_after_the_context_is_lost_names_the_granules_it_would_map() {
+    let sim = sim(16 * GRANULE as u64);
+    make_guard!(guard);
+    let device = Device::new(guard, sim.clone());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(4 * GRANULE).unwrap().into_region();
+    let region = region.grow(1).unwrap();
+    sim.lose_context();
+    let e = region.grow(2).expect_err("the context is lost");
+    let GrowFailure::Undone { cause, .. } = &e.cause else {
+        panic!("{:?}", e.cause);
+    };
+    let CommitFailure::Backend(b) = &**cause else {
+        panic!("{cause:?}");
+    };
+    assert_eq!(b.cause, Cause::ContextLost);
+    assert_eq!((b.addr, b.len), (e.token.addr() + GRANULE, 2 * GRANULE));
+}
+
+/// Kills `src/error.rs: replace <impl Failure for CowFailure>::summary -> &'static str with
+/// "xyzzy"`: a failed copy-on-write says so first.
+#[test]
+fn a_failed_copy_on_write_says_so_first() {
+    make_guard!(guard);
+    let backend = Faulty::new(sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let prefix = binding
+        .reserve(2 * GRANULE)
+        .unwrap()
+        .commit_prefix()
+        .unwrap();
+    let shared = binding
+        .reserve(2 * GRANULE)
+        .unwrap()
+        .map_prefix(&prefix)
+        .unwrap();
+    faults.fail_nth(Op::Create, 1);
+    let e = shared
+        .diverge()
+        .expect_err("the create was failed on purpose");
+    let message = e.to_string();
+    assert!(
+        message.starts_with("copy-on-write of the boundary granule failed; "),
+        "{message}"
+    );
+}
+
+/// Kills `src/interop/mod.rs: replace Allocation<'_, '_, CudaBackend<D>, Elastic>::device_ptr ->
+/// u64 with 1`: a CUDA region's device pointer is its start.
+#[test]
+fn a_cuda_regions_device_pointer_is_its_start() {
+    let model = model();
+    make_guard!(guard);
+    let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(2 * GRANULE).unwrap().into_region();
+    let region = region.grow(1).unwrap();
+    assert_eq!(region.device_ptr(), region.addr() as u64);
 }

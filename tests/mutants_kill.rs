@@ -15,6 +15,11 @@ use memtoken::{
     make_guard,
 };
 
+#[path = "common/gate.rs"]
+mod gate;
+
+use gate::{Gate, GateHandle};
+
 const GRANULE: usize = 2 << 20;
 
 fn sim(physical_capacity: u64) -> SimBackend {
@@ -630,4 +635,93 @@ fn a_cuda_regions_device_pointer_is_its_start() {
     let region = binding.reserve(2 * GRANULE).unwrap().into_region();
     let region = region.grow(1).unwrap();
     assert_eq!(region.device_ptr(), region.addr() as u64);
+}
+
+/// Kills `src/residual.rs: replace += with -= in Holdings::absorb`: while a poll on one thread
+/// is stopped in the backend tearing down a sharer's release, another thread's custody
+/// reading counts the shared reference it still holds.
+#[test]
+fn a_sharer_being_torn_down_still_counts_its_shared_reference() {
+    let sim = SimBackend::new(SimConfig {
+        fences_complete_at_once: false,
+        ..SimConfig::default()
+    })
+    .unwrap();
+    let gate = GateHandle::default();
+    make_guard!(guard);
+    let device = Device::new(
+        guard,
+        Gate {
+            inner: sim.clone(),
+            gate: gate.clone(),
+        },
+    );
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let prefix = binding.reserve(1).unwrap().commit_prefix().unwrap();
+    let shared = binding.reserve(1).unwrap().map_prefix(&prefix).unwrap();
+    drop(shared);
+    assert_eq!(device.custody().deferred.shared_refs, 1);
+    sim.complete_fences();
+    gate.arm(Op::Unmap);
+    std::thread::scope(|s| {
+        let poller = s.spawn(|| device.poll());
+        let entered = gate.wait_entered();
+        let reading = std::panic::catch_unwind(|| device.custody().deferred);
+        gate.open(); // before any assertion can fail: the scope joins the poller
+        assert!(entered, "the poll never reached the backend's unmap");
+        let deferred = reading.expect("reading the custody");
+        assert_eq!((deferred.count, deferred.shared_refs), (1, 1));
+        assert_eq!(poller.join().unwrap().released, 1);
+    });
+    drop(prefix);
+    sim.complete_fences();
+    device.poll();
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace < with > in CudaBackend<D>::check_not_busy`: the
+/// range a copy left busy is refused to an unmap.
+#[test]
+fn a_range_left_busy_by_a_copy_cannot_be_unmapped() {
+    let model = model();
+    let (backend, r) = reserved(&model, 1);
+    let (a, pa) = r[0];
+    backend.map(a, GRANULE, pa, Access::ReadWrite).unwrap();
+    model.fail_nth(DriverCall::EventSynchronize, 1, CuError::UNKNOWN);
+    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::UNKNOWN);
+    backend
+        .copy_from_host(a, &[7; 64])
+        .expect_err("the wait was failed on purpose");
+    let e = backend.unmap(a, GRANULE).expect_err("a is busy");
+    assert!(
+        matches!(e.cause, Cause::Violation(Violation::Busy { .. })),
+        "{e}"
+    );
+    std::mem::forget(backend); // a copy may still run: nothing may be freed under it
+}
+
+/// Kills `src/backend/rules.rs: replace + with * in Book<P>::check_copy`: a copy from a range
+/// mapped by several granules side by side reads all of them.
+#[test]
+fn a_copy_reads_a_source_of_several_mappings() {
+    let sim = sim(16 * GRANULE as u64);
+    let addr = sim.reserve(3 * GRANULE).unwrap();
+    let granules: Vec<_> = (0..3)
+        .map(|i| {
+            let phys = sim.create(GRANULE).unwrap();
+            sim.map(addr + i * GRANULE, GRANULE, phys, Access::ReadWrite)
+                .unwrap();
+            phys
+        })
+        .collect();
+    let target = sim.create(3 * GRANULE).unwrap();
+    sim.copy_into_phys(target, addr, 3 * GRANULE)
+        .expect("every byte of the source is mapped");
+    sim.release(target, 3 * GRANULE).unwrap();
+    for (i, phys) in granules.into_iter().enumerate() {
+        sim.unmap(addr + i * GRANULE, GRANULE).unwrap();
+        sim.release(phys, GRANULE).unwrap();
+    }
+    sim.free(addr, 3 * GRANULE).unwrap();
 }

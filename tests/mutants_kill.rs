@@ -7,12 +7,12 @@ use memtoken::backend::cuda::{
     CuError, CudaBackend, CudaPhys, Driver, DriverCall, DriverModel, ModelConfig, Placement,
 };
 use memtoken::backend::{
-    Access, Backend, Cause, Exportable, Faulty, HostBackend, HostConfig, Op, PosixFd, Shareable,
-    SimBackend, SimConfig, Violation,
+    Access, Backend, Cause, Exportable, Faulty, HandleType, HostBackend, HostConfig, Op, PosixFd,
+    Shareable, SimBackend, SimConfig, Violation,
 };
 use memtoken::{
-    Budget, CommitFailure, Device, GrowFailure, PagePool, Returned, ShrinkFailure, TransitionError,
-    make_guard,
+    Budget, CommitFailure, Device, GrowFailure, MESSAGE_LEN, PagePool, PrefixMessage, Returned,
+    ShrinkFailure, TransitionError, WireError, make_guard,
 };
 
 #[path = "common/gate.rs"]
@@ -724,4 +724,55 @@ fn a_copy_reads_a_source_of_several_mappings() {
         sim.release(phys, GRANULE).unwrap();
     }
     sim.free(addr, 3 * GRANULE).unwrap();
+}
+
+/// Kills `src/interop/ipc.rs: replace || with && in PrefixMessage::decode`: a message whose
+/// length is no whole number of granules is malformed.
+#[test]
+fn a_message_of_no_whole_number_of_granules_is_malformed() {
+    let g = GRANULE as u64;
+    let message = PrefixMessage {
+        len: 3 * g + 1,
+        body_len: 2 * g + 1,
+        granularity: g,
+        kind: HandleType::PosixFd,
+        generation: 1,
+        body_offset: 0,
+        boundary_offset: 0,
+    };
+    let bytes = message.encode();
+    assert_eq!(bytes.len(), MESSAGE_LEN);
+    assert!(
+        matches!(
+            PrefixMessage::decode(&bytes),
+            Err(WireError::Malformed(m)) if m.contains("whole number of granules")
+        ),
+        "{:?}",
+        PrefixMessage::decode(&bytes)
+    );
+}
+
+/// Kills `src/backend/cuda/model.rs: replace - with + in ModelState::place`: scattered
+/// reservations stay inside the model's window, whose top is where a top-down model places.
+#[test]
+fn scattered_reservations_stay_inside_the_window() {
+    let len = 1usize << 45;
+    let top_down = opened(ModelConfig {
+        placement: Placement::TopDown,
+        ..ModelConfig::default()
+    });
+    let top = top_down.mem_address_reserve(len, GRANULE, 0).unwrap() as usize + len;
+    for seed in 1..=8 {
+        let model = opened(ModelConfig {
+            placement: Placement::Scattered { seed },
+            ..ModelConfig::default()
+        });
+        for _ in 0..2 {
+            let a = model.mem_address_reserve(len, GRANULE, 0).unwrap() as usize;
+            assert!(
+                a + len <= top,
+                "seed {seed}: {a:#x} + {len:#x} is past {top:#x}"
+            );
+        }
+    }
 }

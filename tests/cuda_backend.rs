@@ -14,7 +14,7 @@ use memtoken::{
     make_guard,
 };
 
-const G: usize = 2 << 20;
+const G: usize = common::MODEL_GRANULARITY;
 
 fn backend(model: &DriverModel) -> CudaBackend<DriverModel> {
     CudaBackend::new(model.clone(), 0).expect("the model opens device 0")
@@ -36,14 +36,14 @@ fn complete_or_defer<'b, 'id, B: Backend>(
 fn held_fences() -> DriverModel {
     DriverModel::new(ModelConfig {
         events_complete_at_once: false,
-        ..ModelConfig::default()
+        ..common::model_config()
     })
     .unwrap()
 }
 
 #[test]
 fn a_full_cycle_with_data_round_trips_through_the_device() {
-    let model = DriverModel::default();
+    let model = common::model();
     make_guard!(guard);
     let device = Device::new(guard, backend(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -67,7 +67,7 @@ fn a_full_cycle_with_data_round_trips_through_the_device() {
 
 #[test]
 fn a_failed_set_access_after_a_successful_map_is_rolled_back() {
-    let model = DriverModel::default();
+    let model = common::model();
     make_guard!(guard);
     let device = Device::new(guard, backend(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -203,7 +203,7 @@ fn no_driver_call_follows_device_loss() {
 
 #[test]
 fn sharing_copy_on_write_and_pages_carry_data_on_the_device() {
-    let model = DriverModel::default();
+    let model = common::model();
     make_guard!(guard);
     let device = Device::new(guard, backend(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -259,7 +259,7 @@ fn sharing_copy_on_write_and_pages_carry_data_on_the_device() {
 /// Every driver call kind, failed once in the middle of a workload: nothing is lost.
 #[test]
 fn an_injected_failure_of_every_driver_call_kind_loses_nothing() {
-    for call in DriverCall::ALL {
+    for call in common::every_nth_under_miri(DriverCall::ALL, 3) {
         for nth in [1, 2] {
             let model = held_fences();
             make_guard!(guard);
@@ -313,7 +313,7 @@ fn an_injected_failure_of_every_driver_call_kind_loses_nothing() {
 /// the driver, and everything is discharged with the proof that the context is gone.
 #[test]
 fn a_sticky_error_in_any_driver_call_stops_all_calls_and_everything_is_discharged() {
-    for call in DriverCall::ALL {
+    for call in common::every_nth_under_miri(DriverCall::ALL, 2) {
         let model = held_fences();
         make_guard!(guard);
         let device = Device::new(guard, Faulty::new(backend(&model)));
@@ -385,38 +385,37 @@ fn workload<'b, 'id>(
 /// the second must stop every call, those retries included.
 #[test]
 fn an_ordinary_failure_then_a_sticky_one_never_lets_a_call_through() {
-    for first in DriverCall::ALL {
-        for second in DriverCall::ALL {
-            if first == second {
-                continue; // one plan per kind
+    let pairs = DriverCall::ALL
+        .into_iter()
+        .flat_map(|first| DriverCall::ALL.map(|second| (first, second)))
+        .filter(|(first, second)| first != second); // one plan per kind
+    for (first, second) in common::every_nth_under_miri(pairs, 23) {
+        let model = held_fences();
+        make_guard!(guard);
+        let device = Device::new(guard, Faulty::new(backend(&model)));
+        {
+            let binding = device.bind(Budget::unlimited()).unwrap();
+            model.fail_nth(first, 1, CuError::OUT_OF_MEMORY);
+            model.fail_nth(second, 2, CuError::ILLEGAL_ADDRESS);
+            workload(&device, &binding, &model);
+            model.complete_work();
+            device.poll();
+            device.retry_quarantine();
+            if let Some(proof) = device.confirm_context_lost() {
+                device.discharge_all(&proof);
             }
-            let model = held_fences();
-            make_guard!(guard);
-            let device = Device::new(guard, Faulty::new(backend(&model)));
-            {
-                let binding = device.bind(Budget::unlimited()).unwrap();
-                model.fail_nth(first, 1, CuError::OUT_OF_MEMORY);
-                model.fail_nth(second, 2, CuError::ILLEGAL_ADDRESS);
-                workload(&device, &binding, &model);
-                model.complete_work();
-                device.poll();
-                device.retry_quarantine();
-                if let Some(proof) = device.confirm_context_lost() {
-                    device.discharge_all(&proof);
-                }
-                assert!(
-                    device.ledger().is_zero(),
-                    "{first:?}, {second:?}: {:?}",
-                    device.ledger()
-                );
-            }
-            drop(device);
-            let after = model.calls_after_loss();
-            assert_eq!(
-                after, 0,
-                "{first:?} then {second:?}: a call followed the sticky error"
+            assert!(
+                device.ledger().is_zero(),
+                "{first:?}, {second:?}: {:?}",
+                device.ledger()
             );
         }
+        drop(device);
+        let after = model.calls_after_loss();
+        assert_eq!(
+            after, 0,
+            "{first:?} then {second:?}: a call followed the sticky error"
+        );
     }
 }
 
@@ -429,14 +428,14 @@ fn a_sticky_error_while_opening_makes_no_further_call() {
         DriverCall::MemGetAllocationGranularity,
         DriverCall::DeviceTotalMem,
     ] {
-        let model = DriverModel::default();
+        let model = common::model();
         model.fail_nth(call, 1, CuError::ILLEGAL_ADDRESS);
         let err = CudaBackend::new(model.clone(), 0).unwrap_err();
         assert!(err.to_string().contains("ILLEGAL_ADDRESS"), "{err}");
         assert_eq!(model.calls_after_loss(), 0, "{call:?}");
     }
     // An ordinary error while opening releases the context it retained.
-    let model = DriverModel::default();
+    let model = common::model();
     model.fail_nth(DriverCall::DeviceTotalMem, 1, CuError::INVALID_VALUE);
     assert!(CudaBackend::new(model.clone(), 0).is_err());
     assert_eq!(model.outstanding().retains, 0, "the retain was released");
@@ -446,7 +445,7 @@ fn a_sticky_error_while_opening_makes_no_further_call() {
 /// context gone, nothing else is called (no event destroyed, no context released).
 #[test]
 fn a_sticky_error_while_dropping_the_backend_stops_its_cleanup() {
-    let model = DriverModel::default();
+    let model = common::model();
     let backend = backend(&model);
     {
         use memtoken::backend::{Access, Backend};
@@ -471,7 +470,7 @@ fn a_sticky_error_while_dropping_the_backend_stops_its_cleanup() {
 /// live context still holds it), and later calls reach the driver.
 #[test]
 fn an_unknown_error_from_a_vmm_call_does_not_lose_the_context() {
-    let model = DriverModel::default();
+    let model = common::model();
     make_guard!(guard);
     let device = Device::new(guard, backend(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -507,7 +506,7 @@ fn an_unknown_error_from_a_vmm_call_does_not_lose_the_context() {
 /// relaunched"): the context is lost from that call on, and no call follows it.
 #[test]
 fn an_external_device_error_from_a_vmm_call_loses_the_context() {
-    let model = DriverModel::default();
+    let model = common::model();
     make_guard!(guard);
     let device = Device::new(guard, backend(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -549,7 +548,7 @@ fn an_external_device_error_from_a_vmm_call_loses_the_context() {
 #[test]
 fn a_handle_value_reissued_while_its_old_memory_is_mapped_is_a_new_allocation() {
     use memtoken::backend::Access;
-    let model = DriverModel::default();
+    let model = common::model();
     let backend = backend(&model);
     let old_addr = backend.reserve(G).unwrap();
     let old = backend.create(G).unwrap();
@@ -657,7 +656,7 @@ fn an_event_value_reissued_after_destroy_is_not_taken_for_an_old_fence() {
 fn the_model_maps_only_whole_handles_from_offset_zero() {
     use memtoken::backend::cuda::Driver;
     use std::panic::{AssertUnwindSafe, catch_unwind};
-    let model = DriverModel::default();
+    let model = common::model();
     model.init().unwrap();
     let ctx = model.primary_ctx_retain(0).unwrap();
     // SAFETY: the context was just retained from this model.

@@ -4,12 +4,14 @@
 //! backend on the same model — another process, as far as the model can tell — which reads the
 //! bytes back, owns nothing, and gives back its handles once.
 
+mod common;
+
 use memtoken::backend::cuda::{CudaBackend, DriverCall, DriverModel, ModelConfig};
 use memtoken::backend::{Backend, Exportable, HandleType, HostBackend, PosixFd};
 use memtoken::{Budget, Device, ImportError, Offer, PrefixMessage, make_guard};
 use std::os::unix::net::UnixStream;
 
-const G: usize = 2 << 20;
+const G: usize = common::MODEL_GRANULARITY;
 
 fn model() -> DriverModel {
     DriverModel::new(ModelConfig {
@@ -25,6 +27,7 @@ fn pattern(i: usize) -> u8 {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "the model's POSIX-fd export: Miri has no fstat")]
 fn a_cuda_prefix_imports_through_the_model_reads_back_owns_nothing_and_goes_in_either_order() {
     for (len, importer_first) in [(G, false), (G, true), (3 * G, false), (3 * G, true)] {
         let model = model();
@@ -105,6 +108,7 @@ fn a_cuda_prefix_imports_through_the_model_reads_back_owns_nothing_and_goes_in_e
 /// against it and refuses before anything is mapped; a descriptor that names no exported
 /// memory is an error value, never a panic.
 #[test]
+#[cfg_attr(miri, ignore = "the model's POSIX-fd export: Miri has no fstat")]
 fn an_import_that_disagrees_with_the_drivers_size_or_names_nothing_is_refused() {
     let model = model();
     // The exporter, below the typed layer: two exported allocations of 2G and G bytes.
@@ -162,6 +166,7 @@ fn an_import_that_disagrees_with_the_drivers_size_or_names_nothing_is_refused() 
 /// The host backend still refuses a descriptor that is not a file: `Offer` lets a non-file
 /// through (a CUDA driver's descriptor is one), and the host's import checks it.
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_host_import_of_a_descriptor_that_is_not_a_file_is_refused() {
     make_guard!(guard);
     let device = Device::new(guard, HostBackend::with_defaults().unwrap());

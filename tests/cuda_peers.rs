@@ -8,20 +8,23 @@
 //! new mapping's first access leaves out a device that had access in its reservation, so a
 //! backend that forgot a peer fails these tests twice over.
 
+mod common;
+
+use common::pattern;
 use memtoken::backend::cuda::{
     CuError, CudaBackend, CudaError, Driver, DriverCall, DriverModel, ModelConfig,
 };
 use memtoken::backend::{Access, Addr, Backend};
 use memtoken::{Budget, Device, make_guard};
 
-const G: usize = 2 << 20;
+const G: usize = common::MODEL_GRANULARITY;
 
 /// Three devices; 1 and 2 can access memory on device 0 (not the other way round).
 fn config() -> ModelConfig {
     ModelConfig {
         devices: 3,
         peer_access: vec![(1, 0), (2, 0)],
-        ..ModelConfig::default()
+        ..common::model_config()
     }
 }
 
@@ -49,10 +52,6 @@ fn all_have(model: &DriverModel, addr: Addr, len: usize, access: Option<Access>,
             );
         }
     }
-}
-
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i % 251) as u8 ^ seed).collect()
 }
 
 // ---- Opening: each peer is checked, none is dropped silently. ----

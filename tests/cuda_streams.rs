@@ -3,18 +3,20 @@
 //! recorded is never weaker for it; a copy waits for the GPU outside the backend's lock; and a
 //! device dropped while its context lives on frees everything once the work is done.
 
+mod common;
+
 use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel, ModelConfig};
 use memtoken::{Budget, Device, make_guard};
 use std::sync::mpsc;
 use std::time::Duration;
 
-const G: usize = 2 << 20;
+const G: usize = common::MODEL_GRANULARITY;
 
 fn model(synchronize_blocks: bool) -> DriverModel {
     DriverModel::new(ModelConfig {
         events_complete_at_once: false,
         synchronize_blocks,
-        ..ModelConfig::default()
+        ..common::model_config()
     })
     .unwrap()
 }

@@ -2,6 +2,8 @@
 //! per rule, each named by its fact number: the model refuses, faults or places as the sheet
 //! says it should, and the backend and the typed layer still lose nothing.
 
+mod common;
+
 use memtoken::backend::cuda::{
     CaptureMode, CuError, CudaBackend, Driver, DriverCall, DriverModel, ErrorFate, ModelConfig,
     ModelOutstanding, Placement, ShareableHandle,
@@ -9,10 +11,10 @@ use memtoken::backend::cuda::{
 use memtoken::{Budget, Device, make_guard};
 use std::os::fd::{AsRawFd, OwnedFd};
 
-const G: usize = 2 << 20;
+const G: usize = common::MODEL_GRANULARITY;
 
 fn config() -> ModelConfig {
-    ModelConfig::default()
+    common::model_config()
 }
 
 /// A model with `config`, initialized, with its context retained and current.
@@ -369,7 +371,7 @@ fn vmm_calls_are_refused_while_a_global_capture_is_open() {
 
 #[test]
 fn a_commit_during_a_global_capture_is_refused_with_nothing_charged() {
-    let model = DriverModel::default();
+    let model = common::model();
     make_guard!(guard);
     let device = Device::new(guard, backend(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -401,7 +403,7 @@ fn a_commit_during_a_global_capture_is_refused_with_nothing_charged() {
 
 #[test]
 fn a_release_during_a_global_capture_completes_after_it_and_loses_nothing() {
-    let model = DriverModel::default();
+    let model = common::model();
     make_guard!(guard);
     let device = Device::new(guard, backend(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -541,6 +543,7 @@ fn fd_of(shared: ShareableHandle) -> OwnedFd {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "the model's POSIX-fd export: Miri has no fstat")]
 fn export_needs_the_handle_type_requested_at_creation() {
     use memtoken::backend::cuda::{HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD};
     let model = opened(config());
@@ -597,6 +600,7 @@ fn export_needs_the_handle_type_requested_at_creation() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "the model's POSIX-fd export: Miri has no fstat")]
 fn an_import_maps_the_exported_bytes_and_the_memory_lives_while_anything_holds_it() {
     use memtoken::backend::cuda::{HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD};
     let model = opened(config());

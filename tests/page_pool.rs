@@ -1,5 +1,7 @@
 //! The page pool: O(1) pages that are never handed out twice, and free + live = capacity.
 
+mod common;
+
 use memtoken::backend::{Faulty, HostBackend, HostConfig, Op, SimBackend};
 use memtoken::{Budget, CommitFailure, Device, Page, PagePool, PoolError, make_guard};
 use proptest::prelude::*;
@@ -36,10 +38,7 @@ fn step() -> impl Strategy<Value = Step> {
 }
 
 fn cases() -> u32 {
-    std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1000)
+    common::proptest_cases(1000)
 }
 
 /// Writes the page's index into its first and last bytes; reads it back.
@@ -134,6 +133,7 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
+    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn pages_are_never_handed_out_twice_and_free_plus_live_is_capacity(
         steps in prop::collection::vec(step(), 1..120)
     ) {
@@ -151,7 +151,7 @@ fn the_hot_path_makes_no_backend_call() {
     let pool = PagePool::new(pool_guard, &binding, 4096).unwrap();
     pool.grow().unwrap();
     let calls = sim.calls().len();
-    for _ in 0..10 {
+    for _ in 0..common::unless_miri(10, 2) {
         let pages: Vec<_> = (0..pool.capacity())
             .map(|_| pool.alloc().unwrap())
             .collect();

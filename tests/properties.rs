@@ -12,7 +12,9 @@
 //! host memory holds what was
 //! written. At the end, after retries, the backend holds nothing.
 //!
-//! 1,000 cases per backend by default; `PROPTEST_CASES=N` for more.
+//! 1,000 cases per backend by default (4 under Miri); `PROPTEST_CASES=N` for more.
+
+mod common;
 
 use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel, ModelConfig};
 use memtoken::backend::{
@@ -102,12 +104,8 @@ fn step() -> impl Strategy<Value = Step> {
 }
 
 fn config() -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1000);
     ProptestConfig {
-        cases,
+        cases: common::proptest_cases(1000),
         failure_persistence: None,
         ..ProptestConfig::default()
     }
@@ -915,7 +913,7 @@ impl Memory<Cuda> for CudaMemory {
 fn run_cuda(steps: &[Step]) {
     let model = DriverModel::new(ModelConfig {
         events_complete_at_once: false,
-        ..ModelConfig::default()
+        ..common::model_config()
     })
     .unwrap();
     let lost;
@@ -961,6 +959,7 @@ proptest! {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn host_backend_loses_nothing(steps in prop::collection::vec(step(), 1..60)) {
         run_host(&steps);
     }

@@ -3,6 +3,8 @@
 //! granules (counted on `Faulty`'s call counters), budgets that trim the cache, and fences that
 //! hold cached granules back on CUDA.
 
+mod common;
+
 use memtoken::backend::cuda::{CudaBackend, DriverModel, ModelConfig};
 use memtoken::backend::{Faulty, HostBackend, Op, SimBackend};
 use memtoken::{Budget, CommitFailure, Device, GrowFailure, ShrinkFailure, make_guard};
@@ -24,6 +26,7 @@ fn host() -> HostBackend {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn grow_and_shrink_move_the_ledger_and_budget_granule_by_granule() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -65,6 +68,9 @@ fn grow_and_shrink_move_the_ledger_and_budget_granule_by_granule() {
     assert!(device.close().is_clean());
 }
 
+/// The grow-and-shrink cycles of the cache tests below (fewer under Miri).
+const CYCLES: usize = common::unless_miri(10_000, 10);
+
 /// Grows and shrinks a region of `granules` granules `cycles` times after one warm-up cycle;
 /// returns the create and release calls made by the cycles.
 fn cycle_calls(cache_cap: u64, granules: usize, cycles: usize) -> (u64, u64) {
@@ -94,15 +100,17 @@ fn cycle_calls(cache_cap: u64, granules: usize, cycles: usize) -> (u64, u64) {
 #[test]
 fn cached_granules_make_grow_shrink_cycles_free_of_create_and_release() {
     let g = backend_granularity() as u64;
-    assert_eq!(cycle_calls(4 * g, 4, 10_000), (0, 0));
+    assert_eq!(cycle_calls(4 * g, 4, CYCLES), (0, 0));
 }
 
 #[test]
 fn with_the_cache_capped_at_zero_each_cycle_creates_and_releases_each_granule() {
-    assert_eq!(cycle_calls(0, 4, 10_000), (40_000, 40_000));
+    let each = 4 * CYCLES as u64; // 40_000 outside Miri
+    assert_eq!(cycle_calls(0, 4, CYCLES), (each, each));
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn grow_failing_at_the_kth_granule_hands_back_the_unchanged_region_with_nothing_charged() {
     for (op, k) in [(Op::Create, 3), (Op::Map, 3), (Op::Map, 1), (Op::Create, 5)] {
         setup!(host(), device, faults);
@@ -255,6 +263,7 @@ fn a_failed_unmap_while_undoing_a_growth_withholds_the_granule() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_failed_shrink_withholds_the_stuck_granules_until_a_retry_frees_them() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -413,7 +422,7 @@ fn the_cache_cap_bounds_what_is_kept_and_a_lower_cap_trims() {
 fn on_cuda_a_region_shrinks_only_once_work_that_may_use_it_has_finished() {
     let model = DriverModel::new(ModelConfig {
         events_complete_at_once: false,
-        ..ModelConfig::default()
+        ..common::model_config()
     })
     .unwrap();
     setup!(CudaBackend::new(model.clone(), 0).unwrap(), device, faults);
@@ -454,7 +463,7 @@ fn on_cuda_a_region_shrinks_only_once_work_that_may_use_it_has_finished() {
 fn on_cuda_reclaim_waits_for_work_that_may_use_the_withheld_granules() {
     let model = DriverModel::new(ModelConfig {
         events_complete_at_once: false,
-        ..ModelConfig::default()
+        ..common::model_config()
     })
     .unwrap();
     setup!(CudaBackend::new(model.clone(), 0).unwrap(), device, faults);

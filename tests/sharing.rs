@@ -32,6 +32,7 @@ fn proc_map(addr: usize) -> (String, u64, String) {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn sharers_alias_the_owners_physical_pages_read_only() {
     make_guard!(guard);
     let backend = Faulty::new(HostBackend::with_defaults().unwrap());
@@ -195,6 +196,7 @@ fn dropping_a_sequence_unmaps_its_prefix_before_the_binding_unpins() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn copy_on_write_gives_one_sharer_a_private_boundary_granule() {
     make_guard!(guard);
     let backend = Faulty::new(HostBackend::with_defaults().unwrap());
@@ -366,6 +368,7 @@ fn a_refused_share_returns_the_reservation_unchanged() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_refused_copy_on_write_leaves_the_mapping_shared_and_nothing_charged() {
     make_guard!(guard);
     let backend = Faulty::new(HostBackend::new(HostConfig::default()).unwrap());
@@ -627,6 +630,7 @@ fn a_half_made_prefix_that_cannot_be_unmapped_is_quarantined_whole_and_a_retry_f
 /// body's: with body and boundary filled differently, the restored granule shows the boundary's
 /// bytes and the boundary's physical page.
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_failed_copy_on_write_maps_the_boundary_allocation_back() {
     make_guard!(guard);
     let backend = Faulty::new(HostBackend::new(HostConfig::default()).unwrap());

@@ -4,7 +4,7 @@
 
 mod common;
 
-use common::assert_no_cause_repeated;
+use common::{assert_no_cause_repeated, pattern};
 use memtoken::backend::cuda::{CudaBackend, DriverModel, ModelConfig};
 use memtoken::backend::{Backend, Faulty, HostBackend, Op, SimBackend};
 use memtoken::{Budget, Device, GrowFailure, ResumeFailure, SuspendFailure, make_guard};
@@ -25,11 +25,8 @@ fn host() -> HostBackend {
     HostBackend::with_defaults().expect("memfd")
 }
 
-fn pattern(len: usize, seed: u8) -> Vec<u8> {
-    (0..len).map(|i| (i % 251) as u8 ^ seed).collect()
-}
-
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn an_allocation_sleeps_with_nothing_owned_and_wakes_at_its_address_with_its_bytes() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -68,6 +65,7 @@ fn an_allocation_sleeps_with_nothing_owned_and_wakes_at_its_address_with_its_byt
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_region_sleeps_into_the_cache_and_wakes_from_it_without_a_create() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -109,6 +107,7 @@ fn a_region_sleeps_into_the_cache_and_wakes_from_it_without_a_create() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_resume_that_fails_halfway_leaves_the_token_asleep_with_nothing_charged() {
     setup!(host(), device, faults);
     device.set_cache_cap(0);
@@ -158,6 +157,7 @@ fn a_resume_that_fails_halfway_leaves_the_token_asleep_with_nothing_charged() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn an_allocation_whose_restore_fails_stays_asleep_and_wakes_on_retry() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -179,6 +179,7 @@ fn an_allocation_whose_restore_fails_stays_asleep_and_wakes_on_retry() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_suspend_whose_unmap_fails_withholds_the_mapping_and_keeps_the_saved_bytes() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -205,6 +206,7 @@ fn a_suspend_whose_unmap_fails_withholds_the_mapping_and_keeps_the_saved_bytes()
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_resume_whose_restore_and_undo_fail_stays_asleep_with_its_bytes_and_wakes_later() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -265,7 +267,7 @@ fn the_simulator_keeps_and_restores_the_saved_bytes() {
 fn on_cuda_memory_sleeps_only_once_its_work_finished_and_wakes_with_its_bytes() {
     let model = DriverModel::new(ModelConfig {
         events_complete_at_once: false,
-        ..ModelConfig::default()
+        ..common::model_config()
     })
     .unwrap();
     make_guard!(guard);
@@ -343,6 +345,7 @@ fn releasing_a_sleeping_token_frees_its_va_once() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_region_whose_granules_left_the_cache_while_asleep_gets_its_bytes_back() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();

@@ -2,12 +2,14 @@
 //! and poll on one device while faults are injected at random backend calls; at the end, after
 //! retries, nothing is outstanding — not in the ledger, not in the backend.
 
+mod common;
+
 use memtoken::backend::{Faulty, Op, SimBackend, SimConfig};
 use memtoken::{Budget, Device, make_guard};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 const THREADS: usize = 8;
-const OPS_PER_THREAD: usize = 1_500;
+const OPS_PER_THREAD: usize = common::unless_miri(1_500, 20);
 
 /// A small deterministic generator per thread.
 struct Rng(u64);

@@ -25,6 +25,7 @@ impl RegistrationCache {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_descriptor_says_where_how_long_which_device_and_which_allocation() {
     make_guard!(guard);
     let device = Device::new(guard, HostBackend::with_defaults().unwrap());

@@ -27,6 +27,7 @@ fn host() -> HostBackend {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn full_cycle_on_host_charges_and_refunds_each_axis_once() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -60,6 +61,7 @@ fn full_cycle_on_host_charges_and_refunds_each_axis_once() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn failed_create_returns_the_reserved_token_with_nothing_charged() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -82,6 +84,7 @@ fn failed_create_returns_the_reserved_token_with_nothing_charged() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn failed_map_rolls_back_the_physical_memory() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -95,6 +98,7 @@ fn failed_map_rolls_back_the_physical_memory() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn failed_map_and_failed_rollback_quarantine_the_orphan_physical_memory() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -161,6 +165,7 @@ fn failed_unmap_quarantines_with_va_withheld_and_mapped_bytes_charged() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn failed_physical_release_refunds_mapped_but_not_owned() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -211,6 +216,7 @@ fn failed_free_of_reserved_quarantines_the_va_and_retry_frees_it() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn dropped_tokens_whose_teardown_fails_land_in_the_device_quarantine() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -257,6 +263,7 @@ fn dropped_quarantined_token_stays_counted_in_the_device() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn budget_is_enforced_with_numbers_and_the_token_back() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::bytes(3 * PAGE as u64)).unwrap();
@@ -288,6 +295,7 @@ fn budget_is_enforced_with_numbers_and_the_token_back() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn bad_input_is_an_error_value_and_changes_nothing() {
     make_guard!(guard);
     let config = HostConfig {
@@ -436,6 +444,7 @@ fn context_lost_means_no_backend_call_and_discharge_with_proof() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_forgotten_token_shows_in_the_close_report() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -448,6 +457,7 @@ fn a_forgotten_token_shows_in_the_close_report() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn host_memory_is_real_and_released_to_the_os() {
     make_guard!(guard);
     let device = Device::new(guard, host());
@@ -470,6 +480,7 @@ fn host_memory_is_real_and_released_to_the_os() {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn two_megabyte_granularity_aligns_reservations() {
     make_guard!(guard);
     let config = HostConfig {

@@ -749,6 +749,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn an_os_refusal_of_the_memfd_carries_the_os_error() {
         // No file may be 2^63 bytes long: `ftruncate` fails, and the error says why.
         let e = bad(HostConfig {
@@ -771,6 +772,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn a_reservation_never_lands_in_the_hole_of_a_poisoned_one() {
         let host = HostBackend::with_defaults().unwrap();
         // Large, so that the kernel finds few higher gaps to offer first; each request is half
@@ -819,6 +821,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn a_handle_of_another_host_backend_is_unknown_here() {
         let (a, b) = (
             HostBackend::with_defaults().unwrap(),
@@ -834,6 +837,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn an_unpin_without_a_pin_is_refused() {
         let host = HostBackend::with_defaults().unwrap();
         let e = host.unpin().unwrap_err();
@@ -844,6 +848,7 @@ mod tests {
     }
 
     #[test]
+    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn a_reservation_past_the_address_space_is_exhausted() {
         let page = rustix::param::page_size();
         let host = HostBackend::new(HostConfig {

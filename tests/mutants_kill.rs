@@ -776,3 +776,78 @@ fn scattered_reservations_stay_inside_the_window() {
         }
     }
 }
+
+/// Kills `src/allocation.rs: replace == with != in Allocation<'b, 'id, B, S>::is_empty`: a
+/// token is never empty.
+#[test]
+fn a_token_is_never_empty() {
+    make_guard!(guard);
+    let device = Device::new(guard, sim(16 * GRANULE as u64));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(1).unwrap();
+    assert!(!a.is_empty());
+    let a = a.commit().unwrap();
+    assert!(!a.is_empty());
+}
+
+/// Kills `src/error.rs: replace <impl Failure for SuspendFailure>::summary -> &'static str
+/// with ""`: a failed suspend says so first.
+#[test]
+fn a_failed_suspend_says_so_first() {
+    let sim = sim(16 * GRANULE as u64);
+    make_guard!(guard);
+    let device = Device::new(guard, sim.clone());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(GRANULE).unwrap().commit().unwrap();
+    sim.lose_context();
+    let e = a.suspend().expect_err("the context is lost");
+    let message = e.to_string();
+    assert!(
+        message.starts_with("suspending the memory failed; "),
+        "{message}"
+    );
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace < with == in <impl Backend for
+/// CudaBackend<D>>::unmap`: unmapping a range forgets the mappings a failed rollback left stuck
+/// in it, so freeing the range later does not unmap them again.
+#[test]
+fn an_unmap_forgets_the_stuck_mapping_it_took_down() {
+    let model = model();
+    let (backend, r) = reserved(&model, 1);
+    let (a, pa) = r[0];
+    model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the rollback
+    backend
+        .map(a, GRANULE, pa, Access::ReadWrite)
+        .expect_err("the access was failed on purpose");
+    backend
+        .unmap(a, GRANULE)
+        .expect("the stuck mapping is still mapped");
+    let unmaps = model.count(DriverCall::MemUnmap);
+    backend.free(a, GRANULE).expect("nothing is left mapped");
+    assert_eq!(model.count(DriverCall::MemUnmap), unmaps, "no unmap twice");
+    backend.release(pa, GRANULE).unwrap();
+    drop(backend);
+    assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+}
+
+/// Kills `src/backend/cuda/mod.rs: delete ! in <impl Backend for CudaBackend<D>>::retire_fence`:
+/// a fence retired while its context cannot be made current has its events destroyed at the
+/// next retirement.
+#[test]
+fn a_fence_retired_while_not_current_is_destroyed_at_the_next_retirement() {
+    let model = model();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let events = model.outstanding().events;
+    let first = backend.fence();
+    assert!(
+        model.outstanding().events > events,
+        "the fence recorded an event"
+    );
+    model.fail_nth(DriverCall::CtxSetCurrent, 1, CuError::UNKNOWN);
+    backend.retire_fence(first);
+    let second = backend.fence();
+    backend.retire_fence(second);
+    assert_eq!(model.outstanding().events, events);
+}

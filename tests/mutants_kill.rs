@@ -851,3 +851,15 @@ fn a_fence_retired_while_not_current_is_destroyed_at_the_next_retirement() {
     backend.retire_fence(second);
     assert_eq!(model.outstanding().events, events);
 }
+
+/// Kills `src/backend/host.rs: replace -= with += in <impl Backend for HostBackend>::release`:
+/// releasing an exportable allocation (a file of its own) gives its bytes back too.
+#[test]
+fn a_host_exportable_release_gives_back_its_bytes() {
+    let host = HostBackend::with_defaults().unwrap();
+    let page = host.granularity();
+    let phys = Exportable::<PosixFd>::create_exportable(&host, 2 * page).unwrap();
+    assert_eq!(host.physical_in_use(), 2 * page as u64);
+    host.release(phys, 2 * page).unwrap();
+    assert_eq!(host.physical_in_use(), 0);
+}

@@ -863,3 +863,37 @@ fn a_host_exportable_release_gives_back_its_bytes() {
     host.release(phys, 2 * page).unwrap();
     assert_eq!(host.physical_in_use(), 0);
 }
+
+/// Kills `src/backend/cuda/model.rs: replace ModelOutstanding::is_zero -> bool with true`: a
+/// model that holds a reservation does not say it holds nothing.
+#[test]
+fn a_model_holding_a_reservation_is_not_empty() {
+    let model = model();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let addr = backend.reserve(GRANULE).unwrap();
+    assert!(!model.outstanding().is_zero(), "{:?}", model.outstanding());
+    backend.free(addr, GRANULE).unwrap();
+    drop(backend);
+    assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+}
+
+/// Kills `src/backend/cuda/model.rs: replace >= with < in <impl Driver for
+/// DriverModel>::ctx_synchronize`: with nothing submitted, a blocking synchronize returns at
+/// once (it waits only for unfinished work).
+#[test]
+fn a_blocking_synchronize_with_nothing_submitted_returns() {
+    let model = opened(ModelConfig {
+        synchronize_blocks: true,
+        ..ModelConfig::default()
+    });
+    let (sent, seen) = std::sync::mpsc::channel();
+    let other = model.clone();
+    std::thread::spawn(move || {
+        let ctx = other.primary_ctx_retain(0).unwrap();
+        // SAFETY: `ctx` was just retained from this model.
+        unsafe { other.ctx_set_current(ctx) }.unwrap();
+        let _ = sent.send(other.ctx_synchronize());
+    });
+    let synchronized = seen.recv_timeout(gate::STALL);
+    assert_eq!(synchronized, Ok(Ok(())), "the synchronize never returned");
+}

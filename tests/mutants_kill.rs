@@ -1,0 +1,899 @@
+//! Tests written to kill mutants that `cargo mutants` (`.cargo/mutants.toml`) found surviving
+//! the other suites: each names the mutant it catches (as cargo-mutants names it) in its
+//! comment. `.cargo/mutants-survivors.md` lists the mutants that survive everything, with why
+//! each cannot change behaviour.
+
+use memtoken::backend::cuda::{
+    CuError, CudaBackend, CudaPhys, Driver, DriverCall, DriverModel, ModelConfig, Placement,
+};
+use memtoken::backend::{
+    Access, Backend, Cause, Exportable, Faulty, HandleType, HostBackend, HostConfig, Op, PosixFd,
+    Shareable, SimBackend, SimConfig, Violation,
+};
+use memtoken::{
+    Budget, CommitFailure, Device, GrowFailure, MESSAGE_LEN, PagePool, PrefixMessage, Returned,
+    ShrinkFailure, TransitionError, WireError, make_guard,
+};
+
+#[path = "common/gate.rs"]
+mod gate;
+
+use gate::{Gate, GateHandle};
+
+const GRANULE: usize = 2 << 20;
+
+fn sim(physical_capacity: u64) -> SimBackend {
+    SimBackend::new(SimConfig {
+        physical_capacity,
+        ..SimConfig::default()
+    })
+    .unwrap()
+}
+
+/// Kills `src/allocation.rs: replace > with >= in Allocation<'b, 'id, B, Reserved>::admit`:
+/// a commit of exactly the physical capacity fits.
+#[test]
+fn a_commit_of_exactly_the_physical_capacity_fits() {
+    make_guard!(guard);
+    let device = Device::new(guard, sim(4 * GRANULE as u64));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let all = binding.reserve(4 * GRANULE).unwrap().commit().unwrap();
+    assert_eq!(device.ledger().owned_bytes, 4 * GRANULE as u64);
+    all.release().complete().unwrap();
+}
+
+/// Kills `src/device.rs: replace Device<'id, B>::forget_cache with ()`: once the context is
+/// lost, discharging the device forgets its cached granules (the driver freed them), so the
+/// ledger holds nothing owned or cached any more.
+#[test]
+fn a_lost_context_discharges_the_granule_cache_from_the_ledger() {
+    let sim = sim(16 * GRANULE as u64);
+    make_guard!(guard);
+    let device = Device::new(guard, sim.clone());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding.reserve(4 * GRANULE).unwrap().into_region();
+    region = region.grow(3).unwrap();
+    region.shrink(3).unwrap();
+    region.release().complete().unwrap();
+    let l = device.ledger();
+    assert_eq!(
+        (l.owned_bytes, l.cached_bytes),
+        (3 * GRANULE as u64, 3 * GRANULE as u64)
+    );
+    sim.lose_context();
+    let proof = device
+        .confirm_context_lost()
+        .expect("the simulator says it is lost");
+    device.discharge_all(&proof);
+    assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+}
+
+/// Kills `src/error.rs: replace <impl Failure for ResumeFailure>::summary -> &'static str with ""`:
+/// a failed resume's message starts by saying so.
+#[test]
+fn a_failed_resume_says_so_first() {
+    make_guard!(guard);
+    let backend = Faulty::new(sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let asleep = binding
+        .reserve(GRANULE)
+        .unwrap()
+        .commit()
+        .unwrap()
+        .suspend()
+        .unwrap();
+    faults.fail_nth(Op::Create, 1);
+    let e = asleep
+        .resume()
+        .expect_err("the create was failed on purpose");
+    let message = e.to_string();
+    assert!(
+        message.starts_with("resuming the memory failed; "),
+        "{message}"
+    );
+    drop(e.into_token());
+}
+
+/// Kills `src/region.rs: replace - with + in Allocation<'b, 'id, B, Elastic>::shrink`: a shrink
+/// refused for a lost context names the granules it was asked to give back, at the tail.
+#[test]
+fn a_shrink_after_the_context_is_lost_names_the_tail_it_would_unmap() {
+    let sim = sim(16 * GRANULE as u64);
+    make_guard!(guard);
+    let device = Device::new(guard, sim.clone());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding.reserve(4 * GRANULE).unwrap().into_region();
+    region = region.grow(3).unwrap();
+    sim.lose_context();
+    let Err(ShrinkFailure::Backend(e)) = region.shrink(1) else {
+        panic!("a lost context refuses the shrink");
+    };
+    assert_eq!(e.cause, Cause::ContextLost);
+    assert_eq!(e.op, Op::Unmap);
+    assert_eq!((e.addr, e.len), (region.addr() + 2 * GRANULE, GRANULE));
+    assert_eq!(region.committed_len(), 3 * GRANULE, "nothing was done");
+}
+
+fn model() -> DriverModel {
+    DriverModel::new(ModelConfig {
+        granularity: GRANULE,
+        total_mem: 64 * GRANULE,
+        ..ModelConfig::default()
+    })
+    .unwrap()
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace && with || in CudaBackend<D>::check_not_busy`: a
+/// copy not known to have landed keeps its own range busy, and only that range: another
+/// allocation still releases.
+#[test]
+fn a_range_left_busy_by_a_copy_holds_back_only_itself() {
+    let model = model();
+    make_guard!(guard);
+    let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut a = binding.reserve(GRANULE).unwrap().commit().unwrap();
+    let b = binding.reserve(GRANULE).unwrap().commit().unwrap();
+    // Neither the event nor the whole context can be waited for: the copy into `a` is not
+    // known to have landed, so `a` stays busy.
+    model.fail_nth(DriverCall::EventSynchronize, 1, CuError::UNKNOWN);
+    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::UNKNOWN);
+    a.copy_from_host(0, &[7; 64])
+        .expect_err("the wait was failed on purpose");
+    b.release()
+        .complete()
+        .map_err(|e| e.to_string())
+        .expect("b is not busy");
+    std::mem::forget(a); // still busy: it may never be unmapped
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace < with > in <impl Exportable<PosixFd> for
+/// CudaBackend<D>>::import`: an import that claims more than the driver's allocation is "too
+/// small"; one that claims less is "longer than the message claims".
+#[test]
+fn a_cuda_import_tells_a_short_allocation_from_a_long_one() {
+    let model = model();
+    let exporter = CudaBackend::new(model.clone(), 0).unwrap();
+    let importer = CudaBackend::new(model.clone(), 0).unwrap();
+    let small = Exportable::<PosixFd>::create_exportable(&exporter, GRANULE).unwrap();
+    let big = Exportable::<PosixFd>::create_exportable(&exporter, 2 * GRANULE).unwrap();
+    let claim = |phys, real, len| {
+        let fd = Exportable::<PosixFd>::export(&exporter, phys, real)
+            .unwrap()
+            .fd;
+        let handle = Shareable { fd, offset: 0, len };
+        Exportable::<PosixFd>::import(&importer, handle).expect_err("the size disagrees")
+    };
+    let short = claim(small, GRANULE, 2 * GRANULE);
+    assert!(
+        matches!(
+            short.cause,
+            Cause::Violation(Violation::ImportTooSmall { size, len, .. })
+                if size == GRANULE as u64 && len == 2 * GRANULE
+        ),
+        "{short}"
+    );
+    let long = claim(big, 2 * GRANULE, GRANULE);
+    assert!(
+        matches!(long.cause, Cause::Violation(Violation::Import(m)) if m.contains("longer")),
+        "{long}"
+    );
+    for (phys, n) in [(small, GRANULE), (big, 2 * GRANULE)] {
+        exporter.release(phys, n).unwrap();
+    }
+}
+
+/// Kills `src/backend/host.rs: replace HostBackend::page_size -> usize with 0`: the page size
+/// is the OS's, a power of two no larger than the granularity.
+#[test]
+fn the_host_backend_says_the_os_page_size() {
+    let host = HostBackend::with_defaults().unwrap();
+    let page = host.page_size();
+    assert!(page.is_power_of_two(), "{page}");
+    assert!(page <= host.granularity(), "{page}");
+}
+
+/// Kills `src/backend/host.rs: replace > with == in HostBackend::check_capacity`: the host
+/// backend creates up to exactly its capacity, and refuses a byte more.
+#[test]
+fn the_host_backend_creates_up_to_exactly_its_capacity() {
+    let page = HostBackend::with_defaults().unwrap().granularity();
+    let host = HostBackend::new(HostConfig {
+        physical_capacity: 4 * page as u64,
+        ..HostConfig::default()
+    })
+    .unwrap();
+    let three = host.create(3 * page).unwrap();
+    let e = host.create(2 * page).expect_err("past the capacity");
+    assert!(matches!(e.cause, Cause::Exhausted { available, .. } if available == page as u64));
+    let one = host.create(page).expect("exactly the capacity");
+    assert_eq!(host.physical_in_use(), 4 * page as u64);
+    host.release(one, page).unwrap();
+    host.release(three, 3 * page).unwrap();
+}
+
+/// Whether any mapping of this process covers `addr` (from `/proc/self/maps`).
+fn mapped(addr: usize) -> bool {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines().any(|line| {
+        let range = line.split_whitespace().next().unwrap();
+        let (start, end) = range.split_once('-').unwrap();
+        let start = usize::from_str_radix(start, 16).unwrap();
+        let end = usize::from_str_radix(end, 16).unwrap();
+        (start..end).contains(&addr)
+    })
+}
+
+/// Kills `src/backend/host.rs: replace + with - in <impl Backend for HostBackend>::reserve`:
+/// a host reservation aligned to a granularity larger than the page trims the slack it
+/// over-reserved after its end (and only there), so nothing past the reservation stays mapped.
+#[test]
+fn a_host_reservation_gives_back_the_slack_past_its_end() {
+    let host = HostBackend::new(HostConfig {
+        granularity: GRANULE,
+        ..HostConfig::default()
+    })
+    .unwrap();
+    assert!(host.page_size() < GRANULE, "the slack is a granule");
+    // Another thread's mapping may land in the trimmed gap at once: one of three tries shows
+    // it free (with the slack kept, none does).
+    let trimmed = (0..3).any(|_| {
+        let addr = host.reserve(GRANULE).unwrap();
+        assert!(mapped(addr) && mapped(addr + GRANULE - 1));
+        let free = !mapped(addr + GRANULE);
+        host.free(addr, GRANULE).unwrap();
+        free
+    });
+    assert!(trimmed, "the slack past the end is unmapped");
+}
+
+/// Kills `src/interop/ipc.rs: replace <impl std::fmt::Debug for Export<'_, '_, B, K>>::fmt ->
+/// std::fmt::Result with Ok(Default::default())`: an export's debug form shows its message
+/// and handles.
+#[test]
+fn an_export_debugs_as_its_message_and_handles() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let owner = device.bind(Budget::unlimited()).unwrap();
+    let page = device.granularity();
+    let prefix = owner
+        .reserve(3 * page)
+        .unwrap()
+        .commit_prefix_exportable::<PosixFd>()
+        .unwrap();
+    let export = prefix.export().unwrap();
+    let debug = format!("{export:?}");
+    assert!(debug.starts_with("Export {"), "{debug}");
+    assert!(debug.contains("message: PrefixMessage"), "{debug}");
+    assert!(debug.contains("handles: ["), "{debug}");
+    drop(export);
+    prefix.release().complete().unwrap();
+}
+
+/// A model with `config`, initialized, with its context retained and current.
+fn opened(config: ModelConfig) -> DriverModel {
+    let model = DriverModel::new(config).unwrap();
+    model.init().unwrap();
+    let ctx = model.primary_ctx_retain(0).unwrap();
+    // SAFETY: `ctx` was just retained from this model.
+    unsafe { model.ctx_set_current(ctx) }.unwrap();
+    model
+}
+
+/// Kills `src/backend/cuda/model.rs: replace + with - in ModelState::unmap_under_work`: work
+/// that named the range it uses faults when exactly that range is unmapped under it (fact 21).
+#[test]
+fn work_that_named_its_range_faults_when_that_range_is_unmapped() {
+    let model = opened(ModelConfig::default());
+    let stream = model.new_stream();
+    let ptr = model.mem_address_reserve(GRANULE, GRANULE, 0).unwrap();
+    let handle = model.mem_create(GRANULE, 0).unwrap();
+    model.submit_work_touching(stream, &[]); // an epoch before the access below
+    // SAFETY: the fresh reservation is unmapped; `handle` is live and `GRANULE` bytes long;
+    // the mapping is exactly `[ptr, ptr + GRANULE)`, unmapped once, then released.
+    unsafe {
+        model.mem_map(ptr, GRANULE, 0, handle).unwrap();
+        model.mem_set_access(ptr, GRANULE, &[(0, true)]).unwrap();
+        model.submit_work_touching(stream, &[(ptr, GRANULE)]);
+        model.mem_unmap(ptr, GRANULE).unwrap();
+        model.mem_release(handle).unwrap();
+    }
+    model.complete_work_on(stream);
+    assert_eq!(model.lost_with(), Some(CuError::ILLEGAL_ADDRESS));
+}
+
+/// Kills `src/backend/cuda/model.rs: replace + with - in ModelState::place`: scattered
+/// reservations never overlap, even when they are large enough that random places collide.
+#[test]
+fn scattered_reservations_never_overlap() {
+    let len = 1usize << 45; // two fit in the model's window, at most three
+    for seed in 1..=8 {
+        let model = opened(ModelConfig {
+            placement: Placement::Scattered { seed },
+            ..ModelConfig::default()
+        });
+        let a = model.mem_address_reserve(len, GRANULE, 0).unwrap();
+        let b = model.mem_address_reserve(len, GRANULE, 0).unwrap();
+        let (a, b) = (a as usize, b as usize);
+        assert!(
+            a + len <= b || b + len <= a,
+            "seed {seed}: {a:#x} and {b:#x}"
+        );
+        // SAFETY: each is exactly one reservation with nothing mapped in it.
+        unsafe {
+            model.mem_address_free(a as u64, len).unwrap();
+            model.mem_address_free(b as u64, len).unwrap();
+        }
+    }
+}
+
+/// Kills `src/device.rs: delete ! in <impl Drop for Device<'_, B>>::drop`: a device dropped
+/// without `close` still shuts down first (a poll and a quarantine retry) before its own last
+/// retry, so a residual whose first retry fails is released by the second.
+#[test]
+fn a_dropped_device_retries_its_quarantine_twice() {
+    make_guard!(guard);
+    let backend = Faulty::new(sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(GRANULE).unwrap().commit().unwrap();
+    faults.fail_nth(Op::Release, 1);
+    let Err(TransitionError {
+        token: Returned::Quarantined(quarantined),
+        ..
+    }) = a.release().complete()
+    else {
+        panic!("the release was failed on purpose");
+    };
+    drop(quarantined); // into the device's quarantine
+    faults.fail_nth(Op::Release, 1); // the next retry fails too
+    drop(binding);
+    drop(device);
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+}
+
+/// Kills `src/error.rs: replace <impl Failure for GrowFailure>::summary -> &'static str with
+/// "xyzzy"`: a failed growth's message starts by saying so.
+#[test]
+fn a_failed_growth_says_so_first() {
+    make_guard!(guard);
+    let backend = Faulty::new(sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(2 * GRANULE).unwrap().into_region();
+    faults.fail_nth(Op::Create, 1);
+    let e = region
+        .grow(1)
+        .expect_err("the create was failed on purpose");
+    let message = e.to_string();
+    assert!(
+        message.starts_with("the region could not grow; "),
+        "{message}"
+    );
+    e.into_token().release().complete().unwrap();
+}
+
+/// Kills `src/page_pool.rs: replace - with + in PagePool<'pool, 'b, 'id, B>::push` and
+/// `src/page_pool.rs: replace PageTable<'p, 'pool, 'b, 'id, B>::is_empty -> bool with true`:
+/// `push` answers the new page's position in the table, which is then not empty.
+#[test]
+fn a_pushed_page_is_at_the_position_push_answers() {
+    make_guard!(guard);
+    let device = Device::new(guard, sim(16 * GRANULE as u64));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, 4096).unwrap();
+    let mut table = pool.table();
+    assert!(table.is_empty());
+    assert_eq!(pool.push(&mut table).unwrap(), 0);
+    assert!(!table.is_empty());
+    assert_eq!(pool.push(&mut table).unwrap(), 1);
+    assert_eq!(table.len(), 2);
+    assert_ne!(table.addr(0), table.addr(1));
+    pool.clear(&mut table);
+    assert!(table.is_empty());
+}
+
+/// A CUDA backend on `model` with `n` reservations of `GRANULE` bytes, each with its own
+/// physical memory, not mapped.
+fn reserved(model: &DriverModel, n: usize) -> (CudaBackend<DriverModel>, Vec<(usize, CudaPhys)>) {
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let ranges = (0..n)
+        .map(|_| {
+            let addr = backend.reserve(GRANULE).unwrap();
+            (addr, backend.create(GRANULE).unwrap())
+        })
+        .collect();
+    (backend, ranges)
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace CudaBackend<D>::device -> i32 with 1`: the backend
+/// says the `CUdevice` of the ordinal it was opened on.
+#[test]
+fn a_cuda_backend_says_its_device() {
+    let model = model();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    assert_eq!(backend.device(), model.device_get(0).unwrap());
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace && with || in CudaBackend<D>::unstick`: a mapping
+/// left by a failed rollback in one range is unmapped before that range is mapped or freed,
+/// and only then: a map elsewhere does not touch it (nor fail when unmapping it would).
+#[test]
+fn a_stuck_mapping_is_unstuck_only_by_its_own_range() {
+    let model = model();
+    let (backend, r) = reserved(&model, 2);
+    let [(a, pa), (b, pb)] = [r[0], r[1]];
+    model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the rollback
+    backend
+        .map(a, GRANULE, pa, Access::ReadWrite)
+        .expect_err("the access was failed on purpose");
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN);
+    let unmaps = model.count(DriverCall::MemUnmap);
+    backend
+        .map(b, GRANULE, pb, Access::ReadWrite)
+        .expect("b has nothing stuck");
+    assert_eq!(
+        model.count(DriverCall::MemUnmap),
+        unmaps,
+        "a's mapping left alone"
+    );
+    model.clear();
+    backend.unmap(b, GRANULE).unwrap();
+    backend
+        .free(a, GRANULE)
+        .expect("a's stuck mapping goes first");
+    backend.free(b, GRANULE).unwrap();
+    backend.release(pa, GRANULE).unwrap();
+    backend.release(pb, GRANULE).unwrap();
+    drop(backend);
+    assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace + with - in CudaBackend<D>::sweep_scratch`: a
+/// copy's scratch range whose unmap failed is unmapped and freed by the next copy's sweep.
+#[test]
+fn the_next_copy_sweeps_a_scratch_range_left_mapped() {
+    let model = model();
+    let (backend, r) = reserved(&model, 1);
+    let (src, psrc) = r[0];
+    backend.map(src, GRANULE, psrc, Access::ReadWrite).unwrap();
+    let dst = backend.create(GRANULE).unwrap();
+    let before = model.outstanding().reservations;
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the scratch range's
+    backend.copy_into_phys(dst, src, GRANULE).unwrap();
+    assert_eq!(
+        model.outstanding().reservations,
+        before + 1,
+        "the scratch range is left"
+    );
+    backend.copy_into_phys(dst, src, GRANULE).unwrap();
+    assert_eq!(model.outstanding().reservations, before, "swept");
+    backend.unmap(src, GRANULE).unwrap();
+    backend.free(src, GRANULE).unwrap();
+    backend.release(psrc, GRANULE).unwrap();
+    backend.release(dst, GRANULE).unwrap();
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace match guard freed.is_context_loss() with false in
+/// <impl Backend for CudaBackend<D>>::copy_into_phys`: when freeing a copy's scratch range
+/// loses the context, the copy fails with that loss, and the backend calls the driver no more.
+#[test]
+fn a_context_lost_freeing_a_scratch_range_is_the_copys_error() {
+    let model = model();
+    let (backend, r) = reserved(&model, 1);
+    let (src, psrc) = r[0];
+    backend.map(src, GRANULE, psrc, Access::ReadWrite).unwrap();
+    let dst = backend.create(GRANULE).unwrap();
+    model.fail_nth(DriverCall::MemMap, 1, CuError::OUT_OF_MEMORY); // the scratch map
+    model.fail_nth(DriverCall::MemAddressFree, 1, CuError::ILLEGAL_ADDRESS); // sticky
+    let e = backend.copy_into_phys(dst, src, GRANULE).unwrap_err();
+    assert!(
+        matches!(e.cause, Cause::Driver { code, .. } if code == CuError::ILLEGAL_ADDRESS.0),
+        "{e}"
+    );
+    assert!(backend.context_lost());
+    let _ = backend.unmap(src, GRANULE);
+    drop(backend);
+    assert_eq!(model.calls_after_loss(), 0);
+}
+
+/// Kills `src/backend/host.rs: replace -= with /= in <impl Backend for HostBackend>::release`:
+/// a release gives its bytes back to the host backend's count of physical memory in use.
+#[test]
+fn a_host_release_gives_back_its_bytes() {
+    let host = HostBackend::with_defaults().unwrap();
+    let page = host.granularity();
+    let a = host.create(2 * page).unwrap();
+    let b = host.create(page).unwrap();
+    assert_eq!(host.physical_in_use(), 3 * page as u64);
+    host.release(a, 2 * page).unwrap();
+    assert_eq!(host.physical_in_use(), page as u64);
+    host.release(b, page).unwrap();
+    assert_eq!(host.physical_in_use(), 0);
+}
+
+/// Kills `src/backend/host.rs: replace > with < in <impl Exportable<PosixFd> for
+/// HostBackend>::import`: a host import may claim all of an exported file, and is refused when
+/// it claims more.
+#[test]
+fn a_host_import_may_claim_all_of_the_file_and_no_more() {
+    let exporter = HostBackend::with_defaults().unwrap();
+    let importer = HostBackend::with_defaults().unwrap();
+    let page = exporter.granularity();
+    let phys = Exportable::<PosixFd>::create_exportable(&exporter, 2 * page).unwrap();
+    let claim = |len| {
+        let fd = Exportable::<PosixFd>::export(&exporter, phys, 2 * page)
+            .unwrap()
+            .fd;
+        Exportable::<PosixFd>::import(&importer, Shareable { fd, offset: 0, len })
+    };
+    let e = claim(3 * page).expect_err("more than the file holds");
+    assert!(
+        matches!(e.cause, Cause::Violation(Violation::ImportTooSmall { len, size, .. })
+            if len == 3 * page && size == 2 * page as u64),
+        "{e}"
+    );
+    let whole = claim(2 * page).expect("exactly the file");
+    importer.release(whole, 2 * page).unwrap();
+    exporter.release(phys, 2 * page).unwrap();
+}
+
+/// Kills `src/error.rs: replace quarantine_note -> String with String::new()`: an undone
+/// growth whose granule could not be released either says that it is in the quarantine.
+#[test]
+fn an_undone_growth_tells_of_what_it_left_in_the_quarantine() {
+    make_guard!(guard);
+    let backend = Faulty::new(sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(2 * GRANULE).unwrap().into_region();
+    faults.fail_nth(Op::Map, 1);
+    faults.fail_nth(Op::Release, 1);
+    let e = region.grow(1).expect_err("the map was failed on purpose");
+    assert!(
+        matches!(e.cause, GrowFailure::Undone { quarantined: 1, .. }),
+        "{:?}",
+        e.cause
+    );
+    let message = e.cause.to_string();
+    assert!(
+        message
+            .contains("1 granules whose release failed while undoing are in the device quarantine"),
+        "{message}"
+    );
+    assert_eq!(device.retry_quarantine().released, 1);
+    e.into_token().release().complete().unwrap();
+}
+
+/// Kills `src/region.rs: replace * with / in Allocation<'b, 'id, B, Elastic>::grow`: a growth
+/// refused for a lost context names the granules it would have mapped.
+#[test]
+fn a_growth_after_the_context_is_lost_names_the_granules_it_would_map() {
+    let sim = sim(16 * GRANULE as u64);
+    make_guard!(guard);
+    let device = Device::new(guard, sim.clone());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(4 * GRANULE).unwrap().into_region();
+    let region = region.grow(1).unwrap();
+    sim.lose_context();
+    let e = region.grow(2).expect_err("the context is lost");
+    let GrowFailure::Undone { cause, .. } = &e.cause else {
+        panic!("{:?}", e.cause);
+    };
+    let CommitFailure::Backend(b) = &**cause else {
+        panic!("{cause:?}");
+    };
+    assert_eq!(b.cause, Cause::ContextLost);
+    assert_eq!((b.addr, b.len), (e.token.addr() + GRANULE, 2 * GRANULE));
+}
+
+/// Kills `src/error.rs: replace <impl Failure for CowFailure>::summary -> &'static str with
+/// "xyzzy"`: a failed copy-on-write says so first.
+#[test]
+fn a_failed_copy_on_write_says_so_first() {
+    make_guard!(guard);
+    let backend = Faulty::new(sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let prefix = binding
+        .reserve(2 * GRANULE)
+        .unwrap()
+        .commit_prefix()
+        .unwrap();
+    let shared = binding
+        .reserve(2 * GRANULE)
+        .unwrap()
+        .map_prefix(&prefix)
+        .unwrap();
+    faults.fail_nth(Op::Create, 1);
+    let e = shared
+        .diverge()
+        .expect_err("the create was failed on purpose");
+    let message = e.to_string();
+    assert!(
+        message.starts_with("copy-on-write of the boundary granule failed; "),
+        "{message}"
+    );
+}
+
+/// Kills `src/interop/mod.rs: replace Allocation<'_, '_, CudaBackend<D>, Elastic>::device_ptr ->
+/// u64 with 1`: a CUDA region's device pointer is its start.
+#[test]
+fn a_cuda_regions_device_pointer_is_its_start() {
+    let model = model();
+    make_guard!(guard);
+    let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(2 * GRANULE).unwrap().into_region();
+    let region = region.grow(1).unwrap();
+    assert_eq!(region.device_ptr(), region.addr() as u64);
+}
+
+/// Kills `src/residual.rs: replace += with -= in Holdings::absorb`: while a poll on one thread
+/// is stopped in the backend tearing down a sharer's release, another thread's custody
+/// reading counts the shared reference it still holds.
+#[test]
+fn a_sharer_being_torn_down_still_counts_its_shared_reference() {
+    let sim = SimBackend::new(SimConfig {
+        fences_complete_at_once: false,
+        ..SimConfig::default()
+    })
+    .unwrap();
+    let gate = GateHandle::default();
+    make_guard!(guard);
+    let device = Device::new(
+        guard,
+        Gate {
+            inner: sim.clone(),
+            gate: gate.clone(),
+        },
+    );
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let prefix = binding.reserve(1).unwrap().commit_prefix().unwrap();
+    let shared = binding.reserve(1).unwrap().map_prefix(&prefix).unwrap();
+    drop(shared);
+    assert_eq!(device.custody().deferred.shared_refs, 1);
+    sim.complete_fences();
+    gate.arm(Op::Unmap);
+    std::thread::scope(|s| {
+        let poller = s.spawn(|| device.poll());
+        let entered = gate.wait_entered();
+        let reading = std::panic::catch_unwind(|| device.custody().deferred);
+        gate.open(); // before any assertion can fail: the scope joins the poller
+        assert!(entered, "the poll never reached the backend's unmap");
+        let deferred = reading.expect("reading the custody");
+        assert_eq!((deferred.count, deferred.shared_refs), (1, 1));
+        assert_eq!(poller.join().unwrap().released, 1);
+    });
+    drop(prefix);
+    sim.complete_fences();
+    device.poll();
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace < with > in CudaBackend<D>::check_not_busy`: the
+/// range a copy left busy is refused to an unmap.
+#[test]
+fn a_range_left_busy_by_a_copy_cannot_be_unmapped() {
+    let model = model();
+    let (backend, r) = reserved(&model, 1);
+    let (a, pa) = r[0];
+    backend.map(a, GRANULE, pa, Access::ReadWrite).unwrap();
+    model.fail_nth(DriverCall::EventSynchronize, 1, CuError::UNKNOWN);
+    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::UNKNOWN);
+    backend
+        .copy_from_host(a, &[7; 64])
+        .expect_err("the wait was failed on purpose");
+    let e = backend.unmap(a, GRANULE).expect_err("a is busy");
+    assert!(
+        matches!(e.cause, Cause::Violation(Violation::Busy { .. })),
+        "{e}"
+    );
+    std::mem::forget(backend); // a copy may still run: nothing may be freed under it
+}
+
+/// Kills `src/backend/rules.rs: replace + with * in Book<P>::check_copy`: a copy from a range
+/// mapped by several granules side by side reads all of them.
+#[test]
+fn a_copy_reads_a_source_of_several_mappings() {
+    let sim = sim(16 * GRANULE as u64);
+    let addr = sim.reserve(3 * GRANULE).unwrap();
+    let granules: Vec<_> = (0..3)
+        .map(|i| {
+            let phys = sim.create(GRANULE).unwrap();
+            sim.map(addr + i * GRANULE, GRANULE, phys, Access::ReadWrite)
+                .unwrap();
+            phys
+        })
+        .collect();
+    let target = sim.create(3 * GRANULE).unwrap();
+    sim.copy_into_phys(target, addr, 3 * GRANULE)
+        .expect("every byte of the source is mapped");
+    sim.release(target, 3 * GRANULE).unwrap();
+    for (i, phys) in granules.into_iter().enumerate() {
+        sim.unmap(addr + i * GRANULE, GRANULE).unwrap();
+        sim.release(phys, GRANULE).unwrap();
+    }
+    sim.free(addr, 3 * GRANULE).unwrap();
+}
+
+/// Kills `src/interop/ipc.rs: replace || with && in PrefixMessage::decode`: a message whose
+/// length is no whole number of granules is malformed.
+#[test]
+fn a_message_of_no_whole_number_of_granules_is_malformed() {
+    let g = GRANULE as u64;
+    let message = PrefixMessage {
+        len: 3 * g + 1,
+        body_len: 2 * g + 1,
+        granularity: g,
+        kind: HandleType::PosixFd,
+        generation: 1,
+        body_offset: 0,
+        boundary_offset: 0,
+    };
+    let bytes = message.encode();
+    assert_eq!(bytes.len(), MESSAGE_LEN);
+    assert!(
+        matches!(
+            PrefixMessage::decode(&bytes),
+            Err(WireError::Malformed(m)) if m.contains("whole number of granules")
+        ),
+        "{:?}",
+        PrefixMessage::decode(&bytes)
+    );
+}
+
+/// Kills `src/backend/cuda/model.rs: replace - with + in ModelState::place`: scattered
+/// reservations stay inside the model's window, whose top is where a top-down model places.
+#[test]
+fn scattered_reservations_stay_inside_the_window() {
+    let len = 1usize << 45;
+    let top_down = opened(ModelConfig {
+        placement: Placement::TopDown,
+        ..ModelConfig::default()
+    });
+    let top = top_down.mem_address_reserve(len, GRANULE, 0).unwrap() as usize + len;
+    for seed in 1..=8 {
+        let model = opened(ModelConfig {
+            placement: Placement::Scattered { seed },
+            ..ModelConfig::default()
+        });
+        for _ in 0..2 {
+            let a = model.mem_address_reserve(len, GRANULE, 0).unwrap() as usize;
+            assert!(
+                a + len <= top,
+                "seed {seed}: {a:#x} + {len:#x} is past {top:#x}"
+            );
+        }
+    }
+}
+
+/// Kills `src/allocation.rs: replace == with != in Allocation<'b, 'id, B, S>::is_empty`: a
+/// token is never empty.
+#[test]
+fn a_token_is_never_empty() {
+    make_guard!(guard);
+    let device = Device::new(guard, sim(16 * GRANULE as u64));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(1).unwrap();
+    assert!(!a.is_empty());
+    let a = a.commit().unwrap();
+    assert!(!a.is_empty());
+}
+
+/// Kills `src/error.rs: replace <impl Failure for SuspendFailure>::summary -> &'static str
+/// with ""`: a failed suspend says so first.
+#[test]
+fn a_failed_suspend_says_so_first() {
+    let sim = sim(16 * GRANULE as u64);
+    make_guard!(guard);
+    let device = Device::new(guard, sim.clone());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(GRANULE).unwrap().commit().unwrap();
+    sim.lose_context();
+    let e = a.suspend().expect_err("the context is lost");
+    let message = e.to_string();
+    assert!(
+        message.starts_with("suspending the memory failed; "),
+        "{message}"
+    );
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace < with == in <impl Backend for
+/// CudaBackend<D>>::unmap`: unmapping a range forgets the mappings a failed rollback left stuck
+/// in it, so freeing the range later does not unmap them again.
+#[test]
+fn an_unmap_forgets_the_stuck_mapping_it_took_down() {
+    let model = model();
+    let (backend, r) = reserved(&model, 1);
+    let (a, pa) = r[0];
+    model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the rollback
+    backend
+        .map(a, GRANULE, pa, Access::ReadWrite)
+        .expect_err("the access was failed on purpose");
+    backend
+        .unmap(a, GRANULE)
+        .expect("the stuck mapping is still mapped");
+    let unmaps = model.count(DriverCall::MemUnmap);
+    backend.free(a, GRANULE).expect("nothing is left mapped");
+    assert_eq!(model.count(DriverCall::MemUnmap), unmaps, "no unmap twice");
+    backend.release(pa, GRANULE).unwrap();
+    drop(backend);
+    assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+}
+
+/// Kills `src/backend/cuda/mod.rs: delete ! in <impl Backend for CudaBackend<D>>::retire_fence`:
+/// a fence retired while its context cannot be made current has its events destroyed at the
+/// next retirement.
+#[test]
+fn a_fence_retired_while_not_current_is_destroyed_at_the_next_retirement() {
+    let model = model();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let events = model.outstanding().events;
+    let first = backend.fence();
+    assert!(
+        model.outstanding().events > events,
+        "the fence recorded an event"
+    );
+    model.fail_nth(DriverCall::CtxSetCurrent, 1, CuError::UNKNOWN);
+    backend.retire_fence(first);
+    let second = backend.fence();
+    backend.retire_fence(second);
+    assert_eq!(model.outstanding().events, events);
+}
+
+/// Kills `src/backend/host.rs: replace -= with += in <impl Backend for HostBackend>::release`:
+/// releasing an exportable allocation (a file of its own) gives its bytes back too.
+#[test]
+fn a_host_exportable_release_gives_back_its_bytes() {
+    let host = HostBackend::with_defaults().unwrap();
+    let page = host.granularity();
+    let phys = Exportable::<PosixFd>::create_exportable(&host, 2 * page).unwrap();
+    assert_eq!(host.physical_in_use(), 2 * page as u64);
+    host.release(phys, 2 * page).unwrap();
+    assert_eq!(host.physical_in_use(), 0);
+}
+
+/// Kills `src/backend/cuda/model.rs: replace ModelOutstanding::is_zero -> bool with true`: a
+/// model that holds a reservation does not say it holds nothing.
+#[test]
+fn a_model_holding_a_reservation_is_not_empty() {
+    let model = model();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let addr = backend.reserve(GRANULE).unwrap();
+    assert!(!model.outstanding().is_zero(), "{:?}", model.outstanding());
+    backend.free(addr, GRANULE).unwrap();
+    drop(backend);
+    assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+}
+
+/// Kills `src/backend/cuda/model.rs: replace >= with < in <impl Driver for
+/// DriverModel>::ctx_synchronize`: with nothing submitted, a blocking synchronize returns at
+/// once (it waits only for unfinished work).
+#[test]
+fn a_blocking_synchronize_with_nothing_submitted_returns() {
+    let model = opened(ModelConfig {
+        synchronize_blocks: true,
+        ..ModelConfig::default()
+    });
+    let (sent, seen) = std::sync::mpsc::channel();
+    let other = model.clone();
+    std::thread::spawn(move || {
+        let ctx = other.primary_ctx_retain(0).unwrap();
+        // SAFETY: `ctx` was just retained from this model.
+        unsafe { other.ctx_set_current(ctx) }.unwrap();
+        let _ = sent.send(other.ctx_synchronize());
+    });
+    let synchronized = seen.recv_timeout(gate::STALL);
+    assert_eq!(synchronized, Ok(Ok(())), "the synchronize never returned");
+}

@@ -7,26 +7,15 @@
 #[path = "common/gate.rs"]
 mod gate;
 
-use gate::{Gate, GateHandle};
-use memtoken::backend::{Op, SimBackend, SimConfig};
+use gate::gated_sim;
+use memtoken::backend::Op;
 use memtoken::{Budget, Device, make_guard};
 
 #[test]
 fn while_discharge_all_runs_another_thread_sees_nothing_deferred_but_bytes_in_the_ledger() {
-    let sim = SimBackend::new(SimConfig {
-        fences_complete_at_once: false,
-        ..SimConfig::default()
-    })
-    .unwrap();
-    let gate = GateHandle::default();
+    let (sim, gate, gated) = gated_sim();
     make_guard!(guard);
-    let device = Device::new(
-        guard,
-        Gate {
-            inner: sim.clone(),
-            gate: gate.clone(),
-        },
-    );
+    let device = Device::new(guard, gated);
     let binding = device.bind(Budget::unlimited()).unwrap();
     drop(binding.reserve(1).unwrap().commit().unwrap());
     drop(binding.reserve(1).unwrap().commit().unwrap());

@@ -18,7 +18,7 @@ use memtoken::{
 #[path = "common/gate.rs"]
 mod gate;
 
-use gate::{Gate, GateHandle};
+use gate::gated_sim;
 
 const GRANULE: usize = 2 << 20;
 
@@ -642,20 +642,9 @@ fn a_cuda_regions_device_pointer_is_its_start() {
 /// reading counts the shared reference it still holds.
 #[test]
 fn a_sharer_being_torn_down_still_counts_its_shared_reference() {
-    let sim = SimBackend::new(SimConfig {
-        fences_complete_at_once: false,
-        ..SimConfig::default()
-    })
-    .unwrap();
-    let gate = GateHandle::default();
+    let (sim, gate, gated) = gated_sim();
     make_guard!(guard);
-    let device = Device::new(
-        guard,
-        Gate {
-            inner: sim.clone(),
-            gate: gate.clone(),
-        },
-    );
+    let device = Device::new(guard, gated);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let prefix = binding.reserve(1).unwrap().commit_prefix().unwrap();
     let shared = binding.reserve(1).unwrap().map_prefix(&prefix).unwrap();

@@ -11,11 +11,9 @@
 #[path = "common/gate.rs"]
 mod gate;
 
-use gate::{Gate, GateHandle, STALL};
+use gate::{Gate, GateHandle, STALL, gated_sim};
 use memtoken::backend::cuda::{CudaBackend, DriverCall, DriverModel, ModelConfig};
-use memtoken::backend::{
-    Access, Backend, Faulty, HostBackend, HostConfig, Op, SimBackend, SimConfig,
-};
+use memtoken::backend::{Access, Backend, Faulty, HostBackend, HostConfig, Op, SimBackend};
 use memtoken::{
     Budget, CommitFailure, Device, ReserveError, Returned, ShrinkFailure, TransitionError,
     make_guard,
@@ -31,20 +29,9 @@ use std::sync::mpsc;
 /// drops a token into the deferred queue, all without waiting for that call.
 #[test]
 fn a_poll_stalled_in_the_backend_holds_no_lock_of_the_device() {
-    let sim = SimBackend::new(SimConfig {
-        fences_complete_at_once: false,
-        ..SimConfig::default()
-    })
-    .unwrap();
-    let gate = GateHandle::default();
+    let (sim, gate, gated) = gated_sim();
     make_guard!(guard);
-    let device = Device::new(
-        guard,
-        Gate {
-            inner: sim.clone(),
-            gate: gate.clone(),
-        },
-    );
+    let device = Device::new(guard, gated);
     let g = device.granularity() as u64;
     let binding = device.bind(Budget::unlimited()).unwrap();
     let stalled = binding.reserve(1).unwrap().commit().unwrap();

@@ -1,7 +1,7 @@
 //! A backend that stalls one chosen call until the test lets it go on: for proving that the
 //! device holds none of its locks while the backend works.
 
-use memtoken::backend::{Access, Addr, Backend, BackendError, Location, Op};
+use memtoken::backend::{Access, Addr, Backend, BackendError, Location, Op, SimBackend, SimConfig};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -141,4 +141,20 @@ impl<B: Backend> Backend for Gate<B> {
     fn context_lost(&self) -> bool {
         self.inner.context_lost()
     }
+}
+
+/// The strict simulator with fences that complete only when told, behind a gate: the simulator
+/// (to complete fences), the gate's handle, and the backend to make a device of.
+pub fn gated_sim() -> (SimBackend, GateHandle, Gate<SimBackend>) {
+    let sim = SimBackend::new(SimConfig {
+        fences_complete_at_once: false,
+        ..SimConfig::strict()
+    })
+    .unwrap();
+    let gate = GateHandle::default();
+    let backend = Gate {
+        inner: sim.clone(),
+        gate: gate.clone(),
+    };
+    (sim, gate, backend)
 }

@@ -136,14 +136,9 @@ fn contain<R>(call: impl FnOnce() -> R) -> Result<R, String> {
     if DEPTH.with(Cell::get) == 0 {
         return Ok(call());
     }
-    // The result is written in place, so that unwinding machinery moves nothing but `()`.
-    let mut out = None;
     // The closure only makes one backend call: nothing of the typed layer's is touched in it,
     // so nothing of ours can be seen half-changed after a panic.
-    match panic::catch_unwind(AssertUnwindSafe(|| out = Some(call()))) {
-        Ok(()) => out.ok_or_else(|| unreachable!("the call returned")),
-        Err(payload) => Err(keep(payload)),
-    }
+    panic::catch_unwind(AssertUnwindSafe(call)).map_err(keep)
 }
 
 /// A backend whose calls are contained: each one that panics inside a [`Scope`] returns

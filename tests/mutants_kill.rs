@@ -4,7 +4,8 @@
 //! each cannot change behaviour.
 
 use memtoken::backend::cuda::{
-    CuError, CudaBackend, CudaPhys, Driver, DriverCall, DriverModel, ModelConfig, Placement,
+    CaptureMode, CuError, CudaBackend, CudaPhys, Driver, DriverCall, DriverModel, ModelConfig,
+    Placement,
 };
 use memtoken::backend::{
     Access, Backend, Cause, Exportable, Faulty, HandleType, HostBackend, HostConfig, Op, PosixFd,
@@ -885,4 +886,128 @@ fn a_blocking_synchronize_with_nothing_submitted_returns() {
     });
     let synchronized = seen.recv_timeout(gate::STALL);
     assert_eq!(synchronized, Ok(Ok(())), "the synchronize never returned");
+}
+
+/// Kills `src/error.rs: replace <impl Failure for CommitFailure>::summary -> &'static str with ""`:
+/// a failed commit's message starts by saying so.
+#[test]
+fn a_failed_commit_says_so_first() {
+    make_guard!(guard);
+    let backend = Faulty::new(sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    faults.fail_nth(Op::Create, 1);
+    let e = binding
+        .reserve(GRANULE)
+        .unwrap()
+        .commit()
+        .expect_err("the create was failed on purpose");
+    let message = e.to_string();
+    assert!(message.starts_with("commit failed; "), "{message}");
+}
+
+/// Kills `src/backend/host.rs: replace - with + in <impl Backend for HostBackend>::create`: a
+/// create refused because no free range is long enough, though enough bytes are free in
+/// pieces, says how many bytes are free.
+#[test]
+fn a_host_create_refused_for_fragmentation_says_what_is_free() {
+    let page = HostBackend::with_defaults().unwrap().granularity();
+    let host = HostBackend::new(HostConfig {
+        physical_capacity: 4 * page as u64,
+        ..HostConfig::default()
+    })
+    .unwrap();
+    let pieces: Vec<_> = (0..3).map(|_| host.create(page).unwrap()).collect();
+    host.release(pieces[1], page).unwrap();
+    // Two pages are free, one between the pieces and one after them: no two side by side.
+    let e = host
+        .create(2 * page)
+        .expect_err("no free range of two pages");
+    assert!(
+        matches!(e.cause, Cause::Exhausted { available, capacity, .. }
+            if available == 2 * page as u64 && capacity == 4 * page as u64),
+        "{e}"
+    );
+    host.release(pieces[0], page).unwrap();
+    host.release(pieces[2], page).unwrap();
+}
+
+/// Kills `src/backend/sim.rs: replace - with + in <impl Backend for SimBackend>::copy_from_host`:
+/// a copy into a range of two mappings that ends inside the second writes exactly its bytes.
+#[test]
+fn a_simulator_copy_ending_inside_a_second_mapping_writes_its_bytes() {
+    let sim = sim(16 * GRANULE as u64);
+    let addr = sim.reserve(2 * GRANULE).unwrap();
+    let granules: Vec<_> = (0..2)
+        .map(|i| {
+            let phys = sim.create(GRANULE).unwrap();
+            sim.map(addr + i * GRANULE, GRANULE, phys, Access::ReadWrite)
+                .unwrap();
+            phys
+        })
+        .collect();
+    let bytes: Vec<u8> = (0..GRANULE).map(|i| (i % 251) as u8).collect();
+    sim.copy_from_host(addr + GRANULE / 2, &bytes)
+        .expect("every byte of the destination is mapped");
+    let mut back = vec![0xff; 2 * GRANULE];
+    sim.copy_to_host(&mut back, addr).unwrap();
+    assert!(
+        back[..GRANULE / 2].iter().all(|&b| b == 0),
+        "before the copy"
+    );
+    assert!(back[GRANULE / 2..3 * GRANULE / 2] == bytes[..], "the copy");
+    assert!(back[3 * GRANULE / 2..].iter().all(|&b| b == 0), "after it");
+    for (i, phys) in granules.into_iter().enumerate() {
+        sim.unmap(addr + i * GRANULE, GRANULE).unwrap();
+        sim.release(phys, GRANULE).unwrap();
+    }
+    sim.free(addr, 2 * GRANULE).unwrap();
+}
+
+/// Kills `src/sleep.rs: replace Allocation<'b, 'id, B, Suspended<Elastic>>::withheld_granules
+/// -> usize with 0`: a region suspended while its unmaps fail withholds those granules, and
+/// says how many.
+#[test]
+fn a_region_suspended_while_unmaps_fail_says_what_it_withholds() {
+    make_guard!(guard);
+    let backend = Faulty::new(sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(4 * GRANULE).unwrap().into_region();
+    let region = region.grow(3).unwrap();
+    faults.fail_from(Op::Unmap, 2);
+    let mut asleep = region.suspend().unwrap();
+    faults.clear();
+    assert_eq!(asleep.withheld_granules(), 2, "the second and the first");
+    assert_eq!(asleep.withheld_bytes(), 2 * GRANULE);
+    asleep.reclaim().unwrap();
+    assert_eq!(
+        (asleep.withheld_granules(), asleep.withheld_bytes()),
+        (0, 0)
+    );
+    asleep.release().complete().unwrap();
+    let l = device.ledger();
+    assert_eq!(
+        (l.reserved_bytes, l.mapped_bytes, binding.used()),
+        (0, 0, 0),
+        "{l:?}"
+    );
+    assert_eq!(l.owned_bytes, l.cached_bytes, "what is left is the cache");
+}
+
+/// Kills `src/backend/cuda/model.rs: replace += with -= in DriverModel::new_stream`: every new
+/// stream, however many the model made, is one of its own and never the legacy stream (a
+/// capture may begin on it: fact 41).
+#[test]
+fn tens_of_thousands_of_new_streams_are_each_their_own() {
+    let model = model();
+    let streams: Vec<_> = (0..1 << 16).map(|_| model.new_stream()).collect();
+    let distinct: std::collections::HashSet<_> = streams.iter().collect();
+    assert_eq!(distinct.len(), streams.len());
+    for &stream in &streams {
+        model.begin_capture(stream, CaptureMode::Global);
+        model.end_capture(stream).unwrap();
+    }
 }

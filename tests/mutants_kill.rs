@@ -19,7 +19,7 @@ use memtoken::{
 #[path = "common/gate.rs"]
 mod gate;
 
-use gate::gated_sim;
+use gate::{Gate, GateHandle, gated_sim};
 
 const GRANULE: usize = 2 << 20;
 
@@ -1010,4 +1010,33 @@ fn tens_of_thousands_of_new_streams_are_each_their_own() {
         model.begin_capture(stream, CaptureMode::Global);
         model.end_capture(stream).unwrap();
     }
+}
+
+/// Kills `src/interop/ipc.rs: replace - with / in Allocation<'b, 'id, B, Owner<K>>::export`:
+/// an export's message carries the offset its backend gave each handle, body and boundary
+/// (here one megabyte into each file).
+#[test]
+fn an_export_carries_the_offset_of_each_handle() {
+    const SHIFT: u64 = 1 << 20;
+    make_guard!(guard);
+    let gate = GateHandle::default();
+    gate.shift_exports(SHIFT);
+    let backend = Gate {
+        inner: HostBackend::with_defaults().unwrap(),
+        gate,
+    };
+    let device = Device::new(guard, backend);
+    let owner = device.bind(Budget::unlimited()).unwrap();
+    let page = device.granularity();
+    let prefix = owner
+        .reserve(3 * page)
+        .unwrap()
+        .commit_prefix_exportable::<PosixFd>()
+        .unwrap();
+    let export = prefix.export().unwrap();
+    let m = export.message();
+    assert_eq!((m.body_len, m.body_offset), (2 * page as u64, SHIFT));
+    assert_eq!(m.boundary_offset, SHIFT);
+    drop(export);
+    prefix.release().complete().unwrap();
 }

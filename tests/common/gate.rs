@@ -1,7 +1,13 @@
 //! A backend that stalls one chosen call until the test lets it go on: for proving that the
-//! device holds none of its locks while the backend works.
+//! device holds none of its locks while the backend works. It can also move the offsets of the
+//! handles it exports, as a backend exporting pieces of one larger file would say.
 
-use memtoken::backend::{Access, Addr, Backend, BackendError, Location, Op, SimBackend, SimConfig};
+#![allow(dead_code)] // each test binary that includes this file uses part of it
+
+use memtoken::backend::{
+    Access, Addr, Backend, BackendError, Exportable, HandleKind, Location, Op, Shareable,
+    SimBackend, SimConfig,
+};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -15,6 +21,8 @@ struct GateState {
     armed: Option<Op>,
     entered: bool,
     open: bool,
+    /// Added to the offset of every handle exported, taken off every handle imported.
+    shift: u64,
 }
 
 /// A handle on a [`Gate`]'s state, shared with the test.
@@ -48,6 +56,17 @@ impl GateHandle {
             .wait_timeout_while(state, STALL, |s| !s.entered)
             .unwrap();
         state.entered
+    }
+
+    /// From now on, exported handles name an offset `shift` bytes further into their file than
+    /// the inner backend said: for checking what reaches an export's message (no receiver
+    /// takes such a handle, the file holds nothing there).
+    pub fn shift_exports(&self, shift: u64) {
+        self.0.0.lock().unwrap().shift = shift;
+    }
+
+    fn shift(&self) -> u64 {
+        self.0.0.lock().unwrap().shift
     }
 
     /// Lets the stopped call go on.
@@ -140,6 +159,22 @@ impl<B: Backend> Backend for Gate<B> {
     }
     fn context_lost(&self) -> bool {
         self.inner.context_lost()
+    }
+}
+
+/// Exports and imports go to the inner backend; exported offsets are moved by
+/// [`GateHandle::shift_exports`].
+impl<K: HandleKind, B: Exportable<K>> Exportable<K> for Gate<B> {
+    fn create_exportable(&self, len: usize) -> Result<B::Phys, BackendError> {
+        self.inner.create_exportable(len)
+    }
+    fn export(&self, phys: B::Phys, len: usize) -> Result<Shareable, BackendError> {
+        let mut handle = self.inner.export(phys, len)?;
+        handle.offset += self.gate.shift();
+        Ok(handle)
+    }
+    fn import(&self, handle: Shareable) -> Result<B::Phys, BackendError> {
+        self.inner.import(handle)
     }
 }
 

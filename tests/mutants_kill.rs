@@ -200,12 +200,7 @@ fn the_host_backend_says_the_os_page_size() {
 /// backend creates up to exactly its capacity, and refuses a byte more.
 #[test]
 fn the_host_backend_creates_up_to_exactly_its_capacity() {
-    let page = HostBackend::with_defaults().unwrap().granularity();
-    let host = HostBackend::new(HostConfig {
-        physical_capacity: 4 * page as u64,
-        ..HostConfig::default()
-    })
-    .unwrap();
+    let (host, page) = host_of_pages(4);
     let three = host.create(3 * page).unwrap();
     let e = host.create(2 * page).expect_err("past the capacity");
     assert!(matches!(e.cause, Cause::Exhausted { available, .. } if available == page as u64));
@@ -213,6 +208,17 @@ fn the_host_backend_creates_up_to_exactly_its_capacity() {
     assert_eq!(host.physical_in_use(), 4 * page as u64);
     host.release(one, page).unwrap();
     host.release(three, 3 * page).unwrap();
+}
+
+/// A host backend whose physical capacity is `pages` pages, and its page size.
+fn host_of_pages(pages: u64) -> (HostBackend, usize) {
+    let page = HostBackend::with_defaults().unwrap().granularity();
+    let host = HostBackend::new(HostConfig {
+        physical_capacity: pages * page as u64,
+        ..HostConfig::default()
+    })
+    .unwrap();
+    (host, page)
 }
 
 /// Whether any mapping of this process covers `addr` (from `/proc/self/maps`).
@@ -251,12 +257,21 @@ fn a_host_reservation_gives_back_the_slack_past_its_end() {
 }
 
 /// Kills `src/interop/ipc.rs: replace <impl std::fmt::Debug for Export<'_, '_, B, K>>::fmt ->
-/// std::fmt::Result with Ok(Default::default())`: an export's debug form shows its message
-/// and handles.
+/// std::fmt::Result with Ok(Default::default())` and `src/interop/ipc.rs: replace - with / in
+/// Allocation<'b, 'id, B, Owner<K>>::export`: an export's debug form shows its message and
+/// handles, and its message carries the offset the backend gave each handle, body and boundary
+/// (here one megabyte into each file, as a backend exporting pieces of one file would say).
 #[test]
-fn an_export_debugs_as_its_message_and_handles() {
+fn an_export_debugs_as_its_message_and_handles_and_carries_their_offsets() {
+    const SHIFT: u64 = 1 << 20;
     make_guard!(guard);
-    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let gate = GateHandle::default();
+    gate.shift_exports(SHIFT);
+    let backend = Gate {
+        inner: HostBackend::with_defaults().unwrap(),
+        gate,
+    };
+    let device = Device::new(guard, backend);
     let owner = device.bind(Budget::unlimited()).unwrap();
     let page = device.granularity();
     let prefix = owner
@@ -269,6 +284,9 @@ fn an_export_debugs_as_its_message_and_handles() {
     assert!(debug.starts_with("Export {"), "{debug}");
     assert!(debug.contains("message: PrefixMessage"), "{debug}");
     assert!(debug.contains("handles: ["), "{debug}");
+    let m = export.message();
+    assert_eq!((m.body_len, m.body_offset), (2 * page as u64, SHIFT));
+    assert_eq!(m.boundary_offset, SHIFT);
     drop(export);
     prefix.release().complete().unwrap();
 }
@@ -696,8 +714,19 @@ fn a_range_left_busy_by_a_copy_cannot_be_unmapped() {
 #[test]
 fn a_copy_reads_a_source_of_several_mappings() {
     let sim = sim(16 * GRANULE as u64);
-    let addr = sim.reserve(3 * GRANULE).unwrap();
-    let granules: Vec<_> = (0..3)
+    let (addr, granules) = map_granules(&sim, 3);
+    let target = sim.create(3 * GRANULE).unwrap();
+    sim.copy_into_phys(target, addr, 3 * GRANULE)
+        .expect("every byte of the source is mapped");
+    sim.release(target, 3 * GRANULE).unwrap();
+    unmap_granules(&sim, addr, granules);
+}
+
+/// A reservation of `n` granules, each mapped to a physical allocation of its own: its address
+/// and the allocations.
+fn map_granules(sim: &SimBackend, n: usize) -> (usize, Vec<<SimBackend as Backend>::Phys>) {
+    let addr = sim.reserve(n * GRANULE).unwrap();
+    let granules = (0..n)
         .map(|i| {
             let phys = sim.create(GRANULE).unwrap();
             sim.map(addr + i * GRANULE, GRANULE, phys, Access::ReadWrite)
@@ -705,15 +734,17 @@ fn a_copy_reads_a_source_of_several_mappings() {
             phys
         })
         .collect();
-    let target = sim.create(3 * GRANULE).unwrap();
-    sim.copy_into_phys(target, addr, 3 * GRANULE)
-        .expect("every byte of the source is mapped");
-    sim.release(target, 3 * GRANULE).unwrap();
+    (addr, granules)
+}
+
+/// Undoes [`map_granules`].
+fn unmap_granules(sim: &SimBackend, addr: usize, granules: Vec<<SimBackend as Backend>::Phys>) {
+    let n = granules.len();
     for (i, phys) in granules.into_iter().enumerate() {
         sim.unmap(addr + i * GRANULE, GRANULE).unwrap();
         sim.release(phys, GRANULE).unwrap();
     }
-    sim.free(addr, 3 * GRANULE).unwrap();
+    sim.free(addr, n * GRANULE).unwrap();
 }
 
 /// Kills `src/interop/ipc.rs: replace || with && in PrefixMessage::decode`: a message whose
@@ -912,12 +943,7 @@ fn a_failed_commit_says_so_first() {
 /// pieces, says how many bytes are free.
 #[test]
 fn a_host_create_refused_for_fragmentation_says_what_is_free() {
-    let page = HostBackend::with_defaults().unwrap().granularity();
-    let host = HostBackend::new(HostConfig {
-        physical_capacity: 4 * page as u64,
-        ..HostConfig::default()
-    })
-    .unwrap();
+    let (host, page) = host_of_pages(4);
     let pieces: Vec<_> = (0..3).map(|_| host.create(page).unwrap()).collect();
     host.release(pieces[1], page).unwrap();
     // Two pages are free, one between the pieces and one after them: no two side by side.
@@ -938,15 +964,7 @@ fn a_host_create_refused_for_fragmentation_says_what_is_free() {
 #[test]
 fn a_simulator_copy_ending_inside_a_second_mapping_writes_its_bytes() {
     let sim = sim(16 * GRANULE as u64);
-    let addr = sim.reserve(2 * GRANULE).unwrap();
-    let granules: Vec<_> = (0..2)
-        .map(|i| {
-            let phys = sim.create(GRANULE).unwrap();
-            sim.map(addr + i * GRANULE, GRANULE, phys, Access::ReadWrite)
-                .unwrap();
-            phys
-        })
-        .collect();
+    let (addr, granules) = map_granules(&sim, 2);
     let bytes: Vec<u8> = (0..GRANULE).map(|i| (i % 251) as u8).collect();
     sim.copy_from_host(addr + GRANULE / 2, &bytes)
         .expect("every byte of the destination is mapped");
@@ -958,11 +976,7 @@ fn a_simulator_copy_ending_inside_a_second_mapping_writes_its_bytes() {
     );
     assert!(back[GRANULE / 2..3 * GRANULE / 2] == bytes[..], "the copy");
     assert!(back[3 * GRANULE / 2..].iter().all(|&b| b == 0), "after it");
-    for (i, phys) in granules.into_iter().enumerate() {
-        sim.unmap(addr + i * GRANULE, GRANULE).unwrap();
-        sim.release(phys, GRANULE).unwrap();
-    }
-    sim.free(addr, 2 * GRANULE).unwrap();
+    unmap_granules(&sim, addr, granules);
 }
 
 /// Kills `src/sleep.rs: replace Allocation<'b, 'id, B, Suspended<Elastic>>::withheld_granules
@@ -1010,33 +1024,4 @@ fn tens_of_thousands_of_new_streams_are_each_their_own() {
         model.begin_capture(stream, CaptureMode::Global);
         model.end_capture(stream).unwrap();
     }
-}
-
-/// Kills `src/interop/ipc.rs: replace - with / in Allocation<'b, 'id, B, Owner<K>>::export`:
-/// an export's message carries the offset its backend gave each handle, body and boundary
-/// (here one megabyte into each file).
-#[test]
-fn an_export_carries_the_offset_of_each_handle() {
-    const SHIFT: u64 = 1 << 20;
-    make_guard!(guard);
-    let gate = GateHandle::default();
-    gate.shift_exports(SHIFT);
-    let backend = Gate {
-        inner: HostBackend::with_defaults().unwrap(),
-        gate,
-    };
-    let device = Device::new(guard, backend);
-    let owner = device.bind(Budget::unlimited()).unwrap();
-    let page = device.granularity();
-    let prefix = owner
-        .reserve(3 * page)
-        .unwrap()
-        .commit_prefix_exportable::<PosixFd>()
-        .unwrap();
-    let export = prefix.export().unwrap();
-    let m = export.message();
-    assert_eq!((m.body_len, m.body_offset), (2 * page as u64, SHIFT));
-    assert_eq!(m.boundary_offset, SHIFT);
-    drop(export);
-    prefix.release().complete().unwrap();
 }

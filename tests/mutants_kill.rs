@@ -654,6 +654,8 @@ fn a_cuda_regions_device_pointer_is_its_start() {
     let region = binding.reserve(2 * GRANULE).unwrap().into_region();
     let region = region.grow(1).unwrap();
     assert_eq!(region.device_ptr(), region.addr() as u64);
+    let a = binding.reserve(GRANULE).unwrap().commit().unwrap();
+    assert_eq!(a.device_ptr(), a.addr() as u64);
 }
 
 /// Kills `src/residual.rs: replace += with -= in Holdings::absorb`: while a poll on one thread
@@ -1024,4 +1026,119 @@ fn tens_of_thousands_of_new_streams_are_each_their_own() {
         model.begin_capture(stream, CaptureMode::Global);
         model.end_capture(stream).unwrap();
     }
+}
+
+/// Kills `src/backend/mod.rs: replace BackendError::is_injected -> bool with true`: only a
+/// fault that `Faulty` injected says it was injected; a refused call does not.
+#[test]
+fn only_an_injected_fault_says_it_was_injected() {
+    let sim = sim(16 * GRANULE as u64);
+    let faulty = Faulty::new(sim.clone());
+    faulty.handle().fail_nth(Op::Reserve, 1);
+    assert!(faulty.reserve(GRANULE).unwrap_err().is_injected());
+    let refused = sim.free(GRANULE, GRANULE).unwrap_err();
+    assert!(matches!(refused.cause, Cause::Violation(_)), "{refused}");
+    assert!(!refused.is_injected(), "{refused}");
+}
+
+/// Kills `src/backend/rules.rs: replace > with >= in Book<P>::check_copy`: a copy of no bytes
+/// is refused as a copy of memory not mapped (it names the empty range), before any check of
+/// its length.
+#[test]
+fn a_copy_of_nothing_names_the_empty_range() {
+    let sim = sim(16 * GRANULE as u64);
+    let (addr, granules) = map_granules(&sim, 1);
+    let target = sim.create(GRANULE).unwrap();
+    let e = sim.copy_into_phys(target, addr, 0).unwrap_err();
+    assert_eq!(
+        e.cause,
+        Cause::Violation(Violation::NotMapped { addr, len: 0 })
+    );
+    sim.release(target, GRANULE).unwrap();
+    unmap_granules(&sim, addr, granules);
+}
+
+/// Kills `src/backend/rules.rs: replace < with <= in Book<P>::resolve` (with which the check
+/// loops for ever): a copy that runs from a mapping into unmapped address space is refused.
+#[test]
+fn a_copy_running_past_its_mapping_is_refused() {
+    let sim = sim(16 * GRANULE as u64);
+    let addr = sim.reserve(2 * GRANULE).unwrap();
+    let phys = sim.create(GRANULE).unwrap();
+    sim.map(addr, GRANULE, phys, Access::ReadWrite).unwrap();
+    let mut bytes = vec![0; 2 * GRANULE];
+    let e = sim.copy_to_host(&mut bytes, addr).unwrap_err();
+    assert!(
+        matches!(e.cause, Cause::Violation(Violation::NotMapped { .. })),
+        "{e}"
+    );
+    let e = sim.copy_from_host(addr, &bytes).unwrap_err();
+    assert!(
+        matches!(e.cause, Cause::Violation(Violation::NotMapped { .. })),
+        "{e}"
+    );
+    sim.unmap(addr, GRANULE).unwrap();
+    sim.release(phys, GRANULE).unwrap();
+    sim.free(addr, 2 * GRANULE).unwrap();
+}
+
+/// Kills `src/backend/host.rs: replace HostBackend::open_files -> usize with 1`: the host
+/// counts the files it holds open, from none.
+#[test]
+fn the_host_counts_its_open_files_from_none() {
+    let (host, page) = host_of_pages(4);
+    assert_eq!(host.open_files(), 0);
+    let a = host.create_exportable(page).unwrap();
+    let b = host.create_exportable(page).unwrap();
+    assert_eq!(host.open_files(), 2);
+    host.release(a, page).unwrap();
+    host.release(b, page).unwrap();
+    assert_eq!(host.open_files(), 0);
+}
+
+/// Kills `src/backend/host.rs: replace | with & in reopen_read_only`: the descriptor an export
+/// hands out is closed on `exec`, like every descriptor the backend opens.
+#[test]
+fn an_exported_descriptor_is_closed_on_exec() {
+    let (host, page) = host_of_pages(4);
+    let phys = host.create_exportable(page).unwrap();
+    let handle = host.export(phys, page).unwrap();
+    let flags = rustix::io::fcntl_getfd(&handle.fd).unwrap();
+    assert!(flags.contains(rustix::io::FdFlags::CLOEXEC), "{flags:?}");
+    drop(handle);
+    host.release(phys, page).unwrap();
+}
+
+/// Kills `src/sharing.rs: replace <impl Sealed for Sharer>::shared -> Option<&SharedPhys<B::Phys>>
+/// with None`: a sharer counts the mappings of the prefix it maps, its own included.
+#[test]
+fn a_sharer_counts_the_mappings_of_its_prefix() {
+    make_guard!(guard);
+    let device = Device::new(guard, sim(16 * GRANULE as u64));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let prefix = binding.reserve(GRANULE).unwrap().commit_prefix().unwrap();
+    let sharer = binding
+        .reserve(GRANULE)
+        .unwrap()
+        .map_prefix(&prefix)
+        .unwrap();
+    assert_eq!((prefix.mappings(), sharer.mappings()), (2, 2));
+    sharer.release().complete().unwrap();
+    assert_eq!(prefix.mappings(), 1);
+    prefix.release().complete().unwrap();
+}
+
+/// Kills `src/unwind.rs: replace Guarded<B>::retire_fence with ()`: a completed release gives
+/// its fence's event back to the driver at once, not when the backend goes.
+#[test]
+fn a_completed_release_destroys_its_event() {
+    let model = model();
+    make_guard!(guard);
+    let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(GRANULE).unwrap().commit().unwrap();
+    let releasing = a.release();
+    assert_eq!(model.outstanding().events, 1, "the release's fence");
+    releasing.complete().unwrap();
+    assert_eq!(model.outstanding().events, 0);
 }

@@ -396,9 +396,11 @@ fn a_failed_growth_says_so_first() {
     e.into_token().release().complete().unwrap();
 }
 
-/// Kills `src/page_pool.rs: replace - with + in PagePool<'pool, 'b, 'id, B>::push` and
-/// `src/page_pool.rs: replace PageTable<'p, 'pool, 'b, 'id, B>::is_empty -> bool with true`:
-/// `push` answers the new page's position in the table, which is then not empty.
+/// Kills `src/page_pool.rs: replace - with + in PagePool<'pool, 'b, 'id, B>::push`,
+/// `src/page_pool.rs: replace PageTable<'p, 'pool, 'b, 'id, B>::is_empty -> bool with true` and
+/// `src/page_pool.rs: replace <impl fmt::Debug for PageTable<'_, '_, '_, '_, B>>::fmt ->
+/// fmt::Result with Ok(Default::default())`: `push` answers the new page's position in the
+/// table, which is then not empty and debugs as its pages.
 #[test]
 fn a_pushed_page_is_at_the_position_push_answers() {
     make_guard!(guard);
@@ -413,6 +415,8 @@ fn a_pushed_page_is_at_the_position_push_answers() {
     assert_eq!(pool.push(&mut table).unwrap(), 1);
     assert_eq!(table.len(), 2);
     assert_ne!(table.addr(0), table.addr(1));
+    let debug = format!("{table:?}");
+    assert!(debug.starts_with("PageTable { pages: ["), "{debug}");
     pool.clear(&mut table);
     assert!(table.is_empty());
 }
@@ -772,6 +776,34 @@ fn a_message_of_no_whole_number_of_granules_is_malformed() {
         ),
         "{:?}",
         PrefixMessage::decode(&bytes)
+    );
+}
+
+/// Kills `src/interop/ipc.rs: replace > with >= in PrefixMessage::decode`: lengths up to
+/// `isize::MAX` decode (with a granularity of one byte it is a whole number of granules); one
+/// byte more is malformed.
+#[test]
+fn a_message_may_claim_up_to_isize_max_bytes() {
+    let most = isize::MAX as u64;
+    let claiming = |len: u64| {
+        PrefixMessage::decode(
+            &PrefixMessage {
+                len,
+                body_len: len - 1,
+                granularity: 1,
+                kind: HandleType::PosixFd,
+                generation: 1,
+                body_offset: 0,
+                boundary_offset: 0,
+            }
+            .encode(),
+        )
+    };
+    assert_eq!(claiming(most).map(|m| m.len).ok(), Some(most));
+    assert!(
+        matches!(claiming(most + 1), Err(WireError::Malformed(m)) if m.contains("whole number")),
+        "{:?}",
+        claiming(most + 1)
     );
 }
 
@@ -1141,4 +1173,29 @@ fn a_completed_release_destroys_its_event() {
     assert_eq!(model.outstanding().events, 1, "the release's fence");
     releasing.complete().unwrap();
     assert_eq!(model.outstanding().events, 0);
+}
+
+/// Kills `src/device.rs: replace <impl std::fmt::Debug for Device<'_, B>>::fmt ->
+/// std::fmt::Result with Ok(Default::default())` and `src/allocation.rs: replace <impl
+/// fmt::Debug for Allocation<'_, '_, B, S>>::fmt -> fmt::Result with Ok(Default::default())`:
+/// a device debugs as its granularity and ledger, a token as its state and range.
+#[test]
+fn a_device_and_its_tokens_debug_as_what_they_hold() {
+    make_guard!(guard);
+    let device = Device::new(guard, sim(16 * GRANULE as u64));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(GRANULE).unwrap();
+    let debug = format!("{device:?}");
+    assert!(
+        debug.starts_with(&format!(
+            "Device {{ granularity: {GRANULE}, ledger: LedgerSnapshot {{ reserved_bytes: {GRANULE},"
+        )),
+        "{debug}"
+    );
+    let debug = format!("{a:?}");
+    assert!(debug.starts_with("Allocation { state: "), "{debug}");
+    assert!(
+        debug.contains(&format!("addr: {:#x}, len: {GRANULE},", a.addr())),
+        "{debug}"
+    );
 }

@@ -323,6 +323,31 @@ fn work_that_named_its_range_faults_when_that_range_is_unmapped() {
     assert_eq!(model.lost_with(), Some(CuError::ILLEGAL_ADDRESS));
 }
 
+/// Kills `src/backend/cuda/model.rs: replace < with <= in ModelState::unmap_under_work`: work
+/// that named only the ranges beside a mapping, just before and just after it, goes on when
+/// that mapping is unmapped under it.
+#[test]
+fn work_that_named_only_the_ranges_beside_a_mapping_survives_its_unmap() {
+    let model = opened(ModelConfig::default());
+    let stream = model.new_stream();
+    let ptr = model.mem_address_reserve(3 * GRANULE, GRANULE, 0).unwrap();
+    let handle = model.mem_create(GRANULE, 0).unwrap();
+    let middle = ptr + GRANULE as u64;
+    model.submit_work_touching(stream, &[]); // an epoch before the access below
+    // SAFETY: the fresh reservation is unmapped; `handle` is live and `GRANULE` bytes long;
+    // the mapping is exactly `[middle, middle + GRANULE)`, unmapped once, then released.
+    unsafe {
+        model.mem_map(middle, GRANULE, 0, handle).unwrap();
+        model.mem_set_access(middle, GRANULE, &[(0, true)]).unwrap();
+        let beside = [(ptr, GRANULE), (middle + GRANULE as u64, GRANULE)];
+        model.submit_work_touching(stream, &beside);
+        model.mem_unmap(middle, GRANULE).unwrap();
+        model.mem_release(handle).unwrap();
+    }
+    model.complete_work_on(stream);
+    assert_eq!(model.lost_with(), None);
+}
+
 /// Kills `src/backend/cuda/model.rs: replace + with - in ModelState::place`: scattered
 /// reservations never overlap, even when they are large enough that random places collide.
 #[test]

@@ -234,6 +234,41 @@ fn a_wrong_or_short_message_is_an_error_value() {
     assert!(matches!(message, Err(WireError::Truncated { got: 3 })));
 }
 
+/// A message whose bytes arrive in two pieces, the descriptor with the first, is read whole.
+#[test]
+fn a_message_sent_in_two_pieces_is_read_whole() {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    use std::os::fd::AsFd;
+    let file = rustix::fs::memfd_create("two-pieces", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    rustix::fs::ftruncate(&file, PAGE as u64).unwrap();
+    let bytes = PrefixMessage {
+        len: PAGE as u64,
+        body_len: 0,
+        granularity: PAGE as u64,
+        kind: memtoken::backend::HandleType::PosixFd,
+        generation: 1,
+        body_offset: 0,
+        boundary_offset: 0,
+    }
+    .encode();
+    let (a, b) = UnixStream::pair().unwrap();
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    let fds = [file.as_fd()];
+    assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
+    let first = [std::io::IoSlice::new(&bytes[..10])];
+    rustix::net::sendmsg(&a, &first, &mut control, SendFlags::empty()).unwrap();
+    // The rest comes later: the first read can only have the first piece.
+    let rest = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+        (&a).write_all(&bytes[10..]).unwrap();
+        a
+    });
+    let offer = Offer::recv(&b).expect("the whole message, from two reads");
+    assert_eq!(offer.message().len, PAGE as u64);
+    drop(rest.join().unwrap());
+}
+
 /// A descriptor smaller than the message claims is refused before anything is mapped, and
 /// one of another granularity is refused by the importer.
 #[test]

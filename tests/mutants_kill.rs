@@ -1224,3 +1224,86 @@ fn a_device_and_its_tokens_debug_as_what_they_hold() {
         "{debug}"
     );
 }
+
+/// Kills `src/error.rs: replace <impl Failure for ReleaseFailure>::summary -> &'static str with
+/// "xyzzy"`: a release that cannot complete yet, and one that failed, each say so first.
+#[test]
+fn a_release_not_done_says_why_first() {
+    make_guard!(guard);
+    let sim = SimBackend::new(SimConfig {
+        fences_complete_at_once: false,
+        ..SimConfig::strict()
+    })
+    .unwrap();
+    let backend = Faulty::new(sim.clone());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let releasing = binding
+        .reserve(GRANULE)
+        .unwrap()
+        .commit()
+        .unwrap()
+        .release();
+    let e = releasing.complete().expect_err("its fence is pending");
+    let message = e.to_string();
+    assert!(
+        message.starts_with("the release cannot complete yet; "),
+        "{message}"
+    );
+    let Returned::Unchanged(releasing) = e.token else {
+        panic!("a pending release hands its token back unchanged");
+    };
+    sim.complete_fences();
+    faults.fail_nth(Op::Release, 1);
+    let e = releasing
+        .complete()
+        .expect_err("the release was failed on purpose");
+    let message = e.to_string();
+    assert!(message.starts_with("the release failed; "), "{message}");
+    drop(e); // the quarantined token goes to the device's quarantine
+    let p = device.retry_quarantine();
+    assert_eq!((p.released, p.quarantined), (1, 0), "{p:?}");
+}
+
+/// Kills `src/interop/ipc.rs: replace == with != in PrefixMessage::decode`: a message with no
+/// body may not name a body offset; one with a body may.
+#[test]
+fn only_a_message_with_a_body_names_a_body_offset() {
+    let g = GRANULE as u64;
+    let decoded = |len: u64, body_offset: u64| {
+        PrefixMessage::decode(
+            &PrefixMessage {
+                len,
+                body_len: len - g,
+                granularity: g,
+                kind: HandleType::PosixFd,
+                generation: 1,
+                body_offset,
+                boundary_offset: 0,
+            }
+            .encode(),
+        )
+    };
+    assert!(
+        matches!(decoded(g, g), Err(WireError::Malformed(m)) if m.contains("body offset")),
+        "{:?}",
+        decoded(g, g)
+    );
+    assert_eq!(decoded(3 * g, g).map(|m| m.body_offset).ok(), Some(g));
+}
+
+/// Kills `src/backend/cuda/model.rs: replace - with + in ModelState::place` (the top-down
+/// search's first candidate): a top-down model places each reservation right below the one
+/// before.
+#[test]
+fn top_down_reservations_stack_downwards() {
+    let model = opened(ModelConfig {
+        placement: Placement::TopDown,
+        ..ModelConfig::default()
+    });
+    let len = 4 * GRANULE;
+    let a = model.mem_address_reserve(len, GRANULE, 0).unwrap();
+    let b = model.mem_address_reserve(len, GRANULE, 0).unwrap();
+    assert_eq!(b + len as u64, a);
+}

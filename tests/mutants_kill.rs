@@ -912,6 +912,34 @@ fn an_unmap_forgets_the_stuck_mapping_it_took_down() {
     assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
 }
 
+/// Kills `src/backend/cuda/mod.rs: replace < with <= in <impl Backend for
+/// CudaBackend<D>>::unmap`: unmapping a range forgets only the stuck mappings inside it, not
+/// one that starts where it ends, which the free of the reservation then unmaps.
+#[test]
+fn an_unmap_keeps_the_stuck_mapping_right_after_it() {
+    let model = model();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let a = backend.reserve(2 * GRANULE).unwrap();
+    let (p0, p1) = (
+        backend.create(GRANULE).unwrap(),
+        backend.create(GRANULE).unwrap(),
+    );
+    backend.map(a, GRANULE, p0, Access::ReadWrite).unwrap();
+    model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the rollback
+    backend
+        .map(a + GRANULE, GRANULE, p1, Access::ReadWrite)
+        .expect_err("the access was failed on purpose");
+    backend.unmap(a, GRANULE).unwrap();
+    backend
+        .free(a, 2 * GRANULE)
+        .expect("the free unmaps the stuck mapping first");
+    backend.release(p0, GRANULE).unwrap();
+    backend.release(p1, GRANULE).unwrap();
+    drop(backend);
+    assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+}
+
 /// Kills `src/backend/cuda/mod.rs: delete ! in <impl Backend for CudaBackend<D>>::retire_fence`:
 /// a fence retired while its context cannot be made current has its events destroyed at the
 /// next retirement.

@@ -1335,3 +1335,50 @@ fn top_down_reservations_stack_downwards() {
     let b = model.mem_address_reserve(len, GRANULE, 0).unwrap();
     assert_eq!(b + len as u64, a);
 }
+
+/// Kills `src/error.rs: replace <impl Failure for ShareFailure>::summary -> &'static str with
+/// "xyzzy"`: a failed mapping of a prefix says so first.
+#[test]
+fn a_failed_mapping_of_a_prefix_says_so_first() {
+    make_guard!(guard);
+    let device = Device::new(guard, sim(16 * GRANULE as u64));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let prefix = binding
+        .reserve(2 * GRANULE)
+        .unwrap()
+        .commit_prefix()
+        .unwrap();
+    let e = binding
+        .reserve(GRANULE)
+        .unwrap()
+        .map_prefix(&prefix)
+        .expect_err("the reservation is shorter than the prefix");
+    let message = e.to_string();
+    assert!(
+        message.starts_with("mapping the prefix failed; "),
+        "{message}"
+    );
+}
+
+/// Kills `src/backend/export.rs: delete match arm 8 in HandleType::from_code`: the code of a
+/// fabric handle names it, so a message of fabric handles is refused as not descriptors, not
+/// as malformed.
+#[test]
+fn a_message_of_fabric_handles_is_refused_as_not_descriptors() {
+    assert_eq!(HandleType::from_code(8), Some(HandleType::Fabric));
+    let g = GRANULE as u64;
+    let bytes = PrefixMessage {
+        len: g,
+        body_len: 0,
+        granularity: g,
+        kind: HandleType::Fabric,
+        generation: 1,
+        body_offset: 0,
+        boundary_offset: 0,
+    }
+    .encode();
+    assert!(matches!(
+        PrefixMessage::decode(&bytes),
+        Err(WireError::NotADescriptor(HandleType::Fabric))
+    ));
+}

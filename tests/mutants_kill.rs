@@ -1322,8 +1322,9 @@ fn only_a_message_with_a_body_names_a_body_offset() {
 }
 
 /// Kills `src/backend/cuda/model.rs: replace - with + in ModelState::place` (the top-down
-/// search's first candidate): a top-down model places each reservation right below the one
-/// before.
+/// search's first candidate) and `replace - with / in ModelState::place` (its next candidate,
+/// below a reservation in the way): a top-down model places each reservation right below the
+/// highest one it fits under.
 #[test]
 fn top_down_reservations_stack_downwards() {
     let model = opened(ModelConfig {
@@ -1334,6 +1335,11 @@ fn top_down_reservations_stack_downwards() {
     let a = model.mem_address_reserve(len, GRANULE, 0).unwrap();
     let b = model.mem_address_reserve(len, GRANULE, 0).unwrap();
     assert_eq!(b + len as u64, a);
+    // With the top free again, twice as much no longer fits there: it goes right below `b`.
+    // SAFETY: `a` is a reservation of `len` bytes made above, with nothing mapped in it.
+    unsafe { model.mem_address_free(a, len) }.unwrap();
+    let c = model.mem_address_reserve(2 * len, GRANULE, 0).unwrap();
+    assert_eq!(c + 2 * len as u64, b);
 }
 
 /// Kills `src/error.rs: replace <impl Failure for ShareFailure>::summary -> &'static str with
@@ -1381,4 +1387,41 @@ fn a_message_of_fabric_handles_is_refused_as_not_descriptors() {
         PrefixMessage::decode(&bytes),
         Err(WireError::NotADescriptor(HandleType::Fabric))
     ));
+}
+
+/// Kills `src/backend/cuda/model.rs: replace > with >= in DriverModel::create`: the model
+/// creates up to exactly its device's memory.
+#[test]
+fn the_model_creates_up_to_exactly_its_memory() {
+    let model = opened(ModelConfig {
+        total_mem: 4 * GRANULE,
+        ..ModelConfig::default()
+    });
+    let all = model
+        .mem_create(4 * GRANULE, 0)
+        .expect("exactly the memory");
+    assert_eq!(model.mem_create(GRANULE, 0), Err(CuError::OUT_OF_MEMORY));
+    // SAFETY: `all` was created above, is mapped nowhere, and is released once.
+    unsafe { model.mem_release(all) }.unwrap();
+}
+
+/// Kills `src/interop/mod.rs: replace Allocation<'_, '_, CudaBackend<D>, Elastic>::copy_from_host
+/// -> Result<(), BackendError> with Ok(())`: bytes copied into a CUDA region read back.
+#[test]
+fn bytes_copied_into_a_cuda_region_read_back() {
+    let model = model();
+    make_guard!(guard);
+    let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding
+        .reserve(2 * GRANULE)
+        .unwrap()
+        .into_region()
+        .grow(2)
+        .unwrap();
+    let bytes: Vec<u8> = (0..100).collect();
+    region.copy_from_host(GRANULE - 50, &bytes).unwrap();
+    let mut back = vec![0; 100];
+    region.copy_to_host(GRANULE - 50, &mut back).unwrap();
+    assert_eq!(back, bytes);
 }

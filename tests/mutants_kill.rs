@@ -740,6 +740,30 @@ fn a_range_left_busy_by_a_copy_cannot_be_unmapped() {
     std::mem::forget(backend); // a copy may still run: nothing may be freed under it
 }
 
+/// Kills `src/backend/cuda/mod.rs: replace < with <= in CudaBackend<D>::check_not_busy`: a
+/// range a copy left busy holds back only itself, not the mapping that starts where it ends.
+#[test]
+fn a_range_left_busy_by_a_copy_leaves_the_next_mapping_free() {
+    let model = model();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let a = backend.reserve(2 * GRANULE).unwrap();
+    for i in 0..2 {
+        let phys = backend.create(GRANULE).unwrap();
+        backend
+            .map(a + i * GRANULE, GRANULE, phys, Access::ReadWrite)
+            .unwrap();
+    }
+    model.fail_nth(DriverCall::EventSynchronize, 1, CuError::UNKNOWN);
+    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::UNKNOWN);
+    backend
+        .copy_from_host(a, &vec![7; GRANULE])
+        .expect_err("the wait was failed on purpose");
+    backend
+        .unmap(a + GRANULE, GRANULE)
+        .expect("the next mapping is not busy");
+    std::mem::forget(backend); // a copy may still run: nothing may be freed under it
+}
+
 /// Kills `src/backend/rules.rs: replace + with * in Book<P>::check_copy`: a copy from a range
 /// mapped by several granules side by side reads all of them.
 #[test]
@@ -1230,8 +1254,9 @@ fn a_completed_release_destroys_its_event() {
 
 /// Kills `src/device.rs: replace <impl std::fmt::Debug for Device<'_, B>>::fmt ->
 /// std::fmt::Result with Ok(Default::default())` and `src/allocation.rs: replace <impl
-/// fmt::Debug for Allocation<'_, '_, B, S>>::fmt -> fmt::Result with Ok(Default::default())`:
-/// a device debugs as its granularity and ledger, a token as its state and range.
+/// fmt::Debug for Allocation<'_, '_, B, S>>::fmt -> fmt::Result with Ok(Default::default())`
+/// and the same for its `fmt::Display`: a device debugs as its granularity and ledger, a token
+/// debugs and shows its state and range.
 #[test]
 fn a_device_and_its_tokens_debug_as_what_they_hold() {
     make_guard!(guard);
@@ -1247,6 +1272,12 @@ fn a_device_and_its_tokens_debug_as_what_they_hold() {
     );
     let debug = format!("{a:?}");
     assert!(debug.starts_with("Allocation { state: "), "{debug}");
+    let shown = a.to_string();
+    assert!(shown.starts_with("the Reserved allocation #"), "{shown}");
+    assert!(
+        shown.ends_with(&format!(" of {GRANULE} bytes at {:#x}", a.addr())),
+        "{shown}"
+    );
     assert!(
         debug.contains(&format!("addr: {:#x}, len: {GRANULE},", a.addr())),
         "{debug}"

@@ -1456,3 +1456,46 @@ fn bytes_copied_into_a_cuda_region_read_back() {
     region.copy_to_host(GRANULE - 50, &mut back).unwrap();
     assert_eq!(back, bytes);
 }
+
+/// Kills `src/backend/mod.rs: replace Backend::wait_fence -> bool with true` (the default, which
+/// the simulator uses): a device dropped while a release's fence has not completed leaves that
+/// memory to the driver, never frees it under the work.
+#[test]
+fn a_device_dropped_before_a_fence_completes_frees_nothing_under_it() {
+    let sim = SimBackend::new(SimConfig {
+        fences_complete_at_once: false,
+        ..SimConfig::strict()
+    })
+    .unwrap();
+    {
+        make_guard!(guard);
+        let device = Device::new(guard, sim.clone());
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        drop(
+            binding
+                .reserve(GRANULE)
+                .unwrap()
+                .commit()
+                .unwrap()
+                .release(),
+        );
+    }
+    assert_eq!(
+        (sim.reservations(), sim.mappings(), sim.physical_in_use()),
+        (1, 1, GRANULE as u64)
+    );
+}
+
+/// Kills `src/backend/cuda/model.rs: replace + with * in ModelState::place` (in the number of
+/// slots a scattered placement draws from): a scattered model can place a reservation as long
+/// as its whole window, which has one slot.
+#[test]
+fn a_scattered_model_places_a_reservation_of_its_whole_window() {
+    let window = 0x7000_0000_0000;
+    let model = opened(ModelConfig {
+        placement: Placement::Scattered { seed: 1 },
+        ..ModelConfig::default()
+    });
+    let a = model.mem_address_reserve(window, GRANULE, 0).unwrap();
+    assert_eq!(a, 0x1000_0000_0000);
+}

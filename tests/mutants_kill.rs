@@ -551,6 +551,34 @@ fn a_context_lost_freeing_a_scratch_range_is_the_copys_error() {
     assert_eq!(model.calls_after_loss(), 0);
 }
 
+/// Kills `src/backend/cuda/mod.rs: replace match guard freed.is_context_loss() with true in
+/// <impl Backend for CudaBackend<D>>::copy_into_phys`: when the scratch range of a failed copy
+/// cannot be freed for another reason than a lost context, the copy's error is its own, and
+/// the next copy frees the scratch range.
+#[test]
+fn a_scratch_range_that_cannot_be_freed_waits_for_the_next_copy() {
+    let model = model();
+    let (backend, r) = reserved(&model, 1);
+    let (src, psrc) = r[0];
+    backend.map(src, GRANULE, psrc, Access::ReadWrite).unwrap();
+    let dst = backend.create(GRANULE).unwrap();
+    model.fail_nth(DriverCall::MemMap, 1, CuError::OUT_OF_MEMORY); // the scratch map
+    model.fail_nth(DriverCall::MemAddressFree, 1, CuError::INVALID_VALUE);
+    let e = backend.copy_into_phys(dst, src, GRANULE).unwrap_err();
+    assert!(
+        matches!(e.cause, Cause::Driver { code, .. } if code == CuError::OUT_OF_MEMORY.0),
+        "{e}"
+    );
+    assert!(!backend.context_lost());
+    backend.copy_into_phys(dst, src, GRANULE).unwrap();
+    backend.unmap(src, GRANULE).unwrap();
+    backend.release(psrc, GRANULE).unwrap();
+    backend.release(dst, GRANULE).unwrap();
+    backend.free(src, GRANULE).unwrap();
+    drop(backend);
+    assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+}
+
 /// Kills `src/backend/host.rs: replace -= with /= in <impl Backend for HostBackend>::release`:
 /// a release gives its bytes back to the host backend's count of physical memory in use.
 #[test]

@@ -186,13 +186,13 @@ fn a_cuda_import_tells_a_short_allocation_from_a_long_one() {
     }
 }
 
-/// Kills `src/backend/host.rs: replace HostBackend::page_size -> usize with 0`: the page size
-/// is the OS's, a power of two no larger than the granularity.
+/// Kills `src/backend/host.rs: replace HostBackend::page_size -> usize with 0` (and `with 1`):
+/// the page size is the OS's, no larger than the granularity.
 #[test]
 fn the_host_backend_says_the_os_page_size() {
     let host = HostBackend::with_defaults().unwrap();
     let page = host.page_size();
-    assert!(page.is_power_of_two(), "{page}");
+    assert_eq!(page, rustix::param::page_size());
     assert!(page <= host.granularity(), "{page}");
 }
 
@@ -1526,4 +1526,38 @@ fn a_scattered_model_places_a_reservation_of_its_whole_window() {
     });
     let a = model.mem_address_reserve(window, GRANULE, 0).unwrap();
     assert_eq!(a, 0x1000_0000_0000);
+}
+
+/// Kills `src/backend/cuda/model.rs: replace += with *= in DriverModel::enter`: the model
+/// counts every call made after its context was lost.
+#[test]
+fn the_model_counts_the_calls_after_a_loss() {
+    let model = opened(ModelConfig::default());
+    model.fail_nth(DriverCall::MemCreate, 1, CuError::ILLEGAL_ADDRESS); // sticky
+    assert!(model.mem_create(GRANULE, 0).is_err());
+    assert_eq!(model.calls_after_loss(), 0);
+    assert!(model.mem_create(GRANULE, 0).is_err());
+    assert!(model.mem_create(GRANULE, 0).is_err());
+    assert_eq!(model.calls_after_loss(), 2);
+}
+
+/// Kills `src/region.rs: replace += with *= in GiveBack<'a, 'b, 'id, B>::give`: the granules a
+/// shrink gives back, cached or released, leave the binding's budget.
+#[test]
+fn a_shrink_refunds_the_binding_for_what_it_gave_back() {
+    make_guard!(guard);
+    let device = Device::new(guard, sim(16 * GRANULE as u64));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    device.set_cache_cap(GRANULE as u64);
+    let mut region = binding
+        .reserve(4 * GRANULE)
+        .unwrap()
+        .into_region()
+        .grow(3)
+        .unwrap();
+    assert_eq!(binding.used(), 3 * GRANULE as u64);
+    region.shrink(2).unwrap(); // one cached, one released
+    assert_eq!(binding.used(), GRANULE as u64);
+    region.release().complete().unwrap();
+    assert_eq!(binding.used(), 0);
 }

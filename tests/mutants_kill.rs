@@ -1561,3 +1561,37 @@ fn a_shrink_refunds_the_binding_for_what_it_gave_back() {
     region.release().complete().unwrap();
     assert_eq!(binding.used(), 0);
 }
+
+/// Kills `src/region.rs: replace += with -= in Allocation<'b, 'id, B, Elastic>::undo_grow`: an
+/// undone growth counts the granule it had created and mapped and then failed to release, as
+/// well as the one whose map failed.
+#[test]
+fn an_undone_growth_counts_every_granule_it_left_in_the_quarantine() {
+    make_guard!(guard);
+    let backend = Faulty::new(sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(2 * GRANULE).unwrap().into_region();
+    faults.fail_nth(Op::Map, 2);
+    faults.fail_from(Op::Release, 1);
+    let e = region
+        .grow(2)
+        .expect_err("the second map was failed on purpose");
+    faults.clear();
+    assert!(
+        matches!(
+            e.cause,
+            GrowFailure::Undone {
+                at: 1,
+                quarantined: 2,
+                ..
+            }
+        ),
+        "{:?}",
+        e.cause
+    );
+    assert_eq!(device.retry_quarantine().released, 2);
+    e.into_token().release().complete().unwrap();
+    assert_eq!(binding.used(), 0);
+}

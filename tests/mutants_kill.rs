@@ -424,8 +424,9 @@ fn a_failed_growth_says_so_first() {
 /// Kills `src/page_pool.rs: replace - with + in PagePool<'pool, 'b, 'id, B>::push`,
 /// `src/page_pool.rs: replace PageTable<'p, 'pool, 'b, 'id, B>::is_empty -> bool with true` and
 /// `src/page_pool.rs: replace <impl fmt::Debug for PageTable<'_, '_, '_, '_, B>>::fmt ->
-/// fmt::Result with Ok(Default::default())`: `push` answers the new page's position in the
-/// table, which is then not empty and debugs as its pages.
+/// fmt::Result with Ok(Default::default())` and `replace PageTable<'p, 'pool, 'b, 'id,
+/// B>::pop -> Option<Page<'p, 'pool, 'b, 'id, B>> with None`: `push` answers the new page's
+/// position in the table, which is then not empty, debugs as its pages, and pops the last.
 #[test]
 fn a_pushed_page_is_at_the_position_push_answers() {
     make_guard!(guard);
@@ -442,6 +443,9 @@ fn a_pushed_page_is_at_the_position_push_answers() {
     assert_ne!(table.addr(0), table.addr(1));
     let debug = format!("{table:?}");
     assert!(debug.starts_with("PageTable { pages: ["), "{debug}");
+    let last = table.pop().expect("two pages in the table");
+    assert_eq!(table.len(), 1);
+    drop(last);
     pool.clear(&mut table);
     assert!(table.is_empty());
 }
@@ -1594,4 +1598,38 @@ fn an_undone_growth_counts_every_granule_it_left_in_the_quarantine() {
     assert_eq!(device.retry_quarantine().released, 2);
     e.into_token().release().complete().unwrap();
     assert_eq!(binding.used(), 0);
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace < with <= in CudaBackend<D>::unstick`: a map unsticks
+/// only what a failed rollback left inside its own range, not the stuck mapping that starts
+/// where that range ends.
+#[test]
+fn a_map_leaves_the_stuck_mapping_right_after_its_range() {
+    let model = model();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let a = backend.reserve(2 * GRANULE).unwrap();
+    let (p0, p1) = (
+        backend.create(GRANULE).unwrap(),
+        backend.create(GRANULE).unwrap(),
+    );
+    model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the rollback
+    backend
+        .map(a + GRANULE, GRANULE, p1, Access::ReadWrite)
+        .expect_err("the access was failed on purpose");
+    let unmaps = model.count(DriverCall::MemUnmap);
+    backend.map(a, GRANULE, p0, Access::ReadWrite).unwrap();
+    assert_eq!(
+        model.count(DriverCall::MemUnmap),
+        unmaps,
+        "the next one left alone"
+    );
+    backend.unmap(a, GRANULE).unwrap();
+    backend
+        .free(a, 2 * GRANULE)
+        .expect("the stuck mapping goes first");
+    backend.release(p0, GRANULE).unwrap();
+    backend.release(p1, GRANULE).unwrap();
+    drop(backend);
+    assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
 }

@@ -425,8 +425,9 @@ fn a_failed_growth_says_so_first() {
 /// `src/page_pool.rs: replace PageTable<'p, 'pool, 'b, 'id, B>::is_empty -> bool with true` and
 /// `src/page_pool.rs: replace <impl fmt::Debug for PageTable<'_, '_, '_, '_, B>>::fmt ->
 /// fmt::Result with Ok(Default::default())` and `replace PageTable<'p, 'pool, 'b, 'id,
-/// B>::pop -> Option<Page<'p, 'pool, 'b, 'id, B>> with None`: `push` answers the new page's
-/// position in the table, which is then not empty, debugs as its pages, and pops the last.
+/// B>::pop -> Option<Page<'p, 'pool, 'b, 'id, B>> with None` (and the pool's `fmt::Debug`):
+/// `push` answers the new page's position in the table, which is then not empty, debugs as its
+/// pages, and pops the last; the pool debugs as its page size.
 #[test]
 fn a_pushed_page_is_at_the_position_push_answers() {
     make_guard!(guard);
@@ -443,6 +444,8 @@ fn a_pushed_page_is_at_the_position_push_answers() {
     assert_ne!(table.addr(0), table.addr(1));
     let debug = format!("{table:?}");
     assert!(debug.starts_with("PageTable { pages: ["), "{debug}");
+    let debug = format!("{pool:?}");
+    assert!(debug.starts_with("PagePool { page_size: 4096, "), "{debug}");
     let last = table.pop().expect("two pages in the table");
     assert_eq!(table.len(), 1);
     drop(last);
@@ -1632,4 +1635,30 @@ fn a_map_leaves_the_stuck_mapping_right_after_its_range() {
     backend.release(p1, GRANULE).unwrap();
     drop(backend);
     assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+}
+
+/// Kills `src/backend/cuda/model.rs: replace + with - in ModelState::place` (the lowest-first
+/// search): a lowest-first model places each reservation right above the one before.
+#[test]
+fn lowest_first_reservations_stack_upwards() {
+    let model = opened(ModelConfig {
+        placement: Placement::LowestFirst,
+        ..ModelConfig::default()
+    });
+    let len = 4 * GRANULE;
+    let a = model.mem_address_reserve(len, GRANULE, 0).unwrap();
+    let b = model.mem_address_reserve(len, GRANULE, 0).unwrap();
+    assert_eq!(a + len as u64, b);
+}
+
+/// Kills `src/backend/rules.rs: replace > with >= in Book<P>::check_copy` (its self-copy
+/// check): a copy into memory mapped right before the source range, not in it, is no copy of
+/// that memory into itself.
+#[test]
+fn a_copy_into_memory_mapped_just_before_the_source_is_no_self_copy() {
+    let sim = sim(16 * GRANULE as u64);
+    let (addr, granules) = map_granules(&sim, 2);
+    sim.copy_into_phys(granules[0], addr + GRANULE, GRANULE)
+        .expect("the source is the second granule only");
+    unmap_granules(&sim, addr, granules);
 }

@@ -1662,3 +1662,68 @@ fn a_copy_into_memory_mapped_just_before_the_source_is_no_self_copy() {
         .expect("the source is the second granule only");
     unmap_granules(&sim, addr, granules);
 }
+
+/// Kills `src/interop/mod.rs: replace - with + in Allocation<'_, '_, CudaBackend<D>,
+/// Diverged>::copy_to_boundary`: a copy into a diverged prefix's private granule that runs
+/// past that granule is refused before any driver call.
+#[test]
+#[should_panic(expected = "do not fit in")]
+fn a_copy_past_a_diverged_boundary_panics() {
+    let model = model();
+    make_guard!(guard);
+    let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let prefix = binding
+        .reserve(2 * GRANULE)
+        .unwrap()
+        .commit_prefix()
+        .unwrap();
+    let mut own = binding
+        .reserve(2 * GRANULE)
+        .unwrap()
+        .map_prefix(&prefix)
+        .unwrap()
+        .diverge()
+        .unwrap();
+    let _ = own.copy_to_boundary(1, &vec![1; GRANULE]);
+}
+
+/// Kills `src/backend/cuda/model.rs: replace DriverModel::fail_from with ()`: a failure planned
+/// from the nth call on fails that call and every later one, until cleared.
+#[test]
+fn a_model_failure_planned_from_a_call_on_lasts_until_cleared() {
+    let model = opened(ModelConfig::default());
+    model.fail_from(DriverCall::MemAddressReserve, 2, CuError::OUT_OF_MEMORY);
+    let first = model.mem_address_reserve(GRANULE, GRANULE, 0).unwrap();
+    for _ in 0..3 {
+        assert_eq!(
+            model.mem_address_reserve(GRANULE, GRANULE, 0),
+            Err(CuError::OUT_OF_MEMORY)
+        );
+    }
+    model.clear();
+    let second = model.mem_address_reserve(GRANULE, GRANULE, 0).unwrap();
+    // SAFETY: both are reservations made above with nothing mapped in them, each freed once.
+    unsafe {
+        model.mem_address_free(first, GRANULE).unwrap();
+        model.mem_address_free(second, GRANULE).unwrap();
+    }
+}
+
+/// Kills `src/allocation.rs: replace > with >= in Binding<'b, 'id, B>::reserve`: a binding may
+/// reserve exactly its backend's whole address space.
+#[test]
+fn a_reservation_may_take_the_whole_address_space() {
+    make_guard!(guard);
+    let backend = SimBackend::new(SimConfig {
+        address_space: 4 * GRANULE,
+        ..SimConfig::strict()
+    })
+    .unwrap();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let all = binding
+        .reserve(4 * GRANULE)
+        .expect("exactly the address space");
+    assert_eq!(all.len(), 4 * GRANULE);
+}

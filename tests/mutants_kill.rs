@@ -1727,3 +1727,48 @@ fn a_reservation_may_take_the_whole_address_space() {
         .expect("exactly the address space");
     assert_eq!(all.len(), 4 * GRANULE);
 }
+
+/// Kills `src/backend/cuda/model.rs: replace DriverModel::enqueue_legacy with ()`: a copy from
+/// the host is work on the legacy stream, so an event recorded there after it is not done
+/// until that work completes (when events do not complete at once).
+#[test]
+fn a_copy_is_work_an_event_after_it_waits_for() {
+    let model = opened(ModelConfig {
+        events_complete_at_once: false,
+        ..ModelConfig::default()
+    });
+    let ptr = model.mem_address_reserve(GRANULE, GRANULE, 0).unwrap();
+    let handle = model.mem_create(GRANULE, 0).unwrap();
+    let event = model.event_create().unwrap();
+    // SAFETY: the fresh reservation is unmapped and `handle` is live and `GRANULE` bytes long;
+    // the copy stays inside the mapping, which has read-write access; the event is ours; all
+    // is given back once, in order, after the work completed.
+    unsafe {
+        model.mem_map(ptr, GRANULE, 0, handle).unwrap();
+        model.mem_set_access(ptr, GRANULE, &[(0, true)]).unwrap();
+        model.memcpy_htod(ptr, &[7; 64]).unwrap();
+        model.event_record(event, 0).unwrap();
+        assert_eq!(
+            model.event_query(event),
+            Ok(false),
+            "the copy has not completed"
+        );
+        model.complete_work();
+        assert_eq!(model.event_query(event), Ok(true));
+        model.event_destroy(event).unwrap();
+        model.mem_unmap(ptr, GRANULE).unwrap();
+        model.mem_release(handle).unwrap();
+        model.mem_address_free(ptr, GRANULE).unwrap();
+    }
+}
+
+/// Kills `src/backend/faulty.rs: replace Outstanding::is_zero -> bool with true`: what a
+/// `Faulty` backend counts as handed out is not zero while a reservation is.
+#[test]
+fn a_faulty_backend_holding_a_reservation_has_something_outstanding() {
+    let faulty = Faulty::new(sim(16 * GRANULE as u64));
+    let addr = faulty.reserve(GRANULE).unwrap();
+    assert!(!faulty.handle().outstanding().is_zero());
+    faulty.free(addr, GRANULE).unwrap();
+    assert!(faulty.handle().outstanding().is_zero());
+}

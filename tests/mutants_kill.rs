@@ -1772,3 +1772,57 @@ fn a_faulty_backend_holding_a_reservation_has_something_outstanding() {
     faulty.free(addr, GRANULE).unwrap();
     assert!(faulty.handle().outstanding().is_zero());
 }
+
+/// Kills `src/backend/cuda/model.rs: replace && with || in DriverModel::enter`: a call that
+/// needs a context is misuse while the primary context is retained but not current.
+#[test]
+#[should_panic(expected = "no current context")]
+fn a_call_with_a_retained_context_not_current_is_misuse() {
+    let model = DriverModel::new(ModelConfig::default()).unwrap();
+    model.init().unwrap();
+    let _ctx = model.primary_ctx_retain(0).unwrap();
+    let _ = model.mem_create(GRANULE, 0);
+}
+
+/// Kills `src/sharing.rs: replace - with + in Allocation<'_, '_, B, Diverged>::boundary_mut`:
+/// a diverged prefix's writable boundary is exactly its last granule.
+#[test]
+fn a_diverged_boundary_is_one_granule() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let page = device.granularity();
+    let prefix = binding.reserve(3 * page).unwrap().commit_prefix().unwrap();
+    let mut own = binding
+        .reserve(3 * page)
+        .unwrap()
+        .map_prefix(&prefix)
+        .unwrap()
+        .diverge()
+        .unwrap();
+    assert_eq!(own.boundary_mut().len(), page);
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace CudaPhys::handle -> u64 with 1` (and `with 0`): each
+/// physical allocation answers its own driver handle.
+#[test]
+fn each_cuda_allocation_answers_its_own_handle() {
+    let model = model();
+    let (backend, r) = reserved(&model, 2);
+    let handles: Vec<u64> = r.iter().map(|&(_, phys)| phys.handle()).collect();
+    assert_ne!(handles[0], handles[1]);
+    for (addr, phys) in r {
+        backend.release(phys, GRANULE).unwrap();
+        backend.free(addr, GRANULE).unwrap();
+    }
+}
+
+/// Kills `src/interop/ipc.rs: replace match guard bytes.len() < MESSAGE_LEN with true in
+/// PrefixMessage::decode`: bytes longer than a message are malformed, not truncated.
+#[test]
+fn bytes_longer_than_a_message_are_malformed() {
+    assert!(matches!(
+        PrefixMessage::decode(&[0; MESSAGE_LEN + 1]),
+        Err(WireError::Malformed("longer than a message"))
+    ));
+}

@@ -1320,7 +1320,9 @@ fn a_device_and_its_tokens_debug_as_what_they_hold() {
 }
 
 /// Kills `src/error.rs: replace <impl Failure for ReleaseFailure>::summary -> &'static str with
-/// "xyzzy"`: a release that cannot complete yet, and one that failed, each say so first.
+/// "xyzzy"` and `src/quarantine.rs: replace <impl fmt::Debug for Quarantined<'_, '_, B>>::fmt ->
+/// fmt::Result with Ok(Default::default())`: a release that cannot complete yet, and one that
+/// failed, each say so first; the quarantined token debugs as its residual.
 #[test]
 fn a_release_not_done_says_why_first() {
     make_guard!(guard);
@@ -1355,7 +1357,12 @@ fn a_release_not_done_says_why_first() {
         .expect_err("the release was failed on purpose");
     let message = e.to_string();
     assert!(message.starts_with("the release failed; "), "{message}");
-    drop(e); // the quarantined token goes to the device's quarantine
+    let Returned::Quarantined(quarantined) = e.token else {
+        panic!("a failed release hands its token back quarantined");
+    };
+    let debug = format!("{quarantined:?}");
+    assert!(debug.starts_with("Quarantined { residual: "), "{debug}");
+    drop(quarantined); // it goes to the device's quarantine
     let p = device.retry_quarantine();
     assert_eq!((p.released, p.quarantined), (1, 0), "{p:?}");
 }
@@ -1493,10 +1500,18 @@ fn bytes_copied_into_a_cuda_region_read_back() {
 }
 
 /// Kills `src/backend/mod.rs: replace Backend::wait_fence -> bool with true` (the default, which
-/// the simulator uses): a device dropped while a release's fence has not completed leaves that
+/// the simulator uses) and `src/backend/faulty.rs: replace <impl Backend for Faulty<B>>::wait_fence
+/// -> bool with true`: a device dropped while a release's fence has not completed leaves that
 /// memory to the driver, never frees it under the work.
 #[test]
 fn a_device_dropped_before_a_fence_completes_frees_nothing_under_it() {
+    dropped_before_the_fence_completes(|sim| sim);
+    dropped_before_the_fence_completes(Faulty::new);
+}
+
+/// A device over `wrap(simulator)` dropped while a release waits for its fence: nothing of it
+/// is freed.
+fn dropped_before_the_fence_completes<W: Backend>(wrap: impl FnOnce(SimBackend) -> W) {
     let sim = SimBackend::new(SimConfig {
         fences_complete_at_once: false,
         ..SimConfig::strict()
@@ -1504,7 +1519,7 @@ fn a_device_dropped_before_a_fence_completes_frees_nothing_under_it() {
     .unwrap();
     {
         make_guard!(guard);
-        let device = Device::new(guard, sim.clone());
+        let device = Device::new(guard, wrap(sim.clone()));
         let binding = device.bind(Budget::unlimited()).unwrap();
         drop(
             binding
@@ -1825,4 +1840,29 @@ fn bytes_longer_than_a_message_are_malformed() {
         PrefixMessage::decode(&[0; MESSAGE_LEN + 1]),
         Err(WireError::Malformed("longer than a message"))
     ));
+}
+
+/// Kills `src/backend/rules.rs: replace == with != in Book<P>::apply_unmap`: physical memory
+/// released while mapped twice stays known to the book until its last mapping goes.
+#[test]
+fn memory_released_while_mapped_twice_lives_until_its_last_unmap() {
+    let sim = SimBackend::new(SimConfig {
+        release_while_mapped: true,
+        ..SimConfig::strict()
+    })
+    .unwrap();
+    let addr = sim.reserve(2 * GRANULE).unwrap();
+    let phys = sim.create(GRANULE).unwrap();
+    for i in 0..2 {
+        sim.map(addr + i * GRANULE, GRANULE, phys, Access::ReadOnly)
+            .unwrap();
+    }
+    sim.release(phys, GRANULE).unwrap();
+    sim.unmap(addr, GRANULE).unwrap();
+    let mut byte = [1];
+    sim.copy_to_host(&mut byte, addr + GRANULE)
+        .expect("still mapped once");
+    sim.unmap(addr + GRANULE, GRANULE).unwrap();
+    assert_eq!(sim.physical_in_use(), 0);
+    sim.free(addr, 2 * GRANULE).unwrap();
 }

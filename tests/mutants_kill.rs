@@ -775,14 +775,15 @@ fn a_range_left_busy_by_a_copy_cannot_be_unmapped() {
     std::mem::forget(backend); // a copy may still run: nothing may be freed under it
 }
 
-/// Kills `src/backend/cuda/mod.rs: replace < with <= in CudaBackend<D>::check_not_busy`: a
-/// range a copy left busy holds back only itself, not the mapping that starts where it ends.
+/// Kills `src/backend/cuda/mod.rs: replace < with <= in CudaBackend<D>::check_not_busy` (both
+/// of its comparisons): a range a copy left busy holds back only itself, not the mappings just
+/// before and just after it.
 #[test]
-fn a_range_left_busy_by_a_copy_leaves_the_next_mapping_free() {
+fn a_range_left_busy_by_a_copy_leaves_the_mappings_beside_it_free() {
     let model = model();
     let backend = CudaBackend::new(model.clone(), 0).unwrap();
-    let a = backend.reserve(2 * GRANULE).unwrap();
-    for i in 0..2 {
+    let a = backend.reserve(3 * GRANULE).unwrap();
+    for i in 0..3 {
         let phys = backend.create(GRANULE).unwrap();
         backend
             .map(a + i * GRANULE, GRANULE, phys, Access::ReadWrite)
@@ -791,11 +792,14 @@ fn a_range_left_busy_by_a_copy_leaves_the_next_mapping_free() {
     model.fail_nth(DriverCall::EventSynchronize, 1, CuError::UNKNOWN);
     model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::UNKNOWN);
     backend
-        .copy_from_host(a, &vec![7; GRANULE])
+        .copy_from_host(a + GRANULE, &vec![7; GRANULE])
         .expect_err("the wait was failed on purpose");
     backend
-        .unmap(a + GRANULE, GRANULE)
-        .expect("the next mapping is not busy");
+        .unmap(a, GRANULE)
+        .expect("the mapping before is not busy");
+    backend
+        .unmap(a + 2 * GRANULE, GRANULE)
+        .expect("the mapping after is not busy");
     std::mem::forget(backend); // a copy may still run: nothing may be freed under it
 }
 
@@ -1439,12 +1443,13 @@ fn a_failed_mapping_of_a_prefix_says_so_first() {
     );
 }
 
-/// Kills `src/backend/export.rs: delete match arm 8 in HandleType::from_code`: the code of a
-/// fabric handle names it, so a message of fabric handles is refused as not descriptors, not
+/// Kills `src/backend/export.rs: delete match arm 8 in HandleType::from_code` and `replace
+/// HandleType::code -> u8 with 1`: the code of a fabric handle (8) names it, so a message of fabric handles is refused as not descriptors, not
 /// as malformed.
 #[test]
 fn a_message_of_fabric_handles_is_refused_as_not_descriptors() {
     assert_eq!(HandleType::from_code(8), Some(HandleType::Fabric));
+    assert_eq!(HandleType::Fabric.code(), 8);
     let g = GRANULE as u64;
     let bytes = PrefixMessage {
         len: g,
@@ -1865,4 +1870,49 @@ fn memory_released_while_mapped_twice_lives_until_its_last_unmap() {
     sim.unmap(addr + GRANULE, GRANULE).unwrap();
     assert_eq!(sim.physical_in_use(), 0);
     sim.free(addr, 2 * GRANULE).unwrap();
+}
+
+/// Kills `src/backend/cuda/model.rs: replace || with && in DriverModel::begin_capture`: a
+/// capture cannot begin on the legacy stream (fact 41).
+#[test]
+#[should_panic(expected = "cannot capture on stream")]
+fn a_capture_on_the_legacy_stream_is_misuse() {
+    model().begin_capture(0, CaptureMode::Global);
+}
+
+/// Kills `src/region.rs: replace < with == in Allocation<'b, 'id, B, Elastic>::undo_grow`: an
+/// undone growth gives every granule it took from the cache back to the cache.
+#[test]
+fn an_undone_growth_from_the_cache_gives_it_all_back() {
+    make_guard!(guard);
+    let backend = Faulty::new(sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    device.set_cache_cap(3 * GRANULE as u64);
+    let mut warm = binding
+        .reserve(3 * GRANULE)
+        .unwrap()
+        .into_region()
+        .grow(3)
+        .unwrap();
+    warm.shrink(3).unwrap();
+    warm.release().complete().unwrap();
+    assert_eq!(
+        device.cached_bytes(),
+        3 * GRANULE as u64,
+        "setup: three cached"
+    );
+    let region = binding.reserve(3 * GRANULE).unwrap().into_region();
+    faults.fail_nth(Op::Map, 3);
+    let e = region
+        .grow(3)
+        .expect_err("the third map was failed on purpose");
+    assert_eq!(
+        device.cached_bytes(),
+        3 * GRANULE as u64,
+        "all back in the cache"
+    );
+    assert_eq!(faults.calls(Op::Release), 0, "none released");
+    e.into_token().release().complete().unwrap();
 }

@@ -234,9 +234,9 @@ fn a_wrong_or_short_message_is_an_error_value() {
     assert!(matches!(message, Err(WireError::Truncated { got: 3 })));
 }
 
-/// A message whose bytes arrive in two pieces, the descriptor with the first, is read whole.
+/// A message whose bytes arrive in three pieces, the descriptor with the first, is read whole.
 #[test]
-fn a_message_sent_in_two_pieces_is_read_whole() {
+fn a_message_sent_in_three_pieces_is_read_whole() {
     use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
     use std::os::fd::AsFd;
     let file = rustix::fs::memfd_create("two-pieces", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
@@ -258,13 +258,15 @@ fn a_message_sent_in_two_pieces_is_read_whole() {
     assert!(control.push(SendAncillaryMessage::ScmRights(&fds)));
     let first = [std::io::IoSlice::new(&bytes[..10])];
     rustix::net::sendmsg(&a, &first, &mut control, SendFlags::empty()).unwrap();
-    // The rest comes later: the first read can only have the first piece.
+    // The rest comes later, in two pieces: each read can only have what came before it.
     let rest = std::thread::spawn(move || {
-        std::thread::sleep(std::time::Duration::from_millis(50));
-        (&a).write_all(&bytes[10..]).unwrap();
+        for piece in [&bytes[10..30], &bytes[30..]] {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+            (&a).write_all(piece).unwrap();
+        }
         a
     });
-    let offer = Offer::recv(&b).expect("the whole message, from two reads");
+    let offer = Offer::recv(&b).expect("the whole message, from three reads");
     assert_eq!(offer.message().len, PAGE as u64);
     drop(rest.join().unwrap());
 }

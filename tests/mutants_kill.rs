@@ -425,7 +425,8 @@ fn a_failed_growth_says_so_first() {
 /// `src/page_pool.rs: replace PageTable<'p, 'pool, 'b, 'id, B>::is_empty -> bool with true` and
 /// `src/page_pool.rs: replace <impl fmt::Debug for PageTable<'_, '_, '_, '_, B>>::fmt ->
 /// fmt::Result with Ok(Default::default())` and `replace PageTable<'p, 'pool, 'b, 'id,
-/// B>::pop -> Option<Page<'p, 'pool, 'b, 'id, B>> with None` (and the pool's `fmt::Debug`):
+/// B>::pop -> Option<Page<'p, 'pool, 'b, 'id, B>> with None` (and the pool's and the page's
+/// `fmt::Debug`):
 /// `push` answers the new page's position in the table, which is then not empty, debugs as its
 /// pages, and pops the last; the pool debugs as its page size.
 #[test]
@@ -448,6 +449,8 @@ fn a_pushed_page_is_at_the_position_push_answers() {
     assert!(debug.starts_with("PagePool { page_size: 4096, "), "{debug}");
     let last = table.pop().expect("two pages in the table");
     assert_eq!(table.len(), 1);
+    let debug = format!("{last:?}");
+    assert!(debug.starts_with("Page { index: "), "{debug}");
     drop(last);
     pool.clear(&mut table);
     assert!(table.is_empty());
@@ -1804,8 +1807,10 @@ fn a_call_with_a_retained_context_not_current_is_misuse() {
     let _ = model.mem_create(GRANULE, 0);
 }
 
-/// Kills `src/sharing.rs: replace - with + in Allocation<'_, '_, B, Diverged>::boundary_mut`:
-/// a diverged prefix's writable boundary is exactly its last granule.
+/// Kills `src/sharing.rs: replace - with + in Allocation<'_, '_, B, Diverged>::boundary_mut` and
+/// `replace <impl Sealed for Diverged>::shared -> Option<&SharedPhys<B::Phys>> with None`: a
+/// diverged prefix's writable boundary is exactly its last granule, and it still counts the
+/// mappings of the body it shares.
 #[test]
 fn a_diverged_boundary_is_one_granule() {
     make_guard!(guard);
@@ -1821,6 +1826,11 @@ fn a_diverged_boundary_is_one_granule() {
         .diverge()
         .unwrap();
     assert_eq!(own.boundary_mut().len(), page);
+    assert_eq!(
+        (own.mappings(), prefix.mappings()),
+        (2, 2),
+        "the body is still shared"
+    );
 }
 
 /// Kills `src/backend/cuda/mod.rs: replace CudaPhys::handle -> u64 with 1` (and `with 0`): each
@@ -1915,4 +1925,46 @@ fn an_undone_growth_from_the_cache_gives_it_all_back() {
     );
     assert_eq!(faults.calls(Op::Release), 0, "none released");
     e.into_token().release().complete().unwrap();
+}
+
+/// Kills `src/backend/host.rs: replace <impl Drop for HostBackend>::drop with ()`: a host
+/// backend dropped with a reservation still held (a forgotten token's) gives it back to the OS.
+#[test]
+fn a_dropped_host_backend_gives_back_what_it_still_reserved() {
+    // Another thread's mapping may land in the range at once: one of three tries shows it free.
+    let freed = (0..3).any(|_| {
+        let host = HostBackend::with_defaults().unwrap();
+        let addr = host.reserve(4 * host.granularity()).unwrap();
+        assert!(mapped(addr));
+        drop(host);
+        !mapped(addr)
+    });
+    assert!(freed, "the reservation went with the backend");
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace < with <= in CudaBackend<D>::overlaps`: a copy from
+/// a range is not held back by a stuck mapping that starts where the range ends.
+#[test]
+fn a_copy_is_not_held_back_by_a_stuck_mapping_right_after_it() {
+    let model = model();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let a = backend.reserve(2 * GRANULE).unwrap();
+    let (p0, p1) = (
+        backend.create(GRANULE).unwrap(),
+        backend.create(GRANULE).unwrap(),
+    );
+    backend.map(a, GRANULE, p0, Access::ReadWrite).unwrap();
+    model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the rollback
+    backend
+        .map(a + GRANULE, GRANULE, p1, Access::ReadWrite)
+        .expect_err("the access was failed on purpose");
+    let mut bytes = vec![0; GRANULE];
+    backend
+        .copy_to_host(&mut bytes, a)
+        .expect("the first granule is mapped, with access");
+    backend.unmap(a, GRANULE).unwrap();
+    backend.free(a, 2 * GRANULE).unwrap();
+    backend.release(p0, GRANULE).unwrap();
+    backend.release(p1, GRANULE).unwrap();
 }

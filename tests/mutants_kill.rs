@@ -451,7 +451,13 @@ fn a_pushed_page_is_at_the_position_push_answers() {
     assert_eq!(table.len(), 1);
     let debug = format!("{last:?}");
     assert!(debug.starts_with("Page { index: "), "{debug}");
-    drop(last);
+    let (live, free) = (pool.live_pages(), pool.free_pages());
+    pool.free(last);
+    assert_eq!(
+        (pool.live_pages(), pool.free_pages() + pool.cooling_pages()),
+        (live - 1, free + 1),
+        "freed: free, or cooling until its fence completes"
+    );
     pool.clear(&mut table);
     assert!(table.is_empty());
 }

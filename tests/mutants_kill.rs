@@ -1303,8 +1303,9 @@ fn a_completed_release_destroys_its_event() {
 /// Kills `src/device.rs: replace <impl std::fmt::Debug for Device<'_, B>>::fmt ->
 /// std::fmt::Result with Ok(Default::default())` and `src/allocation.rs: replace <impl
 /// fmt::Debug for Allocation<'_, '_, B, S>>::fmt -> fmt::Result with Ok(Default::default())`
-/// and the same for its `fmt::Display`: a device debugs as its granularity and ledger, a token
-/// debugs and shows its state and range.
+/// and the same for its `fmt::Display` and for the `fmt::Debug` of `Binding`: a device debugs
+/// as its granularity and ledger, a binding as what it uses, a token debugs and shows its
+/// state and range.
 #[test]
 fn a_device_and_its_tokens_debug_as_what_they_hold() {
     make_guard!(guard);
@@ -1318,6 +1319,8 @@ fn a_device_and_its_tokens_debug_as_what_they_hold() {
         )),
         "{debug}"
     );
+    let debug = format!("{binding:?}");
+    assert!(debug.starts_with("Binding { used: 0, limit: "), "{debug}");
     let debug = format!("{a:?}");
     assert!(debug.starts_with("Allocation { state: "), "{debug}");
     let shown = a.to_string();
@@ -1863,8 +1866,10 @@ fn bytes_longer_than_a_message_are_malformed() {
     ));
 }
 
-/// Kills `src/backend/rules.rs: replace == with != in Book<P>::apply_unmap`: physical memory
-/// released while mapped twice stays known to the book until its last mapping goes.
+/// Kills `src/backend/rules.rs: replace == with != in Book<P>::apply_unmap` and
+/// `src/backend/sim.rs: delete ! in <impl Backend for SimBackend>::release`: physical memory
+/// released while mapped twice stays known to the book, its bytes with it, until its last
+/// mapping goes.
 #[test]
 fn memory_released_while_mapped_twice_lives_until_its_last_unmap() {
     let sim = SimBackend::new(SimConfig {
@@ -1874,15 +1879,16 @@ fn memory_released_while_mapped_twice_lives_until_its_last_unmap() {
     .unwrap();
     let addr = sim.reserve(2 * GRANULE).unwrap();
     let phys = sim.create(GRANULE).unwrap();
-    for i in 0..2 {
-        sim.map(addr + i * GRANULE, GRANULE, phys, Access::ReadOnly)
-            .unwrap();
-    }
+    sim.map(addr, GRANULE, phys, Access::ReadWrite).unwrap();
+    sim.map(addr + GRANULE, GRANULE, phys, Access::ReadOnly)
+        .unwrap();
+    sim.copy_from_host(addr, &[7]).unwrap();
     sim.release(phys, GRANULE).unwrap();
     sim.unmap(addr, GRANULE).unwrap();
     let mut byte = [1];
     sim.copy_to_host(&mut byte, addr + GRANULE)
         .expect("still mapped once");
+    assert_eq!(byte, [7], "its bytes live with it");
     sim.unmap(addr + GRANULE, GRANULE).unwrap();
     assert_eq!(sim.physical_in_use(), 0);
     sim.free(addr, 2 * GRANULE).unwrap();
@@ -1973,4 +1979,24 @@ fn a_copy_is_not_held_back_by_a_stuck_mapping_right_after_it() {
     backend.free(a, 2 * GRANULE).unwrap();
     backend.release(p0, GRANULE).unwrap();
     backend.release(p1, GRANULE).unwrap();
+}
+
+/// Kills `src/interop/ipc.rs: replace || with && in PrefixMessage::decode`: a granularity that
+/// is no power of two is malformed.
+#[test]
+fn a_granularity_that_is_no_power_of_two_is_malformed() {
+    let bytes = PrefixMessage {
+        len: 3,
+        body_len: 0,
+        granularity: 3,
+        kind: HandleType::PosixFd,
+        generation: 1,
+        body_offset: 0,
+        boundary_offset: 0,
+    }
+    .encode();
+    assert!(matches!(
+        PrefixMessage::decode(&bytes),
+        Err(WireError::Malformed("granularity is not a power of two"))
+    ));
 }

@@ -1954,31 +1954,34 @@ fn a_dropped_host_backend_gives_back_what_it_still_reserved() {
     assert!(freed, "the reservation went with the backend");
 }
 
-/// Kills `src/backend/cuda/mod.rs: replace < with <= in CudaBackend<D>::overlaps`: a copy from
-/// a range is not held back by a stuck mapping that starts where the range ends.
+/// Kills `src/backend/cuda/mod.rs: replace < with <= in CudaBackend<D>::overlaps` (both of its
+/// comparisons): a copy from a range is not held back by the stuck mappings that end where it
+/// starts and start where it ends.
 #[test]
-fn a_copy_is_not_held_back_by_a_stuck_mapping_right_after_it() {
+fn a_copy_is_not_held_back_by_the_stuck_mappings_beside_it() {
     let model = model();
     let backend = CudaBackend::new(model.clone(), 0).unwrap();
-    let a = backend.reserve(2 * GRANULE).unwrap();
-    let (p0, p1) = (
-        backend.create(GRANULE).unwrap(),
-        backend.create(GRANULE).unwrap(),
-    );
-    backend.map(a, GRANULE, p0, Access::ReadWrite).unwrap();
-    model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
-    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the rollback
+    let a = backend.reserve(3 * GRANULE).unwrap();
+    let phys: Vec<_> = (0..3).map(|_| backend.create(GRANULE).unwrap()).collect();
+    for i in [0, 2] {
+        model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
+        model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the rollback
+        backend
+            .map(a + i * GRANULE, GRANULE, phys[i], Access::ReadWrite)
+            .expect_err("the access was failed on purpose");
+    }
     backend
-        .map(a + GRANULE, GRANULE, p1, Access::ReadWrite)
-        .expect_err("the access was failed on purpose");
+        .map(a + GRANULE, GRANULE, phys[1], Access::ReadWrite)
+        .unwrap();
     let mut bytes = vec![0; GRANULE];
     backend
-        .copy_to_host(&mut bytes, a)
-        .expect("the first granule is mapped, with access");
-    backend.unmap(a, GRANULE).unwrap();
-    backend.free(a, 2 * GRANULE).unwrap();
-    backend.release(p0, GRANULE).unwrap();
-    backend.release(p1, GRANULE).unwrap();
+        .copy_to_host(&mut bytes, a + GRANULE)
+        .expect("the middle granule is mapped, with access");
+    backend.unmap(a + GRANULE, GRANULE).unwrap();
+    backend.free(a, 3 * GRANULE).unwrap();
+    for p in phys {
+        backend.release(p, GRANULE).unwrap();
+    }
 }
 
 /// Kills `src/interop/ipc.rs: replace || with && in PrefixMessage::decode`: a granularity that
@@ -1999,4 +2002,19 @@ fn a_granularity_that_is_no_power_of_two_is_malformed() {
         PrefixMessage::decode(&bytes),
         Err(WireError::Malformed("granularity is not a power of two"))
     ));
+}
+
+/// Kills `src/backend/sim.rs: replace - with + in <impl Backend for SimBackend>::create`: the
+/// simulator creates up to its physical capacity and refuses a granule more, saying none is
+/// left.
+#[test]
+fn the_simulator_creates_up_to_its_capacity() {
+    let sim = sim(2 * GRANULE as u64);
+    let all = sim.create(2 * GRANULE).unwrap();
+    let e = sim.create(GRANULE).expect_err("past the capacity");
+    assert!(
+        matches!(e.cause, Cause::Exhausted { available: 0, .. }),
+        "{e}"
+    );
+    sim.release(all, 2 * GRANULE).unwrap();
 }

@@ -1203,16 +1203,20 @@ fn only_an_injected_fault_says_it_was_injected() {
 /// its length.
 #[test]
 fn a_copy_of_nothing_names_the_empty_range() {
-    let sim = sim(16 * GRANULE as u64);
-    let (addr, granules) = map_granules(&sim, 1);
-    let target = sim.create(GRANULE).unwrap();
-    let e = sim.copy_into_phys(target, addr, 0).unwrap_err();
+    let (host, page) = host_of_pages(4);
+    let addr = host.reserve(page).unwrap();
+    let phys = host.create(page).unwrap();
+    host.map(addr, page, phys, Access::ReadWrite).unwrap();
+    let target = host.create(page).unwrap();
+    let e = host.copy_into_phys(target, addr, 0).unwrap_err();
     assert_eq!(
         e.cause,
         Cause::Violation(Violation::NotMapped { addr, len: 0 })
     );
-    sim.release(target, GRANULE).unwrap();
-    unmap_granules(&sim, addr, granules);
+    host.release(target, page).unwrap();
+    host.unmap(addr, page).unwrap();
+    host.release(phys, page).unwrap();
+    host.free(addr, page).unwrap();
 }
 
 /// Kills `src/backend/rules.rs: replace < with <= in Book<P>::resolve` (with which the check

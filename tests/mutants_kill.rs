@@ -2022,3 +2022,38 @@ fn the_simulator_creates_up_to_its_capacity() {
     );
     sim.release(all, 2 * GRANULE).unwrap();
 }
+
+/// Kills `src/backend/cuda/model.rs: replace - with + in ModelState::place` and `replace - with /
+/// in ModelState::place` in the top-down search's alignment masks: a top-down model honours an
+/// alignment larger than the length, for the first reservation and for one placed below
+/// another.
+#[test]
+fn top_down_placement_honours_a_larger_alignment() {
+    let model = opened(ModelConfig {
+        placement: Placement::TopDown,
+        ..ModelConfig::default()
+    });
+    let align = 4 * GRANULE;
+    let a = model.mem_address_reserve(GRANULE, align, 0).unwrap();
+    let b = model.mem_address_reserve(GRANULE, align, 0).unwrap();
+    assert_eq!(
+        (a % align as u64, b % align as u64),
+        (0, 0),
+        "{a:#x} {b:#x}"
+    );
+    assert_eq!(b + align as u64, a, "the next aligned place below");
+}
+
+/// Kills `src/backend/cuda/model.rs: replace + with - in ModelState::place` (the lowest-first
+/// search's check of the window's top): once a reservation fills the window, no other fits.
+#[test]
+fn a_full_window_places_nothing_more() {
+    let model = opened(ModelConfig {
+        placement: Placement::LowestFirst,
+        ..ModelConfig::default()
+    });
+    let window = 0x7000_0000_0000;
+    let all = model.mem_address_reserve(window, GRANULE, 0).unwrap();
+    assert_eq!(all, 0x1000_0000_0000);
+    assert!(model.mem_address_reserve(GRANULE, GRANULE, 0).is_err());
+}

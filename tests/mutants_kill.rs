@@ -23,6 +23,12 @@ use gate::{Gate, GateHandle, gated_sim};
 
 const GRANULE: usize = 2 << 20;
 
+/// Asserts that `error`'s message starts with `summary`: a failure says what failed first.
+fn says_first(error: &impl std::fmt::Display, summary: &str) {
+    let message = error.to_string();
+    assert!(message.starts_with(summary), "{message}");
+}
+
 fn sim(physical_capacity: u64) -> SimBackend {
     SimBackend::new(SimConfig {
         physical_capacity,
@@ -89,11 +95,7 @@ fn a_failed_resume_says_so_first() {
     let e = asleep
         .resume()
         .expect_err("the create was failed on purpose");
-    let message = e.to_string();
-    assert!(
-        message.starts_with("resuming the memory failed; "),
-        "{message}"
-    );
+    says_first(&e, "resuming the memory failed; ");
     drop(e.into_token());
 }
 
@@ -413,11 +415,7 @@ fn a_failed_growth_says_so_first() {
     let e = region
         .grow(1)
         .expect_err("the create was failed on purpose");
-    let message = e.to_string();
-    assert!(
-        message.starts_with("the region could not grow; "),
-        "{message}"
-    );
+    says_first(&e, "the region could not grow; ");
     e.into_token().release().complete().unwrap();
 }
 
@@ -492,11 +490,7 @@ fn a_stuck_mapping_is_unstuck_only_by_its_own_range() {
     let model = model();
     let (backend, r) = reserved(&model, 2);
     let [(a, pa), (b, pb)] = [r[0], r[1]];
-    model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
-    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the rollback
-    backend
-        .map(a, GRANULE, pa, Access::ReadWrite)
-        .expect_err("the access was failed on purpose");
+    map_stuck(&model, &backend, a, pa);
     model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN);
     let unmaps = model.count(DriverCall::MemUnmap);
     backend
@@ -709,11 +703,7 @@ fn a_failed_copy_on_write_says_so_first() {
     let e = shared
         .diverge()
         .expect_err("the create was failed on purpose");
-    let message = e.to_string();
-    assert!(
-        message.starts_with("copy-on-write of the boundary granule failed; "),
-        "{message}"
-    );
+    says_first(&e, "copy-on-write of the boundary granule failed; ");
 }
 
 /// Kills `src/interop/mod.rs: replace Allocation<'_, '_, CudaBackend<D>, Elastic>::device_ptr ->
@@ -953,11 +943,7 @@ fn a_failed_suspend_says_so_first() {
     let a = binding.reserve(GRANULE).unwrap().commit().unwrap();
     sim.lose_context();
     let e = a.suspend().expect_err("the context is lost");
-    let message = e.to_string();
-    assert!(
-        message.starts_with("suspending the memory failed; "),
-        "{message}"
-    );
+    says_first(&e, "suspending the memory failed; ");
 }
 
 /// Kills `src/backend/cuda/mod.rs: replace < with == in <impl Backend for
@@ -968,11 +954,7 @@ fn an_unmap_forgets_the_stuck_mapping_it_took_down() {
     let model = model();
     let (backend, r) = reserved(&model, 1);
     let (a, pa) = r[0];
-    model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
-    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the rollback
-    backend
-        .map(a, GRANULE, pa, Access::ReadWrite)
-        .expect_err("the access was failed on purpose");
+    map_stuck(&model, &backend, a, pa);
     backend
         .unmap(a, GRANULE)
         .expect("the stuck mapping is still mapped");
@@ -982,6 +964,16 @@ fn an_unmap_forgets_the_stuck_mapping_it_took_down() {
     backend.release(pa, GRANULE).unwrap();
     drop(backend);
     assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+}
+
+/// Maps `phys` at `addr` with its access grant failed and the rollback's unmap failed too: the
+/// mapping is left stuck in the backend.
+fn map_stuck(model: &DriverModel, backend: &CudaBackend<DriverModel>, addr: usize, phys: CudaPhys) {
+    model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the rollback
+    backend
+        .map(addr, GRANULE, phys, Access::ReadWrite)
+        .expect_err("the access was failed on purpose");
 }
 
 /// Kills `src/backend/cuda/mod.rs: replace < with <= in <impl Backend for
@@ -997,11 +989,7 @@ fn an_unmap_keeps_the_stuck_mapping_right_after_it() {
         backend.create(GRANULE).unwrap(),
     );
     backend.map(a, GRANULE, p0, Access::ReadWrite).unwrap();
-    model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
-    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the rollback
-    backend
-        .map(a + GRANULE, GRANULE, p1, Access::ReadWrite)
-        .expect_err("the access was failed on purpose");
+    map_stuck(&model, &backend, a + GRANULE, p1);
     backend.unmap(a, GRANULE).unwrap();
     backend
         .free(a, 2 * GRANULE)
@@ -1093,8 +1081,7 @@ fn a_failed_commit_says_so_first() {
         .unwrap()
         .commit()
         .expect_err("the create was failed on purpose");
-    let message = e.to_string();
-    assert!(message.starts_with("commit failed; "), "{message}");
+    says_first(&e, "commit failed; ");
 }
 
 /// Kills `src/backend/host.rs: replace - with + in <impl Backend for HostBackend>::create`: a
@@ -1362,11 +1349,7 @@ fn a_release_not_done_says_why_first() {
         .unwrap()
         .release();
     let e = releasing.complete().expect_err("its fence is pending");
-    let message = e.to_string();
-    assert!(
-        message.starts_with("the release cannot complete yet; "),
-        "{message}"
-    );
+    says_first(&e, "the release cannot complete yet; ");
     let Returned::Unchanged(releasing) = e.token else {
         panic!("a pending release hands its token back unchanged");
     };
@@ -1375,8 +1358,7 @@ fn a_release_not_done_says_why_first() {
     let e = releasing
         .complete()
         .expect_err("the release was failed on purpose");
-    let message = e.to_string();
-    assert!(message.starts_with("the release failed; "), "{message}");
+    says_first(&e, "the release failed; ");
     let Returned::Quarantined(quarantined) = e.token else {
         panic!("a failed release hands its token back quarantined");
     };
@@ -1452,16 +1434,12 @@ fn a_failed_mapping_of_a_prefix_says_so_first() {
         .unwrap()
         .map_prefix(&prefix)
         .expect_err("the reservation is shorter than the prefix");
-    let message = e.to_string();
-    assert!(
-        message.starts_with("mapping the prefix failed; "),
-        "{message}"
-    );
+    says_first(&e, "mapping the prefix failed; ");
 }
 
 /// Kills `src/backend/export.rs: delete match arm 8 in HandleType::from_code` and `replace
-/// HandleType::code -> u8 with 1`: the code of a fabric handle (8) names it, so a message of fabric handles is refused as not descriptors, not
-/// as malformed.
+/// HandleType::code -> u8 with 1`: the code of a fabric handle (8) names it, so a message of
+/// fabric handles is refused as not descriptors, not as malformed.
 #[test]
 fn a_message_of_fabric_handles_is_refused_as_not_descriptors() {
     assert_eq!(HandleType::from_code(8), Some(HandleType::Fabric));
@@ -1651,11 +1629,7 @@ fn a_map_leaves_the_stuck_mapping_right_after_its_range() {
         backend.create(GRANULE).unwrap(),
         backend.create(GRANULE).unwrap(),
     );
-    model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
-    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the rollback
-    backend
-        .map(a + GRANULE, GRANULE, p1, Access::ReadWrite)
-        .expect_err("the access was failed on purpose");
+    map_stuck(&model, &backend, a + GRANULE, p1);
     let unmaps = model.count(DriverCall::MemUnmap);
     backend.map(a, GRANULE, p0, Access::ReadWrite).unwrap();
     assert_eq!(
@@ -1968,11 +1942,7 @@ fn a_copy_is_not_held_back_by_the_stuck_mappings_beside_it() {
     let a = backend.reserve(3 * GRANULE).unwrap();
     let phys: Vec<_> = (0..3).map(|_| backend.create(GRANULE).unwrap()).collect();
     for i in [0, 2] {
-        model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
-        model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the rollback
-        backend
-            .map(a + i * GRANULE, GRANULE, phys[i], Access::ReadWrite)
-            .expect_err("the access was failed on purpose");
+        map_stuck(&model, &backend, a + i * GRANULE, phys[i]);
     }
     backend
         .map(a + GRANULE, GRANULE, phys[1], Access::ReadWrite)

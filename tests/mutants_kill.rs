@@ -19,7 +19,7 @@ use memtoken::{
 #[path = "common/gate.rs"]
 mod gate;
 
-use gate::{Gate, GateHandle, gated_sim};
+use gate::{Gate, GateHandle, gated_sim, manual_sim};
 
 const GRANULE: usize = 2 << 20;
 
@@ -982,15 +982,36 @@ fn map_stuck(model: &DriverModel, backend: &CudaBackend<DriverModel>, addr: usiz
 #[test]
 fn an_unmap_keeps_the_stuck_mapping_right_after_it() {
     let model = model();
+    let (backend, a, p0, p1) = stuck_after_the_first_granule(&model);
+    backend.map(a, GRANULE, p0, Access::ReadWrite).unwrap();
+    backend.unmap(a, GRANULE).unwrap();
+    free_the_stuck_pair(&model, backend, a, p0, p1);
+}
+
+/// A CUDA backend on `model` with a reservation of two granules at `a` whose second granule
+/// holds a stuck mapping of `p1` (see [`map_stuck`]); `p0` is created, not mapped.
+fn stuck_after_the_first_granule(
+    model: &DriverModel,
+) -> (CudaBackend<DriverModel>, usize, CudaPhys, CudaPhys) {
     let backend = CudaBackend::new(model.clone(), 0).unwrap();
     let a = backend.reserve(2 * GRANULE).unwrap();
     let (p0, p1) = (
         backend.create(GRANULE).unwrap(),
         backend.create(GRANULE).unwrap(),
     );
-    backend.map(a, GRANULE, p0, Access::ReadWrite).unwrap();
-    map_stuck(&model, &backend, a + GRANULE, p1);
-    backend.unmap(a, GRANULE).unwrap();
+    map_stuck(model, &backend, a + GRANULE, p1);
+    (backend, a, p0, p1)
+}
+
+/// Frees what [`stuck_after_the_first_granule`] made (the free unmaps the stuck mapping first),
+/// once the first granule is unmapped again; the model holds nothing after.
+fn free_the_stuck_pair(
+    model: &DriverModel,
+    backend: CudaBackend<DriverModel>,
+    a: usize,
+    p0: CudaPhys,
+    p1: CudaPhys,
+) {
     backend
         .free(a, 2 * GRANULE)
         .expect("the free unmaps the stuck mapping first");
@@ -1333,11 +1354,7 @@ fn a_device_and_its_tokens_debug_as_what_they_hold() {
 #[test]
 fn a_release_not_done_says_why_first() {
     make_guard!(guard);
-    let sim = SimBackend::new(SimConfig {
-        fences_complete_at_once: false,
-        ..SimConfig::strict()
-    })
-    .unwrap();
+    let sim = manual_sim();
     let backend = Faulty::new(sim.clone());
     let faults = backend.handle();
     let device = Device::new(guard, backend);
@@ -1511,11 +1528,7 @@ fn a_device_dropped_before_a_fence_completes_frees_nothing_under_it() {
 /// A device over `wrap(simulator)` dropped while a release waits for its fence: nothing of it
 /// is freed.
 fn dropped_before_the_fence_completes<W: Backend>(wrap: impl FnOnce(SimBackend) -> W) {
-    let sim = SimBackend::new(SimConfig {
-        fences_complete_at_once: false,
-        ..SimConfig::strict()
-    })
-    .unwrap();
+    let sim = manual_sim();
     {
         make_guard!(guard);
         let device = Device::new(guard, wrap(sim.clone()));
@@ -1623,13 +1636,7 @@ fn an_undone_growth_counts_every_granule_it_left_in_the_quarantine() {
 #[test]
 fn a_map_leaves_the_stuck_mapping_right_after_its_range() {
     let model = model();
-    let backend = CudaBackend::new(model.clone(), 0).unwrap();
-    let a = backend.reserve(2 * GRANULE).unwrap();
-    let (p0, p1) = (
-        backend.create(GRANULE).unwrap(),
-        backend.create(GRANULE).unwrap(),
-    );
-    map_stuck(&model, &backend, a + GRANULE, p1);
+    let (backend, a, p0, p1) = stuck_after_the_first_granule(&model);
     let unmaps = model.count(DriverCall::MemUnmap);
     backend.map(a, GRANULE, p0, Access::ReadWrite).unwrap();
     assert_eq!(
@@ -1638,13 +1645,7 @@ fn a_map_leaves_the_stuck_mapping_right_after_its_range() {
         "the next one left alone"
     );
     backend.unmap(a, GRANULE).unwrap();
-    backend
-        .free(a, 2 * GRANULE)
-        .expect("the stuck mapping goes first");
-    backend.release(p0, GRANULE).unwrap();
-    backend.release(p1, GRANULE).unwrap();
-    drop(backend);
-    assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+    free_the_stuck_pair(&model, backend, a, p0, p1);
 }
 
 /// Kills `src/backend/cuda/model.rs: replace + with - in ModelState::place` (the lowest-first

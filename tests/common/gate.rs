@@ -178,14 +178,19 @@ impl<K: HandleKind, B: Exportable<K>> Exportable<K> for Gate<B> {
     }
 }
 
-/// The strict simulator with fences that complete only when told, behind a gate: the simulator
-/// (to complete fences), the gate's handle, and the backend to make a device of.
-pub fn gated_sim() -> (SimBackend, GateHandle, Gate<SimBackend>) {
-    let sim = SimBackend::new(SimConfig {
+/// The strict simulator with fences that complete only when told (`complete_fences`).
+pub fn manual_sim() -> SimBackend {
+    SimBackend::new(SimConfig {
         fences_complete_at_once: false,
         ..SimConfig::strict()
     })
-    .unwrap();
+    .unwrap()
+}
+
+/// The strict simulator with fences that complete only when told, behind a gate: the simulator
+/// (to complete fences), the gate's handle, and the backend to make a device of.
+pub fn gated_sim() -> (SimBackend, GateHandle, Gate<SimBackend>) {
+    let sim = manual_sim();
     let gate = GateHandle::default();
     let backend = Gate {
         inner: sim.clone(),

@@ -7,7 +7,7 @@ use crate::backend::cuda::SysDriver;
 use crate::backend::cuda::{CudaBackend, Driver, Stream};
 use crate::backend::{Addr, Backend, BackendError, Cause, Op, lock};
 use crate::error::{CommitFailure, ReleaseFailure};
-use crate::ids::{ContextLost, Generation, Generations};
+use crate::ids::{ContextLost, Generation};
 use crate::ledger::{Axis, Budget, Ledger, LedgerSnapshot};
 use crate::residual::{Held, Holdings, Residual, SharedPhys, SharedTotals};
 use crate::state::Wait;
@@ -203,7 +203,6 @@ pub struct Device<'id, B: Backend> {
     brand: Id<'id>,
     backend: Guarded<B>,
     ledger: Ledger,
-    generations: Generations,
     failed_unpins: AtomicU64,
     /// Bindings alive (or forgotten).
     bindings: AtomicU64,
@@ -243,7 +242,6 @@ impl<'id, B: Backend> Device<'id, B> {
             brand: guard.into(),
             backend: Guarded::new(backend),
             ledger: Ledger::default(),
-            generations: Generations::new(),
             failed_unpins: AtomicU64::new(0),
             bindings: AtomicU64::new(0),
             forgotten_pages: AtomicU64::new(0),
@@ -579,7 +577,7 @@ impl<'id, B: Backend> Device<'id, B> {
     }
 
     pub(crate) fn next_generation(&self) -> Generation {
-        self.generations.next()
+        Generation::next()
     }
 
     pub(crate) fn note_failed_unpin(&self) {

@@ -1,12 +1,13 @@
 //! Identities: the [`Generation`] of an allocation, the [`Released`] receipt, and the
 //! [`ContextLost`] proof that a device's context is lost.
 
+use crate::backend::unique;
 use generativity::Id;
 use std::num::NonZeroU64;
-use std::sync::atomic::{AtomicU64, Ordering};
 
-/// The identity of one allocation, from a per-device counter: never derived from an address, so
-/// a reused VA range never makes a stale allocation look alive.
+/// The identity of one allocation: unique in the process, across every device (two devices
+/// never give out the same one), and never derived from an address, so a reused VA range never
+/// makes a stale allocation look alive, and equal generations mean the same allocation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Generation(NonZeroU64);
 
@@ -15,20 +16,10 @@ impl Generation {
     pub fn get(self) -> u64 {
         self.0.get()
     }
-}
 
-/// A device's source of generations, counting from 1.
-#[derive(Debug)]
-pub(crate) struct Generations(AtomicU64);
-
-impl Generations {
-    pub(crate) fn new() -> Self {
-        Self(AtomicU64::new(1))
-    }
-
-    pub(crate) fn next(&self) -> Generation {
-        let n = self.0.fetch_add(1, Ordering::Relaxed);
-        Generation(NonZeroU64::new(n).expect("generations count from 1 and never wrap"))
+    /// A generation no allocation of this process had before.
+    pub(crate) fn next() -> Self {
+        Self(unique())
     }
 }
 
@@ -61,10 +52,8 @@ mod tests {
     use super::*;
 
     #[test]
-    fn generations_count_from_one_and_never_repeat() {
-        let g = Generations::new();
-        let (a, b, c) = (g.next(), g.next(), g.next());
-        assert_eq!((a.get(), b.get(), c.get()), (1, 2, 3));
+    fn generations_never_repeat_and_grow() {
+        let (a, b, c) = (Generation::next(), Generation::next(), Generation::next());
         assert!(a < b && b < c);
     }
 }

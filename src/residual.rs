@@ -342,10 +342,10 @@ impl Holdings {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ids::Generations;
+    use crate::ids::Generation;
 
     fn residual(held: Held<u32>) -> Residual<u32> {
-        let generation = Generations::new().next();
+        let generation = Generation::next();
         Residual {
             generation,
             addr: 0x1000,

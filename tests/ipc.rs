@@ -436,7 +436,7 @@ fn an_import_never_maps_past_a_file_shrunk_while_it_was_checked() {
                     std::hint::spin_loop();
                 }
                 rustix::fs::ftruncate(&fd, 0).unwrap();
-                let seals = SealFlags::SHRINK | SealFlags::FUTURE_WRITE;
+                let seals = SealFlags::SHRINK | SealFlags::WRITE;
                 rustix::fs::fcntl_add_seals(&fd, seals).unwrap();
                 done.store(t, Ordering::Release);
             }
@@ -469,4 +469,336 @@ fn an_import_never_maps_past_a_file_shrunk_while_it_was_checked() {
         accepted_short, 0,
         "imports of a file now shorter than the mapping"
     );
+}
+
+/// A one-page message for `fd`-less tests and hand-made peers: `len` bytes in one granule of
+/// a page, generation 1.
+fn one_page_message() -> PrefixMessage {
+    PrefixMessage {
+        len: PAGE as u64,
+        body_len: 0,
+        granularity: PAGE as u64,
+        kind: memtoken::backend::HandleType::PosixFd,
+        generation: 1,
+        body_offset: 0,
+        boundary_offset: 0,
+    }
+}
+
+/// A hostile peer's memfd of one page holding `byte`, sealed with `seals`, and its own
+/// writable shared mapping made before the seals (unmapped by the caller with `munmap`).
+fn peer_memfd(byte: u8, seals: rustix::fs::SealFlags) -> (rustix::fd::OwnedFd, *mut u8) {
+    use rustix::fs::MemfdFlags;
+    use rustix::mm::{MapFlags, ProtFlags};
+    let flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
+    let fd = rustix::fs::memfd_create("peer", flags).unwrap();
+    rustix::fs::ftruncate(&fd, PAGE as u64).unwrap();
+    let prot = ProtFlags::READ | ProtFlags::WRITE;
+    // SAFETY: a new shared mapping where the kernel chooses, of a file this test owns.
+    let map =
+        unsafe { rustix::mm::mmap(std::ptr::null_mut(), PAGE, prot, MapFlags::SHARED, &fd, 0) }
+            .unwrap()
+            .cast::<u8>();
+    // SAFETY: `map` is the page mapped read-write just above.
+    unsafe { std::ptr::write_bytes(map, byte, PAGE) };
+    rustix::fs::fcntl_add_seals(&fd, seals).unwrap();
+    (fd, map)
+}
+
+/// `F_SEAL_FUTURE_WRITE` leaves the peer's writable mapping made before it writable: it could
+/// change bytes lent here as `&[u8]`, so an import of such a file is refused. The peer's
+/// mapping really still writes (the hazard is real); the same file sealed with `F_SEAL_WRITE`
+/// (which the kernel grants only with no writable mapping left) imports.
+#[test]
+fn an_import_of_memory_sealed_only_against_future_writes_is_refused() {
+    use rustix::fs::SealFlags;
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::bytes(0)).unwrap();
+    let weak = SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE | SealFlags::SEAL;
+    let (fd, map) = peer_memfd(0x01, weak);
+    // SAFETY: the peer's own writable mapping, still live.
+    unsafe { map.write(0x42) };
+    let mut byte = [0u8];
+    rustix::io::pread(&fd, &mut byte, 0).unwrap();
+    assert_eq!(
+        byte,
+        [0x42],
+        "the mapping made before the seal still writes"
+    );
+    let offer = Offer::new(&one_page_message().encode(), vec![fd]).unwrap();
+    let e = binding.import(offer).unwrap_err();
+    assert!(format!("{e:?}").contains("F_SEAL_WRITE"), "{e:?}");
+    assert_eq!(device.ledger().reserved_bytes, 0, "nothing left reserved");
+    // SAFETY: the mapping made by `peer_memfd`, unmapped once.
+    unsafe { rustix::mm::munmap(map.cast(), PAGE) }.unwrap();
+
+    // With no writable mapping left, the peer can seal against every write: imported.
+    let (fd, map) = peer_memfd(0x07, SealFlags::SHRINK | SealFlags::GROW);
+    // SAFETY: the mapping made by `peer_memfd`, unmapped once.
+    unsafe { rustix::mm::munmap(map.cast(), PAGE) }.unwrap();
+    rustix::fs::fcntl_add_seals(&fd, SealFlags::WRITE | SealFlags::SEAL).unwrap();
+    let offer = Offer::new(&one_page_message().encode(), vec![fd]).unwrap();
+    let imported = binding.import(offer).expect("sealed against every write");
+    assert!(imported.as_slice().iter().all(|&b| b == 0x07));
+    drop(imported);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// The descriptors of one message received raw, as a peer holds them.
+fn recv_raw_fds(socket: &UnixStream) -> Vec<rustix::fd::OwnedFd> {
+    let mut buf = [0u8; MESSAGE_LEN];
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
+    let mut control = rustix::net::RecvAncillaryBuffer::new(&mut space);
+    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+    let flags = rustix::net::RecvFlags::CMSG_CLOEXEC;
+    rustix::net::recvmsg(socket, &mut iov, &mut control, flags).unwrap();
+    let mut fds = Vec::new();
+    for message in control.drain() {
+        if let rustix::net::RecvAncillaryMessage::ScmRights(rights) = message {
+            fds.extend(rights);
+        }
+    }
+    fds
+}
+
+/// An export makes the memory immutable for good (`F_SEAL_WRITE`), after making every mapping
+/// of it in this process read-only — the owner's and an in-process sharer's made before it —
+/// and no byte either of them reads changes.
+#[test]
+fn an_export_seals_writes_with_an_in_process_sharer_and_changes_no_byte() {
+    use rustix::fs::SealFlags;
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let owner = device.bind(Budget::unlimited()).unwrap();
+    let len = 3 * PAGE; // a body and a boundary: two files
+    let mut prefix = owner
+        .reserve(len)
+        .unwrap()
+        .commit_prefix_exportable::<PosixFd>()
+        .unwrap();
+    for (i, b) in prefix.as_mut_slice().unwrap().iter_mut().enumerate() {
+        *b = pattern(i);
+    }
+    let sharer = owner
+        .reserve(len)
+        .unwrap()
+        .map_prefix(&prefix)
+        .map_err(|e| e.cause)
+        .unwrap();
+    assert!(perms(prefix.addr()).starts_with("rw"), "writable before");
+    let export = prefix.export().unwrap();
+    let (a, b) = UnixStream::pair().unwrap();
+    export.send(&a).unwrap();
+    let fds = recv_raw_fds(&b);
+    assert_eq!(fds.len(), 2);
+    for fd in &fds {
+        let seals = rustix::fs::fcntl_get_seals(fd).unwrap();
+        assert!(
+            seals.contains(SealFlags::WRITE | SealFlags::SEAL),
+            "{seals:?}"
+        );
+    }
+    for token_bytes in [prefix.as_slice(), sharer.as_slice()] {
+        let wrong = token_bytes
+            .iter()
+            .enumerate()
+            .filter(|&(i, &b)| b != pattern(i))
+            .count();
+        assert_eq!(wrong, 0, "every byte unchanged");
+    }
+    for addr in [prefix.addr(), prefix.addr() + len - 1, sharer.addr()] {
+        assert!(perms(addr).starts_with("r-"), "{addr:#x}: {}", perms(addr));
+    }
+    // A second export of sealed memory sends the same memory again.
+    let again = prefix.export().unwrap();
+    again.send(&a).unwrap();
+    assert_eq!(recv_raw_fds(&b).len(), 2);
+    drop((again, export, sharer, prefix));
+    drop(owner);
+    assert!(device.close().is_clean());
+}
+
+/// Memory whose pages are held by someone else (a pipe's `vmsplice` reference here, an RDMA
+/// registration's pin in a serving engine) cannot be sealed against writes: the export is
+/// refused with a clear error before anything changed — the owner still writes it, its
+/// mapping is writable again — and succeeds once the pages are let go.
+#[test]
+fn an_export_of_pinned_memory_is_refused_and_changes_nothing() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let owner = device.bind(Budget::unlimited()).unwrap();
+    let mut prefix = owner
+        .reserve(PAGE)
+        .unwrap()
+        .commit_prefix_exportable::<PosixFd>()
+        .unwrap();
+    prefix.as_mut_slice().unwrap().fill(3);
+    let (read, write) = rustix::pipe::pipe().unwrap();
+    let bufs = [rustix::pipe::IoSliceRaw::from_slice(prefix.as_slice())];
+    // SAFETY: `write` is the pipe's write end, so the pipe only reads the prefix's bytes (it
+    // holds references on its pages until they are read out).
+    let held = unsafe { rustix::pipe::vmsplice(&write, &bufs, rustix::pipe::SpliceFlags::empty()) };
+    assert_eq!(held.unwrap(), PAGE);
+    let e = prefix.export().unwrap_err();
+    assert!(
+        matches!(
+            e.cause,
+            memtoken::backend::Cause::Violation(memtoken::backend::Violation::Unsealable { .. })
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("sealed against writes"), "{e}");
+    assert!(perms(prefix.addr()).starts_with("rw"), "writable again");
+    prefix
+        .as_mut_slice()
+        .expect("not exported: still writable")
+        .fill(4);
+    // Let the pages go: the export goes through now.
+    let mut out = vec![0u8; PAGE];
+    rustix::io::read(&read, &mut out).unwrap();
+    assert!(
+        out.iter().all(|&b| b == 4),
+        "the pipe referenced the owner's pages"
+    );
+    drop((read, write));
+    let export = prefix.export().expect("nothing pins the pages any more");
+    assert!(perms(prefix.addr()).starts_with("r-"));
+    drop((export, prefix));
+    drop(owner);
+    assert!(device.close().is_clean());
+}
+
+/// A connected pair of Unix domain sockets of `kind`, the receiver's wait bounded by 10 s so
+/// that a receiver that waits for a second record fails the test instead of hanging it.
+fn record_pair(kind: rustix::net::SocketType) -> (rustix::fd::OwnedFd, rustix::fd::OwnedFd) {
+    use rustix::net::{AddressFamily, SocketFlags, sockopt};
+    let (a, b) =
+        rustix::net::socketpair(AddressFamily::UNIX, kind, SocketFlags::CLOEXEC, None).unwrap();
+    let bound = Some(std::time::Duration::from_secs(10));
+    sockopt::set_socket_timeout(&b, sockopt::Timeout::Recv, bound).unwrap();
+    (a, b)
+}
+
+/// Sends `bytes` as one record (or one piece of a stream), with `fds`.
+fn send_record(socket: &rustix::fd::OwnedFd, bytes: &[u8], fds: &[rustix::fd::BorrowedFd<'_>]) {
+    use rustix::net::{SendAncillaryBuffer, SendAncillaryMessage, SendFlags};
+    let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(3))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() {
+        assert!(control.push(SendAncillaryMessage::ScmRights(fds)));
+    }
+    let iov = [std::io::IoSlice::new(bytes)];
+    let sent = rustix::net::sendmsg(socket, &iov, &mut control, SendFlags::empty()).unwrap();
+    assert_eq!(sent, bytes.len());
+}
+
+/// A page-sized memfd, as the descriptor of a one-page message.
+fn page_file() -> rustix::fd::OwnedFd {
+    let fd = rustix::fs::memfd_create("record", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
+    rustix::fs::ftruncate(&fd, PAGE as u64).unwrap();
+    fd
+}
+
+const RECORD_KINDS: [rustix::net::SocketType; 2] = [
+    rustix::net::SocketType::SEQPACKET,
+    rustix::net::SocketType::DGRAM,
+];
+
+/// On a record socket a lone short record is a truncated message at once: the receiver does
+/// not wait for more.
+#[test]
+fn a_short_record_is_an_error_without_blocking() {
+    use std::os::fd::AsFd;
+    for kind in RECORD_KINDS {
+        let (a, b) = record_pair(kind);
+        let file = page_file();
+        send_record(&a, &one_page_message().encode()[..8], &[file.as_fd()]);
+        let e = Offer::recv(&b).unwrap_err();
+        assert!(
+            matches!(e, WireError::Truncated { got: 8 }),
+            "{kind:?}: {e}"
+        );
+    }
+}
+
+/// Two records are never read as one message: the first 8 bytes of a message in one record
+/// and the rest (with 55 bytes more) in the next are a short record and a long one, not a
+/// message; a whole record after them is read as itself.
+#[test]
+fn two_records_are_never_read_as_one() {
+    use std::os::fd::AsFd;
+    let bytes = one_page_message().encode();
+    let mut long = bytes[8..].to_vec();
+    long.extend([0u8; 55]); // 111 bytes
+    for kind in RECORD_KINDS {
+        let (a, b) = record_pair(kind);
+        let file = page_file();
+        send_record(&a, &bytes[..8], &[file.as_fd()]);
+        send_record(&a, &long, &[]);
+        send_record(&a, &bytes, &[file.as_fd()]);
+        let first = Offer::recv(&b).unwrap_err();
+        assert!(
+            matches!(first, WireError::Truncated { got: 8 }),
+            "{kind:?}: {first}"
+        );
+        let second = Offer::recv(&b).unwrap_err();
+        assert!(
+            matches!(second, WireError::Malformed(_)),
+            "{kind:?}: {second}"
+        );
+        let third = Offer::recv(&b).expect("a whole record is a whole message");
+        assert_eq!(*third.message(), one_page_message());
+    }
+}
+
+/// A record longer than a message is malformed, and the descriptors that came with it are
+/// closed, not kept.
+#[test]
+fn a_record_longer_than_a_message_is_malformed_and_its_descriptors_closed() {
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::MetadataExt;
+    let mut bytes = one_page_message().encode().to_vec();
+    bytes.push(0);
+    for kind in RECORD_KINDS {
+        let (a, b) = record_pair(kind);
+        let file = page_file();
+        let inode = std::fs::File::from(rustix::io::dup(&file).unwrap())
+            .metadata()
+            .unwrap()
+            .ino();
+        send_record(&a, &bytes, &[file.as_fd()]);
+        drop(file);
+        let e = Offer::recv(&b).unwrap_err();
+        assert!(matches!(e, WireError::Malformed(_)), "{kind:?}: {e}");
+        assert_eq!(open_descriptors_of(&[inode]), 0, "{kind:?}: closed");
+    }
+}
+
+/// A peer that sends part of a message on a stream socket and then stalls keeps a blocking
+/// receiver waiting — as long as the socket's own receive timeout, which bounds it: the
+/// receiver then gets an I/O error (`WouldBlock`), and the descriptors that came are closed.
+#[test]
+fn a_stalled_peer_on_a_stream_socket_is_bounded_by_the_receive_timeout() {
+    use std::os::fd::AsFd;
+    use std::os::unix::fs::MetadataExt;
+    let (a, b) = UnixStream::pair().unwrap();
+    b.set_read_timeout(Some(std::time::Duration::from_millis(100)))
+        .unwrap();
+    let file = page_file();
+    let inode = std::fs::File::from(rustix::io::dup(&file).unwrap())
+        .metadata()
+        .unwrap()
+        .ino();
+    let a = rustix::fd::OwnedFd::from(a);
+    send_record(&a, &one_page_message().encode()[..8], &[file.as_fd()]);
+    drop(file);
+    let e = Offer::recv(&b).unwrap_err();
+    assert!(
+        matches!(&e, WireError::Io(io) if io.kind() == std::io::ErrorKind::WouldBlock),
+        "{e:?}"
+    );
+    assert_eq!(open_descriptors_of(&[inode]), 0, "closed");
+    drop(a); // the peer is still connected until here: the receiver was not woken by a close
 }

@@ -12,7 +12,7 @@ use rustix::fs::{MemfdFlags, SealFlags};
 const PAGE: u64 = 4096;
 
 /// A descriptor to send: a memfd of `pages` pages (its bytes `seed`), sealed against shrinking
-/// or not, or a socket (not a file).
+/// and writes or not, or a socket (not a file).
 #[derive(Clone, Debug)]
 enum Fd {
     Memfd { pages: u64, sealed: bool, seed: u8 },
@@ -32,7 +32,7 @@ impl Fd {
                 let bytes = vec![seed; (pages * PAGE) as usize];
                 rustix::io::pwrite(&fd, &bytes, 0).unwrap();
                 if sealed {
-                    let seals = SealFlags::SHRINK | SealFlags::GROW | SealFlags::FUTURE_WRITE;
+                    let seals = SealFlags::SHRINK | SealFlags::GROW | SealFlags::WRITE;
                     rustix::fs::fcntl_add_seals(&fd, seals).unwrap();
                 }
                 fd

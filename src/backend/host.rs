@@ -10,7 +10,6 @@ use rustix::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use rustix::fs::{FallocateFlags, FileType, MemfdFlags, Mode, OFlags, SealFlags};
 use rustix::mm::{MapFlags, ProtFlags};
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// Settings of a [`HostBackend`].
@@ -64,21 +63,42 @@ struct HostState {
 /// Physical memory that is not a range of the device's `memfd`.
 #[derive(Debug)]
 struct HostFile {
+    /// Read-write while [`FileKind::Exportable`]; read-only once sealed or imported.
     fd: OwnedFd,
     offset: u64,
-    /// Imported: mapped read-only only, written never, and not counted in this backend's
-    /// physical capacity (the exporter's memory).
-    imported: bool,
+    kind: FileKind,
+}
+
+/// What a [`HostFile`] is, and so what may be done with it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FileKind {
+    /// Created exportable and not exported yet: mapped as asked, written freely.
+    Exportable,
+    /// Exported: sealed with `F_SEAL_WRITE`, so no process can ever write it again; mapped
+    /// read-only only, through a read-only descriptor (the only one kept).
+    Sealed,
+    /// Imported from another process (sealed with `F_SEAL_WRITE` there, checked here): mapped
+    /// read-only only, and not counted in this backend's physical capacity (the exporter's
+    /// memory).
+    Imported,
+}
+
+impl FileKind {
+    /// Whether the file may be mapped read-write or written.
+    fn writable(self) -> bool {
+        self == Self::Exportable
+    }
 }
 
 /// The seals of an exportable `memfd` from its creation: its size is fixed for good, so no
 /// process that maps it can be made to fault by a shrink.
 const EXPORT_SEALS: SealFlags = SealFlags::SHRINK.union(SealFlags::GROW);
 
-/// The seals added at its first export: no new write to it, through any descriptor or any new
-/// mapping, in any process (the owner's own mapping, made before, stays; the typed layer never
-/// writes through it again once exported), and no seal changes after that.
-const EXPORTED_SEALS: SealFlags = SealFlags::FUTURE_WRITE.union(SealFlags::SEAL);
+/// The seals added at its first export: no write to it at all, through any descriptor or
+/// mapping, in any process — the kernel grants `F_SEAL_WRITE` only while no writable shared
+/// mapping of the file exists, so its bytes can never change again — and no seal changes after
+/// that. (`F_SEAL_FUTURE_WRITE` would not do: it leaves every writable mapping made before it.)
+const EXPORTED_SEALS: SealFlags = SealFlags::WRITE.union(SealFlags::SEAL);
 
 /// Host virtual memory management through `rustix`:
 ///
@@ -109,12 +129,6 @@ pub struct HostBackend {
 /// How many times [`Backend::reserve`] asks the kernel for a range before it gives up because
 /// every range offered lay over a poisoned reservation.
 const RESERVE_ATTEMPTS: usize = 64;
-
-/// The next serial number of a [`HostPhys`], shared by every host backend of the process.
-fn next_serial() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    NEXT.fetch_add(1, Ordering::Relaxed)
-}
 
 fn os_error(op: Op, addr: Addr, len: usize, errno: rustix::io::Errno) -> BackendError {
     let errno = errno.raw_os_error();
@@ -200,18 +214,19 @@ impl HostBackend {
         self.state().files.len()
     }
 
-    /// The file `phys` lives in, and where: its own, or the device's `memfd`.
+    /// The file `phys` lives in, where, and whether it may be written: its own, or the
+    /// device's `memfd`.
     fn file_of<'a>(&'a self, s: &'a HostState, phys: HostPhys) -> (BorrowedFd<'a>, u64, bool) {
         match s.files.get(&phys.serial) {
-            Some(f) => (f.fd.as_fd(), f.offset, f.imported),
-            None => (self.memfd.as_fd(), phys.offset, false),
+            Some(f) => (f.fd.as_fd(), f.offset, f.kind.writable()),
+            None => (self.memfd.as_fd(), phys.offset, true),
         }
     }
 
     fn next_phys(offset: u64) -> HostPhys {
         HostPhys {
             offset,
-            serial: next_serial(),
+            serial: super::unique().get(),
         }
     }
 
@@ -246,6 +261,96 @@ impl HostBackend {
             candidate = start + rlen;
         }
         (candidate + len <= capacity).then_some(candidate)
+    }
+
+    /// Maps `len` bytes of `fd` from `offset` at exactly `addr`, shared, with `access`, over
+    /// whatever is mapped there.
+    ///
+    /// # Safety
+    ///
+    /// `[addr, addr + len)` must lie inside a reservation of this backend, and every reference
+    /// into it must stay valid: no reference may point into it, or it is already a mapping of
+    /// the same `len` bytes of the same file from `offset` (so the bytes seen there do not
+    /// change: the kernel swaps the mappings under its lock of the address space, and a read
+    /// racing with it sees the same pages).
+    unsafe fn map_file(
+        addr: Addr,
+        len: usize,
+        fd: BorrowedFd<'_>,
+        offset: u64,
+        access: Access,
+    ) -> rustix::io::Result<()> {
+        let prot = match access {
+            Access::ReadWrite => ProtFlags::READ | ProtFlags::WRITE,
+            Access::ReadOnly => ProtFlags::READ,
+        };
+        let flags = MapFlags::SHARED | MapFlags::FIXED;
+        // SAFETY: the caller guarantees the range is ours and that every reference into it stays
+        // valid.
+        unsafe { rustix::mm::mmap(addr as *mut _, len, prot, flags, fd, offset) }.map(drop)
+    }
+
+    /// Makes an exportable allocation immutable for good, before its first export: every
+    /// mapping of it in this process — the owner's, read-write, and each sharer's — is made
+    /// again from a read-only descriptor (the kernel refuses `F_SEAL_WRITE` while any shared
+    /// mapping made through a writable descriptor exists, even a `PROT_READ` one), then the
+    /// file is sealed with `F_SEAL_WRITE` and `F_SEAL_SEAL`, and only the read-only descriptor
+    /// is kept. Refused with [`Violation::Unsealable`] if the kernel refuses the seal (pinned
+    /// pages): every mapping is then made again as it was, and nothing changed.
+    fn seal_against_writes(
+        s: &mut HostState,
+        phys: HostPhys,
+        len: usize,
+    ) -> Result<(), BackendError> {
+        let HostState { book, files, .. } = s;
+        let file = files.get_mut(&phys.serial).expect("checked by `export`");
+        let read_only =
+            reopen_read_only(file.fd.as_fd()).map_err(|e| os_error(Op::Create, 0, len, e))?;
+        let mappings = book.mappings_of(phys);
+        let mut touched = 0;
+        let mut result = Ok(());
+        for &(addr, n, _) in &mappings {
+            touched += 1;
+            // SAFETY: the book says `[addr, addr + n)` is a mapping of this backend of the whole
+            // of `phys`, that is `n` bytes of this file from `file.offset`: mapped again from the
+            // same file at the same offset, its bytes do not change.
+            let remapped = unsafe {
+                Self::map_file(addr, n, read_only.as_fd(), file.offset, Access::ReadOnly)
+            };
+            if let Err(e) = remapped {
+                result = Err(os_error(Op::Map, addr, n, e));
+                break;
+            }
+        }
+        if result.is_ok() {
+            match rustix::fs::fcntl_add_seals(&file.fd, EXPORTED_SEALS) {
+                Ok(()) => {
+                    file.fd = read_only;
+                    file.kind = FileKind::Sealed;
+                    for &(addr, n, _) in &mappings {
+                        book.set_access(addr, n, Access::ReadOnly)
+                            .expect("a mapping of the book covers itself");
+                    }
+                    return Ok(());
+                }
+                Err(errno) => {
+                    let errno = errno.raw_os_error();
+                    let v = Violation::Unsealable { errno };
+                    result = Err(BackendError::refused(Op::Create, 0, len, v));
+                }
+            }
+        }
+        // Refused: every mapping touched goes back to how it was (a failed `MAP_FIXED` may
+        // have left a hole; a range that cannot be mapped again is never touched again).
+        for &(addr, n, access) in &mappings[..touched] {
+            // SAFETY: as above; the mapping there is of the same bytes of the same file, or
+            // a hole left by the failed call.
+            let restored = unsafe { Self::map_file(addr, n, file.fd.as_fd(), file.offset, access) };
+            if restored.is_err() {
+                book.poison(addr, n);
+            }
+        }
+        result
     }
 
     /// Puts an inaccessible anonymous mapping at `[addr, addr + len)`.
@@ -386,7 +491,7 @@ impl Backend for HostBackend {
             // A file of its own: closing this process's descriptor is the release. Another
             // process that imported it keeps its pages until it unmaps and closes them too
             // (the kernel counts); imported memory was never counted here.
-            if !file.imported {
+            if file.kind != FileKind::Imported {
                 s.used -= len as u64;
             }
             drop(file);
@@ -413,8 +518,8 @@ impl Backend for HostBackend {
         s.book
             .check_map(addr, len, phys, 0)
             .map_err(|v| BackendError::refused(Op::Map, addr, len, v))?;
-        let (fd, offset, imported) = self.file_of(&s, phys);
-        if imported && access == Access::ReadWrite {
+        let (fd, offset, writable) = self.file_of(&s, phys);
+        if !writable && access == Access::ReadWrite {
             return Err(BackendError::refused(
                 Op::Map,
                 addr,
@@ -422,15 +527,11 @@ impl Backend for HostBackend {
                 Violation::ReadOnly { addr, len },
             ));
         }
-        let prot = match access {
-            Access::ReadWrite => ProtFlags::READ | ProtFlags::WRITE,
-            Access::ReadOnly => ProtFlags::READ,
-        };
-        let flags = MapFlags::SHARED | MapFlags::FIXED;
         // SAFETY: the book says `[addr, addr + len)` lies inside one of our reservations with
         // nothing mapped there, so replacing its `PROT_NONE` placeholder touches no live memory.
-        // The file holds `len` bytes from `offset` (created so, or checked by `import`).
-        let mapped = unsafe { rustix::mm::mmap(addr as *mut _, len, prot, flags, fd, offset) };
+        // The file holds `len` bytes from `offset` (created so, or checked by `import`); a file
+        // that is not writable is only mapped read-only (checked above).
+        let mapped = unsafe { Self::map_file(addr, len, fd, offset, access) };
         if let Err(e) = mapped {
             // A failed MAP_FIXED may leave a hole; put the reservation's placeholder back, and
             // if even that fails, never touch the reservation again.
@@ -469,8 +570,8 @@ impl Backend for HostBackend {
         // SAFETY: the book says every byte of `[src, src + len)` is mapped readable by this
         // backend, and the lock keeps it mapped for the duration of the copy.
         let bytes = unsafe { std::slice::from_raw_parts(src as *const u8, len) };
-        let (fd, mut at, imported) = self.file_of(&s, phys);
-        if imported {
+        let (fd, mut at, writable) = self.file_of(&s, phys);
+        if !writable {
             let v = Violation::ReadOnly { addr: src, len };
             return Err(BackendError::refused(Op::Copy, src, len, v));
         }
@@ -562,7 +663,7 @@ impl Exportable<PosixFd> for HostBackend {
         let file = HostFile {
             fd,
             offset: 0,
-            imported: false,
+            kind: FileKind::Exportable,
         };
         s.files.insert(phys.serial, file);
         s.used += len as u64;
@@ -571,12 +672,16 @@ impl Exportable<PosixFd> for HostBackend {
     }
 
     /// A read-only descriptor of the allocation's own `memfd` (opened again through
-    /// `/proc/self/fd`), after sealing the file against every future write
-    /// (`F_SEAL_FUTURE_WRITE`, then `F_SEAL_SEAL`): the process it is sent to can read this
-    /// allocation and nothing else, and can write it neither through this descriptor nor
-    /// through any it opens again from it.
+    /// `/proc/self/fd`), after sealing the file against every write at its first export
+    /// (`F_SEAL_WRITE`, then `F_SEAL_SEAL`; every mapping of it in this process is made
+    /// read-only first, see `seal_against_writes`): its bytes never change again, in any
+    /// process; the process it is sent to can read this allocation and nothing else.
+    ///
+    /// Refused with [`Violation::Unsealable`] if the kernel will not seal it (its pages are
+    /// pinned, by an RDMA registration say): nothing is exported and every mapping is as it
+    /// was.
     fn export(&self, phys: HostPhys, len: usize) -> Result<Shareable, BackendError> {
-        let s = self.state();
+        let mut s = self.state();
         s.book
             .check_release(phys, len)
             .or_else(|v| match v {
@@ -584,20 +689,17 @@ impl Exportable<PosixFd> for HostBackend {
                 v => Err(v),
             })
             .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
-        let Some(file) = s.files.get(&phys.serial).filter(|f| !f.imported) else {
-            return Err(BackendError::refused(
-                Op::Create,
-                0,
-                len,
-                Violation::NotExportable,
-            ));
-        };
-        let fail = |e| os_error(Op::Create, 0, len, e);
-        let seals = rustix::fs::fcntl_get_seals(&file.fd).map_err(fail)?;
-        if !seals.contains(SealFlags::SEAL) {
-            rustix::fs::fcntl_add_seals(&file.fd, EXPORTED_SEALS).map_err(fail)?;
+        let kind = s.files.get(&phys.serial).map(|f| f.kind);
+        match kind {
+            Some(FileKind::Exportable) => Self::seal_against_writes(&mut s, phys, len)?,
+            Some(FileKind::Sealed) => {}
+            Some(FileKind::Imported) | None => {
+                let v = Violation::NotExportable;
+                return Err(BackendError::refused(Op::Create, 0, len, v));
+            }
         }
-        let fd = reopen_read_only(file.fd.as_fd()).map_err(fail)?;
+        let file = &s.files[&phys.serial];
+        let fd = reopen_read_only(file.fd.as_fd()).map_err(|e| os_error(Op::Create, 0, len, e))?;
         Ok(Shareable {
             fd,
             offset: file.offset,
@@ -606,7 +708,10 @@ impl Exportable<PosixFd> for HostBackend {
     }
 
     /// Checks the descriptor before anything is mapped: a regular file sealed against
-    /// shrinking and against future writes — the seals first, since a seal can never be
+    /// shrinking and against every write (`F_SEAL_WRITE`, which the kernel grants only while no
+    /// writable shared mapping of the file exists anywhere, so the exporter cannot change the
+    /// bytes lent here as `&[u8]`; `F_SEAL_FUTURE_WRITE` alone leaves the mappings made before
+    /// it writable, and is refused) — the seals first, since a seal can never be
     /// removed: once the file cannot shrink its size can only grow, so the size checked next
     /// holds for good and no mapping of it can fault later — an offset aligned to the page,
     /// whole granules, and a file at least `offset + len` bytes long (`fstat`). The descriptor
@@ -628,9 +733,10 @@ impl Exportable<PosixFd> for HostBackend {
                 "not sealed against shrinking (a mapping of it could fault)",
             )));
         }
-        if !seals.intersects(SealFlags::WRITE | SealFlags::FUTURE_WRITE) {
+        if !seals.contains(SealFlags::WRITE) {
             return Err(refuse(Violation::Import(
-                "not sealed against writes (the exporter could change bytes lent as &[u8])",
+                "not sealed with F_SEAL_WRITE (a writable mapping made before a weaker seal could \
+                 change bytes lent as &[u8])",
             )));
         }
         let stat = rustix::fs::fstat(&fd).map_err(|e| os_error(Op::Create, 0, len, e))?;
@@ -647,7 +753,7 @@ impl Exportable<PosixFd> for HostBackend {
         let file = HostFile {
             fd,
             offset,
-            imported: true,
+            kind: FileKind::Imported,
         };
         s.files.insert(phys.serial, file);
         s.book.apply_create(phys, len);

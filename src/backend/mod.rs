@@ -36,7 +36,19 @@ pub use rules::Violation;
 pub use sim::{SimBackend, SimConfig, SimPhys};
 
 use std::fmt;
+use std::num::NonZeroU64;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
+
+/// A number never handed out before in this process, by any backend or device: the one source
+/// of every identity memtoken makes — the backends' serials of physical memory and fences, and
+/// the devices' generations — so two devices, or two backends, never make equal ones.
+pub(crate) fn unique() -> NonZeroU64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    // 2^64 numbers at one per nanosecond last 584 years: the counter never wraps to 0.
+    NonZeroU64::new(n).expect("the process-wide counter never wraps")
+}
 
 /// Locks `m`, and goes on through poison: a panic in one call (a strict model refusing it,
 /// say) does not make every later call panic too. The one poison-tolerant lock of the crate.

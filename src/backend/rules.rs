@@ -135,6 +135,33 @@ pub enum Violation {
         /// The file's real size.
         size: u64,
     },
+    /// Exportable memory the kernel refuses to seal against writes (`F_SEAL_WRITE`): some
+    /// mapping of it is writable, or its pages are pinned (an RDMA registration, `io_uring`
+    /// buffers). It was not exported; every mapping of it is as it was.
+    #[error(
+        "the memory cannot be sealed against writes (errno {errno}: {}): it is pinned (an RDMA \
+         registration, say) or mapped writable outside this backend; export it before registering \
+         it with anything that pins pages",
+        std::io::Error::from_raw_os_error(*errno)
+    )]
+    Unsealable {
+        /// The raw `errno` of the refused seal (`EBUSY`).
+        errno: i32,
+    },
+    /// Exportable memory on a device whose granularity (which sizes and places every
+    /// allocation) is not a multiple of the granularity of the exportable memory's own
+    /// properties: such memory would not fit its own rules, so none is created or imported.
+    #[error(
+        "exportable memory is refused: the device granularity {device:#x} is not a multiple of \
+         the granularity {exportable:#x} of memory created exportable; use plain memory, or a \
+         device whose granularities fit"
+    )]
+    GranularityMisfit {
+        /// The device's granularity (of plain memory).
+        device: usize,
+        /// The granularity of memory created exportable.
+        exportable: usize,
+    },
     /// Memory created without the handle kind asked for: it cannot be exported as it.
     #[error("physical memory was not created exportable as this handle kind")]
     NotExportable,
@@ -559,6 +586,16 @@ impl<P: Copy + Eq + Hash> Book<P> {
     /// The length of a physical allocation, released-while-mapped ones included.
     pub(crate) fn phys_len_any(&self, phys: P) -> usize {
         self.phys.get(&phys).map_or(0, |r| r.len)
+    }
+
+    /// Every mapping of `phys`: (start, length, access), lowest first. Linear in the mappings
+    /// of the backend: for rare calls (an export), not for a hot path.
+    pub(crate) fn mappings_of(&self, phys: P) -> Vec<(Addr, usize, Access)> {
+        self.mappings
+            .iter()
+            .filter(|(_, m)| m.phys == phys)
+            .map(|(&start, m)| (start, m.len, m.access))
+            .collect()
     }
 
     /// Whether physical memory (live, or released while mapped) has a mapping.

@@ -12,7 +12,6 @@ use super::{
     address_space_exhausted, check_address_space, lock,
 };
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Settings of a [`SimBackend`].
@@ -76,10 +75,9 @@ impl SimConfig {
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct SimPhys(u64);
 
-/// The next serial number of a [`SimPhys`], shared by every simulator of the process.
+/// The next serial number of a [`SimPhys`], unique in the process.
 fn next_phys() -> SimPhys {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    SimPhys(NEXT.fetch_add(1, Ordering::Relaxed))
+    SimPhys(super::unique().get())
 }
 
 /// One call the simulated backend received (see [`SimBackend::calls`]).

@@ -23,7 +23,7 @@ use crate::unwind::{Guarded, Scope};
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
-    SendAncillaryMessage, SendFlags,
+    SendAncillaryMessage, SendFlags, SocketType,
 };
 use std::io::{IoSlice, IoSliceMut};
 use std::marker::PhantomData;
@@ -350,39 +350,47 @@ impl Offer {
     /// Receives one message and its descriptors from `socket` (a connected Unix domain
     /// socket), and checks them as [`Offer::new`] does.
     ///
+    /// On a record socket (`SOCK_SEQPACKET`, `SOCK_DGRAM`) one record is exactly one message:
+    /// a shorter record is [`WireError::Truncated`] and a longer one [`WireError::Malformed`]
+    /// — one read, never stitched to the record after it, and the next call reads the next
+    /// record. On a stream socket (`SOCK_STREAM`) the message may come in pieces, and reads go
+    /// on until all [`MESSAGE_LEN`] bytes have come. Every read checks that no control data
+    /// (descriptors) was cut off.
+    ///
+    /// # A peer that stalls
+    ///
+    /// On a blocking socket this waits as long as the socket does: a peer that sends part of
+    /// a message on a stream socket (or nothing at all) and then neither sends the rest nor
+    /// closes keeps this call waiting for good. Bound the wait on the socket itself before
+    /// calling — `SO_RCVTIMEO` (`UnixStream::set_read_timeout`, or
+    /// `rustix::net::sockopt::set_socket_timeout`) — or make it non-blocking: the call then
+    /// returns [`WireError::Io`] (`WouldBlock`) when the time is up or nothing is there, and
+    /// the descriptors received so far are closed. A record socket never waits for a second
+    /// record.
+    ///
     /// # Errors
     ///
-    /// [`WireError::Io`] if the socket call fails, [`WireError::ControlTruncated`] if more
-    /// descriptors came than a message carries, [`WireError::Truncated`] if the peer closed
-    /// before a whole message; else as [`Offer::new`].
+    /// [`WireError::Io`] if a socket call fails or times out, [`WireError::ControlTruncated`]
+    /// if more descriptors came than a message carries, [`WireError::Truncated`] if the peer
+    /// closed before a whole message or sent a short record, [`WireError::Malformed`] for a
+    /// record longer than a message; else as [`Offer::new`].
     pub fn recv(socket: impl AsFd) -> Result<Self, WireError> {
         let socket = socket.as_fd();
+        let records = rustix::net::sockopt::socket_type(socket).map_err(std::io::Error::from)?
+            != SocketType::STREAM;
         let mut buf = [0u8; MESSAGE_LEN];
-        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
-        let mut control = RecvAncillaryBuffer::new(&mut space);
-        let mut iov = [IoSliceMut::new(&mut buf)];
-        let received =
-            rustix::net::recvmsg(socket, &mut iov, &mut control, RecvFlags::CMSG_CLOEXEC)
-                .map_err(std::io::Error::from)?;
         let mut fds = Vec::new();
-        for message in control.drain() {
-            if let RecvAncillaryMessage::ScmRights(rights) = message {
-                fds.extend(rights);
-            }
-        }
-        if received.flags.contains(ReturnFlags::CTRUNC) {
-            return Err(WireError::ControlTruncated);
-        }
-        if received.flags.contains(ReturnFlags::TRUNC) {
-            return Err(WireError::Malformed(
-                "the datagram was longer than a message",
-            ));
-        }
-        let mut got = received.bytes.min(MESSAGE_LEN);
+        let mut got = 0;
         while got < MESSAGE_LEN {
-            let (n, _) = rustix::net::recv(socket, &mut buf[got..], RecvFlags::empty())
-                .map_err(std::io::Error::from)?;
-            if n == 0 {
+            let (n, flags) = recv_some(socket, &mut buf[got..], &mut fds)?;
+            if records {
+                if flags.contains(ReturnFlags::TRUNC) {
+                    return Err(WireError::Malformed("a record longer than a message"));
+                }
+                if n < MESSAGE_LEN {
+                    return Err(WireError::Truncated { got: n });
+                }
+            } else if n == 0 {
                 return Err(WireError::Truncated { got });
             }
             got += n;
@@ -394,6 +402,34 @@ impl Offer {
     pub fn message(&self) -> &PrefixMessage {
         &self.message
     }
+}
+
+/// One read of `socket` into `buf`: the bytes read and the flags, the descriptors that came
+/// with them added to `fds` (closed with it on any error).
+///
+/// # Errors
+///
+/// [`WireError::Io`] if the call fails, [`WireError::ControlTruncated`] if the kernel cut off
+/// control data (more descriptors than a message carries).
+fn recv_some(
+    socket: BorrowedFd<'_>,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+) -> Result<(usize, ReturnFlags), WireError> {
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let mut iov = [IoSliceMut::new(buf)];
+    let received = rustix::net::recvmsg(socket, &mut iov, &mut control, RecvFlags::CMSG_CLOEXEC)
+        .map_err(std::io::Error::from)?;
+    for message in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(rights) = message {
+            fds.extend(rights);
+        }
+    }
+    if received.flags.contains(ReturnFlags::CTRUNC) {
+        return Err(WireError::ControlTruncated);
+    }
+    Ok((received.bytes, received.flags))
 }
 
 /// Sends `message` and `fds` on `socket`, the descriptors with the first byte.
@@ -438,7 +474,8 @@ fn send(
 /// Exporting is one-way for writes: once a prefix was exported, its owner never writes it
 /// again (`as_mut_slice` and the other writers give `None` for good, even after every export
 /// ended), since an importer may still read it; on the host the file is also sealed against
-/// every future write. One export may be sent to several peers; it is counted once.
+/// every write (`F_SEAL_WRITE`), in every process, at the first export. One export may be sent
+/// to several peers; it is counted once.
 #[must_use = "dropping an export ends it at once"]
 pub struct Export<'b, 'id, B: Exportable<K>, K: HandleKind> {
     binding: &'b Binding<'b, 'id, B>,
@@ -464,7 +501,11 @@ impl<'b, 'id, B: Exportable<K>, K: HandleKind> Allocation<'b, 'id, B, Owner<K>> 
     ///
     /// # Errors
     ///
-    /// The backend's, if a handle cannot be made (nothing is left exported).
+    /// The backend's, if a handle cannot be made (nothing is left exported, and the prefix is
+    /// as it was: still writable by its owner). On the host, memory whose pages are pinned (an
+    /// RDMA registration, say) cannot be sealed against writes and is refused with
+    /// [`Violation::Unsealable`](crate::backend::Violation::Unsealable): export before you
+    /// register.
     ///
     /// The export borrows the binding like any token, so the binding cannot be dropped while
     /// the export is outstanding:

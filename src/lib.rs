@@ -191,4 +191,4 @@ pub use sleep::{
     ResumeError, SuspendError, Suspendable, Suspended, SuspendedAllocation, SuspendedRegion,
 };
 pub use state::{Committed, Live, Readable, Releasing, Reserved, State};
-pub use transfer::{Descriptor, Registration};
+pub use transfer::{Descriptor, Registrable, Registration};

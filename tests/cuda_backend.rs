@@ -425,6 +425,7 @@ fn an_ordinary_failure_then_a_sticky_one_never_lets_a_call_through() {
 fn a_sticky_error_while_opening_makes_no_further_call() {
     for call in [
         DriverCall::CtxSetCurrent,
+        DriverCall::DeviceGetAttribute,
         DriverCall::MemGetAllocationGranularity,
         DriverCall::DeviceTotalMem,
     ] {
@@ -684,4 +685,80 @@ fn the_model_maps_only_whole_handles_from_offset_zero() {
         model.primary_ctx_release(0).unwrap();
     }
     assert!(model.outstanding().is_zero());
+}
+
+// ---- Facts 14, 15: creation properties. ----
+
+/// Fact 14: `gpuDirectRDMACapable` needs attribute 110. The backend reads the attribute once,
+/// when opened; then every `cuMemCreate` — a commit, a prefix's body and boundary, a
+/// copy-on-write granule, exportable memory — asks RDMA-capable memory exactly where it is 1,
+/// and (fact 15) each granularity is asked with the properties its memory is created with:
+/// the plain ones, and the same with a POSIX descriptor requested.
+#[test]
+fn every_create_asks_rdma_capable_memory_exactly_where_the_device_supports_it() {
+    use memtoken::backend::PosixFd;
+    use memtoken::backend::cuda::{AllocationProps, HANDLE_TYPE_POSIX_FD};
+    for rdma in [true, false] {
+        let model = DriverModel::new(ModelConfig {
+            rdma_with_vmm: rdma,
+            ..common::model_config()
+        })
+        .unwrap();
+        let opened = backend(&model);
+        let plain = AllocationProps::pinned(0).with_gpu_direct_rdma(rdma);
+        let exportable = plain.with_handle_types(HANDLE_TYPE_POSIX_FD);
+        assert_eq!(opened.gpu_direct_rdma(), rdma);
+        assert_eq!(opened.allocation_props(), plain);
+        assert_eq!(opened.exportable_granularity(), Ok(G));
+        make_guard!(guard);
+        let device = Device::new(guard, opened);
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        let committed = binding.reserve(G).unwrap().commit().unwrap();
+        let prefix = binding.reserve(3 * G).unwrap().commit_prefix().unwrap();
+        let shared = binding.reserve(3 * G).unwrap().map_prefix(&prefix).unwrap();
+        let diverged = shared.diverge().unwrap();
+        let exported = binding
+            .reserve(3 * G)
+            .unwrap()
+            .commit_prefix_exportable::<PosixFd>()
+            .unwrap();
+        let log = model.props_log();
+        let asked = |call| {
+            log.iter()
+                .filter(|&&(c, _)| c == call)
+                .map(|&(_, props)| props)
+                .collect::<Vec<_>>()
+        };
+        assert_eq!(
+            asked(DriverCall::MemGetAllocationGranularity),
+            [plain, exportable],
+            "rdma {rdma}: the granularity of each kind of memory, asked once, when opened"
+        );
+        assert_eq!(
+            asked(DriverCall::MemCreate),
+            [plain, plain, plain, plain, exportable, exportable],
+            "rdma {rdma}: commit, prefix body and boundary, copy-on-write, exportable prefix"
+        );
+        assert_eq!(model.count(DriverCall::DeviceGetAttribute), 1, "read once");
+        for token in [committed.release(), exported.release()] {
+            token.complete().unwrap();
+        }
+        diverged.release().complete().unwrap();
+        prefix.release().complete().unwrap();
+        drop(binding);
+        assert!(device.close().is_clean());
+        assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+    }
+}
+
+/// An ordinary error while reading attribute 110 fails the open, as any other query of the
+/// open does, and gives the retained context back.
+#[test]
+fn a_failed_attribute_query_fails_the_open() {
+    let model = common::model();
+    model.fail_nth(DriverCall::DeviceGetAttribute, 1, CuError::INVALID_VALUE);
+    let e = CudaBackend::new(model.clone(), 0).unwrap_err();
+    assert!(e.to_string().contains("DeviceGetAttribute"), "{e}");
+    assert_eq!(model.count(DriverCall::MemCreate), 0);
+    assert_eq!(model.outstanding().retains, 0, "the retain was released");
 }

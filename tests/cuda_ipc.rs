@@ -190,3 +190,123 @@ fn a_host_import_of_a_descriptor_that_is_not_a_file_is_refused() {
     drop(binding);
     assert!(device.close().is_clean());
 }
+
+/// Fact 15: granularity depends on the allocation properties. On a device whose exportable
+/// properties have a granularity that does not divide the device's (the one every allocation
+/// is sized by), the backend still opens and plain memory and prefixes work, but exportable
+/// memory — created or imported — is refused before any driver call, with an error naming
+/// both granularities. An exportable granularity that divides the device's fits.
+#[test]
+fn exportable_memory_whose_granularity_does_not_fit_is_refused_naming_both() {
+    use memtoken::backend::{Cause, Shareable, Violation};
+    let model = DriverModel::new(ModelConfig {
+        exportable_granularity: Some(2 * G),
+        ..ModelConfig::default()
+    })
+    .unwrap();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    assert_eq!(backend.granularity(), G);
+    assert_eq!(backend.exportable_granularity(), Ok(2 * G));
+    let (creates, imports) = (
+        model.count(DriverCall::MemCreate),
+        model.count(DriverCall::MemImportFromShareableHandle),
+    );
+    // The whole chain of causes, as a caller reporting the error prints it.
+    let both = |e: &dyn std::error::Error| {
+        let e = common::messages(e).join(": ");
+        assert!(e.contains(&format!("{G:#x}")), "{e}");
+        assert!(e.contains(&format!("{:#x}", 2 * G)), "{e}");
+        assert!(e.contains("exportable memory is refused"), "{e}");
+    };
+    for len in [G, 2 * G] {
+        let e = Exportable::<PosixFd>::create_exportable(&backend, len).unwrap_err();
+        assert!(
+            matches!(
+                e.cause,
+                Cause::Violation(Violation::GranularityMisfit { device, exportable })
+                    if device == G && exportable == 2 * G
+            ),
+            "{e}"
+        );
+        both(&e);
+    }
+    let fd = std::fs::File::open("/dev/null").unwrap().into();
+    let e = Exportable::<PosixFd>::import(
+        &backend,
+        Shareable {
+            fd,
+            offset: 0,
+            len: G,
+        },
+    );
+    both(&e.unwrap_err());
+    assert_eq!(
+        model.count(DriverCall::MemCreate),
+        creates,
+        "refused before the driver"
+    );
+    assert_eq!(
+        model.count(DriverCall::MemImportFromShareableHandle),
+        imports
+    );
+    // Plain memory works on.
+    let plain = backend.create(G).unwrap();
+    backend.release(plain, G).unwrap();
+
+    // Through the typed layer: the reservation comes back; a plain prefix commits.
+    make_guard!(guard);
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let e = binding
+        .reserve(3 * G)
+        .unwrap()
+        .commit_prefix_exportable::<PosixFd>()
+        .unwrap_err();
+    both(&e.cause);
+    let reserved = match e.into_token() {
+        memtoken::Returned::Unchanged(reserved) => reserved,
+        memtoken::Returned::Quarantined(q) => panic!("nothing was made to quarantine: {q:?}"),
+    };
+    let prefix = reserved.commit_prefix().unwrap();
+    prefix.release().complete().unwrap();
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+
+    // An exportable granularity that divides the device's fits.
+    let model = DriverModel::new(ModelConfig {
+        exportable_granularity: Some(G / 2),
+        ..ModelConfig::default()
+    })
+    .unwrap();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let phys = Exportable::<PosixFd>::create_exportable(&backend, G).unwrap();
+    backend.release(phys, G).unwrap();
+}
+
+/// An exportable granularity the driver would not say (the query failed with an ordinary
+/// error): the backend opens, plain memory works, and exportable memory is refused with the
+/// query's error, before any create.
+#[test]
+fn a_failed_exportable_granularity_query_refuses_only_exportable_memory() {
+    use memtoken::backend::Cause;
+    use memtoken::backend::cuda::CuError;
+    let model = model();
+    // The second query of the open: the exportable properties'.
+    model.fail_nth(
+        DriverCall::MemGetAllocationGranularity,
+        2,
+        CuError::NOT_SUPPORTED,
+    );
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    assert_eq!(
+        backend.exportable_granularity(),
+        Err(CuError::NOT_SUPPORTED)
+    );
+    let plain = backend.create(G).unwrap();
+    let creates = model.count(DriverCall::MemCreate);
+    let e = Exportable::<PosixFd>::create_exportable(&backend, G).unwrap_err();
+    assert!(matches!(e.cause, Cause::Driver { code: 801, .. }), "{e}");
+    assert_eq!(model.count(DriverCall::MemCreate), creates);
+    backend.release(plain, G).unwrap();
+}

@@ -682,3 +682,144 @@ fn an_import_maps_the_exported_bytes_and_the_memory_lives_while_anything_holds_i
     let e = model.mem_import_from_shareable_handle(u64::from(u32::MAX), HANDLE_TYPE_POSIX_FD);
     assert_eq!(e, Err(CuError::INVALID_VALUE));
 }
+
+// ---- Fact 14: `gpuDirectRDMACapable` needs attribute 110. ----
+
+/// A model whose attribute 110 is `rdma`.
+fn rdma_model(rdma: bool) -> DriverModel {
+    opened(ModelConfig {
+        rdma_with_vmm: rdma,
+        ..config()
+    })
+}
+
+#[test]
+fn attribute_110_says_whether_memory_may_be_rdma_capable() {
+    use memtoken::backend::cuda::{AllocationProps, DeviceAttribute};
+    let attribute = DeviceAttribute::GpuDirectRdmaWithCudaVmmSupported;
+    assert_eq!(attribute.code(), 110);
+    for rdma in [true, false] {
+        let model = rdma_model(rdma);
+        assert_eq!(
+            model.device_get_attribute(attribute, 0),
+            Ok(i32::from(rdma))
+        );
+        assert_eq!(
+            model.device_get_attribute(attribute, 7),
+            Err(CuError::INVALID_DEVICE),
+            "a device the model does not have"
+        );
+        let props = AllocationProps::pinned(0).with_gpu_direct_rdma(rdma);
+        assert_eq!(model.mem_get_allocation_granularity(props), Ok(G));
+        let handle = model.mem_create_with(G, props).unwrap();
+        // Memory that is not RDMA-capable may always be made.
+        let plain = model.mem_create(G, 0).unwrap();
+        assert_eq!(
+            model.props_log(),
+            [
+                (DriverCall::MemGetAllocationGranularity, props),
+                (DriverCall::MemCreate, props),
+                (DriverCall::MemCreate, AllocationProps::pinned(0)),
+            ],
+            "every create and granularity query is recorded with its properties"
+        );
+        // SAFETY: both handles are live, released once.
+        unsafe {
+            model.mem_release(handle).unwrap();
+            model.mem_release(plain).unwrap();
+        }
+    }
+}
+
+#[test]
+#[should_panic(expected = "whose attribute 110 (GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED) is 0")]
+fn creating_rdma_capable_memory_without_attribute_110_is_misuse() {
+    use memtoken::backend::cuda::AllocationProps;
+    let model = rdma_model(false);
+    let props = AllocationProps::pinned(0).with_gpu_direct_rdma(true);
+    let _ = model.mem_create_with(G, props);
+}
+
+#[test]
+#[should_panic(expected = "whose attribute 110 (GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED) is 0")]
+fn asking_the_granularity_of_rdma_capable_memory_without_attribute_110_is_misuse() {
+    use memtoken::backend::cuda::{AllocationProps, HANDLE_TYPE_POSIX_FD};
+    let model = rdma_model(false);
+    let props = AllocationProps::pinned(0)
+        .with_handle_types(HANDLE_TYPE_POSIX_FD)
+        .with_gpu_direct_rdma(true);
+    let _ = model.mem_get_allocation_granularity(props);
+}
+
+// ---- Fact 15: granularity depends on the allocation properties. ----
+
+/// A model whose exportable memory has a granularity of two plain granules.
+fn coarse_exports() -> DriverModel {
+    opened(ModelConfig {
+        exportable_granularity: Some(2 * G),
+        ..config()
+    })
+}
+
+#[test]
+fn the_granularity_is_that_of_the_properties_asked_with() {
+    use memtoken::backend::cuda::{AllocationProps, HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD};
+    let model = coarse_exports();
+    let plain = AllocationProps::pinned(0);
+    let granularity = |props| model.mem_get_allocation_granularity(props);
+    assert_eq!(granularity(plain), Ok(G));
+    assert_eq!(granularity(plain.with_gpu_direct_rdma(true)), Ok(G));
+    for kind in [HANDLE_TYPE_POSIX_FD, HANDLE_TYPE_FABRIC] {
+        assert_eq!(
+            granularity(plain.with_handle_types(kind)),
+            Ok(2 * G),
+            "{kind}"
+        );
+    }
+    assert_eq!(
+        granularity(plain.with_handle_types(2)),
+        Err(CuError::INVALID_VALUE),
+        "a Win32 handle: not modelled"
+    );
+    // By default, exportable memory has the plain granularity.
+    let model = opened(config());
+    let exportable = plain.with_handle_types(HANDLE_TYPE_POSIX_FD);
+    assert_eq!(model.mem_get_allocation_granularity(exportable), Ok(G));
+
+    // Memory of its properties' granularity is created and mapped at a multiple of it.
+    let model = coarse_exports();
+    let handle = model.mem_create_with(2 * G, exportable).unwrap();
+    let ptr = model.mem_address_reserve(2 * G, 2 * G, 0).unwrap();
+    // SAFETY: the fresh reservation is unmapped, `handle` live and `2 * G` long; each is given
+    // back once.
+    unsafe {
+        model.mem_map(ptr, 2 * G, 0, handle).unwrap();
+        model.mem_unmap(ptr, 2 * G).unwrap();
+        model.mem_address_free(ptr, 2 * G).unwrap();
+        model.mem_release(handle).unwrap();
+    }
+    assert!(model.outstanding().physical_bytes == 0);
+}
+
+#[test]
+#[should_panic(expected = "is not a multiple of the granularity")]
+fn creating_memory_smaller_than_its_properties_granularity_is_misuse() {
+    use memtoken::backend::cuda::HANDLE_TYPE_POSIX_FD;
+    let model = coarse_exports();
+    // One plain granule: a multiple of the plain granularity, not of the exportable one.
+    let _ = model.mem_create_exportable(G, 0, HANDLE_TYPE_POSIX_FD);
+}
+
+#[test]
+#[should_panic(expected = "is not a multiple of the granularity")]
+fn mapping_memory_off_its_properties_granularity_is_misuse() {
+    use memtoken::backend::cuda::HANDLE_TYPE_POSIX_FD;
+    let model = coarse_exports();
+    let handle = model
+        .mem_create_exportable(2 * G, 0, HANDLE_TYPE_POSIX_FD)
+        .unwrap();
+    let ptr = model.mem_address_reserve(4 * G, 2 * G, 0).unwrap();
+    // SAFETY: `[ptr + G, ptr + 3G)` lies in the fresh reservation, unmapped; `handle` is live
+    // and `2 * G` long. The model panics before mapping: `ptr + G` is one plain granule off.
+    let _ = unsafe { model.mem_map(ptr + G as u64, 2 * G, 0, handle) };
+}

@@ -1,5 +1,12 @@
-//! Tests on a real GPU. Each has `gpu` in its name. Without a CUDA driver they print why they
-//! skip and pass; with `MEMTOKEN_REQUIRE_GPU=1` they must run, and fail if there is no GPU.
+//! Tests on a real GPU. Each has `gpu` in its name and is ignored by a plain `cargo test`, with
+//! the reason and the command that runs them:
+//!
+//! ```text
+//! MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu
+//! ```
+//!
+//! With `MEMTOKEN_REQUIRE_GPU=1` each must run, and fails loudly if there is no usable GPU;
+//! included without it on a machine with no driver, each prints why it skips.
 #![cfg(feature = "cuda")]
 
 use cudarc::driver::{
@@ -157,6 +164,7 @@ fn bytes(values: &[f32]) -> Vec<u8> {
 /// Issue 10 on a GPU: a region grows and shrinks through the granule cache, then a region and
 /// an allocation sleep with their bytes saved and wake at the same addresses with every byte.
 #[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_region_grow_shrink_and_sleep_wake() {
     let Some(backend) = gpu_or_skip("gpu_region_grow_shrink_and_sleep_wake") else {
         return;
@@ -219,6 +227,7 @@ fn gpu_region_grow_shrink_and_sleep_wake() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_commit_copy_and_release() {
     let Some(backend) = gpu_or_skip("gpu_commit_copy_and_release") else {
         return;
@@ -243,6 +252,7 @@ fn gpu_commit_copy_and_release() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_kernel_runs_on_committed_memory_and_drop_defers_behind_it() {
     let test = "gpu_kernel_runs_on_committed_memory_and_drop_defers_behind_it";
     let Some(backend) = gpu_or_skip(test) else {
@@ -290,6 +300,7 @@ fn gpu_kernel_runs_on_committed_memory_and_drop_defers_behind_it() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_shared_prefix_and_copy_on_write() {
     let Some(backend) = gpu_or_skip("gpu_shared_prefix_and_copy_on_write") else {
         return;
@@ -347,6 +358,7 @@ fn gpu_shared_prefix_and_copy_on_write() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_a_token_dropped_while_a_kernel_on_a_new_stream_reads_it_is_unmapped_after_the_kernel() {
     let test =
         "gpu_a_token_dropped_while_a_kernel_on_a_new_stream_reads_it_is_unmapped_after_the_kernel";
@@ -422,6 +434,7 @@ fn gpu_a_token_dropped_while_a_kernel_on_a_new_stream_reads_it_is_unmapped_after
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_memcpy_and_launch_through_typed_views() {
     let Some((ctx, backend)) = shared_or_skip("gpu_memcpy_and_launch_through_typed_views") else {
         return;
@@ -562,6 +575,7 @@ fn gpu_memcpy_and_launch_through_typed_views() {
 }
 
 #[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_a_view_used_on_another_stream_waits_for_its_home_stream() {
     let test = "gpu_a_view_used_on_another_stream_waits_for_its_home_stream";
     let Some((ctx, backend)) = shared_or_skip(test) else {
@@ -636,6 +650,7 @@ fn gpu_ipc_child(path: &str) {
 /// socket to this test binary run again, imported there (`cuMemImportFromShareableHandle`),
 /// read back byte for byte; the parent releases after the child exits.
 #[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_export_import_in_a_child_process() {
     use memtoken::backend::PosixFd;
     use std::io::Read;
@@ -702,5 +717,130 @@ fn gpu_export_import_in_a_child_process() {
     assert_eq!(device.outstanding_exports(), 0);
     prefix.release().complete().unwrap();
     drop(owner);
+    assert!(device.close().is_clean());
+}
+
+/// Facts 14 and 15 on the real driver: prints attribute 110
+/// (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`) and the recommended and
+/// minimum granularity for plain and exportable (POSIX descriptor) properties, each with and
+/// without `gpuDirectRDMACapable` (with it only asked where the attribute is 1); checks that
+/// the backend chose RDMA-capable memory exactly where the attribute is 1, that its
+/// granularities are the driver's for the properties it creates with, and that memory created
+/// with those properties — plain, and an exportable prefix of body and boundary — commits,
+/// round-trips its bytes, registers one segment per physical allocation, and releases.
+///
+/// Run it with `MEMTOKEN_REQUIRE_GPU=1 cargo test --test gpu gpu_rdma -- --nocapture`.
+#[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
+fn gpu_rdma_attribute_and_granularity_by_properties() {
+    use memtoken::backend::PosixFd;
+    use memtoken::backend::cuda::{AllocationProps, DeviceAttribute, Driver, HANDLE_TYPE_POSIX_FD};
+    let test = "gpu_rdma_attribute_and_granularity_by_properties";
+    let Some(backend) = gpu_or_skip(test) else {
+        return;
+    };
+    // The backend initialized the driver and made its context current on this thread.
+    let driver = SysDriver::load().expect("the backend loaded it");
+    let device_id = backend.device();
+    let attribute = driver
+        .device_get_attribute(
+            DeviceAttribute::GpuDirectRdmaWithCudaVmmSupported,
+            device_id,
+        )
+        .expect("cuDeviceGetAttribute(GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)");
+    let mut err = std::io::stderr();
+    let _ = writeln!(
+        err,
+        "{test}: device {device_id}: attribute 110 (GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED) = \
+         {attribute}"
+    );
+    for rdma in [false, true] {
+        for handle_types in [0, HANDLE_TYPE_POSIX_FD] {
+            let props = AllocationProps::pinned(device_id)
+                .with_handle_types(handle_types)
+                .with_gpu_direct_rdma(rdma);
+            if rdma && attribute != 1 {
+                let _ = writeln!(err, "{test}: {props:?}: not asked (attribute 110 is not 1)");
+                continue;
+            }
+            let recommended = driver.mem_get_allocation_granularity(props);
+            let minimum = assumptions::minimum_granularity(props);
+            let _ = writeln!(
+                err,
+                "{test}: {props:?}: RECOMMENDED {recommended:?}, MINIMUM {minimum:?}"
+            );
+            let recommended = recommended.expect("the granularity of valid properties");
+            assert!(recommended.is_power_of_two(), "{recommended:#x}");
+        }
+    }
+
+    // The backend's choice: RDMA-capable exactly where attribute 110 is 1, and each
+    // granularity asked with the properties that memory is created with.
+    let props = backend.allocation_props();
+    assert_eq!(backend.gpu_direct_rdma(), attribute == 1);
+    assert_eq!(props.gpu_direct_rdma, attribute == 1);
+    assert_eq!(
+        Ok(backend.granularity()),
+        driver.mem_get_allocation_granularity(props)
+    );
+    let exportable = props.with_handle_types(HANDLE_TYPE_POSIX_FD);
+    assert_eq!(
+        backend.exportable_granularity(),
+        driver.mem_get_allocation_granularity(exportable)
+    );
+    let _ = writeln!(
+        err,
+        "{test}: the backend creates {props:?} (granularity {:#x}) and exportable memory with \
+         granularity {:?}",
+        backend.granularity(),
+        backend.exportable_granularity()
+    );
+
+    let g = backend.granularity();
+    let fits = backend
+        .exportable_granularity()
+        .is_ok_and(|e| g.is_multiple_of(e));
+    make_guard!(guard);
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut plain = binding.reserve(g).unwrap().commit().expect("plain memory");
+    let data: Vec<u8> = (0..g).map(|i| (i % 239) as u8).collect();
+    plain.copy_from_host(0, &data).unwrap();
+    let mut back = vec![0; g];
+    plain.copy_to_host(0, &mut back).unwrap();
+    assert!(back == data, "plain memory did not round-trip");
+    assert_eq!(plain.register().segments().count(), 1);
+    let reserved = binding.reserve(3 * g).unwrap();
+    match reserved.commit_prefix_exportable::<PosixFd>() {
+        Ok(mut prefix) => {
+            assert!(
+                fits,
+                "exportable memory was made though its granularity does not fit"
+            );
+            let bytes: Vec<u8> = (0..3 * g).map(|i| (i % 233) as u8).collect();
+            prefix.copy_from_host(0, &bytes).unwrap().unwrap();
+            let mut back = vec![0; 3 * g];
+            prefix.copy_to_host(0, &mut back).unwrap();
+            assert!(back == bytes, "exportable memory did not round-trip");
+            let registration = prefix.register();
+            let segments: Vec<_> = registration.segments().collect();
+            assert_eq!(
+                segments.iter().map(|d| d.len).collect::<Vec<_>>(),
+                [2 * g, g],
+                "body and boundary"
+            );
+            complete_when_ready(prefix.release());
+        }
+        Err(e) => {
+            assert!(
+                !fits,
+                "exportable memory with the chosen properties failed: {e}"
+            );
+            let _ = writeln!(err, "{test}: exportable memory refused: {e}");
+            drop(e.into_token());
+        }
+    }
+    complete_when_ready(plain.release());
+    drop(binding);
     assert!(device.close().is_clean());
 }

@@ -9,7 +9,8 @@
 
 use super::usable_or_skip;
 use memtoken::backend::cuda::{
-    Context, CuError, CuResult, CudaError, Driver, DriverCall, ErrorFate, SysDriver,
+    AllocationProps, Context, CuError, CuResult, CudaError, DeviceAttribute, Driver, DriverCall,
+    ErrorFate, SysDriver,
 };
 
 /// Device 0 through the seam: the real driver, the device, and its primary context, retained
@@ -18,7 +19,10 @@ struct Raw {
     driver: SysDriver,
     device: i32,
     ctx: Context,
-    /// `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`, as the backend reads it.
+    /// The properties the backend creates plain memory with: RDMA-capable where attribute 110
+    /// says the device can be.
+    props: AllocationProps,
+    /// `CU_MEM_ALLOC_GRANULARITY_RECOMMENDED` for `props`, as the backend reads it.
     g: usize,
 }
 
@@ -36,6 +40,7 @@ impl Raw {
                 driver,
                 device,
                 ctx,
+                props: AllocationProps::pinned(device),
                 g: 0,
             })
         });
@@ -45,8 +50,16 @@ impl Raw {
             unsafe { raw.driver.ctx_set_current(raw.ctx) },
             "cuCtxSetCurrent",
         );
+        let rdma = ok(
+            raw.driver.device_get_attribute(
+                DeviceAttribute::GpuDirectRdmaWithCudaVmmSupported,
+                raw.device,
+            ),
+            "cuDeviceGetAttribute (GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED)",
+        );
+        raw.props = raw.props.with_gpu_direct_rdma(rdma == 1);
         raw.g = ok(
-            raw.driver.mem_get_allocation_granularity(raw.device),
+            raw.driver.mem_get_allocation_granularity(raw.props),
             "cuMemGetAllocationGranularity (RECOMMENDED)",
         );
         Some(raw)
@@ -61,10 +74,11 @@ impl Raw {
         )
     }
 
-    /// A physical allocation of `granules` granules on the device.
+    /// A physical allocation of `granules` granules on the device, with the backend's
+    /// properties.
     fn create(&self, granules: usize) -> u64 {
         ok(
-            self.driver.mem_create(granules * self.g, self.device),
+            self.driver.mem_create_with(granules * self.g, self.props),
             "cuMemCreate",
         )
     }
@@ -181,21 +195,21 @@ fn assert_bytes(got: &[u8], want: &[u8], what: &str) {
     }
 }
 
-/// `CU_MEM_ALLOC_GRANULARITY_MINIMUM` for pinned memory on `device`, straight from cudarc: the
-/// `Driver` seam reads only the recommended granularity, the one the backend uses.
-fn minimum_granularity(device: i32) -> CuResult<usize> {
+/// `CU_MEM_ALLOC_GRANULARITY_MINIMUM` for pinned memory with `props`, straight from cudarc:
+/// the `Driver` seam reads only the recommended granularity, the one the backend uses.
+pub(super) fn minimum_granularity(props: AllocationProps) -> CuResult<usize> {
     use cudarc::driver::sys;
     let prop = sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_NONE,
+        requestedHandleTypes: sys::CUmemAllocationHandleType(props.handle_types),
         location: sys::CUmemLocation {
             type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE,
-            id: device,
+            id: props.device,
         },
         win32HandleMetaData: std::ptr::null_mut(),
         allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
             compressionType: 0,
-            gpuDirectRDMACapable: 0,
+            gpuDirectRDMACapable: u8::from(props.gpu_direct_rdma),
             usage: 0,
             reserved: [0; 4],
         },
@@ -204,8 +218,8 @@ fn minimum_granularity(device: i32) -> CuResult<usize> {
         0,
         sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
     );
-    // SAFETY: the driver library is loaded (a `Raw` was opened through `SysDriver::load`);
-    // `granularity` and `prop` outlive the call.
+    // SAFETY: the driver library is loaded (every caller opened a `Raw` or a backend through
+    // `SysDriver::load` first); `granularity` and `prop` outlive the call.
     let r = unsafe { sys::cuMemGetAllocationGranularity(&mut granularity, &prop, flag) };
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(granularity)
@@ -219,6 +233,7 @@ fn minimum_granularity(device: i32) -> CuResult<usize> {
 /// memory read-only on the same device and read it through host copies and, for copy-on-write,
 /// device-to-device copies.
 #[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_read_only_access_for_the_owning_device() {
     let Some(raw) = Raw::open_or_skip("gpu_read_only_access_for_the_owning_device") else {
         return;
@@ -276,6 +291,7 @@ fn gpu_read_only_access_for_the_owning_device() {
 /// the reference only says a sub-range cannot be unmapped). A prefix mapping's body and tail
 /// handles are mapped side by side and go with one unmap.
 #[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_one_unmap_covers_adjacent_mappings() {
     let Some(raw) = Raw::open_or_skip("gpu_one_unmap_covers_adjacent_mappings") else {
         return;
@@ -340,6 +356,7 @@ fn gpu_one_unmap_covers_adjacent_mappings() {
 /// range"). The backend grants access per mapping today; this checks the rule before anything
 /// grants it once for a prefix's body and tail.
 #[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_one_set_access_covers_adjacent_mappings() {
     let Some(raw) = Raw::open_or_skip("gpu_one_set_access_covers_adjacent_mappings") else {
         return;
@@ -395,6 +412,7 @@ fn gpu_one_set_access_covers_adjacent_mappings() {
 /// handles). PyTorch's expandable segments use mapped pieces as one buffer; no
 /// reference says so for copies.
 #[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_one_copy_spans_adjacent_mappings() {
     let Some(raw) = Raw::open_or_skip("gpu_one_copy_spans_adjacent_mappings") else {
         return;
@@ -460,13 +478,14 @@ fn gpu_one_copy_spans_adjacent_mappings() {
 /// power of two (`cuMemAddressReserve` takes it as the alignment) and a multiple of the host
 /// page size (reservation sizes). The reference says only that it is "for best performance".
 #[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_recommended_granularity_is_a_power_of_two_multiple_of_the_minimum() {
     let test = "gpu_recommended_granularity_is_a_power_of_two_multiple_of_the_minimum";
     let Some(raw) = Raw::open_or_skip(test) else {
         return;
     };
     let (g, page) = (raw.g, rustix::param::page_size());
-    let minimum = ok(minimum_granularity(raw.device), "MINIMUM granularity");
+    let minimum = ok(minimum_granularity(raw.props), "MINIMUM granularity");
     assert!(
         minimum > 0 && g >= minimum,
         "recommended {g}, minimum {minimum}"
@@ -503,6 +522,7 @@ fn gpu_recommended_granularity_is_a_power_of_two_multiple_of_the_minimum() {
 /// reference says nothing of the state after a failure. The failure is made with a device
 /// ordinal no machine has.
 #[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_a_failed_set_access_leaves_the_mapping_to_unmap() {
     let Some(raw) = Raw::open_or_skip("gpu_a_failed_set_access_leaves_the_mapping_to_unmap") else {
         return;
@@ -545,6 +565,7 @@ fn gpu_a_failed_set_access_leaves_the_mapping_to_unmap() {
 /// A one-granule exportable allocation is exported, imported in this process, and mapped with
 /// two granules: refused, with a transient error; then with one: mapped, and its bytes read.
 #[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_a_map_past_an_imported_allocation_is_refused() {
     use memtoken::backend::cuda::{HANDLE_TYPE_POSIX_FD, ShareableHandle};
     use std::os::fd::AsRawFd;
@@ -553,7 +574,7 @@ fn gpu_a_map_past_an_imported_allocation_is_refused() {
     };
     let handle = ok(
         raw.driver
-            .mem_create_exportable(raw.g, raw.device, HANDLE_TYPE_POSIX_FD),
+            .mem_create_with(raw.g, raw.props.with_handle_types(HANDLE_TYPE_POSIX_FD)),
         "cuMemCreate (POSIX fd requested)",
     );
     let ptr = raw.reserve(1);
@@ -606,6 +627,7 @@ fn gpu_a_map_past_an_imported_allocation_is_refused() {
 /// Assumption 8: a descriptor that names no exported memory — a device node, a socket, a memfd,
 /// a number no longer open — is an error of the import call, not a crash or a handle.
 #[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_importing_a_foreign_descriptor_is_an_error() {
     use memtoken::backend::cuda::HANDLE_TYPE_POSIX_FD;
     use std::os::fd::{AsRawFd, OwnedFd};

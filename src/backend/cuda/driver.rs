@@ -176,6 +176,7 @@ impl fmt::Display for CuError {
 pub enum DriverCall {
     Init,
     DeviceGet,
+    DeviceGetAttribute,
     DeviceTotalMem,
     DeviceCanAccessPeer,
     PrimaryCtxRetain,
@@ -204,9 +205,10 @@ pub enum DriverCall {
 
 impl DriverCall {
     /// Every kind, in a fixed order.
-    pub const ALL: [DriverCall; 26] = [
+    pub const ALL: [DriverCall; 27] = [
         Self::Init,
         Self::DeviceGet,
+        Self::DeviceGetAttribute,
         Self::DeviceTotalMem,
         Self::DeviceCanAccessPeer,
         Self::PrimaryCtxRetain,
@@ -251,6 +253,72 @@ pub const HANDLE_TYPE_POSIX_FD: u32 = 1;
 /// `CU_MEM_HANDLE_TYPE_FABRIC` (CUDA 12.4+; facts 28–30 of the CUDA facts sheet).
 pub const HANDLE_TYPE_FABRIC: u32 = 8;
 
+/// The fields of a `CUmemAllocationProp` the backend chooses, for `cuMemCreate` and
+/// `cuMemGetAllocationGranularity` (fact 14 of the CUDA facts sheet). The others are fixed:
+/// `type` pinned, `location.type` a device, no compression, no usage flags, `reserved` 0.
+/// Granularity depends on the properties (fact 15), so it is asked with the same properties
+/// the memory is then created with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct AllocationProps {
+    /// `location.id`: the device (ordinal's `CUdevice`) that holds the memory.
+    pub device: i32,
+    /// `requestedHandleTypes`: what the memory may be exported as, chosen here once (fact 26):
+    /// 0 (nothing), [`HANDLE_TYPE_POSIX_FD`], [`HANDLE_TYPE_FABRIC`].
+    pub handle_types: u32,
+    /// `allocFlags.gpuDirectRDMACapable`: whether a NIC may register the memory for GPUDirect
+    /// RDMA. Only on a device whose
+    /// [`GpuDirectRdmaWithCudaVmmSupported`](DeviceAttribute::GpuDirectRdmaWithCudaVmmSupported)
+    /// attribute is 1 (fact 14: it "needs attribute 110").
+    pub gpu_direct_rdma: bool,
+}
+
+impl AllocationProps {
+    /// Pinned memory on `device`: not exportable, not RDMA-capable.
+    pub const fn pinned(device: i32) -> Self {
+        Self {
+            device,
+            handle_types: 0,
+            gpu_direct_rdma: false,
+        }
+    }
+
+    /// These properties with `requestedHandleTypes = handle_types`.
+    pub const fn with_handle_types(self, handle_types: u32) -> Self {
+        Self {
+            handle_types,
+            ..self
+        }
+    }
+
+    /// These properties with `allocFlags.gpuDirectRDMACapable = gpu_direct_rdma`.
+    pub const fn with_gpu_direct_rdma(self, gpu_direct_rdma: bool) -> Self {
+        Self {
+            gpu_direct_rdma,
+            ..self
+        }
+    }
+}
+
+/// A device attribute this crate reads with [`Driver::device_get_attribute`]
+/// (`CUdevice_attribute`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DeviceAttribute {
+    /// `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED` (110): 1 if the device
+    /// supports GPUDirect RDMA on memory made by `cuMemCreate`, which
+    /// `allocFlags.gpuDirectRDMACapable` needs (fact 14).
+    GpuDirectRdmaWithCudaVmmSupported,
+}
+
+impl DeviceAttribute {
+    /// The attribute's `CUdevice_attribute` value.
+    pub fn code(self) -> i32 {
+        match self {
+            Self::GpuDirectRdmaWithCudaVmmSupported => 110,
+        }
+    }
+}
+
 /// A `CUcontext`, as an integer.
 pub type Context = usize;
 /// A `CUevent`, as an integer.
@@ -271,8 +339,8 @@ pub type Stream = usize;
 /// - a **context** returned by [`primary_ctx_retain`](Driver::primary_ctx_retain) whose retain
 ///   has not been released; each [`primary_ctx_release`](Driver::primary_ctx_release) gives
 ///   back one retain this caller took, never more;
-/// - an **allocation handle** returned by [`mem_create`](Driver::mem_create) and not yet given
-///   to [`mem_release`](Driver::mem_release);
+/// - an **allocation handle** returned by [`mem_create_with`](Driver::mem_create_with) (or
+///   its shorthands) and not yet given to [`mem_release`](Driver::mem_release);
 /// - a **device pointer range** inside one reservation of
 ///   [`mem_address_reserve`](Driver::mem_address_reserve) that has not been freed, and, as the
 ///   CUDA rules require for each call: not mapped yet (`mem_map`), exactly covered by whole
@@ -296,6 +364,9 @@ pub trait Driver {
     fn init(&self) -> CuResult<()>;
     /// `cuDeviceGet`
     fn device_get(&self, ordinal: i32) -> CuResult<i32>;
+    /// `cuDeviceGetAttribute(&value, attribute, device)`: the attribute's value (a flag is 0
+    /// or 1).
+    fn device_get_attribute(&self, attribute: DeviceAttribute, device: i32) -> CuResult<i32>;
     /// `cuDeviceTotalMem`
     fn device_total_mem(&self, device: i32) -> CuResult<usize>;
     /// `cuDeviceCanAccessPeer(&can, dev, peer)`: whether `dev` can directly access memory
@@ -319,9 +390,9 @@ pub trait Driver {
     ///
     /// `ctx` is a live context of this driver ([the trait's rules](Driver#safety)).
     unsafe fn ctx_set_current(&self, ctx: Context) -> CuResult<()>;
-    /// `cuMemGetAllocationGranularity` for pinned device memory on `device`
-    /// (`CU_MEM_ALLOC_GRANULARITY_RECOMMENDED`).
-    fn mem_get_allocation_granularity(&self, device: i32) -> CuResult<usize>;
+    /// `cuMemGetAllocationGranularity(&granularity, props, CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)`:
+    /// the granularity of memory created with `props`, which depends on them (fact 15).
+    fn mem_get_allocation_granularity(&self, props: AllocationProps) -> CuResult<usize>;
     /// `cuMemAddressReserve(size, alignment, hint, 0)`. A non-zero `hint` is only a hint: the
     /// driver may place the reservation anywhere (fact 12 of the CUDA facts sheet), so the
     /// caller must use the address returned, never assume the hint was honoured.
@@ -333,15 +404,23 @@ pub trait Driver {
     /// `[ptr, ptr + size)` is exactly one live reservation of this driver with nothing mapped
     /// in it ([the trait's rules](Driver#safety)).
     unsafe fn mem_address_free(&self, ptr: u64, size: usize) -> CuResult<()>;
-    /// `cuMemCreate` of pinned device memory on `device`
-    fn mem_create(&self, size: usize, device: i32) -> CuResult<u64>;
+    /// `cuMemCreate(&handle, size, props, 0)`: pinned device memory with `props` (fact 14).
+    /// The handle types it may be exported as are chosen here, once (fact 26), and so is
+    /// whether it is GPUDirect-RDMA-capable.
+    fn mem_create_with(&self, size: usize, props: AllocationProps) -> CuResult<u64>;
+    /// `cuMemCreate` of pinned device memory on `device`, neither exportable nor RDMA-capable:
+    /// [`mem_create_with`](Driver::mem_create_with) with [`AllocationProps::pinned`].
+    fn mem_create(&self, size: usize, device: i32) -> CuResult<u64> {
+        self.mem_create_with(size, AllocationProps::pinned(device))
+    }
     /// `cuMemCreate` of pinned device memory on `device` that may be exported as the handle
     /// types `handle_types` (`requestedHandleTypes`: [`HANDLE_TYPE_POSIX_FD`],
-    /// [`HANDLE_TYPE_FABRIC`]). The types are chosen here, once (fact 26 of the CUDA facts
-    /// sheet). A driver that cannot export returns `CUDA_ERROR_NOT_SUPPORTED` (the default).
+    /// [`HANDLE_TYPE_FABRIC`]), not RDMA-capable: [`mem_create_with`](Driver::mem_create_with)
+    /// with those properties. The types are chosen here, once (fact 26 of the CUDA facts
+    /// sheet).
     fn mem_create_exportable(&self, size: usize, device: i32, handle_types: u32) -> CuResult<u64> {
-        let _ = (size, device, handle_types);
-        Err(CuError::NOT_SUPPORTED)
+        let props = AllocationProps::pinned(device).with_handle_types(handle_types);
+        self.mem_create_with(size, props)
     }
     /// `cuMemExportToShareableHandle(&shareable, handle, handle_type, 0)`: a new shareable
     /// handle. For [`HANDLE_TYPE_POSIX_FD`] the driver writes an `int` file descriptor (fact 27),

@@ -1,6 +1,7 @@
 //! CUDA VMM through a thin [`Driver`] seam: `cuMemAddressReserve`, `cuMemCreate` (pinned
-//! device memory), `cuMemMap` + `cuMemSetAccess`, `cuMemUnmap`, `cuMemRelease`,
-//! `cuMemAddressFree`, with the recommended granularity and events as fences.
+//! device memory, GPUDirect-RDMA-capable where the device can), `cuMemMap` + `cuMemSetAccess`,
+//! `cuMemUnmap`, `cuMemRelease`, `cuMemAddressFree`, with the recommended granularity of the
+//! memory's properties and events as fences.
 //!
 //! The backend holds the logic (current context, rollback of a half-done map, loss detection);
 //! the driver only forwards. With feature `cuda`, `SysDriver` forwards to
@@ -44,6 +45,22 @@
 //! - `cuMemCreate`: size a multiple of the *minimum* granularity; it maps nothing. The backend
 //!   sizes everything by the *recommended* granularity ("for best performance"), which must be
 //!   a multiple of the minimum (assumption 5 below). — VMM.
+//! - `CUmemAllocationProp`: pinned memory on the device, `reserved` 0; `requestedHandleTypes`
+//!   chosen at creation (POSIX descriptor for exportable memory, nothing otherwise);
+//!   `allocFlags.gpuDirectRDMACapable` "needs attribute 110"
+//!   (`CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`). The backend reads that
+//!   attribute once, when opened, and every `cuMemCreate`, plain and exportable, asks
+//!   RDMA-capable memory exactly when it is 1, so a NIC can register what memtoken hands out
+//!   where the device allows it ([`gpu_direct_rdma`](CudaBackend::gpu_direct_rdma)). — VMM;
+//!   `cuda.h`; PG §14.3.
+//! - Granularity "depends on the allocation properties": the backend asks it, when opened,
+//!   with the properties each kind of memory is created with — plain, and exportable (the
+//!   same with a POSIX descriptor requested). The device keeps one granularity, the plain
+//!   one; where the exportable one does not divide it, exportable memory would not fit, and
+//!   creating or importing it is refused before any call, naming both numbers
+//!   ([`exportable_granularity`](CudaBackend::exportable_granularity)); plain memory works on.
+//!   — VMM. (`gpu_rdma_attribute_and_granularity_by_properties` in `tests/gpu.rs` prints what a
+//!   GPU answers for both properties, with and without the RDMA flag.)
 //! - `cuMemMap`: an unmapped range inside one reservation; it grants no access. One handle may
 //!   be mapped at several addresses. The reference says the offset "currently must be zero",
 //!   and PyTorch finds mapped memory "cannot be split up": so **every map is a whole handle at
@@ -62,6 +79,10 @@
 //! - `cuMemUnmap` takes whole mappings, never a part, and leaves the range reserved. It does
 //!   not reliably wait for device work (PyTorch syncs first): the typed layer unmaps only after
 //!   the memory's fence has completed. — VMM; PT.
+//! - `cuMemGetAddressRange` on VMM memory reports one mapped segment, the mapping of one
+//!   physical allocation: a transfer engine that resolves a prefix's range with it sees its
+//!   body only. So a registration lists one descriptor per physical allocation
+//!   (`Registration::segments`). — VMM; libfabric PR #12473.
 //! - `cuMemRelease` is allowed while mapped; the memory goes with the last mapping and
 //!   reference. Releasing a stale handle is undefined behaviour, not an error: every handle is
 //!   checked against the backend's record first, and keyed by a serial, since the driver does
@@ -163,6 +184,7 @@
 //! - PG: CUDA C++ Programming Guide (13.1, legacy edition), §6.2.8.7.3 (capture), §14 (VMM).
 //! - cudarc 0.19.10: `src/driver/safe/core.rs`, `src/driver/sys/mod.rs`.
 //! - PT: PyTorch, `c10/cuda/CUDACachingAllocator.cpp`.
+//! - libfabric PR #12473 (ofiwg/libfabric): `cuMemGetAddressRange` on VMM memory.
 //! - Samples: NVIDIA `cuda-samples`, `vectorAddMMAP` and `memMapIPCDrv`.
 
 mod driver;
@@ -171,8 +193,8 @@ mod model;
 mod sys;
 
 pub use driver::{
-    Context, CuError, CuResult, Driver, DriverCall, ErrorFate, Event, HANDLE_TYPE_FABRIC,
-    HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
+    AllocationProps, Context, CuError, CuResult, DeviceAttribute, Driver, DriverCall, ErrorFate,
+    Event, HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
 };
 pub use model::{CaptureMode, DriverModel, ModelConfig, ModelOutstanding, Placement};
 #[cfg(feature = "cuda")]
@@ -185,7 +207,7 @@ use super::{
 };
 use rustix::fd::AsRawFd;
 use std::collections::{HashMap, HashSet};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 /// A CUDA physical allocation: the driver's handle (`CUmemGenericAllocationHandle`) and a
@@ -227,8 +249,7 @@ struct Mark {
 /// A serial number never handed out before in this process: physical memory and fences of
 /// every CUDA backend are keyed by one, never by a value the driver may hand out again.
 fn next_serial() -> u64 {
-    static NEXT: AtomicU64 = AtomicU64::new(1);
-    NEXT.fetch_add(1, Ordering::Relaxed)
+    super::unique().get()
 }
 
 /// Why a CUDA backend could not be opened.
@@ -310,6 +331,12 @@ pub struct CudaBackend<D: Driver> {
     device: i32,
     ctx: Context,
     granularity: usize,
+    /// The properties every plain `cuMemCreate` is made with (and the granularity was asked
+    /// with): pinned memory on `device`, RDMA-capable where the device says it can be.
+    props: AllocationProps,
+    /// The granularity of exportable memory's properties (`props` with a POSIX descriptor
+    /// requested), or the error that query returned.
+    exportable_granularity: Result<usize, CuError>,
     capacity: u64,
     /// The peer devices given access with this one: see [`with_peers`](Self::with_peers).
     peers: Vec<i32>,
@@ -371,7 +398,10 @@ struct Kept {
 
 impl<D: Driver> CudaBackend<D> {
     /// Opens device `ordinal` through `driver`: initializes the driver, retains the device's
-    /// primary context (released on drop) and reads the recommended granularity.
+    /// primary context (released on drop), reads whether memory can be made
+    /// GPUDirect-RDMA-capable (attribute 110), and reads the recommended granularity for the
+    /// properties of plain and of exportable memory (see
+    /// [`exportable_granularity`](Self::exportable_granularity)).
     ///
     /// # Errors
     ///
@@ -407,15 +437,30 @@ impl<D: Driver> CudaBackend<D> {
         let opened = (|| {
             // SAFETY: the caller promises `ctx` live.
             unsafe { driver.ctx_set_current(ctx) }.map_err(at(DriverCall::CtxSetCurrent))?;
+            // Fact 14: `gpuDirectRDMACapable` needs attribute 110; asked once, here.
+            let rdma = driver
+                .device_get_attribute(DeviceAttribute::GpuDirectRdmaWithCudaVmmSupported, device)
+                .map_err(at(DriverCall::DeviceGetAttribute))?;
+            let props = AllocationProps::pinned(device).with_gpu_direct_rdma(rdma == 1);
+            // Fact 15: granularity depends on the properties, so each kind of memory has its
+            // own query, made with the properties it is created with.
             let granularity = driver
-                .mem_get_allocation_granularity(device)
+                .mem_get_allocation_granularity(props)
                 .map_err(at(DriverCall::MemGetAllocationGranularity))?;
+            let exportable = props.with_handle_types(HANDLE_TYPE_POSIX_FD);
+            let exportable_granularity = match driver.mem_get_allocation_granularity(exportable) {
+                Err(e) if e.is_context_loss() => {
+                    return Err(at(DriverCall::MemGetAllocationGranularity)(e));
+                }
+                // Plain memory still works: only exportable memory is refused, with this.
+                answer => answer,
+            };
             let capacity = driver
                 .device_total_mem(device)
                 .map_err(at(DriverCall::DeviceTotalMem))?;
-            Ok((granularity, capacity as u64))
+            Ok((granularity, props, exportable_granularity, capacity as u64))
         })();
-        let (granularity, capacity) = match opened {
+        let (granularity, props, exportable_granularity, capacity) = match opened {
             Ok(v) => v,
             Err(e) => {
                 // No call into a context a sticky error took down.
@@ -432,6 +477,8 @@ impl<D: Driver> CudaBackend<D> {
             device,
             ctx,
             granularity,
+            props,
+            exportable_granularity,
             capacity,
             peers: Vec::new(),
             grant_rw: vec![(device, true)],
@@ -458,6 +505,55 @@ impl<D: Driver> CudaBackend<D> {
     /// The device ordinal's `CUdevice`.
     pub fn device(&self) -> i32 {
         self.device
+    }
+
+    /// Whether the memory this backend creates is GPUDirect-RDMA-capable
+    /// (`allocFlags.gpuDirectRDMACapable`), so that a NIC can register it: true where the
+    /// device's attribute `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED` (110),
+    /// read when the backend was opened, is 1 (fact 14). Every `cuMemCreate`, plain and
+    /// exportable, asks it then, and none otherwise.
+    pub fn gpu_direct_rdma(&self) -> bool {
+        self.props.gpu_direct_rdma
+    }
+
+    /// The properties every plain `cuMemCreate` of this backend is made with, and the
+    /// [`granularity`](Backend::granularity) was asked with: pinned memory on its device,
+    /// [RDMA-capable](Self::gpu_direct_rdma) where the device can. Exportable memory adds a
+    /// POSIX descriptor to `handle_types`.
+    pub fn allocation_props(&self) -> AllocationProps {
+        self.props
+    }
+
+    /// The recommended granularity of exportable memory's properties
+    /// ([`allocation_props`](Self::allocation_props) with a POSIX descriptor requested), read
+    /// when the backend was opened: granularity depends on the properties (fact 15), and every
+    /// allocation is sized by the device's one [`granularity`](Backend::granularity). Where
+    /// the device's granularity is not a multiple of this one, exportable memory would not fit
+    /// it, so creating or importing it is refused ([`Violation::Unaligned`], naming both);
+    /// plain memory is not affected.
+    ///
+    /// # Errors
+    ///
+    /// What the driver returned for the query (then exportable memory is refused with it).
+    pub fn exportable_granularity(&self) -> Result<usize, CuError> {
+        self.exportable_granularity
+    }
+
+    /// Refuses exportable memory (created or imported) of `len` bytes for `op` unless its
+    /// properties' granularity is known and fits the device granularity (fact 15): no call is
+    /// made then.
+    fn check_exportable_fits(&self, op: Op, len: usize) -> Result<(), BackendError> {
+        let exportable = self
+            .exportable_granularity
+            .map_err(|e| self.fail(op, 0, len, e))?;
+        if self.granularity.is_multiple_of(exportable) {
+            return Ok(());
+        }
+        let v = Violation::GranularityMisfit {
+            device: self.granularity,
+            exportable,
+        };
+        Err(BackendError::refused(op, 0, len, v))
     }
 
     /// Gives the devices `peers` (ordinals) access to every mapping this backend makes, along
@@ -996,7 +1092,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
             .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
         let handle = self
             .driver
-            .mem_create(len, self.device)
+            .mem_create_with(len, self.props)
             .map_err(|e| self.fail(Op::Create, 0, len, e))?;
         let phys = CudaPhys {
             handle,
@@ -1377,16 +1473,21 @@ impl<D: Driver> Backend for CudaBackend<D> {
 /// Export as a POSIX descriptor (`CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`, facts 26–29).
 /// Fabric handles are declared ([`Fabric`](super::Fabric)) but not exported by this backend.
 impl<D: Driver> Exportable<PosixFd> for CudaBackend<D> {
-    /// `cuMemCreate` with `requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`:
-    /// the handle type is chosen here, once (fact 26).
+    /// `cuMemCreate` with `requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`
+    /// (the handle type is chosen here, once: fact 26) and the backend's other properties
+    /// ([`allocation_props`](CudaBackend::allocation_props): RDMA-capable where the device
+    /// can). Refused before the call where the granularity of these properties does not fit
+    /// the device's ([`exportable_granularity`](CudaBackend::exportable_granularity)).
     fn create_exportable(&self, len: usize) -> Result<CudaPhys, BackendError> {
         let mut s = self.enter(Op::Create, 0, len)?;
         s.book
             .check_create(len)
             .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
+        self.check_exportable_fits(Op::Create, len)?;
+        let props = self.props.with_handle_types(HANDLE_TYPE_POSIX_FD);
         let handle = self
             .driver
-            .mem_create_exportable(len, self.device, HANDLE_TYPE_POSIX_FD)
+            .mem_create_with(len, props)
             .map_err(|e| self.fail(Op::Create, 0, len, e))?;
         let phys = CudaPhys {
             handle,
@@ -1439,6 +1540,9 @@ impl<D: Driver> Exportable<PosixFd> for CudaBackend<D> {
         let mut s = self.enter(Op::Create, 0, len)?;
         let refuse = |v| BackendError::refused(Op::Create, 0, len, v);
         s.book.check_create(len).map_err(refuse)?;
+        // Imported memory was made with exportable properties: it is mapped as the device
+        // granularity sizes it only where theirs fits (fact 15).
+        self.check_exportable_fits(Op::Create, len)?;
         if offset != 0 {
             return Err(refuse(Violation::Import(
                 "an offset into a CUDA allocation: handles are mapped whole, from 0",

@@ -5,8 +5,8 @@
 //! sheet (`CUDA-FACTS.md`) gives; each such rule names its fact number.
 
 use super::driver::{
-    Context, CuError, CuResult, Driver, DriverCall, Event, HANDLE_TYPE_FABRIC,
-    HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
+    AllocationProps, Context, CuError, CuResult, DeviceAttribute, Driver, DriverCall, Event,
+    HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
 };
 use crate::backend::faults::FaultPlan;
 use crate::backend::rules::Book;
@@ -51,8 +51,20 @@ pub enum CaptureMode {
 /// Settings of a [`DriverModel`].
 #[derive(Clone, Debug)]
 pub struct ModelConfig {
-    /// Recommended allocation granularity: a power of two. Default: 2 MiB.
+    /// Recommended allocation granularity of pinned memory that is not exportable: a power of
+    /// two. Default: 2 MiB.
     pub granularity: usize,
+    /// Recommended granularity of exportable memory (`requestedHandleTypes` not 0): a power
+    /// of two, or `None` for the same as [`granularity`](Self::granularity) (the default).
+    /// Granularity depends on the allocation properties (fact 15): the model answers
+    /// `cuMemGetAllocationGranularity` by them, and refuses a `cuMemCreate` or `cuMemMap`
+    /// that does not fit the granularity of the memory's own properties.
+    pub exportable_granularity: Option<usize>,
+    /// The device attribute `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED`
+    /// (110) of every device: whether memory may be created GPUDirect-RDMA-capable
+    /// (`allocFlags.gpuDirectRDMACapable`, which "needs attribute 110": fact 14). Default:
+    /// true, as on the data-centre GPUs memtoken serves.
+    pub rdma_with_vmm: bool,
     /// Device memory: not zero. Default: 16 GiB (modelled: bytes are kept only where written).
     pub total_mem: usize,
     /// Whether recorded events complete at once. Default: true.
@@ -80,6 +92,8 @@ impl Default for ModelConfig {
     fn default() -> Self {
         Self {
             granularity: 2 << 20,
+            exportable_granularity: None,
+            rdma_with_vmm: true,
             total_mem: 16 << 30,
             events_complete_at_once: true,
             synchronize_blocks: false,
@@ -246,6 +260,12 @@ struct ModelState {
     next_allocation: u64,
     /// Handle types each allocation may be exported as (by allocation number; 0: none).
     handle_types: HashMap<u64, u32>,
+    /// The granularity of each allocation's properties (by allocation number; an import has
+    /// its exported allocation's): its mappings start at a multiple of it (facts 15, 16).
+    granules: HashMap<u64, usize>,
+    /// The properties of every `cuMemCreate` and `cuMemGetAllocationGranularity` served, in
+    /// order.
+    props_log: Vec<(DriverCall, AllocationProps)>,
     /// Open shareable handles (exported, not closed), by a number of the model's.
     shareables: HashMap<u64, Shared>,
     next_shareable: u64,
@@ -299,6 +319,7 @@ impl ModelState {
     fn gone(&mut self, allocation: u64, len: usize) {
         self.owners.remove(&allocation);
         self.handle_types.remove(&allocation);
+        self.granules.remove(&allocation);
         if let Some(source) = self.aliases.remove(&allocation) {
             self.unhold(source);
         } else if self.holders.get(&allocation).is_some_and(|&n| n > 0) {
@@ -531,6 +552,16 @@ impl ModelState {
 ///   `cuMemUnmap` and `cuCtxSynchronize` return `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` (900)
 ///   with nothing changed, and invalidate that capture ([`end_capture`](Self::end_capture)
 ///   then says so). RELAXED captures refuse nothing.
+/// - **GPUDirect RDMA only where attribute 110 says so** (fact 14): `cuMemCreate` or
+///   `cuMemGetAllocationGranularity` with `gpuDirectRDMACapable` on a device whose
+///   `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED` ([`ModelConfig::rdma_with_vmm`],
+///   read by `cuDeviceGetAttribute`) is 0 panics: the backend asks it only where the attribute
+///   is 1. [`props_log`](Self::props_log) lists the properties of every such call.
+/// - **Granularity depends on the properties** (fact 15): `cuMemGetAllocationGranularity`
+///   answers [`ModelConfig::exportable_granularity`] for exportable properties and
+///   [`ModelConfig::granularity`] for the others; a `cuMemCreate` whose size, or a `cuMemMap`
+///   whose address, is not a multiple of the granularity of the memory's own properties panics
+///   (facts 14, 16).
 /// - **Peer access only after asking** (fact 32): `cuMemSetAccess` for a device other than
 ///   the one owning the memory panics unless `cuDeviceCanAccessPeer(device, owner)` was
 ///   called, and returns `CUDA_ERROR_INVALID_DEVICE` (101) if that said 0. A descriptor list
@@ -569,10 +600,13 @@ impl DriverModel {
     ///
     /// # Errors
     ///
-    /// A [`ConfigError`] naming the setting if the granularity is not a power of two, or the
-    /// device memory or the number of devices is zero.
+    /// A [`ConfigError`] naming the setting if a granularity (plain or exportable) is not a
+    /// power of two, or the device memory or the number of devices is zero.
     pub fn new(config: ModelConfig) -> Result<Self, ConfigError> {
         ConfigError::check_granularity(config.granularity)?;
+        if let Some(exportable) = config.exportable_granularity {
+            ConfigError::check_granularity(exportable)?;
+        }
         ConfigError::check_positive("device memory", config.total_mem as u64)?;
         ConfigError::check_positive("devices", config.devices.max(0) as u64)?;
         let state = ModelState {
@@ -592,6 +626,8 @@ impl DriverModel {
             peers_asked: HashMap::new(),
             handles: HashMap::new(),
             handle_types: HashMap::new(),
+            granules: HashMap::new(),
+            props_log: Vec::new(),
             shareables: HashMap::new(),
             next_shareable: 1 << 20,
             aliases: HashMap::new(),
@@ -809,17 +845,71 @@ impl DriverModel {
         self.state().log.clone()
     }
 
+    /// The properties of every `cuMemCreate` ([`DriverCall::MemCreate`]) and
+    /// `cuMemGetAllocationGranularity` ([`DriverCall::MemGetAllocationGranularity`]) received
+    /// (not failed on purpose, nor after the context was lost), in order.
+    pub fn props_log(&self) -> Vec<(DriverCall, AllocationProps)> {
+        self.state().props_log.clone()
+    }
+
+    /// The mapped range that holds `addr`, as `cuMemGetAddressRange` resolves it on VMM memory:
+    /// one mapping, of one physical allocation (fact 24: "only one mapped segment"), even where
+    /// the mappings beside it continue the same token's range. `None` where nothing is mapped.
+    /// (Not a driver call: the backend makes none; it shows what a transfer engine sees.)
+    pub fn address_range(&self, addr: u64) -> Option<(u64, usize)> {
+        let s = self.state();
+        let start = s.book.mapping_start(addr as Addr)?;
+        let (_, into, run, _) = s.book.resolve(addr as Addr)?;
+        Some((start as u64, into + run))
+    }
+
     /// Calls of kind `call` received so far (not counting those after the context was lost).
     pub fn count(&self, call: DriverCall) -> u64 {
         self.state().faults.calls(call)
     }
 
-    /// `cuMemCreate`, with `handle_types` requested (0: none).
-    fn create(&self, size: usize, device: i32, handle_types: u32) -> CuResult<u64> {
+    /// The granularity of memory with `props` (fact 15: it depends on the properties), for
+    /// `call`. Misuse: an unknown device, or GPUDirect RDMA asked of a device whose attribute
+    /// 110 is 0 (fact 14). `CUDA_ERROR_INVALID_VALUE`: a handle type the model does not know
+    /// (fact 14 lists the flags).
+    fn granularity_for(&self, call: DriverCall, props: AllocationProps) -> CuResult<usize> {
+        self.check_device(call, props.device);
+        if props.gpu_direct_rdma && !self.config.rdma_with_vmm {
+            misuse(
+                call,
+                format_args!(
+                    "gpuDirectRDMACapable asked on device {}, whose attribute 110 \
+                     (GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED) is 0",
+                    props.device
+                ),
+            );
+        }
+        if props.handle_types & !(HANDLE_TYPE_POSIX_FD | HANDLE_TYPE_FABRIC) != 0 {
+            return Err(CuError::INVALID_VALUE);
+        }
+        Ok(match self.config.exportable_granularity {
+            Some(g) if props.handle_types != 0 => g,
+            _ => self.config.granularity,
+        })
+    }
+
+    /// `cuMemCreate` with `props`. Fact 14: RDMA-capable only where attribute 110 is 1, a
+    /// size that is a multiple of the granularity of `props` (fact 15), else misuse.
+    fn create(&self, size: usize, props: AllocationProps) -> CuResult<u64> {
         let call = DriverCall::MemCreate;
         let mut s = self.enter(call, true)?;
+        s.props_log.push((call, props));
         Self::check(call, s.book.check_create(size));
-        self.check_device(call, device);
+        let granule = self.granularity_for(call, props)?;
+        if !size.is_multiple_of(granule) {
+            misuse(
+                call,
+                format_args!(
+                    "size {size:#x} is not a multiple of the granularity {granule:#x} of its \
+                     properties {props:?}"
+                ),
+            );
+        }
         s.refused_by_capture()?;
         // Memory whose last exported descriptor was closed meanwhile is gone by now.
         s.reap_shareables();
@@ -830,17 +920,15 @@ impl DriverModel {
         {
             return Err(CuError::OUT_OF_MEMORY);
         }
-        if handle_types & !(HANDLE_TYPE_POSIX_FD | HANDLE_TYPE_FABRIC) != 0 {
-            return Err(CuError::INVALID_VALUE);
-        }
         let handle = Self::new_handle(&mut s);
         let allocation = s.next_allocation;
         s.next_allocation += 1;
         s.used += size;
         s.handles.insert(handle, allocation);
-        s.owners.insert(allocation, device);
-        if handle_types != 0 {
-            s.handle_types.insert(allocation, handle_types);
+        s.owners.insert(allocation, props.device);
+        s.granules.insert(allocation, granule);
+        if props.handle_types != 0 {
+            s.handle_types.insert(allocation, props.handle_types);
         }
         s.book.apply_create(allocation, size);
         Ok(handle)
@@ -1039,6 +1127,20 @@ impl Driver for DriverModel {
         }
     }
 
+    /// Attribute 110 is [`ModelConfig::rdma_with_vmm`] for every device (fact 14); an unknown
+    /// device is `CUDA_ERROR_INVALID_DEVICE`, as for `cuDeviceGet`.
+    fn device_get_attribute(&self, attribute: DeviceAttribute, device: i32) -> CuResult<i32> {
+        let _s = self.enter(DriverCall::DeviceGetAttribute, false)?;
+        if !(0..self.config.devices).contains(&device) {
+            return Err(CuError::INVALID_DEVICE);
+        }
+        match attribute {
+            DeviceAttribute::GpuDirectRdmaWithCudaVmmSupported => {
+                Ok(i32::from(self.config.rdma_with_vmm))
+            }
+        }
+    }
+
     fn device_total_mem(&self, device: i32) -> CuResult<usize> {
         let _s = self.enter(DriverCall::DeviceTotalMem, false)?;
         self.check_device(DriverCall::DeviceTotalMem, device);
@@ -1095,10 +1197,13 @@ impl Driver for DriverModel {
         Ok(())
     }
 
-    fn mem_get_allocation_granularity(&self, device: i32) -> CuResult<usize> {
-        let _s = self.enter(DriverCall::MemGetAllocationGranularity, true)?;
-        self.check_device(DriverCall::MemGetAllocationGranularity, device);
-        Ok(self.config.granularity)
+    /// Fact 15: by the properties ([`ModelConfig::exportable_granularity`] for exportable
+    /// ones); fact 14: RDMA-capable properties on a device without attribute 110 are misuse.
+    fn mem_get_allocation_granularity(&self, props: AllocationProps) -> CuResult<usize> {
+        let call = DriverCall::MemGetAllocationGranularity;
+        let mut s = self.enter(call, true)?;
+        s.props_log.push((call, props));
+        self.granularity_for(call, props)
     }
 
     /// Fact 12: the hint is ignored; the reservation lands where
@@ -1137,12 +1242,8 @@ impl Driver for DriverModel {
         Ok(())
     }
 
-    fn mem_create(&self, size: usize, device: i32) -> CuResult<u64> {
-        self.create(size, device, 0)
-    }
-
-    fn mem_create_exportable(&self, size: usize, device: i32, handle_types: u32) -> CuResult<u64> {
-        self.create(size, device, handle_types)
+    fn mem_create_with(&self, size: usize, props: AllocationProps) -> CuResult<u64> {
+        self.create(size, props)
     }
 
     unsafe fn mem_export_to_shareable_handle(
@@ -1220,12 +1321,16 @@ impl Driver for DriverModel {
         }
         let len = s.book.phys_len_any(source);
         let device = s.owners.get(&source).copied().unwrap_or(0);
+        let granule = s.granules.get(&source).copied();
         let handle = Self::new_handle(&mut s);
         let allocation = s.next_allocation;
         s.next_allocation += 1;
         s.handles.insert(handle, allocation);
         s.owners.insert(allocation, device);
         s.aliases.insert(allocation, source);
+        if let Some(granule) = granule {
+            s.granules.insert(allocation, granule);
+        }
         *s.holders.entry(source).or_insert(0) += 1;
         s.book.apply_create(allocation, len);
         Ok(handle)
@@ -1270,6 +1375,17 @@ impl Driver for DriverModel {
             call,
             s.book.check_map(ptr as Addr, size, allocation, offset),
         );
+        // Facts 15, 16: `ptr` is a multiple of the granularity of the memory's properties.
+        let granule = s.granules.get(&allocation).copied().unwrap_or(1);
+        if !ptr.is_multiple_of(granule as u64) {
+            misuse(
+                call,
+                format_args!(
+                    "{ptr:#x} is not a multiple of the granularity {granule:#x} of the memory's \
+                     properties"
+                ),
+            );
+        }
         s.refused_by_capture()?;
         s.book
             .apply_map(ptr as Addr, size, allocation, Access::ReadOnly);
@@ -1554,6 +1670,20 @@ mod tests {
             "{e}"
         );
         assert!(e.to_string().contains("device memory is zero"), "{e}");
+        let e = DriverModel::new(ModelConfig {
+            exportable_granularity: Some(3 << 20),
+            ..ModelConfig::default()
+        })
+        .unwrap_err();
+        assert!(
+            matches!(
+                e,
+                ConfigError::GranularityNotPowerOfTwo {
+                    granularity: 0x30_0000
+                }
+            ),
+            "{e}"
+        );
     }
 
     #[test]

@@ -2,7 +2,8 @@
 
 use super::CudaError;
 use super::driver::{
-    Context, CuError, CuResult, Driver, Event, HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
+    AllocationProps, Context, CuError, CuResult, DeviceAttribute, Driver, Event,
+    HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
 };
 use cudarc::driver::sys;
 use rustix::fd::{FromRawFd, OwnedFd};
@@ -41,20 +42,17 @@ fn location(device: i32) -> sys::CUmemLocation {
     }
 }
 
-fn pinned(device: i32) -> sys::CUmemAllocationProp {
-    exportable(device, 0)
-}
-
-/// Pinned device memory on `device` that may be exported as `handle_types` (0: none).
-fn exportable(device: i32, handle_types: u32) -> sys::CUmemAllocationProp {
+/// The `CUmemAllocationProp` of `props`: pinned memory on a device (fact 14), with the handle
+/// types and the GPUDirect RDMA flag `props` asks for; everything else 0.
+fn allocation_prop(props: AllocationProps) -> sys::CUmemAllocationProp {
     sys::CUmemAllocationProp {
         type_: sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED,
-        requestedHandleTypes: sys::CUmemAllocationHandleType(handle_types),
-        location: location(device),
+        requestedHandleTypes: sys::CUmemAllocationHandleType(props.handle_types),
+        location: location(props.device),
         win32HandleMetaData: std::ptr::null_mut(),
         allocFlags: sys::CUmemAllocationProp_st__bindgen_ty_1 {
             compressionType: 0,
-            gpuDirectRDMACapable: 0,
+            gpuDirectRDMACapable: u8::from(props.gpu_direct_rdma),
             usage: 0,
             reserved: [0; 4],
         },
@@ -98,6 +96,18 @@ impl Driver for SysDriver {
         Ok(device)
     }
 
+    fn device_get_attribute(&self, attribute: DeviceAttribute, device: i32) -> CuResult<i32> {
+        let attrib = match attribute {
+            DeviceAttribute::GpuDirectRdmaWithCudaVmmSupported => {
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+            }
+        };
+        let mut value = 0;
+        // SAFETY: `value` outlives the call; the device is a plain ordinal the driver checks.
+        check(unsafe { sys::cuDeviceGetAttribute(&mut value, attrib, device) })?;
+        Ok(value)
+    }
+
     fn device_total_mem(&self, device: i32) -> CuResult<usize> {
         let mut bytes = 0;
         // SAFETY: `bytes` outlives the call.
@@ -129,8 +139,8 @@ impl Driver for SysDriver {
         check(unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) })
     }
 
-    fn mem_get_allocation_granularity(&self, device: i32) -> CuResult<usize> {
-        let (mut granularity, prop) = (0, pinned(device));
+    fn mem_get_allocation_granularity(&self, props: AllocationProps) -> CuResult<usize> {
+        let (mut granularity, prop) = (0, allocation_prop(props));
         let flag = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED;
         // SAFETY: `granularity` and `prop` outlive the call.
         check(unsafe { sys::cuMemGetAllocationGranularity(&mut granularity, &prop, flag) })?;
@@ -149,16 +159,9 @@ impl Driver for SysDriver {
         check(unsafe { sys::cuMemAddressFree(ptr, size) })
     }
 
-    fn mem_create(&self, size: usize, device: i32) -> CuResult<u64> {
-        let (mut handle, prop) = (0, pinned(device));
-        // SAFETY: `handle` and `prop` outlive the call.
-        check(unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) })?;
-        Ok(handle)
-    }
-
-    fn mem_create_exportable(&self, size: usize, device: i32, handle_types: u32) -> CuResult<u64> {
-        let (mut handle, prop) = (0, exportable(device, handle_types));
-        // SAFETY: `handle` and `prop` outlive the call; the driver checks the handle types.
+    fn mem_create_with(&self, size: usize, props: AllocationProps) -> CuResult<u64> {
+        let (mut handle, prop) = (0, allocation_prop(props));
+        // SAFETY: `handle` and `prop` outlive the call; the driver checks the properties.
         check(unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) })?;
         Ok(handle)
     }

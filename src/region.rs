@@ -252,7 +252,6 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         Scope::run::<B, _>(move || {
             let core = self.core();
             let (binding, device) = (core.binding, core.device());
-            let backend = device.backend();
             let g = device.granularity();
             let start = self.committed_granules();
             let room = self.room_granules();
@@ -281,56 +280,60 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             // and mapped axes move once for the whole growth.
             let mut from_cache = 0;
             for at in 0..granules {
-                let taken = if from_cache == at {
-                    device.cache_pop()
-                } else {
-                    None
-                };
-                let cached = taken.is_some();
-                let phys = match taken {
-                    Some(phys) => {
-                        from_cache += 1;
-                        phys
+                match self.grow_granule(start + at, from_cache == at) {
+                    Ok(cached) => from_cache += usize::from(cached),
+                    Err((cause, q)) => {
+                        return self
+                            .stop_grow(start, from_cache, at, granules, cause)
+                            .map_err(|mut e| {
+                                add_quarantined(&mut e.cause, q);
+                                e
+                            });
                     }
-                    None => match device.charge_owned_or_trim(g) {
-                        Err(cause) => {
-                            return self.stop_grow(start, from_cache, at, granules, cause);
-                        }
-                        Ok(()) => match backend.create(g) {
-                            Ok(phys) => phys,
-                            Err(e) => {
-                                device.refund(Axis::Owned, g);
-                                let cause = CommitFailure::Backend(e);
-                                return self.stop_grow(start, from_cache, at, granules, cause);
-                            }
-                        },
-                    },
-                };
-                let addr = core.addr + (start + at) * g;
-                if let Err(e) = backend.map(addr, g, phys, Access::ReadWrite) {
-                    // This granule goes back where it came from (its budget goes with the rest): to
-                    // the cache, whose axis still counts it, or released.
-                    let q = if cached {
-                        device.cache_put(phys);
-                        0
-                    } else {
-                        usize::from(device.release_orphan(phys, g).is_err())
-                    };
-                    let cause = CommitFailure::Backend(e);
-                    let from_cache = from_cache - usize::from(cached);
-                    return self
-                        .stop_grow(start, from_cache, at, granules, cause)
-                        .map_err(|mut e| {
-                            add_quarantined(&mut e.cause, q);
-                            e
-                        });
                 }
-                self.parts_mut().committed.push(phys);
             }
             device.cache_taken(from_cache);
             device.charge(Axis::Mapped, granules * g);
             Ok(self)
         })
+    }
+
+    /// Maps one more granule at granule `index` of the range: from the cache when `try_cache`
+    /// and it has one, else created. Whether it came from the cache; on failure the cause, and
+    /// how many granules could not be released (quarantined) — the granule went back where it
+    /// came from (to the cache, whose axis still counts it, or released), its budget with the
+    /// rest of the growth.
+    fn grow_granule(
+        &mut self,
+        index: usize,
+        try_cache: bool,
+    ) -> Result<bool, (CommitFailure, usize)> {
+        let device = self.core().device();
+        let (backend, g) = (device.backend(), device.granularity());
+        let taken = if try_cache { device.cache_pop() } else { None };
+        let cached = taken.is_some();
+        let phys = match taken {
+            Some(phys) => phys,
+            None => {
+                device.charge_owned_or_trim(g).map_err(|cause| (cause, 0))?;
+                backend.create(g).map_err(|e| {
+                    device.refund(Axis::Owned, g);
+                    (CommitFailure::Backend(e), 0)
+                })?
+            }
+        };
+        let addr = self.addr() + index * g;
+        if let Err(e) = backend.map(addr, g, phys, Access::ReadWrite) {
+            let q = if cached {
+                device.cache_put(phys);
+                0
+            } else {
+                usize::from(device.release_orphan(phys, g).is_err())
+            };
+            return Err((CommitFailure::Backend(e), q));
+        }
+        self.parts_mut().committed.push(phys);
+        Ok(cached)
     }
 
     /// Stops a growth at granule `at` of `granules`: the axes charged for the whole growth are

@@ -5,6 +5,7 @@
 
 use crate::allocation::Allocation;
 use crate::backend::{Access, Backend, BackendError, Exportable, HandleKind, HostVisible, Op};
+use crate::binding::Binding;
 use crate::error::{CommitFailure, CowFailure, Returned, ShareFailure, TransitionError};
 use crate::ledger::Axis;
 use crate::quarantine::Quarantined;
@@ -340,6 +341,30 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         self.commit_shared(Guarded::create_exportable::<K>)
     }
 
+    /// After the boundary could not be mapped and the mapped body could not be unmapped: the
+    /// body stays mapped, and it, its memory and the VA are quarantined together, still
+    /// charged; the boundary's memory is released (or, if that fails too, quarantined on its
+    /// own, still counted).
+    fn quarantine_stuck_body(
+        self,
+        body: (B::Phys, usize),
+        (boundary, g): (B::Phys, usize),
+        cause: CommitFailure,
+    ) -> PrefixError<'b, 'id, B> {
+        let binding = self.core().binding;
+        binding.refund(g);
+        let _ = self.core().device().release_orphan(boundary, g); // a failure is quarantined
+        let (core, ()) = self.into_core();
+        let held = Held {
+            phys: Some(body),
+            ..Held::mapped(body.1)
+        };
+        TransitionError {
+            token: Returned::Quarantined(Quarantined::new(binding, core.residual(held))),
+            cause,
+        }
+    }
+
     /// [`commit_prefix`](Allocation::commit_prefix), its memory made by `create`.
     fn commit_shared<K: Capability>(
         self,
@@ -370,17 +395,9 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                     created.map(|c| c.map_or(Ok(()), |(p, n)| device.release_orphan(p, n)));
                 CommitFailure::undone(error, released.into_iter().collect())
             };
-            let body_phys = if body > 0 {
-                match create(backend, body) {
-                    Ok(p) => Some((p, body)),
-                    Err(e) => return refuse(self, undo(e, [None, None])),
-                }
-            } else {
-                None
-            };
-            let boundary = match create(backend, g) {
-                Ok(p) => p,
-                Err(e) => return refuse(self, undo(e, [body_phys, None])),
+            let (body_phys, boundary) = match create_split(&create, backend, body, g) {
+                Ok(made) => made,
+                Err((e, body_phys)) => return refuse(self, undo(e, [body_phys, None])),
             };
             let created = [body_phys, Some((boundary, g))];
             if let Some((p, n)) = body_phys {
@@ -392,26 +409,11 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
             if let Err(error) = backend.map(addr + body, g, boundary, Access::ReadWrite) {
                 if let Some((p, n)) = body_phys {
                     if let Err(rollback) = backend.unmap(addr, n) {
-                        // The body stays mapped: it, its memory and the VA are quarantined together,
-                        // still charged; the boundary's memory is released (or, if that fails too,
-                        // quarantined on its own, still counted).
-                        binding.refund(g);
-                        let _ = device.release_orphan(boundary, g); // a failure is quarantined
-                        let (core, ()) = self.into_core();
-                        let held = Held {
-                            phys: Some((p, n)),
-                            ..Held::mapped(n)
+                        let cause = CommitFailure::UnmapFailed {
+                            error,
+                            rollback: Box::new(rollback),
                         };
-                        return Err(TransitionError {
-                            token: Returned::Quarantined(Quarantined::new(
-                                binding,
-                                core.residual(held),
-                            )),
-                            cause: CommitFailure::UnmapFailed {
-                                error,
-                                rollback: Box::new(rollback),
-                            },
-                        });
+                        return Err(self.quarantine_stuck_body((p, n), (boundary, g), cause));
                     }
                     device.refund(Axis::Mapped, n);
                 }
@@ -507,6 +509,24 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     }
 }
 
+/// A prefix's physical memory, made by `create`: the body (`body` bytes, none when 0) and the
+/// boundary granule (`g` bytes). On failure the error, and the body if it was made (the caller
+/// releases it).
+#[allow(clippy::type_complexity)] // the shapes of `Split`'s two fields, spelled out
+fn create_split<B: Backend>(
+    create: &impl Fn(&Guarded<B>, usize) -> Result<B::Phys, BackendError>,
+    backend: &Guarded<B>,
+    body: usize,
+    g: usize,
+) -> Result<(Option<(B::Phys, usize)>, B::Phys), (BackendError, Option<(B::Phys, usize)>)> {
+    let body = match body {
+        0 => None,
+        n => Some((create(backend, n).map_err(|e| (e, None))?, n)),
+    };
+    let boundary = create(backend, g).map_err(|e| (e, body))?;
+    Ok((body, boundary))
+}
+
 impl<B: HostVisible, K: Capability> Allocation<'_, '_, B, Owner<K>> {
     /// The prefix's bytes, writable — only while no sharer maps them (`None` otherwise), so a
     /// sharer's `&[u8]` never sees a byte change.
@@ -561,35 +581,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
             if let Err(cause) = binding.charge(g) {
                 return refuse(self, cause);
             }
-            // Undoes the private granule (created or not), and says why the mapping is unchanged.
-            let undo = |error, private: Option<B::Phys>| {
-                let rollback = match private {
-                    None => {
-                        binding.uncharge(g);
-                        Ok(())
-                    }
-                    Some(p) => {
-                        binding.refund(g);
-                        device.release_orphan(p, g)
-                    }
-                };
-                CommitFailure::undone(error, rollback)
-            };
-            // Quarantines the mapping (`mapped` bytes of it still mapped) when its state is
-            // uncertain; the private granule goes back.
-            let quarantine = |token: Self, mapped, cause, private| {
-                let (core, shared) = token.into_core();
-                binding.refund(g);
-                let _ = device.release_orphan(private, g); // a failure is quarantined
-                let held = Held {
-                    shared: Some(shared),
-                    ..Held::mapped(mapped)
-                };
-                Err(TransitionError {
-                    token: Returned::Quarantined(Quarantined::new(binding, core.residual(held))),
-                    cause,
-                })
-            };
+            let undo = |error, private| Self::undo_private(binding, error, private);
             let private = match backend.create(g) {
                 Ok(p) => p,
                 Err(e) => return refuse(self, undo(e, None)),
@@ -600,7 +592,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
             if let Err(e) = backend.unmap(boundary, g) {
                 // Whether the boundary is still mapped is unknown: the mapping lends no memory any
                 // more, its remains are quarantined.
-                return quarantine(self, core.len, CowFailure::Unmap(e), private);
+                return Err(self.quarantine_diverging(core.len, CowFailure::Unmap(e), private));
             }
             device.refund(Axis::Mapped, g);
             if let Err(error) = backend.map(boundary, g, private, Access::ReadWrite) {
@@ -614,7 +606,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
                     Err(restore) => {
                         let restore = Box::new(restore);
                         let cause = CowFailure::Remap { error, restore };
-                        quarantine(self, core.len - g, cause, private)
+                        Err(self.quarantine_diverging(core.len - g, cause, private))
                     }
                 };
             }
@@ -622,6 +614,54 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
             let (core, shared) = self.into_core();
             Ok(Allocation::from_core(core, (shared, private)))
         })
+    }
+}
+
+impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
+    /// Undoes a copy-on-write's private granule (created or not), and says why the mapping is
+    /// unchanged.
+    fn undo_private(
+        binding: &Binding<'b, 'id, B>,
+        error: BackendError,
+        private: Option<B::Phys>,
+    ) -> CommitFailure {
+        let device = binding.device();
+        let g = device.granularity();
+        let rollback = match private {
+            None => {
+                binding.uncharge(g);
+                Ok(())
+            }
+            Some(p) => {
+                binding.refund(g);
+                device.release_orphan(p, g)
+            }
+        };
+        CommitFailure::undone(error, rollback)
+    }
+
+    /// Quarantines the mapping (`mapped` bytes of it still mapped) when its state is uncertain
+    /// after a copy-on-write failed half-way; the private granule goes back.
+    fn quarantine_diverging(
+        self,
+        mapped: usize,
+        cause: CowFailure,
+        private: B::Phys,
+    ) -> CowError<'b, 'id, B> {
+        let binding = self.core().binding;
+        let device = binding.device();
+        let g = device.granularity();
+        let (core, shared) = self.into_core();
+        binding.refund(g);
+        let _ = device.release_orphan(private, g); // a failure is quarantined
+        let held = Held {
+            shared: Some(shared),
+            ..Held::mapped(mapped)
+        };
+        TransitionError {
+            token: Returned::Quarantined(Quarantined::new(binding, core.residual(held))),
+            cause,
+        }
     }
 }
 

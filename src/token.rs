@@ -2,6 +2,7 @@
 //! place where a mapped range becomes a host slice.
 
 use crate::backend::{Addr, Backend};
+pub(crate) use crate::backend::{host_slice, host_slice_mut};
 use crate::binding::Binding;
 use crate::device::Device;
 use crate::ids::Generation;
@@ -45,26 +46,3 @@ impl<'b, 'id, B: Backend> Core<'b, 'id, B> {
     }
 }
 
-/// `len` bytes of host memory at `addr`, read-only, for `'a`.
-///
-/// # Safety
-///
-/// For all of `'a`, `[addr, addr + len)` must be mapped readable by a
-/// [`HostVisible`](crate::backend::HostVisible) backend — a token owns the mapping and the
-/// borrow of the token lasts `'a`, so only consuming the token could unmap it — and no one may
-/// write to it. [`host_slice_mut`] also needs it mapped writable and no other access at all.
-pub(crate) unsafe fn host_slice<'a>(addr: Addr, len: usize) -> &'a [u8] {
-    // SAFETY: guaranteed by the caller.
-    unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
-}
-
-/// `len` bytes of host memory at `addr`, writable, for `'a`.
-///
-/// # Safety
-///
-/// As for [`host_slice`], with the range mapped writable and no other reference to it for `'a`
-/// (the token is borrowed mutably).
-pub(crate) unsafe fn host_slice_mut<'a>(addr: Addr, len: usize) -> &'a mut [u8] {
-    // SAFETY: guaranteed by the caller.
-    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
-}

@@ -36,31 +36,30 @@ impl HandleKind for Fabric {
     const TYPE: HandleType = HandleType::Fabric;
 }
 
-/// A handle kind as a value.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum HandleType {
-    /// [`PosixFd`].
-    PosixFd,
-    /// [`Fabric`].
-    Fabric,
+listed! {
+    /// A handle kind as a value.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub enum HandleType {
+        /// [`PosixFd`].
+        PosixFd,
+        /// [`Fabric`].
+        Fabric,
+    }
 }
 
 impl HandleType {
-    /// Its code in a message (and its bit in CUDA's `CUmemAllocationHandleType`).
-    pub fn code(self) -> u8 {
+    /// Its code in a message: its bit in CUDA's `CUmemAllocationHandleType` (the one place
+    /// the codes are written; the CUDA driver seam's constants are these).
+    pub const fn code(self) -> u8 {
         match self {
-            Self::PosixFd => 1,
-            Self::Fabric => 8,
+            Self::PosixFd => 0x1,
+            Self::Fabric => 0x8,
         }
     }
 
     /// The kind with `code`, if any.
     pub fn from_code(code: u8) -> Option<Self> {
-        match code {
-            1 => Some(Self::PosixFd),
-            8 => Some(Self::Fabric),
-            _ => None,
-        }
+        Self::ALL.into_iter().find(|t| t.code() == code)
     }
 }
 

@@ -21,6 +21,27 @@
 //! - [`cuda::CudaBackend`]: CUDA VMM over a thin driver seam — the real driver through `cudarc`
 //!   (feature `cuda`), or [`cuda::DriverModel`], a strict model of the driver's rules.
 
+/// Declares a fieldless enum and its `ALL`, every variant in declaration order, from one list
+/// (so the list cannot miss a variant).
+macro_rules! listed {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $name:ident {
+            $($(#[$vmeta:meta])* $variant:ident,)+
+        }
+    ) => {
+        $(#[$meta])*
+        $vis enum $name {
+            $($(#[$vmeta])* $variant,)+
+        }
+
+        impl $name {
+            /// Every kind, in declaration order.
+            pub const ALL: [$name; [$(stringify!($variant)),+].len()] = [$($name::$variant),+];
+        }
+    };
+}
+
 pub mod cuda;
 mod export;
 mod faults;
@@ -186,45 +207,31 @@ pub(crate) fn address_space_exhausted(len: usize, address_space: usize) -> Backe
 /// A virtual address, as the backend hands it out (a host pointer or a `CUdeviceptr`).
 pub type Addr = usize;
 
-/// The kinds of backend calls, used to name a failed call and to aim injected faults.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
-pub enum Op {
-    /// Reserve a VA range.
-    Reserve,
-    /// Free a VA range.
-    Free,
-    /// Create physical memory.
-    Create,
-    /// Release physical memory.
-    Release,
-    /// Map physical memory into a reserved range.
-    Map,
-    /// Unmap a mapped range (the VA stays reserved).
-    Unmap,
-    /// Pin the context (a binding's hold on the device).
-    Pin,
-    /// Unpin the context.
-    Unpin,
-    /// Copy mapped memory into physical memory (copy-on-write), or to or from the host.
-    Copy,
-    /// Record or query a fence.
-    Fence,
-}
-
-impl Op {
-    /// Every kind of call, in a fixed order.
-    pub const ALL: [Op; 10] = [
-        Op::Reserve,
-        Op::Free,
-        Op::Create,
-        Op::Release,
-        Op::Map,
-        Op::Unmap,
-        Op::Pin,
-        Op::Unpin,
-        Op::Copy,
-        Op::Fence,
-    ];
+listed! {
+    /// The kinds of backend calls, used to name a failed call and to aim injected faults.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+    pub enum Op {
+        /// Reserve a VA range.
+        Reserve,
+        /// Free a VA range.
+        Free,
+        /// Create physical memory.
+        Create,
+        /// Release physical memory.
+        Release,
+        /// Map physical memory into a reserved range.
+        Map,
+        /// Unmap a mapped range (the VA stays reserved).
+        Unmap,
+        /// Pin the context (a binding's hold on the device).
+        Pin,
+        /// Unpin the context.
+        Unpin,
+        /// Copy mapped memory into physical memory (copy-on-write), or to or from the host.
+        Copy,
+        /// Record or query a fence.
+        Fence,
+    }
 }
 
 /// Where a backend's memory lives: what a transfer engine needs to know besides its address.
@@ -462,5 +469,33 @@ pub trait Backend {
 /// After a successful [`Backend::map`] of `len` bytes at `addr` with [`Access::ReadWrite`], the
 /// bytes `[addr, addr + len)` must be readable and writable host memory, and with
 /// [`Access::ReadOnly`] readable host memory, until the range is unmapped. The backend must never
-/// unmap, remap or write a range except when asked to through [`Backend`].
+/// unmap, remap or write a range except when asked to through [`Backend`] — or, for memory it
+/// exports, through [`Exportable::export`], which may make the mappings of the exported memory
+/// read-only with their bytes unchanged (the typed layer never writes exported memory again).
 pub unsafe trait HostVisible: Backend {}
+
+/// `len` bytes of host memory at `addr`, read-only, for `'a`: one of the two places where
+/// memtoken makes a host slice ([`host_slice_mut`] is the other); every token's `as_slice`
+/// and the host backend's copies go through them.
+///
+/// # Safety
+///
+/// For all of `'a`, `[addr, addr + len)` must be mapped readable by a [`HostVisible`]
+/// backend — a token owns the mapping and the borrow of the token lasts `'a`, so only consuming
+/// the token could unmap it; or the backend's lock is held for `'a` — and no one may write to
+/// it. [`host_slice_mut`] also needs it mapped writable and no other access at all.
+pub(crate) unsafe fn host_slice<'a>(addr: Addr, len: usize) -> &'a [u8] {
+    // SAFETY: guaranteed by the caller.
+    unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
+}
+
+/// `len` bytes of host memory at `addr`, writable, for `'a`.
+///
+/// # Safety
+///
+/// As for [`host_slice`], with the range mapped writable and no other reference to it for `'a`
+/// (the token is borrowed mutably).
+pub(crate) unsafe fn host_slice_mut<'a>(addr: Addr, len: usize) -> &'a mut [u8] {
+    // SAFETY: guaranteed by the caller.
+    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
+}

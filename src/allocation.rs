@@ -9,7 +9,7 @@ use crate::ledger::Axis;
 use crate::quarantine::{Quarantined, settle};
 use crate::residual::Held;
 use crate::state::{
-    Committed, Internal, Live, Readable, Releasing, Reserved, Retired, State, Wait, sealed::Sealed,
+    Committed, Internal, Live, Readable, Releasing, Reserved, Retired, State, Wait, sealed::Repr,
 };
 use crate::token::{Core, host_slice, host_slice_mut};
 use crate::unwind::Scope;
@@ -146,7 +146,7 @@ pub type CompleteError<'b, 'id, B> = TransitionError<
 /// ```
 pub struct Allocation<'b, 'id, B: Backend, S: State> {
     core: Core<'b, 'id, B>,
-    parts: ManuallyDrop<<S as Sealed>::Parts<B>>,
+    parts: ManuallyDrop<<S as Repr>::Parts<B>>,
 }
 
 impl<'b, 'id, B: Backend> Binding<'b, 'id, B> {
@@ -194,7 +194,7 @@ impl<'b, 'id, B: Backend> Binding<'b, 'id, B> {
 }
 
 impl<'b, 'id, B: Backend, S: State> Allocation<'b, 'id, B, S> {
-    pub(crate) fn from_core(core: Core<'b, 'id, B>, parts: <S as Sealed>::Parts<B>) -> Self {
+    pub(crate) fn from_core(core: Core<'b, 'id, B>, parts: <S as Repr>::Parts<B>) -> Self {
         Self {
             core,
             parts: ManuallyDrop::new(parts),
@@ -202,7 +202,7 @@ impl<'b, 'id, B: Backend, S: State> Allocation<'b, 'id, B, S> {
     }
 
     /// Takes the token apart without running its `Drop`.
-    pub(crate) fn into_core(self) -> (Core<'b, 'id, B>, <S as Sealed>::Parts<B>) {
+    pub(crate) fn into_core(self) -> (Core<'b, 'id, B>, <S as Repr>::Parts<B>) {
         let mut this = ManuallyDrop::new(self);
         // SAFETY: `this` is never dropped nor used again, so the parts are taken exactly once.
         let parts = unsafe { ManuallyDrop::take(&mut this.parts) };
@@ -213,11 +213,11 @@ impl<'b, 'id, B: Backend, S: State> Allocation<'b, 'id, B, S> {
         self.core
     }
 
-    pub(crate) fn parts(&self) -> &<S as Sealed>::Parts<B> {
+    pub(crate) fn parts(&self) -> &<S as Repr>::Parts<B> {
         &self.parts
     }
 
-    pub(crate) fn parts_mut(&mut self) -> &mut <S as Sealed>::Parts<B> {
+    pub(crate) fn parts_mut(&mut self) -> &mut <S as Repr>::Parts<B> {
         &mut self.parts
     }
 

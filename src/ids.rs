@@ -7,7 +7,8 @@ use std::num::NonZeroU64;
 
 /// The identity of one allocation: unique in the process, across every device (two devices
 /// never give out the same one), and never derived from an address, so a reused VA range never
-/// makes a stale allocation look alive, and equal generations mean the same allocation.
+/// makes a stale allocation look alive, and equal generations mean the same allocation (whose
+/// physical memory may change over its life: copy-on-write, resume, growth).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Generation(NonZeroU64);
 

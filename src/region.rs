@@ -11,7 +11,10 @@ use crate::error::{CommitFailure, GrowFailure, ShrinkFailure, TransitionError};
 use crate::ledger::Axis;
 use crate::residual::{Granule, Held};
 use crate::state::Wait;
-use crate::state::{Internal, Live, Reserved, Retired, State, sealed::Sealed};
+use crate::state::{
+    Internal, Live, Reserved, Retired, State,
+    sealed::{self, Repr},
+};
 use crate::token::{Core, host_slice, host_slice_mut};
 use crate::unwind::{Guarded, Scope};
 
@@ -98,7 +101,9 @@ pub struct Granules<P> {
     pub(crate) stuck: Vec<Granule<P>>,
 }
 
-impl Sealed for Elastic {
+impl sealed::Sealed for Elastic {}
+
+impl Repr for Elastic {
     type Parts<B: Backend> = Granules<B::Phys>;
 
     fn retire<B: Backend>(

@@ -11,7 +11,10 @@ use crate::ledger::Axis;
 use crate::quarantine::Quarantined;
 use crate::residual::{Held, SharedPhys, Split};
 use crate::state::Wait;
-use crate::state::{Internal, Live, Readable, Reserved, Retired, State, sealed::Sealed};
+use crate::state::{
+    Internal, Live, Readable, Reserved, Retired, State,
+    sealed::{self, Repr},
+};
 use crate::token::host_slice_mut;
 use crate::unwind::{Guarded, Scope};
 use std::convert::Infallible;
@@ -205,7 +208,9 @@ fn retired<B: Backend>(
     }
 }
 
-impl<K: Capability> Sealed for Owner<K> {
+impl<K: Capability> sealed::Sealed for Owner<K> {}
+
+impl<K: Capability> Repr for Owner<K> {
     type Parts<B: Backend> = SharedPhys<B::Phys>;
 
     fn retire<B: Backend>(
@@ -223,7 +228,9 @@ impl<K: Capability> Sealed for Owner<K> {
     }
 }
 
-impl Sealed for Sharer {
+impl sealed::Sealed for Sharer {}
+
+impl Repr for Sharer {
     type Parts<B: Backend> = SharedPhys<B::Phys>;
 
     fn retire<B: Backend>(
@@ -240,7 +247,9 @@ impl Sealed for Sharer {
     }
 }
 
-impl Sealed for Diverged {
+impl sealed::Sealed for Diverged {}
+
+impl Repr for Diverged {
     /// The shared reference and the private last granule.
     type Parts<B: Backend> = (SharedPhys<B::Phys>, B::Phys);
 

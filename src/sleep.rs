@@ -11,7 +11,10 @@ use crate::ledger::Axis;
 use crate::region::{Elastic, Granules, idle, reclaim_withheld};
 use crate::residual::{Granule, Held};
 use crate::state::Wait;
-use crate::state::{Committed, Internal, Live, Reserved, Retired, State, sealed::Sealed};
+use crate::state::{
+    Committed, Internal, Live, Reserved, Retired, State,
+    sealed::{self, Repr},
+};
 use crate::token::Core;
 use crate::unwind::{Guarded, Scope};
 use std::convert::Infallible;
@@ -108,7 +111,9 @@ pub trait Suspendable: Live {}
 impl Suspendable for Committed {}
 impl Suspendable for Elastic {}
 
-impl<S: Suspendable> Sealed for Suspended<S> {
+impl<S: Suspendable> sealed::Sealed for Suspended<S> {}
+
+impl<S: Suspendable> Repr for Suspended<S> {
     type Parts<B: Backend> = Asleep<B::Phys>;
 
     fn retire<B: Backend>(

@@ -54,7 +54,7 @@ pub struct Retired<B: Backend> {
     pub(crate) charged: usize,
 }
 
-/// A value only this crate can make: [`sealed::Sealed::retire`] takes one, so no code outside
+/// A value only this crate can make: [`sealed::Repr::retire`] takes one, so no code outside
 /// the crate can take a token's parts apart (or record a fence) through it.
 #[derive(Clone, Copy, Debug)]
 pub struct Internal(pub(crate) ());
@@ -62,8 +62,12 @@ pub struct Internal(pub(crate) ());
 pub(crate) mod sealed {
     use super::*;
 
-    /// Only this crate can name this trait, so only it can add states.
-    pub trait Sealed {
+    /// The seal: only this crate can name this trait, so only it can add states.
+    pub trait Sealed {}
+
+    /// A state's representation: what a token in it owns beyond its VA range (its
+    /// [`Parts`](Repr::Parts)), and how that is taken apart when the token goes.
+    pub trait Repr: Sealed {
         /// What a token in this state owns beyond its VA range.
         type Parts<B: Backend>;
 
@@ -91,7 +95,7 @@ pub(crate) mod sealed {
 ///     const NAME: &'static str = "Borrowed";
 /// }
 /// ```
-pub trait State: sealed::Sealed {
+pub trait State: sealed::Repr {
     /// The state's name, for messages.
     const NAME: &'static str;
 }
@@ -112,7 +116,9 @@ pub enum Committed {}
 #[derive(Debug)]
 pub enum Releasing {}
 
-impl sealed::Sealed for Reserved {
+impl sealed::Sealed for Reserved {}
+
+impl sealed::Repr for Reserved {
     type Parts<B: Backend> = ();
 
     fn retire<B: Backend>(_: &Guarded<B>, _len: usize, (): (), _: Internal) -> Retired<B> {
@@ -124,7 +130,9 @@ impl sealed::Sealed for Reserved {
     }
 }
 
-impl sealed::Sealed for Committed {
+impl sealed::Sealed for Committed {}
+
+impl sealed::Repr for Committed {
     type Parts<B: Backend> = B::Phys;
 
     fn retire<B: Backend>(
@@ -142,7 +150,9 @@ impl sealed::Sealed for Committed {
     }
 }
 
-impl sealed::Sealed for Releasing {
+impl sealed::Sealed for Releasing {}
+
+impl sealed::Repr for Releasing {
     type Parts<B: Backend> = (Held<B::Phys>, Wait<B::Fence>);
 
     fn retire<B: Backend>(

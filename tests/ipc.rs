@@ -802,3 +802,84 @@ fn a_stalled_peer_on_a_stream_socket_is_bounded_by_the_receive_timeout() {
     assert_eq!(open_descriptors_of(&[inode]), 0, "closed");
     drop(a); // the peer is still connected until here: the receiver was not woken by a close
 }
+
+/// A prefix whose body is sealed by an export whose boundary is then refused (its pages held)
+/// is never written by its owner again: the body is read-only for good, so `as_mut_slice`
+/// must not lend it — a write there would fault.
+#[test]
+fn an_export_refused_after_its_body_was_sealed_leaves_the_prefix_read_only() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let owner = device.bind(Budget::unlimited()).unwrap();
+    let mut prefix = owner
+        .reserve(3 * PAGE)
+        .unwrap()
+        .commit_prefix_exportable::<PosixFd>()
+        .unwrap();
+    prefix.as_mut_slice().unwrap().fill(5);
+    let (_read, write) = rustix::pipe::pipe().unwrap();
+    let boundary = &prefix.as_slice()[2 * PAGE..];
+    let bufs = [rustix::pipe::IoSliceRaw::from_slice(boundary)];
+    // SAFETY: `write` is the pipe's write end, so the pipe only reads the boundary's bytes.
+    let held = unsafe { rustix::pipe::vmsplice(&write, &bufs, rustix::pipe::SpliceFlags::empty()) };
+    assert_eq!(held.unwrap(), PAGE);
+    let e = prefix.export().unwrap_err();
+    assert!(e.to_string().contains("sealed against writes"), "{e}");
+    assert!(perms(prefix.addr()).starts_with("r-"), "the body is sealed");
+    assert!(
+        perms(prefix.addr() + 2 * PAGE).starts_with("rw"),
+        "the boundary as it was"
+    );
+    assert!(
+        prefix.as_mut_slice().is_none(),
+        "never lends the sealed body as &mut"
+    );
+    assert!(prefix.as_slice().iter().all(|&b| b == 5));
+    drop(prefix);
+    drop(owner);
+    assert!(device.close().is_clean());
+}
+
+/// After an export the backend's record agrees with the kernel: the mappings it made read-only
+/// are recorded read-only, so a write through them is refused as an error, never attempted
+/// (it would fault), and the sealed memory is never mapped read-write again.
+#[test]
+fn after_an_export_the_backend_refuses_every_write_to_the_sealed_memory() {
+    use memtoken::backend::{Access, Backend, Cause, Exportable, Violation};
+    let backend = HostBackend::with_defaults().unwrap();
+    let phys = Exportable::<PosixFd>::create_exportable(&backend, PAGE).unwrap();
+    let (a, b) = (
+        backend.reserve(PAGE).unwrap(),
+        backend.reserve(PAGE).unwrap(),
+    );
+    backend.map(a, PAGE, phys, Access::ReadWrite).unwrap();
+    backend
+        .copy_from_host(a, &[1])
+        .expect("writable before the export");
+    let handle = Exportable::<PosixFd>::export(&backend, phys, PAGE).unwrap();
+    let read_only = |r: Result<(), memtoken::backend::BackendError>| matches!(r, Err(e) if matches!(e.cause, Cause::Violation(Violation::ReadOnly { .. })));
+    assert!(
+        read_only(backend.copy_from_host(a, &[2])),
+        "recorded read-only"
+    );
+    assert!(read_only(backend.map(b, PAGE, phys, Access::ReadWrite)));
+    let other = backend.create(PAGE).unwrap();
+    let c = backend.reserve(PAGE).unwrap();
+    backend.map(c, PAGE, other, Access::ReadWrite).unwrap();
+    assert!(read_only(backend.copy_into_phys(phys, c, PAGE)));
+    backend.unmap(c, PAGE).unwrap();
+    backend.free(c, PAGE).unwrap();
+    backend.release(other, PAGE).unwrap();
+    backend
+        .map(b, PAGE, phys, Access::ReadOnly)
+        .expect("read-only maps go on");
+    let mut byte = [0u8];
+    backend.copy_to_host(&mut byte, b).unwrap();
+    assert_eq!(byte, [1], "the bytes written before the export");
+    drop(handle);
+    for addr in [a, b] {
+        backend.unmap(addr, PAGE).unwrap();
+        backend.free(addr, PAGE).unwrap();
+    }
+    backend.release(phys, PAGE).unwrap();
+}

@@ -18,7 +18,10 @@ use crate::ledger::Axis;
 use crate::residual::{Held, SharedPhys};
 use crate::sharing::Owner;
 use crate::state::Wait;
-use crate::state::{Internal, Live, Readable, Retired, State, sealed::Sealed};
+use crate::state::{
+    Internal, Live, Readable, Retired, State,
+    sealed::{self, Repr},
+};
 use crate::unwind::{Guarded, Scope};
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::net::{
@@ -74,7 +77,9 @@ pub type ImportedPrefix<'b, 'id, B> = Allocation<'b, 'id, B, Imported>;
 #[derive(Debug)]
 pub enum Imported {}
 
-impl Sealed for Imported {
+impl sealed::Sealed for Imported {}
+
+impl Repr for Imported {
     /// This process's handles on the imported memory: the body's and the boundary's.
     type Parts<B: Backend> = (Option<(B::Phys, usize)>, (B::Phys, usize));
 
@@ -501,9 +506,11 @@ impl<'b, 'id, B: Exportable<K>, K: HandleKind> Allocation<'b, 'id, B, Owner<K>> 
     ///
     /// # Errors
     ///
-    /// The backend's, if a handle cannot be made (nothing is left exported, and the prefix is
-    /// as it was: still writable by its owner). On the host, memory whose pages are pinned (an
-    /// RDMA registration, say) cannot be sealed against writes and is refused with
+    /// The backend's, if a handle cannot be made: nothing is left exported. If the first
+    /// piece (the body, or the one granule) was refused, the prefix is as it was, still
+    /// writable by its owner; if a later piece was, the pieces before it may be sealed for good,
+    /// so the owner never writes the prefix again. On the host, memory whose pages are pinned
+    /// (an RDMA registration, say) cannot be sealed against writes and is refused with
     /// [`Violation::Unsealable`](crate::backend::Violation::Unsealable): export before you
     /// register.
     ///
@@ -531,7 +538,17 @@ impl<'b, 'id, B: Exportable<K>, K: HandleKind> Allocation<'b, 'id, B, Owner<K>> 
             let split = self.parts().split();
             let mut handles = Vec::with_capacity(MAX_FDS);
             for (phys, len) in split.body.into_iter().chain([split.boundary]) {
-                handles.push(backend.export(phys, len)?);
+                match backend.export(phys, len) {
+                    Ok(handle) => handles.push(handle),
+                    Err(e) => {
+                        // A piece exported before may be sealed for good (read-only on the
+                        // host): the owner never writes the prefix again.
+                        if !handles.is_empty() {
+                            self.parts().mark_exported();
+                        }
+                        return Err(e);
+                    }
+                }
             }
             let offset = |i: usize| handles.get(i).map_or(0, |h: &Shareable| h.offset);
             let message = PrefixMessage {

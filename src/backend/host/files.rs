@@ -67,6 +67,12 @@ impl HostBackend {
         let read_only =
             reopen_read_only(file.fd.as_fd()).map_err(|e| os_error(Op::Create, 0, len, e))?;
         let mappings = book.mappings_of(phys);
+        // A mapping the book no longer trusts (in a poisoned reservation) is never touched again:
+        // the memory cannot be made read-only everywhere, so it is not exported.
+        for &(addr, n, _) in &mappings {
+            book.check_unmap(addr, n)
+                .map_err(|v| BackendError::refused(Op::Create, addr, n, v))?;
+        }
         let mut touched = 0;
         let mut result = Ok(());
         for &(addr, n, _) in &mappings {
@@ -167,22 +173,22 @@ impl Exportable<PosixFd> for HostBackend {
                 v => Err(v),
             })
             .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
-        let kind = s.files.get(&phys.serial).map(|f| f.kind);
-        match kind {
-            Some(FileKind::Exportable) => Self::seal_against_writes(&mut s, phys, len)?,
-            Some(FileKind::Sealed) => {}
-            Some(FileKind::Imported) | None => {
-                let v = Violation::NotExportable;
-                return Err(BackendError::refused(Op::Create, 0, len, v));
-            }
-        }
-        let file = &s.files[&phys.serial];
+        let Some(file) = s
+            .files
+            .get(&phys.serial)
+            .filter(|f| f.kind != FileKind::Imported)
+        else {
+            let v = Violation::NotExportable;
+            return Err(BackendError::refused(Op::Create, 0, len, v));
+        };
+        // The descriptor to send first: sealing is the last step that can fail, so a refused
+        // export leaves the memory as it was.
         let fd = reopen_read_only(file.fd.as_fd()).map_err(|e| os_error(Op::Create, 0, len, e))?;
-        Ok(Shareable {
-            fd,
-            offset: file.offset,
-            len,
-        })
+        let offset = file.offset;
+        if file.kind == FileKind::Exportable {
+            Self::seal_against_writes(&mut s, phys, len)?;
+        }
+        Ok(Shareable { fd, offset, len })
     }
 
     /// Checks the descriptor before anything is mapped: a regular file sealed against

@@ -45,4 +45,3 @@ impl<'b, 'id, B: Backend> Core<'b, 'id, B> {
         }
     }
 }
-

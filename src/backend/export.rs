@@ -22,7 +22,7 @@ pub trait HandleKind: sealed::Kind + 'static {
 pub enum PosixFd {}
 
 /// A fabric handle: CUDA's `CU_MEM_HANDLE_TYPE_FABRIC` (64 bytes, shared within an IMEX domain,
-/// facts 28–30 of the CUDA facts sheet). Declared for the driver model; no backend shipped
+/// facts 27, 28 and 30 of [`cuda::facts`](crate::backend::cuda::facts)). Declared for the driver model; no backend shipped
 /// here exports it yet.
 #[derive(Debug)]
 pub enum Fabric {}
@@ -83,7 +83,7 @@ pub struct Shareable {
 /// Imported memory is a physical handle of this backend like any other: it is mapped whole
 /// (read-only by the typed layer) and released once with [`Backend::release`], which gives
 /// back this process's handle on it and never the exporter's memory: that goes when every
-/// process has released and unmapped it (fact 27 of the CUDA facts sheet).
+/// process has released and unmapped it (fact 22 of [`cuda::facts`](crate::backend::cuda::facts)).
 pub trait Exportable<K: HandleKind>: Backend {
     /// Creates `len` bytes of physical memory that may be exported as `K`.
     fn create_exportable(&self, len: usize) -> Result<Self::Phys, BackendError>;

@@ -470,7 +470,7 @@ fn send(
 /// When this token is dropped (or [`end`](Export::end)ed): the reference goes back (the last
 /// one releases the memory here), and the exporter's handles are closed. The peer's mapping is
 /// not ended by it — the peer holds handles of its own, and the memory lives while any process
-/// maps it (on CUDA the driver counts, fact 27; on the host each exportable allocation is a
+/// maps it (on CUDA the driver counts, facts 22 and 27; on the host each exportable allocation is a
 /// `memfd` of its own, which the kernel keeps while it is mapped or open) — so ending early
 /// is safe for both processes, but from then on the exporter's ledger no longer counts the
 /// memory the peer still maps. End an export once the peer has confirmed it is done with it:

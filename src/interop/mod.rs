@@ -1,11 +1,12 @@
 //! Interop: tokens as typed memory — host tokens as `&[T]` / `&mut [T]` of plain-old-data
 //! types ([`host`]), CUDA tokens as cudarc device memory of `T` ([`device`], feature `cuda`) —
-//! and the CUDA tokens' host copies (here).
+//! the CUDA tokens' host copies (here), and a device's covering of CUDA streams ([`streams`]).
 
 #[cfg(feature = "cuda")]
 mod device;
 mod host;
 mod ipc;
+mod streams;
 
 #[cfg(feature = "cuda")]
 pub use device::{DeviceView, DeviceViewMut};

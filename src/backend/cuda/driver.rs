@@ -170,70 +170,39 @@ impl fmt::Display for CuError {
     }
 }
 
-/// The kinds of driver calls, to aim injected faults and to read a call log.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[allow(missing_docs)] // each is the driver function of the same name
-pub enum DriverCall {
-    Init,
-    DeviceGet,
-    DeviceGetAttribute,
-    DeviceTotalMem,
-    DeviceCanAccessPeer,
-    PrimaryCtxRetain,
-    PrimaryCtxRelease,
-    CtxSetCurrent,
-    MemGetAllocationGranularity,
-    MemAddressReserve,
-    MemAddressFree,
-    MemCreate,
-    MemRelease,
-    MemMap,
-    MemSetAccess,
-    MemUnmap,
-    MemcpyDtoD,
-    CtxSynchronize,
-    MemcpyHtoD,
-    MemcpyDtoH,
-    EventCreate,
-    EventRecord,
-    EventQuery,
-    EventDestroy,
-    EventSynchronize,
-    MemExportToShareableHandle,
-    MemImportFromShareableHandle,
-}
-
-impl DriverCall {
-    /// Every kind, in a fixed order.
-    pub const ALL: [DriverCall; 27] = [
-        Self::Init,
-        Self::DeviceGet,
-        Self::DeviceGetAttribute,
-        Self::DeviceTotalMem,
-        Self::DeviceCanAccessPeer,
-        Self::PrimaryCtxRetain,
-        Self::PrimaryCtxRelease,
-        Self::CtxSetCurrent,
-        Self::MemGetAllocationGranularity,
-        Self::MemAddressReserve,
-        Self::MemAddressFree,
-        Self::MemCreate,
-        Self::MemRelease,
-        Self::MemMap,
-        Self::MemSetAccess,
-        Self::MemUnmap,
-        Self::MemcpyDtoD,
-        Self::CtxSynchronize,
-        Self::MemcpyHtoD,
-        Self::MemcpyDtoH,
-        Self::EventCreate,
-        Self::EventRecord,
-        Self::EventQuery,
-        Self::EventDestroy,
-        Self::EventSynchronize,
-        Self::MemExportToShareableHandle,
-        Self::MemImportFromShareableHandle,
-    ];
+listed! {
+    /// The kinds of driver calls, to aim injected faults and to read a call log.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    #[allow(missing_docs)] // each is the driver function of the same name
+    pub enum DriverCall {
+        Init,
+        DeviceGet,
+        DeviceGetAttribute,
+        DeviceTotalMem,
+        DeviceCanAccessPeer,
+        PrimaryCtxRetain,
+        PrimaryCtxRelease,
+        CtxSetCurrent,
+        MemGetAllocationGranularity,
+        MemAddressReserve,
+        MemAddressFree,
+        MemCreate,
+        MemRelease,
+        MemMap,
+        MemSetAccess,
+        MemUnmap,
+        MemcpyDtoD,
+        CtxSynchronize,
+        MemcpyHtoD,
+        MemcpyDtoH,
+        EventCreate,
+        EventRecord,
+        EventQuery,
+        EventDestroy,
+        EventSynchronize,
+        MemExportToShareableHandle,
+        MemImportFromShareableHandle,
+    }
 }
 
 /// A shareable handle, as [`Driver::mem_export_to_shareable_handle`] hands it over.
@@ -249,12 +218,13 @@ pub enum ShareableHandle {
 
 /// `CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR`: a bit of `requestedHandleTypes`, and a
 /// handle type to export as.
-pub const HANDLE_TYPE_POSIX_FD: u32 = 1;
-/// `CU_MEM_HANDLE_TYPE_FABRIC` (CUDA 12.4+; facts 28–30 of the CUDA facts sheet).
-pub const HANDLE_TYPE_FABRIC: u32 = 8;
+pub const HANDLE_TYPE_POSIX_FD: u32 = crate::backend::HandleType::PosixFd.code() as u32;
+/// `CU_MEM_HANDLE_TYPE_FABRIC` (CUDA 12.4+; facts 27, 28 and 30 of
+/// [`facts`](crate::backend::cuda::facts)).
+pub const HANDLE_TYPE_FABRIC: u32 = crate::backend::HandleType::Fabric.code() as u32;
 
 /// The fields of a `CUmemAllocationProp` the backend chooses, for `cuMemCreate` and
-/// `cuMemGetAllocationGranularity` (fact 14 of the CUDA facts sheet). The others are fixed:
+/// `cuMemGetAllocationGranularity` (fact 14 of [`facts`](crate::backend::cuda::facts)). The others are fixed:
 /// `type` pinned, `location.type` a device, no compression, no usage flags, `reserved` 0.
 /// Granularity depends on the properties (fact 15), so it is asked with the same properties
 /// the memory is then created with.
@@ -371,7 +341,7 @@ pub trait Driver {
     fn device_total_mem(&self, device: i32) -> CuResult<usize>;
     /// `cuDeviceCanAccessPeer(&can, dev, peer)`: whether `dev` can directly access memory
     /// on `peer` (`can == 1`). A `cuMemSetAccess` for a device other than the memory's own
-    /// is made only for a pair this returned `true` for (fact 32 of the CUDA facts sheet).
+    /// is made only for a pair this returned `true` for (fact 32 of [`facts`](crate::backend::cuda::facts)).
     fn device_can_access_peer(&self, dev: i32, peer: i32) -> CuResult<bool>;
     /// `cuDevicePrimaryCtxRetain`
     fn primary_ctx_retain(&self, device: i32) -> CuResult<Context>;
@@ -394,7 +364,7 @@ pub trait Driver {
     /// the granularity of memory created with `props`, which depends on them (fact 15).
     fn mem_get_allocation_granularity(&self, props: AllocationProps) -> CuResult<usize>;
     /// `cuMemAddressReserve(size, alignment, hint, 0)`. A non-zero `hint` is only a hint: the
-    /// driver may place the reservation anywhere (fact 12 of the CUDA facts sheet), so the
+    /// driver may place the reservation anywhere (fact 12 of [`facts`](crate::backend::cuda::facts)), so the
     /// caller must use the address returned, never assume the hint was honoured.
     fn mem_address_reserve(&self, size: usize, alignment: usize, hint: u64) -> CuResult<u64>;
     /// `cuMemAddressFree`
@@ -571,7 +541,8 @@ mod tests {
 }
 
 /// Every code of the table with the fate the CUDA documentation gives it, written out here
-/// rather than read from the table (facts 33–35 of the CUDA facts sheet).
+/// rather than read from the table (facts 33–35 and 52 of
+/// [`facts`](crate::backend::cuda::facts)).
 #[cfg(test)]
 mod fates {
     use super::{CuError, ErrorFate};

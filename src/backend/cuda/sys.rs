@@ -1,10 +1,18 @@
-//! `SysDriver`: the [`Driver`] seam forwarded one-to-one to `cudarc::driver::sys`.
+//! `SysDriver`: the [`Driver`] seam forwarded one-to-one to the real driver through cudarc:
+//! cudarc's own `result` wrappers (`cudarc::driver::result`) wherever cudarc has one, and
+//! otherwise the raw `cudarc::driver::sys` call checked with cudarc's `CUresult::result`.
+//!
+//! Raw calls, because cudarc 0.19.10's `result` module has no wrapper for them: the VMM calls
+//! (`cuMemGetAllocationGranularity`, `cuMemAddressReserve`, `cuMemAddressFree`, `cuMemCreate`,
+//! `cuMemExportToShareableHandle`, `cuMemImportFromShareableHandle`, `cuMemRelease`,
+//! `cuMemMap`, `cuMemSetAccess`, `cuMemUnmap`) and `cuDeviceCanAccessPeer`.
 
 use super::CudaError;
 use super::driver::{
     AllocationProps, Context, CuError, CuResult, DeviceAttribute, Driver, Event,
     HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
 };
+use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
 use rustix::fd::{FromRawFd, OwnedFd};
 
@@ -18,21 +26,9 @@ use rustix::fd::{FromRawFd, OwnedFd};
 #[derive(Debug)]
 pub struct SysDriver(());
 
-fn check(r: sys::CUresult) -> CuResult<()> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(CuError(r as i32))
-    }
-}
-
-/// `CUDA_ERROR_NOT_READY` as `Ok(false)`.
-fn ready(r: sys::CUresult) -> CuResult<bool> {
-    if r == sys::CUresult::CUDA_ERROR_NOT_READY {
-        Ok(false)
-    } else {
-        check(r).map(|()| true)
-    }
+/// cudarc's error as the seam's: the same `CUresult` code.
+fn cu(e: DriverError) -> CuError {
+    CuError(e.0 as i32)
 }
 
 fn location(device: i32) -> sys::CUmemLocation {
@@ -85,15 +81,11 @@ impl SysDriver {
 // requires.
 impl Driver for SysDriver {
     fn init(&self) -> CuResult<()> {
-        // SAFETY: see above.
-        check(unsafe { sys::cuInit(0) })
+        result::init().map_err(cu)
     }
 
     fn device_get(&self, ordinal: i32) -> CuResult<i32> {
-        let mut device = 0;
-        // SAFETY: `device` outlives the call.
-        check(unsafe { sys::cuDeviceGet(&mut device, ordinal) })?;
-        Ok(device)
+        result::device::get(ordinal).map_err(cu)
     }
 
     fn device_get_attribute(&self, attribute: DeviceAttribute, device: i32) -> CuResult<i32> {
@@ -102,67 +94,76 @@ impl Driver for SysDriver {
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
             }
         };
-        let mut value = 0;
-        // SAFETY: `value` outlives the call; the device is a plain ordinal the driver checks.
-        check(unsafe { sys::cuDeviceGetAttribute(&mut value, attrib, device) })?;
-        Ok(value)
+        // SAFETY: the device is a plain ordinal the driver checks (cudarc asks for one from
+        // `device::get`; an unknown one is `CUDA_ERROR_INVALID_DEVICE`, not misuse), and the
+        // wrapper writes the value into a local of its own.
+        unsafe { result::device::get_attribute(device, attrib) }.map_err(cu)
     }
 
     fn device_total_mem(&self, device: i32) -> CuResult<usize> {
-        let mut bytes = 0;
-        // SAFETY: `bytes` outlives the call.
-        check(unsafe { sys::cuDeviceTotalMem_v2(&mut bytes, device) })?;
-        Ok(bytes)
+        // SAFETY: as for `device_get_attribute`.
+        unsafe { result::device::total_mem(device) }.map_err(cu)
     }
 
     fn device_can_access_peer(&self, dev: i32, peer: i32) -> CuResult<bool> {
+        // Raw: cudarc's `result` has no wrapper for `cuDeviceCanAccessPeer`.
         let mut can = 0;
         // SAFETY: `can` outlives the call; the devices are plain ordinals the driver checks.
-        check(unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, peer) })?;
+        unsafe { sys::cuDeviceCanAccessPeer(&mut can, dev, peer) }
+            .result()
+            .map_err(cu)?;
         Ok(can == 1)
     }
 
     fn primary_ctx_retain(&self, device: i32) -> CuResult<Context> {
-        let mut ctx = std::ptr::null_mut();
-        // SAFETY: `ctx` outlives the call.
-        check(unsafe { sys::cuDevicePrimaryCtxRetain(&mut ctx, device) })?;
+        // SAFETY: as for `device_get_attribute`; the retain is the caller's to give back.
+        let ctx = unsafe { result::primary_ctx::retain(device) }.map_err(cu)?;
         Ok(ctx as Context)
     }
 
     unsafe fn primary_ctx_release(&self, device: i32) -> CuResult<()> {
         // SAFETY: the caller gives back a retain it took (`Driver`'s rules).
-        check(unsafe { sys::cuDevicePrimaryCtxRelease_v2(device) })
+        unsafe { result::primary_ctx::release(device) }.map_err(cu)
     }
 
     unsafe fn ctx_set_current(&self, ctx: Context) -> CuResult<()> {
         // SAFETY: the caller passes a context from `primary_ctx_retain` that is still retained.
-        check(unsafe { sys::cuCtxSetCurrent(ctx as sys::CUcontext) })
+        unsafe { result::ctx::set_current(ctx as sys::CUcontext) }.map_err(cu)
     }
 
     fn mem_get_allocation_granularity(&self, props: AllocationProps) -> CuResult<usize> {
+        // Raw, as every VMM call below: cudarc's `result` wraps none of them (module docs).
         let (mut granularity, prop) = (0, allocation_prop(props));
         let flag = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_RECOMMENDED;
         // SAFETY: `granularity` and `prop` outlive the call.
-        check(unsafe { sys::cuMemGetAllocationGranularity(&mut granularity, &prop, flag) })?;
+        unsafe { sys::cuMemGetAllocationGranularity(&mut granularity, &prop, flag) }
+            .result()
+            .map_err(cu)?;
         Ok(granularity)
     }
 
     fn mem_address_reserve(&self, size: usize, alignment: usize, hint: u64) -> CuResult<u64> {
         let mut ptr = 0;
         // SAFETY: `ptr` outlives the call; the hint is a plain address the driver may ignore.
-        check(unsafe { sys::cuMemAddressReserve(&mut ptr, size, alignment, hint, 0) })?;
+        unsafe { sys::cuMemAddressReserve(&mut ptr, size, alignment, hint, 0) }
+            .result()
+            .map_err(cu)?;
         Ok(ptr)
     }
 
     unsafe fn mem_address_free(&self, ptr: u64, size: usize) -> CuResult<()> {
         // SAFETY: the caller passes exactly one live reservation with nothing mapped in it.
-        check(unsafe { sys::cuMemAddressFree(ptr, size) })
+        unsafe { sys::cuMemAddressFree(ptr, size) }
+            .result()
+            .map_err(cu)
     }
 
     fn mem_create_with(&self, size: usize, props: AllocationProps) -> CuResult<u64> {
         let (mut handle, prop) = (0, allocation_prop(props));
         // SAFETY: `handle` and `prop` outlive the call; the driver checks the properties.
-        check(unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) })?;
+        unsafe { sys::cuMemCreate(&mut handle, size, &prop, 0) }
+            .result()
+            .map_err(cu)?;
         Ok(handle)
     }
 
@@ -181,7 +182,7 @@ impl Driver for SysDriver {
         // outlives the call; the caller passes a live handle of this driver.
         let exported =
             unsafe { sys::cuMemExportToShareableHandle((&raw mut fd).cast(), handle, kind, 0) };
-        check(exported)?;
+        exported.result().map_err(cu)?;
         if fd < 0 {
             return Err(CuError::UNKNOWN);
         }
@@ -204,19 +205,23 @@ impl Driver for SysDriver {
         let (mut handle, kind) = (0, sys::CUmemAllocationHandleType(handle_type));
         // SAFETY: `handle` outlives the call; `os_handle` is a plain integer, never dereferenced
         // for a POSIX descriptor (fact 28), which the driver checks (an error, not misuse).
-        check(unsafe { sys::cuMemImportFromShareableHandle(&mut handle, os_handle, kind) })?;
+        unsafe { sys::cuMemImportFromShareableHandle(&mut handle, os_handle, kind) }
+            .result()
+            .map_err(cu)?;
         Ok(handle)
     }
 
     unsafe fn mem_release(&self, handle: u64) -> CuResult<()> {
         // SAFETY: the caller passes a live handle of this driver.
-        check(unsafe { sys::cuMemRelease(handle) })
+        unsafe { sys::cuMemRelease(handle) }.result().map_err(cu)
     }
 
     unsafe fn mem_map(&self, ptr: u64, size: usize, offset: usize, handle: u64) -> CuResult<()> {
         // SAFETY: the caller passes an unmapped range of a live reservation and a live handle
         // of exactly `size` bytes, mapped whole from `offset` 0 (the trait's contract).
-        check(unsafe { sys::cuMemMap(ptr, size, offset, handle, 0) })
+        unsafe { sys::cuMemMap(ptr, size, offset, handle, 0) }
+            .result()
+            .map_err(cu)
     }
 
     unsafe fn mem_set_access(&self, ptr: u64, size: usize, access: &[(i32, bool)]) -> CuResult<()> {
@@ -233,62 +238,67 @@ impl Driver for SysDriver {
             .collect();
         // SAFETY: `desc` holds `desc.len()` descriptors and outlives the call, which only reads
         // them; the caller passes a range exactly covered by live mappings.
-        check(unsafe { sys::cuMemSetAccess(ptr, size, desc.as_ptr(), desc.len()) })
+        unsafe { sys::cuMemSetAccess(ptr, size, desc.as_ptr(), desc.len()) }
+            .result()
+            .map_err(cu)
     }
 
     unsafe fn mem_unmap(&self, ptr: u64, size: usize) -> CuResult<()> {
         // SAFETY: the caller passes a range exactly covered by live mappings.
-        check(unsafe { sys::cuMemUnmap(ptr, size) })
+        unsafe { sys::cuMemUnmap(ptr, size) }.result().map_err(cu)
     }
 
     unsafe fn memcpy_dtod(&self, dst: u64, src: u64, size: usize) -> CuResult<()> {
         // SAFETY: the caller keeps both ranges mapped with access until the copy is done.
-        check(unsafe { sys::cuMemcpyDtoD_v2(dst, src, size) })
+        unsafe { result::memcpy_dtod_sync(dst, src, size) }.map_err(cu)
     }
 
     fn ctx_synchronize(&self) -> CuResult<()> {
-        // SAFETY: see above.
-        check(unsafe { sys::cuCtxSynchronize() })
+        result::ctx::synchronize().map_err(cu)
     }
 
     unsafe fn memcpy_htod(&self, dst: u64, src: &[u8]) -> CuResult<()> {
-        // SAFETY: `src` is valid for `src.len()` bytes for the whole (synchronous) call; the
-        // caller passes a destination mapped read-write.
-        check(unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len()) })
+        // SAFETY: `src` is valid for `src.len()` bytes for the whole (synchronous) call (the
+        // wrapper copies `size_of_val(src)` bytes, its length); the caller passes a destination
+        // mapped read-write.
+        unsafe { result::memcpy_htod_sync(dst, src) }.map_err(cu)
     }
 
     unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> CuResult<()> {
         // SAFETY: `dst` is valid for writes of `dst.len()` bytes for the whole (synchronous)
         // call; the caller passes a source mapped readable.
-        check(unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len()) })
+        unsafe { result::memcpy_dtoh_sync(dst, src) }.map_err(cu)
     }
 
     fn event_create(&self) -> CuResult<Event> {
-        let mut event = std::ptr::null_mut();
-        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-        // SAFETY: `event` outlives the call.
-        check(unsafe { sys::cuEventCreate(&mut event, flags) })?;
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING;
+        let event = result::event::create(flags).map_err(cu)?;
         Ok(event as Event)
     }
 
     unsafe fn event_record(&self, event: Event, stream: Stream) -> CuResult<()> {
         // SAFETY: the caller passes an event from `event_create` that is not destroyed, and
         // stream 0 (the legacy default stream) or a live stream it owns.
-        check(unsafe { sys::cuEventRecord(event as sys::CUevent, stream as sys::CUstream) })
+        unsafe { result::event::record(event as sys::CUevent, stream as sys::CUstream) }.map_err(cu)
     }
 
+    /// `CUDA_ERROR_NOT_READY` is `Ok(false)`.
     unsafe fn event_query(&self, event: Event) -> CuResult<bool> {
         // SAFETY: as for `event_record`.
-        ready(unsafe { sys::cuEventQuery(event as sys::CUevent) })
+        match unsafe { result::event::query(event as sys::CUevent) } {
+            Ok(()) => Ok(true),
+            Err(DriverError(sys::CUresult::CUDA_ERROR_NOT_READY)) => Ok(false),
+            Err(e) => Err(cu(e)),
+        }
     }
 
     unsafe fn event_destroy(&self, event: Event) -> CuResult<()> {
         // SAFETY: as for `event_record`; the caller destroys each event once.
-        check(unsafe { sys::cuEventDestroy_v2(event as sys::CUevent) })
+        unsafe { result::event::destroy(event as sys::CUevent) }.map_err(cu)
     }
 
     unsafe fn event_synchronize(&self, event: Event) -> CuResult<()> {
         // SAFETY: the caller passes a live event of this driver (`Driver`'s rules).
-        check(unsafe { sys::cuEventSynchronize(event as sys::CUevent) })
+        unsafe { result::event::synchronize(event as sys::CUevent) }.map_err(cu)
     }
 }

@@ -1,0 +1,317 @@
+//! Fences: one event per covered stream, recorded after the work submitted there so far, and
+//! the streams a fence covers. Events are named by serials of the backend's, never by the
+//! driver's values (a destroyed event's value may come back from a later `cuEventCreate`).
+
+#[cfg(feature = "cuda")]
+use super::driver::Context;
+use super::driver::{CuError, CuResult, Driver, Stream};
+use super::record::CudaState;
+#[cfg(feature = "cuda")]
+use super::sys::SysDriver;
+use super::{CudaBackend, next_serial};
+use crate::backend::{Backend, Op, lock};
+#[cfg(feature = "cuda")]
+use crate::backend::{BackendError, Violation};
+use std::sync::Mutex;
+
+/// A fence: one event per stream the backend covers, recorded after the work submitted there
+/// so far. A mark whose event could not be created or recorded is recorded at the next query
+/// (which covers at least as much work), never replaced by a weaker check. Marks name their
+/// events by serial numbers of the backend's, which its record maps to the driver's events: a
+/// destroyed event's value may come back from a later `cuEventCreate`, and must not be taken
+/// for this fence's.
+#[derive(Debug)]
+pub struct CudaFence(pub(super) Mutex<Vec<Mark>>);
+
+/// One stream's part of a fence.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct Mark {
+    stream: Stream,
+    /// The serial of its event, once created.
+    event: Option<u64>,
+    recorded: bool,
+}
+
+impl<D: Driver> CudaBackend<D> {
+    /// Makes every fence recorded from now on cover `stream` too: a release waits for the work
+    /// submitted there. (Typed views and `cover`, feature `cuda`, do this for cudarc streams.)
+    ///
+    /// # Safety
+    ///
+    /// `stream` is 0 (the legacy stream) or a live stream of this backend's context, and stays
+    /// live until the backend is dropped: fences record events on it until then.
+    pub unsafe fn cover_stream(&self, stream: Stream) {
+        let mut covered = lock(&self.covered);
+        if !covered.contains(&stream) {
+            covered.push(stream);
+        }
+    }
+
+    /// The streams fences cover now, the legacy stream first.
+    pub fn covered_streams(&self) -> Vec<Stream> {
+        lock(&self.covered).clone()
+    }
+
+    /// A fence over every covered stream, its marks recorded now where they can be (the rest
+    /// at the next query).
+    pub(super) fn record_fence(&self) -> CudaFence {
+        let mut marks: Vec<Mark> = self
+            .covered_streams()
+            .into_iter()
+            .map(|stream| Mark {
+                stream,
+                event: None,
+                recorded: false,
+            })
+            .collect();
+        // What cannot be recorded now is recorded at the next query.
+        let _ = self.record_marks(&mut marks);
+        CudaFence(Mutex::new(marks))
+    }
+
+    /// Whether every event of `fence` has completed, without waiting. Where a mark cannot be
+    /// recorded or a query fails: whether the context is lost (nothing runs any more then).
+    pub(super) fn poll_fence(&self, fence: &CudaFence) -> bool {
+        // Lost: nothing runs any more; the teardown that follows sees the loss and calls nothing.
+        let mut marks = lock(&fence.0);
+        if !self.record_marks(&mut marks) {
+            return self.context_lost();
+        }
+        let Ok(s) = self.enter(Op::Fence, 0, 0) else {
+            return self.context_lost();
+        };
+        for serial in marks.iter().filter_map(|m| m.event) {
+            let Some(&event) = s.events.get(&serial) else {
+                continue; // not this backend's event: nothing of ours to wait for
+            };
+            // SAFETY: `s.events` maps the serial to an event created by this driver and not yet
+            // destroyed (an entry leaves when its event is destroyed; serials are never reused).
+            match unsafe { self.driver.event_query(event) } {
+                Ok(true) => {}
+                Ok(false) => return false,
+                // A failed query is asked again at the next poll, unless it revealed the loss.
+                Err(e) => {
+                    let _ = self.fail(Op::Fence, 0, 0, e);
+                    return self.context_lost();
+                }
+            }
+        }
+        true
+    }
+
+    /// Waits for every event of `fence`, outside the record's lock (for the whole context where
+    /// an event's wait fails); whether it completed. Where a mark cannot be recorded or a wait
+    /// fails: whether the context is lost.
+    pub(super) fn block_on_fence(&self, fence: &CudaFence) -> bool {
+        let mut marks = lock(&fence.0);
+        if !self.record_marks(&mut marks) {
+            return self.context_lost();
+        }
+        for serial in marks.iter().filter_map(|m| m.event) {
+            let event = {
+                let Ok(s) = self.enter(Op::Fence, 0, 0) else {
+                    return self.context_lost();
+                };
+                match s.events.get(&serial) {
+                    Some(&event) => event,
+                    None => continue,
+                }
+            };
+            // Outside the lock. SAFETY: `s.events` just mapped the serial to a live event, and
+            // it stays live: it belongs to `fence`, borrowed for this call, and an event is
+            // destroyed only when its fence is retired (which takes the fence by value) or the
+            // backend dropped.
+            let waited = unsafe { self.driver.event_synchronize(event) }.or_else(|e| {
+                if e.is_context_loss() {
+                    Err(e)
+                } else {
+                    self.driver.ctx_synchronize() // the whole context: never less
+                }
+            });
+            if let Err(e) = waited {
+                let _ = self.fail(Op::Fence, 0, 0, e);
+                return self.context_lost();
+            }
+        }
+        true
+    }
+
+    /// Destroys the events of `fence` (and any whose destruction failed before).
+    pub(super) fn destroy_fence(&self, fence: CudaFence) {
+        let marks = fence.0.into_inner().unwrap_or_else(|e| e.into_inner());
+        let serials = marks.iter().filter_map(|m| m.event);
+        let Ok(mut s) = self.enter(Op::Fence, 0, 0) else {
+            if !self.context_lost() {
+                // Not current now: destroyed at the next retirement.
+                lock(&self.state).retired.extend(serials);
+            }
+            return; // lost: the driver freed the events with the context
+        };
+        // This fence's events (those that are ours), and any whose destruction failed before.
+        let mut retiring = std::mem::take(&mut s.retired);
+        retiring.extend(serials);
+        for event in retiring {
+            self.destroy_event(&mut s, event);
+            if self.context_lost() {
+                return;
+            }
+        }
+    }
+
+    /// Waits, outside the lock, for everything submitted so far on the legacy stream: for an
+    /// event recorded there now, or for the whole context if no event can be recorded or the
+    /// wait on it fails (never less than what was asked).
+    pub(super) fn wait_legacy(&self) -> CuResult<()> {
+        let event = {
+            let Ok(mut s) = self.enter(Op::Copy, 0, 0) else {
+                return Err(CuError::CONTEXT_IS_DESTROYED);
+            };
+            match self.record_now(&mut s, 0) {
+                Ok(serial) => Some((serial, s.events[&serial])),
+                Err(e) if e.is_context_loss() || self.context_lost() => return Err(e),
+                Err(_) => None,
+            }
+        };
+        let waited = match event {
+            // SAFETY: the event was created and recorded just above, and is destroyed only
+            // below, by this call (its serial is known to no fence).
+            Some((_, ev)) => unsafe { self.driver.event_synchronize(ev) }.or_else(|e| {
+                if e.is_context_loss() {
+                    Err(e)
+                } else {
+                    self.driver.ctx_synchronize()
+                }
+            }),
+            None => self.driver.ctx_synchronize(),
+        };
+        if let Err(e) = waited
+            && e.is_context_loss()
+        {
+            let _ = self.fail(Op::Copy, 0, 0, e); // no call after it
+            return Err(e);
+        }
+        if let Some((serial, _)) = event {
+            // Destroyed under the lock; if the context cannot be made current now, it is left
+            // to the next retirement.
+            match self.enter(Op::Copy, 0, 0) {
+                Ok(mut s) => self.destroy_event(&mut s, serial),
+                Err(_) => lock(&self.state).retired.push(serial),
+            }
+        }
+        waited
+    }
+
+    /// Creates an event and records it on `stream` now; returns its serial. An event that
+    /// cannot be recorded is destroyed again (or left to be retried with the retired ones).
+    fn record_now(&self, s: &mut CudaState, stream: Stream) -> CuResult<u64> {
+        let serial = self.create_event(s)?;
+        // SAFETY: the event was created just above by this driver; `stream` is a covered
+        // stream: 0, or one whose owner promised it live until this backend is dropped.
+        match unsafe { self.driver.event_record(s.events[&serial], stream) } {
+            Ok(()) => Ok(serial),
+            Err(e) => {
+                if !e.is_context_loss() {
+                    self.destroy_event(s, serial);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Creates an event and enters it in the record under a new serial.
+    fn create_event(&self, s: &mut CudaState) -> CuResult<u64> {
+        let event = self.driver.event_create()?;
+        let serial = next_serial();
+        s.events.insert(serial, event);
+        Ok(serial)
+    }
+
+    /// Records every mark of a fence not yet recorded; whether all are.
+    fn record_marks(&self, marks: &mut [Mark]) -> bool {
+        if marks.iter().all(|m| m.recorded) {
+            return true;
+        }
+        let Ok(mut s) = self.enter(Op::Fence, 0, 0) else {
+            return false;
+        };
+        for m in marks.iter_mut().filter(|m| !m.recorded) {
+            let serial = match m.event {
+                Some(serial) => serial,
+                None => match self.create_event(&mut s) {
+                    Ok(serial) => {
+                        m.event = Some(serial);
+                        serial
+                    }
+                    Err(e) => {
+                        let _ = self.fail(Op::Fence, 0, 0, e);
+                        return false;
+                    }
+                },
+            };
+            let Some(&event) = s.events.get(&serial) else {
+                m.recorded = true; // not this backend's event: nothing of ours to record
+                continue;
+            };
+            // SAFETY: `s.events` maps the serial to an event created by this driver and not yet
+            // destroyed (destroyed only when its fence is retired); `m.stream` is a covered
+            // stream, live until this backend is dropped (`cover_stream`'s contract; 0 always
+            // is).
+            match unsafe { self.driver.event_record(event, m.stream) } {
+                Ok(()) => m.recorded = true,
+                Err(e) => {
+                    let _ = self.fail(Op::Fence, 0, 0, e);
+                    return false;
+                }
+            }
+        }
+        true
+    }
+
+    /// Destroys one of this backend's events, named by its serial, once; a failed
+    /// destruction is retried later.
+    fn destroy_event(&self, s: &mut CudaState, serial: u64) {
+        let Some(&event) = s.events.get(&serial) else {
+            return; // not this backend's event, or already destroyed
+        };
+        // SAFETY: `s.events` just mapped `serial` to an event created by this driver and not
+        // yet destroyed (the entry leaves as soon as it is, so a serial named twice is
+        // destroyed once; serials are never reused, so a stale one names nothing).
+        match unsafe { self.driver.event_destroy(event) } {
+            Ok(()) => {
+                s.events.remove(&serial);
+            }
+            Err(e) => {
+                s.retired.push(serial);
+                let _ = self.fail(Op::Fence, 0, 0, e);
+            }
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl CudaBackend<SysDriver> {
+    /// Makes every fence recorded from now on cover the cudarc `stream` (see
+    /// [`cover_stream`](Self::cover_stream)); the backend keeps the stream alive meanwhile.
+    ///
+    /// # Errors
+    ///
+    /// [`Cause::Violation`](crate::backend::Cause::Violation) if the stream belongs to another context.
+    pub fn cover(
+        &self,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> Result<(), BackendError> {
+        if stream.context().cu_ctx() as Context != self.ctx {
+            let v = Violation::ForeignStream;
+            return Err(BackendError::refused(Op::Fence, 0, 0, v));
+        }
+        let handle = stream.cu_stream() as Stream;
+        if lock(&self.covered).contains(&handle) {
+            return Ok(());
+        }
+        lock(&self.kept).streams.push(std::sync::Arc::clone(stream));
+        // SAFETY: the stream belongs to this backend's context (checked above) and lives until
+        // the backend drops: the backend holds an `Arc` of it (just above).
+        unsafe { self.cover_stream(handle) };
+        Ok(())
+    }
+}

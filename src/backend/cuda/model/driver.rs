@@ -1,0 +1,606 @@
+//! The driver model's [`Driver`] implementation: each call logged, failed where planned or
+//! after a loss, checked against the rules (misuse panics), and applied to the model's state.
+
+#[cfg(doc)]
+use super::ModelConfig;
+use super::state::{ModelState, Shared, Watched, identity, inode_of};
+use super::{DriverModel, misuse};
+use crate::backend::cuda::driver::{
+    AllocationProps, Context, CuError, CuResult, DeviceAttribute, Driver, DriverCall, Event,
+    HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
+};
+use crate::backend::{Access, Addr};
+use rustix::fd::AsFd;
+use rustix::net::{AddressFamily, SocketFlags, SocketType};
+
+/// The model's only context (device 0's primary context).
+const CTX: Context = 0xc0de;
+
+// The `unsafe fn`s need no `unsafe` here: the model checks every value it is given and panics on
+// one the real driver would not survive.
+impl Driver for DriverModel {
+    fn init(&self) -> CuResult<()> {
+        self.enter(DriverCall::Init, false)?.initialized = true;
+        Ok(())
+    }
+
+    fn device_get(&self, ordinal: i32) -> CuResult<i32> {
+        let _s = self.enter(DriverCall::DeviceGet, false)?;
+        if (0..self.config.devices).contains(&ordinal) {
+            Ok(ordinal)
+        } else {
+            Err(CuError::INVALID_DEVICE)
+        }
+    }
+
+    /// Attribute 110 is [`ModelConfig::rdma_with_vmm`] for every device (fact 14); an unknown
+    /// device is `CUDA_ERROR_INVALID_DEVICE`, as for `cuDeviceGet`.
+    fn device_get_attribute(&self, attribute: DeviceAttribute, device: i32) -> CuResult<i32> {
+        let _s = self.enter(DriverCall::DeviceGetAttribute, false)?;
+        if !(0..self.config.devices).contains(&device) {
+            return Err(CuError::INVALID_DEVICE);
+        }
+        match attribute {
+            DeviceAttribute::GpuDirectRdmaWithCudaVmmSupported => {
+                Ok(i32::from(self.config.rdma_with_vmm))
+            }
+        }
+    }
+
+    fn device_total_mem(&self, device: i32) -> CuResult<usize> {
+        let _s = self.enter(DriverCall::DeviceTotalMem, false)?;
+        self.check_device(DriverCall::DeviceTotalMem, device);
+        Ok(self.config.total_mem)
+    }
+
+    /// Fact 32: says what [`ModelConfig::peer_access`] lists, and remembers that it was asked;
+    /// a device and itself are not peers (0).
+    fn device_can_access_peer(&self, dev: i32, peer: i32) -> CuResult<bool> {
+        let call = DriverCall::DeviceCanAccessPeer;
+        let mut s = self.enter(call, false)?;
+        let devices = 0..self.config.devices;
+        if !devices.contains(&dev) || !devices.contains(&peer) {
+            return Err(CuError::INVALID_DEVICE);
+        }
+        let can = dev != peer && self.config.peer_access.contains(&(dev, peer));
+        s.peers_asked.insert((dev, peer), can);
+        Ok(can)
+    }
+
+    fn primary_ctx_retain(&self, device: i32) -> CuResult<Context> {
+        let mut s = self.enter(DriverCall::PrimaryCtxRetain, false)?;
+        if device != 0 {
+            misuse(
+                DriverCall::PrimaryCtxRetain,
+                "only device 0 has a context in the model",
+            );
+        }
+        s.retains += 1;
+        Ok(CTX)
+    }
+
+    unsafe fn primary_ctx_release(&self, _device: i32) -> CuResult<()> {
+        let mut s = self.enter(DriverCall::PrimaryCtxRelease, false)?;
+        if s.retains == 0 {
+            misuse(
+                DriverCall::PrimaryCtxRelease,
+                "released more often than retained",
+            );
+        }
+        s.retains -= 1;
+        if s.retains == 0 {
+            s.current = false;
+        }
+        Ok(())
+    }
+
+    unsafe fn ctx_set_current(&self, ctx: Context) -> CuResult<()> {
+        let mut s = self.enter(DriverCall::CtxSetCurrent, false)?;
+        if ctx != CTX || s.retains == 0 {
+            misuse(DriverCall::CtxSetCurrent, "not a live context");
+        }
+        s.current = true;
+        Ok(())
+    }
+
+    /// Fact 15: by the properties ([`ModelConfig::exportable_granularity`] for exportable
+    /// ones); fact 14: RDMA-capable properties on a device without attribute 110 are misuse.
+    fn mem_get_allocation_granularity(&self, props: AllocationProps) -> CuResult<usize> {
+        let call = DriverCall::MemGetAllocationGranularity;
+        let mut s = self.enter(call, true)?;
+        s.props_log.push((call, props));
+        self.granularity_for(call, props)
+    }
+
+    /// Fact 12: the hint is ignored; the reservation lands where
+    /// [`ModelConfig::placement`] puts it. Fact 43: refused during a global capture.
+    fn mem_address_reserve(&self, size: usize, alignment: usize, hint: u64) -> CuResult<u64> {
+        let call = DriverCall::MemAddressReserve;
+        let mut s = self.enter(call, true)?;
+        Self::check(call, s.book.check_reserve(size));
+        let g = self.config.granularity;
+        if !alignment.is_multiple_of(g) {
+            misuse(call, "alignment is not a multiple of the granularity");
+        }
+        if !(hint as Addr).is_multiple_of(g) {
+            misuse(
+                call,
+                "the address hint is not a multiple of the granularity",
+            );
+        }
+        s.refused_by_capture()?;
+        let Some(addr) = s.place(self.config.placement, size, alignment.max(g)) else {
+            return Err(CuError::OUT_OF_MEMORY);
+        };
+        s.book.apply_reserve(addr, size);
+        s.placed.insert(addr, size);
+        Ok(addr as u64)
+    }
+
+    unsafe fn mem_address_free(&self, ptr: u64, size: usize) -> CuResult<()> {
+        let call = DriverCall::MemAddressFree;
+        let mut s = self.enter(call, true)?;
+        Self::check(call, s.book.check_free(ptr as Addr, size));
+        s.refused_by_capture()?;
+        s.book.apply_free(ptr as Addr);
+        s.placed.remove(&(ptr as Addr));
+        s.granted_in.remove(&(ptr as Addr));
+        Ok(())
+    }
+
+    /// `cuMemCreate` with `props`. Fact 14: RDMA-capable only where attribute 110 is 1, a
+    /// size that is a multiple of the granularity of `props` (fact 15), else misuse.
+    fn mem_create_with(&self, size: usize, props: AllocationProps) -> CuResult<u64> {
+        let call = DriverCall::MemCreate;
+        let mut s = self.enter(call, true)?;
+        s.props_log.push((call, props));
+        Self::check(call, s.book.check_create(size));
+        let granule = self.granularity_for(call, props)?;
+        if !size.is_multiple_of(granule) {
+            misuse(
+                call,
+                format_args!(
+                    "size {size:#x} is not a multiple of the granularity {granule:#x} of its \
+                     properties {props:?}"
+                ),
+            );
+        }
+        s.refused_by_capture()?;
+        // Memory whose last exported descriptor was closed meanwhile is gone by now.
+        s.reap_shareables();
+        // A size past the device's memory is out of memory, however large: not misuse.
+        if s.used
+            .checked_add(size)
+            .is_none_or(|n| n > self.config.total_mem)
+        {
+            return Err(CuError::OUT_OF_MEMORY);
+        }
+        let handle = s.new_handle();
+        let allocation = s.next_allocation;
+        s.next_allocation += 1;
+        s.used += size;
+        s.handles.insert(handle, allocation);
+        s.owners.insert(allocation, props.device);
+        s.granules.insert(allocation, granule);
+        if props.handle_types != 0 {
+            s.handle_types.insert(allocation, props.handle_types);
+        }
+        s.book.apply_create(allocation, size);
+        Ok(handle)
+    }
+
+    unsafe fn mem_export_to_shareable_handle(
+        &self,
+        handle: u64,
+        handle_type: u32,
+    ) -> CuResult<ShareableHandle> {
+        let call = DriverCall::MemExportToShareableHandle;
+        let mut s = self.enter(call, true)?;
+        let Some(&allocation) = s.handles.get(&handle) else {
+            misuse(call, "unknown or released handle");
+        };
+        // Fact 26: only a type requested at creation (the error is the model's choice).
+        let requested = s.handle_types.get(&allocation).copied().unwrap_or(0);
+        if handle_type.count_ones() != 1 || requested & handle_type == 0 {
+            return Err(CuError::INVALID_VALUE);
+        }
+        let key = s.next_shareable;
+        s.next_shareable += 1;
+        let (fd, out) = if handle_type == HANDLE_TYPE_POSIX_FD {
+            // A real descriptor, as the driver writes one (fact 27): one end of a socket pair,
+            // known by its inode; the model keeps the other end to learn when it is closed.
+            let flags = SocketFlags::CLOEXEC;
+            let pair =
+                rustix::net::socketpair(AddressFamily::UNIX, SocketType::STREAM, flags, None);
+            let Ok((watch, handed)) = pair else {
+                return Err(CuError::OUT_OF_MEMORY);
+            };
+            let Ok(st) = rustix::fs::fstat(handed.as_fd()) else {
+                return Err(CuError::OUT_OF_MEMORY);
+            };
+            let ino = identity(&st);
+            (Some(Watched { watch, ino }), ShareableHandle::Fd(handed))
+        } else {
+            (None, ShareableHandle::Opaque(key))
+        };
+        let kind = handle_type;
+        s.shareables.insert(
+            key,
+            Shared {
+                allocation,
+                kind,
+                fd,
+            },
+        );
+        *s.holders.entry(allocation).or_insert(0) += 1;
+        Ok(out)
+    }
+
+    fn mem_import_from_shareable_handle(&self, shareable: u64, handle_type: u32) -> CuResult<u64> {
+        let call = DriverCall::MemImportFromShareableHandle;
+        let mut s = self.enter(call, true)?;
+        s.reap_shareables();
+        // A value that names no open shareable handle of that type: refused, as the driver
+        // refuses a descriptor it cannot use. A POSIX descriptor is known by its inode (any
+        // copy of it, whatever its number), an opaque value by itself.
+        let found = if handle_type == HANDLE_TYPE_POSIX_FD {
+            let ino = inode_of(shareable);
+            s.shareables
+                .values()
+                .find(|sh| ino.is_some() && sh.fd.as_ref().map(|w| w.ino) == ino)
+        } else {
+            s.shareables.get(&shareable).filter(|sh| sh.fd.is_none())
+        };
+        let Some(&Shared {
+            allocation: source,
+            kind,
+            ..
+        }) = found
+        else {
+            return Err(CuError::INVALID_VALUE);
+        };
+        if kind != handle_type {
+            return Err(CuError::INVALID_VALUE);
+        }
+        let len = s.book.phys_len_any(source);
+        let device = s.owners.get(&source).copied().unwrap_or(0);
+        let granule = s.granules.get(&source).copied();
+        let handle = s.new_handle();
+        let allocation = s.next_allocation;
+        s.next_allocation += 1;
+        s.handles.insert(handle, allocation);
+        s.owners.insert(allocation, device);
+        s.aliases.insert(allocation, source);
+        if let Some(granule) = granule {
+            s.granules.insert(allocation, granule);
+        }
+        *s.holders.entry(source).or_insert(0) += 1;
+        s.book.apply_create(allocation, len);
+        Ok(handle)
+    }
+
+    unsafe fn mem_allocation_size(&self, handle: u64) -> Option<usize> {
+        let s = self.state();
+        let &allocation = s.handles.get(&handle)?;
+        s.book.phys_len(allocation)
+    }
+
+    unsafe fn mem_release(&self, handle: u64) -> CuResult<()> {
+        let call = DriverCall::MemRelease;
+        let mut s = self.enter(call, true)?;
+        let Some(&allocation) = s.handles.get(&handle) else {
+            misuse(call, "unknown or released handle");
+        };
+        let len = s
+            .book
+            .phys_len(allocation)
+            .expect("a live handle's allocation");
+        Self::check(call, s.book.check_release(allocation, len));
+        s.refused_by_capture()?;
+        s.handles.remove(&handle);
+        let mapped = s.book.is_mapped(allocation);
+        s.book.apply_release(allocation);
+        if !mapped {
+            s.gone(allocation, len);
+        }
+        // The value is free from now on, even while the memory stays mapped.
+        s.free_handles.push(handle);
+        Ok(())
+    }
+
+    unsafe fn mem_map(&self, ptr: u64, size: usize, offset: usize, handle: u64) -> CuResult<()> {
+        let call = DriverCall::MemMap;
+        let mut s = self.enter(call, true)?;
+        let Some(&allocation) = s.handles.get(&handle) else {
+            misuse(call, "unknown or released handle");
+        };
+        Self::check(
+            call,
+            s.book.check_map(ptr as Addr, size, allocation, offset),
+        );
+        // Facts 15, 16: `ptr` is a multiple of the granularity of the memory's properties.
+        let granule = s.granules.get(&allocation).copied().unwrap_or(1);
+        if !ptr.is_multiple_of(granule as u64) {
+            misuse(
+                call,
+                format_args!(
+                    "{ptr:#x} is not a multiple of the granularity {granule:#x} of the memory's \
+                     properties"
+                ),
+            );
+        }
+        s.refused_by_capture()?;
+        s.book
+            .apply_map(ptr as Addr, size, allocation, Access::ReadOnly);
+        s.no_access.insert(ptr as Addr);
+        Ok(())
+    }
+
+    /// One descriptor per device (fact 18): none, a device twice or an unknown device is
+    /// misuse. Fact 32: access for a device other than the memory's owner needs a
+    /// `cuDeviceCanAccessPeer(device, owner)` asked before (else misuse) that said 1 (else
+    /// `CUDA_ERROR_INVALID_DEVICE`, and nothing changes). A new mapping's first access must
+    /// name every device given access in its reservation before (else misuse: see
+    /// [`DriverModel`]). Fact 21: a mapping's first access starts the work that may touch it.
+    /// Fact 43: refused during a global capture.
+    unsafe fn mem_set_access(&self, ptr: u64, size: usize, access: &[(i32, bool)]) -> CuResult<()> {
+        let call = DriverCall::MemSetAccess;
+        let mut s = self.enter(call, true)?;
+        self.check_descriptors(call, access);
+        let (addr, end) = (ptr as Addr, ptr as Addr + size);
+        Self::check(call, s.book.check_unmap(addr, size));
+        let mappings = s.mappings_in(addr, size);
+        if Self::peer_refused(&s, call, access, &mappings) {
+            return Err(CuError::INVALID_DEVICE);
+        }
+        s.refused_by_capture()?;
+        // The context's own device (0) is the one whose copies the model checks: its access is
+        // what the record and `no_access` hold. A peer's grant changes neither.
+        if let Some(&(_, read_write)) = access.iter().find(|&&(d, _)| d == 0) {
+            let access = if read_write {
+                Access::ReadWrite
+            } else {
+                Access::ReadOnly
+            };
+            Self::check(call, s.book.set_access(addr, size, access));
+            let starts: Vec<Addr> = s.no_access.range(addr..end).copied().collect();
+            for start in starts {
+                s.no_access.remove(&start);
+            }
+        }
+        let epoch = s.epoch;
+        for (start, len, _) in mappings {
+            s.access_epoch.entry(start).or_insert((len, epoch));
+            s.grants
+                .entry(start)
+                .or_default()
+                .extend(access.iter().copied());
+            let reservation = s.reservation_of(start);
+            let devices = access.iter().map(|&(d, _)| d);
+            s.granted_in.entry(reservation).or_default().extend(devices);
+        }
+        Ok(())
+    }
+
+    /// Fact 21: does not wait for work in flight; work that may touch the range faults when it
+    /// completes. Fact 43: refused during a global capture.
+    unsafe fn mem_unmap(&self, ptr: u64, size: usize) -> CuResult<()> {
+        let call = DriverCall::MemUnmap;
+        let mut s = self.enter(call, true)?;
+        let (addr, end) = (ptr as Addr, ptr as Addr + size);
+        Self::check(call, s.book.check_unmap(addr, size));
+        s.refused_by_capture()?;
+        for (allocation, len) in s.book.handles_in(addr, size) {
+            // Memory released while mapped goes with its last mapping.
+            s.gone(allocation, len);
+        }
+        s.book.apply_unmap(addr, size);
+        let starts: Vec<Addr> = s.no_access.range(addr..end).copied().collect();
+        for start in starts {
+            s.no_access.remove(&start);
+        }
+        let granted: Vec<Addr> = s.grants.range(addr..end).map(|(&a, _)| a).collect();
+        for start in granted {
+            s.grants.remove(&start);
+        }
+        s.unmap_under_work(addr, end);
+        Ok(())
+    }
+
+    unsafe fn memcpy_dtod(&self, dst: u64, src: u64, size: usize) -> CuResult<()> {
+        let call = DriverCall::MemcpyDtoD;
+        let mut s = self.enter(call, true)?;
+        let mut bytes = Vec::with_capacity(size);
+        for (h, off, n) in s.pieces(call, src, size, false) {
+            bytes.extend(s.read(h, off, n));
+        }
+        let mut at = 0;
+        for (h, off, n) in s.pieces(call, dst, size, true) {
+            let len = s.book.phys_len_any(h);
+            s.write(h, len, off, &bytes[at..at + n]);
+            at += n;
+        }
+        // The copy may run after the call returns: work on the legacy stream until completed.
+        s.enqueue_legacy(self.config.events_complete_at_once);
+        s.check_lost()
+    }
+
+    /// Fact 41: synchronizing the context of a capturing stream is refused (and invalidates
+    /// the capture).
+    fn ctx_synchronize(&self) -> CuResult<()> {
+        let mut s = self.enter(DriverCall::CtxSynchronize, true)?;
+        if !s.captures.is_empty() {
+            for c in s.captures.values_mut() {
+                c.invalidated = true;
+            }
+            return Err(CuError::STREAM_CAPTURE_UNSUPPORTED);
+        }
+        let idle = |s: &ModelState| s.streams.values().all(|w| w.completed >= w.submitted);
+        while self.config.synchronize_blocks && !idle(&s) {
+            s = self.done.wait(s).unwrap_or_else(|e| e.into_inner());
+            s.check_lost()?;
+        }
+        s.complete_all();
+        s.check_lost()
+    }
+
+    unsafe fn memcpy_htod(&self, dst: u64, src: &[u8]) -> CuResult<()> {
+        let call = DriverCall::MemcpyHtoD;
+        let mut s = self.enter(call, true)?;
+        let mut at = 0;
+        for (h, off, n) in s.pieces(call, dst, src.len(), true) {
+            let len = s.book.phys_len_any(h);
+            s.write(h, len, off, &src[at..at + n]);
+            at += n;
+        }
+        // From pageable memory the DMA may still run after the call returns (the bytes are
+        // staged): work on the legacy stream until completed.
+        s.enqueue_legacy(self.config.events_complete_at_once);
+        s.check_lost()
+    }
+
+    unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> CuResult<()> {
+        let call = DriverCall::MemcpyDtoH;
+        let s = self.enter(call, true)?;
+        let mut at = 0;
+        for (h, off, n) in s.pieces(call, src, dst.len(), false) {
+            dst[at..at + n].copy_from_slice(&s.read(h, off, n));
+            at += n;
+        }
+        Ok(())
+    }
+
+    fn event_create(&self) -> CuResult<Event> {
+        let mut s = self.enter(DriverCall::EventCreate, true)?;
+        let event = match s.free_events.pop() {
+            Some(destroyed) => destroyed,
+            None => {
+                s.next_event += 1;
+                s.next_event - 1
+            }
+        };
+        s.events.insert(event, None);
+        Ok(event)
+    }
+
+    unsafe fn event_record(&self, event: Event, stream: Stream) -> CuResult<()> {
+        let call = DriverCall::EventRecord;
+        let mut s = self.enter(call, true)?;
+        let Some(submitted) = s.streams.get(&stream).map(|w| w.submitted) else {
+            misuse(call, format_args!("unknown stream {stream:#x}"));
+        };
+        let Some(slot) = s.events.get_mut(&event) else {
+            misuse(call, "unknown event");
+        };
+        *slot = Some((stream, submitted));
+        if self.config.events_complete_at_once {
+            s.complete(stream, submitted);
+            self.done.notify_all();
+        }
+        s.check_lost()
+    }
+
+    unsafe fn event_query(&self, event: Event) -> CuResult<bool> {
+        let call = DriverCall::EventQuery;
+        let s = self.enter(call, true)?;
+        match s.events.get(&event) {
+            None => misuse(call, "unknown event"),
+            Some(recorded) => Ok(s.covered(*recorded)),
+        }
+    }
+
+    unsafe fn event_synchronize(&self, event: Event) -> CuResult<()> {
+        let call = DriverCall::EventSynchronize;
+        let mut s = self.enter(call, true)?;
+        let Some(&recorded) = s.events.get(&event) else {
+            misuse(call, "unknown event");
+        };
+        // With `synchronize_blocks`, blocks the calling thread, as the driver does, until
+        // another thread completes the work; every other call goes on meanwhile. Otherwise the
+        // work completes now, as if the GPU had finished it during the wait.
+        while self.config.synchronize_blocks && !s.covered(recorded) {
+            s = self.done.wait(s).unwrap_or_else(|e| e.into_inner());
+            s.check_lost()?;
+        }
+        if let Some((stream, at)) = recorded {
+            s.complete(stream, at);
+        }
+        s.check_lost()
+    }
+
+    unsafe fn event_destroy(&self, event: Event) -> CuResult<()> {
+        let call = DriverCall::EventDestroy;
+        let mut s = self.enter(call, true)?;
+        if s.events.remove(&event).is_none() {
+            misuse(call, "unknown event");
+        }
+        s.free_events.push(event);
+        Ok(())
+    }
+}
+
+/// The checks of `cuMemSetAccess` (see [`Driver::mem_set_access`] above).
+impl DriverModel {
+    /// One descriptor per device (fact 18): none, a device twice or an unknown device is
+    /// misuse.
+    fn check_descriptors(&self, call: DriverCall, access: &[(i32, bool)]) {
+        if access.is_empty() {
+            misuse(call, "no access descriptor");
+        }
+        for (i, &(device, _)) in access.iter().enumerate() {
+            self.check_device(call, device);
+            if access[..i].iter().any(|&(d, _)| d == device) {
+                misuse(
+                    call,
+                    format_args!("device {device} is named twice in one descriptor list"),
+                );
+            }
+        }
+    }
+
+    /// Whether access for a peer is refused (fact 32: `cuDeviceCanAccessPeer(device, owner)`
+    /// said 0). Misuse: access for a device other than the memory's owner that was never asked
+    /// about, or a new mapping's first access that leaves out a device given access in its
+    /// reservation before (see [`DriverModel`]).
+    fn peer_refused(
+        s: &ModelState,
+        call: DriverCall,
+        access: &[(i32, bool)],
+        mappings: &[(Addr, usize, u64)],
+    ) -> bool {
+        let named = |device: i32| access.iter().any(|&(d, _)| d == device);
+        let mut refused = false;
+        for &(start, _, allocation) in mappings {
+            let owner = s.owners[&allocation];
+            for &(device, _) in access.iter().filter(|&&(d, _)| d != owner) {
+                match s.peers_asked.get(&(device, owner)) {
+                    None => misuse(
+                        call,
+                        format_args!(
+                            "access for device {device} to memory on device {owner} without \
+                             asking cuDeviceCanAccessPeer({device}, {owner}) first"
+                        ),
+                    ),
+                    Some(false) => refused = true,
+                    Some(true) => {}
+                }
+            }
+            if s.grants.contains_key(&start) {
+                continue; // not a new mapping: devices not named keep what they have
+            }
+            let reservation = s.reservation_of(start);
+            let had = s.granted_in.get(&reservation);
+            if let Some(lost) = had.and_then(|had| had.iter().find(|&&d| !named(d))) {
+                misuse(
+                    call,
+                    format_args!(
+                        "the new mapping at {start:#x} is given access without device {lost}, \
+                         which had access in its reservation at {reservation:#x}: a peer lost \
+                         access across a remap (openxla/xla#40852)"
+                    ),
+                );
+            }
+        }
+        refused
+    }
+}

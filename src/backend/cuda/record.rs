@@ -1,0 +1,188 @@
+//! The record: what a CUDA backend handed out and the driver still holds, and the checks
+//! every call passes against it before it reaches the driver (check, prove, apply: the record
+//! is checked first, then the `unsafe` call is made, its proof naming the check, and only then
+//! is the record changed).
+
+use super::driver::{CuError, CuResult, Driver, Event};
+use super::{CudaBackend, CudaPhys};
+use crate::backend::rules::Book;
+use crate::backend::{Access, Addr, Backend, BackendError, Cause, Op, Violation, lock};
+use std::collections::{HashMap, HashSet};
+use std::sync::MutexGuard;
+use std::sync::atomic::Ordering;
+
+/// What a backend handed out and the driver still holds; behind the backend's one lock.
+#[derive(Debug)]
+pub(super) struct CudaState {
+    /// Physical memory keyed by [`CudaPhys`] (handle and serial), never by the handle alone.
+    pub(super) book: Book<CudaPhys>,
+    /// Live events this backend created, by the serial their fence names.
+    pub(super) events: HashMap<u64, Event>,
+    /// Serials of events no fence refers to any more whose destruction failed: retried later.
+    pub(super) retired: Vec<u64>,
+    /// Mappings whose access could not be set and whose rollback unmap failed too: unmapped
+    /// before their range is mapped again or freed, and on drop.
+    pub(super) stuck: Vec<(u64, usize)>,
+    /// Scratch reservations of copy-on-write whose teardown failed: (address, length).
+    /// Retried by the next copy and on drop.
+    pub(super) scratch: Vec<(u64, usize)>,
+    /// Context retains taken by [`Backend::pin`] and not yet given back by [`Backend::unpin`]
+    /// (the retain taken when opening is not counted: it is given back on drop).
+    pub(super) pins: u64,
+    /// Ranges a copy is using while it runs outside the lock, each under a serial of its own:
+    /// unmap, free and map refuse them.
+    pub(super) busy: Vec<(u64, u64, usize)>,
+    /// Live physical memory created exportable as a POSIX descriptor.
+    pub(super) exportable: HashSet<CudaPhys>,
+    /// Live physical memory imported from a descriptor: mapped read-only, written never.
+    pub(super) imported: HashSet<CudaPhys>,
+}
+
+impl CudaState {
+    /// An empty record for memory of `granularity`.
+    pub(super) fn new(granularity: usize) -> Self {
+        Self {
+            book: Book::new(granularity, true),
+            events: HashMap::new(),
+            retired: Vec::new(),
+            stuck: Vec::new(),
+            scratch: Vec::new(),
+            pins: 0,
+            busy: Vec::new(),
+            exportable: HashSet::new(),
+            imported: HashSet::new(),
+        }
+    }
+}
+
+impl<D: Driver> CudaBackend<D> {
+    /// Locks the record and makes the context current, unless the context is lost. Calls hold
+    /// the lock across the driver call, so a check and its call cannot be separated by another.
+    pub(super) fn enter(
+        &self,
+        op: Op,
+        addr: Addr,
+        len: usize,
+    ) -> Result<MutexGuard<'_, CudaState>, BackendError> {
+        if self.context_lost() {
+            return Err(BackendError::new(op, addr, len, Cause::ContextLost));
+        }
+        let state = lock(&self.state);
+        if self.context_lost() {
+            // Another thread found the loss while this one waited for the record.
+            return Err(BackendError::new(op, addr, len, Cause::ContextLost));
+        }
+        // SAFETY: `self.ctx` was retained from this driver in `new` and is given back only in
+        // `drop`, so it is live.
+        unsafe { self.driver.ctx_set_current(self.ctx) }
+            .map_err(|e| self.fail(op, addr, len, e))?;
+        Ok(state)
+    }
+
+    /// A driver error as a [`BackendError`] of `op`; an error that means the context is lost
+    /// marks the backend lost, so that it calls nothing more.
+    pub(super) fn fail(&self, op: Op, addr: Addr, len: usize, e: CuError) -> BackendError {
+        if e.is_context_loss() {
+            self.lost.store(true, Ordering::Release);
+        }
+        let cause = Cause::Driver {
+            code: e.0,
+            name: e.name(),
+        };
+        BackendError::new(op, addr, len, cause)
+    }
+
+    /// Checks that `[addr, addr + len)` is mapped with access (read-write if `write`). A
+    /// mapping left by a failed rollback has no access.
+    pub(super) fn check_mapped(
+        s: &CudaState,
+        op: Op,
+        addr: Addr,
+        len: usize,
+        write: bool,
+    ) -> Result<(), BackendError> {
+        let book = &s.book;
+        let not_mapped =
+            || BackendError::refused(op, addr, len, Violation::NotMapped { addr, len });
+        let (mut at, end) = (addr, addr.checked_add(len).ok_or_else(not_mapped)?);
+        if Self::overlaps(&s.stuck, addr, len) {
+            return Err(not_mapped());
+        }
+        while at < end {
+            let (_, _, run, access) = book.resolve(at).ok_or_else(not_mapped)?;
+            if write && access != Access::ReadWrite {
+                return Err(not_mapped());
+            }
+            at += run;
+        }
+        Ok(())
+    }
+
+    /// `[addr, addr + len)` as driver pointers, or `refusal` if its end overflows: the first
+    /// check of every call that takes a range, before anything adds `len` to `addr`.
+    pub(super) fn span(
+        op: Op,
+        addr: Addr,
+        len: usize,
+        refusal: Violation,
+    ) -> Result<(u64, u64), BackendError> {
+        match addr.checked_add(len) {
+            Some(end) => Ok((addr as u64, end as u64)),
+            None => Err(BackendError::refused(op, addr, len, refusal)),
+        }
+    }
+
+    /// Refuses a call on a range a copy is using. The range's end does not overflow (checked
+    /// by [`span`](Self::span) first).
+    pub(super) fn check_not_busy(
+        s: &CudaState,
+        op: Op,
+        addr: Addr,
+        len: usize,
+    ) -> Result<(), BackendError> {
+        let (start, end) = (addr as u64, addr.saturating_add(len) as u64);
+        if s.busy
+            .iter()
+            .any(|&(_, p, n)| p < end && start < p + n as u64)
+        {
+            return Err(BackendError::refused(
+                op,
+                addr,
+                len,
+                Violation::Busy { addr, len },
+            ));
+        }
+        Ok(())
+    }
+
+    /// Whether any listed range overlaps `[addr, addr + len)` (its end saturating at the top of
+    /// the address space).
+    pub(super) fn overlaps(ranges: &[(u64, usize)], addr: Addr, len: usize) -> bool {
+        let (start, end) = (addr as u64, addr.saturating_add(len) as u64);
+        ranges.iter().any(|&(p, n)| p < end && start < p + n as u64)
+    }
+
+    /// Unmaps what a failed rollback left mapped in `[start, end)`; what still fails stays.
+    pub(super) fn unstick(&self, s: &mut CudaState, start: u64, end: u64) -> CuResult<()> {
+        let (inside, outside): (Vec<_>, Vec<_>) =
+            s.stuck.drain(..).partition(|&(p, _)| start <= p && p < end);
+        s.stuck = outside;
+        let mut result = Ok(());
+        for (ptr, size) in inside {
+            // SAFETY: a range is in `s.stuck` only while the driver still holds it mapped
+            // exactly (a map whose rollback unmap failed, still in the book as mapped), and it
+            // leaves the list when unmapped; the record's lock is held.
+            match unsafe { self.driver.mem_unmap(ptr, size) } {
+                Ok(()) => s.book.apply_unmap(ptr as Addr, size),
+                Err(e) => {
+                    s.stuck.push((ptr, size));
+                    if e.is_context_loss() {
+                        return Err(e);
+                    }
+                    result = result.and(Err(e));
+                }
+            }
+        }
+        result
+    }
+}

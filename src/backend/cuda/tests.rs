@@ -1,0 +1,120 @@
+//! Unit tests of the CUDA backend against the driver model.
+
+use super::*;
+use crate::backend::{Cause, Violation, lock};
+
+fn open(model: &DriverModel) -> CudaBackend<DriverModel> {
+    CudaBackend::new(model.clone(), 0).unwrap()
+}
+
+#[test]
+fn an_unpin_without_a_pin_is_refused_and_keeps_the_backends_own_retain() {
+    let model = DriverModel::default();
+    let backend = open(&model);
+    let e = backend.unpin().unwrap_err();
+    assert_eq!(e.cause, Cause::Violation(Violation::NotPinned));
+    assert_eq!(model.outstanding().retains, 1);
+    backend.pin().unwrap();
+    backend.unpin().unwrap();
+    assert_eq!(model.outstanding().retains, 1);
+    drop(backend);
+    assert_eq!(model.outstanding().retains, 0);
+}
+
+#[test]
+fn a_reservation_past_the_address_space_is_exhausted_before_the_driver() {
+    let model = DriverModel::default();
+    let backend = open(&model);
+    let g = backend.granularity();
+    let len = (backend.address_space() + g) & !(g - 1);
+    let e = backend.reserve(len).unwrap_err();
+    assert!(matches!(e.cause, Cause::AddressSpace { .. }), "{e}");
+    assert_eq!(model.count(DriverCall::MemAddressReserve), 0);
+}
+
+#[test]
+fn a_range_whose_end_overflows_is_refused_before_the_driver() {
+    let model = DriverModel::default();
+    let backend = open(&model);
+    let g = backend.granularity();
+    let phys = backend.create(g).unwrap();
+    let top = usize::MAX - g + 1;
+    let refused = [
+        backend.free(top, 2 * g).unwrap_err(),
+        backend
+            .map(top, 2 * g, phys, Access::ReadWrite)
+            .unwrap_err(),
+        backend.unmap(top, 2 * g).unwrap_err(),
+        backend.unmap(g, usize::MAX).unwrap_err(),
+        backend.copy_into_phys(phys, top, 2 * g).unwrap_err(),
+        backend.copy_from_host(usize::MAX, &[1, 2]).unwrap_err(),
+        backend.copy_to_host(&mut [0; 2], usize::MAX).unwrap_err(),
+    ];
+    for e in &refused {
+        assert!(matches!(e.cause, Cause::Violation(_)), "{e}");
+    }
+    for call in [
+        DriverCall::MemAddressFree,
+        DriverCall::MemMap,
+        DriverCall::MemUnmap,
+        DriverCall::MemcpyHtoD,
+        DriverCall::MemcpyDtoH,
+        DriverCall::MemcpyDtoD,
+    ] {
+        assert_eq!(model.count(call), 0, "{call:?}");
+    }
+    // An empty copy copies nothing, wherever: no driver call sees its address.
+    backend.copy_from_host(0, &[]).unwrap();
+    backend.copy_to_host(&mut [], usize::MAX).unwrap();
+    assert_eq!(model.count(DriverCall::MemcpyHtoD), 0);
+    backend.release(phys, g).unwrap();
+}
+
+#[test]
+fn a_create_past_the_device_memory_is_out_of_memory() {
+    let model = DriverModel::default();
+    let backend = open(&model);
+    let g = backend.granularity();
+    let e = backend.create(usize::MAX & !(g - 1)).unwrap_err();
+    assert!(matches!(e.cause, Cause::Driver { .. }), "{e}");
+    assert_eq!(model.outstanding().physical_bytes, 0);
+}
+
+#[test]
+fn an_event_named_twice_at_retirement_is_destroyed_once() {
+    let model = DriverModel::default();
+    let backend = open(&model);
+    let fence = backend.fence();
+    let marks = lock(&fence.0).clone();
+    model.fail_nth(DriverCall::EventDestroy, 1, CuError::INVALID_VALUE);
+    backend.retire_fence(fence); // fails: the event waits in `retired`
+    assert_eq!(model.outstanding().events, 1);
+    // A fence naming the same event (as a foreign one could) retires it once, not twice.
+    backend.retire_fence(CudaFence(Mutex::new(marks)));
+    assert_eq!(model.outstanding().events, 0);
+    assert_eq!(model.count(DriverCall::EventDestroy), 2);
+}
+
+#[test]
+fn a_scratch_range_waiting_to_be_freed_is_not_the_callers_to_map() {
+    let model = DriverModel::default();
+    let backend = open(&model);
+    let g = backend.granularity();
+    let (addr, src) = (backend.reserve(g).unwrap(), backend.create(g).unwrap());
+    backend.map(addr, g, src, Access::ReadWrite).unwrap();
+    let dst = backend.create(g).unwrap();
+    model.fail_nth(DriverCall::MemAddressFree, 1, CuError::INVALID_VALUE);
+    backend.copy_into_phys(dst, addr, g).unwrap();
+    let (scratch, span) = lock(&backend.state).scratch[0];
+    let e = backend
+        .map(scratch as Addr, span, dst, Access::ReadWrite)
+        .unwrap_err();
+    assert!(
+        matches!(e.cause, Cause::Violation(Violation::NotReserved { .. })),
+        "{e}"
+    );
+    // The next copy frees the scratch range.
+    backend.copy_into_phys(dst, addr, g).unwrap();
+    assert!(lock(&backend.state).scratch.is_empty());
+    assert_eq!(model.outstanding().reservations, 1);
+}

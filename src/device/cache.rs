@@ -1,0 +1,171 @@
+//! The device's cache of physical granules: what an elastic region gives back (a shrink, a
+//! suspend) waits here, owned and mapped nowhere, and is reused before anything new is
+//! created. [`GranuleCache`] holds the granules and the cap; the device's methods below move
+//! the ledger's cached axis with them and release what leaves the cache.
+
+use super::Device;
+use crate::backend::{Backend, lock};
+use crate::ledger::{Axis, Ledger};
+use crate::unwind::Scope;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// The default cap of a device's granule cache, in granules (see [`Device::set_cache_cap`]).
+pub(super) const DEFAULT_CACHE_GRANULES: u64 = 64;
+
+/// Physical granules, each owned, mapped nowhere, and free for reuse at once, with a cap on
+/// their bytes. Its bytes are counted on the cached axis of the device's ledger (and, as every
+/// owned granule, on the owned axis); [`admit`](Self::admit) is the one place that charges
+/// the cached axis, within the cap.
+pub(super) struct GranuleCache<P> {
+    granules: Mutex<Vec<P>>,
+    /// Cap on the cache's bytes.
+    cap: AtomicU64,
+}
+
+impl<P> GranuleCache<P> {
+    /// An empty cache holding at most `cap` bytes.
+    pub(super) fn new(cap: u64) -> Self {
+        Self {
+            granules: Mutex::new(Vec::new()),
+            cap: AtomicU64::new(cap),
+        }
+    }
+
+    /// Bytes the cache may hold at most.
+    #[inline]
+    pub(super) fn cap(&self) -> u64 {
+        self.cap.load(Ordering::Relaxed)
+    }
+
+    /// Sets the cap to `bytes`; trimming down to it is the device's.
+    pub(super) fn set_cap(&self, bytes: u64) {
+        self.cap.store(bytes, Ordering::Relaxed);
+    }
+
+    /// Charges room for up to `n` granules of `unit` bytes on the cached axis of `ledger`, as
+    /// far as the cap allows; returns how many.
+    #[inline]
+    pub(super) fn admit(&self, ledger: &Ledger, unit: u64, n: usize) -> usize {
+        ledger.charge_up_to(Axis::Cached, unit, n as u64, self.cap()) as usize
+    }
+
+    /// Takes a granule out, if there is one.
+    #[inline]
+    pub(super) fn pop(&self) -> Option<P> {
+        lock(&self.granules).pop()
+    }
+
+    /// Puts a granule in (its room admitted).
+    #[inline]
+    pub(super) fn push(&self, phys: P) {
+        lock(&self.granules).push(phys);
+    }
+
+    /// Takes every granule out.
+    pub(super) fn take_all(&self) -> Vec<P> {
+        std::mem::take(&mut *lock(&self.granules))
+    }
+}
+
+impl<B: Backend> Device<'_, B> {
+    /// Bytes the cache may hold at most.
+    pub fn cache_cap(&self) -> u64 {
+        self.cache.cap()
+    }
+
+    /// Sets the cache's cap to `bytes` (0: no cache, every granule an elastic region gives
+    /// back is released at once), and trims the cache down to it. A region giving granules back
+    /// at the same moment, on another thread, may still put them in under the old cap: they
+    /// stay until the next trim.
+    pub fn set_cache_cap(&self, bytes: u64) {
+        let _scope = Scope::open::<B>();
+        self.cache.set_cap(bytes);
+        self.trim_cache_to(bytes);
+    }
+
+    /// Bytes in the cache now (also
+    /// [`LedgerSnapshot::cached_bytes`](crate::LedgerSnapshot::cached_bytes)).
+    pub fn cached_bytes(&self) -> u64 {
+        self.ledger.snapshot().cached_bytes
+    }
+
+    /// Releases every cached granule; returns the bytes released. A granule whose release fails
+    /// goes to the device's quarantine, still owned.
+    pub fn trim_cache(&self) -> u64 {
+        self.trim_cache_to(0)
+    }
+
+    /// Takes a granule from the cache, if there is one: owned, mapped nowhere, and no work can
+    /// still use it. It stays on the cached axis until the caller moves all it took off it at
+    /// once ([`cache_taken`](Self::cache_taken)); the owned axis keeps it.
+    #[inline]
+    pub(crate) fn cache_pop(&self) -> Option<B::Phys> {
+        self.cache.pop()
+    }
+
+    /// Moves `n` granules taken by [`cache_pop`](Self::cache_pop) off the cached axis.
+    #[inline]
+    pub(crate) fn cache_taken(&self, n: usize) {
+        if n > 0 {
+            self.refund(Axis::Cached, n * self.granularity());
+        }
+    }
+
+    /// Makes room in the cache for up to `n` granules, as far as its cap allows (counted as
+    /// cached from now on); returns how many. The caller puts that many there with
+    /// [`cache_put`](Self::cache_put), and gives the room it does not use back with
+    /// [`cache_taken`](Self::cache_taken).
+    #[inline]
+    pub(crate) fn cache_admit(&self, n: usize) -> usize {
+        let g = self.granularity() as u64;
+        self.cache.admit(&self.ledger, g, n)
+    }
+
+    /// Puts an admitted granule into the cache. No work may still use it: it was unmapped only
+    /// once no work covered by the backend's fences was pending (or mapped and unmapped within
+    /// one call), so it is free for reuse at once — on CUDA, the fence of its last use has
+    /// completed before it enters the cache.
+    #[inline]
+    pub(crate) fn cache_put(&self, phys: B::Phys) {
+        self.cache.push(phys);
+    }
+
+    /// Releases cached granules until the cache holds at most `keep` bytes; returns the bytes
+    /// that left the cache. No lock is held across a release.
+    fn trim_cache_to(&self, keep: u64) -> u64 {
+        Scope::run::<B, _>(move || {
+            if self.backend.context_lost() {
+                return 0;
+            }
+            let g = self.granularity();
+            let mut trimmed = 0;
+            while self.cached_bytes() > keep {
+                let Some(phys) = self.cache.pop() else {
+                    break;
+                };
+                self.refund(Axis::Cached, g);
+                let _ = self.release_orphan(phys, g); // a failure is quarantined, still owned
+                trimmed += g as u64;
+            }
+            trimmed
+        })
+    }
+
+    /// Trims the cache so that `n` more owned bytes fit in the device's budget, if cached
+    /// bytes stand in the way; whether any were trimmed.
+    pub(crate) fn make_room(&self, n: usize) -> bool {
+        let ledger = self.ledger.snapshot();
+        let over = (ledger.owned_bytes + n as u64).saturating_sub(self.limit);
+        over > 0
+            && ledger.cached_bytes > 0
+            && self.trim_cache_to(ledger.cached_bytes.saturating_sub(over)) > 0
+    }
+
+    /// Forgets the cache without backend calls (the context is lost, and the driver freed it).
+    pub(super) fn forget_cache(&self) {
+        let n = self.cache.take_all().len() * self.granularity();
+        self.refund(Axis::Cached, n);
+        self.refund(Axis::Owned, n);
+    }
+}

@@ -1,0 +1,263 @@
+//! [`Device`]: one backend instance with its brand, ledger and custody — the quarantine and
+//! the deferred-release queue. It knows residuals and their parts, never which token or policy
+//! they came from.
+//!
+//! Here: the device itself — its brand, its counters, and the narrow hooks that tokens and
+//! policies call. Its rooms: `custody` (the quarantine, the deferred queue, and the teardown
+//! of residuals), `cache` (the granule cache), `report` (what the device tells about itself).
+//! Nothing here names a concrete backend: covering CUDA streams is interop's.
+
+mod cache;
+mod custody;
+mod report;
+
+pub use report::{CloseReport, Custody, Forgotten, Progress};
+
+use crate::backend::{Addr, Backend, BackendError, Cause, Op};
+use crate::error::CommitFailure;
+use crate::ids::{ContextLost, Generation};
+use crate::ledger::{Axis, Budget, Ledger, LedgerSnapshot};
+use crate::residual::SharedTotals;
+use crate::unwind::{Guarded, Scope};
+use cache::{DEFAULT_CACHE_GRANULES, GranuleCache};
+use custody::Books;
+use generativity::{Guard, Id};
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+/// One backend instance — a CUDA context, or the host — owning the VA bookkeeping, the byte
+/// ledger, the quarantine and the deferred-release queue.
+///
+/// A device carries a **brand** `'id`, a lifetime unique to it (from [`generativity`]): its
+/// tokens carry the same brand, so the compiler rejects combining them with another device's.
+///
+/// **Dropping a device is the one place that may wait.** Its context can outlive it (cudarc
+/// shares the primary context), so releases still waiting for their fence are finished as the
+/// device drops, each once its work has completed, and its quarantine is retried; nothing the
+/// device holds is left behind while the context lives. Every other call returns at once.
+///
+/// ```
+/// use memtoken::{make_guard, Budget, Device};
+/// use memtoken::backend::HostBackend;
+///
+/// make_guard!(guard);
+/// let device = Device::new(guard, HostBackend::with_defaults()?);
+/// let binding = device.bind(Budget::unlimited())?;
+/// let mut a = binding.reserve(10_000)?.commit().map_err(|e| e.cause)?;
+/// a.as_mut_slice()[0] = 7;
+/// a.release().complete().map_err(|e| e.to_string())?;
+/// drop(binding);
+/// assert!(device.close().is_clean());
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// A device cannot be dropped (or closed) while a token made through it lives:
+///
+/// ```compile_fail,E0505
+/// use memtoken::{make_guard, Budget, Device};
+/// use memtoken::backend::SimBackend;
+/// make_guard!(guard);
+/// let device = Device::new(guard, SimBackend::strict());
+/// // Leaked, so that only the token keeps the device borrowed.
+/// let binding: &_ = Box::leak(Box::new(device.bind(Budget::unlimited()).unwrap()));
+/// let token = binding.reserve(1).unwrap();
+/// drop(device);
+/// drop(token);
+/// ```
+pub struct Device<'id, B: Backend> {
+    brand: Id<'id>,
+    backend: Guarded<B>,
+    ledger: Ledger,
+    failed_unpins: AtomicU64,
+    /// Bindings alive (or forgotten).
+    bindings: AtomicU64,
+    /// Pages forgotten in pools that have dropped.
+    forgotten_pages: AtomicU64,
+    books: Mutex<Books<B>>,
+    shared: SharedTotals,
+    cache: GranuleCache<B::Phys>,
+    /// Cap on owned bytes across the whole device.
+    limit: u64,
+    closed: bool,
+}
+
+impl<'id, B: Backend> Device<'id, B> {
+    /// A device over `backend`, branded by `guard` (from [`make_guard!`](crate::make_guard)).
+    pub fn new(guard: Guard<'id>, backend: B) -> Self {
+        Self::with_budget(guard, backend, Budget::unlimited())
+    }
+
+    /// A device whose owned bytes, over all its bindings and its shared physical memory, stay
+    /// within `budget` — shared memory is counted once, whichever tokens still map it.
+    /// Its granule cache holds at most 64 granules.
+    pub fn with_budget(guard: Guard<'id>, backend: B, budget: Budget) -> Self {
+        let cache = backend.granularity() as u64 * DEFAULT_CACHE_GRANULES;
+        Self::with_cache(guard, backend, budget, Budget::bytes(cache))
+    }
+
+    /// A device as [`with_budget`](Self::with_budget) makes it, whose cache of physical
+    /// granules holds at most `cache` bytes (see [`set_cache_cap`](Self::set_cache_cap)).
+    /// The cached bytes count in `budget`, and are trimmed when a commit needs them.
+    pub fn with_cache(guard: Guard<'id>, backend: B, budget: Budget, cache: Budget) -> Self {
+        Self {
+            cache: GranuleCache::new(cache.limit()),
+            brand: guard.into(),
+            backend: Guarded::new(backend),
+            ledger: Ledger::default(),
+            failed_unpins: AtomicU64::new(0),
+            bindings: AtomicU64::new(0),
+            forgotten_pages: AtomicU64::new(0),
+            books: Mutex::new(Books::new()),
+            shared: SharedTotals::default(),
+            limit: budget.limit(),
+            closed: false,
+        }
+    }
+
+    /// The allocation granularity: every token's length is a multiple of it.
+    pub fn granularity(&self) -> usize {
+        self.backend.granularity()
+    }
+
+    /// The ledger now.
+    pub fn ledger(&self) -> LedgerSnapshot {
+        self.ledger.snapshot()
+    }
+
+    /// How many times unpinning the context failed when a binding was dropped.
+    pub fn failed_unpins(&self) -> u64 {
+        self.failed_unpins.load(Ordering::Relaxed)
+    }
+
+    /// Proof that the context is lost, if the backend confirms it.
+    pub fn confirm_context_lost(&self) -> Option<ContextLost<'id>> {
+        self.backend
+            .context_lost()
+            .then(|| ContextLost::new(self.brand))
+    }
+
+    /// Closes the device after a last poll and quarantine retry, reporting what is left.
+    /// Releases still waiting for their fence then wait for it as the device drops (see
+    /// `Drop`): the one place where memtoken blocks on the device.
+    pub fn close(mut self) -> CloseReport {
+        self.closed = true;
+        Scope::run::<B, _>(|| self.shutdown())
+    }
+
+    // ---- crate-internal: what tokens call ----
+
+    /// The backend, every call contained (see [`crate::unwind`]).
+    pub(crate) fn backend(&self) -> &Guarded<B> {
+        &self.backend
+    }
+
+    /// Charges `n` owned bytes against the device's budget, trimming the cache once when cached
+    /// granules stand in the way; or says why not.
+    pub(crate) fn charge_owned_or_trim(&self, n: usize) -> Result<(), CommitFailure> {
+        self.charge_owned(n).or_else(|e| match e {
+            CommitFailure::DeviceBudget { .. } if self.make_room(n) => self.charge_owned(n),
+            e => Err(e),
+        })
+    }
+
+    /// Charges `n` owned bytes against the device's budget, or says why not.
+    pub(crate) fn charge_owned(&self, n: usize) -> Result<(), CommitFailure> {
+        self.ledger
+            .try_charge(Axis::Owned, n as u64, self.limit)
+            .map_err(|used| CommitFailure::DeviceBudget {
+                requested: n as u64,
+                used,
+                limit: self.limit,
+            })
+    }
+
+    pub(crate) fn charge(&self, axis: Axis, n: usize) {
+        self.ledger.charge(axis, n as u64);
+    }
+
+    pub(crate) fn refund(&self, axis: Axis, n: usize) {
+        self.ledger.refund(axis, n as u64);
+    }
+
+    pub(crate) fn next_generation(&self) -> Generation {
+        Generation::next()
+    }
+
+    pub(crate) fn note_failed_unpin(&self) {
+        self.failed_unpins.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A binding was opened (its pin taken).
+    pub(crate) fn note_bound(&self) {
+        self.bindings.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A binding was dropped.
+    pub(crate) fn note_unbound(&self) {
+        self.bindings.fetch_sub(1, Ordering::Relaxed);
+    }
+
+    /// A pool dropped with `n` of its pages never given back.
+    pub(crate) fn note_forgotten_pages(&self, n: u64) {
+        self.forgotten_pages.fetch_add(n, Ordering::Relaxed);
+    }
+
+    /// How many exports of this device's shared physical memory to other processes are
+    /// outstanding: each holds a reference on the memory, so it lives until the export ends.
+    pub fn outstanding_exports(&self) -> u64 {
+        self.shared.exports()
+    }
+
+    /// The totals of this device's shared physical memory, through which every reference on it
+    /// is made and given back.
+    pub(crate) fn shared(&self) -> &SharedTotals {
+        &self.shared
+    }
+
+    /// Refuses a call into a context that is lost, without making it.
+    pub(crate) fn ensure_live(&self, op: Op, addr: Addr, len: usize) -> Result<(), BackendError> {
+        if self.backend.context_lost() {
+            return Err(BackendError::new(op, addr, len, Cause::ContextLost));
+        }
+        Ok(())
+    }
+}
+
+impl<B: Backend> Drop for Device<'_, B> {
+    fn drop(&mut self) {
+        // One scope for all of it: a backend panic contained in the last poll resumes only
+        // once everything below has run.
+        let _scope = Scope::open::<B>();
+        if !self.closed {
+            self.shutdown();
+        }
+        // The one place that waits: the context may live on after the device (cudarc shares
+        // it), so what still waits for a fence is freed once its work has finished, in order —
+        // unless the context is lost, when the driver freed it all. Taken out of the queue
+        // first: no lock is held while waiting or calling the backend.
+        self.finish_deferred();
+        if self.backend.context_lost() {
+            self.forget_cache();
+        } else {
+            self.trim_cache();
+            self.retry_quarantine();
+            // A binding borrows the device: any still counted was forgotten, and its pin with
+            // it. The pins go back here, so that a forgotten binding does not keep the context
+            // retained after its device.
+            for _ in 0..*self.bindings.get_mut() {
+                if self.backend.unpin().is_err() {
+                    self.note_failed_unpin();
+                }
+            }
+        }
+    }
+}
+
+impl<B: Backend> std::fmt::Debug for Device<'_, B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Device")
+            .field("granularity", &self.granularity())
+            .field("ledger", &self.ledger())
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,121 @@
+//! What a device tells about itself: the progress of a poll or a retry ([`Progress`]), what it
+//! holds in its custody ([`Custody`]), what was forgotten ([`Forgotten`]) and what it held
+//! when it closed ([`CloseReport`]) — and how each is read off the device.
+
+use super::Device;
+use super::custody::Queue;
+use crate::backend::{Backend, lock};
+use crate::ledger::LedgerSnapshot;
+use crate::residual::Holdings;
+use std::sync::atomic::Ordering;
+
+/// What [`Device::retry_quarantine`] and [`Device::poll`] did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Progress {
+    /// Residuals fully released by this call.
+    pub released: usize,
+    /// Residuals still quarantined in the device after it.
+    pub quarantined: usize,
+    /// Releases still waiting for their fence after it.
+    pub deferred: usize,
+}
+
+/// What a device holds in its own custody (see [`Device::custody`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Custody {
+    /// Residuals in the device's quarantine.
+    pub quarantined: Holdings,
+    /// Releases waiting for their fence.
+    pub deferred: Holdings,
+    /// Shared physical memory (mapped by several tokens): `count` prefixes, their
+    /// `owned_bytes` (each charged once, whatever the number of mappings), and the references
+    /// on them (`shared_refs`). A prefix's memory (one or two physical allocations) is released
+    /// when its last reference goes.
+    pub shared: Holdings,
+}
+
+/// What was forgotten (`mem::forget`, or leaked) and never given back to a device, beyond the
+/// bytes its ledger shows.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Forgotten {
+    /// Bindings never dropped. Each still held its context pin, which the device releases as it
+    /// drops (a binding borrows its device, so none can be alive by then).
+    pub bindings: u64,
+    /// Pages of a [`PagePool`](crate::PagePool) (alone, or in a page table) never given back
+    /// before their pool dropped; their memory went with the pool's chunks.
+    pub pages: u64,
+}
+
+impl Forgotten {
+    /// True when nothing was forgotten.
+    pub fn is_zero(&self) -> bool {
+        *self == Self::default()
+    }
+}
+
+/// What a device held when it closed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CloseReport {
+    /// The ledger after a last poll and retry. Non-zero bytes not explained by `progress`
+    /// mean a token was forgotten (`mem::forget`): its bytes were never refunded.
+    pub ledger: LedgerSnapshot,
+    /// What the last poll and retry left.
+    pub progress: Progress,
+    /// Bindings and pages forgotten, which hold no bytes of the ledger.
+    pub forgotten: Forgotten,
+}
+
+impl CloseReport {
+    /// True when the device closed with nothing outstanding and nothing forgotten.
+    pub fn is_clean(&self) -> bool {
+        self.ledger.is_zero() && self.progress.deferred == 0 && self.forgotten.is_zero()
+    }
+}
+
+impl<B: Backend> Device<'_, B> {
+    /// What the device holds in its own custody: residuals quarantined after a dropped
+    /// token's teardown failed, and releases waiting for their fence. A residual that a poll or
+    /// a retry on another thread is tearing down right now is counted where it came from, with
+    /// what it held when it was taken out: a reading never under-reports.
+    pub fn custody(&self) -> Custody {
+        let (quarantined, deferred) = {
+            let books = lock(&self.books);
+            (
+                books.holdings(Queue::Quarantine),
+                books.holdings(Queue::Deferred),
+            )
+        };
+        Custody {
+            quarantined,
+            deferred,
+            shared: self.shared.holdings(),
+        }
+    }
+
+    /// A last poll and quarantine retry, and what is left: the report of
+    /// [`close`](Self::close), also made as an unclosed device drops.
+    pub(super) fn shutdown(&self) -> CloseReport {
+        self.poll();
+        self.trim_cache();
+        let progress = self.retry_quarantine();
+        CloseReport {
+            ledger: self.ledger(),
+            progress,
+            forgotten: Forgotten {
+                bindings: self.bindings.load(Ordering::Relaxed),
+                pages: self.forgotten_pages.load(Ordering::Relaxed),
+            },
+        }
+    }
+
+    /// The progress of a poll or a retry that released `released` residuals: what is still
+    /// quarantined and deferred, busy residuals counted where they came from.
+    pub(super) fn progress(&self, released: usize) -> Progress {
+        let books = lock(&self.books);
+        Progress {
+            released,
+            quarantined: books.count(Queue::Quarantine),
+            deferred: books.count(Queue::Deferred),
+        }
+    }
+}

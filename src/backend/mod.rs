@@ -364,7 +364,7 @@ impl BackendError {
 /// handed out and return [`Cause::Violation`] on a call that breaks the rules (a
 /// [`SimBackend`] made [`strict`](SimBackend::strict) panics instead, for tests), so that no
 /// safe call can touch memory the backend does not own, whatever its arguments: no call panics
-/// or wraps around on an address, length or handle, however wrong (`tests/backend_input.rs`
+/// or wraps around on an address, length or handle, however wrong (`tests/it/backend_input.rs`
 /// throws arbitrary ones at each backend).
 pub trait Backend {
     /// A handle on physical memory (a `memfd` range on the host, a `CUmemGenericAllocationHandle`

@@ -272,7 +272,7 @@ impl Backend for HostBackend {
     type Fence = ();
     const IMMEDIATE: bool = true;
     /// Every argument is checked against the backend's records and refused with an error
-    /// (`tests/backend_input.rs` throws arbitrary calls at it); its system calls report errors
+    /// (`tests/it/backend_input.rs` throws arbitrary calls at it); its system calls report errors
     /// as values.
     const MAY_PANIC: bool = false;
 

@@ -3,8 +3,10 @@
 //! landed — so `custody()`, `withheld_ranges()` and `Progress` are never below what the ledger
 //! still holds, and a loop such as `while device.poll().deferred > 0 {}` does not stop early.
 
-use memtoken::backend::{Faulty, Op, SimBackend, SimConfig};
-use memtoken::{Budget, Device, make_guard};
+use crate::common::gate::{gated_sim, manual_sim};
+use crate::common::{self, GRANULE};
+use memtoken::backend::{Backend, Faulty, Op, SimBackend, SimConfig};
+use memtoken::{Budget, Device, Returned, TransitionError, make_guard};
 use std::sync::Barrier;
 use std::sync::atomic::{AtomicBool, Ordering};
 
@@ -161,4 +163,99 @@ fn a_loop_until_the_retry_reports_nothing_quarantined_ends_with_everything_relea
             },
         );
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Teardown: a dropped device's retries, fences it leaves to the driver, sharers in teardown
+// ---------------------------------------------------------------------------------------------
+
+/// A device over `wrap(simulator)` dropped while a release waits for its fence: nothing of it
+/// is freed.
+fn dropped_before_the_fence_completes<W: Backend>(wrap: impl FnOnce(SimBackend) -> W) {
+    let sim = manual_sim();
+    {
+        make_guard!(guard);
+        let device = Device::new(guard, wrap(sim.clone()));
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        drop(
+            binding
+                .reserve(GRANULE)
+                .unwrap()
+                .commit()
+                .unwrap()
+                .release(),
+        );
+    }
+    assert_eq!(
+        (sim.reservations(), sim.mappings(), sim.physical_in_use()),
+        (1, 1, GRANULE as u64)
+    );
+}
+
+/// Kills `src/device.rs: delete ! in <impl Drop for Device<'_, B>>::drop`: a device dropped
+/// without `close` still shuts down first (a poll and a quarantine retry) before its own last
+/// retry, so a residual whose first retry fails is released by the second.
+#[test]
+fn a_dropped_device_retries_its_quarantine_twice() {
+    make_guard!(guard);
+    let backend = Faulty::new(common::sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(GRANULE).unwrap().commit().unwrap();
+    faults.fail_nth(Op::Release, 1);
+    let Err(TransitionError {
+        token: Returned::Quarantined(quarantined),
+        ..
+    }) = a.release().complete()
+    else {
+        panic!("the release was failed on purpose");
+    };
+    drop(quarantined); // into the device's quarantine
+    faults.fail_nth(Op::Release, 1); // the next retry fails too
+    drop(binding);
+    drop(device);
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+}
+
+/// Kills `src/backend/mod.rs: replace Backend::wait_fence -> bool with true` (the default, which
+/// the simulator uses) and `src/backend/faulty.rs: replace <impl Backend for Faulty<B>>::wait_fence
+/// -> bool with true`: a device dropped while a release's fence has not completed leaves that
+/// memory to the driver, never frees it under the work.
+#[test]
+fn a_device_dropped_before_a_fence_completes_frees_nothing_under_it() {
+    dropped_before_the_fence_completes(|sim| sim);
+    dropped_before_the_fence_completes(Faulty::new);
+}
+
+/// Kills `src/residual.rs: replace += with -= in Holdings::absorb`: while a poll on one thread
+/// is stopped in the backend tearing down a sharer's release, another thread's custody
+/// reading counts the shared reference it still holds.
+#[test]
+fn a_sharer_being_torn_down_still_counts_its_shared_reference() {
+    let (sim, gate, gated) = gated_sim();
+    make_guard!(guard);
+    let device = Device::new(guard, gated);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let prefix = binding.reserve(1).unwrap().commit_prefix().unwrap();
+    let shared = binding.reserve(1).unwrap().map_prefix(&prefix).unwrap();
+    drop(shared);
+    assert_eq!(device.custody().deferred.shared_refs, 1);
+    sim.complete_fences();
+    gate.arm(Op::Unmap);
+    std::thread::scope(|s| {
+        let poller = s.spawn(|| device.poll());
+        let entered = gate.wait_entered();
+        let reading = std::panic::catch_unwind(|| device.custody().deferred);
+        gate.open(); // before any assertion can fail: the scope joins the poller
+        assert!(entered, "the poll never reached the backend's unmap");
+        let deferred = reading.expect("reading the custody");
+        assert_eq!((deferred.count, deferred.shared_refs), (1, 1));
+        assert_eq!(poller.join().unwrap().released, 1);
+    });
+    drop(prefix);
+    sim.complete_fences();
+    device.poll();
+    drop(binding);
+    assert!(device.close().is_clean());
 }

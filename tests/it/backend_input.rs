@@ -22,6 +22,7 @@
 //!
 //! 256 cases per backend by default; `PROPTEST_CASES=N` for more.
 
+use crate::common;
 use memtoken::backend::cuda::{CudaBackend, DriverModel, ModelConfig};
 use memtoken::backend::{
     Access, Addr, Backend, BackendError, Cause, FaultHandle, Faulty, HostBackend, HostConfig,
@@ -32,12 +33,8 @@ use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::Mutex;
 
 fn config() -> ProptestConfig {
-    let cases = std::env::var("PROPTEST_CASES")
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(256);
     ProptestConfig {
-        cases,
+        cases: common::proptest_cases(256),
         failure_persistence: None,
         ..ProptestConfig::default()
     }

@@ -1,10 +1,9 @@
 //! Shared prefixes: real aliasing on the host, read-only sharers, teardown order, copy-on-write
 //! of the boundary granule, and exactly-once accounting of shared physical memory.
 
-mod common;
-
-use common::{assert_no_cause_repeated, messages};
-use memtoken::backend::{Faulty, HostBackend, HostConfig, Op, SimBackend};
+use crate::common::gate::{Gate, GateHandle};
+use crate::common::{self, GRANULE, assert_no_cause_repeated, messages, says_first};
+use memtoken::backend::{Faulty, HostBackend, HostConfig, Op, PosixFd, SimBackend};
 use memtoken::{
     Budget, CommitFailure, CowFailure, Device, Returned, ShareFailure, TransitionError, make_guard,
 };
@@ -768,4 +767,136 @@ fn a_half_made_prefix_whose_boundary_release_fails_too_keeps_both_counted() {
     drop(binding);
     assert!(device.ledger().is_zero());
     assert!(faults.outstanding().is_zero());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Counted mappings, a diverged boundary, failures that say so first, an export's form
+// ---------------------------------------------------------------------------------------------
+
+/// Kills `src/sharing.rs: replace <impl Sealed for Sharer>::shared -> Option<&SharedPhys<B::Phys>>
+/// with None`: a sharer counts the mappings of the prefix it maps, its own included.
+#[test]
+fn a_sharer_counts_the_mappings_of_its_prefix() {
+    make_guard!(guard);
+    let device = Device::new(guard, common::sim(16 * GRANULE as u64));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let prefix = binding.reserve(GRANULE).unwrap().commit_prefix().unwrap();
+    let sharer = binding
+        .reserve(GRANULE)
+        .unwrap()
+        .map_prefix(&prefix)
+        .unwrap();
+    assert_eq!((prefix.mappings(), sharer.mappings()), (2, 2));
+    sharer.release().complete().unwrap();
+    assert_eq!(prefix.mappings(), 1);
+    prefix.release().complete().unwrap();
+}
+
+/// Kills `src/sharing.rs: replace - with + in Allocation<'_, '_, B, Diverged>::boundary_mut` and
+/// `replace <impl Sealed for Diverged>::shared -> Option<&SharedPhys<B::Phys>> with None`: a
+/// diverged prefix's writable boundary is exactly its last granule, and it still counts the
+/// mappings of the body it shares.
+#[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+fn a_diverged_boundary_is_one_granule() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let page = device.granularity();
+    let prefix = binding.reserve(3 * page).unwrap().commit_prefix().unwrap();
+    let mut own = binding
+        .reserve(3 * page)
+        .unwrap()
+        .map_prefix(&prefix)
+        .unwrap()
+        .diverge()
+        .unwrap();
+    assert_eq!(own.boundary_mut().len(), page);
+    assert_eq!(
+        (own.mappings(), prefix.mappings()),
+        (2, 2),
+        "the body is still shared"
+    );
+}
+
+/// Kills `src/error.rs: replace <impl Failure for ShareFailure>::summary -> &'static str with
+/// "xyzzy"`: a failed mapping of a prefix says so first.
+#[test]
+fn a_failed_mapping_of_a_prefix_says_so_first() {
+    make_guard!(guard);
+    let device = Device::new(guard, common::sim(16 * GRANULE as u64));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let prefix = binding
+        .reserve(2 * GRANULE)
+        .unwrap()
+        .commit_prefix()
+        .unwrap();
+    let e = binding
+        .reserve(GRANULE)
+        .unwrap()
+        .map_prefix(&prefix)
+        .expect_err("the reservation is shorter than the prefix");
+    says_first(&e, "mapping the prefix failed; ");
+}
+
+/// Kills `src/error.rs: replace <impl Failure for CowFailure>::summary -> &'static str with
+/// "xyzzy"`: a failed copy-on-write says so first.
+#[test]
+fn a_failed_copy_on_write_says_so_first() {
+    make_guard!(guard);
+    let backend = Faulty::new(common::sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let prefix = binding
+        .reserve(2 * GRANULE)
+        .unwrap()
+        .commit_prefix()
+        .unwrap();
+    let shared = binding
+        .reserve(2 * GRANULE)
+        .unwrap()
+        .map_prefix(&prefix)
+        .unwrap();
+    faults.fail_nth(Op::Create, 1);
+    let e = shared
+        .diverge()
+        .expect_err("the create was failed on purpose");
+    says_first(&e, "copy-on-write of the boundary granule failed; ");
+}
+
+/// Kills `src/interop/ipc.rs: replace <impl std::fmt::Debug for Export<'_, '_, B, K>>::fmt ->
+/// std::fmt::Result with Ok(Default::default())` and `src/interop/ipc.rs: replace - with / in
+/// Allocation<'b, 'id, B, Owner<K>>::export`: an export's debug form shows its message and
+/// handles, and its message carries the offset the backend gave each handle, body and boundary
+/// (here one megabyte into each file, as a backend exporting pieces of one file would say).
+#[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+fn an_export_debugs_as_its_message_and_handles_and_carries_their_offsets() {
+    const SHIFT: u64 = 1 << 20;
+    make_guard!(guard);
+    let gate = GateHandle::default();
+    gate.shift_exports(SHIFT);
+    let backend = Gate {
+        inner: HostBackend::with_defaults().unwrap(),
+        gate,
+    };
+    let device = Device::new(guard, backend);
+    let owner = device.bind(Budget::unlimited()).unwrap();
+    let page = device.granularity();
+    let prefix = owner
+        .reserve(3 * page)
+        .unwrap()
+        .commit_prefix_exportable::<PosixFd>()
+        .unwrap();
+    let export = prefix.export().unwrap();
+    let debug = format!("{export:?}");
+    assert!(debug.starts_with("Export {"), "{debug}");
+    assert!(debug.contains("message: PrefixMessage"), "{debug}");
+    assert!(debug.contains("handles: ["), "{debug}");
+    let m = export.message();
+    assert_eq!((m.body_len, m.body_offset), (2 * page as u64, SHIFT));
+    assert_eq!(m.boundary_offset, SHIFT);
+    drop(export);
+    prefix.release().complete().unwrap();
 }

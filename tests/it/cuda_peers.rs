@@ -8,7 +8,7 @@
 //! new mapping's first access leaves out a device that had access in its reservation, so a
 //! backend that forgot a peer fails these tests twice over.
 
-mod common;
+use crate::common;
 
 use common::pattern;
 use memtoken::backend::cuda::{

@@ -2,8 +2,8 @@
 //! per rule, each named by its fact number: the model refuses, faults or places as the sheet
 //! says it should, and the backend and the typed layer still lose nothing.
 
-mod common;
-
+use crate::common;
+use memtoken::backend::Backend;
 use memtoken::backend::cuda::{
     CaptureMode, CuError, CudaBackend, Driver, DriverCall, DriverModel, ErrorFate, ModelConfig,
     ModelOutstanding, Placement, ShareableHandle,
@@ -39,10 +39,6 @@ fn mapped(model: &DriverModel) -> (u64, u64) {
         model.mem_set_access(ptr, G, &[(0, true)]).unwrap();
     }
     (ptr, handle)
-}
-
-fn backend(model: &DriverModel) -> CudaBackend<DriverModel> {
-    CudaBackend::new(model.clone(), 0).expect("the model opens device 0")
 }
 
 // ---- Fact 21: cuMemUnmap does not wait for work in flight. ----
@@ -120,7 +116,7 @@ fn a_kernel_on_an_uncovered_stream_faults_once_its_memory_is_released() {
     })
     .unwrap();
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let (covered, uncovered) = (model.new_stream(), model.new_stream());
     // SAFETY: a stream of the model's only context, live as long as the model.
@@ -197,7 +193,7 @@ fn the_backend_works_wherever_reservations_land() {
         })
         .unwrap();
         make_guard!(guard);
-        let device = Device::new(guard, backend(&model));
+        let device = Device::new(guard, common::cuda(&model));
         let binding = device.bind(Budget::unlimited()).unwrap();
         let mut prefix = binding.reserve(2 * G).unwrap().commit_prefix().unwrap();
         let filled = prefix.copy_from_host(G, &[7; 64]);
@@ -373,7 +369,7 @@ fn vmm_calls_are_refused_while_a_global_capture_is_open() {
 fn a_commit_during_a_global_capture_is_refused_with_nothing_charged() {
     let model = common::model();
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let reserved = binding.reserve(G).unwrap();
     let stream = model.new_stream();
@@ -405,7 +401,7 @@ fn a_commit_during_a_global_capture_is_refused_with_nothing_charged() {
 fn a_release_during_a_global_capture_completes_after_it_and_loses_nothing() {
     let model = common::model();
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let a = binding.reserve(G).unwrap().commit().unwrap();
     let b = binding.reserve(G).unwrap().commit().unwrap();
@@ -822,4 +818,344 @@ fn mapping_memory_off_its_properties_granularity_is_misuse() {
     // SAFETY: `[ptr + G, ptr + 3G)` lies in the fresh reservation, unmapped; `handle` is live
     // and `2 * G` long. The model panics before mapping: `ptr + G` is one plain granule off.
     let _ = unsafe { model.mem_map(ptr + G as u64, 2 * G, 0, handle) };
+}
+
+// ---- Fact 21 again: work faults exactly on the ranges it named. ----
+
+/// Kills `src/backend/cuda/model.rs: replace + with - in ModelState::unmap_under_work`: work
+/// that named the range it uses faults when exactly that range is unmapped under it (fact 21).
+#[test]
+fn work_that_named_its_range_faults_when_that_range_is_unmapped() {
+    let model = opened(config());
+    let stream = model.new_stream();
+    let ptr = model.mem_address_reserve(G, G, 0).unwrap();
+    let handle = model.mem_create(G, 0).unwrap();
+    model.submit_work_touching(stream, &[]); // an epoch before the access below
+    // SAFETY: the fresh reservation is unmapped; `handle` is live and `G` bytes long;
+    // the mapping is exactly `[ptr, ptr + G)`, unmapped once, then released.
+    unsafe {
+        model.mem_map(ptr, G, 0, handle).unwrap();
+        model.mem_set_access(ptr, G, &[(0, true)]).unwrap();
+        model.submit_work_touching(stream, &[(ptr, G)]);
+        model.mem_unmap(ptr, G).unwrap();
+        model.mem_release(handle).unwrap();
+    }
+    model.complete_work_on(stream);
+    assert_eq!(model.lost_with(), Some(CuError::ILLEGAL_ADDRESS));
+}
+
+/// Kills `src/backend/cuda/model.rs: replace < with <= in ModelState::unmap_under_work`: work
+/// that named only the ranges beside a mapping, just before and just after it, goes on when
+/// that mapping is unmapped under it.
+#[test]
+fn work_that_named_only_the_ranges_beside_a_mapping_survives_its_unmap() {
+    let model = opened(config());
+    let stream = model.new_stream();
+    let ptr = model.mem_address_reserve(3 * G, G, 0).unwrap();
+    let handle = model.mem_create(G, 0).unwrap();
+    let middle = ptr + G as u64;
+    model.submit_work_touching(stream, &[]); // an epoch before the access below
+    // SAFETY: the fresh reservation is unmapped; `handle` is live and `G` bytes long;
+    // the mapping is exactly `[middle, middle + G)`, unmapped once, then released.
+    unsafe {
+        model.mem_map(middle, G, 0, handle).unwrap();
+        model.mem_set_access(middle, G, &[(0, true)]).unwrap();
+        let beside = [(ptr, G), (middle + G as u64, G)];
+        model.submit_work_touching(stream, &beside);
+        model.mem_unmap(middle, G).unwrap();
+        model.mem_release(handle).unwrap();
+    }
+    model.complete_work_on(stream);
+    assert_eq!(model.lost_with(), None);
+}
+
+// ---- Where reservations land: each placement's search. ----
+
+/// Kills `src/backend/cuda/model.rs: replace + with - in ModelState::place` (the lowest-first
+/// search): a lowest-first model places each reservation right above the one before.
+#[test]
+fn lowest_first_reservations_stack_upwards() {
+    let model = opened(ModelConfig {
+        placement: Placement::LowestFirst,
+        ..config()
+    });
+    let len = 4 * G;
+    let a = model.mem_address_reserve(len, G, 0).unwrap();
+    let b = model.mem_address_reserve(len, G, 0).unwrap();
+    assert_eq!(a + len as u64, b);
+}
+
+/// Kills `src/backend/cuda/model.rs: replace - with + in ModelState::place` (the top-down
+/// search's first candidate) and `replace - with / in ModelState::place` (its next candidate,
+/// below a reservation in the way): a top-down model places each reservation right below the
+/// highest one it fits under.
+#[test]
+fn top_down_reservations_stack_downwards() {
+    let model = opened(ModelConfig {
+        placement: Placement::TopDown,
+        ..config()
+    });
+    let len = 4 * G;
+    let a = model.mem_address_reserve(len, G, 0).unwrap();
+    let b = model.mem_address_reserve(len, G, 0).unwrap();
+    assert_eq!(b + len as u64, a);
+    // With the top free again, twice as much no longer fits there: it goes right below `b`.
+    // SAFETY: `a` is a reservation of `len` bytes made above, with nothing mapped in it.
+    unsafe { model.mem_address_free(a, len) }.unwrap();
+    let c = model.mem_address_reserve(2 * len, G, 0).unwrap();
+    assert_eq!(c + 2 * len as u64, b);
+}
+
+/// Kills `src/backend/cuda/model.rs: replace - with + in ModelState::place` and `replace - with /
+/// in ModelState::place` in the top-down search's alignment masks: a top-down model honours an
+/// alignment larger than the length, for the first reservation and for one placed below
+/// another.
+#[test]
+fn top_down_placement_honours_a_larger_alignment() {
+    let model = opened(ModelConfig {
+        placement: Placement::TopDown,
+        ..config()
+    });
+    let align = 4 * G;
+    let a = model.mem_address_reserve(G, align, 0).unwrap();
+    let b = model.mem_address_reserve(G, align, 0).unwrap();
+    assert_eq!(
+        (a % align as u64, b % align as u64),
+        (0, 0),
+        "{a:#x} {b:#x}"
+    );
+    assert_eq!(b + align as u64, a, "the next aligned place below");
+}
+
+/// Kills `src/backend/cuda/model.rs: replace + with - in ModelState::place`: scattered
+/// reservations never overlap, even when they are large enough that random places collide.
+#[test]
+fn scattered_reservations_never_overlap() {
+    let len = 1usize << 45; // two fit in the model's window, at most three
+    for seed in 1..=8 {
+        let model = opened(ModelConfig {
+            placement: Placement::Scattered { seed },
+            ..config()
+        });
+        let a = model.mem_address_reserve(len, G, 0).unwrap();
+        let b = model.mem_address_reserve(len, G, 0).unwrap();
+        let (a, b) = (a as usize, b as usize);
+        assert!(
+            a + len <= b || b + len <= a,
+            "seed {seed}: {a:#x} and {b:#x}"
+        );
+        // SAFETY: each is exactly one reservation with nothing mapped in it.
+        unsafe {
+            model.mem_address_free(a as u64, len).unwrap();
+            model.mem_address_free(b as u64, len).unwrap();
+        }
+    }
+}
+
+/// Kills `src/backend/cuda/model.rs: replace - with + in ModelState::place`: scattered
+/// reservations stay inside the model's window, whose top is where a top-down model places.
+#[test]
+fn scattered_reservations_stay_inside_the_window() {
+    let len = 1usize << 45;
+    let top_down = opened(ModelConfig {
+        placement: Placement::TopDown,
+        ..config()
+    });
+    let top = top_down.mem_address_reserve(len, G, 0).unwrap() as usize + len;
+    for seed in 1..=8 {
+        let model = opened(ModelConfig {
+            placement: Placement::Scattered { seed },
+            ..config()
+        });
+        for _ in 0..2 {
+            let a = model.mem_address_reserve(len, G, 0).unwrap() as usize;
+            assert!(
+                a + len <= top,
+                "seed {seed}: {a:#x} + {len:#x} is past {top:#x}"
+            );
+        }
+    }
+}
+
+/// Kills `src/backend/cuda/model.rs: replace + with * in ModelState::place` (in the number of
+/// slots a scattered placement draws from): a scattered model can place a reservation as long
+/// as its whole window, which has one slot.
+#[test]
+fn a_scattered_model_places_a_reservation_of_its_whole_window() {
+    let window = 0x7000_0000_0000;
+    let model = opened(ModelConfig {
+        placement: Placement::Scattered { seed: 1 },
+        ..config()
+    });
+    let a = model.mem_address_reserve(window, G, 0).unwrap();
+    assert_eq!(a, 0x1000_0000_0000);
+}
+
+/// Kills `src/backend/cuda/model.rs: replace + with - in ModelState::place` (the lowest-first
+/// search's check of the window's top): once a reservation fills the window, no other fits.
+#[test]
+fn a_full_window_places_nothing_more() {
+    let model = opened(ModelConfig {
+        placement: Placement::LowestFirst,
+        ..config()
+    });
+    let window = 0x7000_0000_0000;
+    let all = model.mem_address_reserve(window, G, 0).unwrap();
+    assert_eq!(all, 0x1000_0000_0000);
+    assert!(model.mem_address_reserve(G, G, 0).is_err());
+}
+
+// ---- The model's memory, streams, events and synchronize. ----
+
+/// Kills `src/backend/cuda/model.rs: replace > with >= in DriverModel::create`: the model
+/// creates up to exactly its device's memory.
+#[test]
+fn the_model_creates_up_to_exactly_its_memory() {
+    let model = opened(ModelConfig {
+        total_mem: 4 * G,
+        ..config()
+    });
+    let all = model.mem_create(4 * G, 0).expect("exactly the memory");
+    assert_eq!(model.mem_create(G, 0), Err(CuError::OUT_OF_MEMORY));
+    // SAFETY: `all` was created above, is mapped nowhere, and is released once.
+    unsafe { model.mem_release(all) }.unwrap();
+}
+
+/// Kills `src/backend/cuda/model.rs: replace ModelOutstanding::is_zero -> bool with true`: a
+/// model that holds a reservation does not say it holds nothing.
+#[test]
+fn a_model_holding_a_reservation_is_not_empty() {
+    let model = common::small_model();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let addr = backend.reserve(G).unwrap();
+    assert!(!model.outstanding().is_zero(), "{:?}", model.outstanding());
+    backend.free(addr, G).unwrap();
+    drop(backend);
+    assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+}
+
+/// Kills `src/backend/cuda/model.rs: replace += with -= in DriverModel::new_stream`: every new
+/// stream, however many the model made, is one of its own and never the legacy stream (a
+/// capture may begin on it: fact 41).
+#[test]
+fn tens_of_thousands_of_new_streams_are_each_their_own() {
+    let model = common::small_model();
+    let streams: Vec<_> = (0..1 << 16).map(|_| model.new_stream()).collect();
+    let distinct: std::collections::HashSet<_> = streams.iter().collect();
+    assert_eq!(distinct.len(), streams.len());
+    for &stream in &streams {
+        model.begin_capture(stream, CaptureMode::Global);
+        model.end_capture(stream).unwrap();
+    }
+}
+
+/// Kills `src/backend/cuda/model.rs: replace DriverModel::enqueue_legacy with ()`: a copy from
+/// the host is work on the legacy stream, so an event recorded there after it is not done
+/// until that work completes (when events do not complete at once).
+#[test]
+fn a_copy_is_work_an_event_after_it_waits_for() {
+    let model = opened(ModelConfig {
+        events_complete_at_once: false,
+        ..config()
+    });
+    let ptr = model.mem_address_reserve(G, G, 0).unwrap();
+    let handle = model.mem_create(G, 0).unwrap();
+    let event = model.event_create().unwrap();
+    // SAFETY: the fresh reservation is unmapped and `handle` is live and `G` bytes long;
+    // the copy stays inside the mapping, which has read-write access; the event is ours; all
+    // is given back once, in order, after the work completed.
+    unsafe {
+        model.mem_map(ptr, G, 0, handle).unwrap();
+        model.mem_set_access(ptr, G, &[(0, true)]).unwrap();
+        model.memcpy_htod(ptr, &[7; 64]).unwrap();
+        model.event_record(event, 0).unwrap();
+        assert_eq!(
+            model.event_query(event),
+            Ok(false),
+            "the copy has not completed"
+        );
+        model.complete_work();
+        assert_eq!(model.event_query(event), Ok(true));
+        model.event_destroy(event).unwrap();
+        model.mem_unmap(ptr, G).unwrap();
+        model.mem_release(handle).unwrap();
+        model.mem_address_free(ptr, G).unwrap();
+    }
+}
+
+/// Kills `src/backend/cuda/model.rs: replace >= with < in <impl Driver for
+/// DriverModel>::ctx_synchronize`: with nothing submitted, a blocking synchronize returns at
+/// once (it waits only for unfinished work).
+#[test]
+fn a_blocking_synchronize_with_nothing_submitted_returns() {
+    let model = opened(ModelConfig {
+        synchronize_blocks: true,
+        ..config()
+    });
+    let (sent, seen) = std::sync::mpsc::channel();
+    let other = model.clone();
+    std::thread::spawn(move || {
+        let ctx = other.primary_ctx_retain(0).unwrap();
+        // SAFETY: `ctx` was just retained from this model.
+        unsafe { other.ctx_set_current(ctx) }.unwrap();
+        let _ = sent.send(other.ctx_synchronize());
+    });
+    let synchronized = seen.recv_timeout(common::gate::STALL);
+    assert_eq!(synchronized, Ok(Ok(())), "the synchronize never returned");
+}
+
+// ---- The model's misuse checks and its test controls. ----
+
+/// Kills `src/backend/cuda/model.rs: replace && with || in DriverModel::enter`: a call that
+/// needs a context is misuse while the primary context is retained but not current.
+#[test]
+#[should_panic(expected = "no current context")]
+fn a_call_with_a_retained_context_not_current_is_misuse() {
+    let model = DriverModel::new(config()).unwrap();
+    model.init().unwrap();
+    let _ctx = model.primary_ctx_retain(0).unwrap();
+    let _ = model.mem_create(G, 0);
+}
+
+/// Kills `src/backend/cuda/model.rs: replace || with && in DriverModel::begin_capture`: a
+/// capture cannot begin on the legacy stream (fact 41).
+#[test]
+#[should_panic(expected = "cannot capture on stream")]
+fn a_capture_on_the_legacy_stream_is_misuse() {
+    common::small_model().begin_capture(0, CaptureMode::Global);
+}
+
+/// Kills `src/backend/cuda/model.rs: replace DriverModel::fail_from with ()`: a failure planned
+/// from the nth call on fails that call and every later one, until cleared.
+#[test]
+fn a_model_failure_planned_from_a_call_on_lasts_until_cleared() {
+    let model = opened(config());
+    model.fail_from(DriverCall::MemAddressReserve, 2, CuError::OUT_OF_MEMORY);
+    let first = model.mem_address_reserve(G, G, 0).unwrap();
+    for _ in 0..3 {
+        assert_eq!(
+            model.mem_address_reserve(G, G, 0),
+            Err(CuError::OUT_OF_MEMORY)
+        );
+    }
+    model.clear();
+    let second = model.mem_address_reserve(G, G, 0).unwrap();
+    // SAFETY: both are reservations made above with nothing mapped in them, each freed once.
+    unsafe {
+        model.mem_address_free(first, G).unwrap();
+        model.mem_address_free(second, G).unwrap();
+    }
+}
+
+/// Kills `src/backend/cuda/model.rs: replace += with *= in DriverModel::enter`: the model
+/// counts every call made after its context was lost.
+#[test]
+fn the_model_counts_the_calls_after_a_loss() {
+    let model = opened(config());
+    model.fail_nth(DriverCall::MemCreate, 1, CuError::ILLEGAL_ADDRESS); // sticky
+    assert!(model.mem_create(G, 0).is_err());
+    assert_eq!(model.calls_after_loss(), 0);
+    assert!(model.mem_create(G, 0).is_err());
+    assert!(model.mem_create(G, 0).is_err());
+    assert_eq!(model.calls_after_loss(), 2);
 }

@@ -1,7 +1,6 @@
 //! The page pool: O(1) pages that are never handed out twice, and free + live = capacity.
 
-mod common;
-
+use crate::common::{self, GRANULE};
 use memtoken::backend::{Faulty, HostBackend, HostConfig, Op, SimBackend};
 use memtoken::{Budget, CommitFailure, Device, Page, PagePool, PoolError, make_guard};
 use proptest::prelude::*;
@@ -223,4 +222,45 @@ fn an_invalid_page_size_and_a_refused_growth_are_errors() {
         (0, 0),
         "nothing kept"
     );
+}
+
+/// Kills `src/page_pool.rs: replace - with + in PagePool<'pool, 'b, 'id, B>::push`,
+/// `src/page_pool.rs: replace PageTable<'p, 'pool, 'b, 'id, B>::is_empty -> bool with true` and
+/// `src/page_pool.rs: replace <impl fmt::Debug for PageTable<'_, '_, '_, '_, B>>::fmt ->
+/// fmt::Result with Ok(Default::default())` and `replace PageTable<'p, 'pool, 'b, 'id,
+/// B>::pop -> Option<Page<'p, 'pool, 'b, 'id, B>> with None` (and the pool's and the page's
+/// `fmt::Debug`):
+/// `push` answers the new page's position in the table, which is then not empty, debugs as its
+/// pages, and pops the last; the pool debugs as its page size.
+#[test]
+fn a_pushed_page_is_at_the_position_push_answers() {
+    make_guard!(guard);
+    let device = Device::new(guard, common::sim(16 * GRANULE as u64));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, 4096).unwrap();
+    let mut table = pool.table();
+    assert!(table.is_empty());
+    assert_eq!(pool.push(&mut table).unwrap(), 0);
+    assert!(!table.is_empty());
+    assert_eq!(pool.push(&mut table).unwrap(), 1);
+    assert_eq!(table.len(), 2);
+    assert_ne!(table.addr(0), table.addr(1));
+    let debug = format!("{table:?}");
+    assert!(debug.starts_with("PageTable { pages: ["), "{debug}");
+    let debug = format!("{pool:?}");
+    assert!(debug.starts_with("PagePool { page_size: 4096, "), "{debug}");
+    let last = table.pop().expect("two pages in the table");
+    assert_eq!(table.len(), 1);
+    let debug = format!("{last:?}");
+    assert!(debug.starts_with("Page { index: "), "{debug}");
+    let (live, free) = (pool.live_pages(), pool.free_pages());
+    pool.free(last);
+    assert_eq!(
+        (pool.live_pages(), pool.free_pages() + pool.cooling_pages()),
+        (live - 1, free + 1),
+        "freed: free, or cooling until its fence completes"
+    );
+    pool.clear(&mut table);
+    assert!(table.is_empty());
 }

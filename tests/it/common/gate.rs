@@ -2,8 +2,6 @@
 //! device holds none of its locks while the backend works. It can also move the offsets of the
 //! handles it exports, as a backend exporting pieces of one larger file would say.
 
-#![allow(dead_code)] // each test binary that includes this file uses part of it
-
 use memtoken::backend::{
     Access, Addr, Backend, BackendError, Exportable, HandleKind, Location, Op, Shareable,
     SimBackend, SimConfig,

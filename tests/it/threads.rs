@@ -2,7 +2,7 @@
 //! and poll on one device while faults are injected at random backend calls; at the end, after
 //! retries, nothing is outstanding — not in the ledger, not in the backend.
 
-mod common;
+use crate::common;
 
 use memtoken::backend::{Faulty, Op, SimBackend, SimConfig};
 use memtoken::{Budget, Device, make_guard};

@@ -3,9 +3,9 @@
 //! recorded is never weaker for it; a copy waits for the GPU outside the backend's lock; and a
 //! device dropped while its context lives on frees everything once the work is done.
 
-mod common;
-
+use crate::common;
 use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel, ModelConfig};
+use memtoken::backend::{Access, Backend, Cause, Violation};
 use memtoken::{Budget, Device, make_guard};
 use std::sync::mpsc;
 use std::time::Duration;
@@ -21,10 +21,6 @@ fn model(synchronize_blocks: bool) -> DriverModel {
     .unwrap()
 }
 
-fn backend(model: &DriverModel) -> CudaBackend<DriverModel> {
-    CudaBackend::new(model.clone(), 0).expect("the model opens device 0")
-}
-
 /// The model keeps streams apart: work on a non-blocking stream is not covered by an event on
 /// the legacy stream. A device that was never told of the stream releases the memory while the
 /// work still runs — the use after free the covered streams exist to prevent.
@@ -32,7 +28,7 @@ fn backend(model: &DriverModel) -> CudaBackend<DriverModel> {
 fn an_uncovered_stream_is_not_waited_for() {
     let model = model(false);
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let stream = model.new_stream();
     let a = binding.reserve(G).unwrap().commit().unwrap();
@@ -49,7 +45,7 @@ fn an_uncovered_stream_is_not_waited_for() {
 fn a_release_waits_for_work_on_every_covered_stream() {
     let model = model(false);
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let stream = model.new_stream();
     // SAFETY: `stream` is a stream of the model's only context and lives as long as the model.
     unsafe { device.cover_stream(stream) };
@@ -88,7 +84,7 @@ fn a_release_waits_for_work_on_every_covered_stream() {
 fn a_fence_whose_event_could_not_be_recorded_still_waits_for_its_stream() {
     let model = model(false);
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let stream = model.new_stream();
     // SAFETY: as above.
     unsafe { device.cover_stream(stream) };
@@ -116,7 +112,7 @@ fn a_fence_whose_event_could_not_be_recorded_still_waits_for_its_stream() {
 fn a_copy_that_waits_for_the_gpu_holds_no_lock() {
     let model = model(true);
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let prefix = binding.reserve(G).unwrap().commit_prefix().unwrap();
     let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
@@ -159,12 +155,12 @@ fn a_copy_that_waits_for_the_gpu_holds_no_lock() {
 #[test]
 fn a_device_dropped_while_its_context_lives_frees_everything() {
     let model = model(true);
-    let _ = backend(&model); // initializes the driver (and gives its retain back)
+    let _ = common::cuda(&model); // initializes the driver (and gives its retain back)
     use memtoken::backend::cuda::Driver;
     model.primary_ctx_retain(0).unwrap(); // the other owner
     std::thread::scope(|scope| {
         make_guard!(guard);
-        let device = Device::new(guard, backend(&model));
+        let device = Device::new(guard, common::cuda(&model));
         let binding = device.bind(Budget::unlimited()).unwrap();
         let a = binding.reserve(G).unwrap().commit().unwrap();
         let prefix = binding.reserve(G).unwrap().commit_prefix().unwrap();
@@ -210,7 +206,7 @@ fn a_device_dropped_while_its_context_lives_frees_everything() {
 fn a_failed_wait_falls_back_to_the_whole_context() {
     let model = model(false);
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let prefix = binding.reserve(G).unwrap().commit_prefix().unwrap();
     let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
@@ -233,7 +229,7 @@ fn a_failed_wait_falls_back_to_the_whole_context() {
 fn copy_on_write_waits_for_work_reading_the_mapping() {
     let model = model(false);
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let stream = model.new_stream();
     // SAFETY: a stream of the model's only context, live as long as the model.
     unsafe { device.cover_stream(stream) };
@@ -264,7 +260,7 @@ fn copy_on_write_waits_for_work_reading_the_mapping() {
 fn a_failed_copy_leaves_another_copys_range_busy() {
     use memtoken::backend::{Access, Backend};
     let model = model(true);
-    let backend = backend(&model);
+    let backend = common::cuda(&model);
     let src = backend.reserve(G).unwrap();
     let phys = backend.create(G).unwrap();
     backend.map(src, G, phys, Access::ReadWrite).unwrap();
@@ -299,7 +295,7 @@ fn a_freed_page_is_not_reissued_under_running_work() {
     use memtoken::PagePool;
     let model = model(false);
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let stream = model.new_stream();
     // SAFETY: a stream of the model's only context, live as long as the model.
     unsafe { device.cover_stream(stream) };
@@ -335,4 +331,85 @@ fn a_freed_page_is_not_reissued_under_running_work() {
     drop(pool);
     drop(binding);
     assert!(device.close().is_clean());
+}
+
+// ---------------------------------------------------------------------------------------------
+// A range a copy left busy: only that range is held back
+// ---------------------------------------------------------------------------------------------
+
+/// Kills `src/backend/cuda/mod.rs: replace && with || in CudaBackend<D>::check_not_busy`: a
+/// copy not known to have landed keeps its own range busy, and only that range: another
+/// allocation still releases.
+#[test]
+fn a_range_left_busy_by_a_copy_holds_back_only_itself() {
+    let model = common::small_model();
+    make_guard!(guard);
+    let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut a = binding.reserve(G).unwrap().commit().unwrap();
+    let b = binding.reserve(G).unwrap().commit().unwrap();
+    // Neither the event nor the whole context can be waited for: the copy into `a` is not
+    // known to have landed, so `a` stays busy.
+    model.fail_nth(DriverCall::EventSynchronize, 1, CuError::UNKNOWN);
+    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::UNKNOWN);
+    a.copy_from_host(0, &[7; 64])
+        .expect_err("the wait was failed on purpose");
+    b.release()
+        .complete()
+        .map_err(|e| e.to_string())
+        .expect("b is not busy");
+    std::mem::forget(a); // still busy: it may never be unmapped
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace < with > in CudaBackend<D>::check_not_busy`: the
+/// range a copy left busy is refused to an unmap.
+#[test]
+#[cfg_attr(
+    miri,
+    ignore = "forgets the backend on purpose (a copy may still run): Miri reports it as a leak"
+)]
+fn a_range_left_busy_by_a_copy_cannot_be_unmapped() {
+    let model = common::small_model();
+    let backend = common::cuda(&model);
+    let (a, pa) = (backend.reserve(G).unwrap(), backend.create(G).unwrap());
+    backend.map(a, G, pa, Access::ReadWrite).unwrap();
+    model.fail_nth(DriverCall::EventSynchronize, 1, CuError::UNKNOWN);
+    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::UNKNOWN);
+    backend
+        .copy_from_host(a, &[7; 64])
+        .expect_err("the wait was failed on purpose");
+    let e = backend.unmap(a, G).expect_err("a is busy");
+    assert!(
+        matches!(e.cause, Cause::Violation(Violation::Busy { .. })),
+        "{e}"
+    );
+    std::mem::forget(backend); // a copy may still run: nothing may be freed under it
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace < with <= in CudaBackend<D>::check_not_busy` (both
+/// of its comparisons): a range a copy left busy holds back only itself, not the mappings just
+/// before and just after it.
+#[test]
+#[cfg_attr(
+    miri,
+    ignore = "forgets the backend on purpose (a copy may still run): Miri reports it as a leak"
+)]
+fn a_range_left_busy_by_a_copy_leaves_the_mappings_beside_it_free() {
+    let model = common::small_model();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let a = backend.reserve(3 * G).unwrap();
+    for i in 0..3 {
+        let phys = backend.create(G).unwrap();
+        backend.map(a + i * G, G, phys, Access::ReadWrite).unwrap();
+    }
+    model.fail_nth(DriverCall::EventSynchronize, 1, CuError::UNKNOWN);
+    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::UNKNOWN);
+    backend
+        .copy_from_host(a + G, &vec![7; G])
+        .expect_err("the wait was failed on purpose");
+    backend.unmap(a, G).expect("the mapping before is not busy");
+    backend
+        .unmap(a + 2 * G, G)
+        .expect("the mapping after is not busy");
+    std::mem::forget(backend); // a copy may still run: nothing may be freed under it
 }

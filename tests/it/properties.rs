@@ -14,9 +14,8 @@
 //!
 //! 1,000 cases per backend by default (4 under Miri); `PROPTEST_CASES=N` for more.
 
-mod common;
-
-use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel, ModelConfig};
+use crate::common;
+use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel};
 use memtoken::backend::{
     Backend, Cause, FaultHandle, Faulty, HostBackend, Op, SimBackend, SimConfig,
 };
@@ -911,11 +910,7 @@ impl Memory<Cuda> for CudaMemory {
 }
 
 fn run_cuda(steps: &[Step]) {
-    let model = DriverModel::new(ModelConfig {
-        events_complete_at_once: false,
-        ..common::model_config()
-    })
-    .unwrap();
+    let model = common::held_fences();
     let lost;
     {
         make_guard!(guard);

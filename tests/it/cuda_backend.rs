@@ -2,23 +2,17 @@
 //! share, copy-on-write, release, quarantine, deferred release behind events, device loss, and
 //! an injected failure of every driver call kind.
 
-mod common;
-
-use common::{assert_no_cause_repeated, messages};
+use crate::common::{self, assert_no_cause_repeated, messages};
 use memtoken::backend::cuda::{
-    CuError, CudaBackend, DriverCall, DriverModel, ModelConfig, ModelOutstanding,
+    CuError, CudaBackend, CudaPhys, Driver, DriverCall, DriverModel, ModelConfig, ModelOutstanding,
 };
-use memtoken::backend::{Backend, Faulty};
+use memtoken::backend::{Access, Backend, Cause, Faulty};
 use memtoken::{
     Allocation, Budget, Device, Quarantined, ReleaseFailure, Releasing, Returned, TransitionError,
     make_guard,
 };
 
 const G: usize = common::MODEL_GRANULARITY;
-
-fn backend(model: &DriverModel) -> CudaBackend<DriverModel> {
-    CudaBackend::new(model.clone(), 0).expect("the model opens device 0")
-}
 
 /// Completes a started release if its fence allows. A pending one is dropped: the device
 /// finishes it at a later poll. What a failed completion leaves goes to `quarantined`.
@@ -33,19 +27,11 @@ fn complete_or_defer<'b, 'id, B: Backend>(
     }
 }
 
-fn held_fences() -> DriverModel {
-    DriverModel::new(ModelConfig {
-        events_complete_at_once: false,
-        ..common::model_config()
-    })
-    .unwrap()
-}
-
 #[test]
 fn a_full_cycle_with_data_round_trips_through_the_device() {
     let model = common::model();
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut a = binding.reserve(G + 1).unwrap().commit().unwrap();
     assert_eq!(a.len(), 2 * G, "rounded to the recommended granularity");
@@ -69,7 +55,7 @@ fn a_full_cycle_with_data_round_trips_through_the_device() {
 fn a_failed_set_access_after_a_successful_map_is_rolled_back() {
     let model = common::model();
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let reserved = binding.reserve(G).unwrap();
     model.fail_nth(DriverCall::MemSetAccess, 1, CuError::INVALID_VALUE);
@@ -102,9 +88,9 @@ fn a_failed_set_access_after_a_successful_map_is_rolled_back() {
 
 #[test]
 fn drop_with_work_in_flight_never_blocks_and_releases_after_the_fence() {
-    let model = held_fences();
+    let model = common::held_fences();
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let a = binding.reserve(G).unwrap().commit().unwrap();
     model.submit_work(); // a kernel using `a` is still running
@@ -127,9 +113,9 @@ fn drop_with_work_in_flight_never_blocks_and_releases_after_the_fence() {
 
 #[test]
 fn an_explicit_release_waits_for_its_fence_without_blocking() {
-    let model = held_fences();
+    let model = common::held_fences();
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let a = binding.reserve(G).unwrap().commit().unwrap();
     model.submit_work();
@@ -149,9 +135,9 @@ fn an_explicit_release_waits_for_its_fence_without_blocking() {
 
 #[test]
 fn no_driver_call_follows_device_loss() {
-    let model = held_fences();
+    let model = common::held_fences();
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let committed = binding.reserve(G).unwrap().commit().unwrap();
     let reserved = binding.reserve(G).unwrap();
@@ -205,7 +191,7 @@ fn no_driver_call_follows_device_loss() {
 fn sharing_copy_on_write_and_pages_carry_data_on_the_device() {
     let model = common::model();
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut prefix = binding.reserve(2 * G).unwrap().commit_prefix().unwrap();
     let filled = prefix.copy_from_host(0, &vec![7; 2 * G]);
@@ -261,9 +247,9 @@ fn sharing_copy_on_write_and_pages_carry_data_on_the_device() {
 fn an_injected_failure_of_every_driver_call_kind_loses_nothing() {
     for call in common::every_nth_under_miri(DriverCall::ALL, 3) {
         for nth in [1, 2] {
-            let model = held_fences();
+            let model = common::held_fences();
             make_guard!(guard);
-            let faulty = Faulty::new(backend(&model));
+            let faulty = Faulty::new(common::cuda(&model));
             let faults = faulty.handle();
             let device = Device::new(guard, faulty);
             {
@@ -314,9 +300,9 @@ fn an_injected_failure_of_every_driver_call_kind_loses_nothing() {
 #[test]
 fn a_sticky_error_in_any_driver_call_stops_all_calls_and_everything_is_discharged() {
     for call in common::every_nth_under_miri(DriverCall::ALL, 2) {
-        let model = held_fences();
+        let model = common::held_fences();
         make_guard!(guard);
-        let device = Device::new(guard, Faulty::new(backend(&model)));
+        let device = Device::new(guard, Faulty::new(common::cuda(&model)));
         {
             let binding = device.bind(Budget::unlimited()).unwrap();
             model.fail_nth(call, 1, CuError::ILLEGAL_ADDRESS);
@@ -390,9 +376,9 @@ fn an_ordinary_failure_then_a_sticky_one_never_lets_a_call_through() {
         .flat_map(|first| DriverCall::ALL.map(|second| (first, second)))
         .filter(|(first, second)| first != second); // one plan per kind
     for (first, second) in common::every_nth_under_miri(pairs, 23) {
-        let model = held_fences();
+        let model = common::held_fences();
         make_guard!(guard);
-        let device = Device::new(guard, Faulty::new(backend(&model)));
+        let device = Device::new(guard, Faulty::new(common::cuda(&model)));
         {
             let binding = device.bind(Budget::unlimited()).unwrap();
             model.fail_nth(first, 1, CuError::OUT_OF_MEMORY);
@@ -447,7 +433,7 @@ fn a_sticky_error_while_opening_makes_no_further_call() {
 #[test]
 fn a_sticky_error_while_dropping_the_backend_stops_its_cleanup() {
     let model = common::model();
-    let backend = backend(&model);
+    let backend = common::cuda(&model);
     {
         use memtoken::backend::{Access, Backend};
         let addr = backend.reserve(G).unwrap();
@@ -473,7 +459,7 @@ fn a_sticky_error_while_dropping_the_backend_stops_its_cleanup() {
 fn an_unknown_error_from_a_vmm_call_does_not_lose_the_context() {
     let model = common::model();
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let reserved = binding.reserve(G).unwrap();
     model.fail_nth(DriverCall::MemCreate, 1, CuError::UNKNOWN);
@@ -509,7 +495,7 @@ fn an_unknown_error_from_a_vmm_call_does_not_lose_the_context() {
 fn an_external_device_error_from_a_vmm_call_loses_the_context() {
     let model = common::model();
     make_guard!(guard);
-    let device = Device::new(guard, backend(&model));
+    let device = Device::new(guard, common::cuda(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let reserved = binding.reserve(G).unwrap();
     model.fail_nth(DriverCall::MemCreate, 1, CuError::EXTERNAL_DEVICE);
@@ -550,7 +536,7 @@ fn an_external_device_error_from_a_vmm_call_loses_the_context() {
 fn a_handle_value_reissued_while_its_old_memory_is_mapped_is_a_new_allocation() {
     use memtoken::backend::Access;
     let model = common::model();
-    let backend = backend(&model);
+    let backend = common::cuda(&model);
     let old_addr = backend.reserve(G).unwrap();
     let old = backend.create(G).unwrap();
     backend.map(old_addr, G, old, Access::ReadWrite).unwrap();
@@ -620,8 +606,8 @@ fn a_handle_value_reissued_while_its_old_memory_is_mapped_is_a_new_allocation() 
 #[test]
 fn an_event_value_reissued_after_destroy_is_not_taken_for_an_old_fence() {
     use memtoken::backend::Backend;
-    let model = held_fences();
-    let (a, b) = (backend(&model), backend(&model));
+    let model = common::held_fences();
+    let (a, b) = (common::cuda(&model), common::cuda(&model));
     let old = a.fence();
     drop(a); // destroys the old fence's event: its value is free again
     assert_eq!(model.outstanding().events, 0);
@@ -704,7 +690,7 @@ fn every_create_asks_rdma_capable_memory_exactly_where_the_device_supports_it() 
             ..common::model_config()
         })
         .unwrap();
-        let opened = backend(&model);
+        let opened = common::cuda(&model);
         let plain = AllocationProps::pinned(0).with_gpu_direct_rdma(rdma);
         let exportable = plain.with_handle_types(HANDLE_TYPE_POSIX_FD);
         assert_eq!(opened.gpu_direct_rdma(), rdma);
@@ -761,4 +747,356 @@ fn a_failed_attribute_query_fails_the_open() {
     assert!(e.to_string().contains("DeviceGetAttribute"), "{e}");
     assert_eq!(model.count(DriverCall::MemCreate), 0);
     assert_eq!(model.outstanding().retains, 0, "the retain was released");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Mappings a failed rollback left stuck, a copy's scratch range, events and handles; CUDA
+// tokens as device memory
+// ---------------------------------------------------------------------------------------------
+
+/// A CUDA backend on `model` with `n` reservations of `G` bytes, each with its own
+/// physical memory, not mapped.
+fn reserved(model: &DriverModel, n: usize) -> (CudaBackend<DriverModel>, Vec<(usize, CudaPhys)>) {
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let ranges = (0..n)
+        .map(|_| {
+            let addr = backend.reserve(G).unwrap();
+            (addr, backend.create(G).unwrap())
+        })
+        .collect();
+    (backend, ranges)
+}
+
+/// Maps `phys` at `addr` with its access grant failed and the rollback's unmap failed too: the
+/// mapping is left stuck in the backend.
+fn map_stuck(model: &DriverModel, backend: &CudaBackend<DriverModel>, addr: usize, phys: CudaPhys) {
+    model.fail_nth(DriverCall::MemSetAccess, 1, CuError::OUT_OF_MEMORY);
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the rollback
+    backend
+        .map(addr, G, phys, Access::ReadWrite)
+        .expect_err("the access was failed on purpose");
+}
+
+/// A CUDA backend on `model` with a reservation of two granules at `a` whose second granule
+/// holds a stuck mapping of `p1` (see [`map_stuck`]); `p0` is created, not mapped.
+fn stuck_after_the_first_granule(
+    model: &DriverModel,
+) -> (CudaBackend<DriverModel>, usize, CudaPhys, CudaPhys) {
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let a = backend.reserve(2 * G).unwrap();
+    let (p0, p1) = (backend.create(G).unwrap(), backend.create(G).unwrap());
+    map_stuck(model, &backend, a + G, p1);
+    (backend, a, p0, p1)
+}
+
+/// Frees what [`stuck_after_the_first_granule`] made (the free unmaps the stuck mapping first),
+/// once the first granule is unmapped again; the model holds nothing after.
+fn free_the_stuck_pair(
+    model: &DriverModel,
+    backend: CudaBackend<DriverModel>,
+    a: usize,
+    p0: CudaPhys,
+    p1: CudaPhys,
+) {
+    backend
+        .free(a, 2 * G)
+        .expect("the free unmaps the stuck mapping first");
+    backend.release(p0, G).unwrap();
+    backend.release(p1, G).unwrap();
+    drop(backend);
+    assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace CudaBackend<D>::device -> i32 with 1`: the backend
+/// says the `CUdevice` of the ordinal it was opened on.
+#[test]
+fn a_cuda_backend_says_its_device() {
+    let model = common::small_model();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    assert_eq!(backend.device(), model.device_get(0).unwrap());
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace CudaPhys::handle -> u64 with 1` (and `with 0`): each
+/// physical allocation answers its own driver handle.
+#[test]
+fn each_cuda_allocation_answers_its_own_handle() {
+    let model = common::small_model();
+    let (backend, r) = reserved(&model, 2);
+    let handles: Vec<u64> = r.iter().map(|&(_, phys)| phys.handle()).collect();
+    assert_ne!(handles[0], handles[1]);
+    for (addr, phys) in r {
+        backend.release(phys, G).unwrap();
+        backend.free(addr, G).unwrap();
+    }
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace && with || in CudaBackend<D>::unstick`: a mapping
+/// left by a failed rollback in one range is unmapped before that range is mapped or freed,
+/// and only then: a map elsewhere does not touch it (nor fail when unmapping it would).
+#[test]
+fn a_stuck_mapping_is_unstuck_only_by_its_own_range() {
+    let model = common::small_model();
+    let (backend, r) = reserved(&model, 2);
+    let [(a, pa), (b, pb)] = [r[0], r[1]];
+    map_stuck(&model, &backend, a, pa);
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN);
+    let unmaps = model.count(DriverCall::MemUnmap);
+    backend
+        .map(b, G, pb, Access::ReadWrite)
+        .expect("b has nothing stuck");
+    assert_eq!(
+        model.count(DriverCall::MemUnmap),
+        unmaps,
+        "a's mapping left alone"
+    );
+    model.clear();
+    backend.unmap(b, G).unwrap();
+    backend.free(a, G).expect("a's stuck mapping goes first");
+    backend.free(b, G).unwrap();
+    backend.release(pa, G).unwrap();
+    backend.release(pb, G).unwrap();
+    drop(backend);
+    assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace < with <= in CudaBackend<D>::unstick`: a map unsticks
+/// only what a failed rollback left inside its own range, not the stuck mapping that starts
+/// where that range ends.
+#[test]
+fn a_map_leaves_the_stuck_mapping_right_after_its_range() {
+    let model = common::small_model();
+    let (backend, a, p0, p1) = stuck_after_the_first_granule(&model);
+    let unmaps = model.count(DriverCall::MemUnmap);
+    backend.map(a, G, p0, Access::ReadWrite).unwrap();
+    assert_eq!(
+        model.count(DriverCall::MemUnmap),
+        unmaps,
+        "the next one left alone"
+    );
+    backend.unmap(a, G).unwrap();
+    free_the_stuck_pair(&model, backend, a, p0, p1);
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace < with == in <impl Backend for
+/// CudaBackend<D>>::unmap`: unmapping a range forgets the mappings a failed rollback left stuck
+/// in it, so freeing the range later does not unmap them again.
+#[test]
+fn an_unmap_forgets_the_stuck_mapping_it_took_down() {
+    let model = common::small_model();
+    let (backend, r) = reserved(&model, 1);
+    let (a, pa) = r[0];
+    map_stuck(&model, &backend, a, pa);
+    backend
+        .unmap(a, G)
+        .expect("the stuck mapping is still mapped");
+    let unmaps = model.count(DriverCall::MemUnmap);
+    backend.free(a, G).expect("nothing is left mapped");
+    assert_eq!(model.count(DriverCall::MemUnmap), unmaps, "no unmap twice");
+    backend.release(pa, G).unwrap();
+    drop(backend);
+    assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace < with <= in <impl Backend for
+/// CudaBackend<D>>::unmap`: unmapping a range forgets only the stuck mappings inside it, not
+/// one that starts where it ends, which the free of the reservation then unmaps.
+#[test]
+fn an_unmap_keeps_the_stuck_mapping_right_after_it() {
+    let model = common::small_model();
+    let (backend, a, p0, p1) = stuck_after_the_first_granule(&model);
+    backend.map(a, G, p0, Access::ReadWrite).unwrap();
+    backend.unmap(a, G).unwrap();
+    free_the_stuck_pair(&model, backend, a, p0, p1);
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace < with <= in CudaBackend<D>::overlaps` (both of its
+/// comparisons): a copy from a range is not held back by the stuck mappings that end where it
+/// starts and start where it ends.
+#[test]
+fn a_copy_is_not_held_back_by_the_stuck_mappings_beside_it() {
+    let model = common::small_model();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let a = backend.reserve(3 * G).unwrap();
+    let phys: Vec<_> = (0..3).map(|_| backend.create(G).unwrap()).collect();
+    for i in [0, 2] {
+        map_stuck(&model, &backend, a + i * G, phys[i]);
+    }
+    backend.map(a + G, G, phys[1], Access::ReadWrite).unwrap();
+    let mut bytes = vec![0; G];
+    backend
+        .copy_to_host(&mut bytes, a + G)
+        .expect("the middle granule is mapped, with access");
+    backend.unmap(a + G, G).unwrap();
+    backend.free(a, 3 * G).unwrap();
+    for p in phys {
+        backend.release(p, G).unwrap();
+    }
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace + with - in CudaBackend<D>::sweep_scratch`: a
+/// copy's scratch range whose unmap failed is unmapped and freed by the next copy's sweep.
+#[test]
+fn the_next_copy_sweeps_a_scratch_range_left_mapped() {
+    let model = common::small_model();
+    let (backend, r) = reserved(&model, 1);
+    let (src, psrc) = r[0];
+    backend.map(src, G, psrc, Access::ReadWrite).unwrap();
+    let dst = backend.create(G).unwrap();
+    let before = model.outstanding().reservations;
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN); // the scratch range's
+    backend.copy_into_phys(dst, src, G).unwrap();
+    assert_eq!(
+        model.outstanding().reservations,
+        before + 1,
+        "the scratch range is left"
+    );
+    backend.copy_into_phys(dst, src, G).unwrap();
+    assert_eq!(model.outstanding().reservations, before, "swept");
+    backend.unmap(src, G).unwrap();
+    backend.free(src, G).unwrap();
+    backend.release(psrc, G).unwrap();
+    backend.release(dst, G).unwrap();
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace match guard freed.is_context_loss() with false in
+/// <impl Backend for CudaBackend<D>>::copy_into_phys`: when freeing a copy's scratch range
+/// loses the context, the copy fails with that loss, and the backend calls the driver no more.
+#[test]
+fn a_context_lost_freeing_a_scratch_range_is_the_copys_error() {
+    let model = common::small_model();
+    let (backend, r) = reserved(&model, 1);
+    let (src, psrc) = r[0];
+    backend.map(src, G, psrc, Access::ReadWrite).unwrap();
+    let dst = backend.create(G).unwrap();
+    model.fail_nth(DriverCall::MemMap, 1, CuError::OUT_OF_MEMORY); // the scratch map
+    model.fail_nth(DriverCall::MemAddressFree, 1, CuError::ILLEGAL_ADDRESS); // sticky
+    let e = backend.copy_into_phys(dst, src, G).unwrap_err();
+    assert!(
+        matches!(e.cause, Cause::Driver { code, .. } if code == CuError::ILLEGAL_ADDRESS.0),
+        "{e}"
+    );
+    assert!(backend.context_lost());
+    let _ = backend.unmap(src, G);
+    drop(backend);
+    assert_eq!(model.calls_after_loss(), 0);
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace match guard freed.is_context_loss() with true in
+/// <impl Backend for CudaBackend<D>>::copy_into_phys`: when the scratch range of a failed copy
+/// cannot be freed for another reason than a lost context, the copy's error is its own, and
+/// the next copy frees the scratch range.
+#[test]
+fn a_scratch_range_that_cannot_be_freed_waits_for_the_next_copy() {
+    let model = common::small_model();
+    let (backend, r) = reserved(&model, 1);
+    let (src, psrc) = r[0];
+    backend.map(src, G, psrc, Access::ReadWrite).unwrap();
+    let dst = backend.create(G).unwrap();
+    model.fail_nth(DriverCall::MemMap, 1, CuError::OUT_OF_MEMORY); // the scratch map
+    model.fail_nth(DriverCall::MemAddressFree, 1, CuError::INVALID_VALUE);
+    let e = backend.copy_into_phys(dst, src, G).unwrap_err();
+    assert!(
+        matches!(e.cause, Cause::Driver { code, .. } if code == CuError::OUT_OF_MEMORY.0),
+        "{e}"
+    );
+    assert!(!backend.context_lost());
+    backend.copy_into_phys(dst, src, G).unwrap();
+    backend.unmap(src, G).unwrap();
+    backend.release(psrc, G).unwrap();
+    backend.release(dst, G).unwrap();
+    backend.free(src, G).unwrap();
+    drop(backend);
+    assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
+}
+
+/// Kills `src/backend/cuda/mod.rs: delete ! in <impl Backend for CudaBackend<D>>::retire_fence`:
+/// a fence retired while its context cannot be made current has its events destroyed at the
+/// next retirement.
+#[test]
+fn a_fence_retired_while_not_current_is_destroyed_at_the_next_retirement() {
+    let model = common::small_model();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let events = model.outstanding().events;
+    let first = backend.fence();
+    assert!(
+        model.outstanding().events > events,
+        "the fence recorded an event"
+    );
+    model.fail_nth(DriverCall::CtxSetCurrent, 1, CuError::UNKNOWN);
+    backend.retire_fence(first);
+    let second = backend.fence();
+    backend.retire_fence(second);
+    assert_eq!(model.outstanding().events, events);
+}
+
+/// Kills `src/unwind.rs: replace Guarded<B>::retire_fence with ()`: a completed release gives
+/// its fence's event back to the driver at once, not when the backend goes.
+#[test]
+fn a_completed_release_destroys_its_event() {
+    let model = common::small_model();
+    make_guard!(guard);
+    let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(G).unwrap().commit().unwrap();
+    let releasing = a.release();
+    assert_eq!(model.outstanding().events, 1, "the release's fence");
+    releasing.complete().unwrap();
+    assert_eq!(model.outstanding().events, 0);
+}
+
+/// Kills `src/interop/mod.rs: replace Allocation<'_, '_, CudaBackend<D>, Elastic>::device_ptr ->
+/// u64 with 1`: a CUDA region's device pointer is its start.
+#[test]
+fn a_cuda_regions_device_pointer_is_its_start() {
+    let model = common::small_model();
+    make_guard!(guard);
+    let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(2 * G).unwrap().into_region();
+    let region = region.grow(1).unwrap();
+    assert_eq!(region.device_ptr(), region.addr() as u64);
+    let a = binding.reserve(G).unwrap().commit().unwrap();
+    assert_eq!(a.device_ptr(), a.addr() as u64);
+}
+
+/// Kills `src/interop/mod.rs: replace Allocation<'_, '_, CudaBackend<D>, Elastic>::copy_from_host
+/// -> Result<(), BackendError> with Ok(())`: bytes copied into a CUDA region read back.
+#[test]
+fn bytes_copied_into_a_cuda_region_read_back() {
+    let model = common::small_model();
+    make_guard!(guard);
+    let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding
+        .reserve(2 * G)
+        .unwrap()
+        .into_region()
+        .grow(2)
+        .unwrap();
+    let bytes: Vec<u8> = (0..100).collect();
+    region.copy_from_host(G - 50, &bytes).unwrap();
+    let mut back = vec![0; 100];
+    region.copy_to_host(G - 50, &mut back).unwrap();
+    assert_eq!(back, bytes);
+}
+
+/// Kills `src/interop/mod.rs: replace - with + in Allocation<'_, '_, CudaBackend<D>,
+/// Diverged>::copy_to_boundary`: a copy into a diverged prefix's private granule that runs
+/// past that granule is refused before any driver call.
+#[test]
+#[should_panic(expected = "do not fit in")]
+fn a_copy_past_a_diverged_boundary_panics() {
+    let model = common::small_model();
+    make_guard!(guard);
+    let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let prefix = binding.reserve(2 * G).unwrap().commit_prefix().unwrap();
+    let mut own = binding
+        .reserve(2 * G)
+        .unwrap()
+        .map_prefix(&prefix)
+        .unwrap()
+        .diverge()
+        .unwrap();
+    let _ = own.copy_to_boundary(1, &vec![1; G]);
 }

@@ -4,10 +4,7 @@
 //! deferred while the ledger still holds the bytes (the under-report `Books::busy` was made to
 //! prevent for poll and retry_quarantine).
 
-#[path = "common/gate.rs"]
-mod gate;
-
-use gate::gated_sim;
+use crate::common::gate::gated_sim;
 use memtoken::backend::Op;
 use memtoken::{Budget, Device, make_guard};
 

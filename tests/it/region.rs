@@ -3,27 +3,12 @@
 //! granules (counted on `Faulty`'s call counters), budgets that trim the cache, and fences that
 //! hold cached granules back on CUDA.
 
-mod common;
-
-use memtoken::backend::cuda::{CudaBackend, DriverModel, ModelConfig};
-use memtoken::backend::{Faulty, HostBackend, Op, SimBackend};
+use crate::common::{self, GRANULE, host, says_first, setup};
+use memtoken::backend::cuda::CudaBackend;
+use memtoken::backend::{Cause, Faulty, Op, SimBackend};
 use memtoken::{Budget, CommitFailure, Device, GrowFailure, ShrinkFailure, make_guard};
 
 const PAGE: usize = 4096;
-
-/// A device over `Faulty<$backend>`, its fault handle, and an unlimited binding.
-macro_rules! setup {
-    ($backend:expr, $device:ident, $faults:ident) => {
-        make_guard!(guard);
-        let backend = Faulty::new($backend);
-        let $faults = backend.handle();
-        let $device = Device::new(guard, backend);
-    };
-}
-
-fn host() -> HostBackend {
-    HostBackend::with_defaults().expect("memfd")
-}
 
 #[test]
 #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
@@ -420,11 +405,7 @@ fn the_cache_cap_bounds_what_is_kept_and_a_lower_cap_trims() {
 
 #[test]
 fn on_cuda_a_region_shrinks_only_once_work_that_may_use_it_has_finished() {
-    let model = DriverModel::new(ModelConfig {
-        events_complete_at_once: false,
-        ..common::model_config()
-    })
-    .unwrap();
+    let model = common::held_fences();
     setup!(CudaBackend::new(model.clone(), 0).unwrap(), device, faults);
     let g = device.granularity();
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -461,11 +442,7 @@ fn on_cuda_a_region_shrinks_only_once_work_that_may_use_it_has_finished() {
 /// faults the context (sticky 700) when memory goes under a running kernel.
 #[test]
 fn on_cuda_reclaim_waits_for_work_that_may_use_the_withheld_granules() {
-    let model = DriverModel::new(ModelConfig {
-        events_complete_at_once: false,
-        ..common::model_config()
-    })
-    .unwrap();
+    let model = common::held_fences();
     setup!(CudaBackend::new(model.clone(), 0).unwrap(), device, faults);
     let g = device.granularity();
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -492,4 +469,214 @@ fn on_cuda_reclaim_waits_for_work_that_may_use_the_withheld_granules() {
     drop(binding);
     assert!(model.lost_with().is_none(), "no kernel faulted");
     assert!(device.close().is_clean());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Growth and shrinkage refused or undone: what each says, counts and gives back
+// ---------------------------------------------------------------------------------------------
+
+/// Kills `src/error.rs: replace <impl Failure for GrowFailure>::summary -> &'static str with
+/// "xyzzy"`: a failed growth's message starts by saying so.
+#[test]
+fn a_failed_growth_says_so_first() {
+    make_guard!(guard);
+    let backend = Faulty::new(common::sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(2 * GRANULE).unwrap().into_region();
+    faults.fail_nth(Op::Create, 1);
+    let e = region
+        .grow(1)
+        .expect_err("the create was failed on purpose");
+    says_first(&e, "the region could not grow; ");
+    e.into_token().release().complete().unwrap();
+}
+
+/// Kills `src/error.rs: replace quarantine_note -> String with String::new()`: an undone
+/// growth whose granule could not be released either says that it is in the quarantine.
+#[test]
+fn an_undone_growth_tells_of_what_it_left_in_the_quarantine() {
+    make_guard!(guard);
+    let backend = Faulty::new(common::sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(2 * GRANULE).unwrap().into_region();
+    faults.fail_nth(Op::Map, 1);
+    faults.fail_nth(Op::Release, 1);
+    let e = region.grow(1).expect_err("the map was failed on purpose");
+    assert!(
+        matches!(e.cause, GrowFailure::Undone { quarantined: 1, .. }),
+        "{:?}",
+        e.cause
+    );
+    let message = e.cause.to_string();
+    assert!(
+        message
+            .contains("1 granules whose release failed while undoing are in the device quarantine"),
+        "{message}"
+    );
+    assert_eq!(device.retry_quarantine().released, 1);
+    e.into_token().release().complete().unwrap();
+}
+
+/// Kills `src/region.rs: replace += with -= in Allocation<'b, 'id, B, Elastic>::undo_grow`: an
+/// undone growth counts the granule it had created and mapped and then failed to release, as
+/// well as the one whose map failed.
+#[test]
+fn an_undone_growth_counts_every_granule_it_left_in_the_quarantine() {
+    make_guard!(guard);
+    let backend = Faulty::new(common::sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(2 * GRANULE).unwrap().into_region();
+    faults.fail_nth(Op::Map, 2);
+    faults.fail_from(Op::Release, 1);
+    let e = region
+        .grow(2)
+        .expect_err("the second map was failed on purpose");
+    faults.clear();
+    assert!(
+        matches!(
+            e.cause,
+            GrowFailure::Undone {
+                at: 1,
+                quarantined: 2,
+                ..
+            }
+        ),
+        "{:?}",
+        e.cause
+    );
+    assert_eq!(device.retry_quarantine().released, 2);
+    e.into_token().release().complete().unwrap();
+    assert_eq!(binding.used(), 0);
+}
+
+/// Kills `src/region.rs: replace < with == in Allocation<'b, 'id, B, Elastic>::undo_grow`: an
+/// undone growth gives every granule it took from the cache back to the cache.
+#[test]
+fn an_undone_growth_from_the_cache_gives_it_all_back() {
+    make_guard!(guard);
+    let backend = Faulty::new(common::sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    device.set_cache_cap(3 * GRANULE as u64);
+    let mut warm = binding
+        .reserve(3 * GRANULE)
+        .unwrap()
+        .into_region()
+        .grow(3)
+        .unwrap();
+    warm.shrink(3).unwrap();
+    warm.release().complete().unwrap();
+    assert_eq!(
+        device.cached_bytes(),
+        3 * GRANULE as u64,
+        "setup: three cached"
+    );
+    let region = binding.reserve(3 * GRANULE).unwrap().into_region();
+    faults.fail_nth(Op::Map, 3);
+    let e = region
+        .grow(3)
+        .expect_err("the third map was failed on purpose");
+    assert_eq!(
+        device.cached_bytes(),
+        3 * GRANULE as u64,
+        "all back in the cache"
+    );
+    assert_eq!(faults.calls(Op::Release), 0, "none released");
+    e.into_token().release().complete().unwrap();
+}
+
+/// Kills `src/region.rs: replace * with / in Allocation<'b, 'id, B, Elastic>::grow`: a growth
+/// refused for a lost context names the granules it would have mapped.
+#[test]
+fn a_growth_after_the_context_is_lost_names_the_granules_it_would_map() {
+    let sim = common::sim(16 * GRANULE as u64);
+    make_guard!(guard);
+    let device = Device::new(guard, sim.clone());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(4 * GRANULE).unwrap().into_region();
+    let region = region.grow(1).unwrap();
+    sim.lose_context();
+    let e = region.grow(2).expect_err("the context is lost");
+    let GrowFailure::Undone { cause, .. } = &e.cause else {
+        panic!("{:?}", e.cause);
+    };
+    let CommitFailure::Backend(b) = &**cause else {
+        panic!("{cause:?}");
+    };
+    assert_eq!(b.cause, Cause::ContextLost);
+    assert_eq!((b.addr, b.len), (e.token.addr() + GRANULE, 2 * GRANULE));
+}
+
+/// Kills `src/region.rs: replace - with + in Allocation<'b, 'id, B, Elastic>::shrink`: a shrink
+/// refused for a lost context names the granules it was asked to give back, at the tail.
+#[test]
+fn a_shrink_after_the_context_is_lost_names_the_tail_it_would_unmap() {
+    let sim = common::sim(16 * GRANULE as u64);
+    make_guard!(guard);
+    let device = Device::new(guard, sim.clone());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding.reserve(4 * GRANULE).unwrap().into_region();
+    region = region.grow(3).unwrap();
+    sim.lose_context();
+    let Err(ShrinkFailure::Backend(e)) = region.shrink(1) else {
+        panic!("a lost context refuses the shrink");
+    };
+    assert_eq!(e.cause, Cause::ContextLost);
+    assert_eq!(e.op, Op::Unmap);
+    assert_eq!((e.addr, e.len), (region.addr() + 2 * GRANULE, GRANULE));
+    assert_eq!(region.committed_len(), 3 * GRANULE, "nothing was done");
+}
+
+/// Kills `src/region.rs: replace += with *= in GiveBack<'a, 'b, 'id, B>::give`: the granules a
+/// shrink gives back, cached or released, leave the binding's budget.
+#[test]
+fn a_shrink_refunds_the_binding_for_what_it_gave_back() {
+    make_guard!(guard);
+    let device = Device::new(guard, common::sim(16 * GRANULE as u64));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    device.set_cache_cap(GRANULE as u64);
+    let mut region = binding
+        .reserve(4 * GRANULE)
+        .unwrap()
+        .into_region()
+        .grow(3)
+        .unwrap();
+    assert_eq!(binding.used(), 3 * GRANULE as u64);
+    region.shrink(2).unwrap(); // one cached, one released
+    assert_eq!(binding.used(), GRANULE as u64);
+    region.release().complete().unwrap();
+    assert_eq!(binding.used(), 0);
+}
+
+/// Kills `src/device.rs: replace Device<'id, B>::forget_cache with ()`: once the context is
+/// lost, discharging the device forgets its cached granules (the driver freed them), so the
+/// ledger holds nothing owned or cached any more.
+#[test]
+fn a_lost_context_discharges_the_granule_cache_from_the_ledger() {
+    let sim = common::sim(16 * GRANULE as u64);
+    make_guard!(guard);
+    let device = Device::new(guard, sim.clone());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding.reserve(4 * GRANULE).unwrap().into_region();
+    region = region.grow(3).unwrap();
+    region.shrink(3).unwrap();
+    region.release().complete().unwrap();
+    let l = device.ledger();
+    assert_eq!(
+        (l.owned_bytes, l.cached_bytes),
+        (3 * GRANULE as u64, 3 * GRANULE as u64)
+    );
+    sim.lose_context();
+    let proof = device
+        .confirm_context_lost()
+        .expect("the simulator says it is lost");
+    device.discharge_all(&proof);
+    assert!(device.ledger().is_zero(), "{:?}", device.ledger());
 }

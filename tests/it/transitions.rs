@@ -1,9 +1,8 @@
 //! Every transition and every failure path, on the host backend and the strict simulator, with
 //! faults injected through `Faulty`: nothing is lost, nothing is charged twice.
 
-mod common;
-
-use common::{assert_no_cause_repeated, messages};
+use crate::common::gate::manual_sim;
+use crate::common::{self, GRANULE, assert_no_cause_repeated, host, messages, says_first, setup};
 use memtoken::backend::{Faulty, HostBackend, HostConfig, Op, SimBackend, SimConfig};
 use memtoken::{
     Budget, CommitFailure, Device, ReleaseFailure, ReserveError, Returned, TransitionError,
@@ -11,20 +10,6 @@ use memtoken::{
 };
 
 const PAGE: usize = 4096;
-
-/// A device over `Faulty<$backend>`, its fault handle, and an unlimited binding.
-macro_rules! setup {
-    ($backend:expr, $device:ident, $faults:ident) => {
-        make_guard!(guard);
-        let backend = Faulty::new($backend);
-        let $faults = backend.handle();
-        let $device = Device::new(guard, backend);
-    };
-}
-
-fn host() -> HostBackend {
-    HostBackend::with_defaults().expect("memfd")
-}
 
 #[test]
 #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
@@ -527,5 +512,144 @@ fn bindings_pin_and_unpin_the_context() {
         faults.outstanding().pins,
         1,
         "the pin the driver still holds"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Limits met exactly, what a device and its tokens show, what a failed commit or release says
+// ---------------------------------------------------------------------------------------------
+
+/// Kills `src/allocation.rs: replace > with >= in Allocation<'b, 'id, B, Reserved>::admit`:
+/// a commit of exactly the physical capacity fits.
+#[test]
+fn a_commit_of_exactly_the_physical_capacity_fits() {
+    make_guard!(guard);
+    let device = Device::new(guard, common::sim(4 * GRANULE as u64));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let all = binding.reserve(4 * GRANULE).unwrap().commit().unwrap();
+    assert_eq!(device.ledger().owned_bytes, 4 * GRANULE as u64);
+    all.release().complete().unwrap();
+}
+
+/// Kills `src/allocation.rs: replace > with >= in Binding<'b, 'id, B>::reserve`: a binding may
+/// reserve exactly its backend's whole address space.
+#[test]
+fn a_reservation_may_take_the_whole_address_space() {
+    make_guard!(guard);
+    let backend = SimBackend::new(SimConfig {
+        address_space: 4 * GRANULE,
+        ..SimConfig::strict()
+    })
+    .unwrap();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let all = binding
+        .reserve(4 * GRANULE)
+        .expect("exactly the address space");
+    assert_eq!(all.len(), 4 * GRANULE);
+}
+
+/// Kills `src/allocation.rs: replace == with != in Allocation<'b, 'id, B, S>::is_empty`: a
+/// token is never empty.
+#[test]
+fn a_token_is_never_empty() {
+    make_guard!(guard);
+    let device = Device::new(guard, common::sim(16 * GRANULE as u64));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(1).unwrap();
+    assert!(!a.is_empty());
+    let a = a.commit().unwrap();
+    assert!(!a.is_empty());
+}
+
+/// Kills `src/error.rs: replace <impl Failure for CommitFailure>::summary -> &'static str with ""`:
+/// a failed commit's message starts by saying so.
+#[test]
+fn a_failed_commit_says_so_first() {
+    make_guard!(guard);
+    let backend = Faulty::new(common::sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    faults.fail_nth(Op::Create, 1);
+    let e = binding
+        .reserve(GRANULE)
+        .unwrap()
+        .commit()
+        .expect_err("the create was failed on purpose");
+    says_first(&e, "commit failed; ");
+}
+
+/// Kills `src/error.rs: replace <impl Failure for ReleaseFailure>::summary -> &'static str with
+/// "xyzzy"` and `src/quarantine.rs: replace <impl fmt::Debug for Quarantined<'_, '_, B>>::fmt ->
+/// fmt::Result with Ok(Default::default())`: a release that cannot complete yet, and one that
+/// failed, each say so first; the quarantined token debugs as its residual.
+#[test]
+fn a_release_not_done_says_why_first() {
+    make_guard!(guard);
+    let sim = manual_sim();
+    let backend = Faulty::new(sim.clone());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let releasing = binding
+        .reserve(GRANULE)
+        .unwrap()
+        .commit()
+        .unwrap()
+        .release();
+    let e = releasing.complete().expect_err("its fence is pending");
+    says_first(&e, "the release cannot complete yet; ");
+    let Returned::Unchanged(releasing) = e.token else {
+        panic!("a pending release hands its token back unchanged");
+    };
+    sim.complete_fences();
+    faults.fail_nth(Op::Release, 1);
+    let e = releasing
+        .complete()
+        .expect_err("the release was failed on purpose");
+    says_first(&e, "the release failed; ");
+    let Returned::Quarantined(quarantined) = e.token else {
+        panic!("a failed release hands its token back quarantined");
+    };
+    let debug = format!("{quarantined:?}");
+    assert!(debug.starts_with("Quarantined { residual: "), "{debug}");
+    drop(quarantined); // it goes to the device's quarantine
+    let p = device.retry_quarantine();
+    assert_eq!((p.released, p.quarantined), (1, 0), "{p:?}");
+}
+
+/// Kills `src/device.rs: replace <impl std::fmt::Debug for Device<'_, B>>::fmt ->
+/// std::fmt::Result with Ok(Default::default())` and `src/allocation.rs: replace <impl
+/// fmt::Debug for Allocation<'_, '_, B, S>>::fmt -> fmt::Result with Ok(Default::default())`
+/// and the same for its `fmt::Display` and for the `fmt::Debug` of `Binding`: a device debugs
+/// as its granularity and ledger, a binding as what it uses, a token debugs and shows its
+/// state and range.
+#[test]
+fn a_device_and_its_tokens_debug_as_what_they_hold() {
+    make_guard!(guard);
+    let device = Device::new(guard, common::sim(16 * GRANULE as u64));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(GRANULE).unwrap();
+    let debug = format!("{device:?}");
+    assert!(
+        debug.starts_with(&format!(
+            "Device {{ granularity: {GRANULE}, ledger: LedgerSnapshot {{ reserved_bytes: {GRANULE},"
+        )),
+        "{debug}"
+    );
+    let debug = format!("{binding:?}");
+    assert!(debug.starts_with("Binding { used: 0, limit: "), "{debug}");
+    let debug = format!("{a:?}");
+    assert!(debug.starts_with("Allocation { state: "), "{debug}");
+    let shown = a.to_string();
+    assert!(shown.starts_with("the Reserved allocation #"), "{shown}");
+    assert!(
+        shown.ends_with(&format!(" of {GRANULE} bytes at {:#x}", a.addr())),
+        "{shown}"
+    );
+    assert!(
+        debug.contains(&format!("addr: {:#x}, len: {GRANULE},", a.addr())),
+        "{debug}"
     );
 }

@@ -4,40 +4,28 @@
 //! backend on the same model — another process, as far as the model can tell — which reads the
 //! bytes back, owns nothing, and gives back its handles once.
 
-mod common;
-
+use crate::common;
 use memtoken::backend::cuda::{CudaBackend, DriverCall, DriverModel, ModelConfig};
-use memtoken::backend::{Backend, Exportable, HandleType, HostBackend, PosixFd};
+use memtoken::backend::{
+    Backend, Cause, Exportable, HandleType, HostBackend, PosixFd, Shareable, Violation,
+};
 use memtoken::{Budget, Device, ImportError, Offer, PrefixMessage, make_guard};
 use std::os::unix::net::UnixStream;
 
 const G: usize = common::MODEL_GRANULARITY;
 
-fn model() -> DriverModel {
-    DriverModel::new(ModelConfig {
-        granularity: G,
-        total_mem: 64 * G,
-        ..ModelConfig::default()
-    })
-    .unwrap()
-}
-
-fn pattern(i: usize) -> u8 {
-    (i % 251) as u8 ^ 0xa5
-}
-
 #[test]
 #[cfg_attr(miri, ignore = "the model's POSIX-fd export: Miri has no fstat")]
 fn a_cuda_prefix_imports_through_the_model_reads_back_owns_nothing_and_goes_in_either_order() {
     for (len, importer_first) in [(G, false), (G, true), (3 * G, false), (3 * G, true)] {
-        let model = model();
+        let model = common::small_model();
         make_guard!(ga);
         make_guard!(gb);
         let exporter = Device::new(ga, CudaBackend::new(model.clone(), 0).unwrap());
         let importer = Device::new(gb, CudaBackend::new(model.clone(), 0).unwrap());
         let owner = exporter.bind(Budget::unlimited()).unwrap();
         let reader = importer.bind(Budget::bytes(0)).unwrap(); // an importer owns nothing
-        let bytes: Vec<u8> = (0..len).map(pattern).collect();
+        let bytes = common::pattern(len, 0xa5);
         let mut prefix = owner
             .reserve(len)
             .unwrap()
@@ -110,7 +98,7 @@ fn a_cuda_prefix_imports_through_the_model_reads_back_owns_nothing_and_goes_in_e
 #[test]
 #[cfg_attr(miri, ignore = "the model's POSIX-fd export: Miri has no fstat")]
 fn an_import_that_disagrees_with_the_drivers_size_or_names_nothing_is_refused() {
-    let model = model();
+    let model = common::small_model();
     // The exporter, below the typed layer: two exported allocations of 2G and G bytes.
     let exporter = CudaBackend::new(model.clone(), 0).unwrap();
     let big = Exportable::<PosixFd>::create_exportable(&exporter, 2 * G).unwrap();
@@ -291,7 +279,7 @@ fn exportable_memory_whose_granularity_does_not_fit_is_refused_naming_both() {
 fn a_failed_exportable_granularity_query_refuses_only_exportable_memory() {
     use memtoken::backend::Cause;
     use memtoken::backend::cuda::CuError;
-    let model = model();
+    let model = common::small_model();
     // The second query of the open: the exportable properties'.
     model.fail_nth(
         DriverCall::MemGetAllocationGranularity,
@@ -309,4 +297,41 @@ fn a_failed_exportable_granularity_query_refuses_only_exportable_memory() {
     assert!(matches!(e.cause, Cause::Driver { code: 801, .. }), "{e}");
     assert_eq!(model.count(DriverCall::MemCreate), creates);
     backend.release(plain, G).unwrap();
+}
+
+/// Kills `src/backend/cuda/mod.rs: replace < with > in <impl Exportable<PosixFd> for
+/// CudaBackend<D>>::import`: an import that claims more than the driver's allocation is "too
+/// small"; one that claims less is "longer than the message claims".
+#[test]
+#[cfg_attr(miri, ignore = "the model's POSIX-fd export: Miri has no fstat")]
+fn a_cuda_import_tells_a_short_allocation_from_a_long_one() {
+    let model = common::small_model();
+    let exporter = CudaBackend::new(model.clone(), 0).unwrap();
+    let importer = CudaBackend::new(model.clone(), 0).unwrap();
+    let small = Exportable::<PosixFd>::create_exportable(&exporter, G).unwrap();
+    let big = Exportable::<PosixFd>::create_exportable(&exporter, 2 * G).unwrap();
+    let claim = |phys, real, len| {
+        let fd = Exportable::<PosixFd>::export(&exporter, phys, real)
+            .unwrap()
+            .fd;
+        let handle = Shareable { fd, offset: 0, len };
+        Exportable::<PosixFd>::import(&importer, handle).expect_err("the size disagrees")
+    };
+    let short = claim(small, G, 2 * G);
+    assert!(
+        matches!(
+            short.cause,
+            Cause::Violation(Violation::ImportTooSmall { size, len, .. })
+                if size == G as u64 && len == 2 * G
+        ),
+        "{short}"
+    );
+    let long = claim(big, 2 * G, G);
+    assert!(
+        matches!(long.cause, Cause::Violation(Violation::Import(m)) if m.contains("longer")),
+        "{long}"
+    );
+    for (phys, n) in [(small, G), (big, 2 * G)] {
+        exporter.release(phys, n).unwrap();
+    }
 }

@@ -1,12 +1,48 @@
-//! Helpers shared by the integration tests: reading an error's `source()` chain, and the smaller
-//! sizes the tests take under Miri.
-#![allow(
-    dead_code,
-    reason = "each test crate uses its own part of these helpers"
-)]
+//! Setup shared by the suites of this binary: devices over `Faulty`, the host backend, the
+//! simulator and the driver model as the tests take them, a backend that stalls one call on
+//! purpose ([`gate`]), reading an error's `source()` chain, and the smaller sizes the tests take
+//! under Miri.
 
-use memtoken::backend::cuda::{DriverModel, ModelConfig};
+pub mod gate;
+
+use memtoken::backend::cuda::{CudaBackend, DriverModel, ModelConfig};
+use memtoken::backend::{HostBackend, SimBackend, SimConfig};
 use std::error::Error;
+
+/// A device over `Faulty<$backend>` bound to `$device`, and its fault handle to `$faults`.
+macro_rules! setup {
+    ($backend:expr, $device:ident, $faults:ident) => {
+        memtoken::make_guard!(guard);
+        let backend = memtoken::backend::Faulty::new($backend);
+        let $faults = backend.handle();
+        let $device = memtoken::Device::new(guard, backend);
+    };
+}
+pub(crate) use setup;
+
+/// The host backend with its default settings.
+pub fn host() -> HostBackend {
+    HostBackend::with_defaults().expect("memfd")
+}
+
+/// The simulator's default granularity, 2 MiB (under Miri too): the granule of the tests that
+/// take the simulator's or the driver model's default settings.
+pub const GRANULE: usize = 2 << 20;
+
+/// The simulator with its default settings but `physical_capacity` bytes of physical memory.
+pub fn sim(physical_capacity: u64) -> SimBackend {
+    SimBackend::new(SimConfig {
+        physical_capacity,
+        ..SimConfig::default()
+    })
+    .unwrap()
+}
+
+/// Asserts that `error`'s message starts with `summary`: a failure says what failed first.
+pub fn says_first(error: &impl std::fmt::Display, summary: &str) {
+    let message = error.to_string();
+    assert!(message.starts_with(summary), "{message}");
+}
 
 /// The messages along `err`'s `source()` chain, `err`'s own first.
 pub fn messages(err: &dyn Error) -> Vec<String> {
@@ -58,7 +94,7 @@ pub fn every_nth_under_miri<T>(
 
 /// The driver model's granularity in the tests: its default, 2 MiB, or 64 KiB under Miri, where
 /// every granule the model creates, copies or compares is interpreted (a fault-injection
-/// workload of `tests/cuda_backend.rs` takes less than half the time at 64 KiB).
+/// workload of the `cuda_backend` suite takes less than half the time at 64 KiB).
 pub const MODEL_GRANULARITY: usize = unless_miri(2 << 20, 64 << 10);
 
 /// The driver model's default settings, at [`MODEL_GRANULARITY`] (so, outside Miri, exactly
@@ -81,4 +117,28 @@ pub fn proptest_cases(default: u32) -> u32 {
 /// A driver model with [`model_config`] (so, outside Miri, exactly `DriverModel::default()`).
 pub fn model() -> DriverModel {
     DriverModel::new(model_config()).expect("the default settings are valid")
+}
+
+/// The CUDA backend on device 0 of `model`.
+pub fn cuda(model: &DriverModel) -> CudaBackend<DriverModel> {
+    CudaBackend::new(model.clone(), 0).expect("the model opens device 0")
+}
+
+/// A driver model with [`model_config`] but 64 granules of device memory.
+pub fn small_model() -> DriverModel {
+    DriverModel::new(ModelConfig {
+        total_mem: 64 * MODEL_GRANULARITY,
+        ..model_config()
+    })
+    .unwrap()
+}
+
+/// A driver model with [`model_config`] whose events complete only when the test completes the
+/// work (`complete_work`): a fence stays pending as long as the test wants.
+pub fn held_fences() -> DriverModel {
+    DriverModel::new(ModelConfig {
+        events_complete_at_once: false,
+        ..model_config()
+    })
+    .unwrap()
 }

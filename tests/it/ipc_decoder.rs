@@ -3,8 +3,9 @@
 //! mapping larger than the memory the descriptors hold (every byte of an import is read, so a
 //! mapping past the end of its file would fault the test).
 
+use crate::common::{self, GRANULE};
 use memtoken::backend::{Faulty, HandleType, HostBackend};
-use memtoken::{Budget, Device, MESSAGE_LEN, Offer, PrefixMessage, make_guard};
+use memtoken::{Budget, Device, MESSAGE_LEN, Offer, PrefixMessage, WireError, make_guard};
 use proptest::prelude::*;
 use rustix::fd::OwnedFd;
 use rustix::fs::{MemfdFlags, SealFlags};
@@ -135,9 +136,7 @@ fn bytes() -> impl Strategy<Value = Vec<u8>> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(
-        std::env::var("PROPTEST_CASES").ok().and_then(|n| n.parse().ok()).unwrap_or(1000)
-    ))]
+    #![proptest_config(ProptestConfig::with_cases(common::proptest_cases(1000)))]
 
     #[test]
     fn any_message_and_descriptors_give_an_error_or_a_valid_import(
@@ -196,4 +195,143 @@ proptest! {
         drop(binding);
         prop_assert!(device.close().is_clean());
     }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The decoder's checks, one by one
+// ---------------------------------------------------------------------------------------------
+
+/// Kills `src/interop/ipc.rs: replace || with && in PrefixMessage::decode`: a message whose
+/// length is no whole number of granules is malformed.
+#[test]
+fn a_message_of_no_whole_number_of_granules_is_malformed() {
+    let g = GRANULE as u64;
+    let message = PrefixMessage {
+        len: 3 * g + 1,
+        body_len: 2 * g + 1,
+        granularity: g,
+        kind: HandleType::PosixFd,
+        generation: 1,
+        body_offset: 0,
+        boundary_offset: 0,
+    };
+    let bytes = message.encode();
+    assert_eq!(bytes.len(), MESSAGE_LEN);
+    assert!(
+        matches!(
+            PrefixMessage::decode(&bytes),
+            Err(WireError::Malformed(m)) if m.contains("whole number of granules")
+        ),
+        "{:?}",
+        PrefixMessage::decode(&bytes)
+    );
+}
+
+/// Kills `src/interop/ipc.rs: replace > with >= in PrefixMessage::decode`: lengths up to
+/// `isize::MAX` decode (with a granularity of one byte it is a whole number of granules); one
+/// byte more is malformed.
+#[test]
+fn a_message_may_claim_up_to_isize_max_bytes() {
+    let most = isize::MAX as u64;
+    let claiming = |len: u64| {
+        PrefixMessage::decode(
+            &PrefixMessage {
+                len,
+                body_len: len - 1,
+                granularity: 1,
+                kind: HandleType::PosixFd,
+                generation: 1,
+                body_offset: 0,
+                boundary_offset: 0,
+            }
+            .encode(),
+        )
+    };
+    assert_eq!(claiming(most).map(|m| m.len).ok(), Some(most));
+    assert!(
+        matches!(claiming(most + 1), Err(WireError::Malformed(m)) if m.contains("whole number")),
+        "{:?}",
+        claiming(most + 1)
+    );
+}
+
+/// Kills `src/interop/ipc.rs: replace == with != in PrefixMessage::decode`: a message with no
+/// body may not name a body offset; one with a body may.
+#[test]
+fn only_a_message_with_a_body_names_a_body_offset() {
+    let g = GRANULE as u64;
+    let decoded = |len: u64, body_offset: u64| {
+        PrefixMessage::decode(
+            &PrefixMessage {
+                len,
+                body_len: len - g,
+                granularity: g,
+                kind: HandleType::PosixFd,
+                generation: 1,
+                body_offset,
+                boundary_offset: 0,
+            }
+            .encode(),
+        )
+    };
+    assert!(
+        matches!(decoded(g, g), Err(WireError::Malformed(m)) if m.contains("body offset")),
+        "{:?}",
+        decoded(g, g)
+    );
+    assert_eq!(decoded(3 * g, g).map(|m| m.body_offset).ok(), Some(g));
+}
+
+/// Kills `src/interop/ipc.rs: replace || with && in PrefixMessage::decode`: a granularity that
+/// is no power of two is malformed.
+#[test]
+fn a_granularity_that_is_no_power_of_two_is_malformed() {
+    let bytes = PrefixMessage {
+        len: 3,
+        body_len: 0,
+        granularity: 3,
+        kind: HandleType::PosixFd,
+        generation: 1,
+        body_offset: 0,
+        boundary_offset: 0,
+    }
+    .encode();
+    assert!(matches!(
+        PrefixMessage::decode(&bytes),
+        Err(WireError::Malformed("granularity is not a power of two"))
+    ));
+}
+
+/// Kills `src/backend/export.rs: delete match arm 8 in HandleType::from_code` and `replace
+/// HandleType::code -> u8 with 1`: the code of a fabric handle (8) names it, so a message of
+/// fabric handles is refused as not descriptors, not as malformed.
+#[test]
+fn a_message_of_fabric_handles_is_refused_as_not_descriptors() {
+    assert_eq!(HandleType::from_code(8), Some(HandleType::Fabric));
+    assert_eq!(HandleType::Fabric.code(), 8);
+    let g = GRANULE as u64;
+    let bytes = PrefixMessage {
+        len: g,
+        body_len: 0,
+        granularity: g,
+        kind: HandleType::Fabric,
+        generation: 1,
+        body_offset: 0,
+        boundary_offset: 0,
+    }
+    .encode();
+    assert!(matches!(
+        PrefixMessage::decode(&bytes),
+        Err(WireError::NotADescriptor(HandleType::Fabric))
+    ));
+}
+
+/// Kills `src/interop/ipc.rs: replace match guard bytes.len() < MESSAGE_LEN with true in
+/// PrefixMessage::decode`: bytes longer than a message are malformed, not truncated.
+#[test]
+fn bytes_longer_than_a_message_are_malformed() {
+    assert!(matches!(
+        PrefixMessage::decode(&[0; MESSAGE_LEN + 1]),
+        Err(WireError::Malformed("longer than a message"))
+    ));
 }

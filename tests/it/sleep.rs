@@ -2,28 +2,12 @@
 //! physical memory given back, its bytes optionally saved — with every address kept, and
 //! resumed all or nothing, on the host, the strict simulator and the CUDA driver model.
 
-mod common;
-
-use common::{assert_no_cause_repeated, pattern};
-use memtoken::backend::cuda::{CudaBackend, DriverModel, ModelConfig};
-use memtoken::backend::{Backend, Faulty, HostBackend, Op, SimBackend};
+use crate::common::{self, GRANULE, assert_no_cause_repeated, host, pattern, says_first, setup};
+use memtoken::backend::cuda::CudaBackend;
+use memtoken::backend::{Backend, Faulty, Op, SimBackend};
 use memtoken::{Budget, Device, GrowFailure, ResumeFailure, SuspendFailure, make_guard};
 
 const PAGE: usize = 4096;
-
-/// A device over `Faulty<$backend>` and its fault handle.
-macro_rules! setup {
-    ($backend:expr, $device:ident, $faults:ident) => {
-        make_guard!(guard);
-        let backend = Faulty::new($backend);
-        let $faults = backend.handle();
-        let $device = Device::new(guard, backend);
-    };
-}
-
-fn host() -> HostBackend {
-    HostBackend::with_defaults().expect("memfd")
-}
 
 #[test]
 #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
@@ -265,11 +249,7 @@ fn the_simulator_keeps_and_restores_the_saved_bytes() {
 
 #[test]
 fn on_cuda_memory_sleeps_only_once_its_work_finished_and_wakes_with_its_bytes() {
-    let model = DriverModel::new(ModelConfig {
-        events_complete_at_once: false,
-        ..common::model_config()
-    })
-    .unwrap();
+    let model = common::held_fences();
     make_guard!(guard);
     let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
     let g = device.granularity();
@@ -367,4 +347,78 @@ fn a_region_whose_granules_left_the_cache_while_asleep_gets_its_bytes_back() {
     drop(binding);
     device.trim_cache();
     assert!(faults.outstanding().is_zero());
+}
+
+// ---------------------------------------------------------------------------------------------
+// What a failed suspend or resume says, and what a suspended region withholds
+// ---------------------------------------------------------------------------------------------
+
+/// Kills `src/error.rs: replace <impl Failure for SuspendFailure>::summary -> &'static str
+/// with ""`: a failed suspend says so first.
+#[test]
+fn a_failed_suspend_says_so_first() {
+    let sim = common::sim(16 * GRANULE as u64);
+    make_guard!(guard);
+    let device = Device::new(guard, sim.clone());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(GRANULE).unwrap().commit().unwrap();
+    sim.lose_context();
+    let e = a.suspend().expect_err("the context is lost");
+    says_first(&e, "suspending the memory failed; ");
+}
+
+/// Kills `src/error.rs: replace <impl Failure for ResumeFailure>::summary -> &'static str with ""`:
+/// a failed resume's message starts by saying so.
+#[test]
+fn a_failed_resume_says_so_first() {
+    make_guard!(guard);
+    let backend = Faulty::new(common::sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let asleep = binding
+        .reserve(GRANULE)
+        .unwrap()
+        .commit()
+        .unwrap()
+        .suspend()
+        .unwrap();
+    faults.fail_nth(Op::Create, 1);
+    let e = asleep
+        .resume()
+        .expect_err("the create was failed on purpose");
+    says_first(&e, "resuming the memory failed; ");
+    drop(e.into_token());
+}
+
+/// Kills `src/sleep.rs: replace Allocation<'b, 'id, B, Suspended<Elastic>>::withheld_granules
+/// -> usize with 0`: a region suspended while its unmaps fail withholds those granules, and
+/// says how many.
+#[test]
+fn a_region_suspended_while_unmaps_fail_says_what_it_withholds() {
+    make_guard!(guard);
+    let backend = Faulty::new(common::sim(16 * GRANULE as u64));
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(4 * GRANULE).unwrap().into_region();
+    let region = region.grow(3).unwrap();
+    faults.fail_from(Op::Unmap, 2);
+    let mut asleep = region.suspend().unwrap();
+    faults.clear();
+    assert_eq!(asleep.withheld_granules(), 2, "the second and the first");
+    assert_eq!(asleep.withheld_bytes(), 2 * GRANULE);
+    asleep.reclaim().unwrap();
+    assert_eq!(
+        (asleep.withheld_granules(), asleep.withheld_bytes()),
+        (0, 0)
+    );
+    asleep.release().complete().unwrap();
+    let l = device.ledger();
+    assert_eq!(
+        (l.reserved_bytes, l.mapped_bytes, binding.used()),
+        (0, 0, 0),
+        "{l:?}"
+    );
+    assert_eq!(l.owned_bytes, l.cached_bytes, "what is left is the cache");
 }

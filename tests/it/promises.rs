@@ -8,11 +8,9 @@
 //! - the host backend, which skips panic containment, refuses misuse with an error, never a
 //!   panic.
 
-#[path = "common/gate.rs"]
-mod gate;
-
-use gate::{Gate, GateHandle, STALL, gated_sim};
-use memtoken::backend::cuda::{CudaBackend, DriverCall, DriverModel, ModelConfig};
+use crate::common;
+use crate::common::gate::{Gate, GateHandle, STALL, gated_sim};
+use memtoken::backend::cuda::{CudaBackend, DriverCall};
 use memtoken::backend::{Access, Backend, Faulty, HostBackend, HostConfig, Op, SimBackend};
 use memtoken::{
     Budget, CommitFailure, Device, ReserveError, Returned, ShrinkFailure, TransitionError,
@@ -169,11 +167,7 @@ fn a_quarantine_retry_stalled_in_the_backend_holds_no_lock_of_the_device() {
 /// kernel.
 #[test]
 fn drop_in_every_state_waits_for_nothing_and_unmaps_nothing_under_running_work() {
-    let model = DriverModel::new(ModelConfig {
-        events_complete_at_once: false,
-        ..ModelConfig::default()
-    })
-    .unwrap();
+    let model = common::held_fences();
     let faulty = Faulty::new(CudaBackend::new(model.clone(), 0).unwrap());
     let faults = faulty.handle();
     make_guard!(guard);

@@ -1,0 +1,217 @@
+//! The host backend's own promises, below the token layer: the OS page size and granularity,
+//! physical memory counted up to its capacity and given back on release, the files it holds
+//! open (closed on `exec`), imports that may claim all of an exported file and no more, and
+//! address space given back to the OS (the slack of an aligned reservation at once, what a
+//! dropped backend still held when it goes).
+
+use crate::common::GRANULE;
+use memtoken::backend::{
+    Access, Backend, Cause, Exportable, HostBackend, HostConfig, PosixFd, Shareable, Violation,
+};
+
+/// A host backend whose physical capacity is `pages` pages, and its page size.
+fn host_of_pages(pages: u64) -> (HostBackend, usize) {
+    let page = HostBackend::with_defaults().unwrap().granularity();
+    let host = HostBackend::new(HostConfig {
+        physical_capacity: pages * page as u64,
+        ..HostConfig::default()
+    })
+    .unwrap();
+    (host, page)
+}
+
+/// Whether any mapping of this process covers `addr` (from `/proc/self/maps`).
+fn mapped(addr: usize) -> bool {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    maps.lines().any(|line| {
+        let range = line.split_whitespace().next().unwrap();
+        let (start, end) = range.split_once('-').unwrap();
+        let start = usize::from_str_radix(start, 16).unwrap();
+        let end = usize::from_str_radix(end, 16).unwrap();
+        (start..end).contains(&addr)
+    })
+}
+
+/// Kills `src/backend/host.rs: replace HostBackend::page_size -> usize with 0` (and `with 1`):
+/// the page size is the OS's, no larger than the granularity.
+#[test]
+fn the_host_backend_says_the_os_page_size() {
+    let host = HostBackend::with_defaults().unwrap();
+    let page = host.page_size();
+    assert_eq!(page, rustix::param::page_size());
+    assert!(page <= host.granularity(), "{page}");
+}
+
+/// Kills `src/backend/host.rs: replace > with == in HostBackend::check_capacity`: the host
+/// backend creates up to exactly its capacity, and refuses a byte more.
+#[test]
+fn the_host_backend_creates_up_to_exactly_its_capacity() {
+    let (host, page) = host_of_pages(4);
+    let three = host.create(3 * page).unwrap();
+    let e = host.create(2 * page).expect_err("past the capacity");
+    assert!(matches!(e.cause, Cause::Exhausted { available, .. } if available == page as u64));
+    let one = host.create(page).expect("exactly the capacity");
+    assert_eq!(host.physical_in_use(), 4 * page as u64);
+    host.release(one, page).unwrap();
+    host.release(three, 3 * page).unwrap();
+}
+
+/// Kills `src/backend/host.rs: replace - with + in <impl Backend for HostBackend>::create`: a
+/// create refused because no free range is long enough, though enough bytes are free in
+/// pieces, says how many bytes are free.
+#[test]
+fn a_host_create_refused_for_fragmentation_says_what_is_free() {
+    let (host, page) = host_of_pages(4);
+    let pieces: Vec<_> = (0..3).map(|_| host.create(page).unwrap()).collect();
+    host.release(pieces[1], page).unwrap();
+    // Two pages are free, one between the pieces and one after them: no two side by side.
+    let e = host
+        .create(2 * page)
+        .expect_err("no free range of two pages");
+    assert!(
+        matches!(e.cause, Cause::Exhausted { available, capacity, .. }
+            if available == 2 * page as u64 && capacity == 4 * page as u64),
+        "{e}"
+    );
+    host.release(pieces[0], page).unwrap();
+    host.release(pieces[2], page).unwrap();
+}
+
+/// Kills `src/backend/host.rs: replace -= with /= in <impl Backend for HostBackend>::release`:
+/// a release gives its bytes back to the host backend's count of physical memory in use.
+#[test]
+fn a_host_release_gives_back_its_bytes() {
+    let host = HostBackend::with_defaults().unwrap();
+    let page = host.granularity();
+    let a = host.create(2 * page).unwrap();
+    let b = host.create(page).unwrap();
+    assert_eq!(host.physical_in_use(), 3 * page as u64);
+    host.release(a, 2 * page).unwrap();
+    assert_eq!(host.physical_in_use(), page as u64);
+    host.release(b, page).unwrap();
+    assert_eq!(host.physical_in_use(), 0);
+}
+
+/// Kills `src/backend/host.rs: replace -= with += in <impl Backend for HostBackend>::release`:
+/// releasing an exportable allocation (a file of its own) gives its bytes back too.
+#[test]
+fn a_host_exportable_release_gives_back_its_bytes() {
+    let host = HostBackend::with_defaults().unwrap();
+    let page = host.granularity();
+    let phys = Exportable::<PosixFd>::create_exportable(&host, 2 * page).unwrap();
+    assert_eq!(host.physical_in_use(), 2 * page as u64);
+    host.release(phys, 2 * page).unwrap();
+    assert_eq!(host.physical_in_use(), 0);
+}
+
+/// Kills `src/backend/host.rs: replace HostBackend::open_files -> usize with 1`: the host
+/// counts the files it holds open, from none.
+#[test]
+fn the_host_counts_its_open_files_from_none() {
+    let (host, page) = host_of_pages(4);
+    assert_eq!(host.open_files(), 0);
+    let a = host.create_exportable(page).unwrap();
+    let b = host.create_exportable(page).unwrap();
+    assert_eq!(host.open_files(), 2);
+    host.release(a, page).unwrap();
+    host.release(b, page).unwrap();
+    assert_eq!(host.open_files(), 0);
+}
+
+/// Kills `src/backend/host.rs: replace | with & in reopen_read_only`: the descriptor an export
+/// hands out is closed on `exec`, like every descriptor the backend opens.
+#[test]
+fn an_exported_descriptor_is_closed_on_exec() {
+    let (host, page) = host_of_pages(4);
+    let phys = host.create_exportable(page).unwrap();
+    let handle = host.export(phys, page).unwrap();
+    let flags = rustix::io::fcntl_getfd(&handle.fd).unwrap();
+    assert!(flags.contains(rustix::io::FdFlags::CLOEXEC), "{flags:?}");
+    drop(handle);
+    host.release(phys, page).unwrap();
+}
+
+/// Kills `src/backend/host.rs: replace > with < in <impl Exportable<PosixFd> for
+/// HostBackend>::import`: a host import may claim all of an exported file, and is refused when
+/// it claims more.
+#[test]
+fn a_host_import_may_claim_all_of_the_file_and_no_more() {
+    let exporter = HostBackend::with_defaults().unwrap();
+    let importer = HostBackend::with_defaults().unwrap();
+    let page = exporter.granularity();
+    let phys = Exportable::<PosixFd>::create_exportable(&exporter, 2 * page).unwrap();
+    let claim = |len| {
+        let fd = Exportable::<PosixFd>::export(&exporter, phys, 2 * page)
+            .unwrap()
+            .fd;
+        Exportable::<PosixFd>::import(&importer, Shareable { fd, offset: 0, len })
+    };
+    let e = claim(3 * page).expect_err("more than the file holds");
+    assert!(
+        matches!(e.cause, Cause::Violation(Violation::ImportTooSmall { len, size, .. })
+            if len == 3 * page && size == 2 * page as u64),
+        "{e}"
+    );
+    let whole = claim(2 * page).expect("exactly the file");
+    importer.release(whole, 2 * page).unwrap();
+    exporter.release(phys, 2 * page).unwrap();
+}
+
+/// Kills `src/backend/host.rs: replace + with - in <impl Backend for HostBackend>::reserve`:
+/// a host reservation aligned to a granularity larger than the page trims the slack it
+/// over-reserved after its end (and only there), so nothing past the reservation stays mapped.
+#[test]
+fn a_host_reservation_gives_back_the_slack_past_its_end() {
+    let host = HostBackend::new(HostConfig {
+        granularity: GRANULE,
+        ..HostConfig::default()
+    })
+    .unwrap();
+    assert!(host.page_size() < GRANULE, "the slack is a granule");
+    // Another thread's mapping may land in the trimmed gap at once: one of three tries shows
+    // it free (with the slack kept, none does).
+    let trimmed = (0..3).any(|_| {
+        let addr = host.reserve(GRANULE).unwrap();
+        assert!(mapped(addr) && mapped(addr + GRANULE - 1));
+        let free = !mapped(addr + GRANULE);
+        host.free(addr, GRANULE).unwrap();
+        free
+    });
+    assert!(trimmed, "the slack past the end is unmapped");
+}
+
+/// Kills `src/backend/host.rs: replace <impl Drop for HostBackend>::drop with ()`: a host
+/// backend dropped with a reservation still held (a forgotten token's) gives it back to the OS.
+#[test]
+fn a_dropped_host_backend_gives_back_what_it_still_reserved() {
+    // Another thread's mapping may land in the range at once: one of three tries shows it free.
+    let freed = (0..3).any(|_| {
+        let host = HostBackend::with_defaults().unwrap();
+        let addr = host.reserve(4 * host.granularity()).unwrap();
+        assert!(mapped(addr));
+        drop(host);
+        !mapped(addr)
+    });
+    assert!(freed, "the reservation went with the backend");
+}
+
+/// Kills `src/backend/rules.rs: replace > with >= in Book<P>::check_copy`: a copy of no bytes
+/// is refused as a copy of memory not mapped (it names the empty range), before any check of
+/// its length.
+#[test]
+fn a_copy_of_nothing_names_the_empty_range() {
+    let (host, page) = host_of_pages(4);
+    let addr = host.reserve(page).unwrap();
+    let phys = host.create(page).unwrap();
+    host.map(addr, page, phys, Access::ReadWrite).unwrap();
+    let target = host.create(page).unwrap();
+    let e = host.copy_into_phys(target, addr, 0).unwrap_err();
+    assert_eq!(
+        e.cause,
+        Cause::Violation(Violation::NotMapped { addr, len: 0 })
+    );
+    host.release(target, page).unwrap();
+    host.unmap(addr, page).unwrap();
+    host.release(phys, page).unwrap();
+    host.free(addr, page).unwrap();
+}

@@ -1,0 +1,47 @@
+//! The integration tests that can share one process, in one binary: a module per behaviour.
+//!
+//! `cargo test --test it` runs them all; `cargo test --test it region::` one suite. Shared setup
+//! (devices over `Faulty`, the driver model at the tests' granularity, a backend that stalls
+//! one call on purpose) is in [`common`].
+//!
+//! Apart, each its own target (see `Cargo.toml`), stay only the suites that cannot share this
+//! process: `tests/ipc.rs` (re-runs its binary as a child process and counts the process's open
+//! descriptors), `tests/unwind.rs` and `tests/unwind_while_unwinding.rs` (child processes that
+//! re-run the binary by test name), `tests/unwind_device_drop.rs` (a panic hook for the whole
+//! process), `tests/ui.rs` (trybuild) and `tests/gpu.rs` (a CUDA driver). No module here sets a
+//! panic hook or an environment variable, counts the process's descriptors or threads, or
+//! re-runs this binary.
+
+mod common;
+
+// The token layer: transitions, custody and teardown, what each kind of memory does.
+mod custody;
+mod custody_discharge;
+mod forgotten;
+mod page_pool;
+mod promises;
+mod region;
+mod sharing;
+mod sleep;
+mod static_asserts;
+mod transitions;
+mod typed_views;
+
+// Across processes and to transfer engines, inside this process.
+mod ipc_decoder;
+mod transfer;
+
+// The backends: the host, the simulator and its rule book, the CUDA backend on the driver
+// model, and the model itself.
+mod backend_input;
+mod cuda_backend;
+mod cuda_ipc;
+mod cuda_peers;
+mod cuda_streams;
+mod driver_model;
+mod host_backend;
+mod simulator;
+
+// Random workloads and many threads.
+mod properties;
+mod threads;

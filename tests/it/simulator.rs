@@ -1,0 +1,168 @@
+//! The simulator and the rule book it keeps, and `Faulty`'s counts, below the token layer: the
+//! simulator creates up to its capacity; copies read and write exactly the mappings they span
+//! and are refused past them; memory released while still mapped lives until its last mapping
+//! goes; only a fault `Faulty` injected says it was injected.
+
+use crate::common::{self, GRANULE};
+use memtoken::backend::{Access, Backend, Cause, Faulty, Op, SimBackend, SimConfig, Violation};
+
+/// A reservation of `n` granules, each mapped to a physical allocation of its own: its address
+/// and the allocations.
+fn map_granules(sim: &SimBackend, n: usize) -> (usize, Vec<<SimBackend as Backend>::Phys>) {
+    let addr = sim.reserve(n * GRANULE).unwrap();
+    let granules = (0..n)
+        .map(|i| {
+            let phys = sim.create(GRANULE).unwrap();
+            sim.map(addr + i * GRANULE, GRANULE, phys, Access::ReadWrite)
+                .unwrap();
+            phys
+        })
+        .collect();
+    (addr, granules)
+}
+
+/// Undoes [`map_granules`].
+fn unmap_granules(sim: &SimBackend, addr: usize, granules: Vec<<SimBackend as Backend>::Phys>) {
+    let n = granules.len();
+    for (i, phys) in granules.into_iter().enumerate() {
+        sim.unmap(addr + i * GRANULE, GRANULE).unwrap();
+        sim.release(phys, GRANULE).unwrap();
+    }
+    sim.free(addr, n * GRANULE).unwrap();
+}
+
+/// Kills `src/backend/sim.rs: replace - with + in <impl Backend for SimBackend>::create`: the
+/// simulator creates up to its physical capacity and refuses a granule more, saying none is
+/// left.
+#[test]
+fn the_simulator_creates_up_to_its_capacity() {
+    let sim = common::sim(2 * GRANULE as u64);
+    let all = sim.create(2 * GRANULE).unwrap();
+    let e = sim.create(GRANULE).expect_err("past the capacity");
+    assert!(
+        matches!(e.cause, Cause::Exhausted { available: 0, .. }),
+        "{e}"
+    );
+    sim.release(all, 2 * GRANULE).unwrap();
+}
+
+/// Kills `src/backend/rules.rs: replace + with * in Book<P>::check_copy`: a copy from a range
+/// mapped by several granules side by side reads all of them.
+#[test]
+fn a_copy_reads_a_source_of_several_mappings() {
+    let sim = common::sim(16 * GRANULE as u64);
+    let (addr, granules) = map_granules(&sim, 3);
+    let target = sim.create(3 * GRANULE).unwrap();
+    sim.copy_into_phys(target, addr, 3 * GRANULE)
+        .expect("every byte of the source is mapped");
+    sim.release(target, 3 * GRANULE).unwrap();
+    unmap_granules(&sim, addr, granules);
+}
+
+/// Kills `src/backend/sim.rs: replace - with + in <impl Backend for SimBackend>::copy_from_host`:
+/// a copy into a range of two mappings that ends inside the second writes exactly its bytes.
+#[test]
+fn a_simulator_copy_ending_inside_a_second_mapping_writes_its_bytes() {
+    let sim = common::sim(16 * GRANULE as u64);
+    let (addr, granules) = map_granules(&sim, 2);
+    let bytes: Vec<u8> = (0..GRANULE).map(|i| (i % 251) as u8).collect();
+    sim.copy_from_host(addr + GRANULE / 2, &bytes)
+        .expect("every byte of the destination is mapped");
+    let mut back = vec![0xff; 2 * GRANULE];
+    sim.copy_to_host(&mut back, addr).unwrap();
+    assert!(
+        back[..GRANULE / 2].iter().all(|&b| b == 0),
+        "before the copy"
+    );
+    assert!(back[GRANULE / 2..3 * GRANULE / 2] == bytes[..], "the copy");
+    assert!(back[3 * GRANULE / 2..].iter().all(|&b| b == 0), "after it");
+    unmap_granules(&sim, addr, granules);
+}
+
+/// Kills `src/backend/rules.rs: replace < with <= in Book<P>::resolve` (with which the check
+/// loops for ever): a copy that runs from a mapping into unmapped address space is refused.
+#[test]
+fn a_copy_running_past_its_mapping_is_refused() {
+    let sim = common::sim(16 * GRANULE as u64);
+    let addr = sim.reserve(2 * GRANULE).unwrap();
+    let phys = sim.create(GRANULE).unwrap();
+    sim.map(addr, GRANULE, phys, Access::ReadWrite).unwrap();
+    let mut bytes = vec![0; 2 * GRANULE];
+    let e = sim.copy_to_host(&mut bytes, addr).unwrap_err();
+    assert!(
+        matches!(e.cause, Cause::Violation(Violation::NotMapped { .. })),
+        "{e}"
+    );
+    let e = sim.copy_from_host(addr, &bytes).unwrap_err();
+    assert!(
+        matches!(e.cause, Cause::Violation(Violation::NotMapped { .. })),
+        "{e}"
+    );
+    sim.unmap(addr, GRANULE).unwrap();
+    sim.release(phys, GRANULE).unwrap();
+    sim.free(addr, 2 * GRANULE).unwrap();
+}
+
+/// Kills `src/backend/rules.rs: replace > with >= in Book<P>::check_copy` (its self-copy
+/// check): a copy into memory mapped right before the source range, not in it, is no copy of
+/// that memory into itself.
+#[test]
+fn a_copy_into_memory_mapped_just_before_the_source_is_no_self_copy() {
+    let sim = common::sim(16 * GRANULE as u64);
+    let (addr, granules) = map_granules(&sim, 2);
+    sim.copy_into_phys(granules[0], addr + GRANULE, GRANULE)
+        .expect("the source is the second granule only");
+    unmap_granules(&sim, addr, granules);
+}
+
+/// Kills `src/backend/rules.rs: replace == with != in Book<P>::apply_unmap` and
+/// `src/backend/sim.rs: delete ! in <impl Backend for SimBackend>::release`: physical memory
+/// released while mapped twice stays known to the book, its bytes with it, until its last
+/// mapping goes.
+#[test]
+fn memory_released_while_mapped_twice_lives_until_its_last_unmap() {
+    let sim = SimBackend::new(SimConfig {
+        release_while_mapped: true,
+        ..SimConfig::strict()
+    })
+    .unwrap();
+    let addr = sim.reserve(2 * GRANULE).unwrap();
+    let phys = sim.create(GRANULE).unwrap();
+    sim.map(addr, GRANULE, phys, Access::ReadWrite).unwrap();
+    sim.map(addr + GRANULE, GRANULE, phys, Access::ReadOnly)
+        .unwrap();
+    sim.copy_from_host(addr, &[7]).unwrap();
+    sim.release(phys, GRANULE).unwrap();
+    sim.unmap(addr, GRANULE).unwrap();
+    let mut byte = [1];
+    sim.copy_to_host(&mut byte, addr + GRANULE)
+        .expect("still mapped once");
+    assert_eq!(byte, [7], "its bytes live with it");
+    sim.unmap(addr + GRANULE, GRANULE).unwrap();
+    assert_eq!(sim.physical_in_use(), 0);
+    sim.free(addr, 2 * GRANULE).unwrap();
+}
+
+/// Kills `src/backend/mod.rs: replace BackendError::is_injected -> bool with true`: only a
+/// fault that `Faulty` injected says it was injected; a refused call does not.
+#[test]
+fn only_an_injected_fault_says_it_was_injected() {
+    let sim = common::sim(16 * GRANULE as u64);
+    let faulty = Faulty::new(sim.clone());
+    faulty.handle().fail_nth(Op::Reserve, 1);
+    assert!(faulty.reserve(GRANULE).unwrap_err().is_injected());
+    let refused = sim.free(GRANULE, GRANULE).unwrap_err();
+    assert!(matches!(refused.cause, Cause::Violation(_)), "{refused}");
+    assert!(!refused.is_injected(), "{refused}");
+}
+
+/// Kills `src/backend/faulty.rs: replace Outstanding::is_zero -> bool with true`: what a
+/// `Faulty` backend counts as handed out is not zero while a reservation is.
+#[test]
+fn a_faulty_backend_holding_a_reservation_has_something_outstanding() {
+    let faulty = Faulty::new(common::sim(16 * GRANULE as u64));
+    let addr = faulty.reserve(GRANULE).unwrap();
+    assert!(!faulty.handle().outstanding().is_zero());
+    faulty.free(addr, GRANULE).unwrap();
+    assert!(faulty.handle().outstanding().is_zero());
+}

@@ -159,18 +159,15 @@ fn region_cycle(c: &mut Criterion) {
     let device = Device::new(guard, HostBackend::with_defaults().unwrap());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let raw_backend = HostBackend::with_defaults().unwrap();
-    let mut memtoken = Some(region::warm_region(&binding));
+    let mut memtoken = region::warm_region(&binding);
     let mut raw = region::warm_raw(&raw_backend);
     // Warm both memfds and the kernel's structures alike, as for the granule cycle.
     for _ in 0..2_000 {
-        memtoken = memtoken.map(|r| region::once_memtoken(r, region::GRANULES));
+        region::once_memtoken(&mut memtoken, region::GRANULES);
         region::once_raw(&mut raw, region::GRANULES);
     }
     c.bench_function("region_cycle/memtoken", |b| {
-        b.iter(|| {
-            let r = memtoken.take().unwrap();
-            memtoken = Some(region::once_memtoken(r, region::GRANULES));
-        })
+        b.iter(|| region::once_memtoken(&mut memtoken, region::GRANULES))
     });
     c.bench_function("region_cycle/raw", |b| {
         b.iter(|| region::once_raw(&mut raw, region::GRANULES))
@@ -180,7 +177,7 @@ fn region_cycle(c: &mut Criterion) {
     let owned = device.ledger().owned_bytes;
     assert_eq!((owned, device.cached_bytes()), (bytes, bytes));
     assert_eq!(raw.free_granules(), region::GRANULES);
-    memtoken.unwrap().release().complete().unwrap();
+    memtoken.release().complete().unwrap();
 }
 
 fn sleep_wake(c: &mut Criterion) {

@@ -162,7 +162,7 @@ mod gpu {
             at: usize,
             kv: &[u8],
         ) -> Result<()> {
-            Ok(d.copy_to_boundary(at, kv)?)
+            Ok(d.copy_boundary_from_host(at, kv)?)
         }
         fn write_page(
             &self,
@@ -171,7 +171,7 @@ mod gpu {
             at: usize,
             kv: &[u8],
         ) -> Result<()> {
-            Ok(t.copy_to_page(pos, at, kv)?)
+            Ok(t.copy_page_from_host(pos, at, kv)?)
         }
         fn read_shared(
             &self,
@@ -196,7 +196,7 @@ mod gpu {
             at: usize,
             out: &mut [u8],
         ) -> Result<()> {
-            Ok(t.copy_from_page(pos, at, out)?)
+            Ok(t.copy_page_to_host(pos, at, out)?)
         }
         fn write_region(&self, r: &mut Region<'_, '_, Gpu>, at: usize, kv: &[u8]) -> Result<()> {
             Ok(r.copy_from_host(at, kv)?)
@@ -588,7 +588,7 @@ impl<'b, 'id, B: Backend> ElasticSeq<Region<'b, 'id, B>> {
     fn push_token(mut self, kv: &impl Kv<B>, grown: &mut usize) -> Result<Self> {
         let at = self.len * BYTES_PER_TOKEN;
         if at + BYTES_PER_TOKEN > self.region.committed_len() {
-            self.region = self.region.grow(1).map_err(|e| e.cause)?;
+            self.region.grow(1)?;
             *grown += 1;
         }
         let owner = (self.len >= self.prompt_tokens).then_some(self.id);

@@ -26,14 +26,10 @@ use region::{GRANULES, RawRegion};
 use std::time::Instant;
 
 #[inline(never)]
-fn cycles_memtoken<'b, 'id, B: Backend>(
-    mut region: Region<'b, 'id, B>,
-    n: u64,
-) -> Region<'b, 'id, B> {
+fn cycles_memtoken<B: Backend>(region: &mut Region<'_, '_, B>, n: u64) {
     for _ in 0..n {
-        region = region::once_memtoken(region, GRANULES);
+        region::once_memtoken(region, GRANULES);
     }
-    region
 }
 
 #[inline(never)]
@@ -59,10 +55,10 @@ fn main() {
             let binding = device.bind(Budget::unlimited()).unwrap();
             let mut r = region::warm_region(&binding);
             for _ in 0..n {
-                r = region::once_memtoken(r, GRANULES);
+                region::once_memtoken(&mut r, GRANULES);
             }
             let start = Instant::now();
-            let r = cycles_memtoken(r, n);
+            cycles_memtoken(&mut r, n);
             let elapsed = start.elapsed();
             let bytes = (GRANULES * device.granularity()) as u64;
             assert_eq!(device.ledger().owned_bytes, bytes, "nothing created");

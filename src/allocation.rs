@@ -256,7 +256,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         let device = self.core.device();
         device
             .ensure_live(Op::Create, 0, len)
-            .map_err(CommitFailure::Backend)?;
+            .map_err(|e| CommitFailure::Backend(Box::new(e)))?;
         let capacity = device.backend().physical_capacity();
         if len as u64 > capacity {
             return Err(CommitFailure::Capacity {
@@ -290,7 +290,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                 Ok(phys) => phys,
                 Err(e) => {
                     binding.uncharge(len);
-                    return refuse(self, CommitFailure::Backend(e));
+                    return refuse(self, CommitFailure::Backend(Box::new(e)));
                 }
             };
             if let Err(error) = backend.map(core.addr, len, phys, Access::ReadWrite) {

@@ -1,9 +1,20 @@
 //! Why a transition failed: one cause type per transition, and [`TransitionError`], the one
 //! shape of every error that hands a token back (the token and its cause).
 //!
-//! Each message says what failed, with numbers, and what to do; a cause that has a cause of its
-//! own returns it from [`source`](std::error::Error::source) instead of printing it, so no cause
-//! is printed twice along a chain.
+//! The rules every error here follows:
+//!
+//! - **Names.** A type a public function returns in `Err` is named `…Error`; the cause a
+//!   [`TransitionError`] carries beside the token it hands back is named `…Failure`.
+//! - **Boxes.** Every error held inside a cause or an error is boxed — a [`BackendError`], a
+//!   nested cause — so each `Err` stays a few words, small enough to return beside its token.
+//! - **Messages.** Each message says what failed, with numbers, and what to do; a cause that
+//!   has a cause of its own returns it from [`source`](std::error::Error::source) instead of
+//!   printing it, so no cause is printed twice along a chain.
+//! - **A lost context** is said one way: in the [`BackendError`] of the variant that would
+//!   have made (or made) the call — [`Cause::ContextLost`](crate::backend::Cause::ContextLost)
+//!   when no call was made, the driver's sticky error when the call found the loss — and
+//!   every cause and error answers [`Failure::is_context_lost`], which finds it along the
+//!   chain. No variant of its own says it.
 
 use crate::backend::BackendError;
 use std::fmt;
@@ -43,7 +54,7 @@ pub enum ReserveError {
     },
     /// The backend failed.
     #[error("the backend could not reserve the range; nothing was reserved")]
-    Backend(#[from] BackendError),
+    Backend(#[source] Box<BackendError>),
 }
 
 /// Why a commit failed.
@@ -85,7 +96,7 @@ pub enum CommitFailure {
     #[error(
         "a backend call failed; everything done before it was undone, nothing stays mapped or charged"
     )]
-    Backend(#[source] BackendError),
+    Backend(#[source] Box<BackendError>),
     /// A backend call failed, and releasing the physical memory created for it failed too.
     #[error(
         "a backend call failed, and releasing the physical memory created for it failed too ({rollback}): that memory stays owned (and charged) in the device quarantine, until Device::retry_quarantine succeeds or, once the context is lost, Device::discharge_all"
@@ -93,9 +104,9 @@ pub enum CommitFailure {
     RollbackFailed {
         /// The failure that stopped the transition.
         #[source]
-        error: BackendError,
+        error: Box<BackendError>,
         /// The failure of the rollback.
-        rollback: ReleaseFailure,
+        rollback: Box<ReleaseFailure>,
     },
     /// A backend call failed, and unmapping what was already mapped failed too (a prefix,
     /// whose memory is mapped in two calls): the reservation, what is mapped in it and its
@@ -106,7 +117,7 @@ pub enum CommitFailure {
     UnmapFailed {
         /// The failure that stopped the transition.
         #[source]
-        error: BackendError,
+        error: Box<BackendError>,
         /// The failed unmap.
         rollback: Box<BackendError>,
     },
@@ -115,9 +126,13 @@ pub enum CommitFailure {
 impl CommitFailure {
     /// Why a transition stopped at `error`, given how undoing the memory it created went.
     pub(crate) fn undone(error: BackendError, rollback: Result<(), ReleaseFailure>) -> Self {
+        let error = Box::new(error);
         match rollback {
             Ok(()) => Self::Backend(error),
-            Err(rollback) => Self::RollbackFailed { error, rollback },
+            Err(rollback) => Self::RollbackFailed {
+                error,
+                rollback: Box::new(rollback),
+            },
         }
     }
 }
@@ -137,7 +152,7 @@ pub enum ShareFailure {
     },
     /// A backend call failed; everything done before it was undone.
     #[error("a backend call failed; everything done before it was undone, nothing stays mapped")]
-    Backend(#[source] BackendError),
+    Backend(#[source] Box<BackendError>),
     /// A backend call failed, and unmapping what was already mapped failed too.
     #[error(
         "a backend call failed, and unmapping the part already mapped failed too ({rollback}): that part is quarantined"
@@ -145,7 +160,7 @@ pub enum ShareFailure {
     RollbackFailed {
         /// The failure that stopped the mapping.
         #[source]
-        error: BackendError,
+        error: Box<BackendError>,
         /// The failed unmap.
         rollback: Box<BackendError>,
     },
@@ -160,7 +175,7 @@ pub enum CowFailure {
     /// The private granule could not be made (a budget refused it, or a backend call failed);
     /// the mapping is unchanged and still shared.
     #[error("the private copy of the boundary granule could not be made; the mapping is unchanged")]
-    Private(#[source] CommitFailure),
+    Private(#[source] Box<CommitFailure>),
     /// Work that may still read the mapping has not finished (its fence is pending), so the
     /// boundary cannot be unmapped yet; nothing was done.
     #[error(
@@ -171,7 +186,7 @@ pub enum CowFailure {
     #[error(
         "unmapping the shared boundary granule failed, so whether it is still mapped is unknown: the mapping's remains are quarantined"
     )]
-    Unmap(#[source] BackendError),
+    Unmap(#[source] Box<BackendError>),
     /// Mapping the private copy failed, and mapping the shared granule back failed too.
     #[error(
         "mapping the private copy failed, and mapping the shared granule back failed too ({restore}): the mapping's remains are quarantined"
@@ -179,7 +194,7 @@ pub enum CowFailure {
     Remap {
         /// The failed map of the private copy.
         #[source]
-        error: BackendError,
+        error: Box<BackendError>,
         /// The failed map of the shared granule back.
         restore: Box<BackendError>,
     },
@@ -193,17 +208,20 @@ pub enum ReleaseFailure {
         "work that may use the memory has not finished (its fence is pending); nothing was done: complete it later"
     )]
     Pending,
-    /// A backend call failed.
-    #[error(transparent)]
-    Backend(Box<BackendError>),
-    /// The context is lost: no backend call was made.
-    #[error(
-        "the device's context is lost, so no backend call was made; discharge with the proof from Device::confirm_context_lost"
-    )]
-    ContextLost,
+    /// A backend call failed, or was refused: with
+    /// [`Cause::ContextLost`](crate::backend::Cause::ContextLost) no call was made
+    /// (discharge the token with the proof from `Device::confirm_context_lost`).
+    #[error("a backend call to give the memory back failed; what it holds is kept")]
+    Backend(#[source] Box<BackendError>),
 }
 
 impl From<BackendError> for ReleaseFailure {
+    fn from(e: BackendError) -> Self {
+        Self::Backend(Box::new(e))
+    }
+}
+
+impl From<BackendError> for ReserveError {
     fn from(e: BackendError) -> Self {
         Self::Backend(Box::new(e))
     }
@@ -258,7 +276,7 @@ pub enum ViewError {
     #[error(
         "the view's stream cannot be covered by the device's fences: use a stream of the device's context"
     )]
-    Stream(#[source] BackendError),
+    Stream(#[source] Box<BackendError>),
 }
 
 /// Why committed memory (an allocation or a region) could not be suspended.
@@ -270,8 +288,10 @@ pub enum SuspendFailure {
         "work that may still use the memory has not finished, so it cannot be unmapped yet; nothing was done: try again once that work has finished"
     )]
     Pending,
-    /// The context is lost: no call was made, nothing was done.
-    #[error("the context is lost; nothing was done")]
+    /// A backend call was refused: with
+    /// [`Cause::ContextLost`](crate::backend::Cause::ContextLost), no call was made. Nothing was
+    /// done.
+    #[error("the memory could not be suspended; nothing was done")]
     Backend(#[source] Box<BackendError>),
     /// Saving the bytes to the host failed. Nothing else was done: the memory is as it was.
     #[error("saving the bytes to the host failed; nothing else was done")]
@@ -289,7 +309,7 @@ pub enum ResumeFailure {
     /// The region could not grow back to its suspended length (every granule this call mapped
     /// was given back).
     #[error("the region could not grow back to its suspended length")]
-    Grow(#[source] Box<GrowFailure>),
+    Grow(#[source] Box<GrowError>),
     /// Restoring the saved bytes failed; the memory mapped for them was given back.
     #[error("restoring the saved bytes failed; the memory mapped for them was given back")]
     Restore(#[source] Box<BackendError>),
@@ -298,7 +318,7 @@ pub enum ResumeFailure {
     #[error(
         "memory withheld after an earlier failed unmap could not be reclaimed; nothing was mapped"
     )]
-    Withheld(#[source] Box<ShrinkFailure>),
+    Withheld(#[source] Box<ShrinkError>),
     /// Restoring the saved bytes failed, and unmapping the memory mapped for them failed too:
     /// the token is still suspended with its saved bytes, and that memory stays withheld in
     /// it, charged, until a reclaim (or the next resume) frees it.
@@ -317,7 +337,7 @@ pub enum ResumeFailure {
 /// Why an elastic region could not grow. Whatever the cause, the region comes back with the
 /// committed length it had.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum GrowFailure {
+pub enum GrowError {
     /// The growth does not fit: past the reserved range, or over granules withheld after a
     /// failed unmap (see [`Region::reclaim`](crate::Region::reclaim)). Nothing was done.
     #[error(
@@ -351,16 +371,16 @@ pub enum GrowFailure {
     /// too: those stay owned, charged and withheld in the region, which cannot grow over them
     /// until [`Region::reclaim`](crate::Region::reclaim) frees them.
     #[error(
-        "growing stopped at granule {at} of this call (from 0), and unmapping {stuck} of the granules it had mapped failed too ({rollback}): they stay owned and withheld in the region, which cannot grow over them until Region::reclaim frees them; the committed length is unchanged (a granule whose release failed while undoing is in the device quarantine, counted on the ledger)"
+        "growing stopped at granule {at} of this call (from 0), and unmapping {withheld} of the granules it had mapped failed too ({rollback}): they stay owned and withheld in the region, which cannot grow over them until Region::reclaim frees them; the committed length is unchanged (a granule whose release failed while undoing is in the device quarantine, counted on the ledger)"
     )]
-    Stuck {
+    Withheld {
         /// The granule (of this call, from 0) that could not be added.
         at: usize,
         /// Why it could not.
         #[source]
         cause: Box<CommitFailure>,
         /// Granules left withheld in the region.
-        stuck: usize,
+        withheld: usize,
         /// The (last) failed unmap.
         rollback: Box<BackendError>,
     },
@@ -369,7 +389,7 @@ pub enum GrowFailure {
 /// Why an elastic region could not shrink (or give back its withheld granules). The region
 /// stays usable; its committed length says how far it shrank.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum ShrinkFailure {
+pub enum ShrinkError {
     /// More granules asked for than are committed. Nothing was done.
     #[error("cannot shrink by {requested} granules: only {committed} are committed")]
     TooMany {
@@ -378,27 +398,29 @@ pub enum ShrinkFailure {
         /// Granules committed.
         committed: usize,
     },
-    /// The context is lost: no call was made, nothing was done.
+    /// A backend call was refused: with
+    /// [`Cause::ContextLost`](crate::backend::Cause::ContextLost), no call was made. Nothing was
+    /// done.
     #[error("the region could not shrink; nothing was done")]
-    Backend(#[source] BackendError),
+    Backend(#[source] Box<BackendError>),
     /// Work that may still use the region's memory has not finished (its fence is pending), so
     /// no granule may be unmapped yet (`cuMemUnmap` does not wait for it). Nothing was done.
     #[error(
         "work that may still use the region has not finished, so it cannot shrink yet; nothing was done: try again once that work has finished"
     )]
     Pending,
-    /// Unmapping `stuck` granules failed: the committed length shrank as asked, but those
+    /// Unmapping `granules` granules failed: the committed length shrank as asked, but those
     /// granules stay owned, charged and withheld in the region (it cannot grow over them) until
     /// [`Region::reclaim`](crate::Region::reclaim) frees them; the others were given back.
     #[error(
-        "unmapping {stuck} granules failed: they stay owned, charged and withheld in the region (it cannot grow over them) until Region::reclaim frees them; the other granules were given back"
+        "unmapping {granules} granules failed: they stay owned, charged and withheld in the region (it cannot grow over them) until Region::reclaim frees them; the other granules were given back"
     )]
-    Stuck {
+    Withheld {
         /// Granules withheld in the region now.
-        stuck: usize,
+        granules: usize,
         /// The (last) failed unmap.
         #[source]
-        error: BackendError,
+        error: Box<BackendError>,
     },
 }
 
@@ -417,19 +439,74 @@ pub(crate) mod sealed {
     pub trait Sealed {}
 }
 
-/// The cause of a failed transition that hands its token back (sealed).
+/// Why a transition failed (sealed): the cause a [`TransitionError`] carries beside its
+/// token, or the error of a transition that keeps its token where it was (a region's
+/// [`grow`](crate::Region::grow) and [`shrink`](crate::Region::shrink), a reservation, an
+/// import, an export).
 pub trait Failure: std::error::Error + sealed::Sealed + 'static {
     /// What happened, in a few words, for the top of the error's message.
     fn summary(&self) -> &'static str;
+
+    /// Whether it failed because the device's context is lost — the one question to ask of
+    /// every failure: it finds the first [`BackendError`] along the chain of
+    /// [`source`](std::error::Error::source)s and asks it
+    /// ([`BackendError::is_context_lost`]: refused with
+    /// [`Cause::ContextLost`](crate::backend::Cause::ContextLost), or the
+    /// driver's error that found the loss). What is left can be discharged with the proof
+    /// from `Device::confirm_context_lost`.
+    fn is_context_lost(&self) -> bool
+    where
+        Self: Sized,
+    {
+        let mut next: Option<&(dyn std::error::Error + 'static)> = Some(self);
+        while let Some(e) = next {
+            // A boxed one is its own error type: look through the box.
+            let backend = e.downcast_ref::<BackendError>();
+            if let Some(b) = backend.or_else(|| e.downcast_ref::<Box<BackendError>>().map(|b| &**b))
+            {
+                return b.is_context_lost();
+            }
+            next = e.source();
+        }
+        false
+    }
 }
 
 impl sealed::Sealed for CommitFailure {}
 impl sealed::Sealed for ShareFailure {}
 impl sealed::Sealed for CowFailure {}
 impl sealed::Sealed for ReleaseFailure {}
-impl sealed::Sealed for GrowFailure {}
+impl sealed::Sealed for GrowError {}
 
 impl sealed::Sealed for SuspendFailure {}
+impl sealed::Sealed for ShrinkError {}
+impl sealed::Sealed for ReserveError {}
+impl sealed::Sealed for BackendError {}
+impl sealed::Sealed for PoolError {}
+
+impl Failure for PoolError {
+    fn summary(&self) -> &'static str {
+        "the page pool could not be made or grown"
+    }
+}
+
+impl Failure for ShrinkError {
+    fn summary(&self) -> &'static str {
+        "the region could not shrink"
+    }
+}
+
+impl Failure for ReserveError {
+    fn summary(&self) -> &'static str {
+        "the reservation was refused"
+    }
+}
+
+impl Failure for BackendError {
+    fn summary(&self) -> &'static str {
+        "a backend call failed"
+    }
+}
 impl sealed::Sealed for ResumeFailure {}
 
 impl Failure for SuspendFailure {
@@ -447,7 +524,7 @@ impl Failure for ResumeFailure {
     }
 }
 
-impl Failure for GrowFailure {
+impl Failure for GrowError {
     fn summary(&self) -> &'static str {
         "the region could not grow"
     }
@@ -480,7 +557,7 @@ impl Failure for ReleaseFailure {
     fn summary(&self) -> &'static str {
         match self {
             Self::Pending => "the release cannot complete yet",
-            Self::Backend(_) | Self::ContextLost => "the release failed",
+            Self::Backend(_) => "the release failed",
         }
     }
 }

@@ -167,9 +167,8 @@ pub use allocation::{Allocation, CommitError, CompleteError};
 pub use binding::Binding;
 pub use device::{CloseReport, Custody, Device, Forgotten, Progress};
 pub use error::{
-    CommitFailure, CowFailure, Failure, GrowFailure, PoolError, ReleaseFailure, ReserveError,
-    ResumeFailure, Returned, ShareFailure, ShrinkFailure, SuspendFailure, TransitionError,
-    ViewError,
+    CommitFailure, CowFailure, Failure, GrowError, PoolError, ReleaseFailure, ReserveError,
+    ResumeFailure, Returned, ShareFailure, ShrinkError, SuspendFailure, TransitionError, ViewError,
 };
 pub use generativity::{Guard, make_guard};
 pub use ids::{ContextLost, Generation, Released};
@@ -181,7 +180,7 @@ pub use interop::{
 pub use ledger::{Budget, LedgerSnapshot};
 pub use page_pool::{Page, PagePool, PageTable};
 pub use quarantine::{QuarantineError, Quarantined};
-pub use region::{Elastic, GrowError, Region};
+pub use region::{Elastic, Region};
 pub use residual::{Holdings, Residual};
 pub use sharing::{
     Capability, CowError, Diverged, DivergedMapping, ExportablePrefix, Local, Owner, Prefix,

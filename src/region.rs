@@ -7,7 +7,7 @@ use crate::allocation::Allocation;
 use crate::backend::{Access, Backend, BackendError, HostVisible, Op};
 use crate::binding::Binding;
 use crate::device::Device;
-use crate::error::{CommitFailure, GrowFailure, ShrinkFailure, TransitionError};
+use crate::error::{CommitFailure, GrowError, ShrinkError};
 use crate::ledger::Axis;
 use crate::residual::{Granule, Held};
 use crate::state::Wait;
@@ -17,10 +17,6 @@ use crate::state::{
 };
 use crate::token::{Core, host_slice, host_slice_mut};
 use crate::unwind::{Guarded, Scope};
-
-/// A failed [`grow`](Allocation::grow): the same region, with the committed length it had, and
-/// why.
-pub type GrowError<'b, 'id, B> = TransitionError<Region<'b, 'id, B>, GrowFailure>;
 
 /// An elastic region: one reserved range whose committed part — from its start to its
 /// [`committed_len`](Allocation::committed_len) — grows and shrinks by granules at its tail.
@@ -38,7 +34,7 @@ pub type GrowError<'b, 'id, B> = TransitionError<Region<'b, 'id, B>, GrowFailure
 ///   mapped, and to the region's binding; a cached one is owned by the device alone.
 /// - Nothing is unmapped while work that may use the region still runs:
 ///   [`shrink`](Allocation::shrink) and [`reclaim`](Allocation::reclaim) refuse with
-///   [`ShrinkFailure::Pending`] then.
+///   [`ShrinkError::Pending`] then.
 /// - Memory a growth maps is uninitialised: a granule from the cache keeps the bytes of its
 ///   last use, by any region of the device.
 ///
@@ -51,7 +47,8 @@ pub type GrowError<'b, 'id, B> = TransitionError<Region<'b, 'id, B>, GrowFailure
 /// # make_guard!(guard);
 /// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
 /// # let binding = device.bind(Budget::unlimited()).unwrap();
-/// let mut region = binding.reserve(4 * 4096).unwrap().into_region().grow(2).unwrap();
+/// let mut region = binding.reserve(4 * 4096).unwrap().into_region();
+/// region.grow(2).unwrap();
 /// let bytes = region.as_slice();
 /// region.shrink(1).unwrap();
 /// println!("{}", bytes[4096]);
@@ -65,9 +62,10 @@ pub type GrowError<'b, 'id, B> = TransitionError<Region<'b, 'id, B>, GrowFailure
 /// # make_guard!(guard);
 /// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
 /// # let binding = device.bind(Budget::unlimited()).unwrap();
-/// let region = binding.reserve(4 * 4096).unwrap().into_region().grow(2).unwrap();
+/// let mut region = binding.reserve(4 * 4096).unwrap().into_region();
+/// region.grow(2).unwrap();
 /// let releasing = region.release();
-/// let region = region.grow(1);
+/// region.grow(1).unwrap();
 /// ```
 ///
 /// ```
@@ -78,11 +76,12 @@ pub type GrowError<'b, 'id, B> = TransitionError<Region<'b, 'id, B>, GrowFailure
 /// let device = Device::new(guard, HostBackend::with_defaults()?);
 /// let binding = device.bind(Budget::unlimited())?;
 /// let g = device.granularity();
-/// let mut region = binding.reserve(8 * g)?.into_region().grow(2).map_err(|e| e.cause)?;
+/// let mut region = binding.reserve(8 * g)?.into_region();
+/// region.grow(2)?;
 /// region.as_mut_slice()[2 * g - 1] = 7;
 /// region.shrink(1)?; // the last granule goes to the device's cache
 /// assert_eq!((region.committed_len(), device.ledger().cached_bytes), (g, g as u64));
-/// let region = region.grow(3).map_err(|e| e.cause)?; // takes it back: no new memory
+/// region.grow(3)?; // takes it back: no new memory; a refused growth leaves it as it was
 /// assert_eq!(device.ledger().cached_bytes, 0);
 /// region.release().complete().map_err(|e| e.to_string())?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
@@ -98,7 +97,7 @@ pub enum Elastic {}
 #[derive(Debug)]
 pub struct Granules<P> {
     pub(crate) committed: Vec<P>,
-    pub(crate) stuck: Vec<Granule<P>>,
+    pub(crate) withheld: Vec<Granule<P>>,
 }
 
 impl sealed::Sealed for Elastic {}
@@ -115,22 +114,22 @@ impl Repr for Elastic {
         let g = backend.granularity();
         let Granules {
             committed,
-            mut stuck,
+            mut withheld,
         } = parts;
         let mapped = committed.len() * g;
         // The committed granules are mapped from the start of the range: one unmap covers them.
-        stuck.extend(committed.into_iter().enumerate().map(|(i, phys)| Granule {
+        withheld.extend(committed.into_iter().enumerate().map(|(i, phys)| Granule {
             offset: i * g,
             len: g,
             phys,
             mapped: false,
         }));
-        let charged = stuck.len() * g;
+        let charged = withheld.len() * g;
         Retired {
             // Work may still use the memory: its release waits for a fence.
-            fence: Wait::unless(stuck.is_empty(), || backend.fence()),
+            fence: Wait::unless(withheld.is_empty(), || backend.fence()),
             held: Held {
-                granules: stuck,
+                granules: withheld,
                 ..Held::mapped(mapped)
             },
             charged,
@@ -150,7 +149,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         let (core, ()) = self.into_core();
         let granules = Granules {
             committed: Vec::new(),
-            stuck: Vec::new(),
+            withheld: Vec::new(),
         };
         Allocation::from_core(core, granules)
     }
@@ -224,15 +223,15 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// Granules withheld after a failed unmap: owned and charged, inside the range past the
     /// committed part, which cannot grow over them until [`reclaim`](Self::reclaim) frees them.
     pub fn withheld_granules(&self) -> usize {
-        self.parts().stuck.len()
+        self.parts().withheld.len()
     }
 
     /// Granules the committed part can grow to now: up to the end of the range, or to the
     /// first withheld granule.
     pub fn room_granules(&self) -> usize {
         let g = self.granularity();
-        let stuck = self.parts().stuck.iter().map(|s| s.offset / g).min();
-        stuck.unwrap_or(self.len() / g)
+        let withheld = self.parts().withheld.iter().map(|s| s.offset / g).min();
+        withheld.unwrap_or(self.len() / g)
     }
 
     fn granularity(&self) -> usize {
@@ -247,13 +246,12 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// # Errors
     ///
     /// [`GrowError`], with this region and its committed length unchanged: when the growth
-    /// does not fit ([`GrowFailure::Full`], nothing done), or when a budget, the capacity or a
-    /// backend call refuses a granule ([`GrowFailure::Undone`]): every granule this call mapped
+    /// does not fit ([`GrowError::Full`], nothing done), or when a budget, the capacity or a
+    /// backend call refuses a granule ([`GrowError::Undone`]): every granule this call mapped
     /// is unmapped and given back where it came from, and the binding is charged nothing. When
-    /// unmapping one of them fails too ([`GrowFailure::Stuck`]), it stays in the region, owned
+    /// unmapping one of them fails too ([`GrowError::Withheld`]), it stays in the region, owned
     /// and withheld.
-    #[must_use = "a failed growth returns the region inside the error"]
-    pub fn grow(mut self, granules: usize) -> Result<Self, GrowError<'b, 'id, B>> {
+    pub fn grow(&mut self, granules: usize) -> Result<(), GrowError> {
         Scope::run::<B, _>(move || {
             let core = self.core();
             let (binding, device) = (core.binding, core.device());
@@ -261,25 +259,25 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             let start = self.committed_granules();
             let room = self.room_granules();
             if granules > room - start {
-                let cause = GrowFailure::Full {
+                let cause = GrowError::Full {
                     requested: granules,
                     committed: start,
                     room,
                 };
-                return Err(TransitionError { token: self, cause });
+                return Err(cause);
             }
             if let Err(e) = device.ensure_live(Op::Map, core.addr + start * g, granules * g) {
-                return self.undo_grow(start, 0, 0, CommitFailure::Backend(e));
+                return Err(self.undo_grow(start, 0, 0, CommitFailure::Backend(Box::new(e))));
             }
             // The binding's budget takes the whole growth at once, or none of it.
             if let Err(cause) = binding.charge_budget(granules * g) {
                 let free = binding.limit().saturating_sub(binding.used()) / g as u64;
-                let cause = GrowFailure::Undone {
+                let cause = GrowError::Undone {
                     at: granules.min(free as usize),
                     cause: Box::new(cause),
                     quarantined: 0,
                 };
-                return Err(TransitionError { token: self, cause });
+                return Err(cause);
             }
             // Granules come from the cache first; once it has none, they are created. The cached
             // and mapped axes move once for the whole growth.
@@ -288,18 +286,15 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
                 match self.grow_granule(start + at, from_cache == at) {
                     Ok(cached) => from_cache += usize::from(cached),
                     Err((cause, q)) => {
-                        return self
-                            .stop_grow(start, from_cache, at, granules, cause)
-                            .map_err(|mut e| {
-                                add_quarantined(&mut e.cause, q);
-                                e
-                            });
+                        let mut e = self.stop_grow(start, from_cache, at, granules, cause);
+                        add_quarantined(&mut e, q);
+                        return Err(e);
                     }
                 }
             }
             device.cache_taken(from_cache);
             device.charge(Axis::Mapped, granules * g);
-            Ok(self)
+            Ok(())
         })
     }
 
@@ -323,7 +318,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
                 device.charge_owned_or_trim(g).map_err(|cause| (cause, 0))?;
                 backend.create(g).map_err(|e| {
                     device.refund(Axis::Owned, g);
-                    (CommitFailure::Backend(e), 0)
+                    (CommitFailure::Backend(Box::new(e)), 0)
                 })?
             }
         };
@@ -335,7 +330,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             } else {
                 usize::from(device.release_orphan(phys, g).is_err())
             };
-            return Err((CommitFailure::Backend(e), q));
+            return Err((CommitFailure::Backend(Box::new(e)), q));
         }
         self.parts_mut().committed.push(phys);
         Ok(cached)
@@ -346,13 +341,13 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// `from_cache` granules mapped from the cache leave its axis, the mapped ones are charged
     /// as mapped — then the growth is undone.
     fn stop_grow(
-        self,
+        &mut self,
         start: usize,
         from_cache: usize,
         at: usize,
         granules: usize,
         cause: CommitFailure,
-    ) -> Result<Self, GrowError<'b, 'id, B>> {
+    ) -> GrowError {
         let core = self.core();
         let (binding, device) = (core.binding, core.device());
         let g = device.granularity();
@@ -366,12 +361,12 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// `from_cache` of them came from the cache and go back there), and says why it stopped at
     /// granule `at`.
     fn undo_grow(
-        mut self,
+        &mut self,
         start: usize,
         from_cache: usize,
         at: usize,
         cause: CommitFailure,
-    ) -> Result<Self, GrowError<'b, 'id, B>> {
+    ) -> GrowError {
         let core = self.core();
         let (binding, device) = (core.binding, core.device());
         let g = device.granularity();
@@ -392,20 +387,19 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             }
         }
         let quarantined = back.finish();
-        let cause = match failed {
-            None => GrowFailure::Undone {
+        match failed {
+            None => GrowError::Undone {
                 at,
                 cause: Box::new(cause),
                 quarantined,
             },
-            Some((stuck, rollback)) => GrowFailure::Stuck {
+            Some((withheld, rollback)) => GrowError::Withheld {
                 at,
                 cause: Box::new(cause),
-                stuck,
+                withheld,
                 rollback: Box::new(rollback),
             },
-        };
-        Err(TransitionError { token: self, cause })
+        }
     }
 
     /// Shrinks the committed part by `granules` granules at its tail: each is unmapped and
@@ -419,17 +413,17 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     ///
     /// # Errors
     ///
-    /// [`ShrinkFailure::TooMany`] (nothing done) when fewer granules are committed;
-    /// [`ShrinkFailure::Pending`] (nothing done) while work covered by the backend's fences
-    /// may still use the memory; [`ShrinkFailure::Backend`] (nothing done) when the context is
-    /// lost; [`ShrinkFailure::Stuck`] when some granules could not be unmapped: the committed part
+    /// [`ShrinkError::TooMany`] (nothing done) when fewer granules are committed;
+    /// [`ShrinkError::Pending`] (nothing done) while work covered by the backend's fences
+    /// may still use the memory; [`ShrinkError::Backend`] (nothing done) when the context is
+    /// lost; [`ShrinkError::Withheld`] when some granules could not be unmapped: the committed part
     /// shrank all the same, and those granules stay owned and withheld in the region until
     /// [`reclaim`](Self::reclaim) frees them.
-    pub fn shrink(&mut self, granules: usize) -> Result<(), ShrinkFailure> {
+    pub fn shrink(&mut self, granules: usize) -> Result<(), ShrinkError> {
         Scope::run::<B, _>(move || {
             let committed = self.committed_granules();
             if granules > committed {
-                return Err(ShrinkFailure::TooMany {
+                return Err(ShrinkError::TooMany {
                     requested: granules,
                     committed,
                 });
@@ -443,9 +437,9 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             let end = core.addr + committed * g;
             device
                 .ensure_live(Op::Unmap, end - granules * g, granules * g)
-                .map_err(ShrinkFailure::Backend)?;
+                .map_err(|e| ShrinkError::Backend(Box::new(e)))?;
             if !idle(core) {
-                return Err(ShrinkFailure::Pending);
+                return Err(ShrinkError::Pending);
             }
             self.shrink_now(granules)
         })
@@ -467,7 +461,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         match core.device().backend().unmap(core.addr + offset, g) {
             Ok(()) => Ok((i, phys)),
             Err(e) => {
-                self.parts_mut().stuck.push(Granule {
+                self.parts_mut().withheld.push(Granule {
                     offset,
                     len: g,
                     phys,
@@ -481,7 +475,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// Unmaps the last `granules` committed granules (no more than are committed) and gives
     /// them back. No work may still use them: the caller checked [`idle`], or mapped them
     /// within the current call.
-    pub(crate) fn shrink_now(&mut self, granules: usize) -> Result<(), ShrinkFailure> {
+    pub(crate) fn shrink_now(&mut self, granules: usize) -> Result<(), ShrinkError> {
         let core = self.core();
         let (binding, device) = (core.binding, core.device());
         let g = device.granularity();
@@ -503,9 +497,9 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         back.finish();
         match failed {
             None => Ok(()),
-            Some(error) => Err(ShrinkFailure::Stuck {
-                stuck: self.withheld_granules(),
-                error,
+            Some(error) => Err(ShrinkError::Withheld {
+                granules: self.withheld_granules(),
+                error: Box::new(error),
             }),
         }
     }
@@ -515,14 +509,14 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     ///
     /// # Errors
     ///
-    /// [`ShrinkFailure::Stuck`] with the granules still withheld; [`ShrinkFailure::Pending`]
-    /// (nothing done) while work may still use the memory; [`ShrinkFailure::Backend`]
+    /// [`ShrinkError::Withheld`] with the granules still withheld; [`ShrinkError::Pending`]
+    /// (nothing done) while work may still use the memory; [`ShrinkError::Backend`]
     /// (nothing done) when the context is lost — its granules then go with the region's
     /// release, discharged with the device's quarantine.
-    pub fn reclaim(&mut self) -> Result<(), ShrinkFailure> {
+    pub fn reclaim(&mut self) -> Result<(), ShrinkError> {
         Scope::run::<B, _>(move || {
             let core = self.core();
-            reclaim_withheld(core, &mut self.parts_mut().stuck)
+            reclaim_withheld(core, &mut self.parts_mut().withheld)
         })
     }
 }
@@ -533,32 +527,32 @@ pub(crate) fn idle<B: Backend>(core: Core<'_, '_, B>) -> bool {
     core.backend().idle()
 }
 
-/// Unmaps the granules of `core`'s range withheld in `stuck` after a failed unmap, and gives back
-/// those it can (to the cache, or released); the others stay in `stuck`.
+/// Unmaps the granules of `core`'s range withheld in `withheld` after a failed unmap, and gives back
+/// those it can (to the cache, or released); the others stay in `withheld`.
 pub(crate) fn reclaim_withheld<B: Backend>(
     core: Core<'_, '_, B>,
-    stuck: &mut Vec<Granule<B::Phys>>,
-) -> Result<(), ShrinkFailure> {
-    if stuck.is_empty() {
+    withheld: &mut Vec<Granule<B::Phys>>,
+) -> Result<(), ShrinkError> {
+    if withheld.is_empty() {
         return Ok(());
     }
     let (binding, device) = (core.binding, core.device());
     device
         .ensure_live(Op::Unmap, core.addr, core.len)
-        .map_err(ShrinkFailure::Backend)?;
+        .map_err(|e| ShrinkError::Backend(Box::new(e)))?;
     // Withheld granules lie past the committed part, but work may reach them all the same.
     if !idle(core) {
-        return Err(ShrinkFailure::Pending);
+        return Err(ShrinkError::Pending);
     }
-    let mut back = GiveBack::new(device, binding, stuck.len());
+    let mut back = GiveBack::new(device, binding, withheld.len());
     let mut failed = None;
-    for mut granule in std::mem::take(stuck) {
+    for mut granule in std::mem::take(withheld) {
         if granule.mapped {
             if let Err(e) = device
                 .backend()
                 .unmap(core.addr + granule.offset, granule.len)
             {
-                stuck.push(granule);
+                withheld.push(granule);
                 failed = Some(e);
                 continue;
             }
@@ -577,18 +571,18 @@ pub(crate) fn reclaim_withheld<B: Backend>(
     back.finish();
     match failed {
         None => Ok(()),
-        Some(error) => Err(ShrinkFailure::Stuck {
-            stuck: stuck.len(),
-            error,
+        Some(error) => Err(ShrinkError::Withheld {
+            granules: withheld.len(),
+            error: Box::new(error),
         }),
     }
 }
 
 /// Counts `n` more granules quarantined while undoing a growth.
-fn add_quarantined(cause: &mut GrowFailure, n: usize) {
+fn add_quarantined(cause: &mut GrowError, n: usize) {
     match cause {
-        GrowFailure::Undone { quarantined, .. } => *quarantined += n,
-        GrowFailure::Stuck { .. } | GrowFailure::Full { .. } => {}
+        GrowError::Undone { quarantined, .. } => *quarantined += n,
+        GrowError::Withheld { .. } | GrowError::Full { .. } => {}
     }
 }
 

@@ -419,7 +419,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                 if let Some((p, n)) = body_phys {
                     if let Err(rollback) = backend.unmap(addr, n) {
                         let cause = CommitFailure::UnmapFailed {
-                            error,
+                            error: Box::new(error),
                             rollback: Box::new(rollback),
                         };
                         return Err(self.quarantine_stuck_body((p, n), (boundary, g), cause));
@@ -475,7 +475,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
             let device = core.device();
             let backend = device.backend();
             if let Err(e) = device.ensure_live(Op::Map, addr, len) {
-                return refuse(self, ShareFailure::Backend(e));
+                return refuse(self, ShareFailure::Backend(Box::new(e)));
             }
             let shared = device.shared().another(prefix.parts());
             let split = shared.split();
@@ -483,7 +483,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
             if let Some((phys, n)) = split.body {
                 if let Err(e) = backend.map(addr, n, phys, Access::ReadOnly) {
                     device.unshare(shared);
-                    return refuse(self, ShareFailure::Backend(e));
+                    return refuse(self, ShareFailure::Backend(Box::new(e)));
                 }
                 device.charge(Axis::Mapped, n);
             }
@@ -501,7 +501,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                         return Err(TransitionError {
                             token: Returned::Quarantined(token),
                             cause: ShareFailure::RollbackFailed {
-                                error,
+                                error: Box::new(error),
                                 rollback: Box::new(rollback),
                             },
                         });
@@ -509,7 +509,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                     device.refund(Axis::Mapped, body);
                 }
                 device.unshare(shared);
-                return refuse(self, ShareFailure::Backend(error));
+                return refuse(self, ShareFailure::Backend(Box::new(error)));
             }
             device.charge(Axis::Mapped, len - body);
             let (core, ()) = self.into_core();
@@ -573,11 +573,11 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
             let refuse = |token, cause| {
                 Err(TransitionError {
                     token: Returned::Unchanged(token),
-                    cause: CowFailure::Private(cause),
+                    cause: CowFailure::Private(Box::new(cause)),
                 })
             };
             if let Err(e) = device.ensure_live(Op::Create, 0, g) {
-                return refuse(self, CommitFailure::Backend(e));
+                return refuse(self, CommitFailure::Backend(Box::new(e)));
             }
             // The boundary is unmapped below: not while work that may read it still runs (on any
             // stream the backend's fences cover). The token is moved in, so no new work can start.
@@ -601,7 +601,11 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
             if let Err(e) = backend.unmap(boundary, g) {
                 // Whether the boundary is still mapped is unknown: the mapping lends no memory any
                 // more, its remains are quarantined.
-                return Err(self.quarantine_diverging(core.len, CowFailure::Unmap(e), private));
+                return Err(self.quarantine_diverging(
+                    core.len,
+                    CowFailure::Unmap(Box::new(e)),
+                    private,
+                ));
             }
             device.refund(Axis::Mapped, g);
             if let Err(error) = backend.map(boundary, g, private, Access::ReadWrite) {
@@ -614,7 +618,10 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
                     // Neither the copy nor the original is mapped at the boundary.
                     Err(restore) => {
                         let restore = Box::new(restore);
-                        let cause = CowFailure::Remap { error, restore };
+                        let cause = CowFailure::Remap {
+                            error: Box::new(error),
+                            restore,
+                        };
                         Err(self.quarantine_diverging(core.len - g, cause, private))
                     }
                 };

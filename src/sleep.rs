@@ -6,7 +6,7 @@
 
 use crate::allocation::Allocation;
 use crate::backend::{Backend, Op};
-use crate::error::{ResumeFailure, ShrinkFailure, SuspendFailure, TransitionError};
+use crate::error::{ResumeFailure, ShrinkError, SuspendFailure, TransitionError};
 use crate::ledger::Axis;
 use crate::region::{Elastic, Granules, idle, reclaim_withheld};
 use crate::residual::{Granule, Held};
@@ -82,7 +82,8 @@ pub type SuspendedRegion<'b, 'id, B> = Allocation<'b, 'id, B, Suspended<Elastic>
 /// # make_guard!(guard);
 /// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
 /// # let binding = device.bind(Budget::unlimited()).unwrap();
-/// let region = binding.reserve(4 * 4096).unwrap().into_region().grow(2).unwrap();
+/// let mut region = binding.reserve(4 * 4096).unwrap().into_region();
+/// region.grow(2).unwrap();
 /// let bytes = region.as_slice();
 /// let asleep = region.suspend_saving().unwrap();
 /// println!("{}", bytes[0]);
@@ -103,7 +104,7 @@ impl<S> fmt::Debug for Suspended<S> {
 pub struct Asleep<P> {
     len: usize,
     saved: Option<Box<[u8]>>,
-    stuck: Vec<Granule<P>>,
+    withheld: Vec<Granule<P>>,
 }
 
 /// A state that can be suspended and resumed (sealed): [`Committed`] and [`Elastic`].
@@ -122,12 +123,12 @@ impl<S: Suspendable> Repr for Suspended<S> {
         parts: Self::Parts<B>,
         _: Internal,
     ) -> Retired<B> {
-        let charged = parts.stuck.iter().map(|s| s.len).sum();
+        let charged = parts.withheld.iter().map(|s| s.len).sum();
         Retired {
             // Withheld granules may still be mapped from before: their release waits for work.
-            fence: Wait::unless(parts.stuck.is_empty(), || backend.fence()),
+            fence: Wait::unless(parts.withheld.is_empty(), || backend.fence()),
             held: Held {
-                granules: parts.stuck,
+                granules: parts.withheld,
                 ..Held::va()
             },
             charged,
@@ -154,20 +155,20 @@ impl<B: Backend, S: Suspendable> Allocation<'_, '_, B, Suspended<S>> {
     /// Bytes withheld after a failed unmap: still mapped (as far as anyone knows), owned and
     /// charged, until [`reclaim`](Self::reclaim) frees them; `resume` reclaims them first.
     pub fn withheld_bytes(&self) -> usize {
-        self.parts().stuck.iter().map(|s| s.len).sum()
+        self.parts().withheld.iter().map(|s| s.len).sum()
     }
 
     /// Tries again to unmap and give back what is withheld after a failed unmap.
     ///
     /// # Errors
     ///
-    /// As for [`Region::reclaim`](Allocation::reclaim): [`ShrinkFailure::Stuck`] with what is
-    /// still withheld, [`ShrinkFailure::Pending`] while work may still use it,
-    /// [`ShrinkFailure::Backend`] once the context is lost.
-    pub fn reclaim(&mut self) -> Result<(), ShrinkFailure> {
+    /// As for [`Region::reclaim`](Allocation::reclaim): [`ShrinkError::Withheld`] with what is
+    /// still withheld, [`ShrinkError::Pending`] while work may still use it,
+    /// [`ShrinkError::Backend`] once the context is lost.
+    pub fn reclaim(&mut self) -> Result<(), ShrinkError> {
         Scope::run::<B, _>(move || {
             let core = self.core();
-            reclaim_withheld(core, &mut self.parts_mut().stuck)
+            reclaim_withheld(core, &mut self.parts_mut().withheld)
         })
     }
 }
@@ -243,11 +244,11 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
             }
         };
         let (core, phys) = self.into_core();
-        let mut stuck = Vec::new();
+        let mut withheld = Vec::new();
         if device.backend().unmap(core.addr, len).is_err() {
             // Whether it is still mapped is unknown: the mapping stays withheld in the suspended
             // token, owned and charged, until a reclaim (or the resume) frees it.
-            stuck.push(Granule {
+            withheld.push(Granule {
                 offset: 0,
                 len,
                 phys,
@@ -258,7 +259,11 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
             binding.refund(len);
             let _ = device.release_orphan(phys, len); // a failure is quarantined, still counted
         }
-        let asleep = Asleep { len, saved, stuck };
+        let asleep = Asleep {
+            len,
+            saved,
+            withheld,
+        };
         Ok(Allocation::from_core(core, asleep))
     }
 }
@@ -283,7 +288,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Committed>> {
                 let token = Allocation::from_core(core, asleep);
                 Err(TransitionError { token, cause })
             };
-            if let Err(e) = reclaim_withheld(core, &mut asleep.stuck) {
+            if let Err(e) = reclaim_withheld(core, &mut asleep.withheld) {
                 return back(core, asleep, ResumeFailure::Withheld(Box::new(e)));
             }
             let reserved = Allocation::<'b, 'id, B, Reserved>::from_core(core, ());
@@ -306,7 +311,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Committed>> {
             let (binding, len) = (core.binding, core.len);
             if let Err(rollback) = device.backend().unmap(core.addr, len) {
                 // Still suspended, with its saved bytes; the mapping stays withheld, charged.
-                asleep.stuck.push(Granule {
+                asleep.withheld.push(Granule {
                     offset: 0,
                     len,
                     phys,
@@ -374,7 +379,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         let asleep = Asleep {
             len,
             saved,
-            stuck: granules.stuck,
+            withheld: granules.withheld,
         };
         Ok(Allocation::from_core(core, asleep))
     }
@@ -385,7 +390,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Elastic>> {
     ///
     /// [`Region::withheld_granules`]: Allocation::withheld_granules
     pub fn withheld_granules(&self) -> usize {
-        self.parts().stuck.len()
+        self.parts().withheld.len()
     }
 
     /// Resumes this region: grows it back to its suspended length at the same addresses (from
@@ -404,12 +409,16 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Elastic>> {
         Scope::run::<B, _>(move || {
             let g = self.binding().device().granularity();
             let (core, mut asleep) = self.into_core();
-            if let Err(e) = reclaim_withheld(core, &mut asleep.stuck) {
+            if let Err(e) = reclaim_withheld(core, &mut asleep.withheld) {
                 let token = Allocation::from_core(core, asleep);
                 let cause = ResumeFailure::Withheld(Box::new(e));
                 return Err(TransitionError { token, cause });
             }
-            let Asleep { len, saved, stuck } = asleep;
+            let Asleep {
+                len,
+                saved,
+                withheld,
+            } = asleep;
             let asleep_again = |region: Allocation<'b, 'id, B, Elastic>, saved, cause| {
                 let (core, granules) = region.into_core();
                 debug_assert!(
@@ -419,22 +428,19 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Elastic>> {
                 let asleep = Asleep {
                     len,
                     saved,
-                    stuck: granules.stuck,
+                    withheld: granules.withheld,
                 };
                 let token = Allocation::from_core(core, asleep);
                 Err(TransitionError { token, cause })
             };
             let granules = Granules {
                 committed: Vec::with_capacity(len / g),
-                stuck,
+                withheld,
             };
-            let region = Allocation::<'b, 'id, B, Elastic>::from_core(core, granules);
-            let mut region = match region.grow(len / g) {
-                Ok(region) => region,
-                Err(e) => {
-                    return asleep_again(e.token, saved, ResumeFailure::Grow(Box::new(e.cause)));
-                }
-            };
+            let mut region = Allocation::<'b, 'id, B, Elastic>::from_core(core, granules);
+            if let Err(e) = region.grow(len / g) {
+                return asleep_again(region, saved, ResumeFailure::Grow(Box::new(e)));
+            }
             let Some(bytes) = &saved else {
                 return Ok(region);
             };

@@ -173,12 +173,8 @@ fn gpu_region_grow_shrink_and_sleep_wake() {
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
-    let mut region = binding
-        .reserve(8 * g)
-        .unwrap()
-        .into_region()
-        .grow(3)
-        .unwrap();
+    let mut region = binding.reserve(8 * g).unwrap().into_region();
+    region.grow(3).unwrap();
     let data: Vec<u8> = (0..3 * g).map(|i| (i % 239) as u8).collect();
     region.copy_from_host(0, &data).unwrap();
     region.shrink(1).unwrap();
@@ -187,7 +183,7 @@ fn gpu_region_grow_shrink_and_sleep_wake() {
         g as u64,
         "the granule is cached"
     );
-    let mut region = region.grow(2).unwrap();
+    region.grow(2).unwrap();
     assert_eq!(
         (region.committed_len(), device.ledger().cached_bytes),
         (4 * g, 0)
@@ -332,7 +328,7 @@ fn gpu_shared_prefix_and_copy_on_write() {
         3 * g as u64,
         "one private granule"
     );
-    a.copy_to_boundary(128, &[9; 64]).unwrap();
+    a.copy_boundary_from_host(128, &[9; 64]).unwrap();
     a.copy_to_host(g + 128, &mut seen).unwrap();
     assert_eq!(
         seen,

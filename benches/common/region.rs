@@ -121,15 +121,11 @@ impl<B: Backend> Drop for RawRegion<'_, B> {
 
 /// One cycle with tokens: grow by `n` granules, shrink back.
 #[inline(always)]
-pub fn once_memtoken<'b, 'id, B: Backend>(
-    region: Region<'b, 'id, B>,
-    n: usize,
-) -> Region<'b, 'id, B> {
+pub fn once_memtoken<B: Backend>(region: &mut Region<'_, '_, B>, n: usize) {
     let n = black_box(n);
-    let mut region = region.grow(n).unwrap();
+    region.grow(n).unwrap();
     black_box(region.addr());
     region.shrink(n).unwrap();
-    region
 }
 
 /// One cycle by hand: the same backend calls.
@@ -151,9 +147,9 @@ pub fn warm_region<'b, 'id, B: Backend>(binding: &'b Binding<'b, 'id, B>) -> Reg
         "the cache holds a cycle"
     );
     let mut region = binding.reserve(GRANULES * g).unwrap().into_region();
-    region = once_memtoken(region, GRANULES);
+    once_memtoken(&mut region, GRANULES);
     let owned = device.ledger().owned_bytes;
-    region = once_memtoken(region, GRANULES);
+    once_memtoken(&mut region, GRANULES);
     assert_eq!(
         device.cached_bytes(),
         (GRANULES * g) as u64,
@@ -191,7 +187,7 @@ pub fn check_steady_state() {
     let mut region = warm_region(&binding);
     let before = calls(&handle);
     for _ in 0..CYCLES {
-        region = once_memtoken(region, GRANULES);
+        once_memtoken(&mut region, GRANULES);
     }
     assert_eq!(
         delta(before, calls(&handle)),

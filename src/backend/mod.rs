@@ -336,6 +336,17 @@ pub struct BackendError {
 }
 
 impl BackendError {
+    /// Whether the call failed because the device's context is lost: refused without a call
+    /// ([`Cause::ContextLost`]), or the driver's error that found the loss (a sticky or
+    /// context-gone code, which marks the backend lost: no call is made after it).
+    pub fn is_context_lost(&self) -> bool {
+        match self.cause {
+            Cause::ContextLost => true,
+            Cause::Driver { code, .. } => cuda::CuError(code).is_context_loss(),
+            _ => false,
+        }
+    }
+
     /// A new error for `op` on `len` bytes at `addr`.
     pub fn new(op: Op, addr: Addr, len: usize, cause: Cause) -> Self {
         Self {

@@ -228,7 +228,13 @@ impl<'id, B: Backend> Device<'id, B> {
             return Ok(());
         }
         if self.backend.context_lost() {
-            return Err(ReleaseFailure::ContextLost);
+            let lost = crate::backend::BackendError::new(
+                crate::backend::Op::Release,
+                r.addr,
+                r.len,
+                crate::backend::Cause::ContextLost,
+            );
+            return Err(ReleaseFailure::Backend(Box::new(lost)));
         }
         if h.mapped > 0 {
             self.backend.unmap(r.addr, h.mapped)?;

@@ -81,7 +81,9 @@ impl Span {
         stream: &Arc<CudaStream>,
     ) -> Result<Self, ViewError> {
         let len = fit::<T>(addr, bytes)?;
-        backend.cover(stream).map_err(ViewError::Stream)?;
+        backend
+            .cover(stream)
+            .map_err(|e| ViewError::Stream(Box::new(e)))?;
         Ok(Self {
             ptr: addr as CUdeviceptr,
             len,

@@ -178,7 +178,21 @@ pub enum ImportError {
     Reserve(#[from] ReserveError),
     /// The backend refused the handle or a mapping of it.
     #[error("importing or mapping the prefix failed")]
-    Backend(#[from] BackendError),
+    Backend(#[source] Box<BackendError>),
+}
+
+impl From<BackendError> for ImportError {
+    fn from(e: BackendError) -> Self {
+        Self::Backend(Box::new(e))
+    }
+}
+
+impl crate::error::sealed::Sealed for ImportError {}
+
+impl crate::error::Failure for ImportError {
+    fn summary(&self) -> &'static str {
+        "the prefix could not be imported"
+    }
 }
 
 /// The message that hands a prefix over: its layout, its handle kind and the exporter's
@@ -660,7 +674,7 @@ impl<'b, 'id, B: Exportable<PosixFd>> Binding<'b, 'id, B> {
                 };
                 let residual = core.residual(held);
                 device.teardown_or_quarantine(residual);
-                return Err(ImportError::Backend(e));
+                return Err(ImportError::Backend(Box::new(e)));
             }
             let boundary = imported
                 .pop()

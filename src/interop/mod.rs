@@ -1,6 +1,10 @@
 //! Interop: tokens as typed memory — host tokens as `&[T]` / `&mut [T]` of plain-old-data
 //! types ([`host`]), CUDA tokens as cudarc device memory of `T` ([`device`], feature `cuda`) —
 //! the CUDA tokens' host copies (here), and a device's covering of CUDA streams ([`streams`]).
+//!
+//! Copies name their direction from the host's side, always: `copy_from_host` writes the
+//! token's memory from host bytes, `copy_to_host` reads it into them; a copy of a part names
+//! the part (`copy_page_from_host`, `copy_page_to_host`, `copy_boundary_from_host`).
 
 #[cfg(feature = "cuda")]
 mod device;
@@ -166,7 +170,11 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Diverged> {
     /// # Panics
     ///
     /// If the range does not fit in the granule.
-    pub fn copy_to_boundary(&mut self, offset: usize, src: &[u8]) -> Result<(), BackendError> {
+    pub fn copy_boundary_from_host(
+        &mut self,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<(), BackendError> {
         Scope::run::<CudaBackend<D>, _>(move || {
             let boundary = self.boundary_offset();
             let at = within(
@@ -190,7 +198,7 @@ impl<D: Driver> PageTable<'_, '_, '_, '_, CudaBackend<D>> {
     /// # Panics
     ///
     /// If `position` is out of bounds or the range does not fit in the page.
-    pub fn copy_to_page(
+    pub fn copy_page_from_host(
         &mut self,
         position: usize,
         offset: usize,
@@ -211,7 +219,7 @@ impl<D: Driver> PageTable<'_, '_, '_, '_, CudaBackend<D>> {
     /// # Panics
     ///
     /// If `position` is out of bounds or the range does not fit in the page.
-    pub fn copy_from_page(
+    pub fn copy_page_to_host(
         &self,
         position: usize,
         offset: usize,

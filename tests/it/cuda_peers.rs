@@ -9,6 +9,7 @@
 //! backend that forgot a peer fails these tests twice over.
 
 use crate::common;
+use crate::common::Grown;
 
 use common::pattern;
 use memtoken::backend::cuda::{
@@ -156,12 +157,7 @@ fn a_region_grown_after_a_shrink_gives_every_peer_its_access_back() {
     make_guard!(guard);
     let device = Device::new(guard, backend(&m));
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let mut region = binding
-        .reserve(4 * G)
-        .unwrap()
-        .into_region()
-        .grow(3)
-        .unwrap();
+    let mut region = binding.reserve(4 * G).unwrap().into_region().grown(3);
     assert_eq!(region.peers(), &[1, 2]);
     let at = region.addr();
     all_have(&m, at, 3 * G, Some(Access::ReadWrite), "grown");
@@ -169,7 +165,7 @@ fn a_region_grown_after_a_shrink_gives_every_peer_its_access_back() {
     all_have(&m, at, G, Some(Access::ReadWrite), "kept");
     all_have(&m, at + G, 2 * G, None, "shrunk");
     let maps = m.count(DriverCall::MemMap);
-    let region = region.grow(3).unwrap();
+    let region = region.grown(3);
     assert_eq!(m.count(DriverCall::MemMap), maps + 3, "remapped");
     all_have(&m, at, 4 * G, Some(Access::ReadWrite), "regrown");
     drop(region);
@@ -240,12 +236,7 @@ fn memory_woken_at_the_same_address_gives_every_peer_its_access_back() {
     let mut a = binding.reserve(2 * G).unwrap().commit().unwrap();
     let bytes = pattern(2 * G, 5);
     a.copy_from_host(0, &bytes).unwrap();
-    let region = binding
-        .reserve(4 * G)
-        .unwrap()
-        .into_region()
-        .grow(2)
-        .unwrap();
+    let region = binding.reserve(4 * G).unwrap().into_region().grown(2);
     let (addr, raddr) = (a.addr(), region.addr());
 
     let asleep = a.suspend_saving().unwrap();

@@ -203,14 +203,14 @@ fn the_backend_works_wherever_reservations_land() {
         shared.copy_to_host(G, &mut seen).unwrap();
         assert_eq!(seen, [7; 64], "{placement:?}");
         let mut diverged = shared.diverge().unwrap();
-        diverged.copy_to_boundary(0, &[9; 8]).unwrap();
+        diverged.copy_boundary_from_host(0, &[9; 8]).unwrap();
         diverged.copy_to_host(G, &mut seen[..8]).unwrap();
         assert_eq!(seen[..8], [9; 8], "{placement:?}");
         make_guard!(pool_guard);
         let pool = memtoken::PagePool::new(pool_guard, &binding, 4096).unwrap();
         let mut table = pool.table();
         pool.push(&mut table).unwrap();
-        table.copy_to_page(0, 0, &[5; 8]).unwrap();
+        table.copy_page_from_host(0, 0, &[5; 8]).unwrap();
         drop(table);
         drop(pool);
         let a = binding.reserve(3 * G).unwrap().commit().unwrap();

@@ -9,12 +9,12 @@
 //!   panic.
 
 use crate::common;
+use crate::common::Grown;
 use crate::common::gate::{Gate, GateHandle, STALL, gated_sim};
 use memtoken::backend::cuda::{CudaBackend, DriverCall};
 use memtoken::backend::{Access, Backend, Faulty, HostBackend, HostConfig, Op, SimBackend};
 use memtoken::{
-    Budget, CommitFailure, Device, ReserveError, Returned, ShrinkFailure, TransitionError,
-    make_guard,
+    Budget, CommitFailure, Device, ReserveError, Returned, ShrinkError, TransitionError, make_guard,
 };
 use std::sync::mpsc;
 
@@ -188,22 +188,12 @@ fn drop_in_every_state_waits_for_nothing_and_unmaps_nothing_under_running_work()
         .diverge()
         .map_err(|e| e.to_string())
         .unwrap();
-    let region = binding
-        .reserve(4 * g)
-        .unwrap()
-        .into_region()
-        .grow(2)
-        .unwrap();
-    let mut withholding = binding
-        .reserve(4 * g)
-        .unwrap()
-        .into_region()
-        .grow(3)
-        .unwrap();
+    let region = binding.reserve(4 * g).unwrap().into_region().grown(2);
+    let mut withholding = binding.reserve(4 * g).unwrap().into_region().grown(3);
     faults.fail_nth(Op::Unmap, 1);
     assert!(matches!(
         withholding.shrink(1),
-        Err(ShrinkFailure::Stuck { stuck: 1, .. })
+        Err(ShrinkError::Withheld { granules: 1, .. })
     ));
     let asleep = binding
         .reserve(g)

@@ -20,8 +20,8 @@ use memtoken::backend::{
     Backend, Cause, FaultHandle, Faulty, HostBackend, Op, SimBackend, SimConfig,
 };
 use memtoken::{
-    Allocation, Binding, Budget, CommitFailure, Committed, Device, DivergedMapping, GrowFailure,
-    Prefix, PrefixMapping, Quarantined, Region, Releasing, Reserved, Returned, ShrinkFailure,
+    Allocation, Binding, Budget, CommitFailure, Committed, Device, DivergedMapping, GrowError,
+    Prefix, PrefixMapping, Quarantined, Region, Releasing, Reserved, Returned, ShrinkError,
     SuspendedAllocation, SuspendedRegion, make_guard,
 };
 use proptest::prelude::*;
@@ -393,17 +393,15 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                     };
                     let (generation, before) = (r.generation(), r.committed_len());
                     let (committed, withheld) = (r.committed_granules(), r.withheld_granules());
-                    let r = match r.grow(n) {
-                        Ok(r) => {
-                            assert_eq!(r.committed_granules(), committed + n);
-                            r
-                        }
+                    let mut r = r;
+                    match r.grow(n) {
+                        Ok(()) => assert_eq!(r.committed_granules(), committed + n),
                         Err(e) => {
                             // The typed layer never makes a call that breaks the VMM rules
                             // (mapping over a withheld granule, say): only injected faults,
                             // budgets and lost contexts stop a growth.
-                            if let GrowFailure::Undone { cause, .. }
-                            | GrowFailure::Stuck { cause, .. } = &e.cause
+                            if let GrowError::Undone { cause, .. }
+                            | GrowError::Withheld { cause, .. } = &e
                                 && let CommitFailure::Backend(b) = &**cause
                             {
                                 assert!(
@@ -411,17 +409,15 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                                     "a growth broke a VMM rule: {b}"
                                 );
                             }
-                            let stuck = match e.cause {
-                                GrowFailure::Stuck { stuck, .. } => stuck,
+                            let stuck = match e {
+                                GrowError::Withheld { withheld, .. } => withheld,
                                 _ => 0,
                             };
-                            let r = e.into_token();
-                            assert_eq!(r.generation(), generation, "the same region comes back");
+                            assert_eq!(r.generation(), generation, "the same region stays");
                             assert_eq!(r.committed_len(), before, "unchanged");
                             assert_eq!(r.withheld_granules(), withheld + stuck);
-                            r
                         }
-                    };
+                    }
                     self.tokens.push(Token::Region(r));
                 }
             }
@@ -435,9 +431,9 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                     }
                     let expected = match done {
                         Err(
-                            ShrinkFailure::TooMany { .. }
-                            | ShrinkFailure::Backend(_)
-                            | ShrinkFailure::Pending,
+                            ShrinkError::TooMany { .. }
+                            | ShrinkError::Backend(_)
+                            | ShrinkError::Pending,
                         ) => committed,
                         _ => committed - n,
                     };

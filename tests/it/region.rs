@@ -3,10 +3,11 @@
 //! granules (counted on `Faulty`'s call counters), budgets that trim the cache, and fences that
 //! hold cached granules back on CUDA.
 
+use crate::common::Grown;
 use crate::common::{self, GRANULE, host, says_first, setup};
 use memtoken::backend::cuda::CudaBackend;
 use memtoken::backend::{Cause, Faulty, Op, SimBackend};
-use memtoken::{Budget, CommitFailure, Device, GrowFailure, ShrinkFailure, make_guard};
+use memtoken::{Budget, CommitFailure, Device, GrowError, ShrinkError, make_guard};
 
 const PAGE: usize = 4096;
 
@@ -19,7 +20,7 @@ fn grow_and_shrink_move_the_ledger_and_budget_granule_by_granule() {
     assert_eq!((region.len(), region.committed_len()), (8 * PAGE, 0));
     assert!(region.as_slice().is_empty());
 
-    let mut region = region.grow(3).unwrap();
+    let mut region = region.grown(3);
     let l = device.ledger();
     assert_eq!(
         (l.mapped_bytes, l.owned_bytes),
@@ -40,7 +41,7 @@ fn grow_and_shrink_move_the_ledger_and_budget_granule_by_granule() {
     assert!(region.as_slice().iter().all(|&b| b == 5));
 
     let creates = faults.calls(Op::Create);
-    let region = region.grow(2).unwrap();
+    let region = region.grown(2);
     assert_eq!(faults.calls(Op::Create), creates + 1, "one from the cache");
     assert_eq!(device.ledger().cached_bytes, 0);
     assert_eq!(binding.used(), 4 * PAGE as u64);
@@ -64,11 +65,11 @@ fn cycle_calls(cache_cap: u64, granules: usize, cycles: usize) -> (u64, u64) {
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
     let mut region = binding.reserve(granules * g).unwrap().into_region();
-    region = region.grow(granules).unwrap();
+    region = region.grown(granules);
     region.shrink(granules).unwrap();
     let (creates, releases) = (faults.calls(Op::Create), faults.calls(Op::Release));
     for _ in 0..cycles {
-        region = region.grow(granules).unwrap();
+        region = region.grown(granules);
         region.shrink(granules).unwrap();
     }
     let calls = (
@@ -100,12 +101,7 @@ fn grow_failing_at_the_kth_granule_hands_back_the_unchanged_region_with_nothing_
     for (op, k) in [(Op::Create, 3), (Op::Map, 3), (Op::Map, 1), (Op::Create, 5)] {
         setup!(host(), device, faults);
         let binding = device.bind(Budget::unlimited()).unwrap();
-        let mut region = binding
-            .reserve(8 * PAGE)
-            .unwrap()
-            .into_region()
-            .grow(2)
-            .unwrap();
+        let mut region = binding.reserve(8 * PAGE).unwrap().into_region().grown(2);
         region.as_mut_slice().fill(9);
         // One granule in the cache, so the growth takes one from there and creates the rest.
         region.shrink(1).unwrap();
@@ -117,8 +113,8 @@ fn grow_failing_at_the_kth_granule_hands_back_the_unchanged_region_with_nothing_
         // Granule 0 comes from the cache: creates are one behind maps.
         faults.fail_nth(op, if op == Op::Create { k - 1 } else { k });
         let e = region.grow(5).unwrap_err();
-        match &e.cause {
-            GrowFailure::Undone {
+        match &e {
+            GrowError::Undone {
                 at,
                 cause,
                 quarantined: 0,
@@ -131,7 +127,6 @@ fn grow_failing_at_the_kth_granule_hands_back_the_unchanged_region_with_nothing_
             }
             other => panic!("{op:?} #{k}: {other:?}"),
         }
-        let region = e.into_token();
         assert_eq!((region.generation(), region.addr()), (generation, addr));
         assert_eq!(
             region.committed_len(),
@@ -149,7 +144,7 @@ fn grow_failing_at_the_kth_granule_hands_back_the_unchanged_region_with_nothing_
         );
 
         // The same region grows once the fault is gone.
-        let region = region.grow(5).unwrap();
+        let region = region.grown(5);
         assert_eq!(region.committed_len(), 6 * PAGE);
         drop(region);
         drop(binding);
@@ -163,29 +158,23 @@ fn grow_refused_by_the_budget_at_the_kth_granule_is_undone() {
     setup!(SimBackend::strict(), device, faults);
     let g = device.granularity();
     let binding = device.bind(Budget::bytes(3 * g as u64)).unwrap();
-    let region = binding
-        .reserve(8 * g)
-        .unwrap()
-        .into_region()
-        .grow(1)
-        .unwrap();
+    let mut region = binding.reserve(8 * g).unwrap().into_region().grown(1);
     let ledger = device.ledger();
     let e = region.grow(4).unwrap_err();
     assert!(
         matches!(
-            e.cause,
-            GrowFailure::Undone { at: 2, ref cause, .. } if matches!(**cause, CommitFailure::Budget { .. })
+            e,
+            GrowError::Undone { at: 2, ref cause, .. } if matches!(**cause, CommitFailure::Budget { .. })
         ),
         "{:?}",
-        e.cause
+        e
     );
-    let region = e.into_token();
     assert_eq!(region.committed_granules(), 1);
     assert_eq!(device.ledger(), ledger);
     assert_eq!(binding.used(), g as u64);
     let e = region.grow(8).unwrap_err();
-    assert!(matches!(e.cause, GrowFailure::Full { room: 8, .. }));
-    drop(e);
+    assert!(matches!(e, GrowError::Full { room: 8, .. }));
+    drop(region);
     drop(binding);
     assert!(device.close().is_clean());
     assert!(faults.outstanding().is_zero());
@@ -196,28 +185,22 @@ fn a_failed_unmap_while_undoing_a_growth_withholds_the_granule() {
     setup!(SimBackend::strict(), device, faults);
     let g = device.granularity();
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let region = binding
-        .reserve(8 * g)
-        .unwrap()
-        .into_region()
-        .grow(1)
-        .unwrap();
+    let mut region = binding.reserve(8 * g).unwrap().into_region().grown(1);
     faults.fail_nth(Op::Map, 3);
     faults.fail_nth(Op::Unmap, 1);
     let e = region.grow(4).unwrap_err();
     assert!(
         matches!(
-            e.cause,
-            GrowFailure::Stuck {
+            e,
+            GrowError::Withheld {
                 at: 2,
-                stuck: 1,
+                withheld: 1,
                 ..
             }
         ),
         "{:?}",
-        e.cause
+        e
     );
-    let region = e.into_token();
     assert_eq!(
         (region.committed_granules(), region.withheld_granules()),
         (1, 1)
@@ -225,8 +208,7 @@ fn a_failed_unmap_while_undoing_a_growth_withholds_the_granule() {
     // The granule at index 2 is withheld: the region cannot grow over it.
     assert_eq!(region.room_granules(), 2);
     let e = region.grow(2).unwrap_err();
-    assert!(matches!(e.cause, GrowFailure::Full { room: 2, .. }));
-    let mut region = e.into_token();
+    assert!(matches!(e, GrowError::Full { room: 2, .. }));
     let l = device.ledger();
     assert_eq!(
         (l.mapped_bytes, l.owned_bytes),
@@ -239,7 +221,7 @@ fn a_failed_unmap_while_undoing_a_growth_withholds_the_granule() {
     );
     region.reclaim().unwrap();
     assert_eq!(region.withheld_granules(), 0);
-    let region = region.grow(7).unwrap();
+    let region = region.grown(7);
     assert_eq!(region.committed_granules(), 8);
     drop(region);
     drop(binding);
@@ -252,17 +234,15 @@ fn a_failed_unmap_while_undoing_a_growth_withholds_the_granule() {
 fn a_failed_shrink_withholds_the_stuck_granules_until_a_retry_frees_them() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let mut region = binding
-        .reserve(8 * PAGE)
-        .unwrap()
-        .into_region()
-        .grow(6)
-        .unwrap();
+    let mut region = binding.reserve(8 * PAGE).unwrap().into_region().grown(6);
     // Unmaps go from the tail: the 2nd and 3rd of this shrink are granules 4 and 3.
     faults.fail_from(Op::Unmap, 2);
     let e = region.shrink(4).unwrap_err();
     faults.clear();
-    assert!(matches!(e, ShrinkFailure::Stuck { stuck: 3, .. }), "{e:?}");
+    assert!(
+        matches!(e, ShrinkError::Withheld { granules: 3, .. }),
+        "{e:?}"
+    );
     assert_eq!(region.committed_len(), 2 * PAGE, "shrunk as asked");
     assert_eq!(region.withheld_granules(), 3);
     assert_eq!(
@@ -278,14 +258,13 @@ fn a_failed_shrink_withholds_the_stuck_granules_until_a_retry_frees_them() {
     );
     assert_eq!(binding.used(), 5 * PAGE as u64);
     let e = region.grow(1).unwrap_err();
-    assert!(matches!(e.cause, GrowFailure::Full { .. }));
-    let mut region = e.into_token();
+    assert!(matches!(e, GrowError::Full { .. }));
 
     // A retry that fails again keeps them; one that succeeds frees them.
     faults.fail_nth(Op::Unmap, 1);
     assert!(matches!(
         region.reclaim(),
-        Err(ShrinkFailure::Stuck { stuck: 1, .. })
+        Err(ShrinkError::Withheld { granules: 1, .. })
     ));
     region.reclaim().unwrap();
     assert_eq!(region.withheld_granules(), 0);
@@ -296,7 +275,7 @@ fn a_failed_shrink_withholds_the_stuck_granules_until_a_retry_frees_them() {
         (2 * PAGE as u64, 6 * PAGE as u64, 4 * PAGE as u64)
     );
     assert_eq!(binding.used(), 2 * PAGE as u64);
-    let region = region.grow(6).unwrap();
+    let region = region.grown(6);
     assert_eq!(device.ledger().cached_bytes, 0);
     drop(region);
     drop(binding);
@@ -309,12 +288,7 @@ fn a_region_dropped_with_withheld_granules_hands_them_to_the_device() {
     setup!(SimBackend::strict(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
-    let mut region = binding
-        .reserve(4 * g)
-        .unwrap()
-        .into_region()
-        .grow(3)
-        .unwrap();
+    let mut region = binding.reserve(4 * g).unwrap().into_region().grown(3);
     faults.fail_nth(Op::Unmap, 1);
     assert!(region.shrink(2).is_err());
     assert_eq!(region.withheld_granules(), 1);
@@ -340,12 +314,7 @@ fn a_device_budget_trims_the_cache_when_it_needs_the_bytes() {
         Budget::unlimited(),
     );
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let mut region = binding
-        .reserve(4 * g)
-        .unwrap()
-        .into_region()
-        .grow(4)
-        .unwrap();
+    let mut region = binding.reserve(4 * g).unwrap().into_region().grown(4);
     region.shrink(4).unwrap();
     assert_eq!(device.ledger().cached_bytes, 4 * g as u64);
     // The cached bytes count in the device's budget; a commit that needs them trims them.
@@ -378,8 +347,7 @@ fn the_cache_cap_bounds_what_is_kept_and_a_lower_cap_trims() {
         .reserve(4 * g as usize)
         .unwrap()
         .into_region()
-        .grow(4)
-        .unwrap();
+        .grown(4);
     let releases = faults.calls(Op::Release);
     region.shrink(4).unwrap();
     assert_eq!(device.cached_bytes(), 2 * g);
@@ -409,14 +377,9 @@ fn on_cuda_a_region_shrinks_only_once_work_that_may_use_it_has_finished() {
     setup!(CudaBackend::new(model.clone(), 0).unwrap(), device, faults);
     let g = device.granularity();
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let mut region = binding
-        .reserve(4 * g)
-        .unwrap()
-        .into_region()
-        .grow(2)
-        .unwrap();
+    let mut region = binding.reserve(4 * g).unwrap().into_region().grown(2);
     model.submit_work(); // a kernel may still use the region's memory
-    assert!(matches!(region.shrink(2), Err(ShrinkFailure::Pending)));
+    assert!(matches!(region.shrink(2), Err(ShrinkError::Pending)));
     assert_eq!(
         region.committed_granules(),
         2,
@@ -426,7 +389,7 @@ fn on_cuda_a_region_shrinks_only_once_work_that_may_use_it_has_finished() {
     region.shrink(2).unwrap();
     assert_eq!(device.cached_bytes(), 2 * g as u64);
     let creates = faults.calls(Op::Create);
-    let region = region.grow(2).unwrap();
+    let region = region.grown(2);
     assert_eq!(
         faults.calls(Op::Create),
         creates,
@@ -446,17 +409,15 @@ fn on_cuda_reclaim_waits_for_work_that_may_use_the_withheld_granules() {
     setup!(CudaBackend::new(model.clone(), 0).unwrap(), device, faults);
     let g = device.granularity();
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let mut region = binding
-        .reserve(4 * g)
-        .unwrap()
-        .into_region()
-        .grow(3)
-        .unwrap();
+    let mut region = binding.reserve(4 * g).unwrap().into_region().grown(3);
     faults.fail_nth(Op::Unmap, 1);
-    assert!(matches!(region.shrink(1), Err(ShrinkFailure::Stuck { .. })));
+    assert!(matches!(
+        region.shrink(1),
+        Err(ShrinkError::Withheld { .. })
+    ));
     assert_eq!(region.withheld_granules(), 1);
     model.submit_work(); // a kernel that may reach the withheld granule
-    assert!(matches!(region.reclaim(), Err(ShrinkFailure::Pending)));
+    assert!(matches!(region.reclaim(), Err(ShrinkError::Pending)));
     assert_eq!(
         region.withheld_granules(),
         1,
@@ -475,8 +436,8 @@ fn on_cuda_reclaim_waits_for_work_that_may_use_the_withheld_granules() {
 // Growth and shrinkage refused or undone: what each says, counts and gives back
 // ---------------------------------------------------------------------------------------------
 
-/// Kills `src/error.rs: replace <impl Failure for GrowFailure>::summary -> &'static str with
-/// "xyzzy"`: a failed growth's message starts by saying so.
+/// Kills `src/error.rs: replace <impl Failure for GrowError>::summary -> &'static str with
+/// "xyzzy"`: a failed growth's message starts by saying so, and its summary says what failed.
 #[test]
 fn a_failed_growth_says_so_first() {
     make_guard!(guard);
@@ -484,13 +445,14 @@ fn a_failed_growth_says_so_first() {
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let region = binding.reserve(2 * GRANULE).unwrap().into_region();
+    let mut region = binding.reserve(2 * GRANULE).unwrap().into_region();
     faults.fail_nth(Op::Create, 1);
     let e = region
         .grow(1)
         .expect_err("the create was failed on purpose");
-    says_first(&e, "the region could not grow; ");
-    e.into_token().release().complete().unwrap();
+    says_first(&e, "growing stopped at granule 0 of this call");
+    assert_eq!(memtoken::Failure::summary(&e), "the region could not grow");
+    region.release().complete().unwrap();
 }
 
 /// Kills `src/error.rs: replace quarantine_note -> String with String::new()`: an undone
@@ -502,23 +464,23 @@ fn an_undone_growth_tells_of_what_it_left_in_the_quarantine() {
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let region = binding.reserve(2 * GRANULE).unwrap().into_region();
+    let mut region = binding.reserve(2 * GRANULE).unwrap().into_region();
     faults.fail_nth(Op::Map, 1);
     faults.fail_nth(Op::Release, 1);
     let e = region.grow(1).expect_err("the map was failed on purpose");
     assert!(
-        matches!(e.cause, GrowFailure::Undone { quarantined: 1, .. }),
+        matches!(e, GrowError::Undone { quarantined: 1, .. }),
         "{:?}",
-        e.cause
+        e
     );
-    let message = e.cause.to_string();
+    let message = e.to_string();
     assert!(
         message
             .contains("1 granules whose release failed while undoing are in the device quarantine"),
         "{message}"
     );
     assert_eq!(device.retry_quarantine().released, 1);
-    e.into_token().release().complete().unwrap();
+    region.release().complete().unwrap();
 }
 
 /// Kills `src/region.rs: replace += with -= in Allocation<'b, 'id, B, Elastic>::undo_grow`: an
@@ -531,7 +493,7 @@ fn an_undone_growth_counts_every_granule_it_left_in_the_quarantine() {
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let region = binding.reserve(2 * GRANULE).unwrap().into_region();
+    let mut region = binding.reserve(2 * GRANULE).unwrap().into_region();
     faults.fail_nth(Op::Map, 2);
     faults.fail_from(Op::Release, 1);
     let e = region
@@ -540,18 +502,18 @@ fn an_undone_growth_counts_every_granule_it_left_in_the_quarantine() {
     faults.clear();
     assert!(
         matches!(
-            e.cause,
-            GrowFailure::Undone {
+            e,
+            GrowError::Undone {
                 at: 1,
                 quarantined: 2,
                 ..
             }
         ),
         "{:?}",
-        e.cause
+        e
     );
     assert_eq!(device.retry_quarantine().released, 2);
-    e.into_token().release().complete().unwrap();
+    region.release().complete().unwrap();
     assert_eq!(binding.used(), 0);
 }
 
@@ -565,12 +527,7 @@ fn an_undone_growth_from_the_cache_gives_it_all_back() {
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
     device.set_cache_cap(3 * GRANULE as u64);
-    let mut warm = binding
-        .reserve(3 * GRANULE)
-        .unwrap()
-        .into_region()
-        .grow(3)
-        .unwrap();
+    let mut warm = binding.reserve(3 * GRANULE).unwrap().into_region().grown(3);
     warm.shrink(3).unwrap();
     warm.release().complete().unwrap();
     assert_eq!(
@@ -578,18 +535,19 @@ fn an_undone_growth_from_the_cache_gives_it_all_back() {
         3 * GRANULE as u64,
         "setup: three cached"
     );
-    let region = binding.reserve(3 * GRANULE).unwrap().into_region();
+    let mut region = binding.reserve(3 * GRANULE).unwrap().into_region();
     faults.fail_nth(Op::Map, 3);
     let e = region
         .grow(3)
         .expect_err("the third map was failed on purpose");
+    assert!(matches!(e, GrowError::Undone { at: 2, .. }), "{e:?}");
     assert_eq!(
         device.cached_bytes(),
         3 * GRANULE as u64,
         "all back in the cache"
     );
     assert_eq!(faults.calls(Op::Release), 0, "none released");
-    e.into_token().release().complete().unwrap();
+    region.release().complete().unwrap();
 }
 
 /// Kills `src/region.rs: replace * with / in Allocation<'b, 'id, B, Elastic>::grow`: a growth
@@ -601,17 +559,17 @@ fn a_growth_after_the_context_is_lost_names_the_granules_it_would_map() {
     let device = Device::new(guard, sim.clone());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let region = binding.reserve(4 * GRANULE).unwrap().into_region();
-    let region = region.grow(1).unwrap();
+    let mut region = region.grown(1);
     sim.lose_context();
     let e = region.grow(2).expect_err("the context is lost");
-    let GrowFailure::Undone { cause, .. } = &e.cause else {
-        panic!("{:?}", e.cause);
+    let GrowError::Undone { cause, .. } = &e else {
+        panic!("{e:?}");
     };
     let CommitFailure::Backend(b) = &**cause else {
         panic!("{cause:?}");
     };
     assert_eq!(b.cause, Cause::ContextLost);
-    assert_eq!((b.addr, b.len), (e.token.addr() + GRANULE, 2 * GRANULE));
+    assert_eq!((b.addr, b.len), (region.addr() + GRANULE, 2 * GRANULE));
 }
 
 /// Kills `src/region.rs: replace - with + in Allocation<'b, 'id, B, Elastic>::shrink`: a shrink
@@ -623,9 +581,9 @@ fn a_shrink_after_the_context_is_lost_names_the_tail_it_would_unmap() {
     let device = Device::new(guard, sim.clone());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut region = binding.reserve(4 * GRANULE).unwrap().into_region();
-    region = region.grow(3).unwrap();
+    region = region.grown(3);
     sim.lose_context();
-    let Err(ShrinkFailure::Backend(e)) = region.shrink(1) else {
+    let Err(ShrinkError::Backend(e)) = region.shrink(1) else {
         panic!("a lost context refuses the shrink");
     };
     assert_eq!(e.cause, Cause::ContextLost);
@@ -642,12 +600,7 @@ fn a_shrink_refunds_the_binding_for_what_it_gave_back() {
     let device = Device::new(guard, common::sim(16 * GRANULE as u64));
     let binding = device.bind(Budget::unlimited()).unwrap();
     device.set_cache_cap(GRANULE as u64);
-    let mut region = binding
-        .reserve(4 * GRANULE)
-        .unwrap()
-        .into_region()
-        .grow(3)
-        .unwrap();
+    let mut region = binding.reserve(4 * GRANULE).unwrap().into_region().grown(3);
     assert_eq!(binding.used(), 3 * GRANULE as u64);
     region.shrink(2).unwrap(); // one cached, one released
     assert_eq!(binding.used(), GRANULE as u64);
@@ -665,7 +618,7 @@ fn a_lost_context_discharges_the_granule_cache_from_the_ledger() {
     let device = Device::new(guard, sim.clone());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut region = binding.reserve(4 * GRANULE).unwrap().into_region();
-    region = region.grow(3).unwrap();
+    region = region.grown(3);
     region.shrink(3).unwrap();
     region.release().complete().unwrap();
     let l = device.ledger();

@@ -476,7 +476,7 @@ fn a_copy_on_write_past_the_budget_is_refused_with_numbers() {
         panic!("the sharer has no budget for a private granule");
     };
     assert_eq!(
-        cause,
+        *cause,
         CommitFailure::Budget {
             requested: g as u64,
             used: 0,

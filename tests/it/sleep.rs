@@ -2,10 +2,11 @@
 //! physical memory given back, its bytes optionally saved — with every address kept, and
 //! resumed all or nothing, on the host, the strict simulator and the CUDA driver model.
 
+use crate::common::Grown;
 use crate::common::{self, GRANULE, assert_no_cause_repeated, host, pattern, says_first, setup};
 use memtoken::backend::cuda::CudaBackend;
 use memtoken::backend::{Backend, Faulty, Op, SimBackend};
-use memtoken::{Budget, Device, GrowFailure, ResumeFailure, SuspendFailure, make_guard};
+use memtoken::{Budget, Device, GrowError, ResumeFailure, SuspendFailure, make_guard};
 
 const PAGE: usize = 4096;
 
@@ -53,12 +54,7 @@ fn an_allocation_sleeps_with_nothing_owned_and_wakes_at_its_address_with_its_byt
 fn a_region_sleeps_into_the_cache_and_wakes_from_it_without_a_create() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let mut region = binding
-        .reserve(8 * PAGE)
-        .unwrap()
-        .into_region()
-        .grow(5)
-        .unwrap();
+    let mut region = binding.reserve(8 * PAGE).unwrap().into_region().grown(5);
     let bytes = pattern(5 * PAGE, 3);
     region.as_mut_slice().copy_from_slice(&bytes);
     let addr = region.addr();
@@ -96,12 +92,7 @@ fn a_resume_that_fails_halfway_leaves_the_token_asleep_with_nothing_charged() {
     setup!(host(), device, faults);
     device.set_cache_cap(0);
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let mut region = binding
-        .reserve(6 * PAGE)
-        .unwrap()
-        .into_region()
-        .grow(4)
-        .unwrap();
+    let mut region = binding.reserve(6 * PAGE).unwrap().into_region().grown(4);
     let bytes = pattern(4 * PAGE, 9);
     region.as_mut_slice().copy_from_slice(&bytes);
     let mut asleep = region.suspend_saving().unwrap();
@@ -115,7 +106,7 @@ fn a_resume_that_fails_halfway_leaves_the_token_asleep_with_nothing_charged() {
         assert_no_cause_repeated(&e);
         match (op, &e.cause) {
             (Op::Copy, ResumeFailure::Restore(b)) => assert_eq!(b.op, Op::Copy),
-            (_, ResumeFailure::Grow(g)) => assert!(matches!(**g, GrowFailure::Undone { .. })),
+            (_, ResumeFailure::Grow(g)) => assert!(matches!(**g, GrowError::Undone { .. })),
             (_, cause) => panic!("{op:?}: {cause}"),
         }
         let back = e.into_token();
@@ -228,12 +219,7 @@ fn the_simulator_keeps_and_restores_the_saved_bytes() {
     setup!(sim.clone(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
-    let region = binding
-        .reserve(4 * g)
-        .unwrap()
-        .into_region()
-        .grow(3)
-        .unwrap();
+    let region = binding.reserve(4 * g).unwrap().into_region().grown(3);
     let bytes = pattern(3 * g, 5);
     sim.copy_from_host(region.addr(), &bytes).unwrap();
     let asleep = region.suspend_saving().unwrap();
@@ -257,12 +243,7 @@ fn on_cuda_memory_sleeps_only_once_its_work_finished_and_wakes_with_its_bytes() 
     let mut a = binding.reserve(2 * g).unwrap().commit().unwrap();
     let bytes = pattern(2 * g, 1);
     a.copy_from_host(0, &bytes).unwrap();
-    let region = binding
-        .reserve(4 * g)
-        .unwrap()
-        .into_region()
-        .grow(2)
-        .unwrap();
+    let region = binding.reserve(4 * g).unwrap().into_region().grown(2);
 
     model.submit_work(); // a kernel may use both
     let e = a.suspend_saving().expect_err("work is running");
@@ -305,12 +286,7 @@ fn releasing_a_sleeping_token_frees_its_va_once() {
     let frees = faults.calls(Op::Free);
     asleep.release().complete().unwrap();
     assert_eq!(faults.calls(Op::Free), frees + 1);
-    let region = binding
-        .reserve(2 * g)
-        .unwrap()
-        .into_region()
-        .grow(1)
-        .unwrap();
+    let region = binding.reserve(2 * g).unwrap().into_region().grown(1);
     drop(region.suspend().unwrap()); // dropped asleep: the device frees it
     assert_eq!(faults.calls(Op::Free), frees + 2);
     drop(binding);
@@ -329,12 +305,7 @@ fn releasing_a_sleeping_token_frees_its_va_once() {
 fn a_region_whose_granules_left_the_cache_while_asleep_gets_its_bytes_back() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
-    let mut region = binding
-        .reserve(4 * PAGE)
-        .unwrap()
-        .into_region()
-        .grow(2)
-        .unwrap();
+    let mut region = binding.reserve(4 * PAGE).unwrap().into_region().grown(2);
     region.as_mut_slice().fill(7);
     let asleep = region.suspend_saving().unwrap();
     assert_eq!(device.trim_cache(), 2 * PAGE as u64);
@@ -402,7 +373,7 @@ fn a_region_suspended_while_unmaps_fail_says_what_it_withholds() {
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let region = binding.reserve(4 * GRANULE).unwrap().into_region();
-    let region = region.grow(3).unwrap();
+    let region = region.grown(3);
     faults.fail_from(Op::Unmap, 2);
     let mut asleep = region.suspend().unwrap();
     faults.clear();

@@ -94,22 +94,21 @@ fn eight_threads_on_one_device_with_faults_leave_nothing_outstanding() {
                             let Ok(r) = binding.reserve(6 * g) else {
                                 continue;
                             };
-                            let Ok(mut region) = r.into_region().grow(1 + rng.below(4) as usize)
-                            else {
+                            let mut region = r.into_region();
+                            if region.grow(1 + rng.below(4) as usize).is_err() {
                                 continue;
-                            };
-                            let _ = region.shrink(1);
-                            if let Ok(region) = region.grow(1) {
-                                drop(region);
                             }
+                            let _ = region.shrink(1);
+                            let _ = region.grow(1);
                         }
                         3 => {
                             let Ok(r) = binding.reserve(4 * g) else {
                                 continue;
                             };
-                            let Ok(region) = r.into_region().grow(2) else {
+                            let mut region = r.into_region();
+                            if region.grow(2).is_err() {
                                 continue;
-                            };
+                            }
                             let saving = rng.below(2) == 0;
                             let asleep = if saving {
                                 region.suspend_saving()

@@ -67,7 +67,7 @@ impl<D: Driver> CudaBackend<D> {
             let v = Violation::Import("imported memory is written never");
             return Err(BackendError::refused(Op::Copy, src, len, v));
         }
-        if Self::overlaps(&s.stuck, src, len) {
+        if Self::overlaps(&s.inaccessible, src, len) {
             let v = Violation::NotMapped { addr: src, len };
             return Err(BackendError::refused(Op::Copy, src, len, v));
         }
@@ -77,7 +77,7 @@ impl<D: Driver> CudaBackend<D> {
         // The scratch range is the backend's own, for this copy only: no peer gets access.
         // SAFETY: the scratch range was mapped, exactly, just above, and is given
         // read-write access before the copy writes to it; `s.book.check_copy` above proved
-        // every byte of the source mapped, and the `s.stuck` check that it has access. Both
+        // every byte of the source mapped, and the `s.inaccessible` check that it has access. Both
         // stay mapped until the copy has finished: the source and the scratch range are
         // marked busy below (unmap, free and map refuse busy ranges) until the wait in
         // `copy_via_scratch`.
@@ -141,7 +141,7 @@ impl<D: Driver> CudaBackend<D> {
         // SAFETY: `self.ctx` is live until the backend is dropped (see `enter`).
         if let Err(e) = unsafe { d.ctx_set_current(self.ctx) } {
             // Not current: the scratch range is taken down by a later sweep.
-            s.stuck.push((scratch, span));
+            s.inaccessible.push((scratch, span));
             s.scratch.push((scratch, span));
             return Err(e);
         }
@@ -160,7 +160,7 @@ impl<D: Driver> CudaBackend<D> {
             Err(e) if e.is_context_loss() => return Err(e),
             Err(_) => {
                 // Still mapped: unmapped (and then freed) before anything reuses the range.
-                s.stuck.push((scratch, span));
+                s.inaccessible.push((scratch, span));
                 s.scratch.push((scratch, span));
             }
         }

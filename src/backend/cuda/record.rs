@@ -22,7 +22,7 @@ pub(super) struct CudaState {
     pub(super) retired: Vec<u64>,
     /// Mappings whose access could not be set and whose rollback unmap failed too: unmapped
     /// before their range is mapped again or freed, and on drop.
-    pub(super) stuck: Vec<(u64, usize)>,
+    pub(super) inaccessible: Vec<(u64, usize)>,
     /// Scratch reservations of copy-on-write whose teardown failed: (address, length).
     /// Retried by the next copy and on drop.
     pub(super) scratch: Vec<(u64, usize)>,
@@ -45,7 +45,7 @@ impl CudaState {
             book: Book::new(granularity, true),
             events: HashMap::new(),
             retired: Vec::new(),
-            stuck: Vec::new(),
+            inaccessible: Vec::new(),
             scratch: Vec::new(),
             pins: 0,
             busy: Vec::new(),
@@ -105,7 +105,7 @@ impl<D: Driver> CudaBackend<D> {
         let not_mapped =
             || BackendError::refused(op, addr, len, Violation::NotMapped { addr, len });
         let (mut at, end) = (addr, addr.checked_add(len).ok_or_else(not_mapped)?);
-        if Self::overlaps(&s.stuck, addr, len) {
+        if Self::overlaps(&s.inaccessible, addr, len) {
             return Err(not_mapped());
         }
         while at < end {
@@ -164,18 +164,20 @@ impl<D: Driver> CudaBackend<D> {
 
     /// Unmaps what a failed rollback left mapped in `[start, end)`; what still fails stays.
     pub(super) fn unstick(&self, s: &mut CudaState, start: u64, end: u64) -> CuResult<()> {
-        let (inside, outside): (Vec<_>, Vec<_>) =
-            s.stuck.drain(..).partition(|&(p, _)| start <= p && p < end);
-        s.stuck = outside;
+        let (inside, outside): (Vec<_>, Vec<_>) = s
+            .inaccessible
+            .drain(..)
+            .partition(|&(p, _)| start <= p && p < end);
+        s.inaccessible = outside;
         let mut result = Ok(());
         for (ptr, size) in inside {
-            // SAFETY: a range is in `s.stuck` only while the driver still holds it mapped
+            // SAFETY: a range is in `s.inaccessible` only while the driver still holds it mapped
             // exactly (a map whose rollback unmap failed, still in the book as mapped), and it
             // leaves the list when unmapped; the record's lock is held.
             match unsafe { self.driver.mem_unmap(ptr, size) } {
                 Ok(()) => s.book.apply_unmap(ptr as Addr, size),
                 Err(e) => {
-                    s.stuck.push((ptr, size));
+                    s.inaccessible.push((ptr, size));
                     if e.is_context_loss() {
                         return Err(e);
                     }

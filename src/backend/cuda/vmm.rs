@@ -134,7 +134,7 @@ impl<D: Driver> CudaBackend<D> {
         match unsafe { self.driver.mem_unmap(ptr, len) } {
             Ok(()) => s.book.apply_unmap(addr, len),
             Err(rollback) => {
-                s.stuck.push((ptr, len));
+                s.inaccessible.push((ptr, len));
                 if rollback.is_context_loss() {
                     return Err(fail(rollback));
                 }
@@ -156,7 +156,7 @@ impl<D: Driver> CudaBackend<D> {
         unsafe { self.driver.mem_unmap(addr as u64, len) }
             .map_err(|e| self.fail(Op::Unmap, addr, len, e))?;
         s.book.apply_unmap(addr, len);
-        s.stuck.retain(|&(p, _)| !(start <= p && p < end));
+        s.inaccessible.retain(|&(p, _)| !(start <= p && p < end));
         Ok(())
     }
 }

@@ -142,3 +142,16 @@ pub fn held_fences() -> DriverModel {
     })
     .unwrap()
 }
+
+/// A region grown by some granules, for a test's setup: `reserve(..).into_region().grown(2)`.
+pub trait Grown {
+    /// Grows by `granules`, panicking if the growth is refused (a setup that cannot fail).
+    fn grown(self, granules: usize) -> Self;
+}
+
+impl<B: memtoken::backend::Backend> Grown for memtoken::Region<'_, '_, B> {
+    fn grown(mut self, granules: usize) -> Self {
+        self.grow(granules).expect("setup: grow");
+        self
+    }
+}

@@ -1,5 +1,6 @@
 //! [`Allocation`]: a linear owning token for one VA range, its state in its type — and
 //! [`Binding::reserve`], which makes one.
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use crate::backend::{Access, Backend, HostVisible, Op};
 use crate::binding::{Binding, Custody};

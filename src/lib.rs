@@ -141,7 +141,9 @@
 //! assert_eq!(session.used(), 4096); // exactly one granule
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+#![deny(unsafe_code)] // allowed only in the modules that need it (rustix's gate)
 #![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::too_many_lines)]
 #![warn(missing_docs)]
 
 mod allocation;

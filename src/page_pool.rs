@@ -1,4 +1,5 @@
 //! [`PagePool`]: fixed-size pages carved out of committed chunks — the KV cache's hot path.
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use crate::allocation::Allocation;
 use crate::backend::{Addr, Backend, HostVisible};

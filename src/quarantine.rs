@@ -1,4 +1,5 @@
 //! [`Quarantined`]: what a failed release leaves, owned exactly, withheld, and retryable.
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use crate::backend::Backend;
 use crate::binding::{Binding, Custody};

@@ -2,6 +2,7 @@
 //! committed part grows and shrinks by granules at its tail. Each granule is a physical
 //! allocation of its own (every mapping maps one whole allocation from offset 0), so granules
 //! come and go one by one, through the device's cache of physical granules.
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use crate::allocation::Allocation;
 use crate::backend::{Access, Backend, BackendError, HostVisible, Op};

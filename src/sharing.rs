@@ -2,6 +2,7 @@
 //! [`PrefixMapping`] (a sharer's read-only view) and [`DivergedMapping`] (a sharer after
 //! copy-on-write of its last granule). Each is an [`Allocation`] in a state of its own, with
 //! the reference on the shared physical memory as its parts.
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use crate::allocation::Allocation;
 use crate::backend::{Access, Backend, BackendError, Exportable, HandleKind, HostVisible, Op};
@@ -601,11 +602,8 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
             if let Err(e) = backend.unmap(boundary, g) {
                 // Whether the boundary is still mapped is unknown: the mapping lends no memory any
                 // more, its remains are quarantined.
-                return Err(self.quarantine_diverging(
-                    core.len,
-                    CowFailure::Unmap(Box::new(e)),
-                    private,
-                ));
+                let cause = CowFailure::Unmap(Box::new(e));
+                return Err(self.quarantine_diverging(core.len, cause, private));
             }
             device.refund(Axis::Mapped, g);
             if let Err(error) = backend.map(boundary, g, private, Access::ReadWrite) {
@@ -617,11 +615,8 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
                     }
                     // Neither the copy nor the original is mapped at the boundary.
                     Err(restore) => {
-                        let restore = Box::new(restore);
-                        let cause = CowFailure::Remap {
-                            error: Box::new(error),
-                            restore,
-                        };
+                        let (error, restore) = (Box::new(error), Box::new(restore));
+                        let cause = CowFailure::Remap { error, restore };
                         Err(self.quarantine_diverging(core.len - g, cause, private))
                     }
                 };

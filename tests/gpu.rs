@@ -284,6 +284,7 @@ fn gpu_kernel_runs_on_committed_memory_and_drop_defers_behind_it() {
     );
 
     // Launch again and drop both inputs at once: nothing blocks, the release waits for the fence.
+    // SAFETY: as for the first launch: the same kernel, arguments and live buffers.
     unsafe { launch.launch(LaunchConfig::for_num_elems(len)) }.unwrap();
     drop(x);
     drop(y);

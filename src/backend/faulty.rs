@@ -1,4 +1,5 @@
 //! Fault injection and outstanding-resource counting around any backend.
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::export::{Exportable, HandleKind, Shareable};
 use super::faults::{Fault, FaultPlan};

@@ -20,6 +20,7 @@
 //! - [`Faulty`]: a wrapper around any backend that injects failures and counts what is outstanding;
 //! - [`cuda::CudaBackend`]: CUDA VMM over a thin driver seam — the real driver through `cudarc`
 //!   (feature `cuda`), or [`cuda::DriverModel`], a strict model of the driver's rules.
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 /// Declares a fieldless enum and its `ALL`, every variant in declaration order, from one list
 /// (so the list cannot miss a variant).

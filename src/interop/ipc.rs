@@ -7,6 +7,7 @@
 //! reference on it, counted by [`Device::outstanding_exports`](crate::Device::outstanding_exports));
 //! the importer owns nothing of it: its token owns zero bytes, maps the memory read-only and
 //! gives back its own handles, once, when it goes.
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use crate::allocation::Allocation;
 use crate::backend::{

@@ -2,6 +2,7 @@
 //! about — raw `CUstream`s for raw pointers, cudarc streams for everything else. The typed
 //! views (`DeviceView`, `DeviceViewMut`, feature `cuda`) cover their own streams; these are the
 //! ways for raw users. The one place a [`Device`] meets a concrete backend.
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 #[cfg(feature = "cuda")]
 use crate::backend::BackendError;

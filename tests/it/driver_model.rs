@@ -302,7 +302,7 @@ fn vmm_calls_during_capture(mode: CaptureMode, other_thread: bool) -> Vec<(Drive
         let spare = model.mem_create(G, 0).unwrap();
         let free = model.mem_address_reserve(G, G, 0).unwrap();
         let make = || -> Result<(), CuError> {
-            // SAFETY (each call): the values are live and the ranges as the call requires.
+            // SAFETY: (each call) the values are live and the ranges as the call requires.
             unsafe {
                 match call {
                     DriverCall::MemAddressReserve => model.mem_address_reserve(G, G, 0).map(drop),

@@ -3,6 +3,7 @@
 //! ranges it uses busy and runs outside the record's lock; the legacy stream is waited on
 //! before a range is free again (`cuMemcpyHtoD` from pageable memory and `cuMemcpyDtoD` may
 //! return before the bytes have landed).
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::driver::{CuError, CuResult, Driver};
 use super::record::CudaState;

@@ -2,6 +2,7 @@
 //! integer handles so that a pure-Rust model can stand in for the real driver. No logic here:
 //! an implementation forwards each call (see `SysDriver`, feature `cuda`) or models it
 //! ([`DriverModel`](super::DriverModel)).
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use rustix::fd::OwnedFd;
 use std::fmt;

@@ -1,4 +1,5 @@
 //! Export and import of physical memory as POSIX descriptors (facts 26–29).
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::driver::{Driver, HANDLE_TYPE_POSIX_FD, ShareableHandle};
 use super::{CudaBackend, CudaPhys, next_serial};

@@ -1,6 +1,7 @@
 //! Fences: one event per covered stream, recorded after the work submitted there so far, and
 //! the streams a fence covers. Events are named by serials of the backend's, never by the
 //! driver's values (a destroyed event's value may come back from a later `cuEventCreate`).
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 #[cfg(feature = "cuda")]
 use super::driver::Context;

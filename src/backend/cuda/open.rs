@@ -1,6 +1,7 @@
 //! Opening and closing: the backend on a device's primary context (or on a cudarc context),
 //! what it reads from the driver when opened, its peers, the context retains it holds, and
 //! what it gives back when dropped.
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::CudaBackend;
 #[cfg(feature = "cuda")]

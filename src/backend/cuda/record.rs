@@ -2,6 +2,7 @@
 //! every call passes against it before it reaches the driver (check, prove, apply: the record
 //! is checked first, then the `unsafe` call is made, its proof naming the check, and only then
 //! is the record changed).
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::driver::{CuError, CuResult, Driver, Event};
 use super::{CudaBackend, CudaPhys};

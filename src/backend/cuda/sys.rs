@@ -6,6 +6,7 @@
 //! (`cuMemGetAllocationGranularity`, `cuMemAddressReserve`, `cuMemAddressFree`, `cuMemCreate`,
 //! `cuMemExportToShareableHandle`, `cuMemImportFromShareableHandle`, `cuMemRelease`,
 //! `cuMemMap`, `cuMemSetAccess`, `cuMemUnmap`) and `cuDeviceCanAccessPeer`.
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::CudaError;
 use super::driver::{

@@ -1,6 +1,7 @@
 //! The VMM calls — reserve, free, create, release, map, unmap — each checked against the
 //! record before it reaches the driver ([`Backend`](crate::backend::Backend)'s methods of the
 //! same names forward here).
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::driver::Driver;
 use super::{CudaBackend, CudaPhys, next_serial};

@@ -1,6 +1,7 @@
 //! Physical memory in files of its own: memory created exportable (a sealed `memfd` per
 //! allocation), its export — sealed against every write first — and memory imported from
 //! another process.
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::{HostBackend, HostPhys, HostState, os_error};
 use crate::backend::export::{Exportable, PosixFd, Shareable};

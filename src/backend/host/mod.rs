@@ -1,4 +1,5 @@
 //! Host VMM over `rustix`: a faithful analog of CUDA's virtual memory management on Linux.
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 mod files;
 

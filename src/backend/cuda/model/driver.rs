@@ -1,5 +1,6 @@
 //! The driver model's [`Driver`] implementation: each call logged, failed where planned or
 //! after a loss, checked against the rules (misuse panics), and applied to the model's state.
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 #[cfg(doc)]
 use super::ModelConfig;

@@ -1,4 +1,5 @@
 //! Unit tests of the driver model, called directly.
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::*;
 use crate::backend::cuda::driver::Driver;

@@ -10,7 +10,7 @@ use crate::ledger::Axis;
 use crate::quarantine::{Quarantined, settle};
 use crate::residual::Held;
 use crate::state::{
-    Committed, Internal, Live, Readable, Releasing, Reserved, Retired, State, Wait, sealed::Repr,
+    Committed, Live, Readable, Releasing, Reserved, Retired, Retiring, State, Wait, sealed::Repr,
 };
 use crate::token::{Core, host_slice, host_slice_mut};
 use crate::unwind::Scope;
@@ -319,13 +319,25 @@ impl<'b, 'id, B: Backend, S: Live> Allocation<'b, 'id, B, S> {
                 held,
                 fence,
                 charged,
-            } = S::retire(core.backend(), core.len, parts, Internal(()));
+            } = retire::<B, S>(core, parts);
             // The binding stays charged for the memory the token still owns, until it is released;
             // the rest leaves its budget now (a prefix's bytes stay with its mappings).
             binding_keeps(core, charged, &held);
             Allocation::from_core(core, (held, fence))
         })
     }
+}
+
+/// Takes a token of state `S` apart into what it holds (see [`Repr::retire`]).
+fn retire<B: Backend, S: State>(core: Core<'_, '_, B>, parts: S::Parts<B>) -> Retired<B> {
+    let len = core.len;
+    S::retire(
+        parts,
+        Retiring {
+            backend: core.backend(),
+            len,
+        },
+    )
 }
 
 /// Refunds the part of `charged` that `held` does not own any more.
@@ -414,7 +426,7 @@ impl<B: Backend, S: State> Drop for Allocation<'_, '_, B, S> {
             held,
             fence,
             charged,
-        } = S::retire(core.backend(), core.len, parts, Internal(()));
+        } = retire::<B, S>(core, parts);
         core.binding
             .hand_over(core.residual(held), charged, Custody::Fenced(fence));
     }

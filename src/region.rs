@@ -13,11 +13,11 @@ use crate::ledger::Axis;
 use crate::residual::{Granule, Held};
 use crate::state::Wait;
 use crate::state::{
-    Internal, Live, Reserved, Retired, State,
+    Live, Reserved, Retired, Retiring, State,
     sealed::{self, Repr},
 };
 use crate::token::{Core, host_slice, host_slice_mut};
-use crate::unwind::{Guarded, Scope};
+use crate::unwind::Scope;
 
 /// An elastic region: one reserved range whose committed part — from its start to its
 /// [`committed_len`](Allocation::committed_len) — grows and shrinks by granules at its tail.
@@ -106,12 +106,8 @@ impl sealed::Sealed for Elastic {}
 impl Repr for Elastic {
     type Parts<B: Backend> = Granules<B::Phys>;
 
-    fn retire<B: Backend>(
-        backend: &Guarded<B>,
-        _len: usize,
-        parts: Self::Parts<B>,
-        _: Internal,
-    ) -> Retired<B> {
+    fn retire<B: Backend>(parts: Self::Parts<B>, at: Retiring<'_, B>) -> Retired<B> {
+        let backend = at.backend;
         let g = backend.granularity();
         let Granules {
             committed,

@@ -13,7 +13,7 @@ use crate::quarantine::Quarantined;
 use crate::residual::{Held, SharedPhys, Split};
 use crate::state::Wait;
 use crate::state::{
-    Internal, Live, Readable, Reserved, Retired, State,
+    Live, Readable, Reserved, Retired, Retiring, State,
     sealed::{self, Repr},
 };
 use crate::token::host_slice_mut;
@@ -214,12 +214,8 @@ impl<K: Capability> sealed::Sealed for Owner<K> {}
 impl<K: Capability> Repr for Owner<K> {
     type Parts<B: Backend> = SharedPhys<B::Phys>;
 
-    fn retire<B: Backend>(
-        backend: &Guarded<B>,
-        len: usize,
-        shared: Self::Parts<B>,
-        _: Internal,
-    ) -> Retired<B> {
+    fn retire<B: Backend>(shared: Self::Parts<B>, at: Retiring<'_, B>) -> Retired<B> {
+        let (backend, len) = (at.backend, at.len);
         // The owner's binding carries the prefix's bytes while the owner's token lives.
         retired(backend, len, shared, None, len)
     }
@@ -234,12 +230,8 @@ impl sealed::Sealed for Sharer {}
 impl Repr for Sharer {
     type Parts<B: Backend> = SharedPhys<B::Phys>;
 
-    fn retire<B: Backend>(
-        backend: &Guarded<B>,
-        len: usize,
-        shared: Self::Parts<B>,
-        _: Internal,
-    ) -> Retired<B> {
+    fn retire<B: Backend>(shared: Self::Parts<B>, at: Retiring<'_, B>) -> Retired<B> {
+        let (backend, len) = (at.backend, at.len);
         retired(backend, len, shared, None, 0)
     }
 
@@ -254,12 +246,8 @@ impl Repr for Diverged {
     /// The shared reference and the private last granule.
     type Parts<B: Backend> = (SharedPhys<B::Phys>, B::Phys);
 
-    fn retire<B: Backend>(
-        backend: &Guarded<B>,
-        len: usize,
-        (shared, private): Self::Parts<B>,
-        _: Internal,
-    ) -> Retired<B> {
+    fn retire<B: Backend>((shared, private): Self::Parts<B>, at: Retiring<'_, B>) -> Retired<B> {
+        let (backend, len) = (at.backend, at.len);
         let g = backend.granularity();
         retired(backend, len, shared, Some((private, g)), g)
     }

@@ -12,11 +12,11 @@ use crate::region::{Elastic, Granules, idle, reclaim_withheld};
 use crate::residual::{Granule, Held};
 use crate::state::Wait;
 use crate::state::{
-    Committed, Internal, Live, Reserved, Retired, State,
+    Committed, Live, Reserved, Retired, Retiring, State,
     sealed::{self, Repr},
 };
 use crate::token::Core;
-use crate::unwind::{Guarded, Scope};
+use crate::unwind::Scope;
 use std::convert::Infallible;
 use std::fmt;
 use std::marker::PhantomData;
@@ -117,12 +117,8 @@ impl<S: Suspendable> sealed::Sealed for Suspended<S> {}
 impl<S: Suspendable> Repr for Suspended<S> {
     type Parts<B: Backend> = Asleep<B::Phys>;
 
-    fn retire<B: Backend>(
-        backend: &Guarded<B>,
-        _len: usize,
-        parts: Self::Parts<B>,
-        _: Internal,
-    ) -> Retired<B> {
+    fn retire<B: Backend>(parts: Self::Parts<B>, at: Retiring<'_, B>) -> Retired<B> {
+        let backend = at.backend;
         let charged = parts.withheld.iter().map(|s| s.len).sum();
         Retired {
             // Withheld granules may still be mapped from before: their release waits for work.

@@ -54,10 +54,14 @@ pub struct Retired<B: Backend> {
     pub(crate) charged: usize,
 }
 
-/// A value only this crate can make: [`sealed::Repr::retire`] takes one, so no code outside
-/// the crate can take a token's parts apart (or record a fence) through it.
-#[derive(Clone, Copy, Debug)]
-pub struct Internal(pub(crate) ());
+/// What [`sealed::Repr::retire`] needs besides the parts: the backend and the token's length.
+/// Only this crate can make one, so no code outside it can take a token's parts apart (or
+/// record a fence) through it.
+#[derive(Debug)]
+pub struct Retiring<'a, B: Backend> {
+    pub(crate) backend: &'a Guarded<B>,
+    pub(crate) len: usize,
+}
 
 pub(crate) mod sealed {
     use super::*;
@@ -71,13 +75,8 @@ pub(crate) mod sealed {
         /// What a token in this state owns beyond its VA range.
         type Parts<B: Backend>;
 
-        /// Takes a token of `len` bytes in this state apart into what it holds.
-        fn retire<B: Backend>(
-            backend: &Guarded<B>,
-            len: usize,
-            parts: Self::Parts<B>,
-            _: Internal,
-        ) -> Retired<B>;
+        /// Takes a token of `at.len` bytes in this state apart into what it holds.
+        fn retire<B: Backend>(parts: Self::Parts<B>, at: Retiring<'_, B>) -> Retired<B>;
 
         /// The reference on shared physical memory a mapping in this state holds.
         fn shared<B: Backend>(parts: &Self::Parts<B>) -> Option<&SharedPhys<B::Phys>> {
@@ -121,7 +120,7 @@ impl sealed::Sealed for Reserved {}
 impl sealed::Repr for Reserved {
     type Parts<B: Backend> = ();
 
-    fn retire<B: Backend>(_: &Guarded<B>, _len: usize, (): (), _: Internal) -> Retired<B> {
+    fn retire<B: Backend>((): (), _: Retiring<'_, B>) -> Retired<B> {
         Retired {
             held: Held::va(),
             fence: Wait::Nothing,
@@ -135,12 +134,8 @@ impl sealed::Sealed for Committed {}
 impl sealed::Repr for Committed {
     type Parts<B: Backend> = B::Phys;
 
-    fn retire<B: Backend>(
-        backend: &Guarded<B>,
-        len: usize,
-        phys: B::Phys,
-        _: Internal,
-    ) -> Retired<B> {
+    fn retire<B: Backend>(phys: B::Phys, at: Retiring<'_, B>) -> Retired<B> {
+        let (backend, len) = (at.backend, at.len);
         Retired {
             held: Held::committed(len, phys),
             // Work may still be in flight on the memory: its release waits for a fence.
@@ -155,12 +150,7 @@ impl sealed::Sealed for Releasing {}
 impl sealed::Repr for Releasing {
     type Parts<B: Backend> = (Held<B::Phys>, Wait<B::Fence>);
 
-    fn retire<B: Backend>(
-        _: &Guarded<B>,
-        _len: usize,
-        (held, fence): Self::Parts<B>,
-        _: Internal,
-    ) -> Retired<B> {
+    fn retire<B: Backend>((held, fence): Self::Parts<B>, _: Retiring<'_, B>) -> Retired<B> {
         let charged = held.owned_bytes();
         Retired {
             held,

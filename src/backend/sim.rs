@@ -475,56 +475,73 @@ impl Backend for SimBackend {
 mod tests {
     use super::*;
 
+    /// Asserts that `config` is refused with an error `expected` accepts, whose message holds
+    /// `words`.
+    fn refused(config: SimConfig, expected: fn(&ConfigError) -> bool, words: &str) {
+        let e = SimBackend::new(config.clone()).unwrap_err();
+        assert!(expected(&e), "{config:?}: {e:?}");
+        assert!(e.to_string().contains(words), "{e}");
+    }
+
     #[test]
     fn a_bad_configuration_is_an_error_not_a_panic() {
-        let bad = |config: SimConfig| SimBackend::new(config).unwrap_err();
-        let e = bad(SimConfig {
-            granularity: 3 << 20,
-            ..SimConfig::default()
-        });
-        assert!(
-            matches!(e, ConfigError::GranularityNotPowerOfTwo { granularity } if granularity == 3 << 20)
+        use ConfigError::*;
+        let d = SimConfig::default;
+        let g = 3 << 20;
+        refused(
+            SimConfig {
+                granularity: g,
+                ..d()
+            },
+            |e| matches!(e, GranularityNotPowerOfTwo { granularity } if *granularity == 3 << 20),
+            "power of two",
         );
-        assert!(e.to_string().contains("power of two"), "{e}");
-        let e = bad(SimConfig {
-            granularity: 0,
-            ..SimConfig::default()
-        });
-        assert!(matches!(e, ConfigError::GranularityNotPowerOfTwo { .. }));
-        let e = bad(SimConfig {
-            address_space: (1 << 30) + 4096,
-            ..SimConfig::default()
-        });
-        assert!(
-            matches!(
-                e,
-                ConfigError::NotAGranularityMultiple {
-                    what: "address space",
-                    ..
-                }
-            ),
-            "{e}"
+        refused(
+            SimConfig {
+                granularity: 0,
+                ..d()
+            },
+            |e| matches!(e, GranularityNotPowerOfTwo { .. }),
+            "power of two",
         );
-        let e = bad(SimConfig {
-            address_space: 0,
-            ..SimConfig::default()
-        });
-        assert!(matches!(
-            e,
-            ConfigError::NotAGranularityMultiple { value: 0, .. }
-        ));
-        let e = bad(SimConfig {
-            physical_capacity: 0,
-            ..SimConfig::default()
-        });
-        assert!(
-            matches!(
-                e,
-                ConfigError::Zero {
-                    what: "physical capacity"
-                }
-            ),
-            "{e}"
+        refused(
+            SimConfig {
+                address_space: (1 << 30) + 4096,
+                ..d()
+            },
+            |e| {
+                matches!(
+                    e,
+                    NotAGranularityMultiple {
+                        what: "address space",
+                        ..
+                    }
+                )
+            },
+            "address space",
+        );
+        refused(
+            SimConfig {
+                address_space: 0,
+                ..d()
+            },
+            |e| matches!(e, NotAGranularityMultiple { value: 0, .. }),
+            "address space",
+        );
+        refused(
+            SimConfig {
+                physical_capacity: 0,
+                ..d()
+            },
+            |e| {
+                matches!(
+                    e,
+                    Zero {
+                        what: "physical capacity"
+                    }
+                )
+            },
+            "physical capacity",
         );
     }
 

@@ -20,10 +20,10 @@ use crate::residual::{Held, SharedPhys};
 use crate::sharing::Owner;
 use crate::state::Wait;
 use crate::state::{
-    Internal, Live, Readable, Retired, State,
+    Live, Readable, Retired, Retiring, State,
     sealed::{self, Repr},
 };
-use crate::unwind::{Guarded, Scope};
+use crate::unwind::Scope;
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::net::{
     RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, SendAncillaryBuffer,
@@ -84,12 +84,8 @@ impl Repr for Imported {
     /// This process's handles on the imported memory: the body's and the boundary's.
     type Parts<B: Backend> = (Option<(B::Phys, usize)>, (B::Phys, usize));
 
-    fn retire<B: Backend>(
-        backend: &Guarded<B>,
-        len: usize,
-        (body, boundary): Self::Parts<B>,
-        _: Internal,
-    ) -> Retired<B> {
+    fn retire<B: Backend>((body, boundary): Self::Parts<B>, at: Retiring<'_, B>) -> Retired<B> {
+        let (backend, len) = (at.backend, at.len);
         let imported = body.into_iter().chain([boundary]).collect();
         Retired {
             held: Held {

@@ -13,7 +13,7 @@
 //! After an error that means the context is lost (a sticky error such as
 //! `CUDA_ERROR_ILLEGAL_ADDRESS`, or `CUDA_ERROR_CONTEXT_IS_DESTROYED`), the backend makes no
 //! driver call at all: every call fails with [`Cause::ContextLost`](crate::backend::Cause::ContextLost) and
-//! [`Backend::context_lost`] is true, so the typed layer quarantines instead of calling, and
+//! [`Backend::context_lost`](crate::backend::Backend::context_lost) is true, so the typed layer quarantines instead of calling, and
 //! residuals can be discharged with the proof.
 //!
 //! # The driver facts it relies on
@@ -217,10 +217,9 @@ pub use open::CudaError;
 #[cfg(feature = "cuda")]
 pub use sys::SysDriver;
 
-use super::{Access, Addr, Backend, BackendError, Location};
 use record::CudaState;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::AtomicBool;
 
 /// A CUDA physical allocation: the driver's handle (`CUmemGenericAllocationHandle`) and a
 /// serial number of the backend's. The driver promises no unique handle values (a released
@@ -330,121 +329,4 @@ pub struct CudaBackend<D: Driver> {
 struct Kept {
     context: Option<std::sync::Arc<cudarc::driver::CudaContext>>,
     streams: Vec<std::sync::Arc<cudarc::driver::CudaStream>>,
-}
-
-impl<D: Driver> Backend for CudaBackend<D> {
-    type Phys = CudaPhys;
-    type Fence = CudaFence;
-
-    fn granularity(&self) -> usize {
-        self.granularity
-    }
-
-    fn address_space(&self) -> usize {
-        // The driver refuses what it cannot reserve; this bounds requests to 48-bit VA.
-        1 << 47
-    }
-
-    fn physical_capacity(&self) -> u64 {
-        self.capacity
-    }
-
-    fn location(&self) -> Location {
-        Location::Cuda {
-            device: self.device,
-        }
-    }
-
-    // The VMM calls, each checked against the record first: `vmm.rs`.
-
-    #[inline]
-    fn reserve(&self, len: usize) -> Result<Addr, BackendError> {
-        self.reserve_va(len)
-    }
-
-    #[inline]
-    fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
-        self.free_va(addr, len)
-    }
-
-    #[inline]
-    fn create(&self, len: usize) -> Result<CudaPhys, BackendError> {
-        self.create_memory(len)
-    }
-
-    #[inline]
-    fn release(&self, phys: CudaPhys, len: usize) -> Result<(), BackendError> {
-        self.release_memory(phys, len)
-    }
-
-    #[inline]
-    fn map(
-        &self,
-        addr: Addr,
-        len: usize,
-        phys: CudaPhys,
-        access: Access,
-    ) -> Result<(), BackendError> {
-        self.map_memory(addr, len, phys, access)
-    }
-
-    #[inline]
-    fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
-        self.unmap_va(addr, len)
-    }
-
-    // Copies on the legacy stream: `copy.rs`.
-
-    #[inline]
-    fn copy_into_phys(&self, phys: CudaPhys, src: Addr, len: usize) -> Result<(), BackendError> {
-        self.copy_via_scratch(phys, src, len)
-    }
-
-    #[inline]
-    fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
-        self.copy_host_to_device(dst, src)
-    }
-
-    #[inline]
-    fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError> {
-        self.copy_device_to_host(dst, src)
-    }
-
-    // Fences, one event per covered stream: `fence.rs`.
-
-    #[inline]
-    fn fence(&self) -> CudaFence {
-        self.record_fence()
-    }
-
-    #[inline]
-    fn fence_done(&self, fence: &CudaFence) -> bool {
-        self.poll_fence(fence)
-    }
-
-    #[inline]
-    fn wait_fence(&self, fence: &CudaFence) -> bool {
-        self.block_on_fence(fence)
-    }
-
-    #[inline]
-    fn retire_fence(&self, fence: CudaFence) {
-        self.destroy_fence(fence)
-    }
-
-    // The primary context's retains, taken and given back: `open.rs`.
-
-    #[inline]
-    fn pin(&self) -> Result<(), BackendError> {
-        self.retain_pin()
-    }
-
-    #[inline]
-    fn unpin(&self) -> Result<(), BackendError> {
-        self.release_pin()
-    }
-
-    fn context_lost(&self) -> bool {
-        self.lost.load(Ordering::Acquire)
-    }
 }

@@ -1,7 +1,7 @@
 //! Unit tests of the CUDA backend against the driver model.
 
 use super::*;
-use crate::backend::{Cause, Violation, lock};
+use crate::backend::{Access, Addr, Backend, Cause, Violation, lock};
 
 fn open(model: &DriverModel) -> CudaBackend<DriverModel> {
     CudaBackend::new(model.clone(), 0).unwrap()

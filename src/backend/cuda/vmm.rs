@@ -1,15 +1,42 @@
-//! The VMM calls — reserve, free, create, release, map, unmap — each checked against the
-//! record before it reaches the driver ([`Backend`](crate::backend::Backend)'s methods of the
-//! same names forward here).
+//! The [`Backend`](crate::backend::Backend) implementation of the CUDA backend: the VMM calls —
+//! reserve, free, create, release, map, unmap — each checked against the record before it
+//! reaches the driver; copies, fences and pins forward to their rooms.
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::driver::Driver;
-use super::{CudaBackend, CudaPhys, next_serial};
-use crate::backend::{Access, Addr, Backend, BackendError, Op, Violation, check_address_space};
+use super::{CudaBackend, CudaFence, CudaPhys, next_serial};
+use crate::backend::{
+    Access, Addr, Backend, BackendError, Location, Op, Violation, check_address_space,
+};
+use std::sync::atomic::Ordering;
 
-impl<D: Driver> CudaBackend<D> {
+impl<D: Driver> Backend for CudaBackend<D> {
+    type Phys = CudaPhys;
+    type Fence = CudaFence;
+
+    fn granularity(&self) -> usize {
+        self.granularity
+    }
+
+    fn address_space(&self) -> usize {
+        // The driver refuses what it cannot reserve; this bounds requests to 48-bit VA.
+        1 << 47
+    }
+
+    fn physical_capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    fn location(&self) -> Location {
+        Location::Cuda {
+            device: self.device,
+        }
+    }
+
+    // The VMM calls, each checked against the record first.
+
     /// `cuMemAddressReserve` of `len` bytes, aligned to the granularity.
-    pub(super) fn reserve_va(&self, len: usize) -> Result<Addr, BackendError> {
+    fn reserve(&self, len: usize) -> Result<Addr, BackendError> {
         let mut s = self.enter(Op::Reserve, 0, len)?;
         s.book
             .check_reserve(len)
@@ -25,7 +52,7 @@ impl<D: Driver> CudaBackend<D> {
 
     /// `cuMemAddressFree` of exactly one reservation with nothing mapped in it, after
     /// unmapping what a failed rollback left there.
-    pub(super) fn free_va(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+    fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
         let (start, end) = Self::span(Op::Free, addr, len, Violation::NotReserved { addr, len })?;
         let mut s = self.enter(Op::Free, addr, len)?;
         Self::check_not_busy(&s, Op::Free, addr, len)?;
@@ -49,7 +76,7 @@ impl<D: Driver> CudaBackend<D> {
     }
 
     /// `cuMemCreate` of `len` bytes with the backend's plain properties.
-    pub(super) fn create_memory(&self, len: usize) -> Result<CudaPhys, BackendError> {
+    fn create(&self, len: usize) -> Result<CudaPhys, BackendError> {
         let mut s = self.enter(Op::Create, 0, len)?;
         s.book
             .check_create(len)
@@ -67,7 +94,7 @@ impl<D: Driver> CudaBackend<D> {
     }
 
     /// `cuMemRelease` of memory this backend created or imported and has not released.
-    pub(super) fn release_memory(&self, phys: CudaPhys, len: usize) -> Result<(), BackendError> {
+    fn release(&self, phys: CudaPhys, len: usize) -> Result<(), BackendError> {
         let mut s = self.enter(Op::Release, 0, len)?;
         s.book
             .check_release(phys, len)
@@ -85,7 +112,7 @@ impl<D: Driver> CudaBackend<D> {
 
     /// `cuMemMap` of the whole handle at `addr`, then `cuMemSetAccess` for this device and
     /// every peer in one call; a map whose access cannot be set is rolled back.
-    pub(super) fn map_memory(
+    fn map(
         &self,
         addr: Addr,
         len: usize,
@@ -145,7 +172,7 @@ impl<D: Driver> CudaBackend<D> {
     }
 
     /// `cuMemUnmap` of whole mappings exactly covering `[addr, addr + len)`.
-    pub(super) fn unmap_va(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+    fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
         let (start, end) = Self::span(Op::Unmap, addr, len, Violation::NotMapped { addr, len })?;
         let mut s = self.enter(Op::Unmap, addr, len)?;
         Self::check_not_busy(&s, Op::Unmap, addr, len)?;
@@ -159,5 +186,60 @@ impl<D: Driver> CudaBackend<D> {
         s.book.apply_unmap(addr, len);
         s.inaccessible.retain(|&(p, _)| !(start <= p && p < end));
         Ok(())
+    }
+
+    // Copies on the legacy stream: `copy.rs`.
+
+    #[inline]
+    fn copy_into_phys(&self, phys: CudaPhys, src: Addr, len: usize) -> Result<(), BackendError> {
+        self.copy_via_scratch(phys, src, len)
+    }
+
+    #[inline]
+    fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
+        self.copy_host_to_device(dst, src)
+    }
+
+    #[inline]
+    fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError> {
+        self.copy_device_to_host(dst, src)
+    }
+
+    // Fences, one event per covered stream: `fence.rs`.
+
+    #[inline]
+    fn fence(&self) -> CudaFence {
+        self.record_fence()
+    }
+
+    #[inline]
+    fn fence_done(&self, fence: &CudaFence) -> bool {
+        self.poll_fence(fence)
+    }
+
+    #[inline]
+    fn wait_fence(&self, fence: &CudaFence) -> bool {
+        self.block_on_fence(fence)
+    }
+
+    #[inline]
+    fn retire_fence(&self, fence: CudaFence) {
+        self.destroy_fence(fence)
+    }
+
+    // The primary context's retains, taken and given back: `open.rs`.
+
+    #[inline]
+    fn pin(&self) -> Result<(), BackendError> {
+        self.retain_pin()
+    }
+
+    #[inline]
+    fn unpin(&self) -> Result<(), BackendError> {
+        self.release_pin()
+    }
+
+    fn context_lost(&self) -> bool {
+        self.lost.load(Ordering::Acquire)
     }
 }

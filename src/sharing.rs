@@ -92,7 +92,7 @@ pub type Prefix<'b, 'id, B> = Allocation<'b, 'id, B, Owner>;
 /// process can map it read-only ([`export`](Allocation::export)). Everything a prefix does, it
 /// does; only it has `export`. A prefix made by [`commit_prefix`](Allocation::commit_prefix)
 /// cannot be exported — the handle kinds are chosen when the memory is created (fact 26 of the
-/// CUDA facts, [`facts`](crate::backend::cuda::facts)):
+/// crate's CUDA facts, `docs/cuda-facts.md`):
 ///
 /// ```compile_fail,E0599
 /// # use memtoken::{make_guard, Budget, Device};

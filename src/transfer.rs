@@ -13,7 +13,7 @@
 //! together covering exactly the whole range. An engine that registers by address range (host
 //! memory, `ibv_reg_mr` of a host range) may register the whole descriptor; one that resolves a
 //! device range to its allocation — with `cuMemGetAddressRange`, which on VMM memory reports
-//! only one mapped segment (fact 24 of [`facts`](crate::backend::cuda::facts)), or by exporting the allocation
+//! only one mapped segment (fact 24 of `docs/cuda-facts.md`), or by exporting the allocation
 //! (dma-buf) — must register each segment.
 
 use crate::allocation::Allocation;

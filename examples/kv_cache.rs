@@ -22,7 +22,10 @@
 
 mod common;
 
-use memtoken::backend::{Backend, FaultHandle, Faulty, HostBackend, HostConfig, HostVisible, Op};
+use memtoken::backend::{
+    Backend, HostBackend, HostConfig, HostVisible, Op,
+    doubles::{FaultHandle, Faulty},
+};
 use memtoken::{
     Allocation, Budget, Device, DivergedMapping, PagePool, PageTable, Prefix, PrefixMapping,
     Region, Releasing, Returned, make_guard,

@@ -82,7 +82,7 @@ struct PoolState<'b, 'id, B: Backend> {
 ///
 /// ```compile_fail
 /// use memtoken::{Page, PagePool};
-/// use memtoken::backend::SimBackend;
+/// use memtoken::backend::doubles::SimBackend;
 /// fn give_back<'pa, 'pb, 'b, 'id>(
 ///     page_of_a: Page<'_, 'pa, 'b, 'id, SimBackend>,
 ///     pool_b: &PagePool<'pb, 'b, 'id, SimBackend>,

@@ -24,7 +24,7 @@ pub type QuarantineError<'b, 'id, B> = TransitionError<Quarantined<'b, 'id, B>, 
 ///
 /// ```compile_fail
 /// use memtoken::{ContextLost, Quarantined};
-/// use memtoken::backend::SimBackend;
+/// use memtoken::backend::doubles::SimBackend;
 /// fn mix<'a, 'b: 'a>(q: Quarantined<'_, 'a, SimBackend>, proof: &ContextLost<'b>) {
 ///     let _ = q.discharge(proof); // error: lifetime may not live long enough
 /// }

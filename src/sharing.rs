@@ -76,7 +76,7 @@ pub type CowError<'b, 'id, B> =
 ///
 /// ```compile_fail,E0716
 /// use memtoken::{make_guard, Budget, Device};
-/// use memtoken::backend::SimBackend;
+/// use memtoken::backend::doubles::SimBackend;
 /// make_guard!(ga);
 /// make_guard!(gb);
 /// let a = Device::new(ga, SimBackend::strict());
@@ -123,7 +123,7 @@ pub type ExportablePrefix<'b, 'id, B, K> = Allocation<'b, 'id, B, Owner<K>>;
 ///
 /// ```compile_fail,E0505
 /// # use memtoken::{make_guard, Budget, Device};
-/// # use memtoken::backend::SimBackend;
+/// # use memtoken::backend::doubles::SimBackend;
 /// # make_guard!(guard);
 /// # let device = Device::new(guard, SimBackend::strict());
 /// let owner = device.bind(Budget::unlimited()).unwrap();
@@ -138,7 +138,7 @@ pub type ExportablePrefix<'b, 'id, B, K> = Allocation<'b, 'id, B, Owner<K>>;
 ///
 /// ```compile_fail,E0505
 /// # use memtoken::{make_guard, Budget, Device};
-/// # use memtoken::backend::SimBackend;
+/// # use memtoken::backend::doubles::SimBackend;
 /// # make_guard!(guard);
 /// let device = Device::new(guard, SimBackend::strict());
 /// // Leaked, so that only the mapping keeps the device borrowed.
@@ -306,7 +306,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     /// context pin) while the prefix lives:
     ///
     /// ```compile_fail,E0505
-    /// use memtoken::backend::SimBackend;
+    /// use memtoken::backend::doubles::SimBackend;
     /// use memtoken::{make_guard, Budget, Device};
     /// make_guard!(guard);
     /// let device = Device::new(guard, SimBackend::strict());

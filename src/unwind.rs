@@ -348,7 +348,7 @@ impl<B: Backend> Guarded<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::SimBackend;
+    use crate::backend::doubles::SimBackend;
     use std::cell::Cell;
     use std::panic::catch_unwind;
 

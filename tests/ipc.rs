@@ -2,7 +2,7 @@
 //! a child process (this test binary run again), read-only mappings there, and the physical
 //! memory given back once the owner, the export and the child are gone.
 
-use memtoken::backend::{Faulty, HostBackend, Op, PosixFd};
+use memtoken::backend::{HostBackend, Op, PosixFd, doubles::Faulty};
 use memtoken::{
     Budget, Device, ImportError, MESSAGE_LEN, Offer, PrefixMessage, WireError, make_guard,
 };
@@ -61,7 +61,7 @@ fn open_descriptors_of(inodes: &[u64]) -> usize {
 }
 
 /// Nothing the backend handed out is left: no physical allocation or handle, no mapping.
-fn nothing_left(o: memtoken::backend::Outstanding) -> bool {
+fn nothing_left(o: memtoken::backend::doubles::Outstanding) -> bool {
     o.physical == 0 && o.mappings == 0 && o.reservations == 0
 }
 

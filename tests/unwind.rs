@@ -22,9 +22,13 @@
 //! process — fails its own case: the parent resumes after it. The parent prints nothing unless
 //! a case fails; `MEMTOKEN_UNWIND_REPORT=1` prints each scenario's calls and fired panics.
 
-use memtoken::backend::cuda::{CudaBackend, DriverModel, ModelConfig};
 use memtoken::backend::{
-    Addr, Backend, Exportable, FaultHandle, Faulty, HostBackend, Op, PosixFd, SimBackend, SimConfig,
+    Addr, Backend, Exportable, HostBackend, Op, PosixFd,
+    doubles::{FaultHandle, Faulty, SimBackend, SimConfig},
+};
+use memtoken::backend::{
+    cuda::CudaBackend,
+    doubles::{DriverModel, ModelConfig},
 };
 use memtoken::{
     Allocation, Binding, Budget, Committed, Device, DivergedMapping, ExportablePrefix,

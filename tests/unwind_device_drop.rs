@@ -4,7 +4,10 @@
 //! wait-and-release, the cache trim, the quarantine retry, the forgotten bindings' unpins) is
 //! skipped, and what the device held is left in the backend while its context lives on.
 
-use memtoken::backend::{Faulty, Op, SimBackend, SimConfig};
+use memtoken::backend::{
+    Op,
+    doubles::{Faulty, SimBackend, SimConfig},
+};
 use memtoken::{Budget, Device, make_guard};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 

@@ -8,7 +8,10 @@
 //!
 //! Each case runs in a child process (this binary again), since an abort cannot be caught.
 
-use memtoken::backend::{Faulty, Op, SimBackend, SimConfig};
+use memtoken::backend::{
+    Op,
+    doubles::{Faulty, SimBackend, SimConfig},
+};
 use memtoken::{Budget, Device, make_guard};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::process::Command;

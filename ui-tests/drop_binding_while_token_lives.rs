@@ -1,5 +1,5 @@
 // A token borrows its binding: the binding cannot be dropped while the token lives.
-use memtoken::backend::SimBackend;
+use memtoken::backend::doubles::SimBackend;
 use memtoken::{Budget, Device, make_guard};
 
 fn main() {

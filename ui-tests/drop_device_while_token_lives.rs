@@ -1,5 +1,5 @@
 // A token borrows its device (through its binding): the device cannot be dropped while it lives.
-use memtoken::backend::SimBackend;
+use memtoken::backend::doubles::SimBackend;
 use memtoken::{Budget, Device, make_guard};
 
 fn main() {

@@ -1,6 +1,6 @@
 // Device memory is not host memory: a CUDA token lends no `&[u8]` (only `HostVisible`
 // backends do); its bytes are reached through copies or typed device views.
-use memtoken::backend::cuda::{CudaBackend, DriverModel};
+use memtoken::backend::{cuda::CudaBackend, doubles::DriverModel};
 use memtoken::{Budget, Device, make_guard};
 
 fn main() {

@@ -1,6 +1,6 @@
 // Two devices carry two distinct brands: device B's proof that its context is lost cannot
 // discharge a quarantined token of device A.
-use memtoken::backend::SimBackend;
+use memtoken::backend::doubles::SimBackend;
 use memtoken::{Budget, Device, Returned, make_guard};
 
 fn main() {

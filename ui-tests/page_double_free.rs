@@ -1,5 +1,5 @@
 // Freeing a page consumes it: it cannot be freed twice.
-use memtoken::backend::SimBackend;
+use memtoken::backend::doubles::SimBackend;
 use memtoken::{Budget, Device, PagePool, make_guard};
 
 fn main() {

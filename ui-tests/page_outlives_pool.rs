@@ -1,5 +1,5 @@
 // A page borrows its pool: the pool cannot be dropped while the page lives.
-use memtoken::backend::SimBackend;
+use memtoken::backend::doubles::SimBackend;
 use memtoken::{Budget, Device, PagePool, make_guard};
 
 fn main() {

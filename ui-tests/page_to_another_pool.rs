@@ -1,5 +1,5 @@
 // Each pool has its own brand: a page of pool A cannot be returned to pool B.
-use memtoken::backend::SimBackend;
+use memtoken::backend::doubles::SimBackend;
 use memtoken::{Page, PagePool};
 
 fn give_back<'pa, 'pb, 'b, 'id>(

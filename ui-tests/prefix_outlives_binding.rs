@@ -1,6 +1,6 @@
 // A sharer's prefix mapping borrows the binding (the context pin) it was made through: the
 // binding cannot be dropped while the mapping lives.
-use memtoken::backend::SimBackend;
+use memtoken::backend::doubles::SimBackend;
 use memtoken::{Budget, Device, make_guard};
 
 fn main() {

@@ -1,5 +1,5 @@
 // A prefix mapping cannot outlive the device whose memory it maps.
-use memtoken::backend::SimBackend;
+use memtoken::backend::doubles::SimBackend;
 use memtoken::{Budget, Device, make_guard};
 
 fn main() {

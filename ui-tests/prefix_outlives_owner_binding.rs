@@ -1,6 +1,6 @@
 // The owner's prefix handle borrows the owner's binding: the owner cannot drop its binding
 // (its context pin) while its prefix lives.
-use memtoken::backend::SimBackend;
+use memtoken::backend::doubles::SimBackend;
 use memtoken::{Budget, Device, make_guard};
 
 fn main() {

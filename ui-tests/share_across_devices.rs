@@ -1,6 +1,6 @@
 // A prefix of device A cannot be mapped into a reservation of device B: the brands `'ida` and
 // `'idb` differ, and a brand is invariant.
-use memtoken::backend::SimBackend;
+use memtoken::backend::doubles::SimBackend;
 use memtoken::{Allocation, Prefix, Reserved};
 
 fn share<'pa, 'ida, 'rb, 'idb>(

@@ -1,5 +1,5 @@
 // The same with two real devices: each `make_guard!` brands its device uniquely.
-use memtoken::backend::SimBackend;
+use memtoken::backend::doubles::SimBackend;
 use memtoken::{Budget, Device, make_guard};
 
 fn main() {

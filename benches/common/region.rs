@@ -7,7 +7,7 @@
 //! `GRANULES` unmaps and no create or release ([`check_steady_state`] checks this).
 #![allow(dead_code)]
 
-use memtoken::backend::{Access, Addr, Backend, BackendError, Faulty, HostBackend, Op};
+use memtoken::backend::{Access, Addr, Backend, BackendError, HostBackend, Op, doubles::Faulty};
 use memtoken::{Binding, Budget, Device, Region, make_guard};
 use std::hint::black_box;
 
@@ -173,7 +173,7 @@ pub fn warm_raw<B: Backend>(backend: &B) -> RawRegion<'_, B> {
 /// Run before measuring, never while.
 pub fn check_steady_state() {
     const CYCLES: u64 = 50;
-    let calls = |h: &memtoken::backend::FaultHandle| {
+    let calls = |h: &memtoken::backend::doubles::FaultHandle| {
         [Op::Create, Op::Release, Op::Map, Op::Unmap].map(|op| h.calls(op))
     };
     let delta = |a: [u64; 4], b: [u64; 4]| [0, 1, 2, 3].map(|i| b[i] - a[i]);

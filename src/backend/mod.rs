@@ -15,11 +15,13 @@
 //!
 //! Backends shipped here:
 //! - [`HostBackend`]: real host VMM on Linux over `rustix` (`mmap`, a `memfd`, hole punching);
-//! - [`SimBackend`]: a pure-Rust strict model of the VMM rules that refuses any illegal call and
-//!   records it (or, made [`strict`](SimBackend::strict), panics at it);
-//! - [`Faulty`]: a wrapper around any backend that injects failures and counts what is outstanding;
 //! - [`cuda::CudaBackend`]: CUDA VMM over a thin driver seam — the real driver through `cudarc`
-//!   (feature `cuda`), or [`cuda::DriverModel`], a strict model of the driver's rules.
+//!   (feature `cuda`), or the driver model.
+//!
+//! Test doubles, in [`doubles`]: [`SimBackend`](doubles::SimBackend), a pure-Rust strict model
+//! of the VMM rules; [`Faulty`](doubles::Faulty), a wrapper around any backend that injects
+//! failures and counts what is outstanding; [`DriverModel`](doubles::DriverModel), a strict
+//! model of the CUDA driver's rules.
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 /// Declares a fieldless enum and its `ALL`, every variant in declaration order, from one list
@@ -44,18 +46,14 @@ macro_rules! listed {
 }
 
 pub mod cuda;
+pub mod doubles;
 mod export;
-mod faults;
-mod faulty;
 mod host;
 mod rules;
-mod sim;
 
 pub use export::{Exportable, Fabric, HandleKind, HandleType, PosixFd, Shareable};
-pub use faulty::{FaultHandle, Faulty, Outstanding};
 pub use host::{HostBackend, HostConfig, HostPhys};
 pub use rules::Violation;
-pub use sim::{SimBackend, SimConfig, SimPhys};
 
 use std::fmt;
 use std::num::NonZeroU64;
@@ -314,7 +312,7 @@ pub enum Cause {
         /// The panic's message.
         message: String,
     },
-    /// A fault injected by [`Faulty`] (the Nth call of its kind).
+    /// A fault injected by [`Faulty`](crate::backend::doubles::Faulty) (the Nth call of its kind).
     #[error("fault injected into call #{nth} of this kind")]
     Injected {
         /// Which call of its kind (1-based) was failed.
@@ -363,7 +361,7 @@ impl BackendError {
         Self::new(op, addr, len, Cause::Violation(violation))
     }
 
-    /// True when the fault was injected by [`Faulty`].
+    /// True when the fault was injected by [`Faulty`](crate::backend::doubles::Faulty).
     pub fn is_injected(&self) -> bool {
         matches!(self.cause, Cause::Injected { .. })
     }
@@ -374,10 +372,11 @@ impl BackendError {
 /// Lengths and addresses are multiples of [`granularity`](Backend::granularity); the layer above
 /// rounds requests before it calls. Implementations validate every argument against what they
 /// handed out and return [`Cause::Violation`] on a call that breaks the rules (a
-/// [`SimBackend`] made [`strict`](SimBackend::strict) panics instead, for tests), so that no
-/// safe call can touch memory the backend does not own, whatever its arguments: no call panics
-/// or wraps around on an address, length or handle, however wrong (`tests/it/backend_input.rs`
-/// throws arbitrary ones at each backend).
+/// [`SimBackend`](crate::backend::doubles::SimBackend) made
+/// [`strict`](crate::backend::doubles::SimBackend::strict) panics instead, for tests), so that no
+/// safe call can touch memory the backend does not own, whatever its arguments: no call panics or
+/// wraps around on an address, length or handle, however wrong (`tests/it/backend_input.rs` throws
+/// arbitrary ones at each backend).
 pub trait Backend {
     /// A handle on physical memory (a `memfd` range on the host, a `CUmemGenericAllocationHandle`
     /// on CUDA). Handles are never reused, so a stale one is always refused.

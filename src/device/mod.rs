@@ -55,7 +55,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 ///
 /// ```compile_fail,E0505
 /// use memtoken::{make_guard, Budget, Device};
-/// use memtoken::backend::SimBackend;
+/// use memtoken::backend::doubles::SimBackend;
 /// make_guard!(guard);
 /// let device = Device::new(guard, SimBackend::strict());
 /// // Leaked, so that only the token keeps the device borrowed.

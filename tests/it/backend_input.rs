@@ -23,10 +23,13 @@
 //! 256 cases per backend by default; `PROPTEST_CASES=N` for more.
 
 use crate::common;
-use memtoken::backend::cuda::{CudaBackend, DriverModel, ModelConfig};
 use memtoken::backend::{
-    Access, Addr, Backend, BackendError, Cause, FaultHandle, Faulty, HostBackend, HostConfig,
-    SimBackend, SimConfig,
+    Access, Addr, Backend, BackendError, Cause, HostBackend, HostConfig,
+    doubles::{FaultHandle, Faulty, SimBackend, SimConfig},
+};
+use memtoken::backend::{
+    cuda::CudaBackend,
+    doubles::{DriverModel, ModelConfig},
 };
 use proptest::prelude::*;
 use std::panic::{AssertUnwindSafe, catch_unwind};

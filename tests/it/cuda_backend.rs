@@ -5,10 +5,11 @@
 use crate::common::Grown;
 use crate::common::{self, assert_no_cause_repeated, messages};
 use memtoken::Failure as _;
-use memtoken::backend::cuda::{
-    CuError, CudaBackend, CudaPhys, Driver, DriverCall, DriverModel, ModelConfig, ModelOutstanding,
+use memtoken::backend::{Access, Backend, Cause, doubles::Faulty};
+use memtoken::backend::{
+    cuda::{CuError, CudaBackend, CudaPhys, Driver, DriverCall},
+    doubles::{DriverModel, ModelConfig, ModelOutstanding},
 };
-use memtoken::backend::{Access, Backend, Cause, Faulty};
 use memtoken::{
     Allocation, Budget, Device, Quarantined, ReleaseFailure, Releasing, Returned, TransitionError,
     make_guard,

@@ -5,9 +5,12 @@
 //! bytes back, owns nothing, and gives back its handles once.
 
 use crate::common;
-use memtoken::backend::cuda::{CudaBackend, DriverCall, DriverModel, ModelConfig};
 use memtoken::backend::{
     Backend, Cause, Exportable, HandleType, HostBackend, PosixFd, Shareable, Violation,
+};
+use memtoken::backend::{
+    cuda::{CudaBackend, DriverCall},
+    doubles::{DriverModel, ModelConfig},
 };
 use memtoken::{Budget, Device, ImportError, Offer, PrefixMessage, make_guard};
 use std::os::unix::net::UnixStream;

@@ -12,10 +12,11 @@ use crate::common;
 use crate::common::Grown;
 
 use common::pattern;
-use memtoken::backend::cuda::{
-    CuError, CudaBackend, CudaError, Driver, DriverCall, DriverModel, ModelConfig,
-};
 use memtoken::backend::{Access, Addr, Backend};
+use memtoken::backend::{
+    cuda::{CuError, CudaBackend, CudaError, Driver, DriverCall},
+    doubles::{DriverModel, ModelConfig},
+};
 use memtoken::{Budget, Device, make_guard};
 
 const G: usize = common::MODEL_GRANULARITY;

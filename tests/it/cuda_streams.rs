@@ -4,8 +4,11 @@
 //! device dropped while its context lives on frees everything once the work is done.
 
 use crate::common;
-use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel, ModelConfig};
 use memtoken::backend::{Access, Backend, Cause, Violation};
+use memtoken::backend::{
+    cuda::{CuError, CudaBackend, DriverCall},
+    doubles::{DriverModel, ModelConfig},
+};
 use memtoken::{Budget, Device, make_guard};
 use std::sync::mpsc;
 use std::time::Duration;

@@ -5,7 +5,10 @@
 
 use crate::common::gate::{gated_sim, manual_sim};
 use crate::common::{self, GRANULE};
-use memtoken::backend::{Backend, Faulty, Op, SimBackend, SimConfig};
+use memtoken::backend::{
+    Backend, Op,
+    doubles::{Faulty, SimBackend, SimConfig},
+};
 use memtoken::{Budget, Device, Returned, TransitionError, make_guard};
 use std::sync::Barrier;
 use std::sync::atomic::{AtomicBool, Ordering};

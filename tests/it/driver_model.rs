@@ -4,9 +4,9 @@
 
 use crate::common;
 use memtoken::backend::Backend;
-use memtoken::backend::cuda::{
-    CaptureMode, CuError, CudaBackend, Driver, DriverCall, DriverModel, ErrorFate, ModelConfig,
-    ModelOutstanding, Placement, ShareableHandle,
+use memtoken::backend::{
+    cuda::{CuError, CudaBackend, Driver, DriverCall, ErrorFate, ShareableHandle},
+    doubles::{CaptureMode, DriverModel, ModelConfig, ModelOutstanding, Placement},
 };
 use memtoken::{Budget, Device, make_guard};
 use std::os::fd::{AsRawFd, OwnedFd};

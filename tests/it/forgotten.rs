@@ -2,7 +2,7 @@
 //! in the ledger, a binding and a page (which hold no bytes of their own) as counts; a forgotten
 //! binding's context pin is released when its device drops.
 
-use memtoken::backend::{Faulty, SimBackend};
+use memtoken::backend::doubles::{Faulty, SimBackend};
 use memtoken::{Budget, Device, Forgotten, PagePool, make_guard};
 
 #[test]

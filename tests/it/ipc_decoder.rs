@@ -4,7 +4,7 @@
 //! mapping past the end of its file would fault the test).
 
 use crate::common::{self, GRANULE};
-use memtoken::backend::{Faulty, HandleType, HostBackend};
+use memtoken::backend::{HandleType, HostBackend, doubles::Faulty};
 use memtoken::{Budget, Device, MESSAGE_LEN, Offer, PrefixMessage, WireError, make_guard};
 use proptest::prelude::*;
 use rustix::fd::OwnedFd;

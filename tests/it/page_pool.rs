@@ -1,7 +1,10 @@
 //! The page pool: O(1) pages that are never handed out twice, and free + live = capacity.
 
 use crate::common::{self, GRANULE};
-use memtoken::backend::{Faulty, HostBackend, HostConfig, Op, SimBackend};
+use memtoken::backend::{
+    HostBackend, HostConfig, Op,
+    doubles::{Faulty, SimBackend},
+};
 use memtoken::{Budget, CommitFailure, Device, Page, PagePool, PoolError, make_guard};
 use proptest::prelude::*;
 use std::collections::HashSet;

@@ -12,7 +12,10 @@ use crate::common;
 use crate::common::Grown;
 use crate::common::gate::{Gate, GateHandle, STALL, gated_sim};
 use memtoken::backend::cuda::{CudaBackend, DriverCall};
-use memtoken::backend::{Access, Backend, Faulty, HostBackend, HostConfig, Op, SimBackend};
+use memtoken::backend::{
+    Access, Backend, HostBackend, HostConfig, Op,
+    doubles::{Faulty, SimBackend},
+};
 use memtoken::{
     Budget, CommitFailure, Device, ReserveError, Returned, ShrinkError, TransitionError, make_guard,
 };

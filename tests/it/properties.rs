@@ -15,9 +15,13 @@
 //! 1,000 cases per backend by default (4 under Miri); `PROPTEST_CASES=N` for more.
 
 use crate::common;
-use memtoken::backend::cuda::{CuError, CudaBackend, DriverCall, DriverModel};
 use memtoken::backend::{
-    Backend, Cause, FaultHandle, Faulty, HostBackend, Op, SimBackend, SimConfig,
+    Backend, Cause, HostBackend, Op,
+    doubles::{FaultHandle, Faulty, SimBackend, SimConfig},
+};
+use memtoken::backend::{
+    cuda::{CuError, CudaBackend, DriverCall},
+    doubles::DriverModel,
 };
 use memtoken::{
     Allocation, Binding, Budget, CommitFailure, Committed, Device, DivergedMapping, GrowError,

@@ -6,7 +6,10 @@
 use crate::common::Grown;
 use crate::common::{self, GRANULE, host, says_first, setup};
 use memtoken::backend::cuda::CudaBackend;
-use memtoken::backend::{Cause, Faulty, Op, SimBackend};
+use memtoken::backend::{
+    Cause, Op,
+    doubles::{Faulty, SimBackend},
+};
 use memtoken::{Budget, CommitFailure, Device, GrowError, ShrinkError, make_guard};
 
 const PAGE: usize = 4096;

@@ -3,7 +3,10 @@
 
 use crate::common::gate::{Gate, GateHandle};
 use crate::common::{self, GRANULE, assert_no_cause_repeated, messages, says_first};
-use memtoken::backend::{Faulty, HostBackend, HostConfig, Op, PosixFd, SimBackend};
+use memtoken::backend::{
+    HostBackend, HostConfig, Op, PosixFd,
+    doubles::{Faulty, SimBackend},
+};
 use memtoken::{
     Budget, CommitFailure, CowFailure, Device, Returned, ShareFailure, TransitionError, make_guard,
 };

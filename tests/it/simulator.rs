@@ -4,7 +4,10 @@
 //! goes; only a fault `Faulty` injected says it was injected.
 
 use crate::common::{self, GRANULE};
-use memtoken::backend::{Access, Backend, Cause, Faulty, Op, SimBackend, SimConfig, Violation};
+use memtoken::backend::{
+    Access, Backend, Cause, Op, Violation,
+    doubles::{Faulty, SimBackend, SimConfig},
+};
 
 /// A reservation of `n` granules, each mapped to a physical allocation of its own: its address
 /// and the allocations.

@@ -5,7 +5,10 @@
 use crate::common::Grown;
 use crate::common::{self, GRANULE, assert_no_cause_repeated, host, pattern, says_first, setup};
 use memtoken::backend::cuda::CudaBackend;
-use memtoken::backend::{Backend, Faulty, Op, SimBackend};
+use memtoken::backend::{
+    Backend, Op,
+    doubles::{Faulty, SimBackend},
+};
 use memtoken::{Budget, Device, GrowError, ResumeFailure, SuspendFailure, make_guard};
 
 const PAGE: usize = 4096;

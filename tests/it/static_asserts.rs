@@ -1,7 +1,7 @@
 //! Compile-time facts about the token types: sizes, niches, and which auto/marker traits hold.
 //! A violated assertion fails the build of this test binary.
 
-use memtoken::backend::{HostBackend, SimBackend};
+use memtoken::backend::{HostBackend, doubles::SimBackend};
 use memtoken::{
     Allocation, Binding, Committed, ContextLost, Device, Elastic, Generation, QuarantineError,
     Quarantined, Releasing, Reserved,
@@ -47,7 +47,7 @@ const _: () = assert!(size_of::<HostAlloc<Elastic>>() == 80);
 // The backend's parts are exactly as big as claimed above.
 assert_eq_size!(memtoken::backend::HostPhys, [u64; 2]);
 // SimPhys is one u64.
-assert_eq_size!(memtoken::backend::SimPhys, u64);
+assert_eq_size!(memtoken::backend::doubles::SimPhys, u64);
 
 // ---- niches: `Option<token>` costs nothing ----
 
@@ -132,7 +132,7 @@ assert_impl_all!(ContextLost<'static>: Send, Sync);
 type HostPool = memtoken::PagePool<'static, 'static, 'static, HostBackend>;
 type HostPage = memtoken::Page<'static, 'static, 'static, 'static, HostBackend>;
 type HostTable = memtoken::PageTable<'static, 'static, 'static, 'static, HostBackend>;
-type CudaModel = memtoken::backend::cuda::CudaBackend<memtoken::backend::cuda::DriverModel>;
+type CudaModel = memtoken::backend::cuda::CudaBackend<memtoken::backend::doubles::DriverModel>;
 
 // A page token is its pool's address and a 4-byte index.
 assert_eq_size!(HostPage, [usize; 2]);

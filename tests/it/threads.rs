@@ -4,7 +4,10 @@
 
 use crate::common;
 
-use memtoken::backend::{Faulty, Op, SimBackend, SimConfig};
+use memtoken::backend::{
+    Op,
+    doubles::{Faulty, SimBackend, SimConfig},
+};
 use memtoken::{Budget, Device, make_guard};
 use std::sync::atomic::{AtomicU64, Ordering};
 

@@ -2,8 +2,8 @@
 //! mapped while it lives), and its generation lets a registration cache refuse an address
 //! that another allocation recycled.
 
-use memtoken::backend::cuda::{CudaBackend, DriverModel};
-use memtoken::backend::{HostBackend, Location, PosixFd, SimBackend};
+use memtoken::backend::{HostBackend, Location, PosixFd, doubles::SimBackend};
+use memtoken::backend::{cuda::CudaBackend, doubles::DriverModel};
 use memtoken::{Budget, Descriptor, Device, Offer, Registration, make_guard};
 use std::collections::HashMap;
 
@@ -244,7 +244,7 @@ fn two_devices_never_make_equal_descriptors_for_different_memory() {
 }
 
 fn two_simulators_at_one_address() {
-    use memtoken::backend::SimConfig;
+    use memtoken::backend::doubles::SimConfig;
     make_guard!(ga);
     make_guard!(gb);
     let a = Device::new(ga, SimBackend::new(SimConfig::strict()).unwrap());

@@ -4,7 +4,10 @@
 use crate::common::gate::manual_sim;
 use crate::common::{self, GRANULE, assert_no_cause_repeated, host, messages, says_first, setup};
 use memtoken::Failure as _;
-use memtoken::backend::{Faulty, HostBackend, HostConfig, Op, SimBackend, SimConfig};
+use memtoken::backend::{
+    HostBackend, HostConfig, Op,
+    doubles::{Faulty, SimBackend, SimConfig},
+};
 use memtoken::{
     Budget, CommitFailure, Device, ReleaseFailure, ReserveError, Returned, TransitionError,
     make_guard,

@@ -3,18 +3,19 @@
 //! `cuMemUnmap`, `cuMemRelease`, `cuMemAddressFree`, with the recommended granularity of the
 //! memory's properties and events as fences.
 //!
-//! The backend holds the logic (current context, rollback of a half-done map, loss detection);
-//! the driver only forwards. With feature `cuda`, `SysDriver` forwards to
-//! `cudarc::driver::sys` (loaded at run time: it builds with no CUDA toolkit, and
-//! `CudaBackend::open` returns an error, never panics, when no driver is installed). On any
-//! machine, [`DriverModel`] stands in for the driver with the VMM rules, events, context loss
-//! and fault injection, so the whole state machine runs in `cargo test`.
+//! The backend holds the logic (current context, rollback of a half-done map, loss detection); the
+//! driver only forwards. With feature `cuda`, `SysDriver` forwards to `cudarc::driver::sys` (loaded
+//! at run time: it builds with no CUDA toolkit, and `CudaBackend::open` returns an error, never
+//! panics, when no driver is installed). On any machine,
+//! [`DriverModel`](crate::backend::doubles::DriverModel) stands in for the driver with the VMM
+//! rules, events, context loss and fault injection, so the whole state machine runs in `cargo
+//! test`.
 //!
 //! After an error that means the context is lost (a sticky error such as
-//! `CUDA_ERROR_ILLEGAL_ADDRESS`, or `CUDA_ERROR_CONTEXT_IS_DESTROYED`), the backend makes no
-//! driver call at all: every call fails with [`Cause::ContextLost`](crate::backend::Cause::ContextLost) and
-//! [`Backend::context_lost`](crate::backend::Backend::context_lost) is true, so the typed layer quarantines instead of calling, and
-//! residuals can be discharged with the proof.
+//! `CUDA_ERROR_ILLEGAL_ADDRESS`, or `CUDA_ERROR_CONTEXT_IS_DESTROYED`), the backend makes no driver
+//! call at all: every call fails with [`Cause::ContextLost`](crate::backend::Cause::ContextLost)
+//! and [`Backend::context_lost`](crate::backend::Backend::context_lost) is true, so the typed layer
+//! quarantines instead of calling, and residuals can be discharged with the proof.
 //!
 //! # The driver facts it relies on
 //!
@@ -198,7 +199,7 @@ mod driver;
 mod export;
 pub mod facts;
 mod fence;
-mod model;
+pub(in crate::backend) mod model;
 mod open;
 mod record;
 #[cfg(feature = "cuda")]
@@ -212,7 +213,7 @@ pub use driver::{
     Event, HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
 };
 pub use fence::CudaFence;
-pub use model::{CaptureMode, DriverModel, ModelConfig, ModelOutstanding, Placement};
+
 pub use open::CudaError;
 #[cfg(feature = "cuda")]
 pub use sys::SysDriver;
@@ -279,7 +280,7 @@ fn next_serial() -> u64 {
 ///
 /// ```compile_fail,E0599
 /// use memtoken::{make_guard, Budget, Device};
-/// use memtoken::backend::cuda::{CudaBackend, DriverModel};
+/// use memtoken::backend::{cuda::CudaBackend, doubles::DriverModel};
 /// make_guard!(guard);
 /// let device = Device::new(guard, CudaBackend::new(DriverModel::default(), 0).unwrap());
 /// let binding = device.bind(Budget::unlimited()).unwrap();

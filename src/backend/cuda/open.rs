@@ -217,7 +217,7 @@ impl<D: Driver> CudaBackend<D> {
     /// silently: a peer that cannot access is an error.
     ///
     /// ```
-    /// use memtoken::backend::cuda::{CudaBackend, DriverModel, ModelConfig};
+    /// use memtoken::backend::{cuda::CudaBackend, doubles::{DriverModel, ModelConfig}};
     /// let model = DriverModel::new(ModelConfig {
     ///     devices: 2,
     ///     peer_access: vec![(1, 0)],

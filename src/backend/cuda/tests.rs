@@ -1,6 +1,7 @@
 //! Unit tests of the CUDA backend against the driver model.
 
 use super::*;
+use crate::backend::doubles::DriverModel;
 use crate::backend::{Access, Addr, Backend, Cause, Violation, lock};
 
 fn open(model: &DriverModel) -> CudaBackend<DriverModel> {

@@ -78,7 +78,7 @@ struct HostState {
 /// sharing and real read-only views.
 ///
 /// Every call is checked against the backend's record of what it handed out (the same rules as
-/// [`SimBackend`](super::SimBackend)); a call that breaks them is refused with
+/// [`SimBackend`](crate::backend::doubles::SimBackend)); a call that breaks them is refused with
 /// [`Cause::Violation`] before any system call, so no safe call can unmap or overwrite memory the
 /// backend does not own.
 #[derive(Debug)]

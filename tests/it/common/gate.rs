@@ -4,7 +4,7 @@
 
 use memtoken::backend::{
     Access, Addr, Backend, BackendError, Exportable, HandleKind, Location, Op, Shareable,
-    SimBackend, SimConfig,
+    doubles::{SimBackend, SimConfig},
 };
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;

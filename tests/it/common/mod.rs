@@ -5,15 +5,21 @@
 
 pub mod gate;
 
-use memtoken::backend::cuda::{CudaBackend, DriverModel, ModelConfig};
-use memtoken::backend::{HostBackend, SimBackend, SimConfig};
+use memtoken::backend::{
+    HostBackend,
+    doubles::{SimBackend, SimConfig},
+};
+use memtoken::backend::{
+    cuda::CudaBackend,
+    doubles::{DriverModel, ModelConfig},
+};
 use std::error::Error;
 
 /// A device over `Faulty<$backend>` bound to `$device`, and its fault handle to `$faults`.
 macro_rules! setup {
     ($backend:expr, $device:ident, $faults:ident) => {
         memtoken::make_guard!(guard);
-        let backend = memtoken::backend::Faulty::new($backend);
+        let backend = memtoken::backend::doubles::Faulty::new($backend);
         let $faults = backend.handle();
         let $device = memtoken::Device::new(guard, backend);
     };

@@ -4,7 +4,7 @@
 use super::config::{CaptureMode, ModelConfig, Placement};
 use super::misuse;
 use crate::backend::cuda::driver::{AllocationProps, CuError, CuResult, DriverCall, Event, Stream};
-use crate::backend::faults::FaultPlan;
+use crate::backend::doubles::faults::FaultPlan;
 use crate::backend::rules::Book;
 use crate::backend::{Access, Addr};
 use rustix::fd::OwnedFd;

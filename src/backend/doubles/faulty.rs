@@ -1,9 +1,9 @@
 //! Fault injection and outstanding-resource counting around any backend.
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
-use super::export::{Exportable, HandleKind, Shareable};
 use super::faults::{Fault, FaultPlan};
-use super::{Access, Addr, Backend, BackendError, Cause, HostVisible, Location, Op, lock};
+use crate::backend::export::{Exportable, HandleKind, Shareable};
+use crate::backend::{Access, Addr, Backend, BackendError, Cause, HostVisible, Location, Op, lock};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
 
@@ -134,7 +134,7 @@ impl FaultHandle {
 /// is untouched) and counts what the backend holds, so a test can assert that nothing was lost.
 ///
 /// ```
-/// use memtoken::backend::{Backend, Faulty, Op, SimBackend};
+/// use memtoken::backend::{Backend, Op, doubles::{Faulty, SimBackend}};
 /// let faulty = Faulty::new(SimBackend::strict());
 /// let faults = faulty.handle();
 /// faults.fail_nth(Op::Reserve, 1);

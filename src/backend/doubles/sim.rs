@@ -6,8 +6,8 @@
 //! simulator ([`SimBackend::strict`], [`SimConfig::panic_on_violation`]) panics at the first
 //! one instead, for a backtrace at the fault.
 
-use super::rules::Book;
-use super::{
+use crate::backend::rules::Book;
+use crate::backend::{
     Access, Addr, Backend, BackendError, Cause, ConfigError, Location, Op, Violation,
     address_space_exhausted, check_address_space, lock,
 };
@@ -54,7 +54,7 @@ impl SimConfig {
     /// [`panic_on_violation`](Self::panic_on_violation)).
     ///
     /// ```
-    /// use memtoken::backend::{SimBackend, SimConfig};
+    /// use memtoken::backend::{doubles::{SimBackend, SimConfig}};
     /// let sim = SimBackend::new(SimConfig {
     ///     granularity: 4096,
     ///     ..SimConfig::strict()
@@ -77,7 +77,7 @@ pub struct SimPhys(u64);
 
 /// The next serial number of a [`SimPhys`], unique in the process.
 fn next_phys() -> SimPhys {
-    SimPhys(super::unique().get())
+    SimPhys(crate::backend::unique().get())
 }
 
 /// One call the simulated backend received (see [`SimBackend::calls`]).
@@ -122,7 +122,7 @@ struct SimState {
 /// backtrace then points at the faulty call.
 ///
 /// ```
-/// use memtoken::backend::{Backend, Cause, SimBackend, Violation};
+/// use memtoken::backend::{Backend, Cause, Violation, doubles::SimBackend};
 /// let sim = SimBackend::default();
 /// let g = sim.granularity();
 /// let addr = sim.reserve(g).unwrap();
@@ -133,7 +133,7 @@ struct SimState {
 /// ```
 ///
 /// ```should_panic
-/// use memtoken::backend::{Backend, SimBackend};
+/// use memtoken::backend::{Backend, doubles::SimBackend};
 /// let sim = SimBackend::strict();
 /// let _ = sim.free(0x1000, 4096); // panics: "SimBackend: illegal Free: ..."
 /// ```

@@ -206,6 +206,34 @@ pub(crate) fn address_space_exhausted(len: usize, address_space: usize) -> Backe
 /// A virtual address, as the backend hands it out (a host pointer or a `CUdeviceptr`).
 pub type Addr = usize;
 
+/// `len` bytes of addresses from `addr`: the one place where the end of a span is computed, so
+/// an end that overflows the address space is never wrapped around by accident.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Span {
+    pub(crate) addr: Addr,
+    pub(crate) len: usize,
+}
+
+impl Span {
+    #[inline]
+    pub(crate) const fn new(addr: Addr, len: usize) -> Self {
+        Self { addr, len }
+    }
+
+    /// One past its last byte, or `None` when that is past the top of the address space.
+    #[inline]
+    pub(crate) const fn end(self) -> Option<Addr> {
+        self.addr.checked_add(self.len)
+    }
+
+    /// Its end, or the top of the address space when the end is past it (for range queries,
+    /// where nothing lies past the top).
+    #[inline]
+    pub(crate) const fn end_or_top(self) -> Addr {
+        self.addr.saturating_add(self.len)
+    }
+}
+
 listed! {
     /// The kinds of backend calls, used to name a failed call and to aim injected faults.
     #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]

@@ -5,10 +5,10 @@
 //!
 //! Every check takes arbitrary input: an address, a length or a handle the backend never handed
 //! out, a range whose end `addr + len` overflows, a zero or unaligned length. Each one is a
-//! [`Violation`], never a panic or a wrapped sum: a range's end is computed with `checked_add`
-//! before anything uses it.
+//! [`Violation`], never a panic or a wrapped sum: a range's end is computed by `Span::end`
+//! (checked) before anything uses it.
 
-use super::{Access, Addr};
+use super::{Access, Addr, Span};
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 
@@ -238,20 +238,22 @@ impl<P: Copy + Eq + Hash> Book<P> {
     /// The reservation that contains `[addr, addr + len)`, if any.
     fn containing_reservation(&self, addr: Addr, len: usize) -> Option<(Addr, usize)> {
         let (&start, &rlen) = self.reservations.range(..=addr).next_back()?;
-        let end = addr.checked_add(len)?;
+        let end = Span::new(addr, len).end()?;
         (end <= start + rlen).then_some((start, rlen))
     }
 
     /// Mappings that start in `[addr, addr + len)` (the end saturates at the top of the
     /// address space).
     fn mappings_in(&self, addr: Addr, len: usize) -> usize {
-        self.mappings.range(addr..addr.saturating_add(len)).count()
+        self.mappings
+            .range(addr..Span::new(addr, len).end_or_top())
+            .count()
     }
 
     /// The starts of the reservations that overlap `[addr, addr + len)` (the end saturates at
     /// the top of the address space).
     fn reservations_over(&self, addr: Addr, len: usize) -> impl Iterator<Item = Addr> + '_ {
-        let end = addr.saturating_add(len);
+        let end = Span::new(addr, len).end_or_top();
         let first = self
             .reservations
             .range(..=addr)
@@ -324,7 +326,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
     /// [`lowest_gap`]: Self::lowest_gap
     pub(crate) fn apply_reserve(&mut self, addr: Addr, len: usize) {
         assert!(
-            addr.checked_add(len).is_some() && !self.overlaps_reservation(addr, len),
+            Span::new(addr, len).end().is_some() && !self.overlaps_reservation(addr, len),
             "VA [{addr:#x}, +{len:#x}) handed out twice: it overlaps a live reservation"
         );
         self.reservations.insert(addr, len);
@@ -453,7 +455,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
         write: bool,
     ) -> Result<(), Violation> {
         let not_mapped = || Violation::NotMapped { addr, len };
-        let end = addr.checked_add(len).ok_or_else(not_mapped)?;
+        let end = Span::new(addr, len).end().ok_or_else(not_mapped)?;
         self.unpoisoned(addr, len)?;
         let mut at = addr;
         while at < end {
@@ -471,7 +473,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
     #[inline(always)]
     pub(crate) fn check_unmap(&self, addr: Addr, len: usize) -> Result<(), Violation> {
         let not_mapped = Violation::NotMapped { addr, len };
-        if len == 0 || addr.checked_add(len).is_none() {
+        if len == 0 || Span::new(addr, len).end().is_none() {
             return Err(not_mapped);
         }
         self.unpoisoned(addr, len)?;
@@ -497,8 +499,8 @@ impl<P: Copy + Eq + Hash> Book<P> {
     /// `len` bytes: the arguments of a copy from mapped memory into (all of) physical memory.
     pub(crate) fn check_copy(&self, phys: P, addr: Addr, len: usize) -> Result<(), Violation> {
         let not_mapped = Violation::NotMapped { addr, len };
-        let end = addr
-            .checked_add(len)
+        let end = Span::new(addr, len)
+            .end()
             .filter(|_| len > 0)
             .ok_or(not_mapped.clone())?;
         self.aligned("address", addr, false)?;
@@ -553,12 +555,12 @@ impl<P: Copy + Eq + Hash> Book<P> {
     pub(crate) fn lowest_gap(&self, base: Addr, len: usize) -> Option<Addr> {
         let mut candidate = base;
         for (&start, &rlen) in self.reservations.range(base..) {
-            if start >= candidate.checked_add(len)? {
+            if start >= Span::new(candidate, len).end()? {
                 break;
             }
             candidate = candidate.max(start + rlen);
         }
-        candidate.checked_add(len).map(|_| candidate)
+        Span::new(candidate, len).end().map(|_| candidate)
     }
 
     pub(crate) fn reservations(&self) -> usize {

@@ -7,7 +7,7 @@
 use super::driver::{CuError, CuResult, Driver, Event};
 use super::{CudaBackend, CudaPhys};
 use crate::backend::rules::Book;
-use crate::backend::{Access, Addr, Backend, BackendError, Cause, Op, Violation, lock};
+use crate::backend::{Access, Addr, Backend, BackendError, Cause, Op, Span, Violation, lock};
 use std::collections::{HashMap, HashSet};
 use std::sync::MutexGuard;
 use std::sync::atomic::Ordering;
@@ -105,7 +105,7 @@ impl<D: Driver> CudaBackend<D> {
         let book = &s.book;
         let not_mapped =
             || BackendError::refused(op, addr, len, Violation::NotMapped { addr, len });
-        let (mut at, end) = (addr, addr.checked_add(len).ok_or_else(not_mapped)?);
+        let (mut at, end) = (addr, Span::new(addr, len).end().ok_or_else(not_mapped)?);
         if Self::overlaps(&s.inaccessible, addr, len) {
             return Err(not_mapped());
         }
@@ -127,7 +127,7 @@ impl<D: Driver> CudaBackend<D> {
         len: usize,
         refusal: Violation,
     ) -> Result<(u64, u64), BackendError> {
-        match addr.checked_add(len) {
+        match Span::new(addr, len).end() {
             Some(end) => Ok((addr as u64, end as u64)),
             None => Err(BackendError::refused(op, addr, len, refusal)),
         }
@@ -141,7 +141,7 @@ impl<D: Driver> CudaBackend<D> {
         addr: Addr,
         len: usize,
     ) -> Result<(), BackendError> {
-        let (start, end) = (addr as u64, addr.saturating_add(len) as u64);
+        let (start, end) = (addr as u64, Span::new(addr, len).end_or_top() as u64);
         if s.busy
             .iter()
             .any(|&(_, p, n)| p < end && start < p + n as u64)
@@ -159,7 +159,7 @@ impl<D: Driver> CudaBackend<D> {
     /// Whether any listed range overlaps `[addr, addr + len)` (its end saturating at the top of
     /// the address space).
     pub(super) fn overlaps(ranges: &[(u64, usize)], addr: Addr, len: usize) -> bool {
-        let (start, end) = (addr as u64, addr.saturating_add(len) as u64);
+        let (start, end) = (addr as u64, Span::new(addr, len).end_or_top() as u64);
         ranges.iter().any(|&(p, n)| p < end && start < p + n as u64)
     }
 

@@ -43,12 +43,14 @@ fn every_transition_refused_for_a_lost_context_says_so_one_way() {
     let asleep = reserved().commit().unwrap().suspend().unwrap();
     let mut region = reserved().into_region().grown(1);
     let to_sleep = reserved().into_region().grown(1);
+    let region_asleep = reserved().into_region().grown(1).suspend().unwrap();
     make_guard!(pool_guard);
     let pool = PagePool::new(pool_guard, &binding, g).unwrap();
 
     model.lose_context();
 
     assert!(lost(binding.reserve(g)));
+    assert!(lost(device.bind(Budget::unlimited())));
     assert!(lost(cause(to_commit.commit())));
     assert!(lost(cause(to_prefix.commit_prefix())));
     assert!(lost(cause(to_export.commit_prefix_exportable::<PosixFd>())));
@@ -70,5 +72,9 @@ fn every_transition_refused_for_a_lost_context_says_so_one_way() {
     assert!(lost(region.grow(1)));
     assert!(lost(region.shrink(1)));
     assert!(lost(cause(to_sleep.suspend())));
+    assert!(lost(cause(region_asleep.resume())));
     assert!(lost(pool.alloc()));
+    let mut table = pool.table();
+    assert!(lost(pool.push(&mut table)));
+    assert!(lost(pool.grow()));
 }

@@ -257,7 +257,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         let device = self.core.device();
         device
             .ensure_live(Op::Create, 0, len)
-            .map_err(|e| CommitFailure::Backend(Box::new(e)))?;
+            .map_err(CommitFailure::Backend)?;
         let capacity = device.backend().physical_capacity();
         if len as u64 > capacity {
             return Err(CommitFailure::Capacity {
@@ -291,7 +291,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                 Ok(phys) => phys,
                 Err(e) => {
                     binding.uncharge(len);
-                    return refuse(self, CommitFailure::Backend(Box::new(e)));
+                    return refuse(self, CommitFailure::Backend(e));
                 }
             };
             if let Err(error) = backend.map(core.addr, len, phys, Access::ReadWrite) {

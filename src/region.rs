@@ -264,7 +264,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
                 return Err(cause);
             }
             if let Err(e) = device.ensure_live(Op::Map, core.addr + start * g, granules * g) {
-                return Err(self.undo_grow(start, 0, 0, CommitFailure::Backend(Box::new(e))));
+                return Err(self.undo_grow(start, 0, 0, CommitFailure::Backend(e)));
             }
             // The binding's budget takes the whole growth at once, or none of it.
             if let Err(cause) = binding.charge_budget(granules * g) {
@@ -315,7 +315,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
                 device.charge_owned_or_trim(g).map_err(|cause| (cause, 0))?;
                 backend.create(g).map_err(|e| {
                     device.refund(Axis::Owned, g);
-                    (CommitFailure::Backend(Box::new(e)), 0)
+                    (CommitFailure::Backend(e), 0)
                 })?
             }
         };
@@ -327,7 +327,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             } else {
                 usize::from(device.release_orphan(phys, g).is_err())
             };
-            return Err((CommitFailure::Backend(Box::new(e)), q));
+            return Err((CommitFailure::Backend(e), q));
         }
         self.parts_mut().committed.push(phys);
         Ok(cached)

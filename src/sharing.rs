@@ -566,7 +566,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
                 })
             };
             if let Err(e) = device.ensure_live(Op::Create, 0, g) {
-                return refuse(self, CommitFailure::Backend(Box::new(e)));
+                return refuse(self, CommitFailure::Backend(e));
             }
             // The boundary is unmapped below: not while work that may read it still runs (on any
             // stream the backend's fences cover). The token is moved in, so no new work can start.

@@ -753,7 +753,7 @@ fn run_elastic<B: Backend>(
          is copied into every region (regions share no physical memory)\n",
         kv.name(),
         if counted.is_some() {
-            ", backend calls counted by backend::Faulty"
+            ", backend calls counted by backend::doubles::Faulty"
         } else {
             ""
         },
@@ -847,7 +847,7 @@ fn run_elastic<B: Backend>(
     }
     println!(
         "creates, releases: the backend's create and release calls so far (counted by \
-         backend::Faulty on the host)"
+         backend::doubles::Faulty on the host)"
     );
     println!(
         "granules grown: {}; create calls: {} ({})",

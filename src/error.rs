@@ -1,14 +1,18 @@
 //! Why a transition failed: one cause type per transition, and [`TransitionError`], the one
 //! shape of every error that hands a token back (the token and its cause).
 //!
-//! The rules every error here follows:
+//! The rules every error of the typed layer follows (this module's, and the cross-process
+//! [`ImportError`](crate::ImportError)); the backend layer's own error, [`BackendError`], is
+//! a plain record of one call (its [`Cause`](crate::backend::Cause) a kind, not an error held
+//! inside), and the wire's [`WireError`](crate::WireError) wraps `std::io::Error` as std
+//! does:
 //!
 //! - **Names.** A type a public function returns in `Err` is named `…Error`; the cause a
 //!   [`TransitionError`] carries beside the token it hands back is named `…Failure`.
 //! - **Boxes.** Every error held inside a cause or an error is boxed — a [`BackendError`], a
 //!   nested cause — so each `Err` stays a few words, small enough to return beside its token;
 //!   with one exception, measured: [`CommitFailure::Backend`] holds its `BackendError` by
-//!   value, since boxing it there makes every commit's success path dearer (11 instructions
+//!   value, since boxing it there makes every commit's success path dearer (9 instructions
 //!   more per reserve-commit-release cycle, callgrind, `examples/granule_cycle.rs`), and a
 //!   commit's `Err` stays within clippy's `result_large_err` bound without it.
 //! - **Messages.** Each message says what failed, with numbers, and what to do; a cause that
@@ -17,8 +21,9 @@
 //! - **A lost context** is said one way: in the [`BackendError`] of the variant that would
 //!   have made (or made) the call — [`Cause::ContextLost`](crate::backend::Cause::ContextLost)
 //!   when no call was made, the driver's sticky error when the call found the loss — and
-//!   every cause and error answers [`Failure::is_context_lost`], which finds it along the
-//!   chain. No variant of its own says it.
+//!   every cause a transition hands back, and every error it returns, answers
+//!   [`Failure::is_context_lost`], which finds it along the chain. No variant of its own says
+//!   it.
 
 use crate::backend::BackendError;
 use std::fmt;
@@ -374,7 +379,7 @@ pub enum GrowError {
     /// too: those stay owned, charged and withheld in the region, which cannot grow over them
     /// until [`Region::reclaim`](crate::Region::reclaim) frees them.
     #[error(
-        "growing stopped at granule {at} of this call (from 0), and unmapping {withheld} of the granules it had mapped failed too ({rollback}): they stay owned and withheld in the region, which cannot grow over them until Region::reclaim frees them; the committed length is unchanged (a granule whose release failed while undoing is in the device quarantine, counted on the ledger)"
+        "growing stopped at granule {at} of this call (from 0), and unmapping {granules} of the granules it had mapped failed too ({rollback}): they stay owned and withheld in the region, which cannot grow over them until Region::reclaim frees them; the committed length is unchanged (a granule whose release failed while undoing is in the device quarantine, counted on the ledger)"
     )]
     Withheld {
         /// The granule (of this call, from 0) that could not be added.
@@ -383,7 +388,7 @@ pub enum GrowError {
         #[source]
         cause: Box<CommitFailure>,
         /// Granules left withheld in the region.
-        withheld: usize,
+        granules: usize,
         /// The (last) failed unmap.
         rollback: Box<BackendError>,
     },
@@ -486,6 +491,13 @@ impl sealed::Sealed for ShrinkError {}
 impl sealed::Sealed for ReserveError {}
 impl sealed::Sealed for BackendError {}
 impl sealed::Sealed for PoolError {}
+impl sealed::Sealed for ViewError {}
+
+impl Failure for ViewError {
+    fn summary(&self) -> &'static str {
+        "the view could not be made"
+    }
+}
 
 impl Failure for PoolError {
     fn summary(&self) -> &'static str {

@@ -390,10 +390,10 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
                 cause: Box::new(cause),
                 quarantined,
             },
-            Some((withheld, rollback)) => GrowError::Withheld {
+            Some((granules, rollback)) => GrowError::Withheld {
                 at,
                 cause: Box::new(cause),
-                withheld,
+                granules,
                 rollback: Box::new(rollback),
             },
         }

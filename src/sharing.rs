@@ -343,7 +343,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     /// body stays mapped, and it, its memory and the VA are quarantined together, still
     /// charged; the boundary's memory is released (or, if that fails too, quarantined on its
     /// own, still counted).
-    fn quarantine_stuck_body(
+    fn quarantine_still_mapped_body(
         self,
         body: (B::Phys, usize),
         (boundary, g): (B::Phys, usize),
@@ -411,7 +411,8 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                             error: Box::new(error),
                             rollback: Box::new(rollback),
                         };
-                        return Err(self.quarantine_stuck_body((p, n), (boundary, g), cause));
+                        let boundary = (boundary, g);
+                        return Err(self.quarantine_still_mapped_body((p, n), boundary, cause));
                     }
                     device.refund(Axis::Mapped, n);
                 }

@@ -22,7 +22,6 @@
 //! of the VMM rules; [`Faulty`](doubles::Faulty), a wrapper around any backend that injects
 //! failures and counts what is outstanding; [`DriverModel`](doubles::DriverModel), a strict
 //! model of the CUDA driver's rules.
-#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 /// Declares a fieldless enum and its `ALL`, every variant in declaration order, from one list
 /// (so the list cannot miss a variant).
@@ -49,10 +48,13 @@ pub mod cuda;
 pub mod doubles;
 mod export;
 mod host;
+mod host_visible;
 mod rules;
 
 pub use export::{Exportable, Fabric, HandleKind, HandleType, PosixFd, Shareable};
 pub use host::{HostBackend, HostConfig, HostPhys};
+pub use host_visible::HostVisible;
+pub(crate) use host_visible::{host_slice, host_slice_mut};
 pub use rules::Violation;
 
 use std::fmt;
@@ -499,42 +501,4 @@ pub trait Backend {
     fn context_lost(&self) -> bool {
         false
     }
-}
-
-/// A backend whose mapped memory is ordinary host memory at the mapped address.
-///
-/// # Safety
-///
-/// After a successful [`Backend::map`] of `len` bytes at `addr` with [`Access::ReadWrite`], the
-/// bytes `[addr, addr + len)` must be readable and writable host memory, and with
-/// [`Access::ReadOnly`] readable host memory, until the range is unmapped. The backend must never
-/// unmap, remap or write a range except when asked to through [`Backend`] — or, for memory it
-/// exports, through [`Exportable::export`], which may make the mappings of the exported memory
-/// read-only with their bytes unchanged (the typed layer never writes exported memory again).
-pub unsafe trait HostVisible: Backend {}
-
-/// `len` bytes of host memory at `addr`, read-only, for `'a`: one of the two places where
-/// memtoken makes a host slice ([`host_slice_mut`] is the other); every token's `as_slice`
-/// and the host backend's copies go through them.
-///
-/// # Safety
-///
-/// For all of `'a`, `[addr, addr + len)` must be mapped readable by a [`HostVisible`]
-/// backend — a token owns the mapping and the borrow of the token lasts `'a`, so only consuming
-/// the token could unmap it; or the backend's lock is held for `'a` — and no one may write to
-/// it. [`host_slice_mut`] also needs it mapped writable and no other access at all.
-pub(crate) unsafe fn host_slice<'a>(addr: Addr, len: usize) -> &'a [u8] {
-    // SAFETY: guaranteed by the caller.
-    unsafe { std::slice::from_raw_parts(addr as *const u8, len) }
-}
-
-/// `len` bytes of host memory at `addr`, writable, for `'a`.
-///
-/// # Safety
-///
-/// As for [`host_slice`], with the range mapped writable and no other reference to it for `'a`
-/// (the token is borrowed mutably).
-pub(crate) unsafe fn host_slice_mut<'a>(addr: Addr, len: usize) -> &'a mut [u8] {
-    // SAFETY: guaranteed by the caller.
-    unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, len) }
 }

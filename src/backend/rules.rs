@@ -1,7 +1,7 @@
 //! The VMM rules, as bookkeeping shared by every backend: what is reserved, what physical memory
 //! exists, what is mapped where. Every backend refuses a call that breaks them with
 //! [`Cause::Violation`](super::Cause::Violation) before it makes any system or driver call
-//! ([`SimBackend`](super::SimBackend) also records it, and panics on it when strict).
+//! ([`SimBackend`](crate::backend::doubles::SimBackend) also records it, and panics on it when strict).
 //!
 //! Every check takes arbitrary input: an address, a length or a handle the backend never handed
 //! out, a range whose end `addr + len` overflows, a zero or unaligned length. Each one is a

@@ -172,10 +172,16 @@ pub enum ImportError {
     },
     /// Reserving the VA failed.
     #[error("reserving the imported prefix's VA failed")]
-    Reserve(#[from] ReserveError),
+    Reserve(#[source] Box<ReserveError>),
     /// The backend refused the handle or a mapping of it.
     #[error("importing or mapping the prefix failed")]
     Backend(#[source] Box<BackendError>),
+}
+
+impl From<ReserveError> for ImportError {
+    fn from(e: ReserveError) -> Self {
+        Self::Reserve(Box::new(e))
+    }
 }
 
 impl From<BackendError> for ImportError {

@@ -4,6 +4,7 @@
 
 use crate::common::{self, Grown};
 use memtoken::backend::PosixFd;
+use memtoken::backend::cuda::{CuError, DriverCall};
 use memtoken::{Budget, Device, Failure, Offer, PagePool, make_guard};
 use std::os::unix::net::UnixStream;
 
@@ -43,6 +44,13 @@ fn every_transition_refused_for_a_lost_context_says_so_one_way() {
     let asleep = reserved().commit().unwrap().suspend().unwrap();
     let mut region = reserved().into_region().grown(1);
     let to_sleep = reserved().into_region().grown(1);
+    let to_save_region = reserved().into_region().grown(1);
+    let to_copy = reserved().commit().unwrap();
+    // A region with a granule withheld (its unmap refused once): its reclaim must call.
+    let mut to_reclaim = reserved().into_region().grown(2);
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError(2));
+    assert!(to_reclaim.shrink(1).is_err(), "setup: one granule withheld");
+    assert_eq!(to_reclaim.withheld_granules(), 1);
     let region_asleep = reserved().into_region().grown(1).suspend().unwrap();
     make_guard!(pool_guard);
     let pool = PagePool::new(pool_guard, &binding, g).unwrap();
@@ -77,4 +85,38 @@ fn every_transition_refused_for_a_lost_context_says_so_one_way() {
     let mut table = pool.table();
     assert!(lost(pool.push(&mut table)));
     assert!(lost(pool.grow()));
+    assert!(lost(cause(to_save_region.suspend_saving())));
+    assert!(lost(to_reclaim.reclaim()));
+    let mut bytes = [0u8; 8];
+    assert!(lost(to_copy.copy_to_host(0, &mut bytes)));
+}
+
+/// The same question answers no when a transition was refused for another reason: a budget, a
+/// transient driver error (by value in `CommitFailure::Backend`, boxed inside a growth's
+/// cause), a length the device cannot hold, a full region.
+#[test]
+fn a_transition_refused_for_another_reason_does_not_say_the_context_is_lost() {
+    let model = common::model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let poor = device.bind(Budget::bytes(0)).unwrap();
+    let g = device.granularity();
+    let budget = poor.reserve(g).unwrap().commit();
+    assert!(!lost(cause(budget)));
+    model.fail_nth(DriverCall::MemCreate, 1, CuError(2)); // OUT_OF_MEMORY: transient
+    let transient = cause(binding.reserve(g).unwrap().commit());
+    assert!(matches!(
+        &transient,
+        Err(memtoken::CommitFailure::Backend(_))
+    ));
+    assert!(!lost(transient));
+    let mut region = binding.reserve(2 * g).unwrap().into_region();
+    model.fail_nth(DriverCall::MemCreate, 1, CuError(2));
+    let undone = region.grow(1);
+    assert!(matches!(&undone, Err(memtoken::GrowError::Undone { .. })));
+    assert!(!lost(undone));
+    assert!(!lost(region.grow(3))); // full
+    assert!(!lost(binding.reserve(usize::MAX / 2)));
+    assert!(!lost(region.shrink(1))); // nothing committed: too many
 }

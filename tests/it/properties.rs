@@ -414,7 +414,7 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                                 );
                             }
                             let stuck = match e {
-                                GrowError::Withheld { withheld, .. } => withheld,
+                                GrowError::Withheld { granules, .. } => granules,
                                 _ => 0,
                             };
                             assert_eq!(r.generation(), generation, "the same region stays");

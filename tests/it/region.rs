@@ -197,7 +197,7 @@ fn a_failed_unmap_while_undoing_a_growth_withholds_the_granule() {
             e,
             GrowError::Withheld {
                 at: 2,
-                withheld: 1,
+                granules: 1,
                 ..
             }
         ),

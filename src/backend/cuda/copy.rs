@@ -232,16 +232,18 @@ impl<D: Driver> CudaBackend<D> {
     /// Frees scratch reservations left by failed copies, unmapping them first if needed.
     pub(super) fn sweep_scratch(&self, s: &mut CudaState) -> CuResult<()> {
         for (addr, span) in std::mem::take(&mut s.scratch) {
-            let freed = self.unstick(s, addr, addr + span as u64).and_then(|()| {
-                if s.book.check_free(addr as Addr, span).is_err() {
-                    // Not expected (`map` refuses scratch ranges): kept, and tried again later.
-                    return Err(CuError::INVALID_VALUE);
-                }
-                // SAFETY: `check_free` just proved `[addr, addr + span)` exactly one live
-                // reservation of the record with nothing mapped in it (`unstick` unmapped the
-                // copy's mapping, if the copy left one).
-                unsafe { self.driver.mem_address_free(addr, span) }
-            });
+            let freed = self
+                .unmap_inaccessible(s, addr, addr + span as u64)
+                .and_then(|()| {
+                    if s.book.check_free(addr as Addr, span).is_err() {
+                        // Not expected (`map` refuses scratch ranges): kept, and tried again later.
+                        return Err(CuError::INVALID_VALUE);
+                    }
+                    // SAFETY: `check_free` just proved `[addr, addr + span)` exactly one live
+                    // reservation of the record with nothing mapped in it (`unmap_inaccessible` unmapped the
+                    // copy's mapping, if the copy left one).
+                    unsafe { self.driver.mem_address_free(addr, span) }
+                });
             match freed {
                 Ok(()) => s.book.apply_free(addr as Addr),
                 Err(e) => {

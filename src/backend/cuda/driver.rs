@@ -1,7 +1,7 @@
 //! The driver seam: the CUDA driver calls the CUDA backend makes, one-to-one, with plain
 //! integer handles so that a pure-Rust model can stand in for the real driver. No logic here:
 //! an implementation forwards each call (see `SysDriver`, feature `cuda`) or models it
-//! ([`DriverModel`](super::DriverModel)).
+//! ([`DriverModel`](crate::backend::doubles::DriverModel)).
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use rustix::fd::OwnedFd;

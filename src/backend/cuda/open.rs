@@ -354,7 +354,7 @@ impl<D: Driver> Drop for CudaBackend<D> {
         if let Ok(mut s) = self.enter(Op::Free, 0, 0) {
             // Each step stops at a sticky error: nothing more may be called then.
             let swept = self
-                .unstick(&mut s, 0, u64::MAX)
+                .unmap_inaccessible(&mut s, 0, u64::MAX)
                 .and_then(|()| self.sweep_scratch(&mut s));
             if let Err(e) = swept {
                 let _ = self.fail(Op::Free, 0, 0, e);

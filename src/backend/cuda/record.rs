@@ -164,7 +164,12 @@ impl<D: Driver> CudaBackend<D> {
     }
 
     /// Unmaps what a failed rollback left mapped in `[start, end)`; what still fails stays.
-    pub(super) fn unstick(&self, s: &mut CudaState, start: u64, end: u64) -> CuResult<()> {
+    pub(super) fn unmap_inaccessible(
+        &self,
+        s: &mut CudaState,
+        start: u64,
+        end: u64,
+    ) -> CuResult<()> {
         let (inside, outside): (Vec<_>, Vec<_>) = s
             .inaccessible
             .drain(..)

@@ -61,13 +61,13 @@ impl<D: Driver> Backend for CudaBackend<D> {
             let v = Violation::NotReserved { addr, len };
             return Err(BackendError::refused(Op::Free, addr, len, v));
         }
-        self.unstick(&mut s, start, end)
+        self.unmap_inaccessible(&mut s, start, end)
             .map_err(|e| self.fail(Op::Free, addr, len, e))?;
         s.book
             .check_free(addr, len)
             .map_err(|v| BackendError::refused(Op::Free, addr, len, v))?;
         // SAFETY: `s.book.check_free` above proved `[addr, addr + len)` exactly one live
-        // reservation of this driver with nothing mapped in it (`unstick` unmapped what a failed
+        // reservation of this driver with nothing mapped in it (`unmap_inaccessible` unmapped what a failed
         // rollback had left there).
         unsafe { self.driver.mem_address_free(start, len) }
             .map_err(|e| self.fail(Op::Free, addr, len, e))?;
@@ -128,7 +128,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
             let v = Violation::NotReserved { addr, len };
             return Err(BackendError::refused(Op::Map, addr, len, v));
         }
-        self.unstick(&mut s, ptr, end).map_err(fail)?;
+        self.unmap_inaccessible(&mut s, ptr, end).map_err(fail)?;
         s.book
             .check_map(addr, len, phys, 0)
             .map_err(|v| BackendError::refused(Op::Map, addr, len, v))?;

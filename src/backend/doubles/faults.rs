@@ -1,6 +1,6 @@
 //! Planned faults, keyed by the kind of call: the machinery that [`Faulty`](super::Faulty)
-//! (kinds: [`Op`](super::Op)) and [`DriverModel`](super::cuda::DriverModel) (kinds:
-//! [`DriverCall`](super::cuda::DriverCall)) share. It counts the calls of each kind and decides
+//! (kinds: [`Op`](crate::backend::Op)) and [`DriverModel`](crate::backend::doubles::DriverModel) (kinds:
+//! [`DriverCall`](crate::backend::cuda::DriverCall)) share. It counts the calls of each kind and decides
 //! whether the one being made is planned to fail, and with what error.
 
 use std::collections::HashMap;

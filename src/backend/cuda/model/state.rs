@@ -68,7 +68,7 @@ pub(super) struct Shared {
     /// the model keeps the other end (`watch`) and knows the handed-out end by its inode
     /// (`ino`, with its device). The handle is closed once every copy of the handed-out end is
     /// (the exporter's, one passed to another process or in flight to it): then `watch` reads
-    /// end of file. `None` for an opaque value ([`DriverModel::close_shareable`] closes it).
+    /// end of file. `None` for an opaque value ([`DriverModel::close_shareable`](crate::backend::doubles::DriverModel::close_shareable) closes it).
     pub(super) fd: Option<Watched>,
 }
 

@@ -153,7 +153,7 @@ fn register<'t, B: Backend, S: Registrable>(
         descriptor: Descriptor {
             addr: token.addr(),
             len: token.len(),
-            location: token.binding().device().backend().raw().location(),
+            location: token.binding().device().backend().location(),
             generation: token.generation(),
             writable,
         },

@@ -10,7 +10,9 @@
 //! is dropped (the panic hook has reported it), since a second unwind would abort the process.
 
 use crate::backend::Shareable;
-use crate::backend::{Access, Addr, Backend, BackendError, Cause, Exportable, HandleKind, Op};
+use crate::backend::{
+    Access, Addr, Backend, BackendError, Cause, Exportable, HandleKind, Location, Op,
+};
 use std::any::Any;
 use std::cell::{Cell, RefCell};
 use std::marker::PhantomData;
@@ -144,18 +146,40 @@ fn contain<R>(call: impl FnOnce() -> R) -> Result<R, String> {
 /// A backend whose calls are contained: each one that panics inside a [`Scope`] returns
 /// [`Cause::Panicked`] (or, for the calls that cannot fail, the answer that does no harm), and
 /// the panic resumes when the scope closes. The one way the typed layer calls its backend.
+///
+/// Its sizes and location are read once, when it is made (before any token exists, so a getter
+/// that panics there strands nothing), and kept: no getter runs in the middle of a transition,
+/// where a panic could leave something half-done.
 #[derive(Debug)]
-pub struct Guarded<B>(B);
+pub struct Guarded<B> {
+    backend: B,
+    sizes: Sizes,
+}
+
+/// What the typed layer asks of a backend besides its calls, read once ([`Guarded::new`]).
+#[derive(Clone, Copy, Debug)]
+struct Sizes {
+    granularity: usize,
+    address_space: usize,
+    physical_capacity: u64,
+    location: Location,
+}
 
 impl<B: Backend> Guarded<B> {
     pub(crate) fn new(backend: B) -> Self {
-        Self(backend)
+        let sizes = Sizes {
+            granularity: backend.granularity(),
+            address_space: backend.address_space(),
+            physical_capacity: backend.physical_capacity(),
+            location: backend.location(),
+        };
+        Self { backend, sizes }
     }
 
     /// The backend itself, for what is not a VMM call (sizes, capabilities, CUDA streams).
     #[inline]
     pub(crate) fn raw(&self) -> &B {
-        &self.0
+        &self.backend
     }
 
     /// `call`, contained where `B` may panic (see [`Guarded::contain`]).
@@ -186,39 +210,48 @@ impl<B: Backend> Guarded<B> {
         })
     }
 
+    /// The granularity, as read when the device was made.
     #[inline]
     pub(crate) fn granularity(&self) -> usize {
-        self.0.granularity()
+        self.sizes.granularity
     }
 
+    /// The largest reservation, as read when the device was made.
     #[inline]
     pub(crate) fn address_space(&self) -> usize {
-        self.0.address_space()
+        self.sizes.address_space
     }
 
+    /// The physical capacity, as read when the device was made.
     #[inline]
     pub(crate) fn physical_capacity(&self) -> u64 {
-        self.0.physical_capacity()
+        self.sizes.physical_capacity
+    }
+
+    /// Where the memory lives, as read when the device was made.
+    #[inline]
+    pub(crate) fn location(&self) -> Location {
+        self.sizes.location
     }
 
     #[inline]
     pub(crate) fn reserve(&self, len: usize) -> Result<Addr, BackendError> {
-        Self::run(Op::Reserve, 0, len, || self.0.reserve(len))
+        Self::run(Op::Reserve, 0, len, || self.backend.reserve(len))
     }
 
     #[inline]
     pub(crate) fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
-        Self::run(Op::Free, addr, len, || self.0.free(addr, len))
+        Self::run(Op::Free, addr, len, || self.backend.free(addr, len))
     }
 
     #[inline]
     pub(crate) fn create(&self, len: usize) -> Result<B::Phys, BackendError> {
-        Self::run(Op::Create, 0, len, || self.0.create(len))
+        Self::run(Op::Create, 0, len, || self.backend.create(len))
     }
 
     #[inline]
     pub(crate) fn release(&self, phys: B::Phys, len: usize) -> Result<(), BackendError> {
-        Self::run(Op::Release, 0, len, || self.0.release(phys, len))
+        Self::run(Op::Release, 0, len, || self.backend.release(phys, len))
     }
 
     #[inline]
@@ -229,12 +262,14 @@ impl<B: Backend> Guarded<B> {
         phys: B::Phys,
         access: Access,
     ) -> Result<(), BackendError> {
-        Self::run(Op::Map, addr, len, || self.0.map(addr, len, phys, access))
+        Self::run(Op::Map, addr, len, || {
+            self.backend.map(addr, len, phys, access)
+        })
     }
 
     #[inline]
     pub(crate) fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
-        Self::run(Op::Unmap, addr, len, || self.0.unmap(addr, len))
+        Self::run(Op::Unmap, addr, len, || self.backend.unmap(addr, len))
     }
 
     #[inline]
@@ -244,42 +279,46 @@ impl<B: Backend> Guarded<B> {
         src: Addr,
         len: usize,
     ) -> Result<(), BackendError> {
-        Self::run(Op::Copy, src, len, || self.0.copy_into_phys(phys, src, len))
+        Self::run(Op::Copy, src, len, || {
+            self.backend.copy_into_phys(phys, src, len)
+        })
     }
 
     #[inline]
     pub(crate) fn copy_to_host(&self, dst: &mut [u8], src: Addr) -> Result<(), BackendError> {
         let len = dst.len();
-        Self::run(Op::Copy, src, len, || self.0.copy_to_host(dst, src))
+        Self::run(Op::Copy, src, len, || self.backend.copy_to_host(dst, src))
     }
 
     #[inline]
     pub(crate) fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
-        Self::run(Op::Copy, dst, src.len(), || self.0.copy_from_host(dst, src))
+        Self::run(Op::Copy, dst, src.len(), || {
+            self.backend.copy_from_host(dst, src)
+        })
     }
 
     /// A fence after the work submitted so far; `None` if recording one panicked (then no
     /// fence covers the work yet: record one later, before the memory goes).
     #[inline]
     pub(crate) fn fence(&self) -> Option<B::Fence> {
-        Self::contain(|| self.0.fence()).ok()
+        Self::contain(|| self.backend.fence()).ok()
     }
 
     /// Whether the fence is done; a panic answers "not yet", which never frees memory early.
     #[inline]
     pub(crate) fn fence_done(&self, fence: &B::Fence) -> bool {
-        Self::contain(|| self.0.fence_done(fence)).unwrap_or(false)
+        Self::contain(|| self.backend.fence_done(fence)).unwrap_or(false)
     }
 
     /// Waits for the fence where the backend can; a panic answers "not done".
     pub(crate) fn wait_fence(&self, fence: &B::Fence) -> bool {
-        Self::contain(|| self.0.wait_fence(fence)).unwrap_or(false)
+        Self::contain(|| self.backend.wait_fence(fence)).unwrap_or(false)
     }
 
     /// Gives a fence back; a panic leaves it to the backend (at worst an event is not reused).
     #[inline]
     pub(crate) fn retire_fence(&self, fence: B::Fence) {
-        let _ = Self::contain(|| self.0.retire_fence(fence));
+        let _ = Self::contain(|| self.backend.retire_fence(fence));
     }
 
     /// Whether no work covered by the backend's fences may still run: a fence recorded now
@@ -296,19 +335,19 @@ impl<B: Backend> Guarded<B> {
 
     #[inline]
     pub(crate) fn pin(&self) -> Result<(), BackendError> {
-        Self::run(Op::Pin, 0, 0, || self.0.pin())
+        Self::run(Op::Pin, 0, 0, || self.backend.pin())
     }
 
     #[inline]
     pub(crate) fn unpin(&self) -> Result<(), BackendError> {
-        Self::run(Op::Unpin, 0, 0, || self.0.unpin())
+        Self::run(Op::Unpin, 0, 0, || self.backend.unpin())
     }
 
     /// Whether the context is lost; a panic answers no (the calls that follow are contained
     /// too, and refused by a backend that knows better).
     #[inline]
     pub(crate) fn context_lost(&self) -> bool {
-        Self::contain(|| self.0.context_lost()).unwrap_or(false)
+        Self::contain(|| self.backend.context_lost()).unwrap_or(false)
     }
 
     pub(crate) fn create_exportable<K: HandleKind>(
@@ -318,7 +357,7 @@ impl<B: Backend> Guarded<B> {
     where
         B: Exportable<K>,
     {
-        Self::run(Op::Create, 0, len, || self.0.create_exportable(len))
+        Self::run(Op::Create, 0, len, || self.backend.create_exportable(len))
     }
 
     pub(crate) fn export<K: HandleKind>(
@@ -330,7 +369,7 @@ impl<B: Backend> Guarded<B> {
         B: Exportable<K>,
     {
         Self::run(Op::Create, 0, len, || {
-            <B as Exportable<K>>::export(&self.0, phys, len)
+            <B as Exportable<K>>::export(&self.backend, phys, len)
         })
     }
 
@@ -340,7 +379,7 @@ impl<B: Backend> Guarded<B> {
     {
         let len = handle.len;
         Self::run(Op::Create, 0, len, || {
-            <B as Exportable<K>>::import(&self.0, handle)
+            <B as Exportable<K>>::import(&self.backend, handle)
         })
     }
 }

@@ -427,6 +427,10 @@ pub trait Backend {
     const MAY_PANIC: bool = true;
 
     /// The allocation granularity in bytes: every address and length is a multiple of it.
+    ///
+    /// This getter and the three after it are read once, when a [`Device`](crate::Device) is
+    /// made, and kept: they must not change over the backend's life, and none of them is called
+    /// inside a transition (where a panic could strand what it had built).
     fn granularity(&self) -> usize;
     /// The largest VA range one reservation may ask for.
     fn address_space(&self) -> usize;

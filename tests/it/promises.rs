@@ -521,3 +521,71 @@ fn the_host_backend_refuses_misuse_with_an_error_never_a_panic() {
     b.free(ro, g).unwrap();
     assert_eq!(b.physical_in_use(), 0);
 }
+
+/// The typed layer reads a backend's getters (granularity, address space, capacity, location)
+/// once, when the device is made, and never again: a backend whose getters panic from then on
+/// goes through commits, prefixes and their sharers, copy-on-write, a region's growth and
+/// shrink, sleep and wake, an export and its import, a page pool and a registration without
+/// one getter call — so no getter can panic in the middle of a transition and strand what it
+/// had built — and everything goes back.
+#[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+fn getters_are_read_once_so_none_can_panic_inside_a_transition() {
+    use memtoken::backend::PosixFd;
+    use memtoken::{Offer, PagePool};
+    use std::os::unix::net::UnixStream;
+    make_guard!(guard);
+    let backend = Faulty::new(common::host());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let read_at_creation = faults.getter_calls();
+    assert!(
+        read_at_creation > 0,
+        "the device reads them when it is made"
+    );
+    faults.panic_getters(true);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let a = binding.reserve(g).unwrap().commit().unwrap();
+    assert_eq!(a.register().descriptor().len, g); // its location, read once
+    let prefix = binding.reserve(3 * g).unwrap().commit_prefix().unwrap();
+    let sharer = binding.reserve(3 * g).unwrap().map_prefix(&prefix).unwrap();
+    let diverged = sharer.diverge().unwrap();
+    let mut region = binding.reserve(4 * g).unwrap().into_region().grown(3);
+    region.shrink(2).unwrap();
+    region.grow(1).unwrap();
+    let asleep = binding
+        .reserve(g)
+        .unwrap()
+        .commit()
+        .unwrap()
+        .suspend_saving()
+        .unwrap();
+    let awake = asleep.resume().unwrap();
+    let exportable = binding
+        .reserve(2 * g)
+        .unwrap()
+        .commit_prefix_exportable::<PosixFd>()
+        .unwrap();
+    let export = exportable.export().unwrap();
+    let (x, y) = UnixStream::pair().unwrap();
+    export.send(&x).unwrap();
+    let imported = binding.import(Offer::recv(&y).unwrap()).unwrap();
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, g / 4).unwrap();
+    let page = pool.alloc().unwrap();
+    pool.free(page);
+    drop(pool);
+    assert_eq!(
+        faults.getter_calls(),
+        read_at_creation,
+        "no getter after the device was made"
+    );
+    drop((
+        imported, export, exportable, awake, region, diverged, prefix, a,
+    ));
+    drop(binding);
+    faults.panic_getters(false);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+}

@@ -5,6 +5,7 @@ use super::faults::{Fault, FaultPlan};
 use crate::backend::export::{Exportable, HandleKind, Shareable};
 use crate::backend::{Access, Addr, Backend, BackendError, Cause, HostVisible, Location, Op, lock};
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 /// What a backend holds right now, as seen through [`Faulty`]: everything that was handed out
@@ -49,11 +50,25 @@ struct FaultState {
     plans: Mutex<FaultPlan<Op, Effect>>,
     outstanding: Mutex<Outstanding>,
     mappings: Mutex<BTreeMap<Addr, usize>>,
+    /// Whether the getters (granularity, address space, capacity, location) panic.
+    getters_panic: AtomicBool,
+    /// Getter calls made so far.
+    getter_calls: AtomicU64,
 }
 
 /// A handle to steer and inspect a [`Faulty`] backend after a [`Device`](crate::Device) took it.
 #[derive(Clone, Debug, Default)]
 pub struct FaultHandle(Arc<FaultState>);
+
+impl FaultHandle {
+    /// Counts a getter call, and panics if getters are set to ([`panic_getters`](Self::panic_getters)).
+    fn getter(&self, name: &str) {
+        self.0.getter_calls.fetch_add(1, Ordering::Relaxed);
+        if self.0.getters_panic.load(Ordering::Relaxed) {
+            panic!("Faulty: panic injected into the getter {name}");
+        }
+    }
+}
 
 impl FaultHandle {
     /// Fails the `n`th call of kind `op` from now (`n = 1`: the next one), once. Each kind has
@@ -85,6 +100,19 @@ impl FaultHandle {
     /// If `n` is zero.
     pub fn fail_from(&self, op: Op, n: u64) {
         lock(&self.0.plans).plan(op, n, Effect::Fail, true);
+    }
+
+    /// Makes every later getter call (`granularity`, `address_space`, `physical_capacity`,
+    /// `location`) panic while `on`, and counts them either way
+    /// ([`getter_calls`](Self::getter_calls)): the typed layer reads them once, when the device
+    /// is made, so none should run after.
+    pub fn panic_getters(&self, on: bool) {
+        self.0.getters_panic.store(on, Ordering::Relaxed);
+    }
+
+    /// Getter calls made so far.
+    pub fn getter_calls(&self) -> u64 {
+        self.0.getter_calls.load(Ordering::Relaxed)
     }
 
     /// Removes every planned fault.
@@ -173,14 +201,17 @@ impl<B: Backend> Backend for Faulty<B> {
     const MAY_PANIC: bool = true;
 
     fn granularity(&self) -> usize {
+        self.handle.getter("granularity");
         self.inner.granularity()
     }
 
     fn address_space(&self) -> usize {
+        self.handle.getter("address_space");
         self.inner.address_space()
     }
 
     fn physical_capacity(&self) -> u64 {
+        self.handle.getter("physical_capacity");
         self.inner.physical_capacity()
     }
 
@@ -262,6 +293,7 @@ impl<B: Backend> Backend for Faulty<B> {
     }
 
     fn location(&self) -> Location {
+        self.handle.getter("location");
         self.inner.location()
     }
 

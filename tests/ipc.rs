@@ -620,6 +620,19 @@ fn an_export_seals_writes_with_an_in_process_sharer_and_changes_no_byte() {
     assert!(device.close().is_clean());
 }
 
+/// A pipe holding references on the pages of `bytes` (`vmsplice` into its write end), as an
+/// RDMA registration pins them, until its bytes are read out or it is closed: (read end, write
+/// end).
+fn hold_pages(bytes: &[u8]) -> (rustix::fd::OwnedFd, rustix::fd::OwnedFd) {
+    let (read, write) = rustix::pipe::pipe().unwrap();
+    let bufs = [rustix::pipe::IoSliceRaw::from_slice(bytes)];
+    // SAFETY: `write` is the pipe's write end, so the pipe only reads the bytes (it holds
+    // references on their pages until they are read out).
+    let held = unsafe { rustix::pipe::vmsplice(&write, &bufs, rustix::pipe::SpliceFlags::empty()) };
+    assert_eq!(held.unwrap(), bytes.len(), "every page held");
+    (read, write)
+}
+
 /// Memory whose pages are held by someone else (a pipe's `vmsplice` reference here, an RDMA
 /// registration's pin in a serving engine) cannot be sealed against writes: the export is
 /// refused with a clear error before anything changed — the owner still writes it, its
@@ -635,12 +648,7 @@ fn an_export_of_pinned_memory_is_refused_and_changes_nothing() {
         .commit_prefix_exportable::<PosixFd>()
         .unwrap();
     prefix.as_mut_slice().unwrap().fill(3);
-    let (read, write) = rustix::pipe::pipe().unwrap();
-    let bufs = [rustix::pipe::IoSliceRaw::from_slice(prefix.as_slice())];
-    // SAFETY: `write` is the pipe's write end, so the pipe only reads the prefix's bytes (it
-    // holds references on its pages until they are read out).
-    let held = unsafe { rustix::pipe::vmsplice(&write, &bufs, rustix::pipe::SpliceFlags::empty()) };
-    assert_eq!(held.unwrap(), PAGE);
+    let (read, write) = hold_pages(prefix.as_slice());
     let e = prefix.export().unwrap_err();
     assert!(
         matches!(
@@ -817,12 +825,7 @@ fn an_export_refused_after_its_body_was_sealed_leaves_the_prefix_read_only() {
         .commit_prefix_exportable::<PosixFd>()
         .unwrap();
     prefix.as_mut_slice().unwrap().fill(5);
-    let (_read, write) = rustix::pipe::pipe().unwrap();
-    let boundary = &prefix.as_slice()[2 * PAGE..];
-    let bufs = [rustix::pipe::IoSliceRaw::from_slice(boundary)];
-    // SAFETY: `write` is the pipe's write end, so the pipe only reads the boundary's bytes.
-    let held = unsafe { rustix::pipe::vmsplice(&write, &bufs, rustix::pipe::SpliceFlags::empty()) };
-    assert_eq!(held.unwrap(), PAGE);
+    let _held = hold_pages(&prefix.as_slice()[2 * PAGE..]);
     let e = prefix.export().unwrap_err();
     assert!(e.to_string().contains("sealed against writes"), "{e}");
     assert!(perms(prefix.addr()).starts_with("r-"), "the body is sealed");

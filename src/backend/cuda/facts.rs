@@ -96,14 +96,33 @@ mod tests {
             true
         }
 
+        /// After a separator, skips a line break of any kind too — into a comment line, a
+        /// block comment's `* ` or a plain line of a document — so a list wrapped anywhere is
+        /// read whole.
+        fn skip_space_and_breaks(&mut self) {
+            self.skip_space();
+            let rest = self.rest();
+            let Some(next) = rest
+                .strip_prefix("\r\n")
+                .or_else(|| rest.strip_prefix('\n'))
+            else {
+                return;
+            };
+            let next = next.trim_start_matches([' ', '\t']);
+            let next = next.strip_prefix("* ").unwrap_or(next);
+            if next.starts_with(|c: char| c.is_ascii_digit()) {
+                self.i = self.s.len() - next.len();
+            }
+        }
+
         /// A separator between items — `, `, ` and `, `, and `, ` or ` — followed by an item.
         fn next_item(&mut self, facts: &mut Vec<u32>, error: &mut Option<&'static str>) -> bool {
             let start = self.i;
             let comma = self.eat(",");
-            self.skip_space();
+            self.skip_space_and_breaks();
             let word = self.eat("and") || self.eat("or");
             if word {
-                self.skip_space();
+                self.skip_space_and_breaks();
             }
             if (comma || word) && self.i > start && self.item(facts, error) {
                 return true;
@@ -145,6 +164,23 @@ mod tests {
                 continue;
             }
             while cur.next_item(&mut facts, &mut error) {}
+            // A connector this parser does not read, between this number and another, would
+            // hide the rest of the citation: it is an error, not a shorter citation.
+            let end = cur.i;
+            cur.skip_space();
+            let unknown = [
+                "to ", "through ", "/", "&", "\u{2212}", "\u{2012}", "\u{2015}", "–", "-",
+            ]
+            .iter()
+            .any(|c| {
+                let after = cur.rest().strip_prefix(c).map(|r| r.trim_start());
+                after.is_some_and(|r| r.starts_with(|d: char| d.is_ascii_digit()))
+            });
+            if unknown {
+                error =
+                    Some("a connector between numbers that is not read: write N–M or N, M and K");
+            }
+            cur.i = end;
             out.push(Citation {
                 line: text[..at].matches('\n').count() + 1,
                 text: text[at..cur.i].to_string(),
@@ -256,6 +292,25 @@ mod tests {
         assert_eq!(at, [(2, "fact 1"), (2, "fact 2"), (4, "Facts 3–4")]);
         // A range that runs backwards is an error, not a silent nothing.
         assert!(citations("facts 43–39")[0].error.is_some());
+        // A list wrapped on a plain or block-comment line is read whole.
+        assert_eq!(cited("facts 14,\n15 and 16"), [14, 15, 16]);
+        assert_eq!(cited("facts 14,\n * 15"), [14, 15]);
+        // A connector the parser does not read is an error, never a silently shorter citation.
+        for text in [
+            "facts 12 to 14",
+            "facts 12 through 14",
+            "facts 12/14",
+            "facts 12 & 13",
+            "facts 12\u{2212}14",
+            "facts 1–2–99",
+        ] {
+            assert!(citations(text)[0].error.is_some(), "{text}");
+        }
+        assert!(
+            citations("fact 7, and then")
+                .iter()
+                .all(|c| c.error.is_none())
+        );
     }
 
     #[test]
@@ -289,6 +344,9 @@ mod tests {
         let mut files = Vec::new();
         rust_files(&root.join("src"), &mut files);
         rust_files(&root.join("tests"), &mut files);
+        rust_files(&root.join("examples"), &mut files);
+        rust_files(&root.join("benches"), &mut files);
+        files.push(root.join("README.md"));
 
         let mut wrong = Vec::new();
         let mut in_code = 0;

@@ -91,18 +91,24 @@ impl<'id, B: Backend> Device<'id, B> {
     /// within `budget` — shared memory is counted once, whichever tokens still map it.
     /// Its granule cache holds at most 64 granules.
     pub fn with_budget(guard: Guard<'id>, backend: B, budget: Budget) -> Self {
+        let backend = Guarded::new(backend);
         let cache = backend.granularity() as u64 * DEFAULT_CACHE_GRANULES;
-        Self::with_cache(guard, backend, budget, Budget::bytes(cache))
+        Self::assemble(guard, backend, budget, Budget::bytes(cache))
     }
 
     /// A device as [`with_budget`](Self::with_budget) makes it, whose cache of physical
     /// granules holds at most `cache` bytes (see [`set_cache_cap`](Self::set_cache_cap)).
     /// The cached bytes count in `budget`, and are trimmed when a commit needs them.
     pub fn with_cache(guard: Guard<'id>, backend: B, budget: Budget, cache: Budget) -> Self {
+        Self::assemble(guard, Guarded::new(backend), budget, cache)
+    }
+
+    /// The device over `backend`, whose getters were read once by [`Guarded::new`].
+    fn assemble(guard: Guard<'id>, backend: Guarded<B>, budget: Budget, cache: Budget) -> Self {
         Self {
             cache: GranuleCache::new(cache.limit()),
             brand: guard.into(),
-            backend: Guarded::new(backend),
+            backend,
             ledger: Ledger::default(),
             failed_unpins: AtomicU64::new(0),
             bindings: AtomicU64::new(0),

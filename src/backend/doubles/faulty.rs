@@ -54,6 +54,11 @@ struct FaultState {
     getters_panic: AtomicBool,
     /// Getter calls made so far.
     getter_calls: AtomicU64,
+    /// Calls of every kind made so far: VMM calls, copies, fences, pins, getters, and the
+    /// context-loss query.
+    any_calls: AtomicU64,
+    /// The number (in `any_calls`) of the call planned to panic; 0: none.
+    panic_at: AtomicU64,
 }
 
 /// A handle to steer and inspect a [`Faulty`] backend after a [`Device`](crate::Device) took it.
@@ -64,8 +69,23 @@ impl FaultHandle {
     /// Counts a getter call, and panics if getters are set to ([`panic_getters`](Self::panic_getters)).
     fn getter(&self, name: &str) {
         self.0.getter_calls.fetch_add(1, Ordering::Relaxed);
+        self.any(&name);
         if self.0.getters_panic.load(Ordering::Relaxed) {
             panic!("Faulty: panic injected into the getter {name}");
+        }
+    }
+
+    /// Counts a call of any kind, and panics if it is the one planned by
+    /// [`panic_at_call`](Self::panic_at_call).
+    fn any(&self, name: &dyn std::fmt::Debug) {
+        let nth = self.0.any_calls.fetch_add(1, Ordering::Relaxed) + 1;
+        if self
+            .0
+            .panic_at
+            .compare_exchange(nth, 0, Ordering::Relaxed, Ordering::Relaxed)
+            .is_ok()
+        {
+            panic!("Faulty: panic injected into call #{nth} of any kind ({name:?})");
         }
     }
 }
@@ -110,6 +130,28 @@ impl FaultHandle {
         self.0.getters_panic.store(on, Ordering::Relaxed);
     }
 
+    /// Makes the `n`th call from now panic, once, whatever its kind: a VMM call, a copy, a
+    /// fence's, a pin's, a getter or the context-loss query (`n = 1`: the next one). The panic's
+    /// message starts `Faulty: panic injected into call #` and names the kind. Independent of
+    /// the per-kind plans; a later call replaces it, [`clear`](Self::clear) removes it.
+    ///
+    /// # Panics
+    ///
+    /// If `n` is zero.
+    pub fn panic_at_call(&self, n: u64) {
+        assert!(
+            n >= 1,
+            "calls are counted from 1: n = 1 panics the next call"
+        );
+        let at = self.any_calls() + n;
+        self.0.panic_at.store(at, Ordering::Relaxed);
+    }
+
+    /// Calls of every kind made so far (see [`panic_at_call`](Self::panic_at_call)).
+    pub fn any_calls(&self) -> u64 {
+        self.0.any_calls.load(Ordering::Relaxed)
+    }
+
     /// Getter calls made so far.
     pub fn getter_calls(&self) -> u64 {
         self.0.getter_calls.load(Ordering::Relaxed)
@@ -117,6 +159,7 @@ impl FaultHandle {
 
     /// Removes every planned fault.
     pub fn clear(&self) {
+        self.0.panic_at.store(0, Ordering::Relaxed);
         lock(&self.0.plans).clear();
     }
 
@@ -133,6 +176,7 @@ impl FaultHandle {
     /// Counts a call; returns the injected error if this call is planned to fail, and panics
     /// (with no lock held) if it is planned to panic.
     fn enter(&self, op: Op, addr: Addr, len: usize) -> Result<(), BackendError> {
+        self.any(&op);
         let planned = lock(&self.0.plans).enter(op);
         match planned {
             Ok(()) => Ok(()),
@@ -342,6 +386,7 @@ impl<B: Backend> Backend for Faulty<B> {
     }
 
     fn context_lost(&self) -> bool {
+        self.handle.any(&"context_lost");
         self.inner.context_lost()
     }
 }

@@ -3,16 +3,15 @@
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use crate::backend::{Access, Backend, HostVisible, Op};
-use crate::binding::{Binding, Custody};
+use crate::device::{Binding, Charge, Handover};
+use crate::device::{Quarantined, settle};
 use crate::error::{CommitFailure, ReleaseFailure, ReserveError, Returned, TransitionError};
 use crate::ids::{Generation, Released};
-use crate::ledger::Axis;
-use crate::quarantine::{Quarantined, settle};
-use crate::residual::Held;
 use crate::state::{
     Committed, Live, Readable, Releasing, Reserved, Retired, Retiring, State, Wait, sealed::Repr,
 };
 use crate::token::{Core, host_slice, host_slice_mut};
+use crate::unwind::Guarded;
 use crate::unwind::Scope;
 use std::fmt;
 use std::mem::ManuallyDrop;
@@ -181,8 +180,7 @@ impl<'b, 'id, B: Backend> Binding<'b, 'id, B> {
         }
         device.ensure_live(Op::Reserve, 0, rounded)?;
         Scope::run::<B, _>(move || {
-            let addr = backend.reserve(rounded)?;
-            device.charge(Axis::Reserved, rounded);
+            let addr = device.reserve_va(rounded)?;
             let core = Core {
                 binding: self,
                 addr,
@@ -250,9 +248,9 @@ impl<'b, 'id, B: Backend, S: State> Allocation<'b, 'id, B, S> {
 
 impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     /// The checks and the charge before this reservation's memory is created: the context
-    /// lives, the length fits the physical capacity, and the budgets take it (charged to the
-    /// binding and the device when this returns `Ok`).
-    pub(crate) fn admit(&self) -> Result<(), CommitFailure> {
+    /// lives, the length fits the physical capacity, and the budgets take it (the charge goes
+    /// back, as far as it made nothing, when dropped).
+    pub(crate) fn admit(&self) -> Result<Charge<'b, 'b, 'id, B>, CommitFailure> {
         let (binding, len) = (self.core.binding, self.core.len);
         let device = self.core.device();
         device
@@ -265,7 +263,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                 capacity,
             });
         }
-        binding.charge(len)
+        binding.charge_for(len)
     }
 
     /// Creates physical memory, maps it read-write and charges it: the memory becomes usable.
@@ -282,24 +280,22 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
             let core = self.core;
             let (binding, len) = (core.binding, core.len);
             let device = core.device();
-            let backend = device.backend();
             let refuse = |token, cause| Err(TransitionError { token, cause });
-            if let Err(cause) = self.admit() {
-                return refuse(self, cause);
-            }
-            let phys = match backend.create(len) {
+            let mut charge = match self.admit() {
+                Ok(charge) => charge,
+                Err(cause) => return refuse(self, cause),
+            };
+            let phys = match charge.create(len, Guarded::create) {
                 Ok(phys) => phys,
                 Err(e) => {
-                    binding.uncharge(len);
+                    drop(charge);
                     return refuse(self, CommitFailure::Backend(e));
                 }
             };
-            if let Err(error) = backend.map(core.addr, len, phys, Access::ReadWrite) {
-                binding.refund(len);
-                let cause = CommitFailure::undone(error, device.release_orphan(phys, len));
+            if let Err(error) = device.map(core.addr, len, phys, Access::ReadWrite) {
+                let cause = CommitFailure::undone(error, binding.discard(phys, len));
                 return refuse(self, cause);
             }
-            device.charge(Axis::Mapped, len);
             let (core, ()) = self.into_core();
             Ok(Allocation::from_core(core, phys))
         })
@@ -322,7 +318,7 @@ impl<'b, 'id, B: Backend, S: Live> Allocation<'b, 'id, B, S> {
             } = retire::<B, S>(core, parts);
             // The binding stays charged for the memory the token still owns, until it is released;
             // the rest leaves its budget now (a prefix's bytes stay with its mappings).
-            binding_keeps(core, charged, &held);
+            core.binding.retire(charged, &held);
             Allocation::from_core(core, (held, fence))
         })
     }
@@ -338,14 +334,6 @@ fn retire<B: Backend, S: State>(core: Core<'_, '_, B>, parts: S::Parts<B>) -> Re
             len,
         },
     )
-}
-
-/// Refunds the part of `charged` that `held` does not own any more.
-fn binding_keeps<B: Backend>(core: Core<'_, '_, B>, charged: usize, held: &Held<B::Phys>) {
-    let kept = held.owned_bytes();
-    if charged > kept {
-        core.binding.refund(charged - kept);
-    }
 }
 
 impl<B: HostVisible, S: Readable> Allocation<'_, '_, B, S> {
@@ -428,7 +416,7 @@ impl<B: Backend, S: State> Drop for Allocation<'_, '_, B, S> {
             charged,
         } = retire::<B, S>(core, parts);
         core.binding
-            .hand_over(core.residual(held), charged, Custody::Fenced(fence));
+            .hand_over(core.residual(held), charged, Handover::Fenced(fence));
     }
 }
 

@@ -148,14 +148,12 @@
 
 mod allocation;
 pub mod backend;
-mod binding;
 mod device;
 mod error;
 mod ids;
 mod interop;
 mod ledger;
 mod page_pool;
-mod quarantine;
 mod region;
 mod residual;
 mod sharing;
@@ -166,8 +164,9 @@ mod transfer;
 mod unwind;
 
 pub use allocation::{Allocation, CommitError, CompleteError};
-pub use binding::Binding;
+pub use device::Binding;
 pub use device::{CloseReport, Custody, Device, Forgotten, Progress};
+pub use device::{QuarantineError, Quarantined};
 pub use error::{
     CommitFailure, CowFailure, Failure, GrowError, PoolError, ReleaseFailure, ReserveError,
     ResumeFailure, Returned, ShareFailure, ShrinkError, SuspendFailure, TransitionError, ViewError,
@@ -181,7 +180,6 @@ pub use interop::{
 };
 pub use ledger::{Budget, LedgerSnapshot};
 pub use page_pool::{Page, PagePool, PageTable};
-pub use quarantine::{QuarantineError, Quarantined};
 pub use region::{Elastic, Region};
 pub use residual::{Holdings, Residual};
 pub use sharing::{

@@ -3,7 +3,7 @@
 
 use crate::allocation::Allocation;
 use crate::backend::{Addr, Backend, HostVisible};
-use crate::binding::Binding;
+use crate::device::Binding;
 use crate::error::PoolError;
 use crate::state::Committed;
 use crate::token::{host_slice, host_slice_mut};

@@ -5,11 +5,9 @@
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use crate::allocation::Allocation;
-use crate::backend::{Access, Backend, BackendError, HostVisible, Op};
-use crate::binding::Binding;
-use crate::device::Device;
+use crate::backend::{Backend, BackendError, HostVisible, Op};
+use crate::device::{GiveBack, Growth};
 use crate::error::{CommitFailure, GrowError, ShrinkError};
-use crate::ledger::Axis;
 use crate::residual::{Granule, Held};
 use crate::state::Wait;
 use crate::state::{
@@ -152,60 +150,6 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     }
 }
 
-/// Gives granules that a region no longer maps, and that no work can still use, back to the
-/// device: to its cache while the cap allows, else released (a failure is quarantined). They
-/// leave the binding's budget, all at once when it finishes.
-struct GiveBack<'a, 'b, 'id, B: Backend> {
-    device: &'a Device<'id, B>,
-    binding: &'b Binding<'b, 'id, B>,
-    /// Room made in the cache and not used yet.
-    room: usize,
-    given: usize,
-    quarantined: usize,
-}
-
-impl<'a, 'b, 'id, B: Backend> GiveBack<'a, 'b, 'id, B> {
-    /// Ready for up to `expected` granules (room for them is made in the cache at once).
-    #[inline]
-    fn new(device: &'a Device<'id, B>, binding: &'b Binding<'b, 'id, B>, expected: usize) -> Self {
-        Self {
-            device,
-            binding,
-            room: device.cache_admit(expected),
-            given: 0,
-            quarantined: 0,
-        }
-    }
-
-    /// `phys`, unmapped and unused, leaves the binding: cached or released.
-    #[inline]
-    fn give(&mut self, phys: B::Phys) {
-        self.given += 1;
-        if self.room > 0 {
-            self.room -= 1;
-            self.device.cache_put(phys);
-        } else if self
-            .device
-            .release_orphan(phys, self.device.granularity())
-            .is_err()
-        {
-            // Quarantined in the device, still owned.
-            self.quarantined += 1;
-        }
-    }
-
-    /// Refunds the binding for what was given, and the cache for the room not used; how many
-    /// granules went to quarantine.
-    #[inline]
-    fn finish(self) -> usize {
-        if self.given > 0 {
-            self.binding.refund(self.given * self.device.granularity());
-        }
-        self.device.cache_taken(self.room);
-        self.quarantined
-    }
-}
-
 impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// Bytes committed: mapped read-write from the start of the range.
     pub fn committed_len(&self) -> usize {
@@ -267,91 +211,48 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
                 return Err(self.undo_grow(start, 0, 0, CommitFailure::Backend(e)));
             }
             // The binding's budget takes the whole growth at once, or none of it.
-            if let Err(cause) = binding.charge_budget(granules * g) {
-                let free = binding.limit().saturating_sub(binding.used()) / g as u64;
-                let cause = GrowError::Undone {
-                    at: granules.min(free as usize),
-                    cause: Box::new(cause),
-                    quarantined: 0,
-                };
-                return Err(cause);
-            }
+            let mut growth = match binding.grow(granules) {
+                Ok(growth) => growth,
+                Err(cause) => {
+                    let free = binding.limit().saturating_sub(binding.used()) / g as u64;
+                    let cause = GrowError::Undone {
+                        at: granules.min(free as usize),
+                        cause: Box::new(cause),
+                        quarantined: 0,
+                    };
+                    return Err(cause);
+                }
+            };
             // Granules come from the cache first; once it has none, they are created. The cached
             // and mapped axes move once for the whole growth.
-            let mut from_cache = 0;
             for at in 0..granules {
-                match self.grow_granule(start + at, from_cache == at) {
-                    Ok(cached) => from_cache += usize::from(cached),
-                    Err((cause, q)) => {
-                        let mut e = self.stop_grow(start, from_cache, at, granules, cause);
-                        add_quarantined(&mut e, q);
-                        return Err(e);
-                    }
+                let addr = core.addr + (start + at) * g;
+                match growth.map_next(addr, growth.cached() == at) {
+                    Ok(phys) => self.parts_mut().committed.push(phys),
+                    Err((cause, q)) => return Err(self.stop_grow(growth, start, at, cause, q)),
                 }
             }
-            device.cache_taken(from_cache);
-            device.charge(Axis::Mapped, granules * g);
+            growth.finish();
             Ok(())
         })
     }
 
-    /// Maps one more granule at granule `index` of the range: from the cache when `try_cache`
-    /// and it has one, else created. Whether it came from the cache; on failure the cause, and
-    /// how many granules could not be released (quarantined) — the granule went back where it
-    /// came from (to the cache, whose axis still counts it, or released), its budget with the
-    /// rest of the growth.
-    fn grow_granule(
-        &mut self,
-        index: usize,
-        try_cache: bool,
-    ) -> Result<bool, (CommitFailure, usize)> {
-        let device = self.core().device();
-        let (backend, g) = (device.backend(), device.granularity());
-        let taken = if try_cache { device.cache_pop() } else { None };
-        let cached = taken.is_some();
-        let phys = match taken {
-            Some(phys) => phys,
-            None => {
-                device.charge_owned_or_trim(g).map_err(|cause| (cause, 0))?;
-                backend.create(g).map_err(|e| {
-                    device.refund(Axis::Owned, g);
-                    (CommitFailure::Backend(e), 0)
-                })?
-            }
-        };
-        let addr = self.addr() + index * g;
-        if let Err(e) = backend.map(addr, g, phys, Access::ReadWrite) {
-            let q = if cached {
-                device.cache_put(phys);
-                0
-            } else {
-                usize::from(device.release_orphan(phys, g).is_err())
-            };
-            return Err((CommitFailure::Backend(e), q));
-        }
-        self.parts_mut().committed.push(phys);
-        Ok(cached)
-    }
-
-    /// Stops a growth at granule `at` of `granules`: the axes charged for the whole growth are
-    /// settled for what was done — the budget of the granules not mapped goes back, the
-    /// `from_cache` granules mapped from the cache leave its axis, the mapped ones are charged
-    /// as mapped — then the growth is undone.
+    /// Stops a growth at granule `at`: settles its axes for what was mapped, then undoes it.
+    /// `quarantined`: whether the granule that failed could not be released.
+    #[cold]
     fn stop_grow(
         &mut self,
+        growth: Growth<'_, 'b, 'id, B>,
         start: usize,
-        from_cache: usize,
         at: usize,
-        granules: usize,
         cause: CommitFailure,
+        quarantined: bool,
     ) -> GrowError {
-        let core = self.core();
-        let (binding, device) = (core.binding, core.device());
-        let g = device.granularity();
-        binding.refund((granules - at) * g);
-        device.cache_taken(from_cache);
-        device.charge(Axis::Mapped, at * g);
-        self.undo_grow(start, from_cache, at, cause)
+        let from_cache = growth.cached();
+        growth.finish();
+        let mut e = self.undo_grow(start, from_cache, at, cause);
+        add_quarantined(&mut e, usize::from(quarantined));
+        e
     }
 
     /// Unmaps and gives back the granules this growth mapped past `start` (the first
@@ -364,22 +265,14 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         at: usize,
         cause: CommitFailure,
     ) -> GrowError {
-        let core = self.core();
-        let (binding, device) = (core.binding, core.device());
-        let g = device.granularity();
-        let mut back = GiveBack::new(device, binding, from_cache);
+        let binding = self.core().binding;
+        let g = binding.device().granularity();
+        let mut back = binding.give_back(from_cache);
         let mut failed = None;
         while self.committed_granules() > start {
-            match self.unmap_last() {
-                Ok((i, phys)) => {
-                    device.refund(Axis::Mapped, g);
-                    if i - start < from_cache {
-                        back.give(phys);
-                    } else {
-                        binding.refund(g);
-                        back.quarantined += usize::from(device.release_orphan(phys, g).is_err());
-                    }
-                }
+            match self.unmap_last(&mut back) {
+                Ok((i, phys)) if i - start < from_cache => back.give(phys),
+                Ok((_, phys)) => back.release(phys, g),
                 Err(e) => failed = Some((failed.map_or(0, |(n, _)| n) + 1, e)),
             }
         }
@@ -442,10 +335,14 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         })
     }
 
-    /// Pops the last committed granule and unmaps it: its index and memory once unmapped, or
-    /// the unmap's error, the granule then withheld (still mapped as far as anyone knows).
+    /// Pops the last committed granule and unmaps it through `back`: its index and memory
+    /// once unmapped, or the unmap's error, the granule then withheld (still mapped as far as
+    /// anyone knows).
     #[inline(always)]
-    fn unmap_last(&mut self) -> Result<(usize, B::Phys), BackendError> {
+    fn unmap_last(
+        &mut self,
+        back: &mut GiveBack<'_, 'b, 'id, B>,
+    ) -> Result<(usize, B::Phys), BackendError> {
         let core = self.core();
         let g = core.device().granularity();
         let i = self.committed_granules() - 1;
@@ -455,7 +352,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             .pop()
             .expect("a committed granule");
         let offset = i * g;
-        match core.device().backend().unmap(core.addr + offset, g) {
+        match back.unmap(core.addr + offset) {
             Ok(()) => Ok((i, phys)),
             Err(e) => {
                 self.parts_mut().withheld.push(Granule {
@@ -473,23 +370,13 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// them back. No work may still use them: the caller checked [`idle`], or mapped them
     /// within the current call.
     pub(crate) fn shrink_now(&mut self, granules: usize) -> Result<(), ShrinkError> {
-        let core = self.core();
-        let (binding, device) = (core.binding, core.device());
-        let g = device.granularity();
-        let mut back = GiveBack::new(device, binding, granules);
+        let mut back = self.core().binding.give_back(granules);
         let mut failed = None;
-        let mut unmapped = 0;
         for _ in 0..granules {
-            match self.unmap_last() {
-                Ok((_, phys)) => {
-                    unmapped += 1;
-                    back.give(phys);
-                }
+            match self.unmap_last(&mut back) {
+                Ok((_, phys)) => back.give(phys),
                 Err(e) => failed = Some(e),
             }
-        }
-        if unmapped > 0 {
-            device.refund(Axis::Mapped, unmapped * g);
         }
         back.finish();
         match failed {
@@ -541,28 +428,22 @@ pub(crate) fn reclaim_withheld<B: Backend>(
     if !idle(core) {
         return Err(ShrinkError::Pending);
     }
-    let mut back = GiveBack::new(device, binding, withheld.len());
+    let mut back = binding.give_back(withheld.len());
     let mut failed = None;
     for mut granule in std::mem::take(withheld) {
         if granule.mapped {
-            if let Err(e) = device
-                .backend()
-                .unmap(core.addr + granule.offset, granule.len)
-            {
+            if let Err(e) = device.unmap(core.addr + granule.offset, granule.len) {
                 withheld.push(granule);
                 failed = Some(e);
                 continue;
             }
-            device.refund(Axis::Mapped, granule.len);
             granule.mapped = false;
         }
         if granule.len == device.granularity() {
             back.give(granule.phys);
         } else {
             // A suspended allocation's whole mapping: not a granule the cache could hand out.
-            binding.refund(granule.len);
-            back.quarantined +=
-                usize::from(device.release_orphan(granule.phys, granule.len).is_err());
+            back.release(granule.phys, granule.len);
         }
     }
     back.finish();

@@ -6,10 +6,9 @@
 
 use crate::allocation::Allocation;
 use crate::backend::{Access, Backend, BackendError, Exportable, HandleKind, HostVisible, Op};
-use crate::binding::Binding;
+use crate::device::Quarantined;
+use crate::device::{Binding, Charge};
 use crate::error::{CommitFailure, CowFailure, Returned, ShareFailure, TransitionError};
-use crate::ledger::Axis;
-use crate::quarantine::Quarantined;
 use crate::residual::{Held, SharedPhys, Split};
 use crate::state::Wait;
 use crate::state::{
@@ -350,8 +349,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         cause: CommitFailure,
     ) -> PrefixError<'b, 'id, B> {
         let binding = self.core().binding;
-        binding.refund(g);
-        let _ = self.core().device().release_orphan(boundary, g); // a failure is quarantined
+        let _ = binding.discard(boundary, g); // a failure is quarantined
         let (core, ()) = self.into_core();
         let held = Held {
             phys: Some(body),
@@ -375,50 +373,45 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                     cause,
                 })
             };
-            if let Err(cause) = self.admit() {
-                return refuse(self, cause);
-            }
+            let mut charge = match self.admit() {
+                Ok(charge) => charge,
+                Err(cause) => return refuse(self, cause),
+            };
             let core = self.core();
             let (binding, addr, len) = (core.binding, core.addr, core.len);
             let device = core.device();
-            let backend = device.backend();
             let body = len - device.granularity();
             let g = len - body;
-            // Releases what was created (a failure is quarantined) after a failure at `error`.
+            // Gives back what was created (a failure is quarantined) after a failure at
+            // `error`; what was not created goes back with the charge.
             let undo = |error, created: [Option<(B::Phys, usize)>; 2]| {
-                let n = created.iter().flatten().map(|&(_, n)| n).sum();
-                binding.uncharge(len - n);
-                binding.refund(n);
-                let released =
-                    created.map(|c| c.map_or(Ok(()), |(p, n)| device.release_orphan(p, n)));
+                let released = created.map(|c| c.map_or(Ok(()), |(p, n)| binding.discard(p, n)));
                 CommitFailure::undone(error, released.into_iter().collect())
             };
-            let (body_phys, boundary) = match create_split(&create, backend, body, g) {
+            let (body_phys, boundary) = match create_split(&create, &mut charge, body, g) {
                 Ok(made) => made,
                 Err((e, body_phys)) => return refuse(self, undo(e, [body_phys, None])),
             };
+            drop(charge);
             let created = [body_phys, Some((boundary, g))];
-            if let Some((p, n)) = body_phys {
-                if let Err(e) = backend.map(addr, n, p, Access::ReadWrite) {
-                    return refuse(self, undo(e, created));
-                }
-                device.charge(Axis::Mapped, n);
+            if let Some((p, n)) = body_phys
+                && let Err(e) = device.map(addr, n, p, Access::ReadWrite)
+            {
+                return refuse(self, undo(e, created));
             }
-            if let Err(error) = backend.map(addr + body, g, boundary, Access::ReadWrite) {
-                if let Some((p, n)) = body_phys {
-                    if let Err(rollback) = backend.unmap(addr, n) {
-                        let cause = CommitFailure::UnmapFailed {
-                            error: Box::new(error),
-                            rollback: Box::new(rollback),
-                        };
-                        let boundary = (boundary, g);
-                        return Err(self.quarantine_still_mapped_body((p, n), boundary, cause));
-                    }
-                    device.refund(Axis::Mapped, n);
+            if let Err(error) = device.map(addr + body, g, boundary, Access::ReadWrite) {
+                if let Some((p, n)) = body_phys
+                    && let Err(rollback) = device.unmap(addr, n)
+                {
+                    let cause = CommitFailure::UnmapFailed {
+                        error: Box::new(error),
+                        rollback: Box::new(rollback),
+                    };
+                    let boundary = (boundary, g);
+                    return Err(self.quarantine_still_mapped_body((p, n), boundary, cause));
                 }
                 return refuse(self, undo(error, created));
             }
-            device.charge(Axis::Mapped, g);
             let split = Split {
                 body: body_phys,
                 boundary: (boundary, g),
@@ -463,45 +456,41 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
             let core = self.core();
             let (addr, len) = (core.addr, core.len);
             let device = core.device();
-            let backend = device.backend();
             if let Err(e) = device.ensure_live(Op::Map, addr, len) {
                 return refuse(self, ShareFailure::Backend(Box::new(e)));
             }
             let shared = device.shared().another(prefix.parts());
             let split = shared.split();
             let body = split.body_len();
-            if let Some((phys, n)) = split.body {
-                if let Err(e) = backend.map(addr, n, phys, Access::ReadOnly) {
-                    device.unshare(shared);
-                    return refuse(self, ShareFailure::Backend(Box::new(e)));
-                }
-                device.charge(Axis::Mapped, n);
+            if let Some((phys, n)) = split.body
+                && let Err(e) = device.map(addr, n, phys, Access::ReadOnly)
+            {
+                device.unshare(shared);
+                return refuse(self, ShareFailure::Backend(Box::new(e)));
             }
             let (boundary, g) = split.boundary;
-            if let Err(error) = backend.map(addr + body, g, boundary, Access::ReadOnly) {
-                if body > 0 {
-                    if let Err(rollback) = backend.unmap(addr, body) {
-                        // The half-made mapping stays, with its reference, in a quarantined token.
-                        let (core, ()) = self.into_core();
-                        let held = Held {
-                            shared: Some(shared),
-                            ..Held::mapped(body)
-                        };
-                        let token = Quarantined::new(core.binding, core.residual(held));
-                        return Err(TransitionError {
-                            token: Returned::Quarantined(token),
-                            cause: ShareFailure::RollbackFailed {
-                                error: Box::new(error),
-                                rollback: Box::new(rollback),
-                            },
-                        });
-                    }
-                    device.refund(Axis::Mapped, body);
+            if let Err(error) = device.map(addr + body, g, boundary, Access::ReadOnly) {
+                if body > 0
+                    && let Err(rollback) = device.unmap(addr, body)
+                {
+                    // The half-made mapping stays, with its reference, in a quarantined token.
+                    let (core, ()) = self.into_core();
+                    let held = Held {
+                        shared: Some(shared),
+                        ..Held::mapped(body)
+                    };
+                    let token = Quarantined::new(core.binding, core.residual(held));
+                    return Err(TransitionError {
+                        token: Returned::Quarantined(token),
+                        cause: ShareFailure::RollbackFailed {
+                            error: Box::new(error),
+                            rollback: Box::new(rollback),
+                        },
+                    });
                 }
                 device.unshare(shared);
                 return refuse(self, ShareFailure::Backend(Box::new(error)));
             }
-            device.charge(Axis::Mapped, len - body);
             let (core, ()) = self.into_core();
             Ok(Allocation::from_core(core, shared))
         })
@@ -514,15 +503,15 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
 #[allow(clippy::type_complexity)] // the shapes of `Split`'s two fields, spelled out
 fn create_split<B: Backend>(
     create: &impl Fn(&Guarded<B>, usize) -> Result<B::Phys, BackendError>,
-    backend: &Guarded<B>,
+    charge: &mut Charge<'_, '_, '_, B>,
     body: usize,
     g: usize,
 ) -> Result<(Option<(B::Phys, usize)>, B::Phys), (BackendError, Option<(B::Phys, usize)>)> {
     let body = match body {
         0 => None,
-        n => Some((create(backend, n).map_err(|e| (e, None))?, n)),
+        n => Some((charge.create(n, create).map_err(|e| (e, None))?, n)),
     };
-    let boundary = create(backend, g).map_err(|e| (e, body))?;
+    let boundary = charge.create(g, create).map_err(|e| (e, body))?;
     Ok((body, boundary))
 }
 
@@ -577,31 +566,33 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
                     cause: CowFailure::Pending,
                 });
             }
-            if let Err(cause) = binding.charge(g) {
-                return refuse(self, cause);
-            }
+            let mut charge = match binding.charge_for(g) {
+                Ok(charge) => charge,
+                Err(cause) => return refuse(self, cause),
+            };
             let undo = |error, private| Self::undo_private(binding, error, private);
-            let private = match backend.create(g) {
+            let private = match charge.create(g, Guarded::create) {
                 Ok(p) => p,
-                Err(e) => return refuse(self, undo(e, None)),
+                Err(e) => {
+                    drop(charge);
+                    return refuse(self, undo(e, None));
+                }
             };
             if let Err(e) = backend.copy_into_phys(private, boundary, g) {
                 return refuse(self, undo(e, Some(private)));
             }
-            if let Err(e) = backend.unmap(boundary, g) {
+            if let Err(e) = device.unmap(boundary, g) {
                 // Whether the boundary is still mapped is unknown: the mapping lends no memory any
                 // more, its remains are quarantined.
                 let cause = CowFailure::Unmap(Box::new(e));
                 return Err(self.quarantine_diverging(core.len, cause, private));
             }
-            device.refund(Axis::Mapped, g);
-            if let Err(error) = backend.map(boundary, g, private, Access::ReadWrite) {
+            if let Err(error) = device.map(boundary, g, private, Access::ReadWrite) {
+                // Not a teardown: the shared boundary is mapped again where it was, so that the
+                // mapping comes back unchanged.
                 let (shared, _) = self.parts().split().boundary;
-                return match backend.map(boundary, g, shared, Access::ReadOnly) {
-                    Ok(()) => {
-                        device.charge(Axis::Mapped, g);
-                        refuse(self, undo(error, Some(private)))
-                    }
+                return match device.map(boundary, g, shared, Access::ReadOnly) {
+                    Ok(()) => refuse(self, undo(error, Some(private))),
                     // Neither the copy nor the original is mapped at the boundary.
                     Err(restore) => {
                         let (error, restore) = (Box::new(error), Box::new(restore));
@@ -610,7 +601,6 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
                     }
                 };
             }
-            device.charge(Axis::Mapped, g);
             let (core, shared) = self.into_core();
             Ok(Allocation::from_core(core, (shared, private)))
         })
@@ -625,18 +615,8 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
         error: BackendError,
         private: Option<B::Phys>,
     ) -> CommitFailure {
-        let device = binding.device();
-        let g = device.granularity();
-        let rollback = match private {
-            None => {
-                binding.uncharge(g);
-                Ok(())
-            }
-            Some(p) => {
-                binding.refund(g);
-                device.release_orphan(p, g)
-            }
-        };
+        let g = binding.device().granularity();
+        let rollback = private.map_or(Ok(()), |p| binding.discard(p, g));
         CommitFailure::undone(error, rollback)
     }
 
@@ -652,8 +632,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
         let device = binding.device();
         let g = device.granularity();
         let (core, shared) = self.into_core();
-        binding.refund(g);
-        let _ = device.release_orphan(private, g); // a failure is quarantined
+        let _ = binding.discard(private, g); // a failure is quarantined
         let held = Held {
             shared: Some(shared),
             ..Held::mapped(mapped)

@@ -7,7 +7,6 @@
 use crate::allocation::Allocation;
 use crate::backend::{Backend, Op};
 use crate::error::{ResumeFailure, ShrinkError, SuspendFailure, TransitionError};
-use crate::ledger::Axis;
 use crate::region::{Elastic, Granules, idle, reclaim_withheld};
 use crate::residual::{Granule, Held};
 use crate::state::Wait;
@@ -241,7 +240,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
         };
         let (core, phys) = self.into_core();
         let mut withheld = Vec::new();
-        if device.backend().unmap(core.addr, len).is_err() {
+        if device.unmap(core.addr, len).is_err() {
             // Whether it is still mapped is unknown: the mapping stays withheld in the suspended
             // token, owned and charged, until a reclaim (or the resume) frees it.
             withheld.push(Granule {
@@ -251,9 +250,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
                 mapped: true,
             });
         } else {
-            device.refund(Axis::Mapped, len);
-            binding.refund(len);
-            let _ = device.release_orphan(phys, len); // a failure is quarantined, still counted
+            let _ = binding.discard(phys, len); // a failure is quarantined, still counted
         }
         let asleep = Asleep {
             len,
@@ -305,7 +302,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Committed>> {
             // Undo the commit: nothing can have used the memory mapped just now.
             let (core, phys) = committed.into_core();
             let (binding, len) = (core.binding, core.len);
-            if let Err(rollback) = device.backend().unmap(core.addr, len) {
+            if let Err(rollback) = device.unmap(core.addr, len) {
                 // Still suspended, with its saved bytes; the mapping stays withheld, charged.
                 asleep.withheld.push(Granule {
                     offset: 0,
@@ -319,9 +316,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Committed>> {
                 };
                 return back(core, asleep, cause);
             }
-            device.refund(Axis::Mapped, len);
-            binding.refund(len);
-            let _ = device.release_orphan(phys, len); // a failure is quarantined, still counted
+            let _ = binding.discard(phys, len); // a failure is quarantined, still counted
             back(core, asleep, ResumeFailure::Restore(Box::new(error)))
         })
     }

@@ -3,7 +3,7 @@
 
 use crate::backend::{Addr, Backend};
 pub(crate) use crate::backend::{host_slice, host_slice_mut};
-use crate::binding::Binding;
+use crate::device::Binding;
 use crate::device::Device;
 use crate::ids::Generation;
 use crate::residual::{Held, Residual};

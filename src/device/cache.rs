@@ -100,13 +100,13 @@ impl<B: Backend> Device<'_, B> {
     /// still use it. It stays on the cached axis until the caller moves all it took off it at
     /// once ([`cache_taken`](Self::cache_taken)); the owned axis keeps it.
     #[inline]
-    pub(crate) fn cache_pop(&self) -> Option<B::Phys> {
+    pub(super) fn cache_pop(&self) -> Option<B::Phys> {
         self.cache.pop()
     }
 
     /// Moves `n` granules taken by [`cache_pop`](Self::cache_pop) off the cached axis.
     #[inline]
-    pub(crate) fn cache_taken(&self, n: usize) {
+    pub(super) fn cache_taken(&self, n: usize) {
         if n > 0 {
             self.refund(Axis::Cached, n * self.granularity());
         }
@@ -117,7 +117,7 @@ impl<B: Backend> Device<'_, B> {
     /// [`cache_put`](Self::cache_put), and gives the room it does not use back with
     /// [`cache_taken`](Self::cache_taken).
     #[inline]
-    pub(crate) fn cache_admit(&self, n: usize) -> usize {
+    pub(super) fn cache_admit(&self, n: usize) -> usize {
         let g = self.granularity() as u64;
         self.cache.admit(&self.ledger, g, n)
     }
@@ -127,7 +127,7 @@ impl<B: Backend> Device<'_, B> {
     /// one call), so it is free for reuse at once — on CUDA, the fence of its last use has
     /// completed before it enters the cache.
     #[inline]
-    pub(crate) fn cache_put(&self, phys: B::Phys) {
+    pub(super) fn cache_put(&self, phys: B::Phys) {
         self.cache.push(phys);
     }
 

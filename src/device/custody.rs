@@ -286,7 +286,7 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// Releases physical memory no token owns any more; quarantines it if that fails, and
     /// says why.
-    pub(crate) fn release_orphan(&self, phys: B::Phys, len: usize) -> Result<(), ReleaseFailure> {
+    pub(super) fn release_orphan(&self, phys: B::Phys, len: usize) -> Result<(), ReleaseFailure> {
         let mut orphan = Residual {
             generation: self.next_generation(),
             addr: 0,
@@ -311,7 +311,7 @@ impl<'id, B: Backend> Device<'id, B> {
     }
 
     /// Puts a residual into the device's quarantine, counting it.
-    pub(crate) fn quarantine(&self, residual: Residual<B::Phys>) {
+    pub(super) fn quarantine(&self, residual: Residual<B::Phys>) {
         self.ledger.charge(Axis::Quarantined, 1);
         lock(&self.books).quarantine.push(residual);
     }
@@ -340,7 +340,7 @@ impl<'id, B: Backend> Device<'id, B> {
     }
 
     /// Refunds every part of a residual whose context is lost, without backend calls.
-    pub(crate) fn forget_residual(&self, r: Residual<B::Phys>) {
+    pub(super) fn forget_residual(&self, r: Residual<B::Phys>) {
         let h = r.held;
         self.refund(Axis::Mapped, h.mapped_bytes());
         self.refund(Axis::Owned, h.granules.iter().map(|g| g.len).sum());

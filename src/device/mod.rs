@@ -7,11 +7,19 @@
 //! of residuals), `cache` (the granule cache), `report` (what the device tells about itself).
 //! Nothing here names a concrete backend: covering CUDA streams is interop's.
 
+mod binding;
 mod cache;
 mod custody;
+mod quarantined;
 mod report;
+mod steps;
 
+pub use binding::Binding;
+pub(crate) use binding::Custody as Handover;
+pub(crate) use quarantined::settle;
+pub use quarantined::{QuarantineError, Quarantined};
 pub use report::{CloseReport, Custody, Forgotten, Progress};
+pub(crate) use steps::{Charge, GiveBack, Growth};
 
 use crate::backend::{Addr, Backend, BackendError, Cause, Op};
 use crate::error::CommitFailure;
@@ -159,7 +167,7 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// Charges `n` owned bytes against the device's budget, trimming the cache once when cached
     /// granules stand in the way; or says why not.
-    pub(crate) fn charge_owned_or_trim(&self, n: usize) -> Result<(), CommitFailure> {
+    pub(in crate::device) fn charge_owned_or_trim(&self, n: usize) -> Result<(), CommitFailure> {
         self.charge_owned(n).or_else(|e| match e {
             CommitFailure::DeviceBudget { .. } if self.make_room(n) => self.charge_owned(n),
             e => Err(e),
@@ -167,7 +175,7 @@ impl<'id, B: Backend> Device<'id, B> {
     }
 
     /// Charges `n` owned bytes against the device's budget, or says why not.
-    pub(crate) fn charge_owned(&self, n: usize) -> Result<(), CommitFailure> {
+    pub(in crate::device) fn charge_owned(&self, n: usize) -> Result<(), CommitFailure> {
         self.ledger
             .try_charge(Axis::Owned, n as u64, self.limit)
             .map_err(|used| CommitFailure::DeviceBudget {
@@ -177,11 +185,11 @@ impl<'id, B: Backend> Device<'id, B> {
             })
     }
 
-    pub(crate) fn charge(&self, axis: Axis, n: usize) {
+    pub(in crate::device) fn charge(&self, axis: Axis, n: usize) {
         self.ledger.charge(axis, n as u64);
     }
 
-    pub(crate) fn refund(&self, axis: Axis, n: usize) {
+    pub(in crate::device) fn refund(&self, axis: Axis, n: usize) {
         self.ledger.refund(axis, n as u64);
     }
 

@@ -13,9 +13,8 @@ use crate::allocation::Allocation;
 use crate::backend::{
     Access, Backend, BackendError, Exportable, HandleKind, HandleType, Op, PosixFd, Shareable,
 };
-use crate::binding::Binding;
+use crate::device::Binding;
 use crate::error::ReserveError;
-use crate::ledger::Axis;
 use crate::residual::{Held, SharedPhys};
 use crate::sharing::Owner;
 use crate::state::Wait;
@@ -664,8 +663,7 @@ impl<'b, 'id, B: Exportable<PosixFd>> Binding<'b, 'id, B> {
                     imported.push((phys, n));
                 }
                 for &(phys, n) in &imported {
-                    backend.map(core.addr + mapped, n, phys, Access::ReadOnly)?;
-                    device.charge(Axis::Mapped, n);
+                    device.map(core.addr + mapped, n, phys, Access::ReadOnly)?;
                     mapped += n;
                 }
                 Ok(())

@@ -19,6 +19,7 @@ mod context_loss;
 mod custody;
 mod custody_discharge;
 mod forgotten;
+mod money;
 mod page_pool;
 mod promises;
 mod region;

@@ -1,8 +1,8 @@
 //! [`Quarantined`]: what a failed release leaves, owned exactly, withheld, and retryable.
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
+use super::binding::{Binding, Custody};
 use crate::backend::Backend;
-use crate::binding::{Binding, Custody};
 use crate::error::{ReleaseFailure, TransitionError};
 use crate::ids::{ContextLost, Released};
 use crate::ledger::Axis;

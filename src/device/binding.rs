@@ -1,7 +1,7 @@
 //! [`Binding`]: a consumer's pinned handle on a device, with a budget on owned bytes.
 
+use super::Device;
 use crate::backend::{Backend, BackendError, Op};
-use crate::device::Device;
 use crate::error::CommitFailure;
 use crate::ledger::{Axis, Budget, try_add, try_sub};
 use crate::residual::Residual;
@@ -75,7 +75,7 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
 
     /// Charges `n` owned bytes to this binding's budget and the device's (and so to the
     /// ledger's owned axis), before the memory is created; or says which budget refuses.
-    pub(crate) fn charge(&self, n: usize) -> Result<(), CommitFailure> {
+    pub(super) fn charge(&self, n: usize) -> Result<(), CommitFailure> {
         self.charge_budget(n)?;
         // Cached granules count in the device's budget: trim them when they stand in the way.
         self.device
@@ -85,7 +85,7 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
 
     /// Charges `n` bytes to this binding's budget alone: memory the device already owns (a
     /// cached granule) that one of its tokens takes over.
-    pub(crate) fn charge_budget(&self, n: usize) -> Result<(), CommitFailure> {
+    pub(super) fn charge_budget(&self, n: usize) -> Result<(), CommitFailure> {
         let requested = n as u64;
         try_add(&self.used, requested, self.limit).map_err(|used| CommitFailure::Budget {
             requested,
@@ -95,7 +95,7 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
     }
 
     /// Undoes [`charge`](Self::charge) when the memory could not be created.
-    pub(crate) fn uncharge(&self, n: usize) {
+    pub(super) fn uncharge(&self, n: usize) {
         self.refund(n);
         self.device.refund(Axis::Owned, n);
     }
@@ -105,7 +105,7 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
     /// # Panics
     ///
     /// If the budget carries less: a double refund, a bug in this crate.
-    pub(crate) fn refund(&self, n: usize) {
+    pub(super) fn refund(&self, n: usize) {
         if let Err(used) = try_sub(&self.used, n as u64) {
             panic!("binding budget: refund of {n} exceeds the {used} charged (double refund)");
         }

@@ -1,0 +1,296 @@
+//! Steps: every backend call a transition makes that builds or takes apart what a token holds,
+//! each with the ledger and budget moves that go with it. With the custody's teardown, the one
+//! place where money moves: policies (sharing, regions, sleep, pools, import) call these steps
+//! and charge or refund nothing themselves.
+//!
+//! - VA and mappings: [`Device::reserve_va`], [`Device::map`], [`Device::unmap`] — the axis
+//!   moves once the backend call succeeded, never before.
+//! - Memory a binding's token will own: a [`Charge`] takes the bytes from the budgets before
+//!   anything is created, [`Charge::create`] makes memory out of it, and what the charge did
+//!   not make goes back when it drops — on every path, a contained panic's included.
+//! - Memory a transition made and no token will own: [`Binding::discard`], which is the
+//!   ordinary teardown of an orphan (released, or quarantined still owned).
+//! - Granules of elastic regions: a [`Growth`] (taken from the budget at once, from the cache
+//!   or created one by one, the axes settled once) and a [`GiveBack`] (to the cache, or
+//!   released; the axes settled once).
+
+use super::Device;
+use super::binding::Binding;
+use crate::backend::{Access, Addr, Backend, BackendError};
+use crate::error::{CommitFailure, ReleaseFailure};
+use crate::ledger::Axis;
+use crate::residual::Held;
+use crate::unwind::Guarded;
+
+impl<B: Backend> Device<'_, B> {
+    /// Reserves `len` bytes of VA, charged as reserved once made.
+    #[inline]
+    pub(crate) fn reserve_va(&self, len: usize) -> Result<Addr, BackendError> {
+        let addr = self.backend.reserve(len)?;
+        self.charge(Axis::Reserved, len);
+        Ok(addr)
+    }
+
+    /// Maps `len` bytes of `phys` at `addr`, charged as mapped once mapped.
+    #[inline]
+    pub(crate) fn map(
+        &self,
+        addr: Addr,
+        len: usize,
+        phys: B::Phys,
+        access: Access,
+    ) -> Result<(), BackendError> {
+        self.backend.map(addr, len, phys, access)?;
+        self.charge(Axis::Mapped, len);
+        Ok(())
+    }
+
+    /// Unmaps `len` bytes at `addr`, refunded as mapped once gone.
+    #[inline]
+    pub(crate) fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+        self.backend.unmap(addr, len)?;
+        self.refund(Axis::Mapped, len);
+        Ok(())
+    }
+}
+
+impl<'b, 'id, B: Backend> Binding<'b, 'id, B> {
+    /// Charges `len` bytes to this binding's budget and the device's, for memory a token of
+    /// this binding is about to own; or says which budget refuses.
+    #[inline]
+    pub(crate) fn charge_for(&self, len: usize) -> Result<Charge<'_, 'b, 'id, B>, CommitFailure> {
+        self.charge(len)?;
+        Ok(Charge {
+            binding: self,
+            left: len,
+        })
+    }
+
+    /// Gives back `len` bytes of `phys` that a transition of this binding made and no token
+    /// will own: they leave the budget, and the memory is released — or quarantined, still
+    /// owned by the device, when that fails (the failure said).
+    pub(crate) fn discard(&self, phys: B::Phys, len: usize) -> Result<(), ReleaseFailure> {
+        self.refund(len);
+        self.device().release_orphan(phys, len)
+    }
+
+    /// A token is retiring, charged `charged` bytes: what `held` no longer owns (a prefix's
+    /// bytes stay with its mappings) leaves this binding's budget now, the rest with the
+    /// release.
+    #[inline]
+    pub(crate) fn retire(&self, charged: usize, held: &Held<B::Phys>) {
+        let kept = held.owned_bytes();
+        if charged > kept {
+            self.refund(charged - kept);
+        }
+    }
+
+    /// Starts a growth of `granules` granules: the budget takes all of them, or none.
+    #[inline]
+    pub(crate) fn grow(&self, granules: usize) -> Result<Growth<'_, 'b, 'id, B>, CommitFailure> {
+        let g = self.device().granularity();
+        self.charge_budget(granules * g)?;
+        Ok(Growth {
+            binding: self,
+            charged: granules,
+            from_cache: 0,
+            mapped: 0,
+        })
+    }
+
+    /// Ready to give back up to `expected` granules (see [`GiveBack`]).
+    #[inline]
+    pub(crate) fn give_back(&self, expected: usize) -> GiveBack<'_, 'b, 'id, B> {
+        GiveBack {
+            binding: self,
+            room: self.device().cache_admit(expected),
+            given: 0,
+            unmapped: 0,
+            quarantined: 0,
+        }
+    }
+}
+
+/// Bytes taken from a binding's budget (and the device's owned axis) for memory not yet made;
+/// what is not made by the time it drops goes back.
+#[must_use = "a charge dropped at once refunds everything"]
+pub(crate) struct Charge<'a, 'b, 'id, B: Backend> {
+    binding: &'a Binding<'b, 'id, B>,
+    /// Bytes charged and not yet made.
+    left: usize,
+}
+
+impl<B: Backend> Charge<'_, '_, '_, B> {
+    /// Makes `len` bytes of the charge with `create`; owned from then on (the token that keeps
+    /// the memory keeps the charge, or [`Binding::discard`] gives both back). On failure the
+    /// bytes stay in the charge.
+    #[inline]
+    pub(crate) fn create(
+        &mut self,
+        len: usize,
+        create: impl FnOnce(&Guarded<B>, usize) -> Result<B::Phys, BackendError>,
+    ) -> Result<B::Phys, BackendError> {
+        debug_assert!(len <= self.left, "a charge makes no more than it took");
+        let phys = create(self.binding.device().backend(), len)?;
+        self.left -= len;
+        Ok(phys)
+    }
+}
+
+impl<B: Backend> Drop for Charge<'_, '_, '_, B> {
+    #[inline]
+    fn drop(&mut self) {
+        if self.left > 0 {
+            self.binding.uncharge(self.left);
+        }
+    }
+}
+
+/// A region's growth in progress: its granules' budget taken at once; each granule from the
+/// device's cache or created; the cached and mapped axes moved once, when it
+/// [`finish`](Self::finish)es, for what was mapped. Granules it did not map leave the budget
+/// then.
+#[must_use = "a growth settles its axes when it finishes"]
+pub(crate) struct Growth<'a, 'b, 'id, B: Backend> {
+    binding: &'a Binding<'b, 'id, B>,
+    /// Granules charged to the budget.
+    charged: usize,
+    /// Granules taken from the cache.
+    from_cache: usize,
+    /// Granules mapped.
+    mapped: usize,
+}
+
+impl<B: Backend> Growth<'_, '_, '_, B> {
+    /// One more granule, mapped read-write at `addr`: from the cache when `try_cache` and it
+    /// has one, else created, charged to the device's budget first (trimming the cache if it
+    /// stands in the way). On failure the granule went back where it came from (the cache, or
+    /// released); the cause, and whether that release failed (the granule then quarantined,
+    /// still owned).
+    #[inline]
+    pub(crate) fn map_next(
+        &mut self,
+        addr: Addr,
+        try_cache: bool,
+    ) -> Result<B::Phys, (CommitFailure, bool)> {
+        let device = self.binding.device();
+        let g = device.granularity();
+        let taken = if try_cache { device.cache_pop() } else { None };
+        let cached = taken.is_some();
+        let phys = match taken {
+            Some(phys) => phys,
+            None => self.create().map_err(|cause| (cause, false))?,
+        };
+        match device.backend().map(addr, g, phys, Access::ReadWrite) {
+            Ok(()) => {
+                self.mapped += 1;
+                self.from_cache += usize::from(cached);
+                Ok(phys)
+            }
+            Err(e) if cached => {
+                device.cache_put(phys);
+                Err((CommitFailure::Backend(e), false))
+            }
+            Err(e) => {
+                let quarantined = device.release_orphan(phys, g).is_err();
+                Err((CommitFailure::Backend(e), quarantined))
+            }
+        }
+    }
+
+    /// A new granule, charged to the device's budget first.
+    fn create(&self) -> Result<B::Phys, CommitFailure> {
+        let device = self.binding.device();
+        let g = device.granularity();
+        device.charge_owned_or_trim(g)?;
+        device.backend().create(g).map_err(|e| {
+            device.refund(Axis::Owned, g);
+            CommitFailure::Backend(e)
+        })
+    }
+
+    /// Granules taken from the cache so far.
+    #[inline]
+    pub(crate) fn cached(&self) -> usize {
+        self.from_cache
+    }
+
+    /// Settles the growth: the granules taken from the cache leave its axis, those mapped are
+    /// charged as mapped, and the budget of those not mapped goes back.
+    #[inline]
+    pub(crate) fn finish(self) {
+        let device = self.binding.device();
+        let g = device.granularity();
+        device.cache_taken(self.from_cache);
+        if self.mapped > 0 {
+            device.charge(Axis::Mapped, self.mapped * g);
+        }
+        if self.charged > self.mapped {
+            self.binding.refund((self.charged - self.mapped) * g);
+        }
+    }
+}
+
+/// Gives granules that a region no longer maps, and that no work can still use, back to the
+/// device: to its cache while the cap allows, else released (a failure is quarantined). They
+/// leave the binding's budget, and their mappings the mapped axis, all at once when it
+/// [`finish`](Self::finish)es.
+#[must_use = "a give-back settles its axes when it finishes"]
+pub(crate) struct GiveBack<'a, 'b, 'id, B: Backend> {
+    binding: &'a Binding<'b, 'id, B>,
+    /// Room made in the cache and not used yet.
+    room: usize,
+    /// Granules given back (and so out of the budget at the finish).
+    given: usize,
+    /// Granules whose mapping went (refunded as mapped at the finish).
+    unmapped: usize,
+    /// Granules whose release failed, in the device's quarantine.
+    quarantined: usize,
+}
+
+impl<B: Backend> GiveBack<'_, '_, '_, B> {
+    /// Unmaps the granule mapped at `addr`; its mapping leaves the mapped axis at the finish.
+    #[inline(always)]
+    pub(crate) fn unmap(&mut self, addr: Addr) -> Result<(), BackendError> {
+        let device = self.binding.device();
+        device.backend().unmap(addr, device.granularity())?;
+        self.unmapped += 1;
+        Ok(())
+    }
+
+    /// `phys`, unmapped and unused, leaves the binding: cached or released.
+    #[inline]
+    pub(crate) fn give(&mut self, phys: B::Phys) {
+        let device = self.binding.device();
+        self.given += 1;
+        if self.room > 0 {
+            self.room -= 1;
+            device.cache_put(phys);
+        } else if device.release_orphan(phys, device.granularity()).is_err() {
+            // Quarantined in the device, still owned.
+            self.quarantined += 1;
+        }
+    }
+
+    /// `len` bytes of `phys`, unmapped and unused but not a granule the cache could hand out
+    /// (a suspended allocation's whole mapping), leave the binding: released.
+    pub(crate) fn release(&mut self, phys: B::Phys, len: usize) {
+        self.quarantined += usize::from(self.binding.discard(phys, len).is_err());
+    }
+
+    /// Settles: the given granules leave the budget, the unmapped ones the mapped axis, the
+    /// cache room not used goes back; how many granules went to quarantine.
+    #[inline]
+    pub(crate) fn finish(self) -> usize {
+        let device = self.binding.device();
+        let g = device.granularity();
+        if self.given > 0 {
+            self.binding.refund(self.given * g);
+        }
+        if self.unmapped > 0 {
+            device.refund(Axis::Mapped, self.unmapped * g);
+        }
+        device.cache_taken(self.room);
+        self.quarantined
+    }
+}

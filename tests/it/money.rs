@@ -1,0 +1,100 @@
+//! Money moves in one place (issue 21): no module outside the ledger (`src/ledger.rs`) and the
+//! device (`src/device/`) charges or refunds a ledger axis or a budget itself. Policies
+//! (sharing, regions, sleep, pools, import) and the token core call the device's steps
+//! (`src/device/steps.rs`), which move the money with the backend call.
+//!
+//! The compiler enforces it too (the charge and refund methods are visible only inside the
+//! device's module); this test lists the call sites by name, so that a widened visibility
+//! cannot bring a hand-placed move back unnoticed.
+
+use std::fs;
+use std::path::{Path, PathBuf};
+
+/// The ledger's, the device's and the binding's charge and refund API, as called: a call site
+/// is a `.` before the name and a `(` after it (an axis named in a policy counts as well).
+const MONEY: &[&str] = &[
+    ".charge(",
+    ".refund(",
+    ".uncharge(",
+    ".charge_budget(",
+    ".charge_owned(",
+    ".charge_owned_or_trim(",
+    ".try_charge(",
+    ".charge_up_to(",
+    ".cache_taken(",
+    ".cache_admit(",
+    "Axis::",
+];
+
+/// Where money may move: the ledger and the device.
+fn allowed(path: &Path) -> bool {
+    path.ends_with("src/ledger.rs") || path.components().any(|c| c.as_os_str() == "device")
+}
+
+fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
+    for entry in fs::read_dir(dir).expect("src/ is readable") {
+        let path = entry.expect("a directory entry").path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|e| e == "rs") {
+            out.push(path);
+        }
+    }
+}
+
+/// `file:line: text` of every money call site in `files` that is not allowed.
+fn call_sites(files: &[PathBuf]) -> Vec<String> {
+    let mut sites = Vec::new();
+    for path in files.iter().filter(|p| !allowed(p)) {
+        let text = fs::read_to_string(path).expect("a source file");
+        for (i, line) in text.lines().enumerate() {
+            let code = line.split("//").next().unwrap_or("");
+            if MONEY.iter().any(|m| code.contains(m)) {
+                sites.push(format!("{}:{}: {}", path.display(), i + 1, line.trim()));
+            }
+        }
+    }
+    sites
+}
+
+#[test]
+fn no_module_outside_the_ledger_and_the_device_moves_money() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let mut files = Vec::new();
+    rust_files(&src, &mut files);
+    let outside = files.iter().filter(|p| !allowed(p)).count();
+    assert!(
+        outside >= 10,
+        "the scan reads the policy modules ({outside} files outside the ledger and the device)"
+    );
+    let sites = call_sites(&files);
+    assert!(
+        sites.is_empty(),
+        "money moved outside the ledger and the device ({} call sites):\n{}",
+        sites.len(),
+        sites.join("\n")
+    );
+}
+
+#[test]
+fn the_scan_finds_a_hand_placed_move() {
+    let dir = std::env::temp_dir().join(format!("memtoken-money-{}", std::process::id()));
+    fs::create_dir_all(dir.join("device")).unwrap();
+    let policy = dir.join("policy.rs");
+    fs::write(
+        &policy,
+        "fn f() {\n    device.charge(Axis::Mapped, n); // hand-placed\n    // binding.refund(n) in a comment\n}\n",
+    )
+    .unwrap();
+    let inside = dir.join("device").join("steps.rs");
+    fs::write(&inside, "fn g() { self.refund(n); }\n").unwrap();
+    let sites = call_sites(&[policy.clone(), inside]);
+    fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(
+        sites,
+        [format!(
+            "{}:2: device.charge(Axis::Mapped, n); // hand-placed",
+            policy.display()
+        )]
+    );
+}

@@ -176,7 +176,11 @@ impl<B: Backend> Guarded<B> {
         Self { backend, sizes }
     }
 
-    /// The backend itself, for what is not a VMM call (sizes, capabilities, CUDA streams).
+    /// The backend itself, uncontained, for what is not a VMM call: the CUDA backend's peers,
+    /// covered streams and typed views. Only for calls made outside every transition and
+    /// teardown — straight from a public method that changes no token, ledger or queue — so a
+    /// panic there unwinds to the caller with nothing of the typed layer half-done (and
+    /// outside a [`Scope`] no call is contained anyway).
     #[inline]
     pub(crate) fn raw(&self) -> &B {
         &self.backend

@@ -16,8 +16,17 @@
 //! - once every token is dropped and the device has polled, trimmed its cache and retried its
 //!   quarantine, nothing is charged or held anywhere, and nothing panicked again ([`settle`]).
 //!
+//! A second harness panics at any call ([`FaultHandle::panic_at_call`]): one long scenario (the
+//! device made, bindings, commits, a prefix shared and diverged, a region grown, shrunk,
+//! suspended and resumed, an export imported, a page pool, releases, a poll: [`Step`]) runs
+//! with its `n`th call of any kind panicking, for each `n` from 1 to one past the number of
+//! calls its dry run makes. The panic must reach the caller at that call and stop the
+//! scenario; right after, the invariants hold; once the faults are cleared, every token, the
+//! pool and the bindings dropped and the device closed, it closes clean and the backend holds
+//! nothing ([`any_call_case`]).
+//!
 //! Every scenario runs on the strict simulator; those the backend supports also run on the host
-//! backend and on the CUDA backend over the driver model. Each backend's cases run in a child
+//! backend and on the CUDA backend over the driver model (the long scenario runs on these two). Each backend's cases run in a child
 //! process (this test binary run again), so that a panic while unwinding — which aborts the
 //! process — fails its own case: the parent resumes after it. The parent prints nothing unless
 //! a case fails; `MEMTOKEN_UNWIND_REPORT=1` prints each scenario's calls and fired panics.
@@ -43,7 +52,7 @@ use std::os::unix::net::UnixStream;
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::process::Command;
 
-/// The start of every injected panic's message.
+/// The start of every injected panic's message: of a call of a kind, a getter, or any call.
 const INJECTED: &str = "Faulty: panic injected into ";
 /// Set in a child process: the name of the test whose cases it runs.
 const CHILD_ENV: &str = "MEMTOKEN_UNWIND_CHILD";
@@ -74,8 +83,6 @@ impl<T: ?Sized> Opaque for T {}
 trait Env: Sized {
     /// The backend that [`Faulty`] wraps.
     type Inner: Backend + 'static;
-    /// The name of the test that runs this backend's cases.
-    const TEST: &'static str;
     /// Whether memory can be exported and imported as `PosixFd` handles.
     const EXPORTS: bool;
 
@@ -84,6 +91,12 @@ trait Env: Sized {
 
     /// Completes every fence recorded so far.
     fn complete_fences(&self);
+
+    /// Writes into `a`'s memory where the host can (a token over `Faulty<CudaBackend<…>>` has
+    /// no copies of its own: only suspending and resuming copy there).
+    fn write(a: &mut Allocation<'_, '_, Fy<Self>, Committed>) {
+        let _ = a;
+    }
 
     /// Submits work that fences recorded from now on wait for (where fences can be pending).
     fn submit_work(&self) {}
@@ -150,7 +163,6 @@ struct Sim(SimBackend);
 
 impl Env for Sim {
     type Inner = SimBackend;
-    const TEST: &'static str = "unwind_sim";
     const EXPORTS: bool = false;
 
     fn make(manual: bool) -> (Self, SimBackend) {
@@ -196,7 +208,6 @@ struct Host;
 
 impl Env for Host {
     type Inner = HostBackend;
-    const TEST: &'static str = "unwind_host";
     const EXPORTS: bool = true;
 
     fn make(_manual: bool) -> (Self, HostBackend) {
@@ -204,6 +215,10 @@ impl Env for Host {
     }
 
     fn complete_fences(&self) {}
+
+    fn write(a: &mut Allocation<'_, '_, Fy<Self>, Committed>) {
+        a.as_mut_slice().fill(7);
+    }
 
     fn exportable<'b, 'id>(
         r: Allocation<'b, 'id, Fy<Self>, Reserved>,
@@ -234,7 +249,6 @@ struct Cuda(DriverModel);
 
 impl Env for Cuda {
     type Inner = CudaBackend<DriverModel>;
-    const TEST: &'static str = "unwind_cuda_model";
     const EXPORTS: bool = true;
 
     fn make(manual: bool) -> (Self, CudaBackend<DriverModel>) {
@@ -1313,7 +1327,10 @@ fn run_case<E: Env>(s: Scenario, plan: Option<(Op, u64)>) -> Outcome {
         let g = device.granularity() as u64;
         let owner = device.bind(Budget::bytes(64 * g)).expect("a binding");
         let sharer = device.bind(Budget::bytes(64 * g)).expect("a binding");
-        exercise(&env, &device, &owner, &sharer, &faults, s, plan, &mut out);
+        let dropped = in_world(&env, &device, &owner, &sharer, &faults, |w| {
+            exercise(w, s, plan, &mut out);
+        });
+        out.failures.extend(dropped);
         if let Err(e) = settle(&env, &device, [&owner, &sharer], &faults) {
             out.failures.push(format!("in the end: {e}"));
         }
@@ -1339,19 +1356,50 @@ fn run_case<E: Env>(s: Scenario, plan: Option<(Op, u64)>) -> Outcome {
     out
 }
 
-/// The case proper: a page pool and the tokens of the scenario, the operation, the checks;
-/// then every token dropped.
-#[allow(clippy::too_many_arguments)]
-fn exercise<'b, 'id, E: Env>(
+/// The case proper: the tokens of the scenario, the operation, the checks.
+fn exercise<E: Env>(
+    w: &mut World<'_, '_, '_, '_, E>,
+    s: Scenario,
+    plan: Option<(Op, u64)>,
+    out: &mut Outcome,
+) {
+    let faults = w.faults;
+    if let Err(p) = catch(|| s.setup(w)) {
+        out.failures
+            .push(format!("setup panicked (a harness bug): {p}"));
+    } else if let Err(e) = w.check() {
+        out.failures
+            .push(format!("after setup (a harness bug): {e}"));
+    } else {
+        let before = calls(faults);
+        if let Some((op, n)) = plan {
+            faults.panic_nth(op, n);
+            let nth = before[index(op)] + n;
+            out.expected = Some(format!("{INJECTED}{op:?} call #{nth}"));
+        }
+        let result = catch(|| s.run(w));
+        faults.clear();
+        let after = calls(faults);
+        for (i, c) in out.calls.iter_mut().enumerate() {
+            *c = after[i] - before[i];
+        }
+        out.panic = result.err();
+        if let Err(e) = w.check() {
+            out.failures.push(format!("right after: {e}"));
+        }
+    }
+}
+
+/// A page pool and a world around it, handed to `body`; then, the faults cleared, every token
+/// and page dropped, and the pool: the failures of those drops (each a panic).
+fn in_world<'b, 'id, E: Env>(
     env: &E,
     device: &'b Device<'id, Fy<E>>,
     owner: &'b Binding<'b, 'id, Fy<E>>,
     sharer: &'b Binding<'b, 'id, Fy<E>>,
     faults: &FaultHandle,
-    s: Scenario,
-    plan: Option<(Op, u64)>,
-    out: &mut Outcome,
-) {
+    body: impl FnOnce(&mut World<'_, '_, 'b, 'id, E>),
+) -> Vec<String> {
     make_guard!(pool_guard);
     let page = device.granularity() / 4;
     let pool = PagePool::new(pool_guard, owner, page).expect("a page pool");
@@ -1367,40 +1415,17 @@ fn exercise<'b, 'id, E: Env>(
         table: None,
         offer: None,
     };
-    if let Err(p) = catch(|| s.setup(&mut w)) {
-        out.failures
-            .push(format!("setup panicked (a harness bug): {p}"));
-    } else if let Err(e) = w.check() {
-        out.failures
-            .push(format!("after setup (a harness bug): {e}"));
-    } else {
-        let before = calls(faults);
-        if let Some((op, n)) = plan {
-            faults.panic_nth(op, n);
-            let nth = before[index(op)] + n;
-            out.expected = Some(format!("{INJECTED}{op:?} call #{nth}"));
-        }
-        let result = catch(|| s.run(&mut w));
-        faults.clear();
-        let after = calls(faults);
-        for (i, c) in out.calls.iter_mut().enumerate() {
-            *c = after[i] - before[i];
-        }
-        out.panic = result.err();
-        if let Err(e) = w.check() {
-            out.failures.push(format!("right after: {e}"));
-        }
-    }
+    body(&mut w);
     faults.clear();
+    let mut failures = Vec::new();
     if let Err(p) = catch(|| w.drop_all()) {
-        out.failures
-            .push(format!("dropping the tokens panicked: {p}"));
+        failures.push(format!("dropping the tokens panicked: {p}"));
     }
     drop(w);
     if let Err(p) = catch(move || drop(pool)) {
-        out.failures
-            .push(format!("dropping the page pool panicked: {p}"));
+        failures.push(format!("dropping the page pool panicked: {p}"));
     }
+    failures
 }
 
 /// What is wrong with a case that planned the `n`th call of kind `op` to panic, the
@@ -1428,6 +1453,327 @@ fn judge(o: &Outcome, op: Op, n: u64, made: u64) -> Vec<String> {
     }
     failures.extend(o.failures.iter().cloned());
     failures
+}
+
+// ---------------------------------------------------------------------------------------------
+// A panic at any call of one long scenario
+// ---------------------------------------------------------------------------------------------
+
+/// The long scenario's steps once the device and its two bindings are made, in order. Each
+/// keeps what it makes in the world at once, so that what a panic stops is dropped after it.
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    /// An allocation reserved, committed and written.
+    Commit,
+    /// The allocation suspended, saving its bytes, and resumed.
+    Sleep,
+    /// A prefix made, and mapped by the sharer.
+    Share,
+    /// The sharer's mapping diverged: its last granule copied on write.
+    Diverge,
+    /// A region grown by 3 granules, shrunk by 2 (into the cache), grown by 1 (from it).
+    Grow,
+    /// The region suspended and resumed.
+    SleepRegion,
+    /// An exportable prefix made, exported, offered, and imported by the sharer.
+    Export,
+    /// Pages taken from the pool, alone and in a table, given back; the pool shrunk.
+    Pool,
+    /// A third binding made and dropped.
+    Bind,
+    /// Every token released and its release completed; the export ended.
+    Release,
+    /// The device polled, its quarantine retried, its cache trimmed.
+    Poll,
+}
+
+impl Step {
+    const ALL: [Step; 11] = {
+        use Step::*;
+        [
+            Commit,
+            Sleep,
+            Share,
+            Diverge,
+            Grow,
+            SleepRegion,
+            Export,
+            Pool,
+            Bind,
+            Release,
+            Poll,
+        ]
+    };
+
+    fn run<E: Env>(self, w: &mut World<'_, '_, '_, '_, E>) {
+        match self {
+            Step::Commit => {
+                let mut a = w.commit(2);
+                E::write(&mut a);
+                w.push(Tok::Committed(a));
+            }
+            Step::Sleep => {
+                let Tok::Committed(a) = w.take() else {
+                    unreachable!()
+                };
+                let a = a.suspend_saving().map_err(|e| e.cause);
+                w.push(Tok::Asleep(a.expect("suspend_saving")));
+                let Tok::Asleep(a) = w.take() else {
+                    unreachable!()
+                };
+                let a = a.resume().map_err(|e| e.cause);
+                w.push(Tok::Committed(a.expect("resume")));
+            }
+            Step::Share => {
+                w.push(Tok::Prefix(w.prefix(3)));
+                let Some(Tok::Prefix(p)) = w.tokens.last() else {
+                    unreachable!()
+                };
+                let m = w.share(p);
+                w.push(Tok::Sharer(m));
+            }
+            Step::Diverge => {
+                let Tok::Sharer(m) = w.take() else {
+                    unreachable!()
+                };
+                let d = m.diverge().map_err(|e| e.cause);
+                w.push(Tok::Diverged(d.expect("diverge")));
+            }
+            Step::Grow => {
+                w.push(Tok::Region(w.reserve(w.owner, 8).into_region()));
+                let r = w.last_region();
+                r.grow(3).expect("grow");
+                r.shrink(2).expect("shrink");
+                r.grow(1).expect("grow");
+            }
+            Step::SleepRegion => {
+                let Tok::Region(r) = w.take() else {
+                    unreachable!()
+                };
+                let r = r.suspend().map_err(|e| e.cause);
+                w.push(Tok::AsleepRegion(r.expect("suspend")));
+                let Tok::AsleepRegion(r) = w.take() else {
+                    unreachable!()
+                };
+                let r = r.resume().map_err(|e| e.cause);
+                w.push(Tok::Region(r.expect("resume")));
+            }
+            Step::Export => {
+                w.push(Tok::Exportable(w.exportable(2)));
+                let Some(Tok::Exportable(p)) = w.tokens.last() else {
+                    unreachable!()
+                };
+                w.offer = Some(E::offer(p));
+                let export = E::export(p).expect("an export");
+                w.push(Tok::Export { _export: export });
+                let offer = w.offer.take().expect("an offer");
+                let imported = E::import(w.sharer, offer).expect("an import");
+                w.push(Tok::Imported(imported));
+            }
+            Step::Pool => {
+                let pool = w.pool;
+                for _ in 0..2 {
+                    w.pages.push(pool.alloc().expect("a page"));
+                }
+                let table = w.table.insert(pool.table());
+                for _ in 0..2 {
+                    pool.push(table).expect("a page");
+                }
+                pool.clear(table);
+                pool.free(w.pages.pop().expect("a page"));
+                w.pages.clear();
+                pool.shrink();
+            }
+            Step::Bind => drop(w.device.bind(Budget::unlimited()).expect("a binding")),
+            Step::Release => {
+                let g = w.g();
+                for _ in 0..w.tokens.len() {
+                    let Tok::Releasing(a, h) = (match w.take() {
+                        Tok::Export { .. } => continue, // dropped: the export ends
+                        t => t.release(g),
+                    }) else {
+                        unreachable!()
+                    };
+                    if let Err(e) = a.complete() {
+                        // Pending: kept (first, so that each token is taken once).
+                        let t = returned(e.into_token(), |a| Tok::Releasing(a, h));
+                        w.tokens.insert(0, t);
+                    }
+                }
+            }
+            Step::Poll => {
+                w.device.poll();
+                w.device.retry_quarantine();
+                w.device.trim_cache();
+            }
+        }
+    }
+}
+
+/// What one run of the long scenario did.
+#[derive(Debug, Default)]
+struct Run {
+    /// Each stage begun, with the number of calls made before it.
+    stages: Vec<(u64, String)>,
+    /// Calls made by the end of the scenario, or by where a panic stopped it.
+    calls: u64,
+    /// The message of the panic that stopped the scenario.
+    panic: Option<String>,
+    failures: Vec<String>,
+}
+
+impl Run {
+    /// Runs stage `name` unless a panic stopped the scenario: what it returns, if it returns.
+    fn stage<R>(&mut self, faults: &FaultHandle, name: &str, f: impl FnOnce() -> R) -> Option<R> {
+        if self.panic.is_some() {
+            return None;
+        }
+        self.stages.push((faults.any_calls(), name.to_string()));
+        let result = catch(f);
+        self.calls = faults.any_calls();
+        result.map_err(|p| self.panic = Some(p)).ok()
+    }
+
+    /// The stage that makes call #`n`, as a dry run tells.
+    fn stage_of(&self, n: u64) -> &str {
+        match self.stages.iter().rev().find(|(before, _)| *before < n) {
+            Some((_, name)) if n <= self.calls => name,
+            _ => "past the end",
+        }
+    }
+}
+
+/// The start of the message of the panic injected into call #`n`.
+fn injected_at(n: u64) -> String {
+    format!("{INJECTED}call #{n} of any kind (")
+}
+
+/// Runs the long scenario on a fresh device over backend `E`, its call #`n` of any kind
+/// planned to panic (before the device is made, so that calls #1 to #4 are its getters); checks
+/// the invariants where it stopped ([`World::check`]); then, the faults cleared, drops every
+/// token, the pool and the bindings, and closes the device: it must close clean, and leave
+/// nothing in the backend.
+fn any_call_case<E: Env>(plan: Option<u64>) -> Run {
+    let mut run = Run::default();
+    let (env, inner) = E::make(false);
+    let backend = Faulty::new(inner);
+    let faults = backend.handle();
+    if let Some(n) = plan {
+        faults.panic_at_call(n);
+    }
+    let mut failed_unpins = 0;
+    make_guard!(guard);
+    if let Some(device) = run.stage(&faults, "Device::new", move || Device::new(guard, backend)) {
+        let bind = || device.bind(Budget::unlimited()).expect("a binding");
+        let owner = run.stage(&faults, "bind", bind);
+        let sharer = run.stage(&faults, "bind", bind);
+        if let (Some(owner), Some(sharer)) = (&owner, &sharer) {
+            let dropped = in_world(&env, &device, owner, sharer, &faults, |w| {
+                for step in Step::ALL {
+                    run.stage(&faults, &format!("{step:?}"), || step.run(w));
+                }
+                if let Err(e) = w.check() {
+                    run.failures.push(format!("right after: {e}"));
+                }
+            });
+            run.failures.extend(dropped);
+        }
+        faults.clear();
+        if let Err(p) = catch(move || drop((owner, sharer))) {
+            run.failures
+                .push(format!("dropping the bindings panicked: {p}"));
+        }
+        failed_unpins = device.failed_unpins();
+        match catch(move || device.close()) {
+            Ok(report) if !report.is_clean() => run
+                .failures
+                .push(format!("the device closed unclean [{report:?}]")),
+            Ok(_) => {}
+            Err(p) => run
+                .failures
+                .push(format!("closing the device panicked: {p}")),
+        }
+    }
+    let left = faults.outstanding();
+    if !left.is_zero() {
+        run.failures.push(format!(
+            "the backend still holds something once the device is gone [{left:?}; failed unpins: {failed_unpins}]"
+        ));
+    }
+    if let Err(e) = env.after_close(failed_unpins) {
+        run.failures.push(e);
+    }
+    run
+}
+
+/// What is wrong with a run whose call #`n` was planned to panic, its dry run making `made`
+/// calls; each failure after the panic names the kind of the call that panicked.
+fn judge_any(run: &Run, n: u64, made: u64) -> Vec<String> {
+    let injected = injected_at(n);
+    let mut failures = Vec::new();
+    match (&run.panic, n <= made) {
+        (None, true) => failures.push(format!(
+            "the planned panic did not reach the caller (the scenario ran to its end) [call #{n}]"
+        )),
+        (Some(m), true) if !m.starts_with(&injected) => {
+            failures.push(format!("another panic reached the caller: {m}"));
+        }
+        (Some(m), false) => failures.push(format!(
+            "a panic reached the caller though the planned call is never made: {m}"
+        )),
+        _ => {}
+    }
+    if n > made && run.calls != made {
+        failures.push(format!(
+            "the scenario made another number of calls than in its dry run [{} vs {made}]",
+            run.calls
+        ));
+    }
+    let kind = run.panic.as_deref().and_then(|m| m.strip_prefix(&injected));
+    let kind = kind.map(|k| k.trim_end_matches(')').trim_matches('"'));
+    failures.extend(run.failures.iter().map(|f| match kind {
+        Some(kind) => format!("a {kind} call panicked, then: {f}"),
+        None => f.clone(),
+    }));
+    failures
+}
+
+/// Runs the long scenario's cases on backend `E` from case `from` on, as [`child`] does: a dry
+/// run, then one case for each call it makes, and one past them.
+fn any_call_child<E: Env>(from: usize) {
+    silence_injected_panics();
+    let name = "the long scenario";
+    let dry = any_call_case::<E>(None);
+    let mut failures = dry.failures.clone();
+    if let Some(p) = &dry.panic {
+        failures.push(format!("the scenario panicked with nothing planned: {p}"));
+    }
+    let ends = dry.stages.iter().skip(1).map(|s| s.0).chain([dry.calls]);
+    let stages: Vec<String> = (dry.stages.iter().zip(ends))
+        .map(|((before, stage), end)| format!("{stage} #{}..{end}", before + 1))
+        .collect();
+    let (made, total) = (stages.join(", "), dry.calls.to_string());
+    let joined = failures.join(&FAILS.to_string());
+    emit(&["dry", name, &made, &total, &joined], false);
+    for n in 1..=dry.calls + 1 {
+        let id = (n - 1) as usize;
+        if id < from {
+            continue;
+        }
+        let (id, n_str) = (id.to_string(), n.to_string());
+        emit(&["start", &id, name, dry.stage_of(n), &n_str], true);
+        let run = any_call_case::<E>(Some(n));
+        let fired = run
+            .panic
+            .as_deref()
+            .is_some_and(|m| m.starts_with(&injected_at(n)));
+        let joined = judge_any(&run, n, dry.calls).join(&FAILS.to_string());
+        emit(
+            &["done", &id, if fired { "1" } else { "0" }, &joined],
+            false,
+        );
+    }
+    emit(&["end"], false);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1475,19 +1821,22 @@ fn line(fields: &[&str]) -> String {
     format!("{MARK}{SEP}{}\n", fields.join(&SEP.to_string()))
 }
 
+/// Writes one line of the protocol on stdout, and on stderr too if `also_stderr` (where an
+/// abort's messages land after it).
+fn emit(fields: &[&str], also_stderr: bool) {
+    let l = line(fields);
+    let mut stdout = std::io::stdout();
+    stdout.write_all(l.as_bytes()).expect("stdout");
+    stdout.flush().expect("stdout");
+    if also_stderr {
+        std::io::stderr().write_all(l.as_bytes()).expect("stderr");
+    }
+}
+
 /// Runs every case of backend `E` from case `from` on, reporting each on stdout (and marking
 /// its start on stderr too, where an abort's messages land).
 fn child<E: Env>(from: usize) {
     silence_injected_panics();
-    let (mut stdout, mut stderr) = (std::io::stdout(), std::io::stderr());
-    let mut emit = |fields: &[&str], also_stderr: bool| {
-        let l = line(fields);
-        stdout.write_all(l.as_bytes()).expect("stdout");
-        stdout.flush().expect("stdout");
-        if also_stderr {
-            stderr.write_all(l.as_bytes()).expect("stderr");
-        }
-    };
     let mut next = 0usize;
     for s in Scenario::ALL.into_iter().filter(|s| s.runs_on::<E>()) {
         let dry = run_case::<E>(s, None);
@@ -1498,10 +1847,16 @@ fn child<E: Env>(from: usize) {
         if dry.calls.iter().sum::<u64>() == 0 {
             failures.push("the operation makes no backend call: nothing to test".to_string());
         }
-        let counts: Vec<String> = dry.calls.iter().map(u64::to_string).collect();
+        let made: Vec<String> = Op::ALL
+            .iter()
+            .zip(dry.calls)
+            .filter(|&(_, c)| c > 0)
+            .map(|(op, c)| format!("{op:?}×{c}"))
+            .collect();
+        let total = dry.calls.iter().sum::<u64>().to_string();
         let name = format!("{s:?}");
         let joined = failures.join(&FAILS.to_string());
-        emit(&["dry", &name, &counts.join(","), &joined], false);
+        emit(&["dry", &name, &made.join(" "), &total, &joined], false);
         for op in Op::ALL {
             let made = dry.calls[index(op)];
             for n in 1..=made + 1 {
@@ -1543,20 +1898,21 @@ struct Case {
 
 #[derive(Debug, Default)]
 struct Report {
-    /// Each scenario's dry-run calls per kind, and its dry run's failures.
-    dry: BTreeMap<String, (Vec<u64>, Vec<String>)>,
+    /// Each scenario's dry-run calls (told, and counted), and its dry run's failures.
+    dry: BTreeMap<String, (String, u64, Vec<String>)>,
     cases: BTreeMap<usize, Case>,
     ended: bool,
 }
 
 impl Report {
     fn read(&mut self, stdout: &str) {
+        let mark = format!("{MARK}{SEP}");
         for l in stdout.lines() {
-            let mut fields = l.split(SEP);
-            if fields.next() != Some(MARK) {
+            // The first line follows libtest's `test … ` on the same line.
+            let Some((_, l)) = l.split_once(&mark) else {
                 continue;
-            }
-            let fields: Vec<&str> = fields.collect();
+            };
+            let fields: Vec<&str> = l.split(SEP).collect();
             let failures = |f: &str| -> Vec<String> {
                 f.split(FAILS)
                     .filter(|s| !s.is_empty())
@@ -1564,9 +1920,10 @@ impl Report {
                     .collect()
             };
             match fields.as_slice() {
-                ["dry", name, counts, fails] => {
-                    let counts = counts.split(',').map(|c| c.parse().unwrap_or(0)).collect();
-                    self.dry.insert(name.to_string(), (counts, failures(fails)));
+                ["dry", name, made, total, fails] => {
+                    let total = total.parse().unwrap_or(0);
+                    let dry = (made.to_string(), total, failures(fails));
+                    self.dry.insert(name.to_string(), dry);
                 }
                 ["start", id, scenario, op, n] => {
                     let case = Case {
@@ -1594,7 +1951,7 @@ impl Report {
     /// and fired panics.
     fn summary(&self) -> (Vec<String>, Vec<String>) {
         let mut grouped: BTreeMap<(String, String, String), (Vec<u64>, String)> = BTreeMap::new();
-        for (name, (_, fails)) in &self.dry {
+        for (name, (_, _, fails)) in &self.dry {
             for f in fails {
                 let key = (name.clone(), "dry run".to_string(), normalize(f));
                 grouped.entry(key).or_insert_with(|| (vec![], f.clone()));
@@ -1615,23 +1972,15 @@ impl Report {
             })
             .collect();
         let mut table = Vec::new();
-        for (name, (counts, _)) in &self.dry {
-            let made: Vec<String> = Op::ALL
-                .iter()
-                .zip(counts)
-                .filter(|&(_, &c)| c > 0)
-                .map(|(op, c)| format!("{op:?}×{c}"))
-                .collect();
+        for (name, (made, total, _)) in &self.dry {
             let cases: Vec<&Case> = self
                 .cases
                 .values()
                 .filter(|c| &c.scenario == name)
                 .collect();
             let fired = cases.iter().filter(|c| c.fired).count();
-            let expected: u64 = counts.iter().sum();
             table.push(format!(
-                "{name}: calls {}; {} cases, the planned panic fired in {fired} (calls made: {expected})",
-                made.join(" "),
+                "{name}: calls {made}; {} cases, the planned panic fired in {fired} (calls made: {total})",
                 cases.len()
             ));
         }
@@ -1668,16 +2017,16 @@ fn abort_messages(stderr: &str, id: usize) -> String {
     }
 }
 
-/// Runs backend `E`'s cases in child processes (again after each abort) and fails with the
-/// list of failing cases.
-fn parent<E: Env>() {
+/// Runs test `test`'s cases in child processes (again after each abort) and fails with the
+/// list of failing cases; `tell`: prints each scenario's calls and fired panics either way.
+fn parent(test: &str, tell: bool) {
     let exe = std::env::current_exe().expect("this test binary");
     let mut report = Report::default();
     let mut from = 0;
     loop {
         let output = Command::new(&exe)
-            .args([E::TEST, "--exact", "--nocapture", "--test-threads=1"])
-            .env(CHILD_ENV, E::TEST)
+            .args([test, "--exact", "--nocapture", "--test-threads=1"])
+            .env(CHILD_ENV, test)
             .env(FROM_ENV, from.to_string())
             .env_remove(REPORT_ENV)
             // The parent reports each panic's message; backtraces would only slow the child.
@@ -1697,8 +2046,7 @@ fn parent<E: Env>() {
             .last();
         let Some((&id, case)) = aborted else {
             panic!(
-                "the child running {} failed outside any case ({}):\n{stderr}",
-                E::TEST,
+                "the child running {test} failed outside any case ({}):\n{stderr}",
                 output.status
             );
         };
@@ -1710,56 +2058,65 @@ fn parent<E: Env>() {
         from = id + 1;
     }
     let (failures, table) = report.summary();
-    if std::env::var_os(REPORT_ENV).is_some() {
-        eprintln!("{}:\n  {}", E::TEST, table.join("\n  "));
+    if tell || std::env::var_os(REPORT_ENV).is_some() {
+        eprintln!("{test}:\n  {}", table.join("\n  "));
     }
     assert!(
         failures.is_empty(),
-        "{} of {} cases failed on {}:\n  {}\n\nPer scenario:\n  {}",
+        "{} of {} cases failed on {test}:\n  {}\n\nPer scenario:\n  {}",
         report
             .cases
             .values()
             .filter(|c| !c.failures.is_empty())
             .count(),
         report.cases.len(),
-        E::TEST,
         failures.join("\n  "),
         table.join("\n  ")
     );
     assert!(
         !report.cases.is_empty(),
-        "no case ran on {}: the harness tests nothing",
-        E::TEST
+        "no case ran on {test}: the harness tests nothing"
     );
 }
 
-/// The test body for backend `E`: the child's cases in a child process, the parent elsewhere.
-fn test<E: Env>() {
+/// The body of test `name`: its cases (`child`, from the case it is told) in a child process,
+/// the parent elsewhere; `tell` as for [`parent`].
+fn test(name: &str, child: fn(usize), tell: bool) {
     match std::env::var(CHILD_ENV) {
-        Ok(name) if name == E::TEST => {
+        Ok(running) if running == name => {
             let from = std::env::var(FROM_ENV)
                 .ok()
                 .and_then(|f| f.parse().ok())
                 .unwrap_or(0);
-            child::<E>(from);
+            child(from);
         }
-        // A child of another backend's test: not this one's to run.
+        // A child of another test: not this one's to run.
         Ok(_) => {}
-        Err(_) => parent::<E>(),
+        Err(_) => parent(name, tell),
     }
 }
 
 #[test]
 fn unwind_sim() {
-    test::<Sim>();
+    test("unwind_sim", child::<Sim>, false);
 }
 
 #[test]
 fn unwind_host() {
-    test::<Host>();
+    test("unwind_host", child::<Host>, false);
 }
 
 #[test]
 fn unwind_cuda_model() {
-    test::<Cuda>();
+    test("unwind_cuda_model", child::<Cuda>, false);
+}
+
+#[test]
+fn any_call_host() {
+    test("any_call_host", any_call_child::<Host>, true);
+}
+
+#[test]
+fn any_call_cuda_model() {
+    test("any_call_cuda_model", any_call_child::<Cuda>, true);
 }

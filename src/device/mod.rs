@@ -77,6 +77,9 @@ pub struct Device<'id, B: Backend> {
     backend: Guarded<B>,
     ledger: Ledger,
     failed_unpins: AtomicU64,
+    /// Pins whose unpin failed (an error or a panic) and that the device gives back as it
+    /// drops: a failed call is taken as not made, as for every other call.
+    owed_pins: AtomicU64,
     /// Bindings alive (or forgotten).
     bindings: AtomicU64,
     /// Pages forgotten in pools that have dropped.
@@ -119,6 +122,7 @@ impl<'id, B: Backend> Device<'id, B> {
             backend,
             ledger: Ledger::default(),
             failed_unpins: AtomicU64::new(0),
+            owed_pins: AtomicU64::new(0),
             bindings: AtomicU64::new(0),
             forgotten_pages: AtomicU64::new(0),
             books: Mutex::new(Books::new()),
@@ -138,7 +142,8 @@ impl<'id, B: Backend> Device<'id, B> {
         self.ledger.snapshot()
     }
 
-    /// How many times unpinning the context failed when a binding was dropped.
+    /// How many times unpinning the context failed when a binding was dropped. Each such pin
+    /// is tried again as the device drops (a failed call is taken as not made).
     pub fn failed_unpins(&self) -> u64 {
         self.failed_unpins.load(Ordering::Relaxed)
     }
@@ -197,8 +202,10 @@ impl<'id, B: Backend> Device<'id, B> {
         Generation::next()
     }
 
+    /// A binding's unpin failed: counted, and owed until the device drops.
     pub(crate) fn note_failed_unpin(&self) {
         self.failed_unpins.fetch_add(1, Ordering::Relaxed);
+        self.owed_pins.fetch_add(1, Ordering::Relaxed);
     }
 
     /// A binding was opened (its pin taken).
@@ -256,11 +263,12 @@ impl<B: Backend> Drop for Device<'_, B> {
             self.trim_cache();
             self.retry_quarantine();
             // A binding borrows the device: any still counted was forgotten, and its pin with
-            // it. The pins go back here, so that a forgotten binding does not keep the context
-            // retained after its device.
-            for _ in 0..*self.bindings.get_mut() {
+            // it; and a pin whose unpin failed is still held. The pins go back here, so that
+            // neither keeps the context retained after its device.
+            let owed = *self.bindings.get_mut() + *self.owed_pins.get_mut();
+            for _ in 0..owed {
                 if self.backend.unpin().is_err() {
-                    self.note_failed_unpin();
+                    self.failed_unpins.fetch_add(1, Ordering::Relaxed);
                 }
             }
         }

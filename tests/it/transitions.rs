@@ -520,6 +520,12 @@ fn bindings_pin_and_unpin_the_context() {
         1,
         "the pin the driver still holds"
     );
+    drop(device);
+    assert_eq!(
+        faults.outstanding().pins,
+        0,
+        "a pin whose unpin failed is given back as the device drops"
+    );
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use crate::backend::{Access, Backend, HostVisible, Op};
-use crate::device::{Binding, Charge, Handover};
+use crate::device::{Binding, Build, Handover};
 use crate::device::{Quarantined, settle};
 use crate::error::{CommitFailure, ReleaseFailure, ReserveError, Returned, TransitionError};
 use crate::ids::{Generation, Released};
@@ -248,10 +248,10 @@ impl<'b, 'id, B: Backend, S: State> Allocation<'b, 'id, B, S> {
 
 impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     /// The checks and the charge before this reservation's memory is created: the context
-    /// lives, the length fits the physical capacity, and the budgets take it (the charge goes
-    /// back, as far as it made nothing, when dropped).
-    pub(crate) fn admit(&self) -> Result<Charge<'b, 'b, 'id, B>, CommitFailure> {
-        let (binding, len) = (self.core.binding, self.core.len);
+    /// lives, the length fits the physical capacity, and the budgets take it (charged to
+    /// `build`, which refunds what it does not make).
+    pub(crate) fn admit(&self, build: &mut Build<'_, 'b, 'id, B>) -> Result<(), CommitFailure> {
+        let len = self.core.len;
         let device = self.core.device();
         device
             .ensure_live(Op::Create, 0, len)
@@ -263,7 +263,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                 capacity,
             });
         }
-        binding.charge_for(len)
+        build.budget(len)
     }
 
     /// Creates physical memory, maps it read-write and charges it: the memory becomes usable.
@@ -278,26 +278,22 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     pub fn commit(self) -> Result<Allocation<'b, 'id, B, Committed>, CommitError<'b, 'id, B>> {
         Scope::run::<B, _>(move || {
             let core = self.core;
-            let (binding, len) = (core.binding, core.len);
-            let device = core.device();
             let refuse = |token, cause| Err(TransitionError { token, cause });
-            let mut charge = match self.admit() {
-                Ok(charge) => charge,
-                Err(cause) => return refuse(self, cause),
-            };
-            let phys = match charge.create(len, Guarded::create) {
-                Ok(phys) => phys,
-                Err(e) => {
-                    drop(charge);
-                    return refuse(self, CommitFailure::Backend(e));
-                }
-            };
-            if let Err(error) = device.map(core.addr, len, phys, Access::ReadWrite) {
-                let cause = CommitFailure::undone(error, binding.discard(phys, len));
+            let mut build = core.binding.build(core.addr);
+            if let Err(cause) = self.admit(&mut build) {
                 return refuse(self, cause);
             }
-            let (core, ()) = self.into_core();
-            Ok(Allocation::from_core(core, phys))
+            let made = build
+                .create(0, core.len, Guarded::create)
+                .and_then(|phys| build.map(0, Access::ReadWrite).map(|()| phys));
+            match made {
+                Ok(phys) => {
+                    drop(build); // nothing left in it: the memory and its charge are the token's
+                    let (core, ()) = self.into_core();
+                    Ok(Allocation::from_core(core, phys))
+                }
+                Err(error) => refuse(self, CommitFailure::undone(error, build.undo().rollback())),
+            }
         })
     }
 }

@@ -7,8 +7,10 @@
 use crate::allocation::Allocation;
 use crate::backend::{Access, Backend, BackendError, Exportable, HandleKind, HostVisible, Op};
 use crate::device::Quarantined;
-use crate::device::{Binding, Charge};
-use crate::error::{CommitFailure, CowFailure, Returned, ShareFailure, TransitionError};
+use crate::device::{Build, Undone};
+use crate::error::{
+    CommitFailure, CowFailure, ReleaseFailure, Returned, ShareFailure, TransitionError,
+};
 use crate::residual::{Held, SharedPhys, Split};
 use crate::state::Wait;
 use crate::state::{
@@ -338,22 +340,18 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         self.commit_shared(Guarded::create_exportable::<K>)
     }
 
-    /// After the boundary could not be mapped and the mapped body could not be unmapped: the
-    /// body stays mapped, and it, its memory and the VA are quarantined together, still
-    /// charged; the boundary's memory is released (or, if that fails too, quarantined on its
-    /// own, still counted).
-    fn quarantine_still_mapped_body(
+    /// After a mapping could not be made and one already made could not be undone: the
+    /// reservation goes to quarantine with what `stuck` holds (still mapped, still charged).
+    fn quarantine_stuck<F>(
         self,
-        body: (B::Phys, usize),
-        (boundary, g): (B::Phys, usize),
-        cause: CommitFailure,
-    ) -> PrefixError<'b, 'id, B> {
+        stuck: Held<B::Phys>,
+        cause: F,
+    ) -> TransitionError<Returned<Self, Quarantined<'b, 'id, B>>, F> {
         let binding = self.core().binding;
-        let _ = binding.discard(boundary, g); // a failure is quarantined
         let (core, ()) = self.into_core();
         let held = Held {
-            phys: Some(body),
-            ..Held::mapped(body.1)
+            reserved: true,
+            ..stuck
         };
         TransitionError {
             token: Returned::Quarantined(Quarantined::new(binding, core.residual(held))),
@@ -361,63 +359,59 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         }
     }
 
-    /// [`commit_prefix`](Allocation::commit_prefix), its memory made by `create`.
+    /// [`commit_prefix`](Allocation::commit_prefix), its memory made by `create`: the body
+    /// (all but the last granule, when there is more than one) and the boundary granule, each
+    /// an allocation of its own, mapped whole.
     fn commit_shared<K: Capability>(
         self,
         create: impl Fn(&Guarded<B>, usize) -> Result<B::Phys, BackendError>,
     ) -> Result<Allocation<'b, 'id, B, Owner<K>>, PrefixError<'b, 'id, B>> {
         Scope::run::<B, _>(move || {
-            let refuse = |token, cause| {
-                Err(TransitionError {
-                    token: Returned::Unchanged(token),
-                    cause,
-                })
-            };
-            let mut charge = match self.admit() {
-                Ok(charge) => charge,
-                Err(cause) => return refuse(self, cause),
-            };
             let core = self.core();
-            let (binding, addr, len) = (core.binding, core.addr, core.len);
-            let device = core.device();
-            let body = len - device.granularity();
-            let g = len - body;
-            // Gives back what was created (a failure is quarantined) after a failure at
-            // `error`; what was not created goes back with the charge.
-            let undo = |error, created: [Option<(B::Phys, usize)>; 2]| {
-                let released = created.map(|c| c.map_or(Ok(()), |(p, n)| binding.discard(p, n)));
-                CommitFailure::undone(error, released.into_iter().collect())
-            };
-            let (body_phys, boundary) = match create_split(&create, &mut charge, body, g) {
-                Ok(made) => made,
-                Err((e, body_phys)) => return refuse(self, undo(e, [body_phys, None])),
-            };
-            drop(charge);
-            let created = [body_phys, Some((boundary, g))];
-            if let Some((p, n)) = body_phys
-                && let Err(e) = device.map(addr, n, p, Access::ReadWrite)
-            {
-                return refuse(self, undo(e, created));
+            let mut build = core.binding.build(core.addr);
+            if let Err(cause) = self.admit(&mut build) {
+                return Err(TransitionError {
+                    token: Returned::Unchanged(self),
+                    cause,
+                });
             }
-            if let Err(error) = device.map(addr + body, g, boundary, Access::ReadWrite) {
-                if let Some((p, n)) = body_phys
-                    && let Err(rollback) = device.unmap(addr, n)
-                {
-                    let cause = CommitFailure::UnmapFailed {
-                        error: Box::new(error),
-                        rollback: Box::new(rollback),
-                    };
-                    let boundary = (boundary, g);
-                    return Err(self.quarantine_still_mapped_body((p, n), boundary, cause));
+            let body = core.len - core.device().granularity();
+            let mut made = || {
+                if body > 0 {
+                    build.create(0, body, &create)?;
                 }
-                return refuse(self, undo(error, created));
+                build.create(body, core.len - body, &create)?;
+                if body > 0 {
+                    build.map(0, Access::ReadWrite)?;
+                }
+                build.map(usize::from(body > 0), Access::ReadWrite)
+            };
+            if let Err(error) = made() {
+                return Err(match build.undo() {
+                    Undone::Stuck(stuck, rollback) => {
+                        let rollback = unmap_failure(rollback);
+                        let error = Box::new(error);
+                        self.quarantine_stuck(stuck, CommitFailure::UnmapFailed { error, rollback })
+                    }
+                    undone => TransitionError {
+                        token: Returned::Unchanged(self),
+                        cause: CommitFailure::undone(error, undone.rollback()),
+                    },
+                });
             }
-            let split = Split {
-                body: body_phys,
-                boundary: (boundary, g),
+            let split = match build.finish() {
+                [Some(body), Some(boundary)] => Split {
+                    body: Some((body.phys, body.len)),
+                    boundary: (boundary.phys, boundary.len),
+                },
+                [Some(boundary), None] => Split {
+                    body: None,
+                    boundary: (boundary.phys, boundary.len),
+                },
+                _ => unreachable!("a prefix's memory was made"),
             };
             let (core, ()) = self.into_core();
-            let shared = device.shared().share(split);
+            let shared = core.device().shared().share(split);
             Ok(Allocation::from_core(core, shared))
         })
     }
@@ -454,65 +448,48 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                 return refuse(self, cause);
             }
             let core = self.core();
-            let (addr, len) = (core.addr, core.len);
             let device = core.device();
-            if let Err(e) = device.ensure_live(Op::Map, addr, len) {
+            if let Err(e) = device.ensure_live(Op::Map, core.addr, core.len) {
                 return refuse(self, ShareFailure::Backend(Box::new(e)));
             }
+            let split = prefix.parts().split();
             let shared = device.shared().another(prefix.parts());
-            let split = shared.split();
-            let body = split.body_len();
-            if let Some((phys, n)) = split.body
-                && let Err(e) = device.map(addr, n, phys, Access::ReadOnly)
-            {
-                device.unshare(shared);
-                return refuse(self, ShareFailure::Backend(Box::new(e)));
-            }
-            let (boundary, g) = split.boundary;
-            if let Err(error) = device.map(addr + body, g, boundary, Access::ReadOnly) {
-                if body > 0
-                    && let Err(rollback) = device.unmap(addr, body)
-                {
-                    // The half-made mapping stays, with its reference, in a quarantined token.
-                    let (core, ()) = self.into_core();
-                    let held = Held {
-                        shared: Some(shared),
-                        ..Held::mapped(body)
-                    };
-                    let token = Quarantined::new(core.binding, core.residual(held));
-                    return Err(TransitionError {
-                        token: Returned::Quarantined(token),
-                        cause: ShareFailure::RollbackFailed {
-                            error: Box::new(error),
-                            rollback: Box::new(rollback),
-                        },
-                    });
+            let mut borrow = core.binding.borrow(core.addr, shared);
+            let mut made = || {
+                if let Some((phys, n)) = split.body {
+                    borrow.map(n, phys, Access::ReadOnly)?;
                 }
-                device.unshare(shared);
-                return refuse(self, ShareFailure::Backend(Box::new(error)));
+                let (boundary, g) = split.boundary;
+                borrow.map(g, boundary, Access::ReadOnly)
+            };
+            if let Err(error) = made() {
+                let error = Box::new(error);
+                return match borrow.undo() {
+                    // The half-made mapping stays, with its reference, in a quarantined token.
+                    Undone::Stuck(stuck, rollback) => {
+                        let rollback = unmap_failure(rollback);
+                        let cause = ShareFailure::RollbackFailed { error, rollback };
+                        Err(self.quarantine_stuck(stuck, cause))
+                    }
+                    // Giving back a reference that is not the last one releases nothing.
+                    Undone::Clean | Undone::Quarantined(_) => {
+                        refuse(self, ShareFailure::Backend(error))
+                    }
+                };
             }
+            let shared = borrow.finish();
             let (core, ()) = self.into_core();
             Ok(Allocation::from_core(core, shared))
         })
     }
 }
 
-/// A prefix's physical memory, made by `create`: the body (`body` bytes, none when 0) and the
-/// boundary granule (`g` bytes). On failure the error, and the body if it was made (the caller
-/// releases it).
-#[allow(clippy::type_complexity)] // the shapes of `Split`'s two fields, spelled out
-fn create_split<B: Backend>(
-    create: &impl Fn(&Guarded<B>, usize) -> Result<B::Phys, BackendError>,
-    charge: &mut Charge<'_, '_, '_, B>,
-    body: usize,
-    g: usize,
-) -> Result<(Option<(B::Phys, usize)>, B::Phys), (BackendError, Option<(B::Phys, usize)>)> {
-    let body = match body {
-        0 => None,
-        n => Some((charge.create(n, create).map_err(|e| (e, None))?, n)),
-    };
-    let boundary = charge.create(g, create).map_err(|e| (e, body))?;
-    Ok((body, boundary))
+/// The failed unmap that left a mapping stuck: a teardown fails only at a backend call.
+fn unmap_failure(failure: ReleaseFailure) -> Box<BackendError> {
+    match failure {
+        ReleaseFailure::Backend(e) => e,
+        ReleaseFailure::Pending => unreachable!("a teardown waits for no fence"),
+    }
 }
 
 impl<B: HostVisible, K: Capability> Allocation<'_, '_, B, Owner<K>> {
@@ -566,41 +543,44 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
                     cause: CowFailure::Pending,
                 });
             }
-            let mut charge = match binding.charge_for(g) {
-                Ok(charge) => charge,
-                Err(cause) => return refuse(self, cause),
+            let mut build = binding.build(core.addr);
+            if let Err(cause) = build.budget(g) {
+                return refuse(self, cause);
+            }
+            let at = core.len - g;
+            let undo = |build: Build<'_, 'b, 'id, B>, error| {
+                CommitFailure::undone(error, build.undo().rollback())
             };
-            let undo = |error, private| Self::undo_private(binding, error, private);
-            let private = match charge.create(g, Guarded::create) {
+            let private = match build.create(at, g, Guarded::create) {
                 Ok(p) => p,
-                Err(e) => {
-                    drop(charge);
-                    return refuse(self, undo(e, None));
-                }
+                Err(e) => return refuse(self, undo(build, e)),
             };
             if let Err(e) = backend.copy_into_phys(private, boundary, g) {
-                return refuse(self, undo(e, Some(private)));
+                return refuse(self, undo(build, e));
             }
             if let Err(e) = device.unmap(boundary, g) {
                 // Whether the boundary is still mapped is unknown: the mapping lends no memory any
                 // more, its remains are quarantined.
+                let _ = build.undo(); // a failure is quarantined
                 let cause = CowFailure::Unmap(Box::new(e));
-                return Err(self.quarantine_diverging(core.len, cause, private));
+                return Err(self.quarantine_diverging(core.len, cause));
             }
-            if let Err(error) = device.map(boundary, g, private, Access::ReadWrite) {
+            if let Err(error) = build.map(0, Access::ReadWrite) {
                 // Not a teardown: the shared boundary is mapped again where it was, so that the
                 // mapping comes back unchanged.
                 let (shared, _) = self.parts().split().boundary;
                 return match device.map(boundary, g, shared, Access::ReadOnly) {
-                    Ok(()) => refuse(self, undo(error, Some(private))),
+                    Ok(()) => refuse(self, undo(build, error)),
                     // Neither the copy nor the original is mapped at the boundary.
                     Err(restore) => {
+                        let _ = build.undo(); // a failure is quarantined
                         let (error, restore) = (Box::new(error), Box::new(restore));
                         let cause = CowFailure::Remap { error, restore };
-                        Err(self.quarantine_diverging(core.len - g, cause, private))
+                        Err(self.quarantine_diverging(core.len - g, cause))
                     }
                 };
             }
+            drop(build); // nothing left in it: the memory and its charge are the token's
             let (core, shared) = self.into_core();
             Ok(Allocation::from_core(core, (shared, private)))
         })
@@ -608,31 +588,11 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
 }
 
 impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
-    /// Undoes a copy-on-write's private granule (created or not), and says why the mapping is
-    /// unchanged.
-    fn undo_private(
-        binding: &Binding<'b, 'id, B>,
-        error: BackendError,
-        private: Option<B::Phys>,
-    ) -> CommitFailure {
-        let g = binding.device().granularity();
-        let rollback = private.map_or(Ok(()), |p| binding.discard(p, g));
-        CommitFailure::undone(error, rollback)
-    }
-
     /// Quarantines the mapping (`mapped` bytes of it still mapped) when its state is uncertain
-    /// after a copy-on-write failed half-way; the private granule goes back.
-    fn quarantine_diverging(
-        self,
-        mapped: usize,
-        cause: CowFailure,
-        private: B::Phys,
-    ) -> CowError<'b, 'id, B> {
+    /// after a copy-on-write failed half-way.
+    fn quarantine_diverging(self, mapped: usize, cause: CowFailure) -> CowError<'b, 'id, B> {
         let binding = self.core().binding;
-        let device = binding.device();
-        let g = device.granularity();
         let (core, shared) = self.into_core();
-        let _ = binding.discard(private, g); // a failure is quarantined
         let held = Held {
             shared: Some(shared),
             ..Held::mapped(mapped)

@@ -8,6 +8,7 @@
 //! Nothing here names a concrete backend: covering CUDA streams is interop's.
 
 mod binding;
+mod build;
 mod cache;
 mod custody;
 mod quarantined;
@@ -16,10 +17,11 @@ mod steps;
 
 pub use binding::Binding;
 pub(crate) use binding::Custody as Handover;
+pub(crate) use build::{Build, Undone};
 pub(crate) use quarantined::settle;
 pub use quarantined::{QuarantineError, Quarantined};
 pub use report::{CloseReport, Custody, Forgotten, Progress};
-pub(crate) use steps::{Charge, GiveBack, Growth};
+pub(crate) use steps::{GiveBack, Growth};
 
 use crate::backend::{Addr, Backend, BackendError, Cause, Op};
 use crate::error::CommitFailure;

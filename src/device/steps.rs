@@ -5,9 +5,8 @@
 //!
 //! - VA and mappings: [`Device::reserve_va`], [`Device::map`], [`Device::unmap`] — the axis
 //!   moves once the backend call succeeded, never before.
-//! - Memory a binding's token will own: a [`Charge`] takes the bytes from the budgets before
-//!   anything is created, [`Charge::create`] makes memory out of it, and what the charge did
-//!   not make goes back when it drops — on every path, a contained panic's included.
+//! - Memory a token will own: a [`Build`](super::Build) records what a transition makes
+//!   (budget, memory, mappings, a shared reference); undoing it is the ordinary teardown.
 //! - Memory a transition made and no token will own: [`Binding::discard`], which is the
 //!   ordinary teardown of an orphan (released, or quarantined still owned).
 //! - Granules of elastic regions: a [`Growth`] (taken from the budget at once, from the cache
@@ -20,7 +19,6 @@ use crate::backend::{Access, Addr, Backend, BackendError};
 use crate::error::{CommitFailure, ReleaseFailure};
 use crate::ledger::Axis;
 use crate::residual::Held;
-use crate::unwind::Guarded;
 
 impl<B: Backend> Device<'_, B> {
     /// Reserves `len` bytes of VA, charged as reserved once made.
@@ -55,17 +53,6 @@ impl<B: Backend> Device<'_, B> {
 }
 
 impl<'b, 'id, B: Backend> Binding<'b, 'id, B> {
-    /// Charges `len` bytes to this binding's budget and the device's, for memory a token of
-    /// this binding is about to own; or says which budget refuses.
-    #[inline]
-    pub(crate) fn charge_for(&self, len: usize) -> Result<Charge<'_, 'b, 'id, B>, CommitFailure> {
-        self.charge(len)?;
-        Ok(Charge {
-            binding: self,
-            left: len,
-        })
-    }
-
     /// Gives back `len` bytes of `phys` that a transition of this binding made and no token
     /// will own: they leave the budget, and the memory is released — or quarantined, still
     /// owned by the device, when that fails (the failure said).
@@ -107,41 +94,6 @@ impl<'b, 'id, B: Backend> Binding<'b, 'id, B> {
             given: 0,
             unmapped: 0,
             quarantined: 0,
-        }
-    }
-}
-
-/// Bytes taken from a binding's budget (and the device's owned axis) for memory not yet made;
-/// what is not made by the time it drops goes back.
-#[must_use = "a charge dropped at once refunds everything"]
-pub(crate) struct Charge<'a, 'b, 'id, B: Backend> {
-    binding: &'a Binding<'b, 'id, B>,
-    /// Bytes charged and not yet made.
-    left: usize,
-}
-
-impl<B: Backend> Charge<'_, '_, '_, B> {
-    /// Makes `len` bytes of the charge with `create`; owned from then on (the token that keeps
-    /// the memory keeps the charge, or [`Binding::discard`] gives both back). On failure the
-    /// bytes stay in the charge.
-    #[inline]
-    pub(crate) fn create(
-        &mut self,
-        len: usize,
-        create: impl FnOnce(&Guarded<B>, usize) -> Result<B::Phys, BackendError>,
-    ) -> Result<B::Phys, BackendError> {
-        debug_assert!(len <= self.left, "a charge makes no more than it took");
-        let phys = create(self.binding.device().backend(), len)?;
-        self.left -= len;
-        Ok(phys)
-    }
-}
-
-impl<B: Backend> Drop for Charge<'_, '_, '_, B> {
-    #[inline]
-    fn drop(&mut self) {
-        if self.left > 0 {
-            self.binding.uncharge(self.left);
         }
     }
 }

@@ -2,10 +2,17 @@
 //! the deferred-release queue. It knows residuals and their parts, never which token or policy
 //! they came from.
 //!
+//! It is also the one place where money moves: every charge and refund of a ledger axis or of a
+//! binding's budget is made in this module (the methods are visible nowhere else), next to the
+//! backend call it pays for. Tokens and policies call its steps and records instead.
+//!
 //! Here: the device itself — its brand, its counters, and the narrow hooks that tokens and
-//! policies call. Its rooms: `custody` (the quarantine, the deferred queue, and the teardown
-//! of residuals), `cache` (the granule cache), `report` (what the device tells about itself).
-//! Nothing here names a concrete backend: covering CUDA streams is interop's.
+//! policies call. Its rooms: `binding` (a consumer's pin and budget), `steps` (each backend
+//! call with its ledger and budget move), `build` (what a transition made so far, undone by
+//! the ordinary teardown), `custody` (the quarantine, the deferred queue, and the teardown of
+//! residuals), `quarantined` (quarantined remains as a token), `cache` (the granule cache),
+//! `report` (what the device tells about itself). Nothing here names a concrete backend:
+//! covering CUDA streams is interop's.
 
 mod binding;
 mod build;

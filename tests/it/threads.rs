@@ -30,8 +30,18 @@ impl Rng {
     }
 }
 
+/// One round per thousand `PROPTEST_CASES` (one by default), each with its own seeds:
+/// `PROPTEST_CASES=20000` runs twenty.
 #[test]
 fn eight_threads_on_one_device_with_faults_leave_nothing_outstanding() {
+    let rounds = (common::proptest_cases(1000) / 1000).max(1);
+    for round in 0..u64::from(rounds) {
+        eight_threads(round);
+    }
+}
+
+/// Eight threads on one device, seeded by `round`, then nothing outstanding.
+fn eight_threads(round: u64) {
     make_guard!(guard);
     let sim = SimBackend::new(SimConfig {
         granularity: 1 << 16,
@@ -48,7 +58,8 @@ fn eight_threads_on_one_device_with_faults_leave_nothing_outstanding() {
         for t in 0..THREADS {
             let (device, faults, done) = (&device, faults.clone(), &done);
             scope.spawn(move || {
-                let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ ((t as u64 + 1) * 0x1000_0001));
+                let seed = (t as u64 + 1) * 0x1000_0001 + round * 0x0100_0000_0001;
+                let mut rng = Rng(0x9e37_79b9_7f4a_7c15 ^ seed);
                 let binding = device.bind(Budget::bytes(64 * g as u64)).unwrap();
                 for _ in 0..OPS_PER_THREAD {
                     // Now and then, a fault at one of the next calls of some kind.

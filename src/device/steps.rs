@@ -89,6 +89,7 @@ impl<'b, 'id, B: Backend> Binding<'b, 'id, B> {
     #[inline]
     pub(crate) fn give_back(&self, expected: usize) -> GiveBack<'_, 'b, 'id, B> {
         GiveBack {
+            device: self.device(),
             binding: self,
             room: self.device().cache_admit(expected),
             given: 0,
@@ -189,6 +190,7 @@ impl<B: Backend> Growth<'_, '_, '_, B> {
 /// [`finish`](Self::finish)es.
 #[must_use = "a give-back settles its axes when it finishes"]
 pub(crate) struct GiveBack<'a, 'b, 'id, B: Backend> {
+    device: &'b Device<'id, B>,
     binding: &'a Binding<'b, 'id, B>,
     /// Room made in the cache and not used yet.
     room: usize,
@@ -204,7 +206,7 @@ impl<B: Backend> GiveBack<'_, '_, '_, B> {
     /// Unmaps the granule mapped at `addr`; its mapping leaves the mapped axis at the finish.
     #[inline(always)]
     pub(crate) fn unmap(&mut self, addr: Addr) -> Result<(), BackendError> {
-        let device = self.binding.device();
+        let device = self.device;
         device.backend().unmap(addr, device.granularity())?;
         self.unmapped += 1;
         Ok(())
@@ -213,7 +215,7 @@ impl<B: Backend> GiveBack<'_, '_, '_, B> {
     /// `phys`, unmapped and unused, leaves the binding: cached or released.
     #[inline]
     pub(crate) fn give(&mut self, phys: B::Phys) {
-        let device = self.binding.device();
+        let device = self.device;
         self.given += 1;
         if self.room > 0 {
             self.room -= 1;
@@ -234,7 +236,7 @@ impl<B: Backend> GiveBack<'_, '_, '_, B> {
     /// cache room not used goes back; how many granules went to quarantine.
     #[inline]
     pub(crate) fn finish(self) -> usize {
-        let device = self.binding.device();
+        let device = self.device;
         let g = device.granularity();
         if self.given > 0 {
             self.binding.refund(self.given * g);

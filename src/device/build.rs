@@ -105,9 +105,15 @@ impl<B: Backend> Borrow<'_, '_, '_, B> {
         self.shared
     }
 
-    /// Undoes the mapping: the ordinary teardown (unmap, give the reference back).
+    /// Undoes the mapping: the ordinary teardown (unmap, give the reference back). With
+    /// nothing mapped yet, the reference goes back without a backend call (so even once the
+    /// context is lost).
     #[cold]
     pub(crate) fn undo(self) -> Undone<B::Phys> {
+        if self.mapped == 0 {
+            self.binding.device().unshare(self.shared);
+            return Undone::Clean;
+        }
         let held = Held {
             reserved: false,
             shared: Some(self.shared),

@@ -4,7 +4,7 @@
 
 use super::Device;
 use super::report::Progress;
-use crate::backend::{Addr, Backend, lock};
+use crate::backend::{Addr, Backend, BackendError, Cause, Op, lock};
 use crate::error::ReleaseFailure;
 use crate::ids::{ContextLost, Generation};
 use crate::ledger::Axis;
@@ -228,12 +228,8 @@ impl<'id, B: Backend> Device<'id, B> {
             return Ok(());
         }
         if self.backend.context_lost() {
-            let lost = crate::backend::BackendError::new(
-                crate::backend::Op::Release,
-                r.addr,
-                r.len,
-                crate::backend::Cause::ContextLost,
-            );
+            let (op, addr, len) = next_call(r);
+            let lost = BackendError::new(op, addr, len, Cause::ContextLost);
             return Err(ReleaseFailure::Backend(Box::new(lost)));
         }
         if h.mapped > 0 {
@@ -372,4 +368,20 @@ impl<'id, B: Backend> Device<'id, B> {
             }
         }
     }
+}
+
+/// The call a teardown of `r` would make first, as an error names it: the unmap of what is
+/// mapped, else the release of physical memory, else the free of the VA.
+fn next_call<P>(r: &Residual<P>) -> (Op, Addr, usize) {
+    let h = &r.held;
+    if h.mapped > 0 {
+        return (Op::Unmap, r.addr, h.mapped);
+    }
+    if let Some(g) = h.granules.iter().find(|g| g.mapped) {
+        return (Op::Unmap, r.addr + g.offset, g.len);
+    }
+    if h.reserved && h.owned_bytes() == 0 && h.shared.is_none() && h.imported.is_empty() {
+        return (Op::Free, r.addr, r.len);
+    }
+    (Op::Release, r.addr, h.owned_bytes())
 }

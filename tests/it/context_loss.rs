@@ -120,3 +120,69 @@ fn a_transition_refused_for_another_reason_does_not_say_the_context_is_lost() {
     assert!(!lost(binding.reserve(usize::MAX / 2)));
     assert!(!lost(region.shrink(1))); // nothing committed: too many
 }
+
+/// A share whose first mapping loses the context is undone without a backend call: the
+/// reference goes back, the reservation comes back unchanged, nothing is quarantined, and the
+/// failure says the context is lost.
+#[test]
+fn a_share_that_loses_the_context_at_its_first_map_quarantines_nothing() {
+    let model = common::model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let prefix = binding.reserve(2 * g).unwrap().commit_prefix().unwrap();
+    let before = device.ledger();
+    model.fail_nth(DriverCall::MemMap, 1, CuError(700)); // sticky: the context is lost
+    let refused = binding
+        .reserve(2 * g)
+        .unwrap()
+        .map_prefix(&prefix)
+        .unwrap_err();
+    assert!(refused.cause.is_context_lost(), "{}", refused.cause);
+    assert!(matches!(refused.token, memtoken::Returned::Unchanged(_)));
+    let ledger = device.ledger();
+    assert_eq!(ledger.quarantined, 0, "{ledger:?}");
+    assert_eq!(device.custody().quarantined.count, 0);
+    assert_eq!(
+        ledger.mapped_bytes, before.mapped_bytes,
+        "the half-made mapping is gone"
+    );
+    assert_eq!(device.outstanding_exports(), 0);
+    drop(refused);
+    drop(prefix);
+    let proof = device.confirm_context_lost().expect("the context is lost");
+    device.discharge_all(&proof);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// A prefix whose boundary map loses the context cannot unmap its body: the reservation and
+/// the body are quarantined together, and the failed rollback names the unmap of the body
+/// that was refused, not a release.
+#[test]
+fn a_prefix_that_loses_the_context_at_its_boundary_names_the_unmap_it_could_not_make() {
+    let model = common::model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let reserved = binding.reserve(3 * g).unwrap();
+    let addr = reserved.addr();
+    model.fail_nth(DriverCall::MemMap, 2, CuError(700)); // the boundary's; sticky
+    let refused = reserved.commit_prefix().unwrap_err();
+    let memtoken::CommitFailure::UnmapFailed { rollback, .. } = &refused.cause else {
+        panic!("{}", refused.cause);
+    };
+    assert!(rollback.is_context_lost(), "{rollback}");
+    assert_eq!(
+        (rollback.op, rollback.addr, rollback.len),
+        (memtoken::backend::Op::Unmap, addr, 2 * g)
+    );
+    assert!(matches!(refused.token, memtoken::Returned::Quarantined(_)));
+    drop(refused);
+    let proof = device.confirm_context_lost().expect("the context is lost");
+    device.discharge_all(&proof);
+    drop(binding);
+    assert!(device.close().is_clean());
+}

@@ -608,7 +608,13 @@ fn a_half_made_prefix_that_cannot_be_unmapped_is_quarantined_whole_and_a_retry_f
     let Err(e) = reserved.commit_prefix() else {
         panic!("the boundary's map was failed on purpose");
     };
-    assert!(matches!(e.cause, CommitFailure::UnmapFailed { .. }));
+    let CommitFailure::UnmapFailed { rollback, .. } = &e.cause else {
+        panic!("{}", e.cause);
+    };
+    assert_eq!(
+        (rollback.op, rollback.addr, rollback.len),
+        (Op::Unmap, addr, 2 * g)
+    );
     assert_no_cause_repeated(&e);
     assert!(messages(&e).iter().any(|m| m.contains("quarantined")));
     let Returned::Quarantined(q) = e.into_token() else {

@@ -411,7 +411,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                 _ => unreachable!("a prefix's memory was made"),
             };
             let (core, ()) = self.into_core();
-            let shared = core.device().shared().share(split);
+            let shared = core.device().share(split);
             Ok(Allocation::from_core(core, shared))
         })
     }
@@ -453,8 +453,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                 return refuse(self, ShareFailure::Backend(Box::new(e)));
             }
             let split = prefix.parts().split();
-            let shared = device.shared().another(prefix.parts());
-            let mut borrow = core.binding.borrow(core.addr, shared);
+            let mut borrow = core.binding.borrow(core.addr, prefix.parts());
             let mut made = || {
                 if let Some((phys, n)) = split.body {
                     borrow.map(n, phys, Access::ReadOnly)?;

@@ -70,15 +70,19 @@ impl<'b, 'id, B: Backend> Binding<'b, 'id, B> {
         }
     }
 
-    /// A record for a mapping of the prefix whose memory `shared` references (taken for it),
-    /// into the range at `addr`.
+    /// A record for a mapping of the prefix whose memory `prefix` references into the range
+    /// at `addr`: one more reference is taken for it.
     #[inline]
-    pub(crate) fn borrow(&self, addr: Addr, shared: SharedPhys<B::Phys>) -> Borrow<'_, 'b, 'id, B> {
+    pub(crate) fn borrow(
+        &self,
+        addr: Addr,
+        prefix: &SharedPhys<B::Phys>,
+    ) -> Borrow<'_, 'b, 'id, B> {
         Borrow {
             binding: self,
             addr,
             mapped: 0,
-            shared,
+            shared: self.device().shared().another(prefix),
         }
     }
 }

@@ -240,7 +240,7 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// The totals of this device's shared physical memory, through which every reference on it
     /// is made and given back.
-    pub(crate) fn shared(&self) -> &SharedTotals {
+    pub(in crate::device) fn shared(&self) -> &SharedTotals {
         &self.shared
     }
 

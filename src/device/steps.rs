@@ -18,7 +18,7 @@ use super::binding::Binding;
 use crate::backend::{Access, Addr, Backend, BackendError};
 use crate::error::{CommitFailure, ReleaseFailure};
 use crate::ledger::Axis;
-use crate::residual::Held;
+use crate::residual::{Held, SharedPhys, Split};
 
 impl<B: Backend> Device<'_, B> {
     /// Reserves `len` bytes of VA, charged as reserved once made.
@@ -49,6 +49,25 @@ impl<B: Backend> Device<'_, B> {
         self.backend.unmap(addr, len)?;
         self.refund(Axis::Mapped, len);
         Ok(())
+    }
+
+    /// Shares the memory of `split` (made and charged as owned by a [`Build`](super::Build)):
+    /// its first reference, counted in the device's shared totals.
+    #[inline]
+    pub(crate) fn share(&self, split: Split<B::Phys>) -> SharedPhys<B::Phys> {
+        self.shared.share(split)
+    }
+
+    /// One more reference on a prefix's memory, held by an export to another process.
+    pub(crate) fn export_ref(&self, shared: &SharedPhys<B::Phys>) -> SharedPhys<B::Phys> {
+        self.shared.export(shared)
+    }
+
+    /// An export ended: its reference goes back, and the last one releases the memory (a
+    /// failure is quarantined).
+    pub(crate) fn end_export(&self, shared: SharedPhys<B::Phys>) {
+        self.shared.export_ended();
+        self.unshare(shared);
     }
 }
 

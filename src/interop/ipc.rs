@@ -578,7 +578,7 @@ impl<'b, 'id, B: Exportable<K>, K: HandleKind> Allocation<'b, 'id, B, Owner<K>> 
             };
             // From now on the owner never writes the memory: an importer may be reading it.
             self.parts().mark_exported();
-            let shared = device.shared().export(self.parts());
+            let shared = device.export_ref(self.parts());
             Ok(Export {
                 binding,
                 shared: ManuallyDrop::new(shared),
@@ -619,8 +619,7 @@ impl<B: Exportable<K>, K: HandleKind> Drop for Export<'_, '_, B, K> {
         let device = self.binding.device();
         // SAFETY: taken once, here, and never used again.
         let shared = unsafe { ManuallyDrop::take(&mut self.shared) };
-        device.shared().export_ended();
-        device.unshare(shared); // the last reference releases the memory; a failure is quarantined
+        device.end_export(shared); // the last reference releases the memory
     }
 }
 

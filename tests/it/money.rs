@@ -3,9 +3,11 @@
 //! (sharing, regions, sleep, pools, import) and the token core call the device's steps
 //! (`src/device/steps.rs`), which move the money with the backend call.
 //!
-//! The compiler enforces it too (the charge and refund methods are visible only inside the
-//! device's module); this test lists the call sites by name, so that a widened visibility
-//! cannot bring a hand-placed move back unnoticed.
+//! The compiler enforces it too (the charge and refund methods, and the device's shared
+//! totals, are visible only inside the device's module); this test lists the call sites by
+//! name, so that a widened visibility cannot bring a hand-placed move back unnoticed. The
+//! device's custody steps that take an amount or a residual from the token core (a release, a
+//! drop, quarantined remains) are allowed where [`STEPS`] says, and nowhere else.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -23,7 +25,31 @@ const MONEY: &[&str] = &[
     ".charge_up_to(",
     ".cache_taken(",
     ".cache_admit(",
+    ".shared()",
     "Axis::",
+];
+
+/// Custody steps of the device that move money with what they are given, each allowed only at
+/// the call sites counted here (file, call, how many, why).
+const STEPS: &[(&str, &str, usize, &str)] = &[
+    (
+        "src/allocation.rs",
+        ".retire(",
+        1,
+        "a token's release: what its state says it no longer owns leaves the budget",
+    ),
+    (
+        "src/allocation.rs",
+        ".hand_over(",
+        1,
+        "a token's drop: its residual and its charge go to the device's custody",
+    ),
+    (
+        "src/sharing.rs",
+        "Quarantined::new(",
+        2,
+        "the remains of a half-made prefix or copy-on-write become a quarantined token",
+    ),
 ];
 
 /// Where money may move: the ledger and the device.
@@ -42,15 +68,26 @@ fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
     }
 }
 
-/// `file:line: text` of every money call site in `files` that is not allowed.
+/// `file:line: text` of every money call site in `files` that is not allowed, and of every
+/// custody step past the count [`STEPS`] allows in its file.
 fn call_sites(files: &[PathBuf]) -> Vec<String> {
     let mut sites = Vec::new();
     for path in files.iter().filter(|p| !allowed(p)) {
         let text = fs::read_to_string(path).expect("a source file");
+        let mut steps = vec![0; STEPS.len()];
         for (i, line) in text.lines().enumerate() {
             let code = line.split("//").next().unwrap_or("");
+            let site = || format!("{}:{}: {}", path.display(), i + 1, line.trim());
             if MONEY.iter().any(|m| code.contains(m)) {
-                sites.push(format!("{}:{}: {}", path.display(), i + 1, line.trim()));
+                sites.push(site());
+            }
+            for (k, &(file, call, allowed, _)) in STEPS.iter().enumerate() {
+                if code.contains(call) {
+                    steps[k] += 1;
+                    if !path.ends_with(file) || steps[k] > allowed {
+                        sites.push(site());
+                    }
+                }
             }
         }
     }
@@ -67,6 +104,16 @@ fn no_module_outside_the_ledger_and_the_device_moves_money() {
         outside >= 10,
         "the scan reads the policy modules ({outside} files outside the ledger and the device)"
     );
+    // Each allowed custody step is still made where the list says, as often: the list is not
+    // stale.
+    for &(file, call, allowed, why) in STEPS {
+        let text = fs::read_to_string(src.parent().unwrap().join(file)).expect(file);
+        let made = text
+            .lines()
+            .filter(|l| l.split("//").next().unwrap_or("").contains(call))
+            .count();
+        assert_eq!(made, allowed, "{file}: {call} ({why})");
+    }
     let sites = call_sites(&files);
     assert!(
         sites.is_empty(),
@@ -88,13 +135,23 @@ fn the_scan_finds_a_hand_placed_move() {
     .unwrap();
     let inside = dir.join("device").join("steps.rs");
     fs::write(&inside, "fn g() { self.refund(n); }\n").unwrap();
-    let sites = call_sites(&[policy.clone(), inside]);
+    // A custody step where it is allowed, once too often, and in another file.
+    fs::create_dir_all(dir.join("src")).unwrap();
+    let core = dir.join("src").join("allocation.rs");
+    fs::write(&core, "a.retire(c, &h);\nb.retire(c, &h);\n").unwrap();
+    let other = dir.join("src").join("sleep.rs");
+    fs::write(&other, "binding.retire(len, &Held::va());\n").unwrap();
+    let sites = call_sites(&[policy.clone(), inside, core.clone(), other.clone()]);
     fs::remove_dir_all(&dir).unwrap();
     assert_eq!(
         sites,
-        [format!(
-            "{}:2: device.charge(Axis::Mapped, n); // hand-placed",
-            policy.display()
-        )]
+        [
+            format!(
+                "{}:2: device.charge(Axis::Mapped, n); // hand-placed",
+                policy.display()
+            ),
+            format!("{}:2: b.retire(c, &h);", core.display()),
+            format!("{}:1: binding.retire(len, &Held::va());", other.display()),
+        ]
     );
 }

@@ -288,7 +288,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
                 .and_then(|phys| build.map(0, Access::ReadWrite).map(|()| phys));
             match made {
                 Ok(phys) => {
-                    drop(build); // nothing left in it: the memory and its charge are the token's
+                    build.keep();
                     let (core, ()) = self.into_core();
                     Ok(Allocation::from_core(core, phys))
                 }

@@ -257,7 +257,8 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
 
     /// Unmaps and gives back the granules this growth mapped past `start` (the first
     /// `from_cache` of them came from the cache and go back there), and says why it stopped at
-    /// granule `at`.
+    /// granule `at`. The same give-back a shrink makes ([`GiveBack`]): a granule that cannot be
+    /// unmapped stays withheld in the region, as after a failed shrink.
     fn undo_grow(
         &mut self,
         start: usize,

@@ -579,7 +579,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
                     }
                 };
             }
-            drop(build); // nothing left in it: the memory and its charge are the token's
+            build.keep();
             let (core, shared) = self.into_core();
             Ok(Allocation::from_core(core, (shared, private)))
         })

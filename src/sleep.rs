@@ -299,7 +299,11 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Committed>> {
             let Err(error) = device.backend().copy_from_host(core.addr, bytes) else {
                 return Ok(committed);
             };
-            // Undo the commit: nothing can have used the memory mapped just now.
+            // Undo the commit: nothing can have used the memory mapped just now. Not the
+            // teardown of a release: the token stays suspended, with its VA and its saved
+            // bytes, so the mapping goes (`unmap`) and its memory with it (`discard`, the
+            // orphan teardown); a mapping that cannot go stays withheld in the suspended
+            // token, charged, rather than quarantining the token.
             let (core, phys) = committed.into_core();
             let (binding, len) = (core.binding, core.len);
             if let Err(rollback) = device.unmap(core.addr, len) {

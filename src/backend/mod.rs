@@ -496,7 +496,8 @@ pub trait Backend {
     /// Pins the context for a new binding (`cuDevicePrimaryCtxRetain` on CUDA).
     fn pin(&self) -> Result<(), BackendError>;
     /// Releases one pin taken by [`pin`](Backend::pin); with no pin held, refused with
-    /// [`Violation::NotPinned`].
+    /// [`Violation::NotPinned`]. A call that fails (or panics) must have released nothing, as
+    /// for every other call: the [`Device`](crate::Device) tries that pin again as it drops.
     fn unpin(&self) -> Result<(), BackendError>;
 
     /// Whether the context is confirmed lost (destroyed, or taken down by a sticky error):

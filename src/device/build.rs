@@ -49,8 +49,13 @@ pub(crate) enum Undone<P> {
 }
 
 impl<P> Undone<P> {
-    /// The rollback's outcome, when nothing is stuck in the range.
+    /// The rollback's outcome, for an undo that cannot leave anything stuck in the range
+    /// (nothing it made was mapped yet).
     pub(crate) fn rollback(self) -> Result<(), ReleaseFailure> {
+        debug_assert!(
+            !matches!(self, Self::Stuck(..)),
+            "stuck remains go with the token's"
+        );
         match self {
             Self::Clean => Ok(()),
             Self::Quarantined(failure) | Self::Stuck(_, failure) => Err(failure),
@@ -178,6 +183,13 @@ impl<'a, 'b, 'id, B: Backend> Build<'a, 'b, 'id, B> {
         device.map(addr + piece.offset, piece.len, piece.phys, access)?;
         piece.mapped = true;
         Ok(())
+    }
+
+    /// The token took what was made already (as `create` returned it): the build has nothing
+    /// left to charge or undo.
+    #[inline]
+    pub(crate) fn keep(self) {
+        debug_assert_eq!(self.charged, 0, "a kept build made all it charged");
     }
 
     /// What was made, for the token that keeps it: the pieces in the order they were made.

@@ -595,8 +595,9 @@ fn a_shrink_after_the_context_is_lost_names_the_tail_it_would_unmap() {
     assert_eq!(region.committed_len(), 3 * GRANULE, "nothing was done");
 }
 
-/// Kills `src/region.rs: replace += with *= in GiveBack<'a, 'b, 'id, B>::give`: the granules a
-/// shrink gives back, cached or released, leave the binding's budget.
+/// Kills `src/device/steps.rs: replace += with *= in GiveBack<'_, '_, '_, B>::give` (in
+/// `src/region.rs` before issue 21): the granules a shrink gives back, cached or released, leave
+/// the binding's budget.
 #[test]
 fn a_shrink_refunds_the_binding_for_what_it_gave_back() {
     make_guard!(guard);

@@ -594,7 +594,7 @@ fn a_failed_commit_says_so_first() {
 }
 
 /// Kills `src/error.rs: replace <impl Failure for ReleaseFailure>::summary -> &'static str with
-/// "xyzzy"` and `src/quarantine.rs: replace <impl fmt::Debug for Quarantined<'_, '_, B>>::fmt ->
+/// "xyzzy"` and `src/device/quarantined.rs: replace <impl fmt::Debug for Quarantined<'_, '_, B>>::fmt ->
 /// fmt::Result with Ok(Default::default())`: a release that cannot complete yet, and one that
 /// failed, each say so first; the quarantined token debugs as its residual.
 #[test]

@@ -23,13 +23,18 @@
 //! calls its dry run makes. The panic must reach the caller at that call and stop the
 //! scenario; right after, the invariants hold; once the faults are cleared, every token, the
 //! pool and the bindings dropped and the device closed, it closes clean and the backend holds
-//! nothing ([`any_call_case`]).
+//! nothing ([`any_call_case`]). Its second variant (`any_call_in_drops_*`) skips the releases
+//! and the poll, so that live tokens of every kind are left to drop, and keeps the plan armed
+//! through the teardown: `n` runs on through the calls of the tokens' drops, the pool's, the
+//! bindings' and the device's close, and the panic must surface from the stage that makes the
+//! call — a drop or `close` included.
 //!
 //! Every scenario runs on the strict simulator; those the backend supports also run on the host
-//! backend and on the CUDA backend over the driver model (the long scenario runs on these two). Each backend's cases run in a child
-//! process (this test binary run again), so that a panic while unwinding — which aborts the
-//! process — fails its own case: the parent resumes after it. The parent prints nothing unless
-//! a case fails; `MEMTOKEN_UNWIND_REPORT=1` prints each scenario's calls and fired panics.
+//! backend and on the CUDA backend over the driver model (the long scenario runs on these two).
+//! Each backend's cases run in a child process (this test binary run again), so that a panic
+//! while unwinding — which aborts the process — fails its own case: the parent resumes after
+//! it. The parent prints nothing unless a case fails; `MEMTOKEN_UNWIND_REPORT=1` prints each
+//! scenario's calls and fired panics.
 
 use memtoken::backend::{
     Addr, Backend, Exportable, HostBackend, Op, PosixFd,
@@ -101,10 +106,9 @@ trait Env: Sized {
     /// Submits work that fences recorded from now on wait for (where fences can be pending).
     fn submit_work(&self) {}
 
-    /// Checks what the wrapped backend still holds once the device is gone; `failed_unpins`
-    /// pins were left behind by unpins that failed.
-    fn after_close(&self, failed_unpins: u64) -> Result<(), String> {
-        let _ = failed_unpins;
+    /// Checks what the wrapped backend still holds once the device is gone (the device gives
+    /// back, as it drops, every pin whose unpin failed).
+    fn after_close(&self) -> Result<(), String> {
         Ok(())
     }
 
@@ -270,10 +274,8 @@ impl Env for Cuda {
         self.0.submit_work();
     }
 
-    fn after_close(&self, failed_unpins: u64) -> Result<(), String> {
-        let mut held = self.0.outstanding();
-        // A failed unpin leaves its retain behind, counted by the device.
-        held.retains = held.retains.saturating_sub(failed_unpins as u32);
+    fn after_close(&self) -> Result<(), String> {
+        let held = self.0.outstanding();
         if held.is_zero() {
             Ok(())
         } else {
@@ -707,14 +709,45 @@ impl<'w, 'pool, 'b, 'id, E: Env> World<'w, 'pool, 'b, 'id, E> {
         Ok(())
     }
 
-    /// Drops every token and page, the sharers' mappings before their prefixes.
-    fn drop_all(&mut self) {
+    /// Drops every token and page, the sharers' mappings before their prefixes, each under
+    /// [`catch`] (so that a panic in one drop leaves the others to theirs): the panics caught.
+    fn drop_all(&mut self) -> Vec<String> {
+        let mut panics = Vec::new();
         while let Some(t) = self.tokens.pop() {
-            drop(t);
+            panics.extend(catch(move || drop(t)).err());
         }
-        self.pages.clear();
-        self.table = None;
+        let pages = (std::mem::take(&mut self.pages), self.table.take());
+        panics.extend(catch(move || drop(pages)).err());
         self.offer = None;
+        panics
+    }
+}
+
+/// A stage of a case's teardown: the calls made before it, and the panics caught in it.
+struct Teardown {
+    name: &'static str,
+    before: u64,
+    panics: Vec<String>,
+}
+
+impl Teardown {
+    /// Runs stage `name`, which catches its own panics (`f` returns them).
+    fn run(faults: &FaultHandle, name: &'static str, f: impl FnOnce() -> Vec<String>) -> Self {
+        let before = faults.any_calls();
+        let panics = f();
+        Self {
+            name,
+            before,
+            panics,
+        }
+    }
+
+    /// Its panics, as failures (where none is expected).
+    fn failures(self) -> impl Iterator<Item = String> {
+        let name = self.name;
+        self.panics
+            .into_iter()
+            .map(move |p| format!("{name} panicked: {p}"))
     }
 }
 
@@ -1320,22 +1353,23 @@ fn run_case<E: Env>(s: Scenario, plan: Option<(Op, u64)>) -> Outcome {
     let (env, inner) = E::make(s.manual_fences());
     let backend = Faulty::new(inner);
     let faults = backend.handle();
-    let mut failed_unpins = 0;
     let whole = catch(|| {
         make_guard!(guard);
         let device = Device::new(guard, backend);
         let g = device.granularity() as u64;
         let owner = device.bind(Budget::bytes(64 * g)).expect("a binding");
         let sharer = device.bind(Budget::bytes(64 * g)).expect("a binding");
-        let dropped = in_world(&env, &device, &owner, &sharer, &faults, |w| {
+        // `exercise` clears the plan: nothing may panic in the teardown.
+        let teardown = in_world(&env, &device, &owner, &sharer, &faults, |w| {
             exercise(w, s, plan, &mut out);
         });
-        out.failures.extend(dropped);
+        out.failures
+            .extend(teardown.into_iter().flat_map(Teardown::failures));
         if let Err(e) = settle(&env, &device, [&owner, &sharer], &faults) {
             out.failures.push(format!("in the end: {e}"));
         }
         drop((owner, sharer));
-        failed_unpins = device.failed_unpins();
+        let failed_unpins = device.failed_unpins();
         let pins = faults.outstanding().pins;
         if pins != failed_unpins {
             let e = format!("pins once the bindings are gone [{pins} vs {failed_unpins}]");
@@ -1348,7 +1382,7 @@ fn run_case<E: Env>(s: Scenario, plan: Option<(Op, u64)>) -> Outcome {
             "in the end: panicked while giving everything back: {p}"
         )),
         Ok(()) => {
-            if let Err(e) = env.after_close(failed_unpins) {
+            if let Err(e) = env.after_close() {
                 out.failures.push(format!("in the end: {e}"));
             }
         }
@@ -1390,8 +1424,9 @@ fn exercise<E: Env>(
     }
 }
 
-/// A page pool and a world around it, handed to `body`; then, the faults cleared, every token
-/// and page dropped, and the pool: the failures of those drops (each a panic).
+/// A page pool and a world around it, handed to `body`; then every token and page dropped, and
+/// the pool: those two stages of the teardown. A plan `body` leaves armed stays armed through
+/// them.
 fn in_world<'b, 'id, E: Env>(
     env: &E,
     device: &'b Device<'id, Fy<E>>,
@@ -1399,7 +1434,7 @@ fn in_world<'b, 'id, E: Env>(
     sharer: &'b Binding<'b, 'id, Fy<E>>,
     faults: &FaultHandle,
     body: impl FnOnce(&mut World<'_, '_, 'b, 'id, E>),
-) -> Vec<String> {
+) -> [Teardown; 2] {
     make_guard!(pool_guard);
     let page = device.granularity() / 4;
     let pool = PagePool::new(pool_guard, owner, page).expect("a page pool");
@@ -1416,16 +1451,12 @@ fn in_world<'b, 'id, E: Env>(
         offer: None,
     };
     body(&mut w);
-    faults.clear();
-    let mut failures = Vec::new();
-    if let Err(p) = catch(|| w.drop_all()) {
-        failures.push(format!("dropping the tokens panicked: {p}"));
-    }
+    let tokens = Teardown::run(faults, "dropping the tokens", || w.drop_all());
     drop(w);
-    if let Err(p) = catch(move || drop(pool)) {
-        failures.push(format!("dropping the page pool panicked: {p}"));
-    }
-    failures
+    let pool = Teardown::run(faults, "dropping the page pool", move || {
+        catch(move || drop(pool)).err().into_iter().collect()
+    });
+    [tokens, pool]
 }
 
 /// What is wrong with a case that planned the `n`th call of kind `op` to panic, the
@@ -1485,10 +1516,14 @@ enum Step {
     Release,
     /// The device polled, its quarantine retried, its cache trimmed.
     Poll,
+    /// In place of the two above, where the teardown is armed: more kinds of token left live
+    /// for it — a reservation, a release begun, a suspended allocation, a page alone and one
+    /// in a table.
+    Leave,
 }
 
 impl Step {
-    const ALL: [Step; 11] = {
+    const ALL: [Step; 12] = {
         use Step::*;
         [
             Commit,
@@ -1502,8 +1537,19 @@ impl Step {
             Bind,
             Release,
             Poll,
+            Leave,
         ]
     };
+
+    /// Whether it runs in the variant whose teardown is armed (`in_drops`), which leaves the
+    /// tokens live for it, or in the other, which gives them back first.
+    fn runs(self, in_drops: bool) -> bool {
+        match self {
+            Step::Release | Step::Poll => !in_drops,
+            Step::Leave => in_drops,
+            _ => true,
+        }
+    }
 
     fn run<E: Env>(self, w: &mut World<'_, '_, '_, '_, E>) {
         match self {
@@ -1606,6 +1652,17 @@ impl Step {
                 w.device.retry_quarantine();
                 w.device.trim_cache();
             }
+            Step::Leave => {
+                let g = w.g();
+                w.push(Tok::Reserved(w.reserve(w.owner, 1)));
+                w.push(Tok::Committed(w.commit(1)).release(g));
+                let a = w.commit(1).suspend().map_err(|e| e.cause);
+                w.push(Tok::Asleep(a.expect("suspend")));
+                let pool = w.pool;
+                w.pages.push(pool.alloc().expect("a page"));
+                let table = w.table.insert(pool.table());
+                pool.push(table).expect("a page");
+            }
         }
     }
 }
@@ -1613,12 +1670,19 @@ impl Step {
 /// What one run of the long scenario did.
 #[derive(Debug, Default)]
 struct Run {
+    /// Whether the plan stays armed through the teardown, whose stages count as the scenario's
+    /// (the second variant: see [`any_call_case`]).
+    in_drops: bool,
     /// Each stage begun, with the number of calls made before it.
     stages: Vec<(u64, String)>,
-    /// Calls made by the end of the scenario, or by where a panic stopped it.
+    /// Calls made by the end of the scenario (of the teardown, `in_drops`), or by where a panic
+    /// stopped it.
     calls: u64,
-    /// The message of the panic that stopped the scenario.
+    /// The message of the panic that stopped the scenario (or, `in_drops`, of the first panic
+    /// caught in the teardown).
     panic: Option<String>,
+    /// The stage that `panic` surfaced from, as in `stages`.
+    surfaced: Option<(u64, String)>,
     failures: Vec<String>,
 }
 
@@ -1631,15 +1695,45 @@ impl Run {
         self.stages.push((faults.any_calls(), name.to_string()));
         let result = catch(f);
         self.calls = faults.any_calls();
-        result.map_err(|p| self.panic = Some(p)).ok()
+        result.map_err(|p| self.caught(p)).ok()
+    }
+
+    /// The panic that stopped the run, which surfaced from the last stage begun.
+    fn caught(&mut self, panic: String) {
+        self.panic = Some(panic);
+        self.surfaced = self.stages.last().cloned();
+    }
+
+    /// Takes in teardown stage `t`, just run. `in_drops`: a stage as the scenario's, whose
+    /// first panic is the run's unless one stopped the scenario; else no panic is expected in
+    /// it.
+    fn teardown(&mut self, faults: &FaultHandle, t: Teardown) {
+        if !self.in_drops {
+            self.failures.extend(t.failures());
+            return;
+        }
+        self.stages.push((t.before, t.name.to_string()));
+        self.calls = faults.any_calls();
+        let mut panics = t.panics.into_iter();
+        if self.panic.is_none()
+            && let Some(p) = panics.next()
+        {
+            self.caught(p);
+        }
+        let name = t.name;
+        let again = panics.map(|p| format!("{name} panicked again: {p}"));
+        self.failures.extend(again);
     }
 
     /// The stage that makes call #`n`, as a dry run tells.
+    fn stage_at(&self, n: u64) -> Option<&(u64, String)> {
+        let stage = self.stages.iter().rev().find(|(before, _)| *before < n);
+        stage.filter(|_| n <= self.calls)
+    }
+
+    /// The name of [`stage_at`](Self::stage_at).
     fn stage_of(&self, n: u64) -> &str {
-        match self.stages.iter().rev().find(|(before, _)| *before < n) {
-            Some((_, name)) if n <= self.calls => name,
-            _ => "past the end",
-        }
+        self.stage_at(n).map_or("past the end", |(_, name)| name)
     }
 }
 
@@ -1653,8 +1747,18 @@ fn injected_at(n: u64) -> String {
 /// the invariants where it stopped ([`World::check`]); then, the faults cleared, drops every
 /// token, the pool and the bindings, and closes the device: it must close clean, and leave
 /// nothing in the backend.
-fn any_call_case<E: Env>(plan: Option<u64>) -> Run {
-    let mut run = Run::default();
+///
+/// `in_drops`: the releases and the poll are skipped, more tokens left live ([`Step::Leave`]),
+/// and the plan stays armed through the teardown, each of whose stages (the tokens'
+/// drops, the pool's, the bindings', the close) is a stage of the run, calls counted; a panic
+/// in one is the run's panic. A panic at one of `close`'s own calls resumes from `close`,
+/// which then returns no report (the device's `Drop`, which runs as `close` returns, still
+/// finishes the work): so every report `close` returns must be clean, in either variant.
+fn any_call_case<E: Env>(plan: Option<u64>, in_drops: bool) -> Run {
+    let mut run = Run {
+        in_drops,
+        ..Run::default()
+    };
     let (env, inner) = E::make(false);
     let backend = Faulty::new(inner);
     let faults = backend.handle();
@@ -1668,55 +1772,78 @@ fn any_call_case<E: Env>(plan: Option<u64>) -> Run {
         let owner = run.stage(&faults, "bind", bind);
         let sharer = run.stage(&faults, "bind", bind);
         if let (Some(owner), Some(sharer)) = (&owner, &sharer) {
-            let dropped = in_world(&env, &device, owner, sharer, &faults, |w| {
-                for step in Step::ALL {
+            let steps = Step::ALL.into_iter().filter(|s| s.runs(in_drops));
+            let teardown = in_world(&env, &device, owner, sharer, &faults, |w| {
+                for step in steps {
                     run.stage(&faults, &format!("{step:?}"), || step.run(w));
                 }
                 if let Err(e) = w.check() {
                     run.failures.push(format!("right after: {e}"));
                 }
+                if !in_drops {
+                    faults.clear();
+                }
             });
-            run.failures.extend(dropped);
+            for t in teardown {
+                run.teardown(&faults, t);
+            }
         }
-        faults.clear();
-        if let Err(p) = catch(move || drop((owner, sharer))) {
-            run.failures
-                .push(format!("dropping the bindings panicked: {p}"));
+        if !in_drops {
+            faults.clear();
         }
+        let bindings = Teardown::run(&faults, "dropping the bindings", move || {
+            catch(move || drop((owner, sharer)))
+                .err()
+                .into_iter()
+                .collect()
+        });
+        run.teardown(&faults, bindings);
         failed_unpins = device.failed_unpins();
-        match catch(move || device.close()) {
-            Ok(report) if !report.is_clean() => run
-                .failures
-                .push(format!("the device closed unclean [{report:?}]")),
-            Ok(_) => {}
-            Err(p) => run
-                .failures
-                .push(format!("closing the device panicked: {p}")),
+        let mut report = None;
+        let close = Teardown::run(&faults, "closing the device", || {
+            catch(|| report = Some(device.close()))
+                .err()
+                .into_iter()
+                .collect()
+        });
+        run.teardown(&faults, close);
+        if let Some(report) = report.filter(|r| !r.is_clean()) {
+            run.failures
+                .push(format!("the device closed unclean [{report:?}]"));
         }
     }
     let left = faults.outstanding();
     if !left.is_zero() {
         run.failures.push(format!(
-            "the backend still holds something once the device is gone [{left:?}; failed unpins: {failed_unpins}]"
+            "the backend still holds something once the device is gone [{left:?}; failed \
+             unpins before the close: {failed_unpins}]"
         ));
     }
-    if let Err(e) = env.after_close(failed_unpins) {
+    if let Err(e) = env.after_close() {
         run.failures.push(e);
     }
     run
 }
 
-/// What is wrong with a run whose call #`n` was planned to panic, its dry run making `made`
-/// calls; each failure after the panic names the kind of the call that panicked.
-fn judge_any(run: &Run, n: u64, made: u64) -> Vec<String> {
-    let injected = injected_at(n);
+/// What is wrong with a run whose call #`n` was planned to panic, as compared with its dry
+/// run; each failure after the panic names the kind of the call that panicked.
+fn judge_any(run: &Run, n: u64, dry: &Run) -> Vec<String> {
+    let (injected, made) = (injected_at(n), dry.calls);
     let mut failures = Vec::new();
     match (&run.panic, n <= made) {
         (None, true) => failures.push(format!(
-            "the planned panic did not reach the caller (the scenario ran to its end) [call #{n}]"
+            "the planned panic did not reach the caller (the run went to its end) [call #{n}]"
         )),
         (Some(m), true) if !m.starts_with(&injected) => {
             failures.push(format!("another panic reached the caller: {m}"));
+        }
+        (Some(_), true) if run.surfaced.as_ref() != dry.stage_at(n) => {
+            failures.push(format!(
+                "the planned panic surfaced from another stage than the one making the call \
+                 [{:?} vs {:?}]",
+                run.surfaced,
+                dry.stage_at(n)
+            ));
         }
         (Some(m), false) => failures.push(format!(
             "a panic reached the caller though the planned call is never made: {m}"
@@ -1739,11 +1866,16 @@ fn judge_any(run: &Run, n: u64, made: u64) -> Vec<String> {
 }
 
 /// Runs the long scenario's cases on backend `E` from case `from` on, as [`child`] does: a dry
-/// run, then one case for each call it makes, and one past them.
-fn any_call_child<E: Env>(from: usize) {
+/// run, then one case for each call it makes, and one past them; `IN_DROPS`: the variant that
+/// keeps the plan armed through the teardown (see [`any_call_case`]).
+fn any_call_child<E: Env, const IN_DROPS: bool>(from: usize) {
     silence_injected_panics();
-    let name = "the long scenario";
-    let dry = any_call_case::<E>(None);
+    let name = if IN_DROPS {
+        "the long scenario, unreleased, armed through its teardown"
+    } else {
+        "the long scenario"
+    };
+    let dry = any_call_case::<E>(None, IN_DROPS);
     let mut failures = dry.failures.clone();
     if let Some(p) = &dry.panic {
         failures.push(format!("the scenario panicked with nothing planned: {p}"));
@@ -1762,12 +1894,12 @@ fn any_call_child<E: Env>(from: usize) {
         }
         let (id, n_str) = (id.to_string(), n.to_string());
         emit(&["start", &id, name, dry.stage_of(n), &n_str], true);
-        let run = any_call_case::<E>(Some(n));
+        let run = any_call_case::<E>(Some(n), IN_DROPS);
         let fired = run
             .panic
             .as_deref()
             .is_some_and(|m| m.starts_with(&injected_at(n)));
-        let joined = judge_any(&run, n, dry.calls).join(&FAILS.to_string());
+        let joined = judge_any(&run, n, &dry).join(&FAILS.to_string());
         emit(
             &["done", &id, if fired { "1" } else { "0" }, &joined],
             false,
@@ -2113,10 +2245,24 @@ fn unwind_cuda_model() {
 
 #[test]
 fn any_call_host() {
-    test("any_call_host", any_call_child::<Host>, true);
+    test("any_call_host", any_call_child::<Host, false>, true);
 }
 
 #[test]
 fn any_call_cuda_model() {
-    test("any_call_cuda_model", any_call_child::<Cuda>, true);
+    test("any_call_cuda_model", any_call_child::<Cuda, false>, true);
+}
+
+#[test]
+fn any_call_in_drops_host() {
+    test("any_call_in_drops_host", any_call_child::<Host, true>, true);
+}
+
+#[test]
+fn any_call_in_drops_cuda_model() {
+    test(
+        "any_call_in_drops_cuda_model",
+        any_call_child::<Cuda, true>,
+        true,
+    );
 }

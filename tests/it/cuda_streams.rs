@@ -291,6 +291,51 @@ fn a_failed_copy_leaves_another_copys_range_busy() {
     backend.free(src, G).unwrap();
 }
 
+/// A copy whose wait failed (no event could be made, and synchronizing the context failed too)
+/// is not known to have finished: its source stays busy and its scratch range mapped. Once a
+/// fence recorded on the legacy stream after it has completed, so has the copy: the source can
+/// be unmapped, and the scratch range is taken down — nothing stays busy or reserved for good.
+#[test]
+fn a_copy_whose_wait_failed_is_settled_by_a_later_fence_on_the_legacy_stream() {
+    let model = model(false);
+    let backend = common::cuda(&model);
+    let src = backend.reserve(G).unwrap();
+    let phys = backend.create(G).unwrap();
+    backend.map(src, G, phys, Access::ReadWrite).unwrap();
+    let dst = backend.create(G).unwrap();
+    model.fail_nth(DriverCall::EventCreate, 1, CuError::OUT_OF_MEMORY);
+    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::OUT_OF_MEMORY);
+    assert!(
+        backend.copy_into_phys(dst, src, G).is_err(),
+        "the wait failed"
+    );
+    assert!(
+        backend.unmap(src, G).is_err(),
+        "unmapped under a copy not known to have finished"
+    );
+    let fence = backend.fence(); // recorded on the legacy stream after the copy
+    assert!(!backend.fence_done(&fence));
+    assert!(
+        backend.unmap(src, G).is_err(),
+        "still not known to have finished"
+    );
+    model.complete_work();
+    assert!(backend.fence_done(&fence));
+    backend.retire_fence(fence);
+    backend.unmap(src, G).unwrap();
+    for p in [phys, dst] {
+        backend.release(p, G).unwrap();
+    }
+    backend.free(src, G).unwrap();
+    let left = model.outstanding();
+    assert_eq!(
+        (left.reservations, left.mappings, left.physical_bytes),
+        (0, 0, 0),
+        "the scratch range was taken down: {left:?}"
+    );
+    assert_eq!(model.lost_with(), None);
+}
+
 /// A page given back while work on a covered stream may still use it is handed out again only
 /// once that work has finished: until then the pool hands out other pages (or grows).
 #[test]

@@ -106,6 +106,33 @@ fn memory_mapped_after_the_work_was_submitted_may_be_unmapped_under_it() {
     assert!(model.event_create().is_ok());
 }
 
+/// Fact 21: a copy the model runs is work on the legacy stream that touches its source and its
+/// destination, no other memory: unmapping another mapping under it harms nothing, unmapping
+/// its source faults when it completes.
+#[test]
+fn a_copy_in_flight_touches_only_its_source_and_destination() {
+    let model = opened(ModelConfig {
+        events_complete_at_once: false,
+        ..config()
+    });
+    let ((src, _), (dst, _), (other, _)) = (mapped(&model), mapped(&model), mapped(&model));
+    // SAFETY: `[src, src + G)` and `[dst, dst + G)` are two live mappings with access; `other`
+    // is one live mapping.
+    unsafe {
+        model.memcpy_dtod(dst, src, G).unwrap();
+        model.mem_unmap(other, G).unwrap();
+    }
+    model.complete_work_on(0);
+    assert_eq!(model.lost_with(), None, "the copy never touched `other`");
+    // SAFETY: as above.
+    unsafe {
+        model.memcpy_dtod(dst, src, G).unwrap();
+        model.mem_unmap(src, G).unwrap();
+    }
+    model.complete_work_on(0);
+    assert_eq!(model.lost_with(), Some(CuError::ILLEGAL_ADDRESS));
+}
+
 /// The backend never unmaps under work on a stream its fences cover; work on a stream it was
 /// never told of is the caller's to finish first, and the model shows what happens otherwise.
 #[test]

@@ -959,3 +959,24 @@ proptest! {
         run_host(&steps);
     }
 }
+
+/// A case the property test found at 100,000 cases (seed 103): a copy-on-write whose copy's
+/// wait failed (`cuEventCreate` and then `cuCtxSynchronize` refused) left the source busy for
+/// good, so the sharer's release was quarantined even after its fence completed; and the model
+/// took the copy as touching every mapping, so releasing the owner's mapping of the prefix
+/// lost the context. Both are fixed: a copy names the ranges it touches (fact 21), and a later
+/// fence on the legacy stream settles a copy whose wait failed.
+#[test]
+fn a_copy_on_write_whose_copy_wait_failed_loses_nothing() {
+    run_cuda(&[
+        Step::Reserve(1),
+        Step::DriverFault(13042657129902454817, 1), // cuCtxSynchronize, once
+        Step::DriverFault(10361760756452772041, 3), // cuEventCreate, the third
+        Step::CommitPrefix(0),
+        Step::Share(0),
+        Step::Share(6130246510863551432),
+        Step::Release(0),
+        Step::IntoRegion(0),
+        Step::Diverge(2005223987691522654),
+    ]);
+}

@@ -6,7 +6,7 @@
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::driver::{CuError, CuResult, Driver};
-use super::record::CudaState;
+use super::record::{CudaState, Unsettled};
 use super::{CudaBackend, CudaPhys, next_serial};
 use crate::backend::{Access, Addr, Backend, BackendError, Cause, Op, Violation, lock};
 
@@ -42,7 +42,13 @@ impl<D: Driver> CudaBackend<D> {
         let mut s = lock(&self.state);
         if let Err(e) = waited {
             // The copy is not known to have finished: its ranges stay busy and the scratch range
-            // stays mapped — never reused, never freed under a copy that may still run.
+            // stays mapped — never reused, never freed under a copy that may still run — until
+            // an event recorded on the legacy stream after it has completed.
+            s.unsettled.push(Unsettled {
+                after: next_serial(),
+                marks: vec![marks.0, marks.1],
+                scratch: Some((scratch, len)),
+            });
             return Err(fail(e));
         }
         s.busy.retain(|&(id, _, _)| id != marks.0 && id != marks.1);
@@ -186,7 +192,17 @@ impl<D: Driver> CudaBackend<D> {
             Ok(()) => Ok(()),
             Err(e) => {
                 if !e.is_context_loss() {
-                    std::mem::forget(busy); // not known to have landed: the range stays busy
+                    // Not known to have landed: the range stays busy until an event recorded
+                    // on the legacy stream after the copy has completed.
+                    let marks = vec![busy.id];
+                    std::mem::forget(busy);
+                    let after = next_serial();
+                    let unsettled = Unsettled {
+                        after,
+                        marks,
+                        scratch: None,
+                    };
+                    lock(&self.state).unsettled.push(unsettled);
                 }
                 Err(fail(e))
             }
@@ -227,6 +243,28 @@ impl<D: Driver> CudaBackend<D> {
         let id = next_serial();
         s.busy.push((id, addr, len));
         id
+    }
+
+    /// Settles the copies whose wait failed and that started before the event of serial
+    /// `upto` was created, now that it has completed on the legacy stream (`u64::MAX`: the
+    /// whole context was synchronized): their busy marks go, their scratch ranges are taken
+    /// down.
+    pub(super) fn settle_copies(&self, s: &mut CudaState, upto: u64) {
+        if s.unsettled.iter().all(|u| u.after >= upto) {
+            return;
+        }
+        let (done, kept) = std::mem::take(&mut s.unsettled)
+            .into_iter()
+            .partition(|u| u.after < upto);
+        s.unsettled = kept;
+        for u in done {
+            s.busy.retain(|&(id, _, _)| !u.marks.contains(&id));
+            if let Some((scratch, span)) = u.scratch {
+                // A failure leaves the range to a later sweep, or to the driver if the context
+                // is lost.
+                let _ = self.take_down_scratch(s, scratch, span);
+            }
+        }
     }
 
     /// Frees scratch reservations left by failed copies, unmapping them first if needed.

@@ -78,7 +78,7 @@ impl<D: Driver> CudaBackend<D> {
         if !self.record_marks(&mut marks) {
             return self.context_lost();
         }
-        let Ok(s) = self.enter(Op::Fence, 0, 0) else {
+        let Ok(mut s) = self.enter(Op::Fence, 0, 0) else {
             return self.context_lost();
         };
         for serial in marks.iter().filter_map(|m| m.event) {
@@ -96,6 +96,9 @@ impl<D: Driver> CudaBackend<D> {
                     return self.context_lost();
                 }
             }
+        }
+        if let Some(upto) = legacy_event(&marks) {
+            self.settle_copies(&mut s, upto);
         }
         true
     }
@@ -133,6 +136,11 @@ impl<D: Driver> CudaBackend<D> {
                 let _ = self.fail(Op::Fence, 0, 0, e);
                 return self.context_lost();
             }
+        }
+        if let Some(upto) = legacy_event(&marks)
+            && let Ok(mut s) = self.enter(Op::Fence, 0, 0)
+        {
+            self.settle_copies(&mut s, upto);
         }
         true
     }
@@ -195,9 +203,18 @@ impl<D: Driver> CudaBackend<D> {
             // Destroyed under the lock; if the context cannot be made current now, it is left
             // to the next retirement.
             match self.enter(Op::Copy, 0, 0) {
-                Ok(mut s) => self.destroy_event(&mut s, serial),
+                Ok(mut s) => {
+                    if waited.is_ok() {
+                        self.settle_copies(&mut s, serial);
+                    }
+                    self.destroy_event(&mut s, serial);
+                }
                 Err(_) => lock(&self.state).retired.push(serial),
             }
+        } else if waited.is_ok()
+            && let Ok(mut s) = self.enter(Op::Copy, 0, 0)
+        {
+            self.settle_copies(&mut s, u64::MAX); // the whole context was synchronized
         }
         waited
     }
@@ -315,4 +332,10 @@ impl CudaBackend<SysDriver> {
         unsafe { self.cover_stream(handle) };
         Ok(())
     }
+}
+
+/// The serial of `marks`' event on the legacy stream, where copies run: once it has completed,
+/// every copy started before it was created has too.
+fn legacy_event(marks: &[Mark]) -> Option<u64> {
+    marks.iter().find(|m| m.stream == 0).and_then(|m| m.event)
 }

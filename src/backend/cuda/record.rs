@@ -33,10 +33,26 @@ pub(super) struct CudaState {
     /// Ranges a copy is using while it runs outside the lock, each under a serial of its own:
     /// unmap, free and map refuse them.
     pub(super) busy: Vec<(u64, u64, usize)>,
+    /// Copies whose wait failed: not known to have finished, so their busy marks (and their
+    /// scratch range, mapped) stay until an event recorded on the legacy stream after them has
+    /// completed ([`settle_copies`](CudaBackend::settle_copies)).
+    pub(super) unsettled: Vec<Unsettled>,
     /// Live physical memory created exportable as a POSIX descriptor.
     pub(super) exportable: HashSet<CudaPhys>,
     /// Live physical memory imported from a descriptor: mapped read-only, written never.
     pub(super) imported: HashSet<CudaPhys>,
+}
+
+/// A copy on the legacy stream whose wait failed (see [`CudaState::unsettled`]).
+#[derive(Debug)]
+pub(super) struct Unsettled {
+    /// A serial taken once the copy had been started: an event created after it is recorded
+    /// after the copy, so its completion means the copy's.
+    pub(super) after: u64,
+    /// The copy's busy marks.
+    pub(super) marks: Vec<u64>,
+    /// Its scratch range and length, still mapped, if it had one.
+    pub(super) scratch: Option<(u64, usize)>,
 }
 
 impl CudaState {
@@ -50,6 +66,7 @@ impl CudaState {
             scratch: Vec::new(),
             pins: 0,
             busy: Vec::new(),
+            unsettled: Vec::new(),
             exportable: HashSet::new(),
             imported: HashSet::new(),
         }

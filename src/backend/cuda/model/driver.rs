@@ -421,8 +421,10 @@ impl Driver for DriverModel {
             s.write(h, len, off, &bytes[at..at + n]);
             at += n;
         }
-        // The copy may run after the call returns: work on the legacy stream until completed.
-        s.enqueue_legacy(self.config.events_complete_at_once);
+        // The copy may run after the call returns: work on the legacy stream until completed,
+        // touching its source and its destination (fact 21).
+        let touches = vec![(src as Addr, size), (dst as Addr, size)];
+        s.enqueue_legacy(self.config.events_complete_at_once, touches);
         s.check_lost()
     }
 
@@ -455,8 +457,10 @@ impl Driver for DriverModel {
             at += n;
         }
         // From pageable memory the DMA may still run after the call returns (the bytes are
-        // staged): work on the legacy stream until completed.
-        s.enqueue_legacy(self.config.events_complete_at_once);
+        // staged): work on the legacy stream until completed, touching its destination
+        // (fact 21).
+        let touches = vec![(dst as Addr, src.len())];
+        s.enqueue_legacy(self.config.events_complete_at_once, touches);
         s.check_lost()
     }
 

@@ -442,8 +442,8 @@ impl ModelState {
 
     /// Submits a copy as work on the legacy stream (completed at once in the model's default
     /// mode, where recorded work completes at once).
-    pub(super) fn enqueue_legacy(&mut self, at_once: bool) {
-        self.submit(0, None);
+    pub(super) fn enqueue_legacy(&mut self, at_once: bool, touches: Vec<(Addr, usize)>) {
+        self.submit(0, Some(touches));
         if at_once {
             let upto = self.streams[&0].submitted;
             self.complete(0, upto);

@@ -291,6 +291,28 @@ fn a_failed_copy_leaves_another_copys_range_busy() {
     backend.free(src, G).unwrap();
 }
 
+/// A copy whose wait cannot record an event waits for the whole context instead (never less):
+/// it succeeds, and its ranges are free at once.
+#[test]
+fn a_copy_that_cannot_record_its_event_waits_for_the_whole_context() {
+    let model = model(false);
+    let backend = common::cuda(&model);
+    let src = backend.reserve(G).unwrap();
+    let phys = backend.create(G).unwrap();
+    backend.map(src, G, phys, Access::ReadWrite).unwrap();
+    let dst = backend.create(G).unwrap();
+    model.fail_nth(DriverCall::EventCreate, 1, CuError::OUT_OF_MEMORY);
+    let synchronized = model.count(DriverCall::CtxSynchronize);
+    backend.copy_into_phys(dst, src, G).unwrap();
+    assert_eq!(model.count(DriverCall::CtxSynchronize), synchronized + 1);
+    backend.unmap(src, G).unwrap(); // not busy: the copy is known to have finished
+    for p in [phys, dst] {
+        backend.release(p, G).unwrap();
+    }
+    backend.free(src, G).unwrap();
+    assert_eq!(model.outstanding().reservations, 0);
+}
+
 /// A copy whose wait failed (no event could be made, and synchronizing the context failed too)
 /// is not known to have finished: its source stays busy and its scratch range mapped. Once a
 /// fence recorded on the legacy stream after it has completed, so has the copy: the source can

@@ -1061,6 +1061,80 @@ fn a_model_holding_a_reservation_is_not_empty() {
     assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
 }
 
+/// Fact 39: an event recorded on a capturing stream is a captured event, graph nodes rather
+/// than a mark of the stream's work. Querying or synchronizing it returns `CAPTURED_EVENT`,
+/// even in relaxed mode, and (fact 41) invalidates the capture while it is open; it keeps
+/// answering so after the capture, until it is recorded again on a stream that does not
+/// capture.
+#[test]
+fn an_event_recorded_in_a_capture_is_captured_and_asking_it_invalidates_the_capture() {
+    let model = opened(config());
+    let stream = model.new_stream();
+    let event = model.event_create().unwrap();
+    model.begin_capture(stream, CaptureMode::Relaxed);
+    // SAFETY: `event` is live and `stream` is one of the model's, throughout.
+    unsafe {
+        model.event_record(event, stream).unwrap();
+        assert_eq!(model.event_query(event), Err(CuError::CAPTURED_EVENT));
+        assert_eq!(
+            model.end_capture(stream),
+            Err(CuError::STREAM_CAPTURE_INVALIDATED)
+        );
+        // After the capture: still a captured event.
+        assert_eq!(model.event_synchronize(event), Err(CuError::CAPTURED_EVENT));
+        // A capture that never asks its events ends valid.
+        model.begin_capture(stream, CaptureMode::Global);
+        model.event_record(event, stream).unwrap();
+        assert_eq!(model.end_capture(stream), Ok(()));
+        // Recorded again outside any capture, it marks work again.
+        model.event_record(event, stream).unwrap();
+        assert_eq!(model.event_query(event), Ok(true));
+    }
+    assert_eq!(model.lost_with(), None, "907 is not sticky");
+}
+
+/// Fact 41: while a blocking stream (the per-thread stream is one, fact 2) captures, any use of
+/// the legacy stream — an event recorded there, a synchronous copy — is refused with
+/// `STREAM_CAPTURE_IMPLICIT` and invalidates the capture. A non-blocking stream's capture
+/// (cudarc's `new_stream()`) leaves the legacy stream usable.
+#[test]
+fn the_legacy_stream_is_refused_while_a_blocking_stream_captures() {
+    let model = opened(config());
+    let (ptr, _handle) = mapped(&model);
+    let event = model.event_create().unwrap();
+    let blocking = model.new_blocking_stream();
+    model.begin_capture(blocking, CaptureMode::Relaxed);
+    // SAFETY: `event` is live; `[ptr, ptr + 64)` lies in one mapping with read-write access.
+    unsafe {
+        assert_eq!(
+            model.event_record(event, 0),
+            Err(CuError::STREAM_CAPTURE_IMPLICIT)
+        );
+        assert_eq!(
+            model.memcpy_htod(ptr, &[1; 64]),
+            Err(CuError::STREAM_CAPTURE_IMPLICIT)
+        );
+        let mut back = [0; 64];
+        assert_eq!(
+            model.memcpy_dtoh(&mut back, ptr),
+            Err(CuError::STREAM_CAPTURE_IMPLICIT)
+        );
+    }
+    assert_eq!(
+        model.end_capture(blocking),
+        Err(CuError::STREAM_CAPTURE_INVALIDATED)
+    );
+    let other = model.new_stream();
+    model.begin_capture(other, CaptureMode::Global);
+    // SAFETY: as above.
+    unsafe {
+        model.event_record(event, 0).unwrap();
+        model.memcpy_htod(ptr, &[2; 64]).unwrap();
+    }
+    assert_eq!(model.end_capture(other), Ok(()));
+    assert_eq!(model.lost_with(), None);
+}
+
 /// Kills `src/backend/cuda/model.rs: replace += with -= in DriverModel::new_stream`: every new
 /// stream, however many the model made, is one of its own and never the legacy stream (a
 /// capture may begin on it: fact 41).

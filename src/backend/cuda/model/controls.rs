@@ -89,10 +89,26 @@ impl DriverModel {
     /// A new non-blocking stream (as cudarc's `new_stream()` makes): it is not ordered with the
     /// legacy stream nor with any other.
     pub fn new_stream(&self) -> Stream {
+        self.add_stream(false)
+    }
+
+    /// A new blocking stream of the model's context: it synchronizes with the legacy stream,
+    /// as the per-thread stream (cudarc's `per_thread_stream()`, fact 2) does; while it
+    /// captures, any use of the legacy stream is refused with `STREAM_CAPTURE_IMPLICIT` and
+    /// invalidates the capture (fact 41).
+    pub fn new_blocking_stream(&self) -> Stream {
+        self.add_stream(true)
+    }
+
+    fn add_stream(&self, blocking: bool) -> Stream {
         let mut s = self.state();
         let stream = s.next_stream;
         s.next_stream += 1;
-        s.streams.insert(stream, StreamWork::default());
+        let work = StreamWork {
+            blocking,
+            ..StreamWork::default()
+        };
+        s.streams.insert(stream, work);
         stream
     }
 

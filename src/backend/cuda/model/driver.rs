@@ -411,6 +411,7 @@ impl Driver for DriverModel {
     unsafe fn memcpy_dtod(&self, dst: u64, src: u64, size: usize) -> CuResult<()> {
         let call = DriverCall::MemcpyDtoD;
         let mut s = self.enter(call, true)?;
+        s.legacy_refused()?; // fact 41: a synchronous copy uses the legacy stream
         let mut bytes = Vec::with_capacity(size);
         for (h, off, n) in s.pieces(call, src, size, false) {
             bytes.extend(s.read(h, off, n));
@@ -450,6 +451,7 @@ impl Driver for DriverModel {
     unsafe fn memcpy_htod(&self, dst: u64, src: &[u8]) -> CuResult<()> {
         let call = DriverCall::MemcpyHtoD;
         let mut s = self.enter(call, true)?;
+        s.legacy_refused()?; // fact 41: a synchronous copy uses the legacy stream
         let mut at = 0;
         for (h, off, n) in s.pieces(call, dst, src.len(), true) {
             let len = s.book.phys_len_any(h);
@@ -466,7 +468,8 @@ impl Driver for DriverModel {
 
     unsafe fn memcpy_dtoh(&self, dst: &mut [u8], src: u64) -> CuResult<()> {
         let call = DriverCall::MemcpyDtoH;
-        let s = self.enter(call, true)?;
+        let mut s = self.enter(call, true)?;
+        s.legacy_refused()?; // fact 41: a synchronous copy uses the legacy stream
         let mut at = 0;
         for (h, off, n) in s.pieces(call, src, dst.len(), false) {
             dst[at..at + n].copy_from_slice(&s.read(h, off, n));
@@ -494,10 +497,20 @@ impl Driver for DriverModel {
         let Some(submitted) = s.streams.get(&stream).map(|w| w.submitted) else {
             misuse(call, format_args!("unknown stream {stream:#x}"));
         };
-        let Some(slot) = s.events.get_mut(&event) else {
+        if !s.events.contains_key(&event) {
             misuse(call, "unknown event");
-        };
-        *slot = Some((stream, submitted));
+        }
+        if stream == 0 {
+            s.legacy_refused()?;
+        }
+        // Fact 39: recorded on a capturing stream, the event is a set of graph nodes, not a
+        // mark of the stream's work.
+        if s.captures.contains_key(&stream) {
+            s.captured.insert(event, stream);
+            return s.check_lost();
+        }
+        s.captured.remove(&event);
+        s.events.insert(event, Some((stream, submitted)));
         if self.config.events_complete_at_once {
             s.complete(stream, submitted);
             self.done.notify_all();
@@ -507,11 +520,12 @@ impl Driver for DriverModel {
 
     unsafe fn event_query(&self, event: Event) -> CuResult<bool> {
         let call = DriverCall::EventQuery;
-        let s = self.enter(call, true)?;
-        match s.events.get(&event) {
-            None => misuse(call, "unknown event"),
-            Some(recorded) => Ok(s.covered(*recorded)),
-        }
+        let mut s = self.enter(call, true)?;
+        let Some(&recorded) = s.events.get(&event) else {
+            misuse(call, "unknown event");
+        };
+        s.captured_event(event)?;
+        Ok(s.covered(recorded))
     }
 
     unsafe fn event_synchronize(&self, event: Event) -> CuResult<()> {
@@ -520,6 +534,7 @@ impl Driver for DriverModel {
         let Some(&recorded) = s.events.get(&event) else {
             misuse(call, "unknown event");
         };
+        s.captured_event(event)?;
         // With `synchronize_blocks`, blocks the calling thread, as the driver does, until
         // another thread completes the work; every other call goes on meanwhile. Otherwise the
         // work completes now, as if the GPU had finished it during the wait.
@@ -539,6 +554,7 @@ impl Driver for DriverModel {
         if s.events.remove(&event).is_none() {
             misuse(call, "unknown event");
         }
+        s.captured.remove(&event);
         s.free_events.push(event);
         Ok(())
     }

@@ -36,6 +36,9 @@ pub(super) struct StreamWork {
     pub(super) pending: VecDeque<Work>,
     /// The first unfinished piece that faults when it completes (fact 21).
     pub(super) doomed: Option<u64>,
+    /// Whether it synchronizes with the legacy stream (a blocking stream, as the per-thread
+    /// stream is: fact 2); cudarc's `new_stream()` streams do not (fact 4).
+    pub(super) blocking: bool,
 }
 
 /// A piece of work submitted on a stream.
@@ -164,6 +167,9 @@ pub(super) struct ModelState {
     pub(super) contents: HashMap<u64, Vec<u8>>,
     /// Live events, and where each was last recorded: its stream and the work it covers.
     pub(super) events: HashMap<Event, Option<(Stream, u64)>>,
+    /// Events last recorded on a capturing stream: captured events, graph nodes rather than
+    /// work (fact 39), and the stream whose capture took them.
+    pub(super) captured: HashMap<Event, Stream>,
     /// Destroyed event values, handed out again before new ones (the last destroyed first).
     pub(super) free_events: Vec<Event>,
     pub(super) next_event: Event,
@@ -214,6 +220,7 @@ impl ModelState {
             used: 0,
             contents: HashMap::new(),
             events: HashMap::new(),
+            captured: HashMap::new(),
             free_events: Vec::new(),
             next_event: 1,
             streams: HashMap::from([(0, StreamWork::default())]),
@@ -360,6 +367,34 @@ impl ModelState {
                 }
             }
         }
+    }
+
+    /// Fact 41: any use of the legacy stream while a blocking stream of the context captures is
+    /// refused with `STREAM_CAPTURE_IMPLICIT` and invalidates that capture.
+    pub(super) fn legacy_refused(&mut self) -> CuResult<()> {
+        let mut refused = false;
+        for (stream, c) in &mut self.captures {
+            if self.streams.get(stream).is_some_and(|w| w.blocking) {
+                c.invalidated = true;
+                refused = true;
+            }
+        }
+        if refused {
+            return Err(CuError::STREAM_CAPTURE_IMPLICIT);
+        }
+        Ok(())
+    }
+
+    /// Facts 39 and 41: querying or synchronizing a captured event returns `CAPTURED_EVENT`,
+    /// and invalidates its capture while that is open.
+    pub(super) fn captured_event(&mut self, event: Event) -> CuResult<()> {
+        let Some(stream) = self.captured.get(&event) else {
+            return Ok(());
+        };
+        if let Some(c) = self.captures.get_mut(stream) {
+            c.invalidated = true;
+        }
+        Err(CuError::CAPTURED_EVENT)
     }
 
     /// Facts 40–43: whether a potentially unsafe call (the VMM calls) from this thread is

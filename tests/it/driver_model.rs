@@ -1135,6 +1135,90 @@ fn the_legacy_stream_is_refused_while_a_blocking_stream_captures() {
     assert_eq!(model.lost_with(), None);
 }
 
+/// Fact 41: asking whether a stream captures (`cuStreamIsCapturing`) invalidates nothing; asked
+/// of the legacy stream while a blocking stream captures, it answers 906 (the probe before any
+/// use of the legacy stream).
+#[test]
+fn asking_whether_a_stream_captures_invalidates_nothing() {
+    let model = opened(config());
+    let (stream, blocking) = (model.new_stream(), model.new_blocking_stream());
+    // SAFETY: 0 and the model's own streams, live as long as the model.
+    unsafe {
+        assert_eq!(model.stream_is_capturing(stream), Ok(false));
+        model.begin_capture(stream, CaptureMode::Global);
+        assert_eq!(model.stream_is_capturing(stream), Ok(true));
+        assert_eq!(
+            model.stream_is_capturing(0),
+            Ok(false),
+            "a non-blocking capture"
+        );
+        assert_eq!(model.end_capture(stream), Ok(()));
+        model.begin_capture(blocking, CaptureMode::Global);
+        assert_eq!(
+            model.stream_is_capturing(0),
+            Err(CuError::STREAM_CAPTURE_IMPLICIT)
+        );
+        assert_eq!(model.stream_is_capturing(blocking), Ok(true));
+        assert_eq!(
+            model.end_capture(blocking),
+            Ok(()),
+            "nothing invalidated it"
+        );
+    }
+}
+
+/// Fact 40: a thread's capture interaction mode (`cuThreadExchangeStreamCaptureMode`) decides
+/// which open captures refuse its potentially unsafe calls. In the relaxed mode another
+/// thread's global capture refuses nothing; in the thread-local mode only the thread's own
+/// capture does; the exchange returns the mode the thread had.
+#[test]
+fn a_threads_capture_mode_decides_which_captures_refuse_its_vmm_calls() {
+    let model = opened(config());
+    let stream = model.new_stream();
+    model.begin_capture(stream, CaptureMode::Global);
+    std::thread::scope(|scope| {
+        scope
+            .spawn(|| {
+                let old = model.thread_exchange_capture_mode(CaptureMode::Relaxed);
+                assert_eq!(old, Ok(CaptureMode::Global), "the default");
+                let handle = model.mem_create(G, 0).expect("relaxed: not refused");
+                // SAFETY: created just above, released once.
+                unsafe { model.mem_release(handle) }.unwrap();
+                let old = model.thread_exchange_capture_mode(CaptureMode::ThreadLocal);
+                assert_eq!(old, Ok(CaptureMode::Relaxed));
+                let handle = model.mem_create(G, 0).expect("another thread's capture");
+                // SAFETY: as above.
+                unsafe { model.mem_release(handle) }.unwrap();
+            })
+            .join()
+            .unwrap();
+    });
+    assert_eq!(model.end_capture(stream), Ok(()), "nothing refused");
+    // The capturing thread itself, in the thread-local mode: refused by its own capture.
+    model
+        .thread_exchange_capture_mode(CaptureMode::ThreadLocal)
+        .unwrap();
+    model.begin_capture(stream, CaptureMode::Global);
+    assert_eq!(
+        model.mem_create(G, 0),
+        Err(CuError::STREAM_CAPTURE_UNSUPPORTED)
+    );
+    assert_eq!(
+        model.end_capture(stream),
+        Err(CuError::STREAM_CAPTURE_INVALIDATED)
+    );
+    // A thread in the default mode is refused by another thread's global capture.
+    model.begin_capture(stream, CaptureMode::Global);
+    std::thread::scope(|scope| {
+        let refused = scope.spawn(|| model.mem_create(G, 0)).join().unwrap();
+        assert_eq!(refused, Err(CuError::STREAM_CAPTURE_UNSUPPORTED));
+    });
+    assert_eq!(
+        model.end_capture(stream),
+        Err(CuError::STREAM_CAPTURE_INVALIDATED)
+    );
+}
+
 /// Kills `src/backend/cuda/model.rs: replace += with -= in DriverModel::new_stream`: every new
 /// stream, however many the model made, is one of its own and never the legacy stream (a
 /// capture may begin on it: fact 41).

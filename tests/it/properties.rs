@@ -968,10 +968,16 @@ proptest! {
 /// fence on the legacy stream settles a copy whose wait failed.
 #[test]
 fn a_copy_on_write_whose_copy_wait_failed_loses_nothing() {
+    // The index `driver_fault` takes for `call`, with a transient error (not a multiple of 8).
+    let transient = |call: DriverCall| {
+        let n = DriverCall::ALL.len();
+        let at = DriverCall::ALL.iter().position(|&c| c == call).unwrap();
+        (0..8).map(|k| at + k * n).find(|i| i % 8 != 0).unwrap()
+    };
     run_cuda(&[
         Step::Reserve(1),
-        Step::DriverFault(13042657129902454817, 1), // cuCtxSynchronize, once
-        Step::DriverFault(10361760756452772041, 3), // cuEventCreate, the third
+        Step::DriverFault(transient(DriverCall::CtxSynchronize), 1),
+        Step::DriverFault(transient(DriverCall::EventCreate), 3),
         Step::CommitPrefix(0),
         Step::Share(0),
         Step::Share(6130246510863551432),

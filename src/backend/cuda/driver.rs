@@ -203,7 +203,27 @@ listed! {
         EventSynchronize,
         MemExportToShareableHandle,
         MemImportFromShareableHandle,
+        StreamIsCapturing,
+        ThreadExchangeStreamCaptureMode,
     }
+}
+
+/// A stream capture's mode (`CUstreamCaptureMode`, fact 40): the mode a capture begins in, and
+/// a thread's capture interaction mode (`cuThreadExchangeStreamCaptureMode`), which decides
+/// which open captures refuse that thread's potentially unsafe calls.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CaptureMode {
+    /// `CU_STREAM_CAPTURE_MODE_GLOBAL` (the default). A capture begun so refuses a potentially
+    /// unsafe call from any thread in this mode; a thread in this mode is refused by its own
+    /// capture unless that began relaxed, and by any other thread's global capture.
+    Global,
+    /// `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`: a capture begun so refuses only the capturing
+    /// thread's unsafe calls; a thread in this mode is refused only by its own capture (unless
+    /// that began relaxed).
+    ThreadLocal,
+    /// `CU_STREAM_CAPTURE_MODE_RELAXED`: a capture begun so refuses no call; a thread in this
+    /// mode is refused by none.
+    Relaxed,
 }
 
 /// A shareable handle, as [`Driver::mem_export_to_shareable_handle`] hands it over.
@@ -518,6 +538,19 @@ pub trait Driver {
     ///
     /// `event` is a live event of this driver ([the trait's rules](Driver#safety)).
     unsafe fn event_synchronize(&self, event: Event) -> CuResult<()>;
+    /// `cuStreamIsCapturing`: whether `stream` captures now (a capture invalidated and not yet
+    /// ended counts). Asked of the legacy stream while a blocking stream of the context
+    /// captures, `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`, an answer that invalidates nothing
+    /// (fact 41).
+    ///
+    /// # Safety
+    ///
+    /// `stream` is 0 (the legacy stream) or a live stream of this driver's context
+    /// ([the trait's rules](Driver#safety)).
+    unsafe fn stream_is_capturing(&self, stream: Stream) -> CuResult<bool>;
+    /// `cuThreadExchangeStreamCaptureMode`: sets the calling thread's capture interaction mode
+    /// to `mode`; returns the mode it had (fact 40).
+    fn thread_exchange_capture_mode(&self, mode: CaptureMode) -> CuResult<CaptureMode>;
 }
 
 #[cfg(test)]

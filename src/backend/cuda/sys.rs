@@ -10,7 +10,7 @@
 
 use super::CudaError;
 use super::driver::{
-    AllocationProps, Context, CuError, CuResult, DeviceAttribute, Driver, Event,
+    AllocationProps, CaptureMode, Context, CuError, CuResult, DeviceAttribute, Driver, Event,
     HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
 };
 use cudarc::driver::result::{self, DriverError};
@@ -301,5 +301,34 @@ impl Driver for SysDriver {
     unsafe fn event_synchronize(&self, event: Event) -> CuResult<()> {
         // SAFETY: the caller passes a live event of this driver (`Driver`'s rules).
         unsafe { result::event::synchronize(event as sys::CUevent) }.map_err(cu)
+    }
+
+    unsafe fn stream_is_capturing(&self, stream: Stream) -> CuResult<bool> {
+        // Raw: cudarc's `result` has no wrapper for `cuStreamIsCapturing`.
+        let mut status = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
+        // SAFETY: `status` outlives the call; the caller passes 0 (the legacy stream) or a live
+        // stream of this context.
+        unsafe { sys::cuStreamIsCapturing(stream as sys::CUstream, &mut status) }
+            .result()
+            .map_err(cu)?;
+        Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    fn thread_exchange_capture_mode(&self, mode: CaptureMode) -> CuResult<CaptureMode> {
+        use sys::CUstreamCaptureMode as M;
+        let mut raw = match mode {
+            CaptureMode::Global => M::CU_STREAM_CAPTURE_MODE_GLOBAL,
+            CaptureMode::ThreadLocal => M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+            CaptureMode::Relaxed => M::CU_STREAM_CAPTURE_MODE_RELAXED,
+        };
+        // SAFETY: `raw` outlives the call, which reads the new mode from it and writes the old.
+        unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut raw) }
+            .result()
+            .map_err(cu)?;
+        Ok(match raw {
+            M::CU_STREAM_CAPTURE_MODE_GLOBAL => CaptureMode::Global,
+            M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL => CaptureMode::ThreadLocal,
+            M::CU_STREAM_CAPTURE_MODE_RELAXED => CaptureMode::Relaxed,
+        })
     }
 }

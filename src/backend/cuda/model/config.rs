@@ -1,5 +1,5 @@
-//! The driver model's settings: [`ModelConfig`], where reservations land ([`Placement`]) and
-//! a stream capture's mode ([`CaptureMode`]).
+//! The driver model's settings: [`ModelConfig`], and where reservations land ([`Placement`]);
+//! a stream capture's mode ([`CaptureMode`]) is the driver seam's.
 
 #[cfg(doc)]
 use super::DriverModel;
@@ -21,19 +21,7 @@ pub enum Placement {
     },
 }
 
-/// A stream capture's mode (`CUstreamCaptureMode`, fact 40), for
-/// [`DriverModel::begin_capture`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum CaptureMode {
-    /// `CU_STREAM_CAPTURE_MODE_GLOBAL` (the default): while it is open, a potentially unsafe
-    /// call from any thread is refused.
-    Global,
-    /// `CU_STREAM_CAPTURE_MODE_THREAD_LOCAL`: only the capturing thread's own unsafe calls are
-    /// refused.
-    ThreadLocal,
-    /// `CU_STREAM_CAPTURE_MODE_RELAXED`: no call is refused for it.
-    Relaxed,
-}
+pub use crate::backend::cuda::driver::CaptureMode;
 
 /// Settings of a [`DriverModel`].
 #[derive(Clone, Debug)]

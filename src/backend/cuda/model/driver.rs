@@ -7,8 +7,8 @@ use super::ModelConfig;
 use super::state::{ModelState, Shared, Watched, identity, inode_of};
 use super::{DriverModel, misuse};
 use crate::backend::cuda::driver::{
-    AllocationProps, Context, CuError, CuResult, DeviceAttribute, Driver, DriverCall, Event,
-    HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
+    AllocationProps, CaptureMode, Context, CuError, CuResult, DeviceAttribute, Driver, DriverCall,
+    Event, HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
 };
 use crate::backend::{Access, Addr};
 use rustix::fd::AsFd;
@@ -557,6 +557,30 @@ impl Driver for DriverModel {
         s.captured.remove(&event);
         s.free_events.push(event);
         Ok(())
+    }
+
+    /// Fact 41: on the legacy stream while a blocking stream captures, 906, which invalidates
+    /// nothing.
+    unsafe fn stream_is_capturing(&self, stream: Stream) -> CuResult<bool> {
+        let call = DriverCall::StreamIsCapturing;
+        let s = self.enter(call, true)?;
+        if !s.streams.contains_key(&stream) {
+            misuse(call, format_args!("unknown stream {stream:#x}"));
+        }
+        if stream == 0 {
+            let blocking = |st: &Stream| s.streams.get(st).is_some_and(|w| w.blocking);
+            if s.captures.keys().any(blocking) {
+                return Err(CuError::STREAM_CAPTURE_IMPLICIT);
+            }
+        }
+        Ok(s.captures.contains_key(&stream))
+    }
+
+    fn thread_exchange_capture_mode(&self, mode: CaptureMode) -> CuResult<CaptureMode> {
+        let mut s = self.enter(DriverCall::ThreadExchangeStreamCaptureMode, false)?;
+        let me = std::thread::current().id();
+        let old = s.thread_modes.insert(me, mode);
+        Ok(old.unwrap_or(CaptureMode::Global))
     }
 }
 

@@ -181,6 +181,9 @@ pub(super) struct ModelState {
     pub(super) epoch: u64,
     /// Open stream captures, by stream.
     pub(super) captures: HashMap<Stream, Capture>,
+    /// Threads' capture interaction modes, where set (`cuThreadExchangeStreamCaptureMode`);
+    /// a thread not listed is in the default, global mode (fact 40).
+    pub(super) thread_modes: HashMap<ThreadId, CaptureMode>,
     pub(super) log: Vec<DriverCall>,
     /// Calls counted (not those after the loss) and planned failures.
     pub(super) faults: FaultPlan<DriverCall, CuError>,
@@ -227,6 +230,7 @@ impl ModelState {
             next_stream: 0x5000,
             epoch: 0,
             captures: HashMap::new(),
+            thread_modes: HashMap::new(),
             log: Vec::new(),
             faults: FaultPlan::default(),
         }
@@ -403,11 +407,20 @@ impl ModelState {
     /// GLOBAL mode invalidates another thread's capture too).
     pub(super) fn refused_by_capture(&mut self) -> CuResult<()> {
         let me = std::thread::current().id();
+        let mine = self
+            .thread_modes
+            .get(&me)
+            .copied()
+            .unwrap_or(CaptureMode::Global);
         let mut refused = false;
         for c in self.captures.values_mut() {
-            let bars = match c.mode {
-                CaptureMode::Global => true,
-                CaptureMode::ThreadLocal => c.thread == me,
+            // The thread's own capture bars it unless begun relaxed; another thread's, only a
+            // global one, and only for a thread in the global mode (fact 40).
+            let own = c.thread == me && c.mode != CaptureMode::Relaxed;
+            let other = c.thread != me && c.mode == CaptureMode::Global;
+            let bars = match mine {
+                CaptureMode::Global => own || other,
+                CaptureMode::ThreadLocal => own,
                 CaptureMode::Relaxed => false,
             };
             if bars {

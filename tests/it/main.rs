@@ -15,6 +15,7 @@
 mod common;
 
 // The token layer: transitions, custody and teardown, what each kind of memory does.
+mod captures;
 mod context_loss;
 mod custody;
 mod custody_discharge;

@@ -81,19 +81,29 @@ impl<D: Driver> CudaBackend<D> {
         let Ok(mut s) = self.enter(Op::Fence, 0, 0) else {
             return self.context_lost();
         };
-        for serial in marks.iter().filter_map(|m| m.event) {
-            let Some(&event) = s.events.get(&serial) else {
+        for m in marks.iter_mut() {
+            let Some(&event) = m.event.and_then(|serial| s.events.get(&serial)) else {
                 continue; // not this backend's event: nothing of ours to wait for
             };
+            // Asking an event captured by a capture begun since its record would invalidate
+            // that capture (facts 39, 41): not while its stream captures.
+            if self.capturing(m.stream) {
+                return self.context_lost();
+            }
             // SAFETY: `s.events` maps the serial to an event created by this driver and not yet
             // destroyed (an entry leaves when its event is destroyed; serials are never reused).
             match unsafe { self.driver.event_query(event) } {
                 Ok(true) => {}
                 Ok(false) => return false,
-                // A failed query is asked again at the next poll, unless it revealed the loss.
-                Err(e) => {
+                Err(e) if e.is_context_loss() => {
                     let _ = self.fail(Op::Fence, 0, 0, e);
                     return self.context_lost();
+                }
+                // A captured event (907), or any other answer: recorded again once its stream
+                // no longer captures, which covers at least as much work.
+                Err(_) => {
+                    m.recorded = false;
+                    return false;
                 }
             }
         }
@@ -111,11 +121,16 @@ impl<D: Driver> CudaBackend<D> {
         if !self.record_marks(&mut marks) {
             return self.context_lost();
         }
-        for serial in marks.iter().filter_map(|m| m.event) {
+        for m in marks.iter() {
+            let Some(serial) = m.event else { continue };
             let event = {
                 let Ok(s) = self.enter(Op::Fence, 0, 0) else {
                     return self.context_lost();
                 };
+                // Waiting on an event its stream's open capture took would invalidate it.
+                if self.capturing(m.stream) {
+                    return self.context_lost();
+                }
                 match s.events.get(&serial) {
                     Some(&event) => event,
                     None => continue,
@@ -252,7 +267,14 @@ impl<D: Driver> CudaBackend<D> {
         let Ok(mut s) = self.enter(Op::Fence, 0, 0) else {
             return false;
         };
+        let mut all = true;
         for m in marks.iter_mut().filter(|m| !m.recorded) {
+            // Never into a capture (a captured event is graph nodes, and asking it invalidates
+            // the capture: facts 39, 41): recorded once the stream no longer captures.
+            if self.capturing(m.stream) {
+                all = false;
+                continue;
+            }
             let serial = match m.event {
                 Some(serial) => serial,
                 None => match self.create_event(&mut s) {
@@ -282,7 +304,25 @@ impl<D: Driver> CudaBackend<D> {
                 }
             }
         }
-        true
+        all
+    }
+
+    /// Whether `stream` captures now, or may not be used (the legacy stream while a blocking
+    /// stream of the context captures answers 906): then nothing is recorded on it and none of
+    /// its events is asked (facts 39, 41). Asking invalidates nothing; a failed answer counts
+    /// as capturing (asked again later), a loss is noted. The record's lock is held.
+    fn capturing(&self, stream: Stream) -> bool {
+        // SAFETY: `stream` is a covered stream: 0, or one whose owner promised it live until
+        // this backend is dropped (`cover_stream`'s contract).
+        match unsafe { self.driver.stream_is_capturing(stream) } {
+            Ok(capturing) => capturing,
+            Err(e) => {
+                if e.is_context_loss() {
+                    let _ = self.fail(Op::Fence, 0, 0, e);
+                }
+                true
+            }
+        }
     }
 
     /// Destroys one of this backend's events, named by its serial, once; a failed

@@ -1,0 +1,103 @@
+//! CUDA graph captures (issue 22), on the driver model made strict on them (facts 39–43): what
+//! memtoken does while a stream it covers captures. It records nothing into the capture and asks
+//! none of the capture's events — a captured event's query would invalidate the user's capture
+//! (fact 39) — so the capture ends valid, and every release goes through once it has ended.
+
+use crate::common;
+use memtoken::backend::cuda::{CuError, DriverCall};
+use memtoken::backend::doubles::{CaptureMode, DriverModel, ModelConfig};
+use memtoken::{Budget, Device, PagePool, make_guard};
+
+const G: usize = common::MODEL_GRANULARITY;
+
+/// A model whose events complete as soon as they are recorded (so a fence is done once it is
+/// recorded at all).
+fn model() -> DriverModel {
+    DriverModel::new(ModelConfig {
+        events_complete_at_once: true,
+        ..common::model_config()
+    })
+    .unwrap()
+}
+
+/// A drop, a release, an idle check (a shrink) and a page-pool free while a covered stream
+/// captures: nothing is recorded into the capture nor asked of it, so it ends valid; the drop
+/// and the release wait for it, the shrink says it is pending, the page cools; once the capture
+/// has ended, everything goes and nothing is left.
+#[test]
+fn releases_during_a_capture_on_a_covered_stream_leave_it_valid_and_complete_after_it() {
+    let model = model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let stream = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.cover_stream(stream) };
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, G / 4).unwrap();
+    let (dropped, released) = (
+        binding.reserve(G).unwrap().commit().unwrap(),
+        binding.reserve(G).unwrap().commit().unwrap(),
+    );
+    let mut region = binding.reserve(2 * G).unwrap().into_region();
+    region.grow(2).unwrap();
+    let page = pool.alloc().unwrap();
+    let queries = model.count(DriverCall::EventQuery);
+
+    model.begin_capture(stream, CaptureMode::ThreadLocal);
+    drop(dropped);
+    let releasing = match released.release().complete().map_err(|e| e.into_token()) {
+        Err(memtoken::Returned::Unchanged(releasing)) => releasing,
+        _ => panic!("a release waits for the capture: neither done nor quarantined"),
+    };
+    assert!(
+        matches!(region.shrink(1), Err(memtoken::ShrinkError::Pending)),
+        "no unmap while work that may use the region is not known to have finished"
+    );
+    pool.free(page);
+    assert_eq!(device.poll().deferred, 1, "the drop waits");
+    assert_eq!(
+        model.count(DriverCall::EventQuery),
+        queries,
+        "no event asked while its stream captures"
+    );
+    assert_eq!(model.end_capture(stream), Ok(()), "the capture ends valid");
+
+    releasing.complete().unwrap();
+    assert_eq!(device.poll().released, 1);
+    region.shrink(1).unwrap();
+    drop(region);
+    drop(pool);
+    device.poll();
+    device.trim_cache();
+    assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert_eq!(model.lost_with(), None);
+}
+
+/// A mark whose event answers an error that is not a loss (a captured event's 907, or any other
+/// code: what the driver answers after a capture ends is not documented) is recorded again once
+/// its stream no longer captures, rather than left failing for good: the release completes.
+#[test]
+fn a_mark_whose_query_fails_is_recorded_again_and_the_release_completes() {
+    let model = model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(G).unwrap().commit().unwrap();
+    model.fail_from(DriverCall::EventQuery, 1, CuError::CAPTURED_EVENT);
+    let releasing = match a.release().complete().map_err(|e| e.into_token()) {
+        Err(memtoken::Returned::Unchanged(releasing)) => releasing,
+        _ => panic!("the fence's query failed: pending, neither done nor quarantined"),
+    };
+    model.clear();
+    let records = model.count(DriverCall::EventRecord);
+    releasing.complete().unwrap();
+    assert!(
+        model.count(DriverCall::EventRecord) > records,
+        "the mark was recorded again"
+    );
+    drop(binding);
+    assert!(device.close().is_clean());
+}

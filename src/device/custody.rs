@@ -372,7 +372,7 @@ impl<'id, B: Backend> Device<'id, B> {
 
 /// The call a teardown of `r` would make first, as an error names it: the unmap of what is
 /// mapped, else the release of physical memory, else the free of the VA.
-fn next_call<P>(r: &Residual<P>) -> (Op, Addr, usize) {
+fn next_call<P: Copy>(r: &Residual<P>) -> (Op, Addr, usize) {
     let h = &r.held;
     if h.mapped > 0 {
         return (Op::Unmap, r.addr, h.mapped);
@@ -380,8 +380,14 @@ fn next_call<P>(r: &Residual<P>) -> (Op, Addr, usize) {
     if let Some(g) = h.granules.iter().find(|g| g.mapped) {
         return (Op::Unmap, r.addr + g.offset, g.len);
     }
-    if h.reserved && h.owned_bytes() == 0 && h.shared.is_none() && h.imported.is_empty() {
-        return (Op::Free, r.addr, r.len);
+    if let Some(shared) = &h.shared {
+        return (Op::Release, r.addr, shared.split().len());
     }
-    (Op::Release, r.addr, h.owned_bytes())
+    if h.owned_bytes() > 0 {
+        return (Op::Release, r.addr, h.owned_bytes());
+    }
+    if let Some(&(_, len)) = h.imported.last() {
+        return (Op::Release, r.addr, len);
+    }
+    (Op::Free, r.addr, r.len)
 }

@@ -101,3 +101,40 @@ fn a_mark_whose_query_fails_is_recorded_again_and_the_release_completes() {
     drop(binding);
     assert!(device.close().is_clean());
 }
+
+/// While a blocking stream the device does not cover captures (cudarc's `per_thread_stream()`
+/// is one, fact 2), any use of the legacy stream would invalidate the capture (fact 41): a host
+/// copy is refused before it starts (a transient error, nothing done), and a fence's mark on the
+/// legacy stream waits to be recorded. The capture ends valid; then the copy and the release go.
+#[test]
+fn a_host_copy_and_a_fence_during_a_blocking_streams_capture_leave_it_valid() {
+    let model = model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut a = binding.reserve(G).unwrap().commit().unwrap();
+    let b = binding.reserve(G).unwrap().commit().unwrap();
+    let blocking = model.new_blocking_stream();
+    model.begin_capture(blocking, CaptureMode::Relaxed);
+    let refused = a.copy_from_host(0, &[7; 64]).unwrap_err();
+    assert!(
+        refused.to_string().contains("STREAM_CAPTURE_IMPLICIT"),
+        "{refused}"
+    );
+    drop(b);
+    assert_eq!(device.poll().deferred, 1, "its fence waits to be recorded");
+    assert_eq!(
+        model.end_capture(blocking),
+        Ok(()),
+        "the capture ends valid"
+    );
+    a.copy_from_host(0, &[7; 64]).unwrap();
+    let mut back = [0; 64];
+    a.copy_to_host(0, &mut back).unwrap();
+    assert_eq!(back, [7; 64]);
+    assert_eq!(device.poll().released, 1);
+    drop(a);
+    device.poll();
+    drop(binding);
+    assert!(device.close().is_clean());
+}

@@ -358,6 +358,58 @@ fn a_copy_whose_wait_failed_is_settled_by_a_later_fence_on_the_legacy_stream() {
     assert_eq!(model.lost_with(), None);
 }
 
+/// Only this backend's own events settle its copies: a fence of another backend (whose events
+/// its record does not hold, and which waited for nothing of this context) settles nothing.
+#[test]
+fn a_fence_of_another_backend_settles_no_copy() {
+    let (model, other) = (model(false), model(false));
+    let backend = common::cuda(&model);
+    let foreign = common::cuda(&other);
+    let src = backend.reserve(G).unwrap();
+    let phys = backend.create(G).unwrap();
+    backend.map(src, G, phys, Access::ReadWrite).unwrap();
+    let dst = backend.create(G).unwrap();
+    model.fail_nth(DriverCall::EventCreate, 1, CuError::OUT_OF_MEMORY);
+    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::OUT_OF_MEMORY);
+    assert!(
+        backend.copy_into_phys(dst, src, G).is_err(),
+        "the wait failed"
+    );
+    let fence = foreign.fence();
+    other.complete_work();
+    assert!(backend.fence_done(&fence), "a foreign fence counts as done");
+    assert!(
+        backend.unmap(src, G).is_err(),
+        "still busy: nothing of this context was waited for"
+    );
+    foreign.retire_fence(fence);
+    model.complete_work();
+    assert_eq!(model.lost_with(), None);
+}
+
+/// A loss met while settling a copy (its scratch range's unmap answers a sticky error) is
+/// noted: the backend is lost, and it calls the driver no more.
+#[test]
+fn a_loss_while_settling_a_copy_is_noted_and_nothing_more_is_called() {
+    let model = model(false);
+    let backend = common::cuda(&model);
+    let src = backend.reserve(G).unwrap();
+    let phys = backend.create(G).unwrap();
+    backend.map(src, G, phys, Access::ReadWrite).unwrap();
+    let dst = backend.create(G).unwrap();
+    model.fail_nth(DriverCall::EventCreate, 1, CuError::OUT_OF_MEMORY);
+    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::OUT_OF_MEMORY);
+    assert!(backend.copy_into_phys(dst, src, G).is_err());
+    let fence = backend.fence();
+    model.complete_work();
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::ILLEGAL_ADDRESS);
+    assert!(backend.fence_done(&fence), "lost: nothing runs any more");
+    assert_eq!(model.lost_with(), Some(CuError::ILLEGAL_ADDRESS));
+    assert!(backend.context_lost(), "the backend knows");
+    backend.retire_fence(fence);
+    assert_eq!(model.calls_after_loss(), 0);
+}
+
 /// A page given back while work on a covered stream may still use it is handed out again only
 /// once that work has finished: until then the pool hands out other pages (or grows).
 #[test]

@@ -66,6 +66,7 @@ impl<D: Driver> CudaBackend<D> {
         let fail = |e| self.fail(Op::Copy, src, len, e);
         let (span, d) = (len, &self.driver);
         let mut s = self.enter(Op::Copy, src, len)?;
+        self.legacy_usable().map_err(fail)?;
         self.sweep_scratch(&mut s).map_err(fail)?;
         s.book
             .check_copy(phys, src, len)
@@ -182,6 +183,7 @@ impl<D: Driver> CudaBackend<D> {
         if len == 0 {
             return Ok(()); // nothing to copy: no driver call with an address that may be none
         }
+        self.legacy_usable().map_err(fail)?;
         // SAFETY: `hold` proved every byte of the destination mapped read-write with access in
         // the record, and keeps the range from being unmapped, freed or mapped over until
         // `busy` is released, once the copy has landed (below).
@@ -196,13 +198,13 @@ impl<D: Driver> CudaBackend<D> {
                     // on the legacy stream after the copy has completed.
                     let marks = vec![busy.id];
                     std::mem::forget(busy);
-                    let after = next_serial();
+                    let mut s = lock(&self.state);
                     let unsettled = Unsettled {
-                        after,
+                        after: next_serial(),
                         marks,
                         scratch: None,
                     };
-                    lock(&self.state).unsettled.push(unsettled);
+                    s.unsettled.push(unsettled);
                 }
                 Err(fail(e))
             }
@@ -220,6 +222,8 @@ impl<D: Driver> CudaBackend<D> {
         if len == 0 {
             return Ok(()); // nothing to copy: no driver call with an address that may be none
         }
+        self.legacy_usable()
+            .map_err(|e| self.fail(Op::Copy, src, len, e))?;
         // SAFETY: `hold` proved every byte of the source mapped with access in the record, and
         // keeps the range from being unmapped, freed or mapped over until `_busy` is dropped,
         // after the (synchronous) copy.
@@ -245,6 +249,14 @@ impl<D: Driver> CudaBackend<D> {
         id
     }
 
+    /// Whether the legacy stream, where copies run, may be used now: not while a blocking stream
+    /// of the context captures, which the probe answers with 906 and a use would invalidate
+    /// (fact 41). The copy is then refused before anything starts (a transient error).
+    fn legacy_usable(&self) -> CuResult<()> {
+        // SAFETY: 0 is the legacy stream, always live.
+        unsafe { self.driver.stream_is_capturing(0) }.map(drop)
+    }
+
     /// Settles the copies whose wait failed and that started before the event of serial
     /// `upto` was created, now that it has completed on the legacy stream (`u64::MAX`: the
     /// whole context was synchronized): their busy marks go, their scratch ranges are taken
@@ -259,10 +271,14 @@ impl<D: Driver> CudaBackend<D> {
         s.unsettled = kept;
         for u in done {
             s.busy.retain(|&(id, _, _)| !u.marks.contains(&id));
-            if let Some((scratch, span)) = u.scratch {
-                // A failure leaves the range to a later sweep, or to the driver if the context
-                // is lost.
-                let _ = self.take_down_scratch(s, scratch, span);
+            // A failure leaves the range to a later sweep; a loss is noted, and nothing more
+            // is called (the driver freed the rest).
+            if let Some((scratch, span)) = u.scratch
+                && let Err(e) = self.take_down_scratch(s, scratch, span)
+                && e.is_context_loss()
+            {
+                let _ = self.fail(Op::Copy, 0, 0, e);
+                return;
             }
         }
     }

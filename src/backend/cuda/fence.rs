@@ -107,7 +107,10 @@ impl<D: Driver> CudaBackend<D> {
                 }
             }
         }
-        if let Some(upto) = legacy_event(&marks) {
+        // Only an event of this backend's orders this backend's copies.
+        if let Some(upto) = legacy_event(&marks)
+            && s.events.contains_key(&upto)
+        {
             self.settle_copies(&mut s, upto);
         }
         true
@@ -154,6 +157,7 @@ impl<D: Driver> CudaBackend<D> {
         }
         if let Some(upto) = legacy_event(&marks)
             && let Ok(mut s) = self.enter(Op::Fence, 0, 0)
+            && s.events.contains_key(&upto)
         {
             self.settle_copies(&mut s, upto);
         }
@@ -186,6 +190,9 @@ impl<D: Driver> CudaBackend<D> {
     /// event recorded there now, or for the whole context if no event can be recorded or the
     /// wait on it fails (never less than what was asked).
     pub(super) fn wait_legacy(&self) -> CuResult<()> {
+        // What a synchronize of the whole context covers: the copies that failed before it
+        // began (one that fails on another thread meanwhile may still run).
+        let mut synchronized = 0;
         let event = {
             let Ok(mut s) = self.enter(Op::Copy, 0, 0) else {
                 return Err(CuError::CONTEXT_IS_DESTROYED);
@@ -206,7 +213,10 @@ impl<D: Driver> CudaBackend<D> {
                     self.driver.ctx_synchronize()
                 }
             }),
-            None => self.driver.ctx_synchronize(),
+            None => {
+                synchronized = next_serial();
+                self.driver.ctx_synchronize()
+            }
         };
         if let Err(e) = waited
             && e.is_context_loss()
@@ -222,14 +232,16 @@ impl<D: Driver> CudaBackend<D> {
                     if waited.is_ok() {
                         self.settle_copies(&mut s, serial);
                     }
-                    self.destroy_event(&mut s, serial);
+                    if !self.context_lost() {
+                        self.destroy_event(&mut s, serial);
+                    }
                 }
                 Err(_) => lock(&self.state).retired.push(serial),
             }
         } else if waited.is_ok()
             && let Ok(mut s) = self.enter(Op::Copy, 0, 0)
         {
-            self.settle_copies(&mut s, u64::MAX); // the whole context was synchronized
+            self.settle_copies(&mut s, synchronized);
         }
         waited
     }

@@ -92,10 +92,11 @@ impl DriverModel {
         self.add_stream(false)
     }
 
-    /// A new blocking stream of the model's context: it synchronizes with the legacy stream,
-    /// as the per-thread stream (cudarc's `per_thread_stream()`, fact 2) does; while it
-    /// captures, any use of the legacy stream is refused with `STREAM_CAPTURE_IMPLICIT` and
-    /// invalidates the capture (fact 41).
+    /// A new blocking stream of the model's context, standing for the per-thread stream
+    /// (cudarc's `per_thread_stream()`, fact 2) in fact 41's rule: while it captures, any use
+    /// of the legacy stream is refused with `STREAM_CAPTURE_IMPLICIT` and invalidates the
+    /// capture. Its work is not ordered with the legacy stream's (the stricter reading: an
+    /// event on one covers nothing on the other).
     pub fn new_blocking_stream(&self) -> Stream {
         self.add_stream(true)
     }

@@ -40,6 +40,7 @@ impl<D: Driver> CudaBackend<D> {
         // Under the lock before the context is made current: whatever happens next, the
         // record stays true.
         let mut s = lock(&self.state);
+        let _relaxed = self.relaxed().map_err(fail)?; // the scratch range's teardown (fact 40)
         if let Err(e) = waited {
             // The copy is not known to have finished: its ranges stay busy and the scratch range
             // stays mapped — never reused, never freed under a copy that may still run — until
@@ -67,6 +68,7 @@ impl<D: Driver> CudaBackend<D> {
         let (span, d) = (len, &self.driver);
         let mut s = self.enter(Op::Copy, src, len)?;
         self.legacy_usable().map_err(fail)?;
+        let _relaxed = self.relaxed().map_err(fail)?; // the scratch range's VMM calls (fact 40)
         self.sweep_scratch(&mut s).map_err(fail)?;
         s.book
             .check_copy(phys, src, len)
@@ -265,6 +267,9 @@ impl<D: Driver> CudaBackend<D> {
         if s.unsettled.iter().all(|u| u.after >= upto) {
             return;
         }
+        let Ok(_relaxed) = self.relaxed() else {
+            return; // lost: nothing more is called
+        };
         let (done, kept) = std::mem::take(&mut s.unsettled)
             .into_iter()
             .partition(|u| u.after < upto);

@@ -35,6 +35,10 @@ impl<D: Driver> Exportable<PosixFd> for CudaBackend<D> {
     /// the device's ([`exportable_granularity`](CudaBackend::exportable_granularity)).
     fn create_exportable(&self, len: usize) -> Result<CudaPhys, BackendError> {
         let mut s = self.enter(Op::Create, 0, len)?;
+        // VMM calls: never barred by a capture (fact 40).
+        let _relaxed = self
+            .relaxed()
+            .map_err(|e| self.fail(Op::Create, 0, len, e))?;
         s.book
             .check_create(len)
             .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
@@ -58,6 +62,10 @@ impl<D: Driver> Exportable<PosixFd> for CudaBackend<D> {
     /// (fact 27).
     fn export(&self, phys: CudaPhys, len: usize) -> Result<Shareable, BackendError> {
         let s = self.enter(Op::Create, 0, len)?;
+        // VMM calls: never barred by a capture (fact 40).
+        let _relaxed = self
+            .relaxed()
+            .map_err(|e| self.fail(Op::Create, 0, len, e))?;
         let refuse = |v| BackendError::refused(Op::Create, 0, len, v);
         s.book
             .check_release(phys, len)
@@ -93,6 +101,10 @@ impl<D: Driver> Exportable<PosixFd> for CudaBackend<D> {
     fn import(&self, handle: Shareable) -> Result<CudaPhys, BackendError> {
         let Shareable { fd, offset, len } = handle;
         let mut s = self.enter(Op::Create, 0, len)?;
+        // VMM calls: never barred by a capture (fact 40).
+        let _relaxed = self
+            .relaxed()
+            .map_err(|e| self.fail(Op::Create, 0, len, e))?;
         let refuse = |v| BackendError::refused(Op::Create, 0, len, v);
         s.book.check_create(len).map_err(refuse)?;
         // Imported memory was made with exportable properties: it is mapped as the device

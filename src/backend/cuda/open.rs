@@ -352,13 +352,17 @@ impl CudaBackend<SysDriver> {
 impl<D: Driver> Drop for CudaBackend<D> {
     fn drop(&mut self) {
         if let Ok(mut s) = self.enter(Op::Free, 0, 0) {
+            // VMM calls: never barred by a capture (fact 40); none once the context is lost.
+            let relaxed = self.relaxed();
             // Each step stops at a sticky error: nothing more may be called then.
-            let swept = self
-                .unmap_inaccessible(&mut s, 0, u64::MAX)
-                .and_then(|()| self.sweep_scratch(&mut s));
+            let swept = relaxed.as_ref().map_err(|&e| e).and_then(|_| {
+                self.unmap_inaccessible(&mut s, 0, u64::MAX)
+                    .and_then(|()| self.sweep_scratch(&mut s))
+            });
             if let Err(e) = swept {
                 let _ = self.fail(Op::Free, 0, 0, e);
             }
+            drop(relaxed);
             let events: Vec<Event> = s.events.drain().map(|(_, event)| event).collect();
             for event in events {
                 if self.context_lost() {

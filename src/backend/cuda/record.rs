@@ -4,7 +4,7 @@
 //! is the record changed).
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
-use super::driver::{CuError, CuResult, Driver, Event};
+use super::driver::{CaptureMode, CuError, CuResult, Driver, Event};
 use super::{CudaBackend, CudaPhys};
 use crate::backend::rules::Book;
 use crate::backend::{Access, Addr, Backend, BackendError, Cause, Op, Span, Violation, lock};
@@ -95,6 +95,33 @@ impl<D: Driver> CudaBackend<D> {
         unsafe { self.driver.ctx_set_current(self.ctx) }
             .map_err(|e| self.fail(op, addr, len, e))?;
         Ok(state)
+    }
+
+    /// The calling thread's capture interaction mode, relaxed until the guard drops (then
+    /// restored): the VMM calls made meanwhile are neither refused by another thread's capture
+    /// nor invalidate it (fact 40), as PyTorch relaxes its allocations (fact 42). If the
+    /// exchange fails, the calls go on in the thread's own mode (and may be refused, a
+    /// transient error) — unless the failure is a loss: then it is noted, and returned.
+    pub(super) fn relaxed(&self) -> CuResult<Relaxed<'_, D>> {
+        if self.context_lost() {
+            // No call once the context is lost; what follows sees the loss itself.
+            return Ok(Relaxed {
+                backend: self,
+                old: None,
+            });
+        }
+        let old = match self
+            .driver
+            .thread_exchange_capture_mode(CaptureMode::Relaxed)
+        {
+            Ok(old) => (old != CaptureMode::Relaxed).then_some(old),
+            Err(e) if e.is_context_loss() => {
+                let _ = self.fail(Op::Free, 0, 0, e);
+                return Err(e);
+            }
+            Err(_) => None,
+        };
+        Ok(Relaxed { backend: self, old })
     }
 
     /// A driver error as a [`BackendError`] of `op`; an error that means the context is lost
@@ -209,5 +236,26 @@ impl<D: Driver> CudaBackend<D> {
             }
         }
         result
+    }
+}
+
+/// The guard of [`CudaBackend::relaxed`]: gives the calling thread its capture interaction
+/// mode back when dropped.
+pub(super) struct Relaxed<'a, D: Driver> {
+    backend: &'a CudaBackend<D>,
+    /// The mode to give back, where the thread was not relaxed already.
+    old: Option<CaptureMode>,
+}
+
+impl<D: Driver> Drop for Relaxed<'_, D> {
+    fn drop(&mut self) {
+        // Once the context is lost no call is made (the mode dies with the thread's use of it).
+        if let Some(old) = self.old
+            && !self.backend.context_lost()
+            && let Err(e) = self.backend.driver.thread_exchange_capture_mode(old)
+            && e.is_context_loss()
+        {
+            let _ = self.backend.fail(Op::Free, 0, 0, e); // noted: nothing more is called
+        }
     }
 }

@@ -38,6 +38,10 @@ impl<D: Driver> Backend for CudaBackend<D> {
     /// `cuMemAddressReserve` of `len` bytes, aligned to the granularity.
     fn reserve(&self, len: usize) -> Result<Addr, BackendError> {
         let mut s = self.enter(Op::Reserve, 0, len)?;
+        // VMM calls: never barred by a capture (fact 40).
+        let _relaxed = self
+            .relaxed()
+            .map_err(|e| self.fail(Op::Reserve, 0, len, e))?;
         s.book
             .check_reserve(len)
             .map_err(|v| BackendError::refused(Op::Reserve, 0, len, v))?;
@@ -55,6 +59,10 @@ impl<D: Driver> Backend for CudaBackend<D> {
     fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
         let (start, end) = Self::span(Op::Free, addr, len, Violation::NotReserved { addr, len })?;
         let mut s = self.enter(Op::Free, addr, len)?;
+        // VMM calls: never barred by a capture (fact 40).
+        let _relaxed = self
+            .relaxed()
+            .map_err(|e| self.fail(Op::Free, addr, len, e))?;
         Self::check_not_busy(&s, Op::Free, addr, len)?;
         if Self::overlaps(&s.scratch, addr, len) {
             // The backend's own scratch range: not the caller's to free.
@@ -78,6 +86,10 @@ impl<D: Driver> Backend for CudaBackend<D> {
     /// `cuMemCreate` of `len` bytes with the backend's plain properties.
     fn create(&self, len: usize) -> Result<CudaPhys, BackendError> {
         let mut s = self.enter(Op::Create, 0, len)?;
+        // VMM calls: never barred by a capture (fact 40).
+        let _relaxed = self
+            .relaxed()
+            .map_err(|e| self.fail(Op::Create, 0, len, e))?;
         s.book
             .check_create(len)
             .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
@@ -96,6 +108,10 @@ impl<D: Driver> Backend for CudaBackend<D> {
     /// `cuMemRelease` of memory this backend created or imported and has not released.
     fn release(&self, phys: CudaPhys, len: usize) -> Result<(), BackendError> {
         let mut s = self.enter(Op::Release, 0, len)?;
+        // VMM calls: never barred by a capture (fact 40).
+        let _relaxed = self
+            .relaxed()
+            .map_err(|e| self.fail(Op::Release, 0, len, e))?;
         s.book
             .check_release(phys, len)
             .map_err(|v| BackendError::refused(Op::Release, 0, len, v))?;
@@ -121,6 +137,10 @@ impl<D: Driver> Backend for CudaBackend<D> {
     ) -> Result<(), BackendError> {
         let (ptr, end) = Self::span(Op::Map, addr, len, Violation::NotReserved { addr, len })?;
         let mut s = self.enter(Op::Map, addr, len)?;
+        // VMM calls: never barred by a capture (fact 40).
+        let _relaxed = self
+            .relaxed()
+            .map_err(|e| self.fail(Op::Map, addr, len, e))?;
         Self::check_not_busy(&s, Op::Map, addr, len)?;
         let fail = |e| self.fail(Op::Map, addr, len, e);
         if Self::overlaps(&s.scratch, addr, len) {
@@ -175,6 +195,10 @@ impl<D: Driver> Backend for CudaBackend<D> {
     fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
         let (start, end) = Self::span(Op::Unmap, addr, len, Violation::NotMapped { addr, len })?;
         let mut s = self.enter(Op::Unmap, addr, len)?;
+        // VMM calls: never barred by a capture (fact 40).
+        let _relaxed = self
+            .relaxed()
+            .map_err(|e| self.fail(Op::Unmap, addr, len, e))?;
         Self::check_not_busy(&s, Op::Unmap, addr, len)?;
         s.book
             .check_unmap(addr, len)

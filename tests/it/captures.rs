@@ -138,3 +138,24 @@ fn a_host_copy_and_a_fence_during_a_blocking_streams_capture_leave_it_valid() {
     drop(binding);
     assert!(device.close().is_clean());
 }
+
+/// A loss answered while asking whether a stream captures, as a fence's marks are recorded, is
+/// noted and stops the recording: no call follows it (the next mark's stream is not asked).
+#[test]
+fn a_loss_while_asking_whether_a_stream_captures_stops_the_fence() {
+    use memtoken::backend::Backend;
+    let model = model();
+    let backend = common::cuda(&model);
+    let (one, two) = (model.new_stream(), model.new_stream());
+    // SAFETY: streams of the model's only context, live as long as the model.
+    unsafe {
+        backend.cover_stream(one);
+        backend.cover_stream(two);
+    }
+    model.fail_nth(DriverCall::StreamIsCapturing, 1, CuError::ILLEGAL_ADDRESS);
+    let fence = backend.fence();
+    assert!(backend.context_lost());
+    assert!(backend.fence_done(&fence), "lost: nothing runs any more");
+    backend.retire_fence(fence);
+    assert_eq!(model.calls_after_loss(), 0);
+}

@@ -284,6 +284,9 @@ impl<D: Driver> CudaBackend<D> {
             // Never into a capture (a captured event is graph nodes, and asking it invalidates
             // the capture: facts 39, 41): recorded once the stream no longer captures.
             if self.capturing(m.stream) {
+                if self.context_lost() {
+                    return false; // the answer was a loss: nothing more is called
+                }
                 all = false;
                 continue;
             }

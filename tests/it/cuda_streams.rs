@@ -4,9 +4,9 @@
 //! device dropped while its context lives on frees everything once the work is done.
 
 use crate::common;
-use memtoken::backend::{Access, Backend, Cause, Violation};
+use memtoken::backend::{Access, Addr, Backend, Cause, Violation};
 use memtoken::backend::{
-    cuda::{CuError, CudaBackend, DriverCall},
+    cuda::{CuError, CudaBackend, CudaPhys, DriverCall},
     doubles::{DriverModel, ModelConfig},
 };
 use memtoken::{Budget, Device, make_guard};
@@ -22,6 +22,30 @@ fn model(synchronize_blocks: bool) -> DriverModel {
         ..common::model_config()
     })
     .unwrap()
+}
+
+/// On `backend`: a source of `G` bytes mapped read-write, its memory, and a destination.
+fn source_and_destination(backend: &CudaBackend<DriverModel>) -> (Addr, CudaPhys, CudaPhys) {
+    let src = backend.reserve(G).unwrap();
+    let phys = backend.create(G).unwrap();
+    backend.map(src, G, phys, Access::ReadWrite).unwrap();
+    (src, phys, backend.create(G).unwrap())
+}
+
+/// Copies `src` into `dst` with a wait that fails: no event can be made for it, and
+/// synchronizing the whole context fails too. The copy is not known to have finished.
+fn copy_whose_wait_fails(
+    model: &DriverModel,
+    backend: &CudaBackend<DriverModel>,
+    src: Addr,
+    dst: CudaPhys,
+) {
+    model.fail_nth(DriverCall::EventCreate, 1, CuError::OUT_OF_MEMORY);
+    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::OUT_OF_MEMORY);
+    assert!(
+        backend.copy_into_phys(dst, src, G).is_err(),
+        "the wait failed"
+    );
 }
 
 /// The model keeps streams apart: work on a non-blocking stream is not covered by an event on
@@ -297,10 +321,7 @@ fn a_failed_copy_leaves_another_copys_range_busy() {
 fn a_copy_that_cannot_record_its_event_waits_for_the_whole_context() {
     let model = model(false);
     let backend = common::cuda(&model);
-    let src = backend.reserve(G).unwrap();
-    let phys = backend.create(G).unwrap();
-    backend.map(src, G, phys, Access::ReadWrite).unwrap();
-    let dst = backend.create(G).unwrap();
+    let (src, phys, dst) = source_and_destination(&backend);
     model.fail_nth(DriverCall::EventCreate, 1, CuError::OUT_OF_MEMORY);
     let synchronized = model.count(DriverCall::CtxSynchronize);
     backend.copy_into_phys(dst, src, G).unwrap();
@@ -321,16 +342,8 @@ fn a_copy_that_cannot_record_its_event_waits_for_the_whole_context() {
 fn a_copy_whose_wait_failed_is_settled_by_a_later_fence_on_the_legacy_stream() {
     let model = model(false);
     let backend = common::cuda(&model);
-    let src = backend.reserve(G).unwrap();
-    let phys = backend.create(G).unwrap();
-    backend.map(src, G, phys, Access::ReadWrite).unwrap();
-    let dst = backend.create(G).unwrap();
-    model.fail_nth(DriverCall::EventCreate, 1, CuError::OUT_OF_MEMORY);
-    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::OUT_OF_MEMORY);
-    assert!(
-        backend.copy_into_phys(dst, src, G).is_err(),
-        "the wait failed"
-    );
+    let (src, phys, dst) = source_and_destination(&backend);
+    copy_whose_wait_fails(&model, &backend, src, dst);
     assert!(
         backend.unmap(src, G).is_err(),
         "unmapped under a copy not known to have finished"
@@ -365,16 +378,8 @@ fn a_fence_of_another_backend_settles_no_copy() {
     let (model, other) = (model(false), model(false));
     let backend = common::cuda(&model);
     let foreign = common::cuda(&other);
-    let src = backend.reserve(G).unwrap();
-    let phys = backend.create(G).unwrap();
-    backend.map(src, G, phys, Access::ReadWrite).unwrap();
-    let dst = backend.create(G).unwrap();
-    model.fail_nth(DriverCall::EventCreate, 1, CuError::OUT_OF_MEMORY);
-    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::OUT_OF_MEMORY);
-    assert!(
-        backend.copy_into_phys(dst, src, G).is_err(),
-        "the wait failed"
-    );
+    let (src, _, dst) = source_and_destination(&backend);
+    copy_whose_wait_fails(&model, &backend, src, dst);
     let fence = foreign.fence();
     other.complete_work();
     assert!(backend.fence_done(&fence), "a foreign fence counts as done");
@@ -393,13 +398,8 @@ fn a_fence_of_another_backend_settles_no_copy() {
 fn a_loss_while_settling_a_copy_is_noted_and_nothing_more_is_called() {
     let model = model(false);
     let backend = common::cuda(&model);
-    let src = backend.reserve(G).unwrap();
-    let phys = backend.create(G).unwrap();
-    backend.map(src, G, phys, Access::ReadWrite).unwrap();
-    let dst = backend.create(G).unwrap();
-    model.fail_nth(DriverCall::EventCreate, 1, CuError::OUT_OF_MEMORY);
-    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::OUT_OF_MEMORY);
-    assert!(backend.copy_into_phys(dst, src, G).is_err());
+    let (src, _, dst) = source_and_destination(&backend);
+    copy_whose_wait_fails(&model, &backend, src, dst);
     let fence = backend.fence();
     model.complete_work();
     model.fail_nth(DriverCall::MemUnmap, 1, CuError::ILLEGAL_ADDRESS);

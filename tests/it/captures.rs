@@ -159,3 +159,28 @@ fn a_loss_while_asking_whether_a_stream_captures_stops_the_fence() {
     backend.retire_fence(fence);
     assert_eq!(model.calls_after_loss(), 0);
 }
+
+/// A device closed while a stream it covers captures: nothing is recorded into the capture or
+/// waited on there, so the capture ends valid; what still waits for a fence is not freed under
+/// the capture but reported by the close (the driver frees it with the context).
+#[test]
+fn a_device_closed_during_a_capture_leaves_it_valid_and_reports_what_it_could_not_release() {
+    let model = model();
+    let stream = model.new_stream();
+    {
+        make_guard!(guard);
+        let device = Device::new(guard, common::cuda(&model));
+        // SAFETY: a stream of the model's only context, live as long as the model.
+        unsafe { device.cover_stream(stream) };
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        let a = binding.reserve(G).unwrap().commit().unwrap();
+        model.begin_capture(stream, CaptureMode::Global);
+        drop(a);
+        drop(binding);
+        let report = device.close();
+        assert_eq!(report.progress.deferred, 1, "{report:?}");
+        assert!(!report.is_clean(), "what waits for the capture is reported");
+    }
+    assert_eq!(model.end_capture(stream), Ok(()), "the capture ends valid");
+    assert_eq!(model.lost_with(), None);
+}

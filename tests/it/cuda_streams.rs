@@ -535,3 +535,208 @@ fn a_range_left_busy_by_a_copy_leaves_the_mappings_beside_it_free() {
         .expect("the mapping after is not busy");
     std::mem::forget(backend); // a copy may still run: nothing may be freed under it
 }
+
+/// The driver model behind a hook on `cuCtxSynchronize` (the first call waits at a gate after
+/// synchronizing; the second fails) and a switch that fails the next `cuEventCreate`: for the
+/// race between one thread's whole-context wait and another thread's failed copy.
+mod hooked {
+    #![allow(unsafe_code)] // forwards each call, unchanged, to the model's own
+    use memtoken::backend::cuda::{
+        AllocationProps, CaptureMode, Context, CuError, CuResult, DeviceAttribute, Driver, Event,
+        ShareableHandle, Stream,
+    };
+    use memtoken::backend::doubles::DriverModel;
+    use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+    use std::sync::{Arc, Condvar, Mutex};
+
+    #[derive(Debug, Default)]
+    pub struct Hook {
+        pub fail_create: AtomicBool,
+        syncs: AtomicU32,
+        /// 0: idle; 1: the first synchronize has returned and waits; 2: it goes on.
+        gate: Mutex<u8>,
+        cv: Condvar,
+    }
+
+    impl Hook {
+        pub fn set(&self, v: u8) {
+            *self.gate.lock().unwrap() = v;
+            self.cv.notify_all();
+        }
+
+        pub fn wait_for(&self, v: u8) {
+            let mut g = self.gate.lock().unwrap();
+            while *g != v {
+                g = self.cv.wait(g).unwrap();
+            }
+        }
+    }
+
+    #[derive(Debug)]
+    pub struct Hooked {
+        pub inner: DriverModel,
+        pub hook: Arc<Hook>,
+    }
+
+    // SAFETY (for each `unsafe` call below): the caller's promise for the call is the one the
+    // model's same call asks for, passed on unchanged.
+    #[allow(clippy::undocumented_unsafe_blocks)]
+    impl Driver for Hooked {
+        fn init(&self) -> CuResult<()> {
+            self.inner.init()
+        }
+        fn device_get(&self, o: i32) -> CuResult<i32> {
+            self.inner.device_get(o)
+        }
+        fn device_get_attribute(&self, a: DeviceAttribute, d: i32) -> CuResult<i32> {
+            self.inner.device_get_attribute(a, d)
+        }
+        fn device_total_mem(&self, d: i32) -> CuResult<usize> {
+            self.inner.device_total_mem(d)
+        }
+        fn device_can_access_peer(&self, d: i32, p: i32) -> CuResult<bool> {
+            self.inner.device_can_access_peer(d, p)
+        }
+        fn primary_ctx_retain(&self, d: i32) -> CuResult<Context> {
+            self.inner.primary_ctx_retain(d)
+        }
+        unsafe fn primary_ctx_release(&self, d: i32) -> CuResult<()> {
+            unsafe { self.inner.primary_ctx_release(d) }
+        }
+        unsafe fn ctx_set_current(&self, c: Context) -> CuResult<()> {
+            unsafe { self.inner.ctx_set_current(c) }
+        }
+        fn mem_get_allocation_granularity(&self, p: AllocationProps) -> CuResult<usize> {
+            self.inner.mem_get_allocation_granularity(p)
+        }
+        fn mem_address_reserve(&self, s: usize, a: usize, h: u64) -> CuResult<u64> {
+            self.inner.mem_address_reserve(s, a, h)
+        }
+        unsafe fn mem_address_free(&self, p: u64, s: usize) -> CuResult<()> {
+            unsafe { self.inner.mem_address_free(p, s) }
+        }
+        fn mem_create_with(&self, s: usize, p: AllocationProps) -> CuResult<u64> {
+            self.inner.mem_create_with(s, p)
+        }
+        unsafe fn mem_export_to_shareable_handle(
+            &self,
+            h: u64,
+            t: u32,
+        ) -> CuResult<ShareableHandle> {
+            unsafe { self.inner.mem_export_to_shareable_handle(h, t) }
+        }
+        fn mem_import_from_shareable_handle(&self, s: u64, t: u32) -> CuResult<u64> {
+            self.inner.mem_import_from_shareable_handle(s, t)
+        }
+        unsafe fn mem_allocation_size(&self, h: u64) -> Option<usize> {
+            unsafe { self.inner.mem_allocation_size(h) }
+        }
+        unsafe fn mem_release(&self, h: u64) -> CuResult<()> {
+            unsafe { self.inner.mem_release(h) }
+        }
+        unsafe fn mem_map(&self, p: u64, s: usize, o: usize, h: u64) -> CuResult<()> {
+            unsafe { self.inner.mem_map(p, s, o, h) }
+        }
+        unsafe fn mem_set_access(&self, p: u64, s: usize, a: &[(i32, bool)]) -> CuResult<()> {
+            unsafe { self.inner.mem_set_access(p, s, a) }
+        }
+        unsafe fn mem_unmap(&self, p: u64, s: usize) -> CuResult<()> {
+            unsafe { self.inner.mem_unmap(p, s) }
+        }
+        unsafe fn memcpy_dtod(&self, d: u64, s: u64, n: usize) -> CuResult<()> {
+            unsafe { self.inner.memcpy_dtod(d, s, n) }
+        }
+        fn ctx_synchronize(&self) -> CuResult<()> {
+            match self.hook.syncs.fetch_add(1, Ordering::SeqCst) {
+                // The first (thread B's): synchronizes, then waits at the gate before going on.
+                0 => {
+                    let r = self.inner.ctx_synchronize();
+                    self.hook.set(1);
+                    self.hook.wait_for(2);
+                    r
+                }
+                // The second (thread A's): fails.
+                1 => Err(CuError::OUT_OF_MEMORY),
+                _ => self.inner.ctx_synchronize(),
+            }
+        }
+        unsafe fn memcpy_htod(&self, d: u64, s: &[u8]) -> CuResult<()> {
+            unsafe { self.inner.memcpy_htod(d, s) }
+        }
+        unsafe fn memcpy_dtoh(&self, d: &mut [u8], s: u64) -> CuResult<()> {
+            unsafe { self.inner.memcpy_dtoh(d, s) }
+        }
+        fn event_create(&self) -> CuResult<Event> {
+            if self.hook.fail_create.swap(false, Ordering::SeqCst) {
+                return Err(CuError::OUT_OF_MEMORY);
+            }
+            self.inner.event_create()
+        }
+        unsafe fn event_record(&self, e: Event, s: Stream) -> CuResult<()> {
+            unsafe { self.inner.event_record(e, s) }
+        }
+        unsafe fn event_query(&self, e: Event) -> CuResult<bool> {
+            unsafe { self.inner.event_query(e) }
+        }
+        unsafe fn event_destroy(&self, e: Event) -> CuResult<()> {
+            unsafe { self.inner.event_destroy(e) }
+        }
+        unsafe fn event_synchronize(&self, e: Event) -> CuResult<()> {
+            unsafe { self.inner.event_synchronize(e) }
+        }
+        unsafe fn stream_is_capturing(&self, s: Stream) -> CuResult<bool> {
+            unsafe { self.inner.stream_is_capturing(s) }
+        }
+        fn thread_exchange_capture_mode(&self, m: CaptureMode) -> CuResult<CaptureMode> {
+            self.inner.thread_exchange_capture_mode(m)
+        }
+    }
+}
+
+/// A whole-context synchronize settles only the copies whose wait failed before it began: a
+/// copy another thread starts (and whose wait fails) while the synchronize is under way may
+/// still run, so its source stays busy and nothing is taken down under it.
+#[test]
+fn a_synchronize_settles_only_the_copies_that_failed_before_it_began() {
+    use hooked::{Hook, Hooked};
+    use std::sync::Arc;
+    use std::sync::atomic::Ordering;
+    let model = model(false);
+    let hook = Arc::new(Hook::default());
+    let hooked = Hooked {
+        inner: model.clone(),
+        hook: hook.clone(),
+    };
+    let backend = CudaBackend::new(hooked, 0).unwrap();
+    let b_dst = backend.reserve(G).unwrap();
+    let b_phys = backend.create(G).unwrap();
+    backend.map(b_dst, G, b_phys, Access::ReadWrite).unwrap();
+    let src = backend.reserve(G).unwrap();
+    let phys = backend.create(G).unwrap();
+    backend.map(src, G, phys, Access::ReadWrite).unwrap();
+    let dst = backend.create(G).unwrap();
+    std::thread::scope(|scope| {
+        // Thread B: a host copy whose event cannot be made waits for the whole context.
+        hook.fail_create.store(true, Ordering::SeqCst);
+        let b = scope.spawn(|| backend.copy_from_host(b_dst, &[7; 64]));
+        hook.wait_for(1);
+        // Thread A, after B's synchronize: a copy whose wait fails.
+        hook.fail_create.store(true, Ordering::SeqCst);
+        assert!(
+            backend.copy_into_phys(dst, src, G).is_err(),
+            "A's wait failed"
+        );
+        hook.set(2);
+        b.join().unwrap().unwrap();
+    });
+    assert!(
+        backend.unmap(src, G).is_err(),
+        "A's copy may still run: its source stays busy"
+    );
+    model.complete_work();
+    assert_eq!(
+        model.lost_with(),
+        None,
+        "nothing was taken down under A's copy"
+    );
+}

@@ -209,8 +209,8 @@ mod tests;
 mod vmm;
 
 pub use driver::{
-    AllocationProps, Context, CuError, CuResult, DeviceAttribute, Driver, DriverCall, ErrorFate,
-    Event, HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
+    AllocationProps, CaptureMode, Context, CuError, CuResult, DeviceAttribute, Driver, DriverCall,
+    ErrorFate, Event, HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
 };
 pub use fence::CudaFence;
 

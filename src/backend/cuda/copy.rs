@@ -40,7 +40,6 @@ impl<D: Driver> CudaBackend<D> {
         // Under the lock before the context is made current: whatever happens next, the
         // record stays true.
         let mut s = lock(&self.state);
-        let _relaxed = self.relaxed().map_err(fail)?; // the scratch range's teardown (fact 40)
         if let Err(e) = waited {
             // The copy is not known to have finished: its ranges stay busy and the scratch range
             // stays mapped — never reused, never freed under a copy that may still run — until
@@ -53,6 +52,7 @@ impl<D: Driver> CudaBackend<D> {
             return Err(fail(e));
         }
         s.busy.retain(|&(id, _, _)| id != marks.0 && id != marks.1);
+        let _relaxed = self.relaxed().map_err(fail)?; // the scratch range's teardown (fact 40)
         if self.context_lost() {
             return Err(BackendError::new(Op::Copy, src, len, Cause::ContextLost));
         }
@@ -259,10 +259,10 @@ impl<D: Driver> CudaBackend<D> {
         unsafe { self.driver.stream_is_capturing(0) }.map(drop)
     }
 
-    /// Settles the copies whose wait failed and that started before the event of serial
-    /// `upto` was created, now that it has completed on the legacy stream (`u64::MAX`: the
-    /// whole context was synchronized): their busy marks go, their scratch ranges are taken
-    /// down.
+    /// Settles the copies whose wait failed before the serial `upto` was taken, now that what
+    /// it stands for has completed: an event of this backend's on the legacy stream created
+    /// then, or a synchronize of the whole context begun then. Their busy marks go, their
+    /// scratch ranges are taken down.
     pub(super) fn settle_copies(&self, s: &mut CudaState, upto: u64) {
         if s.unsettled.iter().all(|u| u.after >= upto) {
             return;

@@ -120,8 +120,9 @@ impl Raw {
         );
         // From pageable memory the copy may still run on the legacy stream.
         ok(
-            self.driver.ctx_synchronize(),
-            "cuCtxSynchronize after cuMemcpyHtoD",
+            // SAFETY: 0 is the legacy stream, always live.
+            unsafe { self.driver.stream_synchronize(0) },
+            "cuStreamSynchronize (legacy) after cuMemcpyHtoD",
         );
     }
 
@@ -275,8 +276,8 @@ fn gpu_read_only_access_for_the_owning_device() {
         let copied = raw.driver.memcpy_dtod(private, sharer, g);
         ok(copied, "cuMemcpyDtoD from the read-only view");
         ok(
-            raw.driver.ctx_synchronize(),
-            "cuCtxSynchronize after the copy",
+            raw.driver.stream_synchronize(0),
+            "cuStreamSynchronize (legacy) after the copy",
         );
         let seen = raw.read(private, g);
         assert_bytes(&seen, &later, "copy made from the read-only view");
@@ -455,8 +456,8 @@ fn gpu_one_copy_spans_adjacent_mappings() {
         let copied = raw.driver.memcpy_dtod(dst, split, 2 * g);
         ok(copied, "one cuMemcpyDtoD from two mappings");
         ok(
-            raw.driver.ctx_synchronize(),
-            "cuCtxSynchronize after the copy",
+            raw.driver.stream_synchronize(0),
+            "cuStreamSynchronize (legacy) after the copy",
         );
         assert_bytes(&raw.read(dst, 2 * g), &data, "device copy of both mappings");
         ok(raw.driver.mem_unmap(split, g), "cuMemUnmap (first)");

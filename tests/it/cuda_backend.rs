@@ -103,7 +103,11 @@ fn drop_with_work_in_flight_never_blocks_and_releases_after_the_fence() {
         before,
         "nothing unmapped under the kernel"
     );
-    assert_eq!(model.count(DriverCall::CtxSynchronize), 0, "nothing waited");
+    assert_eq!(
+        model.count(DriverCall::StreamSynchronize),
+        0,
+        "nothing waited"
+    );
     assert_eq!(device.poll().deferred, 1);
     assert_eq!(device.ledger().owned_bytes, G as u64);
     model.complete_work();

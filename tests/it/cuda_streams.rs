@@ -33,7 +33,7 @@ fn source_and_destination(backend: &CudaBackend<DriverModel>) -> (Addr, CudaPhys
 }
 
 /// Copies `src` into `dst` with a wait that fails: no event can be made for it, and
-/// synchronizing the whole context fails too. The copy is not known to have finished.
+/// synchronizing the legacy stream fails too. The copy is not known to have finished.
 fn copy_whose_wait_fails(
     model: &DriverModel,
     backend: &CudaBackend<DriverModel>,
@@ -41,7 +41,7 @@ fn copy_whose_wait_fails(
     dst: CudaPhys,
 ) {
     model.fail_nth(DriverCall::EventCreate, 1, CuError::OUT_OF_MEMORY);
-    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::OUT_OF_MEMORY);
+    model.fail_nth(DriverCall::StreamSynchronize, 1, CuError::OUT_OF_MEMORY);
     assert!(
         backend.copy_into_phys(dst, src, G).is_err(),
         "the wait failed"
@@ -149,8 +149,9 @@ fn a_copy_that_waits_for_the_gpu_holds_no_lock() {
     std::thread::scope(|scope| {
         let copier = scope.spawn(|| shared.diverge().map(drop).map_err(|e| e.to_string()));
         // Wait until the copy waits for the GPU (bounded: the copier is in no hurry).
-        let waits =
-            || model.count(DriverCall::EventSynchronize) + model.count(DriverCall::CtxSynchronize);
+        let waits = || {
+            model.count(DriverCall::EventSynchronize) + model.count(DriverCall::StreamSynchronize)
+        };
         for _ in 0..10_000 {
             if waits() > 0 {
                 break;
@@ -227,10 +228,11 @@ fn a_device_dropped_while_its_context_lives_frees_everything() {
     assert_eq!(held.retains, 1, "the other owner still retains the context");
 }
 
-/// A wait that fails without losing the context falls back to waiting for the whole context —
-/// never to freeing memory the work may still use.
+/// A wait that fails without losing the context falls back to waiting for the whole stream —
+/// never to freeing memory the work may still use, never to `cuCtxSynchronize` (which would
+/// invalidate any capture open in the context).
 #[test]
-fn a_failed_wait_falls_back_to_the_whole_context() {
+fn a_failed_wait_falls_back_to_the_whole_stream() {
     let model = model(false);
     make_guard!(guard);
     let device = Device::new(guard, common::cuda(&model));
@@ -242,7 +244,7 @@ fn a_failed_wait_falls_back_to_the_whole_context() {
     let log = model.log();
     let at = |c| log.iter().rposition(|&x| x == c).unwrap();
     assert!(
-        at(DriverCall::CtxSynchronize) < at(DriverCall::MemUnmap),
+        at(DriverCall::StreamSynchronize) < at(DriverCall::MemUnmap),
         "the scratch range went before the copy was known to be done"
     );
     drop((diverged, prefix));
@@ -315,7 +317,7 @@ fn a_failed_copy_leaves_another_copys_range_busy() {
     backend.free(src, G).unwrap();
 }
 
-/// A copy whose wait cannot record an event waits for the whole context instead (never less):
+/// A copy whose wait cannot record an event waits for the whole legacy stream instead (never less):
 /// it succeeds, and its ranges are free at once.
 #[test]
 fn a_copy_that_cannot_record_its_event_waits_for_the_whole_context() {
@@ -323,9 +325,9 @@ fn a_copy_that_cannot_record_its_event_waits_for_the_whole_context() {
     let backend = common::cuda(&model);
     let (src, phys, dst) = source_and_destination(&backend);
     model.fail_nth(DriverCall::EventCreate, 1, CuError::OUT_OF_MEMORY);
-    let synchronized = model.count(DriverCall::CtxSynchronize);
+    let synchronized = model.count(DriverCall::StreamSynchronize);
     backend.copy_into_phys(dst, src, G).unwrap();
-    assert_eq!(model.count(DriverCall::CtxSynchronize), synchronized + 1);
+    assert_eq!(model.count(DriverCall::StreamSynchronize), synchronized + 1);
     backend.unmap(src, G).unwrap(); // not busy: the copy is known to have finished
     for p in [phys, dst] {
         backend.release(p, G).unwrap();
@@ -470,10 +472,10 @@ fn a_range_left_busy_by_a_copy_holds_back_only_itself() {
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut a = binding.reserve(G).unwrap().commit().unwrap();
     let b = binding.reserve(G).unwrap().commit().unwrap();
-    // Neither the event nor the whole context can be waited for: the copy into `a` is not
+    // Neither the event nor the legacy stream can be waited for: the copy into `a` is not
     // known to have landed, so `a` stays busy.
     model.fail_nth(DriverCall::EventSynchronize, 1, CuError::UNKNOWN);
-    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::UNKNOWN);
+    model.fail_nth(DriverCall::StreamSynchronize, 1, CuError::UNKNOWN);
     a.copy_from_host(0, &[7; 64])
         .expect_err("the wait was failed on purpose");
     b.release()
@@ -496,7 +498,7 @@ fn a_range_left_busy_by_a_copy_cannot_be_unmapped() {
     let (a, pa) = (backend.reserve(G).unwrap(), backend.create(G).unwrap());
     backend.map(a, G, pa, Access::ReadWrite).unwrap();
     model.fail_nth(DriverCall::EventSynchronize, 1, CuError::UNKNOWN);
-    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::UNKNOWN);
+    model.fail_nth(DriverCall::StreamSynchronize, 1, CuError::UNKNOWN);
     backend
         .copy_from_host(a, &[7; 64])
         .expect_err("the wait was failed on purpose");
@@ -525,7 +527,7 @@ fn a_range_left_busy_by_a_copy_leaves_the_mappings_beside_it_free() {
         backend.map(a + i * G, G, phys, Access::ReadWrite).unwrap();
     }
     model.fail_nth(DriverCall::EventSynchronize, 1, CuError::UNKNOWN);
-    model.fail_nth(DriverCall::CtxSynchronize, 1, CuError::UNKNOWN);
+    model.fail_nth(DriverCall::StreamSynchronize, 1, CuError::UNKNOWN);
     backend
         .copy_from_host(a + G, &vec![7; G])
         .expect_err("the wait was failed on purpose");
@@ -536,9 +538,9 @@ fn a_range_left_busy_by_a_copy_leaves_the_mappings_beside_it_free() {
     std::mem::forget(backend); // a copy may still run: nothing may be freed under it
 }
 
-/// The driver model behind a hook on `cuCtxSynchronize` (the first call waits at a gate after
-/// synchronizing; the second fails) and a switch that fails the next `cuEventCreate`: for the
-/// race between one thread's whole-context wait and another thread's failed copy.
+/// The driver model behind a hook on `cuStreamSynchronize` (the first call waits at a gate
+/// after synchronizing; the second fails) and a switch that fails the next `cuEventCreate`: for
+/// the race between one thread's whole-stream wait and another thread's failed copy.
 mod hooked {
     #![allow(unsafe_code)] // forwards each call, unchanged, to the model's own
     use memtoken::backend::cuda::{
@@ -646,18 +648,18 @@ mod hooked {
         unsafe fn memcpy_dtod(&self, d: u64, s: u64, n: usize) -> CuResult<()> {
             unsafe { self.inner.memcpy_dtod(d, s, n) }
         }
-        fn ctx_synchronize(&self) -> CuResult<()> {
+        unsafe fn stream_synchronize(&self, st: Stream) -> CuResult<()> {
             match self.hook.syncs.fetch_add(1, Ordering::SeqCst) {
                 // The first (thread B's): synchronizes, then waits at the gate before going on.
                 0 => {
-                    let r = self.inner.ctx_synchronize();
+                    let r = unsafe { self.inner.stream_synchronize(st) };
                     self.hook.set(1);
                     self.hook.wait_for(2);
                     r
                 }
                 // The second (thread A's): fails.
                 1 => Err(CuError::OUT_OF_MEMORY),
-                _ => self.inner.ctx_synchronize(),
+                _ => unsafe { self.inner.stream_synchronize(st) },
             }
         }
         unsafe fn memcpy_htod(&self, d: u64, s: &[u8]) -> CuResult<()> {
@@ -693,7 +695,7 @@ mod hooked {
     }
 }
 
-/// A whole-context synchronize settles only the copies whose wait failed before it began: a
+/// A synchronize of the legacy stream settles only the copies whose wait failed before it began: a
 /// copy another thread starts (and whose wait fails) while the synchronize is under way may
 /// still run, so its source stays busy and nothing is taken down under it.
 #[test]
@@ -716,7 +718,7 @@ fn a_synchronize_settles_only_the_copies_that_failed_before_it_began() {
     backend.map(src, G, phys, Access::ReadWrite).unwrap();
     let dst = backend.create(G).unwrap();
     std::thread::scope(|scope| {
-        // Thread B: a host copy whose event cannot be made waits for the whole context.
+        // Thread B: a host copy whose event cannot be made waits for the whole legacy stream.
         hook.fail_create.store(true, Ordering::SeqCst);
         let b = scope.spawn(|| backend.copy_from_host(b_dst, &[7; 64]));
         hook.wait_for(1);

@@ -318,7 +318,7 @@ fn vmm_calls_during_capture(mode: CaptureMode, other_thread: bool) -> Vec<(Drive
         DriverCall::MemMap,
         DriverCall::MemSetAccess,
         DriverCall::MemUnmap,
-        DriverCall::CtxSynchronize,
+        DriverCall::StreamSynchronize,
     ];
     let mut out = Vec::new();
     for call in CALLS {
@@ -339,7 +339,7 @@ fn vmm_calls_during_capture(mode: CaptureMode, other_thread: bool) -> Vec<(Drive
                     DriverCall::MemMap => model.mem_map(free, G, 0, spare),
                     DriverCall::MemSetAccess => model.mem_set_access(ptr, G, &[(0, false)]),
                     DriverCall::MemUnmap => model.mem_unmap(ptr, G),
-                    _ => model.ctx_synchronize(),
+                    _ => model.stream_synchronize(0),
                 }
             }
         };
@@ -373,8 +373,8 @@ fn vmm_calls_are_refused_while_a_global_capture_is_open() {
             assert!(refused, "{call:?} (other thread: {other_thread})");
         }
     }
-    // A thread-local capture bars only its own thread; a relaxed one bars nobody (except a
-    // context synchronize, which conflicts with any capture).
+    // A thread-local capture bars only its own thread; a relaxed one bars nobody (a
+    // synchronize of a stream that does not capture included).
     for (call, refused) in vmm_calls_during_capture(CaptureMode::ThreadLocal, false) {
         assert!(refused, "{call:?}");
     }
@@ -383,12 +383,41 @@ fn vmm_calls_are_refused_while_a_global_capture_is_open() {
         (CaptureMode::Relaxed, false),
     ] {
         for (call, refused) in vmm_calls_during_capture(mode, other_thread) {
-            assert_eq!(
-                refused,
-                call == DriverCall::CtxSynchronize,
-                "{mode:?} {call:?}"
-            );
+            assert!(!refused, "{mode:?} {call:?}");
         }
+    }
+}
+
+/// Fact 41: synchronizing a capturing stream is refused, and invalidates its capture, in every
+/// mode; the legacy stream while a blocking stream captures, with `STREAM_CAPTURE_IMPLICIT`.
+#[test]
+fn a_synchronize_of_a_capturing_stream_is_refused_in_every_mode() {
+    for mode in [
+        CaptureMode::Global,
+        CaptureMode::ThreadLocal,
+        CaptureMode::Relaxed,
+    ] {
+        let model = opened(config());
+        let stream = model.new_stream();
+        model.begin_capture(stream, mode);
+        // SAFETY: a live stream of the model.
+        let r = unsafe { model.stream_synchronize(stream) };
+        assert_eq!(r, Err(CuError::STREAM_CAPTURE_UNSUPPORTED), "{mode:?}");
+        assert_eq!(
+            model.end_capture(stream),
+            Err(CuError::STREAM_CAPTURE_INVALIDATED),
+            "{mode:?}"
+        );
+        let blocking = model.new_blocking_stream();
+        model.begin_capture(blocking, mode);
+        // SAFETY: 0 is the legacy stream, always live.
+        let r = unsafe { model.stream_synchronize(0) };
+        assert_eq!(r, Err(CuError::STREAM_CAPTURE_IMPLICIT), "{mode:?}");
+        assert_eq!(
+            model.end_capture(blocking),
+            Err(CuError::STREAM_CAPTURE_INVALIDATED),
+            "{mode:?}"
+        );
     }
 }
 
@@ -1260,7 +1289,7 @@ fn a_copy_is_work_an_event_after_it_waits_for() {
 }
 
 /// Kills `src/backend/cuda/model.rs: replace >= with < in <impl Driver for
-/// DriverModel>::ctx_synchronize`: with nothing submitted, a blocking synchronize returns at
+/// DriverModel>::stream_synchronize`: with nothing submitted, a blocking synchronize returns at
 /// once (it waits only for unfinished work).
 #[test]
 fn a_blocking_synchronize_with_nothing_submitted_returns() {
@@ -1274,7 +1303,8 @@ fn a_blocking_synchronize_with_nothing_submitted_returns() {
         let ctx = other.primary_ctx_retain(0).unwrap();
         // SAFETY: `ctx` was just retained from this model.
         unsafe { other.ctx_set_current(ctx) }.unwrap();
-        let _ = sent.send(other.ctx_synchronize());
+        // SAFETY: 0 is the legacy stream, always live.
+        let _ = sent.send(unsafe { other.stream_synchronize(0) });
     });
     let synchronized = seen.recv_timeout(common::gate::STALL);
     assert_eq!(synchronized, Ok(Ok(())), "the synchronize never returned");

@@ -244,7 +244,7 @@ fn drop_in_every_state_waits_for_nothing_and_unmaps_nothing_under_running_work()
     for call in [
         DriverCall::MemUnmap,
         DriverCall::MemRelease,
-        DriverCall::CtxSynchronize,
+        DriverCall::StreamSynchronize,
         DriverCall::EventSynchronize,
     ] {
         assert!(

@@ -961,7 +961,7 @@ proptest! {
 }
 
 /// A case the property test found at 100,000 cases (seed 103): a copy-on-write whose copy's
-/// wait failed (`cuEventCreate` and then `cuCtxSynchronize` refused) left the source busy for
+/// wait failed (`cuEventCreate` and then the fallback synchronize refused) left the source busy for
 /// good, so the sharer's release was quarantined even after its fence completed; and the model
 /// took the copy as touching every mapping, so releasing the owner's mapping of the prefix
 /// lost the context. Both are fixed: a copy names the ranges it touches (fact 21), and a later
@@ -976,7 +976,7 @@ fn a_copy_on_write_whose_copy_wait_failed_loses_nothing() {
     };
     run_cuda(&[
         Step::Reserve(1),
-        Step::DriverFault(transient(DriverCall::CtxSynchronize), 1),
+        Step::DriverFault(transient(DriverCall::StreamSynchronize), 1),
         Step::DriverFault(transient(DriverCall::EventCreate), 3),
         Step::CommitPrefix(0),
         Step::Share(0),

@@ -261,7 +261,7 @@ impl<D: Driver> CudaBackend<D> {
 
     /// Settles the copies whose wait failed before the serial `upto` was taken, now that what
     /// it stands for has completed: an event of this backend's on the legacy stream created
-    /// then, or a synchronize of the whole context begun then. Their busy marks go, their
+    /// then, or a synchronize of the legacy stream begun then. Their busy marks go, their
     /// scratch ranges are taken down.
     pub(super) fn settle_copies(&self, s: &mut CudaState, upto: u64) {
         if s.unsettled.iter().all(|u| u.after >= upto) {

@@ -193,7 +193,7 @@ listed! {
         MemSetAccess,
         MemUnmap,
         MemcpyDtoD,
-        CtxSynchronize,
+        StreamSynchronize,
         MemcpyHtoD,
         MemcpyDtoH,
         EventCreate,
@@ -495,8 +495,15 @@ pub trait Driver {
     /// until the copy has finished: it may run after the call returns
     /// ([the trait's rules](Driver#safety)).
     unsafe fn memcpy_dtod(&self, dst: u64, src: u64, size: usize) -> CuResult<()>;
-    /// `cuCtxSynchronize`
-    fn ctx_synchronize(&self) -> CuResult<()>;
+    /// `cuStreamSynchronize`: blocks the calling thread until the work submitted on `stream`
+    /// so far has completed. Never asked of a capturing stream (fact 41); memtoken never
+    /// calls `cuCtxSynchronize`, which would invalidate any capture open in the context.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is 0 (the legacy stream) or a live stream of this driver's context
+    /// ([the trait's rules](Driver#safety)).
+    unsafe fn stream_synchronize(&self, stream: Stream) -> CuResult<()>;
     /// `cuMemcpyHtoD`
     ///
     /// # Safety

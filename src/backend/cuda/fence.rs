@@ -116,7 +116,7 @@ impl<D: Driver> CudaBackend<D> {
         true
     }
 
-    /// Waits for every event of `fence`, outside the record's lock (for the whole context where
+    /// Waits for every event of `fence`, outside the record's lock (for the whole stream where
     /// an event's wait fails); whether it completed. Where a mark cannot be recorded or a wait
     /// fails: whether the context is lost.
     pub(super) fn block_on_fence(&self, fence: &CudaFence) -> bool {
@@ -143,16 +143,18 @@ impl<D: Driver> CudaBackend<D> {
             // it stays live: it belongs to `fence`, borrowed for this call, and an event is
             // destroyed only when its fence is retired (which takes the fence by value) or the
             // backend dropped.
-            let waited = unsafe { self.driver.event_synchronize(event) }.or_else(|e| {
-                if e.is_context_loss() {
-                    Err(e)
-                } else {
-                    self.driver.ctx_synchronize() // the whole context: never less
+            let waited = match unsafe { self.driver.event_synchronize(event) } {
+                Ok(()) => Ok(true),
+                Err(e) if e.is_context_loss() => Err(e),
+                Err(_) => self.synchronize_stream(m.stream), // the whole stream: never less
+            };
+            match waited {
+                Ok(true) => {}
+                Ok(false) => return false, // it captures now: waited for once it no longer does
+                Err(e) => {
+                    let _ = self.fail(Op::Fence, 0, 0, e);
+                    return self.context_lost();
                 }
-            });
-            if let Err(e) = waited {
-                let _ = self.fail(Op::Fence, 0, 0, e);
-                return self.context_lost();
             }
         }
         if let Some(upto) = legacy_event(&marks)
@@ -187,11 +189,11 @@ impl<D: Driver> CudaBackend<D> {
     }
 
     /// Waits, outside the lock, for everything submitted so far on the legacy stream: for an
-    /// event recorded there now, or for the whole context if no event can be recorded or the
-    /// wait on it fails (never less than what was asked).
+    /// event recorded there now, or for the whole legacy stream if no event can be recorded or
+    /// the wait on it fails (never less than what was asked).
     pub(super) fn wait_legacy(&self) -> CuResult<()> {
-        // What a synchronize of the whole context covers: the copies that failed before it
-        // began (one that fails on another thread meanwhile may still run).
+        // What a synchronize of the legacy stream covers: the copies (which run there) that
+        // failed before it began (one that fails on another thread meanwhile may still run).
         let mut synchronized = 0;
         let event = {
             let Ok(mut s) = self.enter(Op::Copy, 0, 0) else {
@@ -210,12 +212,12 @@ impl<D: Driver> CudaBackend<D> {
                 if e.is_context_loss() {
                     Err(e)
                 } else {
-                    self.driver.ctx_synchronize()
+                    self.synchronize_legacy()
                 }
             }),
             None => {
                 synchronized = next_serial();
-                self.driver.ctx_synchronize()
+                self.synchronize_legacy()
             }
         };
         if let Err(e) = waited
@@ -244,6 +246,35 @@ impl<D: Driver> CudaBackend<D> {
             self.settle_copies(&mut s, synchronized);
         }
         waited
+    }
+
+    /// Waits for everything submitted on `stream` so far, where a wait on one of its events
+    /// failed: for that stream, never for the whole context (`cuCtxSynchronize` would
+    /// invalidate every capture open in it), and not while the stream captures (refused, and
+    /// the capture invalidated: fact 41) — then `Ok(false)`, to be waited for later. The
+    /// synchronize runs in the relaxed capture mode, so another thread's global capture does
+    /// not refuse it (fact 40).
+    fn synchronize_stream(&self, stream: Stream) -> CuResult<bool> {
+        if self.capturing(stream) {
+            return match self.context_lost() {
+                true => Err(CuError::CONTEXT_IS_DESTROYED),
+                false => Ok(false),
+            };
+        }
+        let _relaxed = self.relaxed()?;
+        // SAFETY: `stream` is a covered stream: 0, or one whose owner promised it live until
+        // this backend is dropped (`cover_stream`'s contract).
+        unsafe { self.driver.stream_synchronize(stream) }.map(|()| true)
+    }
+
+    /// [`synchronize_stream`](Self::synchronize_stream) of the legacy stream, where copies
+    /// run; while it may not be used (a blocking stream of the context captures), the error
+    /// its probe answered (transient: the copies it waits for stay pending).
+    fn synchronize_legacy(&self) -> CuResult<()> {
+        match self.synchronize_stream(0)? {
+            true => Ok(()),
+            false => Err(CuError::STREAM_CAPTURE_IMPLICIT),
+        }
     }
 
     /// Creates an event and records it on `stream` now; returns its serial. An event that

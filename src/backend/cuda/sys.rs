@@ -254,8 +254,9 @@ impl Driver for SysDriver {
         unsafe { result::memcpy_dtod_sync(dst, src, size) }.map_err(cu)
     }
 
-    fn ctx_synchronize(&self) -> CuResult<()> {
-        result::ctx::synchronize().map_err(cu)
+    unsafe fn stream_synchronize(&self, stream: Stream) -> CuResult<()> {
+        // SAFETY: the caller passes 0 (the legacy stream) or a live stream of this context.
+        unsafe { result::stream::synchronize(stream as sys::CUstream) }.map_err(cu)
     }
 
     unsafe fn memcpy_htod(&self, dst: u64, src: &[u8]) -> CuResult<()> {

@@ -44,7 +44,7 @@ pub struct ModelConfig {
     pub total_mem: usize,
     /// Whether recorded events complete at once. Default: true.
     pub events_complete_at_once: bool,
-    /// Whether `cuEventSynchronize` and `cuCtxSynchronize` block the calling thread until
+    /// Whether `cuEventSynchronize` and `cuStreamSynchronize` block the calling thread until
     /// another thread completes the work (`complete_work`, `complete_work_on`), as a real wait
     /// does. Default: false — the wait returns with the work complete, as if the GPU finished
     /// it meanwhile (so a test that never completes its work does not hang).

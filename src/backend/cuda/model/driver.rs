@@ -429,22 +429,32 @@ impl Driver for DriverModel {
         s.check_lost()
     }
 
-    /// Fact 41: synchronizing the context of a capturing stream is refused (and invalidates
-    /// the capture).
-    fn ctx_synchronize(&self) -> CuResult<()> {
-        let mut s = self.enter(DriverCall::CtxSynchronize, true)?;
-        if !s.captures.is_empty() {
-            for c in s.captures.values_mut() {
-                c.invalidated = true;
-            }
+    /// Waits for the work submitted on `stream`. Fact 41: synchronizing a capturing stream is
+    /// refused with `STREAM_CAPTURE_UNSUPPORTED` and invalidates its capture, in any mode; the
+    /// legacy stream while a blocking stream captures, with `STREAM_CAPTURE_IMPLICIT` (and
+    /// invalidates that capture). A synchronize is a potentially unsafe call (fact 40, the
+    /// strict reading): refused like the VMM calls under a capture that bars the thread.
+    unsafe fn stream_synchronize(&self, stream: Stream) -> CuResult<()> {
+        let call = DriverCall::StreamSynchronize;
+        let mut s = self.enter(call, true)?;
+        if !s.streams.contains_key(&stream) {
+            misuse(call, format_args!("no stream {stream:#x}"));
+        }
+        if let Some(c) = s.captures.get_mut(&stream) {
+            c.invalidated = true;
             return Err(CuError::STREAM_CAPTURE_UNSUPPORTED);
         }
-        let idle = |s: &ModelState| s.streams.values().all(|w| w.completed >= w.submitted);
-        while self.config.synchronize_blocks && !idle(&s) {
+        if stream == 0 {
+            s.legacy_refused()?;
+        }
+        s.refused_by_capture()?;
+        let upto = s.streams[&stream].submitted;
+        let done = |s: &ModelState| s.streams[&stream].completed >= upto;
+        while self.config.synchronize_blocks && !done(&s) {
             s = self.done.wait(s).unwrap_or_else(|e| e.into_inner());
             s.check_lost()?;
         }
-        s.complete_all();
+        s.complete(stream, upto);
         s.check_lost()
     }
 

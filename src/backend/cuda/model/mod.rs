@@ -58,9 +58,12 @@ use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 /// - **Captures refuse VMM calls** (facts 40–43): while a GLOBAL capture is open on any thread
 ///   (or a THREAD_LOCAL one on the calling thread), `cuMemAddressReserve`,
 ///   `cuMemAddressFree`, `cuMemCreate`, `cuMemRelease`, `cuMemMap`, `cuMemSetAccess`,
-///   `cuMemUnmap` and `cuCtxSynchronize` return `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED` (900)
-///   with nothing changed, and invalidate that capture ([`end_capture`](Self::end_capture)
-///   then says so). RELAXED captures refuse nothing.
+///   `cuMemUnmap` and `cuStreamSynchronize` return `CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED`
+///   (900) with nothing changed, and invalidate that capture ([`end_capture`](Self::end_capture)
+///   then says so). RELAXED captures refuse nothing. A synchronize of a capturing stream is
+///   refused, and invalidates its capture, in every mode (fact 41). The model has no
+///   `cuCtxSynchronize`: memtoken never calls it (it would invalidate every capture open in
+///   the context).
 /// - **GPUDirect RDMA only where attribute 110 says so** (fact 14): `cuMemCreate` or
 ///   `cuMemGetAllocationGranularity` with `gpuDirectRDMACapable` on a device whose
 ///   `CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED` ([`ModelConfig::rdma_with_vmm`],

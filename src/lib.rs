@@ -173,6 +173,7 @@ pub use error::{
 };
 pub use generativity::{Guard, make_guard};
 pub use ids::{ContextLost, Generation, Released};
+pub use interop::{Capture, CapturedGraph, StreamView, StreamViewMut};
 #[cfg(feature = "cuda")]
 pub use interop::{DeviceView, DeviceViewMut};
 pub use interop::{

@@ -32,6 +32,10 @@ const SPIN_AXPY: &str = include_str!("kernels/spin_axpy.ptx");
 #[path = "gpu/assumptions.rs"]
 mod assumptions;
 
+/// The CUDA graph-capture rules the backend relies on, each checked on the real driver.
+#[path = "gpu/captures.rs"]
+mod captures;
+
 /// The real device, or `None` (with the reason printed) when this machine has none.
 ///
 /// # Panics

@@ -260,6 +260,8 @@ listed! {
         Copy,
         /// Record or query a fence.
         Fence,
+        /// Capture, instantiate, launch or destroy a CUDA graph.
+        Graph,
     }
 }
 

@@ -107,6 +107,22 @@ pub enum Violation {
     /// A stream of another context than the backend's.
     #[error("the stream belongs to another context: fences can only cover this device's streams")]
     ForeignStream,
+    /// A raw stream handle the backend's fences do not cover.
+    #[error(
+        "stream {0:#x} is not covered by the device's fences: cover it first (`cover_stream`, or `cover` for a cudarc stream)"
+    )]
+    UncoveredStream(usize),
+    /// Memory a view lent to work on a stream while it captured outside memtoken's own
+    /// capture: a graph memtoken does not know of may use it whenever it is launched.
+    #[error(
+        "[{addr:#x}, +{len:#x}) was used on a stream during a CUDA graph capture memtoken did not make: a graph may still launch with it, so it stays mapped (capture through `memtoken::Capture` to release it)"
+    )]
+    HeldByGraph {
+        /// Start of the range.
+        addr: Addr,
+        /// Its length.
+        len: usize,
+    },
     /// The range is in use by a copy running outside the backend's lock: unmapping, freeing or
     /// mapping over it waits until the copy has finished.
     #[error(

@@ -1,9 +1,11 @@
 //! Device typed views (feature `cuda`): CUDA tokens as cudarc device memory of `T`, for
 //! `CudaBackend<SysDriver>`, the backend whose streams are cudarc's.
+#![allow(unsafe_code)] // one `unsafe` call (`note_use`), with its `// SAFETY:` proof
 
+use super::fit;
 use crate::allocation::Allocation;
 use crate::backend::Addr;
-use crate::backend::cuda::{CudaBackend, SysDriver};
+use crate::backend::cuda::{CudaBackend, Stream, SysDriver};
 use crate::error::ViewError;
 use crate::page_pool::{Page, PageTable};
 use crate::sharing::{Diverged, Owner};
@@ -19,25 +21,13 @@ use std::sync::Arc;
 /// The backend whose tokens lend device views.
 type Gpu = CudaBackend<SysDriver>;
 
-/// What a view lends: `len` elements at `ptr`, and its home stream.
-struct Span {
+/// What a view lends: `len` elements at `ptr`, and its home stream; and the backend, asked
+/// at each use whether the stream captures.
+struct Span<'a> {
+    backend: &'a Gpu,
     ptr: CUdeviceptr,
     len: usize,
     home: Arc<CudaStream>,
-}
-
-/// How many `T`s the `bytes` bytes at `addr` hold, or why they cannot be viewed as `T`s.
-/// The alignment is checked first, as `bytemuck` does for the host views.
-fn fit<T>(addr: Addr, bytes: usize) -> Result<usize, ViewError> {
-    let align = align_of::<T>();
-    if !addr.is_multiple_of(align) {
-        return Err(ViewError::Alignment { addr, align });
-    }
-    let size = size_of::<T>();
-    if size == 0 || !bytes.is_multiple_of(size) {
-        return Err(ViewError::Length { bytes, size });
-    }
-    Ok(bytes / size)
 }
 
 /// `range` of `0..len` as `(start, end)`, or `None` if it is out of bounds (or its ends
@@ -71,11 +61,11 @@ fn bounds(range: impl RangeBounds<usize>, len: usize) -> (usize, usize) {
 /// `CU_STREAM_PER_THREAD`: the calling thread's default stream.
 const PER_THREAD_STREAM: usize = 0x2;
 
-impl Span {
+impl<'a> Span<'a> {
     /// `bytes` bytes at `addr` as `T`s on `stream`, which the backend's fences cover from now
     /// on.
     fn lend<T: Pod>(
-        backend: &Gpu,
+        backend: &'a Gpu,
         addr: Addr,
         bytes: usize,
         stream: &Arc<CudaStream>,
@@ -85,6 +75,7 @@ impl Span {
             .cover(stream)
             .map_err(|e| ViewError::Stream(Box::new(e)))?;
         Ok(Self {
+            backend,
             ptr: addr as CUdeviceptr,
             len,
             home: Arc::clone(stream),
@@ -106,6 +97,7 @@ impl Span {
     /// Elements `start..end`, in bounds.
     fn between<T>(&self, start: usize, end: usize) -> Self {
         Self {
+            backend: self.backend,
             ptr: self.ptr + (start * size_of::<T>()) as CUdeviceptr,
             len: end - start,
             home: Arc::clone(&self.home),
@@ -118,14 +110,8 @@ impl Span {
     /// # Panics
     ///
     /// If `stream` belongs to another context than the home stream.
-    fn order<'a>(&'a self, stream: &'a CudaStream) -> SyncOnDrop<'a> {
+    fn order<'s>(&'s self, stream: &'s CudaStream, bytes: usize) -> SyncOnDrop<'s> {
         let home = &*self.home;
-        // The per-thread stream has one handle on every thread but is a different stream on
-        // each: never taken for the home stream.
-        let per_thread = home.cu_stream() as usize == PER_THREAD_STREAM;
-        if stream == home && !per_thread {
-            return SyncOnDrop::Record(None); // the stream's own order is enough
-        }
         let ctx = stream.context();
         assert!(
             ctx.cu_ctx() == home.context().cu_ctx(),
@@ -133,6 +119,20 @@ impl Span {
              memory's: the device's fences cannot cover that stream, so no pointer is lent for \
              it; make the view on a stream of the device's context"
         );
+        // Used while its stream captures outside a memtoken capture, the memory goes to a
+        // graph memtoken does not know of: it is never unmapped then.
+        // SAFETY: `stream` is borrowed for this call, so live, and of the backend's context
+        // (asserted above: the home stream's context is the backend's, `Span::lend` checked).
+        unsafe {
+            self.backend
+                .note_use(stream.cu_stream() as Stream, self.ptr as Addr, bytes)
+        };
+        // The per-thread stream has one handle on every thread but is a different stream on
+        // each: never taken for the home stream.
+        let per_thread = home.cu_stream() as usize == PER_THREAD_STREAM;
+        if stream == home && !per_thread {
+            return SyncOnDrop::Record(None); // the stream's own order is enough
+        }
         if let Err(e) = stream.join(home) {
             // The cudarc way for a call that cannot return its error; then a host wait on the
             // home stream, so the use still comes after every earlier one.
@@ -215,7 +215,7 @@ impl Span {
 /// learn which stream the kernel runs on; a view passed so could be used, unfenced and
 /// unordered, on any stream. `device_ptr(&stream)` names the stream.
 pub struct DeviceView<'a, T> {
-    span: Span,
+    span: Span<'a>,
     _lent: PhantomData<&'a [T]>,
 }
 
@@ -247,7 +247,7 @@ pub struct DeviceViewMut<'a, T> {
 }
 
 impl<'a, T> DeviceView<'a, T> {
-    fn new(span: Span) -> Self {
+    fn new(span: Span<'a>) -> Self {
         Self {
             span,
             _lent: PhantomData,
@@ -286,7 +286,7 @@ impl<'a, T> DeviceView<'a, T> {
 }
 
 impl<'a, T> DeviceViewMut<'a, T> {
-    fn new(span: Span) -> Self {
+    fn new(span: Span<'a>) -> Self {
         Self {
             view: DeviceView::new(span),
             _lent: PhantomData,
@@ -344,7 +344,8 @@ impl<T> DevicePtr<T> for DeviceView<'_, T> {
     ///
     /// If `stream` belongs to another CUDA context than the view's memory.
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
-        (self.span.ptr, self.span.order(stream))
+        let bytes = self.span.len * size_of::<T>();
+        (self.span.ptr, self.span.order(stream, bytes))
     }
 }
 

@@ -6,12 +6,14 @@
 //! token's memory from host bytes, `copy_to_host` reads it into them; a copy of a part names
 //! the part (`copy_page_from_host`, `copy_page_to_host`, `copy_boundary_from_host`).
 
+mod capture;
 #[cfg(feature = "cuda")]
 mod device;
 mod host;
 mod ipc;
 mod streams;
 
+pub use capture::{Capture, CapturedGraph, StreamView, StreamViewMut};
 #[cfg(feature = "cuda")]
 pub use device::{DeviceView, DeviceViewMut};
 pub use ipc::{
@@ -21,11 +23,26 @@ pub use ipc::{
 use crate::allocation::Allocation;
 use crate::backend::cuda::{CudaBackend, Driver};
 use crate::backend::{Addr, BackendError};
+use crate::error::ViewError;
 use crate::page_pool::PageTable;
 use crate::region::Elastic;
 use crate::sharing::{Capability, Diverged, Owner};
 use crate::state::{Committed, Readable, State};
 use crate::unwind::Scope;
+
+/// How many `T`s the `bytes` bytes at `addr` hold, or why they cannot be viewed as `T`s.
+/// The alignment is checked first, as `bytemuck` does for the host views.
+fn fit<T>(addr: Addr, bytes: usize) -> Result<usize, ViewError> {
+    let align = align_of::<T>();
+    if !addr.is_multiple_of(align) {
+        return Err(ViewError::Alignment { addr, align });
+    }
+    let size = size_of::<T>();
+    if size == 0 || !bytes.is_multiple_of(size) {
+        return Err(ViewError::Length { bytes, size });
+    }
+    Ok(bytes / size)
+}
 
 /// `[offset, offset + len)` inside a region of `size` bytes at `base`, or a panic.
 fn within(base: Addr, size: usize, offset: usize, len: usize) -> Addr {

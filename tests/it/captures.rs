@@ -6,7 +6,7 @@
 use crate::common;
 use memtoken::backend::cuda::{CuError, DriverCall};
 use memtoken::backend::doubles::{CaptureMode, DriverModel, ModelConfig};
-use memtoken::{Budget, Device, PagePool, make_guard};
+use memtoken::{Budget, Capture, Device, PagePool, make_guard};
 
 const G: usize = common::MODEL_GRANULARITY;
 
@@ -183,4 +183,236 @@ fn a_device_closed_during_a_capture_leaves_it_valid_and_reports_what_it_could_no
     }
     assert_eq!(model.end_capture(stream), Ok(()), "the capture ends valid");
     assert_eq!(model.lost_with(), None);
+}
+
+// ---- Graphs: captured through memtoken, they borrow their memory; captured around it, the
+// memory is never unmapped. ----
+
+/// A model whose work completes only when told: a release is known to wait for a launch only
+/// if it is still pending while the launch runs.
+fn slow_model() -> DriverModel {
+    DriverModel::new(ModelConfig {
+        events_complete_at_once: false,
+        ..common::model_config()
+    })
+    .unwrap()
+}
+
+/// A graph captured through memtoken, launched three times, then dropped: the token's release
+/// waits for the last launch (its stream is covered), and nothing runs on unmapped memory —
+/// the model would take the sticky `ILLEGAL_ADDRESS` when a launch on unmapped memory
+/// completes (fact 21). Fails if the capture's stream is not covered by the fences, or if the
+/// launch runs elsewhere.
+#[test]
+fn a_graph_launched_three_times_then_dropped_is_waited_for_by_the_release() {
+    let model = slow_model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let stream = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.cover_stream(stream) };
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    model.complete_work(); // the commit's own work, if any
+
+    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    let view = capture.view_mut::<f32>(&mut x).unwrap();
+    assert_eq!(view.len(), G / 4);
+    // The captured kernel: a node of the graph, not work (fact 39).
+    model.submit_work_touching(stream, &[(view.device_ptr(), G)]);
+    let graph = capture.end().expect("the capture ends valid");
+    let launched = model.count(DriverCall::GraphLaunch);
+    for _ in 0..3 {
+        graph.launch().unwrap();
+    }
+    assert_eq!(model.count(DriverCall::GraphLaunch), launched + 3);
+    drop(graph);
+    assert_eq!(model.count(DriverCall::GraphExecDestroy), 1);
+
+    let releasing = match x.release().complete().map_err(|e| e.into_token()) {
+        Err(memtoken::Returned::Unchanged(releasing)) => releasing,
+        _ => panic!("the release must wait for the last launch, still running"),
+    };
+    model.complete_work();
+    releasing
+        .complete()
+        .expect("done once the launches have finished");
+    assert_eq!(model.lost_with(), None, "no launch ran on unmapped memory");
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// The model's rule the test above relies on: a launch of a graph whose memory was unmapped
+/// before it faults (sticky `ILLEGAL_ADDRESS`) when it completes. This is what releasing
+/// under a graph that may still launch would do.
+#[test]
+fn the_model_faults_a_launch_on_memory_unmapped_before_it() {
+    use memtoken::backend::cuda::Driver;
+    let model = slow_model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let stream = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.cover_stream(stream) };
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let x = binding.reserve(G).unwrap().commit().unwrap();
+    let ptr = x.addr() as u64;
+    // A capture around memtoken, through the raw driver (what cudarc's `begin_capture` is).
+    // SAFETY: a live stream of the model's context.
+    unsafe { model.stream_begin_capture(stream, CaptureMode::Global) }.unwrap();
+    model.submit_work_touching(stream, &[(ptr, G)]);
+    // SAFETY: as above; the graph and its instance are the model's own.
+    let exec = unsafe {
+        let graph = model.stream_end_capture(stream).unwrap();
+        model.graph_instantiate(graph).unwrap()
+    };
+    model.complete_work();
+    drop(x); // memtoken never saw the capture: unmapped once its fence completed
+    device.poll();
+    // SAFETY: as above; the launch uses memory that is gone — what the model must catch.
+    unsafe { model.graph_launch(exec, stream) }.unwrap();
+    model.complete_work();
+    assert_eq!(model.lost_with(), Some(CuError::ILLEGAL_ADDRESS));
+}
+
+/// The bypass: a capture made around memtoken (cudarc's safe `begin_capture` does this) takes
+/// a view's pointer; the view drops and the token is released. memtoken asked the stream at
+/// the use, so the memory is held for good: the release is quarantined with the memory still
+/// mapped (the graph may still launch), its address is never handed out again, and a launch
+/// after the release runs on mapped memory. Fails without the capture check at the view's use
+/// (the release then unmaps, and the launch faults).
+#[test]
+fn memory_lent_to_a_capture_memtoken_did_not_make_is_quarantined_never_reused() {
+    use memtoken::backend::cuda::Driver;
+    let model = slow_model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let stream = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.cover_stream(stream) };
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    let addr = x.addr();
+
+    // SAFETY: a live stream of the model's context.
+    unsafe { model.stream_begin_capture(stream, CaptureMode::Global) }.unwrap();
+    {
+        let mut view = x.stream_view_mut::<u8>(stream).unwrap();
+        let ptr = view.device_ptr_mut();
+        model.submit_work_touching(stream, &[(ptr, G)]);
+    }
+    // SAFETY: as above; the graph and its instance are the model's own.
+    let exec = unsafe {
+        let graph = model.stream_end_capture(stream).unwrap();
+        model.graph_instantiate(graph).unwrap()
+    };
+    // Nothing runs on the stream (the captured work is a graph's node): the fence is done at
+    // once, and the unmap is refused.
+    let failure = x
+        .release()
+        .complete()
+        .map(drop)
+        .expect_err("the memory a foreign graph uses must not be unmapped");
+    let quarantined = match failure.token {
+        memtoken::Returned::Quarantined(q) => q,
+        other => panic!("expected quarantine, got {other:?}: {}", failure.cause),
+    };
+    let why = chain(&failure.cause);
+    assert!(
+        why.contains("CUDA graph capture"),
+        "the error says why: {why}"
+    );
+    let held = quarantined.residual();
+    assert_eq!(held.range(), (addr, G));
+    assert!(
+        held.holds_va() && held.mapped_bytes() == G,
+        "still mapped, its VA withheld"
+    );
+    // Never reused: a new reservation lands elsewhere, whatever the placement.
+    let again: Vec<_> = (0..8)
+        .map(|_| binding.reserve(G).unwrap().commit().unwrap())
+        .collect();
+    assert!(again.iter().all(|a| a.addr() != addr));
+    drop(again);
+    // The graph launches after the release: its memory is still mapped, nothing faults.
+    // SAFETY: `exec` is the model's live instance, and its memory is still mapped.
+    unsafe { model.graph_launch(exec, stream) }.unwrap();
+    model.complete_work();
+    assert_eq!(model.lost_with(), None, "the launch wrote mapped memory");
+    // A retry keeps refusing: the memory stays with the quarantine.
+    let still = quarantined.retry().map(drop).unwrap_err();
+    assert!(
+        chain(&still).contains("CUDA graph capture"),
+        "{}",
+        chain(&still)
+    );
+}
+
+/// An error and every source under it, one per line.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut at = e.source();
+    while let Some(cause) = at {
+        out += &format!("\n{cause}");
+        at = cause.source();
+    }
+    out
+}
+
+/// A region a graph uses cannot shrink while the graph lives (the compile-fail cases say so);
+/// once the graph is dropped it shrinks, and the shrink waits for the last launch.
+#[test]
+fn a_region_shrinks_once_its_graph_is_gone_after_its_last_launch() {
+    let model = slow_model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let stream = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.cover_stream(stream) };
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding.reserve(2 * G).unwrap().into_region();
+    region.grow(2).unwrap();
+    model.complete_work();
+    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    let view = capture.region_view_mut::<u32>(&mut region).unwrap();
+    model.submit_work_touching(stream, &[(view.device_ptr(), 2 * G)]);
+    let graph = capture.end().unwrap();
+    graph.launch().unwrap();
+    drop(graph);
+    assert!(
+        matches!(region.shrink(1), Err(memtoken::ShrinkError::Pending)),
+        "the launch still runs"
+    );
+    model.complete_work();
+    region.shrink(1).unwrap();
+    assert_eq!(model.lost_with(), None);
+}
+
+/// A capture needs a stream the fences cover: its graph's launches must be waited for.
+#[test]
+fn a_capture_on_a_stream_the_fences_do_not_cover_is_refused() {
+    let model = model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let stream = model.new_stream();
+    let e = Capture::begin(&device, stream, CaptureMode::Global).unwrap_err();
+    assert!(e.to_string().contains("not covered"), "{e}");
+    assert_eq!(model.count(DriverCall::StreamBeginCapture), 0);
+}
+
+/// A capture dropped without `end` (an early return) is ended, its graph discarded: the
+/// stream captures no more.
+#[test]
+fn a_capture_dropped_without_end_ends_it() {
+    use memtoken::backend::cuda::Driver;
+    let model = model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let stream = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.cover_stream(stream) };
+    drop(Capture::begin(&device, stream, CaptureMode::Global).unwrap());
+    // SAFETY: a live stream of the model's context.
+    assert_eq!(unsafe { model.stream_is_capturing(stream) }, Ok(false));
+    assert_eq!(model.count(DriverCall::GraphExecDestroy), 1);
 }

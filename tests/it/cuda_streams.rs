@@ -545,7 +545,7 @@ mod hooked {
     #![allow(unsafe_code)] // forwards each call, unchanged, to the model's own
     use memtoken::backend::cuda::{
         AllocationProps, CaptureMode, Context, CuError, CuResult, DeviceAttribute, Driver, Event,
-        ShareableHandle, Stream,
+        Graph, GraphExec, ShareableHandle, Stream,
     };
     use memtoken::backend::doubles::DriverModel;
     use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -691,6 +691,24 @@ mod hooked {
         }
         fn thread_exchange_capture_mode(&self, m: CaptureMode) -> CuResult<CaptureMode> {
             self.inner.thread_exchange_capture_mode(m)
+        }
+        unsafe fn stream_begin_capture(&self, st: Stream, m: CaptureMode) -> CuResult<()> {
+            unsafe { self.inner.stream_begin_capture(st, m) }
+        }
+        unsafe fn stream_end_capture(&self, st: Stream) -> CuResult<Graph> {
+            unsafe { self.inner.stream_end_capture(st) }
+        }
+        unsafe fn graph_instantiate(&self, g: Graph) -> CuResult<GraphExec> {
+            unsafe { self.inner.graph_instantiate(g) }
+        }
+        unsafe fn graph_launch(&self, e: GraphExec, st: Stream) -> CuResult<()> {
+            unsafe { self.inner.graph_launch(e, st) }
+        }
+        unsafe fn graph_exec_destroy(&self, e: GraphExec) -> CuResult<()> {
+            unsafe { self.inner.graph_exec_destroy(e) }
+        }
+        unsafe fn graph_destroy(&self, g: Graph) -> CuResult<()> {
+            unsafe { self.inner.graph_destroy(g) }
         }
     }
 }

@@ -205,6 +205,12 @@ listed! {
         MemImportFromShareableHandle,
         StreamIsCapturing,
         ThreadExchangeStreamCaptureMode,
+        StreamBeginCapture,
+        StreamEndCapture,
+        GraphInstantiate,
+        GraphLaunch,
+        GraphExecDestroy,
+        GraphDestroy,
     }
 }
 
@@ -316,6 +322,10 @@ pub type Context = usize;
 pub type Event = usize;
 /// A `CUstream`, as an integer (0: the legacy default stream).
 pub type Stream = usize;
+/// A `CUgraph` (a captured graph), as an integer.
+pub type Graph = usize;
+/// A `CUgraphExec` (an instantiated graph), as an integer.
+pub type GraphExec = usize;
 
 /// The CUDA driver calls of the VMM path, one-to-one. Device pointers and allocation handles
 /// are `u64`, as in the driver.
@@ -341,7 +351,10 @@ pub type Stream = usize;
 ///   until it has finished);
 /// - an **event** returned by [`event_create`](Driver::event_create) and not yet destroyed;
 /// - a **stream**: 0 (the legacy default stream), or one the caller created and has not
-///   destroyed.
+///   destroyed;
+/// - a **graph** returned by [`stream_end_capture`](Driver::stream_end_capture), or an
+///   **executable graph** returned by [`graph_instantiate`](Driver::graph_instantiate), not
+///   yet destroyed.
 ///
 /// The driver promises no unique values: a released handle's or destroyed event's value may be
 /// returned again by a later `mem_create` or `event_create`, and then names the new one. A value
@@ -558,6 +571,50 @@ pub trait Driver {
     /// `cuThreadExchangeStreamCaptureMode`: sets the calling thread's capture interaction mode
     /// to `mode`; returns the mode it had (fact 40).
     fn thread_exchange_capture_mode(&self, mode: CaptureMode) -> CuResult<CaptureMode>;
+    /// `cuStreamBeginCapture`: work submitted on `stream` from now on is captured into a graph
+    /// instead of running (fact 39).
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream of this driver's context, not the legacy stream (capture
+    /// cannot start there: fact 41) ([the trait's rules](Driver#safety)).
+    unsafe fn stream_begin_capture(&self, stream: Stream, mode: CaptureMode) -> CuResult<()>;
+    /// `cuStreamEndCapture`: the graph captured on `stream`; an error (and no graph) if the
+    /// capture was invalidated.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream of this driver's context that captures, begun on the calling
+    /// thread ([the trait's rules](Driver#safety)).
+    unsafe fn stream_end_capture(&self, stream: Stream) -> CuResult<Graph>;
+    /// `cuGraphInstantiateWithFlags(…, 0)`: an executable graph of `graph`.
+    ///
+    /// # Safety
+    ///
+    /// `graph` is a live graph of this driver ([the trait's rules](Driver#safety)).
+    unsafe fn graph_instantiate(&self, graph: Graph) -> CuResult<GraphExec>;
+    /// `cuGraphLaunch`: runs `exec` on `stream`, after the work submitted there so far.
+    ///
+    /// # Safety
+    ///
+    /// `exec` is a live executable graph and `stream` a live stream of this driver; every
+    /// address the graph uses is mapped with access until the launch has finished
+    /// ([the trait's rules](Driver#safety)).
+    unsafe fn graph_launch(&self, exec: GraphExec, stream: Stream) -> CuResult<()>;
+    /// `cuGraphExecDestroy`: launches in flight finish first (the call does not wait).
+    ///
+    /// # Safety
+    ///
+    /// `exec` is a live executable graph of this driver, destroyed once
+    /// ([the trait's rules](Driver#safety)).
+    unsafe fn graph_exec_destroy(&self, exec: GraphExec) -> CuResult<()>;
+    /// `cuGraphDestroy`.
+    ///
+    /// # Safety
+    ///
+    /// `graph` is a live graph of this driver, destroyed once
+    /// ([the trait's rules](Driver#safety)).
+    unsafe fn graph_destroy(&self, graph: Graph) -> CuResult<()>;
 }
 
 #[cfg(test)]

@@ -357,7 +357,7 @@ impl<D: Driver> CudaBackend<D> {
     /// stream of the context captures answers 906): then nothing is recorded on it and none of
     /// its events is asked (facts 39, 41). Asking invalidates nothing; a failed answer counts
     /// as capturing (asked again later), a loss is noted. The record's lock is held.
-    fn capturing(&self, stream: Stream) -> bool {
+    pub(super) fn capturing(&self, stream: Stream) -> bool {
         // SAFETY: `stream` is a covered stream: 0, or one whose owner promised it live until
         // this backend is dropped (`cover_stream`'s contract).
         match unsafe { self.driver.stream_is_capturing(stream) } {

@@ -199,6 +199,7 @@ mod driver;
 mod export;
 pub mod facts;
 mod fence;
+mod graph;
 pub(in crate::backend) mod model;
 mod open;
 mod record;
@@ -210,7 +211,8 @@ mod vmm;
 
 pub use driver::{
     AllocationProps, CaptureMode, Context, CuError, CuResult, DeviceAttribute, Driver, DriverCall,
-    ErrorFate, Event, HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
+    ErrorFate, Event, Graph, GraphExec, HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD, ShareableHandle,
+    Stream,
 };
 pub use fence::CudaFence;
 

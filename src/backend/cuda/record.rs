@@ -41,6 +41,10 @@ pub(super) struct CudaState {
     pub(super) exportable: HashSet<CudaPhys>,
     /// Live physical memory imported from a descriptor: mapped read-only, written never.
     pub(super) imported: HashSet<CudaPhys>,
+    /// Ranges a view lent to work on a stream while it captured outside memtoken's own
+    /// capture: a graph memtoken does not know of may use them whenever it is launched, so
+    /// they are never unmapped (unmap refuses them; their tokens' releases quarantine them).
+    pub(super) graph_held: Vec<(u64, usize)>,
 }
 
 /// A copy on the legacy stream whose wait failed (see [`CudaState::unsettled`]).
@@ -69,6 +73,7 @@ impl CudaState {
             unsettled: Vec::new(),
             exportable: HashSet::new(),
             imported: HashSet::new(),
+            graph_held: Vec::new(),
         }
     }
 }

@@ -11,7 +11,7 @@
 use super::CudaError;
 use super::driver::{
     AllocationProps, CaptureMode, Context, CuError, CuResult, DeviceAttribute, Driver, Event,
-    HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
+    Graph, GraphExec, HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
 };
 use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
@@ -317,11 +317,7 @@ impl Driver for SysDriver {
 
     fn thread_exchange_capture_mode(&self, mode: CaptureMode) -> CuResult<CaptureMode> {
         use sys::CUstreamCaptureMode as M;
-        let mut raw = match mode {
-            CaptureMode::Global => M::CU_STREAM_CAPTURE_MODE_GLOBAL,
-            CaptureMode::ThreadLocal => M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
-            CaptureMode::Relaxed => M::CU_STREAM_CAPTURE_MODE_RELAXED,
-        };
+        let mut raw = raw_mode(mode);
         // SAFETY: `raw` outlives the call, which reads the new mode from it and writes the old.
         unsafe { sys::cuThreadExchangeStreamCaptureMode(&mut raw) }
             .result()
@@ -331,5 +327,52 @@ impl Driver for SysDriver {
             M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL => CaptureMode::ThreadLocal,
             M::CU_STREAM_CAPTURE_MODE_RELAXED => CaptureMode::Relaxed,
         })
+    }
+
+    unsafe fn stream_begin_capture(&self, stream: Stream, mode: CaptureMode) -> CuResult<()> {
+        // SAFETY: the caller passes a live stream of this context, not the legacy stream.
+        unsafe { result::stream::begin_capture(stream as sys::CUstream, raw_mode(mode)) }
+            .map_err(cu)
+    }
+
+    unsafe fn stream_end_capture(&self, stream: Stream) -> CuResult<Graph> {
+        // SAFETY: the caller passes a live stream of this context that captures.
+        let graph = unsafe { result::stream::end_capture(stream as sys::CUstream) }.map_err(cu)?;
+        Ok(graph as Graph)
+    }
+
+    unsafe fn graph_instantiate(&self, graph: Graph) -> CuResult<GraphExec> {
+        let flags = sys::CUgraphInstantiate_flags(0);
+        // SAFETY: the caller passes a live graph of this driver.
+        let exec =
+            unsafe { result::graph::instantiate(graph as sys::CUgraph, flags) }.map_err(cu)?;
+        Ok(exec as GraphExec)
+    }
+
+    unsafe fn graph_launch(&self, exec: GraphExec, stream: Stream) -> CuResult<()> {
+        // SAFETY: the caller passes a live executable graph and a live stream, and keeps the
+        // graph's memory mapped until the launch has finished.
+        unsafe { result::graph::launch(exec as sys::CUgraphExec, stream as sys::CUstream) }
+            .map_err(cu)
+    }
+
+    unsafe fn graph_exec_destroy(&self, exec: GraphExec) -> CuResult<()> {
+        // SAFETY: the caller passes a live executable graph, destroyed once.
+        unsafe { result::graph::exec_destroy(exec as sys::CUgraphExec) }.map_err(cu)
+    }
+
+    unsafe fn graph_destroy(&self, graph: Graph) -> CuResult<()> {
+        // SAFETY: the caller passes a live graph, destroyed once.
+        unsafe { result::graph::destroy(graph as sys::CUgraph) }.map_err(cu)
+    }
+}
+
+/// A capture mode as the driver spells it.
+fn raw_mode(mode: CaptureMode) -> sys::CUstreamCaptureMode {
+    use sys::CUstreamCaptureMode as M;
+    match mode {
+        CaptureMode::Global => M::CU_STREAM_CAPTURE_MODE_GLOBAL,
+        CaptureMode::ThreadLocal => M::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL,
+        CaptureMode::Relaxed => M::CU_STREAM_CAPTURE_MODE_RELAXED,
     }
 }

@@ -200,6 +200,10 @@ impl<D: Driver> Backend for CudaBackend<D> {
             .relaxed()
             .map_err(|e| self.fail(Op::Unmap, addr, len, e))?;
         Self::check_not_busy(&s, Op::Unmap, addr, len)?;
+        if Self::overlaps(&s.graph_held, addr, len) {
+            let v = Violation::HeldByGraph { addr, len };
+            return Err(BackendError::refused(Op::Unmap, addr, len, v));
+        }
         s.book
             .check_unmap(addr, len)
             .map_err(|v| BackendError::refused(Op::Unmap, addr, len, v))?;

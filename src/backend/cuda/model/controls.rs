@@ -174,6 +174,7 @@ impl DriverModel {
             mode,
             thread: std::thread::current().id(),
             invalidated: false,
+            nodes: Vec::new(),
         };
         if s.captures.insert(stream, capture).is_some() {
             panic!("DriverModel: stream {stream:#x} is capturing already");

@@ -4,11 +4,11 @@
 
 #[cfg(doc)]
 use super::ModelConfig;
-use super::state::{ModelState, Shared, Watched, identity, inode_of};
+use super::state::{Capture, ModelState, Shared, Watched, identity, inode_of};
 use super::{DriverModel, misuse};
 use crate::backend::cuda::driver::{
     AllocationProps, CaptureMode, Context, CuError, CuResult, DeviceAttribute, Driver, DriverCall,
-    Event, HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
+    Event, Graph, GraphExec, HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
 };
 use crate::backend::{Access, Addr};
 use rustix::fd::AsFd;
@@ -591,6 +591,104 @@ impl Driver for DriverModel {
         let me = std::thread::current().id();
         let old = s.thread_modes.insert(me, mode);
         Ok(old.unwrap_or(CaptureMode::Global))
+    }
+
+    /// Fact 41: never on the legacy stream (misuse); a stream capturing already answers
+    /// `STREAM_CAPTURE_UNSUPPORTED`.
+    unsafe fn stream_begin_capture(&self, stream: Stream, mode: CaptureMode) -> CuResult<()> {
+        let call = DriverCall::StreamBeginCapture;
+        let mut s = self.enter(call, true)?;
+        if stream == 0 || !s.streams.contains_key(&stream) {
+            misuse(call, format_args!("cannot capture on stream {stream:#x}"));
+        }
+        if s.captures.contains_key(&stream) {
+            return Err(CuError::STREAM_CAPTURE_UNSUPPORTED);
+        }
+        let capture = Capture {
+            mode,
+            thread: std::thread::current().id(),
+            invalidated: false,
+            nodes: Vec::new(),
+        };
+        s.captures.insert(stream, capture);
+        Ok(())
+    }
+
+    /// The capture's work as a graph; `STREAM_CAPTURE_WRONG_THREAD` from another thread than
+    /// the one that began a non-relaxed capture (which stays open), and
+    /// `STREAM_CAPTURE_INVALIDATED` (the capture ended, no graph) after a refused call
+    /// invalidated it. Misuse: a stream that does not capture.
+    unsafe fn stream_end_capture(&self, stream: Stream) -> CuResult<Graph> {
+        let call = DriverCall::StreamEndCapture;
+        let mut s = self.enter(call, true)?;
+        let Some(capture) = s.captures.get(&stream) else {
+            misuse(call, format_args!("stream {stream:#x} does not capture"));
+        };
+        let me = std::thread::current().id();
+        if capture.mode != CaptureMode::Relaxed && capture.thread != me {
+            return Err(CuError::STREAM_CAPTURE_WRONG_THREAD);
+        }
+        let capture = s.captures.remove(&stream).expect("just found");
+        if capture.invalidated {
+            return Err(CuError::STREAM_CAPTURE_INVALIDATED);
+        }
+        let graph = s.next_graph;
+        s.next_graph += 1;
+        s.graphs.insert(graph, capture.nodes);
+        Ok(graph)
+    }
+
+    unsafe fn graph_instantiate(&self, graph: Graph) -> CuResult<GraphExec> {
+        let call = DriverCall::GraphInstantiate;
+        let mut s = self.enter(call, true)?;
+        let Some(nodes) = s.graphs.get(&graph).cloned() else {
+            misuse(call, format_args!("unknown graph {graph:#x}"));
+        };
+        let exec = s.next_graph;
+        s.next_graph += 1;
+        s.execs.insert(exec, nodes);
+        Ok(exec)
+    }
+
+    /// Each node becomes work on `stream`; one using memory not mapped with access now faults
+    /// when it completes (see [`DriverModel`]).
+    unsafe fn graph_launch(&self, exec: GraphExec, stream: Stream) -> CuResult<()> {
+        let call = DriverCall::GraphLaunch;
+        let mut s = self.enter(call, true)?;
+        let Some(nodes) = s.execs.get(&exec).cloned() else {
+            misuse(call, format_args!("unknown executable graph {exec:#x}"));
+        };
+        if !s.streams.contains_key(&stream) {
+            misuse(call, format_args!("unknown stream {stream:#x}"));
+        }
+        if stream == 0 {
+            s.legacy_refused()?;
+        }
+        s.launch(stream, &nodes);
+        if self.config.events_complete_at_once {
+            let upto = s.streams[&stream].submitted;
+            s.complete(stream, upto);
+        }
+        s.check_lost()
+    }
+
+    /// Launches in flight are work already: they finish on their own.
+    unsafe fn graph_exec_destroy(&self, exec: GraphExec) -> CuResult<()> {
+        let call = DriverCall::GraphExecDestroy;
+        let mut s = self.enter(call, true)?;
+        if s.execs.remove(&exec).is_none() {
+            misuse(call, format_args!("unknown executable graph {exec:#x}"));
+        }
+        Ok(())
+    }
+
+    unsafe fn graph_destroy(&self, graph: Graph) -> CuResult<()> {
+        let call = DriverCall::GraphDestroy;
+        let mut s = self.enter(call, true)?;
+        if s.graphs.remove(&graph).is_none() {
+            misuse(call, format_args!("unknown graph {graph:#x}"));
+        }
+        Ok(())
     }
 }
 

@@ -59,7 +59,13 @@ pub(super) struct Capture {
     pub(super) mode: CaptureMode,
     pub(super) thread: ThreadId,
     pub(super) invalidated: bool,
+    /// The work submitted on the stream while it captures: graph nodes, each with the ranges
+    /// it uses (`None`: any memory), run only when the graph is launched (fact 39).
+    pub(super) nodes: Vec<Node>,
 }
+
+/// A graph node: the ranges the captured work uses (`None`: any memory mapped with access).
+pub(super) type Node = Option<Vec<(Addr, usize)>>;
 
 /// An open shareable handle.
 #[derive(Debug)]
@@ -181,6 +187,11 @@ pub(super) struct ModelState {
     pub(super) epoch: u64,
     /// Open stream captures, by stream.
     pub(super) captures: HashMap<Stream, Capture>,
+    /// Live graphs (`cuStreamEndCapture`) and executable graphs (`cuGraphInstantiate`), each
+    /// with its nodes, and the next value to hand out for either.
+    pub(super) graphs: HashMap<usize, Vec<Node>>,
+    pub(super) execs: HashMap<usize, Vec<Node>>,
+    pub(super) next_graph: usize,
     /// Threads' capture interaction modes, where set (`cuThreadExchangeStreamCaptureMode`);
     /// a thread not listed is in the default, global mode (fact 40).
     pub(super) thread_modes: HashMap<ThreadId, CaptureMode>,
@@ -230,6 +241,9 @@ impl ModelState {
             next_stream: 0x5000,
             epoch: 0,
             captures: HashMap::new(),
+            graphs: HashMap::new(),
+            execs: HashMap::new(),
+            next_graph: 0x9000,
             thread_modes: HashMap::new(),
             log: Vec::new(),
             faults: FaultPlan::default(),
@@ -301,7 +315,12 @@ impl ModelState {
     }
 
     /// Submits one piece of work on `stream`, touching `touches` (`None`: anything mapped).
+    /// On a capturing stream it becomes a node of the capture's graph instead (fact 39).
     pub(super) fn submit(&mut self, stream: Stream, touches: Option<Vec<(Addr, usize)>>) {
+        if let Some(capture) = self.captures.get_mut(&stream) {
+            capture.nodes.push(touches);
+            return;
+        }
         self.epoch += 1;
         let epoch = self.epoch;
         let work = self.streams.get_mut(&stream).expect("a known stream");
@@ -311,6 +330,40 @@ impl ModelState {
             epoch,
             touches,
         });
+    }
+
+    /// Launches the graph of `nodes` on `stream`: each node is work submitted there now (or,
+    /// on a capturing stream, a node of that capture). A node using memory that is not mapped
+    /// with access now faults when it completes: the context takes the sticky
+    /// `CUDA_ERROR_ILLEGAL_ADDRESS` (fact 21's rule, for memory gone before the launch).
+    pub(super) fn launch(&mut self, stream: Stream, nodes: &[Node]) {
+        for node in nodes {
+            self.submit(stream, node.clone());
+            if self.captures.contains_key(&stream) {
+                continue;
+            }
+            let unusable = node
+                .as_ref()
+                .is_some_and(|ranges| ranges.iter().any(|&(a, n)| !self.accessible(a, n)));
+            if unusable {
+                let work = self.streams.get_mut(&stream).expect("a known stream");
+                let seq = work.submitted;
+                work.doomed = Some(work.doomed.map_or(seq, |d| d.min(seq)));
+            }
+        }
+    }
+
+    /// Whether every byte of `[addr, addr + len)` lies in a mapping given access.
+    pub(super) fn accessible(&self, addr: Addr, len: usize) -> bool {
+        let end = addr.saturating_add(len);
+        let mut at = addr;
+        while at < end {
+            match self.access_epoch.range(..=at).next_back() {
+                Some((&start, &(n, _))) if at < start + n => at = start + n,
+                _ => return false,
+            }
+        }
+        true
     }
 
     /// Completes the work on `stream` up to sequence number `upto`. Work an unmap pulled memory

@@ -1,0 +1,485 @@
+//! CUDA graph captures that borrow the memory they use ([`Capture`], [`CapturedGraph`]), and
+//! typed views of CUDA tokens for work on a raw stream handle ([`StreamView`],
+//! [`StreamViewMut`]) — on any driver, the driver model included, so that everything here runs
+//! in `cargo test`. (cudarc's `DevicePtr` views, [`DeviceView`](super::DeviceView), stay on
+//! the real driver.)
+#![allow(unsafe_code)] // `Capture` and `CapturedGraph` make `unsafe` calls, each with its `// SAFETY:` proof
+
+use super::fit;
+use crate::allocation::Allocation;
+use crate::backend::cuda::{CaptureMode, CudaBackend, Driver, GraphExec, Stream};
+use crate::backend::{Addr, BackendError};
+use crate::device::Device;
+use crate::error::ViewError;
+use crate::region::Elastic;
+use crate::state::{Committed, Readable};
+use bytemuck::Pod;
+use std::fmt;
+use std::marker::PhantomData;
+
+/// A typed, read-only view of a CUDA token's memory for work on one raw stream (a `CUstream`
+/// the device's fences cover): `len()` elements of `T` at [`device_ptr`](Self::device_ptr).
+/// Lent by [`Allocation::stream_view`] (any readable token, and a region's committed part) and
+/// by a [`Capture`]. It borrows its token, so the token cannot be released while it lives.
+///
+/// **Ordering** is the stream's own: the token's release waits for the work submitted on
+/// every covered stream, this one included. Work on another stream is not ordered with it.
+///
+/// **Graph captures.** A view made outside a memtoken [`Capture`] whose pointer is taken
+/// while its stream captures (a capture begun with cudarc's `begin_capture` or the raw
+/// driver) lends its memory to a graph memtoken does not know of, which may be launched at
+/// any time later: memtoken asks the stream (`cuStreamIsCapturing`, one call per
+/// `device_ptr`) and then never unmaps that memory — its token's release quarantines it
+/// ([`Violation::HeldByGraph`](crate::backend::Violation::HeldByGraph)), and its address is
+/// never handed out again. Capture through [`Capture`] instead, whose graph borrows the
+/// token.
+pub struct StreamView<'a, T, D: Driver> {
+    backend: &'a CudaBackend<D>,
+    addr: Addr,
+    len: usize,
+    stream: Stream,
+    /// Lent by a memtoken capture, whose graph borrows the token: no probe.
+    in_capture: bool,
+    _lent: PhantomData<&'a [T]>,
+}
+
+/// A typed, writable view of a CUDA token's memory for work on one raw stream: as
+/// [`StreamView`], lent only by tokens that may write their memory, each borrowed mutably
+/// ([`Allocation::stream_view_mut`] of a committed allocation or a region, and a
+/// [`Capture`]).
+pub struct StreamViewMut<'a, T, D: Driver> {
+    view: StreamView<'a, T, D>,
+    _lent: PhantomData<&'a mut [T]>,
+}
+
+impl<'a, T, D: Driver> StreamView<'a, T, D> {
+    /// `bytes` bytes at `addr` as `T`s for work on `stream`, which the fences must cover.
+    fn lend(
+        backend: &'a CudaBackend<D>,
+        addr: Addr,
+        bytes: usize,
+        stream: Stream,
+        in_capture: bool,
+    ) -> Result<Self, ViewError> {
+        let len = fit::<T>(addr, bytes)?;
+        backend
+            .covered(stream)
+            .map_err(|e| ViewError::Stream(Box::new(e)))?;
+        Ok(Self {
+            backend,
+            addr,
+            len,
+            stream,
+            in_capture,
+            _lent: PhantomData,
+        })
+    }
+
+    /// Elements.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Whether it has no element.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// The stream the view is for.
+    pub fn stream(&self) -> Stream {
+        self.stream
+    }
+
+    /// The device pointer (`CUdeviceptr`), for reading on [`stream`](Self::stream): a kernel
+    /// argument. Outside a memtoken capture, first asks whether the stream captures (see
+    /// "Graph captures" above).
+    pub fn device_ptr(&self) -> u64 {
+        if !self.in_capture {
+            let bytes = self.len * size_of::<T>();
+            // SAFETY: the stream is covered (checked when the view was lent), so live until the
+            // backend drops (`cover_stream`'s contract).
+            unsafe { self.backend.note_use(self.stream, self.addr, bytes) };
+        }
+        self.addr as u64
+    }
+}
+
+impl<'a, T, D: Driver> StreamViewMut<'a, T, D> {
+    fn new(view: StreamView<'a, T, D>) -> Self {
+        Self {
+            view,
+            _lent: PhantomData,
+        }
+    }
+
+    /// The device pointer, for writing on [`stream`](StreamView::stream) (see
+    /// [`StreamView::device_ptr`]).
+    pub fn device_ptr_mut(&mut self) -> u64 {
+        self.view.device_ptr()
+    }
+}
+
+impl<'a, T, D: Driver> std::ops::Deref for StreamViewMut<'a, T, D> {
+    type Target = StreamView<'a, T, D>;
+
+    fn deref(&self) -> &StreamView<'a, T, D> {
+        &self.view
+    }
+}
+
+impl<T, D: Driver> fmt::Debug for StreamView<'_, T, D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("StreamView")
+            .field("ptr", &format_args!("{:#x}", self.addr))
+            .field("len", &self.len)
+            .field("stream", &format_args!("{:#x}", self.stream))
+            .field("in_capture", &self.in_capture)
+            .finish()
+    }
+}
+
+impl<T, D: Driver> fmt::Debug for StreamViewMut<'_, T, D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_tuple("StreamViewMut").field(&self.view).finish()
+    }
+}
+
+impl<D: Driver, S: Readable> Allocation<'_, '_, CudaBackend<D>, S> {
+    /// The memory as `len() / size_of::<T>()` elements of `T`, read-only, for work on the raw
+    /// `stream` (covered by the device's fences: [`Device::cover_stream`]). Borrows the token.
+    ///
+    /// # Errors
+    ///
+    /// [`ViewError::Length`] or [`ViewError::Alignment`] if the memory is not whole `T`s,
+    /// [`ViewError::Stream`] if the fences do not cover `stream`.
+    pub fn stream_view<T: Pod>(&self, stream: Stream) -> Result<StreamView<'_, T, D>, ViewError> {
+        let backend = self.binding().device().backend().raw();
+        StreamView::lend(backend, self.addr(), self.len(), stream, false)
+    }
+}
+
+impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Committed> {
+    /// The memory as elements of `T`, writable, for work on the raw `stream` (see
+    /// [`stream_view`](Self::stream_view)). Borrows the token mutably.
+    ///
+    /// # Errors
+    ///
+    /// As for [`stream_view`](Self::stream_view).
+    pub fn stream_view_mut<T: Pod>(
+        &mut self,
+        stream: Stream,
+    ) -> Result<StreamViewMut<'_, T, D>, ViewError> {
+        let backend = self.binding().device().backend().raw();
+        StreamView::lend(backend, self.addr(), self.len(), stream, false).map(StreamViewMut::new)
+    }
+}
+
+impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Elastic> {
+    /// The region's committed part as elements of `T`, read-only, for work on the raw
+    /// `stream` (see [`stream_view`](Allocation::stream_view)). Borrows the region, so it
+    /// cannot shrink meanwhile.
+    ///
+    /// # Errors
+    ///
+    /// As for [`stream_view`](Allocation::stream_view).
+    pub fn stream_view<T: Pod>(&self, stream: Stream) -> Result<StreamView<'_, T, D>, ViewError> {
+        let backend = self.binding().device().backend().raw();
+        StreamView::lend(backend, self.addr(), self.committed_len(), stream, false)
+    }
+
+    /// The region's committed part as elements of `T`, writable, for work on the raw
+    /// `stream`. Borrows the region mutably.
+    ///
+    /// # Errors
+    ///
+    /// As for [`stream_view`](Allocation::stream_view).
+    pub fn stream_view_mut<T: Pod>(
+        &mut self,
+        stream: Stream,
+    ) -> Result<StreamViewMut<'_, T, D>, ViewError> {
+        let backend = self.binding().device().backend().raw();
+        StreamView::lend(backend, self.addr(), self.committed_len(), stream, false)
+            .map(StreamViewMut::new)
+    }
+}
+
+/// `'t` exactly: neither shortened (a token borrowed for less than the graph lives would be
+/// released under it) nor lengthened.
+type Invariant<'t> = PhantomData<fn(&'t ()) -> &'t ()>;
+
+/// A CUDA stream capture made through memtoken: the tokens whose views it lends are borrowed
+/// by it and then by the [`CapturedGraph`] it ends in, so none of them can be released,
+/// suspended or shrunk while the graph can still be launched:
+///
+/// ```compile_fail,E0505
+/// use memtoken::backend::cuda::{CaptureMode, CudaBackend};
+/// use memtoken::backend::doubles::DriverModel;
+/// use memtoken::{make_guard, Budget, Capture, Device};
+/// make_guard!(guard);
+/// let model = DriverModel::default();
+/// let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+/// let stream = model.new_stream();
+/// // SAFETY: a stream of the model's only context, live as long as the model.
+/// unsafe { device.cover_stream(stream) };
+/// let binding = device.bind(Budget::unlimited()).unwrap();
+/// let mut x = binding.reserve(1 << 21).unwrap().commit().unwrap();
+/// let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+/// let view = capture.view_mut::<f32>(&mut x).unwrap();
+/// model.submit_work_touching(stream, &[(view.device_ptr(), 1 << 21)]); // a kernel
+/// let graph = capture.end().unwrap();
+/// let releasing = x.release(); // error: `x` is borrowed by the graph
+/// graph.launch().unwrap();
+/// ```
+///
+/// Inside a capture, views record and wait on nothing (no fence mark is recorded on a
+/// capturing stream; a view's pointer asks nothing). A capture left without
+/// [`end`](Self::end) (an early return, a panic) is ended as it drops, its graph discarded.
+///
+/// **Which stream.** A capture is made on a stream the device's fences cover, and its graph
+/// launches there (its *home*, as for views): each launch runs after the work submitted there
+/// before it, the views' earlier uses on that stream included, and a token's release waits for
+/// every launch made before it. Work on other streams is ordered by the caller, as for views.
+pub struct Capture<'t, 'id, D: Driver> {
+    backend: &'t CudaBackend<D>,
+    stream: Stream,
+    /// Still capturing: ended as it drops unless [`end`](Self::end) took it.
+    open: bool,
+    _uses: Invariant<'t>,
+    _device: PhantomData<&'t Device<'id, CudaBackend<D>>>,
+}
+
+impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
+    /// Begins a capture (`cuStreamBeginCapture` in `mode`) on `stream`, which the device's
+    /// fences cover and which is not the legacy stream.
+    ///
+    /// # Errors
+    ///
+    /// [`Violation::UncoveredStream`](crate::backend::Violation::UncoveredStream) for a stream
+    /// the fences do not cover (or the legacy stream, where capture cannot start); the
+    /// driver's error (the stream captures already).
+    pub fn begin(
+        device: &'t Device<'id, CudaBackend<D>>,
+        stream: Stream,
+        mode: CaptureMode,
+    ) -> Result<Self, BackendError> {
+        let backend = device.backend().raw();
+        backend.begin_capture(stream, mode)?;
+        Ok(Self {
+            backend,
+            stream,
+            open: true,
+            _uses: PhantomData,
+            _device: PhantomData,
+        })
+    }
+
+    /// The stream it captures on, where its graph launches.
+    pub fn stream(&self) -> Stream {
+        self.stream
+    }
+
+    /// `token`'s memory as elements of `T`, read-only, for the captured work; the token is
+    /// borrowed by the capture and its graph.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Allocation::stream_view`].
+    pub fn view<T: Pod, S: Readable>(
+        &self,
+        token: &'t Allocation<'_, 'id, CudaBackend<D>, S>,
+    ) -> Result<StreamView<'t, T, D>, ViewError> {
+        StreamView::lend(self.backend, token.addr(), token.len(), self.stream, true)
+    }
+
+    /// `token`'s memory as elements of `T`, writable, for the captured work; the token is
+    /// borrowed mutably by the capture and its graph.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Allocation::stream_view`].
+    pub fn view_mut<T: Pod>(
+        &self,
+        token: &'t mut Allocation<'_, 'id, CudaBackend<D>, Committed>,
+    ) -> Result<StreamViewMut<'t, T, D>, ViewError> {
+        StreamView::lend(self.backend, token.addr(), token.len(), self.stream, true)
+            .map(StreamViewMut::new)
+    }
+
+    /// A region's committed part as elements of `T`, writable, for the captured work; the
+    /// region is borrowed mutably by the capture and its graph, so it cannot shrink (nor
+    /// grow) while the graph lives.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Allocation::stream_view`].
+    pub fn region_view_mut<T: Pod>(
+        &self,
+        region: &'t mut Allocation<'_, 'id, CudaBackend<D>, Elastic>,
+    ) -> Result<StreamViewMut<'t, T, D>, ViewError> {
+        let (addr, len) = (region.addr(), region.committed_len());
+        StreamView::lend(self.backend, addr, len, self.stream, true).map(StreamViewMut::new)
+    }
+
+    /// Ends the capture and instantiates its graph.
+    ///
+    /// # Errors
+    ///
+    /// The driver's error: the capture was invalidated (`STREAM_CAPTURE_INVALIDATED`), or the
+    /// graph could not be instantiated. The tokens are free again once the error is dropped.
+    pub fn end(mut self) -> Result<CapturedGraph<'t, 'id, D>, BackendError> {
+        self.open = false;
+        let exec = self.backend.end_capture(self.stream)?;
+        Ok(CapturedGraph {
+            backend: self.backend,
+            exec,
+            stream: self.stream,
+            _uses: PhantomData,
+            _device: PhantomData,
+        })
+    }
+}
+
+impl<D: Driver> Drop for Capture<'_, '_, D> {
+    fn drop(&mut self) {
+        if self.open
+            && let Ok(exec) = self.backend.end_capture(self.stream)
+        {
+            // SAFETY: `exec` was just returned by `end_capture` and is never launched.
+            unsafe { self.backend.destroy_exec(exec) };
+        }
+    }
+}
+
+impl<D: Driver> fmt::Debug for Capture<'_, '_, D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Capture")
+            .field("stream", &format_args!("{:#x}", self.stream))
+            .field("open", &self.open)
+            .finish()
+    }
+}
+
+/// An instantiated graph a memtoken [`Capture`] ended in (`CUgraphExec`). It borrows every
+/// token whose view the capture lent, for as long as it lives: releasing, suspending or
+/// shrinking one does not compile (see [`Capture`] for a release):
+///
+/// ```compile_fail,E0505
+/// use memtoken::backend::cuda::{CaptureMode, CudaBackend};
+/// use memtoken::backend::doubles::DriverModel;
+/// use memtoken::{make_guard, Budget, Capture, Device};
+/// make_guard!(guard);
+/// let model = DriverModel::default();
+/// let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+/// let stream = model.new_stream();
+/// // SAFETY: a stream of the model's only context, live as long as the model.
+/// unsafe { device.cover_stream(stream) };
+/// let binding = device.bind(Budget::unlimited()).unwrap();
+/// let x = binding.reserve(1 << 21).unwrap().commit().unwrap();
+/// let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+/// let view = capture.view::<u32, _>(&x).unwrap();
+/// model.submit_work_touching(stream, &[(view.device_ptr(), 1 << 21)]);
+/// let graph = capture.end().unwrap();
+/// let asleep = x.suspend(); // error: `x` is borrowed by the graph
+/// graph.launch().unwrap();
+/// ```
+///
+/// ```compile_fail,E0499
+/// use memtoken::backend::cuda::{CaptureMode, CudaBackend};
+/// use memtoken::backend::doubles::DriverModel;
+/// use memtoken::{make_guard, Budget, Capture, Device};
+/// make_guard!(guard);
+/// let model = DriverModel::default();
+/// let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+/// let stream = model.new_stream();
+/// // SAFETY: a stream of the model's only context, live as long as the model.
+/// unsafe { device.cover_stream(stream) };
+/// let binding = device.bind(Budget::unlimited()).unwrap();
+/// let mut region = binding.reserve(2 << 21).unwrap().into_region();
+/// region.grow(2).unwrap();
+/// let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+/// let mut view = capture.region_view_mut::<u8>(&mut region).unwrap();
+/// model.submit_work_touching(stream, &[(view.device_ptr_mut(), 2 << 21)]);
+/// let graph = capture.end().unwrap();
+/// region.shrink(1).unwrap(); // error: `region` is borrowed by the graph
+/// graph.launch().unwrap();
+/// ```
+///
+/// Once the graph is dropped the tokens are free again, and a release waits for the last
+/// launch:
+///
+/// ```
+/// use memtoken::backend::cuda::{CaptureMode, CudaBackend};
+/// use memtoken::backend::doubles::DriverModel;
+/// use memtoken::{make_guard, Budget, Capture, Device};
+/// make_guard!(guard);
+/// let model = DriverModel::default();
+/// let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+/// let stream = model.new_stream();
+/// // SAFETY: a stream of the model's only context, live as long as the model.
+/// unsafe { device.cover_stream(stream) };
+/// let binding = device.bind(Budget::unlimited()).unwrap();
+/// let mut x = binding.reserve(1 << 21).unwrap().commit().unwrap();
+/// let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+/// let mut view = capture.view_mut::<f32>(&mut x).unwrap();
+/// model.submit_work_touching(stream, &[(view.device_ptr_mut(), 1 << 21)]); // a kernel
+/// let graph = capture.end().unwrap();
+/// for _ in 0..3 {
+///     graph.launch().unwrap();
+/// }
+/// drop(graph);
+/// let released = x.release().complete().map_err(|e| e.cause).unwrap();
+/// ```
+///
+/// Each [`launch`](Self::launch) runs on the
+/// capture's stream, after the work submitted there before it; dropping it destroys the
+/// executable graph (`cuGraphExecDestroy`, which lets launches in flight finish), and a
+/// token's release after that still waits for the last launch — the stream is covered by the
+/// device's fences.
+///
+/// **Limit — no stored form yet.** The graph borrows its tokens, so an engine cannot keep it
+/// in the same struct as the tokens it uses; and suspending its memory with the graph kept
+/// (vLLM's sleep mode keeps graphs because the addresses stay) does not compile, since a
+/// suspend takes the token by value.
+pub struct CapturedGraph<'t, 'id, D: Driver> {
+    backend: &'t CudaBackend<D>,
+    exec: GraphExec,
+    stream: Stream,
+    _uses: Invariant<'t>,
+    _device: PhantomData<&'t Device<'id, CudaBackend<D>>>,
+}
+
+impl<D: Driver> CapturedGraph<'_, '_, D> {
+    /// The stream it launches on.
+    pub fn stream(&self) -> Stream {
+        self.stream
+    }
+
+    /// Launches the graph on its stream (`cuGraphLaunch`).
+    ///
+    /// # Errors
+    ///
+    /// The driver's error.
+    pub fn launch(&self) -> Result<(), BackendError> {
+        // SAFETY: `exec` came from this backend's `end_capture` and is destroyed only as this
+        // graph drops; the memory it uses belongs to tokens this graph borrows, which stay
+        // mapped while it lives, and their releases wait for its launches afterwards (its
+        // stream is covered).
+        unsafe { self.backend.launch(self.exec, self.stream) }
+    }
+}
+
+impl<D: Driver> Drop for CapturedGraph<'_, '_, D> {
+    fn drop(&mut self) {
+        // SAFETY: `exec` came from this backend's `end_capture`; destroyed once, here.
+        unsafe { self.backend.destroy_exec(self.exec) };
+    }
+}
+
+impl<D: Driver> fmt::Debug for CapturedGraph<'_, '_, D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("CapturedGraph")
+            .field("exec", &format_args!("{:#x}", self.exec))
+            .field("stream", &format_args!("{:#x}", self.stream))
+            .finish()
+    }
+}

@@ -1,0 +1,22 @@
+// A graph captured through memtoken borrows the memory it uses: suspending a token a live captured graph uses does not compile
+// while the graph can still be launched.
+use memtoken::backend::cuda::{CaptureMode, CudaBackend};
+use memtoken::backend::doubles::DriverModel;
+use memtoken::{Budget, Capture, Device, make_guard};
+
+fn main() {
+    make_guard!(guard);
+    let model = DriverModel::default();
+    let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+    let stream = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.cover_stream(stream) };
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let x = binding.reserve(1 << 21).unwrap().commit().unwrap();
+    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    let view = capture.view::<u32, _>(&x).unwrap();
+    model.submit_work_touching(stream, &[(view.device_ptr(), 1 << 21)]);
+    let graph = capture.end().unwrap();
+    let _asleep = x.suspend(); // error: `x` is borrowed by the graph
+    graph.launch().unwrap();
+}

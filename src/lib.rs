@@ -165,7 +165,7 @@ mod unwind;
 
 pub use allocation::{Allocation, CommitError, CompleteError};
 pub use device::Binding;
-pub use device::{CloseReport, Custody, Device, Forgotten, Progress};
+pub use device::{CloseReport, Custody, Device, DropReport, Forgotten, Progress};
 pub use device::{QuarantineError, Quarantined};
 pub use error::{
     CommitFailure, CowFailure, Failure, GrowError, PoolError, ReleaseFailure, ReserveError,

@@ -351,8 +351,10 @@ impl<'id, B: Backend> Device<'id, B> {
 
     /// Finishes, in order, every release still waiting for its fence, each once its work has
     /// completed (waiting for it); what is never known to have finished is left to the driver.
-    /// Only as the device drops (see `Drop`).
-    pub(super) fn finish_deferred(&self) {
+    /// Only as the device drops (see `Drop`). Returns what it left to the driver: the residuals whose work was never known to have
+    /// finished, in a context that is not lost (a lost one freed everything).
+    pub(super) fn finish_deferred(&self) -> Holdings {
+        let mut left = Holdings::default();
         let deferred = std::mem::take(&mut lock(&self.books).deferred);
         for (residual, fence) in deferred {
             let fence = fence.or_else(|| self.backend.fence());
@@ -365,8 +367,11 @@ impl<'id, B: Backend> Device<'id, B> {
             // freed under it.
             if done {
                 self.teardown_or_quarantine(residual);
+            } else if !self.backend.context_lost() {
+                left.add(&residual);
             }
         }
+        left
     }
 }
 

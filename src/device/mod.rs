@@ -27,7 +27,7 @@ pub(crate) use binding::Custody as Handover;
 pub(crate) use build::{Build, Undone};
 pub(crate) use quarantined::settle;
 pub use quarantined::{QuarantineError, Quarantined};
-pub use report::{CloseReport, Custody, Forgotten, Progress};
+pub use report::{CloseReport, Custody, DropReport, Forgotten, Progress};
 pub(crate) use steps::{GiveBack, Growth};
 
 use crate::backend::{Addr, Backend, BackendError, Cause, Op};
@@ -99,6 +99,8 @@ pub struct Device<'id, B: Backend> {
     /// Cap on owned bytes across the whole device.
     limit: u64,
     closed: bool,
+    /// Where the drop reports what it left behind ([`Device::report_drop_to`]).
+    drop_sink: Mutex<Option<report::DropSink>>,
 }
 
 impl<'id, B: Backend> Device<'id, B> {
@@ -138,6 +140,7 @@ impl<'id, B: Backend> Device<'id, B> {
             shared: SharedTotals::default(),
             limit: budget.limit(),
             closed: false,
+            drop_sink: Mutex::new(None),
         }
     }
 
@@ -265,7 +268,7 @@ impl<B: Backend> Drop for Device<'_, B> {
         // it), so what still waits for a fence is freed once its work has finished, in order —
         // unless the context is lost, when the driver freed it all. Taken out of the queue
         // first: no lock is held while waiting or calling the backend.
-        self.finish_deferred();
+        let left_waiting = self.finish_deferred();
         if self.backend.context_lost() {
             self.forget_cache();
         } else {
@@ -280,6 +283,26 @@ impl<B: Backend> Drop for Device<'_, B> {
                 // binding's pin would be.
                 let _ = self.backend.unpin();
             }
+        }
+        // What is left stays with the driver: said, never silently left (a lost context
+        // freed everything).
+        let report = DropReport {
+            left_waiting,
+            quarantined: match self.backend.context_lost() {
+                true => crate::residual::Holdings::default(),
+                false => self.custody().quarantined,
+            },
+        };
+        match self
+            .drop_sink
+            .get_mut()
+            .unwrap_or_else(|e| e.into_inner())
+            .take()
+        {
+            Some(sink) => sink(&report),
+            // `eprintln!`: a test harness captures it, a program shows it.
+            None if !report.is_clean() => eprintln!("memtoken: a device dropped: {report}"),
+            None => {}
         }
     }
 }

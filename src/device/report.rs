@@ -72,7 +72,51 @@ impl CloseReport {
     }
 }
 
+/// What a device left behind as it dropped, handed to the sink of
+/// [`Device::report_drop_to`] (or, with no sink, written as one line to standard error when
+/// something was left): memory that stays with the driver until the process ends.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DropReport {
+    /// Releases whose work was never known to have finished — their fence could not be
+    /// waited for (a covered stream still captured a CUDA graph, or a wait failed) — left to
+    /// the driver rather than freed under that work.
+    pub left_waiting: Holdings,
+    /// Residuals still quarantined after a last retry (a teardown that keeps failing, or
+    /// memory a graph memtoken does not know of may still use).
+    pub quarantined: Holdings,
+}
+
+impl DropReport {
+    /// True when nothing was left behind.
+    pub fn is_clean(&self) -> bool {
+        self.left_waiting.count == 0 && self.quarantined.count == 0
+    }
+}
+
+impl std::fmt::Display for DropReport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let (w, q) = (&self.left_waiting, &self.quarantined);
+        write!(
+            f,
+            "{} release(s) whose work never finished ({} bytes mapped, {} owned) and {} \
+             quarantined residual(s) ({} bytes mapped, {} owned) left to the driver",
+            w.count, w.mapped_bytes, w.owned_bytes, q.count, q.mapped_bytes, q.owned_bytes
+        )
+    }
+}
+
+/// Where a dropping device reports what it left behind.
+pub(super) type DropSink = Box<dyn FnOnce(&DropReport) + Send>;
+
 impl<B: Backend> Device<'_, B> {
+    /// Hands what this device leaves behind as it drops to `sink`, called once from its
+    /// `Drop`, clean or not (replacing any sink set before). Without a sink, a device that
+    /// leaves something behind says so in one line on standard error — never silently.
+    /// [`close`](Self::close) reports what is left before the drop's last waits.
+    pub fn report_drop_to(&self, sink: impl FnOnce(&DropReport) + Send + 'static) {
+        *lock(&self.drop_sink) = Some(Box::new(sink));
+    }
+
     /// What the device holds in its own custody: residuals quarantined after a dropped
     /// token's teardown failed, and releases waiting for their fence. A residual that a poll or
     /// a retry on another thread is tearing down right now is counted where it came from, with

@@ -185,6 +185,57 @@ fn a_device_closed_during_a_capture_leaves_it_valid_and_reports_what_it_could_no
     assert_eq!(model.lost_with(), None);
 }
 
+/// A device *dropped* (not closed) while a stream it covers captures: the capture ends valid,
+/// and what the drop could not release — a release still waiting for the capture — is
+/// reported to the sink, not silently left. Fails if the drop waits on the capture (the model
+/// would invalidate it) or reports nothing.
+#[test]
+fn a_device_dropped_during_a_capture_leaves_it_valid_and_reports_what_it_left() {
+    let model = model();
+    let stream = model.new_stream();
+    let (sent, seen) = std::sync::mpsc::channel();
+    {
+        make_guard!(guard);
+        let device = Device::new(guard, common::cuda(&model));
+        // SAFETY: a stream of the model's only context, live as long as the model.
+        unsafe { device.cover_stream(stream) };
+        device.report_drop_to(move |report| sent.send(*report).unwrap());
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        let a = binding.reserve(G).unwrap().commit().unwrap();
+        model.begin_capture(stream, CaptureMode::Global);
+        drop(a);
+        drop(binding);
+    }
+    assert_eq!(model.end_capture(stream), Ok(()), "the capture ends valid");
+    let report = seen.try_recv().expect("the drop reports");
+    assert_eq!(report.left_waiting.count, 1, "{report:?}");
+    assert_eq!(report.left_waiting.mapped_bytes, G as u64, "{report:?}");
+    assert!(!report.is_clean());
+    assert!(
+        report
+            .to_string()
+            .contains("1 release(s) whose work never finished")
+    );
+    assert_eq!(model.lost_with(), None);
+}
+
+/// A clean drop reports a clean report to the sink, once.
+#[test]
+fn a_clean_drop_reports_nothing_left() {
+    let model = model();
+    let (sent, seen) = std::sync::mpsc::channel();
+    {
+        make_guard!(guard);
+        let device = Device::new(guard, common::cuda(&model));
+        device.report_drop_to(move |report| sent.send(*report).unwrap());
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        drop(binding.reserve(G).unwrap().commit().unwrap());
+    }
+    let report = seen.try_recv().expect("the drop reports");
+    assert!(report.is_clean(), "{report:?}");
+    assert!(seen.try_recv().is_err(), "once");
+}
+
 // ---- Graphs: captured through memtoken, they borrow their memory; captured around it, the
 // memory is never unmapped. ----
 
@@ -313,15 +364,15 @@ fn memory_lent_to_a_capture_memtoken_did_not_make_is_quarantined_never_reused() 
         .complete()
         .map(drop)
         .expect_err("the memory a foreign graph uses must not be unmapped");
-    let quarantined = match failure.token {
-        memtoken::Returned::Quarantined(q) => q,
-        other => panic!("expected quarantine, got {other:?}: {}", failure.cause),
-    };
     let why = chain(&failure.cause);
     assert!(
         why.contains("CUDA graph capture"),
         "the error says why: {why}"
     );
+    let quarantined = match failure.into_token() {
+        memtoken::Returned::Quarantined(q) => q,
+        other => panic!("expected quarantine, got {other:?}: {why}"),
+    };
     let held = quarantined.residual();
     assert_eq!(held.range(), (addr, G));
     assert!(
@@ -346,6 +397,15 @@ fn memory_lent_to_a_capture_memtoken_did_not_make_is_quarantined_never_reused() 
         "{}",
         chain(&still)
     );
+    // The drop reports it, still quarantined: the memory stays with the driver.
+    let (sent, seen) = std::sync::mpsc::channel();
+    device.report_drop_to(move |report| sent.send(*report).unwrap());
+    drop(still);
+    drop(binding);
+    drop(device);
+    let report = seen.try_recv().expect("the drop reports");
+    assert_eq!(report.quarantined.count, 1, "{report:?}");
+    assert_eq!(report.quarantined.mapped_bytes, G as u64, "{report:?}");
 }
 
 /// An error and every source under it, one per line.

@@ -125,11 +125,23 @@
 //! process; whether VMM handles survive it is not documented, so the model drops them. After a
 //! sticky error the backend keeps its retain (it calls nothing). — PCTX; cudarc `core.rs`.
 //!
-//! **Capture.** The VMM calls take no stream and are never captured; whether they break another
-//! thread's global-mode capture is not documented (the model refuses them with 900 then).
-//! Recording a fence on the legacy stream is invalid while a *blocking* stream of the context
-//! captures (906, and that capture is invalidated); cudarc's streams are non-blocking. — STREAM;
-//! PG §6.2.8.7.3.
+//! **Capture** (facts 39–43). The VMM calls take no stream and are never captured; whether they
+//! break another thread's global-mode capture is not documented (the model refuses them with
+//! 900 then, and invalidates that capture), so every VMM call runs with the calling thread's
+//! capture interaction mode exchanged to relaxed (`cuThreadExchangeStreamCaptureMode`,
+//! restored after), as PyTorch does around its allocations. A fence mark is never recorded on
+//! a stream that captures, nor its event asked (a captured event's query invalidates the
+//! capture): `cuStreamIsCapturing` is asked first, and the mark is recorded once the capture
+//! has ended; any non-loss error on a mark's event means "record it again". The legacy stream
+//! is probed the same way before a mark or a host copy: while a *blocking* stream of the
+//! context captures (the per-thread stream is one), it answers `STREAM_CAPTURE_IMPLICIT`
+//! without invalidating anything, and is not used. memtoken never calls `cuCtxSynchronize`:
+//! where an event's wait fails it synchronizes that one stream (`cuStreamSynchronize`), never
+//! a capturing one. Captures made through [`Capture`](crate::Capture) go through this seam
+//! (`cuStreamBeginCapture`, `cuStreamEndCapture`, `cuGraphInstantiate`, `cuGraphLaunch`,
+//! `cuGraphExecDestroy`), and their graphs borrow the memory they use; memory a view lends to
+//! work on a stream while it captures outside memtoken is never unmapped. — STREAM;
+//! PG §6.2.8.7.3; PT.
 //!
 //! # Assumptions not yet verified on a GPU
 //!

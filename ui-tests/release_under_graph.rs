@@ -16,6 +16,7 @@ fn main() {
     let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
     let mut view = capture.view_mut::<f32>(&mut x).unwrap();
     model.submit_work_touching(stream, &[(view.device_ptr_mut(), 1 << 21)]);
+    drop(view);
     let graph = capture.end().unwrap();
     let _releasing = x.release(); // error: `x` is borrowed by the graph
     graph.launch().unwrap();

@@ -17,6 +17,7 @@ fn main() {
     let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
     let mut view = capture.region_view_mut::<u8>(&mut region).unwrap();
     model.submit_work_touching(stream, &[(view.device_ptr_mut(), 2 << 21)]);
+    drop(view);
     let graph = capture.end().unwrap();
     let _shrunk = region.shrink(1); // error: `region` is borrowed by the graph
     graph.launch().unwrap();

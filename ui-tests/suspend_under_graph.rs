@@ -16,6 +16,7 @@ fn main() {
     let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
     let view = capture.view::<u32, _>(&x).unwrap();
     model.submit_work_touching(stream, &[(view.device_ptr(), 1 << 21)]);
+    drop(view);
     let graph = capture.end().unwrap();
     let _asleep = x.suspend(); // error: `x` is borrowed by the graph
     graph.launch().unwrap();

@@ -112,6 +112,12 @@ pub enum Violation {
         "stream {0:#x} is not covered by the device's fences: cover it first (`cover_stream`, or `cover` for a cudarc stream)"
     )]
     UncoveredStream(usize),
+    /// A graph launch on a stream that captures: it would become part of a graph that borrows
+    /// none of its memory.
+    #[error(
+        "stream {0:#x} captures: a memtoken graph is not launched into another capture (the outer graph would not borrow its memory)"
+    )]
+    CapturingStream(usize),
     /// Memory a view lent to work on a stream while it captured outside memtoken's own
     /// capture: a graph memtoken does not know of may use it whenever it is launched.
     #[error(

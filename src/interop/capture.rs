@@ -31,8 +31,11 @@ use std::marker::PhantomData;
 /// any time later: memtoken asks the stream (`cuStreamIsCapturing`, one call per
 /// `device_ptr`) and then never unmaps that memory — its token's release quarantines it
 /// ([`Violation::HeldByGraph`](crate::backend::Violation::HeldByGraph)), and its address is
-/// never handed out again. Capture through [`Capture`] instead, whose graph borrows the
-/// token.
+/// never handed out again; it asks again as the view drops, for a capture begun while it
+/// lived. Capture through [`Capture`] instead, whose graph borrows the token. **Limits:** the
+/// pointer is for work on the view's stream while the view lives — memtoken cannot see a
+/// pointer kept past the view, or used on another stream, and such a use is the caller's to
+/// keep out of a capture memtoken does not make (as for the raw `device_ptr()` of a token).
 pub struct StreamView<'a, T, D: Driver> {
     backend: &'a CudaBackend<D>,
     addr: Addr,
@@ -101,6 +104,19 @@ impl<'a, T, D: Driver> StreamView<'a, T, D> {
             unsafe { self.backend.note_use(self.stream, self.addr, bytes) };
         }
         self.addr as u64
+    }
+}
+
+impl<T, D: Driver> Drop for StreamView<'_, T, D> {
+    /// Asks its stream once more: a capture begun while the view lived (its pointer taken
+    /// before) holds the memory too.
+    fn drop(&mut self) {
+        if !self.in_capture {
+            let bytes = self.len * size_of::<T>();
+            // SAFETY: the stream is covered (checked when the view was lent), so live until
+            // the backend drops (`cover_stream`'s contract).
+            unsafe { self.backend.note_use(self.stream, self.addr, bytes) };
+        }
     }
 }
 
@@ -203,6 +219,11 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Elastic> {
     }
 }
 
+/// Neither `Send` nor `Sync`: a capture in the global or thread-local mode is ended on the
+/// thread that began it (`cuStreamEndCapture` from another answers `STREAM_CAPTURE_WRONG_THREAD`
+/// and the stream goes on capturing), and a graph launches from the thread it was made on.
+type OnItsThread = PhantomData<*const ()>;
+
 /// `'t` exactly: neither shortened (a token borrowed for less than the graph lives would be
 /// released under it) nor lengthened.
 type Invariant<'t> = PhantomData<fn(&'t ()) -> &'t ()>;
@@ -226,13 +247,16 @@ type Invariant<'t> = PhantomData<fn(&'t ()) -> &'t ()>;
 /// let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
 /// let view = capture.view_mut::<f32>(&mut x).unwrap();
 /// model.submit_work_touching(stream, &[(view.device_ptr(), 1 << 21)]); // a kernel
+/// drop(view);
 /// let graph = capture.end().unwrap();
 /// let releasing = x.release(); // error: `x` is borrowed by the graph
 /// graph.launch().unwrap();
 /// ```
 ///
 /// Inside a capture, views record and wait on nothing (no fence mark is recorded on a
-/// capturing stream; a view's pointer asks nothing). A capture left without
+/// capturing stream; a view's pointer asks nothing). The views borrow the capture, so none is
+/// left when it ends. A capture, and its graph, stay on the thread that began it (neither is
+/// `Send`), and cannot begin on the legacy stream or the per-thread stream. A capture left without
 /// [`end`](Self::end) (an early return, a panic) is ended as it drops, its graph discarded.
 ///
 /// **Which stream.** A capture is made on a stream the device's fences cover, and its graph
@@ -246,6 +270,7 @@ pub struct Capture<'t, 'id, D: Driver> {
     open: bool,
     _uses: Invariant<'t>,
     _device: PhantomData<&'t Device<'id, CudaBackend<D>>>,
+    _thread: OnItsThread,
 }
 
 impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
@@ -270,6 +295,7 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
             open: true,
             _uses: PhantomData,
             _device: PhantomData,
+            _thread: PhantomData,
         })
     }
 
@@ -284,10 +310,10 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
     /// # Errors
     ///
     /// As for [`Allocation::stream_view`].
-    pub fn view<T: Pod, S: Readable>(
-        &self,
+    pub fn view<'c, T: Pod, S: Readable>(
+        &'c self,
         token: &'t Allocation<'_, 'id, CudaBackend<D>, S>,
-    ) -> Result<StreamView<'t, T, D>, ViewError> {
+    ) -> Result<StreamView<'c, T, D>, ViewError> {
         StreamView::lend(self.backend, token.addr(), token.len(), self.stream, true)
     }
 
@@ -297,10 +323,10 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
     /// # Errors
     ///
     /// As for [`Allocation::stream_view`].
-    pub fn view_mut<T: Pod>(
-        &self,
+    pub fn view_mut<'c, T: Pod>(
+        &'c self,
         token: &'t mut Allocation<'_, 'id, CudaBackend<D>, Committed>,
-    ) -> Result<StreamViewMut<'t, T, D>, ViewError> {
+    ) -> Result<StreamViewMut<'c, T, D>, ViewError> {
         StreamView::lend(self.backend, token.addr(), token.len(), self.stream, true)
             .map(StreamViewMut::new)
     }
@@ -312,10 +338,10 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
     /// # Errors
     ///
     /// As for [`Allocation::stream_view`].
-    pub fn region_view_mut<T: Pod>(
-        &self,
+    pub fn region_view_mut<'c, T: Pod>(
+        &'c self,
         region: &'t mut Allocation<'_, 'id, CudaBackend<D>, Elastic>,
-    ) -> Result<StreamViewMut<'t, T, D>, ViewError> {
+    ) -> Result<StreamViewMut<'c, T, D>, ViewError> {
         let (addr, len) = (region.addr(), region.committed_len());
         StreamView::lend(self.backend, addr, len, self.stream, true).map(StreamViewMut::new)
     }
@@ -327,14 +353,17 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
     /// The driver's error: the capture was invalidated (`STREAM_CAPTURE_INVALIDATED`), or the
     /// graph could not be instantiated. The tokens are free again once the error is dropped.
     pub fn end(mut self) -> Result<CapturedGraph<'t, 'id, D>, BackendError> {
-        self.open = false;
-        let exec = self.backend.end_capture(self.stream)?;
+        let ended = self.backend.end_capture(self.stream);
+        // Still capturing after a failure (none is known to leave it so): ended as it drops.
+        self.open = ended.is_err() && self.backend.stream_captures(self.stream);
+        let exec = ended?;
         Ok(CapturedGraph {
             backend: self.backend,
             exec,
             stream: self.stream,
             _uses: PhantomData,
             _device: PhantomData,
+            _thread: PhantomData,
         })
     }
 }
@@ -378,6 +407,7 @@ impl<D: Driver> fmt::Debug for Capture<'_, '_, D> {
 /// let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
 /// let view = capture.view::<u32, _>(&x).unwrap();
 /// model.submit_work_touching(stream, &[(view.device_ptr(), 1 << 21)]);
+/// drop(view);
 /// let graph = capture.end().unwrap();
 /// let asleep = x.suspend(); // error: `x` is borrowed by the graph
 /// graph.launch().unwrap();
@@ -399,6 +429,7 @@ impl<D: Driver> fmt::Debug for Capture<'_, '_, D> {
 /// let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
 /// let mut view = capture.region_view_mut::<u8>(&mut region).unwrap();
 /// model.submit_work_touching(stream, &[(view.device_ptr_mut(), 2 << 21)]);
+/// drop(view);
 /// let graph = capture.end().unwrap();
 /// region.shrink(1).unwrap(); // error: `region` is borrowed by the graph
 /// graph.launch().unwrap();
@@ -422,6 +453,7 @@ impl<D: Driver> fmt::Debug for Capture<'_, '_, D> {
 /// let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
 /// let mut view = capture.view_mut::<f32>(&mut x).unwrap();
 /// model.submit_work_touching(stream, &[(view.device_ptr_mut(), 1 << 21)]); // a kernel
+/// drop(view);
 /// let graph = capture.end().unwrap();
 /// for _ in 0..3 {
 ///     graph.launch().unwrap();
@@ -446,6 +478,7 @@ pub struct CapturedGraph<'t, 'id, D: Driver> {
     stream: Stream,
     _uses: Invariant<'t>,
     _device: PhantomData<&'t Device<'id, CudaBackend<D>>>,
+    _thread: OnItsThread,
 }
 
 impl<D: Driver> CapturedGraph<'_, '_, D> {
@@ -458,7 +491,9 @@ impl<D: Driver> CapturedGraph<'_, '_, D> {
     ///
     /// # Errors
     ///
-    /// The driver's error.
+    /// [`Violation::CapturingStream`](crate::backend::Violation::CapturingStream) while its
+    /// stream captures (the launch would be captured into a graph that borrows nothing); the
+    /// driver's error.
     pub fn launch(&self) -> Result<(), BackendError> {
         // SAFETY: `exec` came from this backend's `end_capture` and is destroyed only as this
         // graph drops; the memory it uses belongs to tokens this graph borrows, which stay

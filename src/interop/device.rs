@@ -123,10 +123,16 @@ impl<'a> Span<'a> {
         // graph memtoken does not know of: it is never unmapped then.
         // SAFETY: `stream` is borrowed for this call, so live, and of the backend's context
         // (asserted above: the home stream's context is the backend's, `Span::lend` checked).
-        unsafe {
+        let captures = unsafe {
             self.backend
                 .note_use(stream.cu_stream() as Stream, self.ptr as Addr, bytes)
         };
+        if captures {
+            // Neither joined nor synchronized: either would invalidate the capture (a wait on
+            // an uncaptured event, a synchronize of a capturing stream: facts 39, 41). The
+            // memory is held for good instead.
+            return SyncOnDrop::Record(None);
+        }
         // The per-thread stream has one handle on every thread but is a different stream on
         // each: never taken for the home stream.
         let per_thread = home.cu_stream() as usize == PER_THREAD_STREAM;

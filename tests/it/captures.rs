@@ -271,6 +271,7 @@ fn a_graph_launched_three_times_then_dropped_is_waited_for_by_the_release() {
     assert_eq!(view.len(), G / 4);
     // The captured kernel: a node of the graph, not work (fact 39).
     model.submit_work_touching(stream, &[(view.device_ptr(), G)]);
+    drop(view);
     let graph = capture.end().expect("the capture ends valid");
     let launched = model.count(DriverCall::GraphLaunch);
     for _ in 0..3 {
@@ -436,6 +437,7 @@ fn a_region_shrinks_once_its_graph_is_gone_after_its_last_launch() {
     let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
     let view = capture.region_view_mut::<u32>(&mut region).unwrap();
     model.submit_work_touching(stream, &[(view.device_ptr(), 2 * G)]);
+    drop(view);
     let graph = capture.end().unwrap();
     graph.launch().unwrap();
     drop(graph);
@@ -475,4 +477,71 @@ fn a_capture_dropped_without_end_ends_it() {
     // SAFETY: a live stream of the model's context.
     assert_eq!(unsafe { model.stream_is_capturing(stream) }, Ok(false));
     assert_eq!(model.count(DriverCall::GraphExecDestroy), 1);
+}
+
+/// A memtoken graph is not launched into another capture: the outer graph would borrow none
+/// of its memory, and could launch after it is gone (found by review). Refused, nothing
+/// captured, the outer capture valid.
+#[test]
+fn a_graph_is_not_launched_into_another_capture() {
+    let model = model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let stream = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.cover_stream(stream) };
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    let mut view = capture.view_mut::<u8>(&mut x).unwrap();
+    model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
+    drop(view);
+    let graph = capture.end().unwrap();
+    model.begin_capture(stream, CaptureMode::Global);
+    let e = graph.launch().unwrap_err();
+    assert!(chain(&e).contains("captures"), "{}", chain(&e));
+    assert_eq!(model.count(DriverCall::GraphLaunch), 0);
+    assert_eq!(model.end_capture(stream), Ok(()));
+}
+
+/// A view of the legacy stream whose pointer is taken while a blocking stream captures holds
+/// nothing: the probe answers 906, and no graph can take work from the legacy stream then
+/// (found by review: the memory was held for good).
+#[test]
+fn a_legacy_stream_view_during_a_blocking_capture_holds_nothing() {
+    let model = model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let x = binding.reserve(G).unwrap().commit().unwrap();
+    let blocking = model.new_blocking_stream();
+    model.begin_capture(blocking, CaptureMode::Global);
+    let view = x.stream_view::<u8>(0).unwrap();
+    let _ = view.device_ptr();
+    drop(view);
+    assert_eq!(model.end_capture(blocking), Ok(()));
+    x.release().complete().map_err(|e| e.cause).unwrap();
+}
+
+/// A pointer taken before a capture begins, with the view alive when it begins: the view asks
+/// again as it drops, and holds the memory (found by review: the release then unmapped under
+/// the graph).
+#[test]
+fn a_view_dropped_during_a_capture_begun_after_its_pointer_holds_the_memory() {
+    let model = model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let stream = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.cover_stream(stream) };
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let x = binding.reserve(G).unwrap().commit().unwrap();
+    let view = x.stream_view::<u8>(stream).unwrap();
+    let ptr = view.device_ptr();
+    model.begin_capture(stream, CaptureMode::Global);
+    model.submit_work_touching(stream, &[(ptr, G)]);
+    drop(view);
+    assert_eq!(model.end_capture(stream), Ok(()));
+    let e = x.release().complete().map(drop).unwrap_err();
+    assert!(matches!(e.token, memtoken::Returned::Quarantined(_)));
 }

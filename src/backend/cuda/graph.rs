@@ -4,8 +4,11 @@
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::CudaBackend;
-use super::driver::{CaptureMode, Driver, GraphExec, Stream};
-use crate::backend::{Addr, Backend, BackendError, Op, Violation, lock};
+use super::driver::{CaptureMode, CuError, Driver, GraphExec, Stream};
+use crate::backend::{Addr, BackendError, Op, Violation, lock};
+
+/// `CU_STREAM_PER_THREAD`: the calling thread's default stream.
+const PER_THREAD_STREAM: Stream = 0x2;
 
 impl<D: Driver> CudaBackend<D> {
     /// Whether the fences cover `stream` (see [`cover_stream`](Self::cover_stream)).
@@ -25,18 +28,38 @@ impl<D: Driver> CudaBackend<D> {
     /// A view lends `[addr, addr + len)` to work on `stream`, outside memtoken's own capture.
     /// If `stream` captures now (or cannot say), that work becomes part of a graph memtoken
     /// does not know of, which may launch whenever its owner likes: the range is held for good
-    /// — never unmapped, so its token's release quarantines it (facts 39, 41).
+    /// — never unmapped, so its token's release quarantines it (facts 39, 41). Whether it
+    /// captures. The legacy stream while a blocking stream captures answers 906: no graph can
+    /// take work from it then (the use would invalidate that capture), so nothing is held.
     ///
     /// # Safety
     ///
     /// `stream` is 0 or a stream of this backend's context, live for the call.
-    pub(crate) unsafe fn note_use(&self, stream: Stream, addr: Addr, len: usize) {
+    pub(crate) unsafe fn note_use(&self, stream: Stream, addr: Addr, len: usize) -> bool {
         let Ok(mut s) = self.enter(Op::Graph, addr, len) else {
-            return; // lost: nothing runs any more
+            return false; // lost: nothing runs any more
         };
-        // SAFETY: the caller's promise (all `capturing` asks of the stream).
-        if self.capturing(stream) && !self.context_lost() {
+        // SAFETY: the caller's promise.
+        let capturing = match unsafe { self.driver.stream_is_capturing(stream) } {
+            Ok(capturing) => capturing,
+            Err(e) if e.is_context_loss() => {
+                let _ = self.fail(Op::Graph, addr, len, e);
+                return false;
+            }
+            Err(e) if stream == 0 && e == CuError::STREAM_CAPTURE_IMPLICIT => return false,
+            Err(_) => true, // cannot say: held, never unmapped under a graph that may launch
+        };
+        if capturing {
             s.graph_held.push((addr as u64, len));
+        }
+        capturing
+    }
+
+    /// Whether `stream` captures now (a failed answer counts as capturing).
+    pub(crate) fn stream_captures(&self, stream: Stream) -> bool {
+        match self.enter(Op::Graph, 0, 0) {
+            Ok(_s) => self.capturing(stream),
+            Err(_) => false, // lost: nothing captures any more
         }
     }
 
@@ -48,8 +71,11 @@ impl<D: Driver> CudaBackend<D> {
     ) -> Result<(), BackendError> {
         let stream = self.covered(stream)?;
         let _s = self.enter(Op::Graph, 0, 0)?;
-        if stream == 0 {
-            let v = Violation::UncoveredStream(0); // capture cannot start there (fact 41)
+        // Not the legacy stream (capture cannot start there: fact 41), nor the per-thread
+        // stream (one handle, a different stream on each thread: a launch on another thread
+        // would run where no fence of this thread's records).
+        if stream == 0 || stream == PER_THREAD_STREAM {
+            let v = Violation::UncoveredStream(stream);
             return Err(BackendError::refused(Op::Graph, 0, 0, v));
         }
         // SAFETY: a covered stream other than the legacy one: live until the backend drops
@@ -63,6 +89,9 @@ impl<D: Driver> CudaBackend<D> {
     pub(crate) fn end_capture(&self, stream: Stream) -> Result<GraphExec, BackendError> {
         let _s = self.enter(Op::Graph, 0, 0)?;
         let fail = |e| self.fail(Op::Graph, 0, 0, e);
+        // Instantiating and destroying may be potentially unsafe calls (fact 40, the strict
+        // reading): in the relaxed mode, so no other capture refuses them or is invalidated.
+        let _relaxed = self.relaxed().map_err(fail)?;
         // SAFETY: a covered stream whose capture `begin_capture` began.
         let graph = unsafe { self.driver.stream_end_capture(stream) }.map_err(fail)?;
         // SAFETY: `graph` was just returned by the driver and is destroyed once, below.
@@ -88,6 +117,12 @@ impl<D: Driver> CudaBackend<D> {
         stream: Stream,
     ) -> Result<(), BackendError> {
         let _s = self.enter(Op::Graph, 0, 0)?;
+        // Launched into a capture, the graph would become part of another graph that borrows
+        // nothing, and could launch after its memory is gone: refused.
+        if self.capturing(stream) {
+            let v = Violation::CapturingStream(stream);
+            return Err(BackendError::refused(Op::Graph, 0, 0, v));
+        }
         // SAFETY: the caller's promise for `exec` and its memory; `stream` is covered, so the
         // memory's fences wait for the launch.
         unsafe { self.driver.graph_launch(exec, stream) }.map_err(|e| self.fail(Op::Graph, 0, 0, e))
@@ -101,6 +136,9 @@ impl<D: Driver> CudaBackend<D> {
     pub(crate) unsafe fn destroy_exec(&self, exec: GraphExec) {
         let Ok(_s) = self.enter(Op::Graph, 0, 0) else {
             return; // lost: the driver freed it with the context
+        };
+        let Ok(_relaxed) = self.relaxed() else {
+            return; // lost meanwhile
         };
         // SAFETY: the caller's promise.
         if let Err(e) = unsafe { self.driver.graph_exec_destroy(exec) } {

@@ -641,6 +641,8 @@ impl Driver for DriverModel {
     unsafe fn graph_instantiate(&self, graph: Graph) -> CuResult<GraphExec> {
         let call = DriverCall::GraphInstantiate;
         let mut s = self.enter(call, true)?;
+        // Potentially unsafe calls (fact 40, the strict reading, as for the VMM calls).
+        s.refused_by_capture()?;
         let Some(nodes) = s.graphs.get(&graph).cloned() else {
             misuse(call, format_args!("unknown graph {graph:#x}"));
         };
@@ -676,6 +678,8 @@ impl Driver for DriverModel {
     unsafe fn graph_exec_destroy(&self, exec: GraphExec) -> CuResult<()> {
         let call = DriverCall::GraphExecDestroy;
         let mut s = self.enter(call, true)?;
+        // Potentially unsafe calls (fact 40, the strict reading, as for the VMM calls).
+        s.refused_by_capture()?;
         if s.execs.remove(&exec).is_none() {
             misuse(call, format_args!("unknown executable graph {exec:#x}"));
         }
@@ -685,6 +689,8 @@ impl Driver for DriverModel {
     unsafe fn graph_destroy(&self, graph: Graph) -> CuResult<()> {
         let call = DriverCall::GraphDestroy;
         let mut s = self.enter(call, true)?;
+        // Potentially unsafe calls (fact 40, the strict reading, as for the VMM calls).
+        s.refused_by_capture()?;
         if s.graphs.remove(&graph).is_none() {
             misuse(call, format_args!("unknown graph {graph:#x}"));
         }

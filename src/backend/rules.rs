@@ -112,6 +112,13 @@ pub enum Violation {
         "stream {0:#x} is not covered by the device's fences: cover it first (`cover_stream`, or `cover` for a cudarc stream)"
     )]
     UncoveredStream(usize),
+    /// A capture asked of the legacy stream (capture cannot begin there) or of the per-thread
+    /// stream (a different stream on each thread: its graph's launches on another thread would
+    /// run where no fence of this one records).
+    #[error(
+        "a capture cannot begin on stream {0:#x}: not on the legacy stream (the driver refuses it) nor on the per-thread stream (a different stream on each thread); capture on a stream of your own"
+    )]
+    CaptureStream(usize),
     /// A graph launch on a stream that captures: it would become part of a graph that borrows
     /// none of its memory.
     #[error(

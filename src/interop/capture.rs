@@ -97,13 +97,19 @@ impl<'a, T, D: Driver> StreamView<'a, T, D> {
     /// argument. Outside a memtoken capture, first asks whether the stream captures (see
     /// "Graph captures" above).
     pub fn device_ptr(&self) -> u64 {
+        self.ask_stream();
+        self.addr as u64
+    }
+
+    /// Outside a memtoken capture: whether the stream captures now, holding the memory for
+    /// good if it does (see "Graph captures" above).
+    fn ask_stream(&self) {
         if !self.in_capture {
             let bytes = self.len * size_of::<T>();
             // SAFETY: the stream is covered (checked when the view was lent), so live until the
             // backend drops (`cover_stream`'s contract).
             unsafe { self.backend.note_use(self.stream, self.addr, bytes) };
         }
-        self.addr as u64
     }
 }
 
@@ -111,12 +117,7 @@ impl<T, D: Driver> Drop for StreamView<'_, T, D> {
     /// Asks its stream once more: a capture begun while the view lived (its pointer taken
     /// before) holds the memory too.
     fn drop(&mut self) {
-        if !self.in_capture {
-            let bytes = self.len * size_of::<T>();
-            // SAFETY: the stream is covered (checked when the view was lent), so live until
-            // the backend drops (`cover_stream`'s contract).
-            unsafe { self.backend.note_use(self.stream, self.addr, bytes) };
-        }
+        self.ask_stream();
     }
 }
 

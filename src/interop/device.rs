@@ -5,7 +5,7 @@
 use super::fit;
 use crate::allocation::Allocation;
 use crate::backend::Addr;
-use crate::backend::cuda::{CudaBackend, Stream, SysDriver};
+use crate::backend::cuda::{CudaBackend, PER_THREAD_STREAM, Stream, SysDriver};
 use crate::error::ViewError;
 use crate::page_pool::{Page, PageTable};
 use crate::sharing::{Diverged, Owner};
@@ -57,9 +57,6 @@ fn bounds(range: impl RangeBounds<usize>, len: usize) -> (usize, usize) {
         panic!("range {start:?}..{end:?} out of bounds of a view of {len} elements")
     })
 }
-
-/// `CU_STREAM_PER_THREAD`: the calling thread's default stream.
-const PER_THREAD_STREAM: usize = 0x2;
 
 impl<'a> Span<'a> {
     /// `bytes` bytes at `addr` as `T`s on `stream`, which the backend's fences cover from now
@@ -135,7 +132,7 @@ impl<'a> Span<'a> {
         }
         // The per-thread stream has one handle on every thread but is a different stream on
         // each: never taken for the home stream.
-        let per_thread = home.cu_stream() as usize == PER_THREAD_STREAM;
+        let per_thread = home.cu_stream() as Stream == PER_THREAD_STREAM;
         if stream == home && !per_thread {
             return SyncOnDrop::Record(None); // the stream's own order is enough
         }

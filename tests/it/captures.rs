@@ -27,11 +27,7 @@ fn model() -> DriverModel {
 #[test]
 fn releases_during_a_capture_on_a_covered_stream_leave_it_valid_and_complete_after_it() {
     let model = model();
-    make_guard!(guard);
-    let device = Device::new(guard, common::cuda(&model));
-    let stream = model.new_stream();
-    // SAFETY: a stream of the model's only context, live as long as the model.
-    unsafe { device.cover_stream(stream) };
+    common::covered_device!(model, device, stream);
     let binding = device.bind(Budget::unlimited()).unwrap();
     make_guard!(pool_guard);
     let pool = PagePool::new(pool_guard, &binding, G / 4).unwrap();
@@ -257,11 +253,7 @@ fn slow_model() -> DriverModel {
 #[test]
 fn a_graph_launched_three_times_then_dropped_is_waited_for_by_the_release() {
     let model = slow_model();
-    make_guard!(guard);
-    let device = Device::new(guard, common::cuda(&model));
-    let stream = model.new_stream();
-    // SAFETY: a stream of the model's only context, live as long as the model.
-    unsafe { device.cover_stream(stream) };
+    common::covered_device!(model, device, stream);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut x = binding.reserve(G).unwrap().commit().unwrap();
     model.complete_work(); // the commit's own work, if any
@@ -301,11 +293,7 @@ fn a_graph_launched_three_times_then_dropped_is_waited_for_by_the_release() {
 fn the_model_faults_a_launch_on_memory_unmapped_before_it() {
     use memtoken::backend::cuda::Driver;
     let model = slow_model();
-    make_guard!(guard);
-    let device = Device::new(guard, common::cuda(&model));
-    let stream = model.new_stream();
-    // SAFETY: a stream of the model's only context, live as long as the model.
-    unsafe { device.cover_stream(stream) };
+    common::covered_device!(model, device, stream);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let x = binding.reserve(G).unwrap().commit().unwrap();
     let ptr = x.addr() as u64;
@@ -337,11 +325,7 @@ fn the_model_faults_a_launch_on_memory_unmapped_before_it() {
 fn memory_lent_to_a_capture_memtoken_did_not_make_is_quarantined_never_reused() {
     use memtoken::backend::cuda::Driver;
     let model = slow_model();
-    make_guard!(guard);
-    let device = Device::new(guard, common::cuda(&model));
-    let stream = model.new_stream();
-    // SAFETY: a stream of the model's only context, live as long as the model.
-    unsafe { device.cover_stream(stream) };
+    common::covered_device!(model, device, stream);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut x = binding.reserve(G).unwrap().commit().unwrap();
     let addr = x.addr();
@@ -365,7 +349,7 @@ fn memory_lent_to_a_capture_memtoken_did_not_make_is_quarantined_never_reused() 
         .complete()
         .map(drop)
         .expect_err("the memory a foreign graph uses must not be unmapped");
-    let why = chain(&failure.cause);
+    let why = common::messages(&failure.cause).join("\n");
     assert!(
         why.contains("CUDA graph capture"),
         "the error says why: {why}"
@@ -393,11 +377,8 @@ fn memory_lent_to_a_capture_memtoken_did_not_make_is_quarantined_never_reused() 
     assert_eq!(model.lost_with(), None, "the launch wrote mapped memory");
     // A retry keeps refusing: the memory stays with the quarantine.
     let still = quarantined.retry().map(drop).unwrap_err();
-    assert!(
-        chain(&still).contains("CUDA graph capture"),
-        "{}",
-        chain(&still)
-    );
+    let why = common::messages(&still).join("\n");
+    assert!(why.contains("CUDA graph capture"), "{why}");
     // The drop reports it, still quarantined: the memory stays with the driver.
     let (sent, seen) = std::sync::mpsc::channel();
     device.report_drop_to(move |report| sent.send(*report).unwrap());
@@ -409,27 +390,12 @@ fn memory_lent_to_a_capture_memtoken_did_not_make_is_quarantined_never_reused() 
     assert_eq!(report.quarantined.mapped_bytes, G as u64, "{report:?}");
 }
 
-/// An error and every source under it, one per line.
-fn chain(e: &dyn std::error::Error) -> String {
-    let mut out = e.to_string();
-    let mut at = e.source();
-    while let Some(cause) = at {
-        out += &format!("\n{cause}");
-        at = cause.source();
-    }
-    out
-}
-
 /// A region a graph uses cannot shrink while the graph lives (the compile-fail cases say so);
 /// once the graph is dropped it shrinks, and the shrink waits for the last launch.
 #[test]
 fn a_region_shrinks_once_its_graph_is_gone_after_its_last_launch() {
     let model = slow_model();
-    make_guard!(guard);
-    let device = Device::new(guard, common::cuda(&model));
-    let stream = model.new_stream();
-    // SAFETY: a stream of the model's only context, live as long as the model.
-    unsafe { device.cover_stream(stream) };
+    common::covered_device!(model, device, stream);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut region = binding.reserve(2 * G).unwrap().into_region();
     region.grow(2).unwrap();
@@ -468,11 +434,7 @@ fn a_capture_on_a_stream_the_fences_do_not_cover_is_refused() {
 fn a_capture_dropped_without_end_ends_it() {
     use memtoken::backend::cuda::Driver;
     let model = model();
-    make_guard!(guard);
-    let device = Device::new(guard, common::cuda(&model));
-    let stream = model.new_stream();
-    // SAFETY: a stream of the model's only context, live as long as the model.
-    unsafe { device.cover_stream(stream) };
+    common::covered_device!(model, device, stream);
     drop(Capture::begin(&device, stream, CaptureMode::Global).unwrap());
     // SAFETY: a live stream of the model's context.
     assert_eq!(unsafe { model.stream_is_capturing(stream) }, Ok(false));
@@ -485,11 +447,7 @@ fn a_capture_dropped_without_end_ends_it() {
 #[test]
 fn a_graph_is_not_launched_into_another_capture() {
     let model = model();
-    make_guard!(guard);
-    let device = Device::new(guard, common::cuda(&model));
-    let stream = model.new_stream();
-    // SAFETY: a stream of the model's only context, live as long as the model.
-    unsafe { device.cover_stream(stream) };
+    common::covered_device!(model, device, stream);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut x = binding.reserve(G).unwrap().commit().unwrap();
     let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
@@ -499,7 +457,8 @@ fn a_graph_is_not_launched_into_another_capture() {
     let graph = capture.end().unwrap();
     model.begin_capture(stream, CaptureMode::Global);
     let e = graph.launch().unwrap_err();
-    assert!(chain(&e).contains("captures"), "{}", chain(&e));
+    let why = common::messages(&e).join("\n");
+    assert!(why.contains("captures"), "{why}");
     assert_eq!(model.count(DriverCall::GraphLaunch), 0);
     assert_eq!(model.end_capture(stream), Ok(()));
 }
@@ -529,11 +488,7 @@ fn a_legacy_stream_view_during_a_blocking_capture_holds_nothing() {
 #[test]
 fn a_view_dropped_during_a_capture_begun_after_its_pointer_holds_the_memory() {
     let model = model();
-    make_guard!(guard);
-    let device = Device::new(guard, common::cuda(&model));
-    let stream = model.new_stream();
-    // SAFETY: a stream of the model's only context, live as long as the model.
-    unsafe { device.cover_stream(stream) };
+    common::covered_device!(model, device, stream);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let x = binding.reserve(G).unwrap().commit().unwrap();
     let view = x.stream_view::<u8>(stream).unwrap();
@@ -544,4 +499,23 @@ fn a_view_dropped_during_a_capture_begun_after_its_pointer_holds_the_memory() {
     assert_eq!(model.end_capture(stream), Ok(()));
     let e = x.release().complete().map(drop).unwrap_err();
     assert!(matches!(e.token, memtoken::Returned::Quarantined(_)));
+}
+
+/// A capture cannot begin on the legacy stream (the driver refuses it) nor on the per-thread
+/// stream (a different stream on each thread), even covered: refused before any call.
+#[test]
+fn a_capture_on_the_legacy_or_per_thread_stream_is_refused() {
+    use memtoken::backend::cuda::PER_THREAD_STREAM;
+    let model = model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    // SAFETY: 0 is always live; the model's per-thread stream is never used here (refused
+    // before any call).
+    unsafe { device.cover_stream(PER_THREAD_STREAM) };
+    for stream in [0, PER_THREAD_STREAM] {
+        let e = Capture::begin(&device, stream, CaptureMode::Global).unwrap_err();
+        let why = common::messages(&e).join("\n");
+        assert!(why.contains("cannot begin"), "{why}");
+    }
+    assert_eq!(model.count(DriverCall::StreamBeginCapture), 0);
 }

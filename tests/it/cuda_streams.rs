@@ -257,11 +257,7 @@ fn a_failed_wait_falls_back_to_the_whole_stream() {
 #[test]
 fn copy_on_write_waits_for_work_reading_the_mapping() {
     let model = model(false);
-    make_guard!(guard);
-    let device = Device::new(guard, common::cuda(&model));
-    let stream = model.new_stream();
-    // SAFETY: a stream of the model's only context, live as long as the model.
-    unsafe { device.cover_stream(stream) };
+    common::covered_device!(model, device, stream);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let prefix = binding.reserve(G).unwrap().commit_prefix().unwrap();
     let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
@@ -418,11 +414,7 @@ fn a_loss_while_settling_a_copy_is_noted_and_nothing_more_is_called() {
 fn a_freed_page_is_not_reissued_under_running_work() {
     use memtoken::PagePool;
     let model = model(false);
-    make_guard!(guard);
-    let device = Device::new(guard, common::cuda(&model));
-    let stream = model.new_stream();
-    // SAFETY: a stream of the model's only context, live as long as the model.
-    unsafe { device.cover_stream(stream) };
+    common::covered_device!(model, device, stream);
     let binding = device.bind(Budget::unlimited()).unwrap();
     make_guard!(pool_guard);
     let pool = PagePool::new(pool_guard, &binding, G / 4).unwrap();

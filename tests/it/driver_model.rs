@@ -1365,3 +1365,145 @@ fn the_model_counts_the_calls_after_a_loss() {
     assert!(model.mem_create(G, 0).is_err());
     assert_eq!(model.calls_after_loss(), 2);
 }
+
+// ---- Graphs (facts 39–41): what the model runs for `memtoken::Capture`. ----
+
+/// A capture through the driver: work submitted on the capturing stream becomes a node of
+/// the graph, not work (fact 39); each launch of the instance runs the node as work on the
+/// launch stream; an instance outlives its graph, and launches in flight outlive the instance.
+#[test]
+fn captured_work_runs_only_when_its_graph_is_launched() {
+    let model = opened(ModelConfig {
+        events_complete_at_once: false,
+        ..config()
+    });
+    let stream = model.new_stream();
+    let (ptr, _) = mapped(&model);
+    // SAFETY: (each call) a live stream of the model; the graph and instance are its own.
+    unsafe {
+        model
+            .stream_begin_capture(stream, CaptureMode::Global)
+            .unwrap();
+        model.submit_work_touching(stream, &[(ptr, G)]);
+        let graph = model.stream_end_capture(stream).unwrap();
+        let exec = model.graph_instantiate(graph).unwrap();
+        model.graph_destroy(graph).unwrap();
+        model.graph_launch(exec, stream).unwrap();
+        model.graph_exec_destroy(exec).unwrap();
+        // The launch is work, still running after its instance went: unmapping under it
+        // faults when it completes (fact 21).
+        model.mem_unmap(ptr, G).unwrap();
+    }
+    model.complete_work();
+    assert_eq!(model.lost_with(), Some(CuError::ILLEGAL_ADDRESS));
+}
+
+/// The same capture with the memory unmapped before the launch is never run: nothing faults
+/// while the graph is not launched.
+#[test]
+fn captured_work_never_launched_touches_nothing() {
+    let model = opened(ModelConfig {
+        events_complete_at_once: false,
+        ..config()
+    });
+    let stream = model.new_stream();
+    let (ptr, _) = mapped(&model);
+    // SAFETY: as above.
+    unsafe {
+        model
+            .stream_begin_capture(stream, CaptureMode::Global)
+            .unwrap();
+        model.submit_work_touching(stream, &[(ptr, G)]);
+        let graph = model.stream_end_capture(stream).unwrap();
+        model.mem_unmap(ptr, G).unwrap();
+        model.graph_destroy(graph).unwrap();
+    }
+    model.complete_work();
+    assert_eq!(model.lost_with(), None);
+}
+
+/// A non-relaxed capture ends only on the thread that began it: from another, 908 and the
+/// stream still captures; a begin on a capturing stream is refused.
+#[test]
+fn a_capture_ends_on_its_own_thread() {
+    let model = opened(config());
+    let stream = model.new_stream();
+    // SAFETY: (each call) a live stream of the model.
+    unsafe {
+        model
+            .stream_begin_capture(stream, CaptureMode::ThreadLocal)
+            .unwrap();
+        assert_eq!(
+            model.stream_begin_capture(stream, CaptureMode::Global),
+            Err(CuError::STREAM_CAPTURE_UNSUPPORTED)
+        );
+    }
+    let other = model.clone();
+    let ended = std::thread::scope(|s| {
+        s.spawn(|| {
+            let ctx = other.primary_ctx_retain(0).unwrap();
+            // SAFETY: `ctx` was just retained; `stream` is live.
+            unsafe {
+                other.ctx_set_current(ctx).unwrap();
+                other.stream_end_capture(stream)
+            }
+        })
+        .join()
+        .unwrap()
+    });
+    assert_eq!(ended, Err(CuError::STREAM_CAPTURE_WRONG_THREAD));
+    // SAFETY: as above.
+    unsafe {
+        assert_eq!(model.stream_is_capturing(stream), Ok(true));
+        let graph = model.stream_end_capture(stream).unwrap();
+        model.graph_destroy(graph).unwrap();
+    }
+}
+
+/// Fact 40, the strict reading (as for the VMM calls): instantiating and destroying graphs
+/// from a thread in the global mode while another thread's global capture is open is refused
+/// (900) and invalidates that capture; in the relaxed mode — how the backend makes them — both
+/// go through and the capture ends valid.
+#[test]
+fn graph_calls_during_another_threads_global_capture_need_the_relaxed_mode() {
+    for relaxed in [false, true] {
+        let model = opened(config());
+        let (first, capturing) = (model.new_stream(), model.new_stream());
+        // SAFETY: (each call) live streams of the model; graphs and instances its own.
+        let graph = unsafe {
+            model
+                .stream_begin_capture(first, CaptureMode::Global)
+                .unwrap();
+            model.stream_end_capture(first).unwrap()
+        };
+        model.begin_capture(capturing, CaptureMode::Global);
+        let other = model.clone();
+        let r = std::thread::scope(|s| {
+            s.spawn(|| {
+                let ctx = other.primary_ctx_retain(0).unwrap();
+                // SAFETY: `ctx` was just retained; `graph` is the model's live graph.
+                unsafe { other.ctx_set_current(ctx) }.unwrap();
+                if relaxed {
+                    other
+                        .thread_exchange_capture_mode(CaptureMode::Relaxed)
+                        .unwrap();
+                }
+                // SAFETY: as above.
+                unsafe {
+                    let exec = other.graph_instantiate(graph)?;
+                    other.graph_exec_destroy(exec)?;
+                    other.graph_destroy(graph)
+                }
+            })
+            .join()
+            .unwrap()
+        });
+        let ended = model.end_capture(capturing);
+        if relaxed {
+            assert_eq!((r, ended), (Ok(()), Ok(())));
+        } else {
+            assert_eq!(r, Err(CuError::STREAM_CAPTURE_UNSUPPORTED));
+            assert_eq!(ended, Err(CuError::STREAM_CAPTURE_INVALIDATED));
+        }
+    }
+}

@@ -322,6 +322,9 @@ pub type Context = usize;
 pub type Event = usize;
 /// A `CUstream`, as an integer (0: the legacy default stream).
 pub type Stream = usize;
+/// `CU_STREAM_PER_THREAD`: the calling thread's default stream — one handle, a different
+/// stream on each thread (fact 2).
+pub const PER_THREAD_STREAM: Stream = 0x2;
 /// A `CUgraph` (a captured graph), as an integer.
 pub type Graph = usize;
 /// A `CUgraphExec` (an instantiated graph), as an integer.

@@ -4,11 +4,8 @@
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::CudaBackend;
-use super::driver::{CaptureMode, CuError, Driver, GraphExec, Stream};
+use super::driver::{CaptureMode, CuError, Driver, GraphExec, PER_THREAD_STREAM, Stream};
 use crate::backend::{Addr, BackendError, Op, Violation, lock};
-
-/// `CU_STREAM_PER_THREAD`: the calling thread's default stream.
-const PER_THREAD_STREAM: Stream = 0x2;
 
 impl<D: Driver> CudaBackend<D> {
     /// Whether the fences cover `stream` (see [`cover_stream`](Self::cover_stream)).
@@ -49,8 +46,9 @@ impl<D: Driver> CudaBackend<D> {
             Err(e) if stream == 0 && e == CuError::STREAM_CAPTURE_IMPLICIT => return false,
             Err(_) => true, // cannot say: held, never unmapped under a graph that may launch
         };
-        if capturing {
-            s.graph_held.push((addr as u64, len));
+        let range = (addr as u64, len);
+        if capturing && !s.graph_held.contains(&range) {
+            s.graph_held.push(range); // once, however often the view asks
         }
         capturing
     }
@@ -75,7 +73,7 @@ impl<D: Driver> CudaBackend<D> {
         // stream (one handle, a different stream on each thread: a launch on another thread
         // would run where no fence of this thread's records).
         if stream == 0 || stream == PER_THREAD_STREAM {
-            let v = Violation::UncoveredStream(stream);
+            let v = Violation::CaptureStream(stream);
             return Err(BackendError::refused(Op::Graph, 0, 0, v));
         }
         // SAFETY: a covered stream other than the legacy one: live until the backend drops

@@ -223,8 +223,8 @@ mod vmm;
 
 pub use driver::{
     AllocationProps, CaptureMode, Context, CuError, CuResult, DeviceAttribute, Driver, DriverCall,
-    ErrorFate, Event, Graph, GraphExec, HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD, ShareableHandle,
-    Stream,
+    ErrorFate, Event, Graph, GraphExec, HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD,
+    PER_THREAD_STREAM, ShareableHandle, Stream,
 };
 pub use fence::CudaFence;
 

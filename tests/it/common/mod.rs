@@ -26,6 +26,19 @@ macro_rules! setup {
 }
 pub(crate) use setup;
 
+/// A device over the driver model `$model` bound to `$device`, and a new stream of the model,
+/// covered by the device's fences, bound to `$stream`.
+macro_rules! covered_device {
+    ($model:expr, $device:ident, $stream:ident) => {
+        memtoken::make_guard!(guard);
+        let $device = memtoken::Device::new(guard, crate::common::cuda(&$model));
+        let $stream = $model.new_stream();
+        // SAFETY: a stream of the model's only context, live as long as the model.
+        unsafe { $device.cover_stream($stream) };
+    };
+}
+pub(crate) use covered_device;
+
 /// The host backend with its default settings.
 pub fn host() -> HostBackend {
     HostBackend::with_defaults().expect("memfd")

@@ -845,3 +845,89 @@ fn gpu_rdma_attribute_and_granularity_by_properties() {
     drop(binding);
     assert!(device.close().is_clean());
 }
+
+/// Issue 22 on a GPU: a graph captured through memtoken (a memset of the token's memory),
+/// launched three times, then dropped; the token's release waits for the last launch and the
+/// bytes are the graph's. Then the bypass: a capture made with cudarc's own safe API takes a
+/// memtoken view's pointer (`memset_zeros`); the view drops and the token is released — the
+/// release is quarantined (the memory stays mapped), and cudarc's graph launched afterwards
+/// runs on mapped memory: no sticky error.
+#[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
+fn gpu_graph_through_memtoken_borrows_and_a_foreign_capture_holds_its_memory() {
+    use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+    use memtoken::backend::cuda::CaptureMode;
+    use memtoken::{Capture, Returned};
+    let test = "gpu_graph_through_memtoken_borrows_and_a_foreign_capture_holds_its_memory";
+    let Some((ctx, backend)) = shared_or_skip(test) else {
+        return;
+    };
+    make_guard!(guard);
+    let device = Device::new(guard, backend);
+    let stream = ctx.new_stream().unwrap(); // before any capture: its first use synchronizes
+    device.cover(&stream).unwrap();
+    let raw = stream.cu_stream() as usize;
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let mut x = binding.reserve(g).unwrap().commit().unwrap();
+
+    let capture = Capture::begin(&device, raw, CaptureMode::Global).unwrap();
+    let mut view = capture.view_mut::<u8>(&mut x).unwrap();
+    // SAFETY: the view holds `g` bytes for work on `stream`, which captures the memset.
+    unsafe {
+        cudarc::driver::result::memset_d8_async(view.device_ptr_mut(), 0xab, g, stream.cu_stream())
+    }
+    .unwrap();
+    drop(view);
+    let graph = capture.end().unwrap();
+    for _ in 0..3 {
+        graph.launch().unwrap();
+    }
+    drop(graph);
+    stream.synchronize().unwrap();
+    let mut back = vec![0; g];
+    x.copy_to_host(0, &mut back).unwrap();
+    assert!(back.iter().all(|&b| b == 0xab), "the graph wrote the token");
+    complete_when_ready(x.release());
+
+    let mut y = binding.reserve(g).unwrap().commit().unwrap();
+    stream
+        .begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_GLOBAL)
+        .unwrap();
+    {
+        let mut view = y.view_mut::<u8>(&stream).unwrap();
+        stream.memset_zeros(&mut view).unwrap();
+    }
+    let foreign = stream
+        .end_capture(CUgraphInstantiate_flags(0))
+        .unwrap()
+        .expect("the foreign capture ends valid");
+    let mut releasing = y.release();
+    loop {
+        match releasing.complete() {
+            Err(TransitionError {
+                token: Returned::Unchanged(pending),
+                cause: ReleaseFailure::Pending,
+            }) => releasing = pending,
+            Err(TransitionError {
+                token: Returned::Quarantined(q),
+                cause,
+            }) => {
+                let _ = writeln!(
+                    std::io::stderr(),
+                    "{test}: quarantined as expected: {cause}"
+                );
+                drop(q);
+                break;
+            }
+            Err(e) => panic!("{test}: expected quarantine, got {}", e.cause),
+            Ok(_) => panic!("{test}: memory a foreign graph uses was unmapped"),
+        }
+    }
+    foreign.launch().unwrap();
+    stream.synchronize().unwrap();
+    assert!(
+        device.confirm_context_lost().is_none(),
+        "the foreign graph ran on mapped memory"
+    );
+}

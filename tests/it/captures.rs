@@ -519,3 +519,32 @@ fn a_capture_on_the_legacy_or_per_thread_stream_is_refused() {
     }
     assert_eq!(model.count(DriverCall::StreamBeginCapture), 0);
 }
+
+/// A failed event wait falls back to synchronizing that one stream — in the relaxed mode, so
+/// the global capture this thread has open on another stream neither refuses it nor is
+/// invalidated by it (fact 40); before, the fallback synchronized the whole context, which
+/// invalidates every capture. The device drops with everything released.
+#[test]
+fn a_failed_wait_during_a_capture_elsewhere_synchronizes_one_stream_and_leaves_it_valid() {
+    let model = slow_model();
+    let other = model.new_stream();
+    let (sent, seen) = std::sync::mpsc::channel();
+    {
+        common::covered_device!(model, device, stream);
+        device.report_drop_to(move |report| sent.send(*report).unwrap());
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        let x = binding.reserve(G).unwrap().commit().unwrap();
+        model.submit_work_on(stream); // a kernel still running: the drop's fence waits
+        drop(x);
+        drop(binding);
+        model.fail_nth(DriverCall::EventSynchronize, 1, CuError::UNKNOWN);
+        model.begin_capture(other, CaptureMode::Global);
+        let synchronized = model.count(DriverCall::StreamSynchronize);
+        drop(device); // waits for the fence: the event's wait fails, the stream is synchronized
+        assert_eq!(model.count(DriverCall::StreamSynchronize), synchronized + 1);
+    }
+    assert_eq!(model.end_capture(other), Ok(()), "the capture ends valid");
+    let report = seen.try_recv().expect("the drop reports");
+    assert!(report.is_clean(), "{report:?}");
+    assert_eq!(model.lost_with(), None);
+}

@@ -356,7 +356,8 @@ impl<D: Driver> CudaBackend<D> {
     /// Whether `stream` captures now, or may not be used (the legacy stream while a blocking
     /// stream of the context captures answers 906): then nothing is recorded on it and none of
     /// its events is asked (facts 39, 41). Asking invalidates nothing; a failed answer counts
-    /// as capturing (asked again later), a loss is noted. The record's lock is held.
+    /// as capturing (asked again later), a loss is noted. Called with the context current
+    /// (after [`enter`](Self::enter)).
     pub(super) fn capturing(&self, stream: Stream) -> bool {
         // SAFETY: `stream` is a covered stream: 0, or one whose owner promised it live until
         // this backend is dropped (`cover_stream`'s contract).

@@ -548,3 +548,33 @@ fn a_failed_wait_during_a_capture_elsewhere_synchronizes_one_stream_and_leaves_i
     assert!(report.is_clean(), "{report:?}");
     assert_eq!(model.lost_with(), None);
 }
+
+/// A capture-mode exchange that fails (a transient error) makes the VMM call fail, never
+/// go on in the thread's own mode: there the capture this thread has open would refuse it and
+/// be invalidated (fact 42). Found by the property test once it drove captures.
+#[test]
+fn a_failed_capture_mode_exchange_fails_the_call_and_leaves_the_capture_valid() {
+    let model = model();
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    model.begin_capture(stream, CaptureMode::Global);
+    let reserves = model.count(DriverCall::MemAddressReserve);
+    model.fail_nth(
+        DriverCall::ThreadExchangeStreamCaptureMode,
+        1,
+        CuError::OUT_OF_MEMORY,
+    );
+    let e = binding.reserve(G).unwrap_err();
+    let why = common::messages(&e).join("\n");
+    assert!(why.contains("OUT_OF_MEMORY"), "{why}");
+    assert_eq!(
+        model.count(DriverCall::MemAddressReserve),
+        reserves,
+        "no call made"
+    );
+    let x = binding.reserve(G).unwrap().commit().unwrap();
+    assert_eq!(model.end_capture(stream), Ok(()), "the capture ends valid");
+    drop(x);
+    drop(binding);
+    assert!(device.close().is_clean());
+}

@@ -20,8 +20,8 @@ use memtoken::backend::{
     doubles::{FaultHandle, Faulty, SimBackend, SimConfig},
 };
 use memtoken::backend::{
-    cuda::{CuError, CudaBackend, DriverCall},
-    doubles::DriverModel,
+    cuda::{CuError, CudaBackend, DriverCall, Stream},
+    doubles::{CaptureMode, DriverModel},
 };
 use memtoken::{
     Allocation, Binding, Budget, CommitFailure, Committed, Device, DivergedMapping, GrowError,
@@ -69,6 +69,9 @@ enum Step {
     TrimCache,
     /// The device's cache cap becomes 0-3 granules.
     CacheCap(u64),
+    /// A capture on a stream the device covers begins (in mode 0 global, 1 thread-local, 2
+    /// relaxed) or ends; it must end valid (CUDA model only).
+    Capture(u8),
 }
 
 fn step() -> impl Strategy<Value = Step> {
@@ -103,6 +106,7 @@ fn step() -> impl Strategy<Value = Step> {
         2 => any::<usize>().prop_map(Step::Resume),
         1 => Just(Step::TrimCache),
         1 => (0u64..4).prop_map(Step::CacheCap),
+        2 => (0u8..3).prop_map(Step::Capture),
     ]
 }
 
@@ -164,6 +168,11 @@ trait Memory<B: Backend> {
     /// Work is submitted that uses `ranges` (address, length).
     fn submit(&self, _ranges: &[(u64, usize)]) {}
     fn clear_faults(&self) {}
+    /// Begins a capture in `mode` on a stream the device covers, or ends the open one, which
+    /// must end valid (CUDA model only).
+    fn toggle_capture(&self, _mode: u8) {}
+    /// Ends the open capture, if any, which must end valid.
+    fn end_capture(&self) {}
 }
 
 struct NoMemory(SimBackend);
@@ -568,6 +577,7 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                 let g = self.device.granularity() as u64;
                 self.device.set_cache_cap(granules * g);
             }
+            Step::Capture(mode) => self.memory.toggle_capture(mode),
             Step::RetryDevice => {
                 self.device.retry_quarantine();
             }
@@ -780,6 +790,7 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
     fn finish(mut self) {
         self.faults.clear();
         self.memory.clear_faults();
+        self.memory.end_capture();
         if let Some(proof) = self.device.confirm_context_lost() {
             // The context is lost: nothing can be given back through it. Every residual is
             // discharged with the proof (the driver frees all with the context), and the
@@ -868,7 +879,8 @@ fn run_host(steps: &[Step]) {
 }
 
 /// The CUDA backend over the driver model: no host access; driver faults and stream work.
-struct CudaMemory(DriverModel);
+/// The driver model, and a stream the device covers with the capture open on it, if any.
+struct CudaMemory(DriverModel, Stream, std::cell::Cell<bool>);
 type Cuda = Faulty<CudaBackend<DriverModel>>;
 impl Memory<Cuda> for CudaMemory {
     fn committed<'a>(
@@ -907,6 +919,29 @@ impl Memory<Cuda> for CudaMemory {
     fn clear_faults(&self) {
         self.0.clear();
     }
+    fn toggle_capture(&self, mode_index: u8) {
+        if self.2.get() {
+            self.end_capture();
+            return;
+        }
+        let mode = [
+            CaptureMode::Global,
+            CaptureMode::ThreadLocal,
+            CaptureMode::Relaxed,
+        ];
+        self.0
+            .begin_capture(self.1, mode[usize::from(mode_index) % 3]);
+        self.2.set(true);
+    }
+    fn end_capture(&self) {
+        if self.2.replace(false) {
+            assert_eq!(
+                self.0.end_capture(self.1),
+                Ok(()),
+                "memtoken broke a capture"
+            );
+        }
+    }
 }
 
 fn run_cuda(steps: &[Step]) {
@@ -914,10 +949,15 @@ fn run_cuda(steps: &[Step]) {
     let lost;
     {
         make_guard!(guard);
-        let backend = Faulty::new(CudaBackend::new(model.clone(), 0).unwrap());
+        let cuda = CudaBackend::new(model.clone(), 0).unwrap();
+        let stream = model.new_stream();
+        // SAFETY: a stream of the model's only context, live as long as the model.
+        unsafe { cuda.cover_stream(stream) };
+        let backend = Faulty::new(cuda);
         let faults = backend.handle();
         let device = Device::new(guard, backend);
-        run(&device, faults.clone(), CudaMemory(model.clone()), steps);
+        let memory = CudaMemory(model.clone(), stream, std::cell::Cell::new(false));
+        run(&device, faults.clone(), memory, steps);
         lost = device.confirm_context_lost().is_some();
         let mut left = faults.outstanding();
         left.pins = 0; // an injected unpin failure is counted by the device, not lost

@@ -105,8 +105,9 @@ impl<D: Driver> CudaBackend<D> {
     /// The calling thread's capture interaction mode, relaxed until the guard drops (then
     /// restored): the VMM calls made meanwhile are neither refused by another thread's capture
     /// nor invalidate it (fact 40), as PyTorch relaxes its allocations (fact 42). If the
-    /// exchange fails, the calls go on in the thread's own mode (and may be refused, a
-    /// transient error) — unless the failure is a loss: then it is noted, and returned.
+    /// exchange fails, its error is returned and the calls are not made: made in the thread's
+    /// own mode, they could be refused by an open capture and invalidate it (fact 42) — a
+    /// transient failure of the caller is better than a broken capture. A loss is noted.
     pub(super) fn relaxed(&self) -> CuResult<Relaxed<'_, D>> {
         if self.context_lost() {
             // No call once the context is lost; what follows sees the loss itself.
@@ -120,11 +121,10 @@ impl<D: Driver> CudaBackend<D> {
             .thread_exchange_capture_mode(CaptureMode::Relaxed)
         {
             Ok(old) => (old != CaptureMode::Relaxed).then_some(old),
-            Err(e) if e.is_context_loss() => {
-                let _ = self.fail(Op::Free, 0, 0, e);
+            Err(e) => {
+                let _ = self.fail(Op::Free, 0, 0, e); // notes a loss
                 return Err(e);
             }
-            Err(_) => None,
         };
         Ok(Relaxed { backend: self, old })
     }

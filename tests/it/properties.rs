@@ -69,8 +69,9 @@ enum Step {
     TrimCache,
     /// The device's cache cap becomes 0-3 granules.
     CacheCap(u64),
-    /// A capture on a stream the device covers begins (in mode 0 global, 1 thread-local, 2
-    /// relaxed) or ends; it must end valid (CUDA model only).
+    /// A capture begins or ends — on a stream the device covers (0-2) or on a blocking stream
+    /// it does not (3-5, as the per-thread stream), in the global, thread-local or relaxed
+    /// mode — and must end valid (CUDA model only).
     Capture(u8),
 }
 
@@ -106,7 +107,7 @@ fn step() -> impl Strategy<Value = Step> {
         2 => any::<usize>().prop_map(Step::Resume),
         1 => Just(Step::TrimCache),
         1 => (0u64..4).prop_map(Step::CacheCap),
-        2 => (0u8..3).prop_map(Step::Capture),
+        2 => (0u8..6).prop_map(Step::Capture),
     ]
 }
 
@@ -879,8 +880,9 @@ fn run_host(steps: &[Step]) {
 }
 
 /// The CUDA backend over the driver model: no host access; driver faults and stream work.
-/// The driver model, and a stream the device covers with the capture open on it, if any.
-struct CudaMemory(DriverModel, Stream, std::cell::Cell<bool>);
+/// The driver model, a stream the device covers and a blocking stream it does not, and the
+/// stream a capture is open on, if any.
+struct CudaMemory(DriverModel, [Stream; 2], std::cell::Cell<Option<Stream>>);
 type Cuda = Faulty<CudaBackend<DriverModel>>;
 impl Memory<Cuda> for CudaMemory {
     fn committed<'a>(
@@ -919,24 +921,27 @@ impl Memory<Cuda> for CudaMemory {
     fn clear_faults(&self) {
         self.0.clear();
     }
-    fn toggle_capture(&self, mode_index: u8) {
-        if self.2.get() {
+    fn toggle_capture(&self, which: u8) {
+        if self.2.get().is_some() {
             self.end_capture();
             return;
         }
-        let mode = [
+        let modes = [
             CaptureMode::Global,
             CaptureMode::ThreadLocal,
             CaptureMode::Relaxed,
         ];
-        self.0
-            .begin_capture(self.1, mode[usize::from(mode_index) % 3]);
-        self.2.set(true);
+        let (stream, mode) = (
+            self.1[usize::from(which / 3) % 2],
+            modes[usize::from(which % 3)],
+        );
+        self.0.begin_capture(stream, mode);
+        self.2.set(Some(stream));
     }
     fn end_capture(&self) {
-        if self.2.replace(false) {
+        if let Some(stream) = self.2.take() {
             assert_eq!(
-                self.0.end_capture(self.1),
+                self.0.end_capture(stream),
                 Ok(()),
                 "memtoken broke a capture"
             );
@@ -956,7 +961,8 @@ fn run_cuda(steps: &[Step]) {
         let backend = Faulty::new(cuda);
         let faults = backend.handle();
         let device = Device::new(guard, backend);
-        let memory = CudaMemory(model.clone(), stream, std::cell::Cell::new(false));
+        let streams = [stream, model.new_blocking_stream()];
+        let memory = CudaMemory(model.clone(), streams, std::cell::Cell::new(None));
         run(&device, faults.clone(), memory, steps);
         lost = device.confirm_context_lost().is_some();
         let mut left = faults.outstanding();

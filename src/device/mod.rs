@@ -50,8 +50,14 @@ use std::sync::atomic::{AtomicU64, Ordering};
 ///
 /// **Dropping a device is the one place that may wait.** Its context can outlive it (cudarc
 /// shares the primary context), so releases still waiting for their fence are finished as the
-/// device drops, each once its work has completed, and its quarantine is retried; nothing the
-/// device holds is left behind while the context lives. Every other call returns at once.
+/// device drops, each once its work has completed, and its quarantine is retried. What is left
+/// behind while the context lives is exactly what cannot be freed safely, and it is reported
+/// ([`report_drop_to`](Self::report_drop_to), else one line on standard error): a release
+/// whose wait failed for good or whose stream still captures a CUDA graph (never freed under
+/// work that may still run), and a residual still quarantined (a teardown that keeps failing,
+/// or memory a graph memtoken does not know of may use). The CUDA backend, as it drops, also
+/// keeps the scratch range of a copy whose wait failed twice (a last wait for the legacy
+/// stream failed too). Every other call returns at once.
 ///
 /// ```
 /// use memtoken::{make_guard, Budget, Device};

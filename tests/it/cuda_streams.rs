@@ -752,3 +752,91 @@ fn a_synchronize_settles_only_the_copies_that_failed_before_it_began() {
         "nothing was taken down under A's copy"
     );
 }
+
+/// Issue 23, leftovers: after a copy whose wait failed (copy-on-write: no event could be made,
+/// the synchronize of the legacy stream failed), the drop leaves nothing in the model: a later
+/// fence settles the copy and its scratch mapping goes.
+#[test]
+fn after_a_failed_copy_the_drop_leaves_nothing() {
+    let model = model(false);
+    {
+        make_guard!(guard);
+        let device = Device::new(guard, common::cuda(&model));
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        let prefix = binding.reserve(G).unwrap().commit_prefix().unwrap();
+        let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
+        model.fail_from(DriverCall::EventCreate, 1, CuError::OUT_OF_MEMORY);
+        model.fail_nth(DriverCall::StreamSynchronize, 1, CuError::OUT_OF_MEMORY);
+        let kept = shared.diverge().map(drop).map_err(|e| e.into_token());
+        assert!(kept.is_err(), "the copy's wait failed");
+        model.clear();
+        drop((kept, prefix));
+        drop(binding);
+        drop(device);
+    }
+    model.complete_work();
+    let held = model.outstanding();
+    assert!(held.is_zero(), "the driver still holds {held:?}");
+}
+
+/// Issue 23, leftovers: a release whose wait fails for good at the device's drop (the event's
+/// wait and the fallback synchronize of its stream both fail) is not freed under work that may
+/// still run: the drop report names exactly it, and the model holds exactly its memory — one
+/// reservation, one mapping, its physical bytes — and nothing else.
+#[test]
+fn a_release_whose_wait_fails_at_the_drop_is_exactly_what_is_left() {
+    let model = model(false);
+    let (sent, seen) = std::sync::mpsc::channel();
+    {
+        make_guard!(guard);
+        let device = Device::new(guard, common::cuda(&model));
+        device.report_drop_to(move |report| sent.send(*report).unwrap());
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        let x = binding.reserve(G).unwrap().commit().unwrap();
+        model.submit_work(); // a kernel still running: the release waits
+        drop(x);
+        drop(binding);
+        model.fail_nth(DriverCall::EventSynchronize, 1, CuError::UNKNOWN);
+        model.fail_nth(DriverCall::StreamSynchronize, 1, CuError::UNKNOWN);
+    }
+    let report = seen.try_recv().expect("the drop reports");
+    assert_eq!(report.left_waiting.count, 1, "{report:?}");
+    assert_eq!(report.left_waiting.mapped_bytes, G as u64, "{report:?}");
+    assert_eq!(report.quarantined.count, 0, "{report:?}");
+    let held = model.outstanding();
+    assert_eq!(
+        (
+            held.reservations,
+            held.mappings,
+            held.physical_bytes,
+            held.retains
+        ),
+        (1, 1, G, 0),
+        "exactly the waiting release's memory: {held:?}"
+    );
+}
+
+/// Issue 23, leftovers: a backend dropped while a copy whose wait failed is unsettled (no later
+/// fence settled it) waits for the legacy stream once and takes the copy's scratch range down:
+/// what the model still holds is exactly the memory the test itself created and never gave
+/// back — the source's reservation and mapping, and the two physical allocations.
+#[test]
+fn a_backend_dropped_with_an_unsettled_copy_takes_its_scratch_range_down() {
+    let model = model(false);
+    let backend = common::cuda(&model);
+    let (src, _, dst) = source_and_destination(&backend);
+    copy_whose_wait_fails(&model, &backend, src, dst);
+    drop(backend);
+    let left = model.outstanding();
+    assert_eq!(
+        (
+            left.reservations,
+            left.mappings,
+            left.physical_bytes,
+            left.events
+        ),
+        (1, 1, 2 * G, 0),
+        "only the test's own memory: {left:?}"
+    );
+    assert_eq!(model.lost_with(), None);
+}

@@ -351,6 +351,13 @@ impl CudaBackend<SysDriver> {
 
 impl<D: Driver> Drop for CudaBackend<D> {
     fn drop(&mut self) {
+        // Copies whose wait failed and that no later fence settled: one more wait for the
+        // legacy stream, where they ran, settles them (their scratch ranges go below). If it
+        // fails too (or a blocking stream captures), their scratch ranges stay mapped: never
+        // taken down under a copy that may still run.
+        if !self.context_lost() && !lock(&self.state).unsettled.is_empty() {
+            let _ = self.wait_legacy();
+        }
         if let Ok(mut s) = self.enter(Op::Free, 0, 0) {
             // VMM calls: never barred by a capture (fact 40); none once the context is lost.
             let relaxed = self.relaxed();

@@ -753,9 +753,9 @@ fn a_synchronize_settles_only_the_copies_that_failed_before_it_began() {
     );
 }
 
-/// Issue 23, leftovers: after a copy whose wait failed (copy-on-write: no event could be made,
-/// the synchronize of the legacy stream failed), the drop leaves nothing in the model: a later
-/// fence settles the copy and its scratch mapping goes.
+/// Issue 23, leftovers: after a copy-on-write whose copy's wait failed (its event could not
+/// be made, the synchronize of the legacy stream failed), the drop leaves nothing in the model:
+/// a later fence settles the copy and its scratch mapping goes.
 #[test]
 fn after_a_failed_copy_the_drop_leaves_nothing() {
     let model = model(false);
@@ -764,15 +764,23 @@ fn after_a_failed_copy_the_drop_leaves_nothing() {
         let device = Device::new(guard, common::cuda(&model));
         let binding = device.bind(Budget::unlimited()).unwrap();
         let prefix = binding.reserve(G).unwrap().commit_prefix().unwrap();
-        let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
-        model.fail_from(DriverCall::EventCreate, 1, CuError::OUT_OF_MEMORY);
+        let first = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
+        let second = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
+        // How many events a copy-on-write creates: its copy's wait makes the last.
+        let before = model.count(DriverCall::EventCreate);
+        let diverged = first.diverge().map_err(|e| e.cause).unwrap();
+        let created = model.count(DriverCall::EventCreate) - before;
+        model.fail_nth(DriverCall::EventCreate, created, CuError::OUT_OF_MEMORY);
         model.fail_nth(DriverCall::StreamSynchronize, 1, CuError::OUT_OF_MEMORY);
-        let kept = shared.diverge().map(drop).map_err(|e| e.into_token());
+        let kept = second.diverge().map(drop).map_err(|e| e.into_token());
         assert!(kept.is_err(), "the copy's wait failed");
-        model.clear();
-        drop((kept, prefix));
+        assert_eq!(
+            model.count(DriverCall::MemcpyDtoD),
+            2,
+            "both copies were made"
+        );
+        drop((kept, diverged, prefix));
         drop(binding);
-        drop(device);
     }
     model.complete_work();
     let held = model.outstanding();

@@ -17,11 +17,20 @@ struct PoolState<'b, 'id, B: Backend> {
     /// Indices of free pages; its capacity always covers every page of every chunk.
     free: Vec<u32>,
     /// Pages given back while work may still use them (a backend that is not
-    /// [`IMMEDIATE`](Backend::IMMEDIATE)): free once the fence recorded when they were given
-    /// back has completed (`None`: recording it panicked, and one recorded at the next reclaim
-    /// covers the same work).
+    /// [`IMMEDIATE`](Backend::IMMEDIATE)) since the last fence was recorded: no fence and no
+    /// allocation per page given back; its capacity, like `free`'s, covers every page.
+    unfenced: Vec<u32>,
+    /// Batches of pages behind one fence each, recorded when the pool ran out of free pages
+    /// (after every page of the batch was given back, so it covers their work): free once it
+    /// has completed (`None`: recording it panicked, and one recorded at the next reclaim
+    /// covers the same work). At most [`BATCHES`] at a time.
     cooling: Vec<(Option<B::Fence>, Vec<u32>)>,
 }
+
+/// The most fenced batches a pool keeps cooling: a newer batch takes the newest one's pages
+/// under its own fence (recorded later, it covers more work), so live fences stay bounded
+/// however many pages are freed.
+const BATCHES: usize = 2;
 
 /// Fixed-size pages sub-allocated in O(1) from committed chunks — the KV cache's hot path.
 ///
@@ -38,10 +47,13 @@ struct PoolState<'b, 'id, B: Backend> {
 /// the README's benchmark). A `Page` token carries its pool, so it can return itself on drop.
 ///
 /// **On a GPU, a freed page waits.** Where work may still use memory asynchronously (a
-/// backend that is not [`IMMEDIATE`](Backend::IMMEDIATE), such as CUDA), a page given back goes
-/// behind a fence covering every stream the device's fences cover, and is handed out again only
-/// once that work has finished ([`cooling_pages`](Self::cooling_pages) counts them meanwhile);
-/// on the host it is free at once, and the hot path is unchanged.
+/// backend that is not [`IMMEDIATE`](Backend::IMMEDIATE), such as CUDA), a page given back
+/// waits, with no call and no allocation, until the pool runs out of free pages; then one
+/// fence, covering every stream the device's fences cover, is recorded for every page given
+/// back since, and they are handed out again once it has completed
+/// ([`cooling_pages`](Self::cooling_pages) counts them meanwhile). At most two such fences live
+/// at a time (a newer one takes over the newest batch: it covers more work). On the host a
+/// page is free at once, and the hot path is unchanged.
 ///
 /// **Metadata:** 4 bytes per free page (its index in the free list), nothing per live page in
 /// the pool, one [`Allocation`] per chunk. A [`Page`] token is a reference to its pool and a
@@ -169,6 +181,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
                 state: UnsafeCell::new(PoolState {
                     chunks: Vec::new(),
                     free: Vec::new(),
+                    unfenced: Vec::new(),
                     cooling: Vec::new(),
                 }),
             })
@@ -210,15 +223,39 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         self.binding.device().backend()
     }
 
-    /// Frees the pages whose fence has completed; whether any page is free now.
+    /// Puts the pages given back since the last fence behind one fence recorded now, and frees
+    /// the pages whose fence has completed; whether any page is free now.
     #[cold]
     fn reclaim(&self) -> bool {
         Scope::run::<B, _>(move || {
             if B::IMMEDIATE {
                 return false;
             }
-            let cooling = self.with(|s| std::mem::take(&mut s.cooling));
             let backend = self.backend();
+            // One allocation per batch (the list that replaces the unfenced one), none per page.
+            let batch = self.with(|s| {
+                let capacity = s.unfenced.capacity();
+                std::mem::replace(&mut s.unfenced, Vec::with_capacity(capacity))
+            });
+            if !batch.is_empty() {
+                let fence = backend.fence();
+                let merged = self.with(|s| {
+                    let mut batch = batch;
+                    let mut merged = None;
+                    if s.cooling.len() >= BATCHES
+                        && let Some((older, pages)) = s.cooling.pop()
+                    {
+                        batch.extend_from_slice(&pages);
+                        merged = older;
+                    }
+                    s.cooling.push((fence, batch));
+                    merged
+                });
+                if let Some(older) = merged {
+                    backend.retire_fence(older);
+                }
+            }
+            let cooling = self.with(|s| std::mem::take(&mut s.cooling));
             let mut still = Vec::new();
             for (fence, pages) in cooling {
                 match fence.or_else(|| backend.fence()) {
@@ -236,25 +273,16 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         })
     }
 
-    /// Gives pages back: at once where nothing can use them asynchronously, else behind a
-    /// fence recorded now (work on every stream the device's fences cover may still use them).
+    /// Gives pages back: at once where nothing can use them asynchronously, else to the pages
+    /// that wait for a fence, recorded when the pool next runs out of free pages (work on
+    /// every stream the device's fences cover may still use them). No allocation, no call.
     #[inline]
     fn give_back(&self, pages: &[u32]) {
         if B::IMMEDIATE {
             self.with(|s| s.free.extend_from_slice(pages));
         } else {
-            self.cool(pages.to_vec());
+            self.with(|s| s.unfenced.extend_from_slice(pages));
         }
-    }
-
-    #[cold]
-    fn cool(&self, pages: Vec<u32>) {
-        let _scope = Scope::open::<B>();
-        if pages.is_empty() {
-            return;
-        }
-        let fence = self.backend().fence();
-        self.with(|s| s.cooling.push((fence, pages)));
     }
 
     /// Returns `page` to this pool — as dropping it does, without reading the pool back out of
@@ -295,16 +323,8 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     /// Returns every page of `table` to this pool; the table can be reused.
     #[inline]
     pub fn clear(&self, table: &mut PageTable<'_, 'pool, 'b, 'id, B>) {
-        if B::IMMEDIATE {
-            self.give_back(&table.pages);
-            table.pages.clear();
-        } else {
-            // The table lets go of its pages before they cool: a backend panic contained while
-            // recording their fence resumes from `cool`, and must find them given back once.
-            let pages = table.pages.to_vec();
-            table.pages.clear();
-            self.cool(pages);
-        }
+        self.give_back(&table.pages);
+        table.pages.clear();
     }
 
     /// An empty page table drawing from this pool.
@@ -345,6 +365,9 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
                 // Capacity for every page of every chunk: the hot path's pushes never reallocate.
                 let total = s.chunks.len() * per_chunk;
                 s.free.reserve(total - s.free.len());
+                if !B::IMMEDIATE {
+                    s.unfenced.reserve(total - s.unfenced.len());
+                }
                 s.free
                     .extend((0..per_chunk as u32).rev().map(|i| first + i));
             });
@@ -390,7 +413,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     /// Pages given back whose fence has not completed yet: work may still use them, so they
     /// are handed out again only once it has (never on the host).
     pub fn cooling_pages(&self) -> usize {
-        self.with(|s| s.cooling.iter().map(|(_, pages)| pages.len()).sum())
+        self.with(|s| s.unfenced.len() + s.cooling.iter().map(|(_, p)| p.len()).sum::<usize>())
     }
 
     /// Pages handed out and not yet returned.

@@ -858,11 +858,10 @@ enum Scenario {
     SetCacheCap,
     /// An allocation that grows the pool.
     PoolAlloc,
-    PoolFree,
-    /// An allocation that takes cooling pages back first.
+    /// An allocation that takes cooling pages back first: it records the one fence of the
+    /// pages freed since the last (a free or a clear makes no backend call).
     PoolReclaim,
     PoolShrink,
-    PoolClear,
     Export,
     Import,
     /// An export ended after its prefix went: the last reference.
@@ -873,7 +872,7 @@ enum Scenario {
 }
 
 impl Scenario {
-    const ALL: [Scenario; 54] = {
+    const ALL: [Scenario; 52] = {
         use Scenario::*;
         [
             Reserve,
@@ -921,10 +920,8 @@ impl Scenario {
             TrimCache,
             SetCacheCap,
             PoolAlloc,
-            PoolFree,
             PoolReclaim,
             PoolShrink,
-            PoolClear,
             Export,
             Import,
             DropExportLast,
@@ -939,7 +936,7 @@ impl Scenario {
         use Scenario::*;
         match self {
             Export | Import | DropExportLast | DropImported => E::EXPORTS,
-            Poll | PoolFree | PoolReclaim | PoolClear => !<E::Inner as Backend>::IMMEDIATE,
+            Poll | PoolReclaim => !<E::Inner as Backend>::IMMEDIATE,
             _ => true,
         }
     }
@@ -1075,11 +1072,6 @@ impl Scenario {
                 r.shrink(3).expect("setup: shrink");
                 w.push(Tok::Region(r));
             }
-            PoolFree => {
-                for _ in 0..2 {
-                    w.pages.push(w.pool.alloc().expect("setup: alloc"));
-                }
-            }
             PoolReclaim => {
                 let per_chunk = g.max(w.pool.page_size()) / w.pool.page_size();
                 for _ in 0..per_chunk {
@@ -1095,13 +1087,6 @@ impl Scenario {
                     w.pages.push(w.pool.alloc().expect("setup: alloc"));
                 }
                 w.pages.clear();
-            }
-            PoolClear => {
-                let mut table = w.pool.table();
-                for _ in 0..3 {
-                    w.pool.push(&mut table).expect("setup: push");
-                }
-                w.table = Some(table);
             }
             Export => w.push(Tok::Exportable(w.exportable(3))),
             Import => {
@@ -1278,16 +1263,8 @@ impl Scenario {
                     w.pages.push(page);
                 }
             }
-            PoolFree => {
-                let page = w.pages.pop().expect("a page");
-                w.pool.free(page);
-            }
             PoolShrink => {
                 w.pool.shrink();
-            }
-            PoolClear => {
-                let pool = w.pool;
-                pool.clear(w.table.as_mut().expect("a page table"));
             }
             Export => {
                 let Some(Tok::Exportable(p)) = w.tokens.last() else {

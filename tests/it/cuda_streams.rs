@@ -848,3 +848,41 @@ fn a_backend_dropped_with_an_unsettled_copy_takes_its_scratch_range_down() {
     );
     assert_eq!(model.lost_with(), None);
 }
+
+/// Issue 23, bounded fences: 10,000 page frees on the driver model — work never known to be
+/// done for a while, so pages cool — keep at most two fences alive (live events ≤ 2 × (covered
+/// streams + 1)), and make no allocation per free: a fence and its list are made per batch,
+/// when the pool runs out of free pages. Before, each free recorded a fence and allocated its
+/// list, and kept them until the free list ran dry.
+#[test]
+fn ten_thousand_page_frees_keep_fences_bounded_and_allocate_per_batch_only() {
+    let model = model(false);
+    common::covered_device!(model, device, stream);
+    let _ = stream;
+    let covered = 2; // the legacy stream and `stream`
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(pool_guard);
+    let pool = memtoken::PagePool::new(pool_guard, &binding, G / 64).unwrap();
+    let (mut most, mut allocations) = (0, 0);
+    for i in 0..10_000 {
+        let page = pool.alloc().unwrap();
+        let before = common::allocations::made();
+        pool.free(page);
+        allocations += common::allocations::made() - before;
+        most = most.max(model.outstanding().events);
+        if i % 500 == 499 {
+            model.complete_work(); // the GPU catches up now and then
+        }
+    }
+    assert!(most <= 2 * (covered + 1), "{most} live events");
+    assert_eq!(allocations, 0, "a free allocates nothing");
+    assert!(
+        pool.capacity() <= 64 * 40,
+        "the pool reuses pages: {}",
+        pool.capacity()
+    );
+    drop(pool);
+    drop(binding);
+    model.complete_work();
+    assert!(device.close().is_clean());
+}

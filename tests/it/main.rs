@@ -14,6 +14,10 @@
 
 mod common;
 
+/// Counts each thread's allocations ([`common::allocations`]), for the tests that promise none.
+#[global_allocator]
+static ALLOCATOR: common::allocations::Counting = common::allocations::Counting;
+
 // The token layer: transitions, custody and teardown, what each kind of memory does.
 mod captures;
 mod context_loss;

@@ -3,6 +3,7 @@
 //! purpose ([`gate`]), reading an error's `source()` chain, and the smaller sizes the tests take
 //! under Miri.
 
+pub mod allocations;
 pub mod gate;
 
 use memtoken::backend::{

@@ -25,6 +25,9 @@ struct PoolState<'b, 'id, B: Backend> {
     /// has completed (`None`: recording it panicked, and one recorded at the next reclaim
     /// covers the same work). At most [`BATCHES`] at a time.
     cooling: Vec<(Option<B::Fence>, Vec<u32>)>,
+    /// Pages whose memory the backend withholds (a graph may still use it: see
+    /// [`Backend::withheld`]): never handed out again.
+    withheld: Vec<u32>,
 }
 
 /// The most fenced batches a pool keeps cooling: a newer batch takes the newest one's pages
@@ -183,6 +186,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
                     free: Vec::new(),
                     unfenced: Vec::new(),
                     cooling: Vec::new(),
+                    withheld: Vec::new(),
                 }),
             })
         })
@@ -261,7 +265,15 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
                 match fence.or_else(|| backend.fence()) {
                     Some(fence) if backend.fence_done(&fence) => {
                         backend.retire_fence(fence);
-                        self.with(|s| s.free.extend_from_slice(&pages));
+                        // A page a graph may still use goes to no new owner.
+                        let size = self.page_size();
+                        let (kept, free): (Vec<u32>, Vec<u32>) = pages
+                            .iter()
+                            .partition(|&&p| backend.withheld(self.page_addr(p), size));
+                        self.with(|s| {
+                            s.free.extend_from_slice(&free);
+                            s.withheld.extend_from_slice(&kept);
+                        });
                     }
                     fence => still.push((fence, pages)),
                 }
@@ -416,9 +428,16 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         self.with(|s| s.unfenced.len() + s.cooling.iter().map(|(_, p)| p.len()).sum::<usize>())
     }
 
+    /// Pages given back whose memory the backend withholds for good (CUDA: a graph captured
+    /// around memtoken may still use it): never handed out again; their chunk stays (and is
+    /// quarantined as the pool drops).
+    pub fn withheld_pages(&self) -> usize {
+        self.with(|s| s.withheld.len())
+    }
+
     /// Pages handed out and not yet returned.
     pub fn live_pages(&self) -> usize {
-        self.capacity() - self.free_pages() - self.cooling_pages()
+        self.capacity() - self.free_pages() - self.cooling_pages() - self.withheld_pages()
     }
 
     /// The page size in bytes.
@@ -469,13 +488,11 @@ impl<'p, 'pool, 'b, 'id, B: Backend> Page<'p, 'pool, 'b, 'id, B> {
     }
 
     /// The page's size in bytes (its pool's page size).
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn size(&self) -> usize {
         self.pool.page_size()
     }
 
     /// The backend, for interop.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub(crate) fn backend(&self) -> &Guarded<B> {
         self.pool.binding.device().backend()
     }

@@ -354,6 +354,12 @@ impl<B: Backend> Guarded<B> {
         Self::contain(|| self.backend.context_lost()).unwrap_or(false)
     }
 
+    /// Whether the range must not go to a new owner; a panic answers "withheld" (the safe
+    /// side: kept, never handed out under a graph that may use it).
+    pub(crate) fn withheld(&self, addr: Addr, len: usize) -> bool {
+        Self::contain(|| self.backend.withheld(addr, len)).unwrap_or(true)
+    }
+
     pub(crate) fn create_exportable<K: HandleKind>(
         &self,
         len: usize,

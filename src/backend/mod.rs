@@ -502,6 +502,12 @@ pub trait Backend {
     /// for every other call: the [`Device`](crate::Device) tries that pin again as it drops.
     fn unpin(&self) -> Result<(), BackendError>;
 
+    /// Whether part of `[addr, addr + len)` must not go to a new owner although its token gave
+    /// it back: memory a graph may still use (CUDA: lent to work on a stream while it
+    /// captured). A page pool keeps such pages out of its free list. None by default.
+    fn withheld(&self, _addr: Addr, _len: usize) -> bool {
+        false
+    }
     /// Whether the context is confirmed lost (destroyed, or taken down by a sticky error):
     /// everything it held is freed by the driver, so quarantined residuals may be discharged,
     /// and no call is made any more.

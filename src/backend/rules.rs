@@ -119,6 +119,12 @@ pub enum Violation {
         "a capture cannot begin on stream {0:#x}: not on the legacy stream (the driver refuses it) nor on the per-thread stream (a different stream on each thread); capture on a stream of your own"
     )]
     CaptureStream(usize),
+    /// A memtoken capture whose stream no longer captures: someone else ended it (cudarc's
+    /// `end_capture` on the same stream), and may hold its graph.
+    #[error(
+        "the capture on stream {0:#x} was ended by someone else, who may hold its graph: the memory it lent stays held for good"
+    )]
+    CaptureEndedElsewhere(usize),
     /// A graph launch on a stream that captures: it would become part of a graph that borrows
     /// none of its memory.
     #[error(

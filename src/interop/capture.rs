@@ -11,6 +11,7 @@ use crate::backend::cuda::{CaptureMode, CudaBackend, Driver, GraphExec, Stream};
 use crate::backend::{Addr, BackendError};
 use crate::device::Device;
 use crate::error::ViewError;
+use crate::page_pool::Page;
 use crate::region::Elastic;
 use crate::state::{Committed, Readable};
 use bytemuck::Pod;
@@ -225,6 +226,44 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Elastic> {
 /// and the stream goes on capturing), and a graph launches from the thread it was made on.
 type OnItsThread = PhantomData<*const ()>;
 
+impl<D: Driver> Page<'_, '_, '_, '_, CudaBackend<D>> {
+    /// The page as elements of `T`, read-only, for work on the raw `stream` (see
+    /// [`Allocation::stream_view`]). Borrows the page.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Allocation::stream_view`].
+    pub fn stream_view<T: Pod>(&self, stream: Stream) -> Result<StreamView<'_, T, D>, ViewError> {
+        StreamView::lend(
+            self.backend().raw(),
+            self.addr(),
+            self.size(),
+            stream,
+            false,
+        )
+    }
+
+    /// The page as elements of `T`, writable, for work on the raw `stream`. Borrows the page
+    /// mutably.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Allocation::stream_view`].
+    pub fn stream_view_mut<T: Pod>(
+        &mut self,
+        stream: Stream,
+    ) -> Result<StreamViewMut<'_, T, D>, ViewError> {
+        StreamView::lend(
+            self.backend().raw(),
+            self.addr(),
+            self.size(),
+            stream,
+            false,
+        )
+        .map(StreamViewMut::new)
+    }
+}
+
 /// `'t` exactly: neither shortened (a token borrowed for less than the graph lives would be
 /// released under it) nor lengthened.
 type Invariant<'t> = PhantomData<fn(&'t ()) -> &'t ()>;
@@ -256,7 +295,10 @@ type Invariant<'t> = PhantomData<fn(&'t ()) -> &'t ()>;
 ///
 /// Inside a capture, views record and wait on nothing (no fence mark is recorded on a
 /// capturing stream; a view's pointer asks nothing). The views borrow the capture, so none is
-/// left when it ends. A capture, and its graph, stay on the thread that began it (neither is
+/// left when it ends. What they lend is also held by the backend from the lend (never
+/// unmapped) until the graph is dropped, or until the capture ends with no graph: a capture
+/// forgotten (`mem::forget`) or ended by someone else (cudarc's safe `end_capture` on the same
+/// stream, whose caller then holds the graph) keeps it held for good. A capture, and its graph, stay on the thread that began it (neither is
 /// `Send`), and cannot begin on the legacy stream or the per-thread stream. A capture left without
 /// [`end`](Self::end) (an early return, a panic) is ended as it drops, its graph discarded.
 ///
@@ -269,6 +311,9 @@ pub struct Capture<'t, 'id, D: Driver> {
     stream: Stream,
     /// Still capturing: ended as it drops unless [`end`](Self::end) took it.
     open: bool,
+    /// The ranges its views lent, held by the backend until the graph goes (or for good if
+    /// the capture is forgotten or ended by someone else).
+    held: std::cell::RefCell<Vec<(Addr, usize)>>,
     _uses: Invariant<'t>,
     _device: PhantomData<&'t Device<'id, CudaBackend<D>>>,
     _thread: OnItsThread,
@@ -294,6 +339,7 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
             backend,
             stream,
             open: true,
+            held: std::cell::RefCell::new(Vec::new()),
             _uses: PhantomData,
             _device: PhantomData,
             _thread: PhantomData,
@@ -315,7 +361,7 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
         &'c self,
         token: &'t Allocation<'_, 'id, CudaBackend<D>, S>,
     ) -> Result<StreamView<'c, T, D>, ViewError> {
-        StreamView::lend(self.backend, token.addr(), token.len(), self.stream, true)
+        self.lend(token.addr(), token.len())
     }
 
     /// `token`'s memory as elements of `T`, writable, for the captured work; the token is
@@ -328,8 +374,7 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
         &'c self,
         token: &'t mut Allocation<'_, 'id, CudaBackend<D>, Committed>,
     ) -> Result<StreamViewMut<'c, T, D>, ViewError> {
-        StreamView::lend(self.backend, token.addr(), token.len(), self.stream, true)
-            .map(StreamViewMut::new)
+        self.lend(token.addr(), token.len()).map(StreamViewMut::new)
     }
 
     /// A region's committed part as elements of `T`, writable, for the captured work; the
@@ -343,8 +388,38 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
         &'c self,
         region: &'t mut Allocation<'_, 'id, CudaBackend<D>, Elastic>,
     ) -> Result<StreamViewMut<'c, T, D>, ViewError> {
-        let (addr, len) = (region.addr(), region.committed_len());
-        StreamView::lend(self.backend, addr, len, self.stream, true).map(StreamViewMut::new)
+        self.lend(region.addr(), region.committed_len())
+            .map(StreamViewMut::new)
+    }
+
+    /// A view of `len` bytes at `addr` for the captured work, the range held from now on:
+    /// the captured work may use it whenever the graph is launched, even if the capture is
+    /// forgotten and ended by someone else.
+    fn lend<T: Pod>(&self, addr: Addr, len: usize) -> Result<StreamView<'_, T, D>, ViewError> {
+        let view = StreamView::lend(self.backend, addr, len, self.stream, true)?;
+        self.backend.hold_for_capture(addr, len);
+        self.held.borrow_mut().push((addr, len));
+        Ok(view)
+    }
+
+    /// Ends the capture through the backend, if its stream still captures: the graph's
+    /// instance, or why not. The ranges held are let go where no graph can use them (the
+    /// capture ended with none), and kept for good where one may (ended by someone else).
+    fn finish(&mut self) -> Result<GraphExec, BackendError> {
+        if !self.backend.stream_captures(self.stream) {
+            // Ended by someone else, who may hold its graph: what it lent stays held.
+            self.open = false;
+            self.held.get_mut().clear();
+            let v = crate::backend::Violation::CaptureEndedElsewhere(self.stream);
+            return Err(BackendError::refused(crate::backend::Op::Graph, 0, 0, v));
+        }
+        let ended = self.backend.end_capture(self.stream);
+        self.open = ended.is_err() && self.backend.stream_captures(self.stream);
+        if ended.is_err() && !self.open {
+            // Ended by this call with no graph (invalidated, or not instantiated).
+            self.backend.let_go(&std::mem::take(self.held.get_mut()));
+        }
+        ended
     }
 
     /// Ends the capture and instantiates its graph.
@@ -354,13 +429,12 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
     /// The driver's error: the capture was invalidated (`STREAM_CAPTURE_INVALIDATED`), or the
     /// graph could not be instantiated. The tokens are free again once the error is dropped.
     pub fn end(mut self) -> Result<CapturedGraph<'t, 'id, D>, BackendError> {
-        let ended = self.backend.end_capture(self.stream);
-        // Still capturing after a failure (none is known to leave it so): ended as it drops.
-        self.open = ended.is_err() && self.backend.stream_captures(self.stream);
-        let exec = ended?;
+        // Still capturing after a failure: ended as it drops.
+        let exec = self.finish()?;
         Ok(CapturedGraph {
             backend: self.backend,
             exec,
+            held: std::mem::take(self.held.get_mut()),
             stream: self.stream,
             _uses: PhantomData,
             _device: PhantomData,
@@ -372,11 +446,14 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
 impl<D: Driver> Drop for Capture<'_, '_, D> {
     fn drop(&mut self) {
         if self.open
-            && let Ok(exec) = self.backend.end_capture(self.stream)
+            && let Ok(exec) = self.finish()
         {
             // SAFETY: `exec` was just returned by `end_capture` and is never launched.
             unsafe { self.backend.destroy_exec(exec) };
+            self.backend.let_go(&std::mem::take(self.held.get_mut()));
         }
+        // Still capturing (its end failed twice), or ended by someone else: what it lent
+        // stays held for good.
     }
 }
 
@@ -476,6 +553,8 @@ impl<D: Driver> fmt::Debug for Capture<'_, '_, D> {
 pub struct CapturedGraph<'t, 'id, D: Driver> {
     backend: &'t CudaBackend<D>,
     exec: GraphExec,
+    /// The ranges the capture lent, let go once the graph is destroyed.
+    held: Vec<(Addr, usize)>,
     stream: Stream,
     _uses: Invariant<'t>,
     _device: PhantomData<&'t Device<'id, CudaBackend<D>>>,
@@ -508,6 +587,9 @@ impl<D: Driver> Drop for CapturedGraph<'_, '_, D> {
     fn drop(&mut self) {
         // SAFETY: `exec` came from this backend's `end_capture`; destroyed once, here.
         unsafe { self.backend.destroy_exec(self.exec) };
+        // No launch can be made any more; those in flight are covered by the fences of its
+        // (covered) stream.
+        self.backend.let_go(&self.held);
     }
 }
 

@@ -118,13 +118,16 @@ impl<'a> Span<'a> {
         );
         // Used while its stream captures outside a memtoken capture, the memory goes to a
         // graph memtoken does not know of: it is never unmapped then.
-        // SAFETY: `stream` is borrowed for this call, so live, and of the backend's context
-        // (asserted above: the home stream's context is the backend's, `Span::lend` checked).
-        let captures = unsafe {
+        // SAFETY: `stream` is borrowed for this call and `home` held by the view, so both live,
+        // and of the backend's context (asserted above: the home stream's context is the
+        // backend's, `Span::lend` checked).
+        let captures = |s: &CudaStream| unsafe {
             self.backend
-                .note_use(stream.cu_stream() as Stream, self.ptr as Addr, bytes)
+                .note_use(s.cu_stream() as Stream, self.ptr as Addr, bytes)
         };
-        if captures {
+        // The home stream too, when it is another: joining a capturing home would pull
+        // `stream` into that capture.
+        if captures(stream) || (stream != home && captures(home)) {
             // Neither joined nor synchronized: either would invalidate the capture (a wait on
             // an uncaptured event, a synchronize of a capturing stream: facts 39, 41). The
             // memory is held for good instead.

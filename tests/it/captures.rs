@@ -578,3 +578,214 @@ fn a_failed_capture_mode_exchange_fails_the_call_and_leaves_the_capture_valid() 
     drop(binding);
     assert!(device.close().is_clean());
 }
+
+// ---- Found by the second review: memory lent to a memtoken capture is held from the lend,
+// the probes fail closed, a failed exchange leaks nothing and ends every capture. ----
+
+/// A capture forgotten (`mem::forget` is safe) and ended by the stream's other holder (cudarc's
+/// safe `end_capture`; the raw seam stands in): the token's borrow ended with the forget, but
+/// what the capture lent was held from the lend, so the release is quarantined and the
+/// foreign graph launches on mapped memory.
+#[test]
+fn a_forgotten_capture_ended_elsewhere_keeps_what_it_lent() {
+    use memtoken::backend::cuda::Driver;
+    let model = slow_model();
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    model.complete_work();
+    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    let mut view = capture.view_mut::<u8>(&mut x).unwrap();
+    model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
+    drop(view);
+    std::mem::forget(capture);
+    // SAFETY: a live stream of the model's context that captures; the graph is the model's.
+    let exec = unsafe {
+        let graph = model.stream_end_capture(stream).unwrap();
+        model.graph_instantiate(graph).unwrap()
+    };
+    model.complete_work();
+    let released = x.release().complete().map(drop);
+    assert!(released.is_err(), "the memory a graph uses was unmapped");
+    // SAFETY: the model's own live instance, on mapped memory.
+    unsafe { model.graph_launch(exec, stream) }.unwrap();
+    model.complete_work();
+    assert_eq!(model.lost_with(), None, "the graph ran on mapped memory");
+}
+
+/// The capture ended by the stream's other holder while the `Capture` lives: `end` asks first
+/// and does not end it again; it fails, and what it lent stays held (the other holder has the
+/// graph).
+#[test]
+fn a_capture_ended_by_the_streams_other_holder_keeps_what_it_lent() {
+    use memtoken::backend::cuda::Driver;
+    let model = slow_model();
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    model.complete_work();
+    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    let mut view = capture.view_mut::<u8>(&mut x).unwrap();
+    model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
+    drop(view);
+    // SAFETY: as above.
+    let exec = unsafe {
+        let graph = model.stream_end_capture(stream).unwrap();
+        model.graph_instantiate(graph).unwrap()
+    };
+    let e = capture.end().map(drop).unwrap_err();
+    let why = common::messages(&e).join("\n");
+    assert!(why.contains("ended by someone else"), "{why}");
+    assert_eq!(
+        model.count(DriverCall::StreamEndCapture),
+        1,
+        "not ended twice"
+    );
+    assert!(x.release().complete().map(drop).is_err(), "held");
+    // SAFETY: the model's own live instance, on mapped memory.
+    unsafe { model.graph_launch(exec, stream) }.unwrap();
+    model.complete_work();
+    assert_eq!(model.lost_with(), None);
+}
+
+/// A view's probe whose context cannot be made current (a transient error) cannot ask the
+/// stream: it holds the memory (fails closed), so the release does not unmap under a graph.
+#[test]
+fn a_probe_that_cannot_ask_holds_the_memory() {
+    use memtoken::backend::cuda::Driver;
+    let model = slow_model();
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    model.complete_work();
+    // SAFETY: a live stream of the model's context.
+    unsafe { model.stream_begin_capture(stream, CaptureMode::Global) }.unwrap();
+    {
+        let mut view = x.stream_view_mut::<u8>(stream).unwrap();
+        model.fail_nth(DriverCall::CtxSetCurrent, 1, CuError::UNKNOWN);
+        let ptr = view.device_ptr_mut();
+        model.submit_work_touching(stream, &[(ptr, G)]);
+        model.fail_nth(DriverCall::CtxSetCurrent, 1, CuError::UNKNOWN);
+    }
+    // SAFETY: as above; the graph is the model's.
+    let exec = unsafe {
+        let graph = model.stream_end_capture(stream).unwrap();
+        model.graph_instantiate(graph).unwrap()
+    };
+    model.complete_work();
+    assert!(x.release().complete().map(drop).is_err(), "held");
+    // SAFETY: the model's own live instance.
+    unsafe { model.graph_launch(exec, stream) }.unwrap();
+    model.complete_work();
+    assert_eq!(model.lost_with(), None);
+}
+
+/// A capture dropped, or ended, while capture-mode exchanges fail: ending a capture needs no
+/// relaxed mode, so the stream never stays capturing; the graph's instance is made only once
+/// the mode can be relaxed.
+#[test]
+fn a_failing_exchange_never_leaves_a_stream_capturing() {
+    use memtoken::backend::cuda::Driver;
+    let model = model();
+    common::covered_device!(model, device, stream);
+    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    model.fail_nth(
+        DriverCall::ThreadExchangeStreamCaptureMode,
+        1,
+        CuError::UNKNOWN,
+    );
+    drop(capture);
+    // SAFETY: a live stream of the model's context.
+    assert_eq!(unsafe { model.stream_is_capturing(stream) }, Ok(false));
+    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    model.fail_from(
+        DriverCall::ThreadExchangeStreamCaptureMode,
+        1,
+        CuError::UNKNOWN,
+    );
+    assert!(capture.end().is_err());
+    model.clear();
+    // SAFETY: as above.
+    assert_eq!(unsafe { model.stream_is_capturing(stream) }, Ok(false));
+}
+
+/// A graph dropped while the capture mode cannot be relaxed: its instance is destroyed at the
+/// next destruction (here, as the backend drops), never leaked.
+#[test]
+fn a_graph_dropped_while_the_exchange_fails_is_destroyed_later() {
+    let model = model();
+    {
+        common::covered_device!(model, device, stream);
+        let graph = Capture::begin(&device, stream, CaptureMode::Global)
+            .unwrap()
+            .end()
+            .unwrap();
+        model.fail_nth(
+            DriverCall::ThreadExchangeStreamCaptureMode,
+            1,
+            CuError::UNKNOWN,
+        );
+        drop(graph);
+        assert_eq!(model.count(DriverCall::GraphExecDestroy), 0, "not now");
+    }
+    assert_eq!(
+        model.count(DriverCall::GraphExecDestroy),
+        1,
+        "as the backend drops"
+    );
+}
+
+/// A copy whose scratch range's teardown cannot relax the capture mode leaves the range to a
+/// sweep: the backend's drop takes it down, nothing is left in the model.
+#[test]
+fn a_failed_exchange_after_a_copy_leaves_its_scratch_range_to_a_sweep() {
+    use memtoken::backend::{Access, Backend};
+    let model = model();
+    let backend = common::cuda(&model);
+    let (src, psrc) = (backend.reserve(G).unwrap(), backend.create(G).unwrap());
+    backend.map(src, G, psrc, Access::ReadWrite).unwrap();
+    let dst = backend.create(G).unwrap();
+    let exchanges = model.count(DriverCall::ThreadExchangeStreamCaptureMode);
+    backend.copy_into_phys(dst, src, G).unwrap();
+    let per_copy = model.count(DriverCall::ThreadExchangeStreamCaptureMode) - exchanges;
+    assert_eq!(
+        per_copy, 4,
+        "start (relax, restore), teardown (relax, restore)"
+    );
+    model.fail_nth(
+        DriverCall::ThreadExchangeStreamCaptureMode,
+        3,
+        CuError::UNKNOWN,
+    );
+    assert!(backend.copy_into_phys(dst, src, G).is_err());
+    backend.unmap(src, G).unwrap();
+    backend.free(src, G).unwrap();
+    backend.release(psrc, G).unwrap();
+    backend.release(dst, G).unwrap();
+    drop(backend);
+    let held = model.outstanding();
+    assert!(held.is_zero(), "left after the backend dropped: {held:?}");
+}
+
+/// A pool page lent to a capture memtoken did not make is never handed out again once freed:
+/// its memory is withheld (the foreign graph may write it), counted apart, and the pool's
+/// chunk is quarantined as the pool drops.
+#[test]
+fn a_pool_page_a_foreign_graph_uses_is_never_handed_out_again() {
+    let model = model();
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, G / 4).unwrap();
+    let mut page = pool.alloc().unwrap();
+    let used = page.addr();
+    model.begin_capture(stream, CaptureMode::Global);
+    let ptr = page.stream_view_mut::<u8>(stream).unwrap().device_ptr_mut();
+    model.submit_work_touching(stream, &[(ptr, G / 4)]);
+    assert_eq!(model.end_capture(stream), Ok(()));
+    pool.free(page);
+    let again: Vec<_> = (0..8).map(|_| pool.alloc().unwrap()).collect();
+    assert!(again.iter().all(|p| p.addr() != used), "handed out again");
+    assert_eq!(pool.withheld_pages(), 1);
+    assert_eq!(pool.live_pages(), 8);
+}

@@ -52,7 +52,18 @@ impl<D: Driver> CudaBackend<D> {
             return Err(fail(e));
         }
         s.busy.retain(|&(id, _, _)| id != marks.0 && id != marks.1);
-        let _relaxed = self.relaxed().map_err(fail)?; // the scratch range's teardown (fact 40)
+        // The scratch range's teardown (fact 40); if the mode cannot be relaxed, a later sweep
+        // takes it down (never left in no list).
+        let _relaxed = match self.relaxed() {
+            Ok(relaxed) => relaxed,
+            Err(e) => {
+                if !self.context_lost() {
+                    s.inaccessible.push((scratch, len));
+                    s.scratch.push((scratch, len));
+                }
+                return Err(fail(e));
+            }
+        };
         if self.context_lost() {
             return Err(BackendError::new(Op::Copy, src, len, Cause::ContextLost));
         }

@@ -5,7 +5,7 @@
 
 use super::CudaBackend;
 use super::driver::{CaptureMode, CuError, Driver, GraphExec, PER_THREAD_STREAM, Stream};
-use crate::backend::{Addr, BackendError, Op, Violation, lock};
+use crate::backend::{Addr, Backend, BackendError, Op, Violation, lock};
 
 impl<D: Driver> CudaBackend<D> {
     /// Whether the fences cover `stream` (see [`cover_stream`](Self::cover_stream)).
@@ -33,8 +33,21 @@ impl<D: Driver> CudaBackend<D> {
     ///
     /// `stream` is 0 or a stream of this backend's context, live for the call.
     pub(crate) unsafe fn note_use(&self, stream: Stream, addr: Addr, len: usize) -> bool {
-        let Ok(mut s) = self.enter(Op::Graph, addr, len) else {
-            return false; // lost: nothing runs any more
+        let range = (addr as u64, len);
+        let hold = |s: &mut super::record::CudaState| {
+            if !s.graph_held.contains(&range) {
+                s.graph_held.push(range); // once, however often the view asks
+            }
+        };
+        let mut s = match self.enter(Op::Graph, addr, len) {
+            Ok(s) => s,
+            Err(_) if self.context_lost() => return false, // nothing runs any more
+            Err(_) => {
+                // The context could not be made current, so the stream cannot be asked:
+                // held, never unmapped under a graph that may launch.
+                hold(&mut lock(&self.state));
+                return true;
+            }
         };
         // SAFETY: the caller's promise.
         let capturing = match unsafe { self.driver.stream_is_capturing(stream) } {
@@ -46,19 +59,43 @@ impl<D: Driver> CudaBackend<D> {
             Err(e) if stream == 0 && e == CuError::STREAM_CAPTURE_IMPLICIT => return false,
             Err(_) => true, // cannot say: held, never unmapped under a graph that may launch
         };
-        let range = (addr as u64, len);
-        if capturing && !s.graph_held.contains(&range) {
-            s.graph_held.push(range); // once, however often the view asks
+        if capturing {
+            hold(&mut s);
         }
         capturing
     }
 
-    /// Whether `stream` captures now (a failed answer counts as capturing).
+    /// Whether `stream` captures now (an answer that cannot be had counts as capturing).
     pub(crate) fn stream_captures(&self, stream: Stream) -> bool {
         match self.enter(Op::Graph, 0, 0) {
             Ok(_s) => self.capturing(stream),
-            Err(_) => false, // lost: nothing captures any more
+            Err(_) => !self.context_lost(), // lost: nothing captures any more
         }
+    }
+
+    /// Holds `[addr, addr + len)` for a memtoken capture that lends it (see
+    /// [`CudaState::capture_held`](super::record::CudaState)): never unmapped until
+    /// [`let_go`](Self::let_go).
+    pub(crate) fn hold_for_capture(&self, addr: Addr, len: usize) {
+        lock(&self.state).capture_held.push((addr as u64, len));
+    }
+
+    /// Lets go of ranges [`hold_for_capture`](Self::hold_for_capture) held, once each.
+    pub(crate) fn let_go(&self, ranges: &[(Addr, usize)]) {
+        let mut s = lock(&self.state);
+        for &(addr, len) in ranges {
+            let range = (addr as u64, len);
+            if let Some(at) = s.capture_held.iter().position(|&r| r == range) {
+                s.capture_held.swap_remove(at);
+            }
+        }
+    }
+
+    /// Whether part of `[addr, addr + len)` is held for a graph (a capture memtoken made or
+    /// did not make): it must not be handed to a new owner while it is.
+    pub fn held_by_graph(&self, addr: Addr, len: usize) -> bool {
+        let s = lock(&self.state);
+        Self::overlaps(&s.graph_held, addr, len) || Self::overlaps(&s.capture_held, addr, len)
     }
 
     /// `cuStreamBeginCapture` on a covered stream.
@@ -83,15 +120,21 @@ impl<D: Driver> CudaBackend<D> {
     }
 
     /// Ends the capture on `stream` and instantiates its graph (the graph itself is destroyed
-    /// at once: an executable graph does not depend on it).
+    /// at once: an executable graph does not depend on it). A stream that no longer captures
+    /// (someone else ended the capture) is not asked to end: refused, its memory stays held.
     pub(crate) fn end_capture(&self, stream: Stream) -> Result<GraphExec, BackendError> {
+        if !self.stream_captures(stream) {
+            let v = Violation::CaptureEndedElsewhere(stream);
+            return Err(BackendError::refused(Op::Graph, 0, 0, v));
+        }
         let _s = self.enter(Op::Graph, 0, 0)?;
         let fail = |e| self.fail(Op::Graph, 0, 0, e);
+        // SAFETY: a covered stream whose capture `begin_capture` began, capturing now.
+        let graph = unsafe { self.driver.stream_end_capture(stream) }.map_err(fail)?;
         // Instantiating and destroying may be potentially unsafe calls (fact 40, the strict
         // reading): in the relaxed mode, so no other capture refuses them or is invalidated.
+        // If it cannot be relaxed, the graph is left to the driver (no instance is made).
         let _relaxed = self.relaxed().map_err(fail)?;
-        // SAFETY: a covered stream whose capture `begin_capture` began.
-        let graph = unsafe { self.driver.stream_end_capture(stream) }.map_err(fail)?;
         // SAFETY: `graph` was just returned by the driver and is destroyed once, below.
         let exec = unsafe { self.driver.graph_instantiate(graph) };
         // SAFETY: as above; not used after.
@@ -126,21 +169,41 @@ impl<D: Driver> CudaBackend<D> {
         unsafe { self.driver.graph_launch(exec, stream) }.map_err(|e| self.fail(Op::Graph, 0, 0, e))
     }
 
-    /// `cuGraphExecDestroy`: launches in flight finish first.
+    /// `cuGraphExecDestroy`: launches in flight finish first. If the capture mode cannot be
+    /// relaxed now, it is destroyed at the next destruction, or as the backend drops.
     ///
     /// # Safety
     ///
     /// `exec` came from [`end_capture`](Self::end_capture) of this backend, destroyed once.
     pub(crate) unsafe fn destroy_exec(&self, exec: GraphExec) {
-        let Ok(_s) = self.enter(Op::Graph, 0, 0) else {
+        let Ok(mut s) = self.enter(Op::Graph, 0, 0) else {
+            if !self.context_lost() {
+                lock(&self.state).dead_execs.push(exec); // not current now: later
+            }
             return; // lost: the driver freed it with the context
         };
+        s.dead_execs.push(exec);
+        self.destroy_dead_execs(&mut s);
+    }
+
+    /// Destroys the executable graphs waiting for it, in the relaxed mode; what cannot be
+    /// destroyed now waits on. The record's lock is held and the context current.
+    pub(super) fn destroy_dead_execs(&self, s: &mut super::record::CudaState) {
+        if s.dead_execs.is_empty() || self.context_lost() {
+            return;
+        }
         let Ok(_relaxed) = self.relaxed() else {
-            return; // lost meanwhile
+            return; // destroyed later
         };
-        // SAFETY: the caller's promise.
-        if let Err(e) = unsafe { self.driver.graph_exec_destroy(exec) } {
-            let _ = self.fail(Op::Graph, 0, 0, e); // left to the driver
+        while let Some(exec) = s.dead_execs.pop() {
+            // SAFETY: every entry came from `end_capture` and is destroyed once: it leaves the
+            // list before the call, and a failed destruction is left to the driver.
+            if let Err(e) = unsafe { self.driver.graph_exec_destroy(exec) } {
+                let _ = self.fail(Op::Graph, 0, 0, e); // left to the driver
+                if self.context_lost() {
+                    return;
+                }
+            }
         }
     }
 }

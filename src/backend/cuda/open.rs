@@ -360,7 +360,8 @@ impl<D: Driver> Drop for CudaBackend<D> {
         }
         if let Ok(mut s) = self.enter(Op::Free, 0, 0) {
             // VMM calls: never barred by a capture (fact 40); none once the context is lost.
-            let relaxed = self.relaxed();
+            // The last chance: a failed exchange is tried once more.
+            let relaxed = self.relaxed().or_else(|_| self.relaxed());
             // Each step stops at a sticky error: nothing more may be called then.
             let swept = relaxed.as_ref().map_err(|&e| e).and_then(|_| {
                 self.unmap_inaccessible(&mut s, 0, u64::MAX)
@@ -370,6 +371,7 @@ impl<D: Driver> Drop for CudaBackend<D> {
                 let _ = self.fail(Op::Free, 0, 0, e);
             }
             drop(relaxed);
+            self.destroy_dead_execs(&mut s);
             let events: Vec<Event> = s.events.drain().map(|(_, event)| event).collect();
             for event in events {
                 if self.context_lost() {

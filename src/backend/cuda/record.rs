@@ -45,6 +45,14 @@ pub(super) struct CudaState {
     /// capture: a graph memtoken does not know of may use them whenever it is launched, so
     /// they are never unmapped (unmap refuses them; their tokens' releases quarantine them).
     pub(super) graph_held: Vec<(u64, usize)>,
+    /// Ranges lent by a memtoken capture to the work it captures: held (never unmapped) from
+    /// the lend until its graph is dropped, or, if the capture ends with no graph, until then
+    /// — and for good if the capture is forgotten or ended by someone else. One entry per
+    /// lend (a range lent twice is let go twice).
+    pub(super) capture_held: Vec<(u64, usize)>,
+    /// Executable graphs whose destruction could not be made (the capture mode could not be
+    /// relaxed): destroyed at the next one, or as the backend drops.
+    pub(super) dead_execs: Vec<super::driver::GraphExec>,
 }
 
 /// A copy on the legacy stream whose wait failed (see [`CudaState::unsettled`]).
@@ -74,6 +82,8 @@ impl CudaState {
             exportable: HashSet::new(),
             imported: HashSet::new(),
             graph_held: Vec::new(),
+            capture_held: Vec::new(),
+            dead_execs: Vec::new(),
         }
     }
 }

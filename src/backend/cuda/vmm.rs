@@ -200,7 +200,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
             .relaxed()
             .map_err(|e| self.fail(Op::Unmap, addr, len, e))?;
         Self::check_not_busy(&s, Op::Unmap, addr, len)?;
-        if Self::overlaps(&s.graph_held, addr, len) {
+        if Self::overlaps(&s.graph_held, addr, len) || Self::overlaps(&s.capture_held, addr, len) {
             let v = Violation::HeldByGraph { addr, len };
             return Err(BackendError::refused(Op::Unmap, addr, len, v));
         }
@@ -269,5 +269,11 @@ impl<D: Driver> Backend for CudaBackend<D> {
 
     fn context_lost(&self) -> bool {
         self.lost.load(Ordering::Acquire)
+    }
+
+    /// Memory lent to a capture (memtoken's, until its graph goes; another's, for good).
+    #[inline]
+    fn withheld(&self, addr: Addr, len: usize) -> bool {
+        self.held_by_graph(addr, len)
     }
 }

@@ -389,6 +389,11 @@ impl<B: Backend> Backend for Faulty<B> {
         self.handle.any(&"context_lost");
         self.inner.context_lost()
     }
+
+    fn withheld(&self, addr: Addr, len: usize) -> bool {
+        self.handle.any(&"withheld");
+        self.inner.withheld(addr, len)
+    }
 }
 
 // SAFETY: every call is forwarded unchanged to `B` or not made at all, so `B`'s guarantee holds.

@@ -71,7 +71,8 @@ enum Step {
     CacheCap(u64),
     /// A capture begins or ends — on a stream the device covers (0-2) or on a blocking stream
     /// it does not (3-5, as the per-thread stream), in the global, thread-local or relaxed
-    /// mode — and must end valid (CUDA model only).
+    /// mode, begun by this thread (0-5) or by another (6-11) — and must end valid (CUDA model
+    /// only).
     Capture(u8),
 }
 
@@ -107,7 +108,7 @@ fn step() -> impl Strategy<Value = Step> {
         2 => any::<usize>().prop_map(Step::Resume),
         1 => Just(Step::TrimCache),
         1 => (0u64..4).prop_map(Step::CacheCap),
-        2 => (0u8..6).prop_map(Step::Capture),
+        2 => (0u8..12).prop_map(Step::Capture),
     ]
 }
 
@@ -935,7 +936,14 @@ impl Memory<Cuda> for CudaMemory {
             self.1[usize::from(which / 3) % 2],
             modes[usize::from(which % 3)],
         );
-        self.0.begin_capture(stream, mode);
+        if which < 6 {
+            self.0.begin_capture(stream, mode);
+        } else {
+            // Another thread's capture: its global mode bars this thread's unsafe calls
+            // unless they are made relaxed (fact 40).
+            let model = &self.0;
+            std::thread::scope(|s| s.spawn(|| model.begin_capture(stream, mode)).join()).unwrap();
+        }
         self.2.set(Some(stream));
     }
     fn end_capture(&self) {

@@ -24,6 +24,12 @@ impl<D: Driver> Device<'_, CudaBackend<D>> {
         // SAFETY: the caller's promise is the one `cover_stream` asks for.
         unsafe { self.backend().raw().cover_stream(stream) }
     }
+
+    /// Declares that work of a peer device may use this device's memory until the guard
+    /// drops: meanwhile every release waits (see [`CudaBackend::peer_work`]).
+    pub fn peer_work(&self) -> crate::backend::cuda::PeerWork<'_, D> {
+        self.backend().raw().peer_work()
+    }
 }
 
 #[cfg(feature = "cuda")]

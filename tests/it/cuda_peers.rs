@@ -408,3 +408,55 @@ fn a_peer_never_asked_about_is_misuse_in_a_list_too() {
         let _ = m.mem_set_access(ptr, G, &[(0, true), (1, true)]);
     }
 }
+
+/// Issue 23, peers: a peer's work is not fenced (its events are in its own context), so it is
+/// declared: while `peer_work` lives, a release waits — pending, and deferred on drop — and
+/// once it drops (the peer's kernel done), the release completes. Without the declaration the
+/// release would complete at once under the peer's kernel.
+#[test]
+fn a_release_waits_while_peer_work_is_declared() {
+    let model = model();
+    make_guard!(guard);
+    let device = Device::new(guard, backend(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let (a, b) = (
+        binding.reserve(G).unwrap().commit().unwrap(),
+        binding.reserve(G).unwrap().commit().unwrap(),
+    );
+    let peer_kernel = device.peer_work();
+    let releasing = match a.release().complete().map_err(|e| e.into_token()) {
+        Err(memtoken::Returned::Unchanged(releasing)) => releasing,
+        _ => panic!("released while a peer's work may use the memory"),
+    };
+    drop(b);
+    assert_eq!(device.poll().deferred, 1, "the drop waits too");
+    let nested = device.peer_work();
+    drop(peer_kernel);
+    assert_eq!(device.poll().deferred, 1, "declarations nest");
+    drop(nested);
+    releasing.complete().map_err(|e| e.cause).unwrap();
+    assert_eq!(device.poll().deferred, 0);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// A device dropped while peer work is declared (the guard forgotten) cannot wait for the
+/// peer: what waits is left to the driver and reported, never freed under the peer's work.
+#[test]
+fn a_device_dropped_under_declared_peer_work_reports_what_it_left() {
+    let model = model();
+    let (sent, seen) = std::sync::mpsc::channel();
+    {
+        make_guard!(guard);
+        let device = Device::new(guard, backend(&model));
+        device.report_drop_to(move |report| sent.send(*report).unwrap());
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        let a = binding.reserve(G).unwrap().commit().unwrap();
+        std::mem::forget(device.peer_work());
+        drop(a);
+        drop(binding);
+    }
+    let report = seen.try_recv().unwrap();
+    assert_eq!(report.left_waiting.count, 1, "{report:?}");
+    assert_eq!(model.lost_with(), None);
+}

@@ -14,6 +14,7 @@ use crate::backend::{Backend, Op, lock};
 #[cfg(feature = "cuda")]
 use crate::backend::{BackendError, Violation};
 use std::sync::Mutex;
+use std::sync::atomic::Ordering;
 
 /// A fence: one event per stream the backend covers, recorded after the work submitted there
 /// so far. A mark whose event could not be created or recorded is recorded at the next query
@@ -70,9 +71,27 @@ impl<D: Driver> CudaBackend<D> {
         CudaFence(Mutex::new(marks))
     }
 
+    /// Declares that work of a peer device (a kernel, a collective) may use this device's
+    /// memory until the returned guard drops: meanwhile no fence is done, so every release
+    /// waits — memtoken's fences record in this context only, and cannot see a peer's work.
+    /// Declarations nest; a lost context ends them (nothing runs any more).
+    pub fn peer_work(&self) -> PeerWork<'_, D> {
+        self.peer_work.fetch_add(1, Ordering::AcqRel);
+        PeerWork { backend: self }
+    }
+
+    /// Whether a [`peer_work`](Self::peer_work) declaration lives.
+    fn peer_work_declared(&self) -> bool {
+        self.peer_work.load(Ordering::Acquire) > 0
+    }
+
     /// Whether every event of `fence` has completed, without waiting. Where a mark cannot be
     /// recorded or a query fails: whether the context is lost (nothing runs any more then).
+    /// Never while peer work is declared.
     pub(super) fn poll_fence(&self, fence: &CudaFence) -> bool {
+        if self.peer_work_declared() {
+            return self.context_lost();
+        }
         // Lost: nothing runs any more; the teardown that follows sees the loss and calls nothing.
         let mut marks = lock(&fence.0);
         if !self.record_marks(&mut marks) {
@@ -120,6 +139,9 @@ impl<D: Driver> CudaBackend<D> {
     /// an event's wait fails); whether it completed. Where a mark cannot be recorded or a wait
     /// fails: whether the context is lost.
     pub(super) fn block_on_fence(&self, fence: &CudaFence) -> bool {
+        if self.peer_work_declared() {
+            return self.context_lost(); // a peer's work cannot be waited for here
+        }
         let mut marks = lock(&fence.0);
         if !self.record_marks(&mut marks) {
             return self.context_lost();
@@ -418,6 +440,20 @@ impl CudaBackend<SysDriver> {
         // the backend drops: the backend holds an `Arc` of it (just above).
         unsafe { self.cover_stream(handle) };
         Ok(())
+    }
+}
+
+/// A declaration that a peer device's work may use this device's memory (see
+/// [`CudaBackend::peer_work`]): releases wait until it drops.
+#[must_use = "peer work is declared only while the guard lives"]
+#[derive(Debug)]
+pub struct PeerWork<'a, D: Driver> {
+    backend: &'a CudaBackend<D>,
+}
+
+impl<D: Driver> Drop for PeerWork<'_, D> {
+    fn drop(&mut self) {
+        self.backend.peer_work.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

@@ -226,7 +226,7 @@ pub use driver::{
     ErrorFate, Event, Graph, GraphExec, HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD,
     PER_THREAD_STREAM, ShareableHandle, Stream,
 };
-pub use fence::CudaFence;
+pub use fence::{CudaFence, PeerWork};
 
 pub use open::CudaError;
 #[cfg(feature = "cuda")]
@@ -331,6 +331,9 @@ pub struct CudaBackend<D: Driver> {
     #[allow(dead_code)] // see `Kept`
     kept: Mutex<Kept>,
     lost: AtomicBool,
+    /// Live [`PeerWork`] declarations: while any lives, no fence is done (see
+    /// [`peer_work`](CudaBackend::peer_work)).
+    peer_work: std::sync::atomic::AtomicUsize,
     /// What this backend handed out and the driver still holds: every call is checked against
     /// it before it reaches the driver, so no safe call can pass the driver a stale or foreign
     /// handle (which the driver does not promise to survive: see [`Driver`'s rules](Driver#safety)).

@@ -129,6 +129,7 @@ impl<D: Driver> CudaBackend<D> {
             #[cfg(feature = "cuda")]
             kept: Mutex::new(Kept::default()),
             lost: AtomicBool::new(false),
+            peer_work: std::sync::atomic::AtomicUsize::new(0),
             state: Mutex::new(CudaState::new(granularity)),
         })
     }
@@ -215,6 +216,12 @@ impl<D: Driver> CudaBackend<D> {
     /// memory woken at the same address — gives each peer its access back. Each peer is
     /// checked first with `cuDeviceCanAccessPeer(peer, device)` (fact 32), and is never dropped
     /// silently: a peer that cannot access is an error.
+    ///
+    /// **Peer work is not fenced.** A fence records events in this device's context only: a
+    /// peer's kernel, or a collective, using this memory is not waited for by a release. Declare
+    /// such work with [`peer_work`](Self::peer_work): while a declaration lives, every release
+    /// waits (its fence is not done), and the device's drop, which cannot wait for a peer,
+    /// leaves what still waits and reports it.
     ///
     /// ```
     /// use memtoken::backend::{cuda::CudaBackend, doubles::{DriverModel, ModelConfig}};

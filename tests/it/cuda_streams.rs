@@ -702,6 +702,9 @@ mod hooked {
         unsafe fn graph_destroy(&self, g: Graph) -> CuResult<()> {
             unsafe { self.inner.graph_destroy(g) }
         }
+        unsafe fn stream_wait_event(&self, st: Stream, e: Event) -> CuResult<()> {
+            unsafe { self.inner.stream_wait_event(st, e) }
+        }
     }
 }
 

@@ -1507,3 +1507,64 @@ fn graph_calls_during_another_threads_global_capture_need_the_relaxed_mode() {
         }
     }
 }
+
+// ---- cuStreamWaitEvent (issue 23, groundwork): order across streams. ----
+
+/// A stream that waited on another's event runs its later work after that event's work: the
+/// GPU cannot finish it sooner, so completing it completes the work it waited for; without
+/// the wait, the other stream's work stays unfinished.
+#[test]
+fn a_stream_that_waited_finishes_only_after_the_work_it_waited_for() {
+    for wait in [true, false] {
+        let model = opened(ModelConfig {
+            events_complete_at_once: false,
+            ..config()
+        });
+        let (writer, reader) = (model.new_stream(), model.new_stream());
+        let (written, read) = (model.event_create().unwrap(), model.event_create().unwrap());
+        model.submit_work_on(writer); // a kernel writing
+        // SAFETY: (each call) live streams and events of the model.
+        unsafe {
+            model.event_record(written, writer).unwrap();
+            if wait {
+                model.stream_wait_event(reader, written).unwrap();
+            }
+            model.submit_work_on(reader); // a kernel reading
+            model.event_record(read, reader).unwrap();
+        }
+        model.complete_work_on(reader);
+        // SAFETY: as above.
+        let (w, r) = unsafe { (model.event_query(written), model.event_query(read)) };
+        assert_eq!(r, Ok(true), "wait: {wait}");
+        assert_eq!(w, Ok(wait), "the writer finished first only if waited for");
+    }
+}
+
+/// A wait on an event never recorded waits for nothing; a capturing stream may not wait on an
+/// event that is not captured: 905, and its capture is invalidated (fact 39).
+#[test]
+fn waits_on_unrecorded_events_and_from_captures() {
+    let model = opened(ModelConfig {
+        events_complete_at_once: false,
+        ..config()
+    });
+    let (a, b) = (model.new_stream(), model.new_stream());
+    let event = model.event_create().unwrap();
+    // SAFETY: (each call) live streams and events of the model.
+    unsafe {
+        model.stream_wait_event(b, event).unwrap();
+        model.submit_work_on(b);
+        model.complete_work_on(b);
+        model.submit_work_on(a);
+        model.event_record(event, a).unwrap();
+        model.begin_capture(b, CaptureMode::Global);
+        assert_eq!(
+            model.stream_wait_event(b, event),
+            Err(CuError::STREAM_CAPTURE_ISOLATION)
+        );
+    }
+    assert_eq!(
+        model.end_capture(b),
+        Err(CuError::STREAM_CAPTURE_INVALIDATED)
+    );
+}

@@ -211,6 +211,7 @@ listed! {
         GraphLaunch,
         GraphExecDestroy,
         GraphDestroy,
+        StreamWaitEvent,
     }
 }
 
@@ -618,6 +619,15 @@ pub trait Driver {
     /// `graph` is a live graph of this driver, destroyed once
     /// ([the trait's rules](Driver#safety)).
     unsafe fn graph_destroy(&self, graph: Graph) -> CuResult<()>;
+    /// `cuStreamWaitEvent(stream, event, CU_EVENT_WAIT_DEFAULT)`: work submitted on `stream`
+    /// from now on runs after the work `event` stands for (nothing, if it was never recorded).
+    /// The event may be destroyed right after (fact 38).
+    ///
+    /// # Safety
+    ///
+    /// `stream` is 0 or a live stream, and `event` a live event, of this driver
+    /// ([the trait's rules](Driver#safety)).
+    unsafe fn stream_wait_event(&self, stream: Stream, event: Event) -> CuResult<()>;
 }
 
 #[cfg(test)]

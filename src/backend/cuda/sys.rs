@@ -361,6 +361,13 @@ impl Driver for SysDriver {
         unsafe { result::graph::exec_destroy(exec as sys::CUgraphExec) }.map_err(cu)
     }
 
+    unsafe fn stream_wait_event(&self, stream: Stream, event: Event) -> CuResult<()> {
+        let flags = sys::CUevent_wait_flags::CU_EVENT_WAIT_DEFAULT;
+        // SAFETY: the caller passes a live stream (or 0) and a live event of this driver.
+        unsafe { result::stream::wait_event(stream as sys::CUstream, event as sys::CUevent, flags) }
+            .map_err(cu)
+    }
+
     unsafe fn graph_destroy(&self, graph: Graph) -> CuResult<()> {
         // SAFETY: the caller passes a live graph, destroyed once.
         unsafe { result::graph::destroy(graph as sys::CUgraph) }.map_err(cu)

@@ -674,6 +674,38 @@ impl Driver for DriverModel {
         s.check_lost()
     }
 
+    /// Work submitted on `stream` from now on runs after the event's work; an event never
+    /// recorded is no wait. Fact 39: a capturing stream may not wait on an event that is not
+    /// captured (905, and the capture invalidated); joining another capture is not modelled
+    /// (misuse).
+    unsafe fn stream_wait_event(&self, stream: Stream, event: Event) -> CuResult<()> {
+        let call = DriverCall::StreamWaitEvent;
+        let mut s = self.enter(call, true)?;
+        if !s.streams.contains_key(&stream) {
+            misuse(call, format_args!("unknown stream {stream:#x}"));
+        }
+        let Some(&recorded) = s.events.get(&event) else {
+            misuse(call, "unknown event");
+        };
+        if stream == 0 {
+            s.legacy_refused()?;
+        }
+        if s.captured.contains_key(&event) {
+            misuse(
+                call,
+                "a wait on a captured event (joining a capture) is not modelled",
+            );
+        }
+        if let Some(c) = s.captures.get_mut(&stream) {
+            c.invalidated = true;
+            return Err(CuError::STREAM_CAPTURE_ISOLATION);
+        }
+        if let Some((on, upto)) = recorded {
+            s.submit_wait(stream, on, upto);
+        }
+        s.check_lost()
+    }
+
     /// Launches in flight are work already: they finish on their own.
     unsafe fn graph_exec_destroy(&self, exec: GraphExec) -> CuResult<()> {
         let call = DriverCall::GraphExecDestroy;

@@ -51,6 +51,9 @@ pub(super) struct Work {
     /// The ranges it uses, if it named them (`submit_work_touching`); otherwise it may touch
     /// any memory mapped with access.
     pub(super) touches: Option<Vec<(Addr, usize)>>,
+    /// The work of another stream it runs after (`cuStreamWaitEvent`): that stream and the
+    /// sequence number its event stood for.
+    pub(super) after: Option<(Stream, u64)>,
 }
 
 /// An open stream capture.
@@ -329,7 +332,19 @@ impl ModelState {
             seq: work.submitted,
             epoch,
             touches,
+            after: None,
         });
+    }
+
+    /// `stream` waits for the work of stream `on` up to sequence number `upto`: a piece of its
+    /// own that touches nothing and runs after that work, so everything submitted on `stream`
+    /// later runs after it too.
+    pub(super) fn submit_wait(&mut self, stream: Stream, on: Stream, upto: u64) {
+        self.submit(stream, Some(Vec::new()));
+        let work = self.streams.get_mut(&stream).expect("a known stream");
+        if let Some(w) = work.pending.back_mut() {
+            w.after = Some((on, upto));
+        }
     }
 
     /// Launches the graph of `nodes` on `stream`: each node is work submitted there now (or,
@@ -370,6 +385,19 @@ impl ModelState {
     /// from under faults as it completes: the context takes the sticky
     /// `CUDA_ERROR_ILLEGAL_ADDRESS` (fact 21).
     pub(super) fn complete(&mut self, stream: Stream, upto: u64) {
+        // What its work waits for finishes first: the GPU cannot finish it sooner.
+        let waits: Vec<(Stream, u64)> = self.streams.get(&stream).map_or(Vec::new(), |w| {
+            w.pending
+                .iter()
+                .take_while(|p| p.seq <= upto)
+                .filter_map(|p| p.after)
+                .collect()
+        });
+        for (on, at) in waits {
+            if on != stream {
+                self.complete(on, at);
+            }
+        }
         let Some(work) = self.streams.get_mut(&stream) else {
             return;
         };

@@ -209,9 +209,9 @@ impl<'a> Span<'a> {
 ///
 /// **Limits — ordering is per view, not per memory.** A view does not order its uses after
 /// work submitted through another path before it was made: an earlier view with another home
-/// stream (even one already dropped), the token's `copy_from_host`/`copy_to_host` on the legacy
-/// stream, or a previous owner of a page the pool handed out again. Order those yourself
-/// (`home.join(&other)`). A cudarc `CudaSlice` tracks this with read and write events of its
+/// stream (even one already dropped), or a previous owner of a page the pool handed out again.
+/// Order those yourself (`home.join(&other)`). (The token's `copy_from_host`/`copy_to_host`
+/// are ordered: the legacy stream, where they run, first waits for every covered stream.) A cudarc `CudaSlice` tracks this with read and write events of its
 /// own; memtoken's tokens do not yet. A cross-device `memcpy_dtod` (peer copy) reads through the
 /// source view on the *destination's* stream, which no fence of this device covers:
 /// synchronize that stream before the token goes.

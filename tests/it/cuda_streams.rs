@@ -889,3 +889,35 @@ fn ten_thousand_page_frees_keep_fences_bounded_and_allocate_per_batch_only() {
     model.complete_work();
     assert!(device.close().is_clean());
 }
+
+/// Issue 23: a host copy after a kernel on a covered non-blocking stream waits for it — the
+/// legacy stream, where host copies run, does not wait for non-blocking streams by itself, so
+/// the copy would read bytes the kernel may still write (the model counts such stale reads).
+/// memtoken orders the legacy stream after every covered stream first (`cuStreamWaitEvent`).
+/// Fails on the previous commit: one stale read.
+#[test]
+fn a_host_copy_after_a_kernel_on_a_covered_stream_waits_for_it() {
+    let model = model(false);
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    x.copy_from_host(0, &[7; 16]).unwrap();
+    model.submit_work_touching(stream, &[(x.addr() as u64, G)]); // a kernel writing `x`
+    let mut back = [0u8; 16];
+    x.copy_to_host(0, &mut back).unwrap();
+    assert_eq!(model.stale_reads(), 0, "the copy read under the kernel");
+    assert!(model.count(DriverCall::StreamWaitEvent) > 0);
+    // The kernel on a stream the device does not know of is not waited for: the model sees it.
+    let unknown = model.new_stream();
+    model.submit_work_touching(unknown, &[(x.addr() as u64, G)]);
+    x.copy_to_host(0, &mut back).unwrap();
+    assert_eq!(
+        model.stale_reads(),
+        1,
+        "the model counts what nobody ordered"
+    );
+    model.complete_work();
+    drop(x);
+    drop(binding);
+    assert!(device.close().is_clean());
+}

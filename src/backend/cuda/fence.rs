@@ -316,8 +316,49 @@ impl<D: Driver> CudaBackend<D> {
         }
     }
 
+    /// Orders the legacy stream, where host copies run, after the work submitted so far on
+    /// every other covered stream: one event, recorded on each and waited on by the legacy
+    /// stream (`cuStreamWaitEvent`), so a host copy reads what a kernel on a non-blocking
+    /// stream wrote, and writes only after it. A stream that captures now is skipped (its
+    /// captured work does not run; recording there would be captured: fact 39). The record's
+    /// lock is held and the context current.
+    pub(super) fn order_legacy_after_covered(&self, s: &mut CudaState) -> CuResult<()> {
+        let others: Vec<Stream> = lock(&self.covered)
+            .iter()
+            .copied()
+            .filter(|&st| st != 0)
+            .collect();
+        for stream in others {
+            if self.capturing(stream) {
+                if self.context_lost() {
+                    return Err(CuError::CONTEXT_IS_DESTROYED);
+                }
+                continue;
+            }
+            let serial = match s.handoff {
+                Some(serial) => serial,
+                None => {
+                    let serial = self.create_event(s)?;
+                    s.handoff = Some(serial);
+                    serial
+                }
+            };
+            let event = s.events[&serial];
+            // SAFETY: `event` is this backend's live event (the handoff's entry leaves the
+            // record only as the backend drops); `stream` is a covered stream, live until the
+            // backend drops (`cover_stream`'s contract), and 0 is always live. The legacy
+            // stream waits for the state the event had when the wait was made, so recording it
+            // again for the next stream is sound.
+            unsafe {
+                self.driver.event_record(event, stream)?;
+                self.driver.stream_wait_event(0, event)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Creates an event and enters it in the record under a new serial.
-    fn create_event(&self, s: &mut CudaState) -> CuResult<u64> {
+    pub(super) fn create_event(&self, s: &mut CudaState) -> CuResult<u64> {
         let event = self.driver.event_create()?;
         let serial = next_serial();
         s.events.insert(serial, event);

@@ -53,6 +53,10 @@ pub(super) struct CudaState {
     /// Executable graphs whose destruction could not be made (the capture mode could not be
     /// relaxed): destroyed at the next one, or as the backend drops.
     pub(super) dead_execs: Vec<super::driver::GraphExec>,
+    /// The serial of the event that orders the legacy stream after another (recorded there,
+    /// waited on by the legacy stream, recorded again for the next): made once, when first
+    /// needed.
+    pub(super) handoff: Option<u64>,
 }
 
 /// A copy on the legacy stream whose wait failed (see [`CudaState::unsettled`]).
@@ -84,6 +88,7 @@ impl CudaState {
             graph_held: Vec::new(),
             capture_held: Vec::new(),
             dead_execs: Vec::new(),
+            handoff: None,
         }
     }
 }

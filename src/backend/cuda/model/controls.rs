@@ -79,6 +79,13 @@ impl DriverModel {
         self.submit_work_on(0);
     }
 
+    /// How many device-to-host copies read memory that unfinished work on another stream,
+    /// which the copy was not ordered after, may still write: stale reads (see
+    /// `cuMemcpyDtoH`'s rule in [`DriverModel`]).
+    pub fn stale_reads(&self) -> u64 {
+        self.state().stale_reads
+    }
+
     /// Completes all work submitted on every stream. Work whose memory was unmapped under it
     /// faults (fact 21: see [`DriverModel`]).
     pub fn complete_work(&self) {

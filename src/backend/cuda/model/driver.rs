@@ -480,6 +480,14 @@ impl Driver for DriverModel {
         let call = DriverCall::MemcpyDtoH;
         let mut s = self.enter(call, true)?;
         s.legacy_refused()?; // fact 41: a synchronous copy uses the legacy stream
+        // Synchronous: it runs after the legacy stream's earlier work (and what that waited
+        // for), which finishes first. Work on another stream it was not ordered after may
+        // still write what it reads: a stale read, counted.
+        let upto = s.streams[&0].submitted;
+        s.complete(0, upto);
+        if s.busy_elsewhere(src as Addr, dst.len()) {
+            s.stale_reads += 1;
+        }
         let mut at = 0;
         for (h, off, n) in s.pieces(call, src, dst.len(), false) {
             dst[at..at + n].copy_from_slice(&s.read(h, off, n));

@@ -188,6 +188,9 @@ pub(super) struct ModelState {
     pub(super) next_stream: Stream,
     /// Work submitted so far on all streams: each piece's epoch.
     pub(super) epoch: u64,
+    /// Device-to-host copies that read memory work on another stream, not finished, may
+    /// still write (a stale read): counted, for [`DriverModel::stale_reads`](super::DriverModel::stale_reads).
+    pub(super) stale_reads: u64,
     /// Open stream captures, by stream.
     pub(super) captures: HashMap<Stream, Capture>,
     /// Live graphs (`cuStreamEndCapture`) and executable graphs (`cuGraphInstantiate`), each
@@ -243,6 +246,7 @@ impl ModelState {
             streams: HashMap::from([(0, StreamWork::default())]),
             next_stream: 0x5000,
             epoch: 0,
+            stale_reads: 0,
             captures: HashMap::new(),
             graphs: HashMap::new(),
             execs: HashMap::new(),
@@ -366,6 +370,21 @@ impl ModelState {
                 work.doomed = Some(work.doomed.map_or(seq, |d| d.min(seq)));
             }
         }
+    }
+
+    /// Whether unfinished work on a stream other than the legacy one may use
+    /// `[addr, addr + len)`.
+    pub(super) fn busy_elsewhere(&self, addr: Addr, len: usize) -> bool {
+        self.streams
+            .iter()
+            .filter(|&(&st, _)| st != 0)
+            .any(|(_, w)| {
+                w.pending.iter().any(|p| {
+                    p.touches.as_ref().is_none_or(|ranges| {
+                        ranges.iter().any(|&(a, n)| a < addr + len && addr < a + n)
+                    })
+                })
+            })
     }
 
     /// Whether every byte of `[addr, addr + len)` lies in a mapping given access.

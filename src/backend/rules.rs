@@ -299,6 +299,11 @@ impl<P: Copy + Eq + Hash> Book<P> {
         first.into_iter().chain(after.filter(move |&s| s != addr))
     }
 
+    /// The start of the live reservation that contains `addr`, if any.
+    pub(crate) fn reservation_of(&self, addr: Addr) -> Option<Addr> {
+        self.containing_reservation(addr, 1).map(|(start, _)| start)
+    }
+
     /// Whether `[addr, addr + len)` overlaps any live reservation.
     pub(crate) fn overlaps_reservation(&self, addr: Addr, len: usize) -> bool {
         self.reservations_over(addr, len).next().is_some()

@@ -23,8 +23,12 @@ use std::marker::PhantomData;
 /// Lent by [`Allocation::stream_view`] (any readable token, and a region's committed part) and
 /// by a [`Capture`]. It borrows its token, so the token cannot be released while it lives.
 ///
-/// **Ordering** is the stream's own: the token's release waits for the work submitted on
-/// every covered stream, this one included. Work on another stream is not ordered with it.
+/// **Ordering is per memory.** Taking the pointer orders the use after the memory's earlier
+/// uses through views on other streams (its reservation: a token, or a pool's chunk): a read
+/// ([`device_ptr`](Self::device_ptr)) after the last write, a write
+/// ([`StreamViewMut::device_ptr_mut`]) after the last write and every read since — the
+/// stream waits for an event recorded on each (`cuStreamWaitEvent`), as cudarc's `DevicePtr`
+/// contract asks. The token's release waits for the work submitted on every covered stream.
 ///
 /// **Graph captures.** A view made outside a memtoken [`Capture`] whose pointer is taken
 /// while its stream captures (a capture begun with cudarc's `begin_capture` or the raw
@@ -98,7 +102,19 @@ impl<'a, T, D: Driver> StreamView<'a, T, D> {
     /// argument. Outside a memtoken capture, first asks whether the stream captures (see
     /// "Graph captures" above).
     pub fn device_ptr(&self) -> u64 {
+        self.use_for(false)
+    }
+
+    /// The pointer for a use: outside a memtoken capture, the stream is asked whether it
+    /// captures, and the use is ordered after the memory's earlier uses on other streams
+    /// (a read after the last write; a write after it and every read since).
+    fn use_for(&self, write: bool) -> u64 {
         self.ask_stream();
+        if !self.in_capture {
+            // SAFETY: the stream is covered (checked when the view was lent), so live until
+            // the backend drops (`cover_stream`'s contract).
+            unsafe { self.backend.order_use(self.stream, self.addr, write) };
+        }
         self.addr as u64
     }
 
@@ -133,7 +149,7 @@ impl<'a, T, D: Driver> StreamViewMut<'a, T, D> {
     /// The device pointer, for writing on [`stream`](StreamView::stream) (see
     /// [`StreamView::device_ptr`]).
     pub fn device_ptr_mut(&mut self) -> u64 {
-        self.view.device_ptr()
+        self.view.use_for(true)
     }
 }
 

@@ -107,7 +107,7 @@ impl<'a> Span<'a> {
     /// # Panics
     ///
     /// If `stream` belongs to another context than the home stream.
-    fn order<'s>(&'s self, stream: &'s CudaStream, bytes: usize) -> SyncOnDrop<'s> {
+    fn order<'s>(&'s self, stream: &'s CudaStream, bytes: usize, write: bool) -> SyncOnDrop<'s> {
         let home = &*self.home;
         let ctx = stream.context();
         assert!(
@@ -133,6 +133,14 @@ impl<'a> Span<'a> {
             // memory is held for good instead.
             return SyncOnDrop::Record(None);
         }
+        // Per memory: the home stream waits for the memory's earlier uses through other
+        // views (a read after the last write, a write after it and every read since); a use
+        // on another stream joins the home stream below, so it comes after them too.
+        // SAFETY: the home stream is covered, kept alive by the backend until it drops.
+        unsafe {
+            self.backend
+                .order_use(home.cu_stream() as Stream, self.ptr as Addr, write)
+        };
         // The per-thread stream has one handle on every thread but is a different stream on
         // each: never taken for the home stream.
         let per_thread = home.cu_stream() as Stream == PER_THREAD_STREAM;
@@ -195,8 +203,9 @@ impl<'a> Span<'a> {
 /// A view has one *home stream*, the one it is made for: the device's fences cover it from
 /// then on (so the token's release waits for the work submitted there; the view is refused
 /// with [`ViewError::Stream`] if they cannot, for a stream of another context), and
-/// [`DeviceSlice::stream`] returns it. Used on its home stream, a view adds no call: the
-/// stream's own order puts each use after every earlier read and write made through the view.
+/// [`DeviceSlice::stream`] returns it. Used on its home stream, the stream's own order puts
+/// each use after every earlier read and write made through the view, and the order per
+/// memory (below) after those made through other views.
 /// Used on another stream of the same context, that stream first waits for everything
 /// submitted to the home stream so far, and the returned [`SyncOnDrop`] synchronizes that
 /// stream when it drops, so the use has finished before the view — and so the token — can be
@@ -207,11 +216,16 @@ impl<'a> Span<'a> {
 /// per-thread stream is never taken for the home stream (it is a different stream on each
 /// thread).
 ///
-/// **Limits — ordering is per view, not per memory.** A view does not order its uses after
-/// work submitted through another path before it was made: an earlier view with another home
-/// stream (even one already dropped), or a previous owner of a page the pool handed out again.
-/// Order those yourself (`home.join(&other)`). (The token's `copy_from_host`/`copy_to_host`
-/// are ordered: the legacy stream, where they run, first waits for every covered stream.) A cudarc `CudaSlice` tracks this with read and write events of its
+/// **Order per memory.** Each use also orders the home stream after the memory's earlier uses
+/// through other views (the token's reservation, or a pool's chunk): a read after the last
+/// write, a write after it and every read since (`cuStreamWaitEvent` on an event recorded on
+/// each), so two views of one token on two home streams do not race, and a writer does not
+/// overtake an earlier reader. The token's `copy_from_host`/`copy_to_host` are ordered too:
+/// the legacy stream, where they run, first waits for every covered stream. **Limits:** a use
+/// on a stream other than the home stream is ordered through the home stream and fenced only
+/// by the returned guard (cudarc lends that stream by reference, so memtoken cannot keep it
+/// alive to fence it later): dropping the guard at once, or forgetting it, leaves the use
+/// unfenced — make views on the stream that uses them. A cudarc `CudaSlice` tracks this with read and write events of its
 /// own; memtoken's tokens do not yet. A cross-device `memcpy_dtod` (peer copy) reads through the
 /// source view on the *destination's* stream, which no fence of this device covers:
 /// synchronize that stream before the token goes.
@@ -351,7 +365,7 @@ impl<T> DevicePtr<T> for DeviceView<'_, T> {
     /// If `stream` belongs to another CUDA context than the view's memory.
     fn device_ptr<'a>(&'a self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
         let bytes = self.span.len * size_of::<T>();
-        (self.span.ptr, self.span.order(stream, bytes))
+        (self.span.ptr, self.span.order(stream, bytes, false))
     }
 }
 
@@ -373,7 +387,11 @@ impl<T> DevicePtrMut<T> for DeviceViewMut<'_, T> {
     ///
     /// If `stream` belongs to another CUDA context than the view's memory.
     fn device_ptr_mut<'a>(&'a mut self, stream: &'a CudaStream) -> (CUdeviceptr, SyncOnDrop<'a>) {
-        self.view.device_ptr(stream)
+        let bytes = self.view.span.len * size_of::<T>();
+        (
+            self.view.span.ptr,
+            self.view.span.order(stream, bytes, true),
+        )
     }
 }
 

@@ -921,3 +921,59 @@ fn a_host_copy_after_a_kernel_on_a_covered_stream_waits_for_it() {
     drop(binding);
     assert!(device.close().is_clean());
 }
+
+/// Issue 23, order per memory: two views of one token on two streams — a read on the second
+/// runs after the first's write, and a write runs after every earlier read on other streams.
+/// On the model, finishing the later use finishes the earlier ones first (the GPU cannot run it
+/// sooner); without the ordering they would stay unfinished. Fails on the previous commit.
+#[test]
+fn views_on_two_streams_are_ordered_per_memory() {
+    use memtoken::backend::cuda::Driver;
+    let model = model(false);
+    common::covered_device!(model, device, a);
+    let (b, c) = (model.new_stream(), model.new_stream());
+    // SAFETY: streams of the model's only context, live as long as the model.
+    unsafe {
+        device.cover_stream(b);
+        device.cover_stream(c);
+    }
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    let kernel = |model: &DriverModel, stream, ptr: u64| {
+        model.submit_work_touching(stream, &[(ptr, G)]);
+        let done = model.event_create().unwrap();
+        // SAFETY: a live event and stream of the model.
+        unsafe { model.event_record(done, stream) }.unwrap();
+        done
+    };
+    let done = |model: &DriverModel, event| {
+        // SAFETY: a live event of the model.
+        unsafe { model.event_query(event) }.unwrap()
+    };
+    // A write on `a`, then a read on `b`: `b` waits for it.
+    let ptr = x.stream_view_mut::<u8>(a).unwrap().device_ptr_mut();
+    let wrote = kernel(&model, a, ptr);
+    let ptr = x.stream_view::<u8>(b).unwrap().device_ptr();
+    let read_b = kernel(&model, b, ptr);
+    model.complete_work_on(b);
+    assert!(
+        done(&model, wrote),
+        "the read ran before the write finished"
+    );
+    // Reads on `b` and `c`, then a write on `a`: it waits for both.
+    let ptr = x.stream_view::<u8>(c).unwrap().device_ptr();
+    let read_c = kernel(&model, c, ptr);
+    let again = x.stream_view::<u8>(b).unwrap().device_ptr();
+    let read_b2 = kernel(&model, b, again);
+    let ptr = x.stream_view_mut::<u8>(a).unwrap().device_ptr_mut();
+    let _wrote2 = kernel(&model, a, ptr);
+    model.complete_work_on(a);
+    assert!(
+        done(&model, read_c) && done(&model, read_b2) && done(&model, read_b),
+        "the write overtook an earlier read on another stream"
+    );
+    model.complete_work();
+    drop(x);
+    drop(binding);
+    assert!(device.close().is_clean());
+}

@@ -10,6 +10,7 @@ use super::record::CudaState;
 #[cfg(feature = "cuda")]
 use super::sys::SysDriver;
 use super::{CudaBackend, next_serial};
+use crate::backend::Addr;
 use crate::backend::{Backend, Op, lock};
 #[cfg(feature = "cuda")]
 use crate::backend::{BackendError, Violation};
@@ -316,6 +317,68 @@ impl<D: Driver> CudaBackend<D> {
         }
     }
 
+    /// Orders a use, through a view, of the memory at `addr` on `stream` after the earlier
+    /// uses of the same memory (its reservation) on other streams — a read after the last
+    /// write, a write after the last write and every read since — as cudarc's `DevicePtr` and
+    /// `DevicePtrMut` promise: `stream` waits (`cuStreamWaitEvent`) for an event recorded now
+    /// on each. Where that cannot be done, the calling thread waits for each such stream
+    /// instead; never while a stream involved captures (captured work does not run now, and a
+    /// capturing stream may not wait on an uncaptured event: fact 39).
+    ///
+    /// # Safety
+    ///
+    /// `stream` is 0 or a live stream of this backend's context, and stays live until the
+    /// backend drops (it may be recorded on for a later use).
+    pub(crate) unsafe fn order_use(&self, stream: Stream, addr: Addr, write: bool) {
+        let Ok(mut s) = self.enter(Op::Fence, addr, 0) else {
+            return; // lost: nothing runs any more
+        };
+        let Some(start) = s.book.reservation_of(addr) else {
+            return;
+        };
+        let uses = s.uses.entry(start).or_default();
+        let mut earlier: Vec<Stream> = uses.writer.into_iter().collect();
+        if write {
+            earlier.extend(uses.readers.iter().copied());
+            uses.writer = Some(stream);
+            uses.readers.clear();
+        } else if !uses.readers.contains(&stream) {
+            uses.readers.push(stream);
+        }
+        earlier.retain(|&other| other != stream);
+        earlier.dedup();
+        if earlier.is_empty() || self.capturing(stream) {
+            return;
+        }
+        for other in earlier {
+            if self.capturing(other) || self.wait_for(&mut s, stream, other).is_ok() {
+                continue;
+            }
+            // The host waits instead (`other` is live: see the contract above).
+            let _ = self.synchronize_stream(other);
+        }
+    }
+
+    /// `stream` waits for the work submitted on `other` so far (the handoff event).
+    fn wait_for(&self, s: &mut CudaState, stream: Stream, other: Stream) -> CuResult<()> {
+        let serial = match s.handoff {
+            Some(serial) => serial,
+            None => {
+                let serial = self.create_event(s)?;
+                s.handoff = Some(serial);
+                serial
+            }
+        };
+        let event = s.events[&serial];
+        // SAFETY: `event` is this backend's live event (the handoff leaves the record only as
+        // the backend drops); both streams are live (see `order_use`). A wait takes the state
+        // the event had when it was made, so recording it again for the next is sound.
+        unsafe {
+            self.driver.event_record(event, other)?;
+            self.driver.stream_wait_event(stream, event)
+        }
+    }
+
     /// Orders the legacy stream, where host copies run, after the work submitted so far on
     /// every other covered stream: one event, recorded on each and waited on by the legacy
     /// stream (`cuStreamWaitEvent`), so a host copy reads what a kernel on a non-blocking
@@ -335,24 +398,7 @@ impl<D: Driver> CudaBackend<D> {
                 }
                 continue;
             }
-            let serial = match s.handoff {
-                Some(serial) => serial,
-                None => {
-                    let serial = self.create_event(s)?;
-                    s.handoff = Some(serial);
-                    serial
-                }
-            };
-            let event = s.events[&serial];
-            // SAFETY: `event` is this backend's live event (the handoff's entry leaves the
-            // record only as the backend drops); `stream` is a covered stream, live until the
-            // backend drops (`cover_stream`'s contract), and 0 is always live. The legacy
-            // stream waits for the state the event had when the wait was made, so recording it
-            // again for the next stream is sound.
-            unsafe {
-                self.driver.event_record(event, stream)?;
-                self.driver.stream_wait_event(0, event)?;
-            }
+            self.wait_for(s, 0, stream)?;
         }
         Ok(())
     }

@@ -57,6 +57,18 @@ pub(super) struct CudaState {
     /// waited on by the legacy stream, recorded again for the next): made once, when first
     /// needed.
     pub(super) handoff: Option<u64>,
+    /// Per memory (a reservation, by its start: a token's range, or a pool's chunk), the
+    /// streams that used it through views since its last write: see
+    /// [`order_use`](CudaBackend::order_use). Gone with the reservation.
+    pub(super) uses: HashMap<Addr, Uses>,
+}
+
+/// The streams that used one reservation's memory through views: its last writer, and the
+/// readers since.
+#[derive(Debug, Default)]
+pub(super) struct Uses {
+    pub(super) writer: Option<super::driver::Stream>,
+    pub(super) readers: Vec<super::driver::Stream>,
 }
 
 /// A copy on the legacy stream whose wait failed (see [`CudaState::unsettled`]).
@@ -89,6 +101,7 @@ impl CudaState {
             capture_held: Vec::new(),
             dead_execs: Vec::new(),
             handoff: None,
+            uses: HashMap::new(),
         }
     }
 }

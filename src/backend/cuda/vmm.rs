@@ -80,6 +80,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         unsafe { self.driver.mem_address_free(start, len) }
             .map_err(|e| self.fail(Op::Free, addr, len, e))?;
         s.book.apply_free(addr);
+        s.uses.remove(&addr);
         Ok(())
     }
 

@@ -612,6 +612,57 @@ fn gpu_a_view_used_on_another_stream_waits_for_its_home_stream() {
     assert!(report.is_clean(), "{report:?}");
 }
 
+/// Issue 23 on a GPU: order per memory. A kernel writes `y` through a view homed on stream
+/// `a`; a read through *another* view of `y`, homed on stream `b`, must see its writes (the
+/// home `b` waits for the last write on `a`); then a write through a view homed on `a` after a
+/// read on `b` must not overtake it.
+#[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
+fn gpu_views_on_two_streams_are_ordered_per_memory() {
+    let test = "gpu_views_on_two_streams_are_ordered_per_memory";
+    let Some((ctx, backend)) = shared_or_skip(test) else {
+        return;
+    };
+    make_guard!(guard);
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let (a, b) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+    let n = 1 << 10;
+    let mut x = binding.reserve(n * 4).unwrap().commit().unwrap();
+    let mut y = binding.reserve(n * 4).unwrap().commit().unwrap();
+    a.memcpy_htod(&vec![1.0f32; n], &mut x.view_mut::<f32>(&a).unwrap())
+        .unwrap();
+    a.memcpy_htod(&vec![1.0f32; n], &mut y.view_mut::<f32>(&a).unwrap())
+        .unwrap();
+    let spin = spin_axpy(&ctx);
+    launch_spin_axpy(&spin, &a, 2.0, &x, &mut y, n, Duration::from_millis(200));
+    // Another view, homed on `b`: its read waits for the write on `a`.
+    let ys = b
+        .clone_dtoh(&y.view::<f32>(&b).unwrap().slice(..n))
+        .unwrap();
+    assert!(
+        ys.iter().all(|&v| v == 3.0),
+        "a read through another view on another stream did not wait for the write"
+    );
+    // A write on `a` after a read on `b`: the read sees the old bytes, never the new.
+    let yb = y.view::<f32>(&b).unwrap();
+    let mut seen = vec![0.0f32; n];
+    b.memcpy_dtoh(&yb.slice(..n), &mut seen).unwrap();
+    drop(yb);
+    launch_spin_axpy(&spin, &a, 1.0, &x, &mut y, n, Duration::from_millis(1));
+    b.synchronize().unwrap();
+    assert!(
+        seen.iter().all(|&v| v == 3.0),
+        "the write overtook the read"
+    );
+    a.synchronize().unwrap();
+    ctx.check_err().unwrap();
+    drop((x, y));
+    poll_until_released(&device);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
 /// The child's role in [`gpu_export_import_in_a_child_process`]: the path of the socket it
 /// connects to.
 const IPC_CHILD_ENV: &str = "MEMTOKEN_GPU_IPC_CHILD";

@@ -327,6 +327,7 @@ fn retire<B: Backend, S: State>(core: Core<'_, '_, B>, parts: S::Parts<B>) -> Re
         parts,
         Retiring {
             backend: core.backend(),
+            addr: core.addr,
             len,
         },
     )
@@ -382,7 +383,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Releasing> {
             if let Wait::Unrecorded = self.parts.1 {
                 // The fence the release began with could not be recorded: one recorded now covers
                 // the same work.
-                self.parts.1 = Wait::on(self.core.backend().fence());
+                self.parts.1 = Wait::on(self.core.backend().fence_for(&[self.core.addr]));
             }
             if !self.is_ready() {
                 return Err(TransitionError {

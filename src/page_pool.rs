@@ -236,13 +236,17 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
                 return false;
             }
             let backend = self.backend();
-            // One allocation per batch (the list that replaces the unfenced one), none per page.
+            // Two allocations per batch (the list that replaces the unfenced one, the chunks), none
+            // per page.
             let batch = self.with(|s| {
                 let capacity = s.unfenced.capacity();
                 std::mem::replace(&mut s.unfenced, Vec::with_capacity(capacity))
             });
             if !batch.is_empty() {
-                let fence = backend.fence();
+                // Over what may use the pool's chunks: the streams its pages were used on.
+                let chunks: Vec<_> =
+                    self.with(|s| s.chunks.iter().flatten().map(|c| c.addr()).collect());
+                let fence = backend.fence_for(&chunks);
                 let merged = self.with(|s| {
                     let mut batch = batch;
                     let mut merged = None;

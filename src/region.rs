@@ -122,7 +122,7 @@ impl Repr for Elastic {
         let charged = withheld.len() * g;
         Retired {
             // Work may still use the memory: its release waits for a fence.
-            fence: Wait::unless(withheld.is_empty(), || backend.fence()),
+            fence: Wait::unless(withheld.is_empty(), || backend.fence_for(&[at.addr])),
             held: Held {
                 granules: withheld,
                 ..Held::mapped(mapped)

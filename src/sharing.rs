@@ -192,12 +192,12 @@ pub trait Sharing: State {}
 /// What a mapping of shared memory holds when it goes: its whole range mapped, its reference,
 /// and `private` memory of its own; its binding is charged `charged` bytes for it.
 fn retired<B: Backend>(
-    backend: &Guarded<B>,
-    len: usize,
+    at: Retiring<'_, B>,
     shared: SharedPhys<B::Phys>,
     private: Option<(B::Phys, usize)>,
     charged: usize,
 ) -> Retired<B> {
+    let (backend, len) = (at.backend, at.len);
     Retired {
         held: Held {
             phys: private,
@@ -205,7 +205,7 @@ fn retired<B: Backend>(
             ..Held::mapped(len)
         },
         // Work may still read the mapping: its release waits for a fence.
-        fence: Wait::on(backend.fence()),
+        fence: Wait::on(backend.fence_for(&[at.addr])),
         charged,
     }
 }
@@ -216,9 +216,9 @@ impl<K: Capability> Repr for Owner<K> {
     type Parts<B: Backend> = SharedPhys<B::Phys>;
 
     fn retire<B: Backend>(shared: Self::Parts<B>, at: Retiring<'_, B>) -> Retired<B> {
-        let (backend, len) = (at.backend, at.len);
         // The owner's binding carries the prefix's bytes while the owner's token lives.
-        retired(backend, len, shared, None, len)
+        let len = at.len;
+        retired(at, shared, None, len)
     }
 
     fn shared<B: Backend>(parts: &Self::Parts<B>) -> Option<&SharedPhys<B::Phys>> {
@@ -232,8 +232,7 @@ impl Repr for Sharer {
     type Parts<B: Backend> = SharedPhys<B::Phys>;
 
     fn retire<B: Backend>(shared: Self::Parts<B>, at: Retiring<'_, B>) -> Retired<B> {
-        let (backend, len) = (at.backend, at.len);
-        retired(backend, len, shared, None, 0)
+        retired(at, shared, None, 0)
     }
 
     fn shared<B: Backend>(parts: &Self::Parts<B>) -> Option<&SharedPhys<B::Phys>> {
@@ -248,9 +247,8 @@ impl Repr for Diverged {
     type Parts<B: Backend> = (SharedPhys<B::Phys>, B::Phys);
 
     fn retire<B: Backend>((shared, private): Self::Parts<B>, at: Retiring<'_, B>) -> Retired<B> {
-        let (backend, len) = (at.backend, at.len);
-        let g = backend.granularity();
-        retired(backend, len, shared, Some((private, g)), g)
+        let g = at.backend.granularity();
+        retired(at, shared, Some((private, g)), g)
     }
 
     fn shared<B: Backend>(parts: &Self::Parts<B>) -> Option<&SharedPhys<B::Phys>> {

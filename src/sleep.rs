@@ -121,7 +121,7 @@ impl<S: Suspendable> Repr for Suspended<S> {
         let charged = parts.withheld.iter().map(|s| s.len).sum();
         Retired {
             // Withheld granules may still be mapped from before: their release waits for work.
-            fence: Wait::unless(parts.withheld.is_empty(), || backend.fence()),
+            fence: Wait::unless(parts.withheld.is_empty(), || backend.fence_for(&[at.addr])),
             held: Held {
                 granules: parts.withheld,
                 ..Held::va()

@@ -12,7 +12,7 @@
 //! The shared-prefix states ([`Owner`](crate::Owner), [`Sharer`](crate::Sharer),
 //! [`Diverged`](crate::Diverged)) live with the sharing policy that makes them.
 
-use crate::backend::Backend;
+use crate::backend::{Addr, Backend};
 use crate::residual::{Held, SharedPhys};
 use crate::unwind::Guarded;
 
@@ -60,6 +60,8 @@ pub struct Retired<B: Backend> {
 #[derive(Debug)]
 pub struct Retiring<'a, B: Backend> {
     pub(crate) backend: &'a Guarded<B>,
+    /// The token's address: its fence covers what may use its reservation.
+    pub(crate) addr: Addr,
     pub(crate) len: usize,
 }
 
@@ -139,7 +141,7 @@ impl sealed::Repr for Committed {
         Retired {
             held: Held::committed(len, phys),
             // Work may still be in flight on the memory: its release waits for a fence.
-            fence: Wait::on(backend.fence()),
+            fence: Wait::on(backend.fence_for(&[at.addr])),
             charged: len,
         }
     }

@@ -308,6 +308,13 @@ impl<B: Backend> Guarded<B> {
         Self::contain(|| self.backend.fence()).ok()
     }
 
+    /// A fence over what may use the memory of the reservations holding `at` (see
+    /// [`Backend::fence_for`]); `None` as for [`fence`](Self::fence).
+    #[inline]
+    pub(crate) fn fence_for(&self, at: &[Addr]) -> Option<B::Fence> {
+        Self::contain(|| self.backend.fence_for(at)).ok()
+    }
+
     /// Whether the fence is done; a panic answers "not yet", which never frees memory early.
     #[inline]
     pub(crate) fn fence_done(&self, fence: &B::Fence) -> bool {

@@ -482,6 +482,14 @@ pub trait Backend {
     /// Records a fence after all work submitted so far. Infallible: a backend that cannot record
     /// one returns a fence that reports done only once the work is known to be finished.
     fn fence(&self) -> Self::Fence;
+    /// A fence after the work submitted so far that may use the memory of the reservations
+    /// holding `at` (one address in each): what their release waits for. A backend that knows
+    /// which streams used which memory (CUDA) records less than [`fence`](Backend::fence);
+    /// by default, that fence.
+    fn fence_for(&self, at: &[Addr]) -> Self::Fence {
+        let _ = at;
+        self.fence()
+    }
     /// Whether the work before `fence` has finished. Never blocks.
     fn fence_done(&self, fence: &Self::Fence) -> bool;
     /// Blocks until the work before `fence` has finished, if the backend can wait for it;

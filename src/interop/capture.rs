@@ -19,7 +19,7 @@ use std::fmt;
 use std::marker::PhantomData;
 
 /// A typed, read-only view of a CUDA token's memory for work on one raw stream (a `CUstream`
-/// the device's fences cover): `len()` elements of `T` at [`device_ptr`](Self::device_ptr).
+/// the device knows or covers: [`Device::know_stream`], [`Device::cover_stream`]): `len()` elements of `T` at [`device_ptr`](Self::device_ptr).
 /// Lent by [`Allocation::stream_view`] (any readable token, and a region's committed part) and
 /// by a [`Capture`]. It borrows its token, so the token cannot be released while it lives.
 ///
@@ -28,7 +28,8 @@ use std::marker::PhantomData;
 /// ([`device_ptr`](Self::device_ptr)) after the last write, a write
 /// ([`StreamViewMut::device_ptr_mut`]) after the last write and every read since — the
 /// stream waits for an event recorded on each (`cuStreamWaitEvent`), as cudarc's `DevicePtr`
-/// contract asks. The token's release waits for the work submitted on every covered stream.
+/// contract asks. The token's release waits for the work submitted on the view's stream from
+/// then on (as on every covered stream), whatever becomes of the view.
 ///
 /// **Graph captures.** A view made outside a memtoken [`Capture`] whose pointer is taken
 /// while its stream captures (a capture begun with cudarc's `begin_capture` or the raw
@@ -71,7 +72,7 @@ impl<'a, T, D: Driver> StreamView<'a, T, D> {
     ) -> Result<Self, ViewError> {
         let len = fit::<T>(addr, bytes)?;
         backend
-            .covered(stream)
+            .lend_stream(stream)
             .map_err(|e| ViewError::Stream(Box::new(e)))?;
         Ok(Self {
             backend,
@@ -135,6 +136,7 @@ impl<T, D: Driver> Drop for StreamView<'_, T, D> {
     /// before) holds the memory too.
     fn drop(&mut self) {
         self.ask_stream();
+        self.backend.end_lend(self.stream);
     }
 }
 
@@ -180,12 +182,12 @@ impl<T, D: Driver> fmt::Debug for StreamViewMut<'_, T, D> {
 
 impl<D: Driver, S: Readable> Allocation<'_, '_, CudaBackend<D>, S> {
     /// The memory as `len() / size_of::<T>()` elements of `T`, read-only, for work on the raw
-    /// `stream` (covered by the device's fences: [`Device::cover_stream`]). Borrows the token.
+    /// `stream` (known to the device, [`Device::know_stream`], or covered). Borrows the token.
     ///
     /// # Errors
     ///
     /// [`ViewError::Length`] or [`ViewError::Alignment`] if the memory is not whole `T`s,
-    /// [`ViewError::Stream`] if the fences do not cover `stream`.
+    /// [`ViewError::Stream`] if the device neither knows nor covers `stream`.
     pub fn stream_view<T: Pod>(&self, stream: Stream) -> Result<StreamView<'_, T, D>, ViewError> {
         let backend = self.binding().device().backend().raw();
         StreamView::lend(backend, self.addr(), self.len(), stream, false)
@@ -327,6 +329,8 @@ pub struct Capture<'t, 'id, D: Driver> {
     stream: Stream,
     /// Still capturing: ended as it drops unless [`end`](Self::end) took it.
     open: bool,
+    /// Whether the stream is lent to it (until the capture goes, or its graph does).
+    lent: bool,
     /// The ranges its views lent, held by the backend until the graph goes (or for good if
     /// the capture is forgotten or ended by someone else).
     held: std::cell::RefCell<Vec<(Addr, usize)>>,
@@ -355,6 +359,7 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
             backend,
             stream,
             open: true,
+            lent: true,
             held: std::cell::RefCell::new(Vec::new()),
             _uses: PhantomData,
             _device: PhantomData,
@@ -414,6 +419,8 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
     fn lend<T: Pod>(&self, addr: Addr, len: usize) -> Result<StreamView<'_, T, D>, ViewError> {
         let view = StreamView::lend(self.backend, addr, len, self.stream, true)?;
         self.backend.hold_for_capture(addr, len);
+        // Its launches run on the stream: the memory's release fences it.
+        self.backend.touch(self.stream, addr);
         self.held.borrow_mut().push((addr, len));
         Ok(view)
     }
@@ -447,6 +454,7 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
     pub fn end(mut self) -> Result<CapturedGraph<'t, 'id, D>, BackendError> {
         // Still capturing after a failure: ended as it drops.
         let exec = self.finish()?;
+        self.lent = false; // the graph's now, which launches on the stream
         Ok(CapturedGraph {
             backend: self.backend,
             exec,
@@ -469,7 +477,10 @@ impl<D: Driver> Drop for Capture<'_, '_, D> {
             self.backend.let_go(&std::mem::take(self.held.get_mut()));
         }
         // Still capturing (its end failed twice), or ended by someone else: what it lent
-        // stays held for good.
+        // stays held for good. The stream is let go once it no longer captures here.
+        if self.lent && !self.open {
+            self.backend.end_lend(self.stream);
+        }
     }
 }
 
@@ -603,9 +614,10 @@ impl<D: Driver> Drop for CapturedGraph<'_, '_, D> {
     fn drop(&mut self) {
         // SAFETY: `exec` came from this backend's `end_capture`; destroyed once, here.
         unsafe { self.backend.destroy_exec(self.exec) };
-        // No launch can be made any more; those in flight are covered by the fences of its
-        // (covered) stream.
+        // No launch can be made any more; those in flight are covered by the fences of the
+        // memory it used (each touched by its stream).
         self.backend.let_go(&self.held);
+        self.backend.end_lend(self.stream);
     }
 }
 

@@ -69,7 +69,7 @@ impl<'a> Span<'a> {
     ) -> Result<Self, ViewError> {
         let len = fit::<T>(addr, bytes)?;
         backend
-            .cover(stream)
+            .know(stream)
             .map_err(|e| ViewError::Stream(Box::new(e)))?;
         Ok(Self {
             backend,
@@ -136,7 +136,8 @@ impl<'a> Span<'a> {
         // Per memory: the home stream waits for the memory's earlier uses through other
         // views (a read after the last write, a write after it and every read since); a use
         // on another stream joins the home stream below, so it comes after them too.
-        // SAFETY: the home stream is covered, kept alive by the backend until it drops.
+        // SAFETY: the home stream is known, kept alive by the backend until it is forgotten (never
+        // while this view holds an `Arc` of it) or the backend drops.
         unsafe {
             self.backend
                 .order_use(home.cu_stream() as Stream, self.ptr as Addr, write)
@@ -147,6 +148,15 @@ impl<'a> Span<'a> {
         if stream == home && !per_thread {
             return SyncOnDrop::Record(None); // the stream's own order is enough
         }
+        // Another stream: the memory's release fences it too, whatever becomes of the guard —
+        // so it must be one the backend keeps alive (known or covered).
+        let other = stream.cu_stream() as Stream;
+        assert!(
+            other == PER_THREAD_STREAM || self.backend.touch(other, self.ptr as Addr),
+            "a memtoken device view was used on a stream the device does not know: its \
+             memory's release could not wait for that use; call `device.know(&stream)` \
+             (or `cover`) first, or make the view on that stream"
+        );
         if let Err(e) = stream.join(home) {
             // The cudarc way for a call that cannot return its error; then a host wait on the
             // home stream, so the use still comes after every earlier one.
@@ -200,33 +210,33 @@ impl<'a> Span<'a> {
 ///
 /// # Streams
 ///
-/// A view has one *home stream*, the one it is made for: the device's fences cover it from
-/// then on (so the token's release waits for the work submitted there; the view is refused
-/// with [`ViewError::Stream`] if they cannot, for a stream of another context), and
+/// A view has one *home stream*, the one it is made for: the device knows it from then on
+/// (`know`: the token's release waits for the work a view submitted there, and the device
+/// keeps the stream alive until its owner has let it go and its work has completed; the view
+/// is refused with [`ViewError::Stream`] for a stream of another context), and
 /// [`DeviceSlice::stream`] returns it. Used on its home stream, the stream's own order puts
 /// each use after every earlier read and write made through the view, and the order per
 /// memory (below) after those made through other views.
 /// Used on another stream of the same context, that stream first waits for everything
-/// submitted to the home stream so far, and the returned [`SyncOnDrop`] synchronizes that
-/// stream when it drops, so the use has finished before the view — and so the token — can be
-/// let go; this honours [`DevicePtr`]'s contract (wait for earlier writes) and
+/// submitted to the home stream so far, the token's release waits for that stream too —
+/// whatever becomes of the returned [`SyncOnDrop`] — and the guard synchronizes that stream
+/// when it drops; this honours [`DevicePtr`]'s contract (wait for earlier writes) and
 /// [`DevicePtrMut`]'s (wait for earlier reads and writes) whether or not cudarc manages stream
-/// synchronization, at the price of a host wait: make views on the stream that uses them. A
-/// stream of another context panics (the memory is not that context's to use), and the
-/// per-thread stream is never taken for the home stream (it is a different stream on each
-/// thread).
+/// synchronization, at the price of a host wait: make views on the stream that uses them.
+/// That other stream must be one the device knows or covers (`device.know(&stream)`): cudarc
+/// lends it by reference, so memtoken could not keep it alive to fence it later — a view
+/// used on a stream the device does not know **panics**, as does a stream of another context
+/// (the memory is not that context's to use). The per-thread stream is never taken for the
+/// home stream (it is a different stream on each thread), and a use on it is fenced by the
+/// guard only.
 ///
 /// **Order per memory.** Each use also orders the home stream after the memory's earlier uses
 /// through other views (the token's reservation, or a pool's chunk): a read after the last
 /// write, a write after it and every read since (`cuStreamWaitEvent` on an event recorded on
 /// each), so two views of one token on two home streams do not race, and a writer does not
 /// overtake an earlier reader. The token's `copy_from_host`/`copy_to_host` are ordered too:
-/// the legacy stream, where they run, first waits for every covered stream. **Limits:** a use
-/// on a stream other than the home stream is ordered through the home stream and fenced only
-/// by the returned guard (cudarc lends that stream by reference, so memtoken cannot keep it
-/// alive to fence it later): dropping the guard at once, or forgetting it, leaves the use
-/// unfenced — make views on the stream that uses them. A cudarc `CudaSlice` tracks this with read and write events of its
-/// own; memtoken's tokens do not yet. A cross-device `memcpy_dtod` (peer copy) reads through the
+/// the legacy stream, where they run, first waits for every covered stream and every stream
+/// a view used the memory on. A cross-device `memcpy_dtod` (peer copy) reads through the
 /// source view on the *destination's* stream, which no fence of this device covers:
 /// synchronize that stream before the token goes.
 ///

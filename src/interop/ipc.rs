@@ -92,7 +92,7 @@ impl Repr for Imported {
                 ..Held::mapped(len)
             },
             // Work may still read the mapping: its release waits for a fence.
-            fence: Wait::on(backend.fence()),
+            fence: Wait::on(backend.fence_for(&[at.addr])),
             charged: 0,
         }
     }

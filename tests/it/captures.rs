@@ -789,3 +789,38 @@ fn a_pool_page_a_foreign_graph_uses_is_never_handed_out_again() {
     assert_eq!(pool.withheld_pages(), 1);
     assert_eq!(pool.live_pages(), 8);
 }
+
+/// Issue 23: the same on a stream the device only knows (not covered): the capture notes that
+/// its launches run on the stream, so the token's release fences it, and the stream cannot be
+/// let go while the graph lives. Fails without that note (the release completes under the
+/// last launch, which then faults on unmapped memory).
+#[test]
+fn a_graph_on_a_known_stream_is_waited_for_by_the_release_and_keeps_its_stream() {
+    let model = slow_model();
+    common::known_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    model.complete_work();
+    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    assert!(!device.forget_stream(stream), "a capture on it lives");
+    let view = capture.view_mut::<f32>(&mut x).unwrap();
+    model.submit_work_touching(stream, &[(view.device_ptr(), G)]);
+    drop(view);
+    let graph = capture.end().expect("the capture ends valid");
+    graph.launch().unwrap();
+    model.complete_work_on(stream);
+    assert!(!device.forget_stream(stream), "its graph lives");
+    graph.launch().unwrap();
+    drop(graph);
+    let releasing = match x.release().complete().map_err(|e| e.into_token()) {
+        Err(memtoken::Returned::Unchanged(releasing)) => releasing,
+        _ => panic!("the release must wait for the last launch, still running"),
+    };
+    model.complete_work();
+    releasing.complete().expect("done once the launch finished");
+    assert_eq!(model.lost_with(), None, "no launch ran on unmapped memory");
+    assert!(device.forget_stream(stream));
+    model.destroy_stream(stream);
+    drop(binding);
+    assert!(device.close().is_clean());
+}

@@ -6,7 +6,7 @@
 use crate::common;
 use memtoken::backend::{Access, Addr, Backend, Cause, Violation};
 use memtoken::backend::{
-    cuda::{CuError, CudaBackend, CudaPhys, DriverCall},
+    cuda::{CuError, CudaBackend, CudaPhys, DriverCall, Stream},
     doubles::{DriverModel, ModelConfig},
 };
 use memtoken::{Budget, Device, make_guard};
@@ -972,6 +972,134 @@ fn views_on_two_streams_are_ordered_per_memory() {
         done(&model, read_c) && done(&model, read_b2) && done(&model, read_b),
         "the write overtook an earlier read on another stream"
     );
+    model.complete_work();
+    drop(x);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// A known stream (not covered) and the device, on `model`.
+fn known(model: &DriverModel, device: &Device<'_, CudaBackend<DriverModel>>) -> Stream {
+    let stream = model.new_stream();
+    // SAFETY: a stream of the model's only context, destroyed only after the device forgot it.
+    unsafe { device.know_stream(stream) };
+    stream
+}
+
+/// Issue 23: a release fences the streams that used its memory (plus the legacy stream and
+/// the covered ones), not every stream ever seen: 1,000 streams each used once through a view
+/// of one token cost nothing to another token's release; once their owner has them forgotten
+/// (their work complete) and destroys them, the device holds none of them, and no driver call
+/// names them again (the model panics on a destroyed stream). Fails with every view's stream
+/// fenced by every release (1,001 event records).
+#[test]
+fn a_release_fences_only_the_streams_that_touched_its_memory() {
+    let model = model(false);
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let x = binding.reserve(G).unwrap().commit().unwrap();
+    let mut y = binding.reserve(G).unwrap().commit().unwrap();
+    let streams: Vec<Stream> = (0..1000).map(|_| known(&model, &device)).collect();
+    for &s in &streams {
+        let ptr = x.stream_view::<u8>(s).unwrap().device_ptr();
+        model.submit_work_touching(s, &[(ptr, G)]);
+    }
+    let own = known(&model, &device);
+    let ptr = y.stream_view_mut::<u8>(own).unwrap().device_ptr_mut();
+    model.submit_work_touching(own, &[(ptr, G)]);
+    let before = model.count(DriverCall::EventRecord);
+    let releasing = y.release();
+    let records = model.count(DriverCall::EventRecord) - before;
+    assert!(
+        records <= 2,
+        "{records} event records for a token one stream touched"
+    );
+    assert!(
+        !releasing.is_ready(),
+        "the release waits for the kernel on `own`"
+    );
+    model.complete_work_on(own);
+    assert!(releasing.is_ready());
+    releasing.complete().map_err(|e| e.to_string()).unwrap();
+    // Not let go while their work may run, nor while a view lives.
+    assert!(!device.forget_stream(streams[0]), "its kernel still runs");
+    model.complete_work();
+    let view = x.stream_view::<u8>(streams[0]).unwrap();
+    assert!(!device.forget_stream(streams[0]), "a view of it lives");
+    drop(view);
+    assert!(
+        !device.forget_stream(0),
+        "the legacy stream is never let go"
+    );
+    for &s in streams.iter().chain([&own]) {
+        assert!(device.forget_stream(s));
+        model.destroy_stream(s);
+    }
+    assert!(
+        device.forget_stream(streams[0]),
+        "a stream it no longer holds"
+    );
+    assert_eq!(
+        device.streams(),
+        (vec![0], vec![]),
+        "the device holds none of them"
+    );
+    assert!(x.stream_view::<u8>(streams[1]).is_err(), "forgotten");
+    // The token the 1,000 streams touched: its release names none of them (the model would
+    // panic), and records on the legacy stream only.
+    let before = model.count(DriverCall::EventRecord);
+    let releasing = x.release();
+    assert_eq!(model.count(DriverCall::EventRecord) - before, 1);
+    model.complete_work();
+    releasing.complete().map_err(|e| e.to_string()).unwrap();
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// Issue 23: a view's pointer used on its stream after the view is gone (the guard dropped at
+/// once) is still fenced: the memory's release waits for the stream the view was made for,
+/// which the device only knows (does not cover). Fails without the per-memory record of the
+/// streams that touched the memory (the release would unmap under the kernel: a fault).
+#[test]
+fn a_view_dropped_at_once_still_fences_its_stream() {
+    let model = model(false);
+    common::known_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    let ptr = x.stream_view_mut::<f32>(stream).unwrap().device_ptr_mut(); // view dropped
+    model.submit_work_on(stream); // the kernel, launched after
+    let releasing = x.release();
+    assert!(
+        !releasing.is_ready(),
+        "the release did not wait for the kernel"
+    );
+    model.complete_work();
+    assert!(releasing.is_ready());
+    releasing.complete().map_err(|e| e.to_string()).unwrap();
+    assert_eq!(
+        model.lost_with(),
+        None,
+        "{ptr:#x} unmapped under its kernel"
+    );
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// Issue 23: a host copy waits for a kernel on a stream a view of that memory used, though
+/// the stream is only known (not covered): the legacy stream waits for the streams that
+/// touched the memory too. Fails with host copies ordered after covered streams only.
+#[test]
+fn a_host_copy_waits_for_the_streams_that_touched_the_memory() {
+    let model = model(false);
+    common::known_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    let ptr = x.stream_view_mut::<u8>(stream).unwrap().device_ptr_mut();
+    model.submit_work_touching(stream, &[(ptr, G)]);
+    let mut back = [0u8; 16];
+    x.copy_to_host(0, &mut back).unwrap();
+    assert_eq!(model.stale_reads(), 0, "the copy read under the kernel");
     model.complete_work();
     drop(x);
     drop(binding);

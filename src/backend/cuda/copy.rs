@@ -197,7 +197,7 @@ impl<D: Driver> CudaBackend<D> {
             return Ok(()); // nothing to copy: no driver call with an address that may be none
         }
         self.legacy_usable().map_err(fail)?;
-        self.ordered_after_covered().map_err(fail)?;
+        self.ordered_after_uses(dst).map_err(fail)?;
         // SAFETY: `hold` proved every byte of the destination mapped read-write with access in
         // the record, and keeps the range from being unmapped, freed or mapped over until
         // `busy` is released, once the copy has landed (below).
@@ -238,7 +238,7 @@ impl<D: Driver> CudaBackend<D> {
         }
         self.legacy_usable()
             .map_err(|e| self.fail(Op::Copy, src, len, e))?;
-        self.ordered_after_covered()
+        self.ordered_after_uses(src)
             .map_err(|e| self.fail(Op::Copy, src, len, e))?;
         // SAFETY: `hold` proved every byte of the source mapped with access in the record, and
         // keeps the range from being unmapped, freed or mapped over until `_busy` is dropped,
@@ -247,13 +247,13 @@ impl<D: Driver> CudaBackend<D> {
             .map_err(|e| self.fail(Op::Copy, src, len, e))
     }
 
-    /// [`order_legacy_after_covered`](Self::order_legacy_after_covered) under the record's
-    /// lock, for a host copy about to start.
-    fn ordered_after_covered(&self) -> CuResult<()> {
-        let Ok(mut s) = self.enter(Op::Copy, 0, 0) else {
+    /// [`order_legacy_after`](Self::order_legacy_after) under the record's lock, for a host
+    /// copy of the memory at `addr` about to start.
+    fn ordered_after_uses(&self, addr: Addr) -> CuResult<()> {
+        let Ok(mut s) = self.enter(Op::Copy, addr, 0) else {
             return Err(CuError::CONTEXT_IS_DESTROYED);
         };
-        self.order_legacy_after_covered(&mut s)
+        self.order_legacy_after(&mut s, addr)
     }
 
     /// Checks that `[addr, addr + len)` is mapped with access (read-write if `write`) and marks

@@ -1,5 +1,6 @@
-//! Fences: one event per covered stream, recorded after the work submitted there so far, and
-//! the streams a fence covers. Events are named by serials of the backend's, never by the
+//! Fences: one event per stream that may use the memory (covered streams, and those a view
+//! used it on), recorded after the work submitted there so far; the streams the backend holds,
+//! and letting them go; the order of uses per memory. Events are named by serials of the backend's, never by the
 //! driver's values (a destroyed event's value may come back from a later `cuEventCreate`).
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
@@ -37,29 +38,165 @@ pub(super) struct Mark {
 
 impl<D: Driver> CudaBackend<D> {
     /// Makes every fence recorded from now on cover `stream` too: a release waits for the work
-    /// submitted there. (Typed views and `cover`, feature `cuda`, do this for cudarc streams.)
+    /// submitted there, whatever memory it used — the way for raw pointers, of which memtoken
+    /// cannot tell what memory they reach. (`cover`, feature `cuda`, does this for cudarc
+    /// streams.) Views may be made for it too. A stream known before is covered from now on.
     ///
     /// # Safety
     ///
     /// `stream` is 0 (the legacy stream) or a live stream of this backend's context, and stays
-    /// live until the backend is dropped: fences record events on it until then.
+    /// live until [`forget_stream`](Self::forget_stream) answers `true` for it or the backend
+    /// is dropped: fences record events on it until then.
     pub unsafe fn cover_stream(&self, stream: Stream) {
-        let mut covered = lock(&self.covered);
-        if !covered.contains(&stream) {
-            covered.push(stream);
+        let mut s = lock(&self.state);
+        s.known.retain(|&k| k != stream);
+        if !s.covered.contains(&stream) {
+            s.covered.push(stream);
         }
     }
 
-    /// The streams fences cover now, the legacy stream first.
-    pub fn covered_streams(&self) -> Vec<Stream> {
-        lock(&self.covered).clone()
+    /// Lets typed views ([`StreamView`](crate::StreamView)) be made for `stream`: a release
+    /// then waits for the work submitted there only if a view used the released memory there
+    /// — unlike a covered stream, which every fence covers. Fences stay bounded by the streams
+    /// that touched the memory, however many streams come and go. (Typed views of cudarc
+    /// streams do this themselves, feature `cuda`.) A covered stream stays covered.
+    ///
+    /// # Safety
+    ///
+    /// `stream` is a live stream of this backend's context, and stays live until
+    /// [`forget_stream`](Self::forget_stream) answers `true` for it or the backend is dropped:
+    /// fences and views record events on it and wait on it until then.
+    pub unsafe fn know_stream(&self, stream: Stream) {
+        let mut s = lock(&self.state);
+        if !s.holds(stream) {
+            s.known.push(stream);
+        }
     }
 
-    /// A fence over every covered stream, its marks recorded now where they can be (the rest
-    /// at the next query).
-    pub(super) fn record_fence(&self) -> CudaFence {
-        let mut marks: Vec<Mark> = self
-            .covered_streams()
+    /// Lets `stream` (covered or known) go once the work submitted there so far has completed:
+    /// no fence, view or wait uses it afterwards, and its owner may destroy it. Never waits:
+    /// `false` while that work may still run, a view of the stream or a capture on it lives,
+    /// or it captures — ask again later. `true` for a stream the backend does not hold, and
+    /// for any once the context is lost (nothing runs any more); never for the legacy stream.
+    pub fn forget_stream(&self, stream: Stream) -> bool {
+        if stream == 0 {
+            return false;
+        }
+        let Ok(mut s) = self.enter(Op::Fence, 0, 0) else {
+            if self.context_lost() {
+                forget(&mut lock(&self.state), stream);
+            }
+            return self.context_lost();
+        };
+        if !s.holds(stream) {
+            return true;
+        }
+        if s.views.get(&stream).is_some_and(|&n| n > 0) || self.capturing(stream) {
+            return false;
+        }
+        let done = match self.record_now(&mut s, stream) {
+            Ok(serial) => {
+                // SAFETY: the event was created and recorded just above, and is destroyed just
+                // below, by this call.
+                let done = unsafe { self.driver.event_query(s.events[&serial]) };
+                if let Err(e) = done
+                    && e.is_context_loss()
+                {
+                    let _ = self.fail(Op::Fence, 0, 0, e);
+                } else {
+                    self.destroy_event(&mut s, serial);
+                }
+                done == Ok(true)
+            }
+            Err(e) => {
+                if e.is_context_loss() {
+                    let _ = self.fail(Op::Fence, 0, 0, e);
+                }
+                false
+            }
+        };
+        let done = done || self.context_lost();
+        if done {
+            forget(&mut s, stream);
+        }
+        done
+    }
+
+    /// The streams every fence covers, the legacy stream first.
+    pub fn covered_streams(&self) -> Vec<Stream> {
+        lock(&self.state).covered.clone()
+    }
+
+    /// The streams views may be made for that are not covered (see
+    /// [`know_stream`](Self::know_stream)).
+    pub fn known_streams(&self) -> Vec<Stream> {
+        lock(&self.state).known.clone()
+    }
+
+    /// Whether `stream` may be used by views: covered or known. A view made for it counts as
+    /// lent until [`end_lend`](Self::end_lend): the stream is not forgotten meanwhile.
+    pub(crate) fn lend_stream(&self, stream: Stream) -> Result<Stream, BackendError> {
+        let mut s = lock(&self.state);
+        if !s.holds(stream) {
+            let v = Violation::UncoveredStream(stream);
+            return Err(BackendError::refused(Op::Graph, 0, 0, v));
+        }
+        *s.views.entry(stream).or_default() += 1;
+        Ok(stream)
+    }
+
+    /// Notes that work on `stream` (covered or known) uses the memory of the reservation at
+    /// `addr`, without ordering it: the reservation's release fences `stream` from now on.
+    /// Whether it could (the stream held, the address reserved).
+    pub(crate) fn touch(&self, stream: Stream, addr: Addr) -> bool {
+        let mut s = lock(&self.state);
+        let Some(start) = s.book.reservation_of(addr).filter(|_| s.holds(stream)) else {
+            return false;
+        };
+        let uses = s.uses.entry(start).or_default();
+        if !uses.touched.contains(&stream) {
+            uses.touched.push(stream);
+        }
+        true
+    }
+
+    /// A view lent by [`lend_stream`](Self::lend_stream) is gone.
+    pub(crate) fn end_lend(&self, stream: Stream) {
+        let mut s = lock(&self.state);
+        if let Some(n) = s.views.get_mut(&stream) {
+            *n -= 1;
+            if *n == 0 {
+                s.views.remove(&stream);
+            }
+        }
+    }
+
+    /// A fence over the streams that may use the memory of the reservations at `at` — every
+    /// covered stream, and each stream a view used that memory on — or, for `None`, over every
+    /// stream the backend holds. Its marks are recorded now where they can be (the rest at the
+    /// next query).
+    pub(super) fn record_fence_over(&self, at: Option<&[Addr]>) -> CudaFence {
+        #[cfg(feature = "cuda")]
+        self.let_go_streams();
+        let streams = {
+            let s = lock(&self.state);
+            let mut streams = s.covered.clone();
+            match at {
+                None => streams.extend_from_slice(&s.known),
+                Some(addrs) => {
+                    for &addr in addrs {
+                        let uses = s.book.reservation_of(addr).and_then(|r| s.uses.get(&r));
+                        for &t in uses.map_or(&[][..], |u| &u.touched[..]) {
+                            if !streams.contains(&t) {
+                                streams.push(t);
+                            }
+                        }
+                    }
+                }
+            }
+            streams
+        };
+        let mut marks: Vec<Mark> = streams
             .into_iter()
             .map(|stream| Mark {
                 stream,
@@ -102,6 +239,9 @@ impl<D: Driver> CudaBackend<D> {
             return self.context_lost();
         };
         for m in marks.iter_mut() {
+            if !s.holds(m.stream) {
+                continue; // forgotten: its work up to then (this mark's) has completed
+            }
             let Some(&event) = m.event.and_then(|serial| s.events.get(&serial)) else {
                 continue; // not this backend's event: nothing of ours to wait for
             };
@@ -153,6 +293,9 @@ impl<D: Driver> CudaBackend<D> {
                 let Ok(s) = self.enter(Op::Fence, 0, 0) else {
                     return self.context_lost();
                 };
+                if !s.holds(m.stream) {
+                    continue; // forgotten: its work up to then (this mark's) has completed
+                }
                 // Waiting on an event its stream's open capture took would invalidate it.
                 if self.capturing(m.stream) {
                     return self.context_lost();
@@ -169,7 +312,7 @@ impl<D: Driver> CudaBackend<D> {
             let waited = match unsafe { self.driver.event_synchronize(event) } {
                 Ok(()) => Ok(true),
                 Err(e) if e.is_context_loss() => Err(e),
-                Err(_) => self.synchronize_stream(m.stream), // the whole stream: never less
+                Err(_) => self.synchronize_held(m.stream), // the whole stream: never less
             };
             match waited {
                 Ok(true) => {}
@@ -285,9 +428,24 @@ impl<D: Driver> CudaBackend<D> {
             };
         }
         let _relaxed = self.relaxed()?;
-        // SAFETY: `stream` is a covered stream: 0, or one whose owner promised it live until
-        // this backend is dropped (`cover_stream`'s contract).
+        // SAFETY: `stream` is one the backend holds, with the record's lock held (its callers'
+        // duty): 0, or covered or known, whose owner promised it live until `forget_stream`
+        // lets it go, which needs that lock.
         unsafe { self.driver.stream_synchronize(stream) }.map(|()| true)
+    }
+
+    /// [`synchronize_stream`](Self::synchronize_stream) with the record's lock held, so that
+    /// `stream` cannot be forgotten (and destroyed by its owner) meanwhile; a stream forgotten
+    /// already needs no wait (its work up to then has completed). A fallback: other calls
+    /// wait for the lock meanwhile.
+    fn synchronize_held(&self, stream: Stream) -> CuResult<bool> {
+        let Ok(s) = self.enter(Op::Fence, 0, 0) else {
+            return Err(CuError::CONTEXT_IS_DESTROYED);
+        };
+        if !s.holds(stream) {
+            return Ok(true);
+        }
+        self.synchronize_stream(stream)
     }
 
     /// [`synchronize_stream`](Self::synchronize_stream) of the legacy stream, where copies
@@ -304,8 +462,8 @@ impl<D: Driver> CudaBackend<D> {
     /// cannot be recorded is destroyed again (or left to be retried with the retired ones).
     fn record_now(&self, s: &mut CudaState, stream: Stream) -> CuResult<u64> {
         let serial = self.create_event(s)?;
-        // SAFETY: the event was created just above by this driver; `stream` is a covered
-        // stream: 0, or one whose owner promised it live until this backend is dropped.
+        // SAFETY: the event was created just above by this driver; `stream` is one the backend
+        // holds, with the record's lock held (`s`): live until `forget_stream` lets it go.
         match unsafe { self.driver.event_record(s.events[&serial], stream) } {
             Ok(()) => Ok(serial),
             Err(e) => {
@@ -327,16 +485,20 @@ impl<D: Driver> CudaBackend<D> {
     ///
     /// # Safety
     ///
-    /// `stream` is 0 or a live stream of this backend's context, and stays live until the
-    /// backend drops (it may be recorded on for a later use).
+    /// `stream` is 0 or a live stream of this backend's context, covered or known, and not
+    /// forgotten while the caller uses it (a view lends it, or holds an `Arc` of it). The
+    /// earlier uses' streams are held by the record (checked under its lock).
     pub(crate) unsafe fn order_use(&self, stream: Stream, addr: Addr, write: bool) {
         let Ok(mut s) = self.enter(Op::Fence, addr, 0) else {
             return; // lost: nothing runs any more
         };
-        let Some(start) = s.book.reservation_of(addr) else {
+        let Some(start) = s.book.reservation_of(addr).filter(|_| s.holds(stream)) else {
             return;
         };
         let uses = s.uses.entry(start).or_default();
+        if !uses.touched.contains(&stream) {
+            uses.touched.push(stream); // its release fences `stream`
+        }
         let mut earlier: Vec<Stream> = uses.writer.into_iter().collect();
         if write {
             earlier.extend(uses.readers.iter().copied());
@@ -354,7 +516,7 @@ impl<D: Driver> CudaBackend<D> {
             if self.capturing(other) || self.wait_for(&mut s, stream, other).is_ok() {
                 continue;
             }
-            // The host waits instead (`other` is live: see the contract above).
+            // The host waits instead (`other` is held: the record's, under its lock).
             let _ = self.synchronize_stream(other);
         }
     }
@@ -380,17 +542,20 @@ impl<D: Driver> CudaBackend<D> {
     }
 
     /// Orders the legacy stream, where host copies run, after the work submitted so far on
-    /// every other covered stream: one event, recorded on each and waited on by the legacy
-    /// stream (`cuStreamWaitEvent`), so a host copy reads what a kernel on a non-blocking
-    /// stream wrote, and writes only after it. A stream that captures now is skipped (its
-    /// captured work does not run; recording there would be captured: fact 39). The record's
-    /// lock is held and the context current.
-    pub(super) fn order_legacy_after_covered(&self, s: &mut CudaState) -> CuResult<()> {
-        let others: Vec<Stream> = lock(&self.covered)
-            .iter()
-            .copied()
-            .filter(|&st| st != 0)
-            .collect();
+    /// every other covered stream and every stream a view used the memory at `addr` on (its
+    /// reservation): one event, recorded on each and waited on by the legacy stream
+    /// (`cuStreamWaitEvent`), so a host copy reads what a kernel on a non-blocking stream
+    /// wrote, and writes only after it. A stream that captures now is skipped (its captured
+    /// work does not run; recording there would be captured: fact 39). The record's lock is
+    /// held and the context current.
+    pub(super) fn order_legacy_after(&self, s: &mut CudaState, addr: Addr) -> CuResult<()> {
+        let mut others: Vec<Stream> = s.covered.iter().copied().filter(|&st| st != 0).collect();
+        let uses = s.book.reservation_of(addr).and_then(|r| s.uses.get(&r));
+        for &t in uses.map_or(&[][..], |u| &u.touched[..]) {
+            if t != 0 && !others.contains(&t) {
+                others.push(t);
+            }
+        }
         for stream in others {
             if self.capturing(stream) {
                 if self.context_lost() {
@@ -421,6 +586,11 @@ impl<D: Driver> CudaBackend<D> {
         };
         let mut all = true;
         for m in marks.iter_mut().filter(|m| !m.recorded) {
+            if !s.holds(m.stream) {
+                // Forgotten since the fence was made: the work it was to cover has completed.
+                m.recorded = true;
+                continue;
+            }
             // Never into a capture (a captured event is graph nodes, and asking it invalidates
             // the capture: facts 39, 41): recorded once the stream no longer captures.
             if self.capturing(m.stream) {
@@ -448,9 +618,9 @@ impl<D: Driver> CudaBackend<D> {
                 continue;
             };
             // SAFETY: `s.events` maps the serial to an event created by this driver and not yet
-            // destroyed (destroyed only when its fence is retired); `m.stream` is a covered
-            // stream, live until this backend is dropped (`cover_stream`'s contract; 0 always
-            // is).
+            // destroyed (destroyed only when its fence is retired); `m.stream` is held (checked
+            // above, under the lock `forget_stream` needs): 0, or covered or known, live until
+            // forgotten (the `cover_stream` and `know_stream` contracts).
             match unsafe { self.driver.event_record(event, m.stream) } {
                 Ok(()) => m.recorded = true,
                 Err(e) => {
@@ -468,8 +638,9 @@ impl<D: Driver> CudaBackend<D> {
     /// as capturing (asked again later), a loss is noted. Called with the context current
     /// (after [`enter`](Self::enter)).
     pub(super) fn capturing(&self, stream: Stream) -> bool {
-        // SAFETY: `stream` is a covered stream: 0, or one whose owner promised it live until
-        // this backend is dropped (`cover_stream`'s contract).
+        // SAFETY: `stream` is one the backend holds, with the record's lock held or lent to a
+        // live view or capture (its callers' duty): 0, or covered or known, live until
+        // `forget_stream` lets it go, which needs that lock and no lend.
         match unsafe { self.driver.stream_is_capturing(stream) } {
             Ok(capturing) => capturing,
             Err(e) => {
@@ -503,9 +674,32 @@ impl<D: Driver> CudaBackend<D> {
 }
 
 #[cfg(feature = "cuda")]
+impl<D: Driver> CudaBackend<D> {
+    /// Lets go the cudarc streams the backend keeps alive whose owners let theirs go (the
+    /// backend's handle is the last) once the work submitted there has completed
+    /// ([`forget_stream`](Self::forget_stream)); cudarc destroys each then.
+    pub(super) fn let_go_streams(&self) {
+        let orphans: Vec<Stream> = lock(&self.kept)
+            .streams
+            .iter()
+            .filter(|k| std::sync::Arc::strong_count(k) == 1)
+            .map(|k| k.cu_stream() as Stream)
+            .collect();
+        for handle in orphans {
+            if self.forget_stream(handle) {
+                lock(&self.kept)
+                    .streams
+                    .retain(|k| k.cu_stream() as Stream != handle);
+            }
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
 impl CudaBackend<SysDriver> {
     /// Makes every fence recorded from now on cover the cudarc `stream` (see
-    /// [`cover_stream`](Self::cover_stream)); the backend keeps the stream alive meanwhile.
+    /// [`cover_stream`](Self::cover_stream)); the backend keeps the stream alive meanwhile,
+    /// and lets it go once its owner has let go of it and its work has completed.
     ///
     /// # Errors
     ///
@@ -514,19 +708,54 @@ impl CudaBackend<SysDriver> {
         &self,
         stream: &std::sync::Arc<cudarc::driver::CudaStream>,
     ) -> Result<(), BackendError> {
+        let handle = self.keep(stream)?;
+        // SAFETY: the stream belongs to this backend's context (`keep` checked) and lives
+        // until it is forgotten or the backend drops: the backend holds an `Arc` of it until
+        // then (`let_go_streams` drops it only once `forget_stream` answered `true`).
+        unsafe { self.cover_stream(handle) };
+        Ok(())
+    }
+
+    /// Lets typed views be made for the cudarc `stream` (see
+    /// [`know_stream`](Self::know_stream)): a release waits for the work there only where a
+    /// view used the released memory on it. The backend keeps the stream alive meanwhile, and
+    /// lets it go once its owner has let go of it and its work has completed.
+    ///
+    /// # Errors
+    ///
+    /// [`Cause::Violation`](crate::backend::Cause::Violation) if the stream belongs to another context.
+    pub fn know(
+        &self,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> Result<(), BackendError> {
+        let handle = self.keep(stream)?;
+        // SAFETY: as in `cover`.
+        unsafe { self.know_stream(handle) };
+        Ok(())
+    }
+
+    /// Keeps an `Arc` of `stream` (once), after checking it is of this backend's context; its
+    /// handle. Lets go of orphaned streams first.
+    fn keep(
+        &self,
+        stream: &std::sync::Arc<cudarc::driver::CudaStream>,
+    ) -> Result<Stream, BackendError> {
         if stream.context().cu_ctx() as Context != self.ctx {
             let v = Violation::ForeignStream;
             return Err(BackendError::refused(Op::Fence, 0, 0, v));
         }
         let handle = stream.cu_stream() as Stream;
-        if lock(&self.covered).contains(&handle) {
-            return Ok(());
+        if handle != 0 {
+            let mut kept = lock(&self.kept);
+            if !kept
+                .streams
+                .iter()
+                .any(|k| k.cu_stream() as Stream == handle)
+            {
+                kept.streams.push(std::sync::Arc::clone(stream));
+            }
         }
-        lock(&self.kept).streams.push(std::sync::Arc::clone(stream));
-        // SAFETY: the stream belongs to this backend's context (checked above) and lives until
-        // the backend drops: the backend holds an `Arc` of it (just above).
-        unsafe { self.cover_stream(handle) };
-        Ok(())
+        Ok(handle)
     }
 }
 
@@ -548,4 +777,19 @@ impl<D: Driver> Drop for PeerWork<'_, D> {
 /// every copy started before it was created has too.
 fn legacy_event(marks: &[Mark]) -> Option<u64> {
     marks.iter().find(|m| m.stream == 0).and_then(|m| m.event)
+}
+
+/// Lets `stream` go from the record: no longer covered, known or lent, and no longer a use of
+/// any memory (its work has completed, or nothing runs any more).
+fn forget(s: &mut CudaState, stream: Stream) {
+    s.covered.retain(|&c| c != stream);
+    s.known.retain(|&k| k != stream);
+    s.views.remove(&stream);
+    for uses in s.uses.values_mut() {
+        if uses.writer == Some(stream) {
+            uses.writer = None;
+        }
+        uses.readers.retain(|&r| r != stream);
+        uses.touched.retain(|&t| t != stream);
+    }
 }

@@ -8,18 +8,15 @@ use super::driver::{CaptureMode, CuError, Driver, GraphExec, PER_THREAD_STREAM, 
 use crate::backend::{Addr, Backend, BackendError, Op, Violation, lock};
 
 impl<D: Driver> CudaBackend<D> {
-    /// Whether the fences cover `stream` (see [`cover_stream`](Self::cover_stream)).
+    /// Whether every fence covers `stream` (see [`cover_stream`](Self::cover_stream)).
     pub fn covers(&self, stream: Stream) -> bool {
-        lock(&self.covered).contains(&stream)
+        lock(&self.state).covered.contains(&stream)
     }
 
-    /// `stream` if the fences cover it, else why not.
-    pub(crate) fn covered(&self, stream: Stream) -> Result<Stream, BackendError> {
-        if self.covers(stream) {
-            return Ok(stream);
-        }
-        let v = Violation::UncoveredStream(stream);
-        Err(BackendError::refused(Op::Graph, 0, 0, v))
+    /// Whether views may be made for `stream`: covered, or known (see
+    /// [`know_stream`](Self::know_stream)).
+    pub fn knows(&self, stream: Stream) -> bool {
+        lock(&self.state).holds(stream)
     }
 
     /// A view lends `[addr, addr + len)` to work on `stream`, outside memtoken's own capture.
@@ -98,13 +95,24 @@ impl<D: Driver> CudaBackend<D> {
         Self::overlaps(&s.graph_held, addr, len) || Self::overlaps(&s.capture_held, addr, len)
     }
 
-    /// `cuStreamBeginCapture` on a covered stream.
+    /// `cuStreamBeginCapture` on a covered or known stream, lent (see
+    /// [`lend_stream`](Self::lend_stream)) until the capture or its graph goes, unless this
+    /// fails.
     pub(crate) fn begin_capture(
         &self,
         stream: Stream,
         mode: CaptureMode,
     ) -> Result<(), BackendError> {
-        let stream = self.covered(stream)?;
+        let stream = self.lend_stream(stream)?;
+        let begun = self.begin_capture_on(stream, mode);
+        if begun.is_err() {
+            self.end_lend(stream);
+        }
+        begun
+    }
+
+    /// `cuStreamBeginCapture` on a lent stream.
+    fn begin_capture_on(&self, stream: Stream, mode: CaptureMode) -> Result<(), BackendError> {
         let _s = self.enter(Op::Graph, 0, 0)?;
         // Not the legacy stream (capture cannot start there: fact 41), nor the per-thread
         // stream (one handle, a different stream on each thread: a launch on another thread
@@ -113,8 +121,8 @@ impl<D: Driver> CudaBackend<D> {
             let v = Violation::CaptureStream(stream);
             return Err(BackendError::refused(Op::Graph, 0, 0, v));
         }
-        // SAFETY: a covered stream other than the legacy one: live until the backend drops
-        // (`cover_stream`'s contract).
+        // SAFETY: a lent stream other than the legacy one: live until it is forgotten or the
+        // backend drops (`know_stream`'s contract), and not forgotten while lent.
         unsafe { self.driver.stream_begin_capture(stream, mode) }
             .map_err(|e| self.fail(Op::Graph, 0, 0, e))
     }

@@ -262,14 +262,20 @@ fn next_serial() -> u64 {
 
 /// CUDA virtual memory management on one device, over driver `D`.
 ///
-/// **What a fence covers.** A fence is one event per *covered* stream, recorded when a token's
-/// release starts (or when it is dropped), after everything submitted on that stream so far.
-/// The legacy default stream (0, cudarc's `default_stream()`) is always covered; it waits for
-/// every *blocking* stream, but not for the non-blocking streams that cudarc's `new_stream()`
-/// makes — those are covered once memtoken learns of them: through a typed view (which covers
-/// the stream it is made for), `cover` (feature `cuda`) for a cudarc stream, or
-/// [`cover_stream`](CudaBackend::cover_stream) for a raw handle. Memory used by a kernel on a
-/// covered stream is unmapped only after that kernel's work has finished.
+/// **What a fence covers.** A token's fence is one event per stream that may use its memory,
+/// recorded when its release starts (or when it is dropped), after everything submitted there
+/// so far: the legacy default stream (0, cudarc's `default_stream()`), which waits for every
+/// *blocking* stream; every *covered* stream; and each stream a typed view used that memory
+/// on (per reservation: a token's, or a page pool's chunks). The non-blocking streams cudarc's
+/// `new_stream()` makes are seen once memtoken learns of them: *known* to views
+/// ([`know_stream`](CudaBackend::know_stream); cudarc views know their own stream, `know`
+/// takes another), fenced only for the memory they used — so a fence stays as small as the
+/// streams that touched the memory, however many come and go — or *covered*
+/// ([`cover_stream`](CudaBackend::cover_stream), `cover` for cudarc), fenced by every release:
+/// the way for raw pointers, whose memory memtoken cannot tell. A stream is let go with
+/// [`forget_stream`](CudaBackend::forget_stream) once its work has completed (a cudarc stream
+/// the backend keeps alive, once its owner dropped it too). Memory used by a kernel on such a
+/// stream is unmapped only after that kernel's work has finished.
 ///
 /// **Other driver facts to know.** Every call makes this device's primary context current on
 /// the calling thread (and leaves it so). `cuMemUnmap` does not wait for work in flight (a
@@ -281,7 +287,7 @@ fn next_serial() -> u64 {
 ///
 /// Its tokens lend typed views (feature `cuda`: `view::<T>(&stream)`, `view_mut`) that are
 /// cudarc device memory — `DeviceSlice`, `DevicePtr`, `DevicePtrMut` — for cudarc's copies and,
-/// through `device_ptr(&stream)`, kernel arguments; a view covers its stream. A committed
+/// through `device_ptr(&stream)`, kernel arguments; a view knows its stream. A committed
 /// allocation also gives its raw `device_ptr()` (cover the stream yourself) and
 /// `copy_from_host` / `copy_to_host`; prefixes, mappings and page tables have copies too.
 ///
@@ -322,9 +328,6 @@ pub struct CudaBackend<D: Driver> {
     grant_ro: Vec<(i32, bool)>,
     /// Whether `drop` gives back a retain of the primary context (one `new` took).
     owns_retain: bool,
-    /// Streams every fence covers (the legacy stream first). Its own lock, never held across a
-    /// driver call.
-    covered: Mutex<Vec<Stream>>,
     /// cudarc's handles on what this backend uses but does not own: the context it was opened
     /// on, and the streams it covers, kept alive as long as the backend records events there.
     #[cfg(feature = "cuda")]

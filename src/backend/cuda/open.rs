@@ -125,7 +125,6 @@ impl<D: Driver> CudaBackend<D> {
             grant_rw: vec![(device, true)],
             grant_ro: vec![(device, false)],
             owns_retain,
-            covered: Mutex::new(vec![0]),
             #[cfg(feature = "cuda")]
             kept: Mutex::new(Kept::default()),
             lost: AtomicBool::new(false),

@@ -4,7 +4,7 @@
 //! is the record changed).
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
-use super::driver::{CaptureMode, CuError, CuResult, Driver, Event};
+use super::driver::{CaptureMode, CuError, CuResult, Driver, Event, Stream};
 use super::{CudaBackend, CudaPhys};
 use crate::backend::rules::Book;
 use crate::backend::{Access, Addr, Backend, BackendError, Cause, Op, Span, Violation, lock};
@@ -61,14 +61,25 @@ pub(super) struct CudaState {
     /// streams that used it through views since its last write: see
     /// [`order_use`](CudaBackend::order_use). Gone with the reservation.
     pub(super) uses: HashMap<Addr, Uses>,
+    /// Streams every fence covers, the legacy stream first (see
+    /// [`cover_stream`](CudaBackend::cover_stream)).
+    pub(super) covered: Vec<Stream>,
+    /// Streams views may be made for, fenced only where a view used the memory (see
+    /// [`know_stream`](CudaBackend::know_stream)).
+    pub(super) known: Vec<Stream>,
+    /// Live views per stream: a stream is not forgotten while one lives.
+    pub(super) views: HashMap<Stream, usize>,
 }
 
-/// The streams that used one reservation's memory through views: its last writer, and the
-/// readers since.
+/// The streams that used one reservation's memory through views: its last writer and the
+/// readers since (what a new use waits for), and every stream that used it (what its release
+/// fences).
 #[derive(Debug, Default)]
 pub(super) struct Uses {
-    pub(super) writer: Option<super::driver::Stream>,
-    pub(super) readers: Vec<super::driver::Stream>,
+    pub(super) writer: Option<Stream>,
+    pub(super) readers: Vec<Stream>,
+    /// Every stream that used it through a view, once each: its release fences them.
+    pub(super) touched: Vec<Stream>,
 }
 
 /// A copy on the legacy stream whose wait failed (see [`CudaState::unsettled`]).
@@ -84,6 +95,12 @@ pub(super) struct Unsettled {
 }
 
 impl CudaState {
+    /// Whether the backend may use `stream`: the legacy stream, or one covered or known (whose
+    /// owner promised it live until it is forgotten or the backend drops).
+    pub(super) fn holds(&self, stream: Stream) -> bool {
+        stream == 0 || self.covered.contains(&stream) || self.known.contains(&stream)
+    }
+
     /// An empty record for memory of `granularity`.
     pub(super) fn new(granularity: usize) -> Self {
         Self {
@@ -102,6 +119,9 @@ impl CudaState {
             dead_execs: Vec::new(),
             handoff: None,
             uses: HashMap::new(),
+            covered: vec![0],
+            known: Vec::new(),
+            views: HashMap::new(),
         }
     }
 }

@@ -238,7 +238,12 @@ impl<D: Driver> Backend for CudaBackend<D> {
 
     #[inline]
     fn fence(&self) -> CudaFence {
-        self.record_fence()
+        self.record_fence_over(None)
+    }
+
+    #[inline]
+    fn fence_for(&self, at: &[Addr]) -> CudaFence {
+        self.record_fence_over(Some(at))
     }
 
     #[inline]

@@ -356,6 +356,11 @@ impl<B: Backend> Backend for Faulty<B> {
         self.inner.fence()
     }
 
+    fn fence_for(&self, at: &[Addr]) -> B::Fence {
+        self.handle.enter_infallible(Op::Fence);
+        self.inner.fence_for(at)
+    }
+
     fn fence_done(&self, fence: &B::Fence) -> bool {
         self.handle.enter_infallible(Op::Fence);
         self.inner.fence_done(fence)

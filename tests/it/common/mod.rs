@@ -40,6 +40,19 @@ macro_rules! covered_device {
 }
 pub(crate) use covered_device;
 
+/// As [`covered_device!`], but the stream is only known to the device (views may be made for
+/// it; a release fences it only where a view used the memory there).
+macro_rules! known_device {
+    ($model:expr, $device:ident, $stream:ident) => {
+        memtoken::make_guard!(guard);
+        let $device = memtoken::Device::new(guard, crate::common::cuda(&$model));
+        let $stream = $model.new_stream();
+        // SAFETY: a stream of the model's only context, destroyed only once forgotten.
+        unsafe { $device.know_stream($stream) };
+    };
+}
+pub(crate) use known_device;
+
 /// The host backend with its default settings.
 pub fn host() -> HostBackend {
     HostBackend::with_defaults().expect("memfd")

@@ -120,6 +120,29 @@ impl DriverModel {
         stream
     }
 
+    /// Destroys `stream`, as its owner's `cuStreamDestroy` does: work submitted there still
+    /// completes, but any later driver call naming the stream is a misuse (the model panics),
+    /// as is submitting more work on it.
+    ///
+    /// # Panics
+    ///
+    /// If `stream` is the legacy stream, not one of the model's, or destroyed already.
+    pub fn destroy_stream(&self, stream: Stream) {
+        let mut s = self.state();
+        if stream == 0 || !s.live_stream(stream) {
+            panic!("DriverModel: cannot destroy stream {stream:#x}");
+        }
+        s.streams.get_mut(&stream).expect("live").destroyed = true;
+    }
+
+    /// Whether `stream` was destroyed ([`destroy_stream`](Self::destroy_stream)).
+    pub fn stream_destroyed(&self, stream: Stream) -> bool {
+        self.state()
+            .streams
+            .get(&stream)
+            .is_some_and(|w| w.destroyed)
+    }
+
     /// Submits work on `stream` (a kernel still running there). It may touch any memory mapped
     /// with access now (fact 21).
     ///
@@ -128,7 +151,7 @@ impl DriverModel {
     /// If `stream` is not one of the model's.
     pub fn submit_work_on(&self, stream: Stream) {
         let mut s = self.state();
-        if !s.streams.contains_key(&stream) {
+        if !s.live_stream(stream) {
             panic!("DriverModel: no stream {stream:#x}");
         }
         s.submit(stream, None);
@@ -142,7 +165,7 @@ impl DriverModel {
     /// If `stream` is not one of the model's.
     pub fn submit_work_touching(&self, stream: Stream, touches: &[(u64, usize)]) {
         let mut s = self.state();
-        if !s.streams.contains_key(&stream) {
+        if !s.live_stream(stream) {
             panic!("DriverModel: no stream {stream:#x}");
         }
         let touches = touches.iter().map(|&(a, n)| (a as Addr, n)).collect();

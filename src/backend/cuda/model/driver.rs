@@ -437,7 +437,7 @@ impl Driver for DriverModel {
     unsafe fn stream_synchronize(&self, stream: Stream) -> CuResult<()> {
         let call = DriverCall::StreamSynchronize;
         let mut s = self.enter(call, true)?;
-        if !s.streams.contains_key(&stream) {
+        if !s.live_stream(stream) {
             misuse(call, format_args!("no stream {stream:#x}"));
         }
         if let Some(c) = s.captures.get_mut(&stream) {
@@ -512,7 +512,12 @@ impl Driver for DriverModel {
     unsafe fn event_record(&self, event: Event, stream: Stream) -> CuResult<()> {
         let call = DriverCall::EventRecord;
         let mut s = self.enter(call, true)?;
-        let Some(submitted) = s.streams.get(&stream).map(|w| w.submitted) else {
+        let Some(submitted) = s
+            .streams
+            .get(&stream)
+            .filter(|w| !w.destroyed)
+            .map(|w| w.submitted)
+        else {
             misuse(call, format_args!("unknown stream {stream:#x}"));
         };
         if !s.events.contains_key(&event) {
@@ -582,7 +587,7 @@ impl Driver for DriverModel {
     unsafe fn stream_is_capturing(&self, stream: Stream) -> CuResult<bool> {
         let call = DriverCall::StreamIsCapturing;
         let s = self.enter(call, true)?;
-        if !s.streams.contains_key(&stream) {
+        if !s.live_stream(stream) {
             misuse(call, format_args!("unknown stream {stream:#x}"));
         }
         if stream == 0 {
@@ -606,7 +611,7 @@ impl Driver for DriverModel {
     unsafe fn stream_begin_capture(&self, stream: Stream, mode: CaptureMode) -> CuResult<()> {
         let call = DriverCall::StreamBeginCapture;
         let mut s = self.enter(call, true)?;
-        if stream == 0 || !s.streams.contains_key(&stream) {
+        if stream == 0 || !s.live_stream(stream) {
             misuse(call, format_args!("cannot capture on stream {stream:#x}"));
         }
         if s.captures.contains_key(&stream) {
@@ -668,7 +673,7 @@ impl Driver for DriverModel {
         let Some(nodes) = s.execs.get(&exec).cloned() else {
             misuse(call, format_args!("unknown executable graph {exec:#x}"));
         };
-        if !s.streams.contains_key(&stream) {
+        if !s.live_stream(stream) {
             misuse(call, format_args!("unknown stream {stream:#x}"));
         }
         if stream == 0 {
@@ -689,7 +694,7 @@ impl Driver for DriverModel {
     unsafe fn stream_wait_event(&self, stream: Stream, event: Event) -> CuResult<()> {
         let call = DriverCall::StreamWaitEvent;
         let mut s = self.enter(call, true)?;
-        if !s.streams.contains_key(&stream) {
+        if !s.live_stream(stream) {
             misuse(call, format_args!("unknown stream {stream:#x}"));
         }
         let Some(&recorded) = s.events.get(&event) else {

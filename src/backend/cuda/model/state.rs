@@ -39,6 +39,9 @@ pub(super) struct StreamWork {
     /// Whether it synchronizes with the legacy stream (a blocking stream, as the per-thread
     /// stream is: fact 2); cudarc's `new_stream()` streams do not (fact 4).
     pub(super) blocking: bool,
+    /// Destroyed by its owner (`cuStreamDestroy`): no call may name it any more; work
+    /// submitted before still completes (STREAM: its resources go once it has).
+    pub(super) destroyed: bool,
 }
 
 /// A piece of work submitted on a stream.
@@ -207,6 +210,11 @@ pub(super) struct ModelState {
 }
 
 impl ModelState {
+    /// Whether `stream` is one of the model's and not destroyed: a call may name it.
+    pub(super) fn live_stream(&self, stream: Stream) -> bool {
+        self.streams.get(&stream).is_some_and(|w| !w.destroyed)
+    }
+
     /// The state of a new model with `config`: nothing initialized, reserved, created or
     /// recorded; the legacy stream only.
     pub(super) fn new(config: &ModelConfig) -> Self {

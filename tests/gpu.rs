@@ -596,6 +596,8 @@ fn gpu_a_view_used_on_another_stream_waits_for_its_home_stream() {
     let spin = spin_axpy(&ctx);
     launch_spin_axpy(&spin, &home, 2.0, &x, &mut y, n, Duration::from_millis(200));
     // Read on `other` through a view whose home is `home`: it must see the kernel's writes.
+    // (A view is used only on streams the device knows: its memory's release fences them.)
+    device.know(&other).unwrap();
     let view = y.view::<f32>(&home).unwrap();
     let ys = other.clone_dtoh(&view.slice(..n)).unwrap();
     assert!(
@@ -606,6 +608,66 @@ fn gpu_a_view_used_on_another_stream_waits_for_its_home_stream() {
     home.synchronize().unwrap();
     ctx.check_err().unwrap();
     drop((x, y));
+    poll_until_released(&device);
+    drop(binding);
+    let report = device.close();
+    assert!(report.is_clean(), "{report:?}");
+}
+
+/// Issue 23 on a GPU: a view used on another stream, its guard dropped at once (before the
+/// kernel is even launched), the view dropped and the token released while the kernel on that
+/// stream still runs: the release waits for the kernel — the memory's fence covers every
+/// stream a view used it on, whatever becomes of the guard — and no sticky error follows.
+#[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
+fn gpu_a_view_used_on_another_stream_with_its_guard_dropped_at_once_is_still_fenced() {
+    let test = "gpu_a_view_used_on_another_stream_with_its_guard_dropped_at_once_is_still_fenced";
+    let Some((ctx, backend)) = shared_or_skip(test) else {
+        return;
+    };
+    make_guard!(guard);
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let (home, other) = (ctx.new_stream().unwrap(), ctx.new_stream().unwrap());
+    device.know(&other).unwrap();
+    let n = 1 << 16;
+    let x = binding.reserve(n * 4).unwrap().commit().unwrap();
+    let mut y = binding.reserve(n * 4).unwrap().commit().unwrap();
+    home.memcpy_htod(&vec![1.0f32; n], &mut y.view_mut::<f32>(&home).unwrap())
+        .unwrap();
+    let spin = spin_axpy(&ctx);
+    // Pointers for `other` through views homed on `home`, guards dropped at once.
+    let (xp, yp) = {
+        let xv = x.view::<f32>(&home).unwrap();
+        let mut yv = y.view_mut::<f32>(&home).unwrap();
+        let (xp, _) = xv.device_ptr(&other);
+        let (yp, _) = yv.device_ptr_mut(&other);
+        (xp, yp)
+    };
+    let (len, ns) = (n as u32, Duration::from_millis(500).as_nanos() as u64);
+    let mut launch = other.launch_builder(&spin);
+    launch.arg(&2.0f32).arg(&xp).arg(&yp).arg(&len).arg(&ns);
+    // SAFETY: spin_axpy(a, x, y, n, ns) reads n floats at `xp` and writes n at `yp`, both
+    // tokens' memory of n floats, mapped until their releases — which this test checks wait.
+    unsafe { launch.launch(LaunchConfig::for_num_elems(len)) }.unwrap();
+    let kernel_done = other.record_event(None).unwrap();
+    drop(x);
+    let still_running = !kernel_done.try_is_complete().unwrap();
+    let progress = device.poll();
+    assert!(
+        still_running,
+        "the kernel ended before the test could look: lengthen its spin"
+    );
+    assert_eq!(
+        progress.deferred, 1,
+        "x was released under a kernel on a stream a view lent it to"
+    );
+    poll_until_released(&device);
+    assert!(kernel_done.try_is_complete().unwrap());
+    other.synchronize().unwrap();
+    ctx.check_err().unwrap();
+    assert!(device.confirm_context_lost().is_none());
+    drop(y);
     poll_until_released(&device);
     drop(binding);
     let report = device.close();

@@ -406,10 +406,10 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     }
 }
 
-/// Whether no work that may use `core`'s memory still runs on any stream the backend's fences
-/// cover: before an unmap, which does not wait for it.
+/// Whether no work that may use `core`'s memory still runs (on a stream the backend's fences
+/// cover for it): before an unmap, which does not wait for it.
 pub(crate) fn idle<B: Backend>(core: Core<'_, '_, B>) -> bool {
-    core.backend().idle()
+    core.backend().idle(&[core.addr])
 }
 
 /// Unmaps the granules of `core`'s range withheld in `withheld` after a failed unmap, and gives back

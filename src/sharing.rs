@@ -533,8 +533,9 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Sharer> {
                 return refuse(self, CommitFailure::Backend(e));
             }
             // The boundary is unmapped below: not while work that may read it still runs (on any
-            // stream the backend's fences cover). The token is moved in, so no new work can start.
-            if !backend.idle() {
+            // stream the backend's fences cover for it). The token is moved in, so no new work
+            // can start.
+            if !backend.idle(&[core.addr]) {
                 return Err(TransitionError {
                     token: Returned::Unchanged(self),
                     cause: CowFailure::Pending,

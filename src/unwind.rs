@@ -332,11 +332,12 @@ impl<B: Backend> Guarded<B> {
         let _ = Self::contain(|| self.backend.retire_fence(fence));
     }
 
-    /// Whether no work covered by the backend's fences may still run: a fence recorded now
-    /// and already done. Any doubt (a panic) answers no.
+    /// Whether no work that may use the memory of the reservations holding `at` may still
+    /// run: a fence over it ([`fence_for`](Self::fence_for)) recorded now and already done.
+    /// Any doubt (a panic) answers no.
     #[inline]
-    pub(crate) fn idle(&self) -> bool {
-        let Some(fence) = self.fence() else {
+    pub(crate) fn idle(&self, at: &[Addr]) -> bool {
+        let Some(fence) = self.fence_for(at) else {
             return false;
         };
         let done = self.fence_done(&fence);

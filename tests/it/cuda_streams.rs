@@ -3,7 +3,7 @@
 //! recorded is never weaker for it; a copy waits for the GPU outside the backend's lock; and a
 //! device dropped while its context lives on frees everything once the work is done.
 
-use crate::common;
+use crate::common::{self, Grown};
 use memtoken::backend::{Access, Addr, Backend, Cause, Violation};
 use memtoken::backend::{
     cuda::{CuError, CudaBackend, CudaPhys, DriverCall, Stream},
@@ -885,6 +885,66 @@ fn ten_thousand_page_frees_keep_fences_bounded_and_allocate_per_batch_only() {
         pool.capacity()
     );
     drop(pool);
+    drop(binding);
+    model.complete_work();
+    assert!(device.close().is_clean());
+}
+
+/// Issue 23: driver calls per page alloc/free cycle on the model, with one covered stream and
+/// the GPU catching up every 500 cycles — one fence per batch of freed pages, not per page.
+/// Prints the figure (`-- --nocapture`); fails above one call per cycle (a fence per free made
+/// about 15).
+#[test]
+fn a_page_cycle_makes_less_than_one_driver_call() {
+    let model = model(false);
+    common::covered_device!(model, device, stream);
+    let _ = stream;
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(pool_guard);
+    let pool = memtoken::PagePool::new(pool_guard, &binding, G / 64).unwrap();
+    let warm = pool.alloc().unwrap(); // the first chunk's commit is not counted
+    pool.free(warm);
+    let cycles = 10_000;
+    let before = model.log().len();
+    for i in 0..cycles {
+        let page = pool.alloc().unwrap();
+        pool.free(page);
+        if i % 500 == 499 {
+            model.complete_work();
+        }
+    }
+    let per_cycle = (model.log().len() - before) as f64 / cycles as f64;
+    println!("driver calls per page alloc/free cycle: {per_cycle:.3}");
+    assert!(per_cycle < 1.0, "{per_cycle} driver calls per page cycle");
+    drop(pool);
+    drop(binding);
+    model.complete_work();
+    assert!(device.close().is_clean());
+}
+
+/// Issue 23: a shrink waits only for the streams that may use the region: a kernel on a known
+/// stream that used another token through a view does not hold it back, while one that used the
+/// region does. Fails with the shrink waiting for every stream the device holds.
+#[test]
+fn a_shrink_waits_for_the_streams_that_touched_the_region_only() {
+    let model = model(false);
+    common::known_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let x = binding.reserve(G).unwrap().commit().unwrap();
+    let mut region = binding.reserve(4 * G).unwrap().into_region().grown(2);
+    model.complete_work();
+    let ptr = x.stream_view::<u8>(stream).unwrap().device_ptr();
+    model.submit_work_touching(stream, &[(ptr, G)]); // a kernel reading `x`, not the region
+    region.shrink(1).map_err(|e| e.to_string()).unwrap();
+    let ptr = region.stream_view::<u8>(stream).unwrap().device_ptr();
+    model.submit_work_touching(stream, &[(ptr, G)]); // now one using the region
+    assert!(matches!(
+        region.shrink(1),
+        Err(memtoken::ShrinkError::Pending)
+    ));
+    model.complete_work();
+    region.shrink(1).map_err(|e| e.to_string()).unwrap();
+    drop((x, region));
     drop(binding);
     model.complete_work();
     assert!(device.close().is_clean());

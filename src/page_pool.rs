@@ -52,7 +52,7 @@ const BATCHES: usize = 2;
 /// **On a GPU, a freed page waits.** Where work may still use memory asynchronously (a
 /// backend that is not [`IMMEDIATE`](Backend::IMMEDIATE), such as CUDA), a page given back
 /// waits, with no call and no allocation, until the pool runs out of free pages; then one
-/// fence, covering every stream the device's fences cover, is recorded for every page given
+/// fence, over the streams that may use the pool's chunks, is recorded for every page given
 /// back since, and they are handed out again once it has completed
 /// ([`cooling_pages`](Self::cooling_pages) counts them meanwhile). At most two such fences live
 /// at a time (a newer one takes over the newest batch: it covers more work). On the host a
@@ -291,7 +291,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
 
     /// Gives pages back: at once where nothing can use them asynchronously, else to the pages
     /// that wait for a fence, recorded when the pool next runs out of free pages (work on
-    /// every stream the device's fences cover may still use them). No allocation, no call.
+    /// the streams that used the pool's chunks may still use them). No allocation, no call.
     #[inline]
     fn give_back(&self, pages: &[u32]) {
         if B::IMMEDIATE {

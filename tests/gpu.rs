@@ -642,6 +642,8 @@ fn gpu_a_view_used_on_another_stream_with_its_guard_dropped_at_once_is_still_fen
         let mut yv = y.view_mut::<f32>(&home).unwrap();
         let (xp, _) = xv.device_ptr(&other);
         let (yp, _) = yv.device_ptr_mut(&other);
+        let handle = home.cu_stream() as memtoken::backend::cuda::Stream;
+        assert!(!device.forget_stream(handle), "views of `home` live");
         (xp, yp)
     };
     let (len, ns) = (n as u32, Duration::from_millis(500).as_nanos() as u64);

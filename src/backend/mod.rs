@@ -478,6 +478,19 @@ pub trait Backend {
     /// Copies `src` from the host into memory at `dst` (what a resume restores). Every byte
     /// must be mapped read-write. An empty `src` copies nothing and succeeds, whatever `dst`.
     fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError>;
+    /// Copies `len` bytes of mapped memory at `src` to mapped read-write memory at `dst`, the
+    /// two ranges apart (a page's copy-on-write); returns once the bytes have landed. On CUDA a
+    /// device-to-device copy, ordered after the work that may use either range. By default
+    /// through a host buffer (`copy_to_host`, then `copy_from_host`). `len == 0` copies
+    /// nothing and succeeds.
+    fn copy_within(&self, dst: Addr, src: Addr, len: usize) -> Result<(), BackendError> {
+        if len == 0 {
+            return Ok(());
+        }
+        let mut bytes = vec![0u8; len];
+        self.copy_to_host(&mut bytes, src)?;
+        self.copy_from_host(dst, &bytes)
+    }
 
     /// Records a fence after all work submitted so far. Infallible: a backend that cannot record
     /// one returns a fence that reports done only once the work is known to be finished.

@@ -107,11 +107,17 @@ pub enum Violation {
     /// A stream of another context than the backend's.
     #[error("the stream belongs to another context: fences can only cover this device's streams")]
     ForeignStream,
-    /// A raw stream handle the backend's fences do not cover.
+    /// A raw stream handle the backend neither knows nor covers.
     #[error(
-        "stream {0:#x} is not covered by the device's fences: cover it first (`cover_stream`, or `cover` for a cudarc stream)"
+        "stream {0:#x} is neither known to the device nor covered by its fences: make it known first (`know_stream`, or `know` for a cudarc stream; `cover_stream` for raw pointers)"
     )]
     UncoveredStream(usize),
+    /// The per-thread default stream, for a view: one handle, a different stream on each
+    /// thread, so a fence recorded on another thread would not cover the work.
+    #[error(
+        "the per-thread stream is a different stream on each thread: memtoken cannot fence work on it from another thread; make views on a stream of your own"
+    )]
+    PerThreadStream,
     /// A capture asked of the legacy stream (capture cannot begin there) or of the per-thread
     /// stream (a different stream on each thread: its graph's launches on another thread would
     /// run where no fence of this one records).

@@ -13,6 +13,7 @@ use crate::device::Device;
 use crate::error::ViewError;
 use crate::page_pool::Page;
 use crate::region::Elastic;
+use crate::sharing::{Capability, Owner};
 use crate::state::{Committed, Readable};
 use bytemuck::Pod;
 use std::fmt;
@@ -29,7 +30,8 @@ use std::marker::PhantomData;
 /// ([`StreamViewMut::device_ptr_mut`]) after the last write and every read since — the
 /// stream waits for an event recorded on each (`cuStreamWaitEvent`), as cudarc's `DevicePtr`
 /// contract asks. The token's release waits for the work submitted on the view's stream from
-/// then on (as on every covered stream), whatever becomes of the view.
+/// then on, whatever becomes of the view (the view lends the stream: it is not forgotten
+/// meanwhile).
 ///
 /// **Graph captures.** A view made outside a memtoken [`Capture`] whose pointer is taken
 /// while its stream captures (a capture begun with cudarc's `begin_capture` or the raw
@@ -42,6 +44,9 @@ use std::marker::PhantomData;
 /// pointer is for work on the view's stream while the view lives — memtoken cannot see a
 /// pointer kept past the view, or used on another stream, and such a use is the caller's to
 /// keep out of a capture memtoken does not make (as for the raw `device_ptr()` of a token).
+/// A use that must wait for a stream which captures at that moment waits for none of that
+/// stream's work (it cannot be waited for without invalidating the capture): end captures
+/// before using their memory elsewhere. (A host copy is refused meanwhile instead.)
 pub struct StreamView<'a, T, D: Driver> {
     backend: &'a CudaBackend<D>,
     addr: Addr,
@@ -112,8 +117,8 @@ impl<'a, T, D: Driver> StreamView<'a, T, D> {
     fn use_for(&self, write: bool) -> u64 {
         self.ask_stream();
         if !self.in_capture {
-            // SAFETY: the stream is covered (checked when the view was lent), so live until
-            // the backend drops (`cover_stream`'s contract).
+            // SAFETY: the stream is lent to this view (checked held when it was lent): live
+            // until forgotten, which no lend allows (`know_stream`'s contract).
             unsafe { self.backend.order_use(self.stream, self.addr, write) };
         }
         self.addr as u64
@@ -124,8 +129,8 @@ impl<'a, T, D: Driver> StreamView<'a, T, D> {
     fn ask_stream(&self) {
         if !self.in_capture {
             let bytes = self.len * size_of::<T>();
-            // SAFETY: the stream is covered (checked when the view was lent), so live until the
-            // backend drops (`cover_stream`'s contract).
+            // SAFETY: the stream is lent to this view (checked held when it was lent): live
+            // until forgotten, which no lend allows (`know_stream`'s contract).
             unsafe { self.backend.note_use(self.stream, self.addr, bytes) };
         }
     }
@@ -207,6 +212,29 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Committed> {
     ) -> Result<StreamViewMut<'_, T, D>, ViewError> {
         let backend = self.binding().device().backend().raw();
         StreamView::lend(backend, self.addr(), self.len(), stream, false).map(StreamViewMut::new)
+    }
+}
+
+impl<D: Driver, K: Capability> Allocation<'_, '_, CudaBackend<D>, Owner<K>> {
+    /// The prefix as elements of `T`, writable, for work on the raw `stream` — only while no
+    /// sharer maps it (`None` otherwise), so the owner can compute its prefix on the device
+    /// before sharing it (see [`stream_view`](Allocation::stream_view)). A sharer's mapping
+    /// joins the prefix's memory in the order per memory: its views read after this view's
+    /// last write. Borrows the prefix mutably.
+    ///
+    /// # Errors
+    ///
+    /// As for [`stream_view`](Allocation::stream_view).
+    pub fn stream_view_mut<T: Pod>(
+        &mut self,
+        stream: Stream,
+    ) -> Option<Result<StreamViewMut<'_, T, D>, ViewError>> {
+        if !self.parts_mut().is_unique() {
+            return None;
+        }
+        let backend = self.binding().device().backend().raw();
+        let view = StreamView::lend(backend, self.addr(), self.len(), stream, false);
+        Some(view.map(StreamViewMut::new))
     }
 }
 
@@ -320,10 +348,12 @@ type Invariant<'t> = PhantomData<fn(&'t ()) -> &'t ()>;
 /// `Send`), and cannot begin on the legacy stream or the per-thread stream. A capture left without
 /// [`end`](Self::end) (an early return, a panic) is ended as it drops, its graph discarded.
 ///
-/// **Which stream.** A capture is made on a stream the device's fences cover, and its graph
-/// launches there (its *home*, as for views): each launch runs after the work submitted there
-/// before it, the views' earlier uses on that stream included, and a token's release waits for
-/// every launch made before it. Work on other streams is ordered by the caller, as for views.
+/// **Which stream.** A capture is made on a stream the device knows or covers, and its graph
+/// launches there (its *home*, as for views; the stream is not forgotten while the capture or
+/// its graph lives): each launch runs after the work submitted there before it, and after the
+/// memory's earlier uses through views on other streams (per memory, as a view's use: a read
+/// after the last write, a write after it and every read since), and a token's release waits
+/// for every launch made before it.
 pub struct Capture<'t, 'id, D: Driver> {
     backend: &'t CudaBackend<D>,
     stream: Stream,
@@ -334,14 +364,17 @@ pub struct Capture<'t, 'id, D: Driver> {
     /// The ranges its views lent, held by the backend until the graph goes (or for good if
     /// the capture is forgotten or ended by someone else).
     held: std::cell::RefCell<Vec<(Addr, usize)>>,
+    /// What its views lent, and whether for writing: each launch of its graph is ordered per
+    /// memory as a use through a view would be.
+    lends: std::cell::RefCell<Vec<(Addr, bool)>>,
     _uses: Invariant<'t>,
     _device: PhantomData<&'t Device<'id, CudaBackend<D>>>,
     _thread: OnItsThread,
 }
 
 impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
-    /// Begins a capture (`cuStreamBeginCapture` in `mode`) on `stream`, which the device's
-    /// fences cover and which is not the legacy stream.
+    /// Begins a capture (`cuStreamBeginCapture` in `mode`) on `stream`, which the device knows
+    /// or covers and which is neither the legacy nor the per-thread stream.
     ///
     /// # Errors
     ///
@@ -361,6 +394,7 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
             open: true,
             lent: true,
             held: std::cell::RefCell::new(Vec::new()),
+            lends: std::cell::RefCell::new(Vec::new()),
             _uses: PhantomData,
             _device: PhantomData,
             _thread: PhantomData,
@@ -382,7 +416,7 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
         &'c self,
         token: &'t Allocation<'_, 'id, CudaBackend<D>, S>,
     ) -> Result<StreamView<'c, T, D>, ViewError> {
-        self.lend(token.addr(), token.len())
+        self.lend(token.addr(), token.len(), false)
     }
 
     /// `token`'s memory as elements of `T`, writable, for the captured work; the token is
@@ -395,7 +429,8 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
         &'c self,
         token: &'t mut Allocation<'_, 'id, CudaBackend<D>, Committed>,
     ) -> Result<StreamViewMut<'c, T, D>, ViewError> {
-        self.lend(token.addr(), token.len()).map(StreamViewMut::new)
+        self.lend(token.addr(), token.len(), true)
+            .map(StreamViewMut::new)
     }
 
     /// A region's committed part as elements of `T`, writable, for the captured work; the
@@ -409,18 +444,25 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
         &'c self,
         region: &'t mut Allocation<'_, 'id, CudaBackend<D>, Elastic>,
     ) -> Result<StreamViewMut<'c, T, D>, ViewError> {
-        self.lend(region.addr(), region.committed_len())
+        self.lend(region.addr(), region.committed_len(), true)
             .map(StreamViewMut::new)
     }
 
     /// A view of `len` bytes at `addr` for the captured work, the range held from now on:
     /// the captured work may use it whenever the graph is launched, even if the capture is
     /// forgotten and ended by someone else.
-    fn lend<T: Pod>(&self, addr: Addr, len: usize) -> Result<StreamView<'_, T, D>, ViewError> {
+    fn lend<T: Pod>(
+        &self,
+        addr: Addr,
+        len: usize,
+        write: bool,
+    ) -> Result<StreamView<'_, T, D>, ViewError> {
         let view = StreamView::lend(self.backend, addr, len, self.stream, true)?;
         self.backend.hold_for_capture(addr, len);
-        // Its launches run on the stream: the memory's release fences it.
+        // Its launches run on the stream: the memory's release fences it, and each launch is
+        // ordered after the memory's earlier uses.
         self.backend.touch(self.stream, addr);
+        self.lends.borrow_mut().push((addr, write));
         self.held.borrow_mut().push((addr, len));
         Ok(view)
     }
@@ -459,6 +501,7 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
             backend: self.backend,
             exec,
             held: std::mem::take(self.held.get_mut()),
+            lends: std::mem::take(self.lends.get_mut()),
             stream: self.stream,
             _uses: PhantomData,
             _device: PhantomData,
@@ -582,6 +625,8 @@ pub struct CapturedGraph<'t, 'id, D: Driver> {
     exec: GraphExec,
     /// The ranges the capture lent, let go once the graph is destroyed.
     held: Vec<(Addr, usize)>,
+    /// What its capture's views lent, and whether for writing.
+    lends: Vec<(Addr, bool)>,
     stream: Stream,
     _uses: Invariant<'t>,
     _device: PhantomData<&'t Device<'id, CudaBackend<D>>>,
@@ -602,10 +647,16 @@ impl<D: Driver> CapturedGraph<'_, '_, D> {
     /// stream captures (the launch would be captured into a graph that borrows nothing); the
     /// driver's error.
     pub fn launch(&self) -> Result<(), BackendError> {
+        // Per memory, as a view's use: after the last write through another view (and, for a
+        // write, every read since) on another stream.
+        for &(addr, write) in &self.lends {
+            // SAFETY: the stream is lent to this graph (never forgotten while it lives).
+            unsafe { self.backend.order_use(self.stream, addr, write) };
+        }
         // SAFETY: `exec` came from this backend's `end_capture` and is destroyed only as this
         // graph drops; the memory it uses belongs to tokens this graph borrows, which stay
         // mapped while it lives, and their releases wait for its launches afterwards (its
-        // stream is covered).
+        // stream touched their memory).
         unsafe { self.backend.launch(self.exec, self.stream) }
     }
 }

@@ -5,7 +5,7 @@
 use super::fit;
 use crate::allocation::Allocation;
 use crate::backend::Addr;
-use crate::backend::cuda::{CudaBackend, PER_THREAD_STREAM, Stream, SysDriver};
+use crate::backend::cuda::{CudaBackend, Stream, SysDriver};
 use crate::error::ViewError;
 use crate::page_pool::{Page, PageTable};
 use crate::sharing::{Diverged, Owner};
@@ -59,8 +59,8 @@ fn bounds(range: impl RangeBounds<usize>, len: usize) -> (usize, usize) {
 }
 
 impl<'a> Span<'a> {
-    /// `bytes` bytes at `addr` as `T`s on `stream`, which the backend's fences cover from now
-    /// on.
+    /// `bytes` bytes at `addr` as `T`s on `stream`, which the backend knows from now on, and
+    /// which is lent to the span (not forgotten) until it drops. Not the per-thread stream.
     fn lend<T: Pod>(
         backend: &'a Gpu,
         addr: Addr,
@@ -68,9 +68,11 @@ impl<'a> Span<'a> {
         stream: &Arc<CudaStream>,
     ) -> Result<Self, ViewError> {
         let len = fit::<T>(addr, bytes)?;
+        let refused = |e| ViewError::Stream(Box::new(e));
+        backend.know(stream).map_err(refused)?;
         backend
-            .know(stream)
-            .map_err(|e| ViewError::Stream(Box::new(e)))?;
+            .lend_stream(stream.cu_stream() as Stream)
+            .map_err(refused)?;
         Ok(Self {
             backend,
             ptr: addr as CUdeviceptr,
@@ -93,6 +95,9 @@ impl<'a> Span<'a> {
 
     /// Elements `start..end`, in bounds.
     fn between<T>(&self, start: usize, end: usize) -> Self {
+        // Lent already to this span, so held: lent once more, to the new one.
+        let lent = self.backend.lend_stream(self.home.cu_stream() as Stream);
+        debug_assert!(lent.is_ok(), "a lent stream stays held");
         Self {
             backend: self.backend,
             ptr: self.ptr + (start * size_of::<T>()) as CUdeviceptr,
@@ -142,20 +147,18 @@ impl<'a> Span<'a> {
             self.backend
                 .order_use(home.cu_stream() as Stream, self.ptr as Addr, write)
         };
-        // The per-thread stream has one handle on every thread but is a different stream on
-        // each: never taken for the home stream.
-        let per_thread = home.cu_stream() as Stream == PER_THREAD_STREAM;
-        if stream == home && !per_thread {
+        if stream == home {
             return SyncOnDrop::Record(None); // the stream's own order is enough
         }
         // Another stream: the memory's release fences it too, whatever becomes of the guard —
-        // so it must be one the backend keeps alive (known or covered).
+        // so it must be one the backend keeps alive (known or covered), and not the per-thread
+        // stream (a different stream on each thread, which no fence of another thread covers).
         let other = stream.cu_stream() as Stream;
         assert!(
-            other == PER_THREAD_STREAM || self.backend.touch(other, self.ptr as Addr),
-            "a memtoken device view was used on a stream the device does not know: its \
-             memory's release could not wait for that use; call `device.know(&stream)` \
-             (or `cover`) first, or make the view on that stream"
+            self.backend.touch(other, self.ptr as Addr),
+            "a memtoken device view was used on a stream the device does not know (or on the \
+             per-thread stream): its memory's release could not wait for that use; call \
+             `device.know(&stream)` (or `cover`) first, or make the view on that stream"
         );
         if let Err(e) = stream.join(home) {
             // The cudarc way for a call that cannot return its error; then a host wait on the
@@ -164,6 +167,12 @@ impl<'a> Span<'a> {
             ctx.record_err(home.synchronize());
         }
         SyncOnDrop::sync_stream(stream)
+    }
+}
+
+impl Drop for Span<'_> {
+    fn drop(&mut self) {
+        self.backend.end_lend(self.home.cu_stream() as Stream);
     }
 }
 
@@ -457,8 +466,9 @@ impl Allocation<'_, '_, Gpu, Owner> {
     /// The prefix as elements of `T` on the device, writable, for work on `stream` (see
     /// [`view`](Self::view)) — only while no sharer maps it (`None` otherwise), so the owner
     /// can compute its prefix on the device before sharing it. Borrows the prefix mutably, so
-    /// no sharer maps it while the view lives; work through the view must be finished (or
-    /// ordered before the sharers' work) by the time they read it, as for any view.
+    /// no sharer maps it while the view lives. A sharer's mapping joins the owner's memory in
+    /// the order per memory, so a sharer's view reads after the owner's last write through a
+    /// view, and copy-on-write copies after it.
     ///
     /// # Errors
     ///

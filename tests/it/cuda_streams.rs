@@ -1165,3 +1165,192 @@ fn a_host_copy_waits_for_the_streams_that_touched_the_memory() {
     drop(binding);
     assert!(device.close().is_clean());
 }
+
+/// A kernel on `stream` touching `G` bytes at `ptr`, and an event recorded after it: whether
+/// it has completed is [`finished`].
+fn kernel(model: &DriverModel, stream: Stream, ptr: u64) -> memtoken::backend::cuda::Event {
+    use memtoken::backend::cuda::Driver;
+    model.submit_work_touching(stream, &[(ptr, G)]);
+    let done = model.event_create().unwrap();
+    // SAFETY: a live event and stream of the model.
+    unsafe { model.event_record(done, stream) }.unwrap();
+    done
+}
+
+/// Whether the work before `event` has completed.
+fn finished(model: &DriverModel, event: memtoken::backend::cuda::Event) -> bool {
+    use memtoken::backend::cuda::Driver;
+    // SAFETY: a live event of the model.
+    unsafe { model.event_query(event) }.unwrap()
+}
+
+/// From the review of issue 23: a use whose ordering cannot be made (the context could not be
+/// made current) is still noted, so its memory's release fences its stream. Fails if the
+/// failed `enter` returns without noting it.
+#[test]
+fn a_use_that_cannot_be_ordered_is_still_fenced() {
+    let model = model(false);
+    common::known_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    let mut view = x.stream_view_mut::<u8>(stream).unwrap();
+    // The view's probe enters first, then the ordering: the second enter fails.
+    model.fail_nth(DriverCall::CtxSetCurrent, 2, CuError::INVALID_VALUE);
+    let ptr = view.device_ptr_mut();
+    drop(view);
+    model.submit_work_touching(stream, &[(ptr, G)]);
+    let releasing = x.release();
+    assert!(
+        !releasing.is_ready(),
+        "the release did not wait for the kernel"
+    );
+    model.complete_work();
+    releasing.complete().map_err(|e| e.to_string()).unwrap();
+    assert_eq!(model.lost_with(), None);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// From the review of issue 23: a host copy while a stream that used the memory captures is
+/// refused (transient) — that stream's work from before the capture cannot be waited for
+/// without invalidating the capture — and goes through once the capture has ended. Fails with
+/// the capturing stream skipped (a stale read).
+#[test]
+fn a_host_copy_is_refused_while_a_stream_that_used_the_memory_captures() {
+    let model = model(false);
+    common::known_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    let ptr = x.stream_view_mut::<u8>(stream).unwrap().device_ptr_mut();
+    let _wrote = kernel(&model, stream, ptr);
+    model.begin_capture(stream, memtoken::backend::doubles::CaptureMode::Global);
+    let mut back = [0u8; 16];
+    let e = x.copy_to_host(0, &mut back).unwrap_err();
+    assert!(e.to_string().contains("900"), "{e}");
+    assert_eq!(model.stale_reads(), 0);
+    model.end_capture(stream).unwrap();
+    x.copy_to_host(0, &mut back).unwrap();
+    assert_eq!(model.stale_reads(), 0, "the copy read under the kernel");
+    model.complete_work();
+    drop(x);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// From the review of issue 23: a write taken while its stream captures (its work does not run
+/// now) does not replace the memory's last uses, so a later write on a third stream still
+/// waits for an earlier read. Fails if the captured write clears the readers.
+#[test]
+fn a_write_taken_during_a_capture_does_not_hide_earlier_reads() {
+    let model = model(false);
+    common::known_device!(model, device, a);
+    let (b, c) = (model.new_stream(), model.new_stream());
+    // SAFETY: streams of the model's only context, live as long as the model.
+    unsafe {
+        device.know_stream(b);
+        device.know_stream(c);
+    }
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    let ptr = x.stream_view::<u8>(a).unwrap().device_ptr();
+    let read = kernel(&model, a, ptr);
+    model.begin_capture(b, memtoken::backend::doubles::CaptureMode::Relaxed);
+    let _ = x.stream_view_mut::<u8>(b).unwrap().device_ptr_mut();
+    model.end_capture(b).unwrap();
+    let ptr = x.stream_view_mut::<u8>(c).unwrap().device_ptr_mut();
+    let _wrote = kernel(&model, c, ptr);
+    model.complete_work_on(c);
+    assert!(finished(&model, read), "the write overtook the read on `a`");
+    model.complete_work();
+    // Held for good: the view lent it to a capture memtoken did not make.
+    std::mem::forget(x);
+    drop(binding);
+}
+
+/// From the review of issue 23: a graph's launch is ordered per memory like a view's use — a
+/// launch reading `x` waits for the write on another stream. Fails without the ordering at
+/// launch.
+#[test]
+fn a_graph_launch_waits_for_the_last_write_on_another_stream() {
+    use memtoken::Capture;
+    let model = model(false);
+    common::known_device!(model, device, a);
+    let s = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.know_stream(s) };
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    model.complete_work();
+    let ptr = x.stream_view_mut::<u8>(a).unwrap().device_ptr_mut();
+    let wrote = kernel(&model, a, ptr); // still running when the graph launches
+    let capture =
+        Capture::begin(&device, s, memtoken::backend::doubles::CaptureMode::Global).unwrap();
+    let view = capture.view::<u8, _>(&x).unwrap();
+    model.submit_work_touching(s, &[(view.device_ptr(), G)]);
+    drop(view);
+    let graph = capture.end().unwrap();
+    graph.launch().unwrap();
+    model.complete_work_on(s);
+    assert!(
+        finished(&model, wrote),
+        "the launch read before the write finished"
+    );
+    model.complete_work();
+    drop(graph);
+    drop(x);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// From the review of issue 23: a prefix's sharer joins the owner's memory in the order per
+/// memory — a read through a sharer's view waits for the owner's last write through a view.
+/// Fails with uses kept per reservation only.
+#[test]
+fn a_sharers_read_waits_for_the_owners_write() {
+    let model = model(false);
+    common::known_device!(model, device, a);
+    let b = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.know_stream(b) };
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut prefix = binding.reserve(2 * G).unwrap().commit_prefix().unwrap();
+    let ptr = prefix
+        .stream_view_mut::<u8>(a)
+        .expect("no sharer yet")
+        .unwrap()
+        .device_ptr_mut();
+    let wrote = kernel(&model, a, ptr);
+    let sharer = binding.reserve(2 * G).unwrap().map_prefix(&prefix).unwrap();
+    let ptr = sharer.stream_view::<u8>(b).unwrap().device_ptr();
+    let _read = kernel(&model, b, ptr);
+    model.complete_work_on(b);
+    assert!(
+        finished(&model, wrote),
+        "the sharer read before the owner's write finished"
+    );
+    model.complete_work();
+    drop((sharer, prefix));
+    drop(binding);
+    model.complete_work();
+    assert!(device.close().is_clean());
+}
+
+/// From the review of issue 23: after a sticky error in the ordering's wait, nothing more is
+/// called. Fails if the loss is not noted (a host synchronize follows).
+#[test]
+fn a_loss_while_ordering_a_use_calls_nothing_more() {
+    let model = model(false);
+    common::known_device!(model, device, a);
+    let b = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.know_stream(b) };
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    let ptr = x.stream_view_mut::<u8>(a).unwrap().device_ptr_mut();
+    let _wrote = kernel(&model, a, ptr);
+    model.fail_nth(DriverCall::StreamWaitEvent, 1, CuError::ILLEGAL_ADDRESS);
+    let _ = x.stream_view::<u8>(b).unwrap().device_ptr();
+    assert_eq!(model.calls_after_loss(), 0);
+    std::mem::forget(x);
+    drop(binding);
+}

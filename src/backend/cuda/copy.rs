@@ -92,6 +92,9 @@ impl<D: Driver> CudaBackend<D> {
             let v = Violation::NotMapped { addr: src, len };
             return Err(BackendError::refused(Op::Copy, src, len, v));
         }
+        // The copy runs on the legacy stream: after the work that may write the source (its
+        // memory's streams, an owner's among them for a sharer's mapping).
+        self.order_legacy_after(&mut s, src).map_err(fail)?;
         // SAFETY: `s.book.check_copy` above proved `phys` live with exactly `span` bytes, under
         // the lock `s` still holds.
         let scratch = unsafe { self.map_scratch(&mut s, phys, span) }.map_err(fail)?;
@@ -212,6 +215,49 @@ impl<D: Driver> CudaBackend<D> {
                     // on the legacy stream after the copy has completed.
                     let marks = vec![busy.id];
                     std::mem::forget(busy);
+                    let mut s = lock(&self.state);
+                    let unsettled = Unsettled {
+                        after: next_serial(),
+                        marks,
+                        scratch: None,
+                    };
+                    s.unsettled.push(unsettled);
+                }
+                Err(fail(e))
+            }
+        }
+    }
+
+    /// Copies `len` bytes of device memory at `src` to `dst` (`cuMemcpyDtoD` on the legacy
+    /// stream, after the work that may use either range), and waits for it to land.
+    pub(super) fn copy_device_to_device(
+        &self,
+        dst: Addr,
+        src: Addr,
+        len: usize,
+    ) -> Result<(), BackendError> {
+        let fail = |e| self.fail(Op::Copy, dst, len, e);
+        let from = self.hold(src, len, false)?;
+        let to = self.hold(dst, len, true)?;
+        if len == 0 {
+            return Ok(()); // nothing to copy: no driver call with an address that may be none
+        }
+        self.legacy_usable().map_err(fail)?;
+        self.ordered_after_uses(src).map_err(fail)?;
+        self.ordered_after_uses(dst).map_err(fail)?;
+        // SAFETY: `hold` proved every byte of the source mapped with access and of the
+        // destination mapped read-write with access in the record, and keeps both from being
+        // unmapped, freed or mapped over until the copy has landed (below).
+        unsafe { self.driver.memcpy_dtod(dst as u64, src as u64, len) }.map_err(fail)?;
+        // Device to device: the call returns before the copy ran. Wait for it.
+        match self.wait_legacy() {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                if !e.is_context_loss() {
+                    // Not known to have landed: both ranges stay busy until an event recorded
+                    // on the legacy stream after the copy has completed.
+                    let marks = vec![from.id, to.id];
+                    std::mem::forget((from, to));
                     let mut s = lock(&self.state);
                     let unsettled = Unsettled {
                         after: next_serial(),

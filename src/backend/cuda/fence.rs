@@ -6,7 +6,7 @@
 
 #[cfg(feature = "cuda")]
 use super::driver::Context;
-use super::driver::{CuError, CuResult, Driver, Stream};
+use super::driver::{CuError, CuResult, Driver, PER_THREAD_STREAM, Stream};
 use super::record::CudaState;
 #[cfg(feature = "cuda")]
 use super::sys::SysDriver;
@@ -18,8 +18,9 @@ use crate::backend::{BackendError, Violation};
 use std::sync::Mutex;
 use std::sync::atomic::Ordering;
 
-/// A fence: one event per stream the backend covers, recorded after the work submitted there
-/// so far. A mark whose event could not be created or recorded is recorded at the next query
+/// A fence: one event per stream that may use the memory it is for (the legacy stream, every
+/// covered stream, and each stream a view used that memory on), recorded after the work
+/// submitted there so far. A mark whose event could not be created or recorded is recorded at the next query
 /// (which covers at least as much work), never replaced by a weaker check. Marks name their
 /// events by serial numbers of the backend's, which its record maps to the driver's events: a
 /// destroyed event's value may come back from a later `cuEventCreate`, and must not be taken
@@ -136,6 +137,10 @@ impl<D: Driver> CudaBackend<D> {
     /// Whether `stream` may be used by views: covered or known. A view made for it counts as
     /// lent until [`end_lend`](Self::end_lend): the stream is not forgotten meanwhile.
     pub(crate) fn lend_stream(&self, stream: Stream) -> Result<Stream, BackendError> {
+        if stream == PER_THREAD_STREAM {
+            let v = Violation::PerThreadStream;
+            return Err(BackendError::refused(Op::Graph, 0, 0, v));
+        }
         let mut s = lock(&self.state);
         if !s.holds(stream) {
             let v = Violation::UncoveredStream(stream);
@@ -150,10 +155,13 @@ impl<D: Driver> CudaBackend<D> {
     /// Whether it could (the stream held, the address reserved).
     pub(crate) fn touch(&self, stream: Stream, addr: Addr) -> bool {
         let mut s = lock(&self.state);
-        let Some(start) = s.book.reservation_of(addr).filter(|_| s.holds(stream)) else {
+        if stream == PER_THREAD_STREAM || !s.holds(stream) {
+            return false;
+        }
+        let Some(key) = s.uses_key_or_new(addr) else {
             return false;
         };
-        let uses = s.uses.entry(start).or_default();
+        let uses = s.uses.entry(key).or_default();
         if !uses.touched.contains(&stream) {
             uses.touched.push(stream);
         }
@@ -185,7 +193,7 @@ impl<D: Driver> CudaBackend<D> {
                 None => streams.extend_from_slice(&s.known),
                 Some(addrs) => {
                     for &addr in addrs {
-                        let uses = s.book.reservation_of(addr).and_then(|r| s.uses.get(&r));
+                        let uses = s.uses_key(addr).and_then(|k| s.uses.get(&k));
                         for &t in uses.map_or(&[][..], |u| &u.touched[..]) {
                             if !streams.contains(&t) {
                                 streams.push(t);
@@ -312,7 +320,7 @@ impl<D: Driver> CudaBackend<D> {
             let waited = match unsafe { self.driver.event_synchronize(event) } {
                 Ok(()) => Ok(true),
                 Err(e) if e.is_context_loss() => Err(e),
-                Err(_) => self.synchronize_held(m.stream), // the whole stream: never less
+                Err(_) => self.synchronize_lent(m.stream), // the whole stream: never less
             };
             match waited {
                 Ok(true) => {}
@@ -428,24 +436,25 @@ impl<D: Driver> CudaBackend<D> {
             };
         }
         let _relaxed = self.relaxed()?;
-        // SAFETY: `stream` is one the backend holds, with the record's lock held (its callers'
-        // duty): 0, or covered or known, whose owner promised it live until `forget_stream`
-        // lets it go, which needs that lock.
+        // SAFETY: `stream` is one the backend holds, with the record's lock held or lent (its
+        // callers' duty): 0, or covered or known, whose owner promised it live until
+        // `forget_stream` lets it go, which needs that lock and no lend.
         unsafe { self.driver.stream_synchronize(stream) }.map(|()| true)
     }
 
-    /// [`synchronize_stream`](Self::synchronize_stream) with the record's lock held, so that
-    /// `stream` cannot be forgotten (and destroyed by its owner) meanwhile; a stream forgotten
-    /// already needs no wait (its work up to then has completed). A fallback: other calls
-    /// wait for the lock meanwhile.
-    fn synchronize_held(&self, stream: Stream) -> CuResult<bool> {
-        let Ok(s) = self.enter(Op::Fence, 0, 0) else {
-            return Err(CuError::CONTEXT_IS_DESTROYED);
-        };
-        if !s.holds(stream) {
+    /// [`synchronize_stream`](Self::synchronize_stream) outside the record's lock, the stream
+    /// lent meanwhile (see [`lend_stream`](Self::lend_stream)), so that it cannot be forgotten
+    /// (and destroyed by its owner) during the wait; a stream forgotten already needs no wait
+    /// (its work up to then has completed).
+    fn synchronize_lent(&self, stream: Stream) -> CuResult<bool> {
+        if stream != 0 && self.lend_stream(stream).is_err() {
             return Ok(true);
         }
-        self.synchronize_stream(stream)
+        let waited = self.synchronize_stream(stream);
+        if stream != 0 {
+            self.end_lend(stream);
+        }
+        waited
     }
 
     /// [`synchronize_stream`](Self::synchronize_stream) of the legacy stream, where copies
@@ -489,16 +498,31 @@ impl<D: Driver> CudaBackend<D> {
     /// forgotten while the caller uses it (a view lends it, or holds an `Arc` of it). The
     /// earlier uses' streams are held by the record (checked under its lock).
     pub(crate) unsafe fn order_use(&self, stream: Stream, addr: Addr, write: bool) {
-        let Ok(mut s) = self.enter(Op::Fence, addr, 0) else {
-            return; // lost: nothing runs any more
+        let mut s = match self.enter(Op::Fence, addr, 0) {
+            Ok(s) => s,
+            Err(_) if self.context_lost() => return, // nothing runs any more
+            Err(_) => {
+                // The context could not be made current, so nothing can be ordered: the use is
+                // still noted, so that the memory's release fences its stream.
+                self.touch(stream, addr);
+                return;
+            }
         };
-        let Some(start) = s.book.reservation_of(addr).filter(|_| s.holds(stream)) else {
+        if !s.holds(stream) {
+            return;
+        }
+        let Some(key) = s.uses_key_or_new(addr) else {
             return;
         };
-        let uses = s.uses.entry(start).or_default();
+        let uses = s.uses.entry(key).or_default();
         if !uses.touched.contains(&stream) {
             uses.touched.push(stream); // its release fences `stream`
         }
+        // Captured work does not run now: it is ordered when its graph launches.
+        if self.capturing(stream) {
+            return;
+        }
+        let uses = s.uses.entry(key).or_default();
         let mut earlier: Vec<Stream> = uses.writer.into_iter().collect();
         if write {
             earlier.extend(uses.readers.iter().copied());
@@ -509,15 +533,30 @@ impl<D: Driver> CudaBackend<D> {
         }
         earlier.retain(|&other| other != stream);
         earlier.dedup();
-        if earlier.is_empty() || self.capturing(stream) {
-            return;
-        }
+        let mut host_waits = Vec::new();
         for other in earlier {
-            if self.capturing(other) || self.wait_for(&mut s, stream, other).is_ok() {
+            if !s.holds(other) {
+                continue; // forgotten: its work up to then has completed
+            }
+            if self.capturing(other) {
+                // Its captured work is not this use's to wait for; its work from before the
+                // capture cannot be waited on without invalidating the capture (facts 39, 41):
+                // a known limit, documented on the views.
                 continue;
             }
-            // The host waits instead (`other` is held: the record's, under its lock).
-            let _ = self.synchronize_stream(other);
+            match self.wait_for(&mut s, stream, other) {
+                Ok(()) => {}
+                Err(e) if e.is_context_loss() => {
+                    let _ = self.fail(Op::Fence, addr, 0, e);
+                    return; // nothing runs any more
+                }
+                Err(_) => host_waits.push(other),
+            }
+        }
+        drop(s);
+        // The host waits instead, outside the lock (each stream lent meanwhile).
+        for other in host_waits {
+            let _ = self.synchronize_lent(other);
         }
     }
 
@@ -545,12 +584,13 @@ impl<D: Driver> CudaBackend<D> {
     /// every other covered stream and every stream a view used the memory at `addr` on (its
     /// reservation): one event, recorded on each and waited on by the legacy stream
     /// (`cuStreamWaitEvent`), so a host copy reads what a kernel on a non-blocking stream
-    /// wrote, and writes only after it. A stream that captures now is skipped (its captured
-    /// work does not run; recording there would be captured: fact 39). The record's lock is
+    /// wrote, and writes only after it. While such a stream captures, the copy is refused
+    /// with `STREAM_CAPTURE_UNSUPPORTED` (transient): its work from before the capture cannot
+    /// be waited for without invalidating the capture (facts 39, 41). The record's lock is
     /// held and the context current.
     pub(super) fn order_legacy_after(&self, s: &mut CudaState, addr: Addr) -> CuResult<()> {
         let mut others: Vec<Stream> = s.covered.iter().copied().filter(|&st| st != 0).collect();
-        let uses = s.book.reservation_of(addr).and_then(|r| s.uses.get(&r));
+        let uses = s.uses_key(addr).and_then(|k| s.uses.get(&k));
         for &t in uses.map_or(&[][..], |u| &u.touched[..]) {
             if t != 0 && !others.contains(&t) {
                 others.push(t);
@@ -561,7 +601,9 @@ impl<D: Driver> CudaBackend<D> {
                 if self.context_lost() {
                     return Err(CuError::CONTEXT_IS_DESTROYED);
                 }
-                continue;
+                // Its work from before the capture cannot be waited for without invalidating
+                // the capture (facts 39, 41): the copy is refused until the capture has ended.
+                return Err(CuError::STREAM_CAPTURE_UNSUPPORTED);
             }
             self.wait_for(s, 0, stream)?;
         }
@@ -735,7 +777,7 @@ impl CudaBackend<SysDriver> {
     }
 
     /// Keeps an `Arc` of `stream` (once), after checking it is of this backend's context; its
-    /// handle. Lets go of orphaned streams first.
+    /// handle.
     fn keep(
         &self,
         stream: &std::sync::Arc<cudarc::driver::CudaStream>,

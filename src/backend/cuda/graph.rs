@@ -137,7 +137,8 @@ impl<D: Driver> CudaBackend<D> {
         }
         let _s = self.enter(Op::Graph, 0, 0)?;
         let fail = |e| self.fail(Op::Graph, 0, 0, e);
-        // SAFETY: a covered stream whose capture `begin_capture` began, capturing now.
+        // SAFETY: a lent stream (live until forgotten, which no lend allows) whose capture
+        // `begin_capture` began, capturing now.
         let graph = unsafe { self.driver.stream_end_capture(stream) }.map_err(fail)?;
         // Instantiating and destroying may be potentially unsafe calls (fact 40, the strict
         // reading): in the relaxed mode, so no other capture refuses them or is invalidated.
@@ -172,8 +173,8 @@ impl<D: Driver> CudaBackend<D> {
             let v = Violation::CapturingStream(stream);
             return Err(BackendError::refused(Op::Graph, 0, 0, v));
         }
-        // SAFETY: the caller's promise for `exec` and its memory; `stream` is covered, so the
-        // memory's fences wait for the launch.
+        // SAFETY: the caller's promise for `exec` and its memory; `stream` is lent to the graph
+        // and touched its memory, so the memory's fences wait for the launch.
         unsafe { self.driver.graph_launch(exec, stream) }.map_err(|e| self.fail(Op::Graph, 0, 0, e))
     }
 

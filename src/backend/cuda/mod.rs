@@ -203,7 +203,7 @@
 
 // Where things are: `open` (opening, peers, the context's retains, drop), `record` (what the
 // backend holds and the checks every call passes against it), `vmm` (reserve, free, create,
-// release, map, unmap), `copy` (copies, scratch mappings), `fence` (events, covered streams),
+// release, map, unmap), `copy` (copies, scratch mappings), `fence` (events, streams, order per memory),
 // `export` (POSIX descriptors); `driver` is the seam, `sys` the real driver (feature `cuda`),
 // `model` the driver model.
 mod copy;

@@ -57,10 +57,15 @@ pub(super) struct CudaState {
     /// waited on by the legacy stream, recorded again for the next): made once, when first
     /// needed.
     pub(super) handoff: Option<u64>,
-    /// Per memory (a reservation, by its start: a token's range, or a pool's chunk), the
-    /// streams that used it through views since its last write: see
-    /// [`order_use`](CudaBackend::order_use). Gone with the reservation.
-    pub(super) uses: HashMap<Addr, Uses>,
+    /// Per memory, the streams that used it through views: see
+    /// [`order_use`](CudaBackend::order_use). Keyed by a group: a reservation (by its start: a
+    /// token's range, or a pool's chunk), joined by every reservation that maps the same
+    /// physical memory at once (a prefix's owner and its sharers), so that uses through any of
+    /// them are ordered with the others' and fenced by each one's release.
+    pub(super) uses: HashMap<u64, Uses>,
+    /// The group of each reservation with uses (see `uses`); it leaves as the reservation is
+    /// freed, and the group goes with its last member.
+    pub(super) groups: HashMap<Addr, u64>,
     /// Streams every fence covers, the legacy stream first (see
     /// [`cover_stream`](CudaBackend::cover_stream)).
     pub(super) covered: Vec<Stream>,
@@ -80,6 +85,8 @@ pub(super) struct Uses {
     pub(super) readers: Vec<Stream>,
     /// Every stream that used it through a view, once each: its release fences them.
     pub(super) touched: Vec<Stream>,
+    /// Reservations in the group.
+    pub(super) members: usize,
 }
 
 /// A copy on the legacy stream whose wait failed (see [`CudaState::unsettled`]).
@@ -101,6 +108,91 @@ impl CudaState {
         stream == 0 || self.covered.contains(&stream) || self.known.contains(&stream)
     }
 
+    /// The uses group of the memory at `addr`, if any view used it (or memory it shares).
+    pub(super) fn uses_key(&self, addr: Addr) -> Option<u64> {
+        let reservation = self.book.reservation_of(addr)?;
+        self.groups.get(&reservation).copied()
+    }
+
+    /// The uses group of the memory at `addr`, made now if it has none; `None` if `addr` is
+    /// not reserved.
+    pub(super) fn uses_key_or_new(&mut self, addr: Addr) -> Option<u64> {
+        let reservation = self.book.reservation_of(addr)?;
+        Some(self.join(reservation, None))
+    }
+
+    /// Puts `reservation` in group `into` (a new one if `None`), or, if it has one, merges the
+    /// two; returns its group. A merge keeps every stream either group knew of: touched, and
+    /// the writers and readers (a second writer becomes a reader — a later write waits for
+    /// it; a later read, rarely, does not).
+    fn join(&mut self, reservation: Addr, into: Option<u64>) -> u64 {
+        let own = self.groups.get(&reservation).copied();
+        let into = match (own, into) {
+            (Some(own), None) => return own,
+            (Some(own), Some(into)) if own == into => return own,
+            (None, into) => into.unwrap_or_else(|| {
+                let key = super::next_serial();
+                self.uses.insert(key, Uses::default());
+                key
+            }),
+            (Some(own), Some(into)) => {
+                let gone = self.uses.remove(&own).unwrap_or_default();
+                let kept = self.uses.entry(into).or_default();
+                for t in gone.touched {
+                    if !kept.touched.contains(&t) {
+                        kept.touched.push(t);
+                    }
+                }
+                let earlier = gone.readers.into_iter().chain(gone.writer);
+                for r in earlier {
+                    if !kept.readers.contains(&r) && kept.writer != Some(r) {
+                        kept.readers.push(r);
+                    }
+                }
+                kept.members += gone.members;
+                for group in self.groups.values_mut().filter(|g| **g == own) {
+                    *group = into;
+                }
+                return into;
+            }
+        };
+        self.groups.insert(reservation, into);
+        self.uses.entry(into).or_default().members += 1;
+        into
+    }
+
+    /// `addr` was just mapped with `phys`: its reservation joins the group of every other
+    /// reservation mapping `phys` now (a prefix's sharer, its owner's).
+    pub(super) fn link_mapping(&mut self, addr: Addr, phys: super::CudaPhys) {
+        let Some(reservation) = self.book.reservation_of(addr) else {
+            return;
+        };
+        let others: Vec<Addr> = self
+            .book
+            .mappings_of(phys)
+            .into_iter()
+            .filter_map(|(at, _, _)| self.book.reservation_of(at))
+            .filter(|&r| r != reservation)
+            .collect();
+        for other in others {
+            let group = self.join(other, None);
+            self.join(reservation, Some(group));
+        }
+    }
+
+    /// `reservation` was freed: it leaves its group, which goes with its last member.
+    pub(super) fn leave_group(&mut self, reservation: Addr) {
+        let Some(key) = self.groups.remove(&reservation) else {
+            return;
+        };
+        if let Some(uses) = self.uses.get_mut(&key) {
+            uses.members -= 1;
+            if uses.members == 0 {
+                self.uses.remove(&key);
+            }
+        }
+    }
+
     /// An empty record for memory of `granularity`.
     pub(super) fn new(granularity: usize) -> Self {
         Self {
@@ -119,6 +211,7 @@ impl CudaState {
             dead_execs: Vec::new(),
             handoff: None,
             uses: HashMap::new(),
+            groups: HashMap::new(),
             covered: vec![0],
             known: Vec::new(),
             views: HashMap::new(),

@@ -80,7 +80,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         unsafe { self.driver.mem_address_free(start, len) }
             .map_err(|e| self.fail(Op::Free, addr, len, e))?;
         s.book.apply_free(addr);
-        s.uses.remove(&addr);
+        s.leave_group(addr);
         Ok(())
     }
 
@@ -165,6 +165,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         // driver refuses at the map if it is wrong (assumptions 7 and 8 in the module docs).
         unsafe { self.driver.mem_map(ptr, len, 0, phys.handle) }.map_err(fail)?;
         s.book.apply_map(addr, len, phys, access);
+        s.link_mapping(addr, phys);
         // This device and every peer, in one call: no mapping has one's access without all.
         let grants = match access {
             Access::ReadWrite => &self.grant_rw,
@@ -234,7 +235,12 @@ impl<D: Driver> Backend for CudaBackend<D> {
         self.copy_device_to_host(dst, src)
     }
 
-    // Fences, one event per covered stream: `fence.rs`.
+    #[inline]
+    fn copy_within(&self, dst: Addr, src: Addr, len: usize) -> Result<(), BackendError> {
+        self.copy_device_to_device(dst, src, len)
+    }
+
+    // Fences, one event per stream that may use the memory: `fence.rs`.
 
     #[inline]
     fn fence(&self) -> CudaFence {

@@ -351,6 +351,11 @@ impl<B: Backend> Backend for Faulty<B> {
         self.inner.copy_from_host(dst, src)
     }
 
+    fn copy_within(&self, dst: Addr, src: Addr, len: usize) -> Result<(), BackendError> {
+        self.handle.enter(Op::Copy, dst, len)?;
+        self.inner.copy_within(dst, src, len)
+    }
+
     fn fence(&self) -> B::Fence {
         self.handle.enter_infallible(Op::Fence);
         self.inner.fence()

@@ -256,6 +256,15 @@ pub enum PoolError {
     /// The pool already has 2^32 pages.
     #[error("the pool cannot index more than 2^32 pages: use a second pool")]
     Full,
+    /// A write to a page another holder has, or a prefix cache holds (read-only until
+    /// evicted): nothing was written.
+    #[error(
+        "the page at position {0} is shared or cached, so read-only: copy it first (`PagePool::copy_on_write`)"
+    )]
+    Shared(usize),
+    /// A copy (a page's copy-on-write, or bytes to or from the host) failed: nothing changed.
+    #[error("copying a page failed")]
+    Copy(#[source] Box<BackendError>),
 }
 
 /// Why memory could not be lent as elements of a type `T` (a typed view): nothing was lent.

@@ -180,7 +180,7 @@ pub use interop::{
     Export, ImportError, Imported, ImportedPrefix, MESSAGE_LEN, Offer, PrefixMessage, WireError,
 };
 pub use ledger::{Budget, LedgerSnapshot};
-pub use page_pool::{Page, PagePool, PageTable};
+pub use page_pool::{Page, PagePool, PageTable, PrefixCache, SharedPage, SharedTable, Table};
 pub use region::{Elastic, Region};
 pub use residual::{Holdings, Residual};
 pub use sharing::{

@@ -295,6 +295,13 @@ impl<B: Backend> Guarded<B> {
     }
 
     #[inline]
+    pub(crate) fn copy_within(&self, dst: Addr, src: Addr, len: usize) -> Result<(), BackendError> {
+        Self::run(Op::Copy, dst, len, || {
+            self.backend.copy_within(dst, src, len)
+        })
+    }
+
+    #[inline]
     pub(crate) fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError> {
         Self::run(Op::Copy, dst, src.len(), || {
             self.backend.copy_from_host(dst, src)

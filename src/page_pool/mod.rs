@@ -12,6 +12,13 @@ use generativity::{Guard, Id};
 use std::cell::UnsafeCell;
 use std::fmt;
 
+mod cache;
+mod shared;
+
+pub use cache::PrefixCache;
+use shared::{Lru, Meta};
+pub use shared::{SharedPage, SharedTable, Table};
+
 struct PoolState<'b, 'id, B: Backend> {
     chunks: Vec<Option<Allocation<'b, 'id, B, Committed>>>,
     /// Indices of free pages; its capacity always covers every page of every chunk.
@@ -28,6 +35,12 @@ struct PoolState<'b, 'id, B: Backend> {
     /// Pages whose memory the backend withholds (a graph may still use it: see
     /// [`Backend::withheld`]): never handed out again.
     withheld: Vec<u32>,
+    /// Per page: its extra holders, whether a cache holds it, its cache epoch, its links in
+    /// the eviction order (see `shared`). Grown with the chunks; 0 for a page free or held
+    /// once, so the unshared hot path never reads it.
+    meta: Vec<Meta>,
+    /// Cached pages no one holds, least recently let go first.
+    idle: Lru,
 }
 
 /// The most fenced batches a pool keeps cooling: a newer batch takes the newest one's pages
@@ -187,6 +200,8 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
                     unfenced: Vec::new(),
                     cooling: Vec::new(),
                     withheld: Vec::new(),
+                    meta: Vec::new(),
+                    idle: Lru::new(),
                 }),
             })
         })
@@ -216,11 +231,25 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     #[cold]
     fn grow_and_alloc(&self) -> Result<Page<'_, 'pool, 'b, 'id, B>, PoolError> {
         Scope::run::<B, _>(move || {
+            // Freed pages first, then the idle cached page let go least recently, then a new
+            // chunk.
             if !self.reclaim() {
-                self.grow()?;
+                self.make_room()?;
             }
             self.alloc()
         })
+    }
+
+    /// With no page free: evicts the idle cached page let go least recently, if there is one
+    /// and that frees a page now (not where work may still use it: the evicted page cools
+    /// behind a fence first); otherwise commits one more chunk.
+    #[cold]
+    #[inline(never)]
+    fn make_room(&self) -> Result<(), PoolError> {
+        if self.evict_one() && self.with(|s| !s.free.is_empty()) {
+            return Ok(());
+        }
+        self.grow()
     }
 
     fn backend(&self) -> &'b Guarded<B> {
@@ -233,7 +262,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     fn reclaim(&self) -> bool {
         Scope::run::<B, _>(move || {
             if B::IMMEDIATE {
-                return false;
+                return false; // nothing cools here
             }
             let backend = self.backend();
             // Two allocations per batch (the list that replaces the unfenced one, the chunks), none
@@ -310,13 +339,14 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         self.give_back(&[index]);
     }
 
-    /// Takes a page and appends it to `table`; returns its position.
+    /// Takes a page and appends it to `table` (a [`PageTable`], or a [`SharedTable`] — held by
+    /// that table alone); returns its position.
     ///
     /// # Errors
     ///
     /// [`PoolError`] when the pool must grow and cannot; the table is unchanged.
     #[inline]
-    pub fn push(&self, table: &mut PageTable<'_, 'pool, 'b, 'id, B>) -> Result<usize, PoolError> {
+    pub fn push<T: Table<'pool, 'b, 'id, B>>(&self, table: &mut T) -> Result<usize, PoolError> {
         let index = match self.with(|s| s.free.split_last().map(|(&i, _)| i)) {
             Some(index) => {
                 self.with(|s| {
@@ -332,15 +362,25 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
                 index
             }
         };
-        table.pages.push(index);
-        Ok(table.pages.len() - 1)
+        let pages = table.pages_mut();
+        let position = pages.len();
+        pages.push(index);
+        Ok(position)
     }
 
-    /// Returns every page of `table` to this pool; the table can be reused.
+    /// Returns every page of `table` to this pool; the table can be reused. A
+    /// [`SharedTable`] lets each page go, the last first: a page is freed with its last
+    /// holder, and a cached one then waits, findable, to be evicted.
     #[inline]
-    pub fn clear(&self, table: &mut PageTable<'_, 'pool, 'b, 'id, B>) {
-        self.give_back(&table.pages);
-        table.pages.clear();
+    pub fn clear<T: Table<'pool, 'b, 'id, B>>(&self, table: &mut T) {
+        let pages = table.pages_mut();
+        if T::SHARED {
+            self.let_go_all(pages);
+            pages.clear();
+            return;
+        }
+        self.give_back(pages);
+        pages.clear();
     }
 
     /// An empty page table drawing from this pool.
@@ -380,6 +420,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
                 s.chunks[slot] = Some(chunk);
                 // Capacity for every page of every chunk: the hot path's pushes never reallocate.
                 let total = s.chunks.len() * per_chunk;
+                s.meta.resize(total, Meta::default());
                 s.free.reserve(total - s.free.len());
                 if !B::IMMEDIATE {
                     s.unfenced.reserve(total - s.unfenced.len());
@@ -439,9 +480,13 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         self.with(|s| s.withheld.len())
     }
 
-    /// Pages handed out and not yet returned.
+    /// Pages handed out and not yet returned (a shared page counts once).
     pub fn live_pages(&self) -> usize {
-        self.capacity() - self.free_pages() - self.cooling_pages() - self.withheld_pages()
+        self.capacity()
+            - self.free_pages()
+            - self.cooling_pages()
+            - self.withheld_pages()
+            - self.idle_pages()
     }
 
     /// The page size in bytes.

@@ -1,0 +1,686 @@
+//! Pages shared by reference: [`SharedTable`] (a sequence's pages, any of which another holder
+//! may have), [`SharedPage`] (one more holder of one page, read-only by type), forks and
+//! copy-on-write. The counts live in the pool's own per-page words ([`Meta`]), never in a
+//! per-share allocation.
+#![allow(unsafe_code)] // host slices of shared pages, each with its `// SAFETY:` proof
+
+use super::{PagePool, PageTable};
+use crate::backend::{Addr, Backend, HostVisible};
+use crate::error::PoolError;
+use crate::token::{host_slice, host_slice_mut};
+use crate::unwind::Scope;
+use std::fmt;
+
+/// A page's word: a prefix cache holds it (read-only until evicted).
+pub(super) const CACHED: u32 = 1 << 31;
+/// A page's word: cached and held by no one — in the eviction order ([`Lru`]).
+pub(super) const IDLE: u32 = 1 << 30;
+/// A page's word: its holders beyond the first.
+pub(super) const EXTRA: u32 = IDLE - 1;
+/// No page (the ends of the eviction order).
+const NIL: u32 = u32::MAX;
+
+/// What the pool keeps per page: its word (extra holders, [`CACHED`], [`IDLE`]; 0 for a page
+/// free or held once), the epoch its cache entries name (bumped when it is evicted), and its
+/// links in the eviction order while idle. 16 bytes a page.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct Meta {
+    pub(super) word: u32,
+    pub(super) epoch: u32,
+    prev: u32,
+    next: u32,
+}
+
+/// Cached pages no one holds, least recently let go first: a doubly linked list through the
+/// pages' [`Meta`], so taking one out (a cache hit) is O(1).
+#[derive(Debug)]
+pub(super) struct Lru {
+    head: u32,
+    tail: u32,
+    len: usize,
+}
+
+impl Lru {
+    pub(super) fn new() -> Self {
+        Self {
+            head: NIL,
+            tail: NIL,
+            len: 0,
+        }
+    }
+
+    /// Idle pages.
+    pub(super) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Puts page `i` last: evicted after every page let go before it.
+    pub(super) fn push_back(&mut self, meta: &mut [Meta], i: u32) {
+        meta[i as usize].prev = self.tail;
+        meta[i as usize].next = NIL;
+        match self.tail {
+            NIL => self.head = i,
+            tail => meta[tail as usize].next = i,
+        }
+        self.tail = i;
+        self.len += 1;
+    }
+
+    /// Takes page `i`, idle, out of the order.
+    pub(super) fn remove(&mut self, meta: &mut [Meta], i: u32) {
+        let Meta { prev, next, .. } = meta[i as usize];
+        match prev {
+            NIL => self.head = next,
+            prev => meta[prev as usize].next = next,
+        }
+        match next {
+            NIL => self.tail = prev,
+            next => meta[next as usize].prev = prev,
+        }
+        self.len -= 1;
+    }
+
+    /// Takes the page let go least recently.
+    pub(super) fn pop_front(&mut self, meta: &mut [Meta]) -> Option<u32> {
+        let head = self.head;
+        (head != NIL).then(|| {
+            self.remove(meta, head);
+            head
+        })
+    }
+}
+
+/// One more holder of one page of a [`PagePool`], read-only by type: its bytes are read
+/// (`as_slice` on the host) but never written through it, since another holder — a table, a
+/// prefix cache's next hit — may read them. Made by [`PagePool::share`] or a
+/// [`PrefixCache`](crate::PrefixCache) hit; [`Clone`] counts one more holder, and dropping it
+/// lets the page go (freed with its last holder; a cached page then stays findable until the
+/// pool evicts it).
+///
+/// ```compile_fail,E0599
+/// # use memtoken::{make_guard, Budget, Device, PagePool};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// # make_guard!(pool_guard);
+/// # let pool = PagePool::new(pool_guard, &binding, 4096).unwrap();
+/// let mut table = pool.shared_table();
+/// pool.push(&mut table).unwrap();
+/// let mut page = pool.share(&table, 0);
+/// page.as_mut_slice()[0] = 1; // error: a shared page lends no `&mut`
+/// ```
+///
+/// It borrows its pool:
+///
+/// ```compile_fail,E0505
+/// # use memtoken::{make_guard, Budget, Device, PagePool};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// make_guard!(pool_guard);
+/// let pool = PagePool::new(pool_guard, &binding, 4096).unwrap();
+/// let mut table = pool.shared_table();
+/// pool.push(&mut table).unwrap();
+/// let page = pool.share(&table, 0);
+/// drop(table);
+/// drop(pool); // error: `pool` is borrowed by the page
+/// drop(page);
+/// ```
+pub struct SharedPage<'p, 'pool, 'b, 'id, B: Backend> {
+    pub(super) pool: &'p PagePool<'pool, 'b, 'id, B>,
+    pub(super) index: u32,
+}
+
+/// A sequence's pages, in order, any of which may be shared — with a fork
+/// ([`PagePool::fork`]), a [`SharedPage`], or a prefix cache. A page another holder has, or a
+/// cache holds, is read-only: [`page_mut`](Self::page_mut) answers `None` for it, and
+/// [`PagePool::copy_on_write`] gives the table a private copy first. Pages are pushed with
+/// [`PagePool::push`] (a new page, held by this table alone) or [`PagePool::push_shared`] (a
+/// [`SharedPage`], a cache hit); cleared with [`PagePool::clear`] or when dropped, each page
+/// let go in reverse order, so a cached sequence's later pages are evicted before its earlier
+/// ones. A [`PageTable`] becomes one with [`PageTable::into_shared`].
+///
+/// ```
+/// use memtoken::{make_guard, Budget, Device, PagePool};
+/// use memtoken::backend::HostBackend;
+/// make_guard!(guard);
+/// let device = Device::new(guard, HostBackend::with_defaults()?);
+/// let binding = device.bind(Budget::unlimited())?;
+/// make_guard!(pool_guard);
+/// let pool = PagePool::new(pool_guard, &binding, 4096)?;
+/// let mut prompt = pool.shared_table();
+/// pool.push(&mut prompt)?;
+/// prompt.page_mut(0).expect("held by this table alone")[0] = 7;
+/// let mut sample = pool.fork(&prompt); // no byte copied
+/// assert!(sample.page_mut(0).is_none(), "shared with the prompt");
+/// pool.copy_on_write(&mut sample, 0)?; // one page copied
+/// sample.page_mut(0).expect("private now")[0] = 8;
+/// assert_eq!((prompt.page(0)[0], sample.page(0)[0]), (7, 8));
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// A fork borrows its pool, and a page's slice cannot be kept across the copy-on-write that
+/// replaces the page:
+///
+/// ```compile_fail,E0505
+/// # use memtoken::{make_guard, Budget, Device, PagePool};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// make_guard!(pool_guard);
+/// let pool = PagePool::new(pool_guard, &binding, 4096).unwrap();
+/// let table = pool.shared_table();
+/// let fork = pool.fork(&table);
+/// drop(table);
+/// drop(pool); // error: `pool` is borrowed by the fork
+/// drop(fork);
+/// ```
+///
+/// ```compile_fail,E0502
+/// # use memtoken::{make_guard, Budget, Device, PagePool};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// # make_guard!(pool_guard);
+/// # let pool = PagePool::new(pool_guard, &binding, 4096).unwrap();
+/// let mut table = pool.shared_table();
+/// pool.push(&mut table).unwrap();
+/// let fork = pool.fork(&table);
+/// let old = table.page(0);
+/// pool.copy_on_write(&mut table, 0).unwrap(); // error: `table` is borrowed by `old`
+/// println!("{}", old[0]);
+/// ```
+pub struct SharedTable<'p, 'pool, 'b, 'id, B: Backend> {
+    pub(super) pool: &'p PagePool<'pool, 'b, 'id, B>,
+    pub(super) pages: Vec<u32>,
+}
+
+/// A page table of a pool (sealed): [`PageTable`], whose pages it holds alone, or
+/// [`SharedTable`]. [`PagePool::push`] and [`PagePool::clear`] take either.
+pub trait Table<'pool, 'b, 'id, B: Backend>: sealed::Sealed {
+    /// Whether its pages may be shared: known at compile time, so a [`PageTable`]'s clear is
+    /// the hand-written pool's code.
+    #[doc(hidden)]
+    const SHARED: bool;
+    /// Its page indices.
+    #[doc(hidden)]
+    fn pages_mut(&mut self) -> &mut Vec<u32>;
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+impl<B: Backend> sealed::Sealed for PageTable<'_, '_, '_, '_, B> {}
+impl<B: Backend> sealed::Sealed for SharedTable<'_, '_, '_, '_, B> {}
+
+impl<'pool, 'b, 'id, B: Backend> Table<'pool, 'b, 'id, B> for PageTable<'_, 'pool, 'b, 'id, B> {
+    const SHARED: bool = false;
+
+    #[inline(always)]
+    fn pages_mut(&mut self) -> &mut Vec<u32> {
+        &mut self.pages
+    }
+}
+
+impl<'pool, 'b, 'id, B: Backend> Table<'pool, 'b, 'id, B> for SharedTable<'_, 'pool, 'b, 'id, B> {
+    const SHARED: bool = true;
+
+    #[inline(always)]
+    fn pages_mut(&mut self) -> &mut Vec<u32> {
+        &mut self.pages
+    }
+}
+
+impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
+    /// An empty table whose pages may be shared, drawing from this pool.
+    pub fn shared_table(&self) -> SharedTable<'_, 'pool, 'b, 'id, B> {
+        SharedTable {
+            pool: self,
+            pages: Vec::new(),
+        }
+    }
+
+    /// One more holder of the page at `position` of `table`, read-only by type.
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds, or the page already has 2^30 holders.
+    pub fn share(
+        &self,
+        table: &SharedTable<'_, 'pool, 'b, 'id, B>,
+        position: usize,
+    ) -> SharedPage<'_, 'pool, 'b, 'id, B> {
+        let index = table.pages[position];
+        self.hold(index);
+        SharedPage { pool: self, index }
+    }
+
+    /// Appends `page` to `table`, which becomes one of its holders (the page's hold moves into
+    /// the table); returns its position.
+    pub fn push_shared(
+        &self,
+        table: &mut SharedTable<'_, 'pool, 'b, 'id, B>,
+        page: SharedPage<'_, 'pool, 'b, 'id, B>,
+    ) -> usize {
+        let index = page.index;
+        std::mem::forget(page);
+        table.pages.push(index);
+        table.pages.len() - 1
+    }
+
+    /// A table holding the same pages as `table`, in O(pages): each page counts one more
+    /// holder, and no byte is copied. Writing a page afterwards copies that one page
+    /// ([`copy_on_write`](Self::copy_on_write)).
+    ///
+    /// # Panics
+    ///
+    /// If a page already has 2^30 holders.
+    pub fn fork(
+        &self,
+        table: &SharedTable<'_, 'pool, 'b, 'id, B>,
+    ) -> SharedTable<'_, 'pool, 'b, 'id, B> {
+        for &index in &table.pages {
+            self.hold(index);
+        }
+        SharedTable {
+            pool: self,
+            pages: table.pages.clone(),
+        }
+    }
+
+    /// Makes the page at `position` of `table` writable through it: if another holder has
+    /// it or a cache holds it, copies it into a new page (a device-to-device copy on CUDA,
+    /// ordered like any use of the memory) that replaces it in the table, and lets the old
+    /// one go; whether it copied.
+    ///
+    /// # Errors
+    ///
+    /// [`PoolError`] if no page can be had or the copy fails: the table is unchanged (the
+    /// new page, if any, goes back to the pool).
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn copy_on_write(
+        &self,
+        table: &mut SharedTable<'_, 'pool, 'b, 'id, B>,
+        position: usize,
+    ) -> Result<bool, PoolError> {
+        let old = table.pages[position];
+        if self.word(old) == 0 {
+            return Ok(false);
+        }
+        Scope::run::<B, _>(move || {
+            let new = self.alloc()?;
+            let size = self.page_size();
+            if let Err(e) = self
+                .backend()
+                .copy_within(new.addr(), self.page_addr(old), size)
+            {
+                return Err(PoolError::Copy(Box::new(e))); // `new` goes back as it drops
+            }
+            table.pages[position] = new.index;
+            std::mem::forget(new);
+            self.let_go(old);
+            Ok(true)
+        })
+    }
+
+    /// How many holders the page `index` has (tables, shared pages): 0 for a page no one
+    /// holds (free, cooling, or idle in a cache). For a page that some table or shared page
+    /// holds, exact; for one no one holds, 0 only once it is idle — a page free or cooling
+    /// answers 1 (its word does not say whether it is held), so ask only of pages you know.
+    pub fn holders(&self, index: u32) -> u32 {
+        let word = self.word(index);
+        if word & IDLE != 0 {
+            0
+        } else {
+            (word & EXTRA) + 1
+        }
+    }
+
+    /// Whether a prefix cache holds the page `index` (read-only until it is evicted).
+    pub fn is_cached(&self, index: u32) -> bool {
+        self.word(index) & CACHED != 0
+    }
+
+    /// Cached pages no one holds: findable by their cache until the pool needs them.
+    pub fn idle_pages(&self) -> usize {
+        self.with(|s| s.idle.len())
+    }
+
+    /// Evicts every idle cached page (their cache entries go stale), so that
+    /// [`shrink`](Self::shrink) can give their chunks back; returns how many.
+    pub fn evict_idle(&self) -> usize {
+        let mut n = 0;
+        while self.evict_one() {
+            n += 1;
+        }
+        n
+    }
+
+    /// Evicts the idle page let go least recently, if any: it goes back as a freed page
+    /// (behind a fence where work may still use it), its cache entries stale.
+    pub(super) fn evict_one(&self) -> bool {
+        let Some(index) = self.with(|s| {
+            let index = s.idle.pop_front(&mut s.meta)?;
+            let meta = &mut s.meta[index as usize];
+            meta.word = 0;
+            meta.epoch = meta.epoch.wrapping_add(1);
+            Some(index)
+        }) else {
+            return false;
+        };
+        self.give_back(&[index]);
+        true
+    }
+
+    /// Page `index`'s word.
+    #[inline]
+    pub(super) fn word(&self, index: u32) -> u32 {
+        self.with(|s| s.meta[index as usize].word)
+    }
+
+    /// One more holder of page `index` (held, or idle in a cache: then taken out of the
+    /// eviction order).
+    pub(super) fn hold(&self, index: u32) {
+        self.with(|s| {
+            let word = s.meta[index as usize].word;
+            if word & IDLE != 0 {
+                s.idle.remove(&mut s.meta, index);
+                s.meta[index as usize].word = word & !IDLE;
+            } else {
+                assert!(word & EXTRA != EXTRA, "a page has 2^30 holders");
+                s.meta[index as usize].word = word + 1;
+            }
+        });
+    }
+
+    /// One holder of page `index` lets it go: the last one frees it, or, for a cached page,
+    /// puts it last in the eviction order.
+    #[inline]
+    pub(super) fn let_go(&self, index: u32) {
+        let free = self.with(|s| {
+            let word = s.meta[index as usize].word;
+            if word & EXTRA != 0 {
+                s.meta[index as usize].word = word - 1;
+                false
+            } else if word & CACHED != 0 {
+                s.meta[index as usize].word = word | IDLE;
+                s.idle.push_back(&mut s.meta, index);
+                false
+            } else {
+                true
+            }
+        });
+        if free {
+            self.give_back(&[index]);
+        }
+    }
+
+    /// Every page of a shared table lets go, the last first (so a cached sequence's later
+    /// pages are evicted before its earlier ones).
+    #[cold]
+    pub(super) fn let_go_all(&self, pages: &[u32]) {
+        for &index in pages.iter().rev() {
+            self.let_go(index);
+        }
+    }
+}
+
+impl<'p, 'pool, 'b, 'id, B: Backend> PageTable<'p, 'pool, 'b, 'id, B> {
+    /// The same pages as a table whose pages may be shared (forked, shared, cached).
+    pub fn into_shared(mut self) -> SharedTable<'p, 'pool, 'b, 'id, B> {
+        let pages = std::mem::take(&mut self.pages);
+        SharedTable {
+            pool: self.pool,
+            pages,
+        }
+    }
+}
+
+impl<'p, 'pool, 'b, 'id, B: Backend> SharedTable<'p, 'pool, 'b, 'id, B> {
+    /// Pages in the table.
+    pub fn len(&self) -> usize {
+        self.pages.len()
+    }
+
+    /// Whether the table has no page.
+    pub fn is_empty(&self) -> bool {
+        self.pages.is_empty()
+    }
+
+    /// The pool's page size in bytes.
+    pub fn page_size(&self) -> usize {
+        self.pool.page_size()
+    }
+
+    /// The pool's index of the page at `position` (see [`PagePool::holders`]).
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn index(&self, position: usize) -> u32 {
+        self.pages[position]
+    }
+
+    /// Whether the page at `position` is this table's alone and not cached: writable.
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn is_writable(&self, position: usize) -> bool {
+        self.pool.word(self.pages[position]) == 0
+    }
+
+    /// Address of the page at `position`.
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn addr(&self, position: usize) -> Addr {
+        self.pool.page_addr(self.pages[position])
+    }
+
+    /// Copies bytes of the page at `position`, from `offset`, to the host (any backend).
+    ///
+    /// # Errors
+    ///
+    /// [`PoolError::Copy`] with the backend's error.
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds or the range does not fit in the page.
+    pub fn copy_page_to_host(
+        &self,
+        position: usize,
+        offset: usize,
+        dst: &mut [u8],
+    ) -> Result<(), PoolError> {
+        let at = self.at(position, offset, dst.len());
+        Scope::run::<B, _>(move || self.pool.backend().copy_to_host(dst, at))
+            .map_err(|e| PoolError::Copy(Box::new(e)))
+    }
+
+    /// Copies `src` from the host into the page at `position`, at `offset` (any backend) —
+    /// only into a page this table alone holds, uncached.
+    ///
+    /// # Errors
+    ///
+    /// [`PoolError::Shared`] if the page is shared or cached (nothing written: see
+    /// [`PagePool::copy_on_write`]); [`PoolError::Copy`] with the backend's error.
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds or the range does not fit in the page.
+    pub fn copy_page_from_host(
+        &mut self,
+        position: usize,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<(), PoolError> {
+        if !self.is_writable(position) {
+            return Err(PoolError::Shared(position));
+        }
+        let at = self.at(position, offset, src.len());
+        Scope::run::<B, _>(move || self.pool.backend().copy_from_host(at, src))
+            .map_err(|e| PoolError::Copy(Box::new(e)))
+    }
+
+    /// The address of `len` bytes at `offset` into the page at `position`.
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds or the range does not fit in the page.
+    fn at(&self, position: usize, offset: usize, len: usize) -> Addr {
+        let size = self.page_size();
+        assert!(
+            offset.checked_add(len).is_some_and(|end| end <= size),
+            "{len} bytes at offset {offset} do not fit in a {size}-byte page"
+        );
+        self.addr(position) + offset
+    }
+}
+
+impl<B: HostVisible> SharedTable<'_, '_, '_, '_, B> {
+    /// The bytes of the page at `position`.
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn page(&self, position: usize) -> &[u8] {
+        // SAFETY: the table holds this page, so its chunk stays committed while it does; a
+        // page's bytes are written only through the one holder that has it alone, uncached
+        // (`page_mut` and `copy_page_from_host` check it, and need `&mut` of that holder), so
+        // no write happens while `&self` is borrowed: if this table is that holder, the
+        // borrow excludes its writes; if not, it cannot write.
+        unsafe { host_slice(self.addr(position), self.pool.page_size()) }
+    }
+
+    /// The bytes of the page at `position`, writable — `None` if another holder has the page
+    /// or a cache holds it (read-only: [`PagePool::copy_on_write`] first).
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn page_mut(&mut self, position: usize) -> Option<&mut [u8]> {
+        if !self.is_writable(position) {
+            return None;
+        }
+        // SAFETY: as in `page`; this table is the page's only holder and no cache holds it,
+        // so no other slice of it exists (a `SharedPage`, a fork or a cache hit would count
+        // as a holder), and `&mut self` makes this the only borrow of the table's pages.
+        Some(unsafe { host_slice_mut(self.addr(position), self.pool.page_size()) })
+    }
+}
+
+impl<'p, 'pool, 'b, 'id, B: Backend> SharedPage<'p, 'pool, 'b, 'id, B> {
+    /// The page's index in its pool.
+    pub fn index(&self) -> u32 {
+        self.index
+    }
+
+    /// The page's address.
+    pub fn addr(&self) -> Addr {
+        self.pool.page_addr(self.index)
+    }
+
+    /// Copies bytes of the page, from `offset`, to the host (any backend).
+    ///
+    /// # Errors
+    ///
+    /// [`PoolError::Copy`] with the backend's error.
+    ///
+    /// # Panics
+    ///
+    /// If the range does not fit in the page.
+    pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), PoolError> {
+        let size = self.pool.page_size();
+        assert!(
+            offset.checked_add(dst.len()).is_some_and(|end| end <= size),
+            "{} bytes at offset {offset} do not fit in a {size}-byte page",
+            dst.len()
+        );
+        let at = self.addr() + offset;
+        Scope::run::<B, _>(move || self.pool.backend().copy_to_host(dst, at))
+            .map_err(|e| PoolError::Copy(Box::new(e)))
+    }
+}
+
+impl<B: HostVisible> SharedPage<'_, '_, '_, '_, B> {
+    /// The page's bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: this holder keeps the page (and its chunk) alive; while it holds the page,
+        // the page has at least two holders or only this one, and a write needs a holder
+        // that has it alone through a table (`page_mut`, `copy_page_from_host` check it), so
+        // no one writes the bytes while this borrow lives.
+        unsafe { host_slice(self.addr(), self.pool.page_size()) }
+    }
+}
+
+impl<B: Backend> Clone for SharedPage<'_, '_, '_, '_, B> {
+    /// One more holder of the same page.
+    fn clone(&self) -> Self {
+        self.pool.hold(self.index);
+        Self {
+            pool: self.pool,
+            index: self.index,
+        }
+    }
+}
+
+impl<B: Backend> Drop for SharedPage<'_, '_, '_, '_, B> {
+    fn drop(&mut self) {
+        self.pool.let_go(self.index);
+    }
+}
+
+impl<B: Backend> Drop for SharedTable<'_, '_, '_, '_, B> {
+    fn drop(&mut self) {
+        self.pool.clear(self);
+    }
+}
+
+impl<B: Backend> fmt::Debug for SharedPage<'_, '_, '_, '_, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedPage")
+            .field("index", &self.index)
+            .finish()
+    }
+}
+
+impl<B: Backend> fmt::Debug for SharedTable<'_, '_, '_, '_, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("SharedTable")
+            .field("pages", &self.pages)
+            .finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_eviction_order_takes_pages_out_in_order_and_from_the_middle() {
+        let mut meta = vec![Meta::default(); 8];
+        let mut lru = Lru::new();
+        for i in [3, 1, 4, 5] {
+            lru.push_back(&mut meta, i);
+        }
+        lru.remove(&mut meta, 4); // from the middle
+        assert_eq!(lru.pop_front(&mut meta), Some(3));
+        lru.remove(&mut meta, 5); // the tail
+        lru.push_back(&mut meta, 6);
+        assert_eq!(lru.len(), 2);
+        assert_eq!(lru.pop_front(&mut meta), Some(1));
+        assert_eq!(lru.pop_front(&mut meta), Some(6));
+        assert_eq!(lru.pop_front(&mut meta), None);
+        assert_eq!(lru.len(), 0);
+    }
+}

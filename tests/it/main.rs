@@ -28,6 +28,7 @@ mod money;
 mod page_pool;
 mod promises;
 mod region;
+mod shared_pages;
 mod sharing;
 mod sleep;
 mod static_asserts;

@@ -112,6 +112,17 @@ pub enum Violation {
         "stream {0:#x} is neither known to the device nor covered by its fences: make it known first (`know_stream`, or `know` for a cudarc stream; `cover_stream` for raw pointers)"
     )]
     UncoveredStream(usize),
+    /// A copy within device memory whose source and destination overlap (`cuMemcpyDtoD` of
+    /// overlapping ranges is undefined).
+    #[error("a copy of {len} bytes from {src:#x} to {dst:#x}: the ranges overlap")]
+    OverlappingCopy {
+        /// The source.
+        src: Addr,
+        /// The destination.
+        dst: Addr,
+        /// The length.
+        len: usize,
+    },
     /// The per-thread default stream, for a view: one handle, a different stream on each
     /// thread, so a fence recorded on another thread would not cover the work.
     #[error(
@@ -641,6 +652,11 @@ impl<P: Copy + Eq + Hash> Book<P> {
 
     /// Every mapping of `phys`: (start, length, access), lowest first. Linear in the mappings
     /// of the backend: for rare calls (an export), not for a hot path.
+    /// How many mappings `phys` has now (0 for unknown memory).
+    pub(crate) fn maps_of(&self, phys: P) -> usize {
+        self.phys.get(&phys).map_or(0, |r| r.maps)
+    }
+
     pub(crate) fn mappings_of(&self, phys: P) -> Vec<(Addr, usize, Access)> {
         self.mappings
             .iter()

@@ -69,6 +69,11 @@ impl<'a> Span<'a> {
     ) -> Result<Self, ViewError> {
         let len = fit::<T>(addr, bytes)?;
         let refused = |e| ViewError::Stream(Box::new(e));
+        if stream.cu_stream() as Stream == crate::backend::cuda::PER_THREAD_STREAM {
+            let v = crate::backend::Violation::PerThreadStream;
+            let e = crate::backend::BackendError::refused(crate::backend::Op::Graph, 0, 0, v);
+            return Err(refused(e)); // before `know` keeps it
+        }
         backend.know(stream).map_err(refused)?;
         backend
             .lend_stream(stream.cu_stream() as Stream)

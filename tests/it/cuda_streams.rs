@@ -1354,3 +1354,90 @@ fn a_loss_while_ordering_a_use_calls_nothing_more() {
     std::mem::forget(x);
     drop(binding);
 }
+
+/// From the second review of issue 23: a scratch range whose teardown failed stays mapped with the new memory; the
+/// diverge's map of that memory links the scratch reservation into the sharer's group, and the
+/// sweep frees the scratch without leaving the group: the group outlives its members, and a new
+/// reservation at the scratch's address inherits it (fences and orders after stream `a`).
+#[test]
+fn a_swept_scratch_range_leaves_its_uses_group() {
+    use memtoken::backend::doubles::Placement;
+    let model = DriverModel::new(ModelConfig {
+        events_complete_at_once: false,
+        synchronize_blocks: false,
+        placement: Placement::LowestFirst,
+        ..common::model_config()
+    })
+    .unwrap();
+    common::known_device!(model, device, a);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut prefix = binding.reserve(G).unwrap().commit_prefix().unwrap();
+    let ptr = prefix
+        .stream_view_mut::<u8>(a)
+        .expect("no sharer yet")
+        .unwrap()
+        .device_ptr_mut();
+    model.submit_work_touching(a, &[(ptr, G)]);
+    model.complete_work();
+    let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::UNKNOWN);
+    let diverged = shared.diverge().map_err(|e| e.to_string()).unwrap();
+    // A second copy-on-write sweeps the first scratch range (freed: address reusable).
+    let prefix2 = binding.reserve(G).unwrap().commit_prefix().unwrap();
+    let shared2 = binding.reserve(G).unwrap().map_prefix(&prefix2).unwrap();
+    let diverged2 = shared2.diverge().map_err(|e| e.to_string()).unwrap();
+    drop((diverged, prefix, diverged2, prefix2));
+    model.complete_work();
+    // A fresh token, never used through a view, at the scratch's old address.
+    let y0 = binding.reserve(G).unwrap();
+    let y1 = binding.reserve(G).unwrap();
+    let y = binding.reserve(G).unwrap().commit().unwrap();
+    model.submit_work_on(a); // unrelated work on `a`
+    let before = model.count(DriverCall::EventRecord);
+    let releasing = y.release();
+    let records = model.count(DriverCall::EventRecord) - before;
+    let ready = releasing.is_ready();
+    model.complete_work();
+    releasing.complete().map_err(|e| e.to_string()).unwrap();
+    assert!(
+        ready,
+        "a fresh token's release waited for unrelated work on `a`"
+    );
+    assert_eq!(
+        records, 1,
+        "a fresh token's release fenced `a` (stale group)"
+    );
+    drop((y0, y1));
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// From the second review of issue 23: once a host wait made while ordering a use loses the
+/// context, nothing more is called (no other wait, no restore of the capture mode).
+#[test]
+fn a_loss_in_a_host_wait_while_ordering_calls_nothing_more() {
+    let model = model(false);
+    common::known_device!(model, device, a);
+    let (b, c, d) = (model.new_stream(), model.new_stream(), model.new_stream());
+    // SAFETY: streams of the model's only context, live as long as the model.
+    unsafe {
+        device.know_stream(b);
+        device.know_stream(c);
+        device.know_stream(d);
+    }
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    let p = x.stream_view_mut::<u8>(a).unwrap().device_ptr_mut();
+    let _w = kernel(&model, a, p);
+    let p = x.stream_view::<u8>(b).unwrap().device_ptr();
+    let _r1 = kernel(&model, b, p);
+    let p = x.stream_view::<u8>(c).unwrap().device_ptr();
+    let _r2 = kernel(&model, c, p);
+    model.fail_from(DriverCall::StreamWaitEvent, 1, CuError::OUT_OF_MEMORY);
+    model.fail_nth(DriverCall::StreamSynchronize, 1, CuError::ILLEGAL_ADDRESS);
+    let _ = x.stream_view_mut::<u8>(d).unwrap().device_ptr_mut();
+    assert_eq!(model.lost_with(), Some(CuError::ILLEGAL_ADDRESS));
+    assert_eq!(model.calls_after_loss(), 0, "calls after the loss");
+    std::mem::forget(x);
+    drop(binding);
+}

@@ -146,7 +146,7 @@ impl<D: Driver> CudaBackend<D> {
             }
             // SAFETY: the fresh scratch reservation, exactly, with nothing mapped in it.
             match unsafe { d.mem_address_free(scratch, span) } {
-                Ok(()) => s.book.apply_free(scratch as Addr),
+                Ok(()) => s.free_reservation(scratch as Addr),
                 Err(freed) if freed.is_context_loss() => return Err(freed),
                 Err(_) => s.scratch.push((scratch, span)),
             }
@@ -176,7 +176,7 @@ impl<D: Driver> CudaBackend<D> {
                 s.book.apply_unmap(scratch as Addr, span);
                 // SAFETY: the scratch reservation, exactly, its one mapping just unmapped.
                 match unsafe { d.mem_address_free(scratch, span) } {
-                    Ok(()) => s.book.apply_free(scratch as Addr),
+                    Ok(()) => s.free_reservation(scratch as Addr),
                     Err(e) if e.is_context_loss() => return Err(e),
                     Err(_) => s.scratch.push((scratch, span)),
                 }
@@ -237,6 +237,11 @@ impl<D: Driver> CudaBackend<D> {
         len: usize,
     ) -> Result<(), BackendError> {
         let fail = |e| self.fail(Op::Copy, dst, len, e);
+        if src < dst.saturating_add(len) && dst < src.saturating_add(len) {
+            // `cuMemcpyDtoD` of overlapping ranges is undefined.
+            let v = Violation::OverlappingCopy { src, dst, len };
+            return Err(BackendError::refused(Op::Copy, dst, len, v));
+        }
         let from = self.hold(src, len, false)?;
         let to = self.hold(dst, len, true)?;
         if len == 0 {
@@ -373,7 +378,7 @@ impl<D: Driver> CudaBackend<D> {
                     unsafe { self.driver.mem_address_free(addr, span) }
                 });
             match freed {
-                Ok(()) => s.book.apply_free(addr as Addr),
+                Ok(()) => s.free_reservation(addr as Addr),
                 Err(e) => {
                     s.scratch.push((addr, span));
                     if e.is_context_loss() {

@@ -141,6 +141,12 @@ impl<D: Driver> CudaBackend<D> {
             let v = Violation::PerThreadStream;
             return Err(BackendError::refused(Op::Graph, 0, 0, v));
         }
+        self.lend_held(stream)
+    }
+
+    /// Lends `stream` if the backend holds it (the per-thread stream included, for a covered
+    /// one: the backend's own waits).
+    fn lend_held(&self, stream: Stream) -> Result<Stream, BackendError> {
         let mut s = lock(&self.state);
         if !s.holds(stream) {
             let v = Violation::UncoveredStream(stream);
@@ -439,7 +445,14 @@ impl<D: Driver> CudaBackend<D> {
         // SAFETY: `stream` is one the backend holds, with the record's lock held or lent (its
         // callers' duty): 0, or covered or known, whose owner promised it live until
         // `forget_stream` lets it go, which needs that lock and no lend.
-        unsafe { self.driver.stream_synchronize(stream) }.map(|()| true)
+        let waited = unsafe { self.driver.stream_synchronize(stream) };
+        if let Err(e) = waited
+            && e.is_context_loss()
+        {
+            let _ = self.fail(Op::Fence, 0, 0, e); // before the guard restores the mode
+            return Err(e);
+        }
+        waited.map(|()| true)
     }
 
     /// [`synchronize_stream`](Self::synchronize_stream) outside the record's lock, the stream
@@ -447,8 +460,11 @@ impl<D: Driver> CudaBackend<D> {
     /// (and destroyed by its owner) during the wait; a stream forgotten already needs no wait
     /// (its work up to then has completed).
     fn synchronize_lent(&self, stream: Stream) -> CuResult<bool> {
-        if stream != 0 && self.lend_stream(stream).is_err() {
-            return Ok(true);
+        if self.context_lost() {
+            return Err(CuError::CONTEXT_IS_DESTROYED); // nothing runs, nothing is called
+        }
+        if stream != 0 && self.lend_held(stream).is_err() {
+            return Ok(true); // not held: forgotten, its work up to then completed
         }
         let waited = self.synchronize_stream(stream);
         if stream != 0 {
@@ -556,7 +572,9 @@ impl<D: Driver> CudaBackend<D> {
         drop(s);
         // The host waits instead, outside the lock (each stream lent meanwhile).
         for other in host_waits {
-            let _ = self.synchronize_lent(other);
+            if self.synchronize_lent(other).is_err() && self.context_lost() {
+                return; // nothing more is called
+            }
         }
     }
 
@@ -680,6 +698,9 @@ impl<D: Driver> CudaBackend<D> {
     /// as capturing (asked again later), a loss is noted. Called with the context current
     /// (after [`enter`](Self::enter)).
     pub(super) fn capturing(&self, stream: Stream) -> bool {
+        if self.context_lost() {
+            return true; // nothing is called once the context is lost
+        }
         // SAFETY: `stream` is one the backend holds, with the record's lock held or lent to a
         // live view or capture (its callers' duty): 0, or covered or known, live until
         // `forget_stream` lets it go, which needs that lock and no lend.

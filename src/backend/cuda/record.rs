@@ -164,6 +164,10 @@ impl CudaState {
     /// `addr` was just mapped with `phys`: its reservation joins the group of every other
     /// reservation mapping `phys` now (a prefix's sharer, its owner's).
     pub(super) fn link_mapping(&mut self, addr: Addr, phys: super::CudaPhys) {
+        // Mapped once (almost always): nothing to join, and no scan of the mappings.
+        if self.book.maps_of(phys) < 2 {
+            return;
+        }
         let Some(reservation) = self.book.reservation_of(addr) else {
             return;
         };
@@ -180,8 +184,15 @@ impl CudaState {
         }
     }
 
+    /// Enters the free of the reservation at `addr` (just made): the book forgets it, and it
+    /// leaves its uses group (a later reservation at the same address starts afresh).
+    pub(super) fn free_reservation(&mut self, addr: Addr) {
+        self.book.apply_free(addr);
+        self.leave_group(addr);
+    }
+
     /// `reservation` was freed: it leaves its group, which goes with its last member.
-    pub(super) fn leave_group(&mut self, reservation: Addr) {
+    fn leave_group(&mut self, reservation: Addr) {
         let Some(key) = self.groups.remove(&reservation) else {
             return;
         };

@@ -79,8 +79,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         // rollback had left there).
         unsafe { self.driver.mem_address_free(start, len) }
             .map_err(|e| self.fail(Op::Free, addr, len, e))?;
-        s.book.apply_free(addr);
-        s.leave_group(addr);
+        s.free_reservation(addr);
         Ok(())
     }
 

@@ -1,16 +1,18 @@
-//! Shared pages (issue 24) as plain programs for instruction counting, against the
-//! hand-written reference-count pool (`benches/common/rc_pool.rs`):
+//! Shared pages (issue 24) as plain programs for instruction counting: memtoken's
+//! `PagePool` (`fork`, `share`) against the hand-written reference-count pool
+//! (`benches/common/rc_pool.rs`, `raw-fork`, `raw-share`):
 //!
 //! - `fork`: fork a 1,000-page table (every page counted once more) and release the fork;
-//! - `share`: share the 16 pages of a sequence one by one (one more holder each), then let
-//!   each go.
+//! - `share`: one more holder of each of a sequence's 16 pages, let go again — memtoken's
+//!   `share` returns a token, so each is let go before the next (`raw-share`, the reference,
+//!   counts 16 holders up, then 16 down: the same operations a page).
 //!
 //! ```text
 //! cargo build --release --example share_cycle
-//! valgrind --tool=callgrind --toggle-collect='share_cycle::cycles_*' \
-//!     target/release/examples/share_cycle raw-fork 1000
-//! valgrind --tool=callgrind --toggle-collect='share_cycle::cycles_*' \
-//!     target/release/examples/share_cycle raw-share 100000
+//! for mode in fork raw-fork; do valgrind --tool=callgrind \
+//!     --toggle-collect='share_cycle::cycles_*' target/release/examples/share_cycle $mode 1000; done
+//! for mode in share raw-share; do valgrind --tool=callgrind \
+//!     --toggle-collect='share_cycle::cycles_*' target/release/examples/share_cycle $mode 100000; done
 //! ```
 
 mod common;
@@ -20,6 +22,7 @@ mod raw_pool;
 mod rc_pool;
 
 use memtoken::backend::{Backend, HostBackend};
+use memtoken::{Budget, Device, PagePool, SharedTable, make_guard};
 use rc_pool::RcPool;
 use std::hint::black_box;
 
@@ -48,6 +51,34 @@ fn cycles_raw_share<B: Backend>(pool: &mut RcPool<'_, B>, table: &[u32], n: u64)
     }
 }
 
+#[inline(never)]
+fn cycles_fork<'pool, 'b, 'id, B: Backend>(
+    pool: &PagePool<'pool, 'b, 'id, B>,
+    table: &SharedTable<'_, 'pool, 'b, 'id, B>,
+    n: u64,
+) {
+    for _ in 0..n {
+        let fork = pool.fork(table);
+        black_box(fork.len());
+        drop(fork);
+    }
+}
+
+#[inline(never)]
+fn cycles_share<'pool, 'b, 'id, B: Backend>(
+    pool: &PagePool<'pool, 'b, 'id, B>,
+    table: &SharedTable<'_, 'pool, 'b, 'id, B>,
+    n: u64,
+) {
+    for _ in 0..n {
+        // Each of the 16 pages: one more holder, which then lets it go.
+        for position in 0..table.len() {
+            let page = pool.share(table, black_box(position));
+            drop(black_box(page));
+        }
+    }
+}
+
 /// A reference pool of `pages` pages held by one table.
 fn raw_table<B: Backend>(backend: &B, pages: usize) -> (RcPool<'_, B>, Vec<u32>) {
     let mut pool = RcPool::new(backend, PAGE);
@@ -63,6 +94,29 @@ fn main() {
     let which = args.next().unwrap_or_else(|| "raw-fork".into());
     let n: u64 = args.next().and_then(|v| v.parse().ok()).unwrap_or(1000);
     let backend = HostBackend::with_defaults().unwrap();
+    if which == "fork" || which == "share" {
+        make_guard!(guard);
+        let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        make_guard!(pool_guard);
+        let pool = PagePool::new(pool_guard, &binding, PAGE).unwrap();
+        let pages = if which == "fork" {
+            FORK_PAGES
+        } else {
+            SEQ_PAGES
+        };
+        let mut table = pool.shared_table();
+        for _ in 0..pages {
+            pool.push(&mut table).unwrap();
+        }
+        if which == "fork" {
+            cycles_fork(&pool, &table, n);
+        } else {
+            cycles_share(&pool, &table, n);
+        }
+        println!("{which}: {n} cycles");
+        return;
+    }
     match which.as_str() {
         "raw-fork" => {
             let (mut pool, table) = raw_table(&backend, FORK_PAGES);
@@ -75,7 +129,7 @@ fn main() {
             pool.release(&table);
         }
         other => {
-            eprintln!("usage: share_cycle raw-fork|raw-share [cycles]  (got {other:?})");
+            eprintln!("usage: share_cycle fork|share|raw-fork|raw-share [cycles]  (got {other:?})");
             std::process::exit(2);
         }
     }

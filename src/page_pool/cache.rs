@@ -116,7 +116,7 @@ impl<'p, 'pool, 'b, 'id, B: Backend, K: Hash + Eq> PrefixCache<'p, 'pool, 'b, 'i
         }
         let epoch = self.pool.with(|s| {
             let meta = &mut s.meta[index as usize];
-            meta.word |= CACHED;
+            meta.flags |= CACHED;
             meta.epoch
         });
         if self.entries.len() >= 2 * self.pool.capacity().max(64) {
@@ -137,7 +137,7 @@ impl<'p, 'pool, 'b, 'id, B: Backend, K: Hash + Eq> PrefixCache<'p, 'pool, 'b, 'i
             self.entries.remove(key); // stale, if there was one
             return None;
         };
-        self.pool.hold(index);
+        self.pool.hold_cached(index);
         Some(SharedPage {
             pool: self.pool,
             index,
@@ -180,7 +180,7 @@ impl<'p, 'pool, 'b, 'id, B: Backend, K: Hash + Eq> PrefixCache<'p, 'pool, 'b, 'i
     fn is_live(&self, index: u32, epoch: u32) -> bool {
         self.pool.with(|s| {
             let meta = &s.meta[index as usize];
-            meta.epoch == epoch && meta.word & CACHED != 0
+            meta.epoch == epoch && meta.flags & CACHED != 0
         })
     }
 
@@ -190,7 +190,7 @@ impl<'p, 'pool, 'b, 'id, B: Backend, K: Hash + Eq> PrefixCache<'p, 'pool, 'b, 'i
         self.entries.retain(|_, &mut (index, epoch)| {
             pool.with(|s| {
                 let meta = &s.meta[index as usize];
-                meta.epoch == epoch && meta.word & CACHED != 0
+                meta.epoch == epoch && meta.flags & CACHED != 0
             })
         });
     }

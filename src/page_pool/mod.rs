@@ -35,9 +35,11 @@ struct PoolState<'b, 'id, B: Backend> {
     /// Pages whose memory the backend withholds (a graph may still use it: see
     /// [`Backend::withheld`]): never handed out again.
     withheld: Vec<u32>,
-    /// Per page: its extra holders, whether a cache holds it, its cache epoch, its links in
-    /// the eviction order (see `shared`). Grown with the chunks; 0 for a page free or held
-    /// once, so the unshared hot path never reads it.
+    /// Per page: its holders beyond the first (0 for a page free or held once, so the
+    /// unshared hot path never reads it). Grown with the chunks.
+    extra: Vec<u32>,
+    /// Per page: whether a cache holds it, its cache epoch, its links in the eviction order
+    /// (see `shared`). Grown with the chunks.
     meta: Vec<Meta>,
     /// Cached pages no one holds, least recently let go first.
     idle: Lru,
@@ -200,6 +202,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
                     unfenced: Vec::new(),
                     cooling: Vec::new(),
                     withheld: Vec::new(),
+                    extra: Vec::new(),
                     meta: Vec::new(),
                     idle: Lru::new(),
                 }),
@@ -420,6 +423,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
                 s.chunks[slot] = Some(chunk);
                 // Capacity for every page of every chunk: the hot path's pushes never reallocate.
                 let total = s.chunks.len() * per_chunk;
+                s.extra.resize(total, 0);
                 s.meta.resize(total, Meta::default());
                 s.free.reserve(total - s.free.len());
                 if !B::IMMEDIATE {

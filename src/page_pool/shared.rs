@@ -1,8 +1,8 @@
 //! Pages shared by reference: [`SharedTable`] (a sequence's pages, any of which another holder
 //! may have), [`SharedPage`] (one more holder of one page, read-only by type), forks and
-//! copy-on-write. The counts live in the pool's own per-page words ([`Meta`]), never in a
-//! per-share allocation.
-#![allow(unsafe_code)] // host slices of shared pages, each with its `// SAFETY:` proof
+//! copy-on-write. The counts live in the pool's own per-page words (a `u32` of extra holders,
+//! and [`Meta`]), never in a per-share allocation.
+#![allow(unsafe_code)] // host slices of shared pages, and unchecked counts, each with its `// SAFETY:` proof
 
 use super::{PagePool, PageTable};
 use crate::backend::{Addr, Backend, HostVisible};
@@ -11,21 +11,20 @@ use crate::token::{host_slice, host_slice_mut};
 use crate::unwind::Scope;
 use std::fmt;
 
-/// A page's word: a prefix cache holds it (read-only until evicted).
-pub(super) const CACHED: u32 = 1 << 31;
-/// A page's word: cached and held by no one — in the eviction order ([`Lru`]).
-pub(super) const IDLE: u32 = 1 << 30;
-/// A page's word: its holders beyond the first.
-pub(super) const EXTRA: u32 = IDLE - 1;
+/// A page's flags: a prefix cache holds it (read-only until evicted).
+pub(super) const CACHED: u32 = 1;
+/// A page's flags: cached and held by no one — in the eviction order ([`Lru`]).
+pub(super) const IDLE: u32 = 2;
 /// No page (the ends of the eviction order).
 const NIL: u32 = u32::MAX;
 
-/// What the pool keeps per page: its word (extra holders, [`CACHED`], [`IDLE`]; 0 for a page
-/// free or held once), the epoch its cache entries name (bumped when it is evicted), and its
-/// links in the eviction order while idle. 16 bytes a page.
+/// What the pool keeps per page beside its count of extra holders (`PoolState::extra`, a
+/// `u32` a page, 0 for a page free or held once): its flags ([`CACHED`], [`IDLE`]), the epoch
+/// its cache entries name (bumped when it is evicted), and its links in the eviction order
+/// while idle. 16 bytes a page; 20 with the count.
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Meta {
-    pub(super) word: u32,
+    pub(super) flags: u32,
     pub(super) epoch: u32,
     prev: u32,
     next: u32,
@@ -162,7 +161,8 @@ pub struct SharedPage<'p, 'pool, 'b, 'id, B: Backend> {
 /// ```
 ///
 /// A fork borrows its pool, and a page's slice cannot be kept across the copy-on-write that
-/// replaces the page:
+/// replaces the page (compile-fail cases in `ui-tests/`: `forked_table_outlives_pool`,
+/// `page_slice_across_copy_on_write`, `page_slice_across_fork`):
 ///
 /// ```compile_fail,E0505
 /// # use memtoken::{make_guard, Budget, Device, PagePool};
@@ -193,6 +193,23 @@ pub struct SharedPage<'p, 'pool, 'b, 'id, B: Backend> {
 /// let old = table.page(0);
 /// pool.copy_on_write(&mut table, 0).unwrap(); // error: `table` is borrowed by `old`
 /// println!("{}", old[0]);
+/// ```
+///
+/// Nor can a writable slice be kept across a fork, which shares the page:
+///
+/// ```compile_fail,E0502
+/// # use memtoken::{make_guard, Budget, Device, PagePool};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// # make_guard!(pool_guard);
+/// # let pool = PagePool::new(pool_guard, &binding, 4096).unwrap();
+/// let mut table = pool.shared_table();
+/// pool.push(&mut table).unwrap();
+/// let bytes = table.page_mut(0).unwrap();
+/// let fork = pool.fork(&table); // error: `table` is borrowed mutably by `bytes`
+/// bytes[0] = 1;
 /// ```
 pub struct SharedTable<'p, 'pool, 'b, 'id, B: Backend> {
     pub(super) pool: &'p PagePool<'pool, 'b, 'id, B>,
@@ -284,9 +301,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         &self,
         table: &SharedTable<'_, 'pool, 'b, 'id, B>,
     ) -> SharedTable<'_, 'pool, 'b, 'id, B> {
-        for &index in &table.pages {
-            self.hold(index);
-        }
+        self.hold_all(&table.pages);
         SharedTable {
             pool: self,
             pages: table.pages.clone(),
@@ -312,7 +327,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         position: usize,
     ) -> Result<bool, PoolError> {
         let old = table.pages[position];
-        if self.word(old) == 0 {
+        if self.writable(old) {
             return Ok(false);
         }
         Scope::run::<B, _>(move || {
@@ -336,17 +351,15 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     /// holds, exact; for one no one holds, 0 only once it is idle — a page free or cooling
     /// answers 1 (its word does not say whether it is held), so ask only of pages you know.
     pub fn holders(&self, index: u32) -> u32 {
-        let word = self.word(index);
-        if word & IDLE != 0 {
-            0
-        } else {
-            (word & EXTRA) + 1
-        }
+        self.with(|s| match s.meta[index as usize].flags & IDLE {
+            0 => s.extra[index as usize] + 1,
+            _ => 0,
+        })
     }
 
     /// Whether a prefix cache holds the page `index` (read-only until it is evicted).
     pub fn is_cached(&self, index: u32) -> bool {
-        self.word(index) & CACHED != 0
+        self.with(|s| s.meta[index as usize].flags & CACHED != 0)
     }
 
     /// Cached pages no one holds: findable by their cache until the pool needs them.
@@ -370,7 +383,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         let Some(index) = self.with(|s| {
             let index = s.idle.pop_front(&mut s.meta)?;
             let meta = &mut s.meta[index as usize];
-            meta.word = 0;
+            meta.flags = 0;
             meta.epoch = meta.epoch.wrapping_add(1);
             Some(index)
         }) else {
@@ -380,23 +393,49 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         true
     }
 
-    /// Page `index`'s word.
+    /// Whether page `index` has one holder and no cache holds it: writable by that holder.
     #[inline]
-    pub(super) fn word(&self, index: u32) -> u32 {
-        self.with(|s| s.meta[index as usize].word)
+    pub(super) fn writable(&self, index: u32) -> bool {
+        self.with(|s| s.extra[index as usize] == 0 && s.meta[index as usize].flags == 0)
     }
 
-    /// One more holder of page `index` (held, or idle in a cache: then taken out of the
-    /// eviction order).
+    /// One more holder of page `index`, which someone holds (a table, a shared page).
+    ///
+    /// # Panics
+    ///
+    /// If the page already has 2^32 holders.
+    #[inline]
     pub(super) fn hold(&self, index: u32) {
         self.with(|s| {
-            let word = s.meta[index as usize].word;
-            if word & IDLE != 0 {
+            let extra = extra_of(&mut s.extra, index);
+            *extra = extra.checked_add(1).expect("a page has 2^32 holders");
+        });
+    }
+
+    /// One more holder of page `index`, cached: held, or idle (then taken out of the
+    /// eviction order).
+    pub(super) fn hold_cached(&self, index: u32) {
+        let idle = self.with(|s| {
+            let meta = &mut s.meta[index as usize];
+            let idle = meta.flags & IDLE != 0;
+            if idle {
+                meta.flags &= !IDLE;
                 s.idle.remove(&mut s.meta, index);
-                s.meta[index as usize].word = word & !IDLE;
-            } else {
-                assert!(word & EXTRA != EXTRA, "a page has 2^30 holders");
-                s.meta[index as usize].word = word + 1;
+            }
+            idle
+        });
+        if !idle {
+            self.hold(index);
+        }
+    }
+
+    /// One more holder of each of `pages` (a table's, so held).
+    #[inline]
+    fn hold_all(&self, pages: &[u32]) {
+        self.with(|s| {
+            for &index in pages {
+                let extra = extra_of(&mut s.extra, index);
+                *extra = extra.checked_add(1).expect("a page has 2^32 holders");
             }
         });
     }
@@ -406,17 +445,18 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     #[inline]
     pub(super) fn let_go(&self, index: u32) {
         let free = self.with(|s| {
-            let word = s.meta[index as usize].word;
-            if word & EXTRA != 0 {
-                s.meta[index as usize].word = word - 1;
-                false
-            } else if word & CACHED != 0 {
-                s.meta[index as usize].word = word | IDLE;
-                s.idle.push_back(&mut s.meta, index);
-                false
-            } else {
-                true
+            let extra = extra_of(&mut s.extra, index);
+            if *extra != 0 {
+                *extra -= 1;
+                return false;
             }
+            let meta = &mut s.meta[index as usize];
+            if meta.flags & CACHED == 0 {
+                return true;
+            }
+            meta.flags |= IDLE;
+            s.idle.push_back(&mut s.meta, index);
+            false
         });
         if free {
             self.give_back(&[index]);
@@ -425,12 +465,46 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
 
     /// Every page of a shared table lets go, the last first (so a cached sequence's later
     /// pages are evicted before its earlier ones).
-    #[cold]
     pub(super) fn let_go_all(&self, pages: &[u32]) {
-        for &index in pages.iter().rev() {
-            self.let_go(index);
+        let mut rest = pages.len();
+        while rest > 0 {
+            // Pages other holders keep, under one borrow of the state, until one is its
+            // last holder's (freed, or idle).
+            rest = self.with(|s| {
+                let mut rest = rest;
+                while rest > 0 {
+                    let extra = extra_of(&mut s.extra, pages[rest - 1]);
+                    if *extra == 0 {
+                        break;
+                    }
+                    *extra -= 1;
+                    rest -= 1;
+                }
+                rest
+            });
+            if rest > 0 {
+                self.let_go(pages[rest - 1]);
+                rest -= 1;
+            }
         }
     }
+}
+
+/// Page `index`'s count of extra holders, with no bounds check: the hot loops of forks,
+/// shares and releases do one load and one store a page, as the hand-written pool's do less
+/// its bounds check.
+#[inline(always)]
+fn extra_of(extra: &mut [u32], index: u32) -> &mut u32 {
+    debug_assert!(
+        (index as usize) < extra.len(),
+        "page {index} is not the pool's"
+    );
+    // SAFETY: `index` is a page some holder of this pool holds (a table's entry, a shared
+    // page, a cache hit being taken): every such index was handed out from the free list,
+    // whose indices are all below the pages of the chunks committed so far, and `extra` is
+    // resized to exactly that count at each commit (`grow`) and never shrinks (a released
+    // chunk's slot keeps its counts, and its pages come back with the same indices).
+    unsafe { extra.get_unchecked_mut(index as usize) }
 }
 
 impl<'p, 'pool, 'b, 'id, B: Backend> PageTable<'p, 'pool, 'b, 'id, B> {
@@ -475,7 +549,7 @@ impl<'p, 'pool, 'b, 'id, B: Backend> SharedTable<'p, 'pool, 'b, 'id, B> {
     ///
     /// If `position` is out of bounds.
     pub fn is_writable(&self, position: usize) -> bool {
-        self.pool.word(self.pages[position]) == 0
+        self.pool.writable(self.pages[position])
     }
 
     /// Address of the page at `position`.

@@ -9,6 +9,9 @@
 //! - `sleep_wake/{memtoken,raw}`: suspend a 64 MiB allocation with its bytes saved to the host
 //!   and resume it at the same address with its bytes, on the host.
 //! - `page_scale/memtoken/N`: one page alloc + free with N pages live.
+//! - `shared_fork/{memtoken,raw}`: fork a 1,000-page table (a count more each page) and
+//!   release the fork, against a hand-written reference-count pool (`common/rc_pool.rs`).
+//! - `shared_share/{memtoken,raw}`: one more holder of each of 16 pages, let go again.
 //! - `gpu/...`: the cycles on a CUDA device, when one is present.
 //!
 //! `cargo run --release --example bench_report` runs these and prints the ratios.
@@ -17,6 +20,8 @@
 mod granule;
 #[path = "common/raw_pool.rs"]
 mod raw_pool;
+#[path = "common/rc_pool.rs"]
+mod rc_pool;
 #[path = "common/region.rs"]
 mod region;
 #[path = "common/sleep.rs"]
@@ -209,6 +214,55 @@ fn sleep_wake(c: &mut Criterion) {
     assert!(seen.iter().all(|&b| b == 7));
 }
 
+/// Shared pages (issue 24): a fork of a 1,000-page table and its release, and a page's share
+/// and unshare, against the hand-written reference-count pool on the same backend.
+fn shared_pages(c: &mut Criterion) {
+    const FORK_PAGES: usize = 1000;
+    let backend = HostBackend::with_defaults().unwrap();
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, PAGE).unwrap();
+    let mut table = pool.shared_table();
+    for _ in 0..FORK_PAGES {
+        pool.push(&mut table).unwrap();
+    }
+    let mut raw = rc_pool::RcPool::new(&backend, PAGE);
+    let raw_table: Vec<u32> = (0..FORK_PAGES).map(|_| raw.alloc().unwrap()).collect();
+    c.bench_function("shared_fork/memtoken", |b| {
+        b.iter(|| {
+            let fork = pool.fork(&table);
+            black_box(fork.len());
+        })
+    });
+    c.bench_function("shared_fork/raw", |b| {
+        b.iter(|| {
+            let fork = raw.fork(&raw_table);
+            black_box(fork.len());
+            raw.release(&fork);
+        })
+    });
+    c.bench_function("shared_share/memtoken", |b| {
+        b.iter(|| {
+            for position in 0..SEQ_PAGES {
+                drop(black_box(pool.share(&table, black_box(position))));
+            }
+        })
+    });
+    c.bench_function("shared_share/raw", |b| {
+        b.iter(|| {
+            for &index in &raw_table[..SEQ_PAGES] {
+                raw.share(black_box(index));
+            }
+            for &index in &raw_table[..SEQ_PAGES] {
+                raw.unshare(black_box(index));
+            }
+        })
+    });
+    raw.release(&raw_table);
+}
+
 fn page_scale(c: &mut Criterion) {
     let mut group = c.benchmark_group("page_scale/memtoken");
     for live in [1usize << 10, 1 << 16, 1 << 20] {
@@ -264,6 +318,7 @@ criterion_group!(
     region_cycle,
     sleep_wake,
     page_scale,
+    shared_pages,
     gpu
 );
 criterion_main!(benches);

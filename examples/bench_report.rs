@@ -77,6 +77,18 @@ const RATIOS: &[(&str, &str, &str, f64)] = &[
         1.2,
     ),
     (
+        "fork of 1,000 pages + release: tokens / reference counts",
+        "shared_fork/memtoken",
+        "shared_fork/raw",
+        f64::NAN, // callgrind is the judge: 0.859 (examples/share_cycle.rs)
+    ),
+    (
+        "share + unshare of 16 pages: tokens / reference counts",
+        "shared_share/memtoken",
+        "shared_share/raw",
+        f64::NAN, // callgrind is the judge: 0.990 (examples/share_cycle.rs)
+    ),
+    (
         "GPU page cycle: tokens / raw",
         "gpu/page_cycle/memtoken",
         "gpu/page_cycle/raw",

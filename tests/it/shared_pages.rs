@@ -208,14 +208,34 @@ fn on_cuda_a_copy_on_write_is_a_device_copy_after_the_sources_writer() {
     pool.push(&mut table).unwrap();
     write(&mut table, 0, 4);
     let fork = pool.fork(&table);
-    let page = pool.share(&fork, 0);
-    let _ = page.addr();
+    // A kernel writing the chunk (through a page of it) on another stream, still running.
+    let mut other = pool.alloc().unwrap();
+    let ptr = other
+        .stream_view_mut::<u8>(stream)
+        .unwrap()
+        .device_ptr_mut();
+    model.submit_work_touching(stream, &[(ptr, PAGE)]);
+    let kernel = {
+        use memtoken::backend::cuda::Driver;
+        let done = model.event_create().unwrap();
+        // SAFETY: a live event and stream of the model.
+        unsafe { model.event_record(done, stream) }.unwrap();
+        done
+    };
     let copies = model.count(DriverCall::MemcpyDtoD);
     assert!(pool.copy_on_write(&mut table, 0).unwrap());
     assert_eq!(model.count(DriverCall::MemcpyDtoD), copies + 1);
+    {
+        use memtoken::backend::cuda::Driver;
+        // SAFETY: a live event of the model.
+        let finished = unsafe { model.event_query(kernel) }.unwrap();
+        assert!(
+            finished,
+            "the copy ran before the kernel on the chunk finished"
+        );
+    }
     assert_eq!(read(&table, 0), 4);
-    let _ = stream;
-    drop((page, fork, table));
+    drop((other, fork, table));
     model.complete_work();
     drop(pool);
     drop(binding);

@@ -1,0 +1,343 @@
+//! Block-level sharing in a paged KV cache: a prefix cache keyed by the whole prefix, and
+//! parallel sampling as forks with copy-on-write — what an LLM-serving engine does with its
+//! KV cache, on memtoken's `PagePool`.
+//!
+//! Requests arrive over time. Each prompt is a system prompt (one of a few) and a user prefix
+//! (one of a few, some far more frequent), then a few tokens of its own. The engine looks each
+//! full page of the prompt up in the `PrefixCache` under a key chained from its parent page's
+//! key; a hit is a page shared by reference, a miss computes the page's K/V and enters it.
+//! Each request samples several continuations in parallel: the prompt's table is forked (no
+//! byte copied), and the first token a sample writes into the shared last page copies that one
+//! page. Finished requests let their pages go; cached ones stay findable until the pool needs
+//! them. Every page's bytes are checked when its request finishes, and the ledger ends at zero.
+//!
+//! ```text
+//! cargo run --release --example prefix_cache [-- --requests N --live L --samples K
+//!     --system-prompts S --system-tokens T --user-prefixes U --user-tokens V
+//!     --own-tokens W --generate G --seed X]
+//! ```
+
+mod common;
+
+use memtoken::backend::{Backend, HostBackend, HostConfig};
+use memtoken::{Budget, Device, PagePool, PrefixCache, SharedTable, make_guard};
+use std::collections::hash_map::DefaultHasher;
+use std::error::Error;
+use std::hash::{Hash, Hasher};
+
+type Result<T> = std::result::Result<T, Box<dyn Error>>;
+
+const TOKENS_PER_PAGE: usize = 16;
+/// Bytes of K and V one token needs in this toy model.
+const BYTES_PER_TOKEN: usize = 256;
+const PAGE: usize = TOKENS_PER_PAGE * BYTES_PER_TOKEN;
+
+/// The workload, all settable on the command line.
+#[derive(Debug)]
+struct Workload {
+    requests: usize,
+    live: usize,
+    samples: usize,
+    system_prompts: usize,
+    system_tokens: usize,
+    user_prefixes: usize,
+    user_tokens: usize,
+    own_tokens: usize,
+    generate: usize,
+    seed: u64,
+}
+
+fn parse() -> std::result::Result<Workload, String> {
+    let mut w = Workload {
+        requests: 256,
+        live: 16,
+        samples: 4,
+        system_prompts: 3,
+        system_tokens: 512,
+        user_prefixes: 12,
+        user_tokens: 128,
+        own_tokens: 24,
+        generate: 64,
+        seed: 7,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = |name: &str| {
+            it.next()
+                .and_then(|v| v.parse::<u64>().ok())
+                .ok_or(format!("{name} needs a number"))
+        };
+        match flag.as_str() {
+            "--requests" => w.requests = value("--requests")? as usize,
+            "--live" => w.live = value("--live")?.max(1) as usize,
+            "--samples" => w.samples = value("--samples")?.max(1) as usize,
+            "--system-prompts" => w.system_prompts = value("--system-prompts")?.max(1) as usize,
+            "--system-tokens" => w.system_tokens = value("--system-tokens")? as usize,
+            "--user-prefixes" => w.user_prefixes = value("--user-prefixes")?.max(1) as usize,
+            "--user-tokens" => w.user_tokens = value("--user-tokens")? as usize,
+            "--own-tokens" => w.own_tokens = value("--own-tokens")?.max(1) as usize,
+            "--generate" => w.generate = value("--generate")? as usize,
+            "--seed" => w.seed = value("--seed")?,
+            "-h" | "--help" => {
+                println!(
+                    "prefix_cache: a paged KV cache with a prefix cache and parallel sampling\n\n\
+                     --requests N        requests that arrive (default 256)\n\
+                     --live L            requests served at once (default 16)\n\
+                     --samples K         continuations sampled per request, as forks (default 4)\n\
+                     --system-prompts S  distinct system prompts (default 3)\n\
+                     --system-tokens T   tokens in a system prompt (default 512)\n\
+                     --user-prefixes U   distinct user prefixes, the first ones most frequent (default 12)\n\
+                     --user-tokens V     tokens in a user prefix (default 128)\n\
+                     --own-tokens W      tokens of a request's own after them (default 24)\n\
+                     --generate G        tokens each sample generates (default 64)\n\
+                     --seed X            seed of the choices (default 7)"
+                );
+                std::process::exit(0);
+            }
+            other => return Err(format!("unknown argument {other:?}; try --help")),
+        }
+    }
+    Ok(w)
+}
+
+/// A tiny xorshift: the workload is reproducible.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    /// One of `n`, the first ones more likely (the square of a uniform draw).
+    fn skewed(&mut self, n: usize) -> usize {
+        let u = (self.next() % 1024) as f64 / 1024.0;
+        ((u * u) * n as f64) as usize
+    }
+}
+
+/// A page's key: its parent page's key and its own tokens — so it stands for the whole prefix
+/// up to and including the page (and, in a real engine, anything else the K/V depends on).
+fn key(parent: u64, tokens: &[u32]) -> u64 {
+    let mut h = DefaultHasher::new();
+    parent.hash(&mut h);
+    tokens.hash(&mut h);
+    h.finish()
+}
+
+/// The K/V byte of a token (a stand-in for the model's output): a function of the whole
+/// prefix up to it, through the key of the page it is in.
+fn kv_byte(page_key: u64, slot: usize) -> u8 {
+    (page_key.rotate_left(slot as u32 % 64) as u8) | 1
+}
+
+/// A request's prompt: system prompt, user prefix, and its own tokens.
+fn prompt(w: &Workload, rng: &mut Rng, id: usize) -> Vec<u32> {
+    let system = rng.skewed(w.system_prompts) as u32;
+    let user = rng.skewed(w.user_prefixes) as u32;
+    let mut tokens: Vec<u32> = (0..w.system_tokens as u32)
+        .map(|t| system * 100_000 + t)
+        .collect();
+    tokens.extend((0..w.user_tokens as u32).map(|t| 10_000_000 + user * 100_000 + t));
+    tokens.extend((0..w.own_tokens as u32).map(|t| 50_000_000 + id as u32 * 1_000 + t));
+    tokens
+}
+
+/// One sample of a request: its table, the key of each page (the bytes it must hold), and
+/// how many tokens it has.
+struct Sample<'p, 'pool, 'b, 'id, B: Backend> {
+    table: SharedTable<'p, 'pool, 'b, 'id, B>,
+    keys: Vec<u64>,
+    tokens: usize,
+}
+
+struct Stats {
+    hits: usize,
+    lookups: usize,
+    copies: usize,
+    peak_pages: usize,
+    peak_unshared_pages: usize,
+}
+
+fn run<B: Backend>(device: &Device<'_, B>, w: &Workload) -> Result<Stats> {
+    let binding = device.bind(Budget::unlimited())?;
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, PAGE)?;
+    let mut cache = PrefixCache::new(&pool);
+    let mut rng = Rng(w.seed.max(1));
+    let mut stats = Stats {
+        hits: 0,
+        lookups: 0,
+        copies: 0,
+        peak_pages: 0,
+        peak_unshared_pages: 0,
+    };
+    let mut live: Vec<(Vec<Sample<'_, '_, '_, '_, B>>, usize)> = Vec::new();
+    let mut next = 0;
+    while next < w.requests || !live.is_empty() {
+        // Admit requests while there is room.
+        while live.len() < w.live && next < w.requests {
+            let tokens = prompt(w, &mut rng, next);
+            next += 1;
+            let mut table = pool.shared_table();
+            let mut keys = Vec::new();
+            let mut parent = 0;
+            for chunk in tokens.chunks(TOKENS_PER_PAGE) {
+                let k = key(parent, chunk);
+                parent = k;
+                keys.push(k);
+                let full = chunk.len() == TOKENS_PER_PAGE;
+                if full {
+                    stats.lookups += 1;
+                    if let Some(page) = cache.lookup(&k) {
+                        stats.hits += 1;
+                        pool.push_shared(&mut table, page);
+                        continue;
+                    }
+                }
+                let at = pool.push(&mut table)?;
+                let bytes: Vec<u8> = (0..chunk.len() * BYTES_PER_TOKEN)
+                    .map(|i| kv_byte(k, i / BYTES_PER_TOKEN))
+                    .collect();
+                table.copy_page_from_host(at, 0, &bytes)?;
+                if full {
+                    cache.enter(&table, at, k); // only full pages
+                }
+            }
+            // Parallel sampling: the prompt's table forked, no byte copied.
+            let samples = (0..w.samples)
+                .map(|_| Sample {
+                    table: pool.fork(&table),
+                    keys: keys.clone(),
+                    tokens: tokens.len(),
+                })
+                .collect();
+            drop(table);
+            live.push((samples, w.generate));
+        }
+        // One token for every sample of every live request.
+        for (samples, left) in &mut live {
+            for (s, sample) in samples.iter_mut().enumerate() {
+                let slot = sample.tokens % TOKENS_PER_PAGE;
+                if slot == 0 {
+                    pool.push(&mut sample.table)?;
+                    sample.keys.push(rng.next() ^ s as u64);
+                } else {
+                    let last = sample.table.len() - 1;
+                    if pool.copy_on_write(&mut sample.table, last)? {
+                        stats.copies += 1;
+                    }
+                }
+                let last = sample.table.len() - 1;
+                let k = sample.keys[last];
+                let bytes = [kv_byte(k, slot); BYTES_PER_TOKEN];
+                sample
+                    .table
+                    .copy_page_from_host(last, slot * BYTES_PER_TOKEN, &bytes)?;
+                sample.tokens += 1;
+            }
+            *left -= 1;
+        }
+        stats.peak_pages = stats.peak_pages.max(pool.live_pages());
+        let unshared: usize = live
+            .iter()
+            .flat_map(|(samples, _)| samples)
+            .map(|s| s.table.len())
+            .sum();
+        stats.peak_unshared_pages = stats.peak_unshared_pages.max(unshared);
+        // Finished requests: every byte checked, then their pages let go.
+        let (done, going): (Vec<_>, Vec<_>) = live.into_iter().partition(|(_, left)| *left == 0);
+        live = going;
+        for (samples, _) in done {
+            for sample in &samples {
+                check(sample)?;
+            }
+        }
+    }
+    drop(cache);
+    let evicted = pool.evict_idle();
+    assert_eq!(pool.live_pages(), 0);
+    println!("  at the end: {evicted} cached pages evicted, every page back in the pool");
+    Ok(stats)
+}
+
+/// Every token of every page of `sample` holds its K/V byte.
+fn check<B: Backend>(sample: &Sample<'_, '_, '_, '_, B>) -> Result<()> {
+    let mut page = vec![0u8; PAGE];
+    for (position, &k) in sample.keys.iter().enumerate() {
+        let tokens = (sample.tokens - position * TOKENS_PER_PAGE).min(TOKENS_PER_PAGE);
+        sample.table.copy_page_to_host(position, 0, &mut page)?;
+        for slot in 0..tokens {
+            let got = page[slot * BYTES_PER_TOKEN];
+            if got != kv_byte(k, slot) {
+                return Err(format!("page {position} token {slot}: K/V byte {got}").into());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    if common::started_by_test_harness() {
+        return Ok(());
+    }
+    let w = parse()?;
+    let prompt_tokens = w.system_tokens + w.user_tokens + w.own_tokens;
+    println!(
+        "prefix_cache: {} requests, {} at a time; each a {}-token prompt ({} system prompts of \
+         {} tokens, {} user prefixes of {}, {} tokens of its own), {} samples of {} tokens each; \
+         {}-token pages of {} KiB (seed {})",
+        w.requests,
+        w.live,
+        prompt_tokens,
+        w.system_prompts,
+        w.system_tokens,
+        w.user_prefixes,
+        w.user_tokens,
+        w.own_tokens,
+        w.samples,
+        w.generate,
+        TOKENS_PER_PAGE,
+        PAGE / 1024,
+        w.seed
+    );
+    make_guard!(guard);
+    let backend = HostBackend::new(HostConfig {
+        granularity: 64 << 10,
+        physical_capacity: 4 << 30,
+        ..HostConfig::default()
+    })?;
+    let device = Device::new(guard, backend);
+    let stats = run(&device, &w)?;
+    let shared = stats.peak_pages * PAGE;
+    let unshared = stats.peak_unshared_pages * PAGE;
+    println!(
+        "  prefix cache: {} hits of {} full prompt pages looked up ({:.1} %)",
+        stats.hits,
+        stats.lookups,
+        100.0 * stats.hits as f64 / stats.lookups.max(1) as f64
+    );
+    println!(
+        "  copy-on-write: {} pages copied (a sample's first write into a shared page)",
+        stats.copies
+    );
+    println!(
+        "  peak bytes the live requests own: {} KiB shared by block, {} KiB without sharing \
+         ({:.2} of it, {} KiB saved)",
+        shared / 1024,
+        unshared / 1024,
+        shared as f64 / unshared.max(1) as f64,
+        (unshared - shared.min(unshared)) / 1024
+    );
+    let ledger = device.ledger();
+    println!("  ledger at the end: {ledger:?}");
+    if !ledger.is_zero() {
+        return Err("the ledger did not end at zero".into());
+    }
+    if shared * 2 > unshared {
+        return Err(format!("sharing saved less than half: {shared} of {unshared} bytes").into());
+    }
+    Ok(())
+}

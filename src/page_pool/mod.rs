@@ -365,7 +365,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
                 index
             }
         };
-        let pages = table.pages_mut();
+        let pages = table.pages_mut(shared::INSIDE);
         let position = pages.len();
         pages.push(index);
         Ok(position)
@@ -376,7 +376,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     /// holder, and a cached one then waits, findable, to be evicted.
     #[inline]
     pub fn clear<T: Table<'pool, 'b, 'id, B>>(&self, table: &mut T) {
-        let pages = table.pages_mut();
+        let pages = table.pages_mut(shared::INSIDE);
         if T::SHARED {
             self.let_go_all(pages);
             pages.clear();

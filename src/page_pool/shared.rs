@@ -217,20 +217,41 @@ pub struct SharedTable<'p, 'pool, 'b, 'id, B: Backend> {
 }
 
 /// A page table of a pool (sealed): [`PageTable`], whose pages it holds alone, or
-/// [`SharedTable`]. [`PagePool::push`] and [`PagePool::clear`] take either.
+/// [`SharedTable`]. [`PagePool::push`] and [`PagePool::clear`] take either. Its page indices
+/// are the pool's to change (`ui-tests/table_indices_from_outside.rs`):
+///
+/// ```compile_fail,E0277
+/// # use memtoken::{make_guard, Budget, Device, PagePool, Table};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// # make_guard!(pool_guard);
+/// # let pool = PagePool::new(pool_guard, &binding, 4096).unwrap();
+/// let mut table = pool.table();
+/// table.pages_mut(Default::default()).push(u32::MAX); // error: only memtoken can call it
+/// ```
 pub trait Table<'pool, 'b, 'id, B: Backend>: sealed::Sealed {
     /// Whether its pages may be shared: known at compile time, so a [`PageTable`]'s clear is
     /// the hand-written pool's code.
     #[doc(hidden)]
     const SHARED: bool;
-    /// Its page indices.
+    /// Its page indices — only for this crate: the argument cannot be made outside it, so no
+    /// caller can put an index the table does not hold in it.
     #[doc(hidden)]
-    fn pages_mut(&mut self) -> &mut Vec<u32>;
+    fn pages_mut(&mut self, _: sealed::Inside) -> &mut Vec<u32>;
 }
 
 mod sealed {
     pub trait Sealed {}
+
+    /// Made only inside the crate: a method taking it cannot be called from outside.
+    #[derive(Clone, Copy, Debug)]
+    pub struct Inside(pub(in crate::page_pool) ());
 }
+
+/// The argument of [`Table::pages_mut`].
+pub(super) const INSIDE: sealed::Inside = sealed::Inside(());
 
 impl<B: Backend> sealed::Sealed for PageTable<'_, '_, '_, '_, B> {}
 impl<B: Backend> sealed::Sealed for SharedTable<'_, '_, '_, '_, B> {}
@@ -239,7 +260,7 @@ impl<'pool, 'b, 'id, B: Backend> Table<'pool, 'b, 'id, B> for PageTable<'_, 'poo
     const SHARED: bool = false;
 
     #[inline(always)]
-    fn pages_mut(&mut self) -> &mut Vec<u32> {
+    fn pages_mut(&mut self, _: sealed::Inside) -> &mut Vec<u32> {
         &mut self.pages
     }
 }
@@ -248,7 +269,7 @@ impl<'pool, 'b, 'id, B: Backend> Table<'pool, 'b, 'id, B> for SharedTable<'_, 'p
     const SHARED: bool = true;
 
     #[inline(always)]
-    fn pages_mut(&mut self) -> &mut Vec<u32> {
+    fn pages_mut(&mut self, _: sealed::Inside) -> &mut Vec<u32> {
         &mut self.pages
     }
 }

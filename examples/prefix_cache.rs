@@ -256,8 +256,8 @@ fn run<B: Backend>(device: &Device<'_, B>, w: &Workload) -> Result<Stats> {
             }
         }
     }
-    drop(cache);
     let evicted = pool.evict_idle();
+    drop(cache);
     assert_eq!(pool.live_pages(), 0);
     println!("  at the end: {evicted} cached pages evicted, every page back in the pool");
     Ok(stats)

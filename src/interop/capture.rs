@@ -11,7 +11,7 @@ use crate::backend::cuda::{CaptureMode, CudaBackend, Driver, GraphExec, Stream};
 use crate::backend::{Addr, BackendError};
 use crate::device::Device;
 use crate::error::ViewError;
-use crate::page_pool::Page;
+use crate::page_pool::{Page, SharedTable};
 use crate::region::Elastic;
 use crate::sharing::{Capability, Owner};
 use crate::state::{Committed, Readable};
@@ -307,6 +307,52 @@ impl<D: Driver> Page<'_, '_, '_, '_, CudaBackend<D>> {
             false,
         )
         .map(StreamViewMut::new)
+    }
+}
+
+impl<D: Driver> SharedTable<'_, '_, '_, '_, CudaBackend<D>> {
+    /// The page at `position` as elements of `T`, read-only, for work on the raw `stream`
+    /// (see [`Allocation::stream_view`]). Borrows the table.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Allocation::stream_view`].
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn page_stream_view<T: Pod>(
+        &self,
+        position: usize,
+        stream: Stream,
+    ) -> Result<StreamView<'_, T, D>, ViewError> {
+        let (addr, size) = (self.addr(position), self.page_size());
+        StreamView::lend(self.backend().raw(), addr, size, stream, false)
+    }
+
+    /// The page at `position` as elements of `T`, writable, for work on the raw `stream` —
+    /// `None` if another holder has the page or a cache holds it
+    /// ([`PagePool::copy_on_write`](crate::PagePool::copy_on_write) first). Borrows the table
+    /// mutably.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Allocation::stream_view`].
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn page_stream_view_mut<T: Pod>(
+        &mut self,
+        position: usize,
+        stream: Stream,
+    ) -> Option<Result<StreamViewMut<'_, T, D>, ViewError>> {
+        if !self.is_writable(position) {
+            return None;
+        }
+        let (addr, size) = (self.addr(position), self.page_size());
+        let view = StreamView::lend(self.backend().raw(), addr, size, stream, false);
+        Some(view.map(StreamViewMut::new))
     }
 }
 

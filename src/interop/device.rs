@@ -551,6 +551,51 @@ impl Page<'_, '_, '_, '_, Gpu> {
     }
 }
 
+impl crate::SharedTable<'_, '_, '_, '_, Gpu> {
+    /// The page at `position` as elements of `T` on the device, read-only, for work on
+    /// `stream` (see [`Allocation::view`]). Borrows the table.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Allocation::view`].
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn page_view<T: Pod>(
+        &self,
+        position: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Result<DeviceView<'_, T>, ViewError> {
+        let (addr, size) = (self.addr(position), self.page_size());
+        Span::lend::<T>(self.backend().raw(), addr, size, stream).map(DeviceView::new)
+    }
+
+    /// The page at `position` as elements of `T` on the device, writable, for work on
+    /// `stream` — `None` if another holder has the page or a cache holds it
+    /// ([`PagePool::copy_on_write`](crate::PagePool::copy_on_write) first). Borrows the table
+    /// mutably.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Allocation::view`].
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn page_view_mut<T: Pod>(
+        &mut self,
+        position: usize,
+        stream: &Arc<CudaStream>,
+    ) -> Option<Result<DeviceViewMut<'_, T>, ViewError>> {
+        if !self.is_writable(position) {
+            return None;
+        }
+        let (addr, size) = (self.addr(position), self.page_size());
+        Some(Span::lend::<T>(self.backend().raw(), addr, size, stream).map(DeviceViewMut::new))
+    }
+}
+
 impl PageTable<'_, '_, '_, '_, Gpu> {
     /// The page at `position` as elements of `T` on the device, read-only, for work on
     /// `stream` (see [`Allocation::view`]). Borrows the table.

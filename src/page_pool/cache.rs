@@ -2,7 +2,7 @@
 //! them, kept until the pool needs them.
 
 use super::PagePool;
-use super::shared::{CACHED, SharedPage, SharedTable};
+use super::shared::{CACHED, IDLE, SharedPage, SharedTable};
 use crate::backend::Backend;
 use std::borrow::Borrow;
 use std::collections::HashMap;
@@ -80,11 +80,13 @@ use std::hash::Hash;
 /// eviction order; a held page is never evicted. An evicted page's entries go stale and are
 /// dropped at their next lookup (or in bulk as entries pile up).
 ///
-/// It borrows its pool; the pages it hands out borrow the pool too.
+/// It borrows its pool; the pages it hands out borrow the pool too. Dropped, it lets its pages
+/// go: each is cached no more (writable again by a sole holder), and an idle one goes back to
+/// the pool.
 pub struct PrefixCache<'p, 'pool, 'b, 'id, B: Backend, K> {
     pool: &'p PagePool<'pool, 'b, 'id, B>,
     /// Each key's page, and the page's epoch when it was entered (stale once it differs).
-    entries: HashMap<K, (u32, u32)>,
+    entries: HashMap<K, (u32, u64)>,
 }
 
 impl<'p, 'pool, 'b, 'id, B: Backend, K: Hash + Eq> PrefixCache<'p, 'pool, 'b, 'id, B, K> {
@@ -177,7 +179,7 @@ impl<'p, 'pool, 'b, 'id, B: Backend, K: Hash + Eq> PrefixCache<'p, 'pool, 'b, 'i
     }
 
     /// Whether page `index`, entered at `epoch`, is still cached since.
-    fn is_live(&self, index: u32, epoch: u32) -> bool {
+    fn is_live(&self, index: u32, epoch: u64) -> bool {
         self.pool.with(|s| {
             let meta = &s.meta[index as usize];
             meta.epoch == epoch && meta.flags & CACHED != 0
@@ -193,6 +195,32 @@ impl<'p, 'pool, 'b, 'id, B: Backend, K: Hash + Eq> PrefixCache<'p, 'pool, 'b, 'i
                 meta.epoch == epoch && meta.flags & CACHED != 0
             })
         });
+    }
+}
+
+impl<B: Backend, K> Drop for PrefixCache<'_, '_, '_, '_, B, K> {
+    /// Its pages are cached no more: writable again by a sole holder, and an idle one goes
+    /// back to the pool (behind a fence where work may still use it).
+    fn drop(&mut self) {
+        let pool = self.pool;
+        for (_, (index, epoch)) in self.entries.drain() {
+            let idle = pool.with(|s| {
+                let meta = &mut s.meta[index as usize];
+                if meta.epoch != epoch || meta.flags & CACHED == 0 {
+                    return false; // evicted since: not this cache's any more
+                }
+                let idle = meta.flags & IDLE != 0;
+                meta.flags = 0;
+                meta.epoch += 1;
+                if idle {
+                    s.idle.remove(&mut s.meta, index);
+                }
+                idle
+            });
+            if idle {
+                pool.give_back(&[index]);
+            }
+        }
     }
 }
 

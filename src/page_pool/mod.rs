@@ -73,8 +73,9 @@ const BATCHES: usize = 2;
 /// at a time (a newer one takes over the newest batch: it covers more work). On the host a
 /// page is free at once, and the hot path is unchanged.
 ///
-/// **Metadata:** 4 bytes per free page (its index in the free list), nothing per live page in
-/// the pool, one [`Allocation`] per chunk. A [`Page`] token is a reference to its pool and a
+/// **Metadata:** 4 bytes per free page (its index in the free list), 28 bytes per page of a
+/// committed chunk for sharing (a count of extra holders, and cache state: see
+/// [`SharedTable`]), one [`Allocation`] per chunk. A [`Page`] token is a reference to its pool and a
 /// 4-byte index (16 bytes on 64-bit targets); a page in a [`PageTable`] is a 4-byte index.
 ///
 /// A page borrows its pool, so it cannot outlive it, and it is returned once — by
@@ -244,12 +245,14 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     }
 
     /// With no page free: evicts the idle cached page let go least recently, if there is one
-    /// and that frees a page now (not where work may still use it: the evicted page cools
-    /// behind a fence first); otherwise commits one more chunk.
+    /// — free at once where nothing runs asynchronously; elsewhere it cools behind a fence
+    /// recorded now, like a freed page, and is free now only if that work has finished —
+    /// otherwise commits one more chunk (so on a GPU at its budget an allocation fails while
+    /// the evicted page cools, and succeeds again once the work has finished).
     #[cold]
     #[inline(never)]
     fn make_room(&self) -> Result<(), PoolError> {
-        if self.evict_one() && self.with(|s| !s.free.is_empty()) {
+        if self.evict_one() && (self.with(|s| !s.free.is_empty()) || self.reclaim()) {
             return Ok(());
         }
         self.grow()
@@ -522,11 +525,12 @@ fn locate(index: u32, per_chunk_shift: u32, page_shift: u32) -> (usize, usize) {
 }
 
 /// The indices of chunk `slot`'s pages start at `slot * per_chunk`; `None` if its last page
-/// would not fit in a `u32` index.
+/// would not fit in a `u32` index below `u32::MAX`.
 fn first_index(slot: usize, per_chunk: usize) -> Option<u32> {
     let first = slot.checked_mul(per_chunk)?;
     let end = first.checked_add(per_chunk)?;
-    (end as u64 <= u64::from(u32::MAX) + 1).then_some(first as u32)
+    // Below u32::MAX, which the eviction order keeps for "no page".
+    (end as u64 <= u64::from(u32::MAX)).then_some(first as u32)
 }
 
 impl<'p, 'pool, 'b, 'id, B: Backend> Page<'p, 'pool, 'b, 'id, B> {
@@ -708,12 +712,18 @@ mod tests {
     }
 
     #[test]
-    fn chunk_indices_stop_at_two_to_the_32_pages() {
+    fn chunk_indices_stop_below_u32_max() {
         assert_eq!(first_index(0, 512), Some(0));
         assert_eq!(first_index(3, 512), Some(1536));
-        let last = (1usize << 32) / 512 - 1;
+        // The last whole chunk below u32::MAX (kept for "no page" in the eviction order).
+        let last = (1usize << 32) / 512 - 2;
         assert_eq!(first_index(last, 512), Some((last * 512) as u32));
         assert_eq!(first_index(last + 1, 512), None);
+        assert_eq!(
+            first_index((1 << 32) - 1, 1),
+            None,
+            "index u32::MAX is never a page"
+        );
         assert_eq!(first_index(usize::MAX, 2), None);
     }
 }

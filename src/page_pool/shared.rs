@@ -21,13 +21,14 @@ const NIL: u32 = u32::MAX;
 /// What the pool keeps per page beside its count of extra holders (`PoolState::extra`, a
 /// `u32` a page, 0 for a page free or held once): its flags ([`CACHED`], [`IDLE`]), the epoch
 /// its cache entries name (bumped when it is evicted), and its links in the eviction order
-/// while idle. 16 bytes a page; 20 with the count.
+/// while idle. 24 bytes a page; 28 with the count.
 #[derive(Clone, Copy, Debug, Default)]
 pub(super) struct Meta {
     pub(super) flags: u32,
-    pub(super) epoch: u32,
     prev: u32,
     next: u32,
+    /// 64 bits: never wraps back to an epoch a stale entry names.
+    pub(super) epoch: u64,
 }
 
 /// Cached pages no one holds, least recently let go first: a doubly linked list through the
@@ -287,7 +288,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     ///
     /// # Panics
     ///
-    /// If `position` is out of bounds, or the page already has 2^30 holders.
+    /// If `position` is out of bounds, or the page already has 2^32 holders.
     pub fn share(
         &self,
         table: &SharedTable<'_, 'pool, 'b, 'id, B>,
@@ -317,7 +318,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     ///
     /// # Panics
     ///
-    /// If a page already has 2^30 holders.
+    /// If a page already has 2^32 holders (the counts are as they were).
     pub fn fork(
         &self,
         table: &SharedTable<'_, 'pool, 'b, 'id, B>,
@@ -367,13 +368,16 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         })
     }
 
-    /// How many holders the page `index` has (tables, shared pages): 0 for a page no one
-    /// holds (free, cooling, or idle in a cache). For a page that some table or shared page
-    /// holds, exact; for one no one holds, 0 only once it is idle — a page free or cooling
-    /// answers 1 (its word does not say whether it is held), so ask only of pages you know.
-    pub fn holders(&self, index: u32) -> u32 {
+    /// How many holders the page `index` has (tables, shared pages), for a page that some
+    /// holder has: exact. An idle cached page answers 0. A page free or cooling answers 1 (its
+    /// count does not say whether it is held), so ask only of pages you know to be held.
+    ///
+    /// # Panics
+    ///
+    /// If `index` is not a page of this pool's committed chunks.
+    pub fn holders(&self, index: u32) -> u64 {
         self.with(|s| match s.meta[index as usize].flags & IDLE {
-            0 => s.extra[index as usize] + 1,
+            0 => u64::from(s.extra[index as usize]) + 1,
             _ => 0,
         })
     }
@@ -405,7 +409,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
             let index = s.idle.pop_front(&mut s.meta)?;
             let meta = &mut s.meta[index as usize];
             meta.flags = 0;
-            meta.epoch = meta.epoch.wrapping_add(1);
+            meta.epoch += 1;
             Some(index)
         }) else {
             return false;
@@ -453,12 +457,25 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     /// One more holder of each of `pages` (a table's, so held).
     #[inline]
     fn hold_all(&self, pages: &[u32]) {
-        self.with(|s| {
-            for &index in pages {
+        let full = self.with(|s| {
+            for (i, &index) in pages.iter().enumerate() {
                 let extra = extra_of(&mut s.extra, index);
-                *extra = extra.checked_add(1).expect("a page has 2^32 holders");
+                match extra.checked_add(1) {
+                    Some(more) => *extra = more,
+                    None => return Some(i),
+                }
             }
+            None
         });
+        if let Some(i) = full {
+            // Undone before the panic: no count is left raised with no holder.
+            self.with(|s| {
+                for &index in &pages[..i] {
+                    *extra_of(&mut s.extra, index) -= 1;
+                }
+            });
+            panic!("a page has 2^32 holders");
+        }
     }
 
     /// One holder of page `index` lets it go: the last one frees it, or, for a cached page,
@@ -580,6 +597,11 @@ impl<'p, 'pool, 'b, 'id, B: Backend> SharedTable<'p, 'pool, 'b, 'id, B> {
     /// If `position` is out of bounds.
     pub fn addr(&self, position: usize) -> Addr {
         self.pool.page_addr(self.pages[position])
+    }
+
+    /// The backend, for interop.
+    pub(crate) fn backend(&self) -> &crate::unwind::Guarded<B> {
+        self.pool.backend()
     }
 
     /// Copies bytes of the page at `position`, from `offset`, to the host (any backend).

@@ -243,6 +243,122 @@ fn on_cuda_a_copy_on_write_is_a_device_copy_after_the_sources_writer() {
     assert!(device.close().is_clean());
 }
 
+/// From the review of issue 24: on the driver model, at its budget, a pool whose pages are all
+/// idle in the cache evicts one — which cools behind a fence like a freed page — and hands it
+/// out once the work that may use it has finished; it does not grow past the budget.
+#[test]
+fn on_cuda_at_the_budget_an_evicted_page_is_reused_once_it_has_cooled() {
+    let model = DriverModel::new(memtoken::backend::doubles::ModelConfig {
+        events_complete_at_once: false,
+        ..common::model_config()
+    })
+    .unwrap();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let g = common::MODEL_GRANULARITY;
+    let binding = device.bind(Budget::bytes(g as u64)).unwrap();
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, g / 64).unwrap();
+    let mut cache = PrefixCache::new(&pool);
+    let mut seq = pool.shared_table();
+    for key in 0..64usize {
+        pool.push(&mut seq).unwrap();
+        assert!(cache.enter(&seq, key, key));
+    }
+    drop(seq);
+    assert_eq!((pool.idle_pages(), pool.free_pages()), (64, 0));
+    let mut next = pool.shared_table();
+    // No work may use the idle pages: one is evicted and handed out at once, within budget.
+    pool.push(&mut next).unwrap();
+    assert_eq!(pool.capacity(), 64, "no chunk past the budget");
+    // The sequence let its last page go first: that one was evicted, and only it.
+    assert!(
+        !cache.contains(&63usize),
+        "the page let go least recently was evicted"
+    );
+    assert_eq!(cache.len(), 63);
+    // With a kernel that may still read them, the next evicted page cools first.
+    model.submit_work();
+    assert!(
+        pool.push(&mut next).is_err(),
+        "at the budget, nothing free yet"
+    );
+    assert_eq!(pool.capacity(), 64);
+    model.complete_work();
+    pool.push(&mut next).unwrap();
+    assert_eq!((pool.capacity(), cache.len()), (64, 62));
+    drop((next, cache));
+    model.complete_work();
+    drop(pool);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// From the review of issue 24: a dropped cache lets its pages go — cached no more, so a sole
+/// holder may write one again, and an idle one goes back to the pool.
+#[test]
+fn a_dropped_cache_lets_its_pages_go() {
+    make_guard!(guard);
+    let device = Device::new(guard, common::host());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, PAGE).unwrap();
+    let mut cache = PrefixCache::new(&pool);
+    let mut seq = pool.shared_table();
+    pool.push(&mut seq).unwrap();
+    pool.push(&mut seq).unwrap();
+    cache.enter(&seq, 0, 0u8);
+    cache.enter(&seq, 1, 1u8);
+    let kept = pool.share(&seq, 1);
+    drop(seq);
+    assert_eq!(pool.idle_pages(), 1);
+    drop(cache);
+    assert_eq!(pool.idle_pages(), 0, "the idle page went back to the pool");
+    assert!(!pool.is_cached(kept.index()));
+    let mut other = pool.shared_table();
+    pool.push_shared(&mut other, kept);
+    assert!(
+        other.page_mut(0).is_some(),
+        "cached no more: its sole holder writes it"
+    );
+    drop(other);
+    assert_eq!(pool.live_pages(), 0);
+}
+
+/// On CUDA a shared table's page lends a stream view for reading always, and for writing only
+/// while the table holds it alone, uncached.
+#[test]
+fn on_cuda_a_shared_page_lends_a_writable_view_only_to_its_sole_holder() {
+    let model = common::model();
+    common::known_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, PAGE).unwrap();
+    let mut table = pool.shared_table();
+    pool.push(&mut table).unwrap();
+    assert!(table.page_stream_view_mut::<u32>(0, stream).is_some());
+    let fork = pool.fork(&table);
+    assert_eq!(
+        fork.page_stream_view::<u32>(0, stream).unwrap().len(),
+        PAGE / 4
+    );
+    assert!(
+        table.page_stream_view_mut::<u32>(0, stream).is_none(),
+        "shared"
+    );
+    drop(fork);
+    let view = table
+        .page_stream_view_mut::<u32>(0, stream)
+        .unwrap()
+        .unwrap();
+    assert_eq!(view.len(), PAGE / 4);
+    drop(view);
+    drop(table);
+    drop(pool);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
 // ---- The property test ----
 
 #[derive(Clone, Debug)]
@@ -557,7 +673,7 @@ impl<'p, 'pool, 'b, 'id, B: Backend> World<'p, 'pool, 'b, 'id, B> {
         for (&index, &n) in &held {
             assert_eq!(
                 self.pool.holders(index),
-                n,
+                u64::from(n),
                 "page {index}: count vs live holders"
             );
         }

@@ -705,8 +705,14 @@ fn pick(i: usize, len: usize) -> Option<usize> {
     (len > 0).then(|| i % len)
 }
 
-fn run<B: Backend>(device: &Device<'_, B>, faults: FaultHandle, steps: &[Step], page: usize) {
-    let binding = device.bind(Budget::unlimited()).unwrap();
+fn run<B: Backend>(
+    device: &Device<'_, B>,
+    faults: FaultHandle,
+    steps: &[Step],
+    page: usize,
+    budget: Budget,
+) {
+    let binding = device.bind(budget).unwrap();
     {
         make_guard!(pool_guard);
         let pool = PagePool::new(pool_guard, &binding, page).unwrap();
@@ -753,7 +759,7 @@ proptest! {
         let backend = Faulty::new(HostBackend::with_defaults().unwrap());
         let faults = backend.handle();
         let device = Device::new(guard, backend);
-        run(&device, faults.clone(), &steps, PAGE);
+        run(&device, faults.clone(), &steps, PAGE, Budget::unlimited());
         assert!(device.ledger().is_zero(), "{:?}", device.ledger());
         assert!(device.close().is_clean());
         assert!(faults.outstanding().is_zero());
@@ -766,7 +772,9 @@ proptest! {
         let backend = Faulty::new(CudaBackend::new(model.clone(), 0).unwrap());
         let faults = backend.handle();
         let device = Device::new(guard, backend);
-        run(&device, faults.clone(), &steps, common::MODEL_GRANULARITY / 64);
+        // Two chunks of 16 pages at most: the pool evicts (and cools what it evicts) often.
+        let budget = Budget::bytes(2 * common::MODEL_GRANULARITY as u64);
+        run(&device, faults.clone(), &steps, common::MODEL_GRANULARITY / 16, budget);
         assert!(device.ledger().is_zero(), "{:?}", device.ledger());
         assert!(device.close().is_clean());
         assert!(faults.outstanding().is_zero());

@@ -37,8 +37,8 @@ trait Kernels<B: Backend> {
 fn execute<B: Backend, K: Kernels<B>>(device: &Device<'_, B>, kernels: &K, n: usize) -> Result<()> {
     let binding = device.bind(Budget::unlimited())?;
     let bytes = n * size_of::<f32>();
-    let mut x = binding.reserve(bytes)?.commit().map_err(|e| e.cause)?;
-    let mut y = binding.reserve(bytes)?.commit().map_err(|e| e.cause)?;
+    let mut x = binding.reserve(bytes)?.commit()?;
+    let mut y = binding.reserve(bytes)?.commit()?;
     let xs: Vec<f32> = (0..n).map(|i| i as f32).collect();
     kernels.upload(&mut x, &xs)?;
     kernels.upload(&mut y, &vec![1.0; n])?;

@@ -292,7 +292,7 @@ impl<'p, 'pool, 'b, 'id, B: Backend> Sequence<'p, 'pool, 'b, 'id, B> {
                     let Some(Boundary::Shared(m)) = self.prompt.take() else {
                         unreachable!()
                     };
-                    let private = m.diverge().map_err(|e| e.to_string())?;
+                    let private = m.diverge()?;
                     self.prompt = Some(Boundary::Private(private));
                     stats.copies += 1;
                 }
@@ -414,10 +414,7 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
 
     // The system prompt, computed once by its owner. Its pages are granules of the device.
     let prompt_bytes = args.prompt_tokens * BYTES_PER_TOKEN;
-    let mut owner_alloc = system
-        .reserve(prompt_bytes)?
-        .commit_prefix()
-        .map_err(|e| e.cause)?;
+    let mut owner_alloc = system.reserve(prompt_bytes)?.commit_prefix()?;
     for position in 0..args.prompt_tokens {
         kv.write_prompt(
             &mut owner_alloc,
@@ -464,10 +461,7 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
                 break;
             };
             let prefix = owner.as_ref().expect("kept until the last arrival");
-            let mapping = session
-                .reserve(prefix.len())?
-                .map_prefix(prefix)
-                .map_err(|e| e.to_string())?;
+            let mapping = session.reserve(prefix.len())?.map_prefix(prefix)?;
             running.push(Sequence {
                 id,
                 prompt_tokens: args.prompt_tokens,
@@ -656,7 +650,7 @@ fn sleep_and_wake<'b, 'id, B: Backend>(
 
     let mut asleep = Vec::with_capacity(running.len());
     for seq in running {
-        asleep.push(seq.map_region(|r| Ok(r.suspend_saving().map_err(|e| e.cause)?))?);
+        asleep.push(seq.map_region(|r| Ok(r.suspend_saving()?))?);
     }
     let granules = asleep
         .iter()
@@ -696,7 +690,7 @@ fn sleep_and_wake<'b, 'id, B: Backend>(
     let creates = counts.of(Op::Create);
     let mut awake = Vec::with_capacity(asleep.len());
     for seq in asleep {
-        awake.push(seq.map_region(|r| Ok(r.resume().map_err(|e| e.cause)?))?);
+        awake.push(seq.map_region(|r| Ok(r.resume()?))?);
     }
     counts.grown += granules;
     if !(asleep_at_same && same_addrs(awake.iter().map(|s| s.region.addr()).collect())) {

@@ -58,8 +58,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let system = device.bind(Budget::unlimited())?;
     let mut prompt = system
         .reserve(PROMPT_BYTES)?
-        .commit_prefix_exportable::<PosixFd>()
-        .map_err(|e| e.cause)?;
+        .commit_prefix_exportable::<PosixFd>()?;
     for (i, b) in prompt
         .as_mut_slice()
         .ok_or("not shared yet")?
@@ -95,7 +94,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         "server: {workers} exports outstanding, owned {} bytes",
         device.ledger().owned_bytes
     );
-    prompt.release().complete().map_err(|e| e.to_string())?;
+    prompt.release().complete()?;
     println!("server: the owner released its prefix first");
     let mut all_ok = true;
     for (child, socket) in &mut children {

@@ -168,7 +168,7 @@ pub use device::Binding;
 pub use device::{CloseReport, Custody, Device, DropReport, Forgotten, Progress};
 pub use device::{QuarantineError, Quarantined};
 pub use error::{
-    CommitFailure, CowFailure, Failure, GrowError, PoolError, ReleaseFailure, ReserveError,
+    CommitFailure, CowFailure, Error, Failure, GrowError, PoolError, ReleaseFailure, ReserveError,
     ResumeFailure, Returned, ShareFailure, ShrinkError, SuspendFailure, TransitionError, ViewError,
 };
 pub use generativity::{Guard, make_guard};

@@ -377,7 +377,7 @@ fn memory_lent_to_a_capture_memtoken_did_not_make_is_quarantined_never_reused() 
     assert_eq!(model.lost_with(), None, "the launch wrote mapped memory");
     // A retry keeps refusing: the memory stays with the quarantine.
     let still = quarantined.retry().map(drop).unwrap_err();
-    let why = common::messages(&still).join("\n");
+    let why = crate::common::transition_messages(&still).join("\n");
     assert!(why.contains("CUDA graph capture"), "{why}");
     // The drop reports it, still quarantined: the memory stays with the driver.
     let (sent, seen) = std::sync::mpsc::channel();

@@ -3,7 +3,7 @@
 //! an injected failure of every driver call kind.
 
 use crate::common::Grown;
-use crate::common::{self, assert_no_cause_repeated, messages};
+use crate::common::{self, assert_no_cause_repeated};
 use memtoken::backend::{Access, Backend, Cause, doubles::Faulty};
 use memtoken::backend::{
     cuda::{CuError, CudaBackend, CudaPhys, Driver, DriverCall},
@@ -64,13 +64,13 @@ fn a_failed_set_access_after_a_successful_map_is_rolled_back() {
     let unmaps = model.count(DriverCall::MemUnmap);
     let err = reserved.commit().unwrap_err();
     assert!(
-        messages(&err)
+        crate::common::transition_messages(&err)
             .join(": ")
             .contains("CUDA_ERROR_INVALID_VALUE"),
         "{}",
-        messages(&err).join(": ")
+        crate::common::transition_messages(&err).join(": ")
     );
-    assert_no_cause_repeated(&err);
+    assert_no_cause_repeated(&err.cause);
     assert_eq!(
         model.count(DriverCall::MemUnmap),
         unmaps + 1,
@@ -479,9 +479,11 @@ fn an_unknown_error_from_a_vmm_call_does_not_lose_the_context() {
     model.fail_nth(DriverCall::MemCreate, 1, CuError::UNKNOWN);
     let err = reserved.commit().unwrap_err();
     assert!(
-        messages(&err).join(": ").contains("CUDA_ERROR_UNKNOWN"),
+        crate::common::transition_messages(&err)
+            .join(": ")
+            .contains("CUDA_ERROR_UNKNOWN"),
         "{}",
-        messages(&err).join(": ")
+        crate::common::transition_messages(&err).join(": ")
     );
     assert!(
         device.confirm_context_lost().is_none(),
@@ -515,11 +517,11 @@ fn an_external_device_error_from_a_vmm_call_loses_the_context() {
     model.fail_nth(DriverCall::MemCreate, 1, CuError::EXTERNAL_DEVICE);
     let err = reserved.commit().unwrap_err();
     assert!(
-        messages(&err)
+        crate::common::transition_messages(&err)
             .join(": ")
             .contains("CUDA_ERROR_EXTERNAL_DEVICE"),
         "{}",
-        messages(&err).join(": ")
+        crate::common::transition_messages(&err).join(": ")
     );
     let calls = model.log().len();
     let proof = device

@@ -23,6 +23,7 @@ mod captures;
 mod context_loss;
 mod custody;
 mod custody_discharge;
+mod errors;
 mod forgotten;
 mod money;
 mod page_pool;

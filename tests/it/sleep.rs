@@ -106,7 +106,7 @@ fn a_resume_that_fails_halfway_leaves_the_token_asleep_with_nothing_charged() {
         faults.clear();
         faults.fail_nth(op, nth);
         let e = asleep.resume().expect_err("failed on purpose");
-        assert_no_cause_repeated(&e);
+        assert_no_cause_repeated(&e.cause);
         match (op, &e.cause) {
             (Op::Copy, ResumeFailure::Restore(b)) => assert_eq!(b.op, Op::Copy),
             (_, ResumeFailure::Grow(g)) => assert!(matches!(**g, GrowError::Undone { .. })),
@@ -197,7 +197,7 @@ fn a_resume_whose_restore_and_undo_fail_stays_asleep_with_its_bytes_and_wakes_la
         .resume()
         .expect_err("the restore and its undo were failed on purpose");
     assert!(matches!(e.cause, ResumeFailure::RestoreUndo { .. }));
-    assert_no_cause_repeated(&e);
+    assert_no_cause_repeated(&e.cause);
     let asleep = e.into_token();
     assert!(asleep.is_saved(), "the saved bytes are kept");
     assert_eq!(
@@ -338,7 +338,7 @@ fn a_failed_suspend_says_so_first() {
     let a = binding.reserve(GRANULE).unwrap().commit().unwrap();
     sim.lose_context();
     let e = a.suspend().expect_err("the context is lost");
-    says_first(&e, "suspending the memory failed; ");
+    says_first(&e, "suspending the memory failed: ");
 }
 
 /// Kills `src/error.rs: replace <impl Failure for ResumeFailure>::summary -> &'static str with ""`:
@@ -361,7 +361,7 @@ fn a_failed_resume_says_so_first() {
     let e = asleep
         .resume()
         .expect_err("the create was failed on purpose");
-    says_first(&e, "resuming the memory failed; ");
+    says_first(&e, "resuming the memory failed: ");
     drop(e.into_token());
 }
 

@@ -2,7 +2,7 @@
 //! faults injected through `Faulty`: nothing is lost, nothing is charged twice.
 
 use crate::common::gate::manual_sim;
-use crate::common::{self, GRANULE, assert_no_cause_repeated, host, messages, says_first, setup};
+use crate::common::{self, GRANULE, assert_no_cause_repeated, host, says_first, setup};
 use memtoken::backend::{
     HostBackend, HostConfig, Op,
     doubles::{Faulty, SimBackend, SimConfig},
@@ -99,7 +99,7 @@ fn failed_map_and_failed_rollback_quarantine_the_orphan_physical_memory() {
         "{}",
         err.cause
     );
-    assert_no_cause_repeated(&err);
+    assert_no_cause_repeated(&err.cause);
     assert_eq!(
         binding.used(),
         0,
@@ -269,7 +269,7 @@ fn budget_is_enforced_with_numbers_and_the_token_back() {
     for n in ["8192 bytes", "8192 of 12288"] {
         assert!(message.contains(n), "{message}");
     }
-    assert_no_cause_repeated(&err);
+    assert_no_cause_repeated(&err.cause);
     assert_eq!(
         faults.calls(Op::Create),
         1,
@@ -329,14 +329,14 @@ fn bad_input_is_an_error_value_and_changes_nothing() {
     // Fits the capacity in total, but not what is left: the backend says so, nothing is charged.
     let _held = binding.reserve(10 * PAGE).unwrap().commit().unwrap();
     let err = binding.reserve(10 * PAGE).unwrap().commit().unwrap_err();
-    let chain = messages(&err);
+    let chain = crate::common::transition_messages(&err);
     assert!(
         chain[1..]
             .iter()
             .any(|m| m.contains("out of physical memory")),
         "{chain:?}"
     );
-    assert_no_cause_repeated(&err);
+    assert_no_cause_repeated(&err.cause);
     assert_eq!(device.ledger().owned_bytes, 10 * PAGE as u64);
     assert_eq!(binding.used(), 10 * PAGE as u64);
 }
@@ -590,7 +590,7 @@ fn a_failed_commit_says_so_first() {
         .unwrap()
         .commit()
         .expect_err("the create was failed on purpose");
-    says_first(&e, "commit failed; ");
+    says_first(&e, "commit failed: ");
 }
 
 /// Kills `src/error.rs: replace <impl Failure for ReleaseFailure>::summary -> &'static str with
@@ -612,7 +612,7 @@ fn a_release_not_done_says_why_first() {
         .unwrap()
         .release();
     let e = releasing.complete().expect_err("its fence is pending");
-    says_first(&e, "the release cannot complete yet; ");
+    says_first(&e, "the release cannot complete yet: ");
     let Returned::Unchanged(releasing) = e.token else {
         panic!("a pending release hands its token back unchanged");
     };
@@ -621,7 +621,7 @@ fn a_release_not_done_says_why_first() {
     let e = releasing
         .complete()
         .expect_err("the release was failed on purpose");
-    says_first(&e, "the release failed; ");
+    says_first(&e, "the release failed: ");
     let Returned::Quarantined(quarantined) = e.token else {
         panic!("a failed release hands its token back quarantined");
     };

@@ -89,6 +89,16 @@ pub fn messages(err: &dyn Error) -> Vec<String> {
 }
 
 /// Each message says its own part: none repeats the text of a cause further down the chain.
+/// A failed transition's message (what failed, why, what it hands back), then its cause's
+/// chain.
+pub fn transition_messages<T: std::fmt::Display, C: memtoken::Failure>(
+    err: &memtoken::TransitionError<T, C>,
+) -> Vec<String> {
+    let mut out = vec![err.to_string()];
+    out.extend(messages(&err.cause));
+    out
+}
+
 pub fn assert_no_cause_repeated(err: &dyn Error) {
     let all = messages(err);
     for (i, message) in all.iter().enumerate() {

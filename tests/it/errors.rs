@@ -1,0 +1,104 @@
+//! Errors that `?` (issue 25): every fallible transition with plain `?` in a function returning
+//! the crate's `'static` error, a boxed `dyn Error + Send + Sync`, or `anyhow::Result`; the
+//! conversion drops the token handed back, which tears down as any drop does (nothing lost);
+//! printed whole, the message says what failed and why.
+
+use memtoken::backend::doubles::Faulty;
+use memtoken::backend::{HostBackend, Op, PosixFd};
+use memtoken::{Binding, Budget, Device, Offer, make_guard};
+use std::os::unix::net::UnixStream;
+
+/// Reserve, commit, grow, suspend and resume, export and import, release and complete: each
+/// with plain `?`.
+macro_rules! transitions {
+    ($binding:expr) => {{
+        let binding = $binding;
+        let g = binding.device().granularity();
+        let mut kv = binding.reserve(g)?.commit()?;
+        kv.as_mut_slice()[0] = 7;
+        let mut region = binding.reserve(4 * g)?.into_region();
+        region.grow(2)?;
+        let asleep = region.suspend_saving()?;
+        let region = asleep.resume()?;
+        let exportable = binding
+            .reserve(2 * g)?
+            .commit_prefix_exportable::<PosixFd>()?;
+        let export = exportable.export()?;
+        let (x, y) = UnixStream::pair()?;
+        export.send(&x)?;
+        let imported = binding.import(Offer::recv(&y)?)?;
+        imported.release().complete()?;
+        drop(export);
+        exportable.release().complete()?;
+        region.release().complete()?;
+        kv.release().complete()?;
+    }};
+}
+
+fn with_anyhow(binding: &Binding<'_, '_, Faulty<HostBackend>>) -> anyhow::Result<()> {
+    transitions!(binding);
+    Ok(())
+}
+
+fn with_a_box(
+    binding: &Binding<'_, '_, Faulty<HostBackend>>,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    transitions!(binding);
+    Ok(())
+}
+
+fn with_the_crates_error(
+    binding: &Binding<'_, '_, Faulty<HostBackend>>,
+) -> Result<(), memtoken::Error> {
+    let g = binding.device().granularity();
+    let mut kv = binding.reserve(g)?.commit()?;
+    kv.as_mut_slice()[0] = 7;
+    let mut region = binding.reserve(4 * g)?.into_region();
+    region.grow(2)?;
+    let region = region.suspend_saving()?.resume()?;
+    region.release().complete()?;
+    kv.release().complete()?;
+    Ok(())
+}
+
+#[test]
+fn every_transition_takes_plain_question_marks() {
+    make_guard!(guard);
+    let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    with_anyhow(&binding).unwrap();
+    with_a_box(&binding).unwrap();
+    with_the_crates_error(&binding).unwrap();
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero());
+}
+
+/// A failed commit through `?`: the error says what failed and why, the reservation it handed
+/// back was dropped — released like any dropped token — and nothing is left.
+#[test]
+fn a_failed_transition_through_question_mark_loses_nothing_and_says_why() {
+    make_guard!(guard);
+    let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    for round in 0..3 {
+        faults.fail_nth(Op::Create, 1);
+        let message = match round {
+            0 => with_anyhow(&binding).unwrap_err().to_string(),
+            1 => with_a_box(&binding).unwrap_err().to_string(),
+            _ => with_the_crates_error(&binding).unwrap_err().to_string(),
+        };
+        assert!(message.starts_with("commit failed: "), "{message}");
+        assert!(message.contains("fault injected"), "the why: {message}");
+        assert!(message.contains("was dropped"), "the token: {message}");
+        assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+    }
+    with_the_crates_error(&binding).expect("no fault planned: it goes through");
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero());
+}

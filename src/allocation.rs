@@ -401,6 +401,40 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Releasing> {
     }
 }
 
+impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Releasing> {
+    /// [`complete`](Self::complete), first waiting — blocking the calling thread, outside
+    /// every lock of memtoken's, so other threads' calls go on — for the work that may still
+    /// use the memory to finish. One of the few documented places that wait (with
+    /// [`Device::flush`](crate::Device::flush) and a device's drop).
+    ///
+    /// # Errors
+    ///
+    /// As for [`complete`](Self::complete); and, with this same token, unchanged,
+    /// [`ReleaseFailure::Stuck`] where the wait cannot progress — a stream the fence covers
+    /// captures (its work does not run until the capture ends), or the backend cannot wait at
+    /// all — rather than blocking for ever.
+    #[must_use = "a stuck or failed completion returns a token inside the error"]
+    pub fn wait(mut self) -> Result<Released, CompleteError<'b, 'id, B>> {
+        Scope::run::<B, _>(move || {
+            if let Wait::Unrecorded = self.parts.1 {
+                self.parts.1 = Wait::on(self.core.backend().fence_for(&[self.core.addr]));
+            }
+            let waited = match &self.parts.1 {
+                Wait::On(fence) => self.core.backend().wait_fence(fence),
+                Wait::Nothing => true,
+                Wait::Unrecorded => false, // recording panicked again: no wait is known
+            };
+            if !waited && !self.is_ready() && !self.core.backend().context_lost() {
+                return Err(TransitionError {
+                    token: Returned::Unchanged(self),
+                    cause: ReleaseFailure::Stuck,
+                });
+            }
+            self.complete()
+        })
+    }
+}
+
 impl<B: Backend, S: State> Drop for Allocation<'_, '_, B, S> {
     fn drop(&mut self) {
         let _scope = Scope::open::<B>();

@@ -216,6 +216,13 @@ pub enum ReleaseFailure {
         "work that may use the memory has not finished (its fence is pending); nothing was done: complete it later"
     )]
     Pending,
+    /// A wait for that fence cannot progress (the backend cannot wait for it — a stream it
+    /// covers captures, so its work does not run; or the backend has no way to wait): nothing
+    /// was done, and nothing blocked. Complete it once the capture has ended.
+    #[error(
+        "work that may use the memory cannot be waited for now (a stream captures, or the backend cannot wait); nothing was done: complete it later"
+    )]
+    Stuck,
     /// A backend call failed, or was refused: with
     /// [`Cause::ContextLost`](crate::backend::Cause::ContextLost) no call was made
     /// (discharge the token with the proof from `Device::confirm_context_lost`).
@@ -580,7 +587,7 @@ impl Failure for CowFailure {
 impl Failure for ReleaseFailure {
     fn summary(&self) -> &'static str {
         match self {
-            Self::Pending => "the release cannot complete yet",
+            Self::Pending | Self::Stuck => "the release cannot complete yet",
             Self::Backend(_) => "the release failed",
         }
     }

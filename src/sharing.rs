@@ -485,7 +485,9 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
 fn unmap_failure(failure: ReleaseFailure) -> Box<BackendError> {
     match failure {
         ReleaseFailure::Backend(e) => e,
-        ReleaseFailure::Pending => unreachable!("a teardown waits for no fence"),
+        ReleaseFailure::Pending | ReleaseFailure::Stuck => {
+            unreachable!("a teardown waits for no fence")
+        }
     }
 }
 

@@ -159,6 +159,43 @@ impl<'id, B: Backend> Device<'id, B> {
         })
     }
 
+    /// Releases everything waiting for a fence, first waiting — blocking the calling thread,
+    /// outside every lock of memtoken's, so other threads' calls (and drops) go on — for each
+    /// one's work to finish. One of the few documented places that wait (with
+    /// [`Allocation::wait`](crate::Allocation::wait) and a device's drop).
+    ///
+    /// # Errors
+    ///
+    /// [`ReleaseFailure::Stuck`](crate::ReleaseFailure::Stuck) if some wait cannot progress
+    /// (a stream the fences cover captures, or the backend cannot wait): those releases stay
+    /// queued for a later flush or poll, the others are done; nothing blocks for ever.
+    pub fn flush(&self) -> Result<Progress, crate::ReleaseFailure> {
+        Scope::run::<B, _>(move || {
+            let queued = lock(&self.books).take(Queue::Deferred);
+            let (mut released, mut stuck) = (0, false);
+            for (residual, fence) in queued {
+                let fence = fence.or_else(|| self.backend.fence());
+                let waited = fence.as_ref().is_some_and(|f| self.backend.wait_fence(f))
+                    && !self.backend.context_lost();
+                if !waited && !self.backend.context_lost() {
+                    stuck = true;
+                    let mut books = lock(&self.books);
+                    books.landed(residual.generation);
+                    books.deferred.push((residual, fence));
+                    continue;
+                }
+                if let Some(fence) = fence {
+                    self.backend.retire_fence(fence);
+                }
+                released += usize::from(self.teardown_busy(residual, Queue::Deferred));
+            }
+            match stuck {
+                true => Err(crate::ReleaseFailure::Stuck),
+                false => Ok(self.progress(released)),
+            }
+        })
+    }
+
     /// Retries every residual in the device's quarantine; what fails again stays there.
     pub fn retry_quarantine(&self) -> Progress {
         Scope::run::<B, _>(move || {

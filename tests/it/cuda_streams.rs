@@ -1441,3 +1441,110 @@ fn a_loss_in_a_host_wait_while_ordering_calls_nothing_more() {
     std::mem::forget(x);
     drop(binding);
 }
+
+/// Issue 25: `wait()` on a release behind a running kernel blocks until the kernel completes
+/// (here from another thread), outside every lock: a commit on a third thread goes through
+/// meanwhile.
+#[test]
+fn wait_returns_once_the_kernel_completes_while_a_commit_proceeds() {
+    let model = model(true);
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let x = binding.reserve(G).unwrap().commit().unwrap();
+    model.submit_work_on(stream); // a kernel that may use `x`
+    let releasing = x.release();
+    std::thread::scope(|scope| {
+        let waiter =
+            scope.spawn(move || releasing.wait().map(|r| r.len).map_err(|e| e.to_string()));
+        for _ in 0..10_000 {
+            if model.count(DriverCall::EventSynchronize) > 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let committed = scope
+            .spawn(|| {
+                let y = binding
+                    .reserve(G)
+                    .unwrap()
+                    .commit()
+                    .map_err(|e| e.to_string())?;
+                drop(y);
+                Ok::<(), String>(())
+            })
+            .join()
+            .unwrap();
+        let still_waiting = !waiter.is_finished();
+        model.complete_work();
+        assert_eq!(committed, Ok(()), "a commit stalled behind the wait");
+        assert!(
+            still_waiting,
+            "the wait returned before the kernel completed"
+        );
+        assert_eq!(waiter.join().unwrap(), Ok(G));
+    });
+    model.complete_work();
+    device.poll();
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// Issue 25: a wait behind a stream that captures cannot progress (its work does not run until
+/// the capture ends): `wait()` and `flush()` return an error instead of blocking, the token
+/// comes back unchanged, and both go through once the capture has ended.
+#[test]
+fn a_wait_behind_a_capturing_stream_is_an_error_not_a_hang() {
+    use memtoken::backend::doubles::CaptureMode;
+    let model = model(true);
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    {
+        let x = binding.reserve(G).unwrap().commit().unwrap();
+        let y = binding.reserve(G).unwrap().commit().unwrap();
+        model.begin_capture(stream, CaptureMode::Relaxed);
+        let memtoken::TransitionError { token, cause } = x.release().wait().unwrap_err();
+        assert!(matches!(cause, memtoken::ReleaseFailure::Stuck), "{cause}");
+        let releasing = match token {
+            memtoken::Returned::Unchanged(releasing) => releasing,
+            memtoken::Returned::Quarantined(q) => panic!("the token comes back unchanged, not {q}"),
+        };
+        drop(y); // deferred behind the same stream
+        assert!(matches!(
+            device.flush(),
+            Err(memtoken::ReleaseFailure::Stuck)
+        ));
+        model.end_capture(stream).unwrap();
+        releasing.wait().map_err(|e| e.to_string()).unwrap();
+        assert_eq!(device.flush().unwrap().deferred, 0);
+    }
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// Issue 25: `flush()` releases what waits behind a running kernel once it completes (here
+/// from another thread).
+#[test]
+fn flush_releases_the_deferred_once_their_work_completes() {
+    let model = model(true);
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let x = binding.reserve(G).unwrap().commit().unwrap();
+    model.submit_work_on(stream);
+    drop(x);
+    assert_eq!(device.poll().deferred, 1);
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            for _ in 0..10_000 {
+                if model.count(DriverCall::EventSynchronize) > 0 {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            model.complete_work();
+        });
+        let progress = device.flush().unwrap();
+        assert_eq!((progress.released, progress.deferred), (1, 0));
+    });
+    drop(binding);
+    assert!(device.close().is_clean());
+}

@@ -28,7 +28,7 @@
 //! let session = device.bind(Budget::bytes(1 << 20))?; // a context pin and a budget
 //!
 //! let reserved = session.reserve(64 << 10)?; // VA only: no access methods
-//! let mut kv = reserved.commit().map_err(|e| e.cause)?; // mapped read-write, charged
+//! let mut kv = reserved.commit()?; // mapped read-write, charged
 //! kv.as_mut_slice()[..5].copy_from_slice(b"hello");
 //! assert_eq!(&kv.as_slice()[..5], b"hello");
 //! assert_eq!(device.ledger().owned_bytes, 64 << 10);
@@ -129,7 +129,7 @@
 //! let device = Device::new(guard, HostBackend::with_defaults()?);
 //! let (system, session) = (device.bind(Budget::unlimited())?, device.bind(Budget::bytes(4096))?);
 //!
-//! let mut prompt = system.reserve(8192)?.commit_prefix().map_err(|e| e.cause)?;
+//! let mut prompt = system.reserve(8192)?.commit_prefix()?;
 //! prompt.as_mut_slice().expect("not shared yet").fill(7);
 //! let seq = session.reserve(8192)?.map_prefix(&prompt).map_err(|e| e.to_string())?;
 //! assert_eq!(seq.as_slice()[0], 7); // the same physical page, mapped read-only
@@ -164,6 +164,12 @@ mod transfer;
 mod unwind;
 
 pub use allocation::{Allocation, CommitError, CompleteError};
+/// The cudarc memtoken links (0.19.10, feature `cuda`): its streams, contexts and device
+/// memory traits are the ones memtoken's typed views take and implement. Use it rather than a
+/// cudarc of your own, whose types would be other types ("expected `CudaContext`, found
+/// `CudaContext`").
+#[cfg(feature = "cuda")]
+pub use cudarc;
 pub use device::Binding;
 pub use device::{CloseReport, Custody, Device, DropReport, Forgotten, Progress};
 pub use device::{QuarantineError, Quarantined};

@@ -10,5 +10,6 @@ fn main() {
     make_guard!(pool_guard);
     let pool = PagePool::new(pool_guard, &binding, 4096).unwrap();
     let mut table = pool.table();
-    table.pages_mut(Default::default()).push(u32::MAX);
+    let inside = memtoken::page_pool::shared::sealed::Inside(());
+    table.pages_mut(inside).push(u32::MAX);
 }

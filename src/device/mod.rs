@@ -66,7 +66,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// make_guard!(guard);
 /// let device = Device::new(guard, HostBackend::with_defaults()?);
 /// let binding = device.bind(Budget::unlimited())?;
-/// let mut a = binding.reserve(10_000)?.commit().map_err(|e| e.cause)?;
+/// let mut a = binding.reserve(10_000)?.commit()?;
 /// a.as_mut_slice()[0] = 7;
 /// a.release().complete().map_err(|e| e.to_string())?;
 /// drop(binding);

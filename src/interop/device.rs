@@ -448,7 +448,7 @@ impl<S: Readable> Allocation<'_, '_, Gpu, S> {
     /// let stream = ctx.new_stream()?;
     /// let device = Device::new(guard, CudaBackend::from_context(ctx.clone())?);
     /// let binding = device.bind(Budget::unlimited())?;
-    /// let mut x = binding.reserve(1 << 21)?.commit().map_err(|e| e.cause)?;
+    /// let mut x = binding.reserve(1 << 21)?.commit()?;
     /// stream.memcpy_htod(&[1.0f32, 2.0, 3.0], &mut x.view_mut::<f32>(&stream)?)?;
     /// let back = stream.clone_dtoh(&x.view::<f32>(&stream)?.slice(..3))?;
     /// assert_eq!(back, [1.0, 2.0, 3.0]);

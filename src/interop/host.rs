@@ -48,7 +48,7 @@ impl<B: HostVisible, S: Readable> Allocation<'_, '_, B, S> {
     /// # make_guard!(guard);
     /// # let device = Device::new(guard, HostBackend::with_defaults()?);
     /// # let binding = device.bind(Budget::unlimited())?;
-    /// let mut a = binding.reserve(4096)?.commit().map_err(|e| e.cause)?;
+    /// let mut a = binding.reserve(4096)?.commit()?;
     /// a.as_mut_slice_of::<f32>()?[..3].copy_from_slice(&[1.0, 2.0, 3.0]);
     /// assert_eq!(&a.as_slice_of::<f32>()?[..3], &[1.0, 2.0, 3.0]);
     /// assert_eq!(a.as_slice_of::<f32>()?.len(), 1024);
@@ -86,6 +86,42 @@ impl<B: HostVisible, K: Capability> Allocation<'_, '_, B, Owner<K>> {
     /// As for [`as_slice_of`](Self::as_slice_of).
     pub fn as_mut_slice_of<T: Pod>(&mut self) -> Option<Result<&mut [T], ViewError>> {
         self.as_mut_slice().map(cast_mut)
+    }
+}
+
+impl<B: HostVisible> Allocation<'_, '_, B, crate::region::Elastic> {
+    /// The region's committed part as `T`s, read-only, borrowed from the region like
+    /// [`as_slice`](Allocation::as_slice): it cannot shrink meanwhile.
+    ///
+    /// ```
+    /// # use memtoken::{make_guard, Budget, Device};
+    /// # use memtoken::backend::HostBackend;
+    /// # make_guard!(guard);
+    /// # let device = Device::new(guard, HostBackend::with_defaults()?);
+    /// # let binding = device.bind(Budget::unlimited())?;
+    /// let g = device.granularity();
+    /// let mut region = binding.reserve(4 * g)?.into_region();
+    /// region.grow(1)?;
+    /// region.as_mut_slice_of::<u32>()?[0] = 7;
+    /// assert_eq!(region.as_slice_of::<u32>()?.len(), g / 4);
+    /// assert_eq!(region.as_slice_of::<u32>()?[0], 7);
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// As for [`Allocation::as_slice_of`].
+    pub fn as_slice_of<T: Pod>(&self) -> Result<&[T], ViewError> {
+        cast(self.as_slice())
+    }
+
+    /// The region's committed part as `T`s, writable, borrowed mutably from the region.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Allocation::as_slice_of`].
+    pub fn as_mut_slice_of<T: Pod>(&mut self) -> Result<&mut [T], ViewError> {
+        cast_mut(self.as_mut_slice())
     }
 }
 

@@ -221,7 +221,7 @@ pub struct SharedTable<'p, 'pool, 'b, 'id, B: Backend> {
 /// [`SharedTable`]. [`PagePool::push`] and [`PagePool::clear`] take either. Its page indices
 /// are the pool's to change (`ui-tests/table_indices_from_outside.rs`):
 ///
-/// ```compile_fail,E0277
+/// ```compile_fail,E0603
 /// # use memtoken::{make_guard, Budget, Device, PagePool, Table};
 /// # use memtoken::backend::HostBackend;
 /// # make_guard!(guard);
@@ -230,7 +230,8 @@ pub struct SharedTable<'p, 'pool, 'b, 'id, B: Backend> {
 /// # make_guard!(pool_guard);
 /// # let pool = PagePool::new(pool_guard, &binding, 4096).unwrap();
 /// let mut table = pool.table();
-/// table.pages_mut(Default::default()).push(u32::MAX); // error: only memtoken can call it
+/// let inside = memtoken::page_pool::shared::sealed::Inside(()); // error: private module
+/// table.pages_mut(inside).push(u32::MAX);
 /// ```
 pub trait Table<'pool, 'b, 'id, B: Backend>: sealed::Sealed {
     /// Whether its pages may be shared: known at compile time, so a [`PageTable`]'s clear is

@@ -102,3 +102,33 @@ fn a_failed_transition_through_question_mark_loses_nothing_and_says_why() {
     assert!(device.close().is_clean());
     assert!(faults.outstanding().is_zero());
 }
+
+/// Issue 25: `memtoken::cudarc` is the cudarc memtoken links — this compiles only if the
+/// context type it names is the one `CudaBackend::from_context` takes.
+#[cfg(feature = "cuda")]
+#[allow(dead_code)]
+fn memtokens_cudarc_is_the_one_it_links(
+    ctx: std::sync::Arc<memtoken::cudarc::driver::CudaContext>,
+) -> Result<
+    memtoken::backend::cuda::CudaBackend<memtoken::backend::cuda::SysDriver>,
+    memtoken::backend::cuda::CudaError,
+> {
+    memtoken::backend::cuda::CudaBackend::from_context(ctx)
+}
+
+/// Issue 25: opening a context through memtoken where there is no driver is an error, not
+/// cudarc's panic; where there is one, it opens (or the driver says why not).
+#[cfg(feature = "cuda")]
+#[test]
+fn opening_a_context_without_a_driver_is_an_error() {
+    use memtoken::backend::cuda::{CudaError, SysDriver, open_context};
+    let opened = open_context(0);
+    match SysDriver::load() {
+        Err(_) => assert!(matches!(opened, Err(CudaError::NoDriver(_))), "{opened:?}"),
+        Ok(_) => assert!(
+            matches!(opened, Ok(_) | Err(CudaError::Driver { .. })),
+            "{opened:?}"
+        ),
+    }
+    assert!(open_context(-1).is_err());
+}

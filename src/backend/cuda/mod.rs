@@ -230,6 +230,8 @@ pub use fence::{CudaFence, PeerWork};
 
 pub use open::CudaError;
 #[cfg(feature = "cuda")]
+pub use open::open_context;
+#[cfg(feature = "cuda")]
 pub use sys::SysDriver;
 
 use record::CudaState;

@@ -322,6 +322,29 @@ impl<D: Driver> CudaBackend<D> {
     }
 }
 
+/// Opens device `ordinal`'s primary context through cudarc ([`memtoken::cudarc`](crate::cudarc)),
+/// without panicking where there is no driver (cudarc's `CudaContext::new` panics when it
+/// cannot load `libcuda`): the way to learn whether this machine has a usable GPU.
+///
+/// # Errors
+///
+/// [`CudaError::NoDriver`] when no CUDA driver is installed (checked before any call),
+/// [`CudaError::Driver`] when the driver refuses the device.
+#[cfg(feature = "cuda")]
+pub fn open_context(
+    ordinal: i32,
+) -> Result<std::sync::Arc<cudarc::driver::CudaContext>, CudaError> {
+    SysDriver::load()?;
+    let ordinal_usize = usize::try_from(ordinal).map_err(|_| CudaError::Driver {
+        call: DriverCall::DeviceGet,
+        error: CuError::INVALID_DEVICE,
+    })?;
+    cudarc::driver::CudaContext::new(ordinal_usize).map_err(|e| CudaError::Driver {
+        call: DriverCall::DeviceGet,
+        error: CuError(e.0 as i32),
+    })
+}
+
 #[cfg(feature = "cuda")]
 impl CudaBackend<SysDriver> {
     /// Opens device `ordinal` through the real driver, loaded at run time.

@@ -11,7 +11,7 @@
 mod common;
 
 use memtoken::backend::{Backend, HostBackend};
-use memtoken::{Allocation, Budget, Committed, Device, Released, Releasing, Returned, make_guard};
+use memtoken::{Allocation, Budget, Committed, Device, Released, Releasing, make_guard};
 use std::error::Error;
 use std::time::Instant;
 
@@ -79,21 +79,13 @@ fn execute<B: Backend, K: Kernels<B>>(device: &Device<'_, B>, kernels: &K, n: us
     Ok(())
 }
 
-/// Finishes a release, waiting for its fence. A function that takes or returns a token by value
-/// names the lifetimes it carries (`'b` of the binding, `'id` of the device's brand); one that
-/// only borrows a token, like the `Kernels` methods above, elides them with `'_`.
-fn finish<'b, 'id, B: Backend>(
-    mut releasing: Allocation<'b, 'id, B, Releasing>,
-) -> Result<Released> {
-    loop {
-        match releasing.complete() {
-            Ok(receipt) => return Ok(receipt),
-            Err(e) => match e.token {
-                Returned::Unchanged(pending) => releasing = pending, // the kernel still runs
-                Returned::Quarantined(q) => return Err(format!("{} ({})", q, e.cause).into()),
-            },
-        }
-    }
+/// Finishes a release, waiting for its fence (`wait`: blocking, outside memtoken's locks; an
+/// error rather than a hang where the wait cannot progress). A function that takes or returns
+/// a token by value names the lifetimes it carries (`'b` of the binding, `'id` of the
+/// device's brand); one that only borrows a token, like the `Kernels` methods above, elides
+/// them with `'_`.
+fn finish<'b, 'id, B: Backend>(releasing: Allocation<'b, 'id, B, Releasing>) -> Result<Released> {
+    Ok(releasing.wait()?)
 }
 
 /// The host: a CPU loop over the committed memory, seen as `f32`s.

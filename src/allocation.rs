@@ -430,6 +430,10 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Releasing> {
                     cause: ReleaseFailure::Stuck,
                 });
             }
+            // Waited for: done, whatever a capture begun since would answer a second query.
+            if waited && let Wait::On(fence) = std::mem::replace(&mut self.parts.1, Wait::Nothing) {
+                self.core.backend().retire_fence(fence);
+            }
             self.complete()
         })
     }

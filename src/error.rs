@@ -217,10 +217,10 @@ pub enum ReleaseFailure {
     )]
     Pending,
     /// A wait for that fence cannot progress (the backend cannot wait for it — a stream it
-    /// covers captures, so its work does not run; or the backend has no way to wait): nothing
-    /// was done, and nothing blocked. Complete it once the capture has ended.
+    /// covers captures, so its work does not run; peer work is declared; or the backend has
+    /// no way to wait): nothing was done, and nothing blocked. Complete it once that is over.
     #[error(
-        "work that may use the memory cannot be waited for now (a stream captures, or the backend cannot wait); nothing was done: complete it later"
+        "work that may use the memory cannot be waited for now (a stream captures, peer work is declared, or the backend cannot wait); nothing was done: complete it later"
     )]
     Stuck,
     /// A backend call failed, or was refused: with
@@ -769,6 +769,50 @@ impl<E: Failure + Send + Sync> From<E> for Error {
             cause: Box::new(e),
         }
     }
+}
+
+/// The crate's errors that are not failures of a token (a backend's settings, a message on the
+/// wire, opening a CUDA device): as [`Error`]s, their chain in the message.
+macro_rules! plain_errors {
+    ($($error:ty),*) => {$(
+        impl From<$error> for Error {
+            fn from(e: $error) -> Self {
+                Self {
+                    message: Chain(&e).to_string(),
+                    context_lost: false,
+                    cause: Box::new(e),
+                }
+            }
+        }
+    )*};
+}
+
+plain_errors!(
+    crate::backend::ConfigError,
+    crate::interop::WireError,
+    crate::backend::cuda::CudaError
+);
+
+/// Whether `error` — any error, as `?` converted it (a [`memtoken::Error`](Error), a box, an
+/// `anyhow::Error` through `as_ref()`) — says that the device's context is lost: an [`Error`]
+/// that says so, or a chain of sources with a [`BackendError`] that does. The question to ask
+/// before discharging what is left with the proof from `Device::confirm_context_lost`.
+pub fn is_context_lost(error: &(dyn std::error::Error + 'static)) -> bool {
+    let mut next = Some(error);
+    while let Some(e) = next {
+        if let Some(ours) = e.downcast_ref::<Error>() {
+            return ours.is_context_lost();
+        }
+        if let Some(backend) = e.downcast_ref::<BackendError>() {
+            return backend.is_context_lost();
+        }
+        // A failure's source is often its boxed backend error.
+        if let Some(backend) = e.downcast_ref::<Box<BackendError>>() {
+            return backend.is_context_lost();
+        }
+        next = e.source();
+    }
+    false
 }
 
 impl<T: fmt::Display, C: Failure + Send + Sync> From<TransitionError<T, C>>

@@ -33,7 +33,7 @@
 //! assert_eq!(&kv.as_slice()[..5], b"hello");
 //! assert_eq!(device.ledger().owned_bytes, 64 << 10);
 //!
-//! let receipt = kv.release().complete().map_err(|e| e.to_string())?; // consumes the token
+//! let receipt = kv.release().complete()?; // consumes the token
 //! assert_eq!(receipt.len, 64 << 10);
 //! assert_eq!(device.ledger().owned_bytes, 0);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
@@ -131,11 +131,11 @@
 //!
 //! let mut prompt = system.reserve(8192)?.commit_prefix()?;
 //! prompt.as_mut_slice().expect("not shared yet").fill(7);
-//! let seq = session.reserve(8192)?.map_prefix(&prompt).map_err(|e| e.to_string())?;
+//! let seq = session.reserve(8192)?.map_prefix(&prompt)?;
 //! assert_eq!(seq.as_slice()[0], 7); // the same physical page, mapped read-only
 //! assert_eq!(session.used(), 0); // a sharer owns nothing
 //!
-//! let mut seq = seq.diverge().map_err(|e| e.to_string())?; // private copy of the last granule
+//! let mut seq = seq.diverge()?; // private copy of the last granule
 //! seq.boundary_mut()[0] = 9;
 //! assert_eq!(prompt.as_slice()[4096], 7); // the original is untouched
 //! assert_eq!(session.used(), 4096); // exactly one granule
@@ -176,6 +176,7 @@ pub use device::{QuarantineError, Quarantined};
 pub use error::{
     CommitFailure, CowFailure, Error, Failure, GrowError, PoolError, ReleaseFailure, ReserveError,
     ResumeFailure, Returned, ShareFailure, ShrinkError, SuspendFailure, TransitionError, ViewError,
+    is_context_lost,
 };
 pub use generativity::{Guard, make_guard};
 pub use ids::{ContextLost, Generation, Released};

@@ -82,7 +82,7 @@ use crate::unwind::Scope;
 /// assert_eq!((region.committed_len(), device.ledger().cached_bytes), (g, g as u64));
 /// region.grow(3)?; // takes it back: no new memory; a refused growth leaves it as it was
 /// assert_eq!(device.ledger().cached_bytes, 0);
-/// region.release().complete().map_err(|e| e.to_string())?;
+/// region.release().complete()?;
 /// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 pub type Region<'b, 'id, B> = Allocation<'b, 'id, B, Elastic>;

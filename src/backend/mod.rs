@@ -507,7 +507,8 @@ pub trait Backend {
     fn fence_done(&self, fence: &Self::Fence) -> bool;
     /// Blocks until the work before `fence` has finished, if the backend can wait for it;
     /// returns whether it has. Only a [`Device`](crate::Device) dropped while its context lives
-    /// on waits, so that it can free everything it still holds; nothing else ever blocks.
+    /// on waits, so that it can free everything it still holds, and `Allocation::wait` and
+    /// `Device::flush` wait when asked to; nothing else waits for a fence.
     fn wait_fence(&self, fence: &Self::Fence) -> bool {
         self.fence_done(fence)
     }

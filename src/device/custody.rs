@@ -83,6 +83,16 @@ impl<B: Backend> Books<B> {
         taken
     }
 
+    /// Takes the oldest deferred release out of the queue (busy until it lands), if any.
+    fn take_one_deferred(&mut self) -> Option<Deferred<B>> {
+        if self.deferred.is_empty() {
+            return None;
+        }
+        let taken = self.deferred.remove(0);
+        self.busy.push(Busy::new(&taken.0, Queue::Deferred));
+        Some(taken)
+    }
+
     /// A busy residual has landed: it is counted where it is now, or nowhere.
     fn landed(&mut self, generation: Generation) {
         if let Some(i) = self.busy.iter().position(|b| b.generation == generation) {
@@ -171,17 +181,19 @@ impl<'id, B: Backend> Device<'id, B> {
     /// queued for a later flush or poll, the others are done; nothing blocks for ever.
     pub fn flush(&self) -> Result<Progress, crate::ReleaseFailure> {
         Scope::run::<B, _>(move || {
-            let queued = lock(&self.books).take(Queue::Deferred);
-            let (mut released, mut stuck) = (0, false);
-            for (residual, fence) in queued {
+            // What is done already lands first, without waiting (and stays available to other
+            // threads' polls while this one waits below, one release at a time).
+            let mut released = self.poll().released;
+            let mut stuck = Vec::new();
+            loop {
+                let Some((residual, fence)) = lock(&self.books).take_one_deferred() else {
+                    break;
+                };
                 let fence = fence.or_else(|| self.backend.fence());
-                let waited = fence.as_ref().is_some_and(|f| self.backend.wait_fence(f))
-                    && !self.backend.context_lost();
+                let waited = fence.as_ref().is_some_and(|f| self.backend.wait_fence(f));
                 if !waited && !self.backend.context_lost() {
-                    stuck = true;
-                    let mut books = lock(&self.books);
-                    books.landed(residual.generation);
-                    books.deferred.push((residual, fence));
+                    // Busy (so counted) until it goes back in the queue, after this flush.
+                    stuck.push((residual, fence));
                     continue;
                 }
                 if let Some(fence) = fence {
@@ -189,10 +201,16 @@ impl<'id, B: Backend> Device<'id, B> {
                 }
                 released += usize::from(self.teardown_busy(residual, Queue::Deferred));
             }
-            match stuck {
-                true => Err(crate::ReleaseFailure::Stuck),
-                false => Ok(self.progress(released)),
+            let progress = self.progress(released);
+            if stuck.is_empty() {
+                return Ok(progress);
             }
+            let mut books = lock(&self.books);
+            for (residual, fence) in stuck {
+                books.landed(residual.generation);
+                books.deferred.push((residual, fence));
+            }
+            Err(crate::ReleaseFailure::Stuck)
         })
     }
 

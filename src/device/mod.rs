@@ -68,7 +68,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 /// let binding = device.bind(Budget::unlimited())?;
 /// let mut a = binding.reserve(10_000)?.commit()?;
 /// a.as_mut_slice()[0] = 7;
-/// a.release().complete().map_err(|e| e.to_string())?;
+/// a.release().complete()?;
 /// drop(binding);
 /// assert!(device.close().is_clean());
 /// # Ok::<(), Box<dyn std::error::Error>>(())

@@ -653,7 +653,7 @@ impl<D: Driver> fmt::Debug for Capture<'_, '_, D> {
 ///     graph.launch().unwrap();
 /// }
 /// drop(graph);
-/// let released = x.release().complete().map_err(|e| e.cause).unwrap();
+/// let released = x.release().complete().map_err(memtoken::Error::from).unwrap();
 /// ```
 ///
 /// Each [`launch`](Self::launch) runs on the

@@ -1548,3 +1548,106 @@ fn flush_releases_the_deferred_once_their_work_completes() {
     drop(binding);
     assert!(device.close().is_clean());
 }
+
+/// From the review of issue 25: a wait that has waited is done, even if a capture begins on
+/// the stream meanwhile (a second query would answer "not yet" while it captures).
+#[test]
+fn a_wait_is_done_once_waited_even_if_a_capture_begins_meanwhile() {
+    use memtoken::backend::doubles::CaptureMode;
+    let model = model(true);
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let x = binding.reserve(G).unwrap().commit().unwrap();
+    model.submit_work_on(stream);
+    let releasing = x.release();
+    std::thread::scope(|scope| {
+        let waiter = scope.spawn(move || releasing.wait().map(drop).map_err(|e| e.to_string()));
+        for _ in 0..10_000 {
+            if model.count(DriverCall::EventSynchronize) > 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        model.begin_capture(stream, CaptureMode::Relaxed);
+        model.complete_work();
+        assert_eq!(waiter.join().unwrap(), Ok(()));
+        model.end_capture(stream).unwrap();
+    });
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// From the review of issue 25: a flush releases what is done even when another release is
+/// stuck behind a capturing stream, and says so.
+#[test]
+fn a_flush_releases_what_is_done_and_reports_what_is_stuck() {
+    use memtoken::backend::doubles::CaptureMode;
+    let model = model(true);
+    common::known_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    let y = binding.reserve(G).unwrap().commit().unwrap();
+    let _ = x.stream_view_mut::<u8>(stream).unwrap().device_ptr_mut(); // `x` only on `stream`
+    model.begin_capture(stream, CaptureMode::Relaxed);
+    drop((x, y));
+    assert!(matches!(
+        device.flush(),
+        Err(memtoken::ReleaseFailure::Stuck)
+    ));
+    assert_eq!(
+        device.ledger().owned_bytes,
+        G as u64,
+        "`y` released, `x` waits"
+    );
+    assert_eq!(
+        device.poll().deferred,
+        1,
+        "the stuck one is back in the queue"
+    );
+    model.end_capture(stream).unwrap();
+    assert_eq!(device.flush().unwrap().deferred, 0);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// From the review of issue 25: while `flush()` waits for one release, the others that are
+/// done are not held back (their bytes leave the budget at once).
+#[test]
+fn a_flush_waiting_for_one_release_holds_back_none_that_is_done() {
+    let model = model(true);
+    common::known_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let other = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.know_stream(other) };
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    let mut y = binding.reserve(G).unwrap().commit().unwrap();
+    let ptr = x.stream_view_mut::<u8>(stream).unwrap().device_ptr_mut();
+    model.submit_work_touching(stream, &[(ptr, G)]); // a long kernel on `x`
+    let ptr = y.stream_view_mut::<u8>(other).unwrap().device_ptr_mut();
+    model.submit_work_touching(other, &[(ptr, G)]); // a short one on `y`
+    drop(x);
+    drop(y);
+    model.complete_work_on(other); // `y` may go now; `x` waits
+    assert_eq!(device.custody().deferred.count, 2);
+    std::thread::scope(|scope| {
+        let flusher = scope.spawn(|| device.flush().map(|p| p.deferred));
+        for _ in 0..10_000 {
+            if model.count(DriverCall::EventSynchronize) > 0 {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        device.poll();
+        let owned = device.ledger().owned_bytes;
+        model.complete_work();
+        assert_eq!(
+            owned, G as u64,
+            "`y` was held back while the flush waited for `x`"
+        );
+        assert_eq!(flusher.join().unwrap(), Ok(0));
+    });
+    drop(binding);
+    let report = device.close();
+    assert!(report.is_clean(), "{report:?}");
+}

@@ -132,3 +132,38 @@ fn opening_a_context_without_a_driver_is_an_error() {
     }
     assert!(open_context(-1).is_err());
 }
+
+/// From the review of issue 25: the crate's errors that are not a token's failures convert
+/// too, and whether the context is lost can be asked of any converted error.
+#[test]
+fn a_lost_context_is_found_in_any_converted_error() {
+    use memtoken::backend::doubles::DriverModel;
+    fn open() -> Result<(), memtoken::Error> {
+        let _ = HostBackend::with_defaults()?; // a ConfigError
+        Ok(())
+    }
+    open().unwrap();
+    let model = DriverModel::default();
+    make_guard!(guard);
+    let device = Device::new(
+        guard,
+        memtoken::backend::cuda::CudaBackend::new(model.clone(), 0).unwrap(),
+    );
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let reserved = binding.reserve(2 << 20).unwrap();
+    model.lose_context();
+    let commit = |r| -> anyhow::Result<()> {
+        let _ = memtoken::Allocation::commit(r)?;
+        Ok(())
+    };
+    let e = commit(reserved).unwrap_err();
+    assert!(memtoken::is_context_lost(e.as_ref()), "{e}");
+    let reserve = || -> anyhow::Result<()> {
+        let _ = binding.reserve(2 << 20)?;
+        Ok(())
+    };
+    let e = reserve().unwrap_err();
+    assert!(memtoken::is_context_lost(e.as_ref()), "{e:#}");
+    drop(binding);
+    let _ = device.close();
+}

@@ -13,7 +13,6 @@ use super::sys::SysDriver;
 use super::{CudaBackend, next_serial};
 use crate::backend::Addr;
 use crate::backend::{Backend, Op, lock};
-#[cfg(feature = "cuda")]
 use crate::backend::{BackendError, Violation};
 use std::sync::Mutex;
 use std::sync::atomic::Ordering;

@@ -23,6 +23,7 @@ mod captures;
 mod context_loss;
 mod custody;
 mod custody_discharge;
+mod engine;
 mod errors;
 mod forgotten;
 mod money;

@@ -1,0 +1,253 @@
+//! The engine of `examples/serving_engine`: built by a constructor, it serves requests on
+//! worker threads, each with its own page pool and prefix cache (block-level sharing within a
+//! worker; requests that share a system prompt go to the same worker). Shared with the test
+//! `tests/it/engine.rs`.
+//!
+//! **Why one pool per worker.** A `PagePool`'s hot path takes no lock (274 instructions per
+//! 16-page cycle), so a pool is `Send` but not `Sync`, and its pages and tables stay on the
+//! thread that owns the pool. An engine shards by worker, as serving stacks shard by GPU: the
+//! device and its bindings (`Sync`) are shared by reference; each worker makes its pool from a
+//! shared binding; requests are routed by the key of their first page, so the ones that could
+//! share pages meet in the same pool.
+
+use memtoken::backend::Backend;
+use memtoken::{Binding, PagePool, PrefixCache, SharedTable, make_guard};
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::sync::mpsc;
+use std::thread::{Scope, ScopedJoinHandle};
+
+/// Tokens a page holds.
+pub const TOKENS_PER_PAGE: usize = 16;
+/// Bytes of K and V one token needs in this toy model.
+pub const BYTES_PER_TOKEN: usize = 256;
+/// A page's bytes.
+pub const PAGE: usize = TOKENS_PER_PAGE * BYTES_PER_TOKEN;
+
+/// How the engine runs.
+#[derive(Clone, Copy, Debug)]
+pub struct Config {
+    /// Worker threads, each with its own page pool and prefix cache.
+    pub workers: usize,
+}
+
+/// A request: its prompt, how many continuations to sample (as forks), and how many tokens
+/// each generates.
+#[derive(Clone, Debug)]
+pub struct Request {
+    pub id: u64,
+    pub prompt: Vec<u32>,
+    pub samples: usize,
+    pub generate: usize,
+}
+
+/// What a worker did, summed over its requests.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Stats {
+    pub requests: usize,
+    pub lookups: usize,
+    pub hits: usize,
+    pub copies: usize,
+    /// The most pages its live requests held at once, shared by block.
+    pub peak_pages: usize,
+    /// What the same requests would have held without sharing.
+    pub peak_unshared_pages: usize,
+}
+
+impl Stats {
+    fn add(&mut self, other: &Stats) {
+        self.requests += other.requests;
+        self.lookups += other.lookups;
+        self.hits += other.hits;
+        self.copies += other.copies;
+        self.peak_pages += other.peak_pages;
+        self.peak_unshared_pages += other.peak_unshared_pages;
+    }
+}
+
+/// A running engine: its workers, and the way to them. Dropping it without
+/// [`finish`](Engine::finish) still stops the workers (their channels close) when the scope
+/// ends.
+pub struct Engine<'scope> {
+    to_workers: Vec<mpsc::Sender<Request>>,
+    workers: Vec<ScopedJoinHandle<'scope, Result<Stats, memtoken::Error>>>,
+}
+
+impl<'scope> Engine<'scope> {
+    /// Starts `config.workers` worker threads in `scope`, each with a page pool drawing from
+    /// `binding` and a prefix cache over it.
+    pub fn start<'env, 'id, B>(
+        scope: &'scope Scope<'scope, 'env>,
+        binding: &'env Binding<'env, 'id, B>,
+        config: Config,
+    ) -> Self
+    where
+        B: Backend,
+        Binding<'env, 'id, B>: Sync,
+    {
+        let mut to_workers = Vec::new();
+        let mut workers = Vec::new();
+        for _ in 0..config.workers.max(1) {
+            let (send, receive) = mpsc::channel::<Request>();
+            to_workers.push(send);
+            workers.push(scope.spawn(move || work(binding, receive)));
+        }
+        Self {
+            to_workers,
+            workers,
+        }
+    }
+
+    /// Hands `request` to the worker that serves its first page's prefix.
+    pub fn submit(&self, request: Request) {
+        let first = &request.prompt[..request.prompt.len().min(TOKENS_PER_PAGE)];
+        let worker = (key(0, first) % self.to_workers.len() as u64) as usize;
+        // A worker gone (its error is reported by `finish`) drops the request.
+        let _ = self.to_workers[worker].send(request);
+    }
+
+    /// Waits for every request submitted to be served, and stops the workers; what they did.
+    ///
+    /// # Errors
+    ///
+    /// The first error a worker stopped with.
+    pub fn finish(self) -> Result<Stats, memtoken::Error> {
+        drop(self.to_workers); // the workers stop once their queues are empty
+        let mut total = Stats::default();
+        let mut first_error = None;
+        for worker in self.workers {
+            match worker.join().expect("a worker panicked") {
+                Ok(stats) => total.add(&stats),
+                Err(e) => first_error = first_error.or(Some(e)),
+            }
+        }
+        first_error.map_or(Ok(total), Err)
+    }
+}
+
+/// A page's key: its parent page's key and its own tokens — the whole prefix up to it.
+pub fn key(parent: u64, tokens: &[u32]) -> u64 {
+    let mut h = DefaultHasher::new();
+    parent.hash(&mut h);
+    tokens.hash(&mut h);
+    h.finish()
+}
+
+/// The K/V byte of a token: a function of the whole prefix up to it (through its page's key).
+pub fn kv_byte(page_key: u64, slot: usize) -> u8 {
+    (page_key.rotate_left(slot as u32 % 64) as u8) | 1
+}
+
+/// One sample of a request: its table, each page's key, its tokens.
+struct Sample<'p, 'pool, 'b, 'id, B: Backend> {
+    table: SharedTable<'p, 'pool, 'b, 'id, B>,
+    keys: Vec<u64>,
+    tokens: usize,
+}
+
+/// A worker: its own pool and cache; serves requests until its queue closes.
+fn work<B: Backend>(
+    binding: &Binding<'_, '_, B>,
+    requests: mpsc::Receiver<Request>,
+) -> Result<Stats, memtoken::Error> {
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, binding, PAGE)?;
+    let mut cache = PrefixCache::new(&pool);
+    let mut stats = Stats::default();
+    for request in requests {
+        serve(&pool, &mut cache, &request, &mut stats)?;
+    }
+    drop(cache);
+    pool.evict_idle();
+    Ok(stats)
+}
+
+/// Serves one request: the prompt through the cache, the samples as forks, each generating
+/// its tokens (a copy-on-write where it writes into a shared page), every byte checked.
+fn serve<'p, 'pool, 'b, 'id, B: Backend>(
+    pool: &'p PagePool<'pool, 'b, 'id, B>,
+    cache: &mut PrefixCache<'p, 'pool, 'b, 'id, B, u64>,
+    request: &Request,
+    stats: &mut Stats,
+) -> Result<(), memtoken::Error> {
+    let mut table = pool.shared_table();
+    let mut keys = Vec::new();
+    let mut parent = 0;
+    for chunk in request.prompt.chunks(TOKENS_PER_PAGE) {
+        let k = key(parent, chunk);
+        parent = k;
+        keys.push(k);
+        let full = chunk.len() == TOKENS_PER_PAGE;
+        if full {
+            stats.lookups += 1;
+            if let Some(page) = cache.lookup(&k) {
+                stats.hits += 1;
+                pool.push_shared(&mut table, page);
+                continue;
+            }
+        }
+        let at = pool.push(&mut table)?;
+        let bytes: Vec<u8> = (0..chunk.len() * BYTES_PER_TOKEN)
+            .map(|i| kv_byte(k, i / BYTES_PER_TOKEN))
+            .collect();
+        table.copy_page_from_host(at, 0, &bytes)?;
+        if full {
+            cache.enter(&table, at, k);
+        }
+    }
+    let mut samples: Vec<Sample<'_, '_, '_, '_, B>> = (0..request.samples.max(1))
+        .map(|_| Sample {
+            table: pool.fork(&table),
+            keys: keys.clone(),
+            tokens: request.prompt.len(),
+        })
+        .collect();
+    drop(table);
+    for step in 0..request.generate {
+        for (s, sample) in samples.iter_mut().enumerate() {
+            let slot = sample.tokens % TOKENS_PER_PAGE;
+            if slot == 0 {
+                pool.push(&mut sample.table)?;
+                sample.keys.push(key(request.id, &[s as u32, step as u32]));
+            } else {
+                let last = sample.table.len() - 1;
+                if pool.copy_on_write(&mut sample.table, last)? {
+                    stats.copies += 1;
+                }
+            }
+            let last = sample.table.len() - 1;
+            let byte = kv_byte(sample.keys[last], slot);
+            sample.table.copy_page_from_host(
+                last,
+                slot * BYTES_PER_TOKEN,
+                &[byte; BYTES_PER_TOKEN],
+            )?;
+            sample.tokens += 1;
+        }
+        stats.peak_pages = stats.peak_pages.max(pool.live_pages());
+        let unshared = samples.iter().map(|s| s.table.len()).sum();
+        stats.peak_unshared_pages = stats.peak_unshared_pages.max(unshared);
+    }
+    for sample in &samples {
+        check(sample)?;
+    }
+    stats.requests += 1;
+    Ok(())
+}
+
+/// Every token of every page of `sample` holds its K/V byte.
+fn check<B: Backend>(sample: &Sample<'_, '_, '_, '_, B>) -> Result<(), memtoken::Error> {
+    let mut page = vec![0u8; PAGE];
+    for (position, &k) in sample.keys.iter().enumerate() {
+        let tokens = (sample.tokens - position * TOKENS_PER_PAGE).min(TOKENS_PER_PAGE);
+        sample.table.copy_page_to_host(position, 0, &mut page)?;
+        for slot in 0..tokens {
+            assert_eq!(
+                page[slot * BYTES_PER_TOKEN],
+                kv_byte(k, slot),
+                "page {position} token {slot}: a sequence read back other bytes"
+            );
+        }
+    }
+    Ok(())
+}

@@ -771,27 +771,29 @@ impl<E: Failure + Send + Sync> From<E> for Error {
     }
 }
 
-/// The crate's errors that are not failures of a token (a backend's settings, a message on the
-/// wire, opening a CUDA device): as [`Error`]s, their chain in the message.
-macro_rules! plain_errors {
-    ($($error:ty),*) => {$(
-        impl From<$error> for Error {
-            fn from(e: $error) -> Self {
-                Self {
-                    message: Chain(&e).to_string(),
-                    context_lost: false,
-                    cause: Box::new(e),
-                }
-            }
+impl Error {
+    /// One of the crate's errors that is not a failure of a token (a backend's settings, a
+    /// message on the wire, opening a CUDA device), its chain in the message.
+    pub(crate) fn plain(e: impl std::error::Error + Send + Sync + 'static) -> Self {
+        Self {
+            message: Chain(&e).to_string(),
+            context_lost: false,
+            cause: Box::new(e),
         }
-    )*};
+    }
 }
 
-plain_errors!(
-    crate::backend::ConfigError,
-    crate::interop::WireError,
-    crate::backend::cuda::CudaError
-);
+impl From<crate::backend::ConfigError> for Error {
+    fn from(e: crate::backend::ConfigError) -> Self {
+        Self::plain(e)
+    }
+}
+
+impl From<crate::backend::cuda::CudaError> for Error {
+    fn from(e: crate::backend::cuda::CudaError) -> Self {
+        Self::plain(e)
+    }
+}
 
 /// Whether `error` — any error, as `?` converted it (a [`memtoken::Error`](Error), a box, an
 /// `anyhow::Error` through `as_ref()`) — says that the device's context is lost: an [`Error`]

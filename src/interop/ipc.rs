@@ -153,6 +153,12 @@ pub enum WireError {
     },
 }
 
+impl From<WireError> for crate::Error {
+    fn from(e: WireError) -> Self {
+        Self::plain(e)
+    }
+}
+
 /// Why an [`Offer`] could not be imported. Nothing stays mapped or reserved (what could not be
 /// undone is in the device's quarantine); the offer's descriptors are closed.
 #[derive(Debug, thiserror::Error)]

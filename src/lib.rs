@@ -149,6 +149,7 @@
 mod allocation;
 pub mod backend;
 mod device;
+mod engine;
 mod error;
 mod ids;
 mod interop;
@@ -173,6 +174,7 @@ pub use cudarc;
 pub use device::Binding;
 pub use device::{CloseReport, Custody, Device, DropReport, Forgotten, Progress};
 pub use device::{QuarantineError, Quarantined};
+pub use engine::{Engine, Keeps, Parts};
 pub use error::{
     CommitFailure, CowFailure, Error, Failure, GrowError, PoolError, ReleaseFailure, ReserveError,
     ResumeFailure, Returned, ShareFailure, ShrinkError, SuspendFailure, TransitionError, ViewError,

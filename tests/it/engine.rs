@@ -53,3 +53,116 @@ fn an_engine_serves_requests_on_four_threads_and_leaves_nothing_outstanding() {
     assert!(report.is_clean(), "{report:?}");
     assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
 }
+
+mod owned {
+    //! The owned form: an `Engine` returned by a constructor owns its device, binding, pool
+    //! and tokens; moved to another thread, it lends its tokens' memory to four more.
+
+    use memtoken::backend::HostBackend;
+    use memtoken::backend::doubles::{FaultHandle, Faulty};
+    use memtoken::{Allocation, Budget, Committed, Engine, Keeps, Region};
+
+    type Host = Faulty<HostBackend>;
+
+    struct Serving;
+    struct Kept<'e> {
+        weights: Allocation<'e, 'e, Host, Committed>,
+        outputs: Vec<Allocation<'e, 'e, Host, Committed>>,
+        scratch: Region<'e, 'e, Host>,
+    }
+    impl Keeps<Host> for Serving {
+        type Of<'e> = Kept<'e>;
+    }
+
+    /// The constructor: everything made inside, returned together.
+    fn start() -> Result<(Engine<Host, Serving>, FaultHandle), memtoken::Error> {
+        let backend = Faulty::new(HostBackend::with_defaults()?);
+        let faults = backend.handle();
+        let engine = Engine::new(backend, Budget::unlimited(), 4096, |parts| {
+            let g = parts.device.granularity();
+            let mut weights = parts.binding.reserve(g)?.commit()?;
+            weights
+                .as_mut_slice_of::<u32>()?
+                .iter_mut()
+                .for_each(|w| *w = 3);
+            let outputs = (0..4)
+                .map(|_| Ok(parts.binding.reserve(g)?.commit()?))
+                .collect::<Result<_, memtoken::Error>>()?;
+            let mut scratch = parts.binding.reserve(4 * g)?.into_region();
+            scratch.grow(1)?;
+            Ok(Kept {
+                weights,
+                outputs,
+                scratch,
+            })
+        })?;
+        Ok((engine, faults))
+    }
+
+    #[test]
+    fn an_owned_engine_moves_to_a_thread_and_lends_its_tokens_to_four_more() {
+        let (mut engine, faults) = start().unwrap();
+        let sums = std::thread::spawn(move || {
+            let sums = engine.with(|parts, kept| -> Result<Vec<u64>, memtoken::Error> {
+                let weights = &kept.weights;
+                std::thread::scope(|scope| {
+                    for (i, out) in kept.outputs.iter_mut().enumerate() {
+                        scope.spawn(move || {
+                            let w = weights.as_slice_of::<u32>().unwrap();
+                            let o = out.as_mut_slice_of::<u32>().unwrap();
+                            for (o, w) in o.iter_mut().zip(w) {
+                                *o = w * (i as u32 + 1);
+                            }
+                        });
+                    }
+                });
+                kept.scratch.grow(1)?;
+                let mut table = parts.pool.table();
+                parts.pool.push(&mut table)?;
+                Ok(kept
+                    .outputs
+                    .iter()
+                    .map(|o| {
+                        o.as_slice_of::<u32>()
+                            .unwrap()
+                            .iter()
+                            .map(|&v| u64::from(v))
+                            .sum()
+                    })
+                    .collect())
+            });
+            let report = engine.close();
+            (sums, report)
+        })
+        .join()
+        .unwrap();
+        let (sums, report) = sums;
+        let sums = sums.unwrap();
+        let per = sums[0];
+        assert_eq!(sums, vec![per, 2 * per, 3 * per, 4 * per]);
+        assert!(report.is_clean(), "{report:?}");
+        assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+    }
+
+    /// A failing build tears down what was made, in order, and says why.
+    #[test]
+    fn a_failed_build_leaves_nothing() {
+        let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+        let faults = backend.handle();
+        faults.fail_nth(memtoken::backend::Op::Create, 2);
+        let made = Engine::<Host, Serving>::new(backend, Budget::unlimited(), 4096, |parts| {
+            let g = parts.device.granularity();
+            let weights = parts.binding.reserve(g)?.commit()?;
+            let outputs = vec![parts.binding.reserve(g)?.commit()?];
+            let scratch = parts.binding.reserve(g)?.into_region();
+            Ok(Kept {
+                weights,
+                outputs,
+                scratch,
+            })
+        });
+        let e = made.unwrap_err();
+        assert!(e.to_string().starts_with("commit failed: "), "{e}");
+        assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+    }
+}

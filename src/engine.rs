@@ -1,0 +1,272 @@
+//! [`Engine`]: a device, a binding and a page pool owned together with what a program keeps
+//! over them (tokens, regions, tables, a prefix cache) — a value a constructor returns and a
+//! struct can hold, torn down in order when it goes.
+#![allow(unsafe_code)] // the owned device's brand is erased and re-branded per call, each block with its `// SAFETY:` proof
+
+use crate::backend::Backend;
+use crate::device::{Binding, CloseReport, Device};
+use crate::ledger::Budget;
+use crate::page_pool::PagePool;
+use generativity::{Guard, Id};
+use std::fmt;
+use std::mem::ManuallyDrop;
+use std::ptr::NonNull;
+
+/// What an [`Engine`] keeps over its device: a family of types, one for each lifetime `'e`
+/// the engine lends its parts for (`'e` stands for the device's brand, the binding's and the
+/// pool's borrows at once). Implement it on a marker type:
+///
+/// ```
+/// use memtoken::{Allocation, Committed, Engine, Keeps, SharedTable};
+/// use memtoken::backend::HostBackend;
+///
+/// struct Serving;
+/// struct Kept<'e> {
+///     weights: Allocation<'e, 'e, HostBackend, Committed>,
+///     sequence: SharedTable<'e, 'e, 'e, 'e, HostBackend>,
+/// }
+/// impl Keeps<HostBackend> for Serving {
+///     type Of<'e> = Kept<'e>;
+/// }
+///
+/// fn start() -> Result<Engine<HostBackend, Serving>, memtoken::Error> {
+///     Engine::new(HostBackend::with_defaults()?, memtoken::Budget::unlimited(), 4096, |parts| {
+///         let g = parts.device.granularity();
+///         let mut weights = parts.binding.reserve(g)?.commit()?;
+///         weights.as_mut_slice()[0] = 7;
+///         Ok(Kept { weights, sequence: parts.pool.shared_table() })
+///     })
+/// }
+///
+/// let mut engine = start()?; // returned from a constructor: it owns its device
+/// engine.with(|parts, kept| -> Result<(), memtoken::Error> {
+///     parts.pool.push(&mut kept.sequence)?;
+///     assert_eq!(kept.weights.as_slice()[0], 7);
+///     Ok(())
+/// })?;
+/// assert!(engine.close().is_clean());
+/// # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
+/// ```
+pub trait Keeps<B: Backend> {
+    /// What is kept, for parts lent for `'e`.
+    type Of<'e>;
+}
+
+/// The parts an [`Engine`] lends for `'e`: its device, its binding and its page pool.
+pub struct Parts<'e, B: Backend> {
+    /// The device.
+    pub device: &'e Device<'e, B>,
+    /// The binding (its budget and context pin).
+    pub binding: &'e Binding<'e, 'e, B>,
+    /// The page pool, drawing from the binding.
+    pub pool: &'e PagePool<'e, 'e, 'e, B>,
+}
+
+impl<B: Backend> Clone for Parts<'_, B> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<B: Backend> Copy for Parts<'_, B> {}
+
+/// A device, one binding and one page pool, owned together with what the program keeps over
+/// them (`K::Of`): made by a constructor ([`new`](Self::new)) and returned, held in a struct,
+/// moved to another thread (when what it keeps may move). Its parts are lent to closures
+/// ([`with`](Self::with)) for a lifetime the closure cannot name beyond the call — as
+/// [`make_guard!`](crate::make_guard) brands a device, each call brands them afresh — so
+/// nothing borrowed from an engine outlives the call, and one engine's tokens never meet
+/// another's (a compile error; `ui-tests/engine_mix.rs`):
+///
+/// ```compile_fail,E0521
+/// use memtoken::{Allocation, Budget, Engine, Keeps, Reserved};
+/// use memtoken::backend::HostBackend;
+/// struct Tokens;
+/// impl Keeps<HostBackend> for Tokens {
+///     type Of<'e> = Vec<Allocation<'e, 'e, HostBackend, Reserved>>;
+/// }
+/// let new = || Engine::<HostBackend, Tokens>::new(
+///     HostBackend::with_defaults().unwrap(), Budget::unlimited(), 4096, |_| Ok(Vec::new()),
+/// ).unwrap();
+/// let (mut a, mut b) = (new(), new());
+/// a.with(|pa, _| b.with(|_, kept| kept.push(pa.binding.reserve(4096).unwrap())));
+/// ```
+///
+/// **Teardown order** is the type system's elsewhere and the engine's here: what it keeps goes
+/// first (each token released as when dropped), then the pool, then the binding, then the
+/// device — [`close`](Self::close) says what the device's close saw.
+pub struct Engine<B: Backend + 'static, K: Keeps<B>> {
+    kept: ManuallyDrop<K::Of<'static>>,
+    /// Owned (from `Box::into_raw`): freed in `Drop`, after `kept`, before `binding`.
+    pool: NonNull<PagePool<'static, 'static, 'static, B>>,
+    /// Owned: freed after `pool`, before `device`.
+    binding: NonNull<Binding<'static, 'static, B>>,
+    /// Owned: freed (or closed) last.
+    device: NonNull<Device<'static, B>>,
+}
+
+// SAFETY: the engine owns its device, binding and pool (through the pointers) and what it
+// keeps: it may move to another thread when each of them may, which the bounds require.
+unsafe impl<B: Backend + 'static, K: Keeps<B>> Send for Engine<B, K>
+where
+    Device<'static, B>: Send,
+    Binding<'static, 'static, B>: Send,
+    PagePool<'static, 'static, 'static, B>: Send,
+    K::Of<'static>: Send,
+{
+}
+
+impl<B: Backend + 'static, K: Keeps<B>> Engine<B, K> {
+    /// An engine over `backend`: a device, a binding of `budget`, a pool of `page_size`-byte
+    /// pages, and what `build` makes with them.
+    ///
+    /// # Errors
+    ///
+    /// The binding's, the pool's or `build`'s error; what was made is torn down first.
+    pub fn new(
+        backend: B,
+        budget: Budget,
+        page_size: usize,
+        build: impl for<'e> FnOnce(Parts<'e, B>) -> Result<K::Of<'e>, crate::Error>,
+    ) -> Result<Self, crate::Error> {
+        // SAFETY: the brand `'static` is never seen outside the engine: every part is lent to
+        // a closure generic over `'e` (`for<'e>`), which is as unique as `make_guard!`'s brand
+        // for the length of the call, so no token of another device can meet this one's.
+        let guard = unsafe { Guard::new(Id::new()) };
+        let device = NonNull::from(Box::leak(Box::new(Device::new(guard, backend))));
+        // SAFETY: `device` was just leaked from a box and is freed only by `Drop`/`close`,
+        // after everything that borrows it.
+        let d: &'static Device<'static, B> = unsafe { device.as_ref() };
+        let binding = match d.bind(budget) {
+            Ok(binding) => NonNull::from(Box::leak(Box::new(binding))),
+            Err(e) => {
+                // SAFETY: nothing borrows the device any more.
+                drop(unsafe { Box::from_raw(device.as_ptr()) });
+                return Err(e.into());
+            }
+        };
+        // SAFETY: as for `device`: freed only after what borrows it.
+        let b: &'static Binding<'static, 'static, B> = unsafe { binding.as_ref() };
+        // SAFETY: as for the device's brand.
+        let pool_guard = unsafe { Guard::new(Id::new()) };
+        let pool = match PagePool::new(pool_guard, b, page_size) {
+            Ok(pool) => NonNull::from(Box::leak(Box::new(pool))),
+            Err(e) => {
+                // SAFETY: nothing borrows the binding or the device any more; freed in order.
+                unsafe { free_parts(None, binding, device) };
+                return Err(e.into());
+            }
+        };
+        // SAFETY: as for `device`.
+        let p: &'static PagePool<'static, 'static, 'static, B> = unsafe { pool.as_ref() };
+        match build(Parts {
+            device: d,
+            binding: b,
+            pool: p,
+        }) {
+            Ok(kept) => Ok(Self {
+                kept: ManuallyDrop::new(kept),
+                pool,
+                binding,
+                device,
+            }),
+            Err(e) => {
+                // SAFETY: `build` failed: what it made is dropped; nothing borrows the parts.
+                unsafe { free_parts(Some(pool), binding, device) };
+                Err(e)
+            }
+        }
+    }
+
+    /// Lends the parts and what is kept to `f`, for a lifetime `f` cannot name outside the
+    /// call (it is generic over `'e`), so nothing borrowed escapes it
+    /// (`ui-tests/engine_part_escapes.rs`):
+    ///
+    /// ```compile_fail
+    /// # use memtoken::{Budget, Engine, Keeps};
+    /// # use memtoken::backend::HostBackend;
+    /// # struct Nothing;
+    /// # impl Keeps<HostBackend> for Nothing { type Of<'e> = (); }
+    /// let mut engine = Engine::<HostBackend, Nothing>::new(
+    ///     HostBackend::with_defaults().unwrap(), Budget::unlimited(), 4096, |_| Ok(()),
+    /// ).unwrap();
+    /// let token = engine.with(|parts, _| parts.binding.reserve(4096).unwrap()); // error
+    /// drop(engine);
+    /// drop(token);
+    /// ```
+    pub fn with<R>(&mut self, f: impl for<'e> FnOnce(Parts<'e, B>, &mut K::Of<'e>) -> R) -> R {
+        // SAFETY: the parts live until the engine is dropped, which `&mut self` excludes for
+        // the call; `f` is generic over `'e`, so what it is lent cannot outlive the call.
+        let parts = unsafe { self.parts() };
+        f(parts, &mut self.kept)
+    }
+
+    /// Tears everything down in order — what is kept, the pool, the binding — and closes the
+    /// device: what it left, if anything.
+    pub fn close(self) -> CloseReport {
+        let mut this = ManuallyDrop::new(self);
+        // SAFETY: taken once (`this` is never dropped); nothing borrows what is kept after.
+        drop(unsafe { ManuallyDrop::take(&mut this.kept) });
+        // SAFETY: the pool and the binding are freed once, after what borrowed them.
+        unsafe {
+            drop(Box::from_raw(this.pool.as_ptr()));
+            drop(Box::from_raw(this.binding.as_ptr()));
+        }
+        // SAFETY: nothing borrows the device any more; freed once.
+        let device = unsafe { Box::from_raw(this.device.as_ptr()) };
+        device.close()
+    }
+
+    /// The parts, branded `'e`.
+    ///
+    /// # Safety
+    ///
+    /// The returned references are valid while the engine is not dropped; the caller lends
+    /// them only to a closure generic over `'e`.
+    unsafe fn parts<'e>(&self) -> Parts<'e, B> {
+        // SAFETY: the caller's promise; each pointer came from a box this engine owns.
+        unsafe {
+            Parts {
+                device: &*self.device.as_ptr().cast::<Device<'e, B>>(),
+                binding: &*self.binding.as_ptr().cast::<Binding<'e, 'e, B>>(),
+                pool: &*self.pool.as_ptr().cast::<PagePool<'e, 'e, 'e, B>>(),
+            }
+        }
+    }
+}
+
+/// Frees the pool (if made), the binding and the device, in that order.
+///
+/// # Safety
+///
+/// Each pointer came from `Box::leak` and is freed once; nothing borrows them any more.
+unsafe fn free_parts<B: Backend + 'static>(
+    pool: Option<NonNull<PagePool<'static, 'static, 'static, B>>>,
+    binding: NonNull<Binding<'static, 'static, B>>,
+    device: NonNull<Device<'static, B>>,
+) {
+    // SAFETY: the caller's promise.
+    unsafe {
+        if let Some(pool) = pool {
+            drop(Box::from_raw(pool.as_ptr()));
+        }
+        drop(Box::from_raw(binding.as_ptr()));
+        drop(Box::from_raw(device.as_ptr()));
+    }
+}
+
+impl<B: Backend + 'static, K: Keeps<B>> Drop for Engine<B, K> {
+    fn drop(&mut self) {
+        // SAFETY: dropped once, first; then the parts in order (`free_parts`).
+        unsafe {
+            ManuallyDrop::drop(&mut self.kept);
+            free_parts(Some(self.pool), self.binding, self.device);
+        }
+    }
+}
+
+impl<B: Backend + 'static, K: Keeps<B>> fmt::Debug for Engine<B, K> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Engine").finish_non_exhaustive()
+    }
+}

@@ -171,7 +171,8 @@ impl<B: Backend + 'static, K: Keeps<B>> Engine<B, K> {
                 device,
             }),
             Err(e) => {
-                // SAFETY: `build` failed: what it made is dropped; nothing borrows the parts.
+                // SAFETY: `build` failed: what it made is dropped (or forgotten: leaked, never
+                // freed under a borrow); nothing borrows the parts.
                 unsafe { free_parts(Some(pool), binding, device) };
                 Err(e)
             }

@@ -159,24 +159,23 @@ impl<B: Backend + 'static, K: Keeps<B>> Engine<B, K> {
         };
         // SAFETY: as for `device`.
         let p: &'static PagePool<'static, 'static, 'static, B> = unsafe { pool.as_ref() };
-        match build(Parts {
+        // Frees the parts if `build` fails or panics: by then what it made is dropped (or
+        // forgotten: leaked, never freed under a borrow), so nothing borrows them.
+        let mut unbuilt = FreeParts {
+            parts: Some((pool, binding, device)),
+        };
+        let kept = build(Parts {
             device: d,
             binding: b,
             pool: p,
-        }) {
-            Ok(kept) => Ok(Self {
-                kept: ManuallyDrop::new(kept),
-                pool,
-                binding,
-                device,
-            }),
-            Err(e) => {
-                // SAFETY: `build` failed: what it made is dropped (or forgotten: leaked, never
-                // freed under a borrow); nothing borrows the parts.
-                unsafe { free_parts(Some(pool), binding, device) };
-                Err(e)
-            }
-        }
+        })?;
+        unbuilt.parts = None; // the engine owns them now
+        Ok(Self {
+            kept: ManuallyDrop::new(kept),
+            pool,
+            binding,
+            device,
+        })
     }
 
     /// Lends the parts and what is kept to `f`, for a lifetime `f` cannot name outside the
@@ -256,13 +255,35 @@ unsafe fn free_parts<B: Backend + 'static>(
     }
 }
 
+/// Frees the parts it holds when it goes — also while a panic unwinds.
+struct FreeParts<B: Backend + 'static> {
+    #[allow(clippy::type_complexity)] // the three parts, as `free_parts` takes them
+    parts: Option<(
+        NonNull<PagePool<'static, 'static, 'static, B>>,
+        NonNull<Binding<'static, 'static, B>>,
+        NonNull<Device<'static, B>>,
+    )>,
+}
+
+impl<B: Backend + 'static> Drop for FreeParts<B> {
+    fn drop(&mut self) {
+        if let Some((pool, binding, device)) = self.parts.take() {
+            // SAFETY: whoever armed it made sure nothing borrows the parts any more when it
+            // goes (what borrowed them was dropped first), and disarms it where they live on.
+            unsafe { free_parts(Some(pool), binding, device) };
+        }
+    }
+}
+
 impl<B: Backend + 'static, K: Keeps<B>> Drop for Engine<B, K> {
     fn drop(&mut self) {
-        // SAFETY: dropped once, first; then the parts in order (`free_parts`).
-        unsafe {
-            ManuallyDrop::drop(&mut self.kept);
-            free_parts(Some(self.pool), self.binding, self.device);
-        }
+        // The parts go after what is kept — also if dropping it panics (its other fields are
+        // dropped while the panic unwinds, before this guard).
+        let _parts = FreeParts {
+            parts: Some((self.pool, self.binding, self.device)),
+        };
+        // SAFETY: dropped once; nothing uses it after.
+        unsafe { ManuallyDrop::drop(&mut self.kept) };
     }
 }
 

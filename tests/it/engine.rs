@@ -165,4 +165,21 @@ mod owned {
         assert!(e.to_string().starts_with("commit failed: "), "{e}");
         assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
     }
+
+    /// A panic in the constructor's build tears down what was made (the tokens while it
+    /// unwinds, then the pool, the binding and the device): nothing is left.
+    #[test]
+    fn a_panic_in_build_leaves_nothing() {
+        let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+        let faults = backend.handle();
+        let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            Engine::<Host, Serving>::new(backend, Budget::unlimited(), 4096, |parts| {
+                let g = parts.device.granularity();
+                let _weights = parts.binding.reserve(g)?.commit()?;
+                panic!("a build that panics");
+            })
+        }));
+        assert!(made.is_err());
+        assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+    }
 }

@@ -18,19 +18,17 @@
 //! ```
 
 mod common;
+// The page keys, K/V bytes, samples and their check, shared with the serving engine.
+#[allow(dead_code)]
+#[path = "serving_engine/engine.rs"]
+mod engine;
 
+use engine::{BYTES_PER_TOKEN, PAGE, Sample, TOKENS_PER_PAGE, check, key, kv_byte};
 use memtoken::backend::{Backend, HostBackend, HostConfig};
-use memtoken::{Budget, Device, PagePool, PrefixCache, SharedTable, make_guard};
-use std::collections::hash_map::DefaultHasher;
+use memtoken::{Budget, Device, PagePool, PrefixCache, make_guard};
 use std::error::Error;
-use std::hash::{Hash, Hasher};
 
 type Result<T> = std::result::Result<T, Box<dyn Error>>;
-
-const TOKENS_PER_PAGE: usize = 16;
-/// Bytes of K and V one token needs in this toy model.
-const BYTES_PER_TOKEN: usize = 256;
-const PAGE: usize = TOKENS_PER_PAGE * BYTES_PER_TOKEN;
 
 /// The workload, all settable on the command line.
 #[derive(Debug)]
@@ -118,21 +116,6 @@ impl Rng {
     }
 }
 
-/// A page's key: its parent page's key and its own tokens — so it stands for the whole prefix
-/// up to and including the page (and, in a real engine, anything else the K/V depends on).
-fn key(parent: u64, tokens: &[u32]) -> u64 {
-    let mut h = DefaultHasher::new();
-    parent.hash(&mut h);
-    tokens.hash(&mut h);
-    h.finish()
-}
-
-/// The K/V byte of a token (a stand-in for the model's output): a function of the whole
-/// prefix up to it, through the key of the page it is in.
-fn kv_byte(page_key: u64, slot: usize) -> u8 {
-    (page_key.rotate_left(slot as u32 % 64) as u8) | 1
-}
-
 /// A request's prompt: system prompt, user prefix, and its own tokens.
 fn prompt(w: &Workload, rng: &mut Rng, id: usize) -> Vec<u32> {
     let system = rng.skewed(w.system_prompts) as u32;
@@ -143,14 +126,6 @@ fn prompt(w: &Workload, rng: &mut Rng, id: usize) -> Vec<u32> {
     tokens.extend((0..w.user_tokens as u32).map(|t| 10_000_000 + user * 100_000 + t));
     tokens.extend((0..w.own_tokens as u32).map(|t| 50_000_000 + id as u32 * 1_000 + t));
     tokens
-}
-
-/// One sample of a request: its table, the key of each page (the bytes it must hold), and
-/// how many tokens it has.
-struct Sample<'p, 'pool, 'b, 'id, B: Backend> {
-    table: SharedTable<'p, 'pool, 'b, 'id, B>,
-    keys: Vec<u64>,
-    tokens: usize,
 }
 
 struct Stats {
@@ -261,22 +236,6 @@ fn run<B: Backend>(device: &Device<'_, B>, w: &Workload) -> Result<Stats> {
     assert_eq!(pool.live_pages(), 0);
     println!("  at the end: {evicted} cached pages evicted, every page back in the pool");
     Ok(stats)
-}
-
-/// Every token of every page of `sample` holds its K/V byte.
-fn check<B: Backend>(sample: &Sample<'_, '_, '_, '_, B>) -> Result<()> {
-    let mut page = vec![0u8; PAGE];
-    for (position, &k) in sample.keys.iter().enumerate() {
-        let tokens = (sample.tokens - position * TOKENS_PER_PAGE).min(TOKENS_PER_PAGE);
-        sample.table.copy_page_to_host(position, 0, &mut page)?;
-        for slot in 0..tokens {
-            let got = page[slot * BYTES_PER_TOKEN];
-            if got != kv_byte(k, slot) {
-                return Err(format!("page {position} token {slot}: K/V byte {got}").into());
-            }
-        }
-    }
-    Ok(())
 }
 
 fn main() -> Result<()> {

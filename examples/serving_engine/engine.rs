@@ -139,10 +139,10 @@ pub fn kv_byte(page_key: u64, slot: usize) -> u8 {
 }
 
 /// One sample of a request: its table, each page's key, its tokens.
-struct Sample<'p, 'pool, 'b, 'id, B: Backend> {
-    table: SharedTable<'p, 'pool, 'b, 'id, B>,
-    keys: Vec<u64>,
-    tokens: usize,
+pub struct Sample<'p, 'pool, 'b, 'id, B: Backend> {
+    pub table: SharedTable<'p, 'pool, 'b, 'id, B>,
+    pub keys: Vec<u64>,
+    pub tokens: usize,
 }
 
 /// A worker: its own pool and cache; serves requests until its queue closes.
@@ -236,7 +236,7 @@ fn serve<'p, 'pool, 'b, 'id, B: Backend>(
 }
 
 /// Every token of every page of `sample` holds its K/V byte.
-fn check<B: Backend>(sample: &Sample<'_, '_, '_, '_, B>) -> Result<(), memtoken::Error> {
+pub fn check<B: Backend>(sample: &Sample<'_, '_, '_, '_, B>) -> Result<(), memtoken::Error> {
     let mut page = vec![0u8; PAGE];
     for (position, &k) in sample.keys.iter().enumerate() {
         let tokens = (sample.tokens - position * TOKENS_PER_PAGE).min(TOKENS_PER_PAGE);

@@ -1,4 +1,4 @@
-//! [`Engine`]: a device, a binding and a page pool owned together with what a program keeps
+//! [`Engine`]: a device, its bindings and a page pool owned together with what a program keeps
 //! over them (tokens, regions, tables, a prefix cache) — a value a constructor returns and a
 //! struct can hold, torn down in order when it goes.
 #![allow(unsafe_code)] // the owned device's brand is erased and re-branded per call, each block with its `// SAFETY:` proof
@@ -52,12 +52,15 @@ pub trait Keeps<B: Backend> {
     type Of<'e>;
 }
 
-/// The parts an [`Engine`] lends for `'e`: its device, its binding and its page pool.
+/// The parts an [`Engine`] lends for `'e`: its device, its bindings and its page pool.
 pub struct Parts<'e, B: Backend> {
     /// The device.
     pub device: &'e Device<'e, B>,
-    /// The binding (its budget and context pin).
+    /// The first binding (its budget and context pin): the pool draws from it.
     pub binding: &'e Binding<'e, 'e, B>,
+    /// Every binding, in the order of the budgets given to
+    /// [`with_bindings`](Engine::with_bindings) (the first is [`binding`](Self::binding)).
+    pub bindings: &'e [Binding<'e, 'e, B>],
     /// The page pool, drawing from the binding.
     pub pool: &'e PagePool<'e, 'e, 'e, B>,
 }
@@ -70,7 +73,7 @@ impl<B: Backend> Clone for Parts<'_, B> {
 
 impl<B: Backend> Copy for Parts<'_, B> {}
 
-/// A device, one binding and one page pool, owned together with what the program keeps over
+/// A device, its bindings and a page pool, owned together with what the program keeps over
 /// them (`K::Of`): made by a constructor ([`new`](Self::new)) and returned, held in a struct,
 /// moved to another thread (when what it keeps may move). Its parts are lent to closures
 /// ([`with`](Self::with)) for a lifetime the closure cannot name beyond the call — as
@@ -93,19 +96,19 @@ impl<B: Backend> Copy for Parts<'_, B> {}
 /// ```
 ///
 /// **Teardown order** is the type system's elsewhere and the engine's here: what it keeps goes
-/// first (each token released as when dropped), then the pool, then the binding, then the
+/// first (each token released as when dropped), then the pool, then the bindings, then the
 /// device — [`close`](Self::close) says what the device's close saw.
 pub struct Engine<B: Backend + 'static, K: Keeps<B>> {
     kept: ManuallyDrop<K::Of<'static>>,
-    /// Owned (from `Box::into_raw`): freed in `Drop`, after `kept`, before `binding`.
+    /// Owned (from `Box::leak`): freed in `Drop`, after `kept`, before `bindings`.
     pool: NonNull<PagePool<'static, 'static, 'static, B>>,
-    /// Owned: freed after `pool`, before `device`.
-    binding: NonNull<Binding<'static, 'static, B>>,
+    /// Owned (a leaked boxed slice, at least one): freed after `pool`, before `device`.
+    bindings: NonNull<[Binding<'static, 'static, B>]>,
     /// Owned: freed (or closed) last.
     device: NonNull<Device<'static, B>>,
 }
 
-// SAFETY: the engine owns its device, binding and pool (through the pointers) and what it
+// SAFETY: the engine owns its device, bindings and pool (through the pointers) and what it
 // keeps: it may move to another thread when each of them may, which the bounds require.
 unsafe impl<B: Backend + 'static, K: Keeps<B>> Send for Engine<B, K>
 where
@@ -118,7 +121,7 @@ where
 
 impl<B: Backend + 'static, K: Keeps<B>> Engine<B, K> {
     /// An engine over `backend`: a device, a binding of `budget`, a pool of `page_size`-byte
-    /// pages, and what `build` makes with them.
+    /// pages drawing from it, and what `build` makes with them.
     ///
     /// # Errors
     ///
@@ -126,6 +129,23 @@ impl<B: Backend + 'static, K: Keeps<B>> Engine<B, K> {
     pub fn new(
         backend: B,
         budget: Budget,
+        page_size: usize,
+        build: impl for<'e> FnOnce(Parts<'e, B>) -> Result<K::Of<'e>, crate::Error>,
+    ) -> Result<Self, crate::Error> {
+        Self::with_bindings(backend, budget, &[], page_size, build)
+    }
+
+    /// As [`new`](Self::new), with a binding of `budget` and one more for each of `more`:
+    /// tenants, or weights and KV cache, each under its own budget. The pool draws from the
+    /// first; [`Parts::bindings`] lends them all, in this order.
+    ///
+    /// # Errors
+    ///
+    /// As for [`new`](Self::new).
+    pub fn with_bindings(
+        backend: B,
+        budget: Budget,
+        more: &[Budget],
         page_size: usize,
         build: impl for<'e> FnOnce(Parts<'e, B>) -> Result<K::Of<'e>, crate::Error>,
     ) -> Result<Self, crate::Error> {
@@ -137,23 +157,26 @@ impl<B: Backend + 'static, K: Keeps<B>> Engine<B, K> {
         // SAFETY: `device` was just leaked from a box and is freed only by `Drop`/`close`,
         // after everything that borrows it.
         let d: &'static Device<'static, B> = unsafe { device.as_ref() };
-        let binding = match d.bind(budget) {
-            Ok(binding) => NonNull::from(Box::leak(Box::new(binding))),
+        let budgets = std::iter::once(&budget).chain(more);
+        let made: Result<Vec<_>, _> = budgets.map(|&budget| d.bind(budget)).collect();
+        let bindings = match made {
+            Ok(made) => NonNull::from(Box::leak(made.into_boxed_slice())),
             Err(e) => {
-                // SAFETY: nothing borrows the device any more.
+                // SAFETY: the bindings made were dropped by `collect`; nothing borrows the
+                // device any more.
                 drop(unsafe { Box::from_raw(device.as_ptr()) });
                 return Err(e.into());
             }
         };
-        // SAFETY: as for `device`: freed only after what borrows it.
-        let b: &'static Binding<'static, 'static, B> = unsafe { binding.as_ref() };
+        // SAFETY: as for `device`: freed only after what borrows them.
+        let bs: &'static [Binding<'static, 'static, B>] = unsafe { bindings.as_ref() };
         // SAFETY: as for the device's brand.
         let pool_guard = unsafe { Guard::new(Id::new()) };
-        let pool = match PagePool::new(pool_guard, b, page_size) {
+        let pool = match PagePool::new(pool_guard, &bs[0], page_size) {
             Ok(pool) => NonNull::from(Box::leak(Box::new(pool))),
             Err(e) => {
-                // SAFETY: nothing borrows the binding or the device any more; freed in order.
-                unsafe { free_parts(None, binding, device) };
+                // SAFETY: nothing borrows the bindings or the device any more; freed in order.
+                unsafe { free_parts(None, bindings, device) };
                 return Err(e.into());
             }
         };
@@ -162,18 +185,19 @@ impl<B: Backend + 'static, K: Keeps<B>> Engine<B, K> {
         // Frees the parts if `build` fails or panics: by then what it made is dropped (or
         // forgotten: leaked, never freed under a borrow), so nothing borrows them.
         let mut unbuilt = FreeParts {
-            parts: Some((pool, binding, device)),
+            parts: Some((pool, bindings, device)),
         };
         let kept = build(Parts {
             device: d,
-            binding: b,
+            binding: &bs[0],
+            bindings: bs,
             pool: p,
         })?;
         unbuilt.parts = None; // the engine owns them now
         Ok(Self {
             kept: ManuallyDrop::new(kept),
             pool,
-            binding,
+            bindings,
             device,
         })
     }
@@ -201,16 +225,16 @@ impl<B: Backend + 'static, K: Keeps<B>> Engine<B, K> {
         f(parts, &mut self.kept)
     }
 
-    /// Tears everything down in order — what is kept, the pool, the binding — and closes the
+    /// Tears everything down in order — what is kept, the pool, the bindings — and closes the
     /// device: what it left, if anything.
     pub fn close(self) -> CloseReport {
         let mut this = ManuallyDrop::new(self);
         // SAFETY: taken once (`this` is never dropped); nothing borrows what is kept after.
         drop(unsafe { ManuallyDrop::take(&mut this.kept) });
-        // SAFETY: the pool and the binding are freed once, after what borrowed them.
+        // SAFETY: the pool and the bindings are freed once, after what borrowed them.
         unsafe {
             drop(Box::from_raw(this.pool.as_ptr()));
-            drop(Box::from_raw(this.binding.as_ptr()));
+            drop(Box::from_raw(this.bindings.as_ptr()));
         }
         // SAFETY: nothing borrows the device any more; freed once.
         let device = unsafe { Box::from_raw(this.device.as_ptr()) };
@@ -224,25 +248,28 @@ impl<B: Backend + 'static, K: Keeps<B>> Engine<B, K> {
     /// The returned references are valid while the engine is not dropped; the caller lends
     /// them only to a closure generic over `'e`.
     unsafe fn parts<'e>(&self) -> Parts<'e, B> {
-        // SAFETY: the caller's promise; each pointer came from a box this engine owns.
+        // SAFETY: the caller's promise; each pointer came from a box this engine owns, and
+        // the bindings are at least one (`with_bindings` makes the first).
         unsafe {
+            let bindings = &*(self.bindings.as_ptr() as *const [Binding<'e, 'e, B>]);
             Parts {
                 device: &*self.device.as_ptr().cast::<Device<'e, B>>(),
-                binding: &*self.binding.as_ptr().cast::<Binding<'e, 'e, B>>(),
+                binding: &bindings[0],
+                bindings,
                 pool: &*self.pool.as_ptr().cast::<PagePool<'e, 'e, 'e, B>>(),
             }
         }
     }
 }
 
-/// Frees the pool (if made), the binding and the device, in that order.
+/// Frees the pool (if made), the bindings and the device, in that order.
 ///
 /// # Safety
 ///
 /// Each pointer came from `Box::leak` and is freed once; nothing borrows them any more.
 unsafe fn free_parts<B: Backend + 'static>(
     pool: Option<NonNull<PagePool<'static, 'static, 'static, B>>>,
-    binding: NonNull<Binding<'static, 'static, B>>,
+    bindings: NonNull<[Binding<'static, 'static, B>]>,
     device: NonNull<Device<'static, B>>,
 ) {
     // SAFETY: the caller's promise.
@@ -250,7 +277,7 @@ unsafe fn free_parts<B: Backend + 'static>(
         if let Some(pool) = pool {
             drop(Box::from_raw(pool.as_ptr()));
         }
-        drop(Box::from_raw(binding.as_ptr()));
+        drop(Box::from_raw(bindings.as_ptr()));
         drop(Box::from_raw(device.as_ptr()));
     }
 }
@@ -260,17 +287,17 @@ struct FreeParts<B: Backend + 'static> {
     #[allow(clippy::type_complexity)] // the three parts, as `free_parts` takes them
     parts: Option<(
         NonNull<PagePool<'static, 'static, 'static, B>>,
-        NonNull<Binding<'static, 'static, B>>,
+        NonNull<[Binding<'static, 'static, B>]>,
         NonNull<Device<'static, B>>,
     )>,
 }
 
 impl<B: Backend + 'static> Drop for FreeParts<B> {
     fn drop(&mut self) {
-        if let Some((pool, binding, device)) = self.parts.take() {
+        if let Some((pool, bindings, device)) = self.parts.take() {
             // SAFETY: whoever armed it made sure nothing borrows the parts any more when it
             // goes (what borrowed them was dropped first), and disarms it where they live on.
-            unsafe { free_parts(Some(pool), binding, device) };
+            unsafe { free_parts(Some(pool), bindings, device) };
         }
     }
 }
@@ -280,7 +307,7 @@ impl<B: Backend + 'static, K: Keeps<B>> Drop for Engine<B, K> {
         // The parts go after what is kept — also if dropping it panics (its other fields are
         // dropped while the panic unwinds, before this guard).
         let _parts = FreeParts {
-            parts: Some((self.pool, self.binding, self.device)),
+            parts: Some((self.pool, self.bindings, self.device)),
         };
         // SAFETY: dropped once; nothing uses it after.
         unsafe { ManuallyDrop::drop(&mut self.kept) };

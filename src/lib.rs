@@ -182,7 +182,9 @@ pub use error::{
 };
 pub use generativity::{Guard, make_guard};
 pub use ids::{ContextLost, Generation, Released};
-pub use interop::{Capture, CapturedGraph, StreamView, StreamViewMut};
+pub use interop::{
+    Capture, CaptureError, CapturedGraph, GraphTokens, OwningGraph, StreamView, StreamViewMut,
+};
 #[cfg(feature = "cuda")]
 pub use interop::{DeviceView, DeviceViewMut};
 pub use interop::{

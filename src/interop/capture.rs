@@ -662,10 +662,10 @@ impl<D: Driver> fmt::Debug for Capture<'_, '_, D> {
 /// token's release after that still waits for the last launch — the stream is covered by the
 /// device's fences.
 ///
-/// **Limit — no stored form yet.** The graph borrows its tokens, so an engine cannot keep it
-/// in the same struct as the tokens it uses; and suspending its memory with the graph kept
-/// (vLLM's sleep mode keeps graphs because the addresses stay) does not compile, since a
-/// suspend takes the token by value.
+/// **Kept in a struct:** the graph borrows its tokens, so it cannot live in the same struct as
+/// they do; [`OwningGraph`] is the stored form, which owns them. **Limit:** suspending the
+/// memory of a kept graph (vLLM's sleep mode keeps graphs because the addresses stay) does not
+/// compile, since a suspend takes the token by value.
 pub struct CapturedGraph<'t, 'id, D: Driver> {
     backend: &'t CudaBackend<D>,
     exec: GraphExec,
@@ -724,5 +724,214 @@ impl<D: Driver> fmt::Debug for CapturedGraph<'_, '_, D> {
             .field("exec", &format_args!("{:#x}", self.exec))
             .field("stream", &format_args!("{:#x}", self.stream))
             .finish()
+    }
+}
+
+impl<'t, 'id, D: Driver> CapturedGraph<'t, 'id, D> {
+    /// The same graph, for `'d`: for an [`OwningGraph`], which owns the tokens the graph
+    /// borrowed, so they outlive it however long `'d` is.
+    fn rebrand<'d>(self, backend: &'d CudaBackend<D>) -> CapturedGraph<'d, 'id, D> {
+        debug_assert!(std::ptr::eq(self.backend, backend), "the same backend");
+        let mut this = std::mem::ManuallyDrop::new(self);
+        CapturedGraph {
+            backend,
+            exec: this.exec,
+            held: std::mem::take(&mut this.held),
+            lends: std::mem::take(&mut this.lends),
+            stream: this.stream,
+            _uses: PhantomData,
+            _device: PhantomData,
+            _thread: PhantomData,
+        }
+    }
+}
+
+/// A captured graph kept together with the tokens it uses — the stored form of a
+/// [`CapturedGraph`], for an engine that keeps its graphs beside its tokens (in an
+/// [`Engine`](crate::Engine)'s kept value, or any struct): the tokens are moved in, lent to
+/// the capture while it records, and owned by the graph from then on, so none of them can be
+/// released, suspended or shrunk while it can launch — they are not reachable mutably at all
+/// until [`into_tokens`](Self::into_tokens) destroys the graph and hands them back. As it
+/// drops, the graph is destroyed first, then the tokens (each release waits for the last
+/// launch, as after a [`CapturedGraph`]).
+///
+/// ```
+/// use memtoken::backend::cuda::{CaptureMode, CudaBackend};
+/// use memtoken::backend::doubles::DriverModel;
+/// use memtoken::{make_guard, Budget, Device, OwningGraph};
+/// make_guard!(guard);
+/// let model = DriverModel::default();
+/// let device = Device::new(guard, CudaBackend::new(model.clone(), 0)?);
+/// let stream = model.new_stream();
+/// // SAFETY: a stream of the model's only context, live as long as the model.
+/// unsafe { device.cover_stream(stream) };
+/// let binding = device.bind(Budget::unlimited())?;
+/// let weights = binding.reserve(1 << 21)?.commit()?;
+/// let logits = binding.reserve(1 << 21)?.commit()?;
+/// let step = OwningGraph::capture(&device, stream, CaptureMode::Global, (weights, logits),
+///     |capture, (weights, logits)| {
+///         let w = capture.view::<f32, _>(weights)?;
+///         let mut out = capture.view_mut::<f32>(logits)?;
+///         // a kernel reading `w` and writing `out`, captured: a node of the graph
+///         model.submit_work_touching(stream, &[(w.device_ptr(), 1 << 21), (out.device_ptr_mut(), 1 << 21)]);
+///         Ok(())
+///     })?;
+/// for _ in 0..3 {
+///     step.launch()?; // the graph and its tokens live on together, in one value
+/// }
+/// let (weights, logits) = step.into_tokens(); // the graph is destroyed: free again
+/// drop((weights, logits)); // each release waits for the last launch
+/// # drop(binding);
+/// # model.complete_work();
+/// # assert!(device.close().is_clean());
+/// # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
+/// ```
+///
+/// Reads through [`tokens`](Self::tokens) (a read view, a host copy) are ordered after the
+/// launches made before them, per memory, as any use is; writes, releases, suspends and shrinks
+/// need the tokens back (`ui-tests/kept_graph_token_released.rs`):
+///
+/// ```compile_fail,E0507
+/// # use memtoken::backend::cuda::{CaptureMode, CudaBackend};
+/// # use memtoken::backend::doubles::DriverModel;
+/// # use memtoken::{make_guard, Budget, Device, OwningGraph};
+/// # make_guard!(guard);
+/// # let model = DriverModel::default();
+/// # let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+/// # let stream = model.new_stream();
+/// # // SAFETY: a stream of the model's only context, live as long as the model.
+/// # unsafe { device.cover_stream(stream) };
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// let x = binding.reserve(1 << 21).unwrap().commit().unwrap();
+/// let graph = OwningGraph::capture(&device, stream, CaptureMode::Global, x, |capture, x| {
+///     let mut view = capture.view_mut::<u8>(x)?;
+///     model.submit_work_touching(stream, &[(view.device_ptr_mut(), 1 << 21)]);
+///     Ok(())
+/// })
+/// .unwrap();
+/// let releasing = graph.tokens().release(); // error: the graph owns it
+/// graph.launch().unwrap();
+/// ```
+/// Neither `Send` nor `Sync`, as a [`CapturedGraph`].
+pub struct OwningGraph<'d, 'id, T, D: Driver> {
+    /// Declared first: destroyed before the tokens it uses are dropped.
+    graph: CapturedGraph<'d, 'id, D>,
+    tokens: T,
+}
+
+/// The tokens an [`OwningGraph`]'s capture was given, handed back by its error.
+pub struct GraphTokens<T>(pub T);
+
+impl<T> GraphTokens<T> {
+    /// The tokens.
+    pub fn into_inner(self) -> T {
+        self.0
+    }
+}
+
+impl<T> fmt::Display for GraphTokens<T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("the tokens given to the capture")
+    }
+}
+
+/// Why an [`OwningGraph`] could not be captured.
+#[derive(Debug, thiserror::Error)]
+pub enum CaptureError {
+    /// The capture could not begin (see [`Capture::begin`]).
+    #[error("the capture could not begin")]
+    Begin(#[source] Box<BackendError>),
+    /// The recording closure failed; the capture was ended and its graph discarded.
+    #[error("recording the captured work failed")]
+    Record(#[source] crate::Error),
+    /// The capture could not end in a graph (see [`Capture::end`]).
+    #[error("the capture could not end in a graph")]
+    End(#[source] Box<BackendError>),
+}
+
+impl crate::error::sealed::Sealed for CaptureError {}
+
+impl crate::error::Failure for CaptureError {
+    fn summary(&self) -> &'static str {
+        "no graph was captured"
+    }
+
+    fn is_context_lost(&self) -> bool {
+        match self {
+            Self::Begin(e) | Self::End(e) => e.is_context_lost(),
+            Self::Record(e) => e.is_context_lost(),
+        }
+    }
+}
+
+impl<'d, 'id, T, D: Driver> OwningGraph<'d, 'id, T, D> {
+    /// Captures a graph on `stream` (as [`Capture::begin`] in `mode`) whose work `record`
+    /// submits, through views the capture lends of `tokens`; the graph then owns the tokens.
+    ///
+    /// # Errors
+    ///
+    /// The capture could not begin or end, or `record` failed: the error hands the tokens
+    /// back, with no graph left that uses them.
+    pub fn capture(
+        device: &'d Device<'id, CudaBackend<D>>,
+        stream: Stream,
+        mode: CaptureMode,
+        mut tokens: T,
+        record: impl for<'t> FnOnce(&Capture<'t, 'id, D>, &'t mut T) -> Result<(), crate::Error>,
+    ) -> Result<Self, crate::TransitionError<GraphTokens<T>, CaptureError>> {
+        let fail = |tokens, cause| crate::TransitionError {
+            token: GraphTokens(tokens),
+            cause,
+        };
+        let capture = match Capture::begin(device, stream, mode) {
+            Ok(capture) => capture,
+            Err(e) => return Err(fail(tokens, CaptureError::Begin(Box::new(e)))),
+        };
+        if let Err(e) = record(&capture, &mut tokens) {
+            drop(capture); // ended as it drops, its graph discarded: the tokens are free
+            return Err(fail(tokens, CaptureError::Record(e)));
+        }
+        // The graph, for `'d`: no longer a borrow of `tokens`, which it owns from now on.
+        let backend = device.backend().raw();
+        let graph = match capture.end().map(|graph| graph.rebrand(backend)) {
+            Ok(graph) => graph,
+            Err(e) => return Err(fail(tokens, CaptureError::End(Box::new(e)))),
+        };
+        Ok(Self { graph, tokens })
+    }
+
+    /// Launches the graph on its stream (see [`CapturedGraph::launch`]).
+    ///
+    /// # Errors
+    ///
+    /// As for [`CapturedGraph::launch`].
+    pub fn launch(&self) -> Result<(), BackendError> {
+        self.graph.launch()
+    }
+
+    /// The stream it launches on.
+    pub fn stream(&self) -> Stream {
+        self.graph.stream()
+    }
+
+    /// The tokens, read-only.
+    pub fn tokens(&self) -> &T {
+        &self.tokens
+    }
+
+    /// Destroys the graph (`cuGraphExecDestroy`) and hands its tokens back, free again; a
+    /// release waits for the last launch.
+    pub fn into_tokens(self) -> T {
+        let Self { graph, tokens } = self;
+        drop(graph);
+        tokens
+    }
+}
+
+impl<T, D: Driver> fmt::Debug for OwningGraph<'_, '_, T, D> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("OwningGraph")
+            .field("stream", &format_args!("{:#x}", self.graph.stream))
+            .finish_non_exhaustive()
     }
 }

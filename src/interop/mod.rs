@@ -13,7 +13,9 @@ mod host;
 mod ipc;
 mod streams;
 
-pub use capture::{Capture, CapturedGraph, StreamView, StreamViewMut};
+pub use capture::{
+    Capture, CaptureError, CapturedGraph, GraphTokens, OwningGraph, StreamView, StreamViewMut,
+};
 #[cfg(feature = "cuda")]
 pub use device::{DeviceView, DeviceViewMut};
 pub use ipc::{

@@ -827,3 +827,193 @@ fn a_graph_on_a_known_stream_is_waited_for_by_the_release_and_keeps_its_stream()
     drop(binding);
     assert!(device.close().is_clean());
 }
+
+// ---- The stored form: a graph kept with its tokens, in an engine (issue 25). ----
+
+mod kept {
+    use super::{G, slow_model};
+    use memtoken::backend::cuda::{CudaBackend, DriverCall, Stream};
+    use memtoken::backend::doubles::{CaptureMode, DriverModel};
+    use memtoken::{Allocation, Budget, Committed, Engine, Keeps, OwningGraph, Region};
+
+    type Cuda = CudaBackend<DriverModel>;
+    type Step<'e> = OwningGraph<
+        'e,
+        'e,
+        (Allocation<'e, 'e, Cuda, Committed>, Region<'e, 'e, Cuda>),
+        DriverModel,
+    >;
+
+    struct Decoder;
+    struct Kept<'e> {
+        /// The decode step's graph, with the weights it reads and the KV region it writes.
+        step: Option<Step<'e>>,
+        /// A token no graph uses, kept beside them.
+        logits: Allocation<'e, 'e, Cuda, Committed>,
+    }
+    impl Keeps<Cuda> for Decoder {
+        type Of<'e> = Kept<'e>;
+    }
+
+    /// The constructor: captures the step over tokens it makes, keeps the graph with them.
+    fn start(
+        model: &DriverModel,
+        stream: Stream,
+    ) -> Result<Engine<Cuda, Decoder>, memtoken::Error> {
+        Engine::new(
+            CudaBackend::new(model.clone(), 0)?,
+            Budget::unlimited(),
+            G / 4,
+            |parts| {
+                // SAFETY: a stream of the model's only context, live as long as the model.
+                unsafe { parts.device.cover_stream(stream) };
+                let weights = parts.binding.reserve(G)?.commit()?;
+                let mut kv = parts.binding.reserve(4 * G)?.into_region();
+                kv.grow(2)?;
+                let step = OwningGraph::capture(
+                    parts.device,
+                    stream,
+                    CaptureMode::Global,
+                    (weights, kv),
+                    |capture, (weights, kv)| {
+                        let w = capture.view::<f32, _>(weights)?;
+                        let mut out = capture.region_view_mut::<f32>(kv)?;
+                        model.submit_work_touching(
+                            stream,
+                            &[(w.device_ptr(), G), (out.device_ptr_mut(), 2 * G)],
+                        );
+                        Ok(())
+                    },
+                )?;
+                let logits = parts.binding.reserve(G)?.commit()?;
+                Ok(Kept {
+                    step: Some(step),
+                    logits,
+                })
+            },
+        )
+    }
+
+    /// An engine keeps a captured graph in the same value as the tokens it uses, launches it
+    /// from a scheduler loop, and tears down in order: the graph is destroyed before its tokens
+    /// are released, and each release waits for the last launch — nothing quarantined, no
+    /// launch on unmapped memory. Fails if the graph outlives its tokens (its memory is then
+    /// held for a graph as it is released: quarantined, the report not clean).
+    #[test]
+    fn an_engine_keeps_a_graph_beside_its_tokens_and_tears_down_in_order() {
+        let model = slow_model();
+        let stream = model.new_stream();
+        let mut engine = start(&model, stream).unwrap();
+        let launches = model.count(DriverCall::GraphLaunch);
+        for _ in 0..5 {
+            engine
+                .with(|_, kept| -> Result<(), memtoken::Error> {
+                    kept.step.as_ref().expect("kept").launch()?;
+                    kept.logits.copy_from_host(0, &[1; 64])?;
+                    Ok(())
+                })
+                .unwrap();
+        }
+        assert_eq!(model.count(DriverCall::GraphLaunch), launches + 5);
+        // The KV region grows once the graph is gone: the tokens come back out.
+        engine
+            .with(|_, kept| -> Result<(), memtoken::Error> {
+                let (weights, mut kv) = kept.step.take().expect("kept").into_tokens();
+                assert_eq!(model.count(DriverCall::GraphExecDestroy), 1);
+                model.complete_work();
+                kv.grow(1)?;
+                drop((weights, kv));
+                Ok(())
+            })
+            .unwrap();
+        let destroyed = model.count(DriverCall::GraphExecDestroy);
+        let report = engine.close();
+        assert!(report.is_clean(), "{report:?}");
+        assert_eq!(model.count(DriverCall::GraphExecDestroy), destroyed);
+        assert_eq!(model.lost_with(), None, "no launch ran on unmapped memory");
+    }
+
+    /// An engine closed with its graph still kept: the graph is destroyed once, its tokens
+    /// are released, and the close finds nothing left (the order inside the graph's drop is
+    /// `a_dropped_graph_goes_before_its_tokens`).
+    #[test]
+    fn an_engine_closed_with_its_graph_kept_destroys_it_before_its_tokens() {
+        let model = super::model();
+        let stream = model.new_stream();
+        let mut engine = start(&model, stream).unwrap();
+        engine.with(|_, kept| kept.step.as_ref().expect("kept").launch().unwrap());
+        let report = engine.close();
+        assert!(report.is_clean(), "{report:?}");
+        assert_eq!(model.count(DriverCall::GraphExecDestroy), 1);
+        assert_eq!(model.lost_with(), None);
+    }
+
+    /// Dropping the stored form destroys the graph before it drops its tokens: with the launch
+    /// finished, the token's release unmaps at once and nothing is left. Fails if the tokens go
+    /// first (their memory is still held for the graph: quarantined, the ledger not zero).
+    #[test]
+    fn a_dropped_graph_goes_before_its_tokens() {
+        let model = super::model();
+        super::common::covered_device!(model, device, stream);
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        let x = binding.reserve(G).unwrap().commit().unwrap();
+        let step = OwningGraph::capture(&device, stream, CaptureMode::Global, x, |capture, x| {
+            let view = capture.view::<u8, _>(x)?;
+            model.submit_work_touching(stream, &[(view.device_ptr(), G)]);
+            Ok(())
+        })
+        .unwrap();
+        step.launch().unwrap();
+        let unmaps = model.count(DriverCall::MemUnmap);
+        drop(step);
+        assert_eq!(model.count(DriverCall::MemUnmap), unmaps + 1);
+        assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+        drop(binding);
+        assert!(device.close().is_clean());
+    }
+
+    /// A capture whose recording fails hands its tokens back — no graph left, the stream no
+    /// longer capturing — and the error `?`s into memtoken's, saying what failed and why.
+    #[test]
+    fn a_failed_recording_hands_the_tokens_back() {
+        use memtoken::backend::cuda::Driver;
+        let model = super::model();
+        super::common::covered_device!(model, device, stream);
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        let x = binding.reserve(G).unwrap().commit().unwrap();
+        let failed = OwningGraph::capture(&device, stream, CaptureMode::Global, x, |capture, x| {
+            capture.view::<[u8; 3], _>(x)?; // G is not a multiple of 3: refused
+            Ok(())
+        })
+        .unwrap_err();
+        let message = failed.to_string();
+        assert!(
+            message.starts_with("no graph was captured: recording the captured work failed"),
+            "{message}"
+        );
+        // SAFETY: a live stream of the model's context.
+        assert_eq!(unsafe { model.stream_is_capturing(stream) }, Ok(false));
+        let x = failed.into_token().into_inner();
+        x.release()
+            .complete()
+            .map_err(memtoken::Error::from)
+            .unwrap();
+        let as_error = OwningGraph::capture(
+            &device,
+            model.new_stream(), // not covered: the capture cannot begin
+            CaptureMode::Global,
+            binding.reserve(G).unwrap().commit().unwrap(),
+            |_, _| Ok(()),
+        )
+        .map_err(memtoken::Error::from)
+        .unwrap_err();
+        assert!(
+            as_error
+                .to_string()
+                .starts_with("no graph was captured: the capture could not begin"),
+            "{as_error}"
+        );
+        drop(binding);
+        assert!(device.close().is_clean());
+    }
+}

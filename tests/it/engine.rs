@@ -182,4 +182,37 @@ mod owned {
         assert!(made.is_err());
         assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
     }
+
+    /// An engine with two bindings (weights and KV cache under their own budgets): each budget
+    /// holds on its own, the pool draws from the first, and everything goes at the end. Fails
+    /// if the bindings share one budget.
+    #[test]
+    fn an_engine_with_two_bindings_keeps_each_budget() {
+        struct Two;
+        impl Keeps<Host> for Two {
+            type Of<'e> = Vec<Allocation<'e, 'e, Host, Committed>>;
+        }
+        let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+        let faults = backend.handle();
+        let g = memtoken::backend::Backend::granularity(&backend);
+        let budget = |granules| Budget::bytes(granules as u64 * g as u64);
+        let mut engine =
+            Engine::<Host, Two>::with_bindings(backend, budget(4), &[budget(1)], g, |parts| {
+                assert_eq!(parts.bindings.len(), 2);
+                assert!(std::ptr::eq(parts.binding, &parts.bindings[0]));
+                Ok(vec![parts.bindings[1].reserve(g)?.commit()?])
+            })
+            .unwrap();
+        engine.with(|parts, kept| {
+            let over = parts.bindings[1].reserve(g).unwrap().commit();
+            assert!(over.is_err(), "the second binding's budget is spent");
+            drop(over);
+            let page = parts.pool.alloc().expect("the pool draws from the first");
+            parts.pool.free(page);
+            kept.push(parts.bindings[0].reserve(g).unwrap().commit().unwrap());
+        });
+        let report = engine.close();
+        assert!(report.is_clean(), "{report:?}");
+        assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+    }
 }

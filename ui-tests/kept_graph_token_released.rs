@@ -1,0 +1,24 @@
+//! A token a kept graph owns cannot be released (nor suspended, nor shrunk) while the graph
+//! can launch: only a shared reference to it is lent.
+use memtoken::backend::cuda::{CaptureMode, CudaBackend};
+use memtoken::backend::doubles::DriverModel;
+use memtoken::{make_guard, Budget, Device, OwningGraph};
+
+fn main() {
+    make_guard!(guard);
+    let model = DriverModel::default();
+    let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
+    let stream = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.cover_stream(stream) };
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let x = binding.reserve(1 << 21).unwrap().commit().unwrap();
+    let graph = OwningGraph::capture(&device, stream, CaptureMode::Global, x, |capture, x| {
+        let mut view = capture.view_mut::<u8>(x)?;
+        model.submit_work_touching(stream, &[(view.device_ptr_mut(), 1 << 21)]);
+        Ok(())
+    })
+    .unwrap();
+    let _releasing = graph.tokens().release(); // error: behind a shared reference
+    graph.launch().unwrap();
+}

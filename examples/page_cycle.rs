@@ -62,9 +62,9 @@ fn cycles_raw<B: Backend>(pool: &mut RawPool<'_, B>, n: u64) {
     }
 }
 
-fn main() {
+fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     if common::started_by_test_harness() {
-        return;
+        return Ok(());
     }
     let mut args = std::env::args().skip(1);
     let which = args.next().unwrap_or_else(|| "memtoken".into());
@@ -75,12 +75,12 @@ fn main() {
     match which.as_str() {
         "memtoken" | "pages" => {
             make_guard!(guard);
-            let device = Device::new(guard, HostBackend::with_defaults().unwrap());
-            let binding = device.bind(Budget::unlimited()).unwrap();
+            let device = Device::new(guard, HostBackend::with_defaults()?);
+            let binding = device.bind(Budget::unlimited())?;
             make_guard!(pool_guard);
-            let pool = PagePool::new(pool_guard, &binding, PAGE).unwrap();
+            let pool = PagePool::new(pool_guard, &binding, PAGE)?;
             for _ in 0..SEQ_PAGES {
-                pool.grow().unwrap();
+                pool.grow()?;
             }
             if which == "memtoken" {
                 cycles_memtoken(&pool, n);
@@ -89,10 +89,10 @@ fn main() {
             }
         }
         "raw" => {
-            let backend = HostBackend::with_defaults().unwrap();
+            let backend = HostBackend::with_defaults()?;
             let mut pool = RawPool::new(&backend, PAGE);
             for _ in 0..SEQ_PAGES {
-                pool.grow().unwrap();
+                pool.grow().expect("the raw pool grows");
             }
             cycles_raw(&mut pool, n);
         }
@@ -102,4 +102,5 @@ fn main() {
         }
     }
     println!("{which}: {n} cycles of {SEQ_PAGES} pages");
+    Ok(())
 }

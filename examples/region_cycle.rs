@@ -39,9 +39,9 @@ fn cycles_raw<B: Backend>(raw: &mut RawRegion<'_, B>, n: u64) {
     }
 }
 
-fn main() {
+fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     if common::started_by_test_harness() {
-        return;
+        return Ok(());
     }
     let mut args = std::env::args().skip(1);
     let which = args.next().unwrap_or_else(|| "memtoken".into());
@@ -51,8 +51,8 @@ fn main() {
     let elapsed = match which.as_str() {
         "memtoken" => {
             make_guard!(guard);
-            let device = Device::new(guard, HostBackend::with_defaults().unwrap());
-            let binding = device.bind(Budget::unlimited()).unwrap();
+            let device = Device::new(guard, HostBackend::with_defaults()?);
+            let binding = device.bind(Budget::unlimited())?;
             let mut r = region::warm_region(&binding);
             for _ in 0..n {
                 region::once_memtoken(&mut r, GRANULES);
@@ -62,11 +62,11 @@ fn main() {
             let elapsed = start.elapsed();
             let bytes = (GRANULES * device.granularity()) as u64;
             assert_eq!(device.ledger().owned_bytes, bytes, "nothing created");
-            r.release().complete().unwrap();
+            r.release().complete()?;
             elapsed
         }
         "raw" => {
-            let backend = HostBackend::with_defaults().unwrap();
+            let backend = HostBackend::with_defaults()?;
             let mut raw = region::warm_raw(&backend);
             for _ in 0..n {
                 region::once_raw(&mut raw, GRANULES);
@@ -84,4 +84,5 @@ fn main() {
     };
     let ns = elapsed.as_nanos() as f64 / n as f64;
     println!("{which}: {n} cycles of {GRANULES} granules, {ns:.1} ns per cycle");
+    Ok(())
 }

@@ -86,20 +86,20 @@ fn raw_table<B: Backend>(backend: &B, pages: usize) -> (RcPool<'_, B>, Vec<u32>)
     (pool, table)
 }
 
-fn main() {
+fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     if common::started_by_test_harness() {
-        return;
+        return Ok(());
     }
     let mut args = std::env::args().skip(1);
     let which = args.next().unwrap_or_else(|| "raw-fork".into());
     let n: u64 = args.next().and_then(|v| v.parse().ok()).unwrap_or(1000);
-    let backend = HostBackend::with_defaults().unwrap();
+    let backend = HostBackend::with_defaults()?;
     if which == "fork" || which == "share" {
         make_guard!(guard);
-        let device = Device::new(guard, HostBackend::with_defaults().unwrap());
-        let binding = device.bind(Budget::unlimited()).unwrap();
+        let device = Device::new(guard, HostBackend::with_defaults()?);
+        let binding = device.bind(Budget::unlimited())?;
         make_guard!(pool_guard);
-        let pool = PagePool::new(pool_guard, &binding, PAGE).unwrap();
+        let pool = PagePool::new(pool_guard, &binding, PAGE)?;
         let pages = if which == "fork" {
             FORK_PAGES
         } else {
@@ -107,7 +107,7 @@ fn main() {
         };
         let mut table = pool.shared_table();
         for _ in 0..pages {
-            pool.push(&mut table).unwrap();
+            pool.push(&mut table)?;
         }
         if which == "fork" {
             cycles_fork(&pool, &table, n);
@@ -115,7 +115,7 @@ fn main() {
             cycles_share(&pool, &table, n);
         }
         println!("{which}: {n} cycles");
-        return;
+        return Ok(());
     }
     match which.as_str() {
         "raw-fork" => {
@@ -134,4 +134,5 @@ fn main() {
         }
     }
     println!("{which}: {n} cycles");
+    Ok(())
 }

@@ -40,9 +40,9 @@ fn cycles_raw<B: Backend>(raw: &B, addr: Addr, mut phys: B::Phys, n: u64) -> B::
     phys
 }
 
-fn main() {
+fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     if common::started_by_test_harness() {
-        return;
+        return Ok(());
     }
     let mut args = std::env::args().skip(1);
     let which = args.next().unwrap_or_else(|| "memtoken".into());
@@ -51,8 +51,8 @@ fn main() {
         "memtoken" => {
             make_guard!(guard);
             let device = Device::new(guard, sleep::backend());
-            let binding = device.bind(Budget::unlimited()).unwrap();
-            let mut a = binding.reserve(sleep::LEN).unwrap().commit().unwrap();
+            let binding = device.bind(Budget::unlimited())?;
+            let mut a = binding.reserve(sleep::LEN)?.commit()?;
             a.as_mut_slice().fill(7);
             let a = sleep::once_memtoken(a);
             let start = Instant::now();
@@ -69,7 +69,7 @@ fn main() {
             let phys = cycles_raw(&raw, addr, phys, n);
             let elapsed = start.elapsed();
             let mut seen = vec![0; sleep::LEN];
-            raw.copy_to_host(&mut seen, addr).unwrap();
+            raw.copy_to_host(&mut seen, addr)?;
             assert!(seen.iter().all(|&b| b == 7), "every byte woke");
             let _ = phys;
             elapsed
@@ -81,4 +81,5 @@ fn main() {
     };
     let per = elapsed.as_secs_f64() * 1e3 / n.max(1) as f64;
     println!("{which}: {n} cycles, {per:.3} ms per cycle");
+    Ok(())
 }

@@ -439,6 +439,28 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Releasing> {
     }
 }
 
+impl<B: Backend, S: State> Allocation<'_, '_, B, S> {
+    /// Gives the token up into the device's custody for good: its memory was exposed to
+    /// `peer`, which never said it was done with it. Nothing is unmapped or released; the
+    /// device withholds the range and reports the peer
+    /// ([`Device::withheld_for_peers`](crate::Device::withheld_for_peers)).
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    pub(crate) fn withhold_for_peer(self, peer: String) {
+        let _scope = Scope::open::<B>();
+        let mut this = ManuallyDrop::new(self);
+        // SAFETY: `this` is never dropped, and its parts are taken once, here.
+        let parts = unsafe { ManuallyDrop::take(&mut this.parts) };
+        let core = this.core;
+        let Retired {
+            held,
+            fence,
+            charged,
+        } = retire::<B, S>(core, parts);
+        core.binding
+            .hand_over(core.residual(held), charged, Handover::ForPeer(fence, peer));
+    }
+}
+
 impl<B: Backend, S: State> Drop for Allocation<'_, '_, B, S> {
     fn drop(&mut self) {
         let _scope = Scope::open::<B>();

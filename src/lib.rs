@@ -154,6 +154,8 @@ mod error;
 mod ids;
 mod interop;
 mod ledger;
+#[cfg(feature = "nixl")]
+pub mod nixl;
 mod page_pool;
 mod region;
 mod residual;
@@ -172,7 +174,7 @@ pub use allocation::{Allocation, CommitError, CompleteError};
 #[cfg(feature = "cuda")]
 pub use cudarc;
 pub use device::Binding;
-pub use device::{CloseReport, Custody, Device, DropReport, Forgotten, Progress};
+pub use device::{CloseReport, Custody, Device, DropReport, Forgotten, Progress, WithheldForPeer};
 pub use device::{QuarantineError, Quarantined};
 pub use engine::{Engine, Keeps, Parts};
 pub use error::{

@@ -375,6 +375,12 @@ impl<B: Backend> Guarded<B> {
         Self::contain(|| self.backend.withheld(addr, len)).unwrap_or(true)
     }
 
+    /// Keeps the range for good; a panic keeps it too, as far as this side goes (the residual
+    /// stays withheld in the device whatever the backend did).
+    pub(crate) fn keep_for_good(&self, addr: Addr, len: usize) {
+        let _ = Self::contain(|| self.backend.keep_for_good(addr, len));
+    }
+
     pub(crate) fn create_exportable<K: HandleKind>(
         &self,
         len: usize,

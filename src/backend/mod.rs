@@ -530,6 +530,10 @@ pub trait Backend {
     fn withheld(&self, _addr: Addr, _len: usize) -> bool {
         false
     }
+    /// `[addr, addr + len)` is withheld for good (memory a peer may still touch): never hand
+    /// any of it out again nor unmap it, not even as the backend drops. Nothing by default (a
+    /// backend whose ranges outlive it in the driver, as CUDA's do until the context goes).
+    fn keep_for_good(&self, _addr: Addr, _len: usize) {}
     /// Whether the context is confirmed lost (destroyed, or taken down by a sticky error):
     /// everything it held is freed by the driver, so quarantined residuals may be discharged,
     /// and no call is made any more.

@@ -35,6 +35,9 @@ pub(crate) enum Custody<F> {
     Fenced(Wait<F>),
     /// To the device's quarantine, where it is already counted.
     Quarantined,
+    /// Withheld for good: exposed to this peer, which never said it was done with it (the
+    /// fence, if any, is retired: nothing waits for it any more).
+    ForPeer(Wait<F>, String),
 }
 
 impl<'id, B: Backend> Device<'id, B> {
@@ -125,6 +128,12 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
         match custody {
             Custody::Fenced(fence) => self.device.dispose(residual, fence),
             Custody::Quarantined => self.device.adopt_quarantined(residual),
+            Custody::ForPeer(fence, peer) => {
+                if let Wait::On(fence) = fence {
+                    self.device.backend().retire_fence(fence);
+                }
+                self.device.withhold_for_peer(residual, peer);
+            }
         }
     }
 }

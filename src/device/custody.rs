@@ -55,6 +55,9 @@ impl Busy {
 /// seen in one of them: the quarantine, the deferred queue, and what is being torn down.
 pub(super) struct Books<B: Backend> {
     quarantine: Vec<Residual<B::Phys>>,
+    /// Memory exposed to a peer that never said it was done with it: withheld for good, never
+    /// retried, with the peer's name (see [`Device::withheld_for_peers`]).
+    for_peers: Vec<(Residual<B::Phys>, String)>,
     deferred: Vec<Deferred<B>>,
     busy: Vec<Busy>,
 }
@@ -64,6 +67,7 @@ impl<B: Backend> Books<B> {
     pub(super) fn new() -> Self {
         Self {
             quarantine: Vec::new(),
+            for_peers: Vec::new(),
             deferred: Vec::new(),
             busy: Vec::new(),
         }
@@ -132,6 +136,7 @@ impl<'id, B: Backend> Device<'id, B> {
         let queued = books
             .quarantine
             .iter()
+            .chain(books.for_peers.iter().map(|(r, _)| r))
             .chain(books.deferred.iter().map(|(r, _)| r));
         queued
             .filter(|r| r.holds_va())
@@ -385,6 +390,32 @@ impl<'id, B: Backend> Device<'id, B> {
         lock(&self.books).deferred.push((residual, fence));
     }
 
+    /// Withholds a residual for good: memory exposed to `peer`, which never said it was done
+    /// with it (a transfer engine's peer may still read or write it). Counted as quarantined,
+    /// never retried nor discharged, its VA and physical memory kept (the backend never hands
+    /// the range out again, not even after the device drops).
+    pub(crate) fn withhold_for_peer(&self, residual: Residual<B::Phys>, peer: String) {
+        let (addr, len) = residual.range();
+        self.backend.keep_for_good(addr, len);
+        self.ledger.charge(Axis::Quarantined, 1);
+        lock(&self.books).for_peers.push((residual, peer));
+    }
+
+    /// The memory withheld for good because a peer it was exposed to never said it was done
+    /// with it (see `memtoken::nixl`): each range, its allocation and the peer.
+    pub fn withheld_for_peers(&self) -> Vec<WithheldForPeer> {
+        lock(&self.books)
+            .for_peers
+            .iter()
+            .map(|(r, peer)| WithheldForPeer {
+                addr: r.range().0,
+                len: r.range().1,
+                generation: r.generation(),
+                peer: peer.clone(),
+            })
+            .collect()
+    }
+
     /// Adds an already-counted quarantined residual (a dropped `Quarantined` token) to the list.
     pub(crate) fn adopt_quarantined(&self, residual: Residual<B::Phys>) {
         lock(&self.books).quarantine.push(residual);
@@ -450,4 +481,18 @@ fn next_call<P: Copy>(r: &Residual<P>) -> (Op, Addr, usize) {
         return (Op::Release, r.addr, len);
     }
     (Op::Free, r.addr, r.len)
+}
+
+/// Memory a device withholds for good because a peer it was exposed to (a transfer engine's
+/// remote agent) never said it was done with it: never reused, never unmapped.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WithheldForPeer {
+    /// The range's start.
+    pub addr: Addr,
+    /// Its length in bytes.
+    pub len: usize,
+    /// The allocation it belonged to.
+    pub generation: crate::ids::Generation,
+    /// The peer that may still touch it.
+    pub peer: String,
 }

@@ -25,6 +25,7 @@ mod steps;
 pub use binding::Binding;
 pub(crate) use binding::Custody as Handover;
 pub(crate) use build::{Build, Undone};
+pub use custody::WithheldForPeer;
 pub(crate) use quarantined::settle;
 pub use quarantined::{QuarantineError, Quarantined};
 pub use report::{CloseReport, Custody, DropReport, Forgotten, Progress};

@@ -54,7 +54,7 @@ impl Forgotten {
 }
 
 /// What a device held when it closed.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq, Eq)]
 pub struct CloseReport {
     /// The ledger after a last poll and retry. Non-zero bytes not explained by `progress`
     /// mean a token was forgotten (`mem::forget`): its bytes were never refunded.
@@ -63,6 +63,9 @@ pub struct CloseReport {
     pub progress: Progress,
     /// Bindings and pages forgotten, which hold no bytes of the ledger.
     pub forgotten: Forgotten,
+    /// Memory withheld for good because a peer it was exposed to never said it was done with
+    /// it, and which peer (counted in the ledger's `quarantined` too).
+    pub withheld_for_peers: Vec<crate::device::WithheldForPeer>,
 }
 
 impl CloseReport {
@@ -149,6 +152,7 @@ impl<B: Backend> Device<'_, B> {
                 bindings: self.bindings.load(Ordering::Relaxed),
                 pages: self.forgotten_pages.load(Ordering::Relaxed),
             },
+            withheld_for_peers: self.withheld_for_peers(),
         }
     }
 

@@ -404,6 +404,11 @@ impl<B: Backend> Backend for Faulty<B> {
         self.handle.any(&"withheld");
         self.inner.withheld(addr, len)
     }
+
+    fn keep_for_good(&self, addr: Addr, len: usize) {
+        self.handle.any(&"keep_for_good");
+        self.inner.keep_for_good(addr, len)
+    }
 }
 
 // SAFETY: every call is forwarded unchanged to `B` or not made at all, so `B`'s guarantee holds.

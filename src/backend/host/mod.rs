@@ -553,6 +553,12 @@ impl Backend for HostBackend {
         s.pins -= 1;
         Ok(())
     }
+
+    fn keep_for_good(&self, addr: Addr, len: usize) {
+        // A poisoned reservation is never handed out, freed nor unmapped again, not even as
+        // the backend drops: the range stays this process's, whatever a late peer does to it.
+        self.state().book.poison(addr, len);
+    }
 }
 
 // SAFETY: a successful `map` places a `MAP_SHARED` mapping of the `memfd` (or of the

@@ -1,0 +1,1105 @@
+//! Moving bytes between agents — processes, machines — through NVIDIA NIXL (feature `nixl`),
+//! with the borrows and proofs NIXL itself does not give.
+//!
+//! **The pieces.** An [`Agent`] is tied to a device. [`Agent::register`] takes a token and
+//! gives a [`Registered`] one: the memory is registered with NIXL while it lives. A
+//! [`Transfer`] (a READ into a local registration, a WRITE from one, to or from a [`Peer`]'s
+//! memory) borrows the local registration — mutably for a READ, which writes it — and the peer,
+//! and hands them back when it completes ([`Transfer::poll`], [`Transfer::wait`]): a token under
+//! an in-flight transfer cannot be released (a compile error). Notifications are values
+//! ([`Agent::notifications`]).
+//!
+//! **What NIXL does not stop, and what memtoken does about it.** Deregistering memory on the
+//! target does not stop an initiator that still holds the target's metadata: bytes kept
+//! landing after it (see the project's `TRANSFER-ENGINE.md`). So memory exposed to a peer —
+//! [`Agent::offer`] puts a registration's descriptors in the metadata a peer loads — is given
+//! back only with a proof that every peer it was exposed to is done with it and has
+//! invalidated that metadata: the peer's acknowledgement ([`Peer::done`], which invalidates and
+//! then says so in a notification), or the peer's end ([`Agent::peer_exited`]). Without one,
+//! releasing it ([`Registered::release`], or a drop) withholds the memory for good — its VA
+//! and physical memory kept, never reused — and the device's report names the peer
+//! ([`Device::withheld_for_peers`](crate::Device::withheld_for_peers)). The proof is a
+//! cooperating peer's word: against a peer that does not give it, the withholding is what holds.
+//! A registration that was never offered is in no metadata: no peer can reach it.
+//!
+//! **A transfer that does not finish.** Dropping an in-flight transfer waits until NIXL says
+//! it is done, for at most [`DROP_WAIT`]; if the engine reports an error, or the time runs out
+//! (the peer is gone), the local registration is poisoned — its token can only be withheld, as
+//! above — and the peer is tainted: its [`done`](Peer::done) no longer acknowledges anything.
+//! A request still in progress then is leaked rather than released under the engine.
+//!
+//! **Bytes.** A registration lends its token ([`Registered::token`]) only while no peer may
+//! touch the memory (never offered, or every peer done) and no transfer runs: never a `&[u8]`
+//! that a peer's write can change.
+//!
+//! Run time: NIXL's library is loaded when the first agent is made. `scripts/install-nixl.sh`
+//! installs it under `target/nixl/`, and `source target/nixl/env.sh` puts it on the loader's
+//! path (with UCX kept on the loopback). Without it, [`Agent::new`] returns
+//! [`NixlError::Missing`] — NIXL's shim would abort the process on any other call.
+#![allow(unsafe_code)] // `MemoryRegion::as_ptr` is an `unsafe fn` of nixl-sys's trait; no unsafe block here
+
+use crate::allocation::Allocation;
+use crate::backend::{Addr, Backend, Location};
+use crate::device::Device;
+use crate::error::TransitionError;
+use crate::state::Committed;
+use crate::transfer::Registrable;
+use nixl_sys::{MemType, NotificationMap, RegDescList, XferDescList, XferOp, XferStatus};
+use std::collections::HashMap;
+use std::fmt;
+use std::mem::ManuallyDrop;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+/// The longest a dropped in-flight [`Transfer`] waits for NIXL to say it is done before it
+/// poisons its local registration.
+pub const DROP_WAIT: Duration = Duration::from_secs(2);
+
+/// The notification a peer's [`Peer::done`] sends, followed by the metadata's epoch.
+const DONE: &[u8] = b"memtoken/done/";
+/// The first bytes of a [`PeerMetadata`].
+const MAGIC: &[u8; 8] = b"MTNIXL01";
+
+/// Why a NIXL step failed.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NixlError {
+    /// NIXL's library is not on the loader's path.
+    #[error(
+        "NIXL's library (libnixl_capi.so) is not on the loader's path: run \
+         scripts/install-nixl.sh, then `source target/nixl/env.sh` (feature `nixl`)"
+    )]
+    Missing,
+    /// A NIXL call failed.
+    #[error("NIXL's {call} failed")]
+    Engine {
+        /// The call.
+        call: &'static str,
+        /// NIXL's error.
+        #[source]
+        source: nixl_sys::NixlError,
+    },
+    /// Memory NIXL cannot reach (the simulator's).
+    #[error("NIXL cannot reach memory at {location:?}")]
+    Unreachable {
+        /// Where the memory is.
+        location: Location,
+    },
+    /// A peer's metadata is malformed.
+    #[error("a peer's metadata is malformed: {0}")]
+    Wire(&'static str),
+    /// A range outside its registration or its peer's region.
+    #[error("{len} bytes at offset {offset} do not fit in {size}")]
+    Range {
+        /// The offset.
+        offset: usize,
+        /// The length.
+        len: usize,
+        /// What it must fit in.
+        size: usize,
+    },
+    /// The local and remote sides of a transfer differ.
+    #[error(
+        "a transfer's sides differ: {local} local ranges of {local_bytes} bytes against \
+         {remote} remote ranges of {remote_bytes}, or a pair of different lengths"
+    )]
+    Mismatch {
+        /// Local ranges.
+        local: usize,
+        /// Their bytes.
+        local_bytes: usize,
+        /// Remote ranges.
+        remote: usize,
+        /// Their bytes.
+        remote_bytes: usize,
+    },
+    /// The transfer did not finish within its time: its local registration is poisoned.
+    #[error("the transfer did not finish within {0:?}: its local registration is poisoned")]
+    TimedOut(Duration),
+    /// The memory may still be touched by these peers or by an unfinished transfer.
+    #[error("the memory may still be touched by {}", who(.peers, *.poisoned))]
+    Exposed {
+        /// Peers it was exposed to that have not said they are done.
+        peers: Vec<String>,
+        /// Whether a transfer that used it did not finish.
+        poisoned: bool,
+    },
+    /// A peer whose transfer did not finish cannot say it is done.
+    #[error("a transfer to or from {0} did not finish: no acknowledgement is sent")]
+    Tainted(String),
+    /// A registration or a peer of another agent.
+    #[error("a registration or a peer of another agent")]
+    OtherAgent,
+    /// Waiting for a peer process failed.
+    #[error("waiting for the peer's process failed")]
+    Wait(#[source] std::io::Error),
+}
+
+fn who(peers: &[String], poisoned: bool) -> String {
+    let mut parts: Vec<String> = peers.iter().map(|p| format!("peer {p}")).collect();
+    if poisoned {
+        parts.push("an unfinished transfer".into());
+    }
+    parts.join(" and ")
+}
+
+impl crate::error::sealed::Sealed for NixlError {}
+
+impl crate::error::Failure for NixlError {
+    fn summary(&self) -> &'static str {
+        "a NIXL transfer step failed"
+    }
+}
+
+fn engine(call: &'static str) -> impl FnOnce(nixl_sys::NixlError) -> NixlError {
+    move |source| NixlError::Engine { call, source }
+}
+
+/// NIXL's memory kind and device id for memory at `location`.
+fn kind(location: Location) -> Result<(MemType, u64), NixlError> {
+    match location {
+        Location::Host => Ok((MemType::Dram, 0)),
+        Location::Cuda { device } => Ok((MemType::Vram, device as u64)),
+        Location::Simulated => Err(NixlError::Unreachable { location }),
+    }
+}
+
+/// A range NIXL registers: nixl-sys registers what implements its descriptor traits.
+#[derive(Debug)]
+struct Span {
+    addr: Addr,
+    len: usize,
+    mem: MemType,
+    dev: u64,
+}
+
+impl nixl_sys::MemoryRegion for Span {
+    unsafe fn as_ptr(&self) -> *const u8 {
+        self.addr as *const u8
+    }
+
+    fn size(&self) -> usize {
+        self.len
+    }
+}
+
+impl nixl_sys::NixlDescriptor for Span {
+    fn mem_type(&self) -> MemType {
+        self.mem
+    }
+
+    fn device_id(&self) -> u64 {
+        self.dev
+    }
+}
+
+/// What an agent knows of exposures and acknowledgements.
+#[derive(Default)]
+struct Book {
+    /// Registrations made (their ids).
+    next: u64,
+    /// Offers made: each offer's epoch.
+    epoch: u64,
+    /// For each live registration offered: the peers and the epoch of the last offer.
+    exposed: HashMap<u64, Vec<(String, u64)>>,
+    /// For each peer, the last epoch it said it is done with (`u64::MAX`: its process ended).
+    done: HashMap<String, u64>,
+    /// Notifications received and not yet taken.
+    inbox: Vec<Notification>,
+}
+
+impl Book {
+    /// The peers `id` was exposed to that have not said they are done with it.
+    fn pending(&self, id: u64) -> Vec<String> {
+        let mut peers: Vec<String> = self
+            .exposed
+            .get(&id)
+            .into_iter()
+            .flatten()
+            .filter(|(peer, epoch)| self.done.get(peer).is_none_or(|done| done < epoch))
+            .map(|(peer, _)| peer.clone())
+            .collect();
+        peers.sort();
+        peers.dedup();
+        peers
+    }
+}
+
+/// A notification from a peer: who sent it and its bytes.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Notification {
+    /// The sending agent's name.
+    pub from: String,
+    /// The message.
+    pub message: Vec<u8>,
+}
+
+/// A NIXL agent (with its UCX backend) tied to a device: it registers that device's tokens
+/// and moves their bytes to and from its peers.
+pub struct Agent<'d, 'id, B: Backend> {
+    device: &'d Device<'id, B>,
+    name: String,
+    raw: nixl_sys::Agent,
+    _ucx: nixl_sys::Backend,
+    book: Mutex<Book>,
+}
+
+impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
+    /// An agent named `name` (unique among the agents that will meet) for `device`'s memory,
+    /// with NIXL's UCX backend.
+    ///
+    /// # Errors
+    ///
+    /// [`NixlError::Missing`] without NIXL's library on the loader's path; NIXL's error.
+    pub fn new(device: &'d Device<'id, B>, name: &str) -> Result<Self, NixlError> {
+        if nixl_sys::is_stub() {
+            return Err(NixlError::Missing);
+        }
+        kind(device.backend().location())?;
+        let raw = nixl_sys::Agent::new(name).map_err(engine("createAgent"))?;
+        let (_mems, params) = raw
+            .get_plugin_params("UCX")
+            .map_err(engine("getPluginParams(UCX)"))?;
+        let ucx = raw
+            .create_backend("UCX", &params)
+            .map_err(engine("createBackend(UCX)"))?;
+        Ok(Self {
+            device,
+            name: name.to_owned(),
+            raw,
+            _ucx: ucx,
+            book: Mutex::new(Book::default()),
+        })
+    }
+
+    /// Its name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The device it moves memory of.
+    pub fn device(&self) -> &'d Device<'id, B> {
+        self.device
+    }
+
+    /// The agent's identity (its NIXL handle's address), whatever its lifetimes.
+    fn raw_ptr(&self) -> *const nixl_sys::Agent {
+        &self.raw
+    }
+
+    fn book(&self) -> MutexGuard<'_, Book> {
+        crate::backend::lock(&self.book)
+    }
+
+    /// Registers `token`'s memory with NIXL: the registration owns the token until it is
+    /// [released](Registered::release). Peers reach it only once [offered](Self::offer).
+    ///
+    /// # Errors
+    ///
+    /// NIXL's error, with the token handed back.
+    #[allow(clippy::type_complexity)] // the token handed back, as every transition's error
+    pub fn register<'b, S: Registrable>(
+        &self,
+        token: Allocation<'b, 'id, B, S>,
+    ) -> Result<Registered<'_, 'b, 'id, B, S>, TransitionError<Allocation<'b, 'id, B, S>, NixlError>>
+    {
+        let span = match kind(self.device.backend().location()) {
+            Ok((mem, dev)) => Span {
+                addr: token.addr(),
+                len: token.len(),
+                mem,
+                dev,
+            },
+            Err(cause) => return Err(TransitionError { token, cause }),
+        };
+        let handle = match self.raw.register_memory(&span, None) {
+            Ok(handle) => handle,
+            Err(e) => {
+                return Err(TransitionError {
+                    token,
+                    cause: engine("registerMem")(e),
+                });
+            }
+        };
+        let id = {
+            let mut book = self.book();
+            book.next += 1;
+            book.next
+        };
+        Ok(Registered {
+            agent: self,
+            token: ManuallyDrop::new(token),
+            handle: ManuallyDrop::new(handle),
+            span,
+            id,
+            poisoned: AtomicBool::new(false),
+        })
+    }
+
+    /// The metadata through which `peer` reaches the registrations `regs` (and no other):
+    /// NIXL's connection information and their descriptors, with memtoken's header. Each is
+    /// exposed to `peer` from now on, until `peer` says it is done with this offer or a later
+    /// one ([`Peer::done`]). Taking each registration mutably, it waits for no lent token.
+    ///
+    /// # Errors
+    ///
+    /// NIXL's error; nothing is exposed then.
+    pub fn offer(
+        &self,
+        peer: &str,
+        regs: &mut [&mut dyn Offered],
+    ) -> Result<PeerMetadata, NixlError> {
+        let (mem, _) = kind(self.device.backend().location())?;
+        let empty = RegDescList::new(mem).map_err(engine("createRegDlist"))?;
+        let conn = self
+            .raw
+            .get_local_partial_md(&empty, None)
+            .map_err(engine("getLocalPartialMD"))?;
+        if regs.iter().any(|r| r.owner() != self.raw_ptr().cast()) {
+            return Err(NixlError::OtherAgent);
+        }
+        let mut list = RegDescList::new(mem).map_err(engine("createRegDlist"))?;
+        let mut regions = Vec::with_capacity(regs.len());
+        for reg in regs.iter() {
+            let span = reg.span();
+            list.add_desc(span.addr, span.len, span.dev);
+            regions.push((span.addr as u64, span.len as u64));
+        }
+        let md = self
+            .raw
+            .get_local_partial_md(&list, None)
+            .map_err(engine("getLocalPartialMD"))?;
+        let mut book = self.book();
+        book.epoch += 1;
+        let epoch = book.epoch;
+        for reg in regs.iter() {
+            let exposed = book.exposed.entry(reg.id()).or_default();
+            exposed.retain(|(p, _)| p != peer);
+            exposed.push((peer.to_owned(), epoch));
+        }
+        Ok(PeerMetadata::encode(epoch, &regions, &conn, &md))
+    }
+
+    /// Loads a peer's metadata (from its [`offer`](Self::offer)): the peer's regions are
+    /// reachable through the returned [`Peer`] until it is [done](Peer::done).
+    ///
+    /// # Errors
+    ///
+    /// [`NixlError::Wire`] for malformed metadata; NIXL's error.
+    pub fn load(&self, metadata: &[u8]) -> Result<Peer<'_, 'd, 'id, B>, NixlError> {
+        let decoded = PeerMetadata::decode(metadata)?;
+        let name = self
+            .raw
+            .load_remote_md(decoded.conn)
+            .map_err(engine("loadRemoteMD"))?;
+        let again = self
+            .raw
+            .load_remote_md(decoded.md)
+            .map_err(engine("loadRemoteMD"))?;
+        if again != name {
+            let _ = self.raw.invalidate_remote_md(&name);
+            let _ = self.raw.invalidate_remote_md(&again);
+            return Err(NixlError::Wire("its two parts name different agents"));
+        }
+        Ok(Peer {
+            agent: self,
+            name,
+            epoch: decoded.epoch,
+            regions: decoded.regions,
+            conn: decoded.conn.to_vec(),
+            tainted: AtomicBool::new(false),
+            finished: false,
+        })
+    }
+
+    /// Takes the notifications received so far (acknowledgements of [`Peer::done`] are kept
+    /// by the agent, not returned).
+    ///
+    /// # Errors
+    ///
+    /// NIXL's error.
+    pub fn notifications(&self) -> Result<Vec<Notification>, NixlError> {
+        self.collect()?;
+        Ok(std::mem::take(&mut self.book().inbox))
+    }
+
+    /// Collects what arrived: acknowledgements into the book, the rest into the inbox.
+    fn collect(&self) -> Result<(), NixlError> {
+        let mut map = NotificationMap::new().map_err(engine("createNotifMap"))?;
+        self.raw
+            .get_notifications(&mut map, None)
+            .map_err(engine("getNotifs"))?;
+        let mut received = Vec::new();
+        for from in map.agents() {
+            let from = from.map_err(engine("notifMapGetAgent"))?;
+            let n = map
+                .get_notifications_size(from)
+                .map_err(engine("notifMapGetNotifsSize"))?;
+            for i in 0..n {
+                let message = map
+                    .get_notification_bytes(from, i)
+                    .map_err(engine("notifMapGetNotif"))?;
+                received.push(Notification {
+                    from: from.to_owned(),
+                    message,
+                });
+            }
+        }
+        let mut book = self.book();
+        for n in received {
+            match n.message.strip_prefix(DONE).and_then(parse_epoch) {
+                Some(epoch) => {
+                    let done = book.done.entry(n.from).or_insert(0);
+                    *done = (*done).max(epoch);
+                }
+                None => book.inbox.push(n),
+            }
+        }
+        Ok(())
+    }
+
+    /// The proof from a peer's end: `child`, the process of the agent named `peer`, is waited
+    /// for; once it has ended, nothing of it can touch this agent's memory any more. (That
+    /// `child` runs `peer` is the caller's word.)
+    ///
+    /// # Errors
+    ///
+    /// [`NixlError::Wait`]: the wait failed, and nothing is proved.
+    pub fn peer_exited(
+        &self,
+        peer: &str,
+        child: &mut std::process::Child,
+    ) -> Result<(), NixlError> {
+        child.wait().map_err(NixlError::Wait)?;
+        self.book().done.insert(peer.to_owned(), u64::MAX);
+        Ok(())
+    }
+
+    /// A WRITE: `local`'s ranges (offset, length) into `remote`'s, in pairs of equal lengths,
+    /// then `notify` (if any) delivered to the peer after the bytes. Borrows `local` and the
+    /// peer until the transfer is done.
+    ///
+    /// # Errors
+    ///
+    /// [`NixlError::Range`], [`NixlError::Mismatch`]; NIXL's error.
+    pub fn write<'t, S: Registrable>(
+        &'t self,
+        local: &'t Registered<'_, '_, 'id, B, S>,
+        ranges: &[(usize, usize)],
+        peer: &'t Peer<'_, '_, 'id, B>,
+        remote: &[RemoteRange],
+        notify: Option<&[u8]>,
+    ) -> Result<Transfer<'t>, NixlError> {
+        self.post(XferOp::Write, local, ranges, peer, remote, notify)
+    }
+
+    /// A READ: `remote`'s ranges into `local`'s (offset, length), in pairs of equal lengths,
+    /// then `notify` (if any) delivered to the peer. Borrows `local` mutably — it is written —
+    /// and the peer until the transfer is done.
+    ///
+    /// # Errors
+    ///
+    /// As for [`write`](Self::write).
+    pub fn read<'t>(
+        &'t self,
+        local: &'t mut Registered<'_, '_, 'id, B, Committed>,
+        ranges: &[(usize, usize)],
+        peer: &'t Peer<'_, '_, 'id, B>,
+        remote: &[RemoteRange],
+        notify: Option<&[u8]>,
+    ) -> Result<Transfer<'t>, NixlError> {
+        self.post(XferOp::Read, local, ranges, peer, remote, notify)
+    }
+
+    fn post<'t, S: Registrable>(
+        &'t self,
+        op: XferOp,
+        local: &'t Registered<'_, '_, 'id, B, S>,
+        ranges: &[(usize, usize)],
+        peer: &'t Peer<'_, '_, 'id, B>,
+        remote: &[RemoteRange],
+        notify: Option<&[u8]>,
+    ) -> Result<Transfer<'t>, NixlError> {
+        if !std::ptr::eq(local.agent.raw_ptr(), self.raw_ptr())
+            || !std::ptr::eq(peer.agent.raw_ptr(), self.raw_ptr())
+        {
+            return Err(NixlError::OtherAgent);
+        }
+        let (mine, theirs) = lists(&local.span, ranges, remote)?;
+        let mut args = nixl_sys::OptArgs::new().map_err(engine("createOptArgs"))?;
+        if let Some(message) = notify {
+            args.set_has_notification(true)
+                .map_err(engine("optArgsSetHasNotif"))?;
+            args.set_notification_message(message)
+                .map_err(engine("optArgsSetNotifMsg"))?;
+        }
+        let req = self
+            .raw
+            .create_xfer_req(op, &mine, &theirs, &peer.name, Some(&args))
+            .map_err(engine("createXferReq"))?;
+        let mut transfer = Transfer {
+            raw: &self.raw,
+            req: Some(req),
+            poisoned: &local.poisoned,
+            tainted: &peer.tainted,
+            bytes: ranges.iter().map(|r| r.1).sum(),
+            done: false,
+        };
+        let posted = self
+            .raw
+            .post_xfer_req(transfer.req.as_ref().expect("just made"), None);
+        match posted {
+            Ok(in_progress) => {
+                transfer.done = !in_progress;
+                Ok(transfer)
+            }
+            // Not posted: the engine has nothing of it (the request is released as it drops).
+            Err(e) => {
+                transfer.done = true;
+                Err(engine("postXferReq")(e))
+            }
+        }
+    }
+}
+
+impl<B: Backend> fmt::Debug for Agent<'_, '_, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Agent")
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+/// NIXL's descriptor lists for a transfer between `span`'s `ranges` (offset, length) and
+/// `remote`, checked: in range, in pairs of equal lengths.
+fn lists(
+    span: &Span,
+    ranges: &[(usize, usize)],
+    remote: &[RemoteRange],
+) -> Result<(XferDescList<'static>, XferDescList<'static>), NixlError> {
+    if ranges.len() != remote.len() || ranges.iter().zip(remote).any(|(l, r)| l.1 != r.len) {
+        return Err(NixlError::Mismatch {
+            local: ranges.len(),
+            local_bytes: ranges.iter().map(|r| r.1).sum(),
+            remote: remote.len(),
+            remote_bytes: remote.iter().map(|r| r.len).sum(),
+        });
+    }
+    let mut mine = XferDescList::new(span.mem).map_err(engine("createXferDlist"))?;
+    for &(offset, len) in ranges {
+        if offset.checked_add(len).is_none_or(|end| end > span.len) {
+            return Err(NixlError::Range {
+                offset,
+                len,
+                size: span.len,
+            });
+        }
+        mine.add_desc(span.addr + offset, len, span.dev);
+    }
+    let mut theirs = XferDescList::new(span.mem).map_err(engine("createXferDlist"))?;
+    for r in remote {
+        theirs.add_desc(r.addr as usize, r.len, span.dev);
+    }
+    Ok((mine, theirs))
+}
+
+fn parse_epoch(digits: &[u8]) -> Option<u64> {
+    std::str::from_utf8(digits).ok()?.parse().ok()
+}
+
+/// A registration that can be [offered](Agent::offer) to a peer (any [`Registered`]).
+pub trait Offered: sealed::Sealed {
+    /// Its id in its agent's book.
+    #[doc(hidden)]
+    fn id(&self) -> u64;
+    /// What NIXL registered.
+    #[doc(hidden)]
+    fn span(&self) -> SpanOf;
+    /// The agent that registered it.
+    #[doc(hidden)]
+    fn owner(&self) -> *const ();
+}
+
+/// What a registration covers (for [`Offered`]).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug)]
+pub struct SpanOf {
+    addr: usize,
+    len: usize,
+    dev: u64,
+}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A token registered with NIXL by an [`Agent`]: it owns the token; a [`Transfer`] borrows it.
+/// It lends the token back ([`token`](Self::token)) only while no peer and no transfer can
+/// touch the memory, and gives it up ([`release`](Self::release)) only with every peer it was
+/// offered to done — otherwise the memory is withheld for good.
+///
+/// Releasing its token under an in-flight transfer does not compile
+/// (`ui-tests/release_under_transfer.rs`):
+///
+/// ```compile_fail,E0505
+/// # use memtoken::backend::HostBackend;
+/// # use memtoken::nixl::Agent;
+/// # use memtoken::{make_guard, Budget, Device};
+/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults()?);
+/// # let binding = device.bind(Budget::unlimited())?;
+/// # let agent = Agent::new(&device, "a")?;
+/// # let peer = agent.load(&[])?;
+/// let source = agent.register(binding.reserve(4096)?.commit()?)?;
+/// let write = agent.write(&source, &[(0, 4096)], &peer, &[peer.range(0, 0, 4096)?], None)?;
+/// let token = source.release()?; // error: `source` is borrowed by the transfer
+/// write.wait(memtoken::nixl::DROP_WAIT)?;
+/// # Ok(()) }
+/// ```
+pub struct Registered<'a, 'b, 'id, B: Backend, S: Registrable> {
+    agent: &'a Agent<'a, 'id, B>,
+    token: ManuallyDrop<Allocation<'b, 'id, B, S>>,
+    handle: ManuallyDrop<nixl_sys::RegistrationHandle>,
+    span: Span,
+    id: u64,
+    /// A transfer that used it did not finish: the engine may still touch it.
+    poisoned: AtomicBool,
+}
+
+impl<B: Backend, S: Registrable> sealed::Sealed for Registered<'_, '_, '_, B, S> {}
+
+impl<B: Backend, S: Registrable> Offered for Registered<'_, '_, '_, B, S> {
+    fn id(&self) -> u64 {
+        self.id
+    }
+
+    fn span(&self) -> SpanOf {
+        SpanOf {
+            addr: self.span.addr,
+            len: self.span.len,
+            dev: self.span.dev,
+        }
+    }
+
+    fn owner(&self) -> *const () {
+        self.agent.raw_ptr().cast()
+    }
+}
+
+impl<'a, 'b, 'id, B: Backend, S: Registrable> Registered<'a, 'b, 'id, B, S> {
+    /// The registered memory's length.
+    pub fn len(&self) -> usize {
+        self.span.len
+    }
+
+    /// Whether it is empty (never: a token holds at least a granule).
+    pub fn is_empty(&self) -> bool {
+        self.span.len == 0
+    }
+
+    /// Whether a transfer that used it did not finish: it can only be withheld.
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::Acquire)
+    }
+
+    /// Why the memory may still be touched: peers offered it that are not done, or an
+    /// unfinished transfer. `None` when nothing can touch it.
+    fn exposure(&self) -> Option<NixlError> {
+        let _ = self.agent.collect(); // acknowledgements that arrived count
+        let peers = self.agent.book().pending(self.id);
+        let poisoned = self.is_poisoned();
+        (poisoned || !peers.is_empty()).then_some(NixlError::Exposed { peers, poisoned })
+    }
+
+    /// The token — its bytes, through its views — while nothing else can touch the memory: no
+    /// peer it was offered to is still holding it and no transfer of it runs (a READ borrows
+    /// the registration mutably; a new offer too).
+    ///
+    /// # Errors
+    ///
+    /// [`NixlError::Exposed`]: which peers may still touch it, or an unfinished transfer.
+    pub fn token(&self) -> Result<&Allocation<'b, 'id, B, S>, NixlError> {
+        match self.exposure() {
+            None => Ok(&self.token),
+            Some(e) => Err(e),
+        }
+    }
+
+    /// Deregisters the memory and gives the token back, once every peer it was offered to is
+    /// done with it (see [`Peer::done`], [`Agent::peer_exited`]) and every transfer of it has
+    /// finished. Otherwise the memory is withheld for good — never reused, its VA and
+    /// physical memory kept — and the error says which peers (and whether a transfer) may
+    /// still touch it; [`Device::withheld_for_peers`](crate::Device::withheld_for_peers) and
+    /// the device's close report name them too.
+    ///
+    /// # Errors
+    ///
+    /// [`NixlError::Exposed`], the memory withheld.
+    pub fn release(self) -> Result<Allocation<'b, 'id, B, S>, NixlError> {
+        let mut this = ManuallyDrop::new(self);
+        // SAFETY: `this` is never dropped, so `settle` runs once.
+        unsafe { this.settle() }
+    }
+
+    /// Deregisters and gives the token back, or withholds it (see
+    /// [`release`](Self::release)).
+    ///
+    /// # Safety
+    ///
+    /// Called once; the registration is not used after (its token and handle are taken).
+    unsafe fn settle(&mut self) -> Result<Allocation<'b, 'id, B, S>, NixlError> {
+        let exposure = self.exposure();
+        // SAFETY: the caller's promise: taken once.
+        let (token, handle) = unsafe {
+            (
+                ManuallyDrop::take(&mut self.token),
+                ManuallyDrop::take(&mut self.handle),
+            )
+        };
+        self.agent.book().exposed.remove(&self.id);
+        let Some(e) = exposure else {
+            drop(handle); // deregistered (nixl-sys discards NIXL's status)
+            return Ok(token);
+        };
+        let peers = match &e {
+            NixlError::Exposed { peers, .. } if !peers.is_empty() => peers.join(", "),
+            _ => "an unfinished transfer".to_owned(),
+        };
+        if self.is_poisoned() {
+            // The engine may still run a request over it: NIXL's registration stays.
+            std::mem::forget(handle);
+        } else {
+            drop(handle);
+        }
+        token.withhold_for_peer(peers);
+        Err(e)
+    }
+}
+
+impl<B: Backend, S: Registrable> Drop for Registered<'_, '_, '_, B, S> {
+    fn drop(&mut self) {
+        // SAFETY: once, here; nothing uses `self` after. The token is dropped or withheld.
+        let _ = unsafe { self.settle() };
+    }
+}
+
+impl<B: Backend, S: Registrable> fmt::Debug for Registered<'_, '_, '_, B, S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Registered")
+            .field("addr", &format_args!("{:#x}", self.span.addr))
+            .field("len", &self.span.len)
+            .field("poisoned", &self.is_poisoned())
+            .finish()
+    }
+}
+
+/// A peer's metadata as it travels: memtoken's header (the offer's epoch and the regions
+/// offered), NIXL's connection information, and the offered registrations' descriptors.
+/// Little-endian, fixed-size fields; the parts length-prefixed.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct PeerMetadata(Vec<u8>);
+
+/// A decoded [`PeerMetadata`], borrowing its bytes.
+struct Decoded<'m> {
+    epoch: u64,
+    regions: Vec<(u64, u64)>,
+    conn: &'m [u8],
+    md: &'m [u8],
+}
+
+impl PeerMetadata {
+    fn encode(epoch: u64, regions: &[(u64, u64)], conn: &[u8], md: &[u8]) -> Self {
+        let mut out = Vec::with_capacity(32 + regions.len() * 16 + conn.len() + md.len());
+        out.extend_from_slice(MAGIC);
+        out.extend_from_slice(&epoch.to_le_bytes());
+        out.extend_from_slice(&(regions.len() as u32).to_le_bytes());
+        for &(addr, len) in regions {
+            out.extend_from_slice(&addr.to_le_bytes());
+            out.extend_from_slice(&len.to_le_bytes());
+        }
+        for part in [conn, md] {
+            out.extend_from_slice(&(part.len() as u32).to_le_bytes());
+            out.extend_from_slice(part);
+        }
+        Self(out)
+    }
+
+    fn decode(bytes: &[u8]) -> Result<Decoded<'_>, NixlError> {
+        let mut at = Reader(bytes);
+        if at.take(8)? != MAGIC {
+            return Err(NixlError::Wire("not memtoken's NIXL metadata"));
+        }
+        let epoch = at.u64()?;
+        let n = at.u32()? as usize;
+        if n > bytes.len() / 16 {
+            return Err(NixlError::Wire("more regions than bytes"));
+        }
+        let regions = (0..n)
+            .map(|_| Ok((at.u64()?, at.u64()?)))
+            .collect::<Result<_, NixlError>>()?;
+        let conn_len = at.u32()? as usize;
+        let conn = at.take(conn_len)?;
+        let md_len = at.u32()? as usize;
+        let md = at.take(md_len)?;
+        if !at.0.is_empty() {
+            return Err(NixlError::Wire("trailing bytes"));
+        }
+        Ok(Decoded {
+            epoch,
+            regions,
+            conn,
+            md,
+        })
+    }
+
+    /// The bytes to send.
+    pub fn as_bytes(&self) -> &[u8] {
+        &self.0
+    }
+}
+
+/// Reads a [`PeerMetadata`] front to back.
+struct Reader<'m>(&'m [u8]);
+
+impl<'m> Reader<'m> {
+    fn take(&mut self, n: usize) -> Result<&'m [u8], NixlError> {
+        if self.0.len() < n {
+            return Err(NixlError::Wire("truncated"));
+        }
+        let (head, rest) = self.0.split_at(n);
+        self.0 = rest;
+        Ok(head)
+    }
+
+    fn u32(&mut self) -> Result<u32, NixlError> {
+        Ok(u32::from_le_bytes(
+            self.take(4)?.try_into().expect("4 bytes"),
+        ))
+    }
+
+    fn u64(&mut self) -> Result<u64, NixlError> {
+        Ok(u64::from_le_bytes(
+            self.take(8)?.try_into().expect("8 bytes"),
+        ))
+    }
+}
+
+/// A range of a peer's offered region.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RemoteRange {
+    addr: u64,
+    len: usize,
+}
+
+/// A peer whose metadata an agent loaded: its offered regions are reachable until it is
+/// [done](Self::done) (or dropped, which does the same as far as it can).
+pub struct Peer<'a, 'd, 'id, B: Backend> {
+    agent: &'a Agent<'d, 'id, B>,
+    name: String,
+    epoch: u64,
+    regions: Vec<(u64, u64)>,
+    /// The peer's connection information, loaded again after its regions' metadata is
+    /// invalidated so that the acknowledgement can still be sent.
+    conn: Vec<u8>,
+    /// A transfer with it did not finish: no acknowledgement may be sent.
+    tainted: AtomicBool,
+    finished: bool,
+}
+
+impl<B: Backend> Peer<'_, '_, '_, B> {
+    /// Its agent's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The regions it offered: start and length of each.
+    pub fn regions(&self) -> impl ExactSizeIterator<Item = (u64, u64)> + '_ {
+        self.regions.iter().copied()
+    }
+
+    /// `len` bytes at `offset` of its `region`-th offered region.
+    ///
+    /// # Errors
+    ///
+    /// [`NixlError::Range`] outside the region (or past the last region).
+    pub fn range(
+        &self,
+        region: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<RemoteRange, NixlError> {
+        let (addr, size) = self.regions.get(region).copied().unwrap_or((0, 0));
+        if (offset as u64)
+            .checked_add(len as u64)
+            .is_none_or(|end| end > size)
+        {
+            return Err(NixlError::Range {
+                offset,
+                len,
+                size: size as usize,
+            });
+        }
+        Ok(RemoteRange {
+            addr: addr + offset as u64,
+            len,
+        })
+    }
+
+    /// Done with the peer's memory: its metadata is invalidated here (no transfer can reach
+    /// it any more), then the peer is told so — the acknowledgement its agent takes as the
+    /// proof that this agent will not touch what it offered. No transfer with it can run: each
+    /// borrows the peer.
+    ///
+    /// # Errors
+    ///
+    /// [`NixlError::Tainted`] if a transfer with it did not finish (nothing is acknowledged:
+    /// the peer withholds what it offered); NIXL's error.
+    pub fn done(mut self) -> Result<(), NixlError> {
+        self.finish()
+    }
+
+    fn finish(&mut self) -> Result<(), NixlError> {
+        if self.finished {
+            return Ok(());
+        }
+        self.finished = true;
+        let raw = &self.agent.raw;
+        raw.invalidate_remote_md(&self.name)
+            .map_err(engine("invalidateRemoteMD"))?;
+        if self.tainted.load(Ordering::Acquire) {
+            return Err(NixlError::Tainted(self.name.clone()));
+        }
+        // Connection information only: no region of the peer's is reachable through it.
+        raw.load_remote_md(&self.conn)
+            .map_err(engine("loadRemoteMD"))?;
+        let mut message = DONE.to_vec();
+        message.extend_from_slice(self.epoch.to_string().as_bytes());
+        // The connection information stays loaded (it reaches no memory): invalidating it
+        // now could drop the acknowledgement before it is sent.
+        raw.send_notification(&self.name, &message, None)
+            .map_err(engine("genNotif"))
+    }
+}
+
+impl<B: Backend> Drop for Peer<'_, '_, '_, B> {
+    fn drop(&mut self) {
+        let _ = self.finish();
+    }
+}
+
+impl<B: Backend> fmt::Debug for Peer<'_, '_, '_, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Peer")
+            .field("name", &self.name)
+            .field("epoch", &self.epoch)
+            .field("regions", &self.regions.len())
+            .finish()
+    }
+}
+
+/// A posted NIXL transfer. It borrows its local registration (mutably for a READ) and its
+/// peer; [`poll`](Self::poll) and [`wait`](Self::wait) say when it is done. Dropped before,
+/// it waits for NIXL for at most [`DROP_WAIT`], then poisons the local registration (see the
+/// module's docs).
+#[must_use = "a transfer dropped at once waits for itself"]
+pub struct Transfer<'t> {
+    raw: &'t nixl_sys::Agent,
+    req: Option<nixl_sys::XferRequest>,
+    poisoned: &'t AtomicBool,
+    tainted: &'t AtomicBool,
+    bytes: usize,
+    done: bool,
+}
+
+impl Transfer<'_> {
+    /// The bytes it moves.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Whether it is done, asking NIXL once.
+    ///
+    /// # Errors
+    ///
+    /// NIXL's error: the transfer failed, and its local registration is poisoned.
+    pub fn poll(&mut self) -> Result<bool, NixlError> {
+        if self.done {
+            return Ok(true);
+        }
+        let req = self.req.as_ref().expect("held until done");
+        match self.raw.get_xfer_status(req) {
+            Ok(XferStatus::Success) => {
+                self.done = true;
+                Ok(true)
+            }
+            Ok(XferStatus::InProgress) => Ok(false),
+            Err(e) => {
+                self.give_up(false);
+                Err(engine("getXferStatus")(e))
+            }
+        }
+    }
+
+    /// Waits until it is done, for at most `limit`; hands the borrows back.
+    ///
+    /// # Errors
+    ///
+    /// NIXL's error, or [`NixlError::TimedOut`]: the local registration is poisoned.
+    pub fn wait(mut self, limit: Duration) -> Result<(), NixlError> {
+        let start = Instant::now();
+        let mut pause = Duration::from_micros(1);
+        while !self.poll()? {
+            if start.elapsed() >= limit {
+                self.give_up(true);
+                return Err(NixlError::TimedOut(limit));
+            }
+            std::thread::sleep(pause);
+            pause = (pause * 2).min(Duration::from_millis(1));
+        }
+        Ok(())
+    }
+
+    /// Poisons the local registration and taints the peer; a request still in progress is
+    /// leaked, never released under the engine.
+    fn give_up(&mut self, in_progress: bool) {
+        self.poisoned.store(true, Ordering::Release);
+        self.tainted.store(true, Ordering::Release);
+        self.done = true;
+        if in_progress {
+            std::mem::forget(self.req.take());
+        }
+    }
+}
+
+impl Drop for Transfer<'_> {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = self.wait_in_drop();
+        }
+    }
+}
+
+impl Transfer<'_> {
+    fn wait_in_drop(&mut self) -> Result<(), NixlError> {
+        let start = Instant::now();
+        while !self.poll()? {
+            if start.elapsed() >= DROP_WAIT {
+                self.give_up(true);
+                return Err(NixlError::TimedOut(DROP_WAIT));
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Debug for Transfer<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Transfer")
+            .field("bytes", &self.bytes)
+            .field("done", &self.done)
+            .finish()
+    }
+}

@@ -154,46 +154,41 @@ impl<B: Backend + 'static, K: Keeps<B>> Engine<B, K> {
         // for the length of the call, so no token of another device can meet this one's.
         let guard = unsafe { Guard::new(Id::new()) };
         let device = NonNull::from(Box::leak(Box::new(Device::new(guard, backend))));
-        // SAFETY: `device` was just leaked from a box and is freed only by `Drop`/`close`,
-        // after everything that borrows it.
+        // Frees what is made so far if a step fails or panics (a bind, the pool, `build`): by
+        // then what borrowed the parts is dropped (or forgotten: leaked, never freed under a
+        // borrow), so nothing borrows them.
+        let mut unbuilt = FreeParts {
+            pool: None,
+            bindings: None,
+            device: Some(device),
+        };
+        // SAFETY: `device` was just leaked from a box and is freed only by `Drop`/`close` (or
+        // the guard), after everything that borrows it.
         let d: &'static Device<'static, B> = unsafe { device.as_ref() };
         let budgets = std::iter::once(&budget).chain(more);
-        let made: Result<Vec<_>, _> = budgets.map(|&budget| d.bind(budget)).collect();
-        let bindings = match made {
-            Ok(made) => NonNull::from(Box::leak(made.into_boxed_slice())),
-            Err(e) => {
-                // SAFETY: the bindings made were dropped by `collect`; nothing borrows the
-                // device any more.
-                drop(unsafe { Box::from_raw(device.as_ptr()) });
-                return Err(e.into());
-            }
-        };
+        // The bindings made before a failing one are dropped by `collect`.
+        let made = budgets
+            .map(|&budget| d.bind(budget))
+            .collect::<Result<Vec<_>, _>>()?;
+        let bindings = NonNull::from(Box::leak(made.into_boxed_slice()));
+        unbuilt.bindings = Some(bindings);
         // SAFETY: as for `device`: freed only after what borrows them.
         let bs: &'static [Binding<'static, 'static, B>] = unsafe { bindings.as_ref() };
         // SAFETY: as for the device's brand.
         let pool_guard = unsafe { Guard::new(Id::new()) };
-        let pool = match PagePool::new(pool_guard, &bs[0], page_size) {
-            Ok(pool) => NonNull::from(Box::leak(Box::new(pool))),
-            Err(e) => {
-                // SAFETY: nothing borrows the bindings or the device any more; freed in order.
-                unsafe { free_parts(None, bindings, device) };
-                return Err(e.into());
-            }
-        };
+        let pool = NonNull::from(Box::leak(Box::new(PagePool::new(
+            pool_guard, &bs[0], page_size,
+        )?)));
+        unbuilt.pool = Some(pool);
         // SAFETY: as for `device`.
         let p: &'static PagePool<'static, 'static, 'static, B> = unsafe { pool.as_ref() };
-        // Frees the parts if `build` fails or panics: by then what it made is dropped (or
-        // forgotten: leaked, never freed under a borrow), so nothing borrows them.
-        let mut unbuilt = FreeParts {
-            parts: Some((pool, bindings, device)),
-        };
         let kept = build(Parts {
             device: d,
             binding: &bs[0],
             bindings: bs,
             pool: p,
         })?;
-        unbuilt.parts = None; // the engine owns them now
+        unbuilt.disarm(); // the engine owns them now
         Ok(Self {
             kept: ManuallyDrop::new(kept),
             pool,
@@ -262,42 +257,36 @@ impl<B: Backend + 'static, K: Keeps<B>> Engine<B, K> {
     }
 }
 
-/// Frees the pool (if made), the bindings and the device, in that order.
-///
-/// # Safety
-///
-/// Each pointer came from `Box::leak` and is freed once; nothing borrows them any more.
-unsafe fn free_parts<B: Backend + 'static>(
+/// Frees, when it goes — also while a panic unwinds — the parts it holds: the pool, the
+/// bindings and the device, in that order.
+struct FreeParts<B: Backend + 'static> {
     pool: Option<NonNull<PagePool<'static, 'static, 'static, B>>>,
-    bindings: NonNull<[Binding<'static, 'static, B>]>,
-    device: NonNull<Device<'static, B>>,
-) {
-    // SAFETY: the caller's promise.
-    unsafe {
-        if let Some(pool) = pool {
-            drop(Box::from_raw(pool.as_ptr()));
-        }
-        drop(Box::from_raw(bindings.as_ptr()));
-        drop(Box::from_raw(device.as_ptr()));
-    }
+    bindings: Option<NonNull<[Binding<'static, 'static, B>]>>,
+    device: Option<NonNull<Device<'static, B>>>,
 }
 
-/// Frees the parts it holds when it goes — also while a panic unwinds.
-struct FreeParts<B: Backend + 'static> {
-    #[allow(clippy::type_complexity)] // the three parts, as `free_parts` takes them
-    parts: Option<(
-        NonNull<PagePool<'static, 'static, 'static, B>>,
-        NonNull<[Binding<'static, 'static, B>]>,
-        NonNull<Device<'static, B>>,
-    )>,
+impl<B: Backend + 'static> FreeParts<B> {
+    /// Frees nothing: whoever armed it keeps the parts.
+    fn disarm(&mut self) {
+        (self.pool, self.bindings, self.device) = (None, None, None);
+    }
 }
 
 impl<B: Backend + 'static> Drop for FreeParts<B> {
     fn drop(&mut self) {
-        if let Some((pool, bindings, device)) = self.parts.take() {
-            // SAFETY: whoever armed it made sure nothing borrows the parts any more when it
-            // goes (what borrowed them was dropped first), and disarms it where they live on.
-            unsafe { free_parts(Some(pool), bindings, device) };
+        // SAFETY: each pointer came from `Box::leak` and is freed once (taken); whoever armed
+        // the guard made sure nothing borrows the parts any more when it goes (what borrowed
+        // them was dropped first), and disarms it where they live on.
+        unsafe {
+            if let Some(pool) = self.pool.take() {
+                drop(Box::from_raw(pool.as_ptr()));
+            }
+            if let Some(bindings) = self.bindings.take() {
+                drop(Box::from_raw(bindings.as_ptr()));
+            }
+            if let Some(device) = self.device.take() {
+                drop(Box::from_raw(device.as_ptr()));
+            }
         }
     }
 }
@@ -307,7 +296,9 @@ impl<B: Backend + 'static, K: Keeps<B>> Drop for Engine<B, K> {
         // The parts go after what is kept — also if dropping it panics (its other fields are
         // dropped while the panic unwinds, before this guard).
         let _parts = FreeParts {
-            parts: Some((self.pool, self.bindings, self.device)),
+            pool: Some(self.pool),
+            bindings: Some(self.bindings),
+            device: Some(self.device),
         };
         // SAFETY: dropped once; nothing uses it after.
         unsafe { ManuallyDrop::drop(&mut self.kept) };

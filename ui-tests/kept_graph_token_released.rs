@@ -1,5 +1,5 @@
-//! A token a kept graph owns cannot be released (nor suspended, nor shrunk) while the graph
-//! can launch: only a shared reference to it is lent.
+//! A token moved into a kept graph cannot be released (nor suspended, shrunk or read) while
+//! the graph can launch: the graph owns it and lends nothing of it.
 use memtoken::backend::cuda::{CaptureMode, CudaBackend};
 use memtoken::backend::doubles::DriverModel;
 use memtoken::{make_guard, Budget, Device, OwningGraph};
@@ -19,6 +19,6 @@ fn main() {
         Ok(())
     })
     .unwrap();
-    let _releasing = graph.tokens().release(); // error: behind a shared reference
+    let _releasing = x.release(); // error: `x` was moved into the graph
     graph.launch().unwrap();
 }

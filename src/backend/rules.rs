@@ -159,6 +159,17 @@ pub enum Violation {
         /// Its length.
         len: usize,
     },
+    /// The range is lent to a graph a memtoken [`Capture`](crate::Capture) made, which may
+    /// still launch: it stays mapped until that graph is dropped.
+    #[error(
+        "[{addr:#x}, +{len:#x}) is lent to a graph captured through memtoken, which may still launch: it stays mapped until the graph is dropped"
+    )]
+    HeldByCapture {
+        /// Start of the range.
+        addr: Addr,
+        /// Its length.
+        len: usize,
+    },
     /// The range is in use by a copy running outside the backend's lock: unmapping, freeing or
     /// mapping over it waits until the copy has finished.
     #[error(

@@ -750,8 +750,8 @@ impl<'t, 'id, D: Driver> CapturedGraph<'t, 'id, D> {
 /// [`CapturedGraph`], for an engine that keeps its graphs beside its tokens (in an
 /// [`Engine`](crate::Engine)'s kept value, or any struct): the tokens are moved in, lent to
 /// the capture while it records, and owned by the graph from then on, so none of them can be
-/// released, suspended or shrunk while it can launch — they are not reachable mutably at all
-/// until [`into_tokens`](Self::into_tokens) destroys the graph and hands them back. As it
+/// released, suspended, shrunk or even read while it can launch — they are not reachable at
+/// all until [`into_tokens`](Self::into_tokens) destroys the graph and hands them back. As it
 /// drops, the graph is destroyed first, then the tokens (each release waits for the last
 /// launch, as after a [`CapturedGraph`]).
 ///
@@ -787,11 +787,11 @@ impl<'t, 'id, D: Driver> CapturedGraph<'t, 'id, D> {
 /// # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
 /// ```
 ///
-/// Reads through [`tokens`](Self::tokens) (a read view, a host copy) are ordered after the
-/// launches made before them, per memory, as any use is; writes, releases, suspends and shrinks
-/// need the tokens back (`ui-tests/kept_graph_token_released.rs`):
+/// No `&T` is lent while the graph lives: a read view taken then would not be ordered after
+/// launches made while it lives, and interior mutability in `T` (a `RefCell`) would hand a
+/// token out. The tokens moved in are the graph's (`ui-tests/kept_graph_token_released.rs`):
 ///
-/// ```compile_fail,E0507
+/// ```compile_fail,E0382
 /// # use memtoken::backend::cuda::{CaptureMode, CudaBackend};
 /// # use memtoken::backend::doubles::DriverModel;
 /// # use memtoken::{make_guard, Budget, Device, OwningGraph};
@@ -809,7 +809,7 @@ impl<'t, 'id, D: Driver> CapturedGraph<'t, 'id, D> {
 ///     Ok(())
 /// })
 /// .unwrap();
-/// let releasing = graph.tokens().release(); // error: the graph owns it
+/// let releasing = x.release(); // error: `x` was moved into the graph
 /// graph.launch().unwrap();
 /// ```
 /// Neither `Send` nor `Sync`, as a [`CapturedGraph`].
@@ -912,11 +912,6 @@ impl<'d, 'id, T, D: Driver> OwningGraph<'d, 'id, T, D> {
     /// The stream it launches on.
     pub fn stream(&self) -> Stream {
         self.graph.stream()
-    }
-
-    /// The tokens, read-only.
-    pub fn tokens(&self) -> &T {
-        &self.tokens
     }
 
     /// Destroys the graph (`cuGraphExecDestroy`) and hands its tokens back, free again; a

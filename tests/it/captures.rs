@@ -972,6 +972,30 @@ mod kept {
         assert!(device.close().is_clean());
     }
 
+    /// Memory a memtoken graph still holds (its graph forgotten) is kept mapped as its token is
+    /// released, and the error says why in the graph's words — not those of a capture memtoken
+    /// did not make (found by review).
+    #[test]
+    fn a_release_under_a_forgotten_memtoken_graph_says_so() {
+        let model = super::model();
+        super::common::covered_device!(model, device, stream);
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        let mut x = binding.reserve(G).unwrap().commit().unwrap();
+        let capture = memtoken::Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+        let mut view = capture.view_mut::<u8>(&mut x).unwrap();
+        model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
+        drop(view);
+        std::mem::forget(capture.end().unwrap());
+        let e = x
+            .release()
+            .complete()
+            .map_err(memtoken::Error::from)
+            .unwrap_err();
+        let message = e.to_string();
+        assert!(message.contains("captured through memtoken"), "{message}");
+        assert!(!message.contains("did not make"), "{message}");
+    }
+
     /// A capture whose recording fails hands its tokens back — no graph left, the stream no
     /// longer capturing — and the error `?`s into memtoken's, saying what failed and why.
     #[test]

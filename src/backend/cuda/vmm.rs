@@ -201,8 +201,12 @@ impl<D: Driver> Backend for CudaBackend<D> {
             .relaxed()
             .map_err(|e| self.fail(Op::Unmap, addr, len, e))?;
         Self::check_not_busy(&s, Op::Unmap, addr, len)?;
-        if Self::overlaps(&s.graph_held, addr, len) || Self::overlaps(&s.capture_held, addr, len) {
+        if Self::overlaps(&s.graph_held, addr, len) {
             let v = Violation::HeldByGraph { addr, len };
+            return Err(BackendError::refused(Op::Unmap, addr, len, v));
+        }
+        if Self::overlaps(&s.capture_held, addr, len) {
+            let v = Violation::HeldByCapture { addr, len };
             return Err(BackendError::refused(Op::Unmap, addr, len, v));
         }
         s.book

@@ -242,8 +242,15 @@ pub struct Agent<'d, 'id, B: Backend> {
     name: String,
     raw: nixl_sys::Agent,
     _ucx: nixl_sys::Backend,
+    /// Where peers' acknowledgements land (see [`Peer::done`]): host bytes registered with
+    /// NIXL, offered with every offer, leaked — never freed, as a late peer may still write it.
+    mailbox: Span,
+    _mailbox: nixl_sys::RegistrationHandle,
     book: Mutex<Book>,
 }
+
+/// The bytes of an agent's mailbox.
+const MAILBOX: usize = 64;
 
 impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
     /// An agent named `name` (unique among the agents that will meet) for `device`'s memory,
@@ -264,11 +271,24 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         let ucx = raw
             .create_backend("UCX", &params)
             .map_err(engine("createBackend(UCX)"))?;
+        // Leaked: a peer that keeps this agent's metadata may write it after the agent is gone.
+        let bytes: &'static mut [u8; MAILBOX] = Box::leak(Box::new([0; MAILBOX]));
+        let mailbox = Span {
+            addr: bytes.as_mut_ptr() as Addr,
+            len: MAILBOX,
+            mem: MemType::Dram,
+            dev: 0,
+        };
+        let registered = raw
+            .register_memory(&mailbox, None)
+            .map_err(engine("registerMem"))?;
         Ok(Self {
             device,
             name: name.to_owned(),
             raw,
             _ucx: ucx,
+            mailbox,
+            _mailbox: registered,
             book: Mutex::new(Book::default()),
         })
     }
@@ -370,6 +390,12 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             .raw
             .get_local_partial_md(&list, None)
             .map_err(engine("getLocalPartialMD"))?;
+        let mut only_mailbox = RegDescList::new(MemType::Dram).map_err(engine("createRegDlist"))?;
+        only_mailbox.add_desc(self.mailbox.addr, MAILBOX, 0);
+        let mailbox = self
+            .raw
+            .get_local_partial_md(&only_mailbox, None)
+            .map_err(engine("getLocalPartialMD"))?;
         let mut book = self.book();
         book.epoch += 1;
         let epoch = book.epoch;
@@ -378,7 +404,12 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             exposed.retain(|(p, _)| p != peer);
             exposed.push((peer.to_owned(), epoch));
         }
-        Ok(PeerMetadata::encode(epoch, &regions, &conn, &md))
+        Ok(PeerMetadata::encode(
+            epoch,
+            self.mailbox.addr as u64,
+            &regions,
+            [&conn, &md, &mailbox],
+        ))
     }
 
     /// Loads a peer's metadata (from its [`offer`](Self::offer)): the peer's regions are
@@ -407,7 +438,9 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             name,
             epoch: decoded.epoch,
             regions: decoded.regions,
+            mailbox: decoded.mailbox,
             conn: decoded.conn.to_vec(),
+            mailbox_md: decoded.mailbox_md.to_vec(),
             tainted: AtomicBool::new(false),
             finished: false,
         })
@@ -804,22 +837,28 @@ pub struct PeerMetadata(Vec<u8>);
 /// A decoded [`PeerMetadata`], borrowing its bytes.
 struct Decoded<'m> {
     epoch: u64,
+    mailbox: u64,
     regions: Vec<(u64, u64)>,
     conn: &'m [u8],
     md: &'m [u8],
+    mailbox_md: &'m [u8],
 }
 
 impl PeerMetadata {
-    fn encode(epoch: u64, regions: &[(u64, u64)], conn: &[u8], md: &[u8]) -> Self {
-        let mut out = Vec::with_capacity(32 + regions.len() * 16 + conn.len() + md.len());
+    /// The header (the offer's epoch, the agent's mailbox, the regions) and NIXL's parts:
+    /// connection information, the regions' descriptors, the mailbox's descriptor.
+    fn encode(epoch: u64, mailbox: u64, regions: &[(u64, u64)], parts: [&[u8]; 3]) -> Self {
+        let n = parts.iter().map(|p| 4 + p.len()).sum::<usize>();
+        let mut out = Vec::with_capacity(32 + regions.len() * 16 + n);
         out.extend_from_slice(MAGIC);
         out.extend_from_slice(&epoch.to_le_bytes());
+        out.extend_from_slice(&mailbox.to_le_bytes());
         out.extend_from_slice(&(regions.len() as u32).to_le_bytes());
         for &(addr, len) in regions {
             out.extend_from_slice(&addr.to_le_bytes());
             out.extend_from_slice(&len.to_le_bytes());
         }
-        for part in [conn, md] {
+        for part in parts {
             out.extend_from_slice(&(part.len() as u32).to_le_bytes());
             out.extend_from_slice(part);
         }
@@ -832,6 +871,7 @@ impl PeerMetadata {
             return Err(NixlError::Wire("not memtoken's NIXL metadata"));
         }
         let epoch = at.u64()?;
+        let mailbox = at.u64()?;
         let n = at.u32()? as usize;
         if n > bytes.len() / 16 {
             return Err(NixlError::Wire("more regions than bytes"));
@@ -843,14 +883,18 @@ impl PeerMetadata {
         let conn = at.take(conn_len)?;
         let md_len = at.u32()? as usize;
         let md = at.take(md_len)?;
+        let mailbox_len = at.u32()? as usize;
+        let mailbox_md = at.take(mailbox_len)?;
         if !at.0.is_empty() {
             return Err(NixlError::Wire("trailing bytes"));
         }
         Ok(Decoded {
             epoch,
+            mailbox,
             regions,
             conn,
             md,
+            mailbox_md,
         })
     }
 
@@ -900,9 +944,12 @@ pub struct Peer<'a, 'd, 'id, B: Backend> {
     name: String,
     epoch: u64,
     regions: Vec<(u64, u64)>,
-    /// The peer's connection information, loaded again after its regions' metadata is
-    /// invalidated so that the acknowledgement can still be sent.
+    /// The peer's mailbox, where the acknowledgement lands.
+    mailbox: u64,
+    /// The peer's connection information and its mailbox's descriptor, loaded again after its
+    /// regions' metadata is invalidated, so that the acknowledgement can still be sent.
     conn: Vec<u8>,
+    mailbox_md: Vec<u8>,
     /// A transfer with it did not finish: no acknowledgement may be sent.
     tainted: AtomicBool,
     finished: bool,
@@ -971,15 +1018,39 @@ impl<B: Backend> Peer<'_, '_, '_, B> {
         if self.tainted.load(Ordering::Acquire) {
             return Err(NixlError::Tainted(self.name.clone()));
         }
-        // Connection information only: no region of the peer's is reachable through it.
-        raw.load_remote_md(&self.conn)
-            .map_err(engine("loadRemoteMD"))?;
+        // Connection information and the mailbox only: no region of the peer's is reachable.
+        for part in [&self.conn, &self.mailbox_md] {
+            raw.load_remote_md(part).map_err(engine("loadRemoteMD"))?;
+        }
+        // The acknowledgement rides on a write into the peer's mailbox, whose completion says
+        // it went out (a bare notification may be dropped if this agent goes right after).
         let mut message = DONE.to_vec();
         message.extend_from_slice(self.epoch.to_string().as_bytes());
-        // The connection information stays loaded (it reaches no memory): invalidating it
-        // now could drop the acknowledgement before it is sent.
-        raw.send_notification(&self.name, &message, None)
-            .map_err(engine("genNotif"))
+        let own = &self.agent.mailbox;
+        let mut mine = XferDescList::new(MemType::Dram).map_err(engine("createXferDlist"))?;
+        mine.add_desc(own.addr, 8, 0);
+        let mut theirs = XferDescList::new(MemType::Dram).map_err(engine("createXferDlist"))?;
+        theirs.add_desc(self.mailbox as usize, 8, 0);
+        let mut args = nixl_sys::OptArgs::new().map_err(engine("createOptArgs"))?;
+        args.set_has_notification(true)
+            .map_err(engine("optArgsSetHasNotif"))?;
+        args.set_notification_message(&message)
+            .map_err(engine("optArgsSetNotifMsg"))?;
+        let req = raw
+            .create_xfer_req(XferOp::Write, &mine, &theirs, &self.name, Some(&args))
+            .map_err(engine("createXferReq"))?;
+        let never = AtomicBool::new(false);
+        let mut ack = Transfer {
+            raw,
+            req: Some(req),
+            poisoned: &never, // the mailbox is never given back: nothing to poison
+            tainted: &never,
+            bytes: 8,
+            done: true, // until posted
+        };
+        let posted = raw.post_xfer_req(ack.req.as_ref().expect("just made"), None);
+        ack.done = !posted.map_err(engine("postXferReq"))?;
+        ack.wait(DROP_WAIT)
     }
 }
 

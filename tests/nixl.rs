@@ -119,3 +119,320 @@ fn wait_until(mut ready: impl FnMut() -> bool) {
         std::thread::sleep(std::time::Duration::from_millis(1));
     }
 }
+
+/// Two devices, their bindings and an agent on each, for one test.
+macro_rules! two_sides {
+    ($pd:ident, $pb:ident, $prefill:ident, $dd:ident, $db:ident, $decode:ident, $suffix:literal) => {
+        make_guard!(gp);
+        let $pd = Device::new(gp, HostBackend::with_defaults()?);
+        make_guard!(gd);
+        let $dd = Device::new(gd, HostBackend::with_defaults()?);
+        let $pb = $pd.bind(Budget::unlimited())?;
+        let $db = $dd.bind(Budget::unlimited())?;
+        let $prefill = agent(&$pd, concat!("prefill-", $suffix));
+        let $decode = agent(&$dd, concat!("decode-", $suffix));
+    };
+}
+
+/// A READ: the decode side pulls a prefill token's memory (vLLM's usual direction) into its
+/// own, mutably borrowed while the transfer runs, then checks every byte; the prefill side
+/// gives its token back once decode is done.
+#[test]
+fn a_read_pulls_a_peers_memory_byte_for_byte()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    two_sides!(pd, pb, prefill, dd, db, decode, "r");
+    let mut kv = pb.reserve(LEN)?.commit()?;
+    fill(kv.as_mut_slice(), 9);
+    let mut offered = prefill.register(kv)?;
+    let offer = prefill.offer("decode-r", &mut [&mut offered])?;
+
+    let peer = decode.load(offer.as_bytes())?;
+    let mut into = decode.register(db.reserve(LEN)?.commit()?)?;
+    let read = decode.read(
+        &mut into,
+        &[(0, LEN)],
+        &peer,
+        &[peer.range(0, 0, LEN)?],
+        None,
+    )?;
+    read.wait(DROP_WAIT)?;
+    check(into.token()?.as_slice(), 9); // never offered: lent at once
+    peer.done()?;
+    wait_until(|| offered.token().is_ok());
+    drop(offered.release()?);
+    drop(into.release()?);
+    drop((pb, db));
+    drop((prefill, decode));
+    assert!(pd.close().is_clean());
+    assert!(dd.close().is_clean());
+    Ok(())
+}
+
+/// Memory offered to a peer that never says it is done is withheld for good when released:
+/// the error and the device name the peer, the ledger counts it quarantined, and no later
+/// reservation of the device ever lands on it. An acknowledgement covers the offers made up to
+/// it, not a later one. The same release after the peer's acknowledgement gives the token back.
+/// Fails if a release ignores the exposure (the token comes back, and its address is handed out
+/// again), or if an acknowledgement covers later offers.
+#[test]
+fn memory_offered_without_the_peers_proof_is_withheld_and_never_reused()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    two_sides!(pd, pb, prefill, dd, db, decode, "q");
+    let mut acked = decode.register(db.reserve(LEN)?.commit()?)?;
+    let mut reoffered = decode.register(db.reserve(LEN)?.commit()?)?;
+    let mut stray = decode.register(db.reserve(LEN)?.commit()?)?;
+
+    let offer = decode.offer("prefill-q", &mut [&mut acked, &mut reoffered])?;
+    let peer = prefill.load(offer.as_bytes())?;
+    assert_eq!(peer.regions().len(), 2);
+    peer.done()?; // invalidated, then acknowledged: covers this offer
+    wait_until(|| acked.token().is_ok());
+    // Offered again after the acknowledgement: exposed again, and not covered by it.
+    let _again = decode.offer("prefill-q", &mut [&mut reoffered])?;
+    // Offered to a peer that never loads it nor says anything.
+    let _never = decode.offer("stray", &mut [&mut stray])?;
+
+    drop(acked.release()?);
+    let e = reoffered
+        .release()
+        .expect_err("the later offer was never acknowledged");
+    assert!(e.to_string().contains("peer prefill-q"), "{e}");
+    let e = stray.release().expect_err("never acknowledged");
+    assert!(e.to_string().contains("peer stray"), "{e}");
+
+    let withheld = dd.withheld_for_peers();
+    let peers: Vec<_> = withheld.iter().map(|w| w.peer.as_str()).collect();
+    assert_eq!(peers, ["prefill-q", "stray"]);
+    assert_eq!(dd.ledger().quarantined, 2);
+    let later = (0..64)
+        .map(|_| Ok(db.reserve(LEN)?.commit()?))
+        .collect::<Result<Vec<_>, memtoken::Error>>()?;
+    for w in &withheld {
+        assert!(
+            later
+                .iter()
+                .all(|t| t.addr() + t.len() <= w.addr || w.addr + w.len <= t.addr()),
+            "a later allocation landed on memory withheld for {}",
+            w.peer
+        );
+    }
+    drop(later);
+    drop((pb, db));
+    drop((prefill, decode));
+    let report = dd.close();
+    assert!(!report.is_clean(), "withheld memory stays counted");
+    assert_eq!(report.withheld_for_peers, withheld);
+    assert!(pd.close().is_clean());
+    Ok(())
+}
+
+// ---- Two processes: this binary re-run as the peer, talking over a Unix socket (the test
+// harness owns stdout). ----
+
+use std::io::{Read, Write};
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::process::{Child, Command};
+
+/// Set in a child run as the peer: the socket to connect to.
+const ROLE: &str = "MEMTOKEN_NIXL_PEER";
+
+fn send(to: &mut impl Write, bytes: &[u8]) {
+    to.write_all(&(bytes.len() as u32).to_le_bytes()).unwrap();
+    to.write_all(bytes).unwrap();
+    to.flush().unwrap();
+}
+
+fn recv(from: &mut impl Read) -> Vec<u8> {
+    let mut len = [0; 4];
+    from.read_exact(&mut len).unwrap();
+    let mut bytes = vec![0; u32::from_le_bytes(len) as usize];
+    from.read_exact(&mut bytes).unwrap();
+    bytes
+}
+
+/// This binary again, running only `test` as its peer, and the socket to it.
+fn peer_process(test: &str) -> (Child, UnixStream) {
+    peer_process_with(test, &[])
+}
+
+/// As [`peer_process`], with more environment for the child.
+fn peer_process_with(test: &str, env: &[(&str, &str)]) -> (Child, UnixStream) {
+    let path = std::env::temp_dir().join(format!("memtoken-nixl-{}.sock", std::process::id()));
+    let _ = std::fs::remove_file(&path);
+    let listener = UnixListener::bind(&path).unwrap();
+    let child = Command::new(std::env::current_exe().unwrap())
+        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .env(ROLE, &path)
+        .envs(env.iter().copied())
+        .spawn()
+        .unwrap();
+    let (socket, _) = listener.accept().unwrap();
+    let _ = std::fs::remove_file(&path);
+    (child, socket)
+}
+
+/// The socket to the parent, in a child run as the peer.
+fn parent() -> Option<UnixStream> {
+    std::env::var(ROLE)
+        .ok()
+        .map(|path| UnixStream::connect(path).unwrap())
+}
+
+/// Prefill and decode in two processes (disaggregated serving): prefill offers its K/V and a
+/// region for decode's answer; decode READs the K/V, checks every byte, WRITEs its answer with
+/// a notification, and says it is done; prefill receives the notification, sees the answer byte
+/// for byte once decode is done, and gives everything back.
+#[test]
+fn two_processes_read_and_write_each_others_memory()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    const TEST: &str = "two_processes_read_and_write_each_others_memory";
+    if let Some(socket) = parent() {
+        return decode_process(socket);
+    }
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults()?);
+    let binding = device.bind(Budget::unlimited())?;
+    let prefill = agent(&device, "prefill-2p");
+    let mut kv = binding.reserve(LEN)?.commit()?;
+    fill(kv.as_mut_slice(), 21);
+    let mut kv = prefill.register(kv)?;
+    let mut answer = prefill.register(binding.reserve(LEN)?.commit()?)?;
+    let offer = prefill.offer("decode-2p", &mut [&mut kv, &mut answer])?;
+
+    let (mut child, mut socket) = peer_process(TEST);
+    send(&mut socket, offer.as_bytes());
+    let n = wait_for_notification(&prefill);
+    assert_eq!(
+        (n.from.as_str(), n.message.as_slice()),
+        ("decode-2p", &b"answered"[..])
+    );
+    let said = recv(&mut socket);
+    assert_eq!(said, b"ok");
+    assert!(
+        child.wait()?.success(),
+        "the decode process's checks failed"
+    );
+    wait_until(|| answer.token().is_ok());
+    check(answer.token()?.as_slice(), 77);
+    drop(kv.release()?);
+    drop(answer.release()?);
+    drop(binding);
+    drop(prefill);
+    assert!(device.close().is_clean());
+    Ok(())
+}
+
+/// The decode side of the test above, in the child.
+fn decode_process(mut socket: UnixStream) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let offer = recv(&mut socket);
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults()?);
+    let binding = device.bind(Budget::unlimited())?;
+    let decode = agent(&device, "decode-2p");
+    let peer = decode.load(&offer)?;
+    let mut into = decode.register(binding.reserve(LEN)?.commit()?)?;
+    decode
+        .read(
+            &mut into,
+            &[(0, LEN)],
+            &peer,
+            &[peer.range(0, 0, LEN)?],
+            None,
+        )?
+        .wait(DROP_WAIT)?;
+    check(into.token()?.as_slice(), 21);
+    let mut mine = into.release()?;
+    fill(mine.as_mut_slice(), 77);
+    let mine = decode.register(mine)?;
+    decode
+        .write(
+            &mine,
+            &[(0, LEN)],
+            &peer,
+            &[peer.range(1, 0, LEN)?],
+            Some(b"answered"),
+        )?
+        .wait(DROP_WAIT)?;
+    peer.done()?;
+    drop(mine.release()?);
+    drop(binding);
+    drop(decode);
+    assert!(device.close().is_clean());
+    send(&mut socket, b"ok");
+    Ok(())
+}
+
+/// A peer process killed in the middle of a large READ (over TCP, where UCX moves the bytes in
+/// the background; the default shared-memory path copies within the post): the transfer's drop
+/// returns within DROP_WAIT (and a margin), its local registration is poisoned, and releasing it
+/// withholds the memory — no later allocation lands on it. Fails if the drop leaves the
+/// registration clean (the token comes back under an engine that may still write it).
+#[test]
+fn a_peer_killed_mid_transfer_leaves_the_memory_withheld()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    const TEST: &str = "a_peer_killed_mid_transfer_leaves_the_memory_withheld";
+    const BIG: usize = 256 << 20;
+    if let Some(mut socket) = parent() {
+        make_guard!(guard);
+        let device = Device::new(guard, HostBackend::with_defaults()?);
+        let binding = device.bind(Budget::unlimited())?;
+        let target = agent(&device, "target-k");
+        let mut offered = target.register(binding.reserve(BIG)?.commit()?)?;
+        let offer = target.offer("initiator-k", &mut [&mut offered])?;
+        send(&mut socket, offer.as_bytes());
+        loop {
+            std::thread::park(); // killed here
+        }
+    }
+    // SAFETY: the NIXL tests run on one thread (`--test-threads=1`), and no agent (nor UCX)
+    // exists in this process while the variable changes; it is removed below.
+    unsafe { std::env::set_var("UCX_TLS", "tcp") };
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults()?);
+    let binding = device.bind(Budget::unlimited())?;
+    let initiator = agent(&device, "initiator-k");
+    // SAFETY: as above; UCX read its settings as the agent was made.
+    unsafe { std::env::remove_var("UCX_TLS") };
+    let (mut child, mut socket) = peer_process_with(TEST, &[("UCX_TLS", "tcp")]);
+    let offer = recv(&mut socket);
+    let peer = initiator.load(&offer)?;
+    let mut into = initiator.register(binding.reserve(BIG)?.commit()?)?;
+    let read = initiator.read(
+        &mut into,
+        &[(0, BIG)],
+        &peer,
+        &[peer.range(0, 0, BIG)?],
+        None,
+    )?;
+    child.kill()?;
+    let start = std::time::Instant::now();
+    drop(read);
+    let took = start.elapsed();
+    eprintln!("the dropped READ returned after {took:?}");
+    assert!(
+        took < DROP_WAIT + std::time::Duration::from_millis(500),
+        "the drop took {took:?}"
+    );
+    assert!(
+        into.is_poisoned(),
+        "the READ did not finish: the registration is poisoned"
+    );
+    child.wait()?;
+    assert!(
+        matches!(peer.done(), Err(NixlError::Tainted(_))),
+        "no acknowledgement after an unfinished transfer"
+    );
+    let e = into.release().expect_err("withheld");
+    assert!(e.to_string().contains("an unfinished transfer"), "{e}");
+    let withheld = device.withheld_for_peers();
+    assert_eq!(withheld.len(), 1);
+    let later = binding.reserve(BIG)?.commit()?;
+    let w = &withheld[0];
+    assert!(later.addr() + later.len() <= w.addr || w.addr + w.len <= later.addr());
+    drop(later);
+    drop(binding);
+    drop(initiator);
+    let report = device.close();
+    assert_eq!(report.withheld_for_peers.len(), 1);
+    Ok(())
+}

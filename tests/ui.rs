@@ -2,6 +2,8 @@
 
 /// Cases about the CUDA device views, which exist only with feature `cuda`.
 const CUDA_ONLY: &[&str] = &["device_view_of_non_pod.rs", "view_across_release.rs"];
+/// Cases about NIXL transfers, which exist only with feature `nixl`.
+const NIXL_ONLY: &[&str] = &["release_under_transfer.rs"];
 
 #[test]
 fn ui() {
@@ -12,7 +14,8 @@ fn ui() {
         .filter(|path| path.extension().is_some_and(|e| e == "rs"))
         .filter(|path| {
             let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");
-            cfg!(feature = "cuda") || !CUDA_ONLY.contains(&name)
+            (cfg!(feature = "cuda") || !CUDA_ONLY.contains(&name))
+                && (cfg!(feature = "nixl") || !NIXL_ONLY.contains(&name))
         })
         .collect();
     cases.sort();

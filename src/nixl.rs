@@ -42,6 +42,7 @@ use crate::allocation::Allocation;
 use crate::backend::{Addr, Backend, Location};
 use crate::device::Device;
 use crate::error::TransitionError;
+use crate::page_pool::{PagePool, PageTable};
 use crate::state::Committed;
 use crate::transfer::Registrable;
 use nixl_sys::{MemType, NotificationMap, RegDescList, XferDescList, XferOp, XferStatus};
@@ -554,12 +555,29 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         remote: &[RemoteRange],
         notify: Option<&[u8]>,
     ) -> Result<Transfer<'t>, NixlError> {
-        if !std::ptr::eq(local.agent.raw_ptr(), self.raw_ptr())
-            || !std::ptr::eq(peer.agent.raw_ptr(), self.raw_ptr())
-        {
+        if !std::ptr::eq(local.agent.raw_ptr(), self.raw_ptr()) {
             return Err(NixlError::OtherAgent);
         }
-        let (mine, theirs) = lists(&local.span, ranges, remote)?;
+        let pieces = pieces(&local.span, ranges)?;
+        self.start(op, &pieces, &local.poisoned, peer, remote, notify)
+    }
+
+    /// Posts a transfer of local `pieces` (in registered memory whose poison flag is
+    /// `poisoned`) to or from `remote`.
+    fn start<'t>(
+        &'t self,
+        op: XferOp,
+        pieces: &[(Addr, usize)],
+        poisoned: &'t AtomicBool,
+        peer: &'t Peer<'_, '_, 'id, B>,
+        remote: &[RemoteRange],
+        notify: Option<&[u8]>,
+    ) -> Result<Transfer<'t>, NixlError> {
+        if !std::ptr::eq(peer.agent.raw_ptr(), self.raw_ptr()) {
+            return Err(NixlError::OtherAgent);
+        }
+        let (mem, dev) = kind(self.device.backend().location())?;
+        let (mine, theirs) = lists(mem, dev, pieces, remote)?;
         let mut args = nixl_sys::OptArgs::new().map_err(engine("createOptArgs"))?;
         if let Some(message) = notify {
             args.set_has_notification(true)
@@ -574,24 +592,116 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         let mut transfer = Transfer {
             raw: &self.raw,
             req: Some(req),
-            poisoned: &local.poisoned,
+            poisoned,
             tainted: &peer.tainted,
-            bytes: ranges.iter().map(|r| r.1).sum(),
-            done: false,
+            bytes: pieces.iter().map(|p| p.1).sum(),
+            done: true, // until posted: a request never posted is only released
         };
         let posted = self
             .raw
             .post_xfer_req(transfer.req.as_ref().expect("just made"), None);
-        match posted {
-            Ok(in_progress) => {
-                transfer.done = !in_progress;
-                Ok(transfer)
-            }
-            // Not posted: the engine has nothing of it (the request is released as it drops).
-            Err(e) => {
-                transfer.done = true;
-                Err(engine("postXferReq")(e))
-            }
+        transfer.done = !posted.map_err(engine("postXferReq"))?;
+        Ok(transfer)
+    }
+
+    /// Registers `pool`'s chunks with NIXL — those it has, and those it grows later (each
+    /// registered before a transfer uses it) — for transfers of its pages
+    /// ([`write_pages`](Self::write_pages), [`read_pages`](Self::read_pages)). The pool is not
+    /// offered to peers: its pages lend `&[u8]`, which a peer's write could change.
+    ///
+    /// # Errors
+    ///
+    /// NIXL's error.
+    pub fn register_pool<'p, 'pool, 'b>(
+        &self,
+        pool: &'p PagePool<'pool, 'b, 'id, B>,
+    ) -> Result<RegisteredPool<'_, 'p, 'pool, 'b, 'id, B>, NixlError> {
+        kind(self.device.backend().location())?;
+        let registered = RegisteredPool {
+            agent: self,
+            pool,
+            chunks: std::cell::RefCell::new(Vec::new()),
+            poisoned: AtomicBool::new(false),
+        };
+        registered.sync()?;
+        Ok(registered)
+    }
+
+    /// A WRITE of the pages at `positions` of `table` (a table of `pool`'s pages) into
+    /// `remote`'s ranges, one page each, then `notify`. The transfer holds the table until it
+    /// is done ([`PageTransfer::wait`] hands it back): if it does not finish, its pages are
+    /// withheld for good rather than written, freed or handed out under the engine.
+    ///
+    /// # Errors
+    ///
+    /// As for [`write`](Self::write), with the table handed back.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)] // both sides and the notification
+    pub fn write_pages<'t, 'p, 'pool, 'b>(
+        &'t self,
+        pool: &'t RegisteredPool<'_, 'p, 'pool, 'b, 'id, B>,
+        table: PageTable<'p, 'pool, 'b, 'id, B>,
+        positions: &[usize],
+        peer: &'t Peer<'_, '_, 'id, B>,
+        remote: &[RemoteRange],
+        notify: Option<&[u8]>,
+    ) -> Result<
+        PageTransfer<'t, 'p, 'pool, 'b, 'id, B>,
+        TransitionError<PageTable<'p, 'pool, 'b, 'id, B>, NixlError>,
+    > {
+        self.pages(XferOp::Write, pool, table, positions, peer, remote, notify)
+    }
+
+    /// A READ of `remote`'s ranges into the pages at `positions` of `table`, one page each,
+    /// then `notify`; the transfer holds the table as for
+    /// [`write_pages`](Self::write_pages).
+    ///
+    /// # Errors
+    ///
+    /// As for [`write`](Self::write), with the table handed back.
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)] // both sides and the notification
+    pub fn read_pages<'t, 'p, 'pool, 'b>(
+        &'t self,
+        pool: &'t RegisteredPool<'_, 'p, 'pool, 'b, 'id, B>,
+        table: PageTable<'p, 'pool, 'b, 'id, B>,
+        positions: &[usize],
+        peer: &'t Peer<'_, '_, 'id, B>,
+        remote: &[RemoteRange],
+        notify: Option<&[u8]>,
+    ) -> Result<
+        PageTransfer<'t, 'p, 'pool, 'b, 'id, B>,
+        TransitionError<PageTable<'p, 'pool, 'b, 'id, B>, NixlError>,
+    > {
+        self.pages(XferOp::Read, pool, table, positions, peer, remote, notify)
+    }
+
+    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
+    fn pages<'t, 'p, 'pool, 'b>(
+        &'t self,
+        op: XferOp,
+        pool: &'t RegisteredPool<'_, 'p, 'pool, 'b, 'id, B>,
+        table: PageTable<'p, 'pool, 'b, 'id, B>,
+        positions: &[usize],
+        peer: &'t Peer<'_, '_, 'id, B>,
+        remote: &[RemoteRange],
+        notify: Option<&[u8]>,
+    ) -> Result<
+        PageTransfer<'t, 'p, 'pool, 'b, 'id, B>,
+        TransitionError<PageTable<'p, 'pool, 'b, 'id, B>, NixlError>,
+    > {
+        let started = pool
+            .pieces(self, &table, positions)
+            .and_then(|pieces| self.start(op, &pieces, &pool.poisoned, peer, remote, notify));
+        match started {
+            Ok(transfer) => Ok(PageTransfer {
+                transfer,
+                pool: pool.pool,
+                table: Some(table),
+                failed: false,
+            }),
+            Err(cause) => Err(TransitionError {
+                token: table,
+                cause,
+            }),
         }
     }
 }
@@ -604,35 +714,46 @@ impl<B: Backend> fmt::Debug for Agent<'_, '_, B> {
     }
 }
 
-/// NIXL's descriptor lists for a transfer between `span`'s `ranges` (offset, length) and
-/// `remote`, checked: in range, in pairs of equal lengths.
+/// `span`'s `ranges` (offset, length) as absolute pieces, each checked to lie in it.
+fn pieces(span: &Span, ranges: &[(usize, usize)]) -> Result<Vec<(Addr, usize)>, NixlError> {
+    ranges
+        .iter()
+        .map(|&(offset, len)| {
+            if offset.checked_add(len).is_none_or(|end| end > span.len) {
+                return Err(NixlError::Range {
+                    offset,
+                    len,
+                    size: span.len,
+                });
+            }
+            Ok((span.addr + offset, len))
+        })
+        .collect()
+}
+
+/// NIXL's descriptor lists for a transfer between local `pieces` (address, length) and
+/// `remote`, in pairs of equal lengths.
 fn lists(
-    span: &Span,
-    ranges: &[(usize, usize)],
+    mem: MemType,
+    dev: u64,
+    pieces: &[(Addr, usize)],
     remote: &[RemoteRange],
 ) -> Result<(XferDescList<'static>, XferDescList<'static>), NixlError> {
-    if ranges.len() != remote.len() || ranges.iter().zip(remote).any(|(l, r)| l.1 != r.len) {
+    if pieces.len() != remote.len() || pieces.iter().zip(remote).any(|(l, r)| l.1 != r.len) {
         return Err(NixlError::Mismatch {
-            local: ranges.len(),
-            local_bytes: ranges.iter().map(|r| r.1).sum(),
+            local: pieces.len(),
+            local_bytes: pieces.iter().map(|r| r.1).sum(),
             remote: remote.len(),
             remote_bytes: remote.iter().map(|r| r.len).sum(),
         });
     }
-    let mut mine = XferDescList::new(span.mem).map_err(engine("createXferDlist"))?;
-    for &(offset, len) in ranges {
-        if offset.checked_add(len).is_none_or(|end| end > span.len) {
-            return Err(NixlError::Range {
-                offset,
-                len,
-                size: span.len,
-            });
-        }
-        mine.add_desc(span.addr + offset, len, span.dev);
+    let mut mine = XferDescList::new(mem).map_err(engine("createXferDlist"))?;
+    for &(addr, len) in pieces {
+        mine.add_desc(addr, len, dev);
     }
-    let mut theirs = XferDescList::new(span.mem).map_err(engine("createXferDlist"))?;
+    let mut theirs = XferDescList::new(mem).map_err(engine("createXferDlist"))?;
     for r in remote {
-        theirs.add_desc(r.addr as usize, r.len, span.dev);
+        theirs.add_desc(r.addr as usize, r.len, dev);
     }
     Ok((mine, theirs))
 }
@@ -823,6 +944,100 @@ impl<B: Backend, S: Registrable> fmt::Debug for Registered<'_, '_, '_, B, S> {
         f.debug_struct("Registered")
             .field("addr", &format_args!("{:#x}", self.span.addr))
             .field("len", &self.span.len)
+            .field("poisoned", &self.is_poisoned())
+            .finish()
+    }
+}
+
+/// A page pool registered with NIXL by an [`Agent`] ([`Agent::register_pool`]): it borrows the
+/// pool; its chunks are registered as the pool grows; a page transfer borrows it and the
+/// table. If a transfer of its pages did not finish, the pool keeps its chunks for good (never
+/// shrunk, withheld as it drops).
+pub struct RegisteredPool<'a, 'p, 'pool, 'b, 'id, B: Backend> {
+    agent: &'a Agent<'a, 'id, B>,
+    pool: &'p PagePool<'pool, 'b, 'id, B>,
+    /// The chunks registered: range and NIXL's handle.
+    chunks: std::cell::RefCell<Vec<(Addr, usize, nixl_sys::RegistrationHandle)>>,
+    poisoned: AtomicBool,
+}
+
+impl<'pool, 'b, 'id, B: Backend> RegisteredPool<'_, '_, 'pool, 'b, 'id, B> {
+    /// Registers the chunks the pool grew since, and lets go of those it released.
+    fn sync(&self) -> Result<(), NixlError> {
+        let live = self.pool.chunk_ranges();
+        let mut chunks = self.chunks.borrow_mut();
+        chunks.retain(|(addr, len, _)| live.contains(&(*addr, *len)));
+        let (mem, dev) = kind(self.agent.device.backend().location())?;
+        for (addr, len) in live {
+            if chunks.iter().any(|c| c.0 == addr) {
+                continue;
+            }
+            let span = Span {
+                addr,
+                len,
+                mem,
+                dev,
+            };
+            let handle = self
+                .agent
+                .raw
+                .register_memory(&span, None)
+                .map_err(engine("registerMem"))?;
+            chunks.push((addr, len, handle));
+        }
+        Ok(())
+    }
+
+    /// The pages at `positions` of `table` as pieces, their chunks registered.
+    fn pieces(
+        &self,
+        agent: &Agent<'_, 'id, B>,
+        table: &PageTable<'_, 'pool, 'b, 'id, B>,
+        positions: &[usize],
+    ) -> Result<Vec<(Addr, usize)>, NixlError> {
+        if !std::ptr::eq(self.agent.raw_ptr(), agent.raw_ptr()) {
+            return Err(NixlError::OtherAgent);
+        }
+        self.sync()?;
+        let size = table.page_size();
+        positions
+            .iter()
+            .map(|&at| {
+                if at >= table.len() {
+                    return Err(NixlError::Range {
+                        offset: at,
+                        len: 1,
+                        size: table.len(),
+                    });
+                }
+                Ok((table.addr(at), size))
+            })
+            .collect()
+    }
+
+    /// Whether a transfer of its pages did not finish: the pool keeps its chunks for good.
+    pub fn is_poisoned(&self) -> bool {
+        self.poisoned.load(Ordering::Acquire)
+    }
+}
+
+impl<B: Backend> Drop for RegisteredPool<'_, '_, '_, '_, '_, B> {
+    fn drop(&mut self) {
+        let chunks = std::mem::take(self.chunks.get_mut());
+        if self.is_poisoned() {
+            // The engine may still run a request over them: NIXL's registrations stay, and
+            // the pool never releases the chunks.
+            self.pool.hold_for("an unfinished transfer".to_owned());
+            std::mem::forget(chunks);
+        }
+        // Otherwise each chunk is deregistered as its handle drops.
+    }
+}
+
+impl<B: Backend> fmt::Debug for RegisteredPool<'_, '_, '_, '_, '_, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RegisteredPool")
+            .field("chunks", &self.chunks.borrow().len())
             .field("poisoned", &self.is_poisoned())
             .finish()
     }
@@ -1172,5 +1387,76 @@ impl fmt::Debug for Transfer<'_> {
             .field("bytes", &self.bytes)
             .field("done", &self.done)
             .finish()
+    }
+}
+
+/// A posted transfer of a page table's pages ([`Agent::write_pages`], [`Agent::read_pages`]):
+/// it holds the table until it is done. Dropped before, it waits as a [`Transfer`] does; if the
+/// transfer did not finish, the table's pages are withheld for good (never freed, never handed
+/// out again) and the pool keeps its chunks.
+#[must_use = "a transfer dropped at once waits for itself"]
+pub struct PageTransfer<'t, 'p, 'pool, 'b, 'id, B: Backend> {
+    transfer: Transfer<'t>,
+    pool: &'p PagePool<'pool, 'b, 'id, B>,
+    table: Option<PageTable<'p, 'pool, 'b, 'id, B>>,
+    /// It failed or timed out: the engine may still touch the table's pages.
+    failed: bool,
+}
+
+impl<'p, 'pool, 'b, 'id, B: Backend> PageTransfer<'_, 'p, 'pool, 'b, 'id, B> {
+    /// The bytes it moves.
+    pub fn bytes(&self) -> usize {
+        self.transfer.bytes()
+    }
+
+    /// Whether it is done, asking NIXL once.
+    ///
+    /// # Errors
+    ///
+    /// NIXL's error: the transfer failed (the pages are withheld as it drops).
+    pub fn poll(&mut self) -> Result<bool, NixlError> {
+        let polled = self.transfer.poll();
+        self.failed |= polled.is_err();
+        polled
+    }
+
+    /// Waits until it is done, for at most `limit`, and hands the table back.
+    ///
+    /// # Errors
+    ///
+    /// NIXL's error, or [`NixlError::TimedOut`]: the table's pages are withheld for good.
+    pub fn wait(mut self, limit: Duration) -> Result<PageTable<'p, 'pool, 'b, 'id, B>, NixlError> {
+        let start = Instant::now();
+        while !self.poll()? {
+            if start.elapsed() >= limit {
+                self.transfer.give_up(true);
+                self.failed = true;
+                return Err(NixlError::TimedOut(limit));
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
+        Ok(self.table.take().expect("held until handed back"))
+    }
+}
+
+impl<B: Backend> Drop for PageTransfer<'_, '_, '_, '_, '_, B> {
+    fn drop(&mut self) {
+        if !self.transfer.done {
+            self.failed |= self.transfer.wait_in_drop().is_err();
+        }
+        if let Some(table) = self.table.take()
+            && self.failed
+        {
+            self.pool
+                .withhold_table(table, "an unfinished transfer".to_owned());
+        }
+    }
+}
+
+impl<B: Backend> fmt::Debug for PageTransfer<'_, '_, '_, '_, '_, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PageTransfer")
+            .field("transfer", &self.transfer)
+            .finish_non_exhaustive()
     }
 }

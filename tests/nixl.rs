@@ -226,6 +226,105 @@ fn memory_offered_without_the_peers_proof_is_withheld_and_never_reused()
     Ok(())
 }
 
+/// Pages of a pool, moved as lists: prefill WRITEs eight pages of its pool table (scattered in
+/// the pool) into decode's region with a notification; decode READs them back into pages of
+/// its own pool; every byte checked on both. The transfers hold the tables and hand them back.
+#[test]
+fn a_list_of_pool_pages_goes_both_ways_byte_for_byte()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    const PAGE: usize = 64 << 10;
+    two_sides!(pd, pb, prefill, dd, db, decode, "p");
+    make_guard!(ppg);
+    let prefill_pool = memtoken::PagePool::new(ppg, &pb, PAGE)?;
+    make_guard!(dpg);
+    let decode_pool = memtoken::PagePool::new(dpg, &db, PAGE)?;
+    let mut region = decode.register(db.reserve(LEN)?.commit()?)?;
+    let offer = decode.offer("prefill-p", &mut [&mut region])?;
+    let peer = prefill.load(offer.as_bytes())?;
+
+    // Eight pages, not adjacent: every other page of the pool goes to a table that is dropped.
+    let mut table = prefill_pool.table();
+    let mut spacer = prefill_pool.table();
+    for _ in 0..8 {
+        prefill_pool.push(&mut table)?;
+        prefill_pool.push(&mut spacer)?;
+    }
+    drop(spacer);
+    for position in 0..8 {
+        fill(table.page_mut(position), position as u8);
+    }
+    let registered = prefill.register_pool(&prefill_pool)?;
+    let remote: Vec<_> = (0..8)
+        .map(|i| peer.range(0, i * PAGE, PAGE))
+        .collect::<Result<_, _>>()?;
+    let positions: Vec<usize> = (0..8).collect();
+    let write = prefill
+        .write_pages(
+            &registered,
+            table,
+            &positions,
+            &peer,
+            &remote,
+            Some(b"pages"),
+        )
+        .map_err(memtoken::Error::from)?;
+    assert_eq!(write.bytes(), 8 * PAGE);
+    let table = write.wait(DROP_WAIT)?;
+    assert_eq!(wait_for_notification(&decode).message, b"pages");
+    peer.done()?;
+    wait_until(|| region.token().is_ok());
+    for i in 0..8 {
+        check(
+            &region.token()?.as_slice()[i * PAGE..(i + 1) * PAGE],
+            i as u8,
+        );
+    }
+
+    // Back: decode pulls prefill's pages into its own pool (prefill offers a token this time).
+    let mut back = prefill.register(region_copy(&pb, &table)?)?;
+    let offer = prefill.offer("decode-p", &mut [&mut back])?;
+    let peer = decode.load(offer.as_bytes())?;
+    let registered_back = decode.register_pool(&decode_pool)?;
+    let mut into = decode_pool.table();
+    for _ in 0..8 {
+        decode_pool.push(&mut into)?;
+    }
+    let remote: Vec<_> = (0..8)
+        .map(|i| peer.range(0, i * PAGE, PAGE))
+        .collect::<Result<_, _>>()?;
+    let into = decode
+        .read_pages(&registered_back, into, &positions, &peer, &remote, None)
+        .map_err(memtoken::Error::from)?
+        .wait(DROP_WAIT)?;
+    for i in 0..8 {
+        check(into.page(i), i as u8);
+    }
+    peer.done()?;
+    wait_until(|| back.token().is_ok());
+    drop((into, table));
+    drop((registered, registered_back));
+    drop((back.release()?, region.release()?));
+    drop((prefill_pool, decode_pool));
+    drop((pb, db));
+    drop((prefill, decode));
+    assert!(pd.close().is_clean());
+    assert!(dd.close().is_clean());
+    Ok(())
+}
+
+/// A committed token holding the pages of `table`, in order.
+fn region_copy<'b, 'id>(
+    binding: &'b memtoken::Binding<'b, 'id, HostBackend>,
+    table: &memtoken::PageTable<'_, '_, 'b, 'id, HostBackend>,
+) -> Result<memtoken::Allocation<'b, 'id, HostBackend, memtoken::Committed>, memtoken::Error> {
+    let mut token = binding.reserve(LEN)?.commit()?;
+    let page = table.page_size();
+    for i in 0..table.len() {
+        token.as_mut_slice()[i * page..(i + 1) * page].copy_from_slice(table.page(i));
+    }
+    Ok(token)
+}
+
 // ---- Two processes: this binary re-run as the peer, talking over a Unix socket (the test
 // harness owns stdout). ----
 

@@ -43,6 +43,10 @@ struct PoolState<'b, 'id, B: Backend> {
     meta: Vec<Meta>,
     /// Cached pages no one holds, least recently let go first.
     idle: Lru,
+    /// Set when a transfer engine may still touch the chunks (a NIXL transfer that did not
+    /// finish): who. The chunks are then never released — not by `shrink`, and withheld for
+    /// good as the pool drops.
+    held_for: Option<String>,
 }
 
 /// The most fenced batches a pool keeps cooling: a newer batch takes the newest one's pages
@@ -203,6 +207,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
                     unfenced: Vec::new(),
                     cooling: Vec::new(),
                     withheld: Vec::new(),
+                    held_for: None,
                     extra: Vec::new(),
                     meta: Vec::new(),
                     idle: Lru::new(),
@@ -439,9 +444,13 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         })
     }
 
-    /// Releases every chunk whose pages are all free; returns how many were released.
+    /// Releases every chunk whose pages are all free; returns how many were released (none
+    /// while a transfer engine may still touch the chunks).
     pub fn shrink(&self) -> usize {
         Scope::run::<B, _>(move || {
+            if self.with(|s| s.held_for.is_some()) {
+                return 0;
+            }
             self.reclaim();
             let per_chunk = 1usize << self.pages_per_chunk_shift;
             let shift = self.pages_per_chunk_shift;
@@ -461,6 +470,36 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
             drop(idle); // teardown outside the state: it calls the backend
             n
         })
+    }
+
+    /// The committed chunks' ranges.
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    pub(crate) fn chunk_ranges(&self) -> Vec<(Addr, usize)> {
+        self.with(|s| {
+            s.chunks
+                .iter()
+                .flatten()
+                .map(|c| (c.addr(), c.len()))
+                .collect()
+        })
+    }
+
+    /// From now on the chunks are never released: `who` (a transfer engine's peer, or an
+    /// unfinished transfer) may still touch them; the pool withholds them for good as it drops.
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    pub(crate) fn hold_for(&self, who: String) {
+        self.with(|s| s.held_for = Some(who));
+    }
+
+    /// Withholds `table`'s pages for good — never handed out again — and the pool's chunks
+    /// with them (see [`hold_for`](Self::hold_for)): `who` may still touch them.
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    pub(crate) fn withhold_table(&self, mut table: PageTable<'_, 'pool, 'b, 'id, B>, who: String) {
+        let pages = std::mem::take(&mut table.pages); // the table frees nothing as it drops
+        self.with(|s| {
+            s.withheld.extend_from_slice(&pages);
+            s.held_for = Some(who);
+        });
     }
 
     /// Pages in committed chunks.
@@ -624,6 +663,12 @@ impl<B: Backend> Drop for PageTable<'_, '_, '_, '_, B> {
     }
 }
 
+impl<B: Backend> fmt::Display for PageTable<'_, '_, '_, '_, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "a page table of {} pages", self.pages.len())
+    }
+}
+
 impl<B: Backend> fmt::Debug for PageTable<'_, '_, '_, '_, B> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("PageTable")
@@ -670,6 +715,12 @@ impl<B: Backend> Drop for PagePool<'_, '_, '_, B> {
         for (fence, _) in std::mem::take(&mut self.state.get_mut().cooling) {
             if let Some(fence) = fence {
                 backend.retire_fence(fence);
+            }
+        }
+        let state = self.state.get_mut();
+        if let Some(who) = state.held_for.take() {
+            for chunk in std::mem::take(&mut state.chunks).into_iter().flatten() {
+                chunk.withhold_for_peer(who.clone());
             }
         }
     }

@@ -558,8 +558,14 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         if !std::ptr::eq(local.agent.raw_ptr(), self.raw_ptr()) {
             return Err(NixlError::OtherAgent);
         }
-        let pieces = pieces(&local.span, ranges)?;
-        self.start(op, &pieces, &local.poisoned, peer, remote, notify)
+        self.start(
+            op,
+            pieces(&local.span, ranges),
+            &local.poisoned,
+            peer,
+            remote,
+            notify,
+        )
     }
 
     /// Posts a transfer of local `pieces` (in registered memory whose poison flag is
@@ -567,7 +573,7 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
     fn start<'t>(
         &'t self,
         op: XferOp,
-        pieces: &[(Addr, usize)],
+        pieces: impl ExactSizeIterator<Item = Result<(Addr, usize), NixlError>> + Clone,
         poisoned: &'t AtomicBool,
         peer: &'t Peer<'_, '_, 'id, B>,
         remote: &[RemoteRange],
@@ -577,24 +583,29 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             return Err(NixlError::OtherAgent);
         }
         let (mem, dev) = kind(self.device.backend().location())?;
+        let bytes = pieces.clone().flatten().map(|p| p.1).sum();
         let (mine, theirs) = lists(mem, dev, pieces, remote)?;
-        let mut args = nixl_sys::OptArgs::new().map_err(engine("createOptArgs"))?;
-        if let Some(message) = notify {
-            args.set_has_notification(true)
-                .map_err(engine("optArgsSetHasNotif"))?;
-            args.set_notification_message(message)
-                .map_err(engine("optArgsSetNotifMsg"))?;
-        }
+        let args = match notify {
+            None => None,
+            Some(message) => {
+                let mut args = nixl_sys::OptArgs::new().map_err(engine("createOptArgs"))?;
+                args.set_has_notification(true)
+                    .map_err(engine("optArgsSetHasNotif"))?;
+                args.set_notification_message(message)
+                    .map_err(engine("optArgsSetNotifMsg"))?;
+                Some(args)
+            }
+        };
         let req = self
             .raw
-            .create_xfer_req(op, &mine, &theirs, &peer.name, Some(&args))
+            .create_xfer_req(op, &mine, &theirs, &peer.name, args.as_ref())
             .map_err(engine("createXferReq"))?;
         let mut transfer = Transfer {
             raw: &self.raw,
             req: Some(req),
             poisoned,
             tainted: &peer.tainted,
-            bytes: pieces.iter().map(|p| p.1).sum(),
+            bytes,
             done: true, // until posted: a request never posted is only released
         };
         let posted = self
@@ -688,9 +699,10 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         PageTransfer<'t, 'p, 'pool, 'b, 'id, B>,
         TransitionError<PageTable<'p, 'pool, 'b, 'id, B>, NixlError>,
     > {
-        let started = pool
-            .pieces(self, &table, positions)
-            .and_then(|pieces| self.start(op, &pieces, &pool.poisoned, peer, remote, notify));
+        let started = pool.pieces(self, &table, positions).and_then(|pieces| {
+            let pieces = pieces.into_iter().map(Ok);
+            self.start(op, pieces, &pool.poisoned, peer, remote, notify)
+        });
         match started {
             Ok(transfer) => Ok(PageTransfer {
                 transfer,
@@ -715,44 +727,47 @@ impl<B: Backend> fmt::Debug for Agent<'_, '_, B> {
 }
 
 /// `span`'s `ranges` (offset, length) as absolute pieces, each checked to lie in it.
-fn pieces(span: &Span, ranges: &[(usize, usize)]) -> Result<Vec<(Addr, usize)>, NixlError> {
-    ranges
-        .iter()
-        .map(|&(offset, len)| {
-            if offset.checked_add(len).is_none_or(|end| end > span.len) {
-                return Err(NixlError::Range {
-                    offset,
-                    len,
-                    size: span.len,
-                });
-            }
-            Ok((span.addr + offset, len))
-        })
-        .collect()
+fn pieces<'r>(
+    span: &'r Span,
+    ranges: &'r [(usize, usize)],
+) -> impl ExactSizeIterator<Item = Result<(Addr, usize), NixlError>> + Clone + 'r {
+    ranges.iter().map(move |&(offset, len)| {
+        if offset.checked_add(len).is_none_or(|end| end > span.len) {
+            return Err(NixlError::Range {
+                offset,
+                len,
+                size: span.len,
+            });
+        }
+        Ok((span.addr + offset, len))
+    })
 }
 
-/// NIXL's descriptor lists for a transfer between local `pieces` (address, length) and
-/// `remote`, in pairs of equal lengths.
+/// NIXL's descriptor lists for a transfer between local `pieces` (address, length; or why
+/// one is not) and `remote`, in pairs of equal lengths.
 fn lists(
     mem: MemType,
     dev: u64,
-    pieces: &[(Addr, usize)],
+    pieces: impl ExactSizeIterator<Item = Result<(Addr, usize), NixlError>> + Clone,
     remote: &[RemoteRange],
 ) -> Result<(XferDescList<'static>, XferDescList<'static>), NixlError> {
-    if pieces.len() != remote.len() || pieces.iter().zip(remote).any(|(l, r)| l.1 != r.len) {
-        return Err(NixlError::Mismatch {
-            local: pieces.len(),
-            local_bytes: pieces.iter().map(|r| r.1).sum(),
-            remote: remote.len(),
-            remote_bytes: remote.iter().map(|r| r.len).sum(),
-        });
+    let mismatch = || NixlError::Mismatch {
+        local: pieces.len(),
+        local_bytes: pieces.clone().flatten().map(|p| p.1).sum(),
+        remote: remote.len(),
+        remote_bytes: remote.iter().map(|r| r.len).sum(),
+    };
+    if pieces.len() != remote.len() {
+        return Err(mismatch());
     }
     let mut mine = XferDescList::new(mem).map_err(engine("createXferDlist"))?;
-    for &(addr, len) in pieces {
-        mine.add_desc(addr, len, dev);
-    }
     let mut theirs = XferDescList::new(mem).map_err(engine("createXferDlist"))?;
-    for r in remote {
+    for (piece, r) in pieces.clone().zip(remote) {
+        let (addr, len) = piece?;
+        if len != r.len {
+            return Err(mismatch());
+        }
+        mine.add_desc(addr, len, dev);
         theirs.add_desc(r.addr as usize, r.len, dev);
     }
     Ok((mine, theirs))
@@ -1334,17 +1349,38 @@ impl Transfer<'_> {
     ///
     /// NIXL's error, or [`NixlError::TimedOut`]: the local registration is poisoned.
     pub fn wait(mut self, limit: Duration) -> Result<(), NixlError> {
-        let start = Instant::now();
-        let mut pause = Duration::from_micros(1);
-        while !self.poll()? {
-            if start.elapsed() >= limit {
-                self.give_up(true);
-                return Err(NixlError::TimedOut(limit));
-            }
-            std::thread::sleep(pause);
-            pause = (pause * 2).min(Duration::from_millis(1));
+        if !self.finish_within(limit)? {
+            self.give_up(true);
+            return Err(NixlError::TimedOut(limit));
         }
         Ok(())
+    }
+
+    /// Polls until done or `limit` has passed: whether done. Each poll drives the engine's
+    /// progress, so polls come back to back for the first 100 µs (a transfer of a few pages is
+    /// done by then; the clock is read once every 64 polls), then the thread yields between
+    /// polls up to a millisecond, then sleeps between them (200 µs at most).
+    fn finish_within(&mut self, limit: Duration) -> Result<bool, NixlError> {
+        let start = Instant::now();
+        let mut polls = 0u32;
+        let mut waited = Duration::ZERO;
+        while !self.poll()? {
+            polls = polls.wrapping_add(1);
+            if polls % 64 == 0 || waited >= Duration::from_micros(100) {
+                waited = start.elapsed();
+                if waited >= limit {
+                    return Ok(false);
+                }
+            }
+            if waited < Duration::from_micros(100) {
+                std::hint::spin_loop();
+            } else if waited < Duration::from_millis(1) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_micros(200).min(limit - waited));
+            }
+        }
+        Ok(true)
     }
 
     /// Poisons the local registration and taints the peer; a request still in progress is
@@ -1369,13 +1405,9 @@ impl Drop for Transfer<'_> {
 
 impl Transfer<'_> {
     fn wait_in_drop(&mut self) -> Result<(), NixlError> {
-        let start = Instant::now();
-        while !self.poll()? {
-            if start.elapsed() >= DROP_WAIT {
-                self.give_up(true);
-                return Err(NixlError::TimedOut(DROP_WAIT));
-            }
-            std::thread::sleep(Duration::from_micros(200));
+        if !self.finish_within(DROP_WAIT)? {
+            self.give_up(true);
+            return Err(NixlError::TimedOut(DROP_WAIT));
         }
         Ok(())
     }
@@ -1426,14 +1458,12 @@ impl<'p, 'pool, 'b, 'id, B: Backend> PageTransfer<'_, 'p, 'pool, 'b, 'id, B> {
     ///
     /// NIXL's error, or [`NixlError::TimedOut`]: the table's pages are withheld for good.
     pub fn wait(mut self, limit: Duration) -> Result<PageTable<'p, 'pool, 'b, 'id, B>, NixlError> {
-        let start = Instant::now();
-        while !self.poll()? {
-            if start.elapsed() >= limit {
-                self.transfer.give_up(true);
-                self.failed = true;
-                return Err(NixlError::TimedOut(limit));
-            }
-            std::thread::sleep(Duration::from_micros(100));
+        let finished = self.transfer.finish_within(limit);
+        self.failed |= finished.is_err();
+        if !finished? {
+            self.transfer.give_up(true);
+            self.failed = true;
+            return Err(NixlError::TimedOut(limit));
         }
         Ok(self.table.take().expect("held until handed back"))
     }

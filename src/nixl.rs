@@ -1366,7 +1366,7 @@ impl Transfer<'_> {
         let mut waited = Duration::ZERO;
         while !self.poll()? {
             polls = polls.wrapping_add(1);
-            if polls % 64 == 0 || waited >= Duration::from_micros(100) {
+            if polls.is_multiple_of(64) || waited >= Duration::from_micros(100) {
                 waited = start.elapsed();
                 if waited >= limit {
                     return Ok(false);

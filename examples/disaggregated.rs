@@ -85,7 +85,14 @@ fn prefill(socket: &str, shape: &Shape) -> Result<(), Error> {
         let note = format!("kv {request}");
         let start = Instant::now();
         let table = agent
-            .write_pages(&registered, table, &positions, &peer, &remote, Some(note.as_bytes()))
+            .write_pages(
+                &registered,
+                table,
+                &positions,
+                &peer,
+                &remote,
+                Some(note.as_bytes()),
+            )
             .map_err(memtoken::Error::from)?
             .wait(DROP_WAIT)?;
         moving += start.elapsed();
@@ -117,7 +124,10 @@ fn decode(shape: &Shape) -> Result<(), Error> {
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path)?;
     let mut child = Command::new(std::env::current_exe()?)
-        .args(["--prefill", path.to_str().ok_or("a temp path that is UTF-8")?])
+        .args([
+            "--prefill",
+            path.to_str().ok_or("a temp path that is UTF-8")?,
+        ])
         .args(["--requests", &shape.requests.to_string()])
         .args(["--pages", &shape.pages.to_string()])
         .spawn()?;
@@ -182,9 +192,7 @@ fn decode(shape: &Shape) -> Result<(), Error> {
 
 /// A count given on the command line.
 fn count(arg: &str, value: &str) -> Result<usize, String> {
-    value
-        .parse()
-        .map_err(|e| format!("{arg} {value:?}: {e}"))
+    value.parse().map_err(|e| format!("{arg} {value:?}: {e}"))
 }
 
 fn main() -> Result<(), Error> {

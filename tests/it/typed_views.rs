@@ -27,6 +27,36 @@ fn a_committed_allocation_lends_its_bytes_as_floats_and_back() {
     assert_eq!(a.as_slice_of::<u8>().unwrap(), a.as_slice());
 }
 
+/// A region lends its committed part as `T`s (issue 25): the view's length follows the
+/// region's growth and shrink, the bytes written as `T`s are read back as bytes, and a misfit
+/// is an error.
+#[test]
+fn a_region_lends_its_committed_part_as_typed_views() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let mut region = binding.reserve(4 * g).unwrap().into_region();
+    assert!(
+        region.as_slice_of::<u64>().unwrap().is_empty(),
+        "nothing committed"
+    );
+    region.grow(2).unwrap();
+    let words = region.as_mut_slice_of::<u64>().unwrap();
+    assert_eq!(words.len(), 2 * g / 8);
+    words[g / 8] = 0x0102_0304_0506_0708; // the first word of the second granule
+    assert_eq!(
+        &region.as_slice()[g..g + 8],
+        &0x0102_0304_0506_0708u64.to_ne_bytes()
+    );
+    region.shrink(1).unwrap();
+    assert_eq!(region.as_slice_of::<u64>().unwrap().len(), g / 8);
+    assert!(matches!(
+        region.as_slice_of::<[u8; 3]>(),
+        Err(ViewError::Length { .. })
+    ));
+}
+
 #[test]
 fn an_element_that_does_not_divide_the_length_is_a_length_error() {
     make_guard!(guard);

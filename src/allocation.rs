@@ -448,23 +448,18 @@ impl<B: Backend, S: State> Allocation<'_, '_, B, S> {
     pub(crate) fn withhold_for_peer(self, peer: String) {
         let _scope = Scope::open::<B>();
         let mut this = ManuallyDrop::new(self);
-        // SAFETY: `this` is never dropped, and its parts are taken once, here.
-        let parts = unsafe { ManuallyDrop::take(&mut this.parts) };
-        let core = this.core;
-        let Retired {
-            held,
-            fence,
-            charged,
-        } = retire::<B, S>(core, parts);
-        core.binding
-            .hand_over(core.residual(held), charged, Handover::ForPeer(fence, peer));
+        // SAFETY: `this` is never dropped, so its parts are taken once, here.
+        unsafe { this.give_up(|fence| Handover::ForPeer(fence, peer)) };
     }
-}
 
-impl<B: Backend, S: State> Drop for Allocation<'_, '_, B, S> {
-    fn drop(&mut self) {
-        let _scope = Scope::open::<B>();
-        // SAFETY: `drop` runs once and nothing uses `self.parts` after it.
+    /// Retires the token's parts and hands what is left to the device, which keeps it as
+    /// `custody` says (given the token's fence): the one place a token gives up its residual.
+    ///
+    /// # Safety
+    ///
+    /// Called once; the token is not used after (its parts are taken).
+    unsafe fn give_up(&mut self, custody: impl FnOnce(Wait<B::Fence>) -> Handover<B::Fence>) {
+        // SAFETY: the caller's promise: taken once, never used after.
         let parts = unsafe { ManuallyDrop::take(&mut self.parts) };
         let core = self.core;
         let Retired {
@@ -473,7 +468,15 @@ impl<B: Backend, S: State> Drop for Allocation<'_, '_, B, S> {
             charged,
         } = retire::<B, S>(core, parts);
         core.binding
-            .hand_over(core.residual(held), charged, Handover::Fenced(fence));
+            .hand_over(core.residual(held), charged, custody(fence));
+    }
+}
+
+impl<B: Backend, S: State> Drop for Allocation<'_, '_, B, S> {
+    fn drop(&mut self) {
+        let _scope = Scope::open::<B>();
+        // SAFETY: `drop` runs once and nothing uses `self` after it.
+        unsafe { self.give_up(Handover::Fenced) };
     }
 }
 

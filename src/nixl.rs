@@ -22,11 +22,21 @@
 //! cooperating peer's word: against a peer that does not give it, the withholding is what holds.
 //! A registration that was never offered is in no metadata: no peer can reach it.
 //!
-//! **A transfer that does not finish.** Dropping an in-flight transfer waits until NIXL says
-//! it is done, for at most [`DROP_WAIT`]; if the engine reports an error, or the time runs out
-//! (the peer is gone), the local registration is poisoned — its token can only be withheld, as
-//! above — and the peer is tainted: its [`done`](Peer::done) no longer acknowledges anything.
-//! A request still in progress then is leaked rather than released under the engine.
+//! **A transfer that does not finish.** A transfer counts as in flight on its registration (or
+//! pool) and its peer from before it is posted until a poll sees it complete — so one that is
+//! forgotten (`mem::forget`) stays in flight for good. Dropping an in-flight transfer waits
+//! until NIXL says it is done, for at most [`DROP_WAIT`]; if the engine reports an error, or the
+//! time runs out (the peer is gone), the local registration is poisoned. Either way its token
+//! can only be withheld, as above, a pool keeps its chunks, and the peer cannot acknowledge
+//! anything ([`Peer::done`] refuses). A request still in progress is leaked rather than released
+//! under the engine.
+//!
+//! **Offers.** Only a committed allocation is offered ([`Offered`]). An offer names the agent it
+//! is for, which alone can load it; an agent holds one [`Peer`] of another at a time (a later
+//! offer is added with [`Peer::extend`]), and an offer it acknowledged cannot be loaded again.
+//! A notification may not begin like the acknowledgement ([`NixlError::Reserved`]). These
+//! protect against mistakes, not against a hostile process: another program speaking NIXL can
+//! forge an acknowledgement — the proof is a cooperating peer's word.
 //!
 //! **Bytes.** A registration lends its token ([`Registered::token`]) only while no peer may
 //! touch the memory (never offered, or every peer done) and no transfer runs: never a `&[u8]`
@@ -42,6 +52,7 @@ use crate::allocation::Allocation;
 use crate::backend::{Addr, Backend, Location};
 use crate::device::Device;
 use crate::error::TransitionError;
+use crate::ids::Generation;
 use crate::page_pool::{PagePool, PageTable};
 use crate::state::Committed;
 use crate::transfer::Registrable;
@@ -49,8 +60,8 @@ use nixl_sys::{MemType, NotificationMap, RegDescList, XferDescList, XferOp, Xfer
 use std::collections::HashMap;
 use std::fmt;
 use std::mem::ManuallyDrop;
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 /// The longest a dropped in-flight [`Transfer`] waits for NIXL to say it is done before it
@@ -115,9 +126,52 @@ pub enum NixlError {
         /// Their bytes.
         remote_bytes: usize,
     },
-    /// The transfer did not finish within its time: its local registration is poisoned.
-    #[error("the transfer did not finish within {0:?}: its local registration is poisoned")]
+    /// The transfer did not finish within its time: what it touches is withheld.
+    #[error(
+        "the transfer did not finish within {0:?}: what it touches (its registration, or its \
+         pages and their pool's chunks) is withheld for good"
+    )]
     TimedOut(Duration),
+    /// A page position past the end of its table.
+    #[error("position {position} is past the end of a table of {pages} pages")]
+    Position {
+        /// The position.
+        position: usize,
+        /// The table's pages.
+        pages: usize,
+    },
+    /// A region index past the peer's offered regions.
+    #[error("the peer offered {regions} regions: there is no region {region}")]
+    NoRegion {
+        /// The index.
+        region: usize,
+        /// The regions offered.
+        regions: usize,
+    },
+    /// The metadata was offered to another agent.
+    #[error("the metadata was offered to {offered_to}, not to {loader}")]
+    NotForUs {
+        /// Whom the offer names.
+        offered_to: String,
+        /// The agent loading it.
+        loader: String,
+    },
+    /// A peer of that agent is loaded already: extend it ([`Peer::extend`]).
+    #[error("a Peer of {0} is loaded already (NIXL keeps one metadata per agent): extend it")]
+    AlreadyLoaded(String),
+    /// An offer this agent already said it is done with.
+    #[error("offer {epoch} of {peer} was already acknowledged (up to {acked}): load a newer one")]
+    Stale {
+        /// The offering agent.
+        peer: String,
+        /// The offer's epoch.
+        epoch: u64,
+        /// The last epoch acknowledged.
+        acked: u64,
+    },
+    /// A notification that begins like memtoken's acknowledgement.
+    #[error("a notification may not begin with `memtoken/done/`: that is the acknowledgement's")]
+    Reserved,
     /// The memory may still be touched by these peers or by an unfinished transfer.
     #[error("the memory may still be touched by {}", who(.peers, *.poisoned))]
     Exposed {
@@ -126,11 +180,15 @@ pub enum NixlError {
         /// Whether a transfer that used it did not finish.
         poisoned: bool,
     },
-    /// A peer whose transfer did not finish cannot say it is done.
-    #[error("a transfer to or from {0} did not finish: no acknowledgement is sent")]
+    /// A peer with a transfer that did not finish (or is still in flight, or was forgotten)
+    /// cannot say it is done.
+    #[error(
+        "a transfer with {0} did not finish, is in flight or was forgotten: no acknowledgement \
+         is sent (the peer withholds what it offered)"
+    )]
     Tainted(String),
-    /// A registration or a peer of another agent.
-    #[error("a registration or a peer of another agent")]
+    /// A registration, a pool or a peer of another agent.
+    #[error("a registration, a registered pool or a peer of another agent than the transfer's")]
     OtherAgent,
     /// Waiting for a peer process failed.
     #[error("waiting for the peer's process failed")]
@@ -140,7 +198,7 @@ pub enum NixlError {
 fn who(peers: &[String], poisoned: bool) -> String {
     let mut parts: Vec<String> = peers.iter().map(|p| format!("peer {p}")).collect();
     if poisoned {
-        parts.push("an unfinished transfer".into());
+        parts.push("a transfer in flight, forgotten or unfinished".into());
     }
     parts.join(" and ")
 }
@@ -195,16 +253,48 @@ impl nixl_sys::NixlDescriptor for Span {
     }
 }
 
+/// What transfers mark on what they use (a registration, a pool, a remote agent): in flight
+/// from the post until a poll sees the transfer complete — so a transfer forgotten
+/// (`mem::forget`) stays in flight for good — and poisoned when it failed or did not finish in
+/// time.
+#[derive(Debug, Default)]
+struct Marks {
+    in_flight: AtomicUsize,
+    poisoned: AtomicBool,
+}
+
+impl Marks {
+    /// Whether an engine may still touch what these marks are on.
+    fn busy(&self) -> bool {
+        self.in_flight.load(Ordering::Acquire) > 0 || self.poisoned.load(Ordering::Acquire)
+    }
+}
+
+/// What an agent knows of one remote agent, shared by every [`Peer`] it loads of it.
+#[derive(Debug, Default)]
+struct Remote {
+    /// Transfers with it (poisoned: one did not finish: no acknowledgement is ever sent).
+    marks: Marks,
+    /// The last epoch of its offers this agent acknowledged: an offer at or below it is
+    /// refused (it was invalidated and said done with).
+    acked: AtomicU64,
+    /// A [`Peer`] of it is loaded (one at a time: NIXL's metadata is per remote agent).
+    live: AtomicBool,
+}
+
 /// What an agent knows of exposures and acknowledgements.
 #[derive(Default)]
 struct Book {
+    /// The remote agents it loaded offers of.
+    remotes: HashMap<String, Arc<Remote>>,
     /// Registrations made (their ids).
     next: u64,
     /// Offers made: each offer's epoch.
     epoch: u64,
     /// For each live registration offered: the peers and the epoch of the last offer.
     exposed: HashMap<u64, Vec<(String, u64)>>,
-    /// For each peer, the last epoch it said it is done with (`u64::MAX`: its process ended).
+    /// For each peer, the last epoch it said it is done with (or that was current when its
+    /// process was seen to end).
     done: HashMap<String, u64>,
     /// Notifications received and not yet taken.
     inbox: Vec<Notification>,
@@ -354,7 +444,7 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             handle: ManuallyDrop::new(handle),
             span,
             id,
-            poisoned: AtomicBool::new(false),
+            marks: Marks::default(),
         })
     }
 
@@ -409,30 +499,26 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             epoch,
             self.mailbox.addr as u64,
             &regions,
-            [&conn, &md, &mailbox],
+            [peer.as_bytes(), &conn, &md, &mailbox],
         ))
     }
 
-    /// Loads a peer's metadata (from its [`offer`](Self::offer)): the peer's regions are
-    /// reachable through the returned [`Peer`] until it is [done](Peer::done).
+    /// Loads a peer's metadata (from its [`offer`](Self::offer) to this agent): the peer's
+    /// regions are reachable through the returned [`Peer`] until it is [done](Peer::done).
+    /// One `Peer` of an agent at a time — NIXL keeps one metadata per agent: a later offer of
+    /// the same agent is added with [`Peer::extend`].
     ///
     /// # Errors
     ///
-    /// [`NixlError::Wire`] for malformed metadata; NIXL's error.
+    /// [`NixlError::Wire`] for malformed metadata, [`NixlError::NotForUs`] for an offer to
+    /// another agent, [`NixlError::AlreadyLoaded`], [`NixlError::Stale`] for an offer this
+    /// agent already said it is done with; NIXL's error. Nothing stays loaded then.
     pub fn load(&self, metadata: &[u8]) -> Result<Peer<'_, 'd, 'id, B>, NixlError> {
-        let decoded = PeerMetadata::decode(metadata)?;
-        let name = self
-            .raw
-            .load_remote_md(decoded.conn)
-            .map_err(engine("loadRemoteMD"))?;
-        let again = self
-            .raw
-            .load_remote_md(decoded.md)
-            .map_err(engine("loadRemoteMD"))?;
-        if again != name {
-            let _ = self.raw.invalidate_remote_md(&name);
-            let _ = self.raw.invalidate_remote_md(&again);
-            return Err(NixlError::Wire("its two parts name different agents"));
+        let decoded = self.check(metadata, None)?;
+        let name = self.load_parts(&decoded, None)?;
+        let remote = self.remote(&name);
+        if remote.live.swap(true, Ordering::AcqRel) {
+            return Err(NixlError::AlreadyLoaded(name));
         }
         Ok(Peer {
             agent: self,
@@ -442,9 +528,78 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             mailbox: decoded.mailbox,
             conn: decoded.conn.to_vec(),
             mailbox_md: decoded.mailbox_md.to_vec(),
-            tainted: AtomicBool::new(false),
+            remote,
             finished: false,
         })
+    }
+
+    /// Decodes `metadata` and checks that it is offered to this agent and newer than what was
+    /// acknowledged of its sender (`known`: the sender's name, when it is known already).
+    fn check<'m>(&self, metadata: &'m [u8], known: Option<&str>) -> Result<Decoded<'m>, NixlError> {
+        let decoded = PeerMetadata::decode(metadata)?;
+        if decoded.offered_to != self.name.as_bytes() {
+            return Err(NixlError::NotForUs {
+                offered_to: String::from_utf8_lossy(decoded.offered_to).into_owned(),
+                loader: self.name.clone(),
+            });
+        }
+        if let Some(name) = known {
+            let acked = self.remote(name).acked.load(Ordering::Acquire);
+            if decoded.epoch <= acked {
+                return Err(NixlError::Stale {
+                    peer: name.to_owned(),
+                    epoch: decoded.epoch,
+                    acked,
+                });
+            }
+        }
+        Ok(decoded)
+    }
+
+    /// Loads an offer's connection information and descriptors: the sender's name. `known`:
+    /// the sender's name when a `Peer` of it is loaded (its metadata is not invalidated on a
+    /// failure then).
+    fn load_parts(&self, decoded: &Decoded<'_>, known: Option<&str>) -> Result<String, NixlError> {
+        let name = self
+            .raw
+            .load_remote_md(decoded.conn)
+            .map_err(engine("loadRemoteMD"))?;
+        let undo = |e| {
+            if known.is_none() {
+                let _ = self.raw.invalidate_remote_md(&name);
+            }
+            e
+        };
+        if known.is_some_and(|k| k != name) {
+            return Err(NixlError::Wire("an offer of another agent than the peer's"));
+        }
+        let acked = self.remote(&name).acked.load(Ordering::Acquire);
+        if decoded.epoch <= acked {
+            return Err(undo(NixlError::Stale {
+                peer: name.clone(),
+                epoch: decoded.epoch,
+                acked,
+            }));
+        }
+        let again = self
+            .raw
+            .load_remote_md(decoded.md)
+            .map_err(engine("loadRemoteMD"))
+            .map_err(undo)?;
+        if again != name {
+            let _ = self.raw.invalidate_remote_md(&again);
+            return Err(undo(NixlError::Wire("its two parts name different agents")));
+        }
+        Ok(name)
+    }
+
+    /// What this agent knows of the remote agent `name`.
+    fn remote(&self, name: &str) -> Arc<Remote> {
+        self.book()
+            .remotes
+            .entry(name.to_owned())
+            .or_default()
+            .clone()
     }
 
     /// Takes the notifications received so far (acknowledgements of [`Peer::done`] are kept
@@ -506,7 +661,11 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         child: &mut std::process::Child,
     ) -> Result<(), NixlError> {
         child.wait().map_err(NixlError::Wait)?;
-        self.book().done.insert(peer.to_owned(), u64::MAX);
+        // Every offer made so far: a later agent of the same name must acknowledge its own.
+        let mut book = self.book();
+        let epoch = book.epoch;
+        let done = book.done.entry(peer.to_owned()).or_insert(0);
+        *done = (*done).max(epoch);
         Ok(())
     }
 
@@ -561,26 +720,29 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         self.start(
             op,
             pieces(&local.span, ranges),
-            &local.poisoned,
+            &local.marks,
             peer,
             remote,
             notify,
         )
     }
 
-    /// Posts a transfer of local `pieces` (in registered memory whose poison flag is
-    /// `poisoned`) to or from `remote`.
+    /// Posts a transfer of local `pieces` (in registered memory marked by `poisoned`) to or
+    /// from `remote`.
     fn start<'t>(
         &'t self,
         op: XferOp,
         pieces: impl ExactSizeIterator<Item = Result<(Addr, usize), NixlError>> + Clone,
-        poisoned: &'t AtomicBool,
+        poisoned: &'t Marks,
         peer: &'t Peer<'_, '_, 'id, B>,
         remote: &[RemoteRange],
         notify: Option<&[u8]>,
     ) -> Result<Transfer<'t>, NixlError> {
         if !std::ptr::eq(peer.agent.raw_ptr(), self.raw_ptr()) {
             return Err(NixlError::OtherAgent);
+        }
+        if notify.is_some_and(|m| m.starts_with(DONE)) {
+            return Err(NixlError::Reserved);
         }
         let (mem, dev) = kind(self.device.backend().location())?;
         let bytes = pieces.clone().flatten().map(|p| p.1).sum();
@@ -600,19 +762,7 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             .raw
             .create_xfer_req(op, &mine, &theirs, &peer.name, args.as_ref())
             .map_err(engine("createXferReq"))?;
-        let mut transfer = Transfer {
-            raw: &self.raw,
-            req: Some(req),
-            poisoned,
-            tainted: &peer.tainted,
-            bytes,
-            done: true, // until posted: a request never posted is only released
-        };
-        let posted = self
-            .raw
-            .post_xfer_req(transfer.req.as_ref().expect("just made"), None);
-        transfer.done = !posted.map_err(engine("postXferReq"))?;
-        Ok(transfer)
+        Transfer::post(&self.raw, req, poisoned, &peer.remote.marks, bytes)
     }
 
     /// Registers `pool`'s chunks with NIXL — those it has, and those it grows later (each
@@ -632,7 +782,7 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             agent: self,
             pool,
             chunks: std::cell::RefCell::new(Vec::new()),
-            poisoned: AtomicBool::new(false),
+            marks: Marks::default(),
         };
         registered.sync()?;
         Ok(registered)
@@ -699,9 +849,12 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         PageTransfer<'t, 'p, 'pool, 'b, 'id, B>,
         TransitionError<PageTable<'p, 'pool, 'b, 'id, B>, NixlError>,
     > {
+        // Counted among the pool's transfers from before the post: the pool keeps its chunks
+        // while one may run (for good if it is forgotten).
+        pool.pool.engine_began();
         let started = pool.pieces(self, &table, positions).and_then(|pieces| {
             let pieces = pieces.into_iter().map(Ok);
-            self.start(op, pieces, &pool.poisoned, peer, remote, notify)
+            self.start(op, pieces, &pool.marks, peer, remote, notify)
         });
         match started {
             Ok(transfer) => Ok(PageTransfer {
@@ -709,11 +862,24 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
                 pool: pool.pool,
                 table: Some(table),
                 failed: false,
+                counted: true,
             }),
-            Err(cause) => Err(TransitionError {
-                token: table,
-                cause,
-            }),
+            Err(cause) if pool.marks.poisoned.load(Ordering::Acquire) => {
+                // The post failed: what it may have started keeps the pages and the chunks.
+                pool.pool
+                    .withhold_table(table, "an unfinished transfer".to_owned());
+                Err(TransitionError {
+                    token: pool.pool.table(),
+                    cause,
+                })
+            }
+            Err(cause) => {
+                pool.pool.engine_done(); // nothing was posted
+                Err(TransitionError {
+                    token: table,
+                    cause,
+                })
+            }
         }
     }
 }
@@ -777,7 +943,25 @@ fn parse_epoch(digits: &[u8]) -> Option<u64> {
     std::str::from_utf8(digits).ok()?.parse().ok()
 }
 
-/// A registration that can be [offered](Agent::offer) to a peer (any [`Registered`]).
+/// A registration that can be [offered](Agent::offer) to a peer: a [`Registered`] committed
+/// allocation, the one token written through nothing but itself. A shared prefix is refused —
+/// its sharers read its bytes through `&[u8]`, which a peer's write would change under them
+/// (`ui-tests/offer_shared_prefix.rs`):
+///
+/// ```compile_fail,E0277
+/// # use memtoken::backend::HostBackend;
+/// # use memtoken::nixl::Agent;
+/// # use memtoken::{make_guard, Budget, Device};
+/// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults()?);
+/// # let binding = device.bind(Budget::unlimited())?;
+/// # let agent = Agent::new(&device, "a")?;
+/// let prefix = binding.reserve(device.granularity())?.commit_prefix()?;
+/// let mut registered = agent.register(prefix)?;
+/// let offer = agent.offer("b", &mut [&mut registered])?; // error: not `Offered`
+/// # Ok(()) }
+/// ```
 pub trait Offered: sealed::Sealed {
     /// Its id in its agent's book.
     #[doc(hidden)]
@@ -833,13 +1017,15 @@ pub struct Registered<'a, 'b, 'id, B: Backend, S: Registrable> {
     handle: ManuallyDrop<nixl_sys::RegistrationHandle>,
     span: Span,
     id: u64,
-    /// A transfer that used it did not finish: the engine may still touch it.
-    poisoned: AtomicBool,
+    /// Transfers of it: in flight until seen complete; poisoned if one did not finish.
+    marks: Marks,
 }
 
-impl<B: Backend, S: Registrable> sealed::Sealed for Registered<'_, '_, '_, B, S> {}
+impl<B: Backend> sealed::Sealed for Registered<'_, '_, '_, B, Committed> {}
 
-impl<B: Backend, S: Registrable> Offered for Registered<'_, '_, '_, B, S> {
+/// Only a committed allocation is offered: it alone is written through nothing but itself (a
+/// prefix's owner or sharer shares its bytes, which a peer's write would change under them).
+impl<B: Backend> Offered for Registered<'_, '_, '_, B, Committed> {
     fn id(&self) -> u64 {
         self.id
     }
@@ -868,13 +1054,14 @@ impl<'a, 'b, 'id, B: Backend, S: Registrable> Registered<'a, 'b, 'id, B, S> {
         self.span.len == 0
     }
 
-    /// Whether a transfer that used it did not finish: it can only be withheld.
+    /// Whether a transfer that used it did not finish, is still in flight or was forgotten
+    /// (`mem::forget`): the engine may still touch it, and it can only be withheld.
     pub fn is_poisoned(&self) -> bool {
-        self.poisoned.load(Ordering::Acquire)
+        self.marks.busy()
     }
 
-    /// Why the memory may still be touched: peers offered it that are not done, or an
-    /// unfinished transfer. `None` when nothing can touch it.
+    /// Why the memory may still be touched: peers offered it that are not done, or a transfer
+    /// in flight, forgotten or unfinished. `None` when nothing can touch it.
     fn exposure(&self) -> Option<NixlError> {
         let _ = self.agent.collect(); // acknowledgements that arrived count
         let peers = self.agent.book().pending(self.id);
@@ -934,7 +1121,7 @@ impl<'a, 'b, 'id, B: Backend, S: Registrable> Registered<'a, 'b, 'id, B, S> {
         };
         let peers = match &e {
             NixlError::Exposed { peers, .. } if !peers.is_empty() => peers.join(", "),
-            _ => "an unfinished transfer".to_owned(),
+            _ => "a transfer in flight, forgotten or unfinished".to_owned(),
         };
         if self.is_poisoned() {
             // The engine may still run a request over it: NIXL's registration stays.
@@ -971,9 +1158,10 @@ impl<B: Backend, S: Registrable> fmt::Debug for Registered<'_, '_, '_, B, S> {
 pub struct RegisteredPool<'a, 'p, 'pool, 'b, 'id, B: Backend> {
     agent: &'a Agent<'a, 'id, B>,
     pool: &'p PagePool<'pool, 'b, 'id, B>,
-    /// The chunks registered: range and NIXL's handle.
-    chunks: std::cell::RefCell<Vec<(Addr, usize, nixl_sys::RegistrationHandle)>>,
-    poisoned: AtomicBool,
+    /// The chunks registered: range, allocation and NIXL's handle.
+    chunks: std::cell::RefCell<Vec<(Addr, usize, Generation, nixl_sys::RegistrationHandle)>>,
+    /// Transfers of its pages (the pool itself counts them too, for its own drop and shrink).
+    marks: Marks,
 }
 
 impl<'pool, 'b, 'id, B: Backend> RegisteredPool<'_, '_, 'pool, 'b, 'id, B> {
@@ -981,10 +1169,11 @@ impl<'pool, 'b, 'id, B: Backend> RegisteredPool<'_, '_, 'pool, 'b, 'id, B> {
     fn sync(&self) -> Result<(), NixlError> {
         let live = self.pool.chunk_ranges();
         let mut chunks = self.chunks.borrow_mut();
-        chunks.retain(|(addr, len, _)| live.contains(&(*addr, *len)));
+        // A chunk released and another made at the same address is another allocation.
+        chunks.retain(|&(addr, len, generation, _)| live.contains(&(addr, len, generation)));
         let (mem, dev) = kind(self.agent.device.backend().location())?;
-        for (addr, len) in live {
-            if chunks.iter().any(|c| c.0 == addr) {
+        for (addr, len, generation) in live {
+            if chunks.iter().any(|c| c.2 == generation) {
                 continue;
             }
             let span = Span {
@@ -998,7 +1187,7 @@ impl<'pool, 'b, 'id, B: Backend> RegisteredPool<'_, '_, 'pool, 'b, 'id, B> {
                 .raw
                 .register_memory(&span, None)
                 .map_err(engine("registerMem"))?;
-            chunks.push((addr, len, handle));
+            chunks.push((addr, len, generation, handle));
         }
         Ok(())
     }
@@ -1019,10 +1208,9 @@ impl<'pool, 'b, 'id, B: Backend> RegisteredPool<'_, '_, 'pool, 'b, 'id, B> {
             .iter()
             .map(|&at| {
                 if at >= table.len() {
-                    return Err(NixlError::Range {
-                        offset: at,
-                        len: 1,
-                        size: table.len(),
+                    return Err(NixlError::Position {
+                        position: at,
+                        pages: table.len(),
                     });
                 }
                 Ok((table.addr(at), size))
@@ -1030,9 +1218,10 @@ impl<'pool, 'b, 'id, B: Backend> RegisteredPool<'_, '_, 'pool, 'b, 'id, B> {
             .collect()
     }
 
-    /// Whether a transfer of its pages did not finish: the pool keeps its chunks for good.
+    /// Whether a transfer of its pages did not finish, is in flight or was forgotten: the pool
+    /// keeps its chunks for good.
     pub fn is_poisoned(&self) -> bool {
-        self.poisoned.load(Ordering::Acquire)
+        self.marks.busy()
     }
 }
 
@@ -1042,7 +1231,8 @@ impl<B: Backend> Drop for RegisteredPool<'_, '_, '_, '_, '_, B> {
         if self.is_poisoned() {
             // The engine may still run a request over them: NIXL's registrations stay, and
             // the pool never releases the chunks.
-            self.pool.hold_for("an unfinished transfer".to_owned());
+            self.pool
+                .hold_for("a transfer in flight, forgotten or unfinished".to_owned());
             std::mem::forget(chunks);
         }
         // Otherwise each chunk is deregistered as its handle drops.
@@ -1069,15 +1259,17 @@ struct Decoded<'m> {
     epoch: u64,
     mailbox: u64,
     regions: Vec<(u64, u64)>,
+    offered_to: &'m [u8],
     conn: &'m [u8],
     md: &'m [u8],
     mailbox_md: &'m [u8],
 }
 
 impl PeerMetadata {
-    /// The header (the offer's epoch, the agent's mailbox, the regions) and NIXL's parts:
-    /// connection information, the regions' descriptors, the mailbox's descriptor.
-    fn encode(epoch: u64, mailbox: u64, regions: &[(u64, u64)], parts: [&[u8]; 3]) -> Self {
+    /// The header (the offer's epoch, the agent's mailbox, the regions) and the parts: the
+    /// name of the agent it is offered to, then NIXL's connection information, the regions'
+    /// descriptors and the mailbox's descriptor.
+    fn encode(epoch: u64, mailbox: u64, regions: &[(u64, u64)], parts: [&[u8]; 4]) -> Self {
         let n = parts.iter().map(|p| 4 + p.len()).sum::<usize>();
         let mut out = Vec::with_capacity(32 + regions.len() * 16 + n);
         out.extend_from_slice(MAGIC);
@@ -1109,6 +1301,8 @@ impl PeerMetadata {
         let regions = (0..n)
             .map(|_| Ok((at.u64()?, at.u64()?)))
             .collect::<Result<_, NixlError>>()?;
+        let for_len = at.u32()? as usize;
+        let offered_to = at.take(for_len)?;
         let conn_len = at.u32()? as usize;
         let conn = at.take(conn_len)?;
         let md_len = at.u32()? as usize;
@@ -1122,6 +1316,7 @@ impl PeerMetadata {
             epoch,
             mailbox,
             regions,
+            offered_to,
             conn,
             md,
             mailbox_md,
@@ -1180,8 +1375,8 @@ pub struct Peer<'a, 'd, 'id, B: Backend> {
     /// regions' metadata is invalidated, so that the acknowledgement can still be sent.
     conn: Vec<u8>,
     mailbox_md: Vec<u8>,
-    /// A transfer with it did not finish: no acknowledgement may be sent.
-    tainted: AtomicBool,
+    /// What this agent knows of it: its transfers, its last acknowledged offer.
+    remote: Arc<Remote>,
     finished: bool,
 }
 
@@ -1200,28 +1395,28 @@ impl<B: Backend> Peer<'_, '_, '_, B> {
     ///
     /// # Errors
     ///
-    /// [`NixlError::Range`] outside the region (or past the last region).
+    /// [`NixlError::NoRegion`] past the last region, [`NixlError::Range`] outside it.
     pub fn range(
         &self,
         region: usize,
         offset: usize,
         len: usize,
     ) -> Result<RemoteRange, NixlError> {
-        let (addr, size) = self.regions.get(region).copied().unwrap_or((0, 0));
-        if (offset as u64)
-            .checked_add(len as u64)
-            .is_none_or(|end| end > size)
-        {
-            return Err(NixlError::Range {
-                offset,
-                len,
-                size: size as usize,
-            });
-        }
-        Ok(RemoteRange {
-            addr: addr + offset as u64,
+        let (addr, size) = *self.regions.get(region).ok_or(NixlError::NoRegion {
+            region,
+            regions: self.regions.len(),
+        })?;
+        let out = || NixlError::Range {
+            offset,
             len,
-        })
+            size: size as usize,
+        };
+        let end = (offset as u64).checked_add(len as u64).ok_or_else(out)?;
+        if end > size {
+            return Err(out());
+        }
+        let addr = addr.checked_add(offset as u64).ok_or_else(out)?;
+        Ok(RemoteRange { addr, len })
     }
 
     /// Done with the peer's memory: its metadata is invalidated here (no transfer can reach
@@ -1237,15 +1432,44 @@ impl<B: Backend> Peer<'_, '_, '_, B> {
         self.finish()
     }
 
+    /// Adds a later offer of the same agent (its regions follow those offered before, in
+    /// [`regions`](Self::regions) and [`range`](Self::range)); [`done`](Self::done) then
+    /// acknowledges it too. Taking the peer mutably, it waits for no transfer with it.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Agent::load`], and [`NixlError::Wire`] for an offer of another agent; the
+    /// peer is unchanged then.
+    pub fn extend(&mut self, metadata: &[u8]) -> Result<(), NixlError> {
+        let decoded = self.agent.check(metadata, Some(&self.name))?;
+        if decoded.epoch <= self.epoch {
+            return Err(NixlError::Stale {
+                peer: self.name.clone(),
+                epoch: decoded.epoch,
+                acked: self.epoch,
+            });
+        }
+        self.agent.load_parts(&decoded, Some(&self.name))?;
+        self.epoch = decoded.epoch;
+        self.regions.extend(decoded.regions);
+        self.mailbox = decoded.mailbox;
+        self.mailbox_md = decoded.mailbox_md.to_vec();
+        Ok(())
+    }
+
     fn finish(&mut self) -> Result<(), NixlError> {
         if self.finished {
             return Ok(());
         }
         self.finished = true;
         let raw = &self.agent.raw;
-        raw.invalidate_remote_md(&self.name)
-            .map_err(engine("invalidateRemoteMD"))?;
-        if self.tainted.load(Ordering::Acquire) {
+        let invalidated = raw
+            .invalidate_remote_md(&self.name)
+            .map_err(engine("invalidateRemoteMD"));
+        self.remote.live.store(false, Ordering::Release);
+        invalidated?;
+        // A transfer in flight, forgotten or unfinished may still touch the peer's memory.
+        if self.remote.marks.busy() {
             return Err(NixlError::Tainted(self.name.clone()));
         }
         // Connection information and the mailbox only: no region of the peer's is reachable.
@@ -1269,18 +1493,12 @@ impl<B: Backend> Peer<'_, '_, '_, B> {
         let req = raw
             .create_xfer_req(XferOp::Write, &mine, &theirs, &self.name, Some(&args))
             .map_err(engine("createXferReq"))?;
-        let never = AtomicBool::new(false);
-        let mut ack = Transfer {
-            raw,
-            req: Some(req),
-            poisoned: &never, // the mailbox is never given back: nothing to poison
-            tainted: &never,
-            bytes: 8,
-            done: true, // until posted
-        };
-        let posted = raw.post_xfer_req(ack.req.as_ref().expect("just made"), None);
-        ack.done = !posted.map_err(engine("postXferReq"))?;
-        ack.wait(DROP_WAIT)
+        // The mailboxes are never given back: nothing for the acknowledgement to mark.
+        let (own_marks, their_marks) = (Marks::default(), Marks::default());
+        let ack = Transfer::post(raw, req, &own_marks, &their_marks, 8)?;
+        ack.wait(DROP_WAIT)?;
+        self.remote.acked.fetch_max(self.epoch, Ordering::AcqRel);
+        Ok(())
     }
 }
 
@@ -1302,16 +1520,71 @@ impl<B: Backend> fmt::Debug for Peer<'_, '_, '_, B> {
 
 /// A posted NIXL transfer. It borrows its local registration (mutably for a READ) and its
 /// peer; [`poll`](Self::poll) and [`wait`](Self::wait) say when it is done. Dropped before,
-/// it waits for NIXL for at most [`DROP_WAIT`], then poisons the local registration (see the
-/// module's docs).
+/// it waits for NIXL for at most [`DROP_WAIT`], then poisons the local registration and
+/// taints the peer (see the module's docs). Forgotten (`mem::forget`), it stays in flight for
+/// good: the registration is withheld, the peer never acknowledges.
 #[must_use = "a transfer dropped at once waits for itself"]
 pub struct Transfer<'t> {
     raw: &'t nixl_sys::Agent,
     req: Option<nixl_sys::XferRequest>,
-    poisoned: &'t AtomicBool,
-    tainted: &'t AtomicBool,
+    /// The local memory's marks (a registration's, a registered pool's).
+    local: &'t Marks,
+    /// The remote agent's marks.
+    remote: &'t Marks,
     bytes: usize,
+    /// Seen complete, or given up.
     done: bool,
+    /// Counted in flight on both marks (until seen complete).
+    counted: bool,
+}
+
+impl<'t> Transfer<'t> {
+    /// Posts `req`, counted in flight on `local` and `remote` from before the post until a
+    /// poll sees it complete.
+    ///
+    /// # Errors
+    ///
+    /// NIXL's error; what the request may have started counts as unfinished (poisoned).
+    fn post(
+        raw: &'t nixl_sys::Agent,
+        req: nixl_sys::XferRequest,
+        local: &'t Marks,
+        remote: &'t Marks,
+        bytes: usize,
+    ) -> Result<Self, NixlError> {
+        local.in_flight.fetch_add(1, Ordering::AcqRel);
+        remote.in_flight.fetch_add(1, Ordering::AcqRel);
+        let mut transfer = Self {
+            raw,
+            req: Some(req),
+            local,
+            remote,
+            bytes,
+            done: false,
+            counted: true,
+        };
+        match raw.post_xfer_req(transfer.req.as_ref().expect("just made"), None) {
+            Ok(true) => Ok(transfer),
+            Ok(false) => {
+                transfer.complete();
+                Ok(transfer)
+            }
+            Err(e) => {
+                // Whether the engine started part of it is not said: unfinished.
+                transfer.give_up(false);
+                Err(engine("postXferReq")(e))
+            }
+        }
+    }
+
+    /// Seen complete: no longer in flight.
+    fn complete(&mut self) {
+        self.done = true;
+        if std::mem::take(&mut self.counted) {
+            self.local.in_flight.fetch_sub(1, Ordering::AcqRel);
+            self.remote.in_flight.fetch_sub(1, Ordering::AcqRel);
+        }
+    }
 }
 
 impl Transfer<'_> {
@@ -1332,7 +1605,7 @@ impl Transfer<'_> {
         let req = self.req.as_ref().expect("held until done");
         match self.raw.get_xfer_status(req) {
             Ok(XferStatus::Success) => {
-                self.done = true;
+                self.complete();
                 Ok(true)
             }
             Ok(XferStatus::InProgress) => Ok(false),
@@ -1383,15 +1656,24 @@ impl Transfer<'_> {
         Ok(true)
     }
 
-    /// Poisons the local registration and taints the peer; a request still in progress is
-    /// leaked, never released under the engine.
+    /// Poisons the local memory's marks and the remote agent's (it stays counted in flight); a
+    /// request still in progress is leaked, never released under the engine.
     fn give_up(&mut self, in_progress: bool) {
-        self.poisoned.store(true, Ordering::Release);
-        self.tainted.store(true, Ordering::Release);
+        self.local.poisoned.store(true, Ordering::Release);
+        self.remote.poisoned.store(true, Ordering::Release);
         self.done = true;
         if in_progress {
             std::mem::forget(self.req.take());
         }
+    }
+
+    /// Waits, as a drop does, for at most [`DROP_WAIT`].
+    fn wait_in_drop(&mut self) -> Result<(), NixlError> {
+        if !self.finish_within(DROP_WAIT)? {
+            self.give_up(true);
+            return Err(NixlError::TimedOut(DROP_WAIT));
+        }
+        Ok(())
     }
 }
 
@@ -1400,16 +1682,6 @@ impl Drop for Transfer<'_> {
         if !self.done {
             let _ = self.wait_in_drop();
         }
-    }
-}
-
-impl Transfer<'_> {
-    fn wait_in_drop(&mut self) -> Result<(), NixlError> {
-        if !self.finish_within(DROP_WAIT)? {
-            self.give_up(true);
-            return Err(NixlError::TimedOut(DROP_WAIT));
-        }
-        Ok(())
     }
 }
 
@@ -1433,6 +1705,9 @@ pub struct PageTransfer<'t, 'p, 'pool, 'b, 'id, B: Backend> {
     table: Option<PageTable<'p, 'pool, 'b, 'id, B>>,
     /// It failed or timed out: the engine may still touch the table's pages.
     failed: bool,
+    /// Counted among the pool's transfers (until seen complete: a forgotten one stays counted,
+    /// and the pool then never lets its chunks go).
+    counted: bool,
 }
 
 impl<'p, 'pool, 'b, 'id, B: Backend> PageTransfer<'_, 'p, 'pool, 'b, 'id, B> {
@@ -1449,7 +1724,17 @@ impl<'p, 'pool, 'b, 'id, B: Backend> PageTransfer<'_, 'p, 'pool, 'b, 'id, B> {
     pub fn poll(&mut self) -> Result<bool, NixlError> {
         let polled = self.transfer.poll();
         self.failed |= polled.is_err();
+        if matches!(polled, Ok(true)) {
+            self.completed();
+        }
         polled
+    }
+
+    /// Seen complete: no longer among the pool's transfers.
+    fn completed(&mut self) {
+        if !self.failed && std::mem::take(&mut self.counted) {
+            self.pool.engine_done();
+        }
     }
 
     /// Waits until it is done, for at most `limit`, and hands the table back.
@@ -1465,6 +1750,7 @@ impl<'p, 'pool, 'b, 'id, B: Backend> PageTransfer<'_, 'p, 'pool, 'b, 'id, B> {
             self.failed = true;
             return Err(NixlError::TimedOut(limit));
         }
+        self.completed();
         Ok(self.table.take().expect("held until handed back"))
     }
 }
@@ -1474,11 +1760,13 @@ impl<B: Backend> Drop for PageTransfer<'_, '_, '_, '_, '_, B> {
         if !self.transfer.done {
             self.failed |= self.transfer.wait_in_drop().is_err();
         }
-        if let Some(table) = self.table.take()
-            && self.failed
-        {
-            self.pool
-                .withhold_table(table, "an unfinished transfer".to_owned());
+        if self.failed {
+            if let Some(table) = self.table.take() {
+                self.pool
+                    .withhold_table(table, "an unfinished transfer".to_owned());
+            }
+        } else {
+            self.completed();
         }
     }
 }

@@ -522,7 +522,7 @@ fn a_peer_killed_mid_transfer_leaves_the_memory_withheld()
         "no acknowledgement after an unfinished transfer"
     );
     let e = into.release().expect_err("withheld");
-    assert!(e.to_string().contains("an unfinished transfer"), "{e}");
+    assert!(e.to_string().contains("forgotten or unfinished"), "{e}");
     let withheld = device.withheld_for_peers();
     assert_eq!(withheld.len(), 1);
     let later = binding.reserve(BIG)?.commit()?;
@@ -533,5 +533,175 @@ fn a_peer_killed_mid_transfer_leaves_the_memory_withheld()
     drop(initiator);
     let report = device.close();
     assert_eq!(report.withheld_for_peers.len(), 1);
+    Ok(())
+}
+
+// ---- From the review: what a forgotten transfer, a second load, a spoofed acknowledgement
+// or a stale offer must not do. ----
+
+/// Two agents over TCP (where UCX moves the bytes in the background, so a large transfer is
+/// still in flight when its post returns), for one test.
+macro_rules! two_sides_over_tcp {
+    ($pd:ident, $pb:ident, $prefill:ident, $dd:ident, $db:ident, $decode:ident, $suffix:literal) => {
+        // SAFETY: the NIXL tests run on one thread (`--test-threads=1`), and no agent exists in
+        // this process while the variable changes; UCX reads it as each agent is made.
+        unsafe { std::env::set_var("UCX_TLS", "tcp") };
+        two_sides!($pd, $pb, $prefill, $dd, $db, $decode, $suffix);
+        // SAFETY: as above.
+        unsafe { std::env::remove_var("UCX_TLS") };
+    };
+}
+
+/// A READ forgotten (`mem::forget`) in flight: its borrow ends, but the registration stays
+/// marked in flight — it lends no token, its release withholds it — and the peer cannot
+/// acknowledge. Fails if the marks are set only as a transfer drops (the review's break: the
+/// bytes behind a lent `&[u8]` changed).
+#[test]
+fn a_forgotten_transfer_keeps_its_memory_withheld()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    const BIG: usize = 64 << 20;
+    two_sides_over_tcp!(pd, pb, prefill, dd, db, decode, "f");
+    let mut offered = prefill.register(pb.reserve(BIG)?.commit()?)?;
+    let offer = prefill.offer("decode-f", &mut [&mut offered])?;
+    let peer = decode.load(offer.as_bytes())?;
+    let mut into = decode.register(db.reserve(BIG)?.commit()?)?;
+    let read = decode.read(
+        &mut into,
+        &[(0, BIG)],
+        &peer,
+        &[peer.range(0, 0, BIG)?],
+        None,
+    )?;
+    std::mem::forget(read);
+    assert!(into.is_poisoned(), "a forgotten transfer stays in flight");
+    assert!(into.token().is_err(), "no bytes lent under the engine");
+    assert!(matches!(peer.done(), Err(NixlError::Tainted(_))));
+    let e = into.release().expect_err("withheld");
+    assert!(e.to_string().contains("forgotten"), "{e}");
+    assert_eq!(dd.withheld_for_peers().len(), 1);
+    std::thread::sleep(std::time::Duration::from_millis(200)); // let the leaked READ land
+    Ok(())
+}
+
+/// A page READ forgotten in flight, then its registered pool and the pool dropped: the pool
+/// withholds its chunks for good (the review's break: they were unmapped under the engine,
+/// and the process took SIGSEGV).
+#[test]
+fn a_forgotten_page_transfer_keeps_its_pools_chunks()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    const PAGE: usize = 1 << 20;
+    const PAGES: usize = 64;
+    two_sides_over_tcp!(pd, pb, prefill, dd, db, decode, "g");
+    let mut offered = prefill.register(pb.reserve(PAGE * PAGES)?.commit()?)?;
+    let offer = prefill.offer("decode-g", &mut [&mut offered])?;
+    let peer = decode.load(offer.as_bytes())?;
+    make_guard!(pool_guard);
+    let pool = memtoken::PagePool::new(pool_guard, &db, PAGE)?;
+    let registered = decode.register_pool(&pool)?;
+    let mut table = pool.table();
+    for _ in 0..PAGES {
+        pool.push(&mut table)?;
+    }
+    let remote = (0..PAGES)
+        .map(|i| peer.range(0, i * PAGE, PAGE))
+        .collect::<Result<Vec<_>, _>>()?;
+    let positions: Vec<usize> = (0..PAGES).collect();
+    let read = decode
+        .read_pages(&registered, table, &positions, &peer, &remote, None)
+        .map_err(memtoken::Error::from)?;
+    std::mem::forget(read);
+    assert_eq!(pool.shrink(), 0, "no chunk goes while a transfer may run");
+    drop(registered);
+    drop(pool);
+    assert!(
+        dd.withheld_for_peers()
+            .iter()
+            .any(|w| w.peer.contains("forgotten")),
+        "the pool's chunks are withheld: {:?}",
+        dd.withheld_for_peers()
+    );
+    std::thread::sleep(std::time::Duration::from_millis(200)); // let the leaked READ land
+    Ok(())
+}
+
+/// One `Peer` of an agent at a time (NIXL keeps one metadata per agent): a second load is
+/// refused and a later offer is added with `extend`; after `done`, the same offer cannot be
+/// loaded again (the review's break: reloaded, it reached memory the target had lent as bytes).
+#[test]
+fn an_offer_acknowledged_cannot_be_loaded_again()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    two_sides!(pd, pb, prefill, dd, db, decode, "s");
+    let mut first = decode.register(db.reserve(LEN)?.commit()?)?;
+    let mut second = decode.register(db.reserve(LEN)?.commit()?)?;
+    let one = decode.offer("prefill-s", &mut [&mut first])?;
+    let two = decode.offer("prefill-s", &mut [&mut second])?;
+    let mut peer = prefill.load(one.as_bytes())?;
+    assert!(matches!(
+        prefill.load(two.as_bytes()),
+        Err(NixlError::AlreadyLoaded(_))
+    ));
+    peer.extend(two.as_bytes())?;
+    assert_eq!(peer.regions().len(), 2);
+    assert!(matches!(
+        peer.range(2, 0, 1),
+        Err(NixlError::NoRegion { .. })
+    ));
+    assert!(matches!(
+        peer.range(0, usize::MAX, 2),
+        Err(NixlError::Range { .. })
+    ));
+    peer.done()?;
+    wait_until(|| first.token().is_ok() && second.token().is_ok());
+    match prefill.load(one.as_bytes()) {
+        Err(NixlError::Stale { epoch, acked, .. }) => assert!(epoch <= acked),
+        other => panic!("an acknowledged offer loaded again: {other:?}"),
+    }
+    drop((first.release()?, second.release()?));
+    drop((pb, db));
+    drop((prefill, decode));
+    assert!(dd.close().is_clean());
+    Ok(())
+}
+
+/// A notification cannot pose as the acknowledgement (the review's break: a WRITE whose
+/// notification read `memtoken/done/1` made the target lend its bytes while the writer still
+/// held its metadata); an offer names the agent it is for.
+#[test]
+fn an_acknowledgement_cannot_be_spoofed_nor_an_offer_taken_by_another()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    two_sides!(pd, pb, prefill, dd, db, decode, "a");
+    let source = prefill.register(pb.reserve(LEN)?.commit()?)?;
+    let mut target = decode.register(db.reserve(LEN)?.commit()?)?;
+    let offer = decode.offer("prefill-a", &mut [&mut target])?;
+    let peer = prefill.load(offer.as_bytes())?;
+    let spoof = prefill.write(
+        &source,
+        &[(0, 8)],
+        &peer,
+        &[peer.range(0, 0, 8)?],
+        Some(b"memtoken/done/1"),
+    );
+    assert!(matches!(spoof, Err(NixlError::Reserved)), "{spoof:?}");
+    drop(spoof);
+    assert!(target.token().is_err(), "still exposed");
+    make_guard!(gt);
+    let third_device = Device::new(gt, HostBackend::with_defaults()?);
+    let third = agent(&third_device, "third-a");
+    match third.load(offer.as_bytes()) {
+        Err(NixlError::NotForUs { offered_to, loader }) => {
+            assert_eq!(
+                (offered_to.as_str(), loader.as_str()),
+                ("prefill-a", "third-a")
+            );
+        }
+        other => panic!("an offer to prefill-a loaded by third-a: {other:?}"),
+    }
+    peer.done()?;
+    wait_until(|| target.token().is_ok());
+    drop((target.release()?, source.release()?));
+    drop(third);
+    drop((pb, db));
+    drop((prefill, decode));
+    assert!(dd.close().is_clean());
     Ok(())
 }

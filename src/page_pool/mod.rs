@@ -47,6 +47,9 @@ struct PoolState<'b, 'id, B: Backend> {
     /// finish): who. The chunks are then never released — not by `shrink`, and withheld for
     /// good as the pool drops.
     held_for: Option<String>,
+    /// Transfers of its pages a transfer engine runs now (or forgotten): while any, the
+    /// chunks are never released either.
+    engines: usize,
 }
 
 /// The most fenced batches a pool keeps cooling: a newer batch takes the newest one's pages
@@ -208,6 +211,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
                     cooling: Vec::new(),
                     withheld: Vec::new(),
                     held_for: None,
+                    engines: 0,
                     extra: Vec::new(),
                     meta: Vec::new(),
                     idle: Lru::new(),
@@ -448,7 +452,7 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
     /// while a transfer engine may still touch the chunks).
     pub fn shrink(&self) -> usize {
         Scope::run::<B, _>(move || {
-            if self.with(|s| s.held_for.is_some()) {
+            if self.with(|s| s.held_for.is_some() || s.engines > 0) {
                 return 0;
             }
             self.reclaim();
@@ -472,16 +476,28 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         })
     }
 
-    /// The committed chunks' ranges.
+    /// The committed chunks: range and allocation.
     #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
-    pub(crate) fn chunk_ranges(&self) -> Vec<(Addr, usize)> {
+    pub(crate) fn chunk_ranges(&self) -> Vec<(Addr, usize, crate::ids::Generation)> {
         self.with(|s| {
             s.chunks
                 .iter()
                 .flatten()
-                .map(|c| (c.addr(), c.len()))
+                .map(|c| (c.addr(), c.len(), c.generation()))
                 .collect()
         })
+    }
+
+    /// A transfer engine begins a transfer of pages of this pool.
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    pub(crate) fn engine_began(&self) {
+        self.with(|s| s.engines += 1);
+    }
+
+    /// A transfer of pages of this pool was seen complete.
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    pub(crate) fn engine_done(&self) {
+        self.with(|s| s.engines -= 1);
     }
 
     /// From now on the chunks are never released: `who` (a transfer engine's peer, or an
@@ -718,7 +734,12 @@ impl<B: Backend> Drop for PagePool<'_, '_, '_, B> {
             }
         }
         let state = self.state.get_mut();
-        if let Some(who) = state.held_for.take() {
+        let engines = state.engines > 0;
+        if let Some(who) = state
+            .held_for
+            .take()
+            .or_else(|| engines.then(|| "a transfer in flight, forgotten or unfinished".to_owned()))
+        {
             for chunk in std::mem::take(&mut state.chunks).into_iter().flatten() {
                 chunk.withhold_for_peer(who.clone());
             }

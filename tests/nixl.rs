@@ -378,8 +378,10 @@ fn parent() -> Option<UnixStream> {
 }
 
 /// Prefill and decode in two processes (disaggregated serving): prefill offers its K/V and a
-/// region for decode's answer; decode READs the K/V, checks every byte, WRITEs its answer with
-/// a notification, and says it is done; prefill receives the notification, sees the answer byte
+/// region for decode's answer; decode READs the K/V into a token and checks every byte, WRITEs
+/// the first half of its answer from the token, READs the K/V's second half into pages of its
+/// pool and checks them, WRITEs the answer's second half from those pages as a list with a
+/// notification, and says it is done; prefill receives the notification, sees the answer byte
 /// for byte once decode is done, and gives everything back.
 #[test]
 fn two_processes_read_and_write_each_others_memory()
@@ -446,12 +448,55 @@ fn decode_process(mut socket: UnixStream) -> Result<(), Box<dyn std::error::Erro
     decode
         .write(
             &mine,
-            &[(0, LEN)],
+            &[(0, LEN / 2)],
             &peer,
-            &[peer.range(1, 0, LEN)?],
-            Some(b"answered"),
+            &[peer.range(1, 0, LEN / 2)?],
+            None,
         )?
         .wait(DROP_WAIT)?;
+    // The second half of the answer from pool pages: READ from the K/V into pages, rewritten,
+    // then WRITTEN as a list.
+    const PAGE: usize = 64 << 10;
+    let pages = LEN / 2 / PAGE;
+    make_guard!(pool_guard);
+    let pool = memtoken::PagePool::new(pool_guard, &binding, PAGE)?;
+    let registered = decode.register_pool(&pool)?;
+    let mut table = pool.table();
+    for _ in 0..pages {
+        pool.push(&mut table)?;
+    }
+    let positions: Vec<usize> = (0..pages).collect();
+    let from_kv = (0..pages)
+        .map(|i| peer.range(0, LEN / 2 + i * PAGE, PAGE))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut table = decode
+        .read_pages(&registered, table, &positions, &peer, &from_kv, None)
+        .map_err(memtoken::Error::from)?
+        .wait(DROP_WAIT)?;
+    for i in 0..pages {
+        let at = LEN / 2 + i * PAGE;
+        let expected: Vec<u8> = (at..at + PAGE).map(|b| pattern(21, b)).collect();
+        assert_eq!(table.page(i), &expected[..], "page {i} read from the K/V");
+        let answer: Vec<u8> = (at..at + PAGE).map(|b| pattern(77, b)).collect();
+        table.page_mut(i).copy_from_slice(&answer);
+    }
+    let into_answer = (0..pages)
+        .map(|i| peer.range(1, LEN / 2 + i * PAGE, PAGE))
+        .collect::<Result<Vec<_>, _>>()?;
+    let table = decode
+        .write_pages(
+            &registered,
+            table,
+            &positions,
+            &peer,
+            &into_answer,
+            Some(b"answered"),
+        )
+        .map_err(memtoken::Error::from)?
+        .wait(DROP_WAIT)?;
+    drop(table);
+    drop(registered);
+    drop(pool);
     peer.done()?;
     drop(mine.release()?);
     drop(binding);

@@ -169,6 +169,18 @@ pub enum NixlError {
         /// The last epoch acknowledged.
         acked: u64,
     },
+    /// An offer no newer than the one the peer holds.
+    #[error("offer {epoch} is not newer than the offer {loaded} the peer holds")]
+    NotNewer {
+        /// The offer's epoch.
+        epoch: u64,
+        /// The epoch of the offer loaded.
+        loaded: u64,
+    },
+    /// The transfer failed earlier (an error, or its time ran out): what it touches is
+    /// withheld.
+    #[error("the transfer failed earlier: what it touches is withheld for good")]
+    Failed,
     /// A notification that begins like memtoken's acknowledgement.
     #[error("a notification may not begin with `memtoken/done/`: that is the acknowledgement's")]
     Reserved,
@@ -263,6 +275,16 @@ struct Marks {
     poisoned: AtomicBool,
 }
 
+impl Remote {
+    /// The last epoch acknowledged of the incarnation `instance`'s offers (0: none).
+    fn acked(&self, instance: u64) -> u64 {
+        crate::backend::lock(&self.acked)
+            .get(&instance)
+            .copied()
+            .unwrap_or(0)
+    }
+}
+
 impl Marks {
     /// Whether an engine may still touch what these marks are on.
     fn busy(&self) -> bool {
@@ -275,11 +297,13 @@ impl Marks {
 struct Remote {
     /// Transfers with it (poisoned: one did not finish: no acknowledgement is ever sent).
     marks: Marks,
-    /// The last epoch of its offers this agent acknowledged: an offer at or below it is
-    /// refused (it was invalidated and said done with).
-    acked: AtomicU64,
+    /// For each incarnation of it, the last epoch of its offers this agent acknowledged: an
+    /// offer at or below it is refused (it was invalidated and said done with).
+    acked: Mutex<HashMap<u64, u64>>,
     /// A [`Peer`] of it is loaded (one at a time: NIXL's metadata is per remote agent).
     live: AtomicBool,
+    /// The incarnation of it the live [`Peer`] holds offers of.
+    instance: AtomicU64,
 }
 
 /// What an agent knows of exposures and acknowledgements.
@@ -337,6 +361,9 @@ pub struct Agent<'d, 'id, B: Backend> {
     /// NIXL, offered with every offer, leaked — never freed, as a late peer may still write it.
     mailbox: Span,
     _mailbox: nixl_sys::RegistrationHandle,
+    /// This agent's incarnation: an agent made again under the same name numbers its offers
+    /// from 1 again, and its peers tell the two apart by it.
+    instance: u64,
     book: Mutex<Book>,
 }
 
@@ -380,6 +407,7 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             _ucx: ucx,
             mailbox,
             _mailbox: registered,
+            instance: incarnation(),
             book: Mutex::new(Book::default()),
         })
     }
@@ -496,10 +524,9 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             exposed.push((peer.to_owned(), epoch));
         }
         Ok(PeerMetadata::encode(
-            epoch,
-            self.mailbox.addr as u64,
+            [epoch, self.instance, self.mailbox.addr as u64],
             &regions,
-            [peer.as_bytes(), &conn, &md, &mailbox],
+            [peer.as_bytes(), self.name.as_bytes(), &conn, &md, &mailbox],
         ))
     }
 
@@ -514,15 +541,24 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
     /// another agent, [`NixlError::AlreadyLoaded`], [`NixlError::Stale`] for an offer this
     /// agent already said it is done with; NIXL's error. Nothing stays loaded then.
     pub fn load(&self, metadata: &[u8]) -> Result<Peer<'_, 'd, 'id, B>, NixlError> {
-        let decoded = self.check(metadata, None)?;
-        let name = self.load_parts(&decoded, None)?;
-        let remote = self.remote(&name);
+        let decoded = self.check(metadata)?;
+        let by = std::str::from_utf8(decoded.offered_by)
+            .map_err(|_| NixlError::Wire("the offering agent's name is not UTF-8"))?
+            .to_owned();
+        let remote = self.remote(&by);
+        // The one live Peer of `by`: claimed before anything is loaded, so that a failure
+        // below never touches the metadata of a Peer in use.
         if remote.live.swap(true, Ordering::AcqRel) {
-            return Err(NixlError::AlreadyLoaded(name));
+            return Err(NixlError::AlreadyLoaded(by));
+        }
+        let loaded = self.load_offer(&decoded, &by, &remote);
+        if let Err(e) = loaded {
+            remote.live.store(false, Ordering::Release);
+            return Err(e);
         }
         Ok(Peer {
             agent: self,
-            name,
+            name: by,
             epoch: decoded.epoch,
             regions: decoded.regions,
             mailbox: decoded.mailbox,
@@ -533,9 +569,8 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         })
     }
 
-    /// Decodes `metadata` and checks that it is offered to this agent and newer than what was
-    /// acknowledged of its sender (`known`: the sender's name, when it is known already).
-    fn check<'m>(&self, metadata: &'m [u8], known: Option<&str>) -> Result<Decoded<'m>, NixlError> {
+    /// Decodes `metadata` and checks that it is offered to this agent.
+    fn check<'m>(&self, metadata: &'m [u8]) -> Result<Decoded<'m>, NixlError> {
         let decoded = PeerMetadata::decode(metadata)?;
         if decoded.offered_to != self.name.as_bytes() {
             return Err(NixlError::NotForUs {
@@ -543,54 +578,50 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
                 loader: self.name.clone(),
             });
         }
-        if let Some(name) = known {
-            let acked = self.remote(name).acked.load(Ordering::Acquire);
-            if decoded.epoch <= acked {
-                return Err(NixlError::Stale {
-                    peer: name.to_owned(),
-                    epoch: decoded.epoch,
-                    acked,
-                });
-            }
-        }
         Ok(decoded)
     }
 
-    /// Loads an offer's connection information and descriptors: the sender's name. `known`:
-    /// the sender's name when a `Peer` of it is loaded (its metadata is not invalidated on a
-    /// failure then).
-    fn load_parts(&self, decoded: &Decoded<'_>, known: Option<&str>) -> Result<String, NixlError> {
+    /// Loads the offer of `by` (whose one live Peer the caller claimed): refused if this agent
+    /// acknowledged it already; what was loaded is invalidated again on a failure.
+    fn load_offer(
+        &self,
+        decoded: &Decoded<'_>,
+        by: &str,
+        remote: &Remote,
+    ) -> Result<(), NixlError> {
+        // Each incarnation of `by` numbers its offers afresh.
+        remote.instance.store(decoded.instance, Ordering::Release);
+        let acked = remote.acked(decoded.instance);
+        if decoded.epoch <= acked {
+            return Err(NixlError::Stale {
+                peer: by.to_owned(),
+                epoch: decoded.epoch,
+                acked,
+            });
+        }
         let name = self
             .raw
             .load_remote_md(decoded.conn)
             .map_err(engine("loadRemoteMD"))?;
-        let undo = |e| {
-            if known.is_none() {
-                let _ = self.raw.invalidate_remote_md(&name);
+        let fail = |e| {
+            // Only `by`'s (claimed) or an agent's without a live Peer: never one in use.
+            for n in [&name, by] {
+                if n == by || !self.remote(n).live.load(Ordering::Acquire) {
+                    let _ = self.raw.invalidate_remote_md(n);
+                }
             }
-            e
+            Err(e)
         };
-        if known.is_some_and(|k| k != name) {
-            return Err(NixlError::Wire("an offer of another agent than the peer's"));
+        if name != by {
+            return fail(NixlError::Wire(
+                "its connection information is another agent's",
+            ));
         }
-        let acked = self.remote(&name).acked.load(Ordering::Acquire);
-        if decoded.epoch <= acked {
-            return Err(undo(NixlError::Stale {
-                peer: name.clone(),
-                epoch: decoded.epoch,
-                acked,
-            }));
+        match self.raw.load_remote_md(decoded.md) {
+            Ok(again) if again == name => Ok(()),
+            Ok(_) => fail(NixlError::Wire("its two parts name different agents")),
+            Err(e) => fail(engine("loadRemoteMD")(e)),
         }
-        let again = self
-            .raw
-            .load_remote_md(decoded.md)
-            .map_err(engine("loadRemoteMD"))
-            .map_err(undo)?;
-        if again != name {
-            let _ = self.raw.invalidate_remote_md(&again);
-            return Err(undo(NixlError::Wire("its two parts name different agents")));
-        }
-        Ok(name)
     }
 
     /// What this agent knows of the remote agent `name`.
@@ -660,10 +691,10 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         peer: &str,
         child: &mut std::process::Child,
     ) -> Result<(), NixlError> {
+        // The offers made before the wait: one made meanwhile may be a new agent's of the name.
+        let epoch = self.book().epoch;
         child.wait().map_err(NixlError::Wait)?;
-        // Every offer made so far: a later agent of the same name must acknowledge its own.
         let mut book = self.book();
-        let epoch = book.epoch;
         let done = book.done.entry(peer.to_owned()).or_insert(0);
         *done = (*done).max(epoch);
         Ok(())
@@ -852,6 +883,7 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         // Counted among the pool's transfers from before the post: the pool keeps its chunks
         // while one may run (for good if it is forgotten).
         pool.pool.engine_began();
+        let posts = pool.marks.in_flight.load(Ordering::Acquire);
         let started = pool.pieces(self, &table, positions).and_then(|pieces| {
             let pieces = pieces.into_iter().map(Ok);
             self.start(op, pieces, &pool.marks, peer, remote, notify)
@@ -864,8 +896,9 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
                 failed: false,
                 counted: true,
             }),
-            Err(cause) if pool.marks.poisoned.load(Ordering::Acquire) => {
-                // The post failed: what it may have started keeps the pages and the chunks.
+            Err(cause) if pool.marks.in_flight.load(Ordering::Acquire) > posts => {
+                // This post failed (it stays counted): what it may have started keeps the
+                // pages and the chunks; the error hands back an empty table.
                 pool.pool
                     .withhold_table(table, "an unfinished transfer".to_owned());
                 Err(TransitionError {
@@ -937,6 +970,17 @@ fn lists(
         theirs.add_desc(r.addr as usize, r.len, dev);
     }
     Ok((mine, theirs))
+}
+
+/// A number no other agent of this machine is likely to have had: the process, the time, and a
+/// count within the process.
+fn incarnation() -> u64 {
+    static MADE: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    let n = MADE.fetch_add(1, Ordering::Relaxed);
+    (u64::from(std::process::id()) << 40) ^ nanos ^ (n << 20) | 1
 }
 
 fn parse_epoch(digits: &[u8]) -> Option<u64> {
@@ -1257,24 +1301,28 @@ pub struct PeerMetadata(Vec<u8>);
 /// A decoded [`PeerMetadata`], borrowing its bytes.
 struct Decoded<'m> {
     epoch: u64,
+    instance: u64,
     mailbox: u64,
     regions: Vec<(u64, u64)>,
     offered_to: &'m [u8],
+    offered_by: &'m [u8],
     conn: &'m [u8],
     md: &'m [u8],
     mailbox_md: &'m [u8],
 }
 
 impl PeerMetadata {
-    /// The header (the offer's epoch, the agent's mailbox, the regions) and the parts: the
-    /// name of the agent it is offered to, then NIXL's connection information, the regions'
-    /// descriptors and the mailbox's descriptor.
-    fn encode(epoch: u64, mailbox: u64, regions: &[(u64, u64)], parts: [&[u8]; 4]) -> Self {
+    /// The header (the offer's epoch, the offering agent's incarnation and mailbox, the
+    /// regions) and the parts: the names of the agent it is offered to and of the offering
+    /// agent, then NIXL's connection information, the regions' descriptors and the mailbox's
+    /// descriptor.
+    fn encode(numbers: [u64; 3], regions: &[(u64, u64)], parts: [&[u8]; 5]) -> Self {
         let n = parts.iter().map(|p| 4 + p.len()).sum::<usize>();
-        let mut out = Vec::with_capacity(32 + regions.len() * 16 + n);
+        let mut out = Vec::with_capacity(40 + regions.len() * 16 + n);
         out.extend_from_slice(MAGIC);
-        out.extend_from_slice(&epoch.to_le_bytes());
-        out.extend_from_slice(&mailbox.to_le_bytes());
+        for number in numbers {
+            out.extend_from_slice(&number.to_le_bytes());
+        }
         out.extend_from_slice(&(regions.len() as u32).to_le_bytes());
         for &(addr, len) in regions {
             out.extend_from_slice(&addr.to_le_bytes());
@@ -1293,6 +1341,7 @@ impl PeerMetadata {
             return Err(NixlError::Wire("not memtoken's NIXL metadata"));
         }
         let epoch = at.u64()?;
+        let instance = at.u64()?;
         let mailbox = at.u64()?;
         let n = at.u32()? as usize;
         if n > bytes.len() / 16 {
@@ -1303,6 +1352,8 @@ impl PeerMetadata {
             .collect::<Result<_, NixlError>>()?;
         let for_len = at.u32()? as usize;
         let offered_to = at.take(for_len)?;
+        let by_len = at.u32()? as usize;
+        let offered_by = at.take(by_len)?;
         let conn_len = at.u32()? as usize;
         let conn = at.take(conn_len)?;
         let md_len = at.u32()? as usize;
@@ -1314,9 +1365,11 @@ impl PeerMetadata {
         }
         Ok(Decoded {
             epoch,
+            instance,
             mailbox,
             regions,
             offered_to,
+            offered_by,
             conn,
             md,
             mailbox_md,
@@ -1441,15 +1494,26 @@ impl<B: Backend> Peer<'_, '_, '_, B> {
     /// As for [`Agent::load`], and [`NixlError::Wire`] for an offer of another agent; the
     /// peer is unchanged then.
     pub fn extend(&mut self, metadata: &[u8]) -> Result<(), NixlError> {
-        let decoded = self.agent.check(metadata, Some(&self.name))?;
+        let decoded = self.agent.check(metadata)?;
+        if decoded.offered_by != self.name.as_bytes()
+            || decoded.instance != self.remote.instance.load(Ordering::Acquire)
+        {
+            return Err(NixlError::Wire("an offer of another agent than the peer's"));
+        }
         if decoded.epoch <= self.epoch {
-            return Err(NixlError::Stale {
-                peer: self.name.clone(),
+            return Err(NixlError::NotNewer {
                 epoch: decoded.epoch,
-                acked: self.epoch,
+                loaded: self.epoch,
             });
         }
-        self.agent.load_parts(&decoded, Some(&self.name))?;
+        let again = self
+            .agent
+            .raw
+            .load_remote_md(decoded.md)
+            .map_err(engine("loadRemoteMD"))?;
+        if again != self.name {
+            return Err(NixlError::Wire("its descriptors are another agent's"));
+        }
         self.epoch = decoded.epoch;
         self.regions.extend(decoded.regions);
         self.mailbox = decoded.mailbox;
@@ -1462,12 +1526,24 @@ impl<B: Backend> Peer<'_, '_, '_, B> {
             return Ok(());
         }
         self.finished = true;
-        let raw = &self.agent.raw;
-        let invalidated = raw
-            .invalidate_remote_md(&self.name)
-            .map_err(engine("invalidateRemoteMD"));
+        // First: these offers can never be loaded again, whatever happens below.
+        let instance = self.remote.instance.load(Ordering::Acquire);
+        let mut acked = crate::backend::lock(&self.remote.acked);
+        let last = acked.entry(instance).or_insert(0);
+        *last = (*last).max(self.epoch);
+        drop(acked);
+        let acknowledged = self.acknowledge();
+        // The name may be loaded afresh from now on (its metadata is invalidated).
         self.remote.live.store(false, Ordering::Release);
-        invalidated?;
+        acknowledged
+    }
+
+    /// Invalidates the peer's metadata, then acknowledges its offers with a write into its
+    /// mailbox whose completion says it went out, unless a transfer with it may still run.
+    fn acknowledge(&self) -> Result<(), NixlError> {
+        let raw = &self.agent.raw;
+        raw.invalidate_remote_md(&self.name)
+            .map_err(engine("invalidateRemoteMD"))?;
         // A transfer in flight, forgotten or unfinished may still touch the peer's memory.
         if self.remote.marks.busy() {
             return Err(NixlError::Tainted(self.name.clone()));
@@ -1476,8 +1552,6 @@ impl<B: Backend> Peer<'_, '_, '_, B> {
         for part in [&self.conn, &self.mailbox_md] {
             raw.load_remote_md(part).map_err(engine("loadRemoteMD"))?;
         }
-        // The acknowledgement rides on a write into the peer's mailbox, whose completion says
-        // it went out (a bare notification may be dropped if this agent goes right after).
         let mut message = DONE.to_vec();
         message.extend_from_slice(self.epoch.to_string().as_bytes());
         let own = &self.agent.mailbox;
@@ -1497,7 +1571,8 @@ impl<B: Backend> Peer<'_, '_, '_, B> {
         let (own_marks, their_marks) = (Marks::default(), Marks::default());
         let ack = Transfer::post(raw, req, &own_marks, &their_marks, 8)?;
         ack.wait(DROP_WAIT)?;
-        self.remote.acked.fetch_max(self.epoch, Ordering::AcqRel);
+        // Sent: the connection goes too, so that a new incarnation of the name can be loaded.
+        let _ = raw.invalidate_remote_md(&self.name);
         Ok(())
     }
 }
@@ -1534,6 +1609,8 @@ pub struct Transfer<'t> {
     bytes: usize,
     /// Seen complete, or given up.
     done: bool,
+    /// Given up: failed or timed out.
+    failed: bool,
     /// Counted in flight on both marks (until seen complete).
     counted: bool,
 }
@@ -1561,6 +1638,7 @@ impl<'t> Transfer<'t> {
             remote,
             bytes,
             done: false,
+            failed: false,
             counted: true,
         };
         match raw.post_xfer_req(transfer.req.as_ref().expect("just made"), None) {
@@ -1570,8 +1648,9 @@ impl<'t> Transfer<'t> {
                 Ok(transfer)
             }
             Err(e) => {
-                // Whether the engine started part of it is not said: unfinished.
-                transfer.give_up(false);
+                // Whether the engine started part of it is not said: unfinished, and the
+                // request is leaked rather than released under it.
+                transfer.give_up(true);
                 Err(engine("postXferReq")(e))
             }
         }
@@ -1600,7 +1679,11 @@ impl Transfer<'_> {
     /// NIXL's error: the transfer failed, and its local registration is poisoned.
     pub fn poll(&mut self) -> Result<bool, NixlError> {
         if self.done {
-            return Ok(true);
+            return if self.failed {
+                Err(NixlError::Failed)
+            } else {
+                Ok(true)
+            };
         }
         let req = self.req.as_ref().expect("held until done");
         match self.raw.get_xfer_status(req) {
@@ -1662,6 +1745,7 @@ impl Transfer<'_> {
         self.local.poisoned.store(true, Ordering::Release);
         self.remote.poisoned.store(true, Ordering::Release);
         self.done = true;
+        self.failed = true;
         if in_progress {
             std::mem::forget(self.req.take());
         }

@@ -750,3 +750,118 @@ fn an_acknowledgement_cannot_be_spoofed_nor_an_offer_taken_by_another()
     assert!(dd.close().is_clean());
     Ok(())
 }
+
+/// From the second review: a failed `done` still makes its offers unloadable; a load refused
+/// while a `Peer` of the agent lives leaves that `Peer` working; an agent made again under the
+/// same name is loaded afresh (its offers number from 1 again).
+#[test]
+fn loads_never_touch_a_live_peer_and_a_new_incarnation_loads_afresh()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    two_sides!(pd, pb, prefill, dd, db, decode, "i");
+    let source = prefill.register(pb.reserve(LEN)?.commit()?)?;
+    let mut first = decode.register(db.reserve(LEN)?.commit()?)?;
+    let one = decode.offer("prefill-i", &mut [&mut first])?;
+    let peer = prefill.load(one.as_bytes())?;
+    // A refused load (the agent's Peer lives) leaves the live Peer's metadata alone.
+    assert!(matches!(
+        prefill.load(one.as_bytes()),
+        Err(NixlError::AlreadyLoaded(_))
+    ));
+    prefill
+        .write(&source, &[(0, 64)], &peer, &[peer.range(0, 0, 64)?], None)?
+        .wait(DROP_WAIT)?;
+    peer.done()?;
+    wait_until(|| first.token().is_ok());
+    drop(first.release()?);
+    drop(decode);
+
+    // The same name again, a new agent: its first offer is epoch 1 again.
+    let again = agent(&dd, "decode-i");
+    let mut second = again.register(db.reserve(LEN)?.commit()?)?;
+    let offer = again.offer("prefill-i", &mut [&mut second])?;
+    let peer = prefill.load(offer.as_bytes())?;
+    prefill
+        .write(&source, &[(0, LEN)], &peer, &[peer.range(0, 0, LEN)?], None)?
+        .wait(DROP_WAIT)?;
+    peer.done()?;
+    wait_until(|| second.token().is_ok());
+    drop((second.release()?, source.release()?));
+    drop((pb, db));
+    drop((prefill, again));
+    assert!(dd.close().is_clean());
+    Ok(())
+}
+
+/// A page READ whose peer process is killed mid-transfer (over TCP): a poll says it failed,
+/// and a wait after it does not hand the table back — its pages are withheld, never handed out
+/// again (the second review's break: `wait` answered `Ok(table)` after the failed poll).
+#[test]
+fn a_failed_page_transfer_never_hands_its_table_back()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    const TEST: &str = "a_failed_page_transfer_never_hands_its_table_back";
+    const PAGE: usize = 1 << 20;
+    const PAGES: usize = 256;
+    if let Some(mut socket) = parent() {
+        make_guard!(guard);
+        let device = Device::new(guard, HostBackend::with_defaults()?);
+        let binding = device.bind(Budget::unlimited())?;
+        let target = agent(&device, "target-w");
+        let mut offered = target.register(binding.reserve(PAGE * PAGES)?.commit()?)?;
+        let offer = target.offer("initiator-w", &mut [&mut offered])?;
+        send(&mut socket, offer.as_bytes());
+        loop {
+            std::thread::park(); // killed here
+        }
+    }
+    // SAFETY: the NIXL tests run on one thread (`--test-threads=1`), and no agent exists in
+    // this process while the variable changes; UCX read it as the agent was made.
+    unsafe { std::env::set_var("UCX_TLS", "tcp") };
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults()?);
+    let binding = device.bind(Budget::unlimited())?;
+    let initiator = agent(&device, "initiator-w");
+    // SAFETY: as above.
+    unsafe { std::env::remove_var("UCX_TLS") };
+    let (mut child, mut socket) = peer_process_with(TEST, &[("UCX_TLS", "tcp")]);
+    let offer = recv(&mut socket);
+    let peer = initiator.load(&offer)?;
+    make_guard!(pool_guard);
+    let pool = memtoken::PagePool::new(pool_guard, &binding, PAGE)?;
+    let registered = initiator.register_pool(&pool)?;
+    let mut table = pool.table();
+    for _ in 0..PAGES {
+        pool.push(&mut table)?;
+    }
+    let remote = (0..PAGES)
+        .map(|i| peer.range(0, i * PAGE, PAGE))
+        .collect::<Result<Vec<_>, _>>()?;
+    let positions: Vec<usize> = (0..PAGES).collect();
+    let mut read = initiator
+        .read_pages(&registered, table, &positions, &peer, &remote, None)
+        .map_err(memtoken::Error::from)?;
+    child.kill()?;
+    child.wait()?;
+    let start = std::time::Instant::now();
+    let polled = loop {
+        match read.poll() {
+            Ok(false) if start.elapsed() < DROP_WAIT => {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            other => break other,
+        }
+    };
+    assert!(polled.is_err(), "the READ did not fail: {polled:?}");
+    let waited = read.wait(DROP_WAIT);
+    assert!(
+        waited.is_err(),
+        "a wait after a failed poll hands no table back"
+    );
+    assert_eq!(
+        pool.withheld_pages(),
+        PAGES,
+        "the table's pages are withheld"
+    );
+    assert_eq!(pool.shrink(), 0, "the pool keeps its chunks");
+    assert!(matches!(peer.done(), Err(NixlError::Tainted(_))));
+    Ok(())
+}

@@ -11,7 +11,7 @@
 //! ```
 
 use memtoken::backend::HostBackend;
-use memtoken::nixl::{Agent, DROP_WAIT};
+use memtoken::nixl::{Agent, AgentId, DROP_WAIT};
 use memtoken::{Budget, Device, PagePool, make_guard};
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -60,13 +60,14 @@ impl Shape {
 /// The prefill process: K/V into pool pages, WRITTEN into decode's slots.
 fn prefill(socket: &str, shape: &Shape) -> Result<(), Error> {
     let mut socket = UnixStream::connect(socket)?;
-    let offer = recv(&mut socket)?;
     make_guard!(guard);
     let device = Device::new(guard, HostBackend::with_defaults()?);
     let binding = device.bind(Budget::unlimited())?;
     make_guard!(pool_guard);
     let pool = PagePool::new(pool_guard, &binding, PAGE)?;
     let agent = Agent::new(&device, "prefill")?;
+    send(&mut socket, &agent.id().to_bytes())?; // whom decode makes its offer to
+    let offer = recv(&mut socket)?;
     let peer = agent.load(&offer)?;
     let registered = agent.register_pool(&pool)?;
     let positions: Vec<usize> = (0..shape.pages).collect();
@@ -118,7 +119,6 @@ fn decode(shape: &Shape) -> Result<(), Error> {
     let binding = device.bind(Budget::unlimited())?;
     let agent = Agent::new(&device, "decode")?;
     let mut slots = agent.register(binding.reserve(shape.bytes())?.commit()?)?;
-    let offer = agent.offer("prefill", &mut [&mut slots])?;
 
     let path = std::env::temp_dir().join(format!("memtoken-disagg-{}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);
@@ -133,6 +133,8 @@ fn decode(shape: &Shape) -> Result<(), Error> {
         .spawn()?;
     let (mut socket, _) = listener.accept()?;
     let _ = std::fs::remove_file(&path);
+    let prefill = AgentId::from_bytes(&recv(&mut socket)?)?;
+    let offer = agent.offer(&prefill, &mut [&mut slots])?;
     send(&mut socket, offer.as_bytes())?;
 
     let mut arrived = vec![false; shape.requests];

@@ -98,7 +98,7 @@ fn typed(n: u64) -> Result<f64, Error> {
     kv.as_mut_slice().fill(5);
     let source = a.register(kv)?;
     let mut target = b.register(binding.reserve(BYTES)?.commit()?)?;
-    let offer = b.offer("cycle-a", &mut [&mut target])?;
+    let offer = b.offer(&a.id(), &mut [&mut target])?;
     let peer = a.load(offer.as_bytes())?;
     cycles_typed(&a, &source, &peer, n)?; // warm-up
     let start = Instant::now();

@@ -31,9 +31,13 @@
 //! anything ([`Peer::done`] refuses). A request still in progress is leaked rather than released
 //! under the engine.
 //!
-//! **Offers.** Only a committed allocation is offered ([`Offered`]). An offer names the agent it
-//! is for, which alone can load it; an agent holds one [`Peer`] of another at a time (a later
-//! offer is added with [`Peer::extend`]), and an offer it acknowledged cannot be loaded again.
+//! **Offers.** Only a committed allocation is offered ([`Offered`]). An offer is made to one
+//! agent ([`AgentId`]: its name and incarnation, which the loading side sends first), which
+//! alone can load it — not even an agent made again under that name; an agent holds one
+//! [`Peer`] of another at a time (a later offer is added with [`Peer::extend`]), and an offer
+//! it acknowledged cannot be loaded again. Load a peer once, extend it, and say `done` when
+//! finished with it: each load-and-done cycle costs NIXL 1.5.1 four file descriptors it never
+//! closes.
 //! A notification may not begin like the acknowledgement ([`NixlError::Reserved`]). These
 //! protect against mistakes, not against a hostile process: another program speaking NIXL can
 //! forge an acknowledgement — the proof is a cooperating peer's word.
@@ -149,7 +153,9 @@ pub enum NixlError {
         regions: usize,
     },
     /// The metadata was offered to another agent.
-    #[error("the metadata was offered to {offered_to}, not to {loader}")]
+    #[error(
+        "the metadata was offered to {offered_to} (that incarnation of it), not to this {loader}"
+    )]
     NotForUs {
         /// Whom the offer names.
         offered_to: String,
@@ -341,6 +347,52 @@ impl Book {
     }
 }
 
+/// Who an agent is: its name and its incarnation (an agent made again under the same name is
+/// another). An offer is made to one ([`Agent::offer`]), which alone can load it: the loading
+/// agent sends its id to the offering one first ([`to_bytes`](Self::to_bytes)).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct AgentId {
+    name: String,
+    instance: u64,
+}
+
+impl AgentId {
+    /// The agent's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The bytes to send: the incarnation (8 bytes, little-endian), then the name (UTF-8).
+    pub fn to_bytes(&self) -> Vec<u8> {
+        let mut out = self.instance.to_le_bytes().to_vec();
+        out.extend_from_slice(self.name.as_bytes());
+        out
+    }
+
+    /// An id from its bytes.
+    ///
+    /// # Errors
+    ///
+    /// [`NixlError::Wire`]: too short, or a name that is not UTF-8.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, NixlError> {
+        let (instance, name) = bytes
+            .split_at_checked(8)
+            .ok_or(NixlError::Wire("an agent id is at least 8 bytes"))?;
+        Ok(Self {
+            name: std::str::from_utf8(name)
+                .map_err(|_| NixlError::Wire("an agent's name is not UTF-8"))?
+                .to_owned(),
+            instance: u64::from_le_bytes(instance.try_into().expect("8 bytes")),
+        })
+    }
+}
+
+impl fmt::Display for AgentId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.name)
+    }
+}
+
 /// A notification from a peer: who sent it and its bytes.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Notification {
@@ -382,6 +434,11 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             return Err(NixlError::Missing);
         }
         kind(device.backend().location())?;
+        // NIXL's default thread mode takes no lock of its own; nixl-sys serializes every call
+        // that changes the agent (registrations, metadata, posts, status, notifications) with
+        // its write lock, and lets only `createXferReq` — a `const` method of NIXL's agent —
+        // run beside another. (NIXL's `Strict` mode cost a fifth more instructions per
+        // transfer here, in spin locks against its progress thread.)
         let raw = nixl_sys::Agent::new(name).map_err(engine("createAgent"))?;
         let (_mems, params) = raw
             .get_plugin_params("UCX")
@@ -415,6 +472,14 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
     /// Its name.
     pub fn name(&self) -> &str {
         &self.name
+    }
+
+    /// Its id — name and incarnation — to send to an agent that will make it an offer.
+    pub fn id(&self) -> AgentId {
+        AgentId {
+            name: self.name.clone(),
+            instance: self.instance,
+        }
     }
 
     /// The device it moves memory of.
@@ -476,19 +541,21 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         })
     }
 
-    /// The metadata through which `peer` reaches the registrations `regs` (and no other):
-    /// NIXL's connection information and their descriptors, with memtoken's header. Each is
-    /// exposed to `peer` from now on, until `peer` says it is done with this offer or a later
-    /// one ([`Peer::done`]). Taking each registration mutably, it waits for no lent token.
+    /// The metadata through which `peer` — that agent, that incarnation: no other can load it
+    /// — reaches the registrations `regs` (and no other): NIXL's connection information and
+    /// their descriptors, with memtoken's header. Each is exposed to `peer` from now on, until
+    /// `peer` says it is done with this offer or a later one ([`Peer::done`]). Taking each
+    /// registration mutably, it waits for no lent token.
     ///
     /// # Errors
     ///
     /// NIXL's error; nothing is exposed then.
     pub fn offer(
         &self,
-        peer: &str,
+        to: &AgentId,
         regs: &mut [&mut dyn Offered],
     ) -> Result<PeerMetadata, NixlError> {
+        let peer = to.name.as_str();
         let (mem, _) = kind(self.device.backend().location())?;
         let empty = RegDescList::new(mem).map_err(engine("createRegDlist"))?;
         let conn = self
@@ -524,7 +591,7 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             exposed.push((peer.to_owned(), epoch));
         }
         Ok(PeerMetadata::encode(
-            [epoch, self.instance, self.mailbox.addr as u64],
+            [epoch, self.instance, to.instance, self.mailbox.addr as u64],
             &regions,
             [peer.as_bytes(), self.name.as_bytes(), &conn, &md, &mailbox],
         ))
@@ -572,7 +639,7 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
     /// Decodes `metadata` and checks that it is offered to this agent.
     fn check<'m>(&self, metadata: &'m [u8]) -> Result<Decoded<'m>, NixlError> {
         let decoded = PeerMetadata::decode(metadata)?;
-        if decoded.offered_to != self.name.as_bytes() {
+        if decoded.offered_to != self.name.as_bytes() || decoded.for_instance != self.instance {
             return Err(NixlError::NotForUs {
                 offered_to: String::from_utf8_lossy(decoded.offered_to).into_owned(),
                 loader: self.name.clone(),
@@ -1003,7 +1070,7 @@ fn parse_epoch(digits: &[u8]) -> Option<u64> {
 /// # let agent = Agent::new(&device, "a")?;
 /// let prefix = binding.reserve(device.granularity())?.commit_prefix()?;
 /// let mut registered = agent.register(prefix)?;
-/// let offer = agent.offer("b", &mut [&mut registered])?; // error: not `Offered`
+/// let offer = agent.offer(&agent.id(), &mut [&mut registered])?; // error: not `Offered`
 /// # Ok(()) }
 /// ```
 pub trait Offered: sealed::Sealed {
@@ -1302,6 +1369,8 @@ pub struct PeerMetadata(Vec<u8>);
 struct Decoded<'m> {
     epoch: u64,
     instance: u64,
+    /// The incarnation of the agent it is offered to.
+    for_instance: u64,
     mailbox: u64,
     regions: Vec<(u64, u64)>,
     offered_to: &'m [u8],
@@ -1312,11 +1381,11 @@ struct Decoded<'m> {
 }
 
 impl PeerMetadata {
-    /// The header (the offer's epoch, the offering agent's incarnation and mailbox, the
-    /// regions) and the parts: the names of the agent it is offered to and of the offering
+    /// The header (the offer's epoch, the offering and the loading agents' incarnations, the
+    /// offering agent's mailbox, the regions) and the parts: the names of the agent it is offered to and of the offering
     /// agent, then NIXL's connection information, the regions' descriptors and the mailbox's
     /// descriptor.
-    fn encode(numbers: [u64; 3], regions: &[(u64, u64)], parts: [&[u8]; 5]) -> Self {
+    fn encode(numbers: [u64; 4], regions: &[(u64, u64)], parts: [&[u8]; 5]) -> Self {
         let n = parts.iter().map(|p| 4 + p.len()).sum::<usize>();
         let mut out = Vec::with_capacity(40 + regions.len() * 16 + n);
         out.extend_from_slice(MAGIC);
@@ -1342,6 +1411,7 @@ impl PeerMetadata {
         }
         let epoch = at.u64()?;
         let instance = at.u64()?;
+        let for_instance = at.u64()?;
         let mailbox = at.u64()?;
         let n = at.u32()? as usize;
         if n > bytes.len() / 16 {
@@ -1366,6 +1436,7 @@ impl PeerMetadata {
         Ok(Decoded {
             epoch,
             instance,
+            for_instance,
             mailbox,
             regions,
             offered_to,

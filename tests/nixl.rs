@@ -5,7 +5,7 @@
 //! agents are made on several threads at once.
 
 use memtoken::backend::HostBackend;
-use memtoken::nixl::{Agent, DROP_WAIT, NixlError};
+use memtoken::nixl::{Agent, AgentId, DROP_WAIT, NixlError};
 use memtoken::{Budget, Device, make_guard};
 
 const LEN: usize = 1 << 21;
@@ -60,7 +60,7 @@ fn a_write_lands_byte_for_byte_with_its_notification()
     fill(kv.as_mut_slice(), 3);
     let source = prefill.register(kv)?;
     let mut target = decode.register(db.reserve(LEN)?.commit()?)?;
-    let offer = decode.offer("prefill-w", &mut [&mut target])?;
+    let offer = decode.offer(&prefill.id(), &mut [&mut target])?;
 
     let peer = prefill.load(offer.as_bytes())?;
     assert_eq!(peer.name(), "decode-w");
@@ -112,6 +112,11 @@ fn wait_for_notification(agent: &Agent<'_, '_, HostBackend>) -> memtoken::nixl::
     }
 }
 
+/// The id of an agent that never exists (an offer to it is never loaded).
+fn stranger(name: &str) -> AgentId {
+    AgentId::from_bytes(&[&7u64.to_le_bytes()[..], name.as_bytes()].concat()).unwrap()
+}
+
 fn wait_until(mut ready: impl FnMut() -> bool) {
     let start = std::time::Instant::now();
     while !ready() {
@@ -144,7 +149,7 @@ fn a_read_pulls_a_peers_memory_byte_for_byte()
     let mut kv = pb.reserve(LEN)?.commit()?;
     fill(kv.as_mut_slice(), 9);
     let mut offered = prefill.register(kv)?;
-    let offer = prefill.offer("decode-r", &mut [&mut offered])?;
+    let offer = prefill.offer(&decode.id(), &mut [&mut offered])?;
 
     let peer = decode.load(offer.as_bytes())?;
     let mut into = decode.register(db.reserve(LEN)?.commit()?)?;
@@ -182,15 +187,15 @@ fn memory_offered_without_the_peers_proof_is_withheld_and_never_reused()
     let mut reoffered = decode.register(db.reserve(LEN)?.commit()?)?;
     let mut stray = decode.register(db.reserve(LEN)?.commit()?)?;
 
-    let offer = decode.offer("prefill-q", &mut [&mut acked, &mut reoffered])?;
+    let offer = decode.offer(&prefill.id(), &mut [&mut acked, &mut reoffered])?;
     let peer = prefill.load(offer.as_bytes())?;
     assert_eq!(peer.regions().len(), 2);
     peer.done()?; // invalidated, then acknowledged: covers this offer
     wait_until(|| acked.token().is_ok());
     // Offered again after the acknowledgement: exposed again, and not covered by it.
-    let _again = decode.offer("prefill-q", &mut [&mut reoffered])?;
+    let _again = decode.offer(&prefill.id(), &mut [&mut reoffered])?;
     // Offered to a peer that never loads it nor says anything.
-    let _never = decode.offer("stray", &mut [&mut stray])?;
+    let _never = decode.offer(&stranger("stray"), &mut [&mut stray])?;
 
     drop(acked.release()?);
     let e = reoffered
@@ -239,7 +244,7 @@ fn a_list_of_pool_pages_goes_both_ways_byte_for_byte()
     make_guard!(dpg);
     let decode_pool = memtoken::PagePool::new(dpg, &db, PAGE)?;
     let mut region = decode.register(db.reserve(LEN)?.commit()?)?;
-    let offer = decode.offer("prefill-p", &mut [&mut region])?;
+    let offer = decode.offer(&prefill.id(), &mut [&mut region])?;
     let peer = prefill.load(offer.as_bytes())?;
 
     // Eight pages, not adjacent: every other page of the pool goes to a table that is dropped.
@@ -282,7 +287,7 @@ fn a_list_of_pool_pages_goes_both_ways_byte_for_byte()
 
     // Back: decode pulls prefill's pages into its own pool (prefill offers a token this time).
     let mut back = prefill.register(region_copy(&pb, &table)?)?;
-    let offer = prefill.offer("decode-p", &mut [&mut back])?;
+    let offer = prefill.offer(&decode.id(), &mut [&mut back])?;
     let peer = decode.load(offer.as_bytes())?;
     let registered_back = decode.register_pool(&decode_pool)?;
     let mut into = decode_pool.table();
@@ -398,9 +403,10 @@ fn two_processes_read_and_write_each_others_memory()
     fill(kv.as_mut_slice(), 21);
     let mut kv = prefill.register(kv)?;
     let mut answer = prefill.register(binding.reserve(LEN)?.commit()?)?;
-    let offer = prefill.offer("decode-2p", &mut [&mut kv, &mut answer])?;
 
     let (mut child, mut socket) = peer_process(TEST);
+    let decode = AgentId::from_bytes(&recv(&mut socket))?; // the offer is made to that agent
+    let offer = prefill.offer(&decode, &mut [&mut kv, &mut answer])?;
     send(&mut socket, offer.as_bytes());
     let n = wait_for_notification(&prefill);
     assert_eq!(
@@ -425,11 +431,12 @@ fn two_processes_read_and_write_each_others_memory()
 
 /// The decode side of the test above, in the child.
 fn decode_process(mut socket: UnixStream) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    let offer = recv(&mut socket);
     make_guard!(guard);
     let device = Device::new(guard, HostBackend::with_defaults()?);
     let binding = device.bind(Budget::unlimited())?;
     let decode = agent(&device, "decode-2p");
+    send(&mut socket, &decode.id().to_bytes());
+    let offer = recv(&mut socket);
     let peer = decode.load(&offer)?;
     let mut into = decode.register(binding.reserve(LEN)?.commit()?)?;
     decode
@@ -522,7 +529,8 @@ fn a_peer_killed_mid_transfer_leaves_the_memory_withheld()
         let binding = device.bind(Budget::unlimited())?;
         let target = agent(&device, "target-k");
         let mut offered = target.register(binding.reserve(BIG)?.commit()?)?;
-        let offer = target.offer("initiator-k", &mut [&mut offered])?;
+        let initiator = AgentId::from_bytes(&recv(&mut socket))?;
+        let offer = target.offer(&initiator, &mut [&mut offered])?;
         send(&mut socket, offer.as_bytes());
         loop {
             std::thread::park(); // killed here
@@ -538,6 +546,7 @@ fn a_peer_killed_mid_transfer_leaves_the_memory_withheld()
     // SAFETY: as above; UCX read its settings as the agent was made.
     unsafe { std::env::remove_var("UCX_TLS") };
     let (mut child, mut socket) = peer_process_with(TEST, &[("UCX_TLS", "tcp")]);
+    send(&mut socket, &initiator.id().to_bytes());
     let offer = recv(&mut socket);
     let peer = initiator.load(&offer)?;
     let mut into = initiator.register(binding.reserve(BIG)?.commit()?)?;
@@ -607,7 +616,7 @@ fn a_forgotten_transfer_keeps_its_memory_withheld()
     const BIG: usize = 64 << 20;
     two_sides_over_tcp!(pd, pb, prefill, dd, db, decode, "f");
     let mut offered = prefill.register(pb.reserve(BIG)?.commit()?)?;
-    let offer = prefill.offer("decode-f", &mut [&mut offered])?;
+    let offer = prefill.offer(&decode.id(), &mut [&mut offered])?;
     let peer = decode.load(offer.as_bytes())?;
     let mut into = decode.register(db.reserve(BIG)?.commit()?)?;
     let read = decode.read(
@@ -638,7 +647,7 @@ fn a_forgotten_page_transfer_keeps_its_pools_chunks()
     const PAGES: usize = 64;
     two_sides_over_tcp!(pd, pb, prefill, dd, db, decode, "g");
     let mut offered = prefill.register(pb.reserve(PAGE * PAGES)?.commit()?)?;
-    let offer = prefill.offer("decode-g", &mut [&mut offered])?;
+    let offer = prefill.offer(&decode.id(), &mut [&mut offered])?;
     let peer = decode.load(offer.as_bytes())?;
     make_guard!(pool_guard);
     let pool = memtoken::PagePool::new(pool_guard, &db, PAGE)?;
@@ -678,8 +687,8 @@ fn an_offer_acknowledged_cannot_be_loaded_again()
     two_sides!(pd, pb, prefill, dd, db, decode, "s");
     let mut first = decode.register(db.reserve(LEN)?.commit()?)?;
     let mut second = decode.register(db.reserve(LEN)?.commit()?)?;
-    let one = decode.offer("prefill-s", &mut [&mut first])?;
-    let two = decode.offer("prefill-s", &mut [&mut second])?;
+    let one = decode.offer(&prefill.id(), &mut [&mut first])?;
+    let two = decode.offer(&prefill.id(), &mut [&mut second])?;
     let mut peer = prefill.load(one.as_bytes())?;
     assert!(matches!(
         prefill.load(two.as_bytes()),
@@ -717,7 +726,7 @@ fn an_acknowledgement_cannot_be_spoofed_nor_an_offer_taken_by_another()
     two_sides!(pd, pb, prefill, dd, db, decode, "a");
     let source = prefill.register(pb.reserve(LEN)?.commit()?)?;
     let mut target = decode.register(db.reserve(LEN)?.commit()?)?;
-    let offer = decode.offer("prefill-a", &mut [&mut target])?;
+    let offer = decode.offer(&prefill.id(), &mut [&mut target])?;
     let peer = prefill.load(offer.as_bytes())?;
     let spoof = prefill.write(
         &source,
@@ -760,7 +769,7 @@ fn loads_never_touch_a_live_peer_and_a_new_incarnation_loads_afresh()
     two_sides!(pd, pb, prefill, dd, db, decode, "i");
     let source = prefill.register(pb.reserve(LEN)?.commit()?)?;
     let mut first = decode.register(db.reserve(LEN)?.commit()?)?;
-    let one = decode.offer("prefill-i", &mut [&mut first])?;
+    let one = decode.offer(&prefill.id(), &mut [&mut first])?;
     let peer = prefill.load(one.as_bytes())?;
     // A refused load (the agent's Peer lives) leaves the live Peer's metadata alone.
     assert!(matches!(
@@ -772,13 +781,24 @@ fn loads_never_touch_a_live_peer_and_a_new_incarnation_loads_afresh()
         .wait(DROP_WAIT)?;
     peer.done()?;
     wait_until(|| first.token().is_ok());
+    // An agent made again under the loader's name cannot load the offer its namesake said it
+    // is done with (the third review's break: it wrote behind the bytes just lent).
+    let prefill_again = agent(&pd, "prefill-i");
+    assert!(
+        matches!(
+            prefill_again.load(one.as_bytes()),
+            Err(NixlError::NotForUs { .. })
+        ),
+        "an old offer loaded by a new incarnation of its loader"
+    );
+    drop(prefill_again);
     drop(first.release()?);
     drop(decode);
 
     // The same name again, a new agent: its first offer is epoch 1 again.
     let again = agent(&dd, "decode-i");
     let mut second = again.register(db.reserve(LEN)?.commit()?)?;
-    let offer = again.offer("prefill-i", &mut [&mut second])?;
+    let offer = again.offer(&prefill.id(), &mut [&mut second])?;
     let peer = prefill.load(offer.as_bytes())?;
     prefill
         .write(&source, &[(0, LEN)], &peer, &[peer.range(0, 0, LEN)?], None)?
@@ -807,7 +827,8 @@ fn a_failed_page_transfer_never_hands_its_table_back()
         let binding = device.bind(Budget::unlimited())?;
         let target = agent(&device, "target-w");
         let mut offered = target.register(binding.reserve(PAGE * PAGES)?.commit()?)?;
-        let offer = target.offer("initiator-w", &mut [&mut offered])?;
+        let initiator = AgentId::from_bytes(&recv(&mut socket))?;
+        let offer = target.offer(&initiator, &mut [&mut offered])?;
         send(&mut socket, offer.as_bytes());
         loop {
             std::thread::park(); // killed here
@@ -823,6 +844,7 @@ fn a_failed_page_transfer_never_hands_its_table_back()
     // SAFETY: as above.
     unsafe { std::env::remove_var("UCX_TLS") };
     let (mut child, mut socket) = peer_process_with(TEST, &[("UCX_TLS", "tcp")]);
+    send(&mut socket, &initiator.id().to_bytes());
     let offer = recv(&mut socket);
     let peer = initiator.load(&offer)?;
     make_guard!(pool_guard);

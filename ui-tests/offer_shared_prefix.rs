@@ -11,6 +11,6 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let agent = Agent::new(&device, "a")?;
     let prefix = binding.reserve(device.granularity())?.commit_prefix()?;
     let mut registered = agent.register(prefix)?;
-    let _offer = agent.offer("b", &mut [&mut registered])?; // error: not `Offered`
+    let _offer = agent.offer(&agent.id(), &mut [&mut registered])?; // error: not `Offered`
     Ok(())
 }

@@ -321,11 +321,12 @@ struct Book {
     next: u64,
     /// Offers made: each offer's epoch.
     epoch: u64,
-    /// For each live registration offered: the peers and the epoch of the last offer.
-    exposed: HashMap<u64, Vec<(String, u64)>>,
-    /// For each peer, the last epoch it said it is done with (or that was current when its
-    /// process was seen to end).
-    done: HashMap<String, u64>,
+    /// For each live registration offered: the peers (each incarnation apart) and the epoch
+    /// of the last offer to each.
+    exposed: HashMap<u64, Vec<(AgentId, u64)>>,
+    /// For each peer (each incarnation apart), the last epoch it said it is done with (or that
+    /// was current when its process was seen to end).
+    done: HashMap<AgentId, u64>,
     /// Notifications received and not yet taken.
     inbox: Vec<Notification>,
 }
@@ -339,7 +340,7 @@ impl Book {
             .into_iter()
             .flatten()
             .filter(|(peer, epoch)| self.done.get(peer).is_none_or(|done| done < epoch))
-            .map(|(peer, _)| peer.clone())
+            .map(|(peer, _)| peer.name.clone())
             .collect();
         peers.sort();
         peers.dedup();
@@ -587,8 +588,8 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         let epoch = book.epoch;
         for reg in regs.iter() {
             let exposed = book.exposed.entry(reg.id()).or_default();
-            exposed.retain(|(p, _)| p != peer);
-            exposed.push((peer.to_owned(), epoch));
+            exposed.retain(|(p, _)| p != to);
+            exposed.push((to.clone(), epoch));
         }
         Ok(PeerMetadata::encode(
             [epoch, self.instance, to.instance, self.mailbox.addr as u64],
@@ -735,9 +736,15 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         }
         let mut book = self.book();
         for n in received {
-            match n.message.strip_prefix(DONE).and_then(parse_epoch) {
-                Some(epoch) => {
-                    let done = book.done.entry(n.from).or_insert(0);
+            // `memtoken/done/<the acknowledging incarnation>/<epoch>`: it covers that
+            // incarnation's offers only.
+            match n.message.strip_prefix(DONE).and_then(parse_done) {
+                Some((instance, epoch)) => {
+                    let who = AgentId {
+                        name: n.from,
+                        instance,
+                    };
+                    let done = book.done.entry(who).or_insert(0);
                     *done = (*done).max(epoch);
                 }
                 None => book.inbox.push(n),
@@ -746,23 +753,23 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         Ok(())
     }
 
-    /// The proof from a peer's end: `child`, the process of the agent named `peer`, is waited
-    /// for; once it has ended, nothing of it can touch this agent's memory any more. (That
-    /// `child` runs `peer` is the caller's word.)
+    /// The proof from a peer's end: `child`, the process of the agent `peer` (that
+    /// incarnation: a new agent of the same name is another), is waited for; once it has ended,
+    /// nothing of it can touch this agent's memory any more. (That `child` runs `peer` is the
+    /// caller's word.)
     ///
     /// # Errors
     ///
     /// [`NixlError::Wait`]: the wait failed, and nothing is proved.
     pub fn peer_exited(
         &self,
-        peer: &str,
+        peer: &AgentId,
         child: &mut std::process::Child,
     ) -> Result<(), NixlError> {
-        // The offers made before the wait: one made meanwhile may be a new agent's of the name.
-        let epoch = self.book().epoch;
         child.wait().map_err(NixlError::Wait)?;
         let mut book = self.book();
-        let done = book.done.entry(peer.to_owned()).or_insert(0);
+        let epoch = book.epoch;
+        let done = book.done.entry(peer.clone()).or_insert(0);
         *done = (*done).max(epoch);
         Ok(())
     }
@@ -1039,19 +1046,24 @@ fn lists(
     Ok((mine, theirs))
 }
 
-/// A number no other agent of this machine is likely to have had: the process, the time, and a
-/// count within the process.
+/// 64 bits no other agent is likely to have had: the process, the time and a count within the
+/// process, hashed with the standard library's randomly keyed hasher (so that no arithmetic
+/// between the fields can make two agents alike).
 fn incarnation() -> u64 {
+    use std::hash::{BuildHasher, Hash, Hasher};
     static MADE: AtomicU64 = AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
-    let n = MADE.fetch_add(1, Ordering::Relaxed);
-    (u64::from(std::process::id()) << 40) ^ nanos ^ (n << 20) | 1
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    std::process::id().hash(&mut hasher);
+    std::time::SystemTime::now().hash(&mut hasher);
+    MADE.fetch_add(1, Ordering::Relaxed).hash(&mut hasher);
+    hasher.finish()
 }
 
-fn parse_epoch(digits: &[u8]) -> Option<u64> {
-    std::str::from_utf8(digits).ok()?.parse().ok()
+/// `<incarnation>/<epoch>`, as an acknowledgement carries them.
+fn parse_done(text: &[u8]) -> Option<(u64, u64)> {
+    let text = std::str::from_utf8(text).ok()?;
+    let (instance, epoch) = text.split_once('/')?;
+    Some((instance.parse().ok()?, epoch.parse().ok()?))
 }
 
 /// A registration that can be [offered](Agent::offer) to a peer: a [`Registered`] committed
@@ -1623,8 +1635,10 @@ impl<B: Backend> Peer<'_, '_, '_, B> {
         for part in [&self.conn, &self.mailbox_md] {
             raw.load_remote_md(part).map_err(engine("loadRemoteMD"))?;
         }
+        // Which incarnation says so, and up to which offer.
         let mut message = DONE.to_vec();
-        message.extend_from_slice(self.epoch.to_string().as_bytes());
+        let said = format!("{}/{}", self.agent.instance, self.epoch);
+        message.extend_from_slice(said.as_bytes());
         let own = &self.agent.mailbox;
         let mut mine = XferDescList::new(MemType::Dram).map_err(engine("createXferDlist"))?;
         mine.add_desc(own.addr, 8, 0);

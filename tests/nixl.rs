@@ -887,3 +887,72 @@ fn a_failed_page_transfer_never_hands_its_table_back()
     assert!(matches!(peer.done(), Err(NixlError::Tainted(_))));
     Ok(())
 }
+
+/// From the fourth review: proofs are per incarnation. A peer process's end covers the offers
+/// made to that agent, not those made to a new agent of the same name (a restart: the old
+/// process reaped after its replacement loaded an offer); and one incarnation's
+/// acknowledgement does not cover another's offers.
+#[test]
+fn proofs_cover_one_incarnation_of_a_name() -> Result<(), Box<dyn std::error::Error + Send + Sync>>
+{
+    const TEST: &str = "proofs_cover_one_incarnation_of_a_name";
+    if let Some(mut socket) = parent() {
+        make_guard!(guard);
+        let device = Device::new(guard, HostBackend::with_defaults()?);
+        let loader = agent(&device, "loader-x");
+        send(&mut socket, &loader.id().to_bytes());
+        let offer = recv(&mut socket);
+        let peer = loader.load(&offer)?;
+        send(&mut socket, b"loaded");
+        std::mem::forget(peer); // no acknowledgement: the process just ends
+        std::process::exit(0);
+    }
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults()?);
+    let binding = device.bind(Budget::unlimited())?;
+    let offering = agent(&device, "offering-x");
+    let mut first = offering.register(binding.reserve(LEN)?.commit()?)?;
+    let mut second = offering.register(binding.reserve(LEN)?.commit()?)?;
+    let mut third = offering.register(binding.reserve(LEN)?.commit()?)?;
+
+    let (mut child, mut socket) = peer_process(TEST);
+    let old = AgentId::from_bytes(&recv(&mut socket))?;
+    let offer = offering.offer(&old, &mut [&mut first])?;
+    send(&mut socket, offer.as_bytes());
+    assert_eq!(recv(&mut socket), b"loaded");
+
+    // Its replacement, same name, another incarnation, loads an offer of its own.
+    make_guard!(guard2);
+    let device2 = Device::new(guard2, HostBackend::with_defaults()?);
+    let replacement = agent(&device2, "loader-x");
+    let offer = offering.offer(&replacement.id(), &mut [&mut second])?;
+    let peer = replacement.load(offer.as_bytes())?;
+    // A third incarnation of the name, which loads and acknowledges its own offer.
+    make_guard!(guard3);
+    let device3 = Device::new(guard3, HostBackend::with_defaults()?);
+    let another = agent(&device3, "loader-x");
+    let offer = offering.offer(&another.id(), &mut [&mut third])?;
+    another.load(offer.as_bytes())?.done()?;
+    wait_until(|| third.token().is_ok());
+    assert!(
+        second.token().is_err(),
+        "another incarnation's acknowledgement covered this one's offer"
+    );
+
+    offering.peer_exited(&old, &mut child)?;
+    assert!(
+        first.token().is_ok(),
+        "the old process ended: its offer is done"
+    );
+    assert!(
+        second.token().is_err(),
+        "the replacement still holds its offer: the old process's end is no proof for it"
+    );
+    peer.done()?;
+    wait_until(|| second.token().is_ok());
+    drop((first.release()?, second.release()?, third.release()?));
+    drop(binding);
+    drop((offering, replacement, another));
+    assert!(device.close().is_clean());
+    Ok(())
+}

@@ -40,7 +40,8 @@
 //! closes.
 //! A notification may not begin like the acknowledgement ([`NixlError::Reserved`]). These
 //! protect against mistakes, not against a hostile process: another program speaking NIXL can
-//! forge an acknowledgement — the proof is a cooperating peer's word.
+//! forge an acknowledgement, and metadata edited on its way (its epoch, an incarnation) counts
+//! as hostile too — the proof is a cooperating peer's word.
 //!
 //! **Bytes.** A registration lends its token ([`Registered::token`]) only while no peer may
 //! touch the memory (never offered, or every peer done) and no transfer runs: never a `&[u8]`
@@ -187,6 +188,9 @@ pub enum NixlError {
     /// withheld.
     #[error("the transfer failed earlier: what it touches is withheld for good")]
     Failed,
+    /// An offer to an agent of this agent's own name, which NIXL would never load.
+    #[error("an offer to {0}, this agent's own name: NIXL loads no agent's own metadata")]
+    SelfOffer(String),
     /// A notification that begins like memtoken's acknowledgement.
     #[error("a notification may not begin with `memtoken/done/`: that is the acknowledgement's")]
     Reserved,
@@ -557,6 +561,11 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         regs: &mut [&mut dyn Offered],
     ) -> Result<PeerMetadata, NixlError> {
         let peer = to.name.as_str();
+        if peer == self.name {
+            // NIXL refuses to load an agent's own name: such an offer could never be
+            // acknowledged, and what it exposed could only be withheld.
+            return Err(NixlError::SelfOffer(to.name.clone()));
+        }
         let (mem, _) = kind(self.device.backend().location())?;
         let empty = RegDescList::new(mem).map_err(engine("createRegDlist"))?;
         let conn = self
@@ -667,10 +676,7 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
                 acked,
             });
         }
-        let name = self
-            .raw
-            .load_remote_md(decoded.conn)
-            .map_err(engine("loadRemoteMD"))?;
+        let name = self.load_md(decoded.conn)?;
         let fail = |e| {
             // Only `by`'s (claimed) or an agent's without a live Peer: never one in use.
             for n in [&name, by] {
@@ -685,10 +691,24 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
                 "its connection information is another agent's",
             ));
         }
-        match self.raw.load_remote_md(decoded.md) {
+        match self.load_md(decoded.md) {
             Ok(again) if again == name => Ok(()),
             Ok(_) => fail(NixlError::Wire("its two parts name different agents")),
-            Err(e) => fail(engine("loadRemoteMD")(e)),
+            Err(e) => fail(e),
+        }
+    }
+
+    /// NIXL's `loadRemoteMD`: the agent the metadata names. nixl-sys panics on a name that is
+    /// not UTF-8 (malformed or edited metadata, its lock no longer held then): an error here.
+    fn load_md(&self, metadata: &[u8]) -> Result<String, NixlError> {
+        let loaded = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            self.raw.load_remote_md(metadata)
+        }));
+        match loaded {
+            Ok(loaded) => loaded.map_err(engine("loadRemoteMD")),
+            Err(_) => Err(NixlError::Wire(
+                "NIXL's metadata names an agent that is not UTF-8",
+            )),
         }
     }
 
@@ -1589,12 +1609,12 @@ impl<B: Backend> Peer<'_, '_, '_, B> {
                 loaded: self.epoch,
             });
         }
-        let again = self
-            .agent
-            .raw
-            .load_remote_md(decoded.md)
-            .map_err(engine("loadRemoteMD"))?;
+        let again = self.agent.load_md(decoded.md)?;
         if again != self.name {
+            // Not this peer's: its descriptors go again (no Peer of that agent is in use).
+            if !self.agent.remote(&again).live.load(Ordering::Acquire) {
+                let _ = self.agent.raw.invalidate_remote_md(&again);
+            }
             return Err(NixlError::Wire("its descriptors are another agent's"));
         }
         self.epoch = decoded.epoch;
@@ -1632,9 +1652,20 @@ impl<B: Backend> Peer<'_, '_, '_, B> {
             return Err(NixlError::Tainted(self.name.clone()));
         }
         // Connection information and the mailbox only: no region of the peer's is reachable.
-        for part in [&self.conn, &self.mailbox_md] {
-            raw.load_remote_md(part).map_err(engine("loadRemoteMD"))?;
-        }
+        let sent = [&self.conn, &self.mailbox_md]
+            .into_iter()
+            .try_for_each(|part| self.agent.load_md(part).map(drop))
+            .and_then(|()| self.send_acknowledgement());
+        // Sent or not, the connection goes too, so that an agent of the name (this one or a
+        // new incarnation) can be loaded afresh.
+        let _ = raw.invalidate_remote_md(&self.name);
+        sent
+    }
+
+    /// The acknowledgement: a write into the peer's mailbox, with the notification, waited
+    /// for (its completion says it went out).
+    fn send_acknowledgement(&self) -> Result<(), NixlError> {
+        let raw = &self.agent.raw;
         // Which incarnation says so, and up to which offer.
         let mut message = DONE.to_vec();
         let said = format!("{}/{}", self.agent.instance, self.epoch);
@@ -1655,10 +1686,7 @@ impl<B: Backend> Peer<'_, '_, '_, B> {
         // The mailboxes are never given back: nothing for the acknowledgement to mark.
         let (own_marks, their_marks) = (Marks::default(), Marks::default());
         let ack = Transfer::post(raw, req, &own_marks, &their_marks, 8)?;
-        ack.wait(DROP_WAIT)?;
-        // Sent: the connection goes too, so that a new incarnation of the name can be loaded.
-        let _ = raw.invalidate_remote_md(&self.name);
-        Ok(())
+        ack.wait(DROP_WAIT)
     }
 }
 

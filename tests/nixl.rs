@@ -956,3 +956,38 @@ fn proofs_cover_one_incarnation_of_a_name() -> Result<(), Box<dyn std::error::Er
     assert!(device.close().is_clean());
     Ok(())
 }
+
+/// From the fifth review: metadata whose NIXL parts name an agent that is not UTF-8 is an
+/// error, not a panic (nixl-sys unwraps the name), and the genuine offer loads afterwards; an
+/// offer to the offering agent's own name is refused (NIXL would never load it).
+#[test]
+fn malformed_metadata_is_an_error_and_a_self_offer_is_refused()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    two_sides!(pd, pb, prefill, dd, db, decode, "m");
+    let mut target = decode.register(db.reserve(LEN)?.commit()?)?;
+    let offer = decode.offer(&prefill.id(), &mut [&mut target])?;
+    let mut bytes = offer.as_bytes().to_vec();
+    let name = b"decode-m";
+    let at: Vec<usize> = (0..bytes.len() - name.len())
+        .filter(|&i| &bytes[i..i + name.len()] == name)
+        .collect();
+    assert!(at.len() >= 2, "the name in the header and in NIXL's parts");
+    for &i in &at[1..] {
+        bytes[i] = 0xff; // NIXL's parts only: the header's name stays
+    }
+    let refused = prefill.load(&bytes);
+    assert!(refused.is_err(), "malformed metadata loaded");
+    drop(refused);
+    let peer = prefill.load(offer.as_bytes())?; // the genuine one, afterwards
+    peer.done()?;
+    wait_until(|| target.token().is_ok());
+    assert!(matches!(
+        decode.offer(&decode.id(), &mut [&mut target]),
+        Err(NixlError::SelfOffer(_))
+    ));
+    drop(target.release()?);
+    drop((pb, db));
+    drop((prefill, decode));
+    assert!(dd.close().is_clean());
+    Ok(())
+}

@@ -382,6 +382,54 @@ fn parent() -> Option<UnixStream> {
         .map(|path| UnixStream::connect(path).unwrap())
 }
 
+/// The peer a test kills: in the child, an agent `name` offers `len` bytes to the agent whose
+/// id it receives, sends the offer, and waits to be killed.
+fn parked_target(
+    mut socket: UnixStream,
+    name: &str,
+    len: usize,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults()?);
+    let binding = device.bind(Budget::unlimited())?;
+    let target = agent(&device, name);
+    let mut offered = target.register(binding.reserve(len)?.commit()?)?;
+    let initiator = AgentId::from_bytes(&recv(&mut socket))?;
+    let offer = target.offer(&initiator, &mut [&mut offered])?;
+    send(&mut socket, offer.as_bytes());
+    loop {
+        std::thread::park(); // killed here
+    }
+}
+
+/// A device, its binding and an agent named `$name` whose UCX moves bytes over TCP (in the
+/// background: a large transfer is still in flight when its post returns).
+macro_rules! tcp_initiator {
+    ($device:ident, $binding:ident, $initiator:ident, $name:literal) => {
+        // SAFETY: the NIXL tests run on one thread (`--test-threads=1`), and no agent exists in
+        // this process while the variable changes; UCX reads it as the agent is made.
+        unsafe { std::env::set_var("UCX_TLS", "tcp") };
+        make_guard!(guard);
+        let $device = Device::new(guard, HostBackend::with_defaults()?);
+        let $binding = $device.bind(Budget::unlimited())?;
+        let $initiator = agent(&$device, $name);
+        // SAFETY: as above.
+        unsafe { std::env::remove_var("UCX_TLS") };
+    };
+}
+
+/// Runs `test`'s [`parked_target`] (over TCP too) and returns it with its offer to
+/// `initiator`.
+fn offer_of_a_parked_target(
+    test: &str,
+    initiator: &Agent<'_, '_, HostBackend>,
+) -> (Child, Vec<u8>) {
+    let (child, mut socket) = peer_process_with(test, &[("UCX_TLS", "tcp")]);
+    send(&mut socket, &initiator.id().to_bytes());
+    let offer = recv(&mut socket);
+    (child, offer)
+}
+
 /// Prefill and decode in two processes (disaggregated serving): prefill offers its K/V and a
 /// region for decode's answer; decode READs the K/V into a token and checks every byte, WRITEs
 /// the first half of its answer from the token, READs the K/V's second half into pages of its
@@ -523,31 +571,11 @@ fn a_peer_killed_mid_transfer_leaves_the_memory_withheld()
 -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     const TEST: &str = "a_peer_killed_mid_transfer_leaves_the_memory_withheld";
     const BIG: usize = 256 << 20;
-    if let Some(mut socket) = parent() {
-        make_guard!(guard);
-        let device = Device::new(guard, HostBackend::with_defaults()?);
-        let binding = device.bind(Budget::unlimited())?;
-        let target = agent(&device, "target-k");
-        let mut offered = target.register(binding.reserve(BIG)?.commit()?)?;
-        let initiator = AgentId::from_bytes(&recv(&mut socket))?;
-        let offer = target.offer(&initiator, &mut [&mut offered])?;
-        send(&mut socket, offer.as_bytes());
-        loop {
-            std::thread::park(); // killed here
-        }
+    if let Some(socket) = parent() {
+        return parked_target(socket, "target-k", BIG);
     }
-    // SAFETY: the NIXL tests run on one thread (`--test-threads=1`), and no agent (nor UCX)
-    // exists in this process while the variable changes; it is removed below.
-    unsafe { std::env::set_var("UCX_TLS", "tcp") };
-    make_guard!(guard);
-    let device = Device::new(guard, HostBackend::with_defaults()?);
-    let binding = device.bind(Budget::unlimited())?;
-    let initiator = agent(&device, "initiator-k");
-    // SAFETY: as above; UCX read its settings as the agent was made.
-    unsafe { std::env::remove_var("UCX_TLS") };
-    let (mut child, mut socket) = peer_process_with(TEST, &[("UCX_TLS", "tcp")]);
-    send(&mut socket, &initiator.id().to_bytes());
-    let offer = recv(&mut socket);
+    tcp_initiator!(device, binding, initiator, "initiator-k");
+    let (mut child, offer) = offer_of_a_parked_target(TEST, &initiator);
     let peer = initiator.load(&offer)?;
     let mut into = initiator.register(binding.reserve(BIG)?.commit()?)?;
     let read = initiator.read(
@@ -821,31 +849,11 @@ fn a_failed_page_transfer_never_hands_its_table_back()
     const TEST: &str = "a_failed_page_transfer_never_hands_its_table_back";
     const PAGE: usize = 1 << 20;
     const PAGES: usize = 256;
-    if let Some(mut socket) = parent() {
-        make_guard!(guard);
-        let device = Device::new(guard, HostBackend::with_defaults()?);
-        let binding = device.bind(Budget::unlimited())?;
-        let target = agent(&device, "target-w");
-        let mut offered = target.register(binding.reserve(PAGE * PAGES)?.commit()?)?;
-        let initiator = AgentId::from_bytes(&recv(&mut socket))?;
-        let offer = target.offer(&initiator, &mut [&mut offered])?;
-        send(&mut socket, offer.as_bytes());
-        loop {
-            std::thread::park(); // killed here
-        }
+    if let Some(socket) = parent() {
+        return parked_target(socket, "target-w", PAGE * PAGES);
     }
-    // SAFETY: the NIXL tests run on one thread (`--test-threads=1`), and no agent exists in
-    // this process while the variable changes; UCX read it as the agent was made.
-    unsafe { std::env::set_var("UCX_TLS", "tcp") };
-    make_guard!(guard);
-    let device = Device::new(guard, HostBackend::with_defaults()?);
-    let binding = device.bind(Budget::unlimited())?;
-    let initiator = agent(&device, "initiator-w");
-    // SAFETY: as above.
-    unsafe { std::env::remove_var("UCX_TLS") };
-    let (mut child, mut socket) = peer_process_with(TEST, &[("UCX_TLS", "tcp")]);
-    send(&mut socket, &initiator.id().to_bytes());
-    let offer = recv(&mut socket);
+    tcp_initiator!(device, binding, initiator, "initiator-w");
+    let (mut child, offer) = offer_of_a_parked_target(TEST, &initiator);
     let peer = initiator.load(&offer)?;
     make_guard!(pool_guard);
     let pool = memtoken::PagePool::new(pool_guard, &binding, PAGE)?;

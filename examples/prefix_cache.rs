@@ -23,7 +23,7 @@ mod common;
 #[path = "serving_engine/engine.rs"]
 mod engine;
 
-use engine::{BYTES_PER_TOKEN, PAGE, Sample, TOKENS_PER_PAGE, check, key, kv_byte};
+use engine::{BYTES_PER_TOKEN, PAGE, Sample, TOKENS_PER_PAGE, admit, check, kv_byte};
 use memtoken::backend::{Backend, HostBackend, HostConfig};
 use memtoken::{Budget, Device, PagePool, PrefixCache, make_guard};
 use std::error::Error;
@@ -156,31 +156,12 @@ fn run<B: Backend>(device: &Device<'_, B>, w: &Workload) -> Result<Stats> {
         while live.len() < w.live && next < w.requests {
             let tokens = prompt(w, &mut rng, next);
             next += 1;
-            let mut table = pool.shared_table();
-            let mut keys = Vec::new();
-            let mut parent = 0;
-            for chunk in tokens.chunks(TOKENS_PER_PAGE) {
-                let k = key(parent, chunk);
-                parent = k;
-                keys.push(k);
-                let full = chunk.len() == TOKENS_PER_PAGE;
-                if full {
-                    stats.lookups += 1;
-                    if let Some(page) = cache.lookup(&k) {
-                        stats.hits += 1;
-                        pool.push_shared(&mut table, page);
-                        continue;
-                    }
-                }
-                let at = pool.push(&mut table)?;
-                let bytes: Vec<u8> = (0..chunk.len() * BYTES_PER_TOKEN)
-                    .map(|i| kv_byte(k, i / BYTES_PER_TOKEN))
-                    .collect();
-                table.copy_page_from_host(at, 0, &bytes)?;
-                if full {
-                    cache.enter(&table, at, k); // only full pages
-                }
-            }
+            let (table, keys) = admit(
+                &pool,
+                &mut cache,
+                &tokens,
+                (&mut stats.lookups, &mut stats.hits),
+            )?;
             // Parallel sampling: the prompt's table forked, no byte copied.
             let samples = (0..w.samples)
                 .map(|_| Sample {

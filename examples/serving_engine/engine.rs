@@ -162,26 +162,28 @@ fn work<B: Backend>(
     Ok(stats)
 }
 
-/// Serves one request: the prompt through the cache, the samples as forks, each generating
-/// its tokens (a copy-on-write where it writes into a shared page), every byte checked.
-fn serve<'p, 'pool, 'b, 'id, B: Backend>(
+/// A prompt's pages through the prefix cache: a full page the cache holds is shared, any
+/// other is written (its K/V) and, when full, entered; the table and its pages' keys. Counts
+/// the cache's lookups and hits in `counts`.
+pub fn admit<'p, 'pool, 'b, 'id, B: Backend>(
     pool: &'p PagePool<'pool, 'b, 'id, B>,
     cache: &mut PrefixCache<'p, 'pool, 'b, 'id, B, u64>,
-    request: &Request,
-    stats: &mut Stats,
-) -> Result<(), memtoken::Error> {
+    prompt: &[u32],
+    counts: (&mut usize, &mut usize),
+) -> Result<(SharedTable<'p, 'pool, 'b, 'id, B>, Vec<u64>), memtoken::Error> {
+    let (lookups, hits) = counts;
     let mut table = pool.shared_table();
     let mut keys = Vec::new();
     let mut parent = 0;
-    for chunk in request.prompt.chunks(TOKENS_PER_PAGE) {
+    for chunk in prompt.chunks(TOKENS_PER_PAGE) {
         let k = key(parent, chunk);
         parent = k;
         keys.push(k);
         let full = chunk.len() == TOKENS_PER_PAGE;
         if full {
-            stats.lookups += 1;
+            *lookups += 1;
             if let Some(page) = cache.lookup(&k) {
-                stats.hits += 1;
+                *hits += 1;
                 pool.push_shared(&mut table, page);
                 continue;
             }
@@ -192,9 +194,26 @@ fn serve<'p, 'pool, 'b, 'id, B: Backend>(
             .collect();
         table.copy_page_from_host(at, 0, &bytes)?;
         if full {
-            cache.enter(&table, at, k);
+            cache.enter(&table, at, k); // only full pages
         }
     }
+    Ok((table, keys))
+}
+
+/// Serves one request: the prompt through the cache, the samples as forks, each generating
+/// its tokens (a copy-on-write where it writes into a shared page), every byte checked.
+fn serve<'p, 'pool, 'b, 'id, B: Backend>(
+    pool: &'p PagePool<'pool, 'b, 'id, B>,
+    cache: &mut PrefixCache<'p, 'pool, 'b, 'id, B, u64>,
+    request: &Request,
+    stats: &mut Stats,
+) -> Result<(), memtoken::Error> {
+    let (table, keys) = admit(
+        pool,
+        cache,
+        &request.prompt,
+        (&mut stats.lookups, &mut stats.hits),
+    )?;
     let mut samples: Vec<Sample<'_, '_, '_, '_, B>> = (0..request.samples.max(1))
         .map(|_| Sample {
             table: pool.fork(&table),

@@ -14,8 +14,9 @@
 //! landing after it (see the project's `TRANSFER-ENGINE.md`). So memory exposed to a peer —
 //! [`Agent::offer`] puts a registration's descriptors in the metadata a peer loads — is given
 //! back only with a proof that every peer it was exposed to is done with it and has
-//! invalidated that metadata: the peer's acknowledgement ([`Peer::done`], which invalidates and
-//! then says so in a notification), or the peer's end ([`Agent::peer_exited`]). Without one,
+//! invalidated that metadata: the peer's acknowledgement ([`Peer::done`], which invalidates,
+//! then says so with a write into the offering agent's mailbox and a notification), or the
+//! peer's end ([`Agent::peer_exited`]). Without one,
 //! releasing it ([`Registered::release`], or a drop) withholds the memory for good — its VA
 //! and physical memory kept, never reused — and the device's report names the peer
 //! ([`Device::withheld_for_peers`](crate::Device::withheld_for_peers)). The proof is a
@@ -852,13 +853,13 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         )
     }
 
-    /// Posts a transfer of local `pieces` (in registered memory marked by `poisoned`) to or
+    /// Posts a transfer of local `pieces` (in registered memory whose marks are `local`) to or
     /// from `remote`.
     fn start<'t>(
         &'t self,
         op: XferOp,
         pieces: impl ExactSizeIterator<Item = Result<(Addr, usize), NixlError>> + Clone,
-        poisoned: &'t Marks,
+        local: &'t Marks,
         peer: &'t Peer<'_, '_, 'id, B>,
         remote: &[RemoteRange],
         notify: Option<&[u8]>,
@@ -887,7 +888,7 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             .raw
             .create_xfer_req(op, &mine, &theirs, &peer.name, args.as_ref())
             .map_err(engine("createXferReq"))?;
-        Transfer::post(&self.raw, req, poisoned, &peer.remote.marks, bytes)
+        Transfer::post(&self.raw, req, local, &peer.remote.marks, bytes)
     }
 
     /// Registers `pool`'s chunks with NIXL — those it has, and those it grows later (each

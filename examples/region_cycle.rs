@@ -49,11 +49,15 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     // Both sides' steady state makes no create or release call (on `Faulty`'s counters).
     region::check_steady_state();
     let elapsed = match which.as_str() {
-        "memtoken" => {
+        "memtoken" | "tail" => {
             make_guard!(guard);
             let device = Device::new(guard, HostBackend::with_defaults()?);
             let binding = device.bind(Budget::unlimited())?;
             let mut r = region::warm_region(&binding);
+            if which == "tail" {
+                // The mapped tail keeps every granule a shrink gives up: no backend call.
+                r.set_tail_cap(GRANULES)?;
+            }
             for _ in 0..n {
                 region::once_memtoken(&mut r, GRANULES);
             }
@@ -78,7 +82,7 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             elapsed
         }
         _ => {
-            eprintln!("usage: region_cycle memtoken|raw [cycles]");
+            eprintln!("usage: region_cycle memtoken|tail|raw [cycles]");
             std::process::exit(2);
         }
     };

@@ -91,11 +91,18 @@ pub type Region<'b, 'id, B> = Allocation<'b, 'id, B, Elastic>;
 #[derive(Debug)]
 pub enum Elastic {}
 
-/// What a [`Region`] owns beyond its VA range: its committed granules, in order from the start
-/// of the range, and the granules withheld after a failed unmap.
+/// What a [`Region`] owns beyond its VA range: its mapped granules, in order from the start
+/// of the range — the first `live` of them committed (lent), the rest its mapped tail — and the
+/// granules withheld after a failed unmap.
 #[derive(Debug)]
 pub struct Granules<P> {
+    /// Every mapped granule: the committed ones, then the tail's.
     pub(crate) committed: Vec<P>,
+    /// How many of `committed` are committed; the others are the tail, mapped but lent to
+    /// nothing.
+    pub(crate) live: usize,
+    /// The most granules the tail keeps (see [`Allocation::set_tail_cap`]).
+    pub(crate) tail_cap: usize,
     pub(crate) withheld: Vec<Granule<P>>,
 }
 
@@ -110,6 +117,7 @@ impl Repr for Elastic {
         let Granules {
             committed,
             mut withheld,
+            ..
         } = parts;
         let mapped = committed.len() * g;
         // The committed granules are mapped from the start of the range: one unmap covers them.
@@ -144,6 +152,8 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         let (core, ()) = self.into_core();
         let granules = Granules {
             committed: Vec::new(),
+            live: 0,
+            tail_cap: 0,
             withheld: Vec::new(),
         };
         Allocation::from_core(core, granules)
@@ -151,14 +161,80 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
 }
 
 impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
-    /// Bytes committed: mapped read-write from the start of the range.
+    /// Bytes committed: mapped read-write from the start of the range, and lent (its slices
+    /// and views cover them).
     pub fn committed_len(&self) -> usize {
-        self.parts().committed.len() * self.granularity()
+        self.parts().live * self.granularity()
     }
 
     /// Granules committed.
     pub fn committed_granules(&self) -> usize {
+        self.parts().live
+    }
+
+    /// Granules of the mapped tail: past the committed end, still mapped, owned and charged
+    /// (as committed granules are), lent to nothing (no slice or view reaches them); the next
+    /// growth takes them back with no backend call. At most [`tail_cap`](Self::tail_cap).
+    pub fn tail_granules(&self) -> usize {
+        self.parts().committed.len() - self.parts().live
+    }
+
+    /// The most granules the mapped tail keeps (0 unless set: every shrink unmaps).
+    pub fn tail_cap(&self) -> usize {
+        self.parts().tail_cap
+    }
+
+    /// Granules mapped: the committed ones and the tail's.
+    fn mapped_granules(&self) -> usize {
         self.parts().committed.len()
+    }
+
+    /// Sets the most granules the mapped tail keeps: a [`shrink`](Self::shrink) keeps up to
+    /// that many mapped past the committed end, and a [`grow`](Self::grow) takes them back
+    /// before anything else — neither makes a backend call for them, nor waits for work that
+    /// may still use them (they stay mapped; the region's fences cover them as the rest). A
+    /// tail over the new cap is unmapped and given back now, as a shrink would.
+    ///
+    /// # Errors
+    ///
+    /// As for [`shrink`](Self::shrink) (nothing done but the cap, for
+    /// [`ShrinkError::Pending`] and [`ShrinkError::Backend`]: the tail stays over it until
+    /// [`trim_tail`](Self::trim_tail)).
+    pub fn set_tail_cap(&mut self, granules: usize) -> Result<(), ShrinkError> {
+        self.parts_mut().tail_cap = granules;
+        let over = self.tail_granules().saturating_sub(granules);
+        self.give_back_tail(over)
+    }
+
+    /// Unmaps the whole mapped tail and gives it back (to the device's cache, or released), as
+    /// a shrink would.
+    ///
+    /// # Errors
+    ///
+    /// As for [`shrink`](Self::shrink).
+    pub fn trim_tail(&mut self) -> Result<(), ShrinkError> {
+        let all = self.tail_granules();
+        self.give_back_tail(all)
+    }
+
+    /// Unmaps the top `granules` of the tail and gives them back, once no work may use them.
+    fn give_back_tail(&mut self, granules: usize) -> Result<(), ShrinkError> {
+        if granules == 0 {
+            return Ok(());
+        }
+        Scope::run::<B, _>(move || {
+            let core = self.core();
+            let device = core.device();
+            let g = device.granularity();
+            let end = core.addr + self.mapped_granules() * g;
+            device
+                .ensure_live(Op::Unmap, end - granules * g, granules * g)
+                .map_err(|e| ShrinkError::Backend(Box::new(e)))?;
+            if !idle(core) {
+                return Err(ShrinkError::Pending);
+            }
+            self.shrink_now(granules)
+        })
     }
 
     /// Granules withheld after a failed unmap: owned and charged, inside the range past the
@@ -193,20 +269,35 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// unmapping one of them fails too ([`GrowError::Withheld`]), it stays in the region, owned
     /// and withheld.
     pub fn grow(&mut self, granules: usize) -> Result<(), GrowError> {
+        let room = self.room_granules();
+        let live = self.committed_granules();
+        if granules > room - live {
+            return Err(GrowError::Full {
+                requested: granules,
+                committed: live,
+                room,
+            });
+        }
+        // The tail first: mapped, owned and charged already — no backend call.
+        let from_tail = granules.min(self.tail_granules());
+        self.parts_mut().live += from_tail;
+        if from_tail == granules {
+            return Ok(());
+        }
+        self.grow_mapping(granules - from_tail).inspect_err(|_| {
+            // All or nothing: the tail granules go back to the tail.
+            self.parts_mut().live -= from_tail;
+        })
+    }
+
+    /// Grows by `granules` granules past every mapped one (the tail is empty).
+    fn grow_mapping(&mut self, granules: usize) -> Result<(), GrowError> {
         Scope::run::<B, _>(move || {
             let core = self.core();
             let (binding, device) = (core.binding, core.device());
             let g = device.granularity();
-            let start = self.committed_granules();
-            let room = self.room_granules();
-            if granules > room - start {
-                let cause = GrowError::Full {
-                    requested: granules,
-                    committed: start,
-                    room,
-                };
-                return Err(cause);
-            }
+            let start = self.mapped_granules();
+            debug_assert_eq!(start, self.committed_granules(), "the tail is taken first");
             if let Err(e) = device.ensure_live(Op::Map, core.addr + start * g, granules * g) {
                 return Err(self.undo_grow(start, 0, 0, CommitFailure::Backend(e)));
             }
@@ -228,7 +319,11 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             for at in 0..granules {
                 let addr = core.addr + (start + at) * g;
                 match growth.map_next(addr, growth.cached() == at) {
-                    Ok(phys) => self.parts_mut().committed.push(phys),
+                    Ok(phys) => {
+                        let parts = self.parts_mut();
+                        parts.committed.push(phys);
+                        parts.live += 1;
+                    }
                     Err((cause, q)) => return Err(self.stop_grow(growth, start, at, cause, q)),
                 }
             }
@@ -270,7 +365,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         let g = binding.device().granularity();
         let mut back = binding.give_back(from_cache);
         let mut failed = None;
-        while self.committed_granules() > start {
+        while self.mapped_granules() > start {
             match self.unmap_last(&mut back) {
                 Ok((i, phys)) if i - start < from_cache => back.give(phys),
                 Ok((_, phys)) => back.release(phys, g),
@@ -311,29 +406,40 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// shrank all the same, and those granules stay owned and withheld in the region until
     /// [`reclaim`](Self::reclaim) frees them.
     pub fn shrink(&mut self, granules: usize) -> Result<(), ShrinkError> {
-        Scope::run::<B, _>(move || {
-            let committed = self.committed_granules();
-            if granules > committed {
-                return Err(ShrinkError::TooMany {
-                    requested: granules,
-                    committed,
-                });
-            }
-            if granules == 0 {
-                return Ok(());
-            }
+        let committed = self.committed_granules();
+        if granules > committed {
+            return Err(ShrinkError::TooMany {
+                requested: granules,
+                committed,
+            });
+        }
+        if granules == 0 {
+            return Ok(());
+        }
+        // Into the tail as far as its cap allows: they stay mapped — no backend call, no wait
+        // — and what goes over the cap (the top of the tail) is unmapped, as without a tail.
+        let over = (self.tail_granules() + granules).saturating_sub(self.tail_cap());
+        if over > 0 {
             let core = self.core();
             let device = core.device();
             let g = device.granularity();
-            let end = core.addr + committed * g;
-            device
-                .ensure_live(Op::Unmap, end - granules * g, granules * g)
-                .map_err(|e| ShrinkError::Backend(Box::new(e)))?;
-            if !idle(core) {
-                return Err(ShrinkError::Pending);
-            }
-            self.shrink_now(granules)
-        })
+            let end = core.addr + self.mapped_granules() * g;
+            Scope::run::<B, _>(|| {
+                device
+                    .ensure_live(Op::Unmap, end - over * g, over * g)
+                    .map_err(|e| ShrinkError::Backend(Box::new(e)))?;
+                if idle(core) {
+                    Ok(())
+                } else {
+                    Err(ShrinkError::Pending)
+                }
+            })?;
+        }
+        self.parts_mut().live -= granules;
+        if over == 0 {
+            return Ok(());
+        }
+        Scope::run::<B, _>(move || self.shrink_now(over))
     }
 
     /// Pops the last committed granule and unmaps it through `back`: its index and memory
@@ -346,12 +452,10 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     ) -> Result<(usize, B::Phys), BackendError> {
         let core = self.core();
         let g = core.device().granularity();
-        let i = self.committed_granules() - 1;
-        let phys = self
-            .parts_mut()
-            .committed
-            .pop()
-            .expect("a committed granule");
+        let i = self.mapped_granules() - 1;
+        let parts = self.parts_mut();
+        let phys = parts.committed.pop().expect("a mapped granule");
+        parts.live = parts.live.min(parts.committed.len());
         let offset = i * g;
         match back.unmap(core.addr + offset) {
             Ok(()) => Ok((i, phys)),
@@ -367,9 +471,9 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         }
     }
 
-    /// Unmaps the last `granules` committed granules (no more than are committed) and gives
-    /// them back. No work may still use them: the caller checked [`idle`], or mapped them
-    /// within the current call.
+    /// Unmaps the last `granules` mapped granules — the tail's first, then committed ones (no
+    /// more than are mapped) — and gives them back. No work may still use them: the caller
+    /// checked [`idle`], or mapped them within the current call.
     pub(crate) fn shrink_now(&mut self, granules: usize) -> Result<(), ShrinkError> {
         let mut back = self.core().binding.give_back(granules);
         let mut failed = None;

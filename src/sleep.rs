@@ -368,8 +368,9 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
                 return Err(TransitionError { token, cause });
             }
         };
-        // Granules whose unmap fails are withheld in the region: they stay with it.
-        let _ = self.shrink_now(self.committed_granules());
+        // Granules whose unmap fails are withheld in the region: they stay with it. The mapped
+        // tail goes too.
+        let _ = self.shrink_now(self.committed_granules() + self.tail_granules());
         let (core, granules) = self.into_core();
         let asleep = Asleep {
             len,
@@ -430,6 +431,8 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Elastic>> {
             };
             let granules = Granules {
                 committed: Vec::with_capacity(len / g),
+                live: 0,
+                tail_cap: 0,
                 withheld,
             };
             let mut region = Allocation::<'b, 'id, B, Elastic>::from_core(core, granules);

@@ -61,6 +61,10 @@ enum Step {
     Shrink(usize, usize),
     /// A region retries its withheld granules.
     Reclaim(usize),
+    /// A region's mapped tail keeps 0-3 granules from now on (issue 27).
+    TailCap(usize, usize),
+    /// A region gives its mapped tail back.
+    TrimTail(usize),
     /// A committed allocation or a region is suspended, its bytes saved or not.
     Suspend(usize, bool),
     /// A suspended token resumes.
@@ -104,6 +108,8 @@ fn step() -> impl Strategy<Value = Step> {
         3 => (any::<usize>(), 1usize..4).prop_map(|(i, n)| Step::Grow(i, n)),
         3 => (any::<usize>(), 1usize..4).prop_map(|(i, n)| Step::Shrink(i, n)),
         1 => any::<usize>().prop_map(Step::Reclaim),
+        2 => (any::<usize>(), 0usize..4).prop_map(|(i, n)| Step::TailCap(i, n)),
+        1 => any::<usize>().prop_map(Step::TrimTail),
         2 => (any::<usize>(), any::<bool>()).prop_map(|(i, save)| Step::Suspend(i, save)),
         2 => any::<usize>().prop_map(Step::Resume),
         1 => Just(Step::TrimCache),
@@ -352,7 +358,8 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                     Token::Diverged(d, _, _) => Some(Token::Releasing(d.release(), From::Diverged)),
                     Token::Region(r) => {
                         let g = r.binding().device().granularity();
-                        let stuck = r.withheld_granules() * g;
+                        // The withheld granules and the mapped tail go with the release.
+                        let stuck = (r.withheld_granules() + r.tail_granules()) * g;
                         let from = From::Region {
                             mapped: r.committed_len() + stuck,
                             owned: r.committed_len() + stuck,
@@ -453,6 +460,45 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                         _ => committed - n,
                     };
                     assert_eq!(r.committed_granules(), expected, "{done:?}");
+                }
+            }
+            Step::TailCap(i, n) => {
+                let Some(i) = pick(i) else { return };
+                if let Token::Region(r) = &mut self.tokens[i] {
+                    let (committed, tail) = (r.committed_granules(), r.tail_granules());
+                    let done = r.set_tail_cap(n);
+                    assert_eq!(
+                        r.committed_granules(),
+                        committed,
+                        "the committed part stays"
+                    );
+                    assert_eq!(r.tail_cap(), n);
+                    match done {
+                        Ok(()) => assert!(r.tail_granules() <= n, "{done:?}"),
+                        Err(ShrinkError::Pending | ShrinkError::Backend(_)) => {
+                            assert_eq!(r.tail_granules(), tail, "nothing given back");
+                        }
+                        Err(_) => {} // some granules withheld after a failed unmap
+                    }
+                }
+            }
+            Step::TrimTail(i) => {
+                let Some(i) = pick(i) else { return };
+                if let Token::Region(r) = &mut self.tokens[i] {
+                    let (committed, tail) = (r.committed_granules(), r.tail_granules());
+                    let done = r.trim_tail();
+                    assert_eq!(
+                        r.committed_granules(),
+                        committed,
+                        "the committed part stays"
+                    );
+                    match done {
+                        Ok(()) => assert_eq!(r.tail_granules(), 0),
+                        Err(ShrinkError::Pending | ShrinkError::Backend(_)) => {
+                            assert_eq!(r.tail_granules(), tail, "nothing given back");
+                        }
+                        Err(_) => {}
+                    }
                 }
             }
             Step::Reclaim(i) => {
@@ -639,8 +685,15 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                 Token::Shared(m, _) => ((m.addr(), m.len()), m.len(), 0, 0, true, true),
                 Token::Diverged(d, _, _) => ((d.addr(), d.len()), d.len(), g, g, true, true),
                 Token::Region(r) => {
-                    // Withheld granules stay mapped, owned and charged.
-                    let n = r.committed_len() + r.withheld_granules() * g;
+                    // Withheld granules and the mapped tail stay mapped, owned and charged.
+                    let n = r.committed_len() + (r.withheld_granules() + r.tail_granules()) * g;
+                    if let Some(bytes) = self.memory.read(t) {
+                        assert_eq!(
+                            bytes.len(),
+                            r.committed_len(),
+                            "slices cover the committed part"
+                        );
+                    }
                     ((r.addr(), r.len()), n, n, n, true, false)
                 }
                 // What a failed unmap withheld stays mapped, owned and charged.

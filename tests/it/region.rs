@@ -637,3 +637,120 @@ fn a_lost_context_discharges_the_granule_cache_from_the_ledger() {
     device.discharge_all(&proof);
     assert!(device.ledger().is_zero(), "{:?}", device.ledger());
 }
+
+// ---- The mapped tail (issue 27, in part): shrinks and grows within its cap call nothing. ----
+
+/// Every backend call `faults` counted: each kind, the fences' and queries', the getters.
+fn all_calls(faults: &memtoken::backend::doubles::FaultHandle) -> u64 {
+    use Op::*;
+    let kinds = [
+        Reserve, Free, Create, Release, Map, Unmap, Pin, Unpin, Copy, Fence, Graph,
+    ];
+    kinds.iter().map(|&op| faults.calls(op)).sum::<u64>()
+        + faults.any_calls()
+        + faults.getter_calls()
+}
+
+/// Grow/shrink cycles of a region of `granules` whose mapped tail keeps `cap` granules, after
+/// one warm-up cycle: the backend calls of every kind the cycles made.
+fn tail_cycle_calls(cap: usize, granules: usize, cycles: usize) -> u64 {
+    setup!(host(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let mut region = binding.reserve(granules * g).unwrap().into_region();
+    region.set_tail_cap(cap).unwrap();
+    region = region.grown(granules);
+    region.shrink(granules).unwrap();
+    let before = all_calls(&faults);
+    for _ in 0..cycles {
+        region = region.grown(granules);
+        region.as_mut_slice()[0] = 1; // lent as committed again
+        region.shrink(granules).unwrap();
+    }
+    let calls = all_calls(&faults) - before;
+    assert_eq!(region.tail_granules(), cap.min(granules));
+    let l = device.ledger();
+    assert_eq!(
+        l.mapped_bytes,
+        (cap.min(granules) * g) as u64,
+        "the tail stays mapped"
+    );
+    assert_eq!(
+        binding.used(),
+        (cap.min(granules) * g) as u64,
+        "and charged"
+    );
+    drop(region);
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+    calls
+}
+
+/// Within the tail's cap, 10,000 grow/shrink cycles of 16 granules make no backend call of any
+/// kind; with the cap at 0, each cycle makes today's calls: a map and an unmap per granule (from
+/// the cache) and the fences' idle query. Fails if the tail is ignored (calls) or unbounded
+/// (the tail and the mapped bytes past the cap).
+#[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+fn grow_shrink_cycles_within_the_tail_cap_call_nothing() {
+    assert_eq!(tail_cycle_calls(16, 16, CYCLES), 0);
+    let today = tail_cycle_calls(0, 16, CYCLES);
+    assert!(
+        today >= 2 * 16 * CYCLES as u64,
+        "with no tail each cycle maps and unmaps every granule: {today}"
+    );
+    // A cap under the growth keeps that many; the rest go as without a tail.
+    let part = tail_cycle_calls(4, 16, CYCLES);
+    assert!(part > 0 && part < today, "{part} vs {today}");
+}
+
+/// On the driver model: a shrink while a kernel may still read the shrunk granules keeps them
+/// mapped in the tail — no unmap, no wait, no fault; the regrowth over them maps nothing and
+/// the region's fences still cover them; the release waits for the kernel as before.
+#[test]
+fn on_cuda_a_shrink_into_the_tail_neither_unmaps_nor_waits_for_a_kernel() {
+    use memtoken::backend::cuda::DriverCall;
+    let model = common::held_fences();
+    setup!(CudaBackend::new(model.clone(), 0).unwrap(), device, faults);
+    let g = device.granularity();
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding.reserve(4 * g).unwrap().into_region();
+    region.set_tail_cap(2).unwrap();
+    let mut region = region.grown(3);
+    model.submit_work(); // a kernel may still read the region
+    let (unmaps, maps) = (
+        model.count(DriverCall::MemUnmap),
+        model.count(DriverCall::MemMap),
+    );
+    region
+        .shrink(2)
+        .expect("into the tail: no wait for the kernel");
+    assert_eq!(
+        model.count(DriverCall::MemUnmap),
+        unmaps,
+        "nothing unmapped under it"
+    );
+    assert_eq!(
+        (region.committed_granules(), region.tail_granules()),
+        (1, 2)
+    );
+    assert!(
+        matches!(region.shrink(1), Err(ShrinkError::Pending)),
+        "past the cap, an unmap waits for the kernel as before"
+    );
+    region.grow(2).expect("from the tail");
+    assert_eq!(model.count(DriverCall::MemMap), maps, "nothing mapped");
+    let releasing = match region.release().complete().map_err(|e| e.into_token()) {
+        Err(memtoken::Returned::Unchanged(releasing)) => releasing,
+        _ => panic!("the release waits for the kernel"),
+    };
+    model.complete_work();
+    releasing
+        .complete()
+        .expect("done once the kernel has finished");
+    assert_eq!(model.lost_with(), None, "nothing ran on unmapped memory");
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+}

@@ -104,6 +104,8 @@ pub struct Asleep<P> {
     len: usize,
     saved: Option<Box<[u8]>>,
     withheld: Vec<Granule<P>>,
+    /// A region's mapped-tail cap, which it has again when it resumes (0 for an allocation).
+    tail_cap: usize,
 }
 
 /// A state that can be suspended and resumed (sealed): [`Committed`] and [`Elastic`].
@@ -256,6 +258,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Committed> {
             len,
             saved,
             withheld,
+            tail_cap: 0,
         };
         Ok(Allocation::from_core(core, asleep))
     }
@@ -376,6 +379,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             len,
             saved,
             withheld: granules.withheld,
+            tail_cap: granules.tail_cap,
         };
         Ok(Allocation::from_core(core, asleep))
     }
@@ -414,6 +418,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Elastic>> {
                 len,
                 saved,
                 withheld,
+                tail_cap,
             } = asleep;
             let asleep_again = |region: Allocation<'b, 'id, B, Elastic>, saved, cause| {
                 let (core, granules) = region.into_core();
@@ -425,6 +430,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Elastic>> {
                     len,
                     saved,
                     withheld: granules.withheld,
+                    tail_cap,
                 };
                 let token = Allocation::from_core(core, asleep);
                 Err(TransitionError { token, cause })
@@ -432,7 +438,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Elastic>> {
             let granules = Granules {
                 committed: Vec::with_capacity(len / g),
                 live: 0,
-                tail_cap: 0,
+                tail_cap,
                 withheld,
             };
             let mut region = Allocation::<'b, 'id, B, Elastic>::from_core(core, granules);

@@ -754,3 +754,31 @@ fn on_cuda_a_shrink_into_the_tail_neither_unmaps_nor_waits_for_a_kernel() {
     assert!(device.close().is_clean());
     assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
 }
+
+/// A suspend gives the mapped tail back with the rest (nothing stays mapped or charged while
+/// asleep), and the region resumes with its tail cap.
+#[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+fn a_suspended_region_gives_its_tail_back_and_resumes_with_its_cap() {
+    setup!(host(), device, faults);
+    let g = device.granularity();
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding.reserve(4 * g).unwrap().into_region();
+    region.set_tail_cap(2).unwrap();
+    let mut region = region.grown(3);
+    region.shrink(2).unwrap();
+    assert_eq!(region.tail_granules(), 2);
+    let asleep = region.suspend().map_err(memtoken::Error::from).unwrap();
+    assert_eq!(device.ledger().mapped_bytes, 0, "the tail went too");
+    assert_eq!(binding.used(), 0);
+    let region = asleep.resume().map_err(memtoken::Error::from).unwrap();
+    assert_eq!(
+        (region.committed_granules(), region.tail_granules()),
+        (1, 0)
+    );
+    assert_eq!(region.tail_cap(), 2, "the cap comes back");
+    drop(region);
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+}

@@ -174,7 +174,11 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
 
     /// Granules of the mapped tail: past the committed end, still mapped, owned and charged
     /// (as committed granules are), lent to nothing (no slice or view reaches them); the next
-    /// growth takes them back with no backend call. At most [`tail_cap`](Self::tail_cap).
+    /// growth takes them back with no backend call. At most [`tail_cap`](Self::tail_cap), but
+    /// after a [`set_tail_cap`](Self::set_tail_cap) that could not give the excess back yet.
+    /// Within the tail, a growth and a shrink make no call at all — not even the context-loss
+    /// query — so they succeed after a loss too, moving only the committed length (the memory
+    /// goes with the context, and the release discharges it as any).
     pub fn tail_granules(&self) -> usize {
         self.parts().committed.len() - self.parts().live
     }
@@ -269,30 +273,40 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// unmapping one of them fails too ([`GrowError::Withheld`]), it stays in the region, owned
     /// and withheld.
     pub fn grow(&mut self, granules: usize) -> Result<(), GrowError> {
-        let room = self.room_granules();
-        let live = self.committed_granules();
-        if granules > room - live {
-            return Err(GrowError::Full {
-                requested: granules,
-                committed: live,
-                room,
-            });
-        }
-        // The tail first: mapped, owned and charged already — no backend call.
-        let from_tail = granules.min(self.tail_granules());
-        self.parts_mut().live += from_tail;
-        if from_tail == granules {
-            return Ok(());
-        }
-        self.grow_mapping(granules - from_tail).inspect_err(|_| {
-            // All or nothing: the tail granules go back to the tail.
-            self.parts_mut().live -= from_tail;
+        // One scope for all of it: a backend panic contained while mapping resumes only once
+        // the tail granules taken are back in the tail.
+        Scope::run::<B, _>(move || {
+            let room = self.room_granules();
+            let live = self.committed_granules();
+            if granules > room - live {
+                return Err(GrowError::Full {
+                    requested: granules,
+                    committed: live,
+                    room,
+                });
+            }
+            // The tail first: mapped, owned and charged already — no backend call.
+            let from_tail = granules.min(self.tail_granules());
+            self.parts_mut().live += from_tail;
+            if from_tail == granules {
+                return Ok(());
+            }
+            self.grow_mapping(granules - from_tail).map_err(|mut e| {
+                // All or nothing: the tail granules go back to the tail, and the granule that
+                // stopped the growth is counted from the call's first.
+                self.parts_mut().live -= from_tail;
+                if let GrowError::Undone { at, .. } | GrowError::Withheld { at, .. } = &mut e {
+                    *at += from_tail;
+                }
+                e
+            })
         })
     }
 
-    /// Grows by `granules` granules past every mapped one (the tail is empty).
+    /// Grows by `granules` granules past every mapped one (the tail is empty), in the caller's
+    /// scope.
     fn grow_mapping(&mut self, granules: usize) -> Result<(), GrowError> {
-        Scope::run::<B, _>(move || {
+        {
             let core = self.core();
             let (binding, device) = (core.binding, core.device());
             let g = device.granularity();
@@ -329,7 +343,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             }
             growth.finish();
             Ok(())
-        })
+        }
     }
 
     /// Stops a growth at granule `at`: settles its axes for what was mapped, then undoes it.
@@ -406,6 +420,11 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// shrank all the same, and those granules stay owned and withheld in the region until
     /// [`reclaim`](Self::reclaim) frees them.
     pub fn shrink(&mut self, granules: usize) -> Result<(), ShrinkError> {
+        Scope::run::<B, _>(move || self.shrink_in_scope(granules))
+    }
+
+    /// [`shrink`](Self::shrink), in the caller's scope.
+    fn shrink_in_scope(&mut self, granules: usize) -> Result<(), ShrinkError> {
         let committed = self.committed_granules();
         if granules > committed {
             return Err(ShrinkError::TooMany {
@@ -424,22 +443,18 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             let device = core.device();
             let g = device.granularity();
             let end = core.addr + self.mapped_granules() * g;
-            Scope::run::<B, _>(|| {
-                device
-                    .ensure_live(Op::Unmap, end - over * g, over * g)
-                    .map_err(|e| ShrinkError::Backend(Box::new(e)))?;
-                if idle(core) {
-                    Ok(())
-                } else {
-                    Err(ShrinkError::Pending)
-                }
-            })?;
+            device
+                .ensure_live(Op::Unmap, end - over * g, over * g)
+                .map_err(|e| ShrinkError::Backend(Box::new(e)))?;
+            if !idle(core) {
+                return Err(ShrinkError::Pending);
+            }
         }
         self.parts_mut().live -= granules;
         if over == 0 {
             return Ok(());
         }
-        Scope::run::<B, _>(move || self.shrink_now(over))
+        self.shrink_now(over)
     }
 
     /// Pops the last committed granule and unmaps it through `back`: its index and memory

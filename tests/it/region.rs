@@ -782,3 +782,39 @@ fn a_suspended_region_gives_its_tail_back_and_resumes_with_its_cap() {
     assert!(device.close().is_clean());
     assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
 }
+
+/// A growth that takes the tail and then fails (a budget) or panics (a map) gives the tail
+/// granules back to the tail: all or nothing, as without a tail; the error counts the granule
+/// that stopped it from the call's first (the review's two breaks).
+#[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+fn a_growth_through_the_tail_is_all_or_nothing_even_when_it_panics() {
+    setup!(host(), device, faults);
+    let g = device.granularity();
+    let binding = device.bind(Budget::bytes(5 * g as u64)).unwrap();
+    let mut region = binding.reserve(8 * g).unwrap().into_region();
+    region.set_tail_cap(2).unwrap();
+    let mut region = region.grown(4);
+    region.shrink(2).unwrap(); // 2 committed, 2 in the tail: 4 charged
+    match region.grow(4) {
+        Err(GrowError::Undone { at, .. }) => assert_eq!(at, 3, "the 4th granule: 2 from the tail"),
+        other => panic!("the budget has room for 1 more granule: {other:?}"),
+    }
+    assert_eq!(
+        (region.committed_granules(), region.tail_granules()),
+        (2, 2)
+    );
+    faults.panic_nth(Op::Map, 1);
+    let grown = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| region.grow(3)));
+    assert!(grown.is_err(), "the map's panic resumes");
+    assert_eq!(
+        (region.committed_granules(), region.tail_granules()),
+        (2, 2),
+        "the tail taken goes back before the panic resumes"
+    );
+    assert_eq!(binding.used(), 4 * g as u64);
+    drop(region);
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+}

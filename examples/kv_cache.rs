@@ -344,6 +344,9 @@ struct Args {
     prompt_tokens: usize,
     gpu: bool,
     elastic: bool,
+    /// `--tail`: with `--elastic`, a finished sequence's region keeps its granules mapped in its
+    /// tail and serves the next request.
+    tail: bool,
 }
 
 fn parse_args() -> std::result::Result<Args, String> {
@@ -353,6 +356,7 @@ fn parse_args() -> std::result::Result<Args, String> {
         prompt_tokens: 40,
         gpu: false,
         elastic: false,
+        tail: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -367,11 +371,14 @@ fn parse_args() -> std::result::Result<Args, String> {
             "--prompt-tokens" => args.prompt_tokens = value("--prompt-tokens")?.max(1) as usize,
             "--gpu" => args.gpu = true,
             "--elastic" => args.elastic = true,
+            "--tail" => args.tail = true,
             "-h" | "--help" => {
                 println!(
                     "kv_cache: a paged KV cache with a shared system prompt, on memtoken\n\n\
                      --gpu               run on CUDA device 0 instead of the host backend\n\
                      --elastic           one growing region per sequence instead of pages (vAttention)\n\
+                     --tail              with --elastic: a finished sequence's region keeps its granules\n\
+                     \x20                   mapped (its tail) and serves the next request\n\
                      --sequences N       how many sequences arrive (default 64)\n\
                      --seed S            seed of the sequence lengths (default 7)\n\
                      --prompt-tokens P   tokens in the shared system prompt (default 40)"
@@ -738,6 +745,8 @@ fn run_elastic<B: Backend>(
     };
     let mut arrivals = arrivals(args);
     let mut running: Vec<ElasticSeq<Region<'_, '_, B>>> = Vec::new();
+    // `--tail`: finished sequences' regions, their granules still mapped, for the next ones.
+    let mut free: Vec<Region<'_, '_, B>> = Vec::new();
     let mut slept = false;
     let max_batch = 16;
     let started = Instant::now();
@@ -776,12 +785,22 @@ fn run_elastic<B: Backend>(
             let Some((id, generated)) = arrivals.pop() else {
                 break;
             };
+            let region = match free.pop() {
+                Some(region) => region, // a slot's region serves the next request
+                None => {
+                    let mut region = session.reserve(region_bytes)?.into_region();
+                    if args.tail {
+                        region.set_tail_cap(region_bytes / g)?;
+                    }
+                    region
+                }
+            };
             let mut seq = ElasticSeq {
                 id,
                 prompt_tokens: args.prompt_tokens,
                 target: args.prompt_tokens + generated,
                 len: 0,
-                region: session.reserve(region_bytes)?.into_region(),
+                region,
             };
             for _ in 0..args.prompt_tokens {
                 seq = seq.push_token(kv, &mut counts.grown)?; // the prompt's copy
@@ -798,15 +817,24 @@ fn run_elastic<B: Backend>(
             if !seq.verify(kv)? {
                 return Err(format!("sequence {} lost its K/V", seq.id).into());
             }
-            // Its granules go to the device's cache, for the next growth; then its VA goes.
+            // Its granules go to the device's cache, for the next growth, and its VA goes — or,
+            // with `--tail`, they stay mapped in its tail and the region serves the next request.
             let n = seq.region.committed_granules();
             seq.region.shrink(n)?;
             counts.given_back += n;
-            finish(seq.region.release())?;
+            if args.tail {
+                free.push(seq.region);
+            } else {
+                finish(seq.region.release())?;
+            }
             finished += 1;
         }
         // Half-way: every live sequence sleeps, and wakes.
         if !slept && finished >= args.sequences / 2 && !running.is_empty() {
+            // The idle slots give their tails back first: asleep, nothing stays mapped.
+            for region in &mut free {
+                region.trim_tail()?;
+            }
             running = sleep_and_wake(device, kv, running, &mut counts)?;
             slept = true;
         }
@@ -826,6 +854,9 @@ fn run_elastic<B: Backend>(
         step += 1;
     }
     let elapsed = started.elapsed();
+    for region in free {
+        finish(region.release())?;
+    }
     drop((running, arrivals));
     drop(session);
     let trimmed = device.trim_cache();
@@ -854,6 +885,22 @@ fn run_elastic<B: Backend>(
         counts.given_back,
         counts.of(Op::Release),
         counts.avoided(counts.given_back, Op::Release)
+    );
+    // Without a tail each granule grown is mapped and each given back unmapped.
+    println!(
+        "map calls: {} for {} granules grown (without the tail: {}); unmap calls: {} for {} given \
+         back (without the tail: {}){}",
+        counts.of(Op::Map),
+        counts.grown,
+        counts.grown,
+        counts.of(Op::Unmap),
+        counts.given_back,
+        counts.given_back,
+        if args.tail {
+            "; --tail: a finished sequence's region keeps its granules mapped and serves the next"
+        } else {
+            ""
+        }
     );
     let ledger = device.ledger();
     println!("ledger at the end: {ledger:?}");

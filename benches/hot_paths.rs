@@ -182,6 +182,13 @@ fn region_cycle(c: &mut Criterion) {
     let owned = device.ledger().owned_bytes;
     assert_eq!((owned, device.cached_bytes()), (bytes, bytes));
     assert_eq!(raw.free_granules(), region::GRANULES);
+    // The same cycle with the mapped tail keeping every granule (issue 27): no backend call.
+    memtoken.set_tail_cap(region::GRANULES).unwrap();
+    region::once_memtoken(&mut memtoken, region::GRANULES);
+    c.bench_function("region_cycle/tail", |b| {
+        b.iter(|| region::once_memtoken(&mut memtoken, region::GRANULES))
+    });
+    assert_eq!(memtoken.tail_granules(), region::GRANULES);
     memtoken.release().complete().unwrap();
 }
 

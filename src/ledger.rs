@@ -49,12 +49,30 @@ pub(crate) fn add_up_to(counter: &AtomicU64, unit: u64, n: u64, limit: u64) -> u
     taken
 }
 
-/// Takes `n` from `counter`; returns what it held if that is less than `n`.
+/// Takes `n` from `counter`; returns what it held if that is less than `n` (then `counter`
+/// is as it was, once the failed take is put back: only a refund bug gets there).
 #[inline]
 pub(crate) fn try_sub(counter: &AtomicU64, n: u64) -> Result<(), u64> {
-    counter
-        .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| v.checked_sub(n))
-        .map(drop)
+    // One subtraction, not a compare-and-swap loop: a refund never needs a retry.
+    let held = counter.fetch_sub(n, Ordering::Relaxed);
+    if held < n {
+        return Err(put_back(counter, n, held));
+    }
+    Ok(())
+}
+
+/// Undoes a take of `n` from `counter` that found `held`; returns `held`.
+#[cold]
+fn put_back(counter: &AtomicU64, n: u64, held: u64) -> u64 {
+    counter.fetch_add(n, Ordering::Relaxed);
+    held
+}
+
+/// A refund of `n` on `axis` found only `held` charged.
+#[cold]
+#[inline(never)]
+fn double_refund(axis: Axis, n: u64, held: u64) -> ! {
+    panic!("ledger: refund of {n} on {axis:?} exceeds the {held} charged (double refund)");
 }
 
 /// One ledger axis.
@@ -102,6 +120,7 @@ impl LedgerSnapshot {
 }
 
 impl Ledger {
+    #[inline]
     fn axis(&self, axis: Axis) -> &AtomicU64 {
         match axis {
             Axis::Reserved => &self.reserved,
@@ -129,9 +148,10 @@ impl Ledger {
     /// # Panics
     ///
     /// If `n` exceeds what is charged on `axis`: that is a double refund, a bug in this crate.
+    #[inline]
     pub(crate) fn refund(&self, axis: Axis, n: u64) {
         if let Err(held) = try_sub(self.axis(axis), n) {
-            panic!("ledger: refund of {n} on {axis:?} exceeds the {held} charged (double refund)");
+            double_refund(axis, n, held);
         }
     }
 

@@ -315,8 +315,15 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             if let Err(e) = device.ensure_live(Op::Map, core.addr + start * g, granules * g) {
                 return Err(self.undo_grow(start, 0, 0, CommitFailure::Backend(e)));
             }
-            // The binding's budget takes the whole growth at once, or none of it.
-            let mut growth = match binding.grow(granules) {
+            // The binding's budget takes the whole growth at once, or none of it; the granules
+            // the cache has ready join the region's list at once (taken under one lock), each
+            // mapped below before anything is created. Until then they sit past the mapped
+            // ones: a failure puts those back before the list is used again, and nothing
+            // between can unwind (backend panics are contained as errors).
+            let Granules {
+                committed, live, ..
+            } = self.parts_mut();
+            let mut growth = match binding.grow(granules, committed) {
                 Ok(growth) => growth,
                 Err(cause) => {
                     let free = binding.limit().saturating_sub(binding.used()) / g as u64;
@@ -328,26 +335,38 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
                     return Err(cause);
                 }
             };
-            // Granules come from the cache first; once it has none, they are created. The cached
-            // and mapped axes move once for the whole growth.
-            for at in 0..granules {
+            let taken = growth.taken();
+            for at in 0..taken {
                 let addr = core.addr + (start + at) * g;
-                match growth.map_next(addr, growth.cached() == at) {
-                    Ok(phys) => {
-                        let parts = self.parts_mut();
-                        parts.committed.push(phys);
-                        parts.live += 1;
-                    }
+                if let Err(e) = growth.map_cached(addr, committed[start + at]) {
+                    growth.put_back(committed, start + at);
+                    return Err(self.stop_grow(
+                        growth,
+                        start,
+                        at,
+                        CommitFailure::Backend(e),
+                        false,
+                    ));
+                }
+            }
+            // Once the cache has none, granules are created.
+            for at in taken..granules {
+                let addr = core.addr + (start + at) * g;
+                match growth.map_new(addr) {
+                    Ok(phys) => committed.push(phys),
                     Err((cause, q)) => return Err(self.stop_grow(growth, start, at, cause, q)),
                 }
             }
+            *live += granules;
+            // The cached and mapped axes move once for the whole growth.
             growth.finish();
             Ok(())
         }
     }
 
-    /// Stops a growth at granule `at`: settles its axes for what was mapped, then undoes it.
-    /// `quarantined`: whether the granule that failed could not be released.
+    /// Stops a growth at granule `at` (the region's list holds the granules it mapped, and no
+    /// more): settles its axes for what was mapped, then undoes it. `quarantined`: whether the
+    /// granule that failed could not be released.
     #[cold]
     fn stop_grow(
         &mut self,
@@ -487,22 +506,44 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     }
 
     /// Unmaps the last `granules` mapped granules — the tail's first, then committed ones (no
-    /// more than are mapped) — and gives them back. No work may still use them: the caller
-    /// checked [`idle`], or mapped them within the current call.
+    /// more than are mapped) — and gives them back: those the cache has room for go there
+    /// under one lock. No work may still use them: the caller checked [`idle`], or mapped them
+    /// within the current call.
     pub(crate) fn shrink_now(&mut self, granules: usize) -> Result<(), ShrinkError> {
-        let mut back = self.core().binding.give_back(granules);
+        let core = self.core();
+        let g = core.device().granularity();
+        let mut back = core.binding.give_back(granules);
+        let Granules {
+            committed,
+            live,
+            withheld,
+            ..
+        } = self.parts_mut();
+        let keep = committed.len().saturating_sub(granules);
+        *live = (*live).min(keep);
+        // From the top down; the list keeps every granule until all are unmapped, and one
+        // whose unmap fails leaves it for the withheld ones (those above it are unmapped).
         let mut failed = None;
-        for _ in 0..granules {
-            match self.unmap_last(&mut back) {
-                Ok((_, phys)) => back.give(phys),
-                Err(e) => failed = Some(e),
+        for i in (keep..committed.len()).rev() {
+            let offset = i * g;
+            if let Err(e) = back.unmap(core.addr + offset) {
+                let phys = committed.remove(i);
+                withheld.push(Granule {
+                    offset,
+                    len: g,
+                    phys,
+                    mapped: true,
+                });
+                failed = Some(e);
             }
         }
+        back.give_all(&committed[keep..]);
+        committed.truncate(keep);
         back.finish();
         match failed {
             None => Ok(()),
             Some(error) => Err(ShrinkError::Withheld {
-                granules: self.withheld_granules(),
+                granules: withheld.len(),
                 error: Box::new(error),
             }),
         }

@@ -204,6 +204,10 @@ impl<B: Backend> Guarded<B> {
         len: usize,
         call: impl FnOnce() -> Result<R, BackendError>,
     ) -> Result<R, BackendError> {
+        if !B::MAY_PANIC {
+            // Nothing to contain: the call's own result, not rewrapped.
+            return call();
+        }
         Self::contain(call).unwrap_or_else(|message| {
             Err(BackendError::new(
                 op,

@@ -56,10 +56,27 @@ impl<P> GranuleCache<P> {
         lock(&self.granules).pop()
     }
 
-    /// Puts a granule in (its room admitted).
+    /// Moves up to `n` granules out, to the end of `into`, under one lock; how many.
     #[inline]
-    pub(super) fn push(&self, phys: P) {
-        lock(&self.granules).push(phys);
+    pub(super) fn take_into(&self, n: usize, into: &mut Vec<P>) -> usize
+    where
+        P: Copy,
+    {
+        let mut granules = lock(&self.granules);
+        let at = granules.len().saturating_sub(n);
+        into.extend_from_slice(&granules[at..]);
+        let taken = granules.len() - at;
+        granules.truncate(at);
+        taken
+    }
+
+    /// Puts `from` in (their room admitted) under one lock.
+    #[inline]
+    pub(super) fn put(&self, from: &[P])
+    where
+        P: Copy,
+    {
+        lock(&self.granules).extend_from_slice(from);
     }
 
     /// Takes every granule out.
@@ -96,12 +113,16 @@ impl<B: Backend> Device<'_, B> {
         self.trim_cache_to(0)
     }
 
-    /// Takes a granule from the cache, if there is one: owned, mapped nowhere, and no work can
-    /// still use it. It stays on the cached axis until the caller moves all it took off it at
-    /// once ([`cache_taken`](Self::cache_taken)); the owned axis keeps it.
+    /// Takes up to `n` granules from the cache, to the end of `into` (one lock); how many. Each
+    /// is owned, mapped nowhere, and no work can still use it. They stay on the cached axis
+    /// until the caller moves those it keeps off it at once ([`cache_taken`](Self::cache_taken))
+    /// and puts the others back ([`cache_put`](Self::cache_put)); the owned axis keeps them.
     #[inline]
-    pub(super) fn cache_pop(&self) -> Option<B::Phys> {
-        self.cache.pop()
+    pub(super) fn cache_take(&self, n: usize, into: &mut Vec<B::Phys>) -> usize {
+        if n == 0 {
+            return 0;
+        }
+        self.cache.take_into(n, into)
     }
 
     /// Moves `n` granules taken by [`cache_pop`](Self::cache_pop) off the cached axis.
@@ -122,13 +143,14 @@ impl<B: Backend> Device<'_, B> {
         self.cache.admit(&self.ledger, g, n)
     }
 
-    /// Puts an admitted granule into the cache. No work may still use it: it was unmapped only
-    /// once no work covered by the backend's fences was pending (or mapped and unmapped within
-    /// one call), so it is free for reuse at once — on CUDA, the fence of its last use has
-    /// completed before it enters the cache.
+    /// Puts admitted granules (or granules [`cache_take`](Self::cache_take)n and not mapped)
+    /// into the cache, under one lock. No work may still use them: each was unmapped only once
+    /// no work covered by the backend's fences was pending (or mapped and unmapped within one
+    /// call), so it is free for reuse at once — on CUDA, the fence of its last use has completed
+    /// before it enters the cache.
     #[inline]
-    pub(super) fn cache_put(&self, phys: B::Phys) {
-        self.cache.push(phys);
+    pub(super) fn cache_put(&self, granules: &[B::Phys]) {
+        self.cache.put(granules);
     }
 
     /// Releases cached granules until the cache holds at most `keep` bytes; returns the bytes

@@ -91,14 +91,23 @@ impl<'b, 'id, B: Backend> Binding<'b, 'id, B> {
         }
     }
 
-    /// Starts a growth of `granules` granules: the budget takes all of them, or none.
+    /// Starts a growth of `granules` granules: the budget takes all of them, or none; then as
+    /// many granules as the device's cache has ready, up to `granules`, move from it to the end
+    /// of `into` under one lock ([`Growth::taken`] says how many), for the caller to map with
+    /// [`Growth::map_cached`] before it creates any with [`Growth::map_new`].
     #[inline]
-    pub(crate) fn grow(&self, granules: usize) -> Result<Growth<'_, 'b, 'id, B>, CommitFailure> {
+    pub(crate) fn grow(
+        &self,
+        granules: usize,
+        into: &mut Vec<B::Phys>,
+    ) -> Result<Growth<'_, 'b, 'id, B>, CommitFailure> {
         let g = self.device().granularity();
         self.charge_budget(granules * g)?;
+        let taken = self.device().cache_take(granules, into);
         Ok(Growth {
             binding: self,
             charged: granules,
+            taken,
             from_cache: 0,
             mapped: 0,
         })
@@ -118,50 +127,56 @@ impl<'b, 'id, B: Backend> Binding<'b, 'id, B> {
     }
 }
 
-/// A region's growth in progress: its granules' budget taken at once; each granule from the
-/// device's cache or created; the cached and mapped axes moved once, when it
-/// [`finish`](Self::finish)es, for what was mapped. Granules it did not map leave the budget
-/// then.
+/// A region's growth in progress: its granules' budget taken at once, and the granules the
+/// device's cache had ready taken from it at once; each granule mapped — those from the cache
+/// first, then created ones; the cached and mapped axes moved once, when it
+/// [`finish`](Self::finish)es, for what was mapped. Cached granules it did not map go back to
+/// the cache ([`put_back`](Self::put_back)); granules it did not map leave the budget.
 #[must_use = "a growth settles its axes when it finishes"]
 pub(crate) struct Growth<'a, 'b, 'id, B: Backend> {
     binding: &'a Binding<'b, 'id, B>,
     /// Granules charged to the budget.
     charged: usize,
     /// Granules taken from the cache.
+    taken: usize,
+    /// Granules taken from the cache and mapped.
     from_cache: usize,
     /// Granules mapped.
     mapped: usize,
 }
 
 impl<B: Backend> Growth<'_, '_, '_, B> {
-    /// One more granule, mapped read-write at `addr`: from the cache when `try_cache` and it
-    /// has one, else created, charged to the device's budget first (trimming the cache if it
-    /// stands in the way). On failure the granule went back where it came from (the cache, or
-    /// released); the cause, and whether that release failed (the granule then quarantined,
-    /// still owned).
+    /// Granules taken from the cache when the growth started.
     #[inline]
-    pub(crate) fn map_next(
-        &mut self,
-        addr: Addr,
-        try_cache: bool,
-    ) -> Result<B::Phys, (CommitFailure, bool)> {
+    pub(crate) fn taken(&self) -> usize {
+        self.taken
+    }
+
+    /// Maps `phys`, a granule taken from the cache, read-write at `addr`. On failure it is
+    /// still the caller's, to [`put_back`](Self::put_back).
+    #[inline]
+    pub(crate) fn map_cached(&mut self, addr: Addr, phys: B::Phys) -> Result<(), BackendError> {
+        let device = self.binding.device();
+        device
+            .backend()
+            .map(addr, device.granularity(), phys, Access::ReadWrite)?;
+        self.mapped += 1;
+        self.from_cache += 1;
+        Ok(())
+    }
+
+    /// A new granule, created (charged to the device's budget first, trimming the cache if it
+    /// stands in the way) and mapped read-write at `addr`. On failure it is released; the
+    /// cause, and whether that release failed (the granule then quarantined, still owned).
+    #[inline]
+    pub(crate) fn map_new(&mut self, addr: Addr) -> Result<B::Phys, (CommitFailure, bool)> {
         let device = self.binding.device();
         let g = device.granularity();
-        let taken = if try_cache { device.cache_pop() } else { None };
-        let cached = taken.is_some();
-        let phys = match taken {
-            Some(phys) => phys,
-            None => self.create().map_err(|cause| (cause, false))?,
-        };
+        let phys = self.create().map_err(|cause| (cause, false))?;
         match device.backend().map(addr, g, phys, Access::ReadWrite) {
             Ok(()) => {
                 self.mapped += 1;
-                self.from_cache += usize::from(cached);
                 Ok(phys)
-            }
-            Err(e) if cached => {
-                device.cache_put(phys);
-                Err((CommitFailure::Backend(e), false))
             }
             Err(e) => {
                 let quarantined = device.release_orphan(phys, g).is_err();
@@ -181,13 +196,21 @@ impl<B: Backend> Growth<'_, '_, '_, B> {
         })
     }
 
-    /// Granules taken from the cache so far.
+    /// Puts the granules of `from[at..]` — taken from the cache, not mapped — back there, under
+    /// one lock.
+    #[cold]
+    pub(crate) fn put_back(&self, from: &mut Vec<B::Phys>, at: usize) {
+        self.binding.device().cache_put(&from[at..]);
+        from.truncate(at);
+    }
+
+    /// Granules taken from the cache and mapped so far.
     #[inline]
     pub(crate) fn cached(&self) -> usize {
         self.from_cache
     }
 
-    /// Settles the growth: the granules taken from the cache leave its axis, those mapped are
+    /// Settles the growth: the granules mapped from the cache leave its axis, those mapped are
     /// charged as mapped, and the budget of those not mapped goes back.
     #[inline]
     pub(crate) fn finish(self) {
@@ -234,14 +257,26 @@ impl<B: Backend> GiveBack<'_, '_, '_, B> {
     /// `phys`, unmapped and unused, leaves the binding: cached or released.
     #[inline]
     pub(crate) fn give(&mut self, phys: B::Phys) {
+        self.give_all(&[phys]);
+    }
+
+    /// `granules`, unmapped and unused, leave the binding: as many as the cache has room for
+    /// go there under one lock, the others are released.
+    #[inline]
+    pub(crate) fn give_all(&mut self, granules: &[B::Phys]) {
         let device = self.device;
-        self.given += 1;
-        if self.room > 0 {
-            self.room -= 1;
-            device.cache_put(phys);
-        } else if device.release_orphan(phys, device.granularity()).is_err() {
-            // Quarantined in the device, still owned.
-            self.quarantined += 1;
+        self.given += granules.len();
+        let cached = granules.len().min(self.room);
+        self.room -= cached;
+        let (to_cache, to_release) = granules.split_at(cached);
+        if !to_cache.is_empty() {
+            device.cache_put(to_cache);
+        }
+        for &phys in to_release {
+            if device.release_orphan(phys, device.granularity()).is_err() {
+                // Quarantined in the device, still owned.
+                self.quarantined += 1;
+            }
         }
     }
 

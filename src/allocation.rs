@@ -311,10 +311,11 @@ impl<'b, 'id, B: Backend, S: Live> Allocation<'b, 'id, B, S> {
                 held,
                 fence,
                 charged,
+                tail,
             } = retire::<B, S>(core, parts);
             // The binding stays charged for the memory the token still owns, until it is released;
             // the rest leaves its budget now (a prefix's bytes stay with its mappings).
-            core.binding.retire(charged, &held);
+            core.binding.retire(charged, tail, &held);
             Allocation::from_core(core, (held, fence))
         })
     }
@@ -466,9 +467,10 @@ impl<B: Backend, S: State> Allocation<'_, '_, B, S> {
             held,
             fence,
             charged,
+            tail,
         } = retire::<B, S>(core, parts);
         core.binding
-            .hand_over(core.residual(held), charged, custody(fence));
+            .hand_over(core.residual(held), charged, tail, custody(fence));
     }
 }
 

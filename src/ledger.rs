@@ -82,6 +82,7 @@ pub(crate) enum Axis {
     Mapped,
     Owned,
     Cached,
+    Tail,
     Quarantined,
 }
 
@@ -92,6 +93,7 @@ pub(crate) struct Ledger {
     mapped: AtomicU64,
     owned: AtomicU64,
     cached: AtomicU64,
+    tail: AtomicU64,
     quarantined: AtomicU64,
 }
 
@@ -108,6 +110,12 @@ pub struct LedgerSnapshot {
     /// nowhere, reused by the next growth of an elastic region (see
     /// [`Device::trim_cache`](crate::Device::trim_cache)).
     pub cached_bytes: u64,
+    /// Of the owned bytes, those in the mapped tails of elastic regions: granules a shrink kept
+    /// mapped past a region's committed end, owned by the region and charged to its binding,
+    /// lent to nothing, taken back by its next growth with no backend call (see
+    /// [`Region::set_tail_cap`](crate::Region::set_tail_cap) and
+    /// [`Device::set_tail_cap`](crate::Device::set_tail_cap)).
+    pub tail_bytes: u64,
     /// Residuals in quarantine (as tokens or in the device's quarantine), not yet released.
     pub quarantined: u64,
 }
@@ -127,15 +135,18 @@ impl Ledger {
             Axis::Mapped => &self.mapped,
             Axis::Owned => &self.owned,
             Axis::Cached => &self.cached,
+            Axis::Tail => &self.tail,
             Axis::Quarantined => &self.quarantined,
         }
     }
 
+    #[inline]
     pub(crate) fn charge(&self, axis: Axis, n: u64) {
         self.axis(axis).fetch_add(n, Ordering::Relaxed);
     }
 
     /// Charges as many `unit`s on `axis` as fit under `limit`, up to `n`; returns how many.
+    #[inline]
     pub(crate) fn charge_up_to(&self, axis: Axis, unit: u64, n: u64, limit: u64) -> u64 {
         add_up_to(self.axis(axis), unit, n, limit)
     }
@@ -161,6 +172,7 @@ impl Ledger {
             mapped_bytes: self.mapped.load(Ordering::Relaxed),
             owned_bytes: self.owned.load(Ordering::Relaxed),
             cached_bytes: self.cached.load(Ordering::Relaxed),
+            tail_bytes: self.tail.load(Ordering::Relaxed),
             quarantined: self.quarantined.load(Ordering::Relaxed),
         }
     }

@@ -103,6 +103,9 @@ pub struct Granules<P> {
     pub(crate) live: usize,
     /// The most granules the tail keeps (see [`Allocation::set_tail_cap`]).
     pub(crate) tail_cap: usize,
+    /// The device's count of requests for the tails back when this region last answered one
+    /// (see [`Device::ask_tails_back`](crate::Device::ask_tails_back)).
+    pub(crate) seen: u64,
     pub(crate) withheld: Vec<Granule<P>>,
 }
 
@@ -116,9 +119,11 @@ impl Repr for Elastic {
         let g = backend.granularity();
         let Granules {
             committed,
+            live,
             mut withheld,
             ..
         } = parts;
+        let tail = committed.len() - live;
         let mapped = committed.len() * g;
         // The committed granules are mapped from the start of the range: one unmap covers them.
         withheld.extend(committed.into_iter().enumerate().map(|(i, phys)| Granule {
@@ -136,6 +141,7 @@ impl Repr for Elastic {
                 ..Held::mapped(mapped)
             },
             charged,
+            tail,
         }
     }
 }
@@ -154,6 +160,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
             committed: Vec::new(),
             live: 0,
             tail_cap: 0,
+            seen: core.device().tail_requests(),
             withheld: Vec::new(),
         };
         Allocation::from_core(core, granules)
@@ -237,7 +244,10 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             if !idle(core) {
                 return Err(ShrinkError::Pending);
             }
-            self.shrink_now(granules)
+            // Unmapped or withheld, the top `granules` leave the tail either way.
+            let done = self.shrink_now(granules);
+            device.tail_left(granules);
+            done
         })
     }
 
@@ -288,6 +298,8 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
             // The tail first: mapped, owned and charged already — no backend call.
             let from_tail = granules.min(self.tail_granules());
             self.parts_mut().live += from_tail;
+            let device = self.core().device();
+            device.tail_left(from_tail);
             if from_tail == granules {
                 return Ok(());
             }
@@ -295,6 +307,9 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
                 // All or nothing: the tail granules go back to the tail, and the granule that
                 // stopped the growth is counted from the call's first.
                 self.parts_mut().live -= from_tail;
+                if from_tail > 0 {
+                    device.tail_returned(from_tail);
+                }
                 if let GrowError::Undone { at, .. } | GrowError::Withheld { at, .. } = &mut e {
                     *at += from_tail;
                 }
@@ -454,26 +469,49 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         if granules == 0 {
             return Ok(());
         }
-        // Into the tail as far as its cap allows: they stay mapped — no backend call, no wait
-        // — and what goes over the cap (the top of the tail) is unmapped, as without a tail.
-        let over = (self.tail_granules() + granules).saturating_sub(self.tail_cap());
+        // Into the tail as far as its cap and the device's allow: they stay mapped — no
+        // backend call, no wait — and what goes over (the top of the tail) is unmapped, as
+        // without a tail. Asked for the tails back, the region keeps none.
+        let core = self.core();
+        let device = core.device();
+        let asked = device.tail_requests();
+        let cap = if asked == self.parts().seen {
+            self.tail_cap()
+        } else {
+            0
+        };
+        let tail = self.tail_granules();
+        let target = (tail + granules).min(cap);
+        let kept = if target > tail {
+            tail + device.tail_keep(target - tail)
+        } else {
+            target
+        };
+        let over = tail + granules - kept;
         if over > 0 {
-            let core = self.core();
-            let device = core.device();
             let g = device.granularity();
             let end = core.addr + self.mapped_granules() * g;
-            device
-                .ensure_live(Op::Unmap, end - over * g, over * g)
-                .map_err(|e| ShrinkError::Backend(Box::new(e)))?;
-            if !idle(core) {
-                return Err(ShrinkError::Pending);
+            let refused = match device.ensure_live(Op::Unmap, end - over * g, over * g) {
+                Err(e) => Some(ShrinkError::Backend(Box::new(e))),
+                Ok(()) if !idle(core) => Some(ShrinkError::Pending),
+                Ok(()) => None,
+            };
+            if let Some(e) = refused {
+                // Nothing done: the tail's new room goes back.
+                device.tail_left(kept.saturating_sub(tail));
+                return Err(e);
             }
         }
-        self.parts_mut().live -= granules;
+        let parts = self.parts_mut();
+        parts.live -= granules;
+        parts.seen = asked;
         if over == 0 {
             return Ok(());
         }
-        self.shrink_now(over)
+        let done = self.shrink_now(over);
+        // The tail went from `tail` to `kept` granules (its growth is charged already).
+        device.tail_left(tail.saturating_sub(kept));
+        done
     }
 
     /// Pops the last committed granule and unmaps it through `back`: its index and memory

@@ -207,6 +207,7 @@ fn retired<B: Backend>(
         // Work may still read the mapping: its release waits for a fence.
         fence: Wait::on(backend.fence_for(&[at.addr])),
         charged,
+        tail: 0,
     }
 }
 

@@ -129,6 +129,7 @@ impl<S: Suspendable> Repr for Suspended<S> {
                 ..Held::va()
             },
             charged,
+            tail: 0,
         }
     }
 }
@@ -373,7 +374,9 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         };
         // Granules whose unmap fails are withheld in the region: they stay with it. The mapped
         // tail goes too.
-        let _ = self.shrink_now(self.committed_granules() + self.tail_granules());
+        let tail = self.tail_granules();
+        let _ = self.shrink_now(self.committed_granules() + tail);
+        core.device().tail_left(tail);
         let (core, granules) = self.into_core();
         let asleep = Asleep {
             len,
@@ -439,6 +442,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Elastic>> {
                 committed: Vec::with_capacity(len / g),
                 live: 0,
                 tail_cap,
+                seen: core.device().tail_requests(),
                 withheld,
             };
             let mut region = Allocation::<'b, 'id, B, Elastic>::from_core(core, granules);

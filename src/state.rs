@@ -52,6 +52,8 @@ pub struct Retired<B: Backend> {
     pub(crate) held: Held<B::Phys>,
     pub(crate) fence: Wait<B::Fence>,
     pub(crate) charged: usize,
+    /// Granules of a region's mapped tail among what it held (0 for every other state).
+    pub(crate) tail: usize,
 }
 
 /// What [`sealed::Repr::retire`] needs besides the parts: the backend and the token's length.
@@ -127,6 +129,7 @@ impl sealed::Repr for Reserved {
             held: Held::va(),
             fence: Wait::Nothing,
             charged: 0,
+            tail: 0,
         }
     }
 }
@@ -143,6 +146,7 @@ impl sealed::Repr for Committed {
             // Work may still be in flight on the memory: its release waits for a fence.
             fence: Wait::on(backend.fence_for(&[at.addr])),
             charged: len,
+            tail: 0,
         }
     }
 }
@@ -158,6 +162,7 @@ impl sealed::Repr for Releasing {
             held,
             fence,
             charged,
+            tail: 0,
         }
     }
 }

@@ -90,10 +90,14 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
     /// cached granule) that one of its tokens takes over.
     pub(super) fn charge_budget(&self, n: usize) -> Result<(), CommitFailure> {
         let requested = n as u64;
-        try_add(&self.used, requested, self.limit).map_err(|used| CommitFailure::Budget {
-            requested,
-            used,
-            limit: self.limit,
+        try_add(&self.used, requested, self.limit).map_err(|used| {
+            // This binding's regions' mapped tails may hold what it needs: ask them back.
+            self.device.ask_tails_back_if_held();
+            CommitFailure::Budget {
+                requested,
+                used,
+                limit: self.limit,
+            }
         })
     }
 
@@ -115,16 +119,18 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
     }
 
     /// Hands what a token leaves to the device: the `charged` bytes leave this binding's budget
-    /// with it. The one path by which every token gives up its residual.
+    /// with it, and its `tail` granules (a region's mapped tail) the ledger's tail axis. The one path by which every token gives up its residual.
     pub(crate) fn hand_over(
         &self,
         residual: Residual<B::Phys>,
         charged: usize,
+        tail: usize,
         custody: Custody<B::Fence>,
     ) {
         if charged > 0 {
             self.refund(charged);
         }
+        self.device.tail_left(tail);
         match custody {
             Custody::Fenced(fence) => self.device.dispose(residual, fence),
             Custody::Quarantined => self.device.adopt_quarantined(residual),

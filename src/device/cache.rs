@@ -85,7 +85,98 @@ impl<P> GranuleCache<P> {
     }
 }
 
+/// The mapped tails of the device's elastic regions: a cap on their bytes (on the ledger's
+/// tail axis), and the requests to give them back, counted: a region that sees the count move
+/// gives its tail back at its next shrink.
+pub(super) struct Tails {
+    cap: AtomicU64,
+    requests: AtomicU64,
+}
+
+impl Tails {
+    /// No cap of the device's own (each region's cap governs), and no request yet.
+    pub(super) fn new() -> Self {
+        Self {
+            cap: AtomicU64::new(u64::MAX),
+            requests: AtomicU64::new(0),
+        }
+    }
+}
+
 impl<B: Backend> Device<'_, B> {
+    /// The most bytes the mapped tails of all this device's regions keep together (no cap of
+    /// the device's own unless set: each region's [`tail_cap`](crate::Region::tail_cap) governs).
+    pub fn tail_cap(&self) -> u64 {
+        self.tails.cap.load(Ordering::Relaxed)
+    }
+
+    /// Sets the most bytes the mapped tails of all this device's regions keep together: a
+    /// shrink keeps granules mapped in its region's tail only while they fit under this cap
+    /// and the region's own (the others are unmapped and given back, as without a tail). Tails
+    /// already over the new cap are asked back ([`ask_tails_back`](Self::ask_tails_back)).
+    pub fn set_tail_cap(&self, bytes: u64) {
+        self.tails.cap.store(bytes, Ordering::Relaxed);
+        if self.ledger.snapshot().tail_bytes > bytes {
+            self.ask_tails_back();
+        }
+    }
+
+    /// Bytes in the mapped tails of this device's regions now (also
+    /// [`LedgerSnapshot::tail_bytes`](crate::LedgerSnapshot::tail_bytes)).
+    pub fn tail_bytes(&self) -> u64 {
+        self.ledger.snapshot().tail_bytes
+    }
+
+    /// Asks every region of this device to give its mapped tail back. A tail belongs to its
+    /// region, which only its owner's `&mut` changes: no other thread can unmap it under a
+    /// growth. So the region answers itself, at its next [`shrink`](crate::Region::shrink) —
+    /// it keeps no tail then, and its tail goes through the granule cache as any shrink's
+    /// granules — or as it is suspended or released; a growth before that takes the tail
+    /// first, as always. [`trim_cache`](Self::trim_cache) asks too, and so does a commit or a
+    /// growth that a budget refuses while tails hold bytes.
+    pub fn ask_tails_back(&self) {
+        self.tails.requests.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// How many times the tails were asked back (see [`ask_tails_back`](Self::ask_tails_back)).
+    #[inline]
+    pub(crate) fn tail_requests(&self) -> u64 {
+        self.tails.requests.load(Ordering::Relaxed)
+    }
+
+    /// Charges up to `n` granules that a shrink keeps mapped in its region's tail, as far as
+    /// the device's tail cap allows; returns how many.
+    #[inline]
+    pub(crate) fn tail_keep(&self, n: usize) -> usize {
+        let g = self.granularity() as u64;
+        self.ledger
+            .charge_up_to(Axis::Tail, g, n as u64, self.tail_cap()) as usize
+    }
+
+    /// `n` granules left a region's tail: taken back by a growth, unmapped, or gone with the
+    /// region.
+    #[inline]
+    pub(crate) fn tail_left(&self, n: usize) {
+        if n > 0 {
+            self.refund(Axis::Tail, n * self.granularity());
+        }
+    }
+
+    /// `n` granules a failed growth took from its region's tail are back in it (whatever the
+    /// cap: they were there before).
+    #[cold]
+    pub(crate) fn tail_returned(&self, n: usize) {
+        self.charge(Axis::Tail, n * self.granularity());
+    }
+
+    /// Asks the tails back if a budget's refusal could be theirs.
+    #[cold]
+    pub(crate) fn ask_tails_back_if_held(&self) {
+        if self.ledger.snapshot().tail_bytes > 0 {
+            self.ask_tails_back();
+        }
+    }
+
     /// Bytes the cache may hold at most.
     pub fn cache_cap(&self) -> u64 {
         self.cache.cap()
@@ -108,8 +199,11 @@ impl<B: Backend> Device<'_, B> {
     }
 
     /// Releases every cached granule; returns the bytes released. A granule whose release fails
-    /// goes to the device's quarantine, still owned.
+    /// goes to the device's quarantine, still owned. Asks the regions' mapped tails back too
+    /// ([`ask_tails_back`](Self::ask_tails_back)): each comes back, through the cache, at its
+    /// region's next shrink.
     pub fn trim_cache(&self) -> u64 {
+        self.ask_tails_back_if_held();
         self.trim_cache_to(0)
     }
 

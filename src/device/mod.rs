@@ -37,7 +37,7 @@ use crate::ids::{ContextLost, Generation};
 use crate::ledger::{Axis, Budget, Ledger, LedgerSnapshot};
 use crate::residual::SharedTotals;
 use crate::unwind::{Guarded, Scope};
-use cache::{DEFAULT_CACHE_GRANULES, GranuleCache};
+use cache::{DEFAULT_CACHE_GRANULES, GranuleCache, Tails};
 use custody::Books;
 use generativity::{Guard, Id};
 use std::sync::Mutex;
@@ -103,6 +103,7 @@ pub struct Device<'id, B: Backend> {
     books: Mutex<Books<B>>,
     shared: SharedTotals,
     cache: GranuleCache<B::Phys>,
+    tails: Tails,
     /// Cap on owned bytes across the whole device.
     limit: u64,
     closed: bool,
@@ -136,6 +137,7 @@ impl<'id, B: Backend> Device<'id, B> {
     fn assemble(guard: Guard<'id>, backend: Guarded<B>, budget: Budget, cache: Budget) -> Self {
         Self {
             cache: GranuleCache::new(cache.limit()),
+            tails: Tails::new(),
             brand: guard.into(),
             backend,
             ledger: Ledger::default(),
@@ -194,7 +196,11 @@ impl<'id, B: Backend> Device<'id, B> {
     pub(in crate::device) fn charge_owned_or_trim(&self, n: usize) -> Result<(), CommitFailure> {
         self.charge_owned(n).or_else(|e| match e {
             CommitFailure::DeviceBudget { .. } if self.make_room(n) => self.charge_owned(n),
-            e => Err(e),
+            e => {
+                // The regions' mapped tails may hold what the budget needs: ask them back.
+                self.ask_tails_back_if_held();
+                Err(e)
+            }
         })
     }
 

@@ -125,7 +125,7 @@ impl<B: Backend> Drop for Quarantined<'_, '_, B> {
         let residual = unsafe { ManuallyDrop::take(&mut self.residual) };
         let owned = residual.owned_bytes();
         self.binding
-            .hand_over(*residual, owned, Custody::Quarantined);
+            .hand_over(*residual, owned, 0, Custody::Quarantined);
     }
 }
 

@@ -82,9 +82,10 @@ impl<'b, 'id, B: Backend> Binding<'b, 'id, B> {
 
     /// A token is retiring, charged `charged` bytes: what `held` no longer owns (a prefix's
     /// bytes stay with its mappings) leaves this binding's budget now, the rest with the
-    /// release.
+    /// release; its `tail` granules (a region's mapped tail) leave the ledger's tail axis.
     #[inline]
-    pub(crate) fn retire(&self, charged: usize, held: &Held<B::Phys>) {
+    pub(crate) fn retire(&self, charged: usize, tail: usize, held: &Held<B::Phys>) {
+        self.device().tail_left(tail);
         let kept = held.owned_bytes();
         if charged > kept {
             self.refund(charged - kept);

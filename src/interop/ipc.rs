@@ -94,6 +94,7 @@ impl Repr for Imported {
             // Work may still read the mapping: its release waits for a fence.
             fence: Wait::on(backend.fence_for(&[at.addr])),
             charged: 0,
+            tail: 0,
         }
     }
 }

@@ -54,4 +54,5 @@ mod simulator;
 
 // Random workloads and many threads.
 mod properties;
+mod tails;
 mod threads;

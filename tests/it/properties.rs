@@ -73,6 +73,10 @@ enum Step {
     TrimCache,
     /// The device's cache cap becomes 0-3 granules.
     CacheCap(u64),
+    /// The device's cap on all tails together becomes 0-3 granules (4: none).
+    DeviceTailCap(u64),
+    /// The device asks the regions' tails back (as budget pressure does).
+    AskTailsBack,
     /// A capture begins or ends — on a stream the device covers (0-2) or on a blocking stream
     /// it does not (3-5, as the per-thread stream), in the global, thread-local or relaxed
     /// mode, begun by this thread (0-5) or by another (6-11) — and must end valid (CUDA model
@@ -114,6 +118,8 @@ fn step() -> impl Strategy<Value = Step> {
         2 => any::<usize>().prop_map(Step::Resume),
         1 => Just(Step::TrimCache),
         1 => (0u64..4).prop_map(Step::CacheCap),
+        1 => (0u64..5).prop_map(Step::DeviceTailCap),
+        1 => Just(Step::AskTailsBack),
         2 => (0u8..12).prop_map(Step::Capture),
     ]
 }
@@ -170,6 +176,10 @@ trait Memory<B: Backend> {
     }
     /// The bytes of any mapped token, read-only.
     fn read<'a>(&self, t: &'a Token<'_, '_, B>) -> Option<&'a [u8]>;
+    /// The bytes a region's typed view covers (host-visible memory only).
+    fn region_view(&self, _: &Region<'_, '_, B>) -> Option<usize> {
+        None
+    }
     fn complete_fences(&self) {}
     /// Fails the `n`th call of driver call kind `which` (CUDA model only).
     fn driver_fault(&self, _which: usize, _n: u64) {}
@@ -211,6 +221,12 @@ impl Memory<Faulty<SimBackend>> for NoMemory {
 type Host = Faulty<HostBackend>;
 struct HostMemory;
 impl Memory<Host> for HostMemory {
+    fn region_view(&self, r: &Region<'_, '_, Host>) -> Option<usize> {
+        let view = r
+            .as_slice_of::<u64>()
+            .expect("granules are aligned for u64");
+        Some(std::mem::size_of_val(view))
+    }
     fn committed<'a>(
         &self,
         a: &'a mut Allocation<'_, '_, Host, Committed>,
@@ -625,6 +641,16 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                 let g = self.device.granularity() as u64;
                 self.device.set_cache_cap(granules * g);
             }
+            Step::DeviceTailCap(granules) => {
+                let g = self.device.granularity() as u64;
+                let cap = if granules == 4 {
+                    u64::MAX
+                } else {
+                    granules * g
+                };
+                self.device.set_tail_cap(cap);
+            }
+            Step::AskTailsBack => self.device.ask_tails_back(),
             Step::Capture(mode) => self.memory.toggle_capture(mode),
             Step::RetryDevice => {
                 self.device.retry_quarantine();
@@ -661,6 +687,7 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
         let (mut reserved, mut mapped, mut owned, mut quarantined) = (0u64, 0, 0, 0);
         let (mut budget, mut sharer_budget) = (0u64, 0u64);
         let mut shared_refs = 0u64;
+        let mut tails = 0u64;
         let mut ranges = self.device.withheld_ranges();
         for t in &self.tokens {
             // (range, mapped, owned by the token alone, charged to the budget, holds VA, shared ref)
@@ -687,6 +714,14 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
                 Token::Region(r) => {
                     // Withheld granules and the mapped tail stay mapped, owned and charged.
                     let n = r.committed_len() + (r.withheld_granules() + r.tail_granules()) * g;
+                    tails += (r.tail_granules() * g) as u64;
+                    if let Some(view) = self.memory.region_view(r) {
+                        assert_eq!(
+                            view,
+                            r.committed_len(),
+                            "a typed view past the committed end"
+                        );
+                    }
                     if let Some(bytes) = self.memory.read(t) {
                         assert_eq!(
                             bytes.len(),
@@ -790,6 +825,7 @@ impl<'b, 'id, B: Backend, M: Memory<B>> Model<'b, 'id, B, M> {
         );
 
         let ledger = self.device.ledger();
+        assert_eq!(ledger.tail_bytes, tails, "tails: ledger vs regions");
         assert_eq!(
             ledger.reserved_bytes, reserved,
             "reserved: ledger vs tokens"

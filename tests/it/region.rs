@@ -818,3 +818,137 @@ fn a_growth_through_the_tail_is_all_or_nothing_even_when_it_panics() {
     assert!(device.close().is_clean());
     assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
 }
+
+// ---- Tails on the ledger, under a device-wide cap, and asked back (issue 27). ----
+
+/// The ledger counts the tails apart (`tail_bytes`, part of the owned and mapped bytes): a
+/// shrink into a tail charges it, a growth out of it, a release and a suspend refund it. The
+/// device's cap bounds all tails together: past it, a shrink unmaps as without a tail. Fails if
+/// a move of a tail is not on the ledger, or if the device's cap is ignored.
+#[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+fn the_ledger_counts_tails_apart_and_the_device_cap_bounds_them_together() {
+    setup!(host(), device, faults);
+    let g = device.granularity();
+    let tails = || device.ledger().tail_bytes / g as u64;
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut a = binding.reserve(8 * g).unwrap().into_region();
+    let mut b = binding.reserve(8 * g).unwrap().into_region();
+    a.set_tail_cap(4).unwrap();
+    b.set_tail_cap(4).unwrap();
+    device.set_tail_cap(6 * g as u64);
+    assert_eq!(device.tail_cap(), 6 * g as u64);
+    let (mut a, mut b) = (a.grown(5), b.grown(5));
+    a.shrink(4).unwrap();
+    assert_eq!((a.tail_granules(), tails()), (4, 4));
+    let unmaps = faults.calls(Op::Unmap);
+    b.shrink(4).unwrap();
+    assert_eq!(
+        (b.tail_granules(), tails()),
+        (2, 6),
+        "only 2 more fit under the device's cap"
+    );
+    assert_eq!(faults.calls(Op::Unmap) - unmaps, 2, "the other 2 unmapped");
+    assert_eq!(device.cached_bytes(), 2 * g as u64, "through the cache");
+    let l = device.ledger();
+    // Each region: 1 committed granule, and its tail.
+    assert_eq!(l.mapped_bytes, (1 + 1 + 6) * g as u64, "tails stay mapped");
+    assert_eq!(binding.used(), (1 + 1 + 6) * g as u64, "and charged");
+    a.grow(1).unwrap();
+    assert_eq!(tails(), 5, "a growth takes from its tail");
+    b.release().complete().unwrap();
+    assert_eq!(tails(), 3, "a release takes its region's tail");
+    let asleep = a.suspend().unwrap();
+    assert_eq!(tails(), 0, "so does a suspend");
+    let a = asleep.resume().unwrap();
+    assert_eq!((a.committed_granules(), a.tail_granules()), (2, 0));
+    drop(a);
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+}
+
+/// Asked for the tails back — by a budget that refuses a commit while tails hold bytes, by
+/// `trim_cache`, or by hand — a region keeps no tail at its next shrink: its tail goes through
+/// the cache (and `trim_cache` releases it there). A growth before that takes the tail first, as
+/// always. Fails if budget pressure does not ask, or if a region ignores the request.
+#[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+fn tails_asked_back_under_budget_pressure_come_back_at_their_regions_next_shrink() {
+    memtoken::make_guard!(guard);
+    let backend = memtoken::backend::doubles::Faulty::new(host());
+    let faults = backend.handle();
+    let g = memtoken::backend::Backend::granularity(&backend);
+    let device = memtoken::Device::with_cache(
+        guard,
+        backend,
+        Budget::bytes(6 * g as u64),
+        Budget::unlimited(),
+    );
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding.reserve(8 * g).unwrap().into_region();
+    region.set_tail_cap(4).unwrap();
+    let mut region = region.grown(5);
+    region.shrink(4).unwrap();
+    assert_eq!(device.tail_bytes(), 4 * g as u64);
+    // Another engine needs 2 granules: the budget (6) is full with the region's 5.
+    let other = device.bind(Budget::unlimited()).unwrap();
+    let refused = other.reserve(2 * g).unwrap().commit().is_err();
+    assert!(refused, "the tail holds what the budget needs");
+    // The region answers at its next shrink: it keeps no tail.
+    region.grow(1).unwrap();
+    assert_eq!(region.tail_granules(), 3, "a growth takes the tail first");
+    region.shrink(1).unwrap();
+    assert_eq!((region.tail_granules(), device.tail_bytes()), (0, 0));
+    assert_eq!(device.cached_bytes(), 4 * g as u64, "through the cache");
+    // The commit fits now (the cache is trimmed for it).
+    let committed = other.reserve(2 * g).unwrap().commit().unwrap();
+    // Once answered, the region keeps its tail again.
+    region.grow(1).unwrap();
+    region.shrink(1).unwrap();
+    assert_eq!(region.tail_granules(), 1);
+    // `trim_cache` asks too.
+    device.trim_cache();
+    region.grow(1).unwrap();
+    region.shrink(1).unwrap();
+    assert_eq!(region.tail_granules(), 0, "asked by trim_cache");
+    drop((committed, region));
+    drop((other, binding));
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+}
+
+/// On the driver model, a shrink refused while a kernel may still read what it would unmap
+/// changes nothing — the room it took in the tails goes back too. Fails if a refused shrink
+/// keeps its tail room on the ledger.
+#[test]
+fn on_cuda_a_shrink_refused_for_a_kernel_keeps_the_tails_figure() {
+    let model = common::held_fences();
+    setup!(CudaBackend::new(model.clone(), 0).unwrap(), device, faults);
+    let g = device.granularity();
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding.reserve(4 * g).unwrap().into_region();
+    region.set_tail_cap(3).unwrap();
+    device.set_tail_cap(2 * g as u64);
+    let mut region = region.grown(4);
+    region.shrink(1).unwrap();
+    model.submit_work(); // a kernel may still read the region
+    // 2 more fit under the region's cap, 1 under the device's: the other must be unmapped.
+    assert!(matches!(region.shrink(2), Err(ShrinkError::Pending)));
+    assert_eq!(
+        (region.committed_granules(), region.tail_granules()),
+        (3, 1),
+        "nothing done"
+    );
+    assert_eq!(device.tail_bytes(), g as u64, "nor charged");
+    model.complete_work();
+    region.shrink(2).unwrap();
+    assert_eq!(
+        (region.tail_granules(), device.tail_bytes()),
+        (2, 2 * g as u64)
+    );
+    drop(region);
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+}

@@ -42,9 +42,10 @@ const _: () = assert!(size_of::<HostAlloc<Releasing>>() == 144);
 // On the simulator: Held<SimPhys> is 96 (bool 1 + mapped 8 + Option<(SimPhys, usize)> 24 +
 // Option<Arc> 8 + 2 Vec 48, padded) and Option<u64> is 16 (a u64 has no niche): 32 + 96 + 16.
 const _: () = assert!(size_of::<SimAlloc<Releasing>>() == 144);
-// A region adds its mapped granules' handles and its withheld granules (two `Vec`s), and how
-// many of the mapped ones are committed and the tail's cap (two `usize`s).
-const _: () = assert!(size_of::<HostAlloc<Elastic>>() == 96);
+// A region adds its mapped granules' handles and its withheld granules (two `Vec`s), how
+// many of the mapped ones are committed and the tail's cap (two `usize`s), and the count of
+// requests for the tails back it answered last (a `u64`).
+const _: () = assert!(size_of::<HostAlloc<Elastic>>() == 104);
 // The backend's parts are exactly as big as claimed above.
 assert_eq_size!(memtoken::backend::HostPhys, [u64; 2]);
 // SimPhys is one u64.

@@ -182,7 +182,17 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// Granules of the mapped tail: past the committed end, still mapped, owned and charged
     /// (as committed granules are), lent to nothing (no slice or view reaches them); the next
     /// growth takes them back with no backend call. At most [`tail_cap`](Self::tail_cap), but
-    /// after a [`set_tail_cap`](Self::set_tail_cap) that could not give the excess back yet.
+    /// after a [`set_tail_cap`](Self::set_tail_cap) that could not give the excess back yet;
+    /// all regions' tails together stay within the device's
+    /// [`tail_cap`](crate::Device::tail_cap) as they grow. Counted apart on the ledger
+    /// ([`LedgerSnapshot::tail_bytes`](crate::LedgerSnapshot::tail_bytes)).
+    ///
+    /// Asked for the tails back ([`Device::ask_tails_back`](crate::Device::ask_tails_back):
+    /// by hand, by [`trim_cache`](crate::Device::trim_cache), or by a budget that refused a
+    /// commit or a growth while tails held bytes), the region keeps no tail at its next
+    /// [`shrink`](Self::shrink): the tail goes through the granule cache like any shrink's
+    /// granules. Only the region gives its tail back — no other thread can unmap it under a
+    /// growth — and a growth before that takes the tail first, as always.
     /// Within the tail, a growth and a shrink make no call at all — not even the context-loss
     /// query — so they succeed after a loss too, moving only the committed length (the memory
     /// goes with the context, and the release discharges it as any).
@@ -201,7 +211,8 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     }
 
     /// Sets the most granules the mapped tail keeps: a [`shrink`](Self::shrink) keeps up to
-    /// that many mapped past the committed end, and a [`grow`](Self::grow) takes them back
+    /// that many mapped past the committed end (as far as the device's
+    /// [`tail_cap`](crate::Device::tail_cap) allows too), and a [`grow`](Self::grow) takes them back
     /// before anything else — neither makes a backend call for them, nor waits for work that
     /// may still use them (they stay mapped; the region's fences cover them as the rest). A
     /// tail over the new cap is unmapped and given back now, as a shrink would.

@@ -154,6 +154,7 @@ mod error;
 mod ids;
 mod interop;
 mod ledger;
+pub mod mechanism;
 #[cfg(feature = "nixl")]
 pub mod nixl;
 mod page_pool;

@@ -24,6 +24,7 @@ mod context_loss;
 mod custody;
 mod custody_discharge;
 mod engine;
+mod mechanisms;
 mod errors;
 mod forgotten;
 mod money;

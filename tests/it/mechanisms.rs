@@ -1,0 +1,473 @@
+//! Mechanisms chosen at run time (issue 29, in part): the registry's selection is never a dead
+//! or unregistered mechanism, whatever the interleaving of a probed selection with the
+//! registry's other changes (played in a set order through the `test-hooks` phases); a
+//! mechanism whose creates fail for good is retired, new bindings go to the healthy one and old
+//! tokens release on theirs; and a property test over random steps on two mechanisms.
+
+use crate::common::{self, sim};
+use memtoken::backend::Op;
+use memtoken::backend::doubles::{FaultHandle, Faulty, SimBackend};
+use memtoken::mechanism::{Lifecycle, MechanismError, MechanismId, Mechanisms, Phase};
+use memtoken::{Allocation, Binding, Budget, Committed, Device, make_guard};
+use proptest::prelude::*;
+use std::sync::mpsc::{Receiver, Sender, channel};
+use std::sync::{Arc, Mutex};
+use std::thread::{self, ThreadId};
+
+/// Holds the thread that registers itself, at one phase, until told to go on.
+struct Gate {
+    phase: Phase,
+    thread: Mutex<Option<ThreadId>>,
+    reached: Mutex<Sender<()>>,
+    go: Mutex<Receiver<()>>,
+}
+
+/// Installs a gate at `phase` on `registry`: returns it, a receiver told when the gated thread
+/// reaches the phase, and a sender that lets it go on.
+fn gate(registry: &Mechanisms, phase: Phase) -> (Arc<Gate>, Receiver<()>, Sender<()>) {
+    let (reached, reached_rx) = channel();
+    let (go_tx, go) = channel();
+    let gate = Arc::new(Gate {
+        phase,
+        thread: Mutex::new(None),
+        reached: Mutex::new(reached),
+        go: Mutex::new(go),
+    });
+    let hook = Arc::clone(&gate);
+    registry.set_hook(move |p| {
+        let me = Some(thread::current().id());
+        if p == hook.phase && *hook.thread.lock().unwrap() == me {
+            hook.reached.lock().unwrap().send(()).unwrap();
+            hook.go.lock().unwrap().recv().unwrap();
+        }
+    });
+    (gate, reached_rx, go_tx)
+}
+
+/// The selection is none, or a registered and active mechanism.
+fn assert_valid(registry: &Mechanisms) {
+    if let Some(id) = registry.selected() {
+        assert_eq!(
+            registry.lifecycle(id),
+            Some(Lifecycle::Active),
+            "{id} is selected: {registry:?}"
+        );
+    }
+}
+
+/// Runs `select_probed(candidate)` (its probe failing if `probe_fails`) on a thread held at
+/// `phase`; runs `meanwhile` while it is held; returns what the selection returned.
+fn race(
+    registry: &Mechanisms,
+    candidate: MechanismId,
+    probe_fails: bool,
+    phase: Phase,
+    meanwhile: impl FnOnce(),
+) -> Result<(), MechanismError> {
+    let (gate, reached, go) = gate(registry, phase);
+    thread::scope(|s| {
+        // Owned here: a failed check drops it, which frees the held thread (its wait fails).
+        let go = go;
+        let selecting = s.spawn(|| {
+            *gate.thread.lock().unwrap() = Some(thread::current().id());
+            registry.select_probed(candidate, || {
+                if probe_fails {
+                    Err("a trial create failed")
+                } else {
+                    Ok(())
+                }
+            })
+        });
+        reached.recv().unwrap();
+        if phase == Phase::Published {
+            assert_eq!(registry.selected(), Some(candidate), "published first");
+        }
+        meanwhile();
+        assert_valid(registry);
+        go.send(()).unwrap();
+        let out = selecting.join().unwrap();
+        assert_valid(registry);
+        out
+    })
+}
+
+/// Two threads select: one, held after publishing its candidate, sees the candidate retired
+/// by the other — the prior healthy mechanism is restored, at either phase. Fails if a
+/// retirement of the selected mechanism clears the selection instead of restoring a healthy
+/// prior one (`drop_selection` without its fallback).
+#[test]
+fn a_selection_racing_the_retirement_of_its_candidate_restores_the_prior_healthy_one() {
+    for phase in [Phase::Published, Phase::Probed] {
+        let registry = Mechanisms::new();
+        let (a, b) = (
+            registry.register("a").unwrap(),
+            registry.register("b").unwrap(),
+        );
+        registry.select(a).unwrap();
+        let out = race(&registry, b, false, phase, || registry.retire(b).unwrap());
+        assert!(
+            matches!(out, Err(MechanismError::Refused { now: Some(now), .. }) if now == a),
+            "{phase:?}: {out:?}"
+        );
+        assert_eq!(registry.selected(), Some(a), "{phase:?}");
+    }
+}
+
+/// A probed selection whose probe fails restores the prior mechanism only while it is
+/// registered and active: retired meanwhile, the selection clears. Fails if the restore does
+/// not check the prior's lifecycle (it would select a retired mechanism).
+#[test]
+fn a_failed_probe_restores_the_prior_only_if_it_is_still_active() {
+    let registry = Mechanisms::new();
+    let (a, b) = (
+        registry.register("a").unwrap(),
+        registry.register("b").unwrap(),
+    );
+    registry.select(a).unwrap();
+    let out = race(&registry, b, true, Phase::Published, || {});
+    assert!(matches!(out, Err(MechanismError::Refused { now: Some(now), .. }) if now == a));
+    assert_eq!(registry.selected(), Some(a), "the healthy prior restored");
+    // Now the prior dies while the probe runs.
+    let out = race(&registry, b, true, Phase::Published, || {
+        registry.retire(a).unwrap()
+    });
+    assert!(
+        matches!(out, Err(MechanismError::Refused { now: None, .. })),
+        "{out:?}"
+    );
+    assert_eq!(registry.selected(), None, "cleared, not the retired prior");
+}
+
+/// A selection made while a probed one is held is never overwritten by the held one's
+/// refusal. Fails if the refusal does not check that the selection is still its own.
+#[test]
+fn a_newer_selection_is_never_overwritten() {
+    for phase in [Phase::Published, Phase::Probed] {
+        let registry = Mechanisms::new();
+        let a = registry.register("a").unwrap();
+        let b = registry.register("b").unwrap();
+        let c = registry.register("c").unwrap();
+        registry.select(a).unwrap();
+        let out = race(&registry, b, true, phase, || registry.select(c).unwrap());
+        assert!(out.is_err());
+        assert_eq!(
+            registry.selected(),
+            Some(c),
+            "{phase:?}: the newer selection stays"
+        );
+    }
+}
+
+/// Every interleaving of a held probed selection with one of the registry's other changes, at
+/// each phase, with a probe that passes or fails: the selection is never a dead or
+/// unregistered mechanism (checked while the selection is held, and after).
+#[test]
+fn no_interleaving_leaves_a_dead_or_unregistered_selection() {
+    type Change = fn(&Mechanisms, [MechanismId; 3]);
+    let changes: [(&str, Change); 8] = [
+        ("retire the candidate", |r, [_, b, _]| r.retire(b).unwrap()),
+        ("lose the candidate", |r, [_, b, _]| r.lose(b).unwrap()),
+        ("retire the prior", |r, [a, ..]| r.retire(a).unwrap()),
+        ("retire both", |r, [a, b, _]| {
+            r.retire(a).unwrap();
+            r.retire(b).unwrap();
+        }),
+        ("unregister the prior", |r, [a, ..]| {
+            r.retire(a).unwrap();
+            r.terminate(a).unwrap();
+            r.unregister(a).unwrap();
+        }),
+        ("reuse the prior's slot", |r, [a, b, _]| {
+            r.retire(a).unwrap();
+            r.terminate(a).unwrap();
+            r.unregister(a).unwrap();
+            let again = r.register("a again").unwrap();
+            assert_ne!(again, a);
+            r.retire(b).unwrap();
+        }),
+        ("select another", |r, [.., c]| r.select(c).unwrap()),
+        ("select another, retire it", |r, [.., c]| {
+            r.select(c).unwrap();
+            r.retire(c).unwrap();
+        }),
+    ];
+    for phase in [Phase::Published, Phase::Probed] {
+        for probe_fails in [false, true] {
+            for (what, change) in changes {
+                let registry = Mechanisms::new();
+                let ids = ["a", "b", "c"].map(|n| registry.register(n).unwrap());
+                registry.select(ids[0]).unwrap();
+                let _ = race(&registry, ids[1], probe_fails, phase, || {
+                    change(&registry, ids)
+                });
+                assert_valid(&registry);
+                let _ = what;
+            }
+        }
+    }
+}
+
+/// The lifecycle: active → retired or lost → terminated → unregistered, each from its own state
+/// only; a retired mechanism cannot be selected; an unregistered one is not known.
+#[test]
+fn a_lifecycle_moves_one_way() {
+    let registry = Mechanisms::new();
+    let a = registry.register("a").unwrap();
+    assert!(matches!(
+        registry.terminate(a),
+        Err(MechanismError::Inactive {
+            now: Lifecycle::Active,
+            ..
+        })
+    ));
+    registry.lose(a).unwrap();
+    assert!(registry.retire(a).is_err(), "lost is terminal for new work");
+    assert!(matches!(
+        registry.select(a),
+        Err(MechanismError::Inactive { .. })
+    ));
+    assert!(registry.unregister(a).is_err(), "terminated first");
+    registry.terminate(a).unwrap();
+    registry.unregister(a).unwrap();
+    assert_eq!(registry.lifecycle(a), None);
+    assert_eq!(registry.select(a), Err(MechanismError::Unregistered(a)));
+    assert_eq!(registry.name(a), None);
+    let again = registry.register("again").unwrap();
+    assert_eq!(registry.name(again).as_deref(), Some("again"));
+    for i in 1..memtoken::mechanism::MAX_MECHANISMS {
+        registry.register(format!("m{i}")).unwrap();
+    }
+    assert_eq!(registry.register("one too many"), Err(MechanismError::Full));
+}
+
+/// A binding on one of two devices (each a mechanism, with its own brand).
+enum Either<'a, 'b, 'ia, 'ib> {
+    A(Binding<'a, 'ia, Faulty<SimBackend>>),
+    B(Binding<'b, 'ib, Faulty<SimBackend>>),
+}
+
+/// A token on one of the two devices.
+enum Token<'a, 'b, 'ia, 'ib> {
+    A(Allocation<'a, 'ia, Faulty<SimBackend>, Committed>),
+    B(Allocation<'b, 'ib, Faulty<SimBackend>, Committed>),
+}
+
+/// Binds on `mechanism`'s device: `a`'s for `ids.0`, `b`'s for `ids.1`.
+fn bind_on<'a, 'b, 'ia, 'ib>(
+    mechanism: MechanismId,
+    ids: (MechanismId, MechanismId),
+    a: &'a Device<'ia, Faulty<SimBackend>>,
+    b: &'b Device<'ib, Faulty<SimBackend>>,
+) -> Result<Either<'a, 'b, 'ia, 'ib>, memtoken::backend::BackendError> {
+    if mechanism == ids.0 {
+        Ok(Either::A(a.bind(Budget::unlimited())?))
+    } else {
+        assert_eq!(mechanism, ids.1);
+        Ok(Either::B(b.bind(Budget::unlimited())?))
+    }
+}
+
+/// A mechanism whose creates start failing for good is retired: new bindings go to the healthy
+/// one, and the old tokens still release on theirs. Fails if a retired mechanism stays
+/// selected.
+#[test]
+fn a_mechanism_failing_for_good_is_retired_and_old_tokens_release_on_it() {
+    make_guard!(ga);
+    make_guard!(gb);
+    let (fa, fb) = (Faulty::new(sim(1 << 30)), Faulty::new(sim(1 << 30)));
+    let (ha, hb): (FaultHandle, FaultHandle) = (fa.handle(), fb.handle());
+    let (da, db) = (Device::new(ga, fa), Device::new(gb, fb));
+    let g = da.granularity();
+    let registry = Mechanisms::new();
+    let ids = (
+        registry.register("vmm").unwrap(),
+        registry.register("plain").unwrap(),
+    );
+    registry.select(ids.0).unwrap();
+    let first = registry.on_selected(|m| bind_on(m, ids, &da, &db)).unwrap();
+    assert_eq!(first.mechanism, ids.0);
+    let Either::A(binding_a) = &first.value else {
+        panic!("on the selected mechanism")
+    };
+    let old = binding_a.reserve(g).unwrap().commit().unwrap();
+    // From now on every create fails on the first mechanism: the engine retires it.
+    ha.fail_from(Op::Create, 1);
+    assert!(binding_a.reserve(g).unwrap().commit().is_err());
+    registry.retire(ids.0).unwrap();
+    registry.select(ids.1).unwrap();
+    let second = registry.on_selected(|m| bind_on(m, ids, &da, &db)).unwrap();
+    assert_eq!(
+        second.mechanism, ids.1,
+        "new bindings go to the healthy one"
+    );
+    let Either::B(binding_b) = &second.value else {
+        panic!("on the healthy mechanism")
+    };
+    let new = binding_b.reserve(g).unwrap().commit().unwrap();
+    // The old token still releases on its own mechanism (releases never create).
+    old.release().complete().unwrap();
+    new.release().complete().unwrap();
+    drop((first, second));
+    ha.clear();
+    registry.terminate(ids.0).unwrap();
+    assert!(da.close().is_clean());
+    assert!(db.close().is_clean());
+    assert!(ha.outstanding().is_zero() && hb.outstanding().is_zero());
+}
+
+#[derive(Clone, Debug)]
+enum Step {
+    Select(usize),
+    SelectProbed(usize, bool),
+    Retire(usize),
+    Lose(usize),
+    Bind,
+    Commit(usize),
+    Release(usize),
+    Fault(usize, Op, u64),
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    let op = prop::sample::select(vec![
+        Op::Reserve,
+        Op::Create,
+        Op::Map,
+        Op::Unmap,
+        Op::Release,
+    ]);
+    prop_oneof![
+        2 => (0usize..2).prop_map(Step::Select),
+        2 => (0usize..2, any::<bool>()).prop_map(|(m, ok)| Step::SelectProbed(m, ok)),
+        1 => (0usize..2).prop_map(Step::Retire),
+        1 => (0usize..2).prop_map(Step::Lose),
+        3 => Just(Step::Bind),
+        4 => any::<usize>().prop_map(Step::Commit),
+        3 => any::<usize>().prop_map(Step::Release),
+        1 => (0usize..2, op, 1u64..4).prop_map(|(m, op, n)| Step::Fault(m, op, n)),
+    ]
+}
+
+/// Random steps on two mechanisms (two devices over the simulator) with faults.
+fn run(steps: &[Step]) {
+    make_guard!(ga);
+    make_guard!(gb);
+    let (sa, sb) = (sim(1 << 30), sim(1 << 30));
+    let (fa, fb) = (Faulty::new(sa.clone()), Faulty::new(sb.clone()));
+    let handles = [fa.handle(), fb.handle()];
+    let (da, db) = (Device::new(ga, fa), Device::new(gb, fb));
+    let sims = [sa, sb];
+    let g = da.granularity();
+    let registry = Mechanisms::new();
+    let ids = (
+        registry.register("a").unwrap(),
+        registry.register("b").unwrap(),
+    );
+    let id = |m: usize| if m == 0 { ids.0 } else { ids.1 };
+    // Bindings are set once each (a `OnceCell` sets through `&`), so tokens can borrow them
+    // while more are made.
+    let bindings: [std::cell::OnceCell<_>; 16] = Default::default();
+    let mut made = 0;
+    let mut tokens: Vec<(MechanismId, Token<'_, '_, '_, '_>)> = Vec::new();
+    for step in steps {
+        match *step {
+            Step::Select(m) => {
+                let _ = registry.select(id(m));
+            }
+            Step::SelectProbed(m, ok) => {
+                let _ = registry.select_probed(id(m), || if ok { Ok(()) } else { Err("probe") });
+            }
+            Step::Retire(m) => {
+                let _ = registry.retire(id(m));
+            }
+            Step::Lose(m) => {
+                if registry.lose(id(m)).is_ok() {
+                    sims[m].lose_context();
+                }
+            }
+            Step::Bind => {
+                if made < bindings.len()
+                    && let Ok(bound) = registry.on_selected(|m| bind_on(m, ids, &da, &db))
+                {
+                    let _ = bindings[made].set(bound);
+                    made += 1;
+                }
+            }
+            Step::Commit(k) => {
+                if made == 0 {
+                    continue;
+                }
+                let bound = bindings[k % made].get().expect("made");
+                let token = match &bound.value {
+                    Either::A(b) => b
+                        .reserve(g)
+                        .ok()
+                        .and_then(|r| r.commit().ok())
+                        .map(Token::A),
+                    Either::B(b) => b
+                        .reserve(g)
+                        .ok()
+                        .and_then(|r| r.commit().ok())
+                        .map(Token::B),
+                };
+                if let Some(token) = token {
+                    tokens.push((bound.mechanism, token));
+                }
+            }
+            Step::Release(k) => {
+                if tokens.is_empty() {
+                    continue;
+                }
+                let (mechanism, token) = tokens.swap_remove(k % tokens.len());
+                // Each token is on its own mechanism's device, whatever is selected now.
+                match token {
+                    Token::A(t) => {
+                        assert_eq!(mechanism, ids.0);
+                        drop(t.release());
+                    }
+                    Token::B(t) => {
+                        assert_eq!(mechanism, ids.1);
+                        drop(t.release());
+                    }
+                }
+            }
+            Step::Fault(m, op, n) => handles[m].fail_nth(op, n),
+        }
+        assert_valid(&registry);
+    }
+    drop(tokens);
+    drop(bindings);
+    for h in &handles {
+        h.clear();
+    }
+    da.retry_quarantine();
+    db.retry_quarantine();
+    let lost = sims
+        .each_ref()
+        .map(memtoken::backend::Backend::context_lost);
+    let reports = [da.close(), db.close()];
+    for m in 0..2 {
+        // A lost context took its memory with it (the driver frees it): the device discharged
+        // what it held, and the backend's own counts no longer say anything.
+        if !lost[m] {
+            assert!(reports[m].is_clean(), "{:?}", reports[m]);
+            assert!(
+                handles[m].outstanding().is_zero(),
+                "{:?}",
+                handles[m].outstanding()
+            );
+        }
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(common::proptest_cases(
+        common::unless_miri(512, 4) as u32,
+    )))]
+
+    #[test]
+    fn two_mechanisms_keep_a_valid_selection_and_release_every_token_on_its_own(
+        steps in prop::collection::vec(step(), 1..60),
+    ) {
+        run(&steps);
+    }
+}

@@ -160,7 +160,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
             committed: Vec::new(),
             live: 0,
             tail_cap: 0,
-            seen: core.device().tail_requests(),
+            seen: core.binding.tail_requests(),
             withheld: Vec::new(),
         };
         Allocation::from_core(core, granules)
@@ -187,12 +187,16 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// [`tail_cap`](crate::Device::tail_cap) as they grow. Counted apart on the ledger
     /// ([`LedgerSnapshot::tail_bytes`](crate::LedgerSnapshot::tail_bytes)).
     ///
-    /// Asked for the tails back ([`Device::ask_tails_back`](crate::Device::ask_tails_back):
-    /// by hand, by [`trim_cache`](crate::Device::trim_cache), or by a budget that refused a
-    /// commit or a growth while tails held bytes), the region keeps no tail at its next
-    /// [`shrink`](Self::shrink): the tail goes through the granule cache like any shrink's
-    /// granules. Only the region gives its tail back — no other thread can unmap it under a
-    /// growth — and a growth before that takes the tail first, as always.
+    /// Asked for the tails back — by [`Device::ask_tails_back`](crate::Device::ask_tails_back)
+    /// (by hand, by [`trim_cache`](crate::Device::trim_cache), by a lower device
+    /// [`tail_cap`](crate::Device::set_tail_cap), by the device's budget refusing a commit or
+    /// a growth while tails held bytes) or by this region's binding's budget refusing one — the
+    /// region keeps no tail at its next [`shrink`](Self::shrink) that can unmap (no work may
+    /// still use the memory, the context lives; else it keeps its tail as its cap allows and
+    /// answers later): the tail is given back like any shrink's granules. Only the region gives
+    /// its tail back — no other thread can unmap it under a growth — and a growth before that
+    /// takes the tail first, as always. [`set_tail_cap`](Self::set_tail_cap) and
+    /// [`trim_tail`](Self::trim_tail) answer the requests so far.
     /// Within the tail, a growth and a shrink make no call at all — not even the context-loss
     /// query — so they succeed after a loss too, moving only the committed length (the memory
     /// goes with the context, and the release discharges it as any).
@@ -225,7 +229,10 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     pub fn set_tail_cap(&mut self, granules: usize) -> Result<(), ShrinkError> {
         self.parts_mut().tail_cap = granules;
         let over = self.tail_granules().saturating_sub(granules);
-        self.give_back_tail(over)
+        self.give_back_tail(over)?;
+        // A cap set now answers the requests for the tails so far.
+        self.parts_mut().seen = self.core().binding.tail_requests();
+        Ok(())
     }
 
     /// Unmaps the whole mapped tail and gives it back (to the device's cache, or released), as
@@ -236,7 +243,10 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// As for [`shrink`](Self::shrink).
     pub fn trim_tail(&mut self) -> Result<(), ShrinkError> {
         let all = self.tail_granules();
-        self.give_back_tail(all)
+        self.give_back_tail(all)?;
+        // An empty tail answers every request for it so far.
+        self.parts_mut().seen = self.core().binding.tail_requests();
+        Ok(())
     }
 
     /// Unmaps the top `granules` of the tail and gives them back, once no work may use them.
@@ -447,11 +457,15 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         }
     }
 
-    /// Shrinks the committed part by `granules` granules at its tail: each is unmapped and
-    /// given to the device's cache of physical granules, or released when the cache is full.
-    /// Each one leaves the binding's budget and the mapped bytes. Nothing is unmapped while work
-    /// that may use the region still runs (the driver's unmap does not wait for it), so a
-    /// cached granule is free for reuse at once: the fence of its last use has completed.
+    /// Shrinks the committed part by `granules` granules at its tail. As many as the mapped
+    /// tail has room for (its [`tail_cap`](Self::tail_cap), and the device's) stay mapped in
+    /// it — no backend call, no wait — unless the tails were asked back (see
+    /// [`tail_granules`](Self::tail_granules)) and the region can unmap now. The others, the
+    /// tail's top first, are unmapped and given to the device's cache of physical granules, or
+    /// released when the cache is full; each one leaves the binding's budget and the mapped
+    /// bytes. Nothing is unmapped while work that may use the region still runs (the driver's
+    /// unmap does not wait for it), so a cached granule is free for reuse at once: the fence of
+    /// its last use has completed.
     ///
     /// A granule whose release fails goes to the device's quarantine, still owned (see
     /// [`Device::retry_quarantine`](crate::Device::retry_quarantine)); the shrink succeeds.
@@ -460,8 +474,8 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     ///
     /// [`ShrinkError::TooMany`] (nothing done) when fewer granules are committed;
     /// [`ShrinkError::Pending`] (nothing done) while work covered by the backend's fences
-    /// may still use the memory; [`ShrinkError::Backend`] (nothing done) when the context is
-    /// lost; [`ShrinkError::Withheld`] when some granules could not be unmapped: the committed part
+    /// may still use memory it must unmap; [`ShrinkError::Backend`] (nothing done) when the
+    /// context is lost and it must unmap (within the tail it makes no call at all); [`ShrinkError::Withheld`] when some granules could not be unmapped: the committed part
     /// shrank all the same, and those granules stay owned and withheld in the region until
     /// [`reclaim`](Self::reclaim) frees them.
     pub fn shrink(&mut self, granules: usize) -> Result<(), ShrinkError> {
@@ -482,15 +496,30 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         }
         // Into the tail as far as its cap and the device's allow: they stay mapped — no
         // backend call, no wait — and what goes over (the top of the tail) is unmapped, as
-        // without a tail. Asked for the tails back, the region keeps none.
+        // without a tail. Asked for the tails back, the region keeps none — if it can unmap
+        // now; else it keeps its tail as its cap allows and answers at a later shrink.
+        let core = self.core();
+        let asked = core.binding.tail_requests();
+        if asked != self.parts().seen {
+            // If it cannot unmap now, it goes on as if not asked.
+            if let Ok(over) = self.shrink_keeping(granules, 0) {
+                self.parts_mut().seen = asked;
+                return self.shrink_over(granules, over, 0);
+            }
+        }
+        let cap = self.tail_cap();
+        let over = self.shrink_keeping(granules, cap)?;
+        let kept = self.tail_granules() + granules - over;
+        self.shrink_over(granules, over, kept)
+    }
+
+    /// The first half of a shrink by `granules` whose tail keeps at most `cap`: charges the
+    /// tail's new room (as far as the device's cap allows) and says how many granules must be
+    /// unmapped — once it checked that they can be (the context lives, no work may still use
+    /// them); else nothing is done or charged.
+    fn shrink_keeping(&mut self, granules: usize, cap: usize) -> Result<usize, ShrinkError> {
         let core = self.core();
         let device = core.device();
-        let asked = device.tail_requests();
-        let cap = if asked == self.parts().seen {
-            self.tail_cap()
-        } else {
-            0
-        };
         let tail = self.tail_granules();
         let target = (tail + granules).min(cap);
         let kept = if target > tail {
@@ -513,15 +542,25 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
                 return Err(e);
             }
         }
-        let parts = self.parts_mut();
-        parts.live -= granules;
-        parts.seen = asked;
+        Ok(over)
+    }
+
+    /// The second half: the committed end moves down by `granules`, and the top `over` mapped
+    /// granules are unmapped and given back, leaving a tail of `kept`.
+    fn shrink_over(
+        &mut self,
+        granules: usize,
+        over: usize,
+        kept: usize,
+    ) -> Result<(), ShrinkError> {
+        let tail = self.tail_granules();
+        self.parts_mut().live -= granules;
         if over == 0 {
             return Ok(());
         }
         let done = self.shrink_now(over);
         // The tail went from `tail` to `kept` granules (its growth is charged already).
-        device.tail_left(tail.saturating_sub(kept));
+        self.core().device().tail_left(tail.saturating_sub(kept));
         done
     }
 

@@ -442,7 +442,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Suspended<Elastic>> {
                 committed: Vec::with_capacity(len / g),
                 live: 0,
                 tail_cap,
-                seen: core.device().tail_requests(),
+                seen: core.binding.tail_requests(),
                 withheld,
             };
             let mut region = Allocation::<'b, 'id, B, Elastic>::from_core(core, granules);

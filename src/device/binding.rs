@@ -27,6 +27,8 @@ pub struct Binding<'d, 'id, B: Backend> {
     device: &'d Device<'id, B>,
     limit: u64,
     used: AtomicU64,
+    /// Requests for this binding's regions' tails back: its budget refused a charge.
+    tail_requests: AtomicU64,
 }
 
 /// Where a residual goes when it leaves its token.
@@ -55,6 +57,7 @@ impl<'id, B: Backend> Device<'id, B> {
                 device: self,
                 limit: budget.limit(),
                 used: AtomicU64::new(0),
+                tail_requests: AtomicU64::new(0),
             })
         })
     }
@@ -76,6 +79,16 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
         self.limit
     }
 
+    /// Requests for the tails back that concern this binding's regions: the device's (see
+    /// [`Device::ask_tails_back`]) and this budget's refusals, counted together (each count only
+    /// grows, so their sum moves when either does).
+    #[inline]
+    pub(crate) fn tail_requests(&self) -> u64 {
+        self.device
+            .tail_requests()
+            .wrapping_add(self.tail_requests.load(Ordering::Relaxed))
+    }
+
     /// Charges `n` owned bytes to this binding's budget and the device's (and so to the
     /// ledger's owned axis), before the memory is created; or says which budget refuses.
     pub(super) fn charge(&self, n: usize) -> Result<(), CommitFailure> {
@@ -91,8 +104,9 @@ impl<'d, 'id, B: Backend> Binding<'d, 'id, B> {
     pub(super) fn charge_budget(&self, n: usize) -> Result<(), CommitFailure> {
         let requested = n as u64;
         try_add(&self.used, requested, self.limit).map_err(|used| {
-            // This binding's regions' mapped tails may hold what it needs: ask them back.
-            self.device.ask_tails_back_if_held();
+            // This binding's regions' mapped tails may hold what it needs: ask them back (only
+            // its own: another binding's tail cannot make room in this budget).
+            self.tail_requests.fetch_add(1, Ordering::Relaxed);
             CommitFailure::Budget {
                 requested,
                 used,

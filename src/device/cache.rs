@@ -112,11 +112,13 @@ impl<B: Backend> Device<'_, B> {
 
     /// Sets the most bytes the mapped tails of all this device's regions keep together: a
     /// shrink keeps granules mapped in its region's tail only while they fit under this cap
-    /// and the region's own (the others are unmapped and given back, as without a tail). Tails
-    /// already over the new cap are asked back ([`ask_tails_back`](Self::ask_tails_back)).
+    /// and the region's own (the others are unmapped and given back, as without a tail). A
+    /// lower cap asks the tails back ([`ask_tails_back`](Self::ask_tails_back)).
     pub fn set_tail_cap(&self, bytes: u64) {
-        self.tails.cap.store(bytes, Ordering::Relaxed);
-        if self.ledger.snapshot().tail_bytes > bytes {
+        let old = self.tails.cap.swap(bytes, Ordering::SeqCst);
+        // Lowered: ask, whatever the tails hold now — a shrink charging under the old cap at
+        // this moment answers at its next shrink.
+        if bytes < old {
             self.ask_tails_back();
         }
     }
@@ -130,10 +132,14 @@ impl<B: Backend> Device<'_, B> {
     /// Asks every region of this device to give its mapped tail back. A tail belongs to its
     /// region, which only its owner's `&mut` changes: no other thread can unmap it under a
     /// growth. So the region answers itself, at its next [`shrink`](crate::Region::shrink) —
-    /// it keeps no tail then, and its tail goes through the granule cache as any shrink's
-    /// granules — or as it is suspended or released; a growth before that takes the tail
-    /// first, as always. [`trim_cache`](Self::trim_cache) asks too, and so does a commit or a
-    /// growth that a budget refuses while tails hold bytes.
+    /// it keeps no tail then, and its tail is given back as any shrink's granules (to the
+    /// granule cache while its cap allows, else released) — or as it is suspended or released;
+    /// a growth before that takes the tail first, as always. The request is advice: a shrink
+    /// that cannot unmap now (work may still use the memory, or the context is lost) keeps its
+    /// tail as its cap allows and answers at a later shrink. [`trim_cache`](Self::trim_cache)
+    /// asks too, and so do a commit or a growth that the device's budget refuses while tails
+    /// hold bytes, and a lower [`set_tail_cap`](Self::set_tail_cap); a binding's own budget
+    /// asks its own regions only.
     pub fn ask_tails_back(&self) {
         self.tails.requests.fetch_add(1, Ordering::Relaxed);
     }
@@ -163,10 +169,14 @@ impl<B: Backend> Device<'_, B> {
     }
 
     /// `n` granules a failed growth took from its region's tail are back in it (whatever the
-    /// cap: they were there before).
+    /// cap: they were there before); if the tails are over the cap now (others took the room
+    /// meanwhile), they are asked back.
     #[cold]
     pub(crate) fn tail_returned(&self, n: usize) {
         self.charge(Axis::Tail, n * self.granularity());
+        if self.ledger.snapshot().tail_bytes > self.tail_cap() {
+            self.ask_tails_back();
+        }
     }
 
     /// Asks the tails back if a budget's refusal could be theirs.

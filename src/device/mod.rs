@@ -194,14 +194,13 @@ impl<'id, B: Backend> Device<'id, B> {
     /// Charges `n` owned bytes against the device's budget, trimming the cache once when cached
     /// granules stand in the way; or says why not.
     pub(in crate::device) fn charge_owned_or_trim(&self, n: usize) -> Result<(), CommitFailure> {
-        self.charge_owned(n).or_else(|e| match e {
-            CommitFailure::DeviceBudget { .. } if self.make_room(n) => self.charge_owned(n),
-            e => {
-                // The regions' mapped tails may hold what the budget needs: ask them back.
-                self.ask_tails_back_if_held();
-                Err(e)
-            }
-        })
+        self.charge_owned(n)
+            .or_else(|e| match e {
+                CommitFailure::DeviceBudget { .. } if self.make_room(n) => self.charge_owned(n),
+                e => Err(e),
+            })
+            // The regions' mapped tails may hold what the budget needs: ask them back.
+            .inspect_err(|_| self.ask_tails_back_if_held())
     }
 
     /// Charges `n` owned bytes against the device's budget, or says why not.

@@ -832,11 +832,12 @@ fn the_ledger_counts_tails_apart_and_the_device_cap_bounds_them_together() {
     let g = device.granularity();
     let tails = || device.ledger().tail_bytes / g as u64;
     let binding = device.bind(Budget::unlimited()).unwrap();
+    // A lower device cap asks the tails back: set it first (a region's cap answers it).
+    device.set_tail_cap(6 * g as u64);
     let mut a = binding.reserve(8 * g).unwrap().into_region();
     let mut b = binding.reserve(8 * g).unwrap().into_region();
     a.set_tail_cap(4).unwrap();
     b.set_tail_cap(4).unwrap();
-    device.set_tail_cap(6 * g as u64);
     assert_eq!(device.tail_cap(), 6 * g as u64);
     let (mut a, mut b) = (a.grown(5), b.grown(5));
     a.shrink(4).unwrap();
@@ -927,9 +928,9 @@ fn on_cuda_a_shrink_refused_for_a_kernel_keeps_the_tails_figure() {
     setup!(CudaBackend::new(model.clone(), 0).unwrap(), device, faults);
     let g = device.granularity();
     let binding = device.bind(Budget::unlimited()).unwrap();
+    device.set_tail_cap(2 * g as u64);
     let mut region = binding.reserve(4 * g).unwrap().into_region();
     region.set_tail_cap(3).unwrap();
-    device.set_tail_cap(2 * g as u64);
     let mut region = region.grown(4);
     region.shrink(1).unwrap();
     model.submit_work(); // a kernel may still read the region
@@ -951,4 +952,289 @@ fn on_cuda_a_shrink_refused_for_a_kernel_keeps_the_tails_figure() {
     drop(binding);
     assert!(device.close().is_clean());
     assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+}
+
+// ---- Requests for the tails back, from the review of issue 27: who asks, who answers. ----
+
+/// A device-budget refusal asks the tails back even when it trimmed the cache first (and that
+/// was not enough). Fails if only a refusal with nothing trimmed asks.
+#[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+fn a_device_budget_refusal_after_a_partial_trim_asks_the_tails_back() {
+    make_guard!(guard);
+    let backend = memtoken::backend::doubles::Faulty::new(host());
+    let g = memtoken::backend::Backend::granularity(&backend);
+    let device = Device::with_cache(
+        guard,
+        backend,
+        Budget::bytes(6 * g as u64),
+        Budget::unlimited(),
+    );
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding.reserve(8 * g).unwrap().into_region();
+    region.set_tail_cap(4).unwrap();
+    let mut region = region.grown(5);
+    region.shrink(4).unwrap();
+    // One granule in the cache: 5 owned by the region and 1 cached fill the budget.
+    let mut other_region = binding.reserve(g).unwrap().into_region().grown(1);
+    other_region.shrink(1).unwrap();
+    assert_eq!(device.cached_bytes(), g as u64);
+    let other = device.bind(Budget::unlimited()).unwrap();
+    assert!(other.reserve(2 * g).unwrap().commit().is_err(), "refused");
+    assert_eq!(device.cached_bytes(), 0, "the cache was trimmed for it");
+    region.grow(1).unwrap();
+    region.shrink(1).unwrap();
+    assert_eq!(region.tail_granules(), 0, "asked, and answered");
+    drop((region, other_region));
+    drop((other, binding));
+    assert!(device.close().is_clean());
+}
+
+/// A binding refused by its own budget asks its own regions only: another binding's tail
+/// cannot make room in it. Fails if it asks every region of the device (every shrink of
+/// the other binding's regions would unmap).
+#[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+fn a_bindings_own_budget_refusal_asks_only_its_own_regions() {
+    setup!(host(), device, faults);
+    let g = device.granularity();
+    let tenant = device.bind(Budget::unlimited()).unwrap();
+    let small = device.bind(Budget::bytes(g as u64)).unwrap();
+    let mut hot = tenant.reserve(8 * g).unwrap().into_region();
+    hot.set_tail_cap(4).unwrap();
+    let mut mine = small.reserve(2 * g).unwrap().into_region();
+    mine.set_tail_cap(1).unwrap();
+    let mut mine = mine.grown(1);
+    mine.shrink(1).unwrap();
+    for _ in 0..10 {
+        // `small` asks for 2 granules: its own budget (1, all in its tail) refuses.
+        assert!(small.reserve(2 * g).unwrap().commit().is_err());
+        hot.grow(4).unwrap();
+        let before = faults.calls(Op::Unmap);
+        hot.shrink(4).unwrap();
+        assert_eq!(
+            faults.calls(Op::Unmap),
+            before,
+            "another binding's tail stays"
+        );
+    }
+    // Its own region answers at its next shrink.
+    mine.grow(1).unwrap();
+    mine.shrink(1).unwrap();
+    assert_eq!(mine.tail_granules(), 0);
+    drop((hot, mine));
+    drop((tenant, small));
+    assert!(device.close().is_clean());
+}
+
+/// A cap set (or a tail trimmed) after a request answers it: the next shrink keeps its tail.
+/// Fails if a region that had nothing to give back still answers an old request at its next
+/// shrink.
+#[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+fn a_cap_set_after_a_request_answers_it() {
+    setup!(host(), device, faults);
+    let g = device.granularity();
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding.reserve(8 * g).unwrap().into_region();
+    device.ask_tails_back(); // long ago, for other regions
+    region.set_tail_cap(4).unwrap();
+    let mut region = region.grown(4);
+    let before = faults.calls(Op::Unmap);
+    region.shrink(4).unwrap();
+    assert_eq!(region.tail_granules(), 4);
+    assert_eq!(faults.calls(Op::Unmap), before, "no unmap");
+    device.ask_tails_back();
+    region.trim_tail().unwrap();
+    region.grow(2).unwrap();
+    region.shrink(2).unwrap();
+    assert_eq!(region.tail_granules(), 2, "the trim answered the request");
+    drop(region);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// A request is advice: a shrink that cannot unmap now — a kernel may still read the region,
+/// or the context is lost — keeps its tail as its cap allows (no wait, no error) and answers at
+/// a later shrink. Fails if a request turns a shrink into the tail into `Pending` or `Backend`.
+#[test]
+fn a_request_never_makes_a_shrink_into_the_tail_fail() {
+    let model = common::held_fences();
+    setup!(CudaBackend::new(model.clone(), 0).unwrap(), device, faults);
+    let g = device.granularity();
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding.reserve(4 * g).unwrap().into_region();
+    region.set_tail_cap(4).unwrap();
+    let mut region = region.grown(4);
+    model.submit_work();
+    region
+        .shrink(1)
+        .expect("into the tail under a kernel: no wait");
+    device.ask_tails_back();
+    region
+        .shrink(1)
+        .expect("asked, but the kernel may read it: keeps the tail");
+    assert_eq!(region.tail_granules(), 2);
+    model.complete_work();
+    region.shrink(1).expect("answers now");
+    assert_eq!(region.tail_granules(), 0, "answered once it could unmap");
+    drop(region);
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+
+    // After a context loss, a shrink within the tail makes no call: a request does not change
+    // that.
+    let sim = common::sim(16 * GRANULE as u64);
+    make_guard!(guard);
+    let device = Device::new(guard, sim.clone());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding.reserve(4 * GRANULE).unwrap().into_region();
+    region.set_tail_cap(4).unwrap();
+    let mut region = region.grown(3);
+    region.shrink(1).unwrap();
+    sim.lose_context();
+    device.trim_cache(); // asks
+    region.shrink(1).expect("within the tail after a loss");
+    assert_eq!(region.tail_granules(), 2);
+}
+
+/// A host backend whose next `create` can be held: it says it entered, waits, then fails.
+struct HeldCreate {
+    inner: Faulty<memtoken::backend::HostBackend>,
+    gate: std::sync::Arc<std::sync::Mutex<Option<Gate>>>,
+}
+
+/// Told when the held call is entered; lets it go on.
+type Gate = (std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>);
+
+impl memtoken::backend::Backend for HeldCreate {
+    type Phys = <Faulty<memtoken::backend::HostBackend> as memtoken::backend::Backend>::Phys;
+    type Fence = <Faulty<memtoken::backend::HostBackend> as memtoken::backend::Backend>::Fence;
+    fn granularity(&self) -> usize {
+        self.inner.granularity()
+    }
+    fn address_space(&self) -> usize {
+        self.inner.address_space()
+    }
+    fn physical_capacity(&self) -> u64 {
+        self.inner.physical_capacity()
+    }
+    fn reserve(&self, len: usize) -> Result<usize, memtoken::backend::BackendError> {
+        self.inner.reserve(len)
+    }
+    fn free(&self, addr: usize, len: usize) -> Result<(), memtoken::backend::BackendError> {
+        self.inner.free(addr, len)
+    }
+    fn create(&self, len: usize) -> Result<Self::Phys, memtoken::backend::BackendError> {
+        if let Some((entered, go)) = self.gate.lock().unwrap().take() {
+            entered.send(()).unwrap();
+            go.recv().unwrap();
+            let cause = Cause::Os { errno: 12 };
+            return Err(memtoken::backend::BackendError::new(
+                Op::Create,
+                0,
+                len,
+                cause,
+            ));
+        }
+        self.inner.create(len)
+    }
+    fn release(&self, phys: Self::Phys, len: usize) -> Result<(), memtoken::backend::BackendError> {
+        self.inner.release(phys, len)
+    }
+    fn map(
+        &self,
+        addr: usize,
+        len: usize,
+        phys: Self::Phys,
+        access: memtoken::backend::Access,
+    ) -> Result<(), memtoken::backend::BackendError> {
+        self.inner.map(addr, len, phys, access)
+    }
+    fn unmap(&self, addr: usize, len: usize) -> Result<(), memtoken::backend::BackendError> {
+        self.inner.unmap(addr, len)
+    }
+    fn copy_into_phys(
+        &self,
+        phys: Self::Phys,
+        src: usize,
+        len: usize,
+    ) -> Result<(), memtoken::backend::BackendError> {
+        self.inner.copy_into_phys(phys, src, len)
+    }
+    fn copy_to_host(
+        &self,
+        dst: &mut [u8],
+        src: usize,
+    ) -> Result<(), memtoken::backend::BackendError> {
+        self.inner.copy_to_host(dst, src)
+    }
+    fn copy_from_host(
+        &self,
+        dst: usize,
+        src: &[u8],
+    ) -> Result<(), memtoken::backend::BackendError> {
+        self.inner.copy_from_host(dst, src)
+    }
+    fn fence(&self) -> Self::Fence {
+        self.inner.fence()
+    }
+    fn fence_done(&self, fence: &Self::Fence) -> bool {
+        self.inner.fence_done(fence)
+    }
+    fn pin(&self) -> Result<(), memtoken::backend::BackendError> {
+        self.inner.pin()
+    }
+    fn unpin(&self) -> Result<(), memtoken::backend::BackendError> {
+        self.inner.unpin()
+    }
+}
+
+/// A growth that took its region's tail and then failed puts the tail back "whatever the cap";
+/// if another region used the room meanwhile, the tails are over the device's cap — and asked
+/// back. Fails if nothing asks (the excess would stay for good).
+#[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+fn a_failed_growth_that_puts_its_tail_back_over_the_device_cap_asks_the_tails_back() {
+    use std::sync::mpsc::channel;
+    make_guard!(guard);
+    let (entered_tx, entered) = channel();
+    let (go, go_rx) = channel();
+    let gate = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let backend = HeldCreate {
+        inner: Faulty::new(host()),
+        gate: gate.clone(),
+    };
+    let g = memtoken::backend::Backend::granularity(&backend);
+    let device = Device::with_cache(guard, backend, Budget::unlimited(), Budget::bytes(0));
+    device.set_tail_cap(4 * g as u64);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut a = binding.reserve(8 * g).unwrap().into_region();
+    let mut b = binding.reserve(8 * g).unwrap().into_region();
+    a.set_tail_cap(4).unwrap();
+    b.set_tail_cap(4).unwrap();
+    let mut a = a.grown(4);
+    let mut b = b.grown(4);
+    a.shrink(4).unwrap();
+    assert_eq!(device.tail_bytes(), 4 * g as u64);
+    std::thread::scope(|s| {
+        // The next create (a's, past its tail) is held, then fails.
+        *gate.lock().unwrap() = Some((entered_tx, go_rx));
+        let growing = s.spawn(|| a.grow(6).is_err());
+        entered.recv().unwrap(); // a took its tail: the figure is 0
+        b.shrink(4).unwrap(); // b keeps 4 under the device cap
+        go.send(()).unwrap();
+        assert!(growing.join().unwrap(), "a's growth failed");
+    });
+    assert_eq!(device.tail_bytes(), 8 * g as u64, "over the cap, for now");
+    // Asked back: each region answers at its next shrink.
+    for r in [&mut a, &mut b] {
+        r.grow(1).unwrap();
+        r.shrink(1).unwrap();
+    }
+    assert_eq!(device.tail_bytes(), 0);
+    drop((a, b));
+    drop(binding);
+    assert!(device.close().is_clean());
 }

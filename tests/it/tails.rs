@@ -314,3 +314,121 @@ proptest! {
         run(&engine_steps, &pressure_steps, cache);
     }
 }
+
+/// The same two jobs with no lock between steps: two engine threads (one region each, with
+/// tails, caps, trims and reclaims) and a pressure thread (commits under the device budget,
+/// releases, cache trims and caps, tail caps, requests, faults) really run at once. At the end
+/// the ledger equals the tokens, the tails, the cache and the custody, and the device closes
+/// clean with nothing outstanding.
+#[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+fn tails_on_threads_running_at_once_keep_the_ledger_whole() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let rounds = (common::proptest_cases(1000) / 50).max(1);
+    for round in 0..u64::from(rounds) {
+        memtoken::make_guard!(guard);
+        let backend = Faulty::new(common::host());
+        let faults = backend.handle();
+        let g = backend.granularity() as u64;
+        let device =
+            Device::with_cache(guard, backend, Budget::bytes(14 * g), Budget::bytes(3 * g));
+        let engine = device.bind(Budget::unlimited()).unwrap();
+        let pressure = device.bind(Budget::unlimited()).unwrap();
+        let stop = AtomicBool::new(false);
+        let (regions, held) = std::thread::scope(|s| {
+            let engines: Vec<_> = (0..2u64)
+                .map(|i| {
+                    let mut region = engine.reserve(6 * g as usize).unwrap().into_region();
+                    s.spawn(move || {
+                        let mut rng = Rng(round * 7 + i * 13 + 1);
+                        for _ in 0..common::unless_miri(1000, 10) {
+                            let (x, n) = (rng.next(), rng.next() as usize % 4 + 1);
+                            match x % 8 {
+                                0..=2 => drop(region.grow(n)),
+                                3..=5 => drop(region.shrink(n.min(region.committed_granules()))),
+                                6 => drop(region.set_tail_cap(n - 1)),
+                                _ => drop(region.reclaim()),
+                            }
+                        }
+                        region
+                    })
+                })
+                .collect();
+            let (device, pressure, stop, faults) = (&device, &pressure, &stop, &faults);
+            let pressing = s.spawn(move || {
+                let mut held = Vec::new();
+                let mut rng = Rng(round + 99);
+                while !stop.load(Ordering::Relaxed) {
+                    let (x, y) = (rng.next(), rng.next());
+                    match x % 9 {
+                        0..=2 => {
+                            let len = (y as usize % 3 + 1) * g as usize;
+                            if let Ok(a) = pressure.reserve(len).unwrap().commit() {
+                                held.push(a);
+                            }
+                        }
+                        3 => {
+                            if !held.is_empty() {
+                                drop(held.remove(0).release().complete());
+                            }
+                        }
+                        4 => drop(device.trim_cache()),
+                        5 => device.set_tail_cap(if y % 5 == 4 { u64::MAX } else { (y % 5) * g }),
+                        6 => device.ask_tails_back(),
+                        7 => device.set_cache_cap((y % 4) * g),
+                        _ => {
+                            let op =
+                                [Op::Map, Op::Create, Op::Unmap, Op::Release][(y % 4) as usize];
+                            faults.fail_nth(op, y % 5 + 1);
+                        }
+                    }
+                    std::thread::yield_now();
+                }
+                held
+            });
+            let regions: Vec<_> = engines.into_iter().map(|h| h.join().unwrap()).collect();
+            stop.store(true, Ordering::Relaxed);
+            (regions, pressing.join().unwrap())
+        });
+        faults.clear();
+        let (l, c) = (device.ledger(), device.custody());
+        let tails: u64 = regions.iter().map(|r| r.tail_granules() as u64 * g).sum();
+        let kept = regions
+            .iter()
+            .map(|r| {
+                (r.committed_granules() + r.tail_granules() + r.withheld_granules()) as u64 * g
+            })
+            .chain(held.iter().map(|a| a.len() as u64))
+            .sum::<u64>();
+        assert_eq!(l.tail_bytes, tails, "round {round}: tails");
+        let (q, d) = (c.quarantined, c.deferred);
+        assert_eq!(
+            l.owned_bytes,
+            kept + l.cached_bytes + q.owned_bytes + d.owned_bytes,
+            "round {round}: owned"
+        );
+        assert_eq!(
+            l.mapped_bytes,
+            kept + q.mapped_bytes + d.mapped_bytes,
+            "round {round}: mapped"
+        );
+        drop((regions, held));
+        device.retry_quarantine();
+        drop((engine, pressure));
+        let report = device.close();
+        assert!(report.is_clean(), "{report:?}");
+        assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+    }
+}
+
+/// A small deterministic generator per thread.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+}

@@ -1099,111 +1099,19 @@ fn a_request_never_makes_a_shrink_into_the_tail_fail() {
     assert_eq!(region.tail_granules(), 2);
 }
 
-/// A host backend whose next `create` can be held: it says it entered, waits, then fails.
-struct HeldCreate {
-    inner: Faulty<memtoken::backend::HostBackend>,
-    gate: std::sync::Arc<std::sync::Mutex<Option<Gate>>>,
-}
-
-/// Told when the held call is entered; lets it go on.
-type Gate = (std::sync::mpsc::Sender<()>, std::sync::mpsc::Receiver<()>);
-
-impl memtoken::backend::Backend for HeldCreate {
-    type Phys = <Faulty<memtoken::backend::HostBackend> as memtoken::backend::Backend>::Phys;
-    type Fence = <Faulty<memtoken::backend::HostBackend> as memtoken::backend::Backend>::Fence;
-    fn granularity(&self) -> usize {
-        self.inner.granularity()
-    }
-    fn address_space(&self) -> usize {
-        self.inner.address_space()
-    }
-    fn physical_capacity(&self) -> u64 {
-        self.inner.physical_capacity()
-    }
-    fn reserve(&self, len: usize) -> Result<usize, memtoken::backend::BackendError> {
-        self.inner.reserve(len)
-    }
-    fn free(&self, addr: usize, len: usize) -> Result<(), memtoken::backend::BackendError> {
-        self.inner.free(addr, len)
-    }
-    fn create(&self, len: usize) -> Result<Self::Phys, memtoken::backend::BackendError> {
-        if let Some((entered, go)) = self.gate.lock().unwrap().take() {
-            entered.send(()).unwrap();
-            go.recv().unwrap();
-            let cause = Cause::Os { errno: 12 };
-            return Err(memtoken::backend::BackendError::new(
-                Op::Create,
-                0,
-                len,
-                cause,
-            ));
-        }
-        self.inner.create(len)
-    }
-    fn release(&self, phys: Self::Phys, len: usize) -> Result<(), memtoken::backend::BackendError> {
-        self.inner.release(phys, len)
-    }
-    fn map(
-        &self,
-        addr: usize,
-        len: usize,
-        phys: Self::Phys,
-        access: memtoken::backend::Access,
-    ) -> Result<(), memtoken::backend::BackendError> {
-        self.inner.map(addr, len, phys, access)
-    }
-    fn unmap(&self, addr: usize, len: usize) -> Result<(), memtoken::backend::BackendError> {
-        self.inner.unmap(addr, len)
-    }
-    fn copy_into_phys(
-        &self,
-        phys: Self::Phys,
-        src: usize,
-        len: usize,
-    ) -> Result<(), memtoken::backend::BackendError> {
-        self.inner.copy_into_phys(phys, src, len)
-    }
-    fn copy_to_host(
-        &self,
-        dst: &mut [u8],
-        src: usize,
-    ) -> Result<(), memtoken::backend::BackendError> {
-        self.inner.copy_to_host(dst, src)
-    }
-    fn copy_from_host(
-        &self,
-        dst: usize,
-        src: &[u8],
-    ) -> Result<(), memtoken::backend::BackendError> {
-        self.inner.copy_from_host(dst, src)
-    }
-    fn fence(&self) -> Self::Fence {
-        self.inner.fence()
-    }
-    fn fence_done(&self, fence: &Self::Fence) -> bool {
-        self.inner.fence_done(fence)
-    }
-    fn pin(&self) -> Result<(), memtoken::backend::BackendError> {
-        self.inner.pin()
-    }
-    fn unpin(&self) -> Result<(), memtoken::backend::BackendError> {
-        self.inner.unpin()
-    }
-}
-
 /// A growth that took its region's tail and then failed puts the tail back "whatever the cap";
 /// if another region used the room meanwhile, the tails are over the device's cap — and asked
 /// back. Fails if nothing asks (the excess would stay for good).
 #[test]
 #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_failed_growth_that_puts_its_tail_back_over_the_device_cap_asks_the_tails_back() {
-    use std::sync::mpsc::channel;
+    use crate::common::gate::{Gate, GateHandle};
     make_guard!(guard);
-    let (entered_tx, entered) = channel();
-    let (go, go_rx) = channel();
-    let gate = std::sync::Arc::new(std::sync::Mutex::new(None));
-    let backend = HeldCreate {
-        inner: Faulty::new(host()),
+    let inner = Faulty::new(host());
+    let faults = inner.handle();
+    let gate = GateHandle::default();
+    let backend = Gate {
+        inner,
         gate: gate.clone(),
     };
     let g = memtoken::backend::Backend::granularity(&backend);
@@ -1219,12 +1127,13 @@ fn a_failed_growth_that_puts_its_tail_back_over_the_device_cap_asks_the_tails_ba
     a.shrink(4).unwrap();
     assert_eq!(device.tail_bytes(), 4 * g as u64);
     std::thread::scope(|s| {
-        // The next create (a's, past its tail) is held, then fails.
-        *gate.lock().unwrap() = Some((entered_tx, go_rx));
+        // The next create (a's, past its tail) stops at the gate, then fails.
+        gate.arm(Op::Create);
+        faults.fail_nth(Op::Create, 1);
         let growing = s.spawn(|| a.grow(6).is_err());
-        entered.recv().unwrap(); // a took its tail: the figure is 0
-        b.shrink(4).unwrap(); // b keeps 4 under the device cap
-        go.send(()).unwrap();
+        assert!(gate.wait_entered(), "a's growth creates");
+        b.shrink(4).unwrap(); // a took its tail: b keeps 4 under the device cap
+        gate.open();
         assert!(growing.join().unwrap(), "a's growth failed");
     });
     assert_eq!(device.tail_bytes(), 8 * g as u64, "over the cap, for now");

@@ -12,7 +12,7 @@
 //!
 //! 256 cases by default (4 under Miri); `PROPTEST_CASES=N` for more.
 
-use crate::common;
+use crate::common::{self, Rng};
 use memtoken::backend::{
     Backend, HostBackend, Op,
     doubles::{FaultHandle, Faulty},
@@ -418,17 +418,5 @@ fn tails_on_threads_running_at_once_keep_the_ledger_whole() {
         let report = device.close();
         assert!(report.is_clean(), "{report:?}");
         assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
-    }
-}
-
-/// A small deterministic generator per thread.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
     }
 }

@@ -2,7 +2,7 @@
 //! and poll on one device while faults are injected at random backend calls; at the end, after
 //! retries, nothing is outstanding — not in the ledger, not in the backend.
 
-use crate::common;
+use crate::common::{self, Rng};
 
 use memtoken::backend::{
     Op,
@@ -13,22 +13,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 const THREADS: usize = 8;
 const OPS_PER_THREAD: usize = common::unless_miri(1_500, 20);
-
-/// A small deterministic generator per thread.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        self.0
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
 
 /// One round per thousand `PROPTEST_CASES` (one by default), each with its own seeds:
 /// `PROPTEST_CASES=20000` runs twenty.

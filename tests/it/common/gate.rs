@@ -28,8 +28,8 @@ struct GateState {
 pub struct GateHandle(Arc<(Mutex<GateState>, Condvar)>);
 
 impl GateHandle {
-    /// The next call of kind `op` (`Op::Unmap`, or `Op::Fence` for `retire_fence`) stops at
-    /// the gate until [`open`](Self::open).
+    /// The next call of kind `op` (`Op::Unmap`, `Op::Create`, or `Op::Fence` for
+    /// `retire_fence`) stops at the gate until [`open`](Self::open).
     pub fn arm(&self, op: Op) {
         self.0.0.lock().unwrap().armed = Some(op);
     }
@@ -109,6 +109,7 @@ impl<B: Backend> Backend for Gate<B> {
         self.inner.free(addr, len)
     }
     fn create(&self, len: usize) -> Result<B::Phys, BackendError> {
+        self.gate.pass(Op::Create);
         self.inner.create(len)
     }
     fn release(&self, phys: B::Phys, len: usize) -> Result<(), BackendError> {

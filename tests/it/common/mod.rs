@@ -198,3 +198,19 @@ impl<B: memtoken::backend::Backend> Grown for memtoken::Region<'_, '_, B> {
         self
     }
 }
+
+/// A small deterministic generator (xorshift), one per thread of a test.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next(&mut self) -> u64 {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        self.0
+    }
+
+    pub fn below(&mut self, n: u64) -> u64 {
+        self.next() % n
+    }
+}

@@ -52,7 +52,7 @@ mod host_visible;
 mod rules;
 
 pub use export::{Exportable, Fabric, HandleKind, HandleType, PosixFd, Shareable};
-pub use host::{HostBackend, HostConfig, HostPhys};
+pub use host::{HostBackend, HostConfig, HostMemory, HostPhys};
 pub use host_visible::HostVisible;
 pub(crate) use host_visible::{host_slice, host_slice_mut};
 pub use rules::Violation;
@@ -349,6 +349,15 @@ pub enum Cause {
     Injected {
         /// Which call of its kind (1-based) was failed.
         nth: u64,
+    },
+    /// The backend's mechanism cannot do this at all (not a failure that may pass): a host
+    /// backend without a `memfd` cannot export, say. Nothing was done.
+    #[error("{mechanism} cannot {capability}")]
+    Unsupported {
+        /// What was asked, as a capability ("export memory to another process").
+        capability: &'static str,
+        /// The mechanism that cannot, and why ("the host's anonymous store (no memfd)").
+        mechanism: &'static str,
     },
 }
 

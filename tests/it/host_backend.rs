@@ -215,3 +215,92 @@ fn a_copy_of_nothing_names_the_empty_range() {
     host.release(phys, page).unwrap();
     host.free(addr, page).unwrap();
 }
+
+// ---- The anonymous store: the host backend where `memfd_create` is refused (issue 29). ----
+
+/// A host backend on the anonymous store (as where `memfd_create` is refused).
+fn anonymous() -> HostBackend {
+    HostBackend::new(HostConfig {
+        memory: memtoken::backend::HostMemory::Anonymous,
+        ..HostConfig::default()
+    })
+    .unwrap()
+}
+
+/// Without a `memfd`, the host backend still does what VMM does — a granule mapped at two
+/// addresses shows the same bytes (a prefix and its sharer), a region grows and shrinks
+/// through the cache, memory suspended with its bytes comes back with them, copy-on-write
+/// copies into the store, a release gives the pages back — and says which store it runs on.
+/// Fails if a map copies the pages instead of sharing them, a copy into the store is lost, or
+/// a release keeps the pages.
+#[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no MAP_FIXED mmap")]
+fn without_a_memfd_the_host_shares_grows_sleeps_and_gives_back() {
+    use memtoken::{Budget, Device, make_guard};
+    let backend = anonymous();
+    assert_eq!(backend.memory(), memtoken::backend::HostMemory::Anonymous);
+    make_guard!(guard);
+    let device = Device::new(guard, backend);
+    let g = device.granularity();
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    // A prefix and its sharer map the same pages.
+    let mut prefix = binding.reserve(2 * g).unwrap().commit_prefix().unwrap();
+    prefix.as_mut_slice().expect("no sharer yet")[g + 5] = 42;
+    let sharer = binding.reserve(2 * g).unwrap().map_prefix(&prefix).unwrap();
+    assert_eq!(sharer.as_slice()[g + 5], 42, "one granule at two addresses");
+    // Copy-on-write copies the boundary granule into memory of the sharer's own.
+    let sharer = sharer.diverge().unwrap();
+    assert_eq!(sharer.as_slice()[g + 5], 42, "copied into the store");
+    // A region through the cache.
+    let mut region = binding.reserve(4 * g).unwrap().into_region();
+    region.grow(3).unwrap();
+    region.as_mut_slice()[3 * g - 1] = 7;
+    region.shrink(2).unwrap();
+    region.grow(2).unwrap();
+    // Sleep and wake with the bytes.
+    let mut a = binding.reserve(g).unwrap().commit().unwrap();
+    a.as_mut_slice()[0] = 9;
+    let a = a.suspend_saving().unwrap().resume().unwrap();
+    assert_eq!(a.as_slice()[0], 9, "restored through the store");
+    drop((a, region, sharer, prefix));
+    drop(binding);
+    assert!(device.close().is_clean());
+    // A release gives the pages back: a new allocation over the same range reads zeros.
+    let host = anonymous();
+    let addr = host.reserve(g).unwrap();
+    let phys = host.create(g).unwrap();
+    host.map(addr, g, phys, Access::ReadWrite).unwrap();
+    host.copy_from_host(addr, &[1; 64]).unwrap();
+    host.unmap(addr, g).unwrap();
+    host.release(phys, g).unwrap();
+    let again = host.create(g).unwrap();
+    host.map(addr, g, again, Access::ReadWrite).unwrap();
+    let mut seen = [0xff; 64];
+    host.copy_to_host(&mut seen, addr).unwrap();
+    assert_eq!(seen, [0; 64], "the released pages went back");
+    host.unmap(addr, g).unwrap();
+    host.release(again, g).unwrap();
+    host.free(addr, g).unwrap();
+    assert_eq!(host.physical_in_use(), 0);
+}
+
+/// Without a `memfd` there is no file to send: memory created exportable is refused with an
+/// error naming the capability and the mechanism, and nothing is created. Fails if the store
+/// silently hands out a `memfd` anyway, or an error that does not say why.
+#[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no MAP_FIXED mmap")]
+fn without_a_memfd_export_is_refused_naming_what_cannot_be_done() {
+    let host = anonymous();
+    let g = host.granularity();
+    let e = Exportable::<PosixFd>::create_exportable(&host, g).unwrap_err();
+    assert!(
+        matches!(e.cause, Cause::Unsupported { .. }),
+        "{e}: the capability is missing, not a passing failure"
+    );
+    let said = e.to_string();
+    assert!(
+        said.contains("exportable") && said.contains("anonymous"),
+        "{said}"
+    );
+    assert_eq!((host.physical_in_use(), host.open_files()), (0, 0));
+}

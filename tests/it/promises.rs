@@ -535,7 +535,8 @@ fn getters_are_read_once_so_none_can_panic_inside_a_transition() {
     use memtoken::{Offer, PagePool};
     use std::os::unix::net::UnixStream;
     make_guard!(guard);
-    let backend = Faulty::new(common::host());
+    // A `memfd` store whatever MEMTOKEN_HOST_MEMORY says: this test exports.
+    let backend = Faulty::new(memtoken::backend::HostBackend::with_defaults().unwrap());
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let read_at_creation = faults.getter_calls();

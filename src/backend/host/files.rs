@@ -3,7 +3,7 @@
 //! another process.
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
-use super::{HostBackend, HostPhys, HostState, os_error};
+use super::{HostBackend, HostPhys, HostState, Place, os_error};
 use crate::backend::export::{Exportable, PosixFd, Shareable};
 use crate::backend::rules::Violation;
 use crate::backend::{Access, BackendError, Op};
@@ -82,7 +82,12 @@ impl HostBackend {
             // of `phys`, that is `n` bytes of this file from `file.offset`: mapped again from the
             // same file at the same offset, its bytes do not change.
             let remapped = unsafe {
-                Self::map_file(addr, n, read_only.as_fd(), file.offset, Access::ReadOnly)
+                Self::map_place(
+                    addr,
+                    n,
+                    Place::File(read_only.as_fd(), file.offset),
+                    Access::ReadOnly,
+                )
             };
             if let Err(e) = remapped {
                 result = Err(os_error(Op::Map, addr, n, e));
@@ -112,7 +117,9 @@ impl HostBackend {
         for &(addr, n, access) in &mappings[..touched] {
             // SAFETY: as above; the mapping there is of the same bytes of the same file, or
             // a hole left by the failed call.
-            let restored = unsafe { Self::map_file(addr, n, file.fd.as_fd(), file.offset, access) };
+            let restored = unsafe {
+                Self::map_place(addr, n, Place::File(file.fd.as_fd(), file.offset), access)
+            };
             if restored.is_err() {
                 book.poison(addr, n);
             }
@@ -133,6 +140,13 @@ impl Exportable<PosixFd> for HostBackend {
     /// descriptor sent to another process exposes this allocation and nothing else, and the
     /// kernel keeps its pages while any process maps it.
     fn create_exportable(&self, len: usize) -> Result<HostPhys, BackendError> {
+        if self.memory() == super::HostMemory::Anonymous {
+            let cause = crate::backend::Cause::Unsupported {
+                capability: "create memory exportable to another process",
+                mechanism: "the host's anonymous store (memfd_create refused or not asked for)",
+            };
+            return Err(BackendError::new(Op::Create, 0, len, cause));
+        }
         let mut s = self.state();
         s.book
             .check_create(len)

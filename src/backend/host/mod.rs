@@ -28,6 +28,8 @@ pub struct HostConfig {
     /// `isize::MAX` bytes rounded down to the granularity (the largest mapping the OS takes).
     /// Default: 1 TiB.
     pub address_space: usize,
+    /// Where physical memory lives. Default: [`HostMemory::Auto`].
+    pub memory: HostMemory,
 }
 
 impl Default for HostConfig {
@@ -36,8 +38,29 @@ impl Default for HostConfig {
             granularity: 4 << 10,
             physical_capacity: 1 << 30,
             address_space: 1 << 40,
+            memory: HostMemory::Auto,
         }
     }
+}
+
+/// Where a [`HostBackend`]'s physical memory lives: the mechanism it runs on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HostMemory {
+    /// A `memfd` if the OS gives one, else (a sandbox that refuses `memfd_create`)
+    /// [`Anonymous`](Self::Anonymous).
+    Auto,
+    /// A `memfd` of the physical capacity (sparse): a map is an `mmap` of its range, a release
+    /// punches a hole in it; memory created exportable gets a sealed `memfd` of its own.
+    Memfd,
+    /// One shared anonymous mapping of the physical capacity (no file): a map is a new mapping
+    /// of its pages at the address (`mremap` with an old size of 0, which the kernel takes for
+    /// shared mappings), a release gives the pages back (`MADV_REMOVE`). Every call works as on
+    /// a `memfd` — sharing a granule at two addresses included — except what needs a file:
+    /// export to another process (so [`create_exportable`](crate::backend::Exportable::create_exportable))
+    /// is refused with [`Cause::Unsupported`] naming it. Chosen by `Auto` when `memfd_create` is
+    /// refused, or asked for (as the tests do, to run without a `memfd`).
+    Anonymous,
 }
 
 /// Physical memory on the host: a range of the device's `memfd` — or, for memory created
@@ -85,8 +108,29 @@ struct HostState {
 pub struct HostBackend {
     config: HostConfig,
     page_size: usize,
-    memfd: OwnedFd,
+    store: Store,
     state: Mutex<HostState>,
+}
+
+/// Where the physical memory lives (see [`HostMemory`]).
+#[derive(Debug)]
+enum Store {
+    Memfd(OwnedFd),
+    /// The shared anonymous mapping's address and length.
+    Anonymous(Addr, usize),
+}
+
+/// Where physical memory lies, for a map or a copy: a range of a file, or pages of the
+/// anonymous store (at this address of its mapping).
+#[derive(Clone, Copy)]
+pub(super) enum Place<'a> {
+    File(BorrowedFd<'a>, u64),
+    Pages(Addr),
+}
+
+/// The protection `mprotect` takes for the protection `mmap` takes.
+fn prot_of(prot: ProtFlags) -> rustix::mm::MprotectFlags {
+    rustix::mm::MprotectFlags::from_bits_truncate(prot.bits())
 }
 
 /// How many times [`Backend::reserve`] asks the kernel for a range before it gives up because
@@ -133,9 +177,21 @@ impl HostBackend {
             physical_capacity: capacity,
             source: e.into(),
         };
-        let memfd =
-            rustix::fs::memfd_create("memtoken", MemfdFlags::CLOEXEC).map_err(memfd_error)?;
-        rustix::fs::ftruncate(&memfd, capacity).map_err(memfd_error)?;
+        let memfd = || -> Result<OwnedFd, ConfigError> {
+            let fd =
+                rustix::fs::memfd_create("memtoken", MemfdFlags::CLOEXEC).map_err(memfd_error)?;
+            rustix::fs::ftruncate(&fd, capacity).map_err(memfd_error)?;
+            Ok(fd)
+        };
+        let store = match config.memory {
+            HostMemory::Memfd => Store::Memfd(memfd()?),
+            HostMemory::Auto => match memfd() {
+                Ok(fd) => Store::Memfd(fd),
+                // Refused (a sandbox without `memfd_create`): the anonymous store.
+                Err(_) => Self::anonymous(capacity)?,
+            },
+            HostMemory::Anonymous => Self::anonymous(capacity)?,
+        };
         let state = HostState {
             book: Book::new(g, false),
             ranges: BTreeMap::new(),
@@ -146,9 +202,35 @@ impl HostBackend {
         Ok(Self {
             config,
             page_size,
-            memfd,
+            store,
             state: Mutex::new(state),
         })
+    }
+
+    /// The anonymous store: one shared anonymous mapping of `capacity` bytes, reserved lazily
+    /// (pages exist once touched).
+    fn anonymous(capacity: u64) -> Result<Store, ConfigError> {
+        let len = usize::try_from(capacity).map_err(|_| ConfigError::Memfd {
+            physical_capacity: capacity,
+            source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
+        })?;
+        let flags = MapFlags::SHARED | MapFlags::NORESERVE;
+        let prot = ProtFlags::READ | ProtFlags::WRITE;
+        // SAFETY: a new mapping where the kernel chooses: it replaces nothing.
+        let base = unsafe { rustix::mm::mmap_anonymous(std::ptr::null_mut(), len, prot, flags) }
+            .map_err(|e| ConfigError::Memfd {
+                physical_capacity: capacity,
+                source: e.into(),
+            })?;
+        Ok(Store::Anonymous(base as Addr, len))
+    }
+
+    /// Where this backend's physical memory lives.
+    pub fn memory(&self) -> HostMemory {
+        match self.store {
+            Store::Memfd(_) => HostMemory::Memfd,
+            Store::Anonymous(..) => HostMemory::Anonymous,
+        }
     }
 
     /// A host device with the default settings (4 KiB granularity, 1 GiB physical).
@@ -177,12 +259,13 @@ impl HostBackend {
         self.state().files.len()
     }
 
-    /// The file `phys` lives in, where, and whether it may be written: its own, or the
-    /// device's `memfd`.
-    fn file_of<'a>(&'a self, s: &'a HostState, phys: HostPhys) -> (BorrowedFd<'a>, u64, bool) {
-        match s.files.get(&phys.serial) {
-            Some(f) => (f.fd.as_fd(), f.offset, f.kind.writable()),
-            None => (self.memfd.as_fd(), phys.offset, true),
+    /// Where `phys` lives, and whether it may be written: a file of its own, or the device's
+    /// store.
+    fn place_of<'a>(&'a self, s: &'a HostState, phys: HostPhys) -> (Place<'a>, bool) {
+        match (s.files.get(&phys.serial), &self.store) {
+            (Some(f), _) => (Place::File(f.fd.as_fd(), f.offset), f.kind.writable()),
+            (None, Store::Memfd(fd)) => (Place::File(fd.as_fd(), phys.offset), true),
+            (None, Store::Anonymous(base, _)) => (Place::Pages(base + phys.offset as usize), true),
         }
     }
 
@@ -226,31 +309,43 @@ impl HostBackend {
         (candidate + len <= capacity).then_some(candidate)
     }
 
-    /// Maps `len` bytes of `fd` from `offset` at exactly `addr`, shared, with `access`, over
-    /// whatever is mapped there.
+    /// Maps the `len` bytes of physical memory at `place` at exactly `addr`, shared, with
+    /// `access`, over whatever is mapped there.
     ///
     /// # Safety
     ///
     /// `[addr, addr + len)` must lie inside a reservation of this backend, and every reference
     /// into it must stay valid: no reference may point into it, or it is already a mapping of
-    /// the same `len` bytes of the same file from `offset` (so the bytes seen there do not
-    /// change: the kernel swaps the mappings under its lock of the address space, and a read
-    /// racing with it sees the same pages).
-    unsafe fn map_file(
+    /// the same `len` bytes of the same memory (so the bytes seen there do not change: the
+    /// kernel swaps the mappings under its lock of the address space, and a read racing with
+    /// it sees the same pages). `place` must hold `len` bytes.
+    unsafe fn map_place(
         addr: Addr,
         len: usize,
-        fd: BorrowedFd<'_>,
-        offset: u64,
+        place: Place<'_>,
         access: Access,
     ) -> rustix::io::Result<()> {
         let prot = match access {
             Access::ReadWrite => ProtFlags::READ | ProtFlags::WRITE,
             Access::ReadOnly => ProtFlags::READ,
         };
-        let flags = MapFlags::SHARED | MapFlags::FIXED;
-        // SAFETY: the caller guarantees the range is ours and that every reference into it stays
-        // valid.
-        unsafe { rustix::mm::mmap(addr as *mut _, len, prot, flags, fd, offset) }.map(drop)
+        match place {
+            Place::File(fd, offset) => {
+                let flags = MapFlags::SHARED | MapFlags::FIXED;
+                // SAFETY: the caller guarantees the range is ours and that every reference into
+                // it stays valid.
+                unsafe { rustix::mm::mmap(addr as *mut _, len, prot, flags, fd, offset) }.map(drop)
+            }
+            Place::Pages(from) => {
+                let flags = rustix::mm::MremapFlags::MAYMOVE;
+                // SAFETY: as above for the destination, which `MREMAP_FIXED` replaces; `from`
+                // is a range of the store's shared mapping, so an old size of 0 makes a new
+                // mapping of the same pages and leaves the store's untouched.
+                unsafe { rustix::mm::mremap_fixed(from as *mut _, 0, len, flags, addr as *mut _) }?;
+                // SAFETY: the new mapping covers exactly `[addr, addr + len)`, ours.
+                unsafe { rustix::mm::mprotect(addr as *mut _, len, prot_of(prot)) }
+            }
+        }
     }
 
     /// Puts an inaccessible anonymous mapping at `[addr, addr + len)`.
@@ -373,8 +468,10 @@ impl Backend for HostBackend {
             };
             return Err(BackendError::new(Op::Create, 0, len, cause));
         };
-        rustix::fs::fallocate(&self.memfd, FallocateFlags::KEEP_SIZE, offset, len as u64)
-            .map_err(|e| os_error(Op::Create, 0, len, e))?;
+        if let Store::Memfd(fd) = &self.store {
+            rustix::fs::fallocate(fd, FallocateFlags::KEEP_SIZE, offset, len as u64)
+                .map_err(|e| os_error(Op::Create, 0, len, e))?;
+        }
         let phys = Self::next_phys(offset);
         s.ranges.insert(offset, len as u64);
         s.used += len as u64;
@@ -398,9 +495,21 @@ impl Backend for HostBackend {
             s.book.apply_release(phys);
             return Ok(());
         }
-        let mode = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
-        rustix::fs::fallocate(&self.memfd, mode, phys.offset, len as u64)
-            .map_err(|e| os_error(Op::Release, 0, len, e))?;
+        match &self.store {
+            Store::Memfd(fd) => {
+                let mode = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
+                rustix::fs::fallocate(fd, mode, phys.offset, len as u64)
+                    .map_err(|e| os_error(Op::Release, 0, len, e))?;
+            }
+            Store::Anonymous(base, _) => {
+                let at = (base + phys.offset as usize) as *mut _;
+                // SAFETY: `[at, at + len)` is this allocation's range of the store, which the
+                // book says is mapped nowhere now: giving its pages back (they read as zeros
+                // after) touches no memory anyone references.
+                unsafe { rustix::mm::madvise(at, len, rustix::mm::Advice::LinuxRemove) }
+                    .map_err(|e| os_error(Op::Release, 0, len, e))?;
+            }
+        }
         s.ranges.remove(&phys.offset);
         s.used -= len as u64;
         s.book.apply_release(phys);
@@ -418,7 +527,7 @@ impl Backend for HostBackend {
         s.book
             .check_map(addr, len, phys, 0)
             .map_err(|v| BackendError::refused(Op::Map, addr, len, v))?;
-        let (fd, offset, writable) = self.file_of(&s, phys);
+        let (place, writable) = self.place_of(&s, phys);
         if !writable && access == Access::ReadWrite {
             return Err(BackendError::refused(
                 Op::Map,
@@ -431,7 +540,7 @@ impl Backend for HostBackend {
         // nothing mapped there, so replacing its `PROT_NONE` placeholder touches no live memory.
         // The file holds `len` bytes from `offset` (created so, or checked by `import`); a file
         // that is not writable is only mapped read-only (checked above).
-        let mapped = unsafe { Self::map_file(addr, len, fd, offset, access) };
+        let mapped = unsafe { Self::map_place(addr, len, place, access) };
         if let Err(e) = mapped {
             // A failed MAP_FIXED may leave a hole; put the reservation's placeholder back, and
             // if even that fails, never touch the reservation again.
@@ -470,11 +579,22 @@ impl Backend for HostBackend {
         // SAFETY: the book says every byte of `[src, src + len)` is mapped readable by this
         // backend, and the lock keeps it mapped for the duration of the copy.
         let bytes = unsafe { super::host_slice(src, len) };
-        let (fd, mut at, writable) = self.file_of(&s, phys);
+        let (place, writable) = self.place_of(&s, phys);
         if !writable {
             let v = Violation::ReadOnly { addr: src, len };
             return Err(BackendError::refused(Op::Copy, src, len, v));
         }
+        let (fd, mut at) = match place {
+            Place::File(fd, at) => (fd, at),
+            Place::Pages(to) => {
+                // SAFETY: `[to, to + len)` is the allocation's range of the store, mapped
+                // read-write for good and `len` bytes long (the book checked the length);
+                // `bytes` is mapped readable (above). They may be the same pages (an allocation
+                // copied into itself): `ptr::copy` allows the overlap.
+                unsafe { std::ptr::copy(bytes.as_ptr(), to as *mut u8, len) };
+                return Ok(());
+            }
+        };
         let mut rest = bytes;
         while !rest.is_empty() {
             let n =
@@ -580,6 +700,11 @@ impl Drop for HostBackend {
             }
             // SAFETY: the range is one of our reservations and no token can reference it.
             let _ = unsafe { rustix::mm::munmap(addr as *mut _, len) };
+        }
+        if let Store::Anonymous(base, len) = self.store {
+            // SAFETY: the store's own mapping: every mapping of its pages was in a reservation,
+            // gone above (its pages go with the last mapping), and nothing else points into it.
+            let _ = unsafe { rustix::mm::munmap(base as *mut _, len) };
         }
     }
 }

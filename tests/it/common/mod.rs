@@ -55,7 +55,22 @@ pub(crate) use known_device;
 
 /// The host backend with its default settings.
 pub fn host() -> HostBackend {
-    HostBackend::with_defaults().expect("memfd")
+    let memory = host_memory();
+    HostBackend::new(memtoken::backend::HostConfig {
+        memory,
+        ..Default::default()
+    })
+    .expect("the host backend's store")
+}
+
+/// The host store the tests run on: `MEMTOKEN_HOST_MEMORY=anonymous` runs them as where
+/// `memfd_create` is refused (the anonymous store), else the default (a `memfd`).
+pub fn host_memory() -> memtoken::backend::HostMemory {
+    match std::env::var("MEMTOKEN_HOST_MEMORY").as_deref() {
+        Ok("anonymous") => memtoken::backend::HostMemory::Anonymous,
+        Ok("memfd") | Err(_) => memtoken::backend::HostMemory::Memfd,
+        Ok(other) => panic!("MEMTOKEN_HOST_MEMORY={other}: say anonymous or memfd"),
+    }
 }
 
 /// The simulator's default granularity, 2 MiB (under Miri too): the granule of the tests that

@@ -1111,3 +1111,25 @@ fn a_copy_past_a_diverged_boundary_panics() {
         .unwrap();
     let _ = own.copy_boundary_from_host(1, &vec![1; G]);
 }
+
+/// A device without virtual memory management (attribute 102 is 0: support varies by device,
+/// driver and virtualization) is refused when the backend opens, with an error naming the
+/// capability — before any VMM call (the model takes one as misuse) — and the primary context's
+/// retain is given back. Fails if the backend does not ask attribute 102 first.
+#[test]
+fn a_device_without_vmm_is_refused_when_opened_naming_the_capability() {
+    let model = DriverModel::new(ModelConfig {
+        vmm: false,
+        ..common::model_config()
+    })
+    .unwrap();
+    let e = CudaBackend::new(model.clone(), 0).unwrap_err();
+    assert_eq!(e, memtoken::backend::cuda::CudaError::NoVmm { device: 0 });
+    assert!(e.to_string().contains("virtual memory management"), "{e}");
+    assert_eq!(model.count(DriverCall::MemGetAllocationGranularity), 0);
+    assert_eq!(
+        model.count(DriverCall::PrimaryCtxRelease),
+        1,
+        "the retain given back"
+    );
+}

@@ -315,6 +315,54 @@ fn a_mechanism_failing_for_good_is_retired_and_old_tokens_release_on_it() {
     assert!(ha.outstanding().is_zero() && hb.outstanding().is_zero());
 }
 
+/// Probing at open: a CUDA mechanism on a device without virtual memory management fails its
+/// probe (opening its backend), so the selection stays on the healthy mechanism (the host
+/// here), which new bindings go to; the CUDA mechanism is retired. Fails if a failed probe
+/// leaves its candidate selected.
+#[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+fn a_device_without_vmm_fails_its_probe_and_the_selection_stays_on_the_host() {
+    use memtoken::backend::cuda::CudaBackend;
+    use memtoken::backend::doubles::{DriverModel, ModelConfig};
+    let model = DriverModel::new(ModelConfig {
+        vmm: false,
+        ..common::model_config()
+    })
+    .unwrap();
+    let registry = Mechanisms::new();
+    let host = registry.register("host").unwrap();
+    let cuda = registry.register("cuda-vmm").unwrap();
+    registry.select(host).unwrap();
+    let mut opened = None;
+    let out = registry.select_probed(cuda, || {
+        CudaBackend::new(model.clone(), 0).map(|b| opened = Some(b))
+    });
+    let Err(MechanismError::Refused { why, now, .. }) = out else {
+        panic!("{out:?}")
+    };
+    assert!(why.contains("virtual memory management"), "{why}");
+    assert_eq!(now, Some(host), "the healthy mechanism stays selected");
+    assert!(opened.is_none());
+    registry.retire(cuda).unwrap();
+    make_guard!(guard);
+    let device = Device::new(guard, common::host());
+    let bound = registry
+        .on_selected(|m| {
+            assert_eq!(m, host);
+            device.bind(Budget::unlimited())
+        })
+        .unwrap();
+    let token = bound
+        .value
+        .reserve(device.granularity())
+        .unwrap()
+        .commit()
+        .unwrap();
+    token.release().complete().unwrap();
+    drop(bound);
+    assert!(device.close().is_clean());
+}
+
 #[derive(Clone, Debug)]
 enum Step {
     Select(usize),

@@ -306,6 +306,10 @@ pub enum DeviceAttribute {
     /// supports GPUDirect RDMA on memory made by `cuMemCreate`, which
     /// `allocFlags.gpuDirectRDMACapable` needs (fact 14).
     GpuDirectRdmaWithCudaVmmSupported,
+    /// `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` (102): 1 if the device supports
+    /// the VMM calls (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`, …), which every
+    /// `cuMemCreate` needs (fact 14). Support varies by device, driver and virtualization.
+    VirtualMemoryManagementSupported,
 }
 
 impl DeviceAttribute {
@@ -313,6 +317,7 @@ impl DeviceAttribute {
     pub fn code(self) -> i32 {
         match self {
             Self::GpuDirectRdmaWithCudaVmmSupported => 110,
+            Self::VirtualMemoryManagementSupported => 102,
         }
     }
 }

@@ -40,6 +40,10 @@
 //!   before a range they touch is free again. — API-SYNC.
 //!
 //! **VMM call rules.**
+//! - Every VMM call needs the device's attribute 102
+//!   (`CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED`), whose support varies by
+//!   device, driver and virtualization: the backend asks it first when opened and refuses a
+//!   device without it ([`CudaError::NoVmm`]), before any VMM call. — VMM (fact 14).
 //! - `cuMemAddressReserve`: size a multiple of the host page, alignment 0 or a power of two.
 //!   The backend always passes the granularity as the alignment, so it does not depend on the
 //!   undocumented default alignment. — VMM; PT (default in practice ≥ 2 MiB).

@@ -47,6 +47,19 @@ pub enum CudaError {
     /// device twice, or comes after memory was mapped.
     #[error("bad peer list: {0}")]
     BadPeers(String),
+    /// The device does not support virtual memory management
+    /// (`CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` is 0: support varies by device,
+    /// driver and virtualization), which every call of this backend needs. Nothing was made.
+    #[error(
+        "device {device} does not support virtual memory management \
+         (CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED is 0), which memtoken's CUDA \
+         backend needs: choose another mechanism (see memtoken::mechanism), such as the host \
+         backend"
+    )]
+    NoVmm {
+        /// The device.
+        device: i32,
+    },
 }
 
 /// What opening reads from the driver (see [`CudaBackend::new`]).
@@ -59,14 +72,16 @@ struct Opened {
 
 impl<D: Driver> CudaBackend<D> {
     /// Opens device `ordinal` through `driver`: initializes the driver, retains the device's
-    /// primary context (released on drop), reads whether memory can be made
+    /// primary context (released on drop), checks that the device supports virtual memory
+    /// management (attribute 102), reads whether memory can be made
     /// GPUDirect-RDMA-capable (attribute 110), and reads the recommended granularity for the
     /// properties of plain and of exportable memory (see
     /// [`exportable_granularity`](Self::exportable_granularity)).
     ///
     /// # Errors
     ///
-    /// [`CudaError::Driver`] with the call that failed.
+    /// [`CudaError::Driver`] with the call that failed; [`CudaError::NoVmm`] for a device
+    /// without virtual memory management.
     pub fn new(driver: D, ordinal: i32) -> Result<Self, CudaError> {
         let at = |call| move |error| CudaError::Driver { call, error };
         driver.init().map_err(at(DriverCall::Init))?;
@@ -143,6 +158,14 @@ impl<D: Driver> CudaBackend<D> {
         let at = |call| move |error| CudaError::Driver { call, error };
         // SAFETY: the caller promises `ctx` live.
         unsafe { driver.ctx_set_current(ctx) }.map_err(at(DriverCall::CtxSetCurrent))?;
+        // Fact 14: `cuMemCreate` needs attribute 102 (VMM supported); asked first, once: a
+        // device without it is refused before any VMM call.
+        let vmm = driver
+            .device_get_attribute(DeviceAttribute::VirtualMemoryManagementSupported, device)
+            .map_err(at(DriverCall::DeviceGetAttribute))?;
+        if vmm != 1 {
+            return Err(CudaError::NoVmm { device });
+        }
         // Fact 14: `gpuDirectRDMACapable` needs attribute 110; asked once, here.
         let rdma = driver
             .device_get_attribute(DeviceAttribute::GpuDirectRdmaWithCudaVmmSupported, device)

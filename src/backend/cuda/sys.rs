@@ -94,6 +94,9 @@ impl Driver for SysDriver {
             DeviceAttribute::GpuDirectRdmaWithCudaVmmSupported => {
                 sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
             }
+            DeviceAttribute::VirtualMemoryManagementSupported => {
+                sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED
+            }
         };
         // SAFETY: the device is a plain ordinal the driver checks (cudarc asks for one from
         // `device::get`; an unknown one is `CUDA_ERROR_INVALID_DEVICE`, not misuse), and the

@@ -40,6 +40,11 @@ pub struct ModelConfig {
     /// (`allocFlags.gpuDirectRDMACapable`, which "needs attribute 110": fact 14). Default:
     /// true, as on the data-centre GPUs memtoken serves.
     pub rdma_with_vmm: bool,
+    /// The device attribute `CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED` (102) of
+    /// every device: whether the VMM calls work at all (fact 14: `cuMemCreate` needs it).
+    /// Without it, a VMM call is misuse: the backend asks the attribute when it opens and
+    /// refuses such a device. Default: true.
+    pub vmm: bool,
     /// Device memory: not zero. Default: 16 GiB (modelled: bytes are kept only where written).
     pub total_mem: usize,
     /// Whether recorded events complete at once. Default: true.
@@ -69,6 +74,7 @@ impl Default for ModelConfig {
             granularity: 2 << 20,
             exportable_granularity: None,
             rdma_with_vmm: true,
+            vmm: true,
             total_mem: 16 << 30,
             events_complete_at_once: true,
             synchronize_blocks: false,

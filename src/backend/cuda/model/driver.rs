@@ -34,8 +34,8 @@ impl Driver for DriverModel {
         }
     }
 
-    /// Attribute 110 is [`ModelConfig::rdma_with_vmm`] for every device (fact 14); an unknown
-    /// device is `CUDA_ERROR_INVALID_DEVICE`, as for `cuDeviceGet`.
+    /// Attribute 110 is [`ModelConfig::rdma_with_vmm`] and 102 [`ModelConfig::vmm`] for every
+    /// device (fact 14); an unknown device is `CUDA_ERROR_INVALID_DEVICE`, as for `cuDeviceGet`.
     fn device_get_attribute(&self, attribute: DeviceAttribute, device: i32) -> CuResult<i32> {
         let _s = self.enter(DriverCall::DeviceGetAttribute, false)?;
         if !(0..self.config.devices).contains(&device) {
@@ -45,6 +45,7 @@ impl Driver for DriverModel {
             DeviceAttribute::GpuDirectRdmaWithCudaVmmSupported => {
                 Ok(i32::from(self.config.rdma_with_vmm))
             }
+            DeviceAttribute::VirtualMemoryManagementSupported => Ok(i32::from(self.config.vmm)),
         }
     }
 
@@ -108,6 +109,7 @@ impl Driver for DriverModel {
     /// ones); fact 14: RDMA-capable properties on a device without attribute 110 are misuse.
     fn mem_get_allocation_granularity(&self, props: AllocationProps) -> CuResult<usize> {
         let call = DriverCall::MemGetAllocationGranularity;
+        self.check_vmm(call);
         let mut s = self.enter(call, true)?;
         s.props_log.push((call, props));
         self.granularity_for(call, props)
@@ -117,6 +119,7 @@ impl Driver for DriverModel {
     /// [`ModelConfig::placement`] puts it. Fact 43: refused during a global capture.
     fn mem_address_reserve(&self, size: usize, alignment: usize, hint: u64) -> CuResult<u64> {
         let call = DriverCall::MemAddressReserve;
+        self.check_vmm(call);
         let mut s = self.enter(call, true)?;
         Self::check(call, s.book.check_reserve(size));
         let g = self.config.granularity;
@@ -140,6 +143,7 @@ impl Driver for DriverModel {
 
     unsafe fn mem_address_free(&self, ptr: u64, size: usize) -> CuResult<()> {
         let call = DriverCall::MemAddressFree;
+        self.check_vmm(call);
         let mut s = self.enter(call, true)?;
         Self::check(call, s.book.check_free(ptr as Addr, size));
         s.refused_by_capture()?;
@@ -153,6 +157,7 @@ impl Driver for DriverModel {
     /// size that is a multiple of the granularity of `props` (fact 15), else misuse.
     fn mem_create_with(&self, size: usize, props: AllocationProps) -> CuResult<u64> {
         let call = DriverCall::MemCreate;
+        self.check_vmm(call);
         let mut s = self.enter(call, true)?;
         s.props_log.push((call, props));
         Self::check(call, s.book.check_create(size));
@@ -288,6 +293,7 @@ impl Driver for DriverModel {
 
     unsafe fn mem_release(&self, handle: u64) -> CuResult<()> {
         let call = DriverCall::MemRelease;
+        self.check_vmm(call);
         let mut s = self.enter(call, true)?;
         let Some(&allocation) = s.handles.get(&handle) else {
             misuse(call, "unknown or released handle");
@@ -311,6 +317,7 @@ impl Driver for DriverModel {
 
     unsafe fn mem_map(&self, ptr: u64, size: usize, offset: usize, handle: u64) -> CuResult<()> {
         let call = DriverCall::MemMap;
+        self.check_vmm(call);
         let mut s = self.enter(call, true)?;
         let Some(&allocation) = s.handles.get(&handle) else {
             misuse(call, "unknown or released handle");
@@ -346,6 +353,7 @@ impl Driver for DriverModel {
     /// Fact 43: refused during a global capture.
     unsafe fn mem_set_access(&self, ptr: u64, size: usize, access: &[(i32, bool)]) -> CuResult<()> {
         let call = DriverCall::MemSetAccess;
+        self.check_vmm(call);
         let mut s = self.enter(call, true)?;
         self.check_descriptors(call, access);
         let (addr, end) = (ptr as Addr, ptr as Addr + size);
@@ -387,6 +395,7 @@ impl Driver for DriverModel {
     /// completes. Fact 43: refused during a global capture.
     unsafe fn mem_unmap(&self, ptr: u64, size: usize) -> CuResult<()> {
         let call = DriverCall::MemUnmap;
+        self.check_vmm(call);
         let mut s = self.enter(call, true)?;
         let (addr, end) = (ptr as Addr, ptr as Addr + size);
         Self::check(call, s.book.check_unmap(addr, size));
@@ -747,6 +756,17 @@ impl Driver for DriverModel {
 impl DriverModel {
     /// One descriptor per device (fact 18): none, a device twice or an unknown device is
     /// misuse.
+    /// Fact 14: a VMM call on a device without attribute 102 is misuse — the backend must ask
+    /// it first and refuse the device.
+    fn check_vmm(&self, call: DriverCall) {
+        if !self.config.vmm {
+            misuse(
+                call,
+                "a VMM call on a device without virtual memory management (attribute 102 is 0)",
+            );
+        }
+    }
+
     fn check_descriptors(&self, call: DriverCall, access: &[(i32, bool)]) {
         if access.is_empty() {
             misuse(call, "no access descriptor");

@@ -741,7 +741,11 @@ fn every_create_asks_rdma_capable_memory_exactly_where_the_device_supports_it() 
             [plain, plain, plain, plain, exportable, exportable],
             "rdma {rdma}: commit, prefix body and boundary, copy-on-write, exportable prefix"
         );
-        assert_eq!(model.count(DriverCall::DeviceGetAttribute), 1, "read once");
+        assert_eq!(
+            model.count(DriverCall::DeviceGetAttribute),
+            2,
+            "each attribute (102: VMM, 110: RDMA) read once"
+        );
         for token in [committed.release(), exported.release()] {
             token.complete().unwrap();
         }

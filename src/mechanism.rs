@@ -83,34 +83,37 @@ impl Lifecycle {
     }
 }
 
-/// A registered mechanism: its slot in the registry and the generation of that slot (a slot
-/// unregistered and registered again is another mechanism).
+/// A registered mechanism: its registry, its slot there and the generation of that slot (a slot
+/// unregistered and registered again is another mechanism, and an id of one registry is
+/// nothing to another).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct MechanismId {
+    registry: u32,
     index: u8,
-    generation: u32,
+    generation: u64,
 }
 
-impl MechanismId {
-    /// The selection's encoding: 0 is none.
-    const fn encode(self) -> u64 {
-        ((self.generation as u64) << 8) | (self.index as u64 + 1)
-    }
+/// The largest generation a slot takes (56 bits, beside the lifecycle's 8 in a slot's word): a
+/// slot that reaches it is never reused.
+const MAX_GENERATION: u64 = (1 << 56) - 1;
 
-    const fn decode(bits: u64) -> Option<Self> {
-        match bits & 0xff {
-            0 => None,
-            i => Some(Self {
-                index: (i - 1) as u8,
-                generation: (bits >> 8) as u32,
-            }),
-        }
+/// Registries made so far in this process: each one's ids carry its number.
+static REGISTRIES: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+impl MechanismId {
+    /// The selection's encoding, within its registry: 0 is none.
+    const fn encode(self) -> u64 {
+        (self.generation << 8) | (self.index as u64 + 1)
     }
 }
 
 impl fmt::Display for MechanismId {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "mechanism {}#{}", self.index, self.generation)
+        write!(
+            f,
+            "mechanism {}#{} of registry {}",
+            self.index, self.generation, self.registry
+        )
     }
 }
 
@@ -162,16 +165,22 @@ type Hook = std::sync::Arc<dyn Fn(Phase) + Send + Sync>;
 /// What only writers change, under the lock.
 #[derive(Debug, Default)]
 struct Writers {
-    names: Vec<String>,
-    /// The mechanism selected before the current selection, as recorded when it was published.
-    prior: Option<MechanismId>,
-    /// Changes to the selection so far: a probed selection confirms only if none came since.
+    /// Each slot's name, while registered.
+    names: Vec<Option<String>>,
+    /// The last selection confirmed (by a plain selection, or a probe that passed): what a
+    /// refused probe falls back to, if it is still active.
+    confirmed: Option<MechanismId>,
+    /// The selection confirmed before `confirmed`: what retiring `confirmed` falls back to.
+    before: Option<MechanismId>,
+    /// Changes to the selection so far: a probed selection settles only if none came since.
     epoch: u64,
 }
 
 /// The allocation mechanisms of one GPU (or the host), their lifecycles, and the one selected
 /// for new bindings (see the [module docs](self)).
 pub struct Mechanisms {
+    /// This registry's number: its ids carry it.
+    serial: u32,
     /// Each slot: its generation << 8 | its lifecycle's code (0: vacant).
     slots: [AtomicU64; MAX_MECHANISMS],
     /// The selection, as [`MechanismId::encode`] writes it (0: none). Written under `writers`.
@@ -189,11 +198,20 @@ impl Default for Mechanisms {
 
 impl fmt::Debug for Mechanisms {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let writers = self.lock();
+        // Read under the lock, formatted after it (a formatter may call back into the registry).
+        let entries: Vec<(usize, String, Option<Lifecycle>)> = {
+            let writers = self.lock();
+            let named = writers.names.iter().enumerate();
+            named
+                .filter_map(|(i, name)| {
+                    let slot = self.slots[i].load(Ordering::SeqCst);
+                    Some((i, name.clone()?, Lifecycle::from_code(slot & 0xff)))
+                })
+                .collect()
+        };
         let mut list = f.debug_map();
-        for (i, name) in writers.names.iter().enumerate() {
-            let slot = self.slots[i].load(Ordering::SeqCst);
-            list.entry(&(i, name), &Lifecycle::from_code(slot & 0xff));
+        for (i, name, lifecycle) in entries {
+            list.entry(&(i, name), &lifecycle);
         }
         list.finish()?;
         write!(f, " selected: {:?}", self.selected())
@@ -204,16 +222,21 @@ impl Mechanisms {
     /// An empty registry: nothing registered, nothing selected.
     pub fn new() -> Self {
         Self {
+            serial: REGISTRIES.fetch_add(1, Ordering::Relaxed),
             slots: std::array::from_fn(|_| AtomicU64::new(0)),
             selected: AtomicU64::new(0),
-            writers: Mutex::new(Writers::default()),
+            writers: Mutex::new(Writers {
+                names: vec![None; MAX_MECHANISMS],
+                ..Writers::default()
+            }),
             #[cfg(feature = "test-hooks")]
             hook: Mutex::new(None),
         }
     }
 
     fn lock(&self) -> MutexGuard<'_, Writers> {
-        // Every section under the lock leaves the registry valid before anything can panic.
+        // Every section under the lock leaves the registry valid before anything can panic:
+        // no user code runs under it.
         self.writers.lock().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -221,45 +244,52 @@ impl Mechanisms {
     ///
     /// # Errors
     ///
-    /// [`MechanismError::Full`] when [`MAX_MECHANISMS`] are registered.
+    /// [`MechanismError::Full`] when [`MAX_MECHANISMS`] are registered (or the free slots have
+    /// run through their generations).
     pub fn register(&self, name: impl Into<String>) -> Result<MechanismId, MechanismError> {
+        // The caller's conversion runs before the lock: it may panic.
+        let name = name.into();
         let mut writers = self.lock();
         let index = (0..MAX_MECHANISMS)
-            .find(|&i| self.slots[i].load(Ordering::SeqCst) & 0xff == 0)
+            .find(|&i| {
+                let slot = self.slots[i].load(Ordering::SeqCst);
+                slot & 0xff == 0 && slot >> 8 < MAX_GENERATION
+            })
             .ok_or(MechanismError::Full)?;
-        let generation = (self.slots[index].load(Ordering::SeqCst) >> 8) as u32 + 1;
+        let generation = (self.slots[index].load(Ordering::SeqCst) >> 8) + 1;
         let id = MechanismId {
+            registry: self.serial,
             index: index as u8,
             generation,
         };
         self.slots[index].store(
-            (u64::from(generation) << 8) | Lifecycle::Active.code(),
+            (generation << 8) | Lifecycle::Active.code(),
             Ordering::SeqCst,
         );
-        let name = name.into();
-        match writers.names.get_mut(index) {
-            Some(slot) => *slot = name,
-            None => writers.names.push(name),
-        }
+        writers.names[index] = Some(name);
         Ok(id)
     }
 
-    /// Where `id` stands; `None` if it is not registered.
+    /// Where `id` stands; `None` if it is not registered (here).
     pub fn lifecycle(&self, id: MechanismId) -> Option<Lifecycle> {
+        if id.registry != self.serial {
+            return None;
+        }
         let slot = self
             .slots
             .get(usize::from(id.index))?
             .load(Ordering::SeqCst);
-        if (slot >> 8) as u32 != id.generation {
+        if slot >> 8 != id.generation {
             return None;
         }
         Lifecycle::from_code(slot & 0xff)
     }
 
-    /// The name `id` was registered with.
+    /// The name `id` was registered with, while it is registered.
     pub fn name(&self, id: MechanismId) -> Option<String> {
+        let writers = self.lock();
         self.lifecycle(id)?;
-        self.lock().names.get(usize::from(id.index)).cloned()
+        writers.names[usize::from(id.index)].clone()
     }
 
     /// Whether `id` is registered and active.
@@ -267,40 +297,71 @@ impl Mechanisms {
         self.lifecycle(id) == Some(Lifecycle::Active)
     }
 
-    /// The mechanism selected for new bindings, if any: registered and active when the registry
-    /// last changed (one atomic load; no lock).
-    pub fn selected(&self) -> Option<MechanismId> {
-        MechanismId::decode(self.selected.load(Ordering::SeqCst))
+    /// The selection as published, active or not.
+    fn published(&self) -> Option<MechanismId> {
+        match self.selected.load(Ordering::SeqCst) {
+            0 => None,
+            bits => Some(MechanismId {
+                registry: self.serial,
+                index: ((bits & 0xff) - 1) as u8,
+                generation: bits >> 8,
+            }),
+        }
     }
 
-    /// Publishes `id` (or none) as the selection, with `prior` recorded; returns the new epoch.
-    fn publish(
-        &self,
-        writers: &mut Writers,
-        id: Option<MechanismId>,
-        prior: Option<MechanismId>,
-    ) -> u64 {
+    /// The mechanism selected for new bindings, if any: registered and active as this call
+    /// reads it (two atomic loads; no lock). A mechanism retired at this moment reads as none.
+    pub fn selected(&self) -> Option<MechanismId> {
+        self.published().filter(|&id| self.active(id))
+    }
+
+    /// Publishes `id` (or none) as the selection; returns the new epoch.
+    fn publish(&self, writers: &mut Writers, id: Option<MechanismId>) -> u64 {
         self.selected
             .store(id.map_or(0, MechanismId::encode), Ordering::SeqCst);
-        writers.prior = prior;
         writers.epoch += 1;
         writers.epoch
     }
 
-    /// Selects `id` for new bindings; those made before stay where they are.
+    /// Records `id` as the last confirmed selection.
+    fn confirm(writers: &mut Writers, id: MechanismId) {
+        if writers.confirmed != Some(id) {
+            writers.before = writers.confirmed;
+            writers.confirmed = Some(id);
+        }
+    }
+
+    /// Checks that `id` may be selected.
+    fn check_active(&self, id: MechanismId) -> Result<(), MechanismError> {
+        match self.lifecycle(id) {
+            None => Err(MechanismError::Unregistered(id)),
+            Some(Lifecycle::Active) => Ok(()),
+            Some(now) => Err(MechanismError::Inactive { id, now }),
+        }
+    }
+
+    /// Selects `id` for new bindings, confirmed at once; those made before stay where they are.
     ///
     /// # Errors
     ///
     /// [`MechanismError::Unregistered`] or [`MechanismError::Inactive`]: nothing changed.
     pub fn select(&self, id: MechanismId) -> Result<(), MechanismError> {
-        self.select_probed(id, || Ok::<(), std::convert::Infallible>(()))
+        let mut writers = self.lock();
+        self.check_active(id)?;
+        if self.published() == Some(id) && writers.confirmed == Some(id) {
+            return Ok(()); // selected and confirmed already
+        }
+        self.publish(&mut writers, Some(id));
+        Self::confirm(&mut writers, id);
+        Ok(())
     }
 
-    /// Selects `id` for new bindings once `probe` (a trial create, say) says it works: the
-    /// selection is published, `probe` runs outside the registry's lock, then the selection is
-    /// confirmed — or, if the probe failed or `id` became inactive meanwhile, the prior
-    /// selection is restored if it is still registered and active, else cleared; a selection
-    /// made since (or a retirement that moved it already) is left as it is.
+    /// Selects `id` for new bindings once `probe` (a trial create, opening its backend) says
+    /// it works: the selection is published, `probe` runs outside the registry's lock, then the
+    /// selection is confirmed — or, if the probe failed (or panicked) or `id` became inactive
+    /// meanwhile, the last confirmed selection is restored if it is still registered and
+    /// active, else the selection clears; a change made since (a newer selection, a
+    /// retirement that moved it already) is left as it is.
     ///
     /// # Errors
     ///
@@ -311,34 +372,35 @@ impl Mechanisms {
         id: MechanismId,
         probe: impl FnOnce() -> Result<(), E>,
     ) -> Result<(), MechanismError> {
-        let (prior, mine) = {
+        let mine = {
             let mut writers = self.lock();
-            match self.lifecycle(id) {
-                None => return Err(MechanismError::Unregistered(id)),
-                Some(Lifecycle::Active) => {}
-                Some(now) => return Err(MechanismError::Inactive { id, now }),
+            self.check_active(id)?;
+            if self.published() == Some(id) && writers.confirmed == Some(id) {
+                return Ok(()); // selected and confirmed already: nothing to probe
             }
-            let prior = self.selected();
-            if prior == Some(id) {
-                // Selected already: nothing to publish, nor to probe.
-                return Ok(());
-            }
-            (prior, self.publish(&mut writers, Some(id), prior))
+            self.publish(&mut writers, Some(id))
+        };
+        // A probe that panics refuses the selection as it unwinds.
+        let pending = Pending {
+            registry: self,
+            mine,
         };
         self.at(Phase::Published);
         let probed = probe().map_err(|e| e.to_string());
         self.at(Phase::Probed);
+        std::mem::forget(pending);
         let mut writers = self.lock();
         let why = match (probed, self.lifecycle(id)) {
-            (Ok(()), Some(Lifecycle::Active)) => return Ok(()),
+            (Ok(()), Some(Lifecycle::Active)) => {
+                if writers.epoch == mine {
+                    Self::confirm(&mut writers, id);
+                }
+                return Ok(());
+            }
             (Err(message), _) => message,
             (Ok(()), now) => format!("it became {now:?} before it was confirmed"),
         };
-        if writers.epoch == mine {
-            // Still this selection: back to the prior one if it is still healthy, else none.
-            let back = prior.filter(|&p| self.active(p));
-            self.publish(&mut writers, back, None);
-        }
+        self.refuse(&mut writers, mine);
         Err(MechanismError::Refused {
             candidate: id,
             why,
@@ -346,9 +408,19 @@ impl Mechanisms {
         })
     }
 
+    /// A probed selection published at epoch `mine` is refused: if the selection is still that
+    /// one, the last confirmed selection comes back if it is still active, else none.
+    fn refuse(&self, writers: &mut Writers, mine: u64) {
+        if writers.epoch == mine {
+            let back = writers.confirmed.filter(|&c| self.active(c));
+            self.publish(writers, back);
+        }
+    }
+
     /// Retires `id`: no new work goes to it, and its tokens still release on it. Its lifecycle
-    /// is terminal first; then, if it was selected, the selection goes back to the mechanism
-    /// selected before it if that one is still registered and active, else it clears.
+    /// is terminal first; then, if it is selected, the selection goes back to the last
+    /// confirmed selection before it, if that one is still registered and active, else it
+    /// clears.
     ///
     /// # Errors
     ///
@@ -368,21 +440,26 @@ impl Mechanisms {
     }
 
     /// Makes `id`'s lifecycle `to` (retired or lost) — terminal for new work — and only then
-    /// drops it from the selection.
+    /// drops it from the selection (a lock-free reader in between reads no selection: see
+    /// [`selected`](Self::selected)).
     fn end(&self, id: MechanismId, to: Lifecycle) -> Result<(), MechanismError> {
         let mut writers = self.lock();
         self.move_lifecycle(id, Lifecycle::Active, to)?;
-        self.drop_selection(&mut writers, id);
-        Ok(())
-    }
-
-    /// If `id` is selected (it is retired or lost now), moves the selection back to the mechanism
-    /// selected before it, if that one is still registered and active, else clears it.
-    fn drop_selection(&self, writers: &mut Writers, id: MechanismId) {
-        if self.selected() == Some(id) {
-            let back = writers.prior.filter(|&p| self.active(p));
-            self.publish(writers, back, None);
+        if self.published() == Some(id) {
+            let was_confirmed = writers.confirmed == Some(id);
+            let fallback = if was_confirmed {
+                writers.before
+            } else {
+                writers.confirmed
+            };
+            let back = fallback.filter(|&c| self.active(c));
+            self.publish(&mut writers, back);
+            if was_confirmed {
+                writers.confirmed = back;
+                writers.before = None;
+            }
         }
+        Ok(())
     }
 
     /// Moves `id` from `from` to `to`.
@@ -397,10 +474,7 @@ impl Mechanisms {
             Some(now) if now != from => Err(MechanismError::Inactive { id, now }),
             Some(_) => {
                 let slot = &self.slots[usize::from(id.index)];
-                slot.store(
-                    (u64::from(id.generation) << 8) | to.code(),
-                    Ordering::SeqCst,
-                );
+                slot.store((id.generation << 8) | to.code(), Ordering::SeqCst);
                 Ok(())
             }
         }
@@ -440,9 +514,13 @@ impl Mechanisms {
             Some(now) => return Err(MechanismError::Inactive { id, now }),
         }
         let slot = &self.slots[usize::from(id.index)];
-        slot.store(u64::from(id.generation) << 8, Ordering::SeqCst);
-        if writers.prior == Some(id) {
-            writers.prior = None;
+        slot.store(id.generation << 8, Ordering::SeqCst);
+        writers.names[usize::from(id.index)] = None;
+        let writers = &mut *writers;
+        for record in [&mut writers.confirmed, &mut writers.before] {
+            if *record == Some(id) {
+                *record = None;
+            }
         }
         Ok(())
     }
@@ -464,12 +542,18 @@ impl Mechanisms {
             let Some(id) = self.selected() else {
                 return Err(BindError::NoneSelected);
             };
-            let value = make(id).map_err(BindError::Make)?;
-            if self.active(id) {
-                return Ok(OnMechanism {
-                    mechanism: id,
-                    value,
-                });
+            match make(id) {
+                Ok(value) if self.active(id) => {
+                    return Ok(OnMechanism {
+                        mechanism: id,
+                        value,
+                    });
+                }
+                // It stopped being active as `make` ran (and maybe made it fail): what it made
+                // is dropped, and the selection now is tried.
+                Ok(_) => {}
+                Err(_) if !self.active(id) => {}
+                Err(e) => return Err(BindError::Make(e)),
             }
         }
         Err(BindError::NoneSelected)
@@ -494,6 +578,19 @@ impl Mechanisms {
     #[doc(hidden)]
     pub fn set_hook(&self, hook: impl Fn(Phase) + Send + Sync + 'static) {
         *self.hook.lock().unwrap_or_else(|e| e.into_inner()) = Some(std::sync::Arc::new(hook));
+    }
+}
+
+/// A probed selection in flight: dropped while its probe unwinds, it refuses the selection.
+struct Pending<'a> {
+    registry: &'a Mechanisms,
+    mine: u64,
+}
+
+impl Drop for Pending<'_> {
+    fn drop(&mut self) {
+        let mut writers = self.registry.lock();
+        self.registry.refuse(&mut writers, self.mine);
     }
 }
 

@@ -146,6 +146,20 @@ pub enum ConfigError {
         #[source]
         source: std::io::Error,
     },
+    /// The OS could not map the host backend's anonymous store (its physical memory where
+    /// there is no `memfd`, see [`HostMemory`]).
+    #[error(
+        "the OS refused the anonymous store of {physical_capacity:#x} bytes that holds the host \
+         backend's physical memory: check the process's address-space and memory limits, or \
+         lower the physical capacity"
+    )]
+    AnonymousStore {
+        /// The physical capacity asked for.
+        physical_capacity: u64,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
 }
 
 impl ConfigError {

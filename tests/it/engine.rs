@@ -6,7 +6,6 @@
 #[path = "../../examples/serving_engine/engine.rs"]
 mod serving;
 
-use memtoken::backend::HostBackend;
 use memtoken::backend::doubles::Faulty;
 use memtoken::{Budget, Device, make_guard};
 use serving::{Config, Engine, Request};
@@ -26,7 +25,7 @@ fn request(id: u64) -> Request {
 #[test]
 fn an_engine_serves_requests_on_four_threads_and_leaves_nothing_outstanding() {
     make_guard!(guard);
-    let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+    let backend = Faulty::new(crate::common::host());
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -147,7 +146,7 @@ mod owned {
     /// A failing build tears down what was made, in order, and says why.
     #[test]
     fn a_failed_build_leaves_nothing() {
-        let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+        let backend = Faulty::new(crate::common::host());
         let faults = backend.handle();
         faults.fail_nth(memtoken::backend::Op::Create, 2);
         let made = Engine::<Host, Serving>::new(backend, Budget::unlimited(), 4096, |parts| {
@@ -170,7 +169,7 @@ mod owned {
     /// unwinds, then the pool, the binding and the device): nothing is left.
     #[test]
     fn a_panic_in_build_leaves_nothing() {
-        let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+        let backend = Faulty::new(crate::common::host());
         let faults = backend.handle();
         let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
             Engine::<Host, Serving>::new(backend, Budget::unlimited(), 4096, |parts| {
@@ -192,7 +191,7 @@ mod owned {
         impl Keeps<Host> for Two {
             type Of<'e> = Vec<Allocation<'e, 'e, Host, Committed>>;
         }
-        let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+        let backend = Faulty::new(crate::common::host());
         let faults = backend.handle();
         let g = memtoken::backend::Backend::granularity(&backend);
         let budget = |granules| Budget::bytes(granules as u64 * g as u64);

@@ -64,7 +64,8 @@ fn with_the_crates_error(
 #[test]
 fn every_transition_takes_plain_question_marks() {
     make_guard!(guard);
-    let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+    // It exports: a memfd whatever MEMTOKEN_HOST_MEMORY says.
+    let backend = Faulty::new(memtoken::backend::HostBackend::with_defaults().unwrap());
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -81,7 +82,7 @@ fn every_transition_takes_plain_question_marks() {
 #[test]
 fn a_failed_transition_through_question_mark_loses_nothing_and_says_why() {
     make_guard!(guard);
-    let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+    let backend = Faulty::new(crate::common::host());
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();

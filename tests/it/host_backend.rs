@@ -304,3 +304,48 @@ fn without_a_memfd_export_is_refused_naming_what_cannot_be_done() {
     );
     assert_eq!((host.physical_in_use(), host.open_files()), (0, 0));
 }
+
+/// The permissions of the mapping that covers `addr` (from `/proc/self/maps`: `rw-s`, `r--s`).
+fn permissions(addr: usize) -> String {
+    let maps = std::fs::read_to_string("/proc/self/maps").unwrap();
+    let covering = maps.lines().find(|line| {
+        let range = line.split_whitespace().next().unwrap();
+        let (start, end) = range.split_once('-').unwrap();
+        let start = usize::from_str_radix(start, 16).unwrap();
+        let end = usize::from_str_radix(end, 16).unwrap();
+        (start..end).contains(&addr)
+    });
+    covering
+        .expect("mapped")
+        .split_whitespace()
+        .nth(1)
+        .unwrap()
+        .to_owned()
+}
+
+/// On the anonymous store a map inherits the store's read-write protection until the backend
+/// sets the mapping's own: a read-only map (a sharer's) is read-only in the process's page
+/// tables, and shows the same pages as the read-write one. Fails without the `mprotect`.
+#[test]
+#[cfg_attr(miri, ignore = "host backend: Miri has no MAP_FIXED mmap")]
+fn without_a_memfd_a_read_only_map_is_read_only_in_the_page_tables() {
+    let host = anonymous();
+    let g = host.granularity();
+    let phys = host.create(g).unwrap();
+    let (rw, ro) = (host.reserve(g).unwrap(), host.reserve(g).unwrap());
+    host.map(rw, g, phys, Access::ReadWrite).unwrap();
+    host.map(ro, g, phys, Access::ReadOnly).unwrap();
+    assert_eq!(
+        (permissions(rw), permissions(ro)),
+        ("rw-s".into(), "r--s".into())
+    );
+    host.copy_from_host(rw, &[5; 16]).unwrap();
+    let mut seen = [0; 16];
+    host.copy_to_host(&mut seen, ro).unwrap();
+    assert_eq!(seen, [5; 16], "the same pages");
+    for at in [rw, ro] {
+        host.unmap(at, g).unwrap();
+        host.free(at, g).unwrap();
+    }
+    host.release(phys, g).unwrap();
+}

@@ -44,6 +44,14 @@ fn gate(registry: &Mechanisms, phase: Phase) -> (Arc<Gate>, Receiver<()>, Sender
     (gate, reached_rx, go_tx)
 }
 
+/// A registry of mechanisms named `names`, the first selected.
+fn selected_first<const N: usize>(names: [&str; N]) -> (Mechanisms, [MechanismId; N]) {
+    let registry = Mechanisms::new();
+    let ids = names.map(|n| registry.register(n).unwrap());
+    registry.select(ids[0]).unwrap();
+    (registry, ids)
+}
+
 /// The selection is none, or a registered and active mechanism.
 fn assert_valid(registry: &Mechanisms) {
     if let Some(id) = registry.selected() {
@@ -238,6 +246,123 @@ fn a_lifecycle_moves_one_way() {
         registry.register(format!("m{i}")).unwrap();
     }
     assert_eq!(registry.register("one too many"), Err(MechanismError::Full));
+}
+
+// ---- From the review of the registry: each fails on the code before its fix. ----
+
+/// A plain selection of a candidate whose probe is in flight is newer than it: the probe's
+/// refusal leaves it (the candidate was confirmed meanwhile).
+#[test]
+fn a_selection_of_a_candidate_in_flight_is_not_undone_by_its_failed_probe() {
+    let (registry, [p, x]) = selected_first(["p", "x"]);
+    let out = race(&registry, x, true, Phase::Published, || {
+        registry.select(x).unwrap()
+    });
+    assert!(out.is_err());
+    assert_eq!(registry.selected(), Some(x));
+}
+
+/// Only confirmed selections are fallen back to: two overlapping probes that both fail end on
+/// the last confirmed selection, never on a refused candidate; nor does retiring a newer
+/// selection fall back to one.
+#[test]
+fn a_refused_candidate_is_never_fallen_back_to() {
+    let (registry, [p, x, y]) = selected_first(["p", "x", "y"]);
+    // x is published; y is published over it (its probe fails after x's has).
+    let out = race(&registry, x, true, Phase::Published, || {
+        let y_out = registry.select_probed(y, || Err("y's trial create failed"));
+        assert!(y_out.is_err());
+    });
+    assert!(out.is_err());
+    assert_eq!(registry.selected(), Some(p), "the last confirmed");
+    // x's probe fails while a plain select(y) holds; retiring y goes back to p, not x.
+    let out = race(&registry, x, true, Phase::Published, || {
+        registry.select(y).unwrap()
+    });
+    assert!(out.is_err());
+    registry.retire(y).unwrap();
+    assert_eq!(registry.selected(), Some(p));
+}
+
+/// A probe that panics refuses its selection as it unwinds.
+#[test]
+fn a_probe_that_panics_refuses_its_selection() {
+    let (registry, [p, x]) = selected_first(["p", "x"]);
+    let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        registry.select_probed(x, || -> Result<(), &str> {
+            panic!("the trial create panicked")
+        })
+    }));
+    assert!(out.is_err());
+    assert_eq!(registry.selected(), Some(p));
+}
+
+/// `on_selected` tries again when what it makes fails because its mechanism stopped being
+/// active meanwhile, and a name that panics leaves the registry as it was.
+#[test]
+fn making_on_a_mechanism_that_dies_meanwhile_tries_the_next_and_a_panicking_name_changes_nothing() {
+    let (registry, [p, x]) = selected_first(["p", "x"]);
+    registry.select(x).unwrap();
+    let out = registry.on_selected(|id| {
+        if id == x {
+            registry.lose(x).unwrap(); // its context goes as the binding is made
+            Err("context lost")
+        } else {
+            Ok(id)
+        }
+    });
+    assert!(matches!(out, Ok(ref m) if m.mechanism == p), "{out:?}");
+
+    struct Bomb;
+    impl From<Bomb> for String {
+        fn from(_: Bomb) -> String {
+            panic!("a name that panics")
+        }
+    }
+    let registry = Mechanisms::new();
+    let panicked =
+        std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| registry.register(Bomb)));
+    assert!(panicked.is_err());
+    let b = registry.register("b").unwrap();
+    assert_eq!(registry.name(b).as_deref(), Some("b"), "{registry:?}");
+}
+
+/// A lock-free reader never sees a retired mechanism selected, and an id of one registry is
+/// nothing to another.
+#[test]
+fn readers_never_see_a_dead_selection_and_ids_belong_to_their_registry() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let registry = Mechanisms::new();
+    let (stop, seen) = (AtomicBool::new(false), AtomicBool::new(false));
+    thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(Ordering::Relaxed) {
+                if let Some(x) = registry.selected()
+                    && registry.lifecycle(x) != Some(Lifecycle::Active)
+                    && registry.selected() == Some(x)
+                {
+                    seen.store(true, Ordering::SeqCst);
+                }
+            }
+        });
+        for _ in 0..common::unless_miri(100_000, 10) {
+            let m = registry.register("m").unwrap();
+            registry.select(m).unwrap();
+            registry.retire(m).unwrap();
+            registry.terminate(m).unwrap();
+            registry.unregister(m).unwrap();
+        }
+        stop.store(true, Ordering::SeqCst);
+    });
+    assert!(
+        !seen.load(Ordering::SeqCst),
+        "a retired mechanism read as selected"
+    );
+    let (a, b) = (Mechanisms::new(), Mechanisms::new());
+    let of_a = a.register("a's").unwrap();
+    let _of_b = b.register("b's").unwrap();
+    assert_eq!(b.select(of_a), Err(MechanismError::Unregistered(of_a)));
+    assert_eq!(b.name(of_a), None);
 }
 
 /// A binding on one of two devices (each a mechanism, with its own brand).

@@ -962,7 +962,7 @@ fn run_sim(steps: &[Step]) {
 
 fn run_host(steps: &[Step]) {
     make_guard!(guard);
-    let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+    let backend = Faulty::new(crate::common::host());
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     run(&device, faults.clone(), HostMemory, steps);

@@ -5,7 +5,7 @@
 use crate::common;
 use memtoken::backend::cuda::{CudaBackend, DriverCall};
 use memtoken::backend::doubles::{DriverModel, FaultHandle, Faulty};
-use memtoken::backend::{Backend, HostBackend, Op};
+use memtoken::backend::{Backend, Op};
 use memtoken::make_guard;
 use memtoken::{Budget, Device, PagePool, PoolError, PrefixCache, SharedPage, SharedTable};
 use proptest::prelude::*;
@@ -170,7 +170,7 @@ fn the_prefix_cache_keeps_freed_pages_findable_and_evicts_later_pages_first() {
 #[test]
 fn a_failed_copy_on_write_changes_nothing() {
     make_guard!(guard);
-    let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+    let backend = Faulty::new(crate::common::host());
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -756,7 +756,7 @@ proptest! {
     #[test]
     fn shared_pages_on_the_host_keep_counts_bytes_and_eviction_order(steps in prop::collection::vec(step(), 1..60)) {
         make_guard!(guard);
-        let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+        let backend = Faulty::new(crate::common::host());
         let faults = backend.handle();
         let device = Device::new(guard, backend);
         run(&device, faults.clone(), &steps, PAGE, Budget::unlimited());

@@ -37,7 +37,7 @@ fn proc_map(addr: usize) -> (String, u64, String) {
 #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn sharers_alias_the_owners_physical_pages_read_only() {
     make_guard!(guard);
-    let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+    let backend = Faulty::new(crate::common::host());
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let owner = device.bind(Budget::unlimited()).unwrap();
@@ -201,7 +201,7 @@ fn dropping_a_sequence_unmaps_its_prefix_before_the_binding_unpins() {
 #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn copy_on_write_gives_one_sharer_a_private_boundary_granule() {
     make_guard!(guard);
-    let backend = Faulty::new(HostBackend::with_defaults().unwrap());
+    let backend = Faulty::new(crate::common::host());
     let faults = backend.handle();
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -813,7 +813,7 @@ fn a_sharer_counts_the_mappings_of_its_prefix() {
 #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_diverged_boundary_is_one_granule() {
     make_guard!(guard);
-    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let device = Device::new(guard, crate::common::host());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let page = device.granularity();
     let prefix = binding.reserve(3 * page).unwrap().commit_prefix().unwrap();
@@ -891,7 +891,8 @@ fn an_export_debugs_as_its_message_and_handles_and_carries_their_offsets() {
     let gate = GateHandle::default();
     gate.shift_exports(SHIFT);
     let backend = Gate {
-        inner: HostBackend::with_defaults().unwrap(),
+        // It exports: a memfd whatever MEMTOKEN_HOST_MEMORY says.
+        inner: memtoken::backend::HostBackend::with_defaults().unwrap(),
         gate,
     };
     let device = Device::new(guard, backend);

@@ -2,7 +2,7 @@
 //! mapped while it lives), and its generation lets a registration cache refuse an address
 //! that another allocation recycled.
 
-use memtoken::backend::{HostBackend, Location, PosixFd, doubles::SimBackend};
+use memtoken::backend::{Location, PosixFd, doubles::SimBackend};
 use memtoken::backend::{cuda::CudaBackend, doubles::DriverModel};
 use memtoken::{Budget, Descriptor, Device, Offer, Registration, make_guard};
 use std::collections::HashMap;
@@ -28,7 +28,7 @@ impl RegistrationCache {
 #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_descriptor_says_where_how_long_which_device_and_which_allocation() {
     make_guard!(guard);
-    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let device = Device::new(guard, crate::common::host());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut a = binding.reserve(3 * 4096).unwrap().commit().unwrap();
     let d = a.register().descriptor();
@@ -219,7 +219,7 @@ fn an_imported_prefix_has_one_segment_per_imported_allocation() {
 #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_host_prefix_has_a_segment_for_its_body_and_one_for_its_boundary() {
     make_guard!(guard);
-    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let device = Device::new(guard, crate::common::host());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
     let a = binding.reserve(3 * g).unwrap().commit().unwrap();
@@ -266,8 +266,8 @@ fn two_simulators_at_one_address() {
 fn two_host_devices_recycling_addresses() {
     make_guard!(gc);
     make_guard!(gd);
-    let c = Device::new(gc, HostBackend::with_defaults().unwrap());
-    let d = Device::new(gd, HostBackend::with_defaults().unwrap());
+    let c = Device::new(gc, crate::common::host());
+    let d = Device::new(gd, crate::common::host());
     let (bc, bd) = (
         c.bind(Budget::unlimited()).unwrap(),
         d.bind(Budget::unlimited()).unwrap(),

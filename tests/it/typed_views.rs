@@ -1,13 +1,12 @@
 //! Host typed views: every host token that lends bytes lends them as `&[T]` / `&mut [T]` of a
 //! plain-old-data `T`, with the length in `T`s, and refuses a misfit with an error value.
 
-use memtoken::backend::HostBackend;
 use memtoken::{Budget, Device, PagePool, ViewError, make_guard};
 
 #[test]
 fn a_committed_allocation_lends_its_bytes_as_floats_and_back() {
     make_guard!(guard);
-    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let device = Device::new(guard, crate::common::host());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut a = binding.reserve(4096).unwrap().commit().unwrap();
     let len = a.len();
@@ -33,7 +32,7 @@ fn a_committed_allocation_lends_its_bytes_as_floats_and_back() {
 #[test]
 fn a_region_lends_its_committed_part_as_typed_views() {
     make_guard!(guard);
-    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let device = Device::new(guard, crate::common::host());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
     let mut region = binding.reserve(4 * g).unwrap().into_region();
@@ -60,7 +59,7 @@ fn a_region_lends_its_committed_part_as_typed_views() {
 #[test]
 fn an_element_that_does_not_divide_the_length_is_a_length_error() {
     make_guard!(guard);
-    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let device = Device::new(guard, crate::common::host());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut a = binding.reserve(4096).unwrap().commit().unwrap();
     let bytes = a.len();
@@ -77,7 +76,7 @@ fn an_element_that_does_not_divide_the_length_is_a_length_error() {
 #[test]
 fn the_readable_prefix_states_lend_typed_views_of_the_shared_bytes() {
     make_guard!(guard);
-    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let device = Device::new(guard, crate::common::host());
     let binding = device.bind(Budget::unlimited()).unwrap();
     let g = device.granularity();
     let mut prefix = binding.reserve(2 * g).unwrap().commit_prefix().unwrap();
@@ -112,7 +111,7 @@ fn the_readable_prefix_states_lend_typed_views_of_the_shared_bytes() {
 #[test]
 fn pages_lend_typed_views_and_refuse_misaligned_or_short_ones() {
     make_guard!(guard);
-    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let device = Device::new(guard, crate::common::host());
     let binding = device.bind(Budget::unlimited()).unwrap();
     make_guard!(pool_guard);
     // 4-byte pages: page 0 starts a granule, page 1 is 4 bytes in.
@@ -144,7 +143,7 @@ fn pages_lend_typed_views_and_refuse_misaligned_or_short_ones() {
 #[test]
 fn a_page_tables_pages_lend_typed_views() {
     make_guard!(guard);
-    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let device = Device::new(guard, crate::common::host());
     let binding = device.bind(Budget::unlimited()).unwrap();
     make_guard!(pool_guard);
     let pool = PagePool::new(pool_guard, &binding, 256).unwrap();

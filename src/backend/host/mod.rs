@@ -21,8 +21,8 @@ pub struct HostConfig {
     /// Allocation granularity in bytes: a power of two, at least the OS page size.
     /// Default: 4 KiB; use 2 MiB to mirror a GPU.
     pub granularity: usize,
-    /// Total physical memory the device may create (the `memfd`'s size): a positive multiple
-    /// of the granularity. Default: 1 GiB.
+    /// Total physical memory the device may create (the size of its store: the `memfd`, or the
+    /// anonymous mapping): a positive multiple of the granularity. Default: 1 GiB.
     pub physical_capacity: u64,
     /// Largest single reservation: a positive multiple of the granularity, at most
     /// `isize::MAX` bytes rounded down to the granularity (the largest mapping the OS takes).
@@ -63,7 +63,8 @@ pub enum HostMemory {
     Anonymous,
 }
 
-/// Physical memory on the host: a range of the device's `memfd` — or, for memory created
+/// Physical memory on the host: a range of the device's store (its `memfd`, or its anonymous
+/// mapping: see [`HostMemory`]) — or, for memory created
 /// exportable or imported from another process, a file of its own — with a serial number,
 /// unique in the process, so a stale handle is refused even when its offset has been reused,
 /// and another host backend's handle is refused too.
@@ -98,7 +99,11 @@ struct HostState {
 /// | `cuMemAddressFree`      | `munmap`                                                      |
 ///
 /// Because physical memory is a file range, the same page can be mapped at two addresses: real
-/// sharing and real read-only views.
+/// sharing and real read-only views. Where there is no `memfd` ([`HostMemory::Anonymous`]),
+/// physical memory is a range of one shared anonymous mapping instead: created with
+/// `MADV_POPULATE_WRITE`, mapped with `mremap` (an old size of 0: a new mapping of the same
+/// pages) and `mprotect` for read-only access, released with `MADV_REMOVE`; sharing and
+/// read-only views are as real, and only export is refused.
 ///
 /// Every call is checked against the backend's record of what it handed out (the same rules as
 /// [`SimBackend`](crate::backend::doubles::SimBackend)); a call that breaks them is refused with
@@ -143,15 +148,18 @@ fn os_error(op: Op, addr: Addr, len: usize, errno: rustix::io::Errno) -> Backend
 }
 
 impl HostBackend {
-    /// A host device with `config`: creates its `memfd` of `physical_capacity` bytes (sparse:
-    /// nothing is allocated until created).
+    /// A host device with `config`: creates its store of `physical_capacity` bytes (sparse:
+    /// nothing is allocated until created) — a `memfd`, or the anonymous mapping (see
+    /// [`HostMemory`]).
     ///
     /// # Errors
     ///
     /// A [`ConfigError`] naming the setting if the granularity is not a power of two of at
     /// least the page size, or the physical capacity or address space is not a positive
     /// multiple of it (or the address space is larger than one mapping may be);
-    /// [`ConfigError::Memfd`] with the OS error if the `memfd` cannot be created or sized.
+    /// [`ConfigError::Memfd`] with the OS error if the `memfd` cannot be created or sized
+    /// (with [`HostMemory::Auto`], only for another error than a refused `memfd_create`);
+    /// [`ConfigError::AnonymousStore`] if the anonymous store cannot be mapped.
     pub fn new(config: HostConfig) -> Result<Self, ConfigError> {
         let page_size = rustix::param::page_size();
         let g = config.granularity;
@@ -177,20 +185,23 @@ impl HostBackend {
             physical_capacity: capacity,
             source: e.into(),
         };
-        let memfd = || -> Result<OwnedFd, ConfigError> {
-            let fd =
-                rustix::fs::memfd_create("memtoken", MemfdFlags::CLOEXEC).map_err(memfd_error)?;
+        let create = || rustix::fs::memfd_create("memtoken", MemfdFlags::CLOEXEC);
+        let sized = |created: rustix::io::Result<OwnedFd>| -> Result<OwnedFd, ConfigError> {
+            let fd = created.map_err(memfd_error)?;
             rustix::fs::ftruncate(&fd, capacity).map_err(memfd_error)?;
             Ok(fd)
         };
         let store = match config.memory {
-            HostMemory::Memfd => Store::Memfd(memfd()?),
-            HostMemory::Auto => match memfd() {
-                Ok(fd) => Store::Memfd(fd),
-                // Refused (a sandbox without `memfd_create`): the anonymous store.
-                Err(_) => Self::anonymous(capacity)?,
-            },
+            HostMemory::Memfd => Store::Memfd(sized(create())?),
             HostMemory::Anonymous => Self::anonymous(capacity)?,
+            HostMemory::Auto => match create() {
+                // `memfd_create` missing or refused by policy (a sandbox): the anonymous store.
+                // Any other error (out of descriptors, say) is the memfd's, said as such.
+                Err(
+                    rustix::io::Errno::NOSYS | rustix::io::Errno::PERM | rustix::io::Errno::ACCESS,
+                ) => Self::anonymous(capacity)?,
+                created => Store::Memfd(sized(created)?),
+            },
         };
         let state = HostState {
             book: Book::new(g, false),
@@ -210,7 +221,7 @@ impl HostBackend {
     /// The anonymous store: one shared anonymous mapping of `capacity` bytes, reserved lazily
     /// (pages exist once touched).
     fn anonymous(capacity: u64) -> Result<Store, ConfigError> {
-        let len = usize::try_from(capacity).map_err(|_| ConfigError::Memfd {
+        let len = usize::try_from(capacity).map_err(|_| ConfigError::AnonymousStore {
             physical_capacity: capacity,
             source: std::io::Error::from(std::io::ErrorKind::OutOfMemory),
         })?;
@@ -218,7 +229,7 @@ impl HostBackend {
         let prot = ProtFlags::READ | ProtFlags::WRITE;
         // SAFETY: a new mapping where the kernel chooses: it replaces nothing.
         let base = unsafe { rustix::mm::mmap_anonymous(std::ptr::null_mut(), len, prot, flags) }
-            .map_err(|e| ConfigError::Memfd {
+            .map_err(|e| ConfigError::AnonymousStore {
                 physical_capacity: capacity,
                 source: e.into(),
             })?;
@@ -342,7 +353,11 @@ impl HostBackend {
                 // is a range of the store's shared mapping, so an old size of 0 makes a new
                 // mapping of the same pages and leaves the store's untouched.
                 unsafe { rustix::mm::mremap_fixed(from as *mut _, 0, len, flags, addr as *mut _) }?;
-                // SAFETY: the new mapping covers exactly `[addr, addr + len)`, ours.
+                if access == Access::ReadWrite {
+                    return Ok(()); // the store's own protection, inherited
+                }
+                // SAFETY: the new mapping covers exactly `[addr, addr + len)`, ours; taking its
+                // write access away invalidates no reference (nothing points into it yet).
                 unsafe { rustix::mm::mprotect(addr as *mut _, len, prot_of(prot)) }
             }
         }
@@ -468,9 +483,25 @@ impl Backend for HostBackend {
             };
             return Err(BackendError::new(Op::Create, 0, len, cause));
         };
-        if let Store::Memfd(fd) = &self.store {
-            rustix::fs::fallocate(fd, FallocateFlags::KEEP_SIZE, offset, len as u64)
-                .map_err(|e| os_error(Op::Create, 0, len, e))?;
+        match &self.store {
+            Store::Memfd(fd) => {
+                rustix::fs::fallocate(fd, FallocateFlags::KEEP_SIZE, offset, len as u64)
+                    .map_err(|e| os_error(Op::Create, 0, len, e))?;
+            }
+            Store::Anonymous(base, _) => {
+                let at = (base + offset as usize) as *mut std::ffi::c_void;
+                // Allocated now, as `fallocate` does on a memfd: a shortage is this call's
+                // error, not a fault at first touch. (Kernels before 5.14 lack the advice:
+                // `EINVAL`, and the pages come at first touch.)
+                // SAFETY: `[at, at + len)` is a free range of the store, mapped by no one:
+                // populating its pages writes nothing anyone reads.
+                match unsafe {
+                    rustix::mm::madvise(at, len, rustix::mm::Advice::LinuxPopulateWrite)
+                } {
+                    Ok(()) | Err(rustix::io::Errno::INVAL) => {}
+                    Err(e) => return Err(os_error(Op::Create, 0, len, e)),
+                }
+            }
         }
         let phys = Self::next_phys(offset);
         s.ranges.insert(offset, len as u64);
@@ -589,8 +620,8 @@ impl Backend for HostBackend {
             Place::Pages(to) => {
                 // SAFETY: `[to, to + len)` is the allocation's range of the store, mapped
                 // read-write for good and `len` bytes long (the book checked the length);
-                // `bytes` is mapped readable (above). They may be the same pages (an allocation
-                // copied into itself): `ptr::copy` allows the overlap.
+                // `bytes` is mapped readable (above), and is not this allocation (the book
+                // refuses a copy of an allocation into itself).
                 unsafe { std::ptr::copy(bytes.as_ptr(), to as *mut u8, len) };
                 return Ok(());
             }
@@ -681,7 +712,8 @@ impl Backend for HostBackend {
     }
 }
 
-// SAFETY: a successful `map` places a `MAP_SHARED` mapping of the `memfd` (or of the
+// SAFETY: a successful `map` places a `MAP_SHARED` mapping of the store — the `memfd`, or the
+// pages of the anonymous store's shared mapping (`mremap`) — (or of the
 // allocation's own file, exportable or imported and checked as long as it claims) with `PROT_READ`
 // (and `PROT_WRITE` for `ReadWrite`) at exactly `[addr, addr + len)`, backed by pages that
 // `create` allocated; only `unmap`, `free` and `Drop` change mappings, each after its checks —

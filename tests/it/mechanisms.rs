@@ -254,7 +254,7 @@ fn a_lifecycle_moves_one_way() {
 /// refusal leaves it (the candidate was confirmed meanwhile).
 #[test]
 fn a_selection_of_a_candidate_in_flight_is_not_undone_by_its_failed_probe() {
-    let (registry, [p, x]) = selected_first(["p", "x"]);
+    let (registry, [_p, x]) = selected_first(["p", "x"]);
     let out = race(&registry, x, true, Phase::Published, || {
         registry.select(x).unwrap()
     });

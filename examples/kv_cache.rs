@@ -23,7 +23,7 @@
 mod common;
 
 use memtoken::backend::{
-    Backend, HostBackend, HostConfig, HostVisible, Op,
+    Backend, HostBackend, HostConfig, HostMemory, HostVisible, Op,
     doubles::{FaultHandle, Faulty},
 };
 use memtoken::{
@@ -937,6 +937,13 @@ fn main() -> Result<()> {
         physical_capacity: 1 << 30,
         ..HostConfig::default()
     })?;
+    // Which mechanism the host backend chose, and why.
+    match backend.memory() {
+        HostMemory::Anonymous => println!(
+            "mechanism: host, anonymous store (memfd_create is refused here): everything but export"
+        ),
+        _ => println!("mechanism: host, memfd store (the default where the OS gives a memfd)"),
+    }
     if args.elastic {
         // `Faulty` with no fault planned forwards every call and counts it.
         let backend = Faulty::new(backend);

@@ -185,29 +185,20 @@ impl World<'_, '_> {
                     assert_eq!(region.tail_granules(), 0);
                 }
             }
-            Engine::Suspend(r) => {
-                if let Slot::Awake(_) = self.regions[r] {
-                    let Slot::Awake(region) = std::mem::replace(&mut self.regions[r], Slot::Gone)
-                    else {
-                        unreachable!()
-                    };
-                    self.regions[r] = match region.suspend() {
+            Engine::Suspend(r) | Engine::Resume(r) => {
+                // Taken out, changed, put back: a failed change hands the token back.
+                let slot = std::mem::replace(&mut self.regions[r], Slot::Gone);
+                self.regions[r] = match (slot, step) {
+                    (Slot::Awake(region), Engine::Suspend(_)) => match region.suspend() {
                         Ok(asleep) => Slot::Asleep(asleep),
                         Err(e) => Slot::Awake(e.into_token()),
-                    };
-                }
-            }
-            Engine::Resume(r) => {
-                if let Slot::Asleep(_) = self.regions[r] {
-                    let Slot::Asleep(asleep) = std::mem::replace(&mut self.regions[r], Slot::Gone)
-                    else {
-                        unreachable!()
-                    };
-                    self.regions[r] = match asleep.resume() {
+                    },
+                    (Slot::Asleep(asleep), Engine::Resume(_)) => match asleep.resume() {
                         Ok(region) => Slot::Awake(region),
                         Err(e) => Slot::Asleep(e.into_token()),
-                    };
-                }
+                    },
+                    (slot, _) => slot,
+                };
             }
             Engine::Fault(op, n) => faults.fail_nth(op, n),
         }

@@ -834,6 +834,7 @@ impl<T: fmt::Display, C: Failure + Send + Sync> From<TransitionError<T, C>>
 }
 
 #[cfg(feature = "anyhow")]
+#[cfg_attr(docsrs, doc(cfg(feature = "anyhow")))]
 impl<T: fmt::Display, C: Failure + Send + Sync> From<TransitionError<T, C>> for anyhow::Error {
     fn from(e: TransitionError<T, C>) -> Self {
         anyhow::Error::new(Error::from(e))

@@ -141,6 +141,7 @@
 //! assert_eq!(session.used(), 4096); // exactly one granule
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))] // docs.rs: each item says the feature it needs
 #![deny(unsafe_code)] // allowed only in the modules that need it (rustix's gate)
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::too_many_lines)]
@@ -156,6 +157,7 @@ mod interop;
 mod ledger;
 pub mod mechanism;
 #[cfg(feature = "nixl")]
+#[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
 pub mod nixl;
 mod page_pool;
 mod region;
@@ -173,6 +175,7 @@ pub use allocation::{Allocation, CommitError, CompleteError};
 /// cudarc of your own, whose types would be other types ("expected `CudaContext`, found
 /// `CudaContext`").
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use cudarc;
 pub use device::Binding;
 pub use device::{CloseReport, Custody, Device, DropReport, Forgotten, Progress, WithheldForPeer};
@@ -189,6 +192,7 @@ pub use interop::{
     Capture, CaptureError, CapturedGraph, GraphTokens, OwningGraph, StreamView, StreamViewMut,
 };
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use interop::{DeviceView, DeviceViewMut};
 pub use interop::{
     Export, ImportError, Imported, ImportedPrefix, MESSAGE_LEN, Offer, PrefixMessage, WireError,

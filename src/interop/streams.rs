@@ -63,6 +63,7 @@ impl<D: Driver> Device<'_, CudaBackend<D>> {
 }
 
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 impl Device<'_, CudaBackend<SysDriver>> {
     /// Releases from now on wait for the work on the cudarc `stream` too (see
     /// [`CudaBackend::cover`]); the device keeps the stream alive meanwhile.

@@ -758,6 +758,7 @@ impl<D: Driver> CudaBackend<D> {
 }
 
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 impl CudaBackend<SysDriver> {
     /// Makes every fence recorded from now on cover the cudarc `stream` (see
     /// [`cover_stream`](Self::cover_stream)); the backend keeps the stream alive meanwhile,

@@ -234,8 +234,10 @@ pub use fence::{CudaFence, PeerWork};
 
 pub use open::CudaError;
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use open::open_context;
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use sys::SysDriver;
 
 use record::CudaState;

@@ -354,6 +354,7 @@ impl<D: Driver> CudaBackend<D> {
 /// [`CudaError::NoDriver`] when no CUDA driver is installed (checked before any call),
 /// [`CudaError::Driver`] when the driver refuses the device.
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub fn open_context(
     ordinal: i32,
 ) -> Result<std::sync::Arc<cudarc::driver::CudaContext>, CudaError> {
@@ -369,6 +370,7 @@ pub fn open_context(
 }
 
 #[cfg(feature = "cuda")]
+#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 impl CudaBackend<SysDriver> {
     /// Opens device `ordinal` through the real driver, loaded at run time.
     ///

@@ -15,16 +15,25 @@
 //! sleeps (`suspend_saving`: the device owns nothing) and wakes at the same addresses, every
 //! byte checked. At the end it prints the create and release calls that the cache avoided.
 //!
+//! On a CUDA device without virtual memory management (`--gpu` on such a device, or
+//! `--model-no-vmm`: the driver model of one), the backend falls back to its plain mechanism
+//! (`cuMemAlloc`): the demo says so and why, runs the paged workload with a private copy of
+//! the prompt per sequence (no prefix sharing there), and shows each refusal the mechanism
+//! makes instead of what it cannot do.
+//!
 //! ```text
 //! cargo run --release --example kv_cache [-- --gpu --sequences N --seed S --prompt-tokens P]
 //! cargo run --release --example kv_cache -- --elastic [--gpu ...]
+//! cargo run --release --example kv_cache -- --model            # the CUDA driver model (VMM)
+//! cargo run --release --example kv_cache -- --model-no-vmm     # ... of a device without VMM
 //! ```
 
 mod common;
 
+use memtoken::backend::cuda::{CudaBackend, CudaMechanism, Driver};
 use memtoken::backend::{
     Backend, HostBackend, HostConfig, HostMemory, HostVisible, Op,
-    doubles::{FaultHandle, Faulty},
+    doubles::{DriverModel, FaultHandle, Faulty, ModelConfig},
 };
 use memtoken::{
     Allocation, Budget, Device, DivergedMapping, PagePool, PageTable, Prefix, PrefixMapping,
@@ -145,23 +154,29 @@ impl<B: HostVisible> Kv<B> for HostKv {
     }
 }
 
-#[cfg(feature = "cuda")]
 mod gpu {
     use super::*;
-    use memtoken::backend::cuda::{CudaBackend, SysDriver};
-    pub type Gpu = CudaBackend<SysDriver>;
-    pub struct GpuKv;
-    impl Kv<Gpu> for GpuKv {
+    use memtoken::backend::cuda::{CudaBackend, Driver};
+    #[cfg(feature = "cuda")]
+    pub type Gpu = CudaBackend<memtoken::backend::cuda::SysDriver>;
+    /// K/V copied to and from CUDA memory, on the real driver or the driver model.
+    pub struct GpuKv(pub &'static str);
+    impl<D: Driver> Kv<CudaBackend<D>> for GpuKv {
         fn name(&self) -> &'static str {
-            "CUDA device 0"
+            self.0
         }
-        fn write_prompt(&self, p: &mut Prefix<'_, '_, Gpu>, at: usize, kv: &[u8]) -> Result<()> {
+        fn write_prompt(
+            &self,
+            p: &mut Prefix<'_, '_, CudaBackend<D>>,
+            at: usize,
+            kv: &[u8],
+        ) -> Result<()> {
             let copied = p.copy_from_host(at, kv);
             Ok(copied.ok_or("the prompt is written before it is shared")??)
         }
         fn write_boundary(
             &self,
-            d: &mut DivergedMapping<'_, '_, Gpu>,
+            d: &mut DivergedMapping<'_, '_, CudaBackend<D>>,
             at: usize,
             kv: &[u8],
         ) -> Result<()> {
@@ -169,7 +184,7 @@ mod gpu {
         }
         fn write_page(
             &self,
-            t: &mut PageTable<'_, '_, '_, '_, Gpu>,
+            t: &mut PageTable<'_, '_, '_, '_, CudaBackend<D>>,
             pos: usize,
             at: usize,
             kv: &[u8],
@@ -178,7 +193,7 @@ mod gpu {
         }
         fn read_shared(
             &self,
-            m: &PrefixMapping<'_, '_, Gpu>,
+            m: &PrefixMapping<'_, '_, CudaBackend<D>>,
             at: usize,
             out: &mut [u8],
         ) -> Result<()> {
@@ -186,7 +201,7 @@ mod gpu {
         }
         fn read_diverged(
             &self,
-            d: &DivergedMapping<'_, '_, Gpu>,
+            d: &DivergedMapping<'_, '_, CudaBackend<D>>,
             at: usize,
             out: &mut [u8],
         ) -> Result<()> {
@@ -194,17 +209,27 @@ mod gpu {
         }
         fn read_page(
             &self,
-            t: &PageTable<'_, '_, '_, '_, Gpu>,
+            t: &PageTable<'_, '_, '_, '_, CudaBackend<D>>,
             pos: usize,
             at: usize,
             out: &mut [u8],
         ) -> Result<()> {
             Ok(t.copy_page_to_host(pos, at, out)?)
         }
-        fn write_region(&self, r: &mut Region<'_, '_, Gpu>, at: usize, kv: &[u8]) -> Result<()> {
+        fn write_region(
+            &self,
+            r: &mut Region<'_, '_, CudaBackend<D>>,
+            at: usize,
+            kv: &[u8],
+        ) -> Result<()> {
             Ok(r.copy_from_host(at, kv)?)
         }
-        fn read_region(&self, r: &Region<'_, '_, Gpu>, at: usize, out: &mut [u8]) -> Result<()> {
+        fn read_region(
+            &self,
+            r: &Region<'_, '_, CudaBackend<D>>,
+            at: usize,
+            out: &mut [u8],
+        ) -> Result<()> {
             Ok(r.copy_to_host(at, out)?)
         }
     }
@@ -343,6 +368,9 @@ struct Args {
     seed: u64,
     prompt_tokens: usize,
     gpu: bool,
+    /// `--model` (`Some(true)`) or `--model-no-vmm` (`Some(false)`): the CUDA driver model of
+    /// a device with or without virtual memory management.
+    model: Option<bool>,
     elastic: bool,
     /// `--tail`: with `--elastic`, a finished sequence's region keeps its granules mapped in its
     /// tail and serves the next request.
@@ -355,6 +383,7 @@ fn parse_args() -> std::result::Result<Args, String> {
         seed: 7,
         prompt_tokens: 40,
         gpu: false,
+        model: None,
         elastic: false,
         tail: false,
     };
@@ -370,12 +399,17 @@ fn parse_args() -> std::result::Result<Args, String> {
             "--seed" => args.seed = value("--seed")?,
             "--prompt-tokens" => args.prompt_tokens = value("--prompt-tokens")?.max(1) as usize,
             "--gpu" => args.gpu = true,
+            "--model" => args.model = Some(true),
+            "--model-no-vmm" => args.model = Some(false),
             "--elastic" => args.elastic = true,
             "--tail" => args.tail = true,
             "-h" | "--help" => {
                 println!(
                     "kv_cache: a paged KV cache with a shared system prompt, on memtoken\n\n\
-                     --gpu               run on CUDA device 0 instead of the host backend\n\
+                     --gpu               run on CUDA device 0 instead of the host backend (its VMM\n\
+                     \x20                   mechanism, or plain cuMemAlloc where the device has no VMM)\n\
+                     --model             run on the CUDA driver model (no GPU needed)\n\
+                     --model-no-vmm      ... of a device without virtual memory management\n\
                      --elastic           one growing region per sequence instead of pages (vAttention)\n\
                      --tail              with --elastic: a finished sequence's region keeps its granules\n\
                      \x20                   mapped (its tail) and serves the next request\n\
@@ -911,22 +945,161 @@ fn run_elastic<B: Backend>(
     Ok(())
 }
 
+/// Runs the demo on a CUDA backend, after saying which mechanism it opened on and why: the
+/// whole demo on VMM, the paged workload without sharing on the plain mechanism.
+fn run_cuda<D: Driver>(backend: CudaBackend<D>, kv: &gpu::GpuKv, args: &Args) -> Result<()> {
+    make_guard!(guard);
+    match backend.mechanism() {
+        CudaMechanism::Vmm => println!(
+            "mechanism: CUDA VMM (the device supports virtual memory management): everything"
+        ),
+        CudaMechanism::Plain => println!(
+            "mechanism: CUDA plain allocation (cuMemAlloc), because the device has no virtual \
+             memory management (attribute 102 is {}): commits, releases, fences and page pools \
+             work; prefix sharing, regions, sleep and export are refused",
+            u8::from(backend.vmm_supported())
+        ),
+    }
+    let plain = backend.mechanism() == CudaMechanism::Plain;
+    let device = Device::new(guard, backend);
+    if plain {
+        return run_plain(&device, kv, args);
+    }
+    if args.elastic {
+        // Without create and release counts: the region copies are `CudaBackend`'s own.
+        return run_elastic(&device, kv, args, None);
+    }
+    run(&device, kv, args)
+}
+
+/// The paged workload on a mechanism that cannot share or grow in place (CUDA's plain one):
+/// each sequence writes its own copy of the prompt into its pages, then generates; every byte
+/// is checked before it finishes. First it shows what the mechanism refuses, and that each
+/// refusal names the capability and hands the token back.
+fn run_plain<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Result<()> {
+    let g = device.granularity();
+    let session = device.bind(Budget::bytes(1 << 30))?;
+    let reserved = session.reserve(g)?;
+    let reserved = match reserved.commit_prefix() {
+        Ok(_) => return Err("the plain mechanism shared a prefix".into()),
+        Err(e) => {
+            println!("prefix sharing: refused: {}", chain(&e.cause));
+            match e.token {
+                Returned::Unchanged(reserved) => reserved,
+                Returned::Quarantined(_) => return Err("a refusal quarantined".into()),
+            }
+        }
+    };
+    let mut region = session.reserve(4 * g)?.into_region();
+    match region.grow(1) {
+        Ok(()) => return Err("the plain mechanism grew a region in place".into()),
+        Err(e) => println!("region growth: refused: {}", chain(&e)),
+    }
+    finish(region.release())?;
+    let committed = reserved.commit()?;
+    let committed = match committed.suspend() {
+        Ok(_) => return Err("the plain mechanism suspended memory in place".into()),
+        Err(e) => {
+            println!("sleep: refused: {}", chain(&e.cause));
+            e.token
+        }
+    };
+    finish(committed.release())?;
+
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &session, PAGE)?;
+    println!(
+        "\nmemtoken kv_cache on the {}, plain mechanism: {} sequences, each with its own copy \
+         of a {}-token prompt, pages of {} tokens ({} bytes), granule {} bytes",
+        kv.name(),
+        args.sequences,
+        args.prompt_tokens,
+        TOKENS_PER_PAGE,
+        PAGE,
+        g
+    );
+    let started = Instant::now();
+    let mut arrivals = arrivals(args);
+    let (mut finished, mut pages_max) = (0, 0);
+    while !arrivals.is_empty() {
+        // A batch of up to 16 sequences at a time, each a page table of its own.
+        let batch: Vec<(usize, usize)> = (0..16).map_while(|_| arrivals.pop()).collect();
+        let mut tables: Vec<_> = batch.iter().map(|_| pool.table()).collect();
+        for (&(id, generated), table) in batch.iter().zip(&mut tables) {
+            let total = args.prompt_tokens + generated;
+            for position in 0..total {
+                let (page, at) = (position / TOKENS_PER_PAGE, position % TOKENS_PER_PAGE);
+                if at == 0 {
+                    pool.push(table)?;
+                }
+                let seq = (position >= args.prompt_tokens).then_some(id);
+                kv.write_page(table, page, at * BYTES_PER_TOKEN, &kv_bytes(seq, position))?;
+            }
+        }
+        pages_max = pages_max.max(pool.live_pages());
+        for (&(id, generated), table) in batch.iter().zip(&tables) {
+            let mut out = [0; BYTES_PER_TOKEN];
+            for position in 0..args.prompt_tokens + generated {
+                let (page, at) = (position / TOKENS_PER_PAGE, position % TOKENS_PER_PAGE);
+                kv.read_page(table, page, at * BYTES_PER_TOKEN, &mut out)?;
+                let seq = (position >= args.prompt_tokens).then_some(id);
+                if out != kv_bytes(seq, position) {
+                    return Err(format!("sequence {id}: token {position} differs").into());
+                }
+            }
+        }
+        finished += batch.len();
+        for mut table in tables {
+            pool.clear(&mut table);
+        }
+    }
+    println!(
+        "{finished} sequences in {:.1} ms, every byte checked; at most {pages_max} pages in use \
+         ({} KiB of pages in the pool's chunks at the end)",
+        started.elapsed().as_secs_f64() * 1e3,
+        kib((pool.capacity() * PAGE) as u64)
+    );
+    drop(pool);
+    drop(session);
+    device.poll();
+    let ledger = device.ledger();
+    println!("ledger at the end: {ledger:?}");
+    if !ledger.is_zero() {
+        return Err("the ledger did not end at zero".into());
+    }
+    println!("ledger ends at zero: every page and chunk was released exactly once");
+    Ok(())
+}
+
+/// An error and its sources, joined by ": ".
+fn chain(e: &dyn Error) -> String {
+    let mut text = e.to_string();
+    let mut next = e.source();
+    while let Some(cause) = next {
+        text = format!("{text}: {cause}");
+        next = cause.source();
+    }
+    text
+}
+
 fn main() -> Result<()> {
     if common::started_by_test_harness() {
         return Ok(());
     }
     let args = parse_args()?;
+    if let Some(vmm) = args.model {
+        let model = DriverModel::new(ModelConfig {
+            vmm,
+            ..ModelConfig::default()
+        })?;
+        let backend = CudaBackend::new_auto(model, 0)?;
+        return run_cuda(backend, &gpu::GpuKv("CUDA driver model"), &args);
+    }
     if args.gpu {
         #[cfg(feature = "cuda")]
         {
-            make_guard!(guard);
-            let backend = gpu::Gpu::open(0).map_err(|e| format!("--gpu: {e}"))?;
-            let device = Device::new(guard, backend);
-            if args.elastic {
-                // Without create and release counts: the region copies are `CudaBackend`'s own.
-                return run_elastic(&device, &gpu::GpuKv, &args, None);
-            }
-            return run(&device, &gpu::GpuKv, &args);
+            let backend = gpu::Gpu::open_auto(0).map_err(|e| format!("--gpu: {e}"))?;
+            return run_cuda(backend, &gpu::GpuKv("CUDA device 0"), &args);
         }
         #[cfg(not(feature = "cuda"))]
         return Err("--gpu: built without the `cuda` feature".into());

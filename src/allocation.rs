@@ -289,7 +289,10 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
             match made {
                 Ok(phys) => {
                     build.keep();
-                    let (core, ()) = self.into_core();
+                    let (mut core, ()) = self.into_core();
+                    // Where the memory is: the reservation's address, or (a mechanism without
+                    // VMM) where its allocator placed it.
+                    core.addr = core.device().backend().placed(core.addr, phys);
                     Ok(Allocation::from_core(core, phys))
                 }
                 Err(error) => refuse(self, CommitFailure::undone(error, build.undo().rollback())),

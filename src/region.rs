@@ -5,7 +5,7 @@
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use crate::allocation::Allocation;
-use crate::backend::{Backend, BackendError, HostVisible, Op};
+use crate::backend::{Ability, Backend, BackendError, HostVisible, Op};
 use crate::device::{GiveBack, Growth};
 use crate::error::{CommitFailure, GrowError, ShrinkError};
 use crate::residual::{Granule, Held};
@@ -309,6 +309,23 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         Scope::run::<B, _>(move || {
             let room = self.room_granules();
             let live = self.committed_granules();
+            // A region grows in place: refused up front by a mechanism that cannot map at a
+            // reserved address (nothing was done).
+            let (addr, len) = (self.addr(), self.len());
+            let needs = self.core().device().backend().needs(
+                Ability::MapAtReservedAddress,
+                Op::Map,
+                addr,
+                len,
+            );
+            if let Err(e) = needs {
+                let cause = Box::new(CommitFailure::Backend(e));
+                return Err(GrowError::Undone {
+                    at: 0,
+                    cause,
+                    quarantined: 0,
+                });
+            }
             if granules > room - live {
                 return Err(GrowError::Full {
                     requested: granules,

@@ -5,7 +5,9 @@
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use crate::allocation::Allocation;
-use crate::backend::{Access, Backend, BackendError, Exportable, HandleKind, HostVisible, Op};
+use crate::backend::{
+    Ability, Access, Backend, BackendError, Exportable, HandleKind, HostVisible, Op,
+};
 use crate::device::Quarantined;
 use crate::device::{Build, Undone};
 use crate::error::{
@@ -317,7 +319,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     /// ```
     #[must_use = "a failed commit returns the reservation inside the error"]
     pub fn commit_prefix(self) -> Result<Prefix<'b, 'id, B>, PrefixError<'b, 'id, B>> {
-        self.commit_shared(Guarded::create)
+        self.commit_shared(Guarded::create, false)
     }
 
     /// Commits this reservation as a shared prefix whose physical memory is created exportable
@@ -336,7 +338,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
     where
         B: Exportable<K>,
     {
-        self.commit_shared(Guarded::create_exportable::<K>)
+        self.commit_shared(Guarded::create_exportable::<K>, true)
     }
 
     /// After a mapping could not be made and one already made could not be undone: the
@@ -358,17 +360,33 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         }
     }
 
+    /// A prefix is made to be mapped at other addresses too (and exported, if `exportable`):
+    /// refused up front by a mechanism that cannot, before anything is charged.
+    fn can_share(&self, exportable: bool) -> Result<(), CommitFailure> {
+        let core = self.core();
+        let backend = core.device().backend();
+        let needs = |ability, op| backend.needs(ability, op, core.addr, core.len);
+        if exportable {
+            needs(Ability::Export, Op::Create).map_err(CommitFailure::Backend)?;
+        }
+        needs(Ability::MapTwice, Op::Map).map_err(CommitFailure::Backend)
+    }
+
     /// [`commit_prefix`](Allocation::commit_prefix), its memory made by `create`: the body
     /// (all but the last granule, when there is more than one) and the boundary granule, each
     /// an allocation of its own, mapped whole.
     fn commit_shared<K: Capability>(
         self,
         create: impl Fn(&Guarded<B>, usize) -> Result<B::Phys, BackendError>,
+        exportable: bool,
     ) -> Result<Allocation<'b, 'id, B, Owner<K>>, PrefixError<'b, 'id, B>> {
         Scope::run::<B, _>(move || {
             let core = self.core();
             let mut build = core.binding.build(core.addr);
-            if let Err(cause) = self.admit(&mut build) {
+            if let Err(cause) = self
+                .can_share(exportable)
+                .and_then(|()| self.admit(&mut build))
+            {
                 return Err(TransitionError {
                     token: Returned::Unchanged(self),
                     cause,

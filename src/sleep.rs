@@ -5,7 +5,7 @@
 //! [`Allocation`] in the state [`Suspended<S>`], `S` the state it comes back to.
 
 use crate::allocation::Allocation;
-use crate::backend::{Backend, Op};
+use crate::backend::{Ability, Backend, Op};
 use crate::error::{ResumeFailure, ShrinkError, SuspendFailure, TransitionError};
 use crate::region::{Elastic, Granules, idle, reclaim_withheld};
 use crate::residual::{Granule, Held};
@@ -179,6 +179,10 @@ fn prepare<B: Backend>(
     save: bool,
 ) -> Result<Option<Box<[u8]>>, SuspendFailure> {
     let device = core.device();
+    device
+        .backend()
+        .needs(Ability::SuspendInPlace, Op::Unmap, core.addr, core.len)
+        .map_err(|e| SuspendFailure::Backend(Box::new(e)))?;
     device
         .ensure_live(Op::Unmap, core.addr, core.len)
         .map_err(|e| SuspendFailure::Backend(Box::new(e)))?;

@@ -11,7 +11,7 @@
 
 use crate::backend::Shareable;
 use crate::backend::{
-    Access, Addr, Backend, BackendError, Cause, Exportable, HandleKind, Location, Op,
+    Ability, Access, Addr, Backend, BackendError, Cause, Exportable, HandleKind, Location, Op,
 };
 use std::any::Any;
 use std::cell::{Cell, RefCell};
@@ -163,6 +163,8 @@ struct Sizes {
     address_space: usize,
     physical_capacity: u64,
     location: Location,
+    /// [`Backend::lacks`] for each ability, by [`Ability::index`].
+    lacks: [Option<&'static str>; Ability::ALL.len()],
 }
 
 impl<B: Backend> Guarded<B> {
@@ -172,6 +174,7 @@ impl<B: Backend> Guarded<B> {
             address_space: backend.address_space(),
             physical_capacity: backend.physical_capacity(),
             location: backend.location(),
+            lacks: Ability::ALL.map(|a| backend.lacks(a)),
         };
         Self { backend, sizes }
     }
@@ -240,6 +243,39 @@ impl<B: Backend> Guarded<B> {
     #[inline]
     pub(crate) fn location(&self) -> Location {
         self.sizes.location
+    }
+
+    /// The mechanism that lacks `ability` (see [`Backend::lacks`]), as read when the device
+    /// was made; `None` where it has it.
+    #[inline]
+    pub(crate) fn lacks(&self, ability: Ability) -> Option<&'static str> {
+        self.sizes.lacks[ability.index()]
+    }
+
+    /// Refused with [`Cause::Unsupported`] if the mechanism lacks `ability`, before any call.
+    #[inline]
+    pub(crate) fn needs(
+        &self,
+        ability: Ability,
+        op: Op,
+        addr: Addr,
+        len: usize,
+    ) -> Result<(), BackendError> {
+        match self.lacks(ability) {
+            None => Ok(()),
+            Some(mechanism) => Err(ability.refused(op, addr, len, mechanism)),
+        }
+    }
+
+    /// Where a commit's memory lives: see [`Backend::placed`] (no call where the backend maps
+    /// at reserved addresses).
+    #[inline]
+    pub(crate) fn placed(&self, reserved: Addr, phys: B::Phys) -> Addr {
+        if self.lacks(Ability::MapAtReservedAddress).is_none() {
+            reserved
+        } else {
+            self.backend.placed(reserved, phys)
+        }
     }
 
     #[inline]

@@ -375,6 +375,82 @@ pub enum Cause {
     },
 }
 
+/// What a backend's mechanism may be unable to do at all. A backend that lacks one says so
+/// once ([`Backend::lacks`]), and every call that would need it is refused with
+/// [`Cause::Unsupported`] naming it — never emulated.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Ability {
+    /// Map memory at an address reserved before it was made: a reservation's address is where
+    /// its memory will be, and a region grows in place. Without it (CUDA's plain
+    /// `cuMemAlloc` mechanism), a reservation is a claim on nothing but its length, and a
+    /// commit puts the memory where the allocator places it: the committed token's address.
+    MapAtReservedAddress,
+    /// Map one physical allocation at two addresses: prefix sharing.
+    MapTwice,
+    /// Give memory back while its addresses stay reserved: suspend and resume.
+    SuspendInPlace,
+    /// Export memory to another process.
+    Export,
+    /// Map memory read-only.
+    MapReadOnly,
+    /// Give peer devices access to the memory.
+    PeerAccess,
+}
+
+impl Ability {
+    /// Every ability, in declaration order.
+    pub const ALL: [Ability; 6] = [
+        Ability::MapAtReservedAddress,
+        Ability::MapTwice,
+        Ability::SuspendInPlace,
+        Ability::Export,
+        Ability::MapReadOnly,
+        Ability::PeerAccess,
+    ];
+
+    /// What is asked, as [`Cause::Unsupported`]'s `capability` says it.
+    pub const fn capability(self) -> &'static str {
+        match self {
+            Ability::MapAtReservedAddress => {
+                "map memory at a reserved address (grow a region in place)"
+            }
+            Ability::MapTwice => "map one physical allocation at two addresses (share a prefix)",
+            Ability::SuspendInPlace => {
+                "give memory back while its addresses stay reserved (suspend)"
+            }
+            Ability::Export => "export memory to another process",
+            Ability::MapReadOnly => "map memory read-only",
+            Ability::PeerAccess => "give peer devices access to its memory",
+        }
+    }
+
+    /// The index of this ability in [`ALL`](Self::ALL).
+    pub(crate) const fn index(self) -> usize {
+        self as usize
+    }
+
+    /// The error of a call `op` on `len` bytes at `addr` that needs this ability, which
+    /// `mechanism` lacks.
+    pub(crate) fn refused(
+        self,
+        op: Op,
+        addr: Addr,
+        len: usize,
+        mechanism: &'static str,
+    ) -> BackendError {
+        let capability = self.capability();
+        BackendError::new(
+            op,
+            addr,
+            len,
+            Cause::Unsupported {
+                capability,
+                mechanism,
+            },
+        )
+    }
+}
+
 /// A failed backend call: which call, on which range, and why.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[error("backend call {op:?} ({len} bytes at {addr:#x}) failed: {cause}")]
@@ -557,6 +633,20 @@ pub trait Backend {
     /// any of it out again nor unmap it, not even as the backend drops. Nothing by default (a
     /// backend whose ranges outlive it in the driver, as CUDA's do until the context goes).
     fn keep_for_good(&self, _addr: Addr, _len: usize) {}
+    /// Whether this backend's mechanism lacks `ability`: `None` if it has it, else the
+    /// mechanism, named for an error ("the CUDA plain-allocation mechanism"). Read once for
+    /// each ability when a [`Device`](crate::Device) is made, and kept: it must not change over
+    /// the backend's life. Every ability by default.
+    fn lacks(&self, _ability: Ability) -> Option<&'static str> {
+        None
+    }
+    /// Where memory mapped by the first [`map`](Backend::map) of `phys` over the whole
+    /// reservation at `reserved` lives: `reserved` itself unless the backend lacks
+    /// [`Ability::MapAtReservedAddress`] (it places memory where its allocator does; only a
+    /// commit then maps, and the committed token takes this address). Must not panic.
+    fn placed(&self, reserved: Addr, _phys: Self::Phys) -> Addr {
+        reserved
+    }
     /// Whether the context is confirmed lost (destroyed, or taken down by a sticky error):
     /// everything it held is freed by the driver, so quarantined residuals may be discharged,
     /// and no call is made any more.

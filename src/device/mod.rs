@@ -158,6 +158,14 @@ impl<'id, B: Backend> Device<'id, B> {
         self.backend.granularity()
     }
 
+    /// The mechanism that lacks `ability` (its backend's [`lacks`](Backend::lacks), read when
+    /// the device was made), or `None` where it has it: what a program checks before it
+    /// plans on sharing, growth in place, suspend or export. A call that needs what is
+    /// lacking is refused with [`Cause::Unsupported`](crate::backend::Cause::Unsupported).
+    pub fn lacks(&self, ability: crate::backend::Ability) -> Option<&'static str> {
+        self.backend.lacks(ability)
+    }
+
     /// The ledger now.
     pub fn ledger(&self) -> LedgerSnapshot {
         self.ledger.snapshot()

@@ -588,6 +588,12 @@ mod hooked {
         fn device_total_mem(&self, d: i32) -> CuResult<usize> {
             self.inner.device_total_mem(d)
         }
+        fn mem_alloc(&self, size: usize) -> CuResult<u64> {
+            self.inner.mem_alloc(size)
+        }
+        unsafe fn mem_free(&self, ptr: u64) -> CuResult<()> {
+            unsafe { self.inner.mem_free(ptr) }
+        }
         fn device_can_access_peer(&self, d: i32, p: i32) -> CuResult<bool> {
             self.inner.device_can_access_peer(d, p)
         }

@@ -29,6 +29,7 @@ mod forgotten;
 mod mechanisms;
 mod money;
 mod page_pool;
+mod plain_mechanism;
 mod promises;
 mod region;
 mod shared_pages;

@@ -212,6 +212,8 @@ listed! {
         GraphExecDestroy,
         GraphDestroy,
         StreamWaitEvent,
+        MemAlloc,
+        MemFree,
     }
 }
 
@@ -476,6 +478,18 @@ pub trait Driver {
         let _ = handle;
         None
     }
+    /// `cuMemAlloc(&ptr, size)`: `size` bytes of device memory, mapped read-write for this
+    /// context at an address the driver chooses — the plain mechanism, which needs no virtual
+    /// memory management (fact 55).
+    fn mem_alloc(&self, size: usize) -> CuResult<u64>;
+    /// `cuMemFree(ptr)`
+    ///
+    /// # Safety
+    ///
+    /// `ptr` is the start of a live [`mem_alloc`](Driver::mem_alloc) allocation of this
+    /// driver, freed once, with no work in flight that may use it
+    /// ([the trait's rules](Driver#safety)).
+    unsafe fn mem_free(&self, ptr: u64) -> CuResult<()>;
     /// `cuMemRelease`
     ///
     /// # Safety

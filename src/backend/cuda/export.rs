@@ -2,8 +2,9 @@
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::driver::{Driver, HANDLE_TYPE_POSIX_FD, ShareableHandle};
+use super::plain::PLAIN;
 use super::{CudaBackend, CudaPhys, next_serial};
-use crate::backend::{BackendError, Exportable, Op, PosixFd, Shareable, Violation};
+use crate::backend::{Ability, BackendError, Exportable, Op, PosixFd, Shareable, Violation};
 use rustix::fd::AsRawFd;
 
 impl<D: Driver> CudaBackend<D> {
@@ -11,6 +12,9 @@ impl<D: Driver> CudaBackend<D> {
     /// properties' granularity is known and fits the device granularity (fact 15): no call is
     /// made then.
     fn check_exportable_fits(&self, op: Op, len: usize) -> Result<(), BackendError> {
+        if self.plain {
+            return Err(Ability::Export.refused(op, 0, len, PLAIN));
+        }
         let exportable = self
             .exportable_granularity
             .map_err(|e| self.fail(op, 0, len, e))?;
@@ -61,6 +65,9 @@ impl<D: Driver> Exportable<PosixFd> for CudaBackend<D> {
     /// owned by the caller. The memory lives while it is open, whatever this process releases
     /// (fact 27).
     fn export(&self, phys: CudaPhys, len: usize) -> Result<Shareable, BackendError> {
+        if self.plain {
+            return Err(Ability::Export.refused(Op::Create, 0, len, PLAIN));
+        }
         let s = self.enter(Op::Create, 0, len)?;
         // VMM calls: never barred by a capture (fact 40).
         let _relaxed = self
@@ -100,6 +107,10 @@ impl<D: Driver> Exportable<PosixFd> for CudaBackend<D> {
     /// (assumption 7). The handle is released once, by [`Backend::release`](crate::backend::Backend::release) (fact 29).
     fn import(&self, handle: Shareable) -> Result<CudaPhys, BackendError> {
         let Shareable { fd, offset, len } = handle;
+        if self.plain {
+            // An import is mapped at a reserved address: the plain mechanism cannot.
+            return Err(Ability::Export.refused(Op::Create, 0, len, PLAIN));
+        }
         let mut s = self.enter(Op::Create, 0, len)?;
         // VMM calls: never barred by a capture (fact 40).
         let _relaxed = self

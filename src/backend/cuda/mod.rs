@@ -218,6 +218,7 @@ mod fence;
 mod graph;
 pub(in crate::backend) mod model;
 mod open;
+mod plain;
 mod record;
 #[cfg(feature = "cuda")]
 mod sys;
@@ -232,10 +233,10 @@ pub use driver::{
 };
 pub use fence::{CudaFence, PeerWork};
 
-pub use open::CudaError;
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use open::open_context;
+pub use open::{CudaError, CudaMechanism};
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use sys::SysDriver;
@@ -328,6 +329,11 @@ pub struct CudaBackend<D: Driver> {
     /// requested), or the error that query returned.
     exportable_granularity: Result<usize, CuError>,
     capacity: u64,
+    /// Whether this backend runs the plain mechanism (`cuMemAlloc`, fact 55) instead of VMM:
+    /// see [`mechanism`](Self::mechanism).
+    plain: bool,
+    /// The device's attribute 102, as read when opened.
+    vmm_supported: bool,
     /// The peer devices given access with this one: see [`with_peers`](Self::with_peers).
     peers: Vec<i32>,
     /// The access descriptors of every map, this device first, then each peer: read-write,

@@ -62,8 +62,35 @@ pub enum CudaError {
     },
 }
 
+/// The mechanism a [`CudaBackend`] runs: chosen when it is opened, for its whole life.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CudaMechanism {
+    /// Virtual memory management (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`, ...):
+    /// everything memtoken offers.
+    Vmm,
+    /// Plain allocation (`cuMemAlloc`, `cuMemFree`; fact 55), for a device without virtual
+    /// memory management: a commit allocates, a release frees, with the same tokens, fences
+    /// and views. A reservation is a claim on a length only (its address a placeholder): the
+    /// committed token's address is where the driver put the memory. Growing a region in
+    /// place, sharing a prefix, suspend, read-only maps, peers and export are refused with
+    /// [`Cause::Unsupported`](crate::backend::Cause::Unsupported) naming the capability
+    /// ([`Backend::lacks`](crate::backend::Backend::lacks) says so up front).
+    Plain,
+}
+
+/// Which mechanism to open a backend with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Want {
+    Vmm,
+    Plain,
+    /// VMM where the device has it (attribute 102), plain where not.
+    Auto,
+}
+
 /// What opening reads from the driver (see [`CudaBackend::new`]).
 struct Opened {
+    plain: bool,
+    vmm_supported: bool,
     granularity: usize,
     props: AllocationProps,
     exportable_granularity: Result<usize, CuError>,
@@ -83,6 +110,44 @@ impl<D: Driver> CudaBackend<D> {
     /// [`CudaError::Driver`] with the call that failed; [`CudaError::NoVmm`] for a device
     /// without virtual memory management.
     pub fn new(driver: D, ordinal: i32) -> Result<Self, CudaError> {
+        Self::open_with(driver, ordinal, Want::Vmm)
+    }
+
+    /// Opens device `ordinal` through `driver` on the plain mechanism
+    /// ([`CudaMechanism::Plain`]: `cuMemAlloc`, `cuMemFree`), whether or not the device has
+    /// virtual memory management. Makes no VMM call.
+    ///
+    /// ```
+    /// use memtoken::backend::cuda::{CudaBackend, CudaMechanism};
+    /// use memtoken::backend::doubles::{DriverModel, ModelConfig};
+    /// // A device without virtual memory management (attribute 102 is 0).
+    /// let model = DriverModel::new(ModelConfig { vmm: false, ..ModelConfig::default() });
+    /// let backend = CudaBackend::new_plain(model, 0)?;
+    /// assert_eq!(backend.mechanism(), CudaMechanism::Plain);
+    /// assert!(!backend.vmm_supported());
+    /// # Ok::<(), memtoken::backend::cuda::CudaError>(())
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`CudaError::Driver`] with the call that failed.
+    pub fn new_plain(driver: D, ordinal: i32) -> Result<Self, CudaError> {
+        Self::open_with(driver, ordinal, Want::Plain)
+    }
+
+    /// Opens device `ordinal` through `driver` on the best mechanism it has: VMM where the
+    /// device supports it (attribute 102 is 1), else the plain one
+    /// ([`mechanism`](Self::mechanism) says which, [`vmm_supported`](Self::vmm_supported)
+    /// why).
+    ///
+    /// # Errors
+    ///
+    /// [`CudaError::Driver`] with the call that failed.
+    pub fn new_auto(driver: D, ordinal: i32) -> Result<Self, CudaError> {
+        Self::open_with(driver, ordinal, Want::Auto)
+    }
+
+    fn open_with(driver: D, ordinal: i32, want: Want) -> Result<Self, CudaError> {
         let at = |call| move |error| CudaError::Driver { call, error };
         driver.init().map_err(at(DriverCall::Init))?;
         let device = driver
@@ -93,7 +158,7 @@ impl<D: Driver> CudaBackend<D> {
             .map_err(at(DriverCall::PrimaryCtxRetain))?;
         // SAFETY: `ctx` was retained just above from this driver; the backend gives that
         // retain back when it drops (`owns_retain`), and not before.
-        unsafe { Self::open_on(driver, device, ctx, true) }
+        unsafe { Self::open_on(driver, device, ctx, true, want) }
     }
 
     /// Opens the backend on context `ctx` of `device`.
@@ -108,10 +173,13 @@ impl<D: Driver> CudaBackend<D> {
         device: i32,
         ctx: Context,
         owns_retain: bool,
+        want: Want,
     ) -> Result<Self, CudaError> {
         // SAFETY: the caller promises `ctx` a live context of `device` from `driver`.
-        let opened = unsafe { Self::read_device(&driver, device, ctx) };
+        let opened = unsafe { Self::read_device(&driver, device, ctx, want) };
         let Opened {
+            plain,
+            vmm_supported,
             granularity,
             props,
             exportable_granularity,
@@ -136,6 +204,8 @@ impl<D: Driver> CudaBackend<D> {
             props,
             exportable_granularity,
             capacity,
+            plain,
+            vmm_supported,
             peers: Vec::new(),
             grant_rw: vec![(device, true)],
             grant_ro: vec![(device, false)],
@@ -154,7 +224,12 @@ impl<D: Driver> CudaBackend<D> {
     /// # Safety
     ///
     /// `ctx` is a live context of `device` from `driver`.
-    unsafe fn read_device(driver: &D, device: i32, ctx: Context) -> Result<Opened, CudaError> {
+    unsafe fn read_device(
+        driver: &D,
+        device: i32,
+        ctx: Context,
+        want: Want,
+    ) -> Result<Opened, CudaError> {
         let at = |call| move |error| CudaError::Driver { call, error };
         // SAFETY: the caller promises `ctx` live.
         unsafe { driver.ctx_set_current(ctx) }.map_err(at(DriverCall::CtxSetCurrent))?;
@@ -163,8 +238,26 @@ impl<D: Driver> CudaBackend<D> {
         let vmm = driver
             .device_get_attribute(DeviceAttribute::VirtualMemoryManagementSupported, device)
             .map_err(at(DriverCall::DeviceGetAttribute))?;
-        if vmm != 1 {
-            return Err(CudaError::NoVmm { device });
+        let vmm_supported = vmm == 1;
+        let plain = match want {
+            Want::Vmm if !vmm_supported => return Err(CudaError::NoVmm { device }),
+            Want::Vmm => false,
+            Want::Plain => true,
+            Want::Auto => !vmm_supported,
+        };
+        if plain {
+            // No VMM call at all (`cuMemGetAllocationGranularity` is one).
+            let capacity = driver
+                .device_total_mem(device)
+                .map_err(at(DriverCall::DeviceTotalMem))?;
+            return Ok(Opened {
+                plain,
+                vmm_supported,
+                granularity: super::plain::PLAIN_GRANULARITY,
+                props: AllocationProps::pinned(device),
+                exportable_granularity: Err(CuError::NOT_SUPPORTED),
+                capacity: capacity as u64,
+            });
         }
         // Fact 14: `gpuDirectRDMACapable` needs attribute 110; asked once, here.
         let rdma = driver
@@ -188,11 +281,28 @@ impl<D: Driver> CudaBackend<D> {
             .device_total_mem(device)
             .map_err(at(DriverCall::DeviceTotalMem))?;
         Ok(Opened {
+            plain,
+            vmm_supported,
             granularity,
             props,
             exportable_granularity,
             capacity: capacity as u64,
         })
+    }
+
+    /// The mechanism this backend runs, chosen when it was opened.
+    pub fn mechanism(&self) -> CudaMechanism {
+        if self.plain {
+            CudaMechanism::Plain
+        } else {
+            CudaMechanism::Vmm
+        }
+    }
+
+    /// Whether the device supports virtual memory management (attribute 102), as read when
+    /// the backend was opened: why [`new_auto`](Self::new_auto) chose its mechanism.
+    pub fn vmm_supported(&self) -> bool {
+        self.vmm_supported
     }
 
     /// The device ordinal's `CUdevice`.
@@ -265,6 +375,10 @@ impl<D: Driver> CudaBackend<D> {
     /// [`CudaError::Driver`] if `cuDeviceGet` or `cuDeviceCanAccessPeer` fails. The backend is
     /// dropped then.
     pub fn with_peers(mut self, peers: &[i32]) -> Result<Self, CudaError> {
+        if self.plain && !peers.is_empty() {
+            let why = format!("{}: it cannot give peers access", super::plain::PLAIN);
+            return Err(CudaError::BadPeers(why));
+        }
         if lock(&self.state).book.mappings() > 0 {
             let why = "peers must be set before anything is mapped".to_string();
             return Err(CudaError::BadPeers(why));
@@ -382,6 +496,26 @@ impl CudaBackend<SysDriver> {
         Self::new(SysDriver::load()?, ordinal)
     }
 
+    /// Opens device `ordinal` through the real driver on the best mechanism it has: see
+    /// [`new_auto`](Self::new_auto).
+    ///
+    /// # Errors
+    ///
+    /// As for [`open`](Self::open), without [`CudaError::NoVmm`].
+    pub fn open_auto(ordinal: i32) -> Result<Self, CudaError> {
+        Self::new_auto(SysDriver::load()?, ordinal)
+    }
+
+    /// Opens device `ordinal` through the real driver on the plain mechanism: see
+    /// [`new_plain`](Self::new_plain).
+    ///
+    /// # Errors
+    ///
+    /// As for [`open`](Self::open), without [`CudaError::NoVmm`].
+    pub fn open_plain(ordinal: i32) -> Result<Self, CudaError> {
+        Self::new_plain(SysDriver::load()?, ordinal)
+    }
+
     /// Opens the backend on the context of a cudarc `CudaContext` the caller already uses,
     /// sharing it instead of retaining the context behind cudarc's back: the backend keeps the
     /// `Arc` (so the context lives as long as the backend) and makes that context current for
@@ -397,7 +531,7 @@ impl CudaBackend<SysDriver> {
         let (device, ctx) = (context.cu_device(), context.cu_ctx() as Context);
         // SAFETY: `ctx` is the live context of `context`, which the backend keeps (below) until
         // it is dropped; the backend takes no retain of its own (`owns_retain` false).
-        let backend = unsafe { Self::open_on(driver, device, ctx, false) }?;
+        let backend = unsafe { Self::open_on(driver, device, ctx, false, Want::Vmm) }?;
         lock(&backend.kept).context = Some(context);
         Ok(backend)
     }

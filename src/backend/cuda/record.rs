@@ -74,6 +74,13 @@ pub(super) struct CudaState {
     pub(super) known: Vec<Stream>,
     /// Live views per stream: a stream is not forgotten while one lives.
     pub(super) views: HashMap<Stream, usize>,
+    /// The plain mechanism (fact 55): placeholder reservations not placed yet (start →
+    /// length), the next placeholder address, placed reservations (the driver's address →
+    /// the allocation there, freed with the reservation), and the live allocations placed.
+    pub(super) placeholders: HashMap<Addr, usize>,
+    pub(super) next_placeholder: Addr,
+    pub(super) placements: HashMap<Addr, CudaPhys>,
+    pub(super) placed: HashSet<CudaPhys>,
 }
 
 /// The streams that used one reservation's memory through views: its last writer and the
@@ -226,6 +233,10 @@ impl CudaState {
             covered: vec![0],
             known: Vec::new(),
             views: HashMap::new(),
+            placeholders: HashMap::new(),
+            next_placeholder: super::plain::PLACEHOLDER_BASE,
+            placements: HashMap::new(),
+            placed: HashSet::new(),
         }
     }
 }

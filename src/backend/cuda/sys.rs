@@ -215,6 +215,21 @@ impl Driver for SysDriver {
         Ok(handle)
     }
 
+    fn mem_alloc(&self, size: usize) -> CuResult<u64> {
+        let mut ptr = 0;
+        // SAFETY: `ptr` outlives the call; the driver checks the size.
+        unsafe { sys::cuMemAlloc_v2(&mut ptr, size) }
+            .result()
+            .map_err(cu)?;
+        Ok(ptr)
+    }
+
+    unsafe fn mem_free(&self, ptr: u64) -> CuResult<()> {
+        // SAFETY: the caller passes the start of a live `cuMemAlloc` allocation of this driver,
+        // freed once.
+        unsafe { sys::cuMemFree_v2(ptr) }.result().map_err(cu)
+    }
+
     unsafe fn mem_release(&self, handle: u64) -> CuResult<()> {
         // SAFETY: the caller passes a live handle of this driver.
         unsafe { sys::cuMemRelease(handle) }.result().map_err(cu)

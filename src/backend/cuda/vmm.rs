@@ -4,9 +4,10 @@
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::driver::Driver;
+use super::plain::PLAIN;
 use super::{CudaBackend, CudaFence, CudaPhys, next_serial};
 use crate::backend::{
-    Access, Addr, Backend, BackendError, Location, Op, Violation, check_address_space,
+    Ability, Access, Addr, Backend, BackendError, Location, Op, Violation, check_address_space,
 };
 use std::sync::atomic::Ordering;
 
@@ -37,6 +38,9 @@ impl<D: Driver> Backend for CudaBackend<D> {
 
     /// `cuMemAddressReserve` of `len` bytes, aligned to the granularity.
     fn reserve(&self, len: usize) -> Result<Addr, BackendError> {
+        if self.plain {
+            return self.plain_reserve(len);
+        }
         let mut s = self.enter(Op::Reserve, 0, len)?;
         // VMM calls: never barred by a capture (fact 40).
         let _relaxed = self
@@ -57,6 +61,9 @@ impl<D: Driver> Backend for CudaBackend<D> {
     /// `cuMemAddressFree` of exactly one reservation with nothing mapped in it, after
     /// unmapping what a failed rollback left there.
     fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+        if self.plain {
+            return self.plain_free(addr, len);
+        }
         let (start, end) = Self::span(Op::Free, addr, len, Violation::NotReserved { addr, len })?;
         let mut s = self.enter(Op::Free, addr, len)?;
         // VMM calls: never barred by a capture (fact 40).
@@ -85,6 +92,9 @@ impl<D: Driver> Backend for CudaBackend<D> {
 
     /// `cuMemCreate` of `len` bytes with the backend's plain properties.
     fn create(&self, len: usize) -> Result<CudaPhys, BackendError> {
+        if self.plain {
+            return self.plain_create(len);
+        }
         let mut s = self.enter(Op::Create, 0, len)?;
         // VMM calls: never barred by a capture (fact 40).
         let _relaxed = self
@@ -107,6 +117,9 @@ impl<D: Driver> Backend for CudaBackend<D> {
 
     /// `cuMemRelease` of memory this backend created or imported and has not released.
     fn release(&self, phys: CudaPhys, len: usize) -> Result<(), BackendError> {
+        if self.plain {
+            return self.plain_release(phys, len);
+        }
         let mut s = self.enter(Op::Release, 0, len)?;
         // VMM calls: never barred by a capture (fact 40).
         let _relaxed = self
@@ -135,6 +148,9 @@ impl<D: Driver> Backend for CudaBackend<D> {
         phys: CudaPhys,
         access: Access,
     ) -> Result<(), BackendError> {
+        if self.plain {
+            return self.plain_map(addr, len, phys, access);
+        }
         let (ptr, end) = Self::span(Op::Map, addr, len, Violation::NotReserved { addr, len })?;
         let mut s = self.enter(Op::Map, addr, len)?;
         // VMM calls: never barred by a capture (fact 40).
@@ -194,6 +210,9 @@ impl<D: Driver> Backend for CudaBackend<D> {
 
     /// `cuMemUnmap` of whole mappings exactly covering `[addr, addr + len)`.
     fn unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+        if self.plain {
+            return self.plain_unmap(addr, len);
+        }
         let (start, end) = Self::span(Op::Unmap, addr, len, Violation::NotMapped { addr, len })?;
         let mut s = self.enter(Op::Unmap, addr, len)?;
         // VMM calls: never barred by a capture (fact 40).
@@ -225,6 +244,10 @@ impl<D: Driver> Backend for CudaBackend<D> {
 
     #[inline]
     fn copy_into_phys(&self, phys: CudaPhys, src: Addr, len: usize) -> Result<(), BackendError> {
+        if self.plain {
+            // Only copy-on-write copies into unmapped memory: a prefix's, refused before.
+            return Err(Ability::MapTwice.refused(Op::Map, src, len, PLAIN));
+        }
         self.copy_via_scratch(phys, src, len)
     }
 
@@ -284,6 +307,20 @@ impl<D: Driver> Backend for CudaBackend<D> {
 
     fn context_lost(&self) -> bool {
         self.lost.load(Ordering::Acquire)
+    }
+
+    /// The plain mechanism lacks every ability (fact 55); the VMM one none.
+    fn lacks(&self, _ability: Ability) -> Option<&'static str> {
+        self.plain.then_some(PLAIN)
+    }
+
+    /// The plain mechanism's allocation is its address.
+    fn placed(&self, reserved: Addr, phys: CudaPhys) -> Addr {
+        if self.plain {
+            phys.handle as Addr
+        } else {
+            reserved
+        }
     }
 
     /// Memory lent to a capture (memtoken's, until its graph goes; another's, for good).

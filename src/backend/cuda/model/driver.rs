@@ -145,6 +145,7 @@ impl Driver for DriverModel {
         let call = DriverCall::MemAddressFree;
         self.check_vmm(call);
         let mut s = self.enter(call, true)?;
+        Self::check_not_plain(&s, call, ptr as Addr, size);
         Self::check(call, s.book.check_free(ptr as Addr, size));
         s.refused_by_capture()?;
         s.book.apply_free(ptr as Addr);
@@ -285,6 +286,69 @@ impl Driver for DriverModel {
         Ok(handle)
     }
 
+    /// Fact 55: with or without attribute 102; the memory lands where
+    /// [`ModelConfig::placement`] puts it, mapped read-write for the context (device 0), with
+    /// no handle. Refused during a global capture (fact 42), as `cudaMalloc` is.
+    fn mem_alloc(&self, size: usize) -> CuResult<u64> {
+        let call = DriverCall::MemAlloc;
+        let mut s = self.enter(call, true)?;
+        if size == 0 {
+            return Err(CuError::INVALID_VALUE);
+        }
+        s.refused_by_capture()?;
+        s.reap_shareables();
+        if s.used
+            .checked_add(size)
+            .is_none_or(|n| n > self.config.total_mem)
+        {
+            return Err(CuError::OUT_OF_MEMORY);
+        }
+        let g = self.config.granularity;
+        let Some(addr) = s.place(self.config.placement, size.next_multiple_of(g), g) else {
+            return Err(CuError::OUT_OF_MEMORY);
+        };
+        let allocation = s.next_allocation;
+        s.next_allocation += 1;
+        s.used += size;
+        s.owners.insert(allocation, 0);
+        s.book.apply_reserve(addr, size);
+        s.placed.insert(addr, size);
+        s.book.apply_create(allocation, size);
+        s.book.apply_map(addr, size, allocation, Access::ReadWrite);
+        let epoch = s.epoch;
+        s.access_epoch.insert(addr, (size, epoch));
+        s.grants.entry(addr).or_default().insert(0, true);
+        s.plain.insert(addr, (allocation, size));
+        Ok(addr as u64)
+    }
+
+    /// Fact 55: exactly a live `cuMemAlloc` start, else misuse. Does not wait: work that may
+    /// still touch the memory faults when it completes (as after an unmap, fact 21). Refused
+    /// during a global capture.
+    unsafe fn mem_free(&self, ptr: u64) -> CuResult<()> {
+        let call = DriverCall::MemFree;
+        let mut s = self.enter(call, true)?;
+        let addr = ptr as Addr;
+        let Some(&(allocation, size)) = s.plain.get(&addr) else {
+            misuse(call, "not the start of a live cuMemAlloc allocation");
+        };
+        s.refused_by_capture()?;
+        s.plain.remove(&addr);
+        let end = addr + size;
+        s.book.apply_release(allocation);
+        for (gone, len) in s.book.handles_in(addr, size) {
+            s.gone(gone, len);
+        }
+        s.book.apply_unmap(addr, size);
+        s.access_epoch.remove(&addr);
+        s.grants.remove(&addr);
+        s.unmap_under_work(addr, end);
+        s.book.apply_free(addr);
+        s.placed.remove(&addr);
+        s.granted_in.remove(&addr);
+        Ok(())
+    }
+
     unsafe fn mem_allocation_size(&self, handle: u64) -> Option<usize> {
         let s = self.state();
         let &allocation = s.handles.get(&handle)?;
@@ -319,6 +383,7 @@ impl Driver for DriverModel {
         let call = DriverCall::MemMap;
         self.check_vmm(call);
         let mut s = self.enter(call, true)?;
+        Self::check_not_plain(&s, call, ptr as Addr, size);
         let Some(&allocation) = s.handles.get(&handle) else {
             misuse(call, "unknown or released handle");
         };
@@ -355,6 +420,7 @@ impl Driver for DriverModel {
         let call = DriverCall::MemSetAccess;
         self.check_vmm(call);
         let mut s = self.enter(call, true)?;
+        Self::check_not_plain(&s, call, ptr as Addr, size);
         self.check_descriptors(call, access);
         let (addr, end) = (ptr as Addr, ptr as Addr + size);
         Self::check(call, s.book.check_unmap(addr, size));
@@ -397,6 +463,7 @@ impl Driver for DriverModel {
         let call = DriverCall::MemUnmap;
         self.check_vmm(call);
         let mut s = self.enter(call, true)?;
+        Self::check_not_plain(&s, call, ptr as Addr, size);
         let (addr, end) = (ptr as Addr, ptr as Addr + size);
         Self::check(call, s.book.check_unmap(addr, size));
         s.refused_by_capture()?;
@@ -764,6 +831,13 @@ impl DriverModel {
                 call,
                 "a VMM call on a device without virtual memory management (attribute 102 is 0)",
             );
+        }
+    }
+
+    /// Fact 55: a VMM call on `cuMemAlloc` memory is misuse.
+    fn check_not_plain(s: &ModelState, call: DriverCall, addr: Addr, len: usize) {
+        if s.overlaps_plain(addr, len.max(1)) {
+            misuse(call, "a VMM call on memory cuMemAlloc made");
         }
     }
 

@@ -175,6 +175,10 @@ pub(super) struct ModelState {
     /// Exported allocations released and unmapped here, kept for their holders: their length.
     pub(super) held_over: HashMap<u64, usize>,
     pub(super) used: usize,
+    /// Live `cuMemAlloc` allocations (fact 55), by start: their allocation number and length.
+    /// Each is a reservation mapped whole, read-write, in `book` and `placed` as well; no VMM
+    /// call may touch it.
+    pub(super) plain: BTreeMap<Addr, (u64, usize)>,
     /// Bytes written, by allocation number.
     pub(super) contents: HashMap<u64, Vec<u8>>,
     /// Live events, and where each was last recorded: its stream and the work it covers.
@@ -246,6 +250,7 @@ impl ModelState {
             next_handle: 1,
             next_allocation: 1,
             used: 0,
+            plain: BTreeMap::new(),
             contents: HashMap::new(),
             events: HashMap::new(),
             captured: HashMap::new(),
@@ -283,6 +288,15 @@ impl ModelState {
 
     /// `allocation` (`len` bytes) has no handle and no mapping left: an import gives its hold
     /// on the exported memory back; exported memory still held stays (fact 27); else it goes.
+    /// Whether `[addr, addr + len)` overlaps a live `cuMemAlloc` allocation.
+    pub(super) fn overlaps_plain(&self, addr: Addr, len: usize) -> bool {
+        let end = addr.saturating_add(len);
+        self.plain
+            .range(..end)
+            .next_back()
+            .is_some_and(|(&start, &(_, n))| start.saturating_add(n) > addr)
+    }
+
     pub(super) fn gone(&mut self, allocation: u64, len: usize) {
         self.owners.remove(&allocation);
         self.handle_types.remove(&allocation);

@@ -1,0 +1,191 @@
+//! The plain mechanism of the CUDA backend (fact 55): `cuMemAlloc` and `cuMemFree`, for a
+//! device without virtual memory management.
+//!
+//! What it can do, it does with the VMM mechanism's record, fences and tokens; what it cannot
+//! is refused with [`Cause::Unsupported`](crate::backend::Cause::Unsupported) naming the
+//! capability, before any driver call, never emulated:
+//!
+//! - **reserve** claims a length only: the record books it at a *placeholder* address, above
+//!   every device address, that no driver call and no token's memory ever sees;
+//! - **create** is `cuMemAlloc`: the memory, at the driver's address, is the handle;
+//! - **map** is the one placement a commit makes: the whole of a fresh allocation over the
+//!   whole of a placeholder reservation. The record moves the reservation to the driver's
+//!   address, and the committed token takes it ([`Backend::placed`]). Any other map — part of
+//!   a reservation (a region's growth), an allocation mapped before (sharing, a wake), a
+//!   read-only one, one that peers would need access to — is refused;
+//! - **unmap** only takes the mapping off the record (the memory stays allocated, unreachable
+//!   through any token), after the same checks as the VMM mechanism's;
+//! - **release** marks the allocation released; its memory goes with its reservation. An
+//!   allocation never placed (a commit that failed after its create) is freed at once;
+//! - **free** of a placed reservation is `cuMemFree`, once its allocation is released: the
+//!   typed layer frees only after the token's fence and unmap, so no work can touch it.
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
+
+use super::driver::Driver;
+use super::{CudaBackend, CudaPhys, next_serial};
+use crate::backend::{
+    Ability, Access, Addr, Backend, BackendError, Op, Violation, check_address_space,
+};
+
+/// The first placeholder address: above every device address (CUDA's unified address space
+/// is 49 bits wide at most), with room below the top for every reservation ever made.
+pub(super) const PLACEHOLDER_BASE: Addr = 1 << 60;
+
+/// The plain mechanism's granularity: what every length is rounded to. Not a driver's
+/// answer (`cuMemGetAllocationGranularity` is a VMM call): the VMM mechanism's usual
+/// recommendation, so that sizes are the same on both.
+pub(super) const PLAIN_GRANULARITY: usize = 2 << 20;
+
+/// The plain mechanism, named in its errors.
+pub(super) const PLAIN: &str =
+    "the CUDA plain-allocation mechanism (cuMemAlloc: the device has no virtual memory management)";
+
+impl<D: Driver> CudaBackend<D> {
+    /// A claim on `len` bytes: booked at the next placeholder address, no driver call.
+    pub(super) fn plain_reserve(&self, len: usize) -> Result<Addr, BackendError> {
+        let mut s = self.enter(Op::Reserve, 0, len)?;
+        s.book
+            .check_reserve(len)
+            .map_err(|v| BackendError::refused(Op::Reserve, 0, len, v))?;
+        check_address_space(len, self.address_space())?;
+        let addr = s.next_placeholder;
+        // At most 2^47 bytes a reservation, from 2^60: 2^15 years at a reservation per
+        // nanosecond before this could reach the top.
+        s.next_placeholder += len;
+        s.book.apply_reserve(addr, len);
+        s.placeholders.insert(addr, len);
+        Ok(addr)
+    }
+
+    /// A placeholder: forgotten. A placed reservation: its memory freed (`cuMemFree`), once
+    /// its allocation was released and nothing is mapped.
+    pub(super) fn plain_free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+        let (start, _) = Self::span(Op::Free, addr, len, Violation::NotReserved { addr, len })?;
+        let mut s = self.enter(Op::Free, addr, len)?;
+        Self::check_not_busy(&s, Op::Free, addr, len)?;
+        s.book
+            .check_free(addr, len)
+            .map_err(|v| BackendError::refused(Op::Free, addr, len, v))?;
+        if let Some(&phys) = s.placements.get(&addr) {
+            if s.book.phys_len(phys).is_some() {
+                let v = Violation::LiveMemory { addr, len };
+                return Err(BackendError::refused(Op::Free, addr, len, v));
+            }
+            // Not barred by a capture, as the VMM calls are not (fact 55).
+            let _relaxed = self
+                .relaxed()
+                .map_err(|e| self.fail(Op::Free, addr, len, e))?;
+            // SAFETY: `s.placements` holds `addr` only as the start of a live `cuMemAlloc`
+            // allocation this backend placed (the handle `plain_create` got), removed below
+            // once freed; its allocation is released and nothing is mapped in its
+            // reservation (both checked above), so no token lends it any more.
+            unsafe { self.driver.mem_free(start) }
+                .map_err(|e| self.fail(Op::Free, addr, len, e))?;
+            s.placements.remove(&addr);
+        }
+        s.placeholders.remove(&addr);
+        s.free_reservation(addr);
+        Ok(())
+    }
+
+    /// `cuMemAlloc` of `len` bytes: the allocation is its memory's address.
+    pub(super) fn plain_create(&self, len: usize) -> Result<CudaPhys, BackendError> {
+        let mut s = self.enter(Op::Create, 0, len)?;
+        s.book
+            .check_create(len)
+            .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
+        // A global-mode capture refuses an allocation (fact 42): relaxed, as the VMM calls.
+        let _relaxed = self
+            .relaxed()
+            .map_err(|e| self.fail(Op::Create, 0, len, e))?;
+        let handle = self
+            .driver
+            .mem_alloc(len)
+            .map_err(|e| self.fail(Op::Create, 0, len, e))?;
+        let phys = CudaPhys {
+            handle,
+            serial: next_serial(),
+        };
+        s.book.apply_create(phys, len);
+        Ok(phys)
+    }
+
+    /// Marks `phys` released: placed, its memory goes with its reservation; never placed,
+    /// freed now (`cuMemFree`).
+    pub(super) fn plain_release(&self, phys: CudaPhys, len: usize) -> Result<(), BackendError> {
+        let mut s = self.enter(Op::Release, 0, len)?;
+        s.book
+            .check_release(phys, len)
+            .map_err(|v| BackendError::refused(Op::Release, 0, len, v))?;
+        if !s.placed.remove(&phys) {
+            let _relaxed = self
+                .relaxed()
+                .map_err(|e| self.fail(Op::Release, 0, len, e))?;
+            // SAFETY: `s.book.check_release` above proved `phys` created by `plain_create`
+            // (its handle the start of a live `cuMemAlloc` allocation) and not released; it
+            // was never placed, so no reservation holds it and no work can use it.
+            unsafe { self.driver.mem_free(phys.handle) }
+                .map_err(|e| self.fail(Op::Release, 0, len, e))?;
+        }
+        s.book.apply_release(phys);
+        Ok(())
+    }
+
+    /// The placement of a fresh allocation over a whole placeholder reservation; every other
+    /// map is refused (see the module docs).
+    pub(super) fn plain_map(
+        &self,
+        addr: Addr,
+        len: usize,
+        phys: CudaPhys,
+        access: Access,
+    ) -> Result<(), BackendError> {
+        Self::span(Op::Map, addr, len, Violation::NotReserved { addr, len })?;
+        let mut s = self.enter(Op::Map, addr, len)?;
+        Self::check_not_busy(&s, Op::Map, addr, len)?;
+        let refuse = |ability: Ability| Err(ability.refused(Op::Map, addr, len, PLAIN));
+        if access == Access::ReadOnly {
+            return refuse(Ability::MapReadOnly);
+        }
+        if !self.peers.is_empty() {
+            return refuse(Ability::PeerAccess);
+        }
+        s.book
+            .check_map(addr, len, phys, 0)
+            .map_err(|v| BackendError::refused(Op::Map, addr, len, v))?;
+        if s.placed.contains(&phys) {
+            return refuse(Ability::MapTwice);
+        }
+        if s.placeholders.get(&addr) != Some(&len) {
+            return refuse(Ability::MapAtReservedAddress);
+        }
+        let ptr = phys.handle as Addr;
+        s.placeholders.remove(&addr);
+        s.free_reservation(addr);
+        s.book.apply_reserve(ptr, len);
+        s.book.apply_map(ptr, len, phys, Access::ReadWrite);
+        s.placements.insert(ptr, phys);
+        s.placed.insert(phys);
+        Ok(())
+    }
+
+    /// Takes the mapping off the record, after the VMM mechanism's checks; no driver call.
+    pub(super) fn plain_unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
+        Self::span(Op::Unmap, addr, len, Violation::NotMapped { addr, len })?;
+        let mut s = self.enter(Op::Unmap, addr, len)?;
+        Self::check_not_busy(&s, Op::Unmap, addr, len)?;
+        if Self::overlaps(&s.graph_held, addr, len) {
+            let v = Violation::HeldByGraph { addr, len };
+            return Err(BackendError::refused(Op::Unmap, addr, len, v));
+        }
+        if Self::overlaps(&s.capture_held, addr, len) {
+            let v = Violation::HeldByCapture { addr, len };
+            return Err(BackendError::refused(Op::Unmap, addr, len, v));
+        }
+        s.book
+            .check_unmap(addr, len)
+            .map_err(|v| BackendError::refused(Op::Unmap, addr, len, v))?;
+        s.book.apply_unmap(addr, len);
+        Ok(())
+    }
+}

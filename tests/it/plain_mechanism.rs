@@ -1,0 +1,302 @@
+//! The CUDA backend's plain mechanism (issue 29, fact 55), on the driver model of a device
+//! without virtual memory management: it is what gets selected there; commit, release, copies,
+//! fences and page pools work on it, a commit allocating (`cuMemAlloc`) and a release freeing
+//! (`cuMemFree`); growing a region, sharing a prefix, suspend, export, read-only maps and
+//! peers are refused with [`Cause::Unsupported`] naming the capability, with nothing done; and
+//! a mechanism whose creates fail for good is retired while its old tokens release on it.
+
+use crate::common;
+use memtoken::backend::cuda::{CuError, CudaBackend, CudaError, CudaMechanism, DriverCall};
+use memtoken::backend::doubles::{DriverModel, ModelConfig, ModelOutstanding};
+use memtoken::backend::{Ability, BackendError, Cause, PosixFd};
+use memtoken::mechanism::{MechanismError, Mechanisms};
+use memtoken::{
+    Budget, CommitFailure, Device, GrowError, PagePool, Returned, SuspendFailure, TransitionError,
+    make_guard,
+};
+
+/// A driver model of a device without virtual memory management (attribute 102 is 0): any
+/// VMM call on it is misuse, and panics.
+fn no_vmm() -> DriverModel {
+    DriverModel::new(ModelConfig {
+        vmm: false,
+        ..common::model_config()
+    })
+    .unwrap()
+}
+
+/// The capability `e` says the mechanism lacks, if it is such a refusal.
+fn unsupported(e: &BackendError) -> Option<&'static str> {
+    match e.cause {
+        Cause::Unsupported { capability, .. } => Some(capability),
+        _ => None,
+    }
+}
+
+/// The token a refusal handed back unchanged.
+fn unchanged<T, Q>(token: Returned<T, Q>) -> T {
+    match token {
+        Returned::Unchanged(token) => token,
+        Returned::Quarantined(_) => panic!("the token comes back unchanged"),
+    }
+}
+
+/// Probed at open, the VMM mechanism is refused and the plain one selected; on it a
+/// reservation allocates nothing, a commit allocates (the token at the driver's address), the
+/// bytes round-trip, a release frees, and a page pool works; the model never sees a VMM call
+/// (it would panic) and ends with nothing outstanding. Fails if a commit keeps the
+/// placeholder address (the copies would be refused: nothing is mapped there), or if a
+/// release does not free.
+#[test]
+fn a_device_without_vmm_selects_the_plain_mechanism_where_commit_release_and_pools_work() {
+    let model = no_vmm();
+    let registry = Mechanisms::new();
+    let vmm = registry.register("cuda-vmm").unwrap();
+    let plain = registry.register("cuda-plain").unwrap();
+    let out = registry.select_probed(vmm, || CudaBackend::new(model.clone(), 0).map(drop));
+    let Err(MechanismError::Refused { why, now, .. }) = out else {
+        panic!("{out:?}")
+    };
+    assert!(why.contains("virtual memory management"), "{why}");
+    assert_eq!(now, None);
+    registry.retire(vmm).unwrap();
+    let mut opened = None;
+    registry
+        .select_probed(plain, || {
+            CudaBackend::new_plain(model.clone(), 0).map(|b| opened = Some(b))
+        })
+        .unwrap();
+    assert_eq!(registry.selected(), Some(plain));
+    let backend = opened.unwrap();
+    assert_eq!(backend.mechanism(), CudaMechanism::Plain);
+    assert!(!backend.vmm_supported());
+    // `new_auto` makes the same choice by itself.
+    let auto = CudaBackend::new_auto(model.clone(), 0).unwrap();
+    assert_eq!(auto.mechanism(), CudaMechanism::Plain);
+    drop(auto);
+    assert!(matches!(
+        CudaBackend::new(model.clone(), 0),
+        Err(CudaError::NoVmm { device: 0 })
+    ));
+
+    make_guard!(guard);
+    let device = Device::new(guard, backend);
+    let g = device.granularity();
+    let binding = device.bind(Budget::bytes(8 * g as u64)).unwrap();
+    let reserved = binding.reserve(2 * g).unwrap();
+    let placeholder = reserved.addr();
+    assert_eq!(
+        model.count(DriverCall::MemAlloc),
+        0,
+        "a reservation allocates nothing"
+    );
+    assert_eq!(device.ledger().owned_bytes, 0);
+    let mut token = reserved.commit().unwrap();
+    assert_eq!(model.count(DriverCall::MemAlloc), 1, "a commit allocates");
+    assert_ne!(
+        token.addr(),
+        placeholder,
+        "the token is where the driver put the memory"
+    );
+    assert_eq!(
+        model.address_range(token.addr() as u64),
+        Some((token.addr() as u64, 2 * g))
+    );
+    assert_eq!(device.ledger().owned_bytes, 2 * g as u64);
+    let bytes = common::pattern(2 * g, 5);
+    token.copy_from_host(0, &bytes).unwrap();
+    let mut back = vec![0; 2 * g];
+    token.copy_to_host(0, &mut back).unwrap();
+    assert_eq!(back, bytes);
+    token.release().complete().unwrap();
+    assert_eq!(model.count(DriverCall::MemFree), 1, "a release frees");
+    assert!(device.ledger().is_zero());
+
+    make_guard!(pool_guard);
+    let pool = PagePool::new(pool_guard, &binding, 64 << 10).unwrap();
+    let mut table = pool.table();
+    for _ in 0..3 {
+        pool.push(&mut table).unwrap();
+    }
+    table.copy_page_from_host(2, 8, &[9; 8]).unwrap();
+    let mut page = [0; 8];
+    table.copy_page_to_host(2, 8, &mut page).unwrap();
+    assert_eq!(page, [9; 8]);
+    drop(table);
+    drop(pool);
+    assert!(device.ledger().is_zero());
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert_eq!(model.outstanding(), ModelOutstanding::default());
+}
+
+/// On the plain mechanism, what needs VMM is refused up front, naming the capability, with
+/// nothing done: a region's growth, a prefix (shared or exportable), a suspend (of a token
+/// and of a region), peers; the token comes back unchanged and still works. Fails if any of
+/// them reaches the driver (the model panics on a VMM call) or is emulated.
+#[test]
+fn on_the_plain_mechanism_regions_sharing_suspend_and_export_are_refused_naming_the_capability() {
+    let model = no_vmm();
+    make_guard!(guard);
+    let device = Device::new(guard, CudaBackend::new_plain(model.clone(), 0).unwrap());
+    for ability in Ability::ALL {
+        assert!(device.lacks(ability).is_some(), "{ability:?}");
+    }
+    let g = device.granularity();
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let calls = model.log().len();
+
+    let mut region = binding.reserve(4 * g).unwrap().into_region();
+    let Err(GrowError::Undone { cause, .. }) = region.grow(1) else {
+        panic!("a region cannot grow in place")
+    };
+    let CommitFailure::Backend(e) = *cause else {
+        panic!("{cause:?}")
+    };
+    assert_eq!(
+        unsupported(&e),
+        Some(Ability::MapAtReservedAddress.capability())
+    );
+    assert!(e.to_string().contains("plain-allocation"), "{e}");
+    assert_eq!(region.committed_granules(), 0);
+    region.release().complete().unwrap();
+    // One granule too: its growth would cover the whole reservation, as a commit does.
+    let mut region = binding.reserve(g).unwrap().into_region();
+    assert!(matches!(region.grow(1), Err(GrowError::Undone { .. })));
+    region.release().complete().unwrap();
+
+    let reserved = binding.reserve(g).unwrap();
+    let TransitionError { token, cause } = reserved.commit_prefix().unwrap_err();
+    let CommitFailure::Backend(e) = &cause else {
+        panic!("{cause:?}")
+    };
+    assert_eq!(unsupported(e), Some(Ability::MapTwice.capability()));
+    let reserved = unchanged(token);
+    let TransitionError { token, cause } =
+        reserved.commit_prefix_exportable::<PosixFd>().unwrap_err();
+    let CommitFailure::Backend(e) = &cause else {
+        panic!("{cause:?}")
+    };
+    assert_eq!(unsupported(e), Some(Ability::Export.capability()));
+    let reserved = unchanged(token);
+    let made = model.log().split_off(calls);
+    assert!(
+        made.iter().all(|&c| c == DriverCall::CtxSetCurrent),
+        "no memory call was made for any of them: {made:?}"
+    );
+
+    let token = reserved.commit().expect("still a plain reservation");
+    let TransitionError { token, cause } = token.suspend().unwrap_err();
+    let SuspendFailure::Backend(e) = &cause else {
+        panic!("{cause:?}")
+    };
+    assert_eq!(unsupported(e), Some(Ability::SuspendInPlace.capability()));
+    token.release().complete().unwrap();
+
+    let peers = CudaBackend::new_plain(model.clone(), 0)
+        .unwrap()
+        .with_peers(&[1]);
+    assert!(matches!(peers, Err(CudaError::BadPeers(why)) if why.contains("peers")));
+
+    assert!(device.ledger().is_zero());
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert_eq!(model.outstanding(), ModelOutstanding::default());
+}
+
+/// The plain mechanism's memory is freed only after its fence: a release while a kernel may
+/// still use the memory waits (`cuMemFree` does not), and frees once the work is done. Fails
+/// if the free is made at the release's start (the model faults: work ran on freed memory).
+#[test]
+fn on_the_plain_mechanism_memory_is_freed_after_its_fence() {
+    let model = DriverModel::new(ModelConfig {
+        vmm: false,
+        events_complete_at_once: false,
+        ..common::model_config()
+    })
+    .unwrap();
+    make_guard!(guard);
+    let device = Device::new(guard, CudaBackend::new_plain(model.clone(), 0).unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let token = binding
+        .reserve(device.granularity())
+        .unwrap()
+        .commit()
+        .unwrap();
+    model.submit_work(); // a kernel may still use it
+    let releasing = match token.release().complete().map_err(|e| e.into_token()) {
+        Err(Returned::Unchanged(releasing)) => releasing,
+        _ => panic!("the release waits for the kernel"),
+    };
+    assert_eq!(
+        model.count(DriverCall::MemFree),
+        0,
+        "nothing freed under the kernel"
+    );
+    model.complete_work();
+    releasing.complete().unwrap();
+    assert_eq!(model.count(DriverCall::MemFree), 1);
+    assert_eq!(model.lost_with(), None, "no work ran on freed memory");
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert_eq!(model.outstanding(), ModelOutstanding::default());
+}
+
+/// A failed `cuMemAlloc` leaves the reservation as it was and nothing charged; a commit
+/// retried succeeds. And a plain mechanism whose creates fail for good is retired: new
+/// bindings go to the healthy one (a VMM device), and the old token still releases on its
+/// own. Fails if a failed commit keeps a charge, or if the retirement lets the selection stay.
+#[test]
+fn a_plain_mechanism_failing_for_good_is_retired_and_its_old_tokens_release_on_it() {
+    let (sick, healthy) = (no_vmm(), common::model());
+    make_guard!(ga);
+    make_guard!(gb);
+    let a = Device::new(ga, CudaBackend::new_plain(sick.clone(), 0).unwrap());
+    let b = Device::new(gb, CudaBackend::new(healthy.clone(), 0).unwrap());
+    let registry = Mechanisms::new();
+    let (plain, vmm) = (
+        registry.register("cuda-plain").unwrap(),
+        registry.register("cuda-vmm").unwrap(),
+    );
+    registry.select(plain).unwrap();
+    let on_a = registry
+        .on_selected(|m| {
+            assert_eq!(m, plain);
+            a.bind(Budget::unlimited())
+        })
+        .unwrap();
+    let g = a.granularity();
+    let old = on_a.value.reserve(g).unwrap().commit().unwrap();
+    sick.fail_from(DriverCall::MemAlloc, 1, CuError::OUT_OF_MEMORY);
+    let err = on_a.value.reserve(g).unwrap().commit().unwrap_err();
+    assert!(
+        matches!(err.cause, CommitFailure::Backend(_)),
+        "{:?}",
+        err.cause
+    );
+    assert_eq!(
+        a.ledger().owned_bytes,
+        g as u64,
+        "only the old token is owned"
+    );
+    drop(err);
+    registry.retire(plain).unwrap();
+    assert_eq!(registry.selected(), None);
+    registry.select(vmm).unwrap();
+    let on_b = registry
+        .on_selected(|m| {
+            assert_eq!(m, vmm);
+            b.bind(Budget::unlimited())
+        })
+        .unwrap();
+    let new = on_b.value.reserve(g).unwrap().commit().unwrap();
+    old.release().complete().unwrap();
+    new.release().complete().unwrap();
+    drop((on_a, on_b));
+    sick.clear();
+    registry.terminate(plain).unwrap();
+    assert!(a.close().is_clean());
+    assert!(b.close().is_clean());
+    assert_eq!(sick.outstanding(), ModelOutstanding::default());
+    assert_eq!(healthy.outstanding(), ModelOutstanding::default());
+}

@@ -19,6 +19,7 @@ use memtoken::backend::{Backend, HostBackend};
 use memtoken::{Binding, Budget, Device, make_guard};
 
 const GRANULE: usize = 4096;
+const USAGE: &str = "usage: granule_cycle [memtoken|raw] [cycles]  (default: memtoken 20000)";
 
 #[inline(never)]
 fn cycles_memtoken<B: Backend>(binding: &Binding<'_, '_, B>, n: u64) {
@@ -40,7 +41,14 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     }
     let mut args = std::env::args().skip(1);
     let which = args.next().unwrap_or_else(|| "memtoken".into());
-    let n: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(20_000);
+    let n: u64 = match args.next().map(|s| s.parse()) {
+        None => 20_000,
+        Some(Ok(n)) => n,
+        Some(Err(e)) => {
+            eprintln!("granule_cycle: cycles must be a whole number ({e})\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
     match which.as_str() {
         "memtoken" => {
             make_guard!(guard);
@@ -49,8 +57,12 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             cycles_memtoken(&binding, n);
         }
         "raw" => cycles_raw(&HostBackend::with_defaults()?, n),
-        _ => {
-            eprintln!("usage: granule_cycle memtoken|raw [cycles]");
+        "--help" | "-h" => {
+            println!("{USAGE}");
+            return Ok(());
+        }
+        other => {
+            eprintln!("granule_cycle: no mode {other:?}\n{USAGE}");
             std::process::exit(2);
         }
     }

@@ -4,7 +4,7 @@
 //! bytes (each export keeps the memory), print that they own 0 bytes, and exit; the exports
 //! end, and the host's memfd space is given back.
 //!
-//! `cargo run --example prefix_server [-- WORKERS]` (default 3).
+//! `cargo run --example prefix_server [-- WORKERS]` (default 3); `-- --help` prints the usage.
 
 use memtoken::backend::{HostBackend, PosixFd};
 use memtoken::{Budget, Device, Offer, make_guard};
@@ -13,6 +13,8 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::Command;
 
 const WORKER_ENV: &str = "MEMTOKEN_PREFIX_WORKER";
+const USAGE: &str = "usage: cargo run --example prefix_server [-- WORKERS]
+  WORKERS  how many worker processes import the shared prefix (a whole number, default 3)";
 /// The system prompt's KV: 64 tokens of 1 KiB each, plus a partly filled boundary granule.
 const PROMPT_BYTES: usize = 66 << 10;
 
@@ -47,12 +49,37 @@ fn worker(path: &str, id: &str) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// The number of workers the command line asks for; `--help` prints the usage and exits 0, a bad
+/// argument says which and prints the usage, and exits 2.
+fn workers() -> usize {
+    fn bad(why: String) -> ! {
+        eprintln!("prefix_server: {why}\n{USAGE}");
+        std::process::exit(2)
+    }
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    match args.as_slice() {
+        [] => 3,
+        [help] if help == "--help" || help == "-h" => {
+            println!("{USAGE}");
+            std::process::exit(0)
+        }
+        [n] => n.parse().unwrap_or_else(|e| {
+            bad(format!(
+                "WORKERS must be a whole number of worker processes, not {n:?} ({e})"
+            ))
+        }),
+        [_, extra, ..] => bad(format!(
+            "one argument at most (WORKERS), not also {extra:?}"
+        )),
+    }
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     if let Ok(path) = std::env::var(WORKER_ENV) {
         let id = std::env::args().nth(1).unwrap_or_default();
         return worker(&path, &id);
     }
-    let workers: usize = std::env::args().nth(1).map_or(Ok(3), |n| n.parse())?;
+    let workers = workers();
     make_guard!(guard);
     let device = Device::new(guard, HostBackend::with_defaults()?);
     let system = device.bind(Budget::unlimited())?;

@@ -21,6 +21,8 @@ use memtoken::backend::{Addr, Backend};
 use memtoken::{Allocation, Budget, Committed, Device, make_guard};
 use std::time::Instant;
 
+const USAGE: &str = "usage: sleep_wake [memtoken|raw] [cycles]  (default: memtoken 20)";
+
 #[inline(never)]
 fn cycles_memtoken<'b, 'id, B: Backend>(
     mut a: Allocation<'b, 'id, B, Committed>,
@@ -46,7 +48,14 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     }
     let mut args = std::env::args().skip(1);
     let which = args.next().unwrap_or_else(|| "memtoken".into());
-    let n: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(20);
+    let n: u64 = match args.next().map(|s| s.parse()) {
+        None => 20,
+        Some(Ok(n)) => n,
+        Some(Err(e)) => {
+            eprintln!("sleep_wake: cycles must be a whole number ({e})\n{USAGE}");
+            std::process::exit(2);
+        }
+    };
     let elapsed = match which.as_str() {
         "memtoken" => {
             make_guard!(guard);
@@ -74,8 +83,12 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             let _ = phys;
             elapsed
         }
+        "--help" | "-h" => {
+            println!("{USAGE}");
+            return Ok(());
+        }
         other => {
-            eprintln!("usage: sleep_wake [memtoken|raw] [cycles]; not {other:?}");
+            eprintln!("sleep_wake: no mode {other:?}\n{USAGE}");
             std::process::exit(2);
         }
     };

@@ -299,8 +299,13 @@ fn without_a_memfd_export_is_refused_naming_what_cannot_be_done() {
     );
     let said = e.to_string();
     assert!(
-        said.contains("exportable") && said.contains("anonymous"),
+        said.contains("export") && said.contains("anonymous"),
         "{said}"
+    );
+    assert_eq!(
+        host.lacks(memtoken::backend::Ability::Export),
+        Some("the host's anonymous store (memfd_create refused or not asked for)"),
+        "said once, up front"
     );
     assert_eq!((host.physical_in_use(), host.open_files()), (0, 0));
 }

@@ -300,3 +300,32 @@ fn a_plain_mechanism_failing_for_good_is_retired_and_its_old_tokens_release_on_i
     assert_eq!(sick.outstanding(), ModelOutstanding::default());
     assert_eq!(healthy.outstanding(), ModelOutstanding::default());
 }
+
+/// A wrapper backend forwards what its backend lacks and where it places memory: through
+/// `Faulty`, a plain commit's token is at the driver's address. Fails
+/// if `Faulty` keeps the trait's defaults (the token would keep its placeholder address).
+#[test]
+fn through_a_wrapper_the_plain_mechanism_places_and_refuses_as_itself() {
+    use memtoken::backend::doubles::Faulty;
+    let model = no_vmm();
+    make_guard!(guard);
+    let faulty = Faulty::new(CudaBackend::new_plain(model.clone(), 0).unwrap());
+    let faults = faulty.handle();
+    let device = Device::new(guard, faulty);
+    assert!(device.lacks(Ability::MapTwice).is_some());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let reserved = binding.reserve(device.granularity()).unwrap();
+    let placeholder = reserved.addr();
+    let token = reserved.commit().unwrap();
+    assert_ne!(token.addr(), placeholder);
+    assert_eq!(
+        model.address_range(token.addr() as u64),
+        Some((token.addr() as u64, token.len())),
+        "the token is where the driver put the memory"
+    );
+    token.release().complete().unwrap();
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+    assert_eq!(model.outstanding(), ModelOutstanding::default());
+}

@@ -3,7 +3,9 @@
 
 use super::faults::{Fault, FaultPlan};
 use crate::backend::export::{Exportable, HandleKind, Shareable};
-use crate::backend::{Access, Addr, Backend, BackendError, Cause, HostVisible, Location, Op, lock};
+use crate::backend::{
+    Ability, Access, Addr, Backend, BackendError, Cause, HostVisible, Location, Op, lock,
+};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -408,6 +410,22 @@ impl<B: Backend> Backend for Faulty<B> {
     fn keep_for_good(&self, addr: Addr, len: usize) {
         self.handle.any(&"keep_for_good");
         self.inner.keep_for_good(addr, len)
+    }
+
+    fn lacks(&self, ability: Ability) -> Option<&'static str> {
+        self.handle.any(&"lacks");
+        self.inner.lacks(ability)
+    }
+
+    fn placed(&self, reserved: Addr, phys: B::Phys) -> Addr {
+        self.handle.any(&"placed");
+        let placed = self.inner.placed(reserved, phys);
+        // The mapping made at `reserved` lives at `placed`: its unmap will name that address.
+        let mut maps = lock(&self.handle.0.mappings);
+        if let Some(len) = maps.remove(&reserved) {
+            maps.insert(placed, len);
+        }
+        placed
     }
 }
 

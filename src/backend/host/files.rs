@@ -141,11 +141,8 @@ impl Exportable<PosixFd> for HostBackend {
     /// kernel keeps its pages while any process maps it.
     fn create_exportable(&self, len: usize) -> Result<HostPhys, BackendError> {
         if self.memory() == super::HostMemory::Anonymous {
-            let cause = crate::backend::Cause::Unsupported {
-                capability: "create memory exportable to another process",
-                mechanism: "the host's anonymous store (memfd_create refused or not asked for)",
-            };
-            return Err(BackendError::new(Op::Create, 0, len, cause));
+            let export = crate::backend::Ability::Export;
+            return Err(export.refused(Op::Create, 0, len, super::ANONYMOUS));
         }
         let mut s = self.state();
         s.book

@@ -5,7 +5,7 @@ mod files;
 
 use super::rules::{Book, Violation};
 use super::{
-    Access, Addr, Backend, BackendError, Cause, ConfigError, HostVisible, Op,
+    Ability, Access, Addr, Backend, BackendError, Cause, ConfigError, HostVisible, Op,
     address_space_exhausted, check_address_space, lock,
 };
 use files::{FileKind, HostFile};
@@ -710,7 +710,17 @@ impl Backend for HostBackend {
         // the backend drops: the range stays this process's, whatever a late peer does to it.
         self.state().book.poison(addr, len);
     }
+
+    /// The anonymous store cannot export (no descriptor names its memory); the memfd store
+    /// lacks nothing.
+    fn lacks(&self, ability: Ability) -> Option<&'static str> {
+        (ability == Ability::Export && self.memory() == HostMemory::Anonymous).then_some(ANONYMOUS)
+    }
 }
+
+/// The anonymous store, named in its refusals.
+pub(super) const ANONYMOUS: &str =
+    "the host's anonymous store (memfd_create refused or not asked for)";
 
 // SAFETY: a successful `map` places a `MAP_SHARED` mapping of the store — the `memfd`, or the
 // pages of the anonymous store's shared mapping (`mremap`) — (or of the

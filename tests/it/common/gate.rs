@@ -159,6 +159,14 @@ impl<B: Backend> Backend for Gate<B> {
     fn context_lost(&self) -> bool {
         self.inner.context_lost()
     }
+
+    fn lacks(&self, ability: memtoken::backend::Ability) -> Option<&'static str> {
+        self.inner.lacks(ability)
+    }
+
+    fn placed(&self, reserved: memtoken::backend::Addr, phys: B::Phys) -> memtoken::backend::Addr {
+        self.inner.placed(reserved, phys)
+    }
 }
 
 /// Exports and imports go to the inner backend; exported offsets are moved by

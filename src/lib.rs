@@ -210,3 +210,50 @@ pub use sleep::{
 };
 pub use state::{Committed, Live, Readable, Releasing, Reserved, State};
 pub use transfer::{Descriptor, Registrable, Registration};
+
+// The README and the guides under docs/: every Rust snippet in them is compiled (and run) as a
+// doc test (`cargo test --doc`). These items exist only while rustdoc collects doc tests.
+/// The README's snippets.
+#[cfg(doctest)]
+#[doc = include_str!("../README.md")]
+pub struct ReadmeDoctests;
+/// docs/tokens.md's snippets.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/tokens.md")]
+pub struct TokensGuideDoctests;
+/// docs/sharing.md's snippets.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/sharing.md")]
+pub struct SharingGuideDoctests;
+/// docs/page-pool.md's snippets.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/page-pool.md")]
+pub struct PagePoolGuideDoctests;
+/// docs/regions.md's snippets.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/regions.md")]
+pub struct RegionsGuideDoctests;
+/// docs/sleep-wake.md's snippets.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/sleep-wake.md")]
+pub struct SleepWakeGuideDoctests;
+/// docs/cuda.md's snippets (on the driver model: they run anywhere).
+#[cfg(doctest)]
+#[doc = include_str!("../docs/cuda.md")]
+pub struct CudaGuideDoctests;
+/// docs/mechanisms.md's snippets.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/mechanisms.md")]
+pub struct MechanismsGuideDoctests;
+/// docs/engines.md's snippets.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/engines.md")]
+pub struct EnginesGuideDoctests;
+/// docs/transfer-engines.md's snippets.
+#[cfg(doctest)]
+#[doc = include_str!("../docs/transfer-engines.md")]
+pub struct TransferEnginesGuideDoctests;
+/// docs/nixl.md's snippets: they need feature `nixl` (`cargo test --features nixl --doc nixl`).
+#[cfg(all(doctest, feature = "nixl"))]
+#[doc = include_str!("../docs/nixl.md")]
+pub mod nixl_guide {}

@@ -121,11 +121,11 @@ impl<D: Driver> CudaBackend<D> {
     /// use memtoken::backend::cuda::{CudaBackend, CudaMechanism};
     /// use memtoken::backend::doubles::{DriverModel, ModelConfig};
     /// // A device without virtual memory management (attribute 102 is 0).
-    /// let model = DriverModel::new(ModelConfig { vmm: false, ..ModelConfig::default() });
+    /// let model = DriverModel::new(ModelConfig { vmm: false, ..ModelConfig::default() })?;
     /// let backend = CudaBackend::new_plain(model, 0)?;
     /// assert_eq!(backend.mechanism(), CudaMechanism::Plain);
     /// assert!(!backend.vmm_supported());
-    /// # Ok::<(), memtoken::backend::cuda::CudaError>(())
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
     /// ```
     ///
     /// # Errors

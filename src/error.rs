@@ -106,6 +106,11 @@ pub enum CommitFailure {
         "a backend call failed; everything done before it was undone, nothing stays mapped or charged"
     )]
     Backend(#[source] BackendError),
+    /// The device's mechanism cannot do this at all (its source is a
+    /// [`Cause::Unsupported`](crate::backend::Cause::Unsupported) naming the capability, as
+    /// [`Device::lacks`](crate::Device::lacks) says up front). Nothing was called or charged.
+    #[error("the device's mechanism cannot do this; nothing was done")]
+    Unsupported(#[source] BackendError),
     /// A backend call failed, and releasing the physical memory created for it failed too.
     #[error(
         "a backend call failed, and releasing the physical memory created for it failed too ({rollback}): that memory stays owned (and charged) in the device quarantine, until Device::retry_quarantine succeeds or, once the context is lost, Device::discharge_all"
@@ -375,6 +380,13 @@ pub enum GrowError {
         /// Granules the region can hold now.
         room: usize,
     },
+    /// The device's mechanism cannot grow a region in place (it lacks
+    /// [`Ability::MapAtReservedAddress`](crate::backend::Ability::MapAtReservedAddress): its
+    /// source names it). Nothing was done.
+    #[error(
+        "the region cannot grow: the device's mechanism cannot map at a reserved address; nothing was done"
+    )]
+    Unsupported(#[source] BackendError),
     /// A budget, the capacity or a backend call refused granule `at` (0-based, of this call):
     /// every granule this call mapped was unmapped again and given back where it came from
     /// (the cache, or released), and nothing stays charged to the binding.

@@ -302,7 +302,8 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// backend call refuses a granule ([`GrowError::Undone`]): every granule this call mapped
     /// is unmapped and given back where it came from, and the binding is charged nothing. When
     /// unmapping one of them fails too ([`GrowError::Withheld`]), it stays in the region, owned
-    /// and withheld.
+    /// and withheld. [`GrowError::Unsupported`] where the device's mechanism cannot grow a
+    /// region in place (CUDA's plain one), before anything is done.
     pub fn grow(&mut self, granules: usize) -> Result<(), GrowError> {
         // One scope for all of it: a backend panic contained while mapping resumes only once
         // the tail granules taken are back in the tail.
@@ -319,12 +320,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
                 len,
             );
             if let Err(e) = needs {
-                let cause = Box::new(CommitFailure::Backend(e));
-                return Err(GrowError::Undone {
-                    at: 0,
-                    cause,
-                    quarantined: 0,
-                });
+                return Err(GrowError::Unsupported(e));
             }
             if granules > room - live {
                 return Err(GrowError::Full {
@@ -726,7 +722,7 @@ pub(crate) fn reclaim_withheld<B: Backend>(
 fn add_quarantined(cause: &mut GrowError, n: usize) {
     match cause {
         GrowError::Undone { quarantined, .. } => *quarantined += n,
-        GrowError::Withheld { .. } | GrowError::Full { .. } => {}
+        GrowError::Withheld { .. } | GrowError::Full { .. } | GrowError::Unsupported(_) => {}
     }
 }
 

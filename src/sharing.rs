@@ -367,9 +367,9 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         let backend = core.device().backend();
         let needs = |ability, op| backend.needs(ability, op, core.addr, core.len);
         if exportable {
-            needs(Ability::Export, Op::Create).map_err(CommitFailure::Backend)?;
+            needs(Ability::Export, Op::Create).map_err(CommitFailure::Unsupported)?;
         }
-        needs(Ability::MapTwice, Op::Map).map_err(CommitFailure::Backend)
+        needs(Ability::MapTwice, Op::Map).map_err(CommitFailure::Unsupported)
     }
 
     /// [`commit_prefix`](Allocation::commit_prefix), its memory made by `create`: the body

@@ -85,17 +85,6 @@ pub enum Violation {
         /// Its length.
         len: usize,
     },
-    /// `free` of a reservation whose memory lives until it is freed (CUDA's plain mechanism,
-    /// fact 55) while its allocation is not released yet.
-    #[error(
-        "the memory of the reservation at [{addr:#x}, +{len:#x}) is not released yet: release it before freeing the reservation"
-    )]
-    LiveMemory {
-        /// Start of the reservation.
-        addr: Addr,
-        /// Its length.
-        len: usize,
-    },
     /// A copy whose source is mapped from its own destination.
     #[error("copy source [{addr:#x}, +{len:#x}) maps the destination physical memory itself")]
     SelfCopy {

@@ -305,6 +305,19 @@ impl<'id, B: Backend> Device<'id, B> {
         if let Some(shared) = h.shared.take() {
             self.unshare(shared);
         }
+        // A mechanism whose memory lives with its reservation (CUDA's plain one): the memory
+        // goes with the free, so the free comes first and the owned bytes stay charged until
+        // it has succeeded.
+        if h.reserved
+            && self
+                .backend
+                .lacks(crate::backend::Ability::MapAtReservedAddress)
+                .is_some()
+        {
+            self.backend.free(r.addr, r.len)?;
+            h.reserved = false;
+            self.refund(Axis::Reserved, r.len);
+        }
         if let Some((phys, len)) = h.phys {
             self.backend.release(phys, len)?;
             h.phys = None;

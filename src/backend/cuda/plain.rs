@@ -15,10 +15,13 @@
 //!   read-only one, one that peers would need access to — is refused;
 //! - **unmap** only takes the mapping off the record (the memory stays allocated, unreachable
 //!   through any token), after the same checks as the VMM mechanism's;
-//! - **release** marks the allocation released; its memory goes with its reservation. An
-//!   allocation never placed (a commit that failed after its create) is freed at once;
-//! - **free** of a placed reservation is `cuMemFree`, once its allocation is released: the
-//!   typed layer frees only after the token's fence and unmap, so no work can touch it.
+//! - **free** of a placed reservation is `cuMemFree`: the memory goes with its reservation.
+//!   The typed layer frees only after the token's fence and unmap, so no work can touch it,
+//!   and on this mechanism it frees *before* it releases the allocation (see
+//!   `Device::teardown`), so the owned bytes stay charged until the memory is really gone: a
+//!   failed `cuMemFree` leaves them charged, in quarantine with the allocation;
+//! - **release** of an allocation freed with its reservation only takes it off the record; of
+//!   one never placed (a commit that failed after its create), it is `cuMemFree`.
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::driver::Driver;
@@ -61,8 +64,8 @@ impl<D: Driver> CudaBackend<D> {
         Ok(addr)
     }
 
-    /// A placeholder: forgotten. A placed reservation: its memory freed (`cuMemFree`), once
-    /// its allocation was released and nothing is mapped.
+    /// A placeholder: forgotten. A placed reservation with nothing mapped: its memory freed
+    /// (`cuMemFree`); its allocation, if not released yet, is marked freed.
     #[cold]
     #[inline(never)]
     pub(super) fn plain_free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
@@ -73,21 +76,22 @@ impl<D: Driver> CudaBackend<D> {
             .check_free(addr, len)
             .map_err(|v| BackendError::refused(Op::Free, addr, len, v))?;
         if let Some(&phys) = s.placements.get(&addr) {
-            if s.book.phys_len(phys).is_some() {
-                let v = Violation::LiveMemory { addr, len };
-                return Err(BackendError::refused(Op::Free, addr, len, v));
-            }
             // Not barred by a capture, as the VMM calls are not (fact 55).
             let _relaxed = self
                 .relaxed()
                 .map_err(|e| self.fail(Op::Free, addr, len, e))?;
             // SAFETY: `s.placements` holds `addr` only as the start of a live `cuMemAlloc`
             // allocation this backend placed (the handle `plain_create` got), removed below
-            // once freed; its allocation is released and nothing is mapped in its
-            // reservation (both checked above), so no token lends it any more.
+            // once freed, and `plain_release` frees no allocation it placed: so this frees it
+            // once. Nothing is mapped in its reservation (checked above), so no token lends it:
+            // the typed layer unmaps only after the token's fence.
             unsafe { self.driver.mem_free(start) }
                 .map_err(|e| self.fail(Op::Free, addr, len, e))?;
             s.placements.remove(&addr);
+            if s.placed.remove(&phys) && s.book.phys_len(phys).is_some() {
+                // Freed before its release: the release only takes it off the record.
+                s.freed.insert(phys);
+            }
         }
         s.placeholders.remove(&addr);
         s.free_reservation(addr);
@@ -127,7 +131,9 @@ impl<D: Driver> CudaBackend<D> {
         s.book
             .check_release(phys, len)
             .map_err(|v| BackendError::refused(Op::Release, 0, len, v))?;
-        if !s.placed.remove(&phys) {
+        if s.freed.remove(&phys) {
+            // Its memory went with its reservation already.
+        } else if !s.placed.remove(&phys) {
             let _relaxed = self
                 .relaxed()
                 .map_err(|e| self.fail(Op::Release, 0, len, e))?;

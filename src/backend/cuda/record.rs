@@ -81,6 +81,8 @@ pub(super) struct CudaState {
     pub(super) next_placeholder: Addr,
     pub(super) placements: HashMap<Addr, CudaPhys>,
     pub(super) placed: HashSet<CudaPhys>,
+    /// Placed allocations whose memory was freed with their reservation, not released yet.
+    pub(super) freed: HashSet<CudaPhys>,
 }
 
 /// The streams that used one reservation's memory through views: its last writer and the
@@ -237,6 +239,7 @@ impl CudaState {
             next_placeholder: super::plain::PLACEHOLDER_BASE,
             placements: HashMap::new(),
             placed: HashSet::new(),
+            freed: HashSet::new(),
         }
     }
 }

@@ -165,6 +165,9 @@ struct Sizes {
     location: Location,
     /// [`Backend::lacks`] for each ability, by [`Ability::index`].
     lacks: [Option<&'static str>; Ability::ALL.len()],
+    /// Whether the backend lacks [`Ability::MapAtReservedAddress`]: a commit's memory is where
+    /// [`Backend::placed`] says, and lives with its reservation.
+    places: bool,
 }
 
 impl<B: Backend> Guarded<B> {
@@ -175,6 +178,7 @@ impl<B: Backend> Guarded<B> {
             physical_capacity: backend.physical_capacity(),
             location: backend.location(),
             lacks: Ability::ALL.map(|a| backend.lacks(a)),
+            places: backend.lacks(Ability::MapAtReservedAddress).is_some(),
         };
         Self { backend, sizes }
     }
@@ -271,11 +275,19 @@ impl<B: Backend> Guarded<B> {
     /// at reserved addresses).
     #[inline]
     pub(crate) fn placed(&self, reserved: Addr, phys: B::Phys) -> Addr {
-        if self.lacks(Ability::MapAtReservedAddress).is_none() {
-            reserved
-        } else {
+        if self.sizes.places {
             self.backend.placed(reserved, phys)
+        } else {
+            reserved
         }
+    }
+
+    /// Whether the backend lacks [`Ability::MapAtReservedAddress`] (read when the device was
+    /// made): a commit's memory is where [`placed`](Self::placed) says, and it lives with its
+    /// reservation, so a teardown frees before it releases.
+    #[inline]
+    pub(crate) fn places_at_commit(&self) -> bool {
+        self.sizes.places
     }
 
     #[inline]

@@ -305,19 +305,10 @@ impl<'id, B: Backend> Device<'id, B> {
         if let Some(shared) = h.shared.take() {
             self.unshare(shared);
         }
-        // A mechanism whose memory lives with its reservation (CUDA's plain one): the memory
-        // goes with the free, so the free comes first and the owned bytes stay charged until
-        // it has succeeded.
-        if h.reserved
-            && self
-                .backend
-                .lacks(crate::backend::Ability::MapAtReservedAddress)
-                .is_some()
-        {
-            self.backend.free(r.addr, r.len)?;
-            h.reserved = false;
-            self.refund(Axis::Reserved, r.len);
+        if self.backend.places_at_commit() {
+            self.free_first(r)?;
         }
+        let h = &mut r.held;
         if let Some((phys, len)) = h.phys {
             self.backend.release(phys, len)?;
             h.phys = None;
@@ -336,6 +327,20 @@ impl<'id, B: Backend> Device<'id, B> {
         if h.reserved {
             self.backend.free(r.addr, r.len)?;
             h.reserved = false;
+            self.refund(Axis::Reserved, r.len);
+        }
+        Ok(())
+    }
+
+    /// On a mechanism whose memory lives with its reservation (CUDA's plain one) the memory
+    /// goes with the free, so [`teardown`](Self::teardown) frees first: the owned bytes stay
+    /// charged until it has succeeded.
+    #[cold]
+    #[inline(never)]
+    fn free_first(&self, r: &mut Residual<B::Phys>) -> Result<(), ReleaseFailure> {
+        if r.held.reserved {
+            self.backend.free(r.addr, r.len)?;
+            r.held.reserved = false;
             self.refund(Axis::Reserved, r.len);
         }
         Ok(())

@@ -480,7 +480,7 @@ pub trait Driver {
     }
     /// `cuMemAlloc(&ptr, size)`: `size` bytes of device memory, mapped read-write for this
     /// context at an address the driver chooses — the plain mechanism, which needs no virtual
-    /// memory management (fact 55).
+    /// memory management (fact 59).
     fn mem_alloc(&self, size: usize) -> CuResult<u64>;
     /// `cuMemFree(ptr)`
     ///

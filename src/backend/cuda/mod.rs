@@ -329,7 +329,7 @@ pub struct CudaBackend<D: Driver> {
     /// requested), or the error that query returned.
     exportable_granularity: Result<usize, CuError>,
     capacity: u64,
-    /// Whether this backend runs the plain mechanism (`cuMemAlloc`, fact 55) instead of VMM:
+    /// Whether this backend runs the plain mechanism (`cuMemAlloc`, fact 59) instead of VMM:
     /// see [`mechanism`](Self::mechanism).
     plain: bool,
     /// The device's attribute 102, as read when opened.

@@ -68,7 +68,7 @@ pub enum CudaMechanism {
     /// Virtual memory management (`cuMemAddressReserve`, `cuMemCreate`, `cuMemMap`, ...):
     /// everything memtoken offers.
     Vmm,
-    /// Plain allocation (`cuMemAlloc`, `cuMemFree`; fact 55), for a device without virtual
+    /// Plain allocation (`cuMemAlloc`, `cuMemFree`; fact 59), for a device without virtual
     /// memory management: a commit allocates, a release frees, with the same tokens, fences
     /// and views. A reservation is a claim on a length only (its address a placeholder): the
     /// committed token's address is where the driver put the memory. Growing a region in

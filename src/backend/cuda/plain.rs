@@ -1,4 +1,4 @@
-//! The plain mechanism of the CUDA backend (fact 55): `cuMemAlloc` and `cuMemFree`, for a
+//! The plain mechanism of the CUDA backend (fact 59): `cuMemAlloc` and `cuMemFree`, for a
 //! device without virtual memory management.
 //!
 //! What it can do, it does with the VMM mechanism's record, fences and tokens; what it cannot
@@ -76,7 +76,7 @@ impl<D: Driver> CudaBackend<D> {
             .check_free(addr, len)
             .map_err(|v| BackendError::refused(Op::Free, addr, len, v))?;
         if let Some(&phys) = s.placements.get(&addr) {
-            // Not barred by a capture, as the VMM calls are not (fact 55).
+            // Not barred by a capture, as the VMM calls are not (fact 59).
             let _relaxed = self
                 .relaxed()
                 .map_err(|e| self.fail(Op::Free, addr, len, e))?;

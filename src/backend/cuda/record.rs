@@ -74,7 +74,7 @@ pub(super) struct CudaState {
     pub(super) known: Vec<Stream>,
     /// Live views per stream: a stream is not forgotten while one lives.
     pub(super) views: HashMap<Stream, usize>,
-    /// The plain mechanism (fact 55): placeholder reservations not placed yet (start →
+    /// The plain mechanism (fact 59): placeholder reservations not placed yet (start →
     /// length), the next placeholder address, placed reservations (the driver's address →
     /// the allocation there, freed with the reservation), and the live allocations placed.
     pub(super) placeholders: HashMap<Addr, usize>,

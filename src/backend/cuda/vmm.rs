@@ -309,7 +309,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         self.lost.load(Ordering::Acquire)
     }
 
-    /// The plain mechanism lacks every ability (fact 55); the VMM one none.
+    /// The plain mechanism lacks every ability (fact 59); the VMM one none.
     fn lacks(&self, _ability: Ability) -> Option<&'static str> {
         self.plain.then_some(PLAIN)
     }

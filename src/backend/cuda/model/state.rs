@@ -175,7 +175,7 @@ pub(super) struct ModelState {
     /// Exported allocations released and unmapped here, kept for their holders: their length.
     pub(super) held_over: HashMap<u64, usize>,
     pub(super) used: usize,
-    /// Live `cuMemAlloc` allocations (fact 55), by start: their allocation number and length.
+    /// Live `cuMemAlloc` allocations (fact 59), by start: their allocation number and length.
     /// Each is a reservation mapped whole, read-write, in `book` and `placed` as well; no VMM
     /// call may touch it.
     pub(super) plain: BTreeMap<Addr, (u64, usize)>,

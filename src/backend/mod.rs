@@ -644,6 +644,11 @@ pub trait Backend {
     /// reservation at `reserved` lives: `reserved` itself unless the backend lacks
     /// [`Ability::MapAtReservedAddress`] (it places memory where its allocator does; only a
     /// commit then maps, and the committed token takes this address). Must not panic.
+    ///
+    /// Such a backend's placed memory lives with its reservation: once unmapped, a
+    /// [`free`](Backend::free) of the reservation frees it and releases `phys` too, in one
+    /// call, and the typed layer makes no [`release`](Backend::release) of it (a release
+    /// before the free marks it released; its memory still goes with the free).
     fn placed(&self, reserved: Addr, _phys: Self::Phys) -> Addr {
         reserved
     }

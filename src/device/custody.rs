@@ -333,8 +333,8 @@ impl<'id, B: Backend> Device<'id, B> {
     }
 
     /// On a mechanism whose memory lives with its reservation (CUDA's plain one) the memory
-    /// goes with the free, so [`teardown`](Self::teardown) frees first: the owned bytes stay
-    /// charged until it has succeeded.
+    /// goes with the free, so [`teardown`](Self::teardown) frees first, and the free releases
+    /// it: the owned bytes stay charged until it has succeeded, and go with it.
     #[cold]
     #[inline(never)]
     fn free_first(&self, r: &mut Residual<B::Phys>) -> Result<(), ReleaseFailure> {
@@ -342,6 +342,11 @@ impl<'id, B: Backend> Device<'id, B> {
             self.backend.free(r.addr, r.len)?;
             r.held.reserved = false;
             self.refund(Axis::Reserved, r.len);
+            // The memory placed there went with it, released by the same call (see
+            // `Backend::placed`): no release of its own, which could fail after it was gone.
+            if let Some((_, len)) = r.held.phys.take() {
+                self.refund(Axis::Owned, len);
+            }
         }
         Ok(())
     }

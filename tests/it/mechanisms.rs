@@ -5,8 +5,8 @@
 //! tokens release on theirs; and a property test over random steps on two mechanisms.
 
 use crate::common::{self, sim};
-use memtoken::backend::Op;
 use memtoken::backend::doubles::{FaultHandle, Faulty, SimBackend};
+use memtoken::backend::{Backend, Op};
 use memtoken::mechanism::{Lifecycle, MechanismError, MechanismId, Mechanisms, Phase};
 use memtoken::{Allocation, Binding, Budget, Committed, Device, make_guard};
 use proptest::prelude::*;
@@ -366,24 +366,24 @@ fn readers_never_see_a_dead_selection_and_ids_belong_to_their_registry() {
 }
 
 /// A binding on one of two devices (each a mechanism, with its own brand).
-enum Either<'a, 'b, 'ia, 'ib> {
-    A(Binding<'a, 'ia, Faulty<SimBackend>>),
-    B(Binding<'b, 'ib, Faulty<SimBackend>>),
+enum Either<'a, 'b, 'ia, 'ib, B: Backend = Faulty<SimBackend>> {
+    A(Binding<'a, 'ia, B>),
+    B(Binding<'b, 'ib, B>),
 }
 
 /// A token on one of the two devices.
-enum Token<'a, 'b, 'ia, 'ib> {
-    A(Allocation<'a, 'ia, Faulty<SimBackend>, Committed>),
-    B(Allocation<'b, 'ib, Faulty<SimBackend>, Committed>),
+enum Token<'a, 'b, 'ia, 'ib, B: Backend = Faulty<SimBackend>> {
+    A(Allocation<'a, 'ia, B, Committed>),
+    B(Allocation<'b, 'ib, B, Committed>),
 }
 
 /// Binds on `mechanism`'s device: `a`'s for `ids.0`, `b`'s for `ids.1`.
-fn bind_on<'a, 'b, 'ia, 'ib>(
+fn bind_on<'a, 'b, 'ia, 'ib, B: Backend>(
     mechanism: MechanismId,
     ids: (MechanismId, MechanismId),
-    a: &'a Device<'ia, Faulty<SimBackend>>,
-    b: &'b Device<'ib, Faulty<SimBackend>>,
-) -> Result<Either<'a, 'b, 'ia, 'ib>, memtoken::backend::BackendError> {
+    a: &'a Device<'ia, B>,
+    b: &'b Device<'ib, B>,
+) -> Result<Either<'a, 'b, 'ia, 'ib, B>, memtoken::backend::BackendError> {
     if mechanism == ids.0 {
         Ok(Either::A(a.bind(Budget::unlimited())?))
     } else {
@@ -507,6 +507,7 @@ fn step() -> impl Strategy<Value = Step> {
         Op::Map,
         Op::Unmap,
         Op::Release,
+        Op::Free,
     ]);
     prop_oneof![
         2 => (0usize..2).prop_map(Step::Select),
@@ -522,13 +523,74 @@ fn step() -> impl Strategy<Value = Step> {
 
 /// Random steps on two mechanisms (two devices over the simulator) with faults.
 fn run(steps: &[Step]) {
+    let (sa, sb) = (sim(1 << 30), sim(1 << 30));
+    let (la, lb) = (sa.clone(), sb.clone());
+    run_on(
+        steps,
+        [Faulty::new(sa), Faulty::new(sb)],
+        [&move || la.lose_context(), &move || lb.lose_context()],
+        &|_| (),
+        &|| (),
+    );
+}
+
+/// Random steps on the CUDA backend's two mechanisms, each a device over a driver model of its
+/// own: VMM, and plain on a device without VMM.
+fn run_cuda(steps: &[Step]) {
+    use memtoken::backend::cuda::CudaBackend;
+    use memtoken::backend::doubles::{DriverModel, ModelConfig, ModelOutstanding};
+    let vmm = common::model();
+    let plain = DriverModel::new(ModelConfig {
+        vmm: false,
+        ..common::model_config()
+    })
+    .unwrap();
+    let (lv, lp) = (vmm.clone(), plain.clone());
+    let (cv, cp) = (vmm.clone(), plain.clone());
+    let (ov, op) = (vmm.clone(), plain.clone());
+    run_on(
+        steps,
+        [
+            Faulty::new(CudaBackend::new(vmm, 0).unwrap()),
+            Faulty::new(CudaBackend::new_plain(plain, 0).unwrap()),
+        ],
+        [&move || lv.lose_context(), &move || lp.lose_context()],
+        // After every step each device owns (and is charged) exactly what its driver holds,
+        // quarantined and deferred memory included.
+        &move |owned| {
+            for (model, owned) in [&ov, &op].into_iter().zip(owned) {
+                if model.lost_with().is_none() {
+                    assert_eq!(owned, model.outstanding().physical_bytes as u64);
+                }
+            }
+        },
+        // Nothing is left in either driver, unless its context was lost (which took it all).
+        &move || {
+            for model in [&cv, &cp] {
+                if model.lost_with().is_none() {
+                    assert_eq!(model.outstanding(), ModelOutstanding::default());
+                }
+            }
+        },
+    );
+}
+
+/// Random steps on two mechanisms, the devices over `backends` (wrapped in `Faulty` for its
+/// faults and counts), `lose[m]` taking mechanism `m`'s context down, `after_step` checking
+/// the devices' owned bytes after every step, and `at_end` checking what is left below the
+/// backends once both devices are closed.
+fn run_on<B: Backend>(
+    steps: &[Step],
+    backends: [Faulty<B>; 2],
+    lose: [&dyn Fn(); 2],
+    after_step: &dyn Fn([u64; 2]),
+    at_end: &dyn Fn(),
+) {
     make_guard!(ga);
     make_guard!(gb);
-    let (sa, sb) = (sim(1 << 30), sim(1 << 30));
-    let (fa, fb) = (Faulty::new(sa.clone()), Faulty::new(sb.clone()));
+    let [fa, fb] = backends;
     let handles = [fa.handle(), fb.handle()];
     let (da, db) = (Device::new(ga, fa), Device::new(gb, fb));
-    let sims = [sa, sb];
     let g = da.granularity();
     let registry = Mechanisms::new();
     let ids = (
@@ -540,7 +602,8 @@ fn run(steps: &[Step]) {
     // while more are made.
     let bindings: [std::cell::OnceCell<_>; 16] = Default::default();
     let mut made = 0;
-    let mut tokens: Vec<(MechanismId, Token<'_, '_, '_, '_>)> = Vec::new();
+    let mut tokens: Vec<(MechanismId, Token<'_, '_, '_, '_, Faulty<B>>)> = Vec::new();
+    let mut lost = [false; 2];
     for step in steps {
         match *step {
             Step::Select(m) => {
@@ -554,7 +617,8 @@ fn run(steps: &[Step]) {
             }
             Step::Lose(m) => {
                 if registry.lose(id(m)).is_ok() {
-                    sims[m].lose_context();
+                    lose[m]();
+                    lost[m] = true;
                 }
             }
             Step::Bind => {
@@ -606,6 +670,7 @@ fn run(steps: &[Step]) {
             Step::Fault(m, op, n) => handles[m].fail_nth(op, n),
         }
         assert_valid(&registry);
+        after_step([da.ledger().owned_bytes, db.ledger().owned_bytes]);
     }
     drop(tokens);
     drop(bindings);
@@ -614,9 +679,6 @@ fn run(steps: &[Step]) {
     }
     da.retry_quarantine();
     db.retry_quarantine();
-    let lost = sims
-        .each_ref()
-        .map(memtoken::backend::Backend::context_lost);
     let reports = [da.close(), db.close()];
     for m in 0..2 {
         // A lost context took its memory with it (the driver frees it): the device discharged
@@ -630,6 +692,7 @@ fn run(steps: &[Step]) {
             );
         }
     }
+    at_end();
 }
 
 proptest! {
@@ -642,5 +705,21 @@ proptest! {
         steps in prop::collection::vec(step(), 1..60),
     ) {
         run(&steps);
+    }
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(common::proptest_cases(
+        common::unless_miri(256, 2) as u32,
+    )))]
+
+    /// The same on the CUDA backend's VMM and plain mechanisms (driver models): the plain
+    /// device's tokens commit and release on it, never on the VMM one, and both drivers end
+    /// with nothing outstanding.
+    #[test]
+    fn the_vmm_and_plain_cuda_mechanisms_keep_a_valid_selection_and_release_every_token_on_its_own(
+        steps in prop::collection::vec(step(), 1..60),
+    ) {
+        run_cuda(&steps);
     }
 }

@@ -15,13 +15,13 @@
 //!   read-only one, one that peers would need access to — is refused;
 //! - **unmap** only takes the mapping off the record (the memory stays allocated, unreachable
 //!   through any token), after the same checks as the VMM mechanism's;
-//! - **free** of a placed reservation is `cuMemFree`: the memory goes with its reservation.
-//!   The typed layer frees only after the token's fence and unmap, so no work can touch it,
-//!   and on this mechanism it frees *before* it releases the allocation (see
-//!   `Device::teardown`), so the owned bytes stay charged until the memory is really gone: a
-//!   failed `cuMemFree` leaves them charged, in quarantine with the allocation;
-//! - **release** of an allocation freed with its reservation only takes it off the record; of
-//!   one never placed (a commit that failed after its create), it is `cuMemFree`.
+//! - **free** of a placed reservation is `cuMemFree`, and releases the allocation placed there
+//!   with it ([`Backend::placed`]): one call, so the typed layer's owned bytes go exactly when
+//!   the memory does (a failed `cuMemFree` leaves both, charged, in quarantine). The typed
+//!   layer frees only after the token's fence and unmap, so no work can touch it;
+//! - **release** of an allocation never placed (a commit that failed after its create) is
+//!   `cuMemFree`; of one still placed, it only marks it released (its memory goes with its
+//!   reservation's free).
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::driver::Driver;
@@ -65,7 +65,7 @@ impl<D: Driver> CudaBackend<D> {
     }
 
     /// A placeholder: forgotten. A placed reservation with nothing mapped: its memory freed
-    /// (`cuMemFree`); its allocation, if not released yet, is marked freed.
+    /// (`cuMemFree`), and its allocation released with it (see [`Backend::placed`]).
     #[cold]
     #[inline(never)]
     pub(super) fn plain_free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
@@ -88,9 +88,9 @@ impl<D: Driver> CudaBackend<D> {
             unsafe { self.driver.mem_free(start) }
                 .map_err(|e| self.fail(Op::Free, addr, len, e))?;
             s.placements.remove(&addr);
-            if s.placed.remove(&phys) && s.book.phys_len(phys).is_some() {
-                // Freed before its release: the release only takes it off the record.
-                s.freed.insert(phys);
+            if s.placed.remove(&phys) {
+                // Released with its memory: the typed layer makes no release of its own.
+                s.book.apply_release(phys);
             }
         }
         s.placeholders.remove(&addr);
@@ -131,9 +131,7 @@ impl<D: Driver> CudaBackend<D> {
         s.book
             .check_release(phys, len)
             .map_err(|v| BackendError::refused(Op::Release, 0, len, v))?;
-        if s.freed.remove(&phys) {
-            // Its memory went with its reservation already.
-        } else if !s.placed.remove(&phys) {
+        if !s.placed.remove(&phys) {
             let _relaxed = self
                 .relaxed()
                 .map_err(|e| self.fail(Op::Release, 0, len, e))?;

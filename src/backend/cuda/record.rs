@@ -81,8 +81,6 @@ pub(super) struct CudaState {
     pub(super) next_placeholder: Addr,
     pub(super) placements: HashMap<Addr, CudaPhys>,
     pub(super) placed: HashSet<CudaPhys>,
-    /// Placed allocations whose memory was freed with their reservation, not released yet.
-    pub(super) freed: HashSet<CudaPhys>,
 }
 
 /// The streams that used one reservation's memory through views: its last writer and the
@@ -239,7 +237,6 @@ impl CudaState {
             next_placeholder: super::plain::PLACEHOLDER_BASE,
             placements: HashMap::new(),
             placed: HashSet::new(),
-            freed: HashSet::new(),
         }
     }
 }

@@ -52,6 +52,9 @@ struct FaultState {
     plans: Mutex<FaultPlan<Op, Effect>>,
     outstanding: Mutex<Outstanding>,
     mappings: Mutex<BTreeMap<Addr, usize>>,
+    /// Memory a placing backend put where a commit's reservation now is (see
+    /// [`Backend::placed`]): its length, by address. Its reservation's free releases it.
+    placed: Mutex<BTreeMap<Addr, usize>>,
     /// Whether the getters (granularity, address space, capacity, location) panic.
     getters_panic: AtomicBool,
     /// Getter calls made so far.
@@ -274,9 +277,15 @@ impl<B: Backend> Backend for Faulty<B> {
     fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
         self.handle.enter(Op::Free, addr, len)?;
         self.inner.free(addr, len)?;
+        // Memory placed there went with it (see `Backend::placed`).
+        let placed = lock(&self.handle.0.placed).remove(&addr);
         self.handle.count(|o| {
             o.reservations -= 1;
             o.reserved_bytes -= len as u64;
+            if let Some(len) = placed {
+                o.physical -= 1;
+                o.physical_bytes -= len as u64;
+            }
         });
         Ok(())
     }
@@ -424,6 +433,10 @@ impl<B: Backend> Backend for Faulty<B> {
         let mut maps = lock(&self.handle.0.mappings);
         if let Some(len) = maps.remove(&reserved) {
             maps.insert(placed, len);
+            // A placing backend's memory lives with its reservation: released by its free.
+            if placed != reserved {
+                lock(&self.handle.0.placed).insert(placed, len);
+            }
         }
         placed
     }

@@ -251,6 +251,60 @@ fn gpu_commit_copy_and_release() {
     assert!(report.is_clean(), "{report:?}");
 }
 
+/// The plain mechanism (fact 59: `cuMemAlloc`, `cuMemFree`) on a real device, VMM or not: a
+/// commit's token is at the driver's address, the bytes round-trip, a page pool works, growth
+/// in place is refused by name, and everything is freed (a clean close).
+#[test]
+#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
+fn gpu_plain_mechanism_commits_copies_and_frees() {
+    let test = "gpu_plain_mechanism_commits_copies_and_frees";
+    let Some(backend) = usable_or_skip(test, CudaBackend::open_plain(0)) else {
+        return;
+    };
+    assert_eq!(
+        backend.mechanism(),
+        memtoken::backend::cuda::CudaMechanism::Plain
+    );
+    make_guard!(guard);
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let reserved = binding.reserve(2 * g).unwrap();
+    let placeholder = reserved.addr();
+    let mut a = reserved.commit().unwrap();
+    assert_ne!(
+        a.addr(),
+        placeholder,
+        "the token is where cuMemAlloc put the memory"
+    );
+    let data: Vec<u8> = (0..a.len()).map(|i| (i % 251) as u8).collect();
+    a.copy_from_host(0, &data).unwrap();
+    let mut back = vec![0; a.len()];
+    a.copy_to_host(0, &mut back).unwrap();
+    assert!(back == data, "device memory did not round-trip");
+    complete_when_ready(a.release());
+    make_guard!(pool_guard);
+    let pool = memtoken::PagePool::new(pool_guard, &binding, 4096).unwrap();
+    let mut table = pool.table();
+    pool.push(&mut table).unwrap();
+    table.copy_page_from_host(0, 8, &[5; 8]).unwrap();
+    let mut page = [0; 8];
+    table.copy_page_to_host(0, 8, &mut page).unwrap();
+    assert_eq!(page, [5; 8]);
+    drop(table);
+    drop(pool);
+    let mut region = binding.reserve(2 * g).unwrap().into_region();
+    assert!(matches!(
+        region.grow(1),
+        Err(memtoken::GrowError::Unsupported(_))
+    ));
+    complete_when_ready(region.release());
+    drop(binding);
+    device.poll();
+    let report = device.close();
+    assert!(report.is_clean(), "{report:?}");
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_kernel_runs_on_committed_memory_and_drop_defers_behind_it() {

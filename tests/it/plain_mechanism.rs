@@ -397,3 +397,71 @@ fn a_panic_at_any_call_of_a_plain_commit_loses_nothing() {
     assert!(device.close().is_clean());
     assert_eq!(model.outstanding(), ModelOutstanding::default());
 }
+
+/// Placeholder addresses are reused once freed: more of the largest reservations than fit
+/// between the placeholders' base and the top of the address space, one at a time, all
+/// succeed. Fails if placeholders are handed out from a counter that only grows (it runs out
+/// after 122,880 reservations of 2^47 bytes).
+#[test]
+#[cfg_attr(miri, ignore = "130,000 reservations")]
+fn placeholder_addresses_are_reused_and_never_run_out() {
+    let model = no_vmm();
+    make_guard!(guard);
+    let device = Device::new(guard, CudaBackend::new_plain(model.clone(), 0).unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let largest = 1 << 47;
+    let first = binding.reserve(largest).unwrap();
+    let first_addr = first.addr();
+    drop(first);
+    for _ in 0..130_000 {
+        let reserved = binding.reserve(largest).unwrap();
+        assert_eq!(
+            reserved.addr(),
+            first_addr,
+            "the freed placeholder is reused"
+        );
+    }
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert_eq!(model.outstanding(), ModelOutstanding::default());
+}
+
+/// `cuMemFree` may synchronize like a use of the legacy stream (fact 59): the plain mechanism
+/// probes the legacy stream first, so a free while a blocking stream captures waits (here a
+/// failed commit's rollback, quarantined, then retried) and the capture ends valid. Fails
+/// without the probe: the model's free invalidates the capture.
+#[test]
+fn a_plain_free_waits_while_a_blocking_stream_captures() {
+    use memtoken::backend::Op;
+    use memtoken::backend::cuda::CaptureMode;
+    use memtoken::backend::doubles::Faulty;
+    let model = no_vmm();
+    make_guard!(guard);
+    let faulty = Faulty::new(CudaBackend::new_plain(model.clone(), 0).unwrap());
+    let faults = faulty.handle();
+    let device = Device::new(guard, faulty);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let blocking = model.new_blocking_stream();
+    model.begin_capture(blocking, CaptureMode::Relaxed);
+    faults.fail_nth(Op::Map, 1);
+    let TransitionError { token, cause } = binding
+        .reserve(device.granularity())
+        .unwrap()
+        .commit()
+        .unwrap_err();
+    assert!(
+        matches!(cause, CommitFailure::RollbackFailed { .. }),
+        "the rollback's free waits: {cause:?}"
+    );
+    drop(token);
+    assert_eq!(
+        model.end_capture(blocking),
+        Ok(()),
+        "the capture ends valid"
+    );
+    device.retry_quarantine();
+    assert!(device.ledger().is_zero(), "{:?}", device.ledger());
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert_eq!(model.outstanding(), ModelOutstanding::default());
+}

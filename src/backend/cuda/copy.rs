@@ -328,7 +328,7 @@ impl<D: Driver> CudaBackend<D> {
     /// Whether the legacy stream, where copies run, may be used now: not while a blocking stream
     /// of the context captures, which the probe answers with 906 and a use would invalidate
     /// (fact 41). The copy is then refused before anything starts (a transient error).
-    fn legacy_usable(&self) -> CuResult<()> {
+    pub(super) fn legacy_usable(&self) -> CuResult<()> {
         // SAFETY: 0 is the legacy stream, always live.
         unsafe { self.driver.stream_is_capturing(0) }.map(drop)
     }

@@ -27,7 +27,8 @@
 use super::driver::Driver;
 use super::{CudaBackend, CudaPhys, next_serial};
 use crate::backend::{
-    Ability, Access, Addr, Backend, BackendError, Op, Violation, check_address_space,
+    Ability, Access, Addr, Backend, BackendError, Op, Violation, address_space_exhausted,
+    check_address_space,
 };
 
 /// The first placeholder address: above every device address (CUDA's unified address space
@@ -55,10 +56,13 @@ impl<D: Driver> CudaBackend<D> {
             .check_reserve(len)
             .map_err(|v| BackendError::refused(Op::Reserve, 0, len, v))?;
         check_address_space(len, self.address_space())?;
-        let addr = s.next_placeholder;
-        // At most 2^47 bytes a reservation, from 2^60: 2^15 years at a reservation per
-        // nanosecond before this could reach the top.
-        s.next_placeholder += len;
+        // The lowest gap among the placeholders not placed yet (real addresses are all below
+        // the base): freed ones are reused, so they never run out while fewer than 2^60 bytes
+        // are claimed at once.
+        let addr = s
+            .book
+            .lowest_gap(PLACEHOLDER_BASE, len)
+            .ok_or_else(|| address_space_exhausted(len, self.address_space()))?;
         s.book.apply_reserve(addr, len);
         s.placeholders.insert(addr, len);
         Ok(addr)
@@ -76,9 +80,12 @@ impl<D: Driver> CudaBackend<D> {
             .check_free(addr, len)
             .map_err(|v| BackendError::refused(Op::Free, addr, len, v))?;
         if let Some(&phys) = s.placements.get(&addr) {
-            // Not barred by a capture, as the VMM calls are not (fact 59).
+            // In relaxed mode, and not while a blocking stream captures: `cuMemFree` may
+            // synchronize like a use of the legacy stream (fact 59), so it waits, transient.
             let _relaxed = self
                 .relaxed()
+                .map_err(|e| self.fail(Op::Free, addr, len, e))?;
+            self.legacy_usable()
                 .map_err(|e| self.fail(Op::Free, addr, len, e))?;
             // SAFETY: `s.placements` holds `addr` only as the start of a live `cuMemAlloc`
             // allocation this backend placed (the handle `plain_create` got), removed below
@@ -134,6 +141,8 @@ impl<D: Driver> CudaBackend<D> {
         if !s.placed.remove(&phys) {
             let _relaxed = self
                 .relaxed()
+                .map_err(|e| self.fail(Op::Release, 0, len, e))?;
+            self.legacy_usable()
                 .map_err(|e| self.fail(Op::Release, 0, len, e))?;
             // SAFETY: `s.book.check_release` above proved `phys` created by `plain_create`
             // (its handle the start of a live `cuMemAlloc` allocation) and not released; it

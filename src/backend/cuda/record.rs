@@ -75,10 +75,9 @@ pub(super) struct CudaState {
     /// Live views per stream: a stream is not forgotten while one lives.
     pub(super) views: HashMap<Stream, usize>,
     /// The plain mechanism (fact 59): placeholder reservations not placed yet (start →
-    /// length), the next placeholder address, placed reservations (the driver's address →
+    /// length), placed reservations (the driver's address →
     /// the allocation there, freed with the reservation), and the live allocations placed.
     pub(super) placeholders: HashMap<Addr, usize>,
-    pub(super) next_placeholder: Addr,
     pub(super) placements: HashMap<Addr, CudaPhys>,
     pub(super) placed: HashSet<CudaPhys>,
 }
@@ -234,7 +233,6 @@ impl CudaState {
             known: Vec::new(),
             views: HashMap::new(),
             placeholders: HashMap::new(),
-            next_placeholder: super::plain::PLACEHOLDER_BASE,
             placements: HashMap::new(),
             placed: HashSet::new(),
         }

@@ -303,6 +303,11 @@ impl<B: Backend> Backend for Faulty<B> {
     fn release(&self, phys: B::Phys, len: usize) -> Result<(), BackendError> {
         self.handle.enter(Op::Release, 0, len)?;
         self.inner.release(phys, len)?;
+        // Released while still placed: its reservation's free no longer counts it.
+        let at = self.inner.placed(0, phys);
+        if at != 0 {
+            lock(&self.handle.0.placed).remove(&at);
+        }
         self.handle.count(|o| {
             o.physical -= 1;
             o.physical_bytes -= len as u64;

@@ -286,7 +286,7 @@ impl Driver for DriverModel {
         Ok(handle)
     }
 
-    /// Fact 55: with or without attribute 102; the memory lands where
+    /// Fact 59: with or without attribute 102; the memory lands where
     /// [`ModelConfig::placement`] puts it, mapped read-write for the context (device 0), with
     /// no handle. Refused during a global capture (fact 42), as `cudaMalloc` is.
     fn mem_alloc(&self, size: usize) -> CuResult<u64> {
@@ -322,9 +322,10 @@ impl Driver for DriverModel {
         Ok(addr as u64)
     }
 
-    /// Fact 55: exactly a live `cuMemAlloc` start, else misuse. Does not wait: work that may
+    /// Fact 59: exactly a live `cuMemAlloc` start, else misuse. Does not wait: work that may
     /// still touch the memory faults when it completes (as after an unmap, fact 21). Refused
-    /// during a global capture.
+    /// during a global capture, and, as a use of the legacy stream, while a blocking stream
+    /// captures (invalidating that capture).
     unsafe fn mem_free(&self, ptr: u64) -> CuResult<()> {
         let call = DriverCall::MemFree;
         let mut s = self.enter(call, true)?;
@@ -333,6 +334,8 @@ impl Driver for DriverModel {
             misuse(call, "not the start of a live cuMemAlloc allocation");
         };
         s.refused_by_capture()?;
+        // The strict reading of fact 59: it may synchronize, as a use of the legacy stream.
+        s.legacy_refused()?;
         s.plain.remove(&addr);
         let end = addr + size;
         s.book.apply_release(allocation);
@@ -834,7 +837,7 @@ impl DriverModel {
         }
     }
 
-    /// Fact 55: a VMM call on `cuMemAlloc` memory is misuse.
+    /// Fact 59: a VMM call on `cuMemAlloc` memory is misuse.
     fn check_not_plain(s: &ModelState, call: DriverCall, addr: Addr, len: usize) {
         if s.overlaps_plain(addr, len.max(1)) {
             misuse(call, "a VMM call on memory cuMemAlloc made");

@@ -534,7 +534,7 @@ fn the_plain_mechanism_takes_any_input() {
                     0..=2 => base,
                     _ => base.wrapping_add(g),
                 };
-                (at, if l % 2 == 0 { n } else { len(l) })
+                (at, if l.is_multiple_of(2) { n } else { len(l) })
             };
             for call in &calls {
                 let out = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| match *call {
@@ -555,13 +555,13 @@ fn the_plain_mechanism_takes_any_input() {
                     Call::Release(p, l) if !phys.is_empty() => {
                         let k = phys.len() - 1 - usize::from(p % 4).min(phys.len() - 1);
                         let (p, n) = phys[k];
-                        drop(b.release(p, if l % 2 == 0 { n } else { len(l) }));
+                        drop(b.release(p, if l.is_multiple_of(2) { n } else { len(l) }));
                     }
                     Call::Map(a, l, p, rw) if !phys.is_empty() => {
                         let k = phys.len() - 1 - usize::from(p % 4).min(phys.len() - 1);
                         let (p, n) = phys[k];
                         let (at, _) = pick(&addrs, a, l);
-                        let n = if l % 2 == 0 { n } else { len(l) };
+                        let n = if l.is_multiple_of(2) { n } else { len(l) };
                         let access = if rw {
                             Access::ReadWrite
                         } else {

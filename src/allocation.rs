@@ -151,7 +151,8 @@ pub struct Allocation<'b, 'id, B: Backend, S: State> {
 
 impl<'b, 'id, B: Backend> Binding<'b, 'id, B> {
     /// Reserves at least `len` bytes of VA (rounded up to the granularity). Nothing is mapped
-    /// or charged to the budget; the range counts as reserved in the ledger.
+    /// or charged to the budget; the range counts as reserved in the ledger. (On CUDA's plain
+    /// mechanism a reservation is a claim on a length: see [`addr`](Allocation::addr).)
     ///
     /// # Errors
     ///
@@ -220,7 +221,10 @@ impl<'b, 'id, B: Backend, S: State> Allocation<'b, 'id, B, S> {
         &mut self.parts
     }
 
-    /// Start of the VA range.
+    /// Start of the VA range. On a mechanism that cannot map at a reserved address (CUDA's
+    /// plain one: [`Device::lacks`](crate::Device::lacks)`(Ability::MapAtReservedAddress)`), a
+    /// reservation's address is a placeholder no memory is ever at: the committed token's is
+    /// where the driver allocated the memory.
     pub fn addr(&self) -> crate::backend::Addr {
         self.core.addr
     }

@@ -11,10 +11,12 @@
 //!   [`TransitionError`] carries beside the token it hands back is named `…Failure`.
 //! - **Boxes.** Every error held inside a cause or an error is boxed — a [`BackendError`], a
 //!   nested cause — so each `Err` stays a few words, small enough to return beside its token;
-//!   with one exception, measured: [`CommitFailure::Backend`] holds its `BackendError` by
+//!   with exceptions, measured: [`CommitFailure::Backend`] holds its `BackendError` by
 //!   value, since boxing it there makes every commit's success path dearer (9 instructions
 //!   more per reserve-commit-release cycle, callgrind, `examples/granule_cycle.rs`), and a
-//!   commit's `Err` stays within clippy's `result_large_err` bound without it.
+//!   commit's `Err` stays within clippy's `result_large_err` bound without it;
+//!   [`CommitFailure::Unsupported`] and [`GrowError::Unsupported`] do the same, a refusal
+//!   before anything was done being no larger.
 //! - **Messages.** Each message says what failed, with numbers, and what to do; a cause that
 //!   has a cause of its own returns it from [`source`](std::error::Error::source) instead of
 //!   printing it, so no cause is printed twice along a chain.

@@ -72,9 +72,10 @@ pub enum CudaMechanism {
     /// memory management: a commit allocates, a release frees, with the same tokens, fences
     /// and views. A reservation is a claim on a length only (its address a placeholder): the
     /// committed token's address is where the driver put the memory. Growing a region in
-    /// place, sharing a prefix, suspend, read-only maps, peers and export are refused with
+    /// place, sharing a prefix (and so export), suspend and read-only maps are refused with
     /// [`Cause::Unsupported`](crate::backend::Cause::Unsupported) naming the capability
-    /// ([`Backend::lacks`](crate::backend::Backend::lacks) says so up front).
+    /// ([`Device::lacks`](crate::Device::lacks) says so up front); peers are refused when the
+    /// backend is made ([`with_peers`](CudaBackend::with_peers): [`CudaError::BadPeers`]).
     Plain,
 }
 

@@ -18,8 +18,8 @@
 //! On a CUDA device without virtual memory management (`--gpu` on such a device, or
 //! `--model-no-vmm`: the driver model of one), the backend falls back to its plain mechanism
 //! (`cuMemAlloc`): the demo says so and why, runs the paged workload with a private copy of
-//! the prompt per sequence (no prefix sharing there), and shows each refusal the mechanism
-//! makes instead of what it cannot do.
+//! the prompt per sequence (no prefix sharing there), after showing three refusals the
+//! mechanism makes instead of what it cannot do (prefix sharing, region growth, sleep).
 //!
 //! ```text
 //! cargo run --release --example kv_cache [-- --gpu --sequences N --seed S --prompt-tokens P]

@@ -200,18 +200,7 @@ impl<D: Driver> CudaBackend<D> {
     pub(super) fn plain_unmap(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
         Self::span(Op::Unmap, addr, len, Violation::NotMapped { addr, len })?;
         let mut s = self.enter(Op::Unmap, addr, len)?;
-        Self::check_not_busy(&s, Op::Unmap, addr, len)?;
-        if Self::overlaps(&s.graph_held, addr, len) {
-            let v = Violation::HeldByGraph { addr, len };
-            return Err(BackendError::refused(Op::Unmap, addr, len, v));
-        }
-        if Self::overlaps(&s.capture_held, addr, len) {
-            let v = Violation::HeldByCapture { addr, len };
-            return Err(BackendError::refused(Op::Unmap, addr, len, v));
-        }
-        s.book
-            .check_unmap(addr, len)
-            .map_err(|v| BackendError::refused(Op::Unmap, addr, len, v))?;
+        Self::check_unmappable(&s, addr, len)?;
         s.book.apply_unmap(addr, len);
         Ok(())
     }

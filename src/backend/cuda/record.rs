@@ -366,6 +366,27 @@ impl<D: Driver> CudaBackend<D> {
         Ok(())
     }
 
+    /// The checks before an unmap of `[addr, addr + len)`, on either mechanism: no copy uses
+    /// it, no graph may launch on it (memtoken's or another's capture holds it), and it is
+    /// exactly covered by whole live mappings (the proof the VMM `cuMemUnmap` names).
+    pub(super) fn check_unmappable(
+        s: &CudaState,
+        addr: Addr,
+        len: usize,
+    ) -> Result<(), BackendError> {
+        Self::check_not_busy(s, Op::Unmap, addr, len)?;
+        let refuse = |v| Err(BackendError::refused(Op::Unmap, addr, len, v));
+        if Self::overlaps(&s.graph_held, addr, len) {
+            return refuse(Violation::HeldByGraph { addr, len });
+        }
+        if Self::overlaps(&s.capture_held, addr, len) {
+            return refuse(Violation::HeldByCapture { addr, len });
+        }
+        s.book
+            .check_unmap(addr, len)
+            .map_err(|v| BackendError::refused(Op::Unmap, addr, len, v))
+    }
+
     /// Whether any listed range overlaps `[addr, addr + len)` (its end saturating at the top of
     /// the address space).
     pub(super) fn overlaps(ranges: &[(u64, usize)], addr: Addr, len: usize) -> bool {

@@ -219,20 +219,9 @@ impl<D: Driver> Backend for CudaBackend<D> {
         let _relaxed = self
             .relaxed()
             .map_err(|e| self.fail(Op::Unmap, addr, len, e))?;
-        Self::check_not_busy(&s, Op::Unmap, addr, len)?;
-        if Self::overlaps(&s.graph_held, addr, len) {
-            let v = Violation::HeldByGraph { addr, len };
-            return Err(BackendError::refused(Op::Unmap, addr, len, v));
-        }
-        if Self::overlaps(&s.capture_held, addr, len) {
-            let v = Violation::HeldByCapture { addr, len };
-            return Err(BackendError::refused(Op::Unmap, addr, len, v));
-        }
-        s.book
-            .check_unmap(addr, len)
-            .map_err(|v| BackendError::refused(Op::Unmap, addr, len, v))?;
-        // SAFETY: `s.book.check_unmap` above proved `[addr, addr + len)` exactly covered by
-        // whole live mappings.
+        Self::check_unmappable(&s, addr, len)?;
+        // SAFETY: `check_unmappable` above proved `[addr, addr + len)` exactly covered by
+        // whole live mappings (`s.book.check_unmap`).
         unsafe { self.driver.mem_unmap(addr as u64, len) }
             .map_err(|e| self.fail(Op::Unmap, addr, len, e))?;
         s.book.apply_unmap(addr, len);

@@ -375,39 +375,31 @@ pub enum Cause {
     },
 }
 
-/// What a backend's mechanism may be unable to do at all. A backend that lacks one says so
-/// once ([`Backend::lacks`]), and every call that would need it is refused with
-/// [`Cause::Unsupported`] naming it — never emulated.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Ability {
-    /// Map memory at an address reserved before it was made: a reservation's address is where
-    /// its memory will be, and a region grows in place. Without it (CUDA's plain
-    /// `cuMemAlloc` mechanism), a reservation is a claim on nothing but its length, and a
-    /// commit puts the memory where the allocator places it: the committed token's address.
-    MapAtReservedAddress,
-    /// Map one physical allocation at two addresses: prefix sharing.
-    MapTwice,
-    /// Give memory back while its addresses stay reserved: suspend and resume.
-    SuspendInPlace,
-    /// Export memory to another process.
-    Export,
-    /// Map memory read-only.
-    MapReadOnly,
-    /// Give peer devices access to the memory.
-    PeerAccess,
+listed! {
+    /// What a backend's mechanism may be unable to do at all. A backend that lacks one says so
+    /// once ([`Backend::lacks`]), and every call that would need it is refused with
+    /// [`Cause::Unsupported`] naming it — never emulated.
+    #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+    pub enum Ability {
+        /// Map memory at an address reserved before it was made: a reservation's address is where
+        /// its memory will be, and a region grows in place. Without it (CUDA's plain
+        /// `cuMemAlloc` mechanism), a reservation is a claim on nothing but its length, and a
+        /// commit puts the memory where the allocator places it: the committed token's address.
+        MapAtReservedAddress,
+        /// Map one physical allocation at two addresses: prefix sharing.
+        MapTwice,
+        /// Give memory back while its addresses stay reserved: suspend and resume.
+        SuspendInPlace,
+        /// Export memory to another process.
+        Export,
+        /// Map memory read-only.
+        MapReadOnly,
+        /// Give peer devices access to the memory.
+        PeerAccess,
+    }
 }
 
 impl Ability {
-    /// Every ability, in declaration order.
-    pub const ALL: [Ability; 6] = [
-        Ability::MapAtReservedAddress,
-        Ability::MapTwice,
-        Ability::SuspendInPlace,
-        Ability::Export,
-        Ability::MapReadOnly,
-        Ability::PeerAccess,
-    ];
-
     /// What is asked, as [`Cause::Unsupported`]'s `capability` says it.
     pub const fn capability(self) -> &'static str {
         match self {

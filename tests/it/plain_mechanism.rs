@@ -593,3 +593,28 @@ fn the_plain_mechanism_takes_any_input() {
         })
         .unwrap();
 }
+
+/// The backend itself places only a fresh allocation over a whole placeholder reservation:
+/// part of one, a range past its start, or a real address is refused naming
+/// `MapAtReservedAddress`, with the allocation left unplaced (its release frees it). Fails if
+/// the backend's check is dropped (the typed layer refuses these before they reach it).
+#[test]
+fn a_plain_map_places_only_over_a_whole_placeholder() {
+    use memtoken::backend::{Access, Backend};
+    let model = no_vmm();
+    let b = CudaBackend::new_plain(model.clone(), 0).unwrap();
+    let g = b.granularity();
+    let reserved = b.reserve(2 * g).unwrap();
+    let phys = b.create(g).unwrap();
+    for at in [reserved, reserved + g] {
+        let e = b.map(at, g, phys, Access::ReadWrite).unwrap_err();
+        assert_eq!(
+            unsupported(&e),
+            Some(Ability::MapAtReservedAddress.capability())
+        );
+    }
+    b.release(phys, g).unwrap();
+    b.free(reserved, 2 * g).unwrap();
+    drop(b);
+    assert_eq!(model.outstanding(), ModelOutstanding::default());
+}

@@ -64,7 +64,6 @@ impl<D: Driver> CudaBackend<D> {
             .lowest_gap(PLACEHOLDER_BASE, len)
             .ok_or_else(|| address_space_exhausted(len, self.address_space()))?;
         s.book.apply_reserve(addr, len);
-        s.placeholders.insert(addr, len);
         Ok(addr)
     }
 
@@ -100,7 +99,6 @@ impl<D: Driver> CudaBackend<D> {
                 s.book.apply_release(phys);
             }
         }
-        s.placeholders.remove(&addr);
         s.free_reservation(addr);
         Ok(())
     }
@@ -181,11 +179,11 @@ impl<D: Driver> CudaBackend<D> {
         if s.placed.contains(&phys) {
             return refuse(Ability::MapTwice);
         }
-        if s.placeholders.get(&addr) != Some(&len) {
+        // A placement covers exactly one placeholder reservation, nothing mapped in it.
+        if addr < PLACEHOLDER_BASE || s.book.check_free(addr, len).is_err() {
             return refuse(Ability::MapAtReservedAddress);
         }
         let ptr = phys.handle as Addr;
-        s.placeholders.remove(&addr);
         s.free_reservation(addr);
         s.book.apply_reserve(ptr, len);
         s.book.apply_map(ptr, len, phys, Access::ReadWrite);

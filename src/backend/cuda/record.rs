@@ -74,10 +74,9 @@ pub(super) struct CudaState {
     pub(super) known: Vec<Stream>,
     /// Live views per stream: a stream is not forgotten while one lives.
     pub(super) views: HashMap<Stream, usize>,
-    /// The plain mechanism (fact 59): placeholder reservations not placed yet (start →
-    /// length), placed reservations (the driver's address →
-    /// the allocation there, freed with the reservation), and the live allocations placed.
-    pub(super) placeholders: HashMap<Addr, usize>,
+    /// The plain mechanism (fact 59): placed reservations (the driver's address → the
+    /// allocation there, freed with the reservation), and the allocations placed and not
+    /// released. (Its placeholders are the book's reservations from `PLACEHOLDER_BASE` up.)
     pub(super) placements: HashMap<Addr, CudaPhys>,
     pub(super) placed: HashSet<CudaPhys>,
 }
@@ -232,7 +231,6 @@ impl CudaState {
             covered: vec![0],
             known: Vec::new(),
             views: HashMap::new(),
-            placeholders: HashMap::new(),
             placements: HashMap::new(),
             placed: HashSet::new(),
         }

@@ -173,19 +173,8 @@ impl Driver for DriverModel {
             );
         }
         s.refused_by_capture()?;
-        // Memory whose last exported descriptor was closed meanwhile is gone by now.
-        s.reap_shareables();
-        // A size past the device's memory is out of memory, however large: not misuse.
-        if s.used
-            .checked_add(size)
-            .is_none_or(|n| n > self.config.total_mem)
-        {
-            return Err(CuError::OUT_OF_MEMORY);
-        }
+        let allocation = s.new_allocation(size, self.config.total_mem)?;
         let handle = s.new_handle();
-        let allocation = s.next_allocation;
-        s.next_allocation += 1;
-        s.used += size;
         s.handles.insert(handle, allocation);
         s.owners.insert(allocation, props.device);
         s.granules.insert(allocation, granule);
@@ -296,20 +285,11 @@ impl Driver for DriverModel {
             return Err(CuError::INVALID_VALUE);
         }
         s.refused_by_capture()?;
-        s.reap_shareables();
-        if s.used
-            .checked_add(size)
-            .is_none_or(|n| n > self.config.total_mem)
-        {
-            return Err(CuError::OUT_OF_MEMORY);
-        }
         let g = self.config.granularity;
         let Some(addr) = s.place(self.config.placement, size.next_multiple_of(g), g) else {
             return Err(CuError::OUT_OF_MEMORY);
         };
-        let allocation = s.next_allocation;
-        s.next_allocation += 1;
-        s.used += size;
+        let allocation = s.new_allocation(size, self.config.total_mem)?;
         s.owners.insert(allocation, 0);
         s.book.apply_reserve(addr, size);
         s.placed.insert(addr, size);

@@ -288,6 +288,20 @@ impl ModelState {
 
     /// `allocation` (`len` bytes) has no handle and no mapping left: an import gives its hold
     /// on the exported memory back; exported memory still held stays (fact 27); else it goes.
+    /// A new allocation of `size` bytes, counted as used, if the device's `total` memory has
+    /// room for it after memory whose last exported descriptor was closed meanwhile is gone; a
+    /// size past the device's memory is out of memory, however large: not misuse.
+    pub(super) fn new_allocation(&mut self, size: usize, total: usize) -> CuResult<u64> {
+        self.reap_shareables();
+        if self.used.checked_add(size).is_none_or(|n| n > total) {
+            return Err(CuError::OUT_OF_MEMORY);
+        }
+        let allocation = self.next_allocation;
+        self.next_allocation += 1;
+        self.used += size;
+        Ok(allocation)
+    }
+
     /// Whether `[addr, addr + len)` overlaps a live `cuMemAlloc` allocation.
     pub(super) fn overlaps_plain(&self, addr: Addr, len: usize) -> bool {
         let end = addr.saturating_add(len);

@@ -15,8 +15,9 @@
 //!   lifecycle, is made under one lock (they are rare: a selection, a retirement), and each
 //!   leaves it valid; binders read it without the lock ([`selected`](Mechanisms::selected) is
 //!   one atomic load). Retiring or losing the selected mechanism makes its lifecycle terminal
-//!   first, then moves the selection back to the mechanism selected before it if that one is
-//!   still registered and active, else clears it.
+//!   first, then moves the selection back to the most recently confirmed mechanism that is
+//!   still registered and active — from a recency list of distinct mechanisms, so select a, b,
+//!   c, retire c, retire b ends on a — else clears it.
 //! - A selection may be **probed** ([`select_probed`](Mechanisms::select_probed)): it is
 //!   published, then the probe runs outside the lock (a trial create, say, which may take the
 //!   driver's time), then it is confirmed. If the probe fails, or the candidate became inactive
@@ -167,11 +168,11 @@ type Hook = std::sync::Arc<dyn Fn(Phase) + Send + Sync>;
 struct Writers {
     /// Each slot's name, while registered.
     names: Vec<Option<String>>,
-    /// The last selection confirmed (by a plain selection, or a probe that passed): what a
-    /// refused probe falls back to, if it is still active.
-    confirmed: Option<MechanismId>,
-    /// The selection confirmed before `confirmed`: what retiring `confirmed` falls back to.
-    before: Option<MechanismId>,
+    /// The selections confirmed (by a plain selection, or a probe that passed), distinct,
+    /// the most recent last: a refused probe or a retirement falls back to the most recent
+    /// one still active. Selecting one again moves it to the end; a retired, lost or
+    /// unregistered one leaves it. At most [`MAX_MECHANISMS`] (one per slot).
+    confirmed: Vec<MechanismId>,
     /// Changes to the selection so far: a probed selection settles only if none came since.
     epoch: u64,
 }
@@ -323,12 +324,25 @@ impl Mechanisms {
         writers.epoch
     }
 
-    /// Records `id` as the last confirmed selection.
+    /// Records `id` as the most recent confirmed selection: moved to the end of the recency
+    /// list, never entered twice.
     fn confirm(writers: &mut Writers, id: MechanismId) {
-        if writers.confirmed != Some(id) {
-            writers.before = writers.confirmed;
-            writers.confirmed = Some(id);
+        writers.confirmed.retain(|&c| c != id);
+        if writers.confirmed.len() == MAX_MECHANISMS {
+            writers.confirmed.remove(0); // unreachable while ids are distinct per slot
         }
+        writers.confirmed.push(id);
+    }
+
+    /// The last confirmed selection.
+    fn last_confirmed(writers: &Writers) -> Option<MechanismId> {
+        writers.confirmed.last().copied()
+    }
+
+    /// The most recent confirmed selection that is still active, other than `not`.
+    fn fallback(&self, writers: &Writers, not: MechanismId) -> Option<MechanismId> {
+        let mut recent = writers.confirmed.iter().rev().copied();
+        recent.find(|&c| c != not && self.active(c))
     }
 
     /// Checks that `id` may be selected.
@@ -348,7 +362,7 @@ impl Mechanisms {
     pub fn select(&self, id: MechanismId) -> Result<(), MechanismError> {
         let mut writers = self.lock();
         self.check_active(id)?;
-        if self.published() == Some(id) && writers.confirmed == Some(id) {
+        if self.published() == Some(id) && Self::last_confirmed(&writers) == Some(id) {
             return Ok(()); // selected and confirmed already
         }
         self.publish(&mut writers, Some(id));
@@ -359,8 +373,8 @@ impl Mechanisms {
     /// Selects `id` for new bindings once `probe` (a trial create, opening its backend) says
     /// it works: the selection is published, `probe` runs outside the registry's lock, then the
     /// selection is confirmed — or, if the probe failed (or panicked) or `id` became inactive
-    /// meanwhile, the last confirmed selection is restored if it is still registered and
-    /// active, else the selection clears; a change made since (a newer selection, a
+    /// meanwhile, the most recent confirmed selection still registered and active (never the
+    /// candidate) is restored, else the selection clears; a change made since (a newer selection, a
     /// retirement that moved it already) is left as it is.
     ///
     /// # Errors
@@ -375,7 +389,7 @@ impl Mechanisms {
         let mine = {
             let mut writers = self.lock();
             self.check_active(id)?;
-            if self.published() == Some(id) && writers.confirmed == Some(id) {
+            if self.published() == Some(id) && Self::last_confirmed(&writers) == Some(id) {
                 return Ok(()); // selected and confirmed already: nothing to probe
             }
             self.publish(&mut writers, Some(id))
@@ -384,6 +398,7 @@ impl Mechanisms {
         let pending = Pending {
             registry: self,
             mine,
+            candidate: id,
         };
         self.at(Phase::Published);
         let probed = probe().map_err(|e| e.to_string());
@@ -400,7 +415,7 @@ impl Mechanisms {
             (Err(message), _) => message,
             (Ok(()), now) => format!("it became {now:?} before it was confirmed"),
         };
-        self.refuse(&mut writers, mine);
+        self.refuse(&mut writers, mine, id);
         Err(MechanismError::Refused {
             candidate: id,
             why,
@@ -408,19 +423,20 @@ impl Mechanisms {
         })
     }
 
-    /// A probed selection published at epoch `mine` is refused: if the selection is still that
-    /// one, the last confirmed selection comes back if it is still active, else none.
-    fn refuse(&self, writers: &mut Writers, mine: u64) {
+    /// A probed selection of `candidate` published at epoch `mine` is refused: if the selection
+    /// is still that one, the most recent confirmed selection still active (never the
+    /// candidate) comes back, else none.
+    fn refuse(&self, writers: &mut Writers, mine: u64, candidate: MechanismId) {
         if writers.epoch == mine {
-            let back = writers.confirmed.filter(|&c| self.active(c));
+            let back = self.fallback(writers, candidate);
             self.publish(writers, back);
         }
     }
 
     /// Retires `id`: no new work goes to it, and its tokens still release on it. Its lifecycle
-    /// is terminal first; then, if it is selected, the selection goes back to the last
-    /// confirmed selection before it, if that one is still registered and active, else it
-    /// clears.
+    /// is terminal first; then, if it is selected, the selection goes back to the most recently
+    /// confirmed mechanism that is still registered and active (select a, b, c; retire c: b;
+    /// retire b: a), else it clears.
     ///
     /// # Errors
     ///
@@ -445,19 +461,10 @@ impl Mechanisms {
     fn end(&self, id: MechanismId, to: Lifecycle) -> Result<(), MechanismError> {
         let mut writers = self.lock();
         self.move_lifecycle(id, Lifecycle::Active, to)?;
+        writers.confirmed.retain(|&c| c != id); // never fallen back to again
         if self.published() == Some(id) {
-            let was_confirmed = writers.confirmed == Some(id);
-            let fallback = if was_confirmed {
-                writers.before
-            } else {
-                writers.confirmed
-            };
-            let back = fallback.filter(|&c| self.active(c));
+            let back = self.fallback(&writers, id);
             self.publish(&mut writers, back);
-            if was_confirmed {
-                writers.confirmed = back;
-                writers.before = None;
-            }
         }
         Ok(())
     }
@@ -516,12 +523,7 @@ impl Mechanisms {
         let slot = &self.slots[usize::from(id.index)];
         slot.store(id.generation << 8, Ordering::SeqCst);
         writers.names[usize::from(id.index)] = None;
-        let writers = &mut *writers;
-        for record in [&mut writers.confirmed, &mut writers.before] {
-            if *record == Some(id) {
-                *record = None;
-            }
-        }
+        writers.confirmed.retain(|&c| c != id);
         Ok(())
     }
 
@@ -585,12 +587,14 @@ impl Mechanisms {
 struct Pending<'a> {
     registry: &'a Mechanisms,
     mine: u64,
+    candidate: MechanismId,
 }
 
 impl Drop for Pending<'_> {
     fn drop(&mut self) {
         let mut writers = self.registry.lock();
-        self.registry.refuse(&mut writers, self.mine);
+        self.registry
+            .refuse(&mut writers, self.mine, self.candidate);
     }
 }
 

@@ -284,6 +284,67 @@ fn a_refused_candidate_is_never_fallen_back_to() {
     assert_eq!(registry.selected(), Some(p));
 }
 
+/// Retirements fall back through the whole history of confirmed selections, most recent
+/// first: select a, b, c; retire c → b; retire b → a. Selecting again moves an entry, never
+/// duplicates it: select a, b, a, c; retire c → a; retire a → b; retire b → none. Fails if a
+/// retirement falls back one step only (b's retirement cleared the selection), or if a
+/// re-selection leaves a stale entry behind (a would come back twice, or b first).
+#[test]
+fn retirements_fall_back_through_every_confirmed_selection_most_recent_first() {
+    let (registry, [a, b, c]) = selected_first(["a", "b", "c"]);
+    registry.select(b).unwrap();
+    registry.select(c).unwrap();
+    registry.retire(c).unwrap();
+    assert_eq!(registry.selected(), Some(b), "retire c: the one before it");
+    registry.retire(b).unwrap();
+    assert_eq!(
+        registry.selected(),
+        Some(a),
+        "retire b: the one before that"
+    );
+    registry.retire(a).unwrap();
+    assert_eq!(registry.selected(), None, "nothing active left");
+
+    let (registry, [a, b, c]) = selected_first(["a", "b", "c"]);
+    registry.select(b).unwrap();
+    registry.select(a).unwrap(); // a moves to the most recent place
+    registry.select(c).unwrap();
+    registry.retire(c).unwrap();
+    assert_eq!(registry.selected(), Some(a), "a, the most recent before c");
+    registry.retire(a).unwrap();
+    assert_eq!(
+        registry.selected(),
+        Some(b),
+        "then b: a was not entered twice"
+    );
+    registry.retire(b).unwrap();
+    assert_eq!(registry.selected(), None);
+}
+
+/// A refused probe falls back through the history too, skipping what is no longer active:
+/// select a, b, c; retire b (not selected: nothing moves); probe d and fail → c; retire c → a
+/// (b is gone from the history). Fails if a refusal or a retirement falls back to a retired
+/// entry.
+#[test]
+fn a_refused_probe_falls_back_to_the_most_recent_active_confirmed_selection() {
+    let (registry, [a, b, c, d]) = selected_first(["a", "b", "c", "d"]);
+    registry.select(b).unwrap();
+    registry.select(c).unwrap();
+    registry.retire(b).unwrap();
+    assert_eq!(
+        registry.selected(),
+        Some(c),
+        "b was not selected: nothing moves"
+    );
+    let out = registry.select_probed(d, || Err("d's trial create failed"));
+    assert!(
+        matches!(out, Err(MechanismError::Refused { now: Some(now), .. }) if now == c),
+        "{out:?}"
+    );
+    registry.retire(c).unwrap();
+    assert_eq!(registry.selected(), Some(a), "b is retired: skipped");
+}
+
 /// A probe that panics refuses its selection as it unwinds.
 #[test]
 fn a_probe_that_panics_refuses_its_selection() {

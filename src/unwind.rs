@@ -256,7 +256,7 @@ impl<B: Backend> Guarded<B> {
         self.sizes.lacks[ability.index()]
     }
 
-    /// Refused with [`Cause::Unsupported`] if the mechanism lacks `ability`, before any call.
+    /// Refused with [`Cause::Unsupported`] if the mechanism lacks `ability`, before any memory call.
     #[inline]
     pub(crate) fn needs(
         &self,

@@ -7,7 +7,7 @@
 
 use super::fit;
 use crate::allocation::Allocation;
-use crate::backend::cuda::{CaptureMode, CudaBackend, Driver, GraphExec, Stream};
+use crate::backend::cuda::{CaptureMode, CudaBackend, Driver, Ended, GraphExec, Stream};
 use crate::backend::{Addr, BackendError};
 use crate::device::Device;
 use crate::error::ViewError;
@@ -33,17 +33,20 @@ use std::marker::PhantomData;
 /// then on, whatever becomes of the view (the view lends the stream: it is not forgotten
 /// meanwhile).
 ///
-/// **Graph captures.** A view made outside a memtoken [`Capture`] whose pointer is taken
-/// while its stream captures (a capture begun with cudarc's `begin_capture` or the raw
-/// driver) lends its memory to a graph memtoken does not know of, which may be launched at
-/// any time later: memtoken asks the stream (`cuStreamIsCapturing`, one call per
-/// `device_ptr`) and then never unmaps that memory — its token's release quarantines it
-/// ([`Violation::HeldByGraph`](crate::backend::Violation::HeldByGraph)), and its address is
-/// never handed out again; it asks again as the view drops, for a capture begun while it
-/// lived. Capture through [`Capture`] instead, whose graph borrows the token. **Limits:** the
-/// pointer is for work on the view's stream while the view lives — memtoken cannot see a
-/// pointer kept past the view, or used on another stream, and such a use is the caller's to
-/// keep out of a capture memtoken does not make (as for the raw `device_ptr()` of a token).
+/// **Graph captures.** A view made outside a memtoken [`Capture`] asks its stream whether it
+/// captures (`cuStreamIsCapturing`) twice: when its pointer is taken (each `device_ptr`) and
+/// as the view drops. If a capture memtoken did not make (cudarc's `begin_capture`, the raw
+/// driver) is open at either, the memory may be in a graph memtoken does not know of, which
+/// may launch at any time later: it is held for good — never unmapped, its token's release
+/// quarantined ([`Violation::HeldByGraph`](crate::backend::Violation::HeldByGraph)), its
+/// address never handed out again. **That is all that is promised:** a capture that begins
+/// after the take and ends before the drop is open at neither probe, and no driver query
+/// answers "was there a capture in between" — nothing is held, and the release unmaps. Keeping
+/// the token alive while such a graph can launch is the `unsafe` kernel launch's obligation
+/// (or capture through [`Capture`], whose graph borrows the token). **Limits:** the pointer is
+/// for work on the view's stream while the view lives — memtoken cannot see a pointer kept
+/// past the view, or used on another stream, and such a use is the caller's to keep out of a
+/// capture memtoken does not make (as for the raw `device_ptr()` of a token).
 /// A use that must wait for a stream which captures at that moment waits for none of that
 /// stream's work (it cannot be waited for without invalidating the capture): end captures
 /// before using their memory elsewhere. (A host copy is refused meanwhile instead.)
@@ -106,7 +109,8 @@ impl<'a, T, D: Driver> StreamView<'a, T, D> {
 
     /// The device pointer (`CUdeviceptr`), for reading on [`stream`](Self::stream): a kernel
     /// argument. Outside a memtoken capture, first asks whether the stream captures (see
-    /// "Graph captures" above).
+    /// "Graph captures" above: a capture open at neither this probe nor the view's drop is the
+    /// `unsafe` launch's obligation).
     pub fn device_ptr(&self) -> u64 {
         self.use_for(false)
     }
@@ -137,8 +141,8 @@ impl<'a, T, D: Driver> StreamView<'a, T, D> {
 }
 
 impl<T, D: Driver> Drop for StreamView<'_, T, D> {
-    /// Asks its stream once more: a capture begun while the view lived (its pointer taken
-    /// before) holds the memory too.
+    /// Asks its stream once more: a capture open now (begun after the pointer was taken) holds
+    /// the memory too. One begun and ended since the take is not seen (see "Graph captures").
     fn drop(&mut self) {
         self.ask_stream();
         self.backend.end_lend(self.stream);
@@ -390,7 +394,13 @@ type Invariant<'t> = PhantomData<fn(&'t ()) -> &'t ()>;
 /// left when it ends. What they lend is also held by the backend from the lend (never
 /// unmapped) until the graph is dropped, or until the capture ends with no graph: a capture
 /// forgotten (`mem::forget`) or ended by someone else (cudarc's safe `end_capture` on the same
-/// stream, whose caller then holds the graph) keeps it held for good. A capture, and its graph, stay on the thread that began it (neither is
+/// stream, whose caller then holds the graph) keeps it held for good. **Identity:** a capture
+/// records its capture id as it begins (`cuStreamGetCaptureInfo`) and ends, or takes the
+/// graph of, only the capture with that id — one begun later on the same stream, after this
+/// one was ended elsewhere, is never touched. An invalidated capture has no id (the driver
+/// gives one only while a capture is active), so it cannot be told from such a later one:
+/// memtoken ends it (no graph comes of an invalidated capture) and keeps what it lent held for
+/// good. A capture, and its graph, stay on the thread that began it (neither is
 /// `Send`), and cannot begin on the legacy stream or the per-thread stream. A capture left without
 /// [`end`](Self::end) (an early return, a panic) is ended as it drops, its graph discarded.
 ///
@@ -403,6 +413,8 @@ type Invariant<'t> = PhantomData<fn(&'t ()) -> &'t ()>;
 pub struct Capture<'t, 'id, D: Driver> {
     backend: &'t CudaBackend<D>,
     stream: Stream,
+    /// Its capture id (fact 60): it ends only the capture with this id.
+    id: u64,
     /// Still capturing: ended as it drops unless [`end`](Self::end) took it.
     open: bool,
     /// Whether the stream is lent to it (until the capture goes, or its graph does).
@@ -433,10 +445,11 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
         mode: CaptureMode,
     ) -> Result<Self, BackendError> {
         let backend = device.backend().raw();
-        backend.begin_capture(stream, mode)?;
+        let id = backend.begin_capture(stream, mode)?;
         Ok(Self {
             backend,
             stream,
+            id,
             open: true,
             lent: true,
             held: std::cell::RefCell::new(Vec::new()),
@@ -513,24 +526,30 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
         Ok(view)
     }
 
-    /// Ends the capture through the backend, if its stream still captures: the graph's
-    /// instance, or why not. The ranges held are let go where no graph can use them (the
-    /// capture ended with none), and kept for good where one may (ended by someone else).
+    /// Ends the capture through the backend, if its stream still captures under this
+    /// capture's id: the graph's instance, or why not. The ranges held are let go where no
+    /// graph can use them (this capture ended with none), and kept for good where one may
+    /// (ended by someone else — the stream no longer captures, or captures under another id,
+    /// which is never ended here — or an invalidated capture that cannot be told from one
+    /// begun after this one was ended elsewhere: an invalidated capture has no id, fact 60).
     fn finish(&mut self) -> Result<GraphExec, BackendError> {
-        if !self.backend.stream_captures(self.stream) {
-            // Ended by someone else, who may hold its graph: what it lent stays held.
-            self.open = false;
-            self.held.get_mut().clear();
-            let v = crate::backend::Violation::CaptureEndedElsewhere(self.stream);
-            return Err(BackendError::refused(crate::backend::Op::Graph, 0, 0, v));
+        match self.backend.end_capture(self.stream, self.id) {
+            Ended::Graph(exec) => {
+                self.open = false;
+                Ok(exec)
+            }
+            Ended::NoGraph(e) => {
+                self.open = false;
+                self.backend.let_go(&std::mem::take(self.held.get_mut()));
+                Err(e)
+            }
+            Ended::Elsewhere(e) | Ended::Unknown(e) => {
+                self.open = false;
+                self.held.get_mut().clear(); // held for good
+                Err(e)
+            }
+            Ended::Open(e) => Err(e),
         }
-        let ended = self.backend.end_capture(self.stream);
-        self.open = ended.is_err() && self.backend.stream_captures(self.stream);
-        if ended.is_err() && !self.open {
-            // Ended by this call with no graph (invalidated, or not instantiated).
-            self.backend.let_go(&std::mem::take(self.held.get_mut()));
-        }
-        ended
     }
 
     /// Ends the capture and instantiates its graph.

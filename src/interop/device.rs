@@ -1,6 +1,6 @@
 //! Device typed views (feature `cuda`): CUDA tokens as cudarc device memory of `T`, for
 //! `CudaBackend<SysDriver>`, the backend whose streams are cudarc's.
-#![allow(unsafe_code)] // one `unsafe` call (`note_use`), with its `// SAFETY:` proof
+#![allow(unsafe_code)] // the backend's probes, joins and orders, each with its `// SAFETY:` proof
 
 use super::fit;
 use crate::allocation::Allocation;
@@ -165,13 +165,20 @@ impl<'a> Span<'a> {
              per-thread stream): its memory's release could not wait for that use; call \
              `device.know(&stream)` (or `cover`) first, or make the view on that stream"
         );
-        if let Err(e) = stream.join(home) {
-            // The cudarc way for a call that cannot return its error; then a host wait on the
-            // home stream, so the use still comes after every earlier one.
-            ctx.record_err::<()>(Err(e));
-            ctx.record_err(home.synchronize());
+        // `other` waits for everything submitted on the home stream so far (a host wait on
+        // the home stream where that wait cannot be made); both streams are asked again after
+        // the record, so a capture begun since the probes above is never joined.
+        // SAFETY: both held by the backend: `other` (touched just above, which checks it) is
+        // borrowed for this call, the home stream is lent to the view.
+        if !unsafe { self.backend.join_stream(other, home.cu_stream() as Stream) } {
+            return SyncOnDrop::Record(None); // unordered, as a use on a capturing stream
         }
-        SyncOnDrop::sync_stream(stream)
+        // Later uses wait for this one per memory (an event recorded on `other` when they are
+        // ordered, asked again after its record), rather than by a synchronize of `other` as
+        // the guard drops, which would invalidate a capture begun on it meanwhile.
+        // SAFETY: `other` is held (see above) and borrowed for the call.
+        unsafe { self.backend.order_use(other, self.ptr as Addr, write) };
+        SyncOnDrop::Record(None)
     }
 }
 
@@ -233,10 +240,13 @@ impl Drop for Span<'_> {
 /// memory (below) after those made through other views.
 /// Used on another stream of the same context, that stream first waits for everything
 /// submitted to the home stream so far, the token's release waits for that stream too —
-/// whatever becomes of the returned [`SyncOnDrop`] — and the guard synchronizes that stream
-/// when it drops; this honours [`DevicePtr`]'s contract (wait for earlier writes) and
-/// [`DevicePtrMut`]'s (wait for earlier reads and writes) whether or not cudarc manages stream
-/// synchronization, at the price of a host wait: make views on the stream that uses them.
+/// whatever becomes of the returned [`SyncOnDrop`], which records nothing — and later uses of
+/// the memory through any view wait for that stream per memory (below); this honours
+/// [`DevicePtr`]'s contract (wait for earlier writes) and [`DevicePtrMut`]'s (wait for earlier
+/// reads and writes) whether or not cudarc manages stream synchronization, with no host wait.
+/// Each such wait is an event recorded on one stream and waited on by the other, and both
+/// streams are asked again after the record: a capture begun on either in between is never
+/// joined (its work would be captured, not run) nor synchronized (it would be invalidated).
 /// That other stream must be one the device knows or covers (`device.know(&stream)`): cudarc
 /// lends it by reference, so memtoken could not keep it alive to fence it later — a view
 /// used on a stream the device does not know **panics**, as does a stream of another context

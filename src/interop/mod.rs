@@ -93,6 +93,11 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Committed> {
     /// legacy stream always; others once covered, e.g. by `CudaBackend::cover`). With
     /// `CudaBackend<SysDriver>`, prefer the typed views (`view`, `view_mut`), which cover their
     /// stream and order their uses for cudarc.
+    ///
+    /// **Graph captures.** memtoken cannot see where this address goes: used in work captured by
+    /// a capture memtoken did not make (cudarc's safe `begin_capture`), it is the `unsafe`
+    /// kernel launch's obligation to keep the token alive while that graph can launch — or to
+    /// capture through memtoken's `Capture`, whose graph borrows the token.
     pub fn device_ptr(&self) -> u64 {
         self.addr() as u64
     }
@@ -142,6 +147,11 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Elastic> {
     /// part ([`committed_len`](Allocation::committed_len)) while this region is borrowed. The
     /// raw path, as for a committed allocation's `device_ptr`: its release waits only for the
     /// streams the backend covers.
+    ///
+    /// **Graph captures.** memtoken cannot see where this address goes: used in work captured by
+    /// a capture memtoken did not make (cudarc's safe `begin_capture`), it is the `unsafe`
+    /// kernel launch's obligation to keep the token alive while that graph can launch — or to
+    /// capture through memtoken's `Capture`, whose graph borrows the token.
     pub fn device_ptr(&self) -> u64 {
         self.addr() as u64
     }

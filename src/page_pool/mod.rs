@@ -595,6 +595,10 @@ impl<'p, 'pool, 'b, 'id, B: Backend> Page<'p, 'pool, 'b, 'id, B> {
     }
 
     /// The page's address.
+    ///
+    /// On CUDA, the address used in work captured by a capture memtoken did not make is the
+    /// `unsafe` kernel launch's obligation: the token (or page) must outlive every launch of
+    /// that graph (memtoken's `Capture` borrows it instead).
     pub fn addr(&self) -> Addr {
         self.pool.page_addr(self.index)
     }
@@ -645,6 +649,9 @@ impl<'p, 'pool, 'b, 'id, B: Backend> PageTable<'p, 'pool, 'b, 'id, B> {
     /// # Panics
     ///
     /// If `position` is out of bounds.
+    ///
+    /// On CUDA, the address used in work captured by a capture memtoken did not make is the
+    /// `unsafe` kernel launch's obligation: the page must outlive every launch of that graph.
     pub fn addr(&self, position: usize) -> Addr {
         self.pool.page_addr(self.pages[position])
     }

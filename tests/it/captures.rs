@@ -770,11 +770,12 @@ fn a_failed_exchange_after_a_copy_leaves_its_scratch_range_to_a_sweep() {
     assert!(held.is_zero(), "left after the backend dropped: {held:?}");
 }
 
-/// A pool page lent to a capture memtoken did not make is never handed out again once freed:
-/// its memory is withheld (the foreign graph may write it), counted apart, and the pool's
-/// chunk is quarantined as the pool drops.
+/// A pool page whose view's pointer is taken while a capture memtoken did not make is open is
+/// never handed out again once freed: its memory is withheld (the foreign graph may write it),
+/// counted apart, and the pool's chunk is quarantined as the pool drops. (A capture open at
+/// neither of the view's probes is not seen: `capture_promises`.)
 #[test]
-fn a_pool_page_a_foreign_graph_uses_is_never_handed_out_again() {
+fn a_pool_page_whose_pointer_is_taken_during_a_foreign_capture_is_never_handed_out_again() {
     let model = model();
     common::covered_device!(model, device, stream);
     let binding = device.bind(Budget::unlimited()).unwrap();

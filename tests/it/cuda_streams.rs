@@ -536,8 +536,8 @@ fn a_range_left_busy_by_a_copy_leaves_the_mappings_beside_it_free() {
 mod hooked {
     #![allow(unsafe_code)] // forwards each call, unchanged, to the model's own
     use memtoken::backend::cuda::{
-        AllocationProps, CaptureMode, Context, CuError, CuResult, DeviceAttribute, Driver, Event,
-        Graph, GraphExec, ShareableHandle, Stream,
+        AllocationProps, CaptureInfo, CaptureMode, Context, CuError, CuResult, DeviceAttribute,
+        Driver, Event, Graph, GraphExec, ShareableHandle, Stream,
     };
     use memtoken::backend::doubles::DriverModel;
     use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -686,6 +686,9 @@ mod hooked {
         }
         unsafe fn stream_is_capturing(&self, s: Stream) -> CuResult<bool> {
             unsafe { self.inner.stream_is_capturing(s) }
+        }
+        unsafe fn stream_get_capture_info(&self, s: Stream) -> CuResult<CaptureInfo> {
+            unsafe { self.inner.stream_get_capture_info(s) }
         }
         fn thread_exchange_capture_mode(&self, m: CaptureMode) -> CuResult<CaptureMode> {
             self.inner.thread_exchange_capture_mode(m)

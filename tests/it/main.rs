@@ -19,6 +19,7 @@ mod common;
 static ALLOCATOR: common::allocations::Counting = common::allocations::Counting;
 
 // The token layer: transitions, custody and teardown, what each kind of memory does.
+mod capture_promises;
 mod captures;
 mod context_loss;
 mod custody;

@@ -214,6 +214,7 @@ listed! {
         StreamWaitEvent,
         MemAlloc,
         MemFree,
+        StreamGetCaptureInfo,
     }
 }
 
@@ -233,6 +234,30 @@ pub enum CaptureMode {
     /// `CU_STREAM_CAPTURE_MODE_RELAXED`: a capture begun so refuses no call; a thread in this
     /// mode is refused by none.
     Relaxed,
+}
+
+/// A stream's capture state, as `cuStreamGetCaptureInfo` answers it (fact 60).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CaptureInfo {
+    /// `CU_STREAM_CAPTURE_STATUS_NONE`: the stream does not capture.
+    None,
+    /// `CU_STREAM_CAPTURE_STATUS_ACTIVE`, with the capture sequence's id, unique over the
+    /// process's life: a capture ended and another begun on the same stream has another id.
+    Active {
+        /// The capture id.
+        id: u64,
+    },
+    /// `CU_STREAM_CAPTURE_STATUS_INVALIDATED`: the stream captures into a capture that was
+    /// invalidated and not yet ended. The driver returns a valid id only for an active
+    /// capture, so this one has none (fact 60).
+    Invalidated,
+}
+
+impl CaptureInfo {
+    /// Whether the stream captures (an invalidated capture not yet ended counts).
+    pub fn captures(self) -> bool {
+        self != Self::None
+    }
 }
 
 /// A shareable handle, as [`Driver::mem_export_to_shareable_handle`] hands it over.
@@ -591,6 +616,16 @@ pub trait Driver {
     /// `stream` is 0 (the legacy stream) or a live stream of this driver's context
     /// ([the trait's rules](Driver#safety)).
     unsafe fn stream_is_capturing(&self, stream: Stream) -> CuResult<bool>;
+    /// `cuStreamGetCaptureInfo` (`_v2` under CUDA 12): `stream`'s capture status and, while a
+    /// capture is active, its id (fact 60) — how memtoken tells the capture it began from one
+    /// begun later on the same stream. Asked of the legacy stream while a blocking stream of
+    /// the context captures, `CUDA_ERROR_STREAM_CAPTURE_IMPLICIT`, invalidating nothing (fact
+    /// 41).
+    ///
+    /// # Safety
+    ///
+    /// As for [`stream_is_capturing`](Self::stream_is_capturing).
+    unsafe fn stream_get_capture_info(&self, stream: Stream) -> CuResult<CaptureInfo>;
     /// `cuThreadExchangeStreamCaptureMode`: sets the calling thread's capture interaction mode
     /// to `mode`; returns the mode it had (fact 40).
     fn thread_exchange_capture_mode(&self, mode: CaptureMode) -> CuResult<CaptureMode>;

@@ -434,12 +434,17 @@ impl<D: Driver> CudaBackend<D> {
     /// synchronize runs in the relaxed capture mode, so another thread's global capture does
     /// not refuse it (fact 40).
     fn synchronize_stream(&self, stream: Stream) -> CuResult<bool> {
+        let capturing = || match self.context_lost() {
+            true => Err(CuError::CONTEXT_IS_DESTROYED),
+            false => Ok(false),
+        };
         if self.capturing(stream) {
-            return match self.context_lost() {
-                true => Err(CuError::CONTEXT_IS_DESTROYED),
-                false => Ok(false),
-            };
+            return capturing();
         }
+        // A known window: a capture another thread begins on `stream` between the question
+        // and the synchronize is refused the synchronize and invalidated by it (fact 41) —
+        // memtoken gets the error and waits again later, nothing unmapped meanwhile
+        // (`capture_promises::a_capture_begun_between_the_check_and_a_stream_synchronize_*`).
         let _relaxed = self.relaxed()?;
         // SAFETY: `stream` is one the backend holds, with the record's lock held or lent (its
         // callers' duty): 0, or covered or known, whose owner promised it live until
@@ -560,7 +565,10 @@ impl<D: Driver> CudaBackend<D> {
                 continue;
             }
             match self.wait_for(&mut s, stream, other) {
-                Ok(()) => {}
+                Ok(true) => {}
+                // A capture begun on either stream since the check: not joined, as above.
+                Ok(false) if self.context_lost() => return,
+                Ok(false) => {}
                 Err(e) if e.is_context_loss() => {
                     let _ = self.fail(Op::Fence, addr, 0, e);
                     return; // nothing runs any more
@@ -577,8 +585,44 @@ impl<D: Driver> CudaBackend<D> {
         }
     }
 
-    /// `stream` waits for the work submitted on `other` so far (the handoff event).
-    fn wait_for(&self, s: &mut CudaState, stream: Stream, other: Stream) -> CuResult<()> {
+    /// `stream` waits for everything submitted on `home` so far — a device view's use on
+    /// another stream than its home (`cudarc`'s `join`, made here so that both streams are
+    /// asked again after the record: see [`wait_for`](Self::wait_for)). Whether it joined:
+    /// `false` while either stream captures (asked first, and again after the record), the
+    /// use then left unordered, as a use on a capturing stream is. Where the wait cannot be
+    /// made, the calling thread waits for `home` instead.
+    ///
+    /// # Safety
+    ///
+    /// Both streams are held by the backend (covered or known) and not forgotten during the
+    /// call (a view lends `home`; the caller borrows `stream`).
+    pub(crate) unsafe fn join_stream(&self, stream: Stream, home: Stream) -> bool {
+        let Ok(mut s) = self.enter(Op::Fence, 0, 0) else {
+            return false;
+        };
+        if self.capturing(stream) || self.capturing(home) {
+            return false;
+        }
+        match self.wait_for(&mut s, stream, home) {
+            Ok(joined) => joined,
+            Err(e) if e.is_context_loss() => {
+                let _ = self.fail(Op::Fence, 0, 0, e);
+                false
+            }
+            Err(_) => {
+                drop(s);
+                self.synchronize_lent(home) == Ok(true)
+            }
+        }
+    }
+
+    /// `stream` waits for the work submitted on `other` so far (the handoff event): `Ok(true)`.
+    /// The callers asked first that neither stream captures; after the record both are asked
+    /// again, and if either captures now — a capture begun in between, which took the event
+    /// (fact 39) — there is no wait: `Ok(false)`. A wait on a captured event would join
+    /// `stream` to that capture (its later work captured, not run, and the capture unable to
+    /// end: 904), and one from a capturing `stream` on an uncaptured event would invalidate it.
+    fn wait_for(&self, s: &mut CudaState, stream: Stream, other: Stream) -> CuResult<bool> {
         let serial = match s.handoff {
             Some(serial) => serial,
             None => {
@@ -591,10 +635,12 @@ impl<D: Driver> CudaBackend<D> {
         // SAFETY: `event` is this backend's live event (the handoff leaves the record only as
         // the backend drops); both streams are live (see `order_use`). A wait takes the state
         // the event had when it was made, so recording it again for the next is sound.
-        unsafe {
-            self.driver.event_record(event, other)?;
-            self.driver.stream_wait_event(stream, event)
+        unsafe { self.driver.event_record(event, other)? };
+        if self.capturing(other) || self.capturing(stream) {
+            return Ok(false);
         }
+        // SAFETY: as above.
+        unsafe { self.driver.stream_wait_event(stream, event) }.map(|()| true)
     }
 
     /// Orders the legacy stream, where host copies run, after the work submitted so far on
@@ -622,7 +668,13 @@ impl<D: Driver> CudaBackend<D> {
                 // the capture (facts 39, 41): the copy is refused until the capture has ended.
                 return Err(CuError::STREAM_CAPTURE_UNSUPPORTED);
             }
-            self.wait_for(s, 0, stream)?;
+            if !self.wait_for(s, 0, stream)? {
+                // A capture begun on it since the check: refused as above.
+                if self.context_lost() {
+                    return Err(CuError::CONTEXT_IS_DESTROYED);
+                }
+                return Err(CuError::STREAM_CAPTURE_UNSUPPORTED);
+            }
         }
         Ok(())
     }
@@ -681,6 +733,15 @@ impl<D: Driver> CudaBackend<D> {
             // above, under the lock `forget_stream` needs): 0, or covered or known, live until
             // forgotten (the `cover_stream` and `know_stream` contracts).
             match unsafe { self.driver.event_record(event, m.stream) } {
+                // Asked again: a capture begun between the check and the record took the event
+                // (fact 39), which is then never asked or waited on while that capture is
+                // open — the mark is recorded again once it has ended.
+                Ok(()) if self.capturing(m.stream) => {
+                    if self.context_lost() {
+                        return false;
+                    }
+                    all = false;
+                }
                 Ok(()) => m.recorded = true,
                 Err(e) => {
                     let _ = self.fail(Op::Fence, 0, 0, e);

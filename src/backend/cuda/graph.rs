@@ -4,8 +4,27 @@
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::CudaBackend;
-use super::driver::{CaptureMode, CuError, Driver, GraphExec, PER_THREAD_STREAM, Stream};
+use super::driver::{
+    CaptureInfo, CaptureMode, CuError, Driver, GraphExec, PER_THREAD_STREAM, Stream,
+};
 use crate::backend::{Addr, Backend, BackendError, Op, Violation, lock};
+
+/// What became of a memtoken capture as it ended ([`CudaBackend::end_capture`]).
+pub(crate) enum Ended {
+    /// Its graph's instance: the capture's memory is the graph's to let go.
+    Graph(GraphExec),
+    /// Ended by this call with no graph (invalidated, or not instantiated): no graph can use
+    /// what it was lent.
+    NoGraph(BackendError),
+    /// Ended by someone else, who may hold its graph (the stream no longer captures, or
+    /// captures under another id): what it was lent stays held for good.
+    Elsewhere(BackendError),
+    /// An invalidated capture ended by this call with no graph, which may not have been
+    /// memtoken's (fact 60: no id to compare): what it was lent stays held for good.
+    Unknown(BackendError),
+    /// Still open (the end was refused, or the stream could not be asked): asked again.
+    Open(BackendError),
+}
 
 impl<D: Driver> CudaBackend<D> {
     /// Whether every fence covers `stream` (see [`cover_stream`](Self::cover_stream)).
@@ -62,11 +81,24 @@ impl<D: Driver> CudaBackend<D> {
         capturing
     }
 
-    /// Whether `stream` captures now (an answer that cannot be had counts as capturing).
-    pub(crate) fn stream_captures(&self, stream: Stream) -> bool {
-        match self.enter(Op::Graph, 0, 0) {
-            Ok(_s) => self.capturing(stream),
-            Err(_) => !self.context_lost(), // lost: nothing captures any more
+    /// `stream`'s capture state (`cuStreamGetCaptureInfo`, fact 60): `None` where it cannot
+    /// be had; once the context is lost, nothing captures any more.
+    pub(crate) fn capture_state(&self, stream: Stream) -> Option<CaptureInfo> {
+        let Ok(_s) = self.enter(Op::Graph, 0, 0) else {
+            return self.context_lost().then_some(CaptureInfo::None);
+        };
+        if self.context_lost() {
+            return Some(CaptureInfo::None);
+        }
+        // SAFETY: `stream` is lent to the caller's capture (live until forgotten, which no
+        // lend allows).
+        match unsafe { self.driver.stream_get_capture_info(stream) } {
+            Ok(info) => Some(info),
+            Err(e) if e.is_context_loss() => {
+                let _ = self.fail(Op::Graph, 0, 0, e);
+                Some(CaptureInfo::None)
+            }
+            Err(_) => None,
         }
     }
 
@@ -97,14 +129,34 @@ impl<D: Driver> CudaBackend<D> {
 
     /// `cuStreamBeginCapture` on a covered or known stream, lent (see
     /// [`lend_stream`](Self::lend_stream)) until the capture or its graph goes, unless this
-    /// fails.
+    /// fails: the capture's id (fact 60), by which its end tells it from a capture begun later
+    /// on the same stream. A capture whose id cannot be had at once is ended again (nothing
+    /// was lent to it yet) and refused.
     pub(crate) fn begin_capture(
         &self,
         stream: Stream,
         mode: CaptureMode,
-    ) -> Result<(), BackendError> {
+    ) -> Result<u64, BackendError> {
         let stream = self.lend_stream(stream)?;
-        let begun = self.begin_capture_on(stream, mode);
+        let begun = self.begin_capture_on(stream, mode).and_then(|()| {
+            match self.capture_state(stream) {
+                Some(CaptureInfo::Active { id }) => Ok(id),
+                Some(CaptureInfo::None) => {
+                    let v = Violation::CaptureEndedElsewhere(stream);
+                    Err(BackendError::refused(Op::Graph, 0, 0, v))
+                }
+                _ => {
+                    // Invalidated already, or the id cannot be had: ended with no graph
+                    // (if it still captures), and refused.
+                    let e = CuError::STREAM_CAPTURE_INVALIDATED;
+                    if let Ok(exec) = self.end_captured(stream) {
+                        // SAFETY: just instantiated by `end_captured`, never launched.
+                        unsafe { self.destroy_exec(exec) };
+                    }
+                    Err(self.fail(Op::Graph, 0, 0, e))
+                }
+            }
+        });
         if begun.is_err() {
             self.end_lend(stream);
         }
@@ -127,18 +179,47 @@ impl<D: Driver> CudaBackend<D> {
             .map_err(|e| self.fail(Op::Graph, 0, 0, e))
     }
 
-    /// Ends the capture on `stream` and instantiates its graph (the graph itself is destroyed
-    /// at once: an executable graph does not depend on it). A stream that no longer captures
-    /// (someone else ended the capture) is not asked to end: refused, its memory stays held.
-    pub(crate) fn end_capture(&self, stream: Stream) -> Result<GraphExec, BackendError> {
-        if !self.stream_captures(stream) {
+    /// Ends the capture memtoken began on `stream` under `id` and instantiates its graph
+    /// (the graph itself is destroyed at once: an executable graph does not depend on it) —
+    /// only while the stream's capture is that one. What became of it:
+    /// [`Ended`] says whether the memory it was lent may be let go.
+    pub(crate) fn end_capture(&self, stream: Stream, id: u64) -> Ended {
+        let elsewhere = || {
             let v = Violation::CaptureEndedElsewhere(stream);
-            return Err(BackendError::refused(Op::Graph, 0, 0, v));
+            BackendError::refused(Op::Graph, 0, 0, v)
+        };
+        let invalidated = match self.capture_state(stream) {
+            Some(CaptureInfo::Active { id: now }) if now == id => false,
+            // Another id, or none: ended by someone else, who may hold its graph; a capture
+            // begun since is not memtoken's to end.
+            Some(CaptureInfo::Active { .. } | CaptureInfo::None) => {
+                return Ended::Elsewhere(elsewhere());
+            }
+            // No id to compare (fact 60): ended (no graph comes of an invalidated capture), but
+            // it may be one begun after memtoken's was ended elsewhere.
+            Some(CaptureInfo::Invalidated) => true,
+            None => {
+                let e = self.fail(Op::Graph, 0, 0, CuError::STREAM_CAPTURE_UNSUPPORTED);
+                return Ended::Open(e); // cannot ask now: asked again as the capture drops
+            }
+        };
+        let ended = self.end_captured(stream);
+        let still = self.capture_state(stream);
+        match ended {
+            Ok(exec) => Ended::Graph(exec),
+            // Still capturing (another thread's capture, or the end was refused): open.
+            Err(e) if still.is_none_or(CaptureInfo::captures) => Ended::Open(e),
+            Err(e) if invalidated => Ended::Unknown(e),
+            Err(e) => Ended::NoGraph(e),
         }
+    }
+
+    /// `cuStreamEndCapture` on `stream`, and its graph instantiated.
+    fn end_captured(&self, stream: Stream) -> Result<GraphExec, BackendError> {
         let _s = self.enter(Op::Graph, 0, 0)?;
         let fail = |e| self.fail(Op::Graph, 0, 0, e);
-        // SAFETY: a lent stream (live until forgotten, which no lend allows) whose capture
-        // `begin_capture` began, capturing now.
+        // SAFETY: a lent stream (live until forgotten, which no lend allows) that captures:
+        // its capture has the id `begin_capture` got, or is invalidated (`end_capture` asked).
         let graph = unsafe { self.driver.stream_end_capture(stream) }.map_err(fail)?;
         // Instantiating and destroying may be potentially unsafe calls (fact 40, the strict
         // reading): in the relaxed mode, so no other capture refuses them or is invalidated.

@@ -216,6 +216,7 @@ mod export;
 pub mod facts;
 mod fence;
 mod graph;
+pub(crate) use graph::Ended;
 pub(in crate::backend) mod model;
 mod open;
 mod plain;
@@ -227,8 +228,8 @@ mod tests;
 mod vmm;
 
 pub use driver::{
-    AllocationProps, CaptureMode, Context, CuError, CuResult, DeviceAttribute, Driver, DriverCall,
-    ErrorFate, Event, Graph, GraphExec, HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD,
+    AllocationProps, CaptureInfo, CaptureMode, Context, CuError, CuResult, DeviceAttribute, Driver,
+    DriverCall, ErrorFate, Event, Graph, GraphExec, HANDLE_TYPE_FABRIC, HANDLE_TYPE_POSIX_FD,
     PER_THREAD_STREAM, ShareableHandle, Stream,
 };
 pub use fence::{CudaFence, PeerWork};

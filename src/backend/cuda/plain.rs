@@ -3,7 +3,7 @@
 //!
 //! What it can do, it does with the VMM mechanism's record, fences and tokens; what it cannot
 //! is refused with [`Cause::Unsupported`](crate::backend::Cause::Unsupported) naming the
-//! capability, before any driver call, never emulated:
+//! capability, before any memory call (the context is made current first), never emulated:
 //!
 //! - **reserve** claims a length only: the record books it at a *placeholder* address, above
 //!   every device address, that no driver call and no token's memory ever sees;

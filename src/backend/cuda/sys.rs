@@ -10,8 +10,8 @@
 
 use super::CudaError;
 use super::driver::{
-    AllocationProps, CaptureMode, Context, CuError, CuResult, DeviceAttribute, Driver, Event,
-    Graph, GraphExec, HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
+    AllocationProps, CaptureInfo, CaptureMode, Context, CuError, CuResult, DeviceAttribute, Driver,
+    Event, Graph, GraphExec, HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
 };
 use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::sys;
@@ -331,6 +331,34 @@ impl Driver for SysDriver {
             .result()
             .map_err(cu)?;
         Ok(status != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE)
+    }
+
+    unsafe fn stream_get_capture_info(&self, stream: Stream) -> CuResult<CaptureInfo> {
+        // Raw: cudarc's `result` has no wrapper; with `cuda-12080` the `_v2` call is the one
+        // compiled (the unsuffixed one is not, under 12.x).
+        use sys::CUstreamCaptureStatus as S;
+        let mut status = S::CU_STREAM_CAPTURE_STATUS_NONE;
+        let mut id: sys::cuuint64_t = 0;
+        // SAFETY: `status` and `id` outlive the call; the graph, dependency and count outputs
+        // are optional (null: not asked); the caller passes 0 (the legacy stream) or a live
+        // stream of this context.
+        unsafe {
+            sys::cuStreamGetCaptureInfo_v2(
+                stream as sys::CUstream,
+                &mut status,
+                &mut id,
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+                std::ptr::null_mut(),
+            )
+        }
+        .result()
+        .map_err(cu)?;
+        Ok(match status {
+            S::CU_STREAM_CAPTURE_STATUS_NONE => CaptureInfo::None,
+            S::CU_STREAM_CAPTURE_STATUS_ACTIVE => CaptureInfo::Active { id },
+            _ => CaptureInfo::Invalidated,
+        })
     }
 
     fn thread_exchange_capture_mode(&self, mode: CaptureMode) -> CuResult<CaptureMode> {

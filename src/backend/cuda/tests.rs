@@ -119,3 +119,41 @@ fn a_scratch_range_waiting_to_be_freed_is_not_the_callers_to_map() {
     assert!(lock(&backend.state).scratch.is_empty());
     assert_eq!(model.outstanding().reservations, 1);
 }
+
+/// Issue 38, the device view's join of its home stream (`join_stream`, which `DeviceView`
+/// uses on the real driver): a capture begun on the home stream between the check and the
+/// record is never joined — the other stream does not capture afterwards, the capture ends
+/// valid — and the join says it did not happen. Without a capture, it joins (a wait).
+#[test]
+#[allow(unsafe_code)] // the backend's `join_stream` and the driver's own query, each proven
+fn a_join_of_a_home_stream_never_joins_a_capture_begun_between_check_and_record() {
+    use crate::backend::doubles::CaptureMode;
+    let model = DriverModel::default();
+    let backend = open(&model);
+    let (other, home) = (model.new_stream(), model.new_stream());
+    // SAFETY: streams of the model's only context, live as long as the model.
+    unsafe {
+        backend.know_stream(other);
+        backend.know_stream(home);
+    }
+    let waits = model.count(DriverCall::StreamWaitEvent);
+    // SAFETY: both known to the backend and live.
+    assert!(unsafe { backend.join_stream(other, home) }, "joined");
+    assert_eq!(model.count(DriverCall::StreamWaitEvent), waits + 1);
+    model.begin_capture_before(&[DriverCall::EventRecord], 1, home, CaptureMode::Global);
+    // SAFETY: as above.
+    assert!(!unsafe { backend.join_stream(other, home) }, "not joined");
+    assert_eq!(
+        model.count(DriverCall::StreamWaitEvent),
+        waits + 1,
+        "no wait"
+    );
+    // SAFETY: a live stream of the model's context.
+    let info = unsafe { model.stream_get_capture_info(other) };
+    assert_eq!(info, Ok(CaptureInfo::None), "`other` did not join the capture");
+    assert_eq!(
+        model.end_capture(home),
+        Ok(()),
+        "neither invalidated nor unjoined"
+    );
+}

@@ -3,7 +3,7 @@
 
 use super::DriverModel;
 use super::config::CaptureMode;
-use super::state::{Capture, StreamWork};
+use super::state::StreamWork;
 #[cfg(doc)]
 use crate::backend::cuda::driver::ShareableHandle;
 use crate::backend::cuda::driver::{AllocationProps, CuError, CuResult, DriverCall, Stream};
@@ -200,15 +200,36 @@ impl DriverModel {
         if stream == 0 || !s.streams.contains_key(&stream) {
             panic!("DriverModel: cannot capture on stream {stream:#x}");
         }
-        let capture = Capture {
-            mode,
-            thread: std::thread::current().id(),
-            invalidated: false,
-            nodes: Vec::new(),
-        };
-        if s.captures.insert(stream, capture).is_some() {
+        if s.capture_of(stream).is_some() {
             panic!("DriverModel: stream {stream:#x} is capturing already");
         }
+        s.open_capture(stream, mode);
+    }
+
+    /// A test's hook between a check and an act: begins a capture on `stream` in `mode` (as
+    /// [`begin_capture`](Self::begin_capture), on the calling thread, under a new id) just
+    /// before the `n`th call of one of the kinds `calls` from now is carried out (`n = 1`:
+    /// the next one) —
+    /// so a call that asked whether `stream` captures, and then records, waits or synchronizes
+    /// on it, meets a capture begun in between, as another thread's would be. Once; a new hook
+    /// replaces the previous one. Nothing is begun if `stream` captures by then.
+    ///
+    /// # Panics
+    ///
+    /// If `n` is zero, or `stream` is not one of the model's or is the legacy stream.
+    pub fn begin_capture_before(
+        &self,
+        calls: &[DriverCall],
+        n: u64,
+        stream: Stream,
+        mode: CaptureMode,
+    ) {
+        assert!(n > 0, "DriverModel: begin_capture_before counts from 1");
+        let mut s = self.state();
+        if stream == 0 || !s.streams.contains_key(&stream) {
+            panic!("DriverModel: cannot capture on stream {stream:#x}");
+        }
+        s.begin_before = Some((calls.to_vec(), n, stream, mode));
     }
 
     /// Ends the capture on `stream` (`cuStreamEndCapture`).
@@ -216,20 +237,17 @@ impl DriverModel {
     /// # Errors
     ///
     /// `CUDA_ERROR_STREAM_CAPTURE_INVALIDATED` if a refused call invalidated it (the real call
-    /// then returns a NULL graph).
+    /// then returns a NULL graph), `CUDA_ERROR_STREAM_CAPTURE_UNJOINED` if a stream that
+    /// joined it was not joined back (fact 39).
     ///
     /// # Panics
     ///
-    /// If `stream` is not capturing.
+    /// If no capture began on `stream`.
     pub fn end_capture(&self, stream: Stream) -> CuResult<()> {
-        let Some(capture) = self.state().captures.remove(&stream) else {
+        let Some(ended) = self.state().close_capture(stream) else {
             panic!("DriverModel: stream {stream:#x} is not capturing");
         };
-        if capture.invalidated {
-            Err(CuError::STREAM_CAPTURE_INVALIDATED)
-        } else {
-            Ok(())
-        }
+        ended.map(drop)
     }
 
     /// The access `device` has to the memory mapped at `addr`, as granted by

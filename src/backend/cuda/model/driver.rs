@@ -4,11 +4,11 @@
 
 #[cfg(doc)]
 use super::ModelConfig;
-use super::state::{Capture, ModelState, Shared, Watched, identity, inode_of};
+use super::state::{ModelState, Shared, Watched, identity, inode_of};
 use super::{DriverModel, misuse};
 use crate::backend::cuda::driver::{
-    AllocationProps, CaptureMode, Context, CuError, CuResult, DeviceAttribute, Driver, DriverCall,
-    Event, Graph, GraphExec, HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
+    AllocationProps, CaptureInfo, CaptureMode, Context, CuError, CuResult, DeviceAttribute, Driver,
+    DriverCall, Event, Graph, GraphExec, HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
 };
 use crate::backend::{Access, Addr};
 use rustix::fd::AsFd;
@@ -499,7 +499,7 @@ impl Driver for DriverModel {
         if !s.live_stream(stream) {
             misuse(call, format_args!("no stream {stream:#x}"));
         }
-        if let Some(c) = s.captures.get_mut(&stream) {
+        if let Some(c) = s.capture_mut(stream) {
             c.invalidated = true;
             return Err(CuError::STREAM_CAPTURE_UNSUPPORTED);
         }
@@ -587,8 +587,8 @@ impl Driver for DriverModel {
         }
         // Fact 39: recorded on a capturing stream, the event is a set of graph nodes, not a
         // mark of the stream's work.
-        if s.captures.contains_key(&stream) {
-            s.captured.insert(event, stream);
+        if let Some(id) = s.capture_mut(stream).map(|c| c.id) {
+            s.captured.insert(event, (stream, id));
             return s.check_lost();
         }
         s.captured.remove(&event);
@@ -655,7 +655,29 @@ impl Driver for DriverModel {
                 return Err(CuError::STREAM_CAPTURE_IMPLICIT);
             }
         }
-        Ok(s.captures.contains_key(&stream))
+        Ok(s.capture_of(stream).is_some())
+    }
+
+    /// Fact 60: the capture's id while it is active, none once invalidated; fact 41 on the
+    /// legacy stream, as for `cuStreamIsCapturing`. Invalidates nothing.
+    unsafe fn stream_get_capture_info(&self, stream: Stream) -> CuResult<CaptureInfo> {
+        let call = DriverCall::StreamGetCaptureInfo;
+        let s = self.enter(call, true)?;
+        if !s.live_stream(stream) {
+            misuse(call, format_args!("unknown stream {stream:#x}"));
+        }
+        if stream == 0 {
+            let blocking = |st: &Stream| s.streams.get(st).is_some_and(|w| w.blocking);
+            if s.captures.keys().any(blocking) {
+                return Err(CuError::STREAM_CAPTURE_IMPLICIT);
+            }
+        }
+        let capture = s.capture_of(stream).and_then(|o| s.captures.get(&o));
+        Ok(match capture {
+            None => CaptureInfo::None,
+            Some(c) if c.invalidated => CaptureInfo::Invalidated,
+            Some(c) => CaptureInfo::Active { id: c.id },
+        })
     }
 
     fn thread_exchange_capture_mode(&self, mode: CaptureMode) -> CuResult<CaptureMode> {
@@ -673,26 +695,31 @@ impl Driver for DriverModel {
         if stream == 0 || !s.live_stream(stream) {
             misuse(call, format_args!("cannot capture on stream {stream:#x}"));
         }
-        if s.captures.contains_key(&stream) {
+        if s.capture_of(stream).is_some() {
             return Err(CuError::STREAM_CAPTURE_UNSUPPORTED);
         }
-        let capture = Capture {
-            mode,
-            thread: std::thread::current().id(),
-            invalidated: false,
-            nodes: Vec::new(),
-        };
-        s.captures.insert(stream, capture);
+        s.open_capture(stream, mode);
         Ok(())
     }
 
     /// The capture's work as a graph; `STREAM_CAPTURE_WRONG_THREAD` from another thread than
     /// the one that began a non-relaxed capture (which stays open), and
     /// `STREAM_CAPTURE_INVALIDATED` (the capture ended, no graph) after a refused call
-    /// invalidated it. Misuse: a stream that does not capture.
+    /// invalidated it, `STREAM_CAPTURE_UNJOINED` (ended, no graph) while a stream that joined
+    /// it was not joined back (fact 39), and `STREAM_CAPTURE_UNMATCHED` from a stream that
+    /// only joined it (the capture is invalidated). Misuse: a stream that does not capture.
     unsafe fn stream_end_capture(&self, stream: Stream) -> CuResult<Graph> {
         let call = DriverCall::StreamEndCapture;
         let mut s = self.enter(call, true)?;
+        if let Some(c) = s
+            .joined
+            .get(&stream)
+            .copied()
+            .and_then(|o| s.captures.get_mut(&o))
+        {
+            c.invalidated = true;
+            return Err(CuError::STREAM_CAPTURE_UNMATCHED);
+        }
         let Some(capture) = s.captures.get(&stream) else {
             misuse(call, format_args!("stream {stream:#x} does not capture"));
         };
@@ -700,13 +727,10 @@ impl Driver for DriverModel {
         if capture.mode != CaptureMode::Relaxed && capture.thread != me {
             return Err(CuError::STREAM_CAPTURE_WRONG_THREAD);
         }
-        let capture = s.captures.remove(&stream).expect("just found");
-        if capture.invalidated {
-            return Err(CuError::STREAM_CAPTURE_INVALIDATED);
-        }
+        let nodes = s.close_capture(stream).expect("just found")?;
         let graph = s.next_graph;
         s.next_graph += 1;
-        s.graphs.insert(graph, capture.nodes);
+        s.graphs.insert(graph, nodes);
         Ok(graph)
     }
 
@@ -748,8 +772,12 @@ impl Driver for DriverModel {
 
     /// Work submitted on `stream` from now on runs after the event's work; an event never
     /// recorded is no wait. Fact 39: a capturing stream may not wait on an event that is not
-    /// captured (905, and the capture invalidated); joining another capture is not modelled
-    /// (misuse).
+    /// captured (905, and the capture invalidated). A wait on a captured event whose capture
+    /// is open joins it: an uncapturing stream captures into it from then on (its work becomes
+    /// that capture's nodes, and the capture cannot end until the stream is joined back — its
+    /// origin waits on an event captured on it); a stream of another capture is refused
+    /// (`STREAM_CAPTURE_MERGE`, both captures invalidated). A wait on a captured event whose
+    /// capture has ended is refused with `CAPTURED_EVENT` (the strict reading: fact 39).
     unsafe fn stream_wait_event(&self, stream: Stream, event: Event) -> CuResult<()> {
         let call = DriverCall::StreamWaitEvent;
         let mut s = self.enter(call, true)?;
@@ -762,13 +790,10 @@ impl Driver for DriverModel {
         if stream == 0 {
             s.legacy_refused()?;
         }
-        if s.captured.contains_key(&event) {
-            misuse(
-                call,
-                "a wait on a captured event (joining a capture) is not modelled",
-            );
+        if let Some(&(on, id)) = s.captured.get(&event) {
+            return s.wait_captured(stream, on, id);
         }
-        if let Some(c) = s.captures.get_mut(&stream) {
+        if let Some(c) = s.capture_mut(stream) {
             c.invalidated = true;
             return Err(CuError::STREAM_CAPTURE_ISOLATION);
         }

@@ -183,6 +183,13 @@ impl DriverModel {
             }
         }
         s.log.push(call);
+        if let Some((on, left, stream, mode)) = s.begin_before.take_if(|b| b.0.contains(&call)) {
+            if left > 1 {
+                s.begin_before = Some((on, left - 1, stream, mode));
+            } else if s.capture_of(stream).is_none() {
+                s.open_capture(stream, mode);
+            }
+        }
         if let Err(fault) = s.faults.enter(call) {
             // Facts 33–35: exactly the sticky codes stick.
             let e = fault.error;

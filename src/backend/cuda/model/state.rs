@@ -62,9 +62,15 @@ pub(super) struct Work {
 /// An open stream capture.
 #[derive(Debug)]
 pub(super) struct Capture {
+    /// Its capture id, unique over the model's life (fact 60: `cuStreamGetCaptureInfo`).
+    pub(super) id: u64,
     pub(super) mode: CaptureMode,
     pub(super) thread: ThreadId,
     pub(super) invalidated: bool,
+    /// Streams that joined it by waiting on one of its captured events (fact 39): they
+    /// capture into it until they are joined back into its origin stream; ended while one has
+    /// not, it ends with `STREAM_CAPTURE_UNJOINED` and no graph.
+    pub(super) joined: Vec<Stream>,
     /// The work submitted on the stream while it captures: graph nodes, each with the ranges
     /// it uses (`None`: any memory), run only when the graph is launched (fact 39).
     pub(super) nodes: Vec<Node>,
@@ -184,8 +190,9 @@ pub(super) struct ModelState {
     /// Live events, and where each was last recorded: its stream and the work it covers.
     pub(super) events: HashMap<Event, Option<(Stream, u64)>>,
     /// Events last recorded on a capturing stream: captured events, graph nodes rather than
-    /// work (fact 39), and the stream whose capture took them.
-    pub(super) captured: HashMap<Event, Stream>,
+    /// work (fact 39), with the stream they were recorded on and the id of the capture that
+    /// took them.
+    pub(super) captured: HashMap<Event, (Stream, u64)>,
     /// Destroyed event values, handed out again before new ones (the last destroyed first).
     pub(super) free_events: Vec<Event>,
     pub(super) next_event: Event,
@@ -198,8 +205,15 @@ pub(super) struct ModelState {
     /// Device-to-host copies that read memory work on another stream, not finished, may
     /// still write (a stale read): counted, for [`DriverModel::stale_reads`](super::DriverModel::stale_reads).
     pub(super) stale_reads: u64,
-    /// Open stream captures, by stream.
+    /// Open stream captures, by origin stream (the one they began on).
     pub(super) captures: HashMap<Stream, Capture>,
+    /// Streams that joined another stream's capture (fact 39), and that capture's origin.
+    pub(super) joined: HashMap<Stream, Stream>,
+    /// The next capture id to hand out.
+    pub(super) next_capture_id: u64,
+    /// A capture to begin just before a call (a test's hook): the calls it waits for, how many
+    /// more of them to let through first, the stream and the mode.
+    pub(super) begin_before: Option<(Vec<DriverCall>, u64, Stream, CaptureMode)>,
     /// Live graphs (`cuStreamEndCapture`) and executable graphs (`cuGraphInstantiate`), each
     /// with its nodes, and the next value to hand out for either.
     pub(super) graphs: HashMap<usize, Vec<Node>>,
@@ -261,6 +275,9 @@ impl ModelState {
             epoch: 0,
             stale_reads: 0,
             captures: HashMap::new(),
+            joined: HashMap::new(),
+            next_capture_id: 1,
+            begin_before: None,
             graphs: HashMap::new(),
             execs: HashMap::new(),
             next_graph: 0x9000,
@@ -360,7 +377,7 @@ impl ModelState {
     /// Submits one piece of work on `stream`, touching `touches` (`None`: anything mapped).
     /// On a capturing stream it becomes a node of the capture's graph instead (fact 39).
     pub(super) fn submit(&mut self, stream: Stream, touches: Option<Vec<(Addr, usize)>>) {
-        if let Some(capture) = self.captures.get_mut(&stream) {
+        if let Some(capture) = self.capture_mut(stream) {
             capture.nodes.push(touches);
             return;
         }
@@ -394,7 +411,7 @@ impl ModelState {
     pub(super) fn launch(&mut self, stream: Stream, nodes: &[Node]) {
         for node in nodes {
             self.submit(stream, node.clone());
-            if self.captures.contains_key(&stream) {
+            if self.capture_of(stream).is_some() {
                 continue;
             }
             let unusable = node
@@ -528,13 +545,100 @@ impl ModelState {
     /// Facts 39 and 41: querying or synchronizing a captured event returns `CAPTURED_EVENT`,
     /// and invalidates its capture while that is open.
     pub(super) fn captured_event(&mut self, event: Event) -> CuResult<()> {
-        let Some(stream) = self.captured.get(&event) else {
+        let Some(&(_, id)) = self.captured.get(&event) else {
             return Ok(());
         };
-        if let Some(c) = self.captures.get_mut(stream) {
+        if let Some(c) = self.captures.values_mut().find(|c| c.id == id) {
             c.invalidated = true;
         }
         Err(CuError::CAPTURED_EVENT)
+    }
+
+    /// Fact 39: `stream` waits on an event captured on stream `on` by the capture `id`. Inside
+    /// that capture the wait is a dependency (the origin waiting on a joined stream's event
+    /// joins that stream back); from a stream that does not capture it joins the capture; from
+    /// another capture's stream it is refused (902) and invalidates both; once the capture has
+    /// ended, refused (907).
+    pub(super) fn wait_captured(&mut self, stream: Stream, on: Stream, id: u64) -> CuResult<()> {
+        let origin = self
+            .captures
+            .iter()
+            .find(|(_, c)| c.id == id)
+            .map(|(&o, _)| o);
+        let Some(origin) = origin else {
+            return Err(CuError::CAPTURED_EVENT); // its capture has ended
+        };
+        match self.capture_of(stream) {
+            Some(mine) if mine == origin => {
+                if stream == origin && on != origin {
+                    self.joined.remove(&on);
+                    let c = self.captures.get_mut(&origin).expect("found above");
+                    c.joined.retain(|&j| j != on);
+                }
+                Ok(())
+            }
+            Some(other) => {
+                for o in [origin, other] {
+                    if let Some(c) = self.captures.get_mut(&o) {
+                        c.invalidated = true;
+                    }
+                }
+                Err(CuError::STREAM_CAPTURE_MERGE)
+            }
+            None => {
+                self.joined.insert(stream, origin);
+                let c = self.captures.get_mut(&origin).expect("found above");
+                c.joined.push(stream);
+                Ok(())
+            }
+        }
+    }
+
+    /// The origin stream of the capture `stream` captures into: its own, or the one it joined
+    /// (fact 39).
+    pub(super) fn capture_of(&self, stream: Stream) -> Option<Stream> {
+        if self.captures.contains_key(&stream) {
+            return Some(stream);
+        }
+        self.joined.get(&stream).copied()
+    }
+
+    /// The capture `stream` captures into, if any.
+    pub(super) fn capture_mut(&mut self, stream: Stream) -> Option<&mut Capture> {
+        let origin = self.capture_of(stream)?;
+        self.captures.get_mut(&origin)
+    }
+
+    /// Opens a capture on `stream` in `mode`, begun by the calling thread, under a new id.
+    pub(super) fn open_capture(&mut self, stream: Stream, mode: CaptureMode) {
+        let id = self.next_capture_id;
+        self.next_capture_id += 1;
+        let capture = Capture {
+            id,
+            mode,
+            thread: std::thread::current().id(),
+            invalidated: false,
+            joined: Vec::new(),
+            nodes: Vec::new(),
+        };
+        self.captures.insert(stream, capture);
+    }
+
+    /// Ends the capture begun on `origin`: its nodes, or why there is no graph — invalidated
+    /// (`STREAM_CAPTURE_INVALIDATED`), or a stream that joined it was not joined back
+    /// (`STREAM_CAPTURE_UNJOINED`, fact 39). Every joined stream leaves it either way.
+    pub(super) fn close_capture(&mut self, origin: Stream) -> Option<CuResult<Vec<Node>>> {
+        let capture = self.captures.remove(&origin)?;
+        for joined in &capture.joined {
+            self.joined.remove(joined);
+        }
+        Some(if capture.invalidated {
+            Err(CuError::STREAM_CAPTURE_INVALIDATED)
+        } else if !capture.joined.is_empty() {
+            Err(CuError::STREAM_CAPTURE_UNJOINED)
+        } else {
+            Ok(capture.nodes)
+        })
     }
 
     /// Facts 40–43: whether a potentially unsafe call (the VMM calls) from this thread is

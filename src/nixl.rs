@@ -40,6 +40,10 @@
 //! it acknowledged cannot be loaded again. Load a peer once, extend it, and say `done` when
 //! finished with it: each load-and-done cycle costs NIXL 1.5.1 four file descriptors it never
 //! closes.
+//! An offer carries each region's memory kind (NIXL's DRAM or VRAM) and device, and the peer's
+//! side of a transfer is built with them ([`RemoteRange`]), not with the loading agent's own: a
+//! transfer whose remote ranges lie in two kinds is refused ([`NixlError::MixedKinds`]), an
+//! offer in another version of the format ([`PeerMetadata`]) too ([`NixlError::Version`]).
 //! A notification may not begin like the acknowledgement ([`NixlError::Reserved`]). These
 //! protect against mistakes, not against a hostile process: another program speaking NIXL can
 //! forge an acknowledgement, and metadata edited on its way (its epoch, an incarnation) counts
@@ -47,7 +51,8 @@
 //!
 //! **Bytes.** A registration lends its token ([`Registered::token`]) only while no peer may
 //! touch the memory (never offered, or every peer done) and no transfer runs: never a `&[u8]`
-//! that a peer's write can change.
+//! that a peer's write can change. Bytes are lent on a cooperating peer's acknowledgement, or
+//! on the caller's `unsafe` word ([`Agent::peer_exited`]).
 //!
 //! Run time: NIXL's library is loaded when the first agent is made. `scripts/install-nixl.sh`
 //! installs it under `target/nixl/`, and `source target/nixl/env.sh` puts it on the loader's

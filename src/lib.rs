@@ -159,6 +159,9 @@ pub mod mechanism;
 #[cfg(feature = "nixl")]
 #[cfg_attr(docsrs, doc(cfg(feature = "nixl")))]
 pub mod nixl;
+// NIXL offers' wire format: pure Rust, built and unit-tested without feature `nixl` too.
+#[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+mod nixl_wire;
 mod page_pool;
 mod region;
 mod residual;

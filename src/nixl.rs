@@ -16,7 +16,8 @@
 //! back only with a proof that every peer it was exposed to is done with it and has
 //! invalidated that metadata: the peer's acknowledgement ([`Peer::done`], which invalidates,
 //! then says so with a write into the offering agent's mailbox and a notification), or the
-//! peer's end ([`Agent::peer_exited`]). Without one,
+//! peer's end, on the caller's `unsafe` word that the process waited for is the peer's, local,
+//! and that no write of it lands after it ended ([`Agent::peer_exited`]). Without one,
 //! releasing it ([`Registered::release`], or a drop) withholds the memory for good — its VA
 //! and physical memory kept, never reused — and the device's report names the peer
 //! ([`Device::withheld_for_peers`](crate::Device::withheld_for_peers)). The proof is a
@@ -39,6 +40,10 @@
 //! it acknowledged cannot be loaded again. Load a peer once, extend it, and say `done` when
 //! finished with it: each load-and-done cycle costs NIXL 1.5.1 four file descriptors it never
 //! closes.
+//! An offer carries each region's memory kind (NIXL's DRAM or VRAM) and device, and the peer's
+//! side of a transfer is built with them ([`RemoteRange`]), not with the loading agent's own: a
+//! transfer whose remote ranges lie in two kinds is refused ([`NixlError::MixedKinds`]), an
+//! offer in another version of the format ([`PeerMetadata`]) too ([`NixlError::Version`]).
 //! A notification may not begin like the acknowledgement ([`NixlError::Reserved`]). These
 //! protect against mistakes, not against a hostile process: another program speaking NIXL can
 //! forge an acknowledgement, and metadata edited on its way (its epoch, an incarnation) counts
@@ -46,19 +51,24 @@
 //!
 //! **Bytes.** A registration lends its token ([`Registered::token`]) only while no peer may
 //! touch the memory (never offered, or every peer done) and no transfer runs: never a `&[u8]`
-//! that a peer's write can change.
+//! that a peer's write can change. Bytes are lent on a cooperating peer's acknowledgement, or
+//! on the caller's `unsafe` word ([`Agent::peer_exited`]).
 //!
 //! Run time: NIXL's library is loaded when the first agent is made. `scripts/install-nixl.sh`
 //! installs it under `target/nixl/`, and `source target/nixl/env.sh` puts it on the loader's
 //! path (with UCX kept on the loopback). Without it, [`Agent::new`] returns
 //! [`NixlError::Missing`] — NIXL's shim would abort the process on any other call.
-#![allow(unsafe_code)] // `MemoryRegion::as_ptr` is an `unsafe fn` of nixl-sys's trait; no unsafe block here
+// `MemoryRegion::as_ptr` is an `unsafe fn` of nixl-sys's trait, `Agent::peer_exited` an
+// `unsafe fn` (its caller vouches for the peer's end); the unsafe blocks are `Registered`'s
+// taking of its token and handle, once, each with its `SAFETY:` proof.
+#![allow(unsafe_code)]
 
 use crate::allocation::Allocation;
 use crate::backend::{Addr, Backend, Location};
 use crate::device::Device;
 use crate::error::TransitionError;
 use crate::ids::Generation;
+use crate::nixl_wire::{self, Decoded, MemKind, WireError};
 use crate::page_pool::{PagePool, PageTable};
 use crate::state::Committed;
 use crate::transfer::Registrable;
@@ -76,8 +86,6 @@ pub const DROP_WAIT: Duration = Duration::from_secs(2);
 
 /// The notification a peer's [`Peer::done`] sends, followed by the metadata's epoch.
 const DONE: &[u8] = b"memtoken/done/";
-/// The first bytes of a [`PeerMetadata`].
-const MAGIC: &[u8; 8] = b"MTNIXL01";
 
 /// Why a NIXL step failed.
 #[derive(Debug, thiserror::Error)]
@@ -107,6 +115,30 @@ pub enum NixlError {
     /// A peer's metadata is malformed.
     #[error("a peer's metadata is malformed: {0}")]
     Wire(&'static str),
+    /// A peer's metadata in another version of memtoken's format — an offer in the old format
+    /// (`MTNIXL01`, whose regions carry no memory kind or device) among them: refused, never
+    /// read as this one.
+    #[error(
+        "a peer's metadata is in memtoken's NIXL format {found}, not {} (this build's): an \
+         offer of another memtoken version is refused, never misread",
+        String::from_utf8_lossy(nixl_wire::MAGIC)
+    )]
+    Version {
+        /// Its first 8 bytes, as text (`MTNIXL` and the version).
+        found: String,
+    },
+    /// A transfer's remote ranges lie in memory of two kinds (a peer's host and GPU memory):
+    /// a NIXL descriptor list has one kind — post one transfer per kind.
+    #[error(
+        "a transfer's remote ranges lie in {first} and {other} memory: NIXL takes one memory \
+         kind per side (post one transfer per kind)"
+    )]
+    MixedKinds {
+        /// The first range's kind (NIXL's name: `DRAM`, `VRAM`).
+        first: &'static str,
+        /// Another range's kind.
+        other: &'static str,
+    },
     /// A range outside its registration or its peer's region.
     #[error("{len} bytes at offset {offset} do not fit in {size}")]
     Range {
@@ -238,12 +270,35 @@ fn engine(call: &'static str) -> impl FnOnce(nixl_sys::NixlError) -> NixlError {
     move |source| NixlError::Engine { call, source }
 }
 
-/// NIXL's memory kind and device id for memory at `location`.
-fn kind(location: Location) -> Result<(MemType, u64), NixlError> {
+impl From<WireError> for NixlError {
+    fn from(e: WireError) -> Self {
+        match e {
+            WireError::Malformed(why) => NixlError::Wire(why),
+            WireError::Version { found } => NixlError::Version { found },
+            WireError::NoRegion { region, regions } => NixlError::NoRegion { region, regions },
+            WireError::Range { offset, len, size } => NixlError::Range { offset, len, size },
+            WireError::MixedKinds { first, other } => NixlError::MixedKinds {
+                first: first.name(),
+                other: other.name(),
+            },
+        }
+    }
+}
+
+/// The memory kind and device id of memory at `location`, as NIXL names them.
+fn kind(location: Location) -> Result<(MemKind, u64), NixlError> {
     match location {
-        Location::Host => Ok((MemType::Dram, 0)),
-        Location::Cuda { device } => Ok((MemType::Vram, device as u64)),
+        Location::Host => Ok((MemKind::Dram, 0)),
+        Location::Cuda { device } => Ok((MemKind::Vram, device as u64)),
         Location::Simulated => Err(NixlError::Unreachable { location }),
+    }
+}
+
+/// NIXL's memory type of a kind.
+fn mem_type(kind: MemKind) -> MemType {
+    match kind {
+        MemKind::Dram => MemType::Dram,
+        MemKind::Vram => MemType::Vram,
     }
 }
 
@@ -252,7 +307,7 @@ fn kind(location: Location) -> Result<(MemType, u64), NixlError> {
 struct Span {
     addr: Addr,
     len: usize,
-    mem: MemType,
+    mem: MemKind,
     dev: u64,
 }
 
@@ -268,7 +323,7 @@ impl nixl_sys::MemoryRegion for Span {
 
 impl nixl_sys::NixlDescriptor for Span {
     fn mem_type(&self) -> MemType {
-        self.mem
+        mem_type(self.mem)
     }
 
     fn device_id(&self) -> u64 {
@@ -457,7 +512,7 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         let mailbox = Span {
             addr: bytes.as_mut_ptr() as Addr,
             len: MAILBOX,
-            mem: MemType::Dram,
+            mem: MemKind::Dram,
             dev: 0,
         };
         let registered = raw
@@ -568,6 +623,7 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             return Err(NixlError::SelfOffer(to.name.clone()));
         }
         let (mem, _) = kind(self.device.backend().location())?;
+        let mem = mem_type(mem);
         let empty = RegDescList::new(mem).map_err(engine("createRegDlist"))?;
         let conn = self
             .raw
@@ -581,7 +637,13 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         for reg in regs.iter() {
             let span = reg.span();
             list.add_desc(span.addr, span.len, span.dev);
-            regions.push((span.addr as u64, span.len as u64));
+            // Its kind and device travel with it: the peer's descriptors of it need them.
+            regions.push(nixl_wire::Region {
+                addr: span.addr as u64,
+                len: span.len as u64,
+                kind: span.kind,
+                dev: span.dev,
+            });
         }
         let md = self
             .raw
@@ -601,11 +663,11 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             exposed.retain(|(p, _)| p != to);
             exposed.push((to.clone(), epoch));
         }
-        Ok(PeerMetadata::encode(
+        Ok(PeerMetadata(nixl_wire::encode(
             [epoch, self.instance, to.instance, self.mailbox.addr as u64],
             &regions,
             [peer.as_bytes(), self.name.as_bytes(), &conn, &md, &mailbox],
-        ))
+        )))
     }
 
     /// Loads a peer's metadata (from its [`offer`](Self::offer) to this agent): the peer's
@@ -649,7 +711,7 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
 
     /// Decodes `metadata` and checks that it is offered to this agent.
     fn check<'m>(&self, metadata: &'m [u8]) -> Result<Decoded<'m>, NixlError> {
-        let decoded = PeerMetadata::decode(metadata)?;
+        let decoded = nixl_wire::decode(metadata)?;
         if decoded.offered_to != self.name.as_bytes() || decoded.for_instance != self.instance {
             return Err(NixlError::NotForUs {
                 offered_to: String::from_utf8_lossy(decoded.offered_to).into_owned(),
@@ -774,15 +836,55 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         Ok(())
     }
 
-    /// The proof from a peer's end: `child`, the process of the agent `peer` (that
-    /// incarnation: a new agent of the same name is another), is waited for; once it has ended,
-    /// nothing of it can touch this agent's memory any more. (That `child` runs `peer` is the
-    /// caller's word.)
+    /// The proof from a peer's end, on the caller's word: `child` is waited for, then every
+    /// offer made so far to `peer` (that incarnation: a new agent of the same name is another)
+    /// counts as done with — its registrations lend their token and release cleanly. Nothing
+    /// here can check that `child` is the peer's process: that is what the caller vouches for.
+    ///
+    /// # Safety
+    ///
+    /// Once this returns `Ok`, [`Registered::token`] lends `&` access — `as_slice`'s `&[u8]`
+    /// among it — to the memory offered to `peer`, and [`Registered::release`] gives it back
+    /// for reuse. A write from `peer` landing after that is a data race. The caller vouches
+    /// that none can:
+    ///
+    /// - `child` runs the agent `peer` — that incarnation, made in that process: not another
+    ///   process, not a new agent of the same name — and no other process holds the metadata
+    ///   of the offers made to it (it passed them to no other process, nor to a process it
+    ///   started);
+    /// - `child` is local: a process on this machine, a child of this process (not a peer on
+    ///   another machine, nor a process another one waits for), not already waited for by
+    ///   other means — so that `wait` returning means that it has ended;
+    /// - the transport between them delivers no write of `peer`'s after its process has ended:
+    ///   nothing it posted is still on the wire, queued in a NIC or buffered on this side to
+    ///   be copied in later. (UCX's `cma` transport on one machine writes synchronously from
+    ///   the writer's process, so its writes end with it; a transport that buffers on the
+    ///   receiving side, TCP among them, or an RDMA NIC, may still deliver after the writer's
+    ///   end, and the caller must know that it does not.)
+    ///
+    /// Where this cannot be vouched for, wait for the peer's [`Peer::done`] instead, or let the
+    /// memory be withheld: that is always safe.
+    ///
+    /// Safe code cannot give this word (`ui-tests/peer_exited_from_safe_code.rs`):
+    ///
+    /// ```compile_fail,E0133
+    /// # use memtoken::backend::HostBackend;
+    /// # use memtoken::nixl::{Agent, AgentId};
+    /// # use memtoken::{make_guard, Budget, Device};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    /// # make_guard!(guard);
+    /// # let device = Device::new(guard, HostBackend::with_defaults()?);
+    /// # let agent = Agent::new(&device, "a")?;
+    /// # let peer = AgentId::from_bytes(&[0; 9])?;
+    /// let mut child = std::process::Command::new("true").spawn()?; // not the peer
+    /// agent.peer_exited(&peer, &mut child)?; // error: a call to an unsafe fn needs `unsafe`
+    /// # Ok(()) }
+    /// ```
     ///
     /// # Errors
     ///
     /// [`NixlError::Wait`]: the wait failed, and nothing is proved.
-    pub fn peer_exited(
+    pub unsafe fn peer_exited(
         &self,
         peer: &AgentId,
         child: &mut std::process::Child,
@@ -870,9 +972,9 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         if notify.is_some_and(|m| m.starts_with(DONE)) {
             return Err(NixlError::Reserved);
         }
-        let (mem, dev) = kind(self.device.backend().location())?;
+        let local_kind = kind(self.device.backend().location())?;
         let bytes = pieces.clone().flatten().map(|p| p.1).sum();
-        let (mine, theirs) = lists(mem, dev, pieces, remote)?;
+        let (mine, theirs) = lists(local_kind, pieces, remote)?;
         let args = match notify {
             None => None,
             Some(message) => {
@@ -1038,10 +1140,10 @@ fn pieces<'r>(
 }
 
 /// NIXL's descriptor lists for a transfer between local `pieces` (address, length; or why
-/// one is not) and `remote`, in pairs of equal lengths.
+/// one is not) in memory of kind `mem` on device `dev`, and `remote`, in pairs of equal
+/// lengths.
 fn lists(
-    mem: MemType,
-    dev: u64,
+    (mem, dev): (MemKind, u64),
     pieces: impl ExactSizeIterator<Item = Result<(Addr, usize), NixlError>> + Clone,
     remote: &[RemoteRange],
 ) -> Result<(XferDescList<'static>, XferDescList<'static>), NixlError> {
@@ -1054,17 +1156,28 @@ fn lists(
     if pieces.len() != remote.len() {
         return Err(mismatch());
     }
-    let mut mine = XferDescList::new(mem).map_err(engine("createXferDlist"))?;
-    let mut theirs = XferDescList::new(mem).map_err(engine("createXferDlist"))?;
+    let mut mine = XferDescList::new(mem_type(mem)).map_err(engine("createXferDlist"))?;
     for (piece, r) in pieces.clone().zip(remote) {
         let (addr, len) = piece?;
         if len != r.len {
             return Err(mismatch());
         }
         mine.add_desc(addr, len, dev);
-        theirs.add_desc(r.addr as usize, r.len, dev);
     }
-    Ok((mine, theirs))
+    Ok((mine, remote_list(remote, mem)?))
+}
+
+/// NIXL's descriptor list of the peer's side of a transfer over `remote`: the peer's memory
+/// kind and each range's device, as the peer offered them (`nixl_wire::remote_side`) — NIXL
+/// finds a remote descriptor only under its own kind and device. `local` is the kind of an
+/// empty list.
+fn remote_list(remote: &[RemoteRange], local: MemKind) -> Result<XferDescList<'static>, NixlError> {
+    let (kind, descs) = nixl_wire::remote_side(remote, local)?;
+    let mut theirs = XferDescList::new(mem_type(kind)).map_err(engine("createXferDlist"))?;
+    for (addr, len, dev) in descs {
+        theirs.add_desc(addr, len, dev);
+    }
+    Ok(theirs)
 }
 
 /// 64 bits no other agent is likely to have had: the process, the time and a count within the
@@ -1124,6 +1237,7 @@ pub trait Offered: sealed::Sealed {
 pub struct SpanOf {
     addr: usize,
     len: usize,
+    kind: MemKind,
     dev: u64,
 }
 
@@ -1178,6 +1292,7 @@ impl<B: Backend> Offered for Registered<'_, '_, '_, B, Committed> {
         SpanOf {
             addr: self.span.addr,
             len: self.span.len,
+            kind: self.span.mem,
             dev: self.span.dev,
         }
     }
@@ -1392,132 +1507,23 @@ impl<B: Backend> fmt::Debug for RegisteredPool<'_, '_, '_, '_, '_, B> {
     }
 }
 
-/// A peer's metadata as it travels: memtoken's header (the offer's epoch and the regions
-/// offered), NIXL's connection information, and the offered registrations' descriptors.
-/// Little-endian, fixed-size fields; the parts length-prefixed.
+/// A peer's metadata as it travels: memtoken's header (the format's version, the offer's
+/// epoch, and each region offered with its memory kind and device), NIXL's connection
+/// information, and the offered registrations' descriptors. Little-endian, fixed-size fields;
+/// the parts length-prefixed. Metadata of another version of the format — the old `MTNIXL01`,
+/// whose regions carry no kind or device — is refused ([`NixlError::Version`]), never misread.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct PeerMetadata(Vec<u8>);
 
-/// A decoded [`PeerMetadata`], borrowing its bytes.
-struct Decoded<'m> {
-    epoch: u64,
-    instance: u64,
-    /// The incarnation of the agent it is offered to.
-    for_instance: u64,
-    mailbox: u64,
-    regions: Vec<(u64, u64)>,
-    offered_to: &'m [u8],
-    offered_by: &'m [u8],
-    conn: &'m [u8],
-    md: &'m [u8],
-    mailbox_md: &'m [u8],
-}
-
 impl PeerMetadata {
-    /// The header (the offer's epoch, the offering and the loading agents' incarnations, the
-    /// offering agent's mailbox, the regions) and the parts: the names of the agent it is offered to and of the offering
-    /// agent, then NIXL's connection information, the regions' descriptors and the mailbox's
-    /// descriptor.
-    fn encode(numbers: [u64; 4], regions: &[(u64, u64)], parts: [&[u8]; 5]) -> Self {
-        let n = parts.iter().map(|p| 4 + p.len()).sum::<usize>();
-        let mut out = Vec::with_capacity(40 + regions.len() * 16 + n);
-        out.extend_from_slice(MAGIC);
-        for number in numbers {
-            out.extend_from_slice(&number.to_le_bytes());
-        }
-        out.extend_from_slice(&(regions.len() as u32).to_le_bytes());
-        for &(addr, len) in regions {
-            out.extend_from_slice(&addr.to_le_bytes());
-            out.extend_from_slice(&len.to_le_bytes());
-        }
-        for part in parts {
-            out.extend_from_slice(&(part.len() as u32).to_le_bytes());
-            out.extend_from_slice(part);
-        }
-        Self(out)
-    }
-
-    fn decode(bytes: &[u8]) -> Result<Decoded<'_>, NixlError> {
-        let mut at = Reader(bytes);
-        if at.take(8)? != MAGIC {
-            return Err(NixlError::Wire("not memtoken's NIXL metadata"));
-        }
-        let epoch = at.u64()?;
-        let instance = at.u64()?;
-        let for_instance = at.u64()?;
-        let mailbox = at.u64()?;
-        let n = at.u32()? as usize;
-        if n > bytes.len() / 16 {
-            return Err(NixlError::Wire("more regions than bytes"));
-        }
-        let regions = (0..n)
-            .map(|_| Ok((at.u64()?, at.u64()?)))
-            .collect::<Result<_, NixlError>>()?;
-        let for_len = at.u32()? as usize;
-        let offered_to = at.take(for_len)?;
-        let by_len = at.u32()? as usize;
-        let offered_by = at.take(by_len)?;
-        let conn_len = at.u32()? as usize;
-        let conn = at.take(conn_len)?;
-        let md_len = at.u32()? as usize;
-        let md = at.take(md_len)?;
-        let mailbox_len = at.u32()? as usize;
-        let mailbox_md = at.take(mailbox_len)?;
-        if !at.0.is_empty() {
-            return Err(NixlError::Wire("trailing bytes"));
-        }
-        Ok(Decoded {
-            epoch,
-            instance,
-            for_instance,
-            mailbox,
-            regions,
-            offered_to,
-            offered_by,
-            conn,
-            md,
-            mailbox_md,
-        })
-    }
-
     /// The bytes to send.
     pub fn as_bytes(&self) -> &[u8] {
         &self.0
     }
 }
 
-/// Reads a [`PeerMetadata`] front to back.
-struct Reader<'m>(&'m [u8]);
-
-impl<'m> Reader<'m> {
-    fn take(&mut self, n: usize) -> Result<&'m [u8], NixlError> {
-        if self.0.len() < n {
-            return Err(NixlError::Wire("truncated"));
-        }
-        let (head, rest) = self.0.split_at(n);
-        self.0 = rest;
-        Ok(head)
-    }
-
-    fn u32(&mut self) -> Result<u32, NixlError> {
-        Ok(u32::from_le_bytes(
-            self.take(4)?.try_into().expect("4 bytes"),
-        ))
-    }
-
-    fn u64(&mut self) -> Result<u64, NixlError> {
-        Ok(u64::from_le_bytes(
-            self.take(8)?.try_into().expect("8 bytes"),
-        ))
-    }
-}
-
-/// A range of a peer's offered region.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RemoteRange {
-    addr: u64,
-    len: usize,
-}
+// Defined with the wire format, which builds it from a decoded offer without NIXL.
+pub use crate::nixl_wire::RemoteRange;
 
 /// A peer whose metadata an agent loaded: its offered regions are reachable until it is
 /// [done](Self::done) (or dropped, which does the same as far as it can).
@@ -1525,7 +1531,8 @@ pub struct Peer<'a, 'd, 'id, B: Backend> {
     agent: &'a Agent<'d, 'id, B>,
     name: String,
     epoch: u64,
-    regions: Vec<(u64, u64)>,
+    /// Each region offered, with its memory kind and device.
+    regions: Vec<nixl_wire::Region>,
     /// The peer's mailbox, where the acknowledgement lands.
     mailbox: u64,
     /// The peer's connection information and its mailbox's descriptor, loaded again after its
@@ -1545,10 +1552,11 @@ impl<B: Backend> Peer<'_, '_, '_, B> {
 
     /// The regions it offered: start and length of each.
     pub fn regions(&self) -> impl ExactSizeIterator<Item = (u64, u64)> + '_ {
-        self.regions.iter().copied()
+        self.regions.iter().map(|r| (r.addr, r.len))
     }
 
-    /// `len` bytes at `offset` of its `region`-th offered region.
+    /// `len` bytes at `offset` of its `region`-th offered region, in that region's memory kind
+    /// and device (as the peer offered it).
     ///
     /// # Errors
     ///
@@ -1559,21 +1567,20 @@ impl<B: Backend> Peer<'_, '_, '_, B> {
         offset: usize,
         len: usize,
     ) -> Result<RemoteRange, NixlError> {
-        let (addr, size) = *self.regions.get(region).ok_or(NixlError::NoRegion {
-            region,
-            regions: self.regions.len(),
-        })?;
-        let out = || NixlError::Range {
-            offset,
-            len,
-            size: size as usize,
-        };
-        let end = (offset as u64).checked_add(len as u64).ok_or_else(out)?;
-        if end > size {
-            return Err(out());
-        }
-        let addr = addr.checked_add(offset as u64).ok_or_else(out)?;
-        Ok(RemoteRange { addr, len })
+        Ok(nixl_wire::remote_desc(&self.regions, region, offset, len)?)
+    }
+
+    /// NIXL's descriptor list of the peer's side of a transfer over `remote`, as a transfer
+    /// with this peer builds it — built, not posted (feature `test-hooks`: memtoken's tests).
+    ///
+    /// # Errors
+    ///
+    /// [`NixlError::MixedKinds`]; NIXL's error.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn remote_list(&self, remote: &[RemoteRange]) -> Result<XferDescList<'static>, NixlError> {
+        let (local, _) = kind(self.agent.device.backend().location())?;
+        remote_list(remote, local)
     }
 
     /// Done with the peer's memory: its metadata is invalidated here (no transfer can reach

@@ -948,7 +948,12 @@ fn proofs_cover_one_incarnation_of_a_name() -> Result<(), Box<dyn std::error::Er
         "another incarnation's acknowledgement covered this one's offer"
     );
 
-    offering.peer_exited(&old, &mut child)?;
+    // SAFETY: `child` runs the agent `old`: it is this binary re-run as the peer
+    // (`peer_process`), which made the agent "loader-x" and sent this id, and passed the offer
+    // to no other process. It is this process's own child on this machine, waited for nowhere
+    // else. It posted no transfer — it loaded the offer and exited — so no write of its can
+    // land in this process after its end.
+    unsafe { offering.peer_exited(&old, &mut child)? };
     assert!(
         first.token().is_ok(),
         "the old process ended: its offer is done"
@@ -998,5 +1003,153 @@ fn malformed_metadata_is_an_error_and_a_self_offer_is_refused()
     drop((pb, db));
     drop((prefill, decode));
     assert!(dd.close().is_clean());
+    Ok(())
+}
+
+/// Where memtoken's offer (format `MTNIXL02`) keeps its regions: after the magic, four
+/// numbers and the count; each region's record is its address, length, memory kind (`u32`: 0
+/// DRAM, 1 VRAM) and device (`u64`).
+const REGIONS_AT: usize = 8 + 32 + 4;
+const REGION_BYTES: usize = 8 + 8 + 4 + 8;
+
+/// `offer` as a peer whose `region`-th region is memory of `kind` (the wire's code) on device
+/// `dev` would make it: what a GPU peer offers, which this machine cannot register.
+fn offered_as(offer: &[u8], region: usize, kind: u32, dev: u64) -> Vec<u8> {
+    assert_eq!(&offer[..8], b"MTNIXL02", "the format this helper knows");
+    let at = REGIONS_AT + region * REGION_BYTES + 16;
+    let mut bytes = offer.to_vec();
+    assert_eq!(
+        bytes[at..at + 12],
+        [0; 12],
+        "a host region: DRAM on device 0"
+    );
+    bytes[at..at + 4].copy_from_slice(&kind.to_le_bytes());
+    bytes[at + 4..at + 12].copy_from_slice(&dev.to_le_bytes());
+    bytes
+}
+
+/// From issue 38: the peer's side of a transfer is built with the peer's memory kind and
+/// device, as its offer carries them, not with the loading agent's. A host agent loading an
+/// offer whose first region is VRAM on device 1 (a GPU peer's) builds a VRAM list on device 1
+/// for it, and a DRAM list on device 0 for the offer's host region; a transfer mixing the two
+/// is refused by name before anything is posted; the host region still moves bytes. Before,
+/// every remote list was the loading agent's DRAM on device 0: NIXL finds no such descriptor
+/// in a GPU peer (`NOT_FOUND` on every transfer).
+#[test]
+fn the_remote_side_of_a_transfer_takes_the_peers_memory_kind_and_device()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    use nixl_sys::MemType;
+    two_sides!(pd, pb, prefill, dd, db, decode, "k");
+    let mut gpu_region = decode.register(db.reserve(LEN)?.commit()?)?;
+    let mut host_region = decode.register(db.reserve(LEN)?.commit()?)?;
+    let offer = decode.offer(&prefill.id(), &mut [&mut gpu_region, &mut host_region])?;
+    let peer = prefill.load(&offered_as(offer.as_bytes(), 0, 1, 1))?;
+    let regions: Vec<_> = peer.regions().collect();
+
+    let gpu = peer.range(0, 4096, 8192)?;
+    let list = peer.remote_list(&[gpu])?;
+    assert_eq!(
+        list.get_type()?,
+        MemType::Vram,
+        "the peer's kind, not this agent's DRAM"
+    );
+    let desc = list.get(0)?;
+    assert_eq!(
+        (desc.addr, desc.len, desc.dev_id),
+        (regions[0].0 as usize + 4096, 8192, 1),
+        "the peer's device"
+    );
+    let host = peer.range(1, 0, 4096)?;
+    let list = peer.remote_list(&[host, peer.range(1, 4096, 4096)?])?;
+    assert_eq!(list.get_type()?, MemType::Dram);
+    assert_eq!((list.len()?, list.get(1)?.dev_id), (2, 0));
+
+    let mut kv = pb.reserve(LEN)?.commit()?;
+    fill(kv.as_mut_slice(), 5);
+    let source = prefill.register(kv)?;
+    let mixed = prefill
+        .write(
+            &source,
+            &[(0, 4096), (4096, 4096)],
+            &peer,
+            &[peer.range(0, 0, 4096)?, host],
+            None,
+        )
+        .err();
+    match mixed {
+        Some(NixlError::MixedKinds { first, other }) => {
+            assert_eq!((first, other), ("VRAM", "DRAM"));
+        }
+        other => panic!("a transfer mixing VRAM and DRAM was not refused: {other:?}"),
+    }
+    assert!(!source.is_poisoned(), "nothing was posted");
+    prefill
+        .write(&source, &[(0, 4096)], &peer, &[host], None)?
+        .wait(DROP_WAIT)?;
+    peer.done()?;
+    wait_until(|| host_region.token().is_ok());
+    check(&host_region.token()?.as_slice()[..4096], 5);
+    drop((
+        gpu_region.release()?,
+        host_region.release()?,
+        source.release()?,
+    ));
+    drop((pb, db));
+    drop((prefill, decode));
+    assert!(dd.close().is_clean());
+    assert!(pd.close().is_clean());
+    Ok(())
+}
+
+/// `offer` in memtoken's old format, `MTNIXL01`: the same header and parts, each region only
+/// its address and length (no memory kind, no device).
+fn in_format_01(offer: &[u8]) -> Vec<u8> {
+    assert_eq!(&offer[..8], b"MTNIXL02", "the format this helper knows");
+    let n = u32::from_le_bytes(offer[REGIONS_AT - 4..REGIONS_AT].try_into().unwrap()) as usize;
+    let mut old = b"MTNIXL01".to_vec();
+    old.extend_from_slice(&offer[8..REGIONS_AT]);
+    for region in 0..n {
+        let at = REGIONS_AT + region * REGION_BYTES;
+        old.extend_from_slice(&offer[at..at + 16]);
+    }
+    old.extend_from_slice(&offer[REGIONS_AT + n * REGION_BYTES..]);
+    old
+}
+
+/// From issue 38: an offer in the old format (`MTNIXL01`, from a memtoken before regions
+/// carried their kind and device) is refused by name — `NixlError::Version`, by `load` and by
+/// `extend` — never read as the new format; nothing of it stays loaded (the genuine offer
+/// loads afterwards).
+#[test]
+fn an_offer_in_the_old_format_is_refused_by_name()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    two_sides!(pd, pb, prefill, dd, db, decode, "v");
+    let mut first = decode.register(db.reserve(LEN)?.commit()?)?;
+    let mut second = decode.register(db.reserve(LEN)?.commit()?)?;
+    let offer = decode.offer(&prefill.id(), &mut [&mut first])?;
+    let old = in_format_01(offer.as_bytes());
+    match prefill.load(&old) {
+        Err(NixlError::Version { found }) => assert_eq!(found, "MTNIXL01"),
+        other => panic!("an offer in the old format was not refused by name: {other:?}"),
+    }
+    let e = prefill.load(&old).expect_err("refused again");
+    assert!(e.to_string().contains("MTNIXL01"), "{e}");
+
+    let mut peer = prefill.load(offer.as_bytes())?; // the genuine one, afterwards
+    let later = decode.offer(&prefill.id(), &mut [&mut second])?;
+    match peer.extend(&in_format_01(later.as_bytes())) {
+        Err(NixlError::Version { found }) => assert_eq!(found, "MTNIXL01"),
+        other => panic!("extended with an offer in the old format: {other:?}"),
+    }
+    assert_eq!(peer.regions().len(), 1, "the peer is unchanged");
+    peer.extend(later.as_bytes())?;
+    assert_eq!(peer.regions().len(), 2);
+    peer.done()?;
+    wait_until(|| first.token().is_ok() && second.token().is_ok());
+    drop((first.release()?, second.release()?));
+    drop((pb, db));
+    drop((prefill, decode));
+    assert!(dd.close().is_clean());
+    assert!(pd.close().is_clean());
     Ok(())
 }

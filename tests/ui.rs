@@ -3,7 +3,11 @@
 /// Cases about the CUDA device views, which exist only with feature `cuda`.
 const CUDA_ONLY: &[&str] = &["device_view_of_non_pod.rs", "view_across_release.rs"];
 /// Cases about NIXL transfers, which exist only with feature `nixl`.
-const NIXL_ONLY: &[&str] = &["offer_shared_prefix.rs", "release_under_transfer.rs"];
+const NIXL_ONLY: &[&str] = &[
+    "offer_shared_prefix.rs",
+    "peer_exited_from_safe_code.rs",
+    "release_under_transfer.rs",
+];
 
 #[test]
 fn ui() {

@@ -170,14 +170,16 @@ impl<'a> Span<'a> {
         // the record, so a capture begun since the probes above is never joined.
         // SAFETY: both held by the backend: `other` (touched just above, which checks it) is
         // borrowed for this call, the home stream is lent to the view.
-        if !unsafe { self.backend.join_stream(other, home.cu_stream() as Stream) } {
-            return SyncOnDrop::Record(None); // unordered, as a use on a capturing stream
-        }
+        unsafe { self.backend.join_stream(other, home.cu_stream() as Stream) };
         // Later uses wait for this one per memory (an event recorded on `other` when they are
         // ordered, asked again after its record), rather than by a synchronize of `other` as
-        // the guard drops, which would invalidate a capture begun on it meanwhile.
+        // the guard drops, which would invalidate a capture begun on it meanwhile. Whether or
+        // not the join was made.
         // SAFETY: `other` is held (see above) and borrowed for the call.
         unsafe { self.backend.order_use(other, self.ptr as Addr, write) };
+        // Asked once more: a capture begun on `other` since the probes above takes this use
+        // into a graph memtoken does not know of — the memory is then held for good.
+        captures(stream);
         SyncOnDrop::Record(None)
     }
 }

@@ -598,7 +598,8 @@ impl<D: Driver> CudaBackend<D> {
     /// call (a view lends `home`; the caller borrows `stream`).
     pub(crate) unsafe fn join_stream(&self, stream: Stream, home: Stream) -> bool {
         let Ok(mut s) = self.enter(Op::Fence, 0, 0) else {
-            return false;
+            // Not current now: the calling thread waits for `home` instead (lost: nothing runs).
+            return !self.context_lost() && self.synchronize_lent(home) == Ok(true);
         };
         if self.capturing(stream) || self.capturing(home) {
             return false;

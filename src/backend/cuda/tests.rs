@@ -150,7 +150,11 @@ fn a_join_of_a_home_stream_never_joins_a_capture_begun_between_check_and_record(
     );
     // SAFETY: a live stream of the model's context.
     let info = unsafe { model.stream_get_capture_info(other) };
-    assert_eq!(info, Ok(CaptureInfo::None), "`other` did not join the capture");
+    assert_eq!(
+        info,
+        Ok(CaptureInfo::None),
+        "`other` did not join the capture"
+    );
     assert_eq!(
         model.end_capture(home),
         Ok(()),

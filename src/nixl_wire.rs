@@ -298,7 +298,7 @@ mod tests {
         }
     }
 
-    /// From issue 38: an offer carries each region's kind and device, and the peer's side of a
+    /// An offer carries each region's kind and device, and the peer's side of a
     /// transfer is built from them — a VRAM region on device 1 gives VRAM descriptors on
     /// device 1 even where the loading agent is host memory (before, it got the loader's DRAM
     /// and device 0, which NIXL never finds: `NOT_FOUND` on every transfer).
@@ -431,7 +431,7 @@ mod tests {
         out
     }
 
-    /// From issue 38: an offer of the old format is refused as such, never read as the new
+    /// An offer of the old format is refused as such, never read as the new
     /// one (its regions have no kind or device: read as this format, their bytes would be
     /// taken for other fields).
     #[test]

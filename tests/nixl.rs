@@ -1028,7 +1028,7 @@ fn offered_as(offer: &[u8], region: usize, kind: u32, dev: u64) -> Vec<u8> {
     bytes
 }
 
-/// From issue 38: the peer's side of a transfer is built with the peer's memory kind and
+/// The peer's side of a transfer is built with the peer's memory kind and
 /// device, as its offer carries them, not with the loading agent's. A host agent loading an
 /// offer whose first region is VRAM on device 1 (a GPU peer's) builds a VRAM list on device 1
 /// for it, and a DRAM list on device 0 for the offer's host region; a transfer mixing the two
@@ -1116,7 +1116,7 @@ fn in_format_01(offer: &[u8]) -> Vec<u8> {
     old
 }
 
-/// From issue 38: an offer in the old format (`MTNIXL01`, from a memtoken before regions
+/// An offer in the old format (`MTNIXL01`, from a memtoken before regions
 /// carried their kind and device) is refused by name — `NixlError::Version`, by `load` and by
 /// `extend` — never read as the new format; nothing of it stays loaded (the genuine offer
 /// loads afterwards).

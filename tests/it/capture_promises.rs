@@ -1,4 +1,4 @@
-//! Issue 38: what memtoken promises about CUDA graph captures at the boundary with code that
+//! What memtoken promises about CUDA graph captures at the boundary with code that
 //! captures on its own (cudarc's safe `begin_capture` and `end_capture`, the raw driver), on
 //! the driver model, which gives every capture its own id (fact 60) and models a stream joining
 //! a capture by waiting on one of its captured events (fact 39).
@@ -51,7 +51,7 @@ fn info(model: &DriverModel, stream: Stream) -> CaptureInfo {
 /// same stream; then memtoken's `Capture::end` (and, in the second round, its drop). memtoken
 /// never ends the new capture (its id is not the one memtoken began), never takes its graph,
 /// and keeps what it lent held for good: the token's release is quarantined and the first
-/// graph's launch after it runs on mapped memory. Fails on the code before issue 38, which
+/// graph's launch after it runs on mapped memory. Fails without the id check, which
 /// asked only whether the stream captured: it ended the new capture, took its graph, let go of
 /// the memory as that graph dropped, and the first graph's launch faulted (700).
 #[test]
@@ -242,7 +242,7 @@ fn a_capture_begun_and_ended_between_the_take_and_the_drop_is_seen_by_neither_pr
 /// again after the record, never queries, waits on or synchronizes the captured event while
 /// the capture is open (any of them would invalidate it or join memtoken's stream to it), the
 /// release stays pending — the memory held — and completes once the capture has ended. Fails
-/// on the code before issue 38: the captured mark was taken as recorded and queried, which
+/// without the recheck: the captured mark was taken as recorded and queried, which
 /// invalidated the capture.
 #[test]
 fn a_capture_begun_between_the_check_and_a_fence_mark_is_never_asked_and_holds_the_memory() {
@@ -285,7 +285,7 @@ fn a_capture_begun_between_the_check_and_a_fence_mark_is_never_asked_and_holds_t
 /// recorded there; a capture begins on `a` between the check and that record: memtoken asks
 /// again and does not make `b` wait on the captured event — which would join `b` to the
 /// capture, capture its later work instead of running it, and make the capture fail to end
-/// (904). Fails on the code before issue 38 (the model's capture ends `STREAM_CAPTURE_UNJOINED`).
+/// (904). Fails without the recheck (the model's capture ends `STREAM_CAPTURE_UNJOINED`).
 #[test]
 fn a_capture_begun_between_the_check_and_a_handoff_record_is_never_joined() {
     let model = model();
@@ -322,7 +322,7 @@ fn a_capture_begun_between_the_check_and_a_handoff_record_is_never_joined() {
 /// recorded on each; a capture begins on the covered stream between the check and that
 /// record: memtoken asks again, the legacy stream does not wait on the captured event (it would
 /// join the capture, and the copy become a node of it), and the copy is refused as while any
-/// such capture is open (transient). Fails on the code before issue 38.
+/// such capture is open (transient). Fails without the recheck.
 #[test]
 fn a_capture_begun_between_the_check_and_a_host_copys_record_refuses_the_copy_and_joins_nothing() {
     let model = model();
@@ -362,7 +362,7 @@ fn a_capture_begun_between_the_check_and_a_host_copys_record_refuses_the_copy_an
 /// begins in between is refused the synchronize and invalidated by it (fact 41) — no driver
 /// call closes that window. What is kept: memtoken gets the error, the release is stuck, never
 /// lost, nothing is unmapped, and it completes once the capture has ended. Asserted as it is,
-/// named so; `capture_promises` lists it as the one site not closed (issue 38 stays open on it).
+/// named so; `capture_promises` lists it as the one site not closed.
 #[test]
 fn a_capture_begun_between_the_check_and_a_stream_synchronize_is_invalidated_but_nothing_is_unmapped()
  {

@@ -120,7 +120,7 @@ fn a_scratch_range_waiting_to_be_freed_is_not_the_callers_to_map() {
     assert_eq!(model.outstanding().reservations, 1);
 }
 
-/// Issue 38, the device view's join of its home stream (`join_stream`, which `DeviceView`
+/// The device view's join of its home stream (`join_stream`, which `DeviceView`
 /// uses on the real driver): a capture begun on the home stream between the check and the
 /// record is never joined — the other stream does not capture afterwards, the capture ends
 /// valid — and the join says it did not happen. Without a capture, it joins (a wait).

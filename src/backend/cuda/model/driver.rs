@@ -649,12 +649,7 @@ impl Driver for DriverModel {
         if !s.live_stream(stream) {
             misuse(call, format_args!("unknown stream {stream:#x}"));
         }
-        if stream == 0 {
-            let blocking = |st: &Stream| s.streams.get(st).is_some_and(|w| w.blocking);
-            if s.captures.keys().any(blocking) {
-                return Err(CuError::STREAM_CAPTURE_IMPLICIT);
-            }
-        }
+        s.legacy_probe(stream)?;
         Ok(s.capture_of(stream).is_some())
     }
 
@@ -666,12 +661,7 @@ impl Driver for DriverModel {
         if !s.live_stream(stream) {
             misuse(call, format_args!("unknown stream {stream:#x}"));
         }
-        if stream == 0 {
-            let blocking = |st: &Stream| s.streams.get(st).is_some_and(|w| w.blocking);
-            if s.captures.keys().any(blocking) {
-                return Err(CuError::STREAM_CAPTURE_IMPLICIT);
-            }
-        }
+        s.legacy_probe(stream)?;
         let capture = s.capture_of(stream).and_then(|o| s.captures.get(&o));
         Ok(match capture {
             None => CaptureInfo::None,

@@ -542,6 +542,16 @@ impl ModelState {
         Ok(())
     }
 
+    /// Fact 41: asking the legacy stream's capture state while a blocking stream captures
+    /// answers `STREAM_CAPTURE_IMPLICIT`, invalidating nothing.
+    pub(super) fn legacy_probe(&self, stream: Stream) -> CuResult<()> {
+        let blocking = |st: &Stream| self.streams.get(st).is_some_and(|w| w.blocking);
+        if stream == 0 && self.captures.keys().any(blocking) {
+            return Err(CuError::STREAM_CAPTURE_IMPLICIT);
+        }
+        Ok(())
+    }
+
     /// Facts 39 and 41: querying or synchronizing a captured event returns `CAPTURED_EVENT`,
     /// and invalidates its capture while that is open.
     pub(super) fn captured_event(&mut self, event: Event) -> CuResult<()> {

@@ -434,6 +434,13 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
     /// Begins a capture (`cuStreamBeginCapture` in `mode`) on `stream`, which the device knows
     /// or covers and which is neither the legacy nor the per-thread stream.
     ///
+    /// In [`CaptureMode::Relaxed`] another thread may end the capture (the driver refuses it
+    /// that in the other modes): memtoken then keeps what it lent held for good, except in one
+    /// window no driver call closes — that thread ends it *and* begins a relaxed capture of its
+    /// own on the stream between memtoken's question and its end, and memtoken ends that one
+    /// instead (see `docs/cuda-facts.md`, fact 60). Prefer the global or thread-local mode
+    /// where other threads capture.
+    ///
     /// # Errors
     ///
     /// [`Violation::UncoveredStream`](crate::backend::Violation::UncoveredStream) for a stream

@@ -143,43 +143,32 @@ impl<'a> Span<'a> {
             // memory is held for good instead.
             return SyncOnDrop::Record(None);
         }
-        // Per memory: the home stream waits for the memory's earlier uses through other
-        // views (a read after the last write, a write after it and every read since); a use
-        // on another stream joins the home stream below, so it comes after them too.
-        // SAFETY: the home stream is known, kept alive by the backend until it is forgotten (never
-        // while this view holds an `Arc` of it) or the backend drops.
-        unsafe {
-            self.backend
-                .order_use(home.cu_stream() as Stream, self.ptr as Addr, write)
+        // Per memory, and for another stream its join of the home stream, each asked again
+        // after its record (`CudaBackend::use_through_view`, tested on the driver model).
+        // SAFETY: the home stream is lent to this view (held until the view drops); `stream`
+        // is borrowed for this call, so live, and of the backend's context (asserted above).
+        let held = unsafe {
+            self.backend.use_through_view(
+                home.cu_stream() as Stream,
+                stream.cu_stream() as Stream,
+                self.ptr as Addr,
+                write,
+            )
         };
-        if stream == home {
-            return SyncOnDrop::Record(None); // the stream's own order is enough
-        }
-        // Another stream: the memory's release fences it too, whatever becomes of the guard —
+        // Another stream: the memory's release fences it too, whatever becomes of the use —
         // so it must be one the backend keeps alive (known or covered), and not the per-thread
         // stream (a different stream on each thread, which no fence of another thread covers).
-        let other = stream.cu_stream() as Stream;
         assert!(
-            self.backend.touch(other, self.ptr as Addr),
+            held,
             "a memtoken device view was used on a stream the device does not know (or on the \
              per-thread stream): its memory's release could not wait for that use; call \
              `device.know(&stream)` (or `cover`) first, or make the view on that stream"
         );
-        // `other` waits for everything submitted on the home stream so far (a host wait on
-        // the home stream where that wait cannot be made); both streams are asked again after
-        // the record, so a capture begun since the probes above is never joined.
-        // SAFETY: both held by the backend: `other` (touched just above, which checks it) is
-        // borrowed for this call, the home stream is lent to the view.
-        unsafe { self.backend.join_stream(other, home.cu_stream() as Stream) };
-        // Later uses wait for this one per memory (an event recorded on `other` when they are
-        // ordered, asked again after its record), rather than by a synchronize of `other` as
-        // the guard drops, which would invalidate a capture begun on it meanwhile. Whether or
-        // not the join was made.
-        // SAFETY: `other` is held (see above) and borrowed for the call.
-        unsafe { self.backend.order_use(other, self.ptr as Addr, write) };
-        // Asked once more: a capture begun on `other` since the probes above takes this use
-        // into a graph memtoken does not know of — the memory is then held for good.
-        captures(stream);
+        if stream != home {
+            // Asked once more: a capture begun on `stream` since the probes above takes this
+            // use into a graph memtoken does not know of — the memory is then held for good.
+            captures(stream);
+        }
         SyncOnDrop::Record(None)
     }
 }

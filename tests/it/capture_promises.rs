@@ -110,6 +110,51 @@ fn a_capture_ended_elsewhere_never_ends_the_next_capture_on_its_stream() {
     }
 }
 
+/// The same race one step later: memtoken asked, and its capture was its own and valid;
+/// another party (a thread, in the relaxed mode) ends it before memtoken's `cuStreamEndCapture`
+/// (the model's hook) and keeps the graph. memtoken's end then fails on a stream that no
+/// longer captures: that is "ended elsewhere", and what the capture lent stays held for good —
+/// the release is quarantined and the other party's graph runs on mapped memory. Fails where a
+/// failed end was taken for an end with no graph: the memory was let go, and the launch
+/// faulted (700).
+#[test]
+fn a_capture_ended_elsewhere_between_the_question_and_the_end_keeps_its_memory_held() {
+    for by_drop in [false, true] {
+        let model = slow_model();
+        common::covered_device!(model, device, stream);
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        let mut x = binding.reserve(G).unwrap().commit().unwrap();
+        model.complete_work();
+        let capture = Capture::begin(&device, stream, CaptureMode::Relaxed).unwrap();
+        let mut view = capture.view_mut::<u8>(&mut x).unwrap();
+        model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
+        drop(view);
+        model.end_capture_before(&[DriverCall::StreamEndCapture], 1, stream);
+        if by_drop {
+            drop(capture);
+        } else {
+            let e = capture.end().map(drop).unwrap_err();
+            let why = common::messages(&e).join("\n");
+            assert!(why.contains("ended by someone else"), "{by_drop}: {why}");
+        }
+        let graph = model.hook_graph().expect("the other party holds the graph");
+        // SAFETY: the model's own graph, instantiated once.
+        let exec = unsafe { model.graph_instantiate(graph) }.unwrap();
+        model.complete_work();
+        let released = x.release().complete().map(drop);
+        let e = released.expect_err("the memory the other party's graph uses stays held");
+        assert!(matches!(e.token, Returned::Quarantined(_)), "{by_drop}");
+        // SAFETY: the model's own live instance; its memory is still mapped.
+        unsafe { model.graph_launch(exec, stream) }.unwrap();
+        model.complete_work();
+        assert_eq!(
+            model.lost_with(),
+            None,
+            "{by_drop}: the graph ran on mapped memory"
+        );
+    }
+}
+
 /// memtoken's own capture, ended by memtoken, is told apart by its id: the graph comes back
 /// and, once it is dropped, the memory is free again. (The id check does not refuse the
 /// ordinary case.)
@@ -357,14 +402,75 @@ fn a_capture_begun_between_the_check_and_a_host_copys_record_refuses_the_copy_an
     assert_eq!(model.lost_with(), None);
 }
 
-/// The fourth site, a known window: a whole-stream wait (where the wait on a fence's event
-/// failed) asks whether the stream captures, then synchronizes it; a capture another thread
+/// The fourth site: a host's wait for a whole stream (where the wait on a fence's event
+/// failed) is a wait on an event recorded there now, asked again after the record. A capture
+/// another thread begins between the check and that record (the model's hook) took the event:
+/// it is never waited on or asked while the capture is open, the stream is never synchronized,
+/// the capture stays valid, and the release stays pending — the memory held — until the
+/// capture has ended. Fails without the question after the record (the captured event was
+/// waited on, which invalidated the capture), and with the check-then-`cuStreamSynchronize`
+/// this replaced (no record: the hook's capture never began, and the release completed).
+#[test]
+fn a_capture_begun_before_a_whole_stream_wait_records_its_event_is_never_synchronized() {
+    let model = slow_model();
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let x = binding.reserve(G).unwrap().commit().unwrap();
+    model.complete_work();
+    model.submit_work_touching(stream, &[(x.addr() as u64, G)]);
+    let releasing = x.release();
+    let waits = model.count(DriverCall::EventSynchronize);
+    // The wait on the stream's mark fails (the legacy stream's is the first): the whole stream,
+    // through an event recorded there now — the first record from here on.
+    model.fail_nth(DriverCall::EventSynchronize, 2, CuError::UNKNOWN);
+    model.begin_capture_before(
+        &[DriverCall::EventRecord],
+        1,
+        stream,
+        CaptureMode::ThreadLocal,
+    );
+    let releasing = match releasing.wait().map_err(|e| e.into_token()) {
+        Err(Returned::Unchanged(releasing)) => releasing,
+        other => panic!("stuck while the capture is open: {:?}", other.map(drop)),
+    };
+    assert!(
+        matches!(info(&model, stream), CaptureInfo::Active { .. }),
+        "the capture begun at the record is still valid"
+    );
+    assert_eq!(
+        model.count(DriverCall::StreamSynchronize),
+        0,
+        "the capturing stream was never synchronized"
+    );
+    assert_eq!(
+        model.count(DriverCall::EventSynchronize) - waits,
+        2,
+        "the captured event was never waited on (the two are the fence's marks)"
+    );
+    let releasing = match releasing.wait().map_err(|e| e.into_token()) {
+        Err(Returned::Unchanged(releasing)) => releasing,
+        other => panic!("held while the capture is open: {:?}", other.map(drop)),
+    };
+    // A query or wait of the captured event, or a synchronize of its stream, would have
+    // invalidated the capture (facts 39, 41).
+    assert_eq!(
+        model.end_capture(stream),
+        Ok(()),
+        "neither invalidated nor joined"
+    );
+    model.complete_work();
+    releasing.wait().map(drop).unwrap();
+    assert_eq!(model.lost_with(), None, "nothing ran on unmapped memory");
+}
+
+/// The fourth site's last resort, a known window: where no event can be made for that wait,
+/// memtoken asks whether the stream captures, then synchronizes it; a capture another thread
 /// begins in between is refused the synchronize and invalidated by it (fact 41) — no driver
 /// call closes that window. What is kept: memtoken gets the error, the release is stuck, never
 /// lost, nothing is unmapped, and it completes once the capture has ended. Asserted as it is,
-/// named so; `capture_promises` lists it as the one site not closed.
+/// named so.
 #[test]
-fn a_capture_begun_between_the_check_and_a_stream_synchronize_is_invalidated_but_nothing_is_unmapped()
+fn a_capture_begun_between_the_check_and_a_last_resort_stream_synchronize_is_invalidated_but_nothing_is_unmapped()
  {
     let model = slow_model();
     common::covered_device!(model, device, stream);
@@ -373,8 +479,9 @@ fn a_capture_begun_between_the_check_and_a_stream_synchronize_is_invalidated_but
     model.complete_work();
     model.submit_work_touching(stream, &[(x.addr() as u64, G)]);
     let releasing = x.release();
-    // The wait on the stream's mark fails (the legacy stream's is the first): the whole stream.
+    // The wait on the stream's mark fails, and no event can be made for the whole stream.
     model.fail_nth(DriverCall::EventSynchronize, 2, CuError::UNKNOWN);
+    model.fail_nth(DriverCall::EventCreate, 1, CuError::OUT_OF_MEMORY);
     model.begin_capture_before(
         &[DriverCall::StreamSynchronize],
         1,

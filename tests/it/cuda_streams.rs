@@ -1443,7 +1443,9 @@ fn a_loss_in_a_host_wait_while_ordering_calls_nothing_more() {
     let p = x.stream_view::<u8>(c).unwrap().device_ptr();
     let _r2 = kernel(&model, c, p);
     model.fail_from(DriverCall::StreamWaitEvent, 1, CuError::OUT_OF_MEMORY);
-    model.fail_nth(DriverCall::StreamSynchronize, 1, CuError::ILLEGAL_ADDRESS);
+    // The host's wait is on an event recorded on the stream now (never a capture's: it is
+    // asked again after the record).
+    model.fail_nth(DriverCall::EventSynchronize, 1, CuError::ILLEGAL_ADDRESS);
     let _ = x.stream_view_mut::<u8>(d).unwrap().device_ptr_mut();
     assert_eq!(model.lost_with(), Some(CuError::ILLEGAL_ADDRESS));
     assert_eq!(model.calls_after_loss(), 0, "calls after the loss");

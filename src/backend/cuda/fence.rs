@@ -428,23 +428,69 @@ impl<D: Driver> CudaBackend<D> {
     }
 
     /// Waits for everything submitted on `stream` so far, where a wait on one of its events
-    /// failed: for that stream, never for the whole context (`cuCtxSynchronize` would
-    /// invalidate every capture open in it), and not while the stream captures (refused, and
-    /// the capture invalidated: fact 41) — then `Ok(false)`, to be waited for later. The
-    /// synchronize runs in the relaxed capture mode, so another thread's global capture does
-    /// not refuse it (fact 40).
+    /// failed. On a stream other than the legacy stream, for an event recorded there now,
+    /// after which the stream is asked again — a
+    /// capture another thread began between the check and the record took the event (fact
+    /// 39), which is then never waited on, and this answers `Ok(false)`: to be waited for
+    /// later, the memory held meanwhile. Only where no event can be recorded or waited on, for
+    /// the whole stream (`cuStreamSynchronize`, in the relaxed capture mode, so that another
+    /// thread's global capture does not refuse it: fact 40) — a last resort with a window
+    /// no probe closes: a capture begun between its check and the synchronize is refused it
+    /// and invalidated (fact 41), and nothing is unmapped meanwhile. The legacy stream is
+    /// synchronized whole: it never captures, and a record there would use it as much as a
+    /// synchronize does (a blocking stream's capture begun since the check is invalidated by
+    /// either: fact 41). Never for the whole
+    /// context (`cuCtxSynchronize` would invalidate every capture open in it), and not while
+    /// the stream captures: `Ok(false)`.
     fn synchronize_stream(&self, stream: Stream) -> CuResult<bool> {
         let capturing = || match self.context_lost() {
             true => Err(CuError::CONTEXT_IS_DESTROYED),
             false => Ok(false),
         };
+        let event = match self.enter(Op::Fence, 0, 0) {
+            // The legacy stream never captures, and a record there is as much a use of it as a
+            // synchronize (fact 41): the synchronize, below.
+            Ok(_) if stream == 0 => None,
+            Ok(mut s) => {
+                if self.capturing(stream) {
+                    return capturing();
+                }
+                match self.record_now(&mut s, stream) {
+                    // Asked again: captured, it is destroyed with the retired events, never
+                    // waited on or asked.
+                    Ok(serial) if self.capturing(stream) => {
+                        s.retired.push(serial);
+                        return capturing();
+                    }
+                    Ok(serial) => Some((serial, s.events[&serial])),
+                    Err(e) if e.is_context_loss() => {
+                        let _ = self.fail(Op::Fence, 0, 0, e);
+                        return Err(e);
+                    }
+                    Err(_) => None,
+                }
+            }
+            Err(_) if self.context_lost() => return Err(CuError::CONTEXT_IS_DESTROYED),
+            Err(_) => None, // not current now: no event can be made
+        };
+        if let Some((serial, event)) = event {
+            // Outside the lock. SAFETY: the event was created and recorded just above, and is
+            // destroyed only below, by this call (its serial is known to no fence).
+            let waited = unsafe { self.driver.event_synchronize(event) };
+            if let Err(e) = waited
+                && e.is_context_loss()
+            {
+                let _ = self.fail(Op::Fence, 0, 0, e); // no call after it
+                return Err(e);
+            }
+            self.drop_event(serial);
+            if waited.is_ok() {
+                return Ok(true);
+            } // else the whole stream, below: never less
+        }
         if self.capturing(stream) {
             return capturing();
         }
-        // A known window: a capture another thread begins on `stream` between the question
-        // and the synchronize is refused the synchronize and invalidated by it (fact 41) —
-        // memtoken gets the error and waits again later, nothing unmapped meanwhile
-        // (`capture_promises::a_capture_begun_between_the_check_and_a_stream_synchronize_*`).
         let _relaxed = self.relaxed()?;
         // SAFETY: `stream` is one the backend holds, with the record's lock held or lent (its
         // callers' duty): 0, or covered or known, whose owner promised it live until
@@ -457,6 +503,20 @@ impl<D: Driver> CudaBackend<D> {
             return Err(e);
         }
         waited.map(|()| true)
+    }
+
+    /// Destroys one of this backend's events, named by its serial, under the record's lock;
+    /// where the context cannot be made current now, at the next retirement (once lost,
+    /// never: the driver freed it with the context).
+    fn drop_event(&self, serial: u64) {
+        match self.enter(Op::Fence, 0, 0) {
+            Ok(mut s) => {
+                if !self.context_lost() {
+                    self.destroy_event(&mut s, serial);
+                }
+            }
+            Err(_) => lock(&self.state).retired.push(serial),
+        }
     }
 
     /// [`synchronize_stream`](Self::synchronize_stream) outside the record's lock, the stream
@@ -583,6 +643,46 @@ impl<D: Driver> CudaBackend<D> {
                 return; // nothing more is called
             }
         }
+    }
+
+    /// A use of the memory at `addr`, through a device view whose home stream is `home`, on
+    /// `stream` (the home stream or another): the home stream waits for the memory's earlier
+    /// uses (see [`order_use`](Self::order_use)); another stream is noted as a use of the
+    /// memory (its release fences it), joins the home stream
+    /// ([`join_stream`](Self::join_stream)) and is ordered after the memory's earlier uses in
+    /// turn, whether or not the join was made — each record asked again after it, so a
+    /// capture another thread begins meanwhile is never joined. `false`, with nothing done on
+    /// `stream`, where the backend does not hold it (or it is the per-thread stream): the
+    /// caller refuses such a use.
+    ///
+    /// # Safety
+    ///
+    /// `home` is held by the backend and lent to the caller's view; `stream` is 0 or a live
+    /// stream of this backend's context, borrowed by the caller for the call.
+    pub(crate) unsafe fn use_through_view(
+        &self,
+        home: Stream,
+        stream: Stream,
+        addr: Addr,
+        write: bool,
+    ) -> bool {
+        // SAFETY: `home` is lent to the view (the caller's promise): held, not forgotten.
+        unsafe { self.order_use(home, addr, write) };
+        if stream == home {
+            return true; // the stream's own order is enough
+        }
+        if !self.touch(stream, addr) {
+            return false; // not held: nothing is done on it
+        }
+        // SAFETY: `stream` is held (`touch` checked it) and borrowed for the call; `home` is
+        // lent to the view.
+        unsafe { self.join_stream(stream, home) };
+        // Later uses wait for this one per memory (an event recorded on `stream` when they are
+        // ordered), never by a synchronize of `stream`, which would invalidate a capture begun
+        // on it meanwhile.
+        // SAFETY: as above.
+        unsafe { self.order_use(stream, addr, write) };
+        true
     }
 
     /// `stream` waits for everything submitted on `home` so far — a device view's use on

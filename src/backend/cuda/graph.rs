@@ -208,19 +208,31 @@ impl<D: Driver> CudaBackend<D> {
         match ended {
             Ok(exec) => Ended::Graph(exec),
             // Still capturing (another thread's capture, or the end was refused): open.
-            Err(e) if still.is_none_or(CaptureInfo::captures) => Ended::Open(e),
-            Err(e) if invalidated => Ended::Unknown(e),
-            Err(e) => Ended::NoGraph(e),
+            Err((e, _)) if still.is_none_or(CaptureInfo::captures) => Ended::Open(e),
+            Err((e, _)) if invalidated => Ended::Unknown(e),
+            // The end itself failed, and the stream no longer captures, though it was
+            // memtoken's valid capture when asked: ended with no graph (invalidated since, or
+            // a stream left unjoined), or ended by another party in between (fact 60), who
+            // may hold its graph — held for good then.
+            Err((_, Some(code)))
+                if code != CuError::STREAM_CAPTURE_INVALIDATED
+                    && code != CuError::STREAM_CAPTURE_UNJOINED =>
+            {
+                Ended::Elsewhere(elsewhere())
+            }
+            Err((e, _)) => Ended::NoGraph(e),
         }
     }
 
-    /// `cuStreamEndCapture` on `stream`, and its graph instantiated.
-    fn end_captured(&self, stream: Stream) -> Result<GraphExec, BackendError> {
-        let _s = self.enter(Op::Graph, 0, 0)?;
-        let fail = |e| self.fail(Op::Graph, 0, 0, e);
+    /// `cuStreamEndCapture` on `stream`, and its graph instantiated. An error comes with the
+    /// end's own code where the end itself failed.
+    fn end_captured(&self, stream: Stream) -> Result<GraphExec, (BackendError, Option<CuError>)> {
+        let _s = self.enter(Op::Graph, 0, 0).map_err(|e| (e, None))?;
+        let fail = |e| (self.fail(Op::Graph, 0, 0, e), None);
         // SAFETY: a lent stream (live until forgotten, which no lend allows) that captures:
         // its capture has the id `begin_capture` got, or is invalidated (`end_capture` asked).
-        let graph = unsafe { self.driver.stream_end_capture(stream) }.map_err(fail)?;
+        let graph = unsafe { self.driver.stream_end_capture(stream) }
+            .map_err(|code| (self.fail(Op::Graph, 0, 0, code), Some(code)))?;
         // Instantiating and destroying may be potentially unsafe calls (fact 40, the strict
         // reading): in the relaxed mode, so no other capture refuses them or is invalidated.
         // If it cannot be relaxed, the graph is left to the driver (no instance is made).

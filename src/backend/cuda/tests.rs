@@ -120,6 +120,75 @@ fn a_scratch_range_waiting_to_be_freed_is_not_the_callers_to_map() {
     assert_eq!(model.outstanding().reservations, 1);
 }
 
+/// A device view's use on another stream than its home (`use_through_view`, which
+/// `DeviceView` calls on the real driver), with a capture another thread begins on the home
+/// stream between the check and the join's record (the model's hook): the other stream never
+/// joins it, nothing waits on or asks the captured event while it is open (the capture ends
+/// valid), and the memory's release — which fences both streams — stays pending until the
+/// capture has ended. Fails with the join's question after the record removed: the other
+/// stream waited on the captured event and joined the capture.
+#[test]
+#[allow(unsafe_code)] // the backend's `use_through_view` and the driver's own query, each proven
+fn a_view_used_on_another_stream_never_joins_a_capture_begun_on_its_home_and_holds_the_memory() {
+    use crate::backend::doubles::{CaptureMode, ModelConfig};
+    let model = DriverModel::new(ModelConfig {
+        events_complete_at_once: false,
+        ..ModelConfig::default()
+    })
+    .unwrap();
+    let backend = open(&model);
+    let (other, home) = (model.new_stream(), model.new_stream());
+    // SAFETY: streams of the model's only context, live as long as the model.
+    unsafe {
+        backend.know_stream(other);
+        backend.know_stream(home);
+    }
+    let g = backend.granularity();
+    let addr = backend.reserve(g).unwrap();
+    let phys = backend.create(g).unwrap();
+    backend.map(addr, g, phys, Access::ReadWrite).unwrap();
+    // SAFETY: `home` is held by the backend and stands for a view's lent home stream; `other`
+    // is held and live.
+    assert!(unsafe { backend.use_through_view(home, home, addr, true) });
+    model.submit_work_touching(home, &[(addr as u64, g)]); // the view's kernel on its home
+    let waits = model.count(DriverCall::StreamWaitEvent);
+    // The first record from here on is the join's, on the home stream.
+    model.begin_capture_before(&[DriverCall::EventRecord], 1, home, CaptureMode::Global);
+    // SAFETY: as above.
+    assert!(unsafe { backend.use_through_view(home, other, addr, false) });
+    assert_eq!(
+        model.count(DriverCall::StreamWaitEvent),
+        waits,
+        "no wait on the captured event"
+    );
+    // SAFETY: a live stream of the model's context.
+    let joined = unsafe { model.stream_get_capture_info(other) };
+    assert_eq!(
+        joined,
+        Ok(CaptureInfo::None),
+        "`other` did not join the capture"
+    );
+    let fence = backend.record_fence_over(Some(&[addr]));
+    model.complete_work(); // the uncaptured work has completed; the capture is still open
+    assert!(
+        !backend.poll_fence(&fence),
+        "the memory stays held while the capture is open"
+    );
+    assert_eq!(
+        model.end_capture(home),
+        Ok(()),
+        "neither invalidated nor joined"
+    );
+    model.complete_work();
+    assert!(
+        backend.poll_fence(&fence),
+        "and is let go once it has ended"
+    );
+    backend.destroy_fence(fence);
+    backend.unmap(addr, g).unwrap();
+    assert_eq!(model.lost_with(), None);
+}
+
 /// The device view's join of its home stream (`join_stream`, which `DeviceView`
 /// uses on the real driver): a capture begun on the home stream between the check and the
 /// record is never joined — the other stream does not capture afterwards, the capture ends

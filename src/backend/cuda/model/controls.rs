@@ -6,7 +6,7 @@ use super::config::CaptureMode;
 use super::state::StreamWork;
 #[cfg(doc)]
 use crate::backend::cuda::driver::ShareableHandle;
-use crate::backend::cuda::driver::{AllocationProps, CuError, CuResult, DriverCall, Stream};
+use crate::backend::cuda::driver::{AllocationProps, CuError, CuResult, DriverCall, Graph, Stream};
 use crate::backend::{Access, Addr};
 
 /// What the driver model holds right now (see [`DriverModel::outstanding`]).
@@ -244,10 +244,34 @@ impl DriverModel {
     ///
     /// If no capture began on `stream`.
     pub fn end_capture(&self, stream: Stream) -> CuResult<()> {
-        let Some(ended) = self.state().close_capture(stream) else {
+        let Some(ended) = self.state().end_elsewhere(stream) else {
             panic!("DriverModel: stream {stream:#x} is not capturing");
         };
         ended.map(drop)
+    }
+
+    /// A test's hook between a check and an act: ends the capture on `stream` as another
+    /// party would (as [`end_capture`](Self::end_capture), keeping its graph for
+    /// [`hook_graph`](Self::hook_graph)) just before the `n`th call of one of the kinds
+    /// `calls` from now is carried out (`n = 1`: the next one). Once; a new hook replaces the
+    /// previous one. Nothing is ended if `stream` does not capture by then.
+    ///
+    /// # Panics
+    ///
+    /// If `n` is zero, or `stream` is not one of the model's.
+    pub fn end_capture_before(&self, calls: &[DriverCall], n: u64, stream: Stream) {
+        assert!(n > 0, "DriverModel: end_capture_before counts from 1");
+        let mut s = self.state();
+        if !s.streams.contains_key(&stream) {
+            panic!("DriverModel: no stream {stream:#x}");
+        }
+        s.end_before = Some((calls.to_vec(), n, stream));
+    }
+
+    /// The graph of the capture [`end_capture_before`](Self::end_capture_before) ended, once
+    /// (none if it was invalidated, or the hook has not run).
+    pub fn hook_graph(&self) -> Option<Graph> {
+        self.state().hook_graph.take()
     }
 
     /// The access `device` has to the memory mapped at `addr`, as granted by

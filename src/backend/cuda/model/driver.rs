@@ -711,6 +711,11 @@ impl Driver for DriverModel {
             return Err(CuError::STREAM_CAPTURE_UNMATCHED);
         }
         let Some(capture) = s.captures.get(&stream) else {
+            // Fact 60: its capture was ended by another party since memtoken asked (what the
+            // driver answers is not documented: the model answers one of the call's codes).
+            if s.ended_elsewhere.contains(&stream) {
+                return Err(CuError::INVALID_VALUE);
+            }
             misuse(call, format_args!("stream {stream:#x} does not capture"));
         };
         let me = std::thread::current().id();

@@ -190,6 +190,13 @@ impl DriverModel {
                 s.open_capture(stream, mode);
             }
         }
+        if let Some((on, left, stream)) = s.end_before.take_if(|b| b.0.contains(&call)) {
+            if left > 1 {
+                s.end_before = Some((on, left - 1, stream));
+            } else if let Some(Ok(graph)) = s.end_elsewhere(stream) {
+                s.hook_graph = Some(graph);
+            }
+        }
         if let Err(fault) = s.faults.enter(call) {
             // Facts 33–35: exactly the sticky codes stick.
             let e = fault.error;

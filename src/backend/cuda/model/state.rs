@@ -9,7 +9,7 @@ use crate::backend::rules::Book;
 use crate::backend::{Access, Addr};
 use rustix::fd::OwnedFd;
 use rustix::net::RecvFlags;
-use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::thread::ThreadId;
 
 /// The model's VA window: `[VA_BASE, VA_TOP)`, 16 TiB to 128 TiB.
@@ -214,6 +214,15 @@ pub(super) struct ModelState {
     /// A capture to begin just before a call (a test's hook): the calls it waits for, how many
     /// more of them to let through first, the stream and the mode.
     pub(super) begin_before: Option<(Vec<DriverCall>, u64, Stream, CaptureMode)>,
+    /// A capture to end just before a call, as another party would (a test's hook): the calls
+    /// it waits for, how many more to let through first, and the stream.
+    pub(super) end_before: Option<(Vec<DriverCall>, u64, Stream)>,
+    /// The graph the hook's end made, kept for the test (the other party's).
+    pub(super) hook_graph: Option<usize>,
+    /// Streams whose last capture a test ended as another party (the `end_capture` control or
+    /// the hook): a `cuStreamEndCapture` there, before a new capture begins, answers
+    /// `CUDA_ERROR_INVALID_VALUE` (fact 60) instead of being misuse.
+    pub(super) ended_elsewhere: HashSet<Stream>,
     /// Live graphs (`cuStreamEndCapture`) and executable graphs (`cuGraphInstantiate`), each
     /// with its nodes, and the next value to hand out for either.
     pub(super) graphs: HashMap<usize, Vec<Node>>,
@@ -278,6 +287,9 @@ impl ModelState {
             joined: HashMap::new(),
             next_capture_id: 1,
             begin_before: None,
+            end_before: None,
+            hook_graph: None,
+            ended_elsewhere: HashSet::new(),
             graphs: HashMap::new(),
             execs: HashMap::new(),
             next_graph: 0x9000,
@@ -632,6 +644,20 @@ impl ModelState {
             nodes: Vec::new(),
         };
         self.captures.insert(stream, capture);
+        self.ended_elsewhere.remove(&stream);
+    }
+
+    /// Ends the capture on `stream` as another party would, keeping its graph (if any) for
+    /// the test: memtoken's `cuStreamEndCapture` there then fails (fact 60).
+    pub(super) fn end_elsewhere(&mut self, stream: Stream) -> Option<CuResult<usize>> {
+        let nodes = self.close_capture(stream)?;
+        self.ended_elsewhere.insert(stream);
+        Some(nodes.map(|nodes| {
+            let graph = self.next_graph;
+            self.next_graph += 1;
+            self.graphs.insert(graph, nodes);
+            graph
+        }))
     }
 
     /// Ends the capture begun on `origin`: its nodes, or why there is no graph — invalidated

@@ -676,6 +676,14 @@ impl<P: Copy + Eq + Hash> Book<P> {
             .collect()
     }
 
+    /// The mappings that start in `[addr, addr + len)`: start, length, physical memory.
+    pub(crate) fn mappings_within(&self, addr: Addr, len: usize) -> Vec<(Addr, usize, P)> {
+        self.mappings
+            .range(addr..addr.saturating_add(len))
+            .map(|(&start, m)| (start, m.len, m.phys))
+            .collect()
+    }
+
     /// Whether physical memory (live, or released while mapped) has a mapping.
     pub(crate) fn is_mapped(&self, phys: P) -> bool {
         self.phys.get(&phys).is_some_and(|r| r.maps > 0)

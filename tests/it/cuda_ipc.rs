@@ -157,7 +157,7 @@ fn an_import_that_disagrees_with_the_drivers_size_or_names_nothing_is_refused() 
 /// The host backend still refuses a descriptor that is not a file: `Offer` lets a non-file
 /// through (a CUDA driver's descriptor is one), and the host's import checks it.
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+#[cfg_attr(miri, ignore = "imports a memfd, which Miri lacks")]
 fn a_host_import_of_a_descriptor_that_is_not_a_file_is_refused() {
     make_guard!(guard);
     let device = Device::new(guard, HostBackend::with_defaults().unwrap());

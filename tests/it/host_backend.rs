@@ -234,7 +234,10 @@ fn anonymous() -> HostBackend {
 /// Fails if a map copies the pages instead of sharing them, a copy into the store is lost, or
 /// a release keeps the pages.
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no MAP_FIXED mmap")]
+#[cfg_attr(
+    miri,
+    ignore = "the anonymous store: Miri has no shared or fixed mappings"
+)]
 fn without_a_memfd_the_host_shares_grows_sleeps_and_gives_back() {
     use memtoken::{Budget, Device, make_guard};
     let backend = anonymous();
@@ -288,7 +291,10 @@ fn without_a_memfd_the_host_shares_grows_sleeps_and_gives_back() {
 /// error naming the capability and the mechanism, and nothing is created. Fails if the store
 /// silently hands out a `memfd` anyway, or an error that does not say why.
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no MAP_FIXED mmap")]
+#[cfg_attr(
+    miri,
+    ignore = "the anonymous store: Miri has no shared or fixed mappings"
+)]
 fn without_a_memfd_export_is_refused_naming_what_cannot_be_done() {
     let host = anonymous();
     let g = host.granularity();
@@ -332,7 +338,10 @@ fn permissions(addr: usize) -> String {
 /// sets the mapping's own: a read-only map (a sharer's) is read-only in the process's page
 /// tables, and shows the same pages as the read-write one. Fails without the `mprotect`.
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no MAP_FIXED mmap")]
+#[cfg_attr(
+    miri,
+    ignore = "the anonymous store: Miri has no shared or fixed mappings"
+)]
 fn without_a_memfd_a_read_only_map_is_read_only_in_the_page_tables() {
     let host = anonymous();
     let g = host.granularity();

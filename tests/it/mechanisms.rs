@@ -506,7 +506,6 @@ fn a_mechanism_failing_for_good_is_retired_and_old_tokens_release_on_it() {
 /// here), which new bindings go to; the CUDA mechanism is retired. Fails if a failed probe
 /// leaves its candidate selected.
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_device_without_vmm_fails_its_probe_and_the_selection_stays_on_the_host() {
     use memtoken::backend::cuda::CudaBackend;
     use memtoken::backend::doubles::{DriverModel, ModelConfig};

@@ -135,7 +135,6 @@ proptest! {
     #![proptest_config(ProptestConfig { cases: cases(), failure_persistence: None, ..ProptestConfig::default() })]
 
     #[test]
-    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn pages_are_never_handed_out_twice_and_free_plus_live_is_capacity(
         steps in prop::collection::vec(step(), 1..120)
     ) {

@@ -529,7 +529,7 @@ fn the_host_backend_refuses_misuse_with_an_error_never_a_panic() {
 /// one getter call — so no getter can panic in the middle of a transition and strand what it
 /// had built — and everything goes back.
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+#[cfg_attr(miri, ignore = "exports: a memfd, which Miri lacks")]
 fn getters_are_read_once_so_none_can_panic_inside_a_transition() {
     use memtoken::backend::PosixFd;
     use memtoken::{Offer, PagePool};

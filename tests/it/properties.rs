@@ -1097,7 +1097,6 @@ proptest! {
     }
 
     #[test]
-    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn host_backend_loses_nothing(steps in prop::collection::vec(step(), 1..60)) {
         run_host(&steps);
     }

@@ -15,7 +15,6 @@ use memtoken::{Budget, CommitFailure, Device, GrowError, ShrinkError, make_guard
 const PAGE: usize = 4096;
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn grow_and_shrink_move_the_ledger_and_budget_granule_by_granule() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -99,7 +98,6 @@ fn with_the_cache_capped_at_zero_each_cycle_creates_and_releases_each_granule() 
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn grow_failing_at_the_kth_granule_hands_back_the_unchanged_region_with_nothing_charged() {
     for (op, k) in [(Op::Create, 3), (Op::Map, 3), (Op::Map, 1), (Op::Create, 5)] {
         setup!(host(), device, faults);
@@ -233,7 +231,6 @@ fn a_failed_unmap_while_undoing_a_growth_withholds_the_granule() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_failed_shrink_withholds_the_stuck_granules_until_a_retry_frees_them() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -692,7 +689,6 @@ fn tail_cycle_calls(cap: usize, granules: usize, cycles: usize) -> u64 {
 /// the cache) and the fences' idle query. Fails if the tail is ignored (calls) or unbounded
 /// (the tail and the mapped bytes past the cap).
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn grow_shrink_cycles_within_the_tail_cap_call_nothing() {
     assert_eq!(tail_cycle_calls(16, 16, CYCLES), 0);
     let today = tail_cycle_calls(0, 16, CYCLES);
@@ -758,7 +754,6 @@ fn on_cuda_a_shrink_into_the_tail_neither_unmaps_nor_waits_for_a_kernel() {
 /// A suspend gives the mapped tail back with the rest (nothing stays mapped or charged while
 /// asleep), and the region resumes with its tail cap.
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_suspended_region_gives_its_tail_back_and_resumes_with_its_cap() {
     setup!(host(), device, faults);
     let g = device.granularity();
@@ -787,7 +782,6 @@ fn a_suspended_region_gives_its_tail_back_and_resumes_with_its_cap() {
 /// granules back to the tail: all or nothing, as without a tail; the error counts the granule
 /// that stopped it from the call's first (the review's two breaks).
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_growth_through_the_tail_is_all_or_nothing_even_when_it_panics() {
     setup!(host(), device, faults);
     let g = device.granularity();
@@ -826,7 +820,6 @@ fn a_growth_through_the_tail_is_all_or_nothing_even_when_it_panics() {
 /// device's cap bounds all tails together: past it, a shrink unmaps as without a tail. Fails if
 /// a move of a tail is not on the ledger, or if the device's cap is ignored.
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn the_ledger_counts_tails_apart_and_the_device_cap_bounds_them_together() {
     setup!(host(), device, faults);
     let g = device.granularity();
@@ -874,7 +867,6 @@ fn the_ledger_counts_tails_apart_and_the_device_cap_bounds_them_together() {
 /// the cache (and `trim_cache` releases it there). A growth before that takes the tail first, as
 /// always. Fails if budget pressure does not ask, or if a region ignores the request.
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn tails_asked_back_under_budget_pressure_come_back_at_their_regions_next_shrink() {
     memtoken::make_guard!(guard);
     let backend = memtoken::backend::doubles::Faulty::new(host());
@@ -959,7 +951,6 @@ fn on_cuda_a_shrink_refused_for_a_kernel_keeps_the_tails_figure() {
 /// A device-budget refusal asks the tails back even when it trimmed the cache first (and that
 /// was not enough). Fails if only a refusal with nothing trimmed asks.
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_device_budget_refusal_after_a_partial_trim_asks_the_tails_back() {
     make_guard!(guard);
     let backend = memtoken::backend::doubles::Faulty::new(host());
@@ -994,7 +985,6 @@ fn a_device_budget_refusal_after_a_partial_trim_asks_the_tails_back() {
 /// cannot make room in it. Fails if it asks every region of the device (every shrink of
 /// the other binding's regions would unmap).
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_bindings_own_budget_refusal_asks_only_its_own_regions() {
     setup!(host(), device, faults);
     let g = device.granularity();
@@ -1031,7 +1021,6 @@ fn a_bindings_own_budget_refusal_asks_only_its_own_regions() {
 /// Fails if a region that had nothing to give back still answers an old request at its next
 /// shrink.
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_cap_set_after_a_request_answers_it() {
     setup!(host(), device, faults);
     let g = device.granularity();
@@ -1103,7 +1092,6 @@ fn a_request_never_makes_a_shrink_into_the_tail_fail() {
 /// if another region used the room meanwhile, the tails are over the device's cap — and asked
 /// back. Fails if nothing asks (the excess would stay for good).
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_failed_growth_that_puts_its_tail_back_over_the_device_cap_asks_the_tails_back() {
     use crate::common::gate::{Gate, GateHandle};
     make_guard!(guard);

@@ -34,7 +34,10 @@ fn proc_map(addr: usize) -> (String, u64, String) {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+#[cfg_attr(
+    miri,
+    ignore = "one memory at two addresses: the heap store (Miri's) maps none twice"
+)]
 fn sharers_alias_the_owners_physical_pages_read_only() {
     make_guard!(guard);
     let backend = Faulty::new(crate::common::host());
@@ -198,7 +201,10 @@ fn dropping_a_sequence_unmaps_its_prefix_before_the_binding_unpins() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+#[cfg_attr(
+    miri,
+    ignore = "one memory at two addresses: the heap store (Miri's) maps none twice"
+)]
 fn copy_on_write_gives_one_sharer_a_private_boundary_granule() {
     make_guard!(guard);
     let backend = Faulty::new(crate::common::host());
@@ -370,7 +376,6 @@ fn a_refused_share_returns_the_reservation_unchanged() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_refused_copy_on_write_leaves_the_mapping_shared_and_nothing_charged() {
     make_guard!(guard);
     let backend = Faulty::new(HostBackend::new(HostConfig::default()).unwrap());
@@ -642,7 +647,6 @@ fn a_half_made_prefix_that_cannot_be_unmapped_is_quarantined_whole_and_a_retry_f
 /// body's: with body and boundary filled differently, the restored granule shows the boundary's
 /// bytes and the boundary's physical page.
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_failed_copy_on_write_maps_the_boundary_allocation_back() {
     make_guard!(guard);
     let backend = Faulty::new(HostBackend::new(HostConfig::default()).unwrap());
@@ -810,7 +814,10 @@ fn a_sharer_counts_the_mappings_of_its_prefix() {
 /// diverged prefix's writable boundary is exactly its last granule, and it still counts the
 /// mappings of the body it shares.
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+#[cfg_attr(
+    miri,
+    ignore = "one memory at two addresses: the heap store (Miri's) maps none twice"
+)]
 fn a_diverged_boundary_is_one_granule() {
     make_guard!(guard);
     let device = Device::new(guard, crate::common::host());
@@ -884,7 +891,7 @@ fn a_failed_copy_on_write_says_so_first() {
 /// handles, and its message carries the offset the backend gave each handle, body and boundary
 /// (here one megabyte into each file, as a backend exporting pieces of one file would say).
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+#[cfg_attr(miri, ignore = "exports: a memfd, which Miri lacks")]
 fn an_export_debugs_as_its_message_and_handles_and_carries_their_offsets() {
     const SHIFT: u64 = 1 << 20;
     make_guard!(guard);

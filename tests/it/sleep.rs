@@ -14,7 +14,6 @@ use memtoken::{Budget, Device, GrowError, ResumeFailure, SuspendFailure, make_gu
 const PAGE: usize = 4096;
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn an_allocation_sleeps_with_nothing_owned_and_wakes_at_its_address_with_its_bytes() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -53,7 +52,6 @@ fn an_allocation_sleeps_with_nothing_owned_and_wakes_at_its_address_with_its_byt
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_region_sleeps_into_the_cache_and_wakes_from_it_without_a_create() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -90,7 +88,6 @@ fn a_region_sleeps_into_the_cache_and_wakes_from_it_without_a_create() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_resume_that_fails_halfway_leaves_the_token_asleep_with_nothing_charged() {
     setup!(host(), device, faults);
     device.set_cache_cap(0);
@@ -135,7 +132,6 @@ fn a_resume_that_fails_halfway_leaves_the_token_asleep_with_nothing_charged() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn an_allocation_whose_restore_fails_stays_asleep_and_wakes_on_retry() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -157,7 +153,6 @@ fn an_allocation_whose_restore_fails_stays_asleep_and_wakes_on_retry() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_suspend_whose_unmap_fails_withholds_the_mapping_and_keeps_the_saved_bytes() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -184,7 +179,6 @@ fn a_suspend_whose_unmap_fails_withholds_the_mapping_and_keeps_the_saved_bytes()
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_resume_whose_restore_and_undo_fail_stays_asleep_with_its_bytes_and_wakes_later() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -304,7 +298,6 @@ fn releasing_a_sleeping_token_frees_its_va_once() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_region_whose_granules_left_the_cache_while_asleep_gets_its_bytes_back() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();

@@ -296,7 +296,6 @@ proptest! {
     )))]
 
     #[test]
-    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn tails_on_two_threads_keep_the_ledger_whole(
         engine_steps in prop::collection::vec(engine(), 1..60),
         pressure_steps in prop::collection::vec(pressure(), 1..30),
@@ -312,7 +311,6 @@ proptest! {
 /// the ledger equals the tokens, the tails, the cache and the custody, and the device closes
 /// clean with nothing outstanding.
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn tails_on_threads_running_at_once_keep_the_ledger_whole() {
     use std::sync::atomic::{AtomicBool, Ordering};
     let rounds = (common::proptest_cases(1000) / 50).max(1);

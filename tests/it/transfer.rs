@@ -25,7 +25,10 @@ impl RegistrationCache {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+#[cfg_attr(
+    miri,
+    ignore = "one memory at two addresses: the heap store (Miri's) maps none twice"
+)]
 fn a_descriptor_says_where_how_long_which_device_and_which_allocation() {
     make_guard!(guard);
     let device = Device::new(guard, crate::common::host());
@@ -216,7 +219,10 @@ fn an_imported_prefix_has_one_segment_per_imported_allocation() {
 
 /// The host backend lays a prefix out the same way: body and boundary, two segments.
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+#[cfg_attr(
+    miri,
+    ignore = "one memory at two addresses: the heap store (Miri's) maps none twice"
+)]
 fn a_host_prefix_has_a_segment_for_its_body_and_one_for_its_boundary() {
     make_guard!(guard);
     let device = Device::new(guard, crate::common::host());
@@ -237,7 +243,6 @@ fn a_host_prefix_has_a_segment_for_its_body_and_one_for_its_boundary() {
 /// its own), and two host devices recycle each other's addresses — yet every descriptor names
 /// its own allocation, since generations are unique in the process, not per device.
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn two_devices_never_make_equal_descriptors_for_different_memory() {
     two_simulators_at_one_address();
     two_host_devices_recycling_addresses();

@@ -15,7 +15,6 @@ use memtoken::{
 const PAGE: usize = 4096;
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn full_cycle_on_host_charges_and_refunds_each_axis_once() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -49,7 +48,6 @@ fn full_cycle_on_host_charges_and_refunds_each_axis_once() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn failed_create_returns_the_reserved_token_with_nothing_charged() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -72,7 +70,6 @@ fn failed_create_returns_the_reserved_token_with_nothing_charged() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn failed_map_rolls_back_the_physical_memory() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -86,7 +83,6 @@ fn failed_map_rolls_back_the_physical_memory() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn failed_map_and_failed_rollback_quarantine_the_orphan_physical_memory() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -153,7 +149,6 @@ fn failed_unmap_quarantines_with_va_withheld_and_mapped_bytes_charged() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn failed_physical_release_refunds_mapped_but_not_owned() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -204,7 +199,6 @@ fn failed_free_of_reserved_quarantines_the_va_and_retry_frees_it() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn dropped_tokens_whose_teardown_fails_land_in_the_device_quarantine() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -251,7 +245,6 @@ fn dropped_quarantined_token_stays_counted_in_the_device() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn budget_is_enforced_with_numbers_and_the_token_back() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::bytes(3 * PAGE as u64)).unwrap();
@@ -283,7 +276,6 @@ fn budget_is_enforced_with_numbers_and_the_token_back() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn bad_input_is_an_error_value_and_changes_nothing() {
     make_guard!(guard);
     let config = HostConfig {
@@ -436,7 +428,6 @@ fn context_lost_means_no_backend_call_and_discharge_with_proof() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn a_forgotten_token_shows_in_the_close_report() {
     setup!(host(), device, faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -449,7 +440,7 @@ fn a_forgotten_token_shows_in_the_close_report() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+#[cfg_attr(miri, ignore = "reads the memfd's allocated size: Miri has no memfd")]
 fn host_memory_is_real_and_released_to_the_os() {
     make_guard!(guard);
     let device = Device::new(guard, host());
@@ -472,7 +463,6 @@ fn host_memory_is_real_and_released_to_the_os() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
 fn two_megabyte_granularity_aligns_reservations() {
     make_guard!(guard);
     let config = HostConfig {

@@ -2,6 +2,7 @@
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 mod files;
+mod heap;
 
 use super::rules::{Book, Violation};
 use super::{
@@ -61,6 +62,13 @@ pub enum HostMemory {
     /// is refused with [`Cause::Unsupported`] naming it. Chosen by `Auto` when `memfd_create` is
     /// refused, or asked for (as the tests do, to run without a `memfd`).
     Anonymous,
+    /// No system call at all: a reservation is a heap allocation aligned to the granularity,
+    /// and physical memory a heap buffer whose bytes are copied in where it is mapped and back
+    /// out as it is unmapped. What needs one memory at two addresses is refused with
+    /// [`Cause::Unsupported`] naming it: a second mapping of the same memory (so prefix
+    /// sharing) and export. Chosen by `Auto` under Miri, which has neither `memfd_create` nor
+    /// shared or fixed mappings, so that the typed views of host memory run there.
+    Heap,
 }
 
 /// Physical memory on the host: a range of the device's store (its `memfd`, or its anonymous
@@ -85,6 +93,8 @@ struct HostState {
     /// Physical memory in a file of its own, by serial: memory created exportable (its own
     /// sealed `memfd`) and memory imported from another process (the descriptor received).
     files: HashMap<u64, HostFile>,
+    /// The heap store's reservations and buffers (empty on the other stores).
+    heap: heap::Heap,
 }
 
 /// Host virtual memory management through `rustix`:
@@ -123,6 +133,8 @@ enum Store {
     Memfd(OwnedFd),
     /// The shared anonymous mapping's address and length.
     Anonymous(Addr, usize),
+    /// Heap buffers ([`HostMemory::Heap`]), recorded in the state.
+    Heap,
 }
 
 /// Where physical memory lies, for a map or a copy: a range of a file, or pages of the
@@ -194,6 +206,9 @@ impl HostBackend {
         let store = match config.memory {
             HostMemory::Memfd => Store::Memfd(sized(create())?),
             HostMemory::Anonymous => Self::anonymous(capacity)?,
+            HostMemory::Heap => Store::Heap,
+            // Miri has no `memfd_create` (nor shared mappings): asking would end the run.
+            HostMemory::Auto if cfg!(miri) => Store::Heap,
             HostMemory::Auto => match create() {
                 // `memfd_create` missing or refused by policy (a sandbox): the anonymous store.
                 // Any other error (out of descriptors, say) is the memfd's, said as such.
@@ -209,6 +224,7 @@ impl HostBackend {
             used: 0,
             pins: 0,
             files: HashMap::new(),
+            heap: heap::Heap::default(),
         };
         Ok(Self {
             config,
@@ -241,6 +257,7 @@ impl HostBackend {
         match self.store {
             Store::Memfd(_) => HostMemory::Memfd,
             Store::Anonymous(..) => HostMemory::Anonymous,
+            Store::Heap => HostMemory::Heap,
         }
     }
 
@@ -277,6 +294,7 @@ impl HostBackend {
             (Some(f), _) => (Place::File(f.fd.as_fd(), f.offset), f.kind.writable()),
             (None, Store::Memfd(fd)) => (Place::File(fd.as_fd(), phys.offset), true),
             (None, Store::Anonymous(base, _)) => (Place::Pages(base + phys.offset as usize), true),
+            (None, Store::Heap) => unreachable!("the heap store maps and copies by itself"),
         }
     }
 
@@ -416,6 +434,11 @@ impl Backend for HostBackend {
         check_address_space(len, space)?;
         // Over-reserve by one granule when it exceeds the page size, then trim to alignment.
         // (`new` bounds the address space so that this cannot overflow; checked all the same.)
+        if let Store::Heap = self.store {
+            let addr = heap::reserve(&mut s, len, g)?;
+            s.book.apply_reserve(addr, len);
+            return Ok(addr);
+        }
         let slack = if g > self.page_size { g } else { 0 };
         let total = len
             .checked_add(slack)
@@ -460,6 +483,11 @@ impl Backend for HostBackend {
         s.book
             .check_free(addr, len)
             .map_err(|v| BackendError::refused(Op::Free, addr, len, v))?;
+        if let Store::Heap = self.store {
+            heap::free(&mut s, addr);
+            s.book.apply_free(addr);
+            return Ok(());
+        }
         // SAFETY: the book says `[addr, addr + len)` is exactly one of our reservations with
         // nothing mapped in it, so no reference can point into it.
         unsafe { rustix::mm::munmap(addr as *mut _, len) }
@@ -474,6 +502,12 @@ impl Backend for HostBackend {
             .check_create(len)
             .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
         self.check_capacity(&s, len)?;
+        if let Store::Heap = self.store {
+            let phys = heap::create(&mut s, len)?;
+            s.used += len as u64;
+            s.book.apply_create(phys, len);
+            return Ok(phys);
+        }
         let capacity = self.config.physical_capacity;
         let Some(offset) = Self::find_range(&s.ranges, len as u64, capacity) else {
             let cause = Cause::Exhausted {
@@ -502,6 +536,7 @@ impl Backend for HostBackend {
                     Err(e) => return Err(os_error(Op::Create, 0, len, e)),
                 }
             }
+            Store::Heap => unreachable!("made above"),
         }
         let phys = Self::next_phys(offset);
         s.ranges.insert(offset, len as u64);
@@ -527,6 +562,7 @@ impl Backend for HostBackend {
             return Ok(());
         }
         match &self.store {
+            Store::Heap => heap::release(&mut s, phys),
             Store::Memfd(fd) => {
                 let mode = FallocateFlags::PUNCH_HOLE | FallocateFlags::KEEP_SIZE;
                 rustix::fs::fallocate(fd, mode, phys.offset, len as u64)
@@ -541,7 +577,9 @@ impl Backend for HostBackend {
                     .map_err(|e| os_error(Op::Release, 0, len, e))?;
             }
         }
-        s.ranges.remove(&phys.offset);
+        if !matches!(self.store, Store::Heap) {
+            s.ranges.remove(&phys.offset);
+        }
         s.used -= len as u64;
         s.book.apply_release(phys);
         Ok(())
@@ -558,6 +596,11 @@ impl Backend for HostBackend {
         s.book
             .check_map(addr, len, phys, 0)
             .map_err(|v| BackendError::refused(Op::Map, addr, len, v))?;
+        if let Store::Heap = self.store {
+            heap::map(&mut s, addr, len, phys)?;
+            s.book.apply_map(addr, len, phys, access);
+            return Ok(());
+        }
         let (place, writable) = self.place_of(&s, phys);
         if !writable && access == Access::ReadWrite {
             return Err(BackendError::refused(
@@ -590,6 +633,11 @@ impl Backend for HostBackend {
         s.book
             .check_unmap(addr, len)
             .map_err(|v| BackendError::refused(Op::Unmap, addr, len, v))?;
+        if let Store::Heap = self.store {
+            heap::unmap(&mut s, addr, len);
+            s.book.apply_unmap(addr, len);
+            return Ok(());
+        }
         // SAFETY: the book says the range is exactly covered by our mappings; the typed layer
         // unmaps only after every borrow of the memory has ended.
         if let Err(e) = unsafe { Self::make_inaccessible(addr, len) } {
@@ -603,10 +651,14 @@ impl Backend for HostBackend {
     }
 
     fn copy_into_phys(&self, phys: HostPhys, src: Addr, len: usize) -> Result<(), BackendError> {
-        let s = self.state();
+        let mut s = self.state();
         s.book
             .check_copy(phys, src, len)
             .map_err(|v| BackendError::refused(Op::Copy, src, len, v))?;
+        if let Store::Heap = self.store {
+            heap::copy_into_phys(&mut s, phys, src, len);
+            return Ok(());
+        }
         // SAFETY: the book says every byte of `[src, src + len)` is mapped readable by this
         // backend, and the lock keeps it mapped for the duration of the copy.
         let bytes = unsafe { super::host_slice(src, len) };
@@ -714,7 +766,13 @@ impl Backend for HostBackend {
     /// The anonymous store cannot export (no descriptor names its memory); the memfd store
     /// lacks nothing.
     fn lacks(&self, ability: Ability) -> Option<&'static str> {
-        (ability == Ability::Export && self.memory() == HostMemory::Anonymous).then_some(ANONYMOUS)
+        match self.memory() {
+            HostMemory::Anonymous => (ability == Ability::Export).then_some(ANONYMOUS),
+            HostMemory::Heap => {
+                matches!(ability, Ability::Export | Ability::MapTwice).then_some(heap::HEAP)
+            }
+            _ => None,
+        }
     }
 }
 
@@ -736,6 +794,10 @@ impl Drop for HostBackend {
         // Tokens borrow the device that owns this backend, so none can observe these ranges any
         // more: whatever a forgotten token left reserved goes back to the OS now.
         let s = self.state.get_mut().unwrap_or_else(|e| e.into_inner());
+        if let Store::Heap = self.store {
+            heap::drop_all(&mut s.heap);
+            return;
+        }
         for (addr, len, poisoned) in s.book.drain_reservations() {
             if poisoned {
                 continue; // may hold a hole filled by someone else's mapping: leave it
@@ -823,8 +885,84 @@ mod tests {
         assert!(matches!(e, ConfigError::AddressSpaceTooLarge { .. }), "{e}");
     }
 
+    /// The heap store with a page's granularity.
+    fn heap_store() -> HostBackend {
+        HostBackend::new(HostConfig {
+            memory: HostMemory::Heap,
+            ..HostConfig::default()
+        })
+        .unwrap()
+    }
+
+    /// Memory keeps its bytes while it is not mapped, and shows them wherever it is mapped
+    /// next; a copy into it lands where it lives (mapped or not). Fails if an unmap does not
+    /// copy the bytes back, or a map does not copy them in.
     #[test]
-    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+    fn the_heap_store_keeps_the_bytes_of_memory_across_unmap_and_map() {
+        let host = heap_store();
+        assert_eq!(host.memory(), HostMemory::Heap);
+        let g = host.granularity();
+        let (a, b) = (host.reserve(g).unwrap(), host.reserve(g).unwrap());
+        let phys = host.create(g).unwrap();
+        host.map(a, g, phys, Access::ReadWrite).unwrap();
+        host.copy_from_host(a + 8, &[1, 2, 3]).unwrap();
+        host.unmap(a, g).unwrap();
+        host.map(b, g, phys, Access::ReadOnly).unwrap();
+        let mut back = [0; 4];
+        host.copy_to_host(&mut back, b + 7).unwrap();
+        assert_eq!(back, [0, 1, 2, 3], "the bytes followed the memory");
+        // A copy into other memory, first unmapped, then mapped.
+        let other = host.create(g).unwrap();
+        host.copy_into_phys(other, b, g).unwrap();
+        host.map(a, g, other, Access::ReadWrite).unwrap();
+        host.copy_to_host(&mut back, a + 7).unwrap();
+        assert_eq!(back, [0, 1, 2, 3], "copied into the unmapped memory");
+        host.copy_from_host(a + 8, &[9]).unwrap();
+        host.unmap(b, g).unwrap();
+        host.copy_into_phys(phys, a, g).unwrap();
+        host.map(b, g, phys, Access::ReadOnly).unwrap();
+        host.copy_to_host(&mut back, b + 7).unwrap();
+        assert_eq!(back, [0, 9, 2, 3], "copied from the mapped memory");
+        host.unmap(a, g).unwrap();
+        host.unmap(b, g).unwrap();
+        host.release(phys, g).unwrap();
+        host.release(other, g).unwrap();
+        assert_eq!(host.physical_in_use(), 0);
+        host.free(a, g).unwrap();
+        host.free(b, g).unwrap();
+    }
+
+    /// What needs one memory at two addresses is refused by name: a second mapping of mapped
+    /// memory, and export; reservations are aligned to the granularity.
+    #[test]
+    fn the_heap_store_maps_no_memory_twice_and_says_so() {
+        let host = HostBackend::new(HostConfig {
+            memory: HostMemory::Heap,
+            granularity: 2 << 20,
+            ..HostConfig::default()
+        })
+        .unwrap();
+        assert_eq!(host.lacks(Ability::MapTwice), Some(heap::HEAP));
+        assert_eq!(host.lacks(Ability::Export), Some(heap::HEAP));
+        assert_eq!(host.lacks(Ability::SuspendInPlace), None);
+        let g = host.granularity();
+        let (a, b) = (host.reserve(g).unwrap(), host.reserve(2 * g).unwrap());
+        assert_eq!((a % g, b % g), (0, 0), "aligned to the granularity");
+        let phys = host.create(g).unwrap();
+        host.map(a, g, phys, Access::ReadWrite).unwrap();
+        let e = host.map(b, g, phys, Access::ReadOnly).unwrap_err();
+        assert!(
+            matches!(e.cause, Cause::Unsupported { mechanism, .. } if mechanism == heap::HEAP),
+            "{e}"
+        );
+        host.unmap(a, g).unwrap();
+        host.release(phys, g).unwrap();
+        host.free(a, g).unwrap();
+        // `b` is left reserved: the backend's drop gives it back.
+    }
+
+    #[test]
+    #[cfg_attr(miri, ignore = "a memfd, which Miri lacks")]
     fn an_os_refusal_of_the_memfd_carries_the_os_error() {
         // No file may be 2^63 bytes long: `ftruncate` fails, and the error says why.
         let e = bad(HostConfig {
@@ -847,7 +985,7 @@ mod tests {
     }
 
     #[test]
-    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
+    #[cfg_attr(miri, ignore = "raw mmap and msync, which Miri lacks")]
     fn a_reservation_never_lands_in_the_hole_of_a_poisoned_one() {
         let host = HostBackend::with_defaults().unwrap();
         // Large, so that the kernel finds few higher gaps to offer first; each request is half
@@ -896,7 +1034,6 @@ mod tests {
     }
 
     #[test]
-    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn a_handle_of_another_host_backend_is_unknown_here() {
         let (a, b) = (
             HostBackend::with_defaults().unwrap(),
@@ -912,7 +1049,6 @@ mod tests {
     }
 
     #[test]
-    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn an_unpin_without_a_pin_is_refused() {
         let host = HostBackend::with_defaults().unwrap();
         let e = host.unpin().unwrap_err();
@@ -923,7 +1059,6 @@ mod tests {
     }
 
     #[test]
-    #[cfg_attr(miri, ignore = "host backend: Miri has no memfd or MAP_FIXED mmap")]
     fn a_reservation_past_the_address_space_is_exhausted() {
         let page = rustix::param::page_size();
         let host = HostBackend::new(HostConfig {

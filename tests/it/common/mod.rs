@@ -64,12 +64,15 @@ pub fn host() -> HostBackend {
 }
 
 /// The host store the tests run on: `MEMTOKEN_HOST_MEMORY=anonymous` runs them as where
-/// `memfd_create` is refused (the anonymous store), else the default (a `memfd`).
+/// `memfd_create` is refused (the anonymous store), `heap` on the heap store (no system call:
+/// the store under Miri, which takes it when nothing is said), else a `memfd`.
 pub fn host_memory() -> memtoken::backend::HostMemory {
     match std::env::var("MEMTOKEN_HOST_MEMORY").as_deref() {
         Ok("anonymous") => memtoken::backend::HostMemory::Anonymous,
+        Ok("heap") => memtoken::backend::HostMemory::Heap,
+        Err(_) if cfg!(miri) => memtoken::backend::HostMemory::Heap,
         Ok("memfd") | Err(_) => memtoken::backend::HostMemory::Memfd,
-        Ok(other) => panic!("MEMTOKEN_HOST_MEMORY={other}: say anonymous or memfd"),
+        Ok(other) => panic!("MEMTOKEN_HOST_MEMORY={other}: say anonymous, heap or memfd"),
     }
 }
 

@@ -728,8 +728,9 @@ impl<D: Driver> CapturedGraph<'_, '_, D> {
         // SAFETY: `exec` came from this backend's `end_capture` and is destroyed only as this
         // graph drops; the memory it uses belongs to tokens this graph borrows, which stay
         // mapped while it lives, and their releases wait for its launches afterwards (its
-        // stream touched their memory).
-        unsafe { self.backend.launch(self.exec, self.stream) }
+        // stream touched their memory). Taken into a capture begun meanwhile, its memory is
+        // held for good.
+        unsafe { self.backend.launch(self.exec, self.stream, &self.held) }
     }
 }
 

@@ -501,3 +501,115 @@ fn a_capture_begun_between_the_check_and_a_last_resort_stream_synchronize_is_inv
     releasing.wait().map(drop).unwrap();
     assert_eq!(model.lost_with(), None, "nothing ran on unmapped memory");
 }
+
+/// `forget_stream` records an event on the stream and asks it: after the record it asks the
+/// stream again, and a capture another thread began between the check and the record (the
+/// model's hook) took the event — never asked while that capture is open, and the stream is
+/// not let go. Fails without the question after the record: the query (907) invalidated the
+/// capture.
+#[test]
+fn a_capture_begun_between_forget_streams_check_and_record_is_never_asked() {
+    let model = model();
+    common::known_device!(model, device, stream);
+    model.begin_capture_before(
+        &[DriverCall::EventRecord],
+        1,
+        stream,
+        CaptureMode::ThreadLocal,
+    );
+    assert!(
+        !device.forget_stream(stream),
+        "not forgotten while it captures"
+    );
+    assert!(
+        info(&model, stream).captures(),
+        "the hook began the capture"
+    );
+    assert_eq!(
+        model.end_capture(stream),
+        Ok(()),
+        "the captured event was never asked: the capture ends valid"
+    );
+    assert!(device.forget_stream(stream), "let go once it has ended");
+}
+
+/// A launch of memtoken's graph asks whether its stream captures, launches, and asks again: a
+/// capture another thread began in between (cudarc's safe `begin_capture`, the model's hook)
+/// took the graph's work into a graph memtoken does not know of, so what memtoken's graph uses
+/// is held for good — after memtoken's graph drops, the release is quarantined and the other
+/// party's graph runs on mapped memory. Fails without the question after the launch: the
+/// release unmapped, and that launch faulted (700).
+#[test]
+fn a_capture_begun_between_a_launchs_check_and_the_launch_holds_the_memory_for_good() {
+    let model = model();
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    let mut view = capture.view_mut::<u8>(&mut x).unwrap();
+    model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
+    drop(view);
+    let graph = capture.end().unwrap();
+    model.begin_capture_before(&[DriverCall::GraphLaunch], 1, stream, CaptureMode::Global);
+    graph.launch().unwrap();
+    // The other party ends its capture, and keeps its graph (memtoken's work in it).
+    // SAFETY: a live stream of the model's context that captures; the graph is the model's.
+    let exec = unsafe {
+        let g = model.stream_end_capture(stream).unwrap();
+        model.graph_instantiate(g).unwrap()
+    };
+    drop(graph);
+    model.complete_work();
+    let released = x.release().complete().map(drop);
+    let e = released.expect_err("the memory a foreign capture took stays held");
+    assert!(matches!(e.token, Returned::Quarantined(_)));
+    // SAFETY: the model's own live instance; its memory is still mapped.
+    unsafe { model.graph_launch(exec, stream) }.unwrap();
+    model.complete_work();
+    assert_eq!(model.lost_with(), None, "the graph ran on mapped memory");
+}
+
+/// What no probe closes, asserted as documented: the handoff's wait itself. After the record
+/// on the earlier stream both streams are asked again; a capture another thread begins on the
+/// *waiting* stream between that question and `cuStreamWaitEvent` makes it wait, while
+/// capturing, on an event recorded outside the capture — the driver refuses that (905) and
+/// invalidates the capture. Nothing is joined and nothing is unmapped: the view's pointer,
+/// taken while the stream captures, holds the memory for good. Fails if memtoken stops asking
+/// again after the record (then the stream would be joined) or the window closes (then this
+/// test, and the guarantee, should say more).
+#[test]
+fn a_capture_begun_on_the_waiting_stream_after_the_second_question_is_invalidated_never_joined() {
+    let model = model();
+    common::covered_device!(model, device, a);
+    let b = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.cover_stream(b) };
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    {
+        let mut on_a = x.stream_view_mut::<u8>(a).unwrap();
+        model.submit_work_touching(a, &[(on_a.device_ptr_mut(), G)]);
+    }
+    model.begin_capture_before(
+        &[DriverCall::StreamWaitEvent],
+        1,
+        b,
+        CaptureMode::ThreadLocal,
+    );
+    {
+        let on_b = x.stream_view::<u8>(b).unwrap();
+        model.submit_work_touching(b, &[(on_b.device_ptr(), G)]);
+    }
+    assert!(info(&model, b).captures(), "the hook began the capture");
+    assert_eq!(info(&model, a), CaptureInfo::None, "`a` joined nothing");
+    assert_eq!(
+        model.end_capture(b),
+        Err(CuError::STREAM_CAPTURE_INVALIDATED),
+        "the known window: the wait invalidated the capture begun before it"
+    );
+    model.complete_work();
+    let released = x.release().complete().map(drop);
+    let e = released.expect_err("the pointer taken during the capture holds the memory");
+    assert!(matches!(e.token, Returned::Quarantined(_)));
+    assert_eq!(model.lost_with(), None);
+}

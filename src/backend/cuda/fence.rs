@@ -95,6 +95,13 @@ impl<D: Driver> CudaBackend<D> {
             return false;
         }
         let done = match self.record_now(&mut s, stream) {
+            // Asked again: a capture begun between the question and the record took the
+            // event, which is never asked while that capture is open (fact 39): destroyed with
+            // the retired events, and the stream not let go now.
+            Ok(serial) if self.capturing(stream) => {
+                s.retired.push(serial);
+                false
+            }
             Ok(serial) => {
                 // SAFETY: the event was created and recorded just above, and is destroyed just
                 // below, by this call.

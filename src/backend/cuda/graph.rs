@@ -206,6 +206,14 @@ impl<D: Driver> CudaBackend<D> {
         let ended = self.end_captured(stream);
         let still = self.capture_state(stream);
         match ended {
+            // Invalidated when asked, yet a graph came of the end: the end took a capture
+            // begun since (an invalidated capture yields none), not memtoken's — its graph is
+            // destroyed, and what memtoken's lent stays held for good.
+            Ok(exec) if invalidated => {
+                // SAFETY: just returned by `end_captured`, destroyed once, here.
+                unsafe { self.destroy_exec(exec) };
+                Ended::Unknown(elsewhere())
+            }
             Ok(exec) => Ended::Graph(exec),
             // Still capturing (another thread's capture, or the end was refused): open.
             Err((e, _)) if still.is_none_or(CaptureInfo::captures) => Ended::Open(e),
@@ -258,8 +266,9 @@ impl<D: Driver> CudaBackend<D> {
         &self,
         exec: GraphExec,
         stream: Stream,
+        held: &[(Addr, usize)],
     ) -> Result<(), BackendError> {
-        let _s = self.enter(Op::Graph, 0, 0)?;
+        let mut s = self.enter(Op::Graph, 0, 0)?;
         // Launched into a capture, the graph would become part of another graph that borrows
         // nothing, and could launch after its memory is gone: refused.
         if self.capturing(stream) {
@@ -268,7 +277,21 @@ impl<D: Driver> CudaBackend<D> {
         }
         // SAFETY: the caller's promise for `exec` and its memory; `stream` is lent to the graph
         // and touched its memory, so the memory's fences wait for the launch.
-        unsafe { self.driver.graph_launch(exec, stream) }.map_err(|e| self.fail(Op::Graph, 0, 0, e))
+        let launched = unsafe { self.driver.graph_launch(exec, stream) }
+            .map_err(|e| self.fail(Op::Graph, 0, 0, e));
+        // Asked again: a capture another thread began on `stream` between the question and
+        // the launch took the graph's work into a graph memtoken does not know of, which may
+        // launch whenever its owner likes — what the graph uses is held for good then, as for
+        // a view's use while its stream captures.
+        if self.capturing(stream) && !self.context_lost() {
+            for &(addr, len) in held {
+                let range = (addr as u64, len);
+                if !s.graph_held.contains(&range) {
+                    s.graph_held.push(range);
+                }
+            }
+        }
+        launched
     }
 
     /// `cuGraphExecDestroy`: launches in flight finish first. If the capture mode cannot be

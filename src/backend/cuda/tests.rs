@@ -189,6 +189,45 @@ fn a_view_used_on_another_stream_never_joins_a_capture_begun_on_its_home_and_hol
     assert_eq!(model.lost_with(), None);
 }
 
+/// A device view's uses on another stream are ordered per memory: a read there joins the home
+/// stream (one wait), and a later read on the home stream waits for a write made on the other
+/// stream. Fails if `use_through_view` leaves out the join or the other stream's own order.
+#[test]
+#[allow(unsafe_code)] // the backend's `use_through_view`, proven at each call
+fn a_write_through_a_view_on_another_stream_orders_the_next_use_on_its_home() {
+    let model = DriverModel::default();
+    let backend = open(&model);
+    let (other, home) = (model.new_stream(), model.new_stream());
+    // SAFETY: streams of the model's only context, live as long as the model.
+    unsafe {
+        backend.know_stream(other);
+        backend.know_stream(home);
+    }
+    let g = backend.granularity();
+    let addr = backend.reserve(g).unwrap();
+    let phys = backend.create(g).unwrap();
+    backend.map(addr, g, phys, Access::ReadWrite).unwrap();
+    let waits = model.count(DriverCall::StreamWaitEvent);
+    // SAFETY: both held and live; `home` stands for a view's lent home stream.
+    assert!(unsafe { backend.use_through_view(home, other, addr, false) });
+    assert_eq!(
+        model.count(DriverCall::StreamWaitEvent),
+        waits + 1,
+        "a read on `other`: the join of `home`"
+    );
+    // SAFETY: as above.
+    assert!(unsafe { backend.use_through_view(home, other, addr, true) });
+    let waits = model.count(DriverCall::StreamWaitEvent);
+    // SAFETY: as above.
+    assert!(unsafe { backend.use_through_view(home, home, addr, false) });
+    assert_eq!(
+        model.count(DriverCall::StreamWaitEvent),
+        waits + 1,
+        "the read on `home` waits for the write on `other`"
+    );
+    backend.unmap(addr, g).unwrap();
+}
+
 /// The device view's join of its home stream (`join_stream`, which `DeviceView`
 /// uses on the real driver): a capture begun on the home stream between the check and the
 /// record is never joined — the other stream does not capture afterwards, the capture ends

@@ -18,6 +18,8 @@ mod binding;
 mod build;
 mod cache;
 mod custody;
+#[cfg(all(loom, test))]
+mod loom_tests;
 mod quarantined;
 mod report;
 mod steps;

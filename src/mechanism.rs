@@ -617,5 +617,6 @@ pub enum BindError<E> {
     Make(#[source] E),
 }
 
-#[cfg(all(loom, test))]
+#[cfg(test)]
+#[cfg(loom)]
 mod loom_tests;

@@ -12,6 +12,10 @@
 //! library itself — uses `std`. Loom's types panic outside a model, so under `--cfg loom` only
 //! the loom models may run (hence the `loom` filter).
 //!
+//! The loom side is gated by two attributes, `#[cfg(test)]` and `#[cfg(loom)]` (as the models'
+//! modules are): `cargo mutants` skips what `cfg(test)` alone gates, and would otherwise mutate
+//! code that its builds never compile.
+//!
 //! Everything else (the backends, the device's books, the process-wide counters) keeps `std`'s
 //! types: loom does not see them, so a model must not block on them — none of them is held
 //! across a call into these protocols.
@@ -23,13 +27,16 @@ pub(crate) use std::sync::atomic::{AtomicU64, Ordering};
 #[cfg(not(all(loom, test)))]
 pub(crate) use std::sync::{Mutex, MutexGuard};
 
-#[cfg(all(loom, test))]
+#[cfg(test)]
+#[cfg(loom)]
 pub(crate) use loom::sync::atomic::{AtomicU64, Ordering};
-#[cfg(all(loom, test))]
+#[cfg(test)]
+#[cfg(loom)]
 pub(crate) use loom::sync::{Mutex, MutexGuard};
 
 /// Locks `m`, and goes on through poison (as [`crate::backend::lock`] does for `std`'s).
-#[cfg(all(loom, test))]
+#[cfg(test)]
+#[cfg(loom)]
 pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
@@ -37,7 +44,8 @@ pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Runs `model` under loom in every interleaving of its threads: no preemption bound (the
 /// models are small enough for loom to try them all), unless `LOOM_MAX_PREEMPTIONS` sets one.
 /// Says how many executions it ran (seen with `--nocapture`).
-#[cfg(all(loom, test))]
+#[cfg(test)]
+#[cfg(loom)]
 pub(crate) fn model(model: impl Fn() + Send + Sync + 'static) {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let runs = std::sync::Arc::new(AtomicUsize::new(0));

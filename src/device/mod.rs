@@ -18,7 +18,8 @@ mod binding;
 mod build;
 mod cache;
 mod custody;
-#[cfg(all(loom, test))]
+#[cfg(test)]
+#[cfg(loom)]
 mod loom_tests;
 mod quarantined;
 mod report;

@@ -5,7 +5,7 @@
 //! corresponding part of a residual goes from held to gone, and a refund of more than was
 //! charged panics, because it can only be a double refund.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use crate::sync::{AtomicU64, Ordering};
 
 /// A cap on the physical bytes a binding's (or a device's) tokens may own at once.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

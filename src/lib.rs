@@ -168,6 +168,7 @@ mod residual;
 mod sharing;
 mod sleep;
 mod state;
+mod sync;
 mod token;
 mod transfer;
 mod unwind;

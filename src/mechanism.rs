@@ -43,9 +43,8 @@
 //!
 //! [`Device`]: crate::Device
 
+use crate::sync::{AtomicU64, Mutex, MutexGuard, Ordering};
 use std::fmt;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
 
 /// Mechanisms a registry holds at most.
 pub const MAX_MECHANISMS: usize = 16;
@@ -617,3 +616,7 @@ pub enum BindError<E> {
     #[error("on the selected mechanism: {0}")]
     Make(#[source] E),
 }
+
+#[cfg(test)]
+#[cfg(loom)]
+mod loom_tests;

@@ -6,8 +6,8 @@ use crate::error::CommitFailure;
 use crate::ledger::{Axis, Budget, try_add, try_sub};
 use crate::residual::Residual;
 use crate::state::Wait;
+use crate::sync::{AtomicU64, Ordering};
 use crate::unwind::Scope;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// A consumer's pinned handle on a [`Device`] — a model session, a KV cache. It holds a context
 /// pin (released when the binding is dropped) and a [`Budget`]. Tokens borrow their binding, so

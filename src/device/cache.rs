@@ -4,11 +4,10 @@
 //! the ledger's cached axis with them and release what leaves the cache.
 
 use super::Device;
-use crate::backend::{Backend, lock};
+use crate::backend::Backend;
 use crate::ledger::{Axis, Ledger};
+use crate::sync::{AtomicU64, Mutex, Ordering, lock};
 use crate::unwind::Scope;
-use std::sync::Mutex;
-use std::sync::atomic::{AtomicU64, Ordering};
 
 /// The default cap of a device's granule cache, in granules (see [`Device::set_cache_cap`]).
 pub(super) const DEFAULT_CACHE_GRANULES: u64 = 64;
@@ -197,9 +196,15 @@ impl<B: Backend> Device<'_, B> {
     /// at the same moment, on another thread, may still put them in under the old cap: they
     /// stay until the next trim.
     pub fn set_cache_cap(&self, bytes: u64) {
+        self.set_cache_cap_trimmed(bytes);
+    }
+
+    /// [`set_cache_cap`](Self::set_cache_cap), which returns the bytes its trim took out of the
+    /// cache (for the loom model of a growth racing it).
+    pub(super) fn set_cache_cap_trimmed(&self, bytes: u64) -> u64 {
         let _scope = Scope::open::<B>();
         self.cache.set_cap(bytes);
-        self.trim_cache_to(bytes);
+        self.trim_cache_to(bytes)
     }
 
     /// Bytes in the cache now (also

@@ -18,6 +18,9 @@ mod binding;
 mod build;
 mod cache;
 mod custody;
+#[cfg(test)]
+#[cfg(loom)]
+mod loom_tests;
 mod quarantined;
 mod report;
 mod steps;

@@ -161,7 +161,10 @@ fn a_host_import_may_claim_all_of_the_file_and_no_more() {
 /// a host reservation aligned to a granularity larger than the page trims the slack it
 /// over-reserved after its end (and only there), so nothing past the reservation stays mapped.
 #[test]
-#[cfg_attr(miri, ignore = "reads the kernel's mappings (/proc/self/maps): Miri's heap store has none")]
+#[cfg_attr(
+    miri,
+    ignore = "reads the kernel's mappings (/proc/self/maps): Miri's heap store has none"
+)]
 fn a_host_reservation_gives_back_the_slack_past_its_end() {
     let host = HostBackend::new(HostConfig {
         granularity: GRANULE,
@@ -184,7 +187,10 @@ fn a_host_reservation_gives_back_the_slack_past_its_end() {
 /// Kills `src/backend/host.rs: replace <impl Drop for HostBackend>::drop with ()`: a host
 /// backend dropped with a reservation still held (a forgotten token's) gives it back to the OS.
 #[test]
-#[cfg_attr(miri, ignore = "reads the kernel's mappings (/proc/self/maps): Miri's heap store has none")]
+#[cfg_attr(
+    miri,
+    ignore = "reads the kernel's mappings (/proc/self/maps): Miri's heap store has none"
+)]
 fn a_dropped_host_backend_gives_back_what_it_still_reserved() {
     // Another thread's mapping may land in the range at once: one of three tries shows it free.
     let freed = (0..3).any(|_| {

@@ -334,7 +334,10 @@ mod tests {
     }
 
     #[test]
-    #[cfg_attr(miri, ignore = "reads the source tree: Miri's isolation has no file system")]
+    #[cfg_attr(
+        miri,
+        ignore = "reads the source tree: Miri's isolation has no file system"
+    )]
     fn every_fact_cited_in_src_and_tests_is_an_entry_of_the_facts_document() {
         let known: BTreeSet<u32> = entries(DOC).into_iter().collect();
         assert!(!known.is_empty(), "no entry found in docs/cuda-facts.md");

@@ -916,6 +916,38 @@ fn work_that_named_only_the_ranges_beside_a_mapping_survives_its_unmap() {
     assert_eq!(model.lost_with(), None);
 }
 
+/// A synchronous copy to the host reads stale bytes only where unfinished work on another
+/// stream named the range it reads: work that named only the ranges just before and just
+/// after it makes no stale read, work that named the range itself makes one. Fails if
+/// `busy_elsewhere` takes a range that ends where the copy begins, or begins where it ends,
+/// for one it overlaps.
+#[test]
+fn a_copy_to_the_host_beside_unfinished_work_reads_nothing_stale() {
+    let model = opened(config());
+    let stream = model.new_stream();
+    let ptr = model.mem_address_reserve(3 * G, G, 0).unwrap();
+    let handle = model.mem_create(3 * G, 0).unwrap();
+    let middle = ptr + G as u64;
+    let mut bytes = vec![0u8; G];
+    // SAFETY: the fresh reservation is unmapped; `handle` is live and `3 * G` bytes long; the
+    // mapping is exactly `[ptr, ptr + 3 * G)`, read within, unmapped once, then released.
+    unsafe {
+        model.mem_map(ptr, 3 * G, 0, handle).unwrap();
+        model.mem_set_access(ptr, 3 * G, &[(0, true)]).unwrap();
+        model.submit_work_touching(stream, &[(ptr, G)]);
+        model.submit_work_touching(stream, &[(middle + G as u64, G)]);
+        model.memcpy_dtoh(&mut bytes, middle).unwrap();
+        assert_eq!(model.stale_reads(), 0, "read beside the work, not under it");
+        model.submit_work_touching(stream, &[(middle, G)]);
+        model.memcpy_dtoh(&mut bytes, middle).unwrap();
+        assert_eq!(model.stale_reads(), 1, "read under the work");
+        model.complete_work_on(stream);
+        model.mem_unmap(ptr, 3 * G).unwrap();
+        model.mem_release(handle).unwrap();
+    }
+    assert_eq!(model.lost_with(), None);
+}
+
 // ---- Where reservations land: each placement's search. ----
 
 /// Kills `src/backend/cuda/model.rs: replace + with - in ModelState::place` (the lowest-first
@@ -1364,6 +1396,69 @@ fn the_model_counts_the_calls_after_a_loss() {
     assert!(model.mem_create(G, 0).is_err());
     assert!(model.mem_create(G, 0).is_err());
     assert_eq!(model.calls_after_loss(), 2);
+}
+
+/// Fact 14: on a device without virtual memory management (attribute 102 is 0), every VMM
+/// call is misuse, and the model panics at it, naming the attribute — whatever its arguments,
+/// before it looks at them. Fails if the model's VMM check is skipped (the calls then fail or
+/// panic for their arguments instead, or succeed).
+#[test]
+fn every_vmm_call_on_a_device_without_vmm_is_misuse() {
+    use memtoken::backend::cuda::AllocationProps;
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    let model = opened(ModelConfig {
+        vmm: false,
+        ..config()
+    });
+    let props = AllocationProps::pinned(0);
+    let calls: [(DriverCall, &dyn Fn()); 8] = [
+        (DriverCall::MemGetAllocationGranularity, &|| {
+            let _ = model.mem_get_allocation_granularity(props);
+        }),
+        (DriverCall::MemAddressReserve, &|| {
+            let _ = model.mem_address_reserve(G, G, 0);
+        }),
+        (DriverCall::MemAddressFree, &|| {
+            // SAFETY: the model touches no real memory; it panics at this misuse first.
+            let _ = unsafe { model.mem_address_free(1 << 40, G) };
+        }),
+        (DriverCall::MemCreate, &|| {
+            let _ = model.mem_create(G, 0);
+        }),
+        (DriverCall::MemRelease, &|| {
+            // SAFETY: the model touches no real memory; it panics at this misuse first.
+            let _ = unsafe { model.mem_release(1) };
+        }),
+        (DriverCall::MemMap, &|| {
+            // SAFETY: the model touches no real memory; it panics at this misuse first.
+            let _ = unsafe { model.mem_map(1 << 40, G, 0, 1) };
+        }),
+        (DriverCall::MemSetAccess, &|| {
+            // SAFETY: the model touches no real memory; it panics at this misuse first.
+            let _ = unsafe { model.mem_set_access(1 << 40, G, &[(0, true)]) };
+        }),
+        (DriverCall::MemUnmap, &|| {
+            // SAFETY: the model touches no real memory; it panics at this misuse first.
+            let _ = unsafe { model.mem_unmap(1 << 40, G) };
+        }),
+    ];
+    for (call, make) in calls {
+        let Err(panic) = catch_unwind(AssertUnwindSafe(make)) else {
+            panic!("{call:?} on a device without VMM was let through");
+        };
+        let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+        let misuse = format!(
+            "DriverModel: illegal {call:?}: a VMM call on a device without virtual memory \
+             management (attribute 102 is 0)"
+        );
+        assert_eq!(message, misuse);
+    }
+    let made = model.outstanding();
+    assert_eq!(
+        (made.reservations, made.physical_bytes, made.mappings),
+        (0, 0, 0),
+        "nothing made"
+    );
 }
 
 // ---- Graphs (facts 39–41): what the model runs for `memtoken::Capture`. ----

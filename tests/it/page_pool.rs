@@ -266,3 +266,40 @@ fn a_pushed_page_is_at_the_position_push_answers() {
     pool.clear(&mut table);
     assert!(table.is_empty());
 }
+
+/// A page whose fence has completed goes back to the free list only if the backend does not
+/// withhold it; where that question panics, the answer taken is "withheld" (the safe side:
+/// memory a graph may still use goes to no new owner), the pool hands out another page, and
+/// the panic reaches the caller once the pool is whole again. The panic is planned at the
+/// last call of an allocation that reclaims a page, which a first such allocation counts.
+/// Fails if `Faulty` answers `withheld` without making it a call (no panic can be planned
+/// there).
+#[test]
+fn a_page_whose_withheld_question_panics_goes_to_no_new_owner() {
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    make_guard!(guard);
+    let backend = Faulty::new(SimBackend::strict()); // its fences complete at once
+    let faults = backend.handle();
+    let device = Device::new(guard, backend);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(pool_guard);
+    // One page per chunk: an allocation with no page free reclaims the cooling one.
+    let pool = PagePool::new(pool_guard, &binding, device.granularity()).unwrap();
+    let used = pool.alloc().unwrap().addr(); // given back at once: it cools
+    let before = faults.any_calls();
+    assert_eq!(pool.alloc().unwrap().addr(), used, "reclaimed");
+    let reclaim = faults.any_calls() - before;
+    faults.panic_at_call(reclaim);
+    let panic = catch_unwind(AssertUnwindSafe(|| pool.alloc().map(|p| p.addr())))
+        .expect_err("the injected panic resumes");
+    let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+    let planned = format!("call #{} of any kind (\"withheld\")", before + 2 * reclaim);
+    assert!(
+        message.ends_with(&planned),
+        "the reclaim's last call is not the question whether the page is withheld: {message}"
+    );
+    assert_eq!(pool.withheld_pages(), 1);
+    let other = pool.alloc().unwrap();
+    assert_ne!(other.addr(), used, "handed out again");
+    assert_eq!(pool.withheld_pages(), 1);
+}

@@ -588,3 +588,44 @@ fn getters_are_read_once_so_none_can_panic_inside_a_transition() {
     assert!(device.close().is_clean());
     assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
 }
+
+/// The premise of the test above: while `panic_getters(true)` holds, each of a `Faulty`
+/// backend's four getters panics, naming itself, and once it is set back each answers again —
+/// counted either way — so a getter read after the device was made would have panicked
+/// there. Fails if `panic_getters` does not switch the getters' panic.
+#[test]
+fn getters_set_to_panic_panic_until_set_back() {
+    use std::panic::{AssertUnwindSafe, catch_unwind};
+    let backend = Faulty::new(SimBackend::strict());
+    let faults = backend.handle();
+    let getters: [(&str, &dyn Fn()); 4] = [
+        ("granularity", &|| {
+            let _ = backend.granularity();
+        }),
+        ("address_space", &|| {
+            let _ = backend.address_space();
+        }),
+        ("physical_capacity", &|| {
+            let _ = backend.physical_capacity();
+        }),
+        ("location", &|| {
+            let _ = backend.location();
+        }),
+    ];
+    faults.panic_getters(true);
+    for (name, getter) in getters {
+        let Err(panic) = catch_unwind(AssertUnwindSafe(getter)) else {
+            panic!("the getter {name} answered while set to panic");
+        };
+        let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
+        assert_eq!(
+            message,
+            format!("Faulty: panic injected into the getter {name}")
+        );
+    }
+    faults.panic_getters(false);
+    for (name, getter) in getters {
+        assert!(catch_unwind(AssertUnwindSafe(getter)).is_ok(), "{name}");
+    }
+    assert_eq!(faults.getter_calls(), 8, "counted either way");
+}

@@ -269,3 +269,61 @@ fn a_join_of_a_home_stream_never_joins_a_capture_begun_between_check_and_record(
         "neither invalidated nor unjoined"
     );
 }
+
+/// Two reservations that each have a uses group of their own (each was used through a view,
+/// on its own memory) are merged into one as the second maps the first's memory: a write
+/// through the second then waits for the first's last write, made on another stream before
+/// the second mapped that memory. Fails if the second reservation keeps its own group (a
+/// reservation with a group taken by the join for one already in the group it joins).
+#[test]
+#[allow(unsafe_code)] // the backend's `order_use` and the driver's event calls, each proven
+fn a_reservation_with_uses_of_its_own_joins_the_group_of_the_memory_it_maps() {
+    use crate::backend::doubles::ModelConfig;
+    let model = DriverModel::new(ModelConfig {
+        events_complete_at_once: false,
+        ..ModelConfig::default()
+    })
+    .unwrap();
+    let backend = open(&model);
+    let (a, b) = (model.new_stream(), model.new_stream());
+    // SAFETY: streams of the model's only context, live as long as the model.
+    unsafe {
+        backend.know_stream(a);
+        backend.know_stream(b);
+    }
+    let g = backend.granularity();
+    let (first, second) = (backend.reserve(g).unwrap(), backend.reserve(g).unwrap());
+    let (shared, own) = (backend.create(g).unwrap(), backend.create(g).unwrap());
+    backend.map(first, g, shared, Access::ReadWrite).unwrap();
+    backend.map(second, g, own, Access::ReadWrite).unwrap();
+    // A kernel on `stream` touching `[at, at + g)`, and an event recorded after it.
+    let kernel = |stream, at: Addr| {
+        model.submit_work_touching(stream, &[(at as u64, g)]);
+        let done = model.event_create().unwrap();
+        // SAFETY: a live event and stream of the model.
+        unsafe { model.event_record(done, stream) }.unwrap();
+        done
+    };
+    // SAFETY: `b` is known to the backend and live (as long as the model).
+    unsafe { backend.order_use(b, second, true) }; // `second` gets a group of its own
+    // SAFETY: `a` is known to the backend and live (as long as the model).
+    unsafe { backend.order_use(a, first, true) }; // and `first` another
+    let wrote = kernel(a, first);
+    // `second` maps the memory `first` maps: its group and `first`'s become one.
+    backend.unmap(second, g).unwrap();
+    backend.map(second, g, shared, Access::ReadWrite).unwrap();
+    // SAFETY: as above.
+    unsafe { backend.order_use(b, second, true) };
+    let _write = kernel(b, second);
+    model.complete_work_on(b);
+    // SAFETY: a live event of the model.
+    let finished = unsafe { model.event_query(wrote) }.unwrap();
+    assert!(
+        finished,
+        "the write through `second` did not wait for `first`'s write to the same memory"
+    );
+    model.complete_work();
+    backend.unmap(first, g).unwrap();
+    backend.unmap(second, g).unwrap();
+    assert_eq!(model.lost_with(), None);
+}

@@ -19,6 +19,7 @@ fn cause<T, U, C>(result: Result<T, memtoken::TransitionError<U, C>>) -> Result<
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "the model's POSIX-fd export: Miri has no fstat")]
 fn every_transition_refused_for_a_lost_context_says_so_one_way() {
     let model = common::model();
     make_guard!(guard);

@@ -192,7 +192,7 @@ fn exportable_memory_whose_granularity_does_not_fit_is_refused_naming_both() {
     use memtoken::backend::{Cause, Shareable, Violation};
     let model = DriverModel::new(ModelConfig {
         exportable_granularity: Some(2 * G),
-        ..ModelConfig::default()
+        ..common::model_config()
     })
     .unwrap();
     let backend = CudaBackend::new(model.clone(), 0).unwrap();

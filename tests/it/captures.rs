@@ -590,6 +590,10 @@ fn a_failed_capture_mode_exchange_fails_the_call_and_leaves_the_capture_valid() 
 /// what the capture lent was held from the lend, so the release is quarantined and the
 /// foreign graph launches on mapped memory.
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "forgets a capture on purpose: Miri reports it as a leak"
+)]
 fn a_forgotten_capture_ended_elsewhere_keeps_what_it_lent() {
     use memtoken::backend::cuda::Driver;
     let model = slow_model();
@@ -977,6 +981,7 @@ mod kept {
     /// released, and the error says why in the graph's words — not those of a capture memtoken
     /// did not make (found by review).
     #[test]
+    #[cfg_attr(miri, ignore = "forgets a graph on purpose: Miri reports it as a leak")]
     fn a_release_under_a_forgotten_memtoken_graph_says_so() {
         let model = super::model();
         super::common::covered_device!(model, device, stream);

@@ -1007,7 +1007,8 @@ mod tests {
             // it is poisoned, so the backend never touches it again.
             unsafe { rustix::mm::munmap(at as *mut _, hole) }.unwrap();
         }
-        assert!(!any_mapped(at, hole));
+        // (Not asserted empty now: another test thread may map into the hole at any time —
+        // what follows holds whoever fills it.)
         // The kernel places a new mapping in the highest gap that fits: sooner or later in
         // the hole. What it offers there is kept as a plug and never handed out.
         let mut reserved = Vec::new();

@@ -201,4 +201,8 @@ fn a_view_error_says_what_misfit_and_with_which_numbers() {
         align.contains("0x1004") && align.contains("8 bytes"),
         "{align}"
     );
+    // Through `?` into the crate's `Error`, the summary comes first, then the detail.
+    let e = memtoken::Error::from(ViewError::Length { bytes: 6, size: 4 });
+    crate::common::says_first(&e, "the view could not be made: ");
+    assert!(e.to_string().ends_with(&length), "{e}");
 }

@@ -1574,8 +1574,11 @@ fn a_wait_is_done_once_waited_even_if_a_capture_begins_meanwhile() {
     let releasing = x.release();
     std::thread::scope(|scope| {
         let waiter = scope.spawn(move || releasing.wait().map(drop).map_err(|e| e.to_string()));
+        // Until the waiter waits on `stream`'s mark: the legacy stream's is waited on first
+        // (it has no work), and a capture begun before the second wait is seen by it (found
+        // under Miri, whose threads interleave otherwise).
         for _ in 0..10_000 {
-            if model.count(DriverCall::EventSynchronize) > 0 {
+            if model.count(DriverCall::EventSynchronize) >= 2 {
                 break;
             }
             std::thread::sleep(Duration::from_millis(1));

@@ -371,3 +371,38 @@ fn without_a_memfd_a_read_only_map_is_read_only_in_the_page_tables() {
     }
     host.release(phys, g).unwrap();
 }
+
+/// On the heap store (Miri's), a device sleeps and wakes memory with its bytes, and refuses a
+/// shared prefix, naming what the store cannot do — the device reads each ability the store
+/// lacks for itself. Fails if the device takes one ability's answer for another's (then sleep
+/// is refused too, as the store lacks sharing).
+#[test]
+fn on_the_heap_store_memory_sleeps_and_wakes_but_no_prefix_is_shared() {
+    use memtoken::backend::HostMemory;
+    use memtoken::{Budget, Device, make_guard};
+    let host = HostBackend::new(HostConfig {
+        memory: HostMemory::Heap,
+        ..HostConfig::default()
+    })
+    .unwrap();
+    let g = host.granularity();
+    make_guard!(guard);
+    let device = Device::new(guard, host);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut a = binding.reserve(2 * g).unwrap().commit().unwrap();
+    a.as_mut_slice()[g + 1] = 7;
+    let addr = a.addr();
+    let a = a.suspend_saving().unwrap().resume().unwrap();
+    assert_eq!(
+        (a.addr(), a.as_slice()[g + 1]),
+        (addr, 7),
+        "woke with its bytes"
+    );
+    let e = binding.reserve(g).unwrap().commit_prefix().unwrap_err();
+    let why = format!("{e:?}");
+    assert!(why.contains("two addresses"), "{why}");
+    assert!(why.contains("heap store"), "{why}");
+    drop((e, a));
+    drop(binding);
+    assert!(device.close().is_clean());
+}

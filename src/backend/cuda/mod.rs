@@ -216,9 +216,12 @@ mod export;
 pub mod facts;
 mod fence;
 mod graph;
+#[cfg(feature = "cuda")]
+mod kept;
 pub(crate) use graph::Ended;
 pub(in crate::backend) mod model;
 mod open;
+mod order;
 mod plain;
 mod record;
 #[cfg(feature = "cuda")]

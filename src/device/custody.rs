@@ -3,7 +3,7 @@
 //! of a residual that every release goes through.
 
 use super::Device;
-use super::report::Progress;
+use super::report::{Progress, Queue};
 use crate::backend::{Addr, Backend, BackendError, Cause, Op, lock};
 use crate::error::ReleaseFailure;
 use crate::ids::{ContextLost, Generation};
@@ -18,13 +18,6 @@ type Deferred<B> = (
     Residual<<B as Backend>::Phys>,
     Option<<B as Backend>::Fence>,
 );
-
-/// Which queue a residual being torn down came from.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Queue {
-    Quarantine,
-    Deferred,
-}
 
 /// A residual taken out of a queue by a poll or a retry and being torn down outside the lock:
 /// still counted where it came from until it lands (released, quarantined or queued again),

@@ -3,11 +3,17 @@
 //! when it closed ([`CloseReport`]) — and how each is read off the device.
 
 use super::Device;
-use super::custody::Queue;
 use crate::backend::{Backend, lock};
 use crate::ledger::LedgerSnapshot;
 use crate::residual::Holdings;
 use std::sync::atomic::Ordering;
+
+/// Which queue of the custody a residual is (or, being torn down, came from).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Queue {
+    Quarantine,
+    Deferred,
+}
 
 /// What [`Device::retry_quarantine`] and [`Device::poll`] did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]

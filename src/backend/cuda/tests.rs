@@ -8,6 +8,27 @@ fn open(model: &DriverModel) -> CudaBackend<DriverModel> {
     CudaBackend::new(model.clone(), 0).unwrap()
 }
 
+/// Two new streams of the model, known to `backend`: `(other, home)`.
+#[allow(unsafe_code)] // `know_stream`, proven below
+fn two_known_streams(model: &DriverModel, backend: &CudaBackend<DriverModel>) -> (Stream, Stream) {
+    let (other, home) = (model.new_stream(), model.new_stream());
+    // SAFETY: streams of the model's only context, live as long as the model.
+    unsafe {
+        backend.know_stream(other);
+        backend.know_stream(home);
+    }
+    (other, home)
+}
+
+/// One granule reserved, created and mapped read-write on `backend`: its address and length.
+fn one_mapped_granule(backend: &CudaBackend<DriverModel>) -> (Addr, usize) {
+    let g = backend.granularity();
+    let addr = backend.reserve(g).unwrap();
+    let phys = backend.create(g).unwrap();
+    backend.map(addr, g, phys, Access::ReadWrite).unwrap();
+    (addr, g)
+}
+
 #[test]
 fn an_unpin_without_a_pin_is_refused_and_keeps_the_backends_own_retain() {
     let model = DriverModel::default();
@@ -137,16 +158,8 @@ fn a_view_used_on_another_stream_never_joins_a_capture_begun_on_its_home_and_hol
     })
     .unwrap();
     let backend = open(&model);
-    let (other, home) = (model.new_stream(), model.new_stream());
-    // SAFETY: streams of the model's only context, live as long as the model.
-    unsafe {
-        backend.know_stream(other);
-        backend.know_stream(home);
-    }
-    let g = backend.granularity();
-    let addr = backend.reserve(g).unwrap();
-    let phys = backend.create(g).unwrap();
-    backend.map(addr, g, phys, Access::ReadWrite).unwrap();
+    let (other, home) = two_known_streams(&model, &backend);
+    let (addr, g) = one_mapped_granule(&backend);
     // SAFETY: `home` is held by the backend and stands for a view's lent home stream; `other`
     // is held and live.
     assert!(unsafe { backend.use_through_view(home, home, addr, true) });
@@ -197,16 +210,8 @@ fn a_view_used_on_another_stream_never_joins_a_capture_begun_on_its_home_and_hol
 fn a_write_through_a_view_on_another_stream_orders_the_next_use_on_its_home() {
     let model = DriverModel::default();
     let backend = open(&model);
-    let (other, home) = (model.new_stream(), model.new_stream());
-    // SAFETY: streams of the model's only context, live as long as the model.
-    unsafe {
-        backend.know_stream(other);
-        backend.know_stream(home);
-    }
-    let g = backend.granularity();
-    let addr = backend.reserve(g).unwrap();
-    let phys = backend.create(g).unwrap();
-    backend.map(addr, g, phys, Access::ReadWrite).unwrap();
+    let (other, home) = two_known_streams(&model, &backend);
+    let (addr, g) = one_mapped_granule(&backend);
     let waits = model.count(DriverCall::StreamWaitEvent);
     // SAFETY: both held and live; `home` stands for a view's lent home stream.
     assert!(unsafe { backend.use_through_view(home, other, addr, false) });
@@ -238,12 +243,7 @@ fn a_join_of_a_home_stream_never_joins_a_capture_begun_between_check_and_record(
     use crate::backend::doubles::CaptureMode;
     let model = DriverModel::default();
     let backend = open(&model);
-    let (other, home) = (model.new_stream(), model.new_stream());
-    // SAFETY: streams of the model's only context, live as long as the model.
-    unsafe {
-        backend.know_stream(other);
-        backend.know_stream(home);
-    }
+    let (other, home) = two_known_streams(&model, &backend);
     let waits = model.count(DriverCall::StreamWaitEvent);
     // SAFETY: both known to the backend and live.
     assert!(unsafe { backend.join_stream(other, home) }, "joined");

@@ -165,7 +165,7 @@ fn bytes(values: &[f32]) -> Vec<u8> {
     values.iter().flat_map(|v| v.to_ne_bytes()).collect()
 }
 
-/// Issue 10 on a GPU: a region grows and shrinks through the granule cache, then a region and
+/// On a GPU: a region grows and shrinks through the granule cache, then a region and
 /// an allocation sleep with their bytes saved and wake at the same addresses with every byte.
 #[test]
 #[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
@@ -668,7 +668,7 @@ fn gpu_a_view_used_on_another_stream_waits_for_its_home_stream() {
     assert!(report.is_clean(), "{report:?}");
 }
 
-/// Issue 23 on a GPU: a view used on another stream, its guard dropped at once (before the
+/// On a GPU: a view used on another stream, its guard dropped at once (before the
 /// kernel is even launched), the view dropped and the token released while the kernel on that
 /// stream still runs: the release waits for the kernel — the memory's fence covers every
 /// stream a view used it on, whatever becomes of the guard — and no sticky error follows.
@@ -730,7 +730,7 @@ fn gpu_a_view_used_on_another_stream_with_its_guard_dropped_at_once_is_still_fen
     assert!(report.is_clean(), "{report:?}");
 }
 
-/// Issue 23 on a GPU: order per memory. A kernel writes `y` through a view homed on stream
+/// On a GPU: order per memory. A kernel writes `y` through a view homed on stream
 /// `a`; a read through *another* view of `y`, homed on stream `b`, must see its writes (the
 /// home `b` waits for the last write on `a`); then a write through a view homed on `a` after a
 /// read on `b` must not overtake it.
@@ -1015,7 +1015,7 @@ fn gpu_rdma_attribute_and_granularity_by_properties() {
     assert!(device.close().is_clean());
 }
 
-/// Issue 22 on a GPU: a graph captured through memtoken (a memset of the token's memory),
+/// On a GPU: a graph captured through memtoken (a memset of the token's memory),
 /// launched three times, then dropped; the token's release waits for the last launch and the
 /// bytes are the graph's. Then the bypass: a capture made with cudarc's own safe API takes a
 /// memtoken view's pointer (`memset_zeros`); the view drops and the token is released — the

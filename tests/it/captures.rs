@@ -798,7 +798,7 @@ fn a_pool_page_whose_pointer_is_taken_during_a_foreign_capture_is_never_handed_o
     assert_eq!(pool.live_pages(), 8);
 }
 
-/// Issue 23: the same on a stream the device only knows (not covered): the capture notes that
+/// The same on a stream the device only knows (not covered): the capture notes that
 /// its launches run on the stream, so the token's release fences it, and the stream cannot be
 /// let go while the graph lives. Fails without that note (the release completes under the
 /// last launch, which then faults on unmapped memory).

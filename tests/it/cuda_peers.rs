@@ -409,7 +409,7 @@ fn a_peer_never_asked_about_is_misuse_in_a_list_too() {
     }
 }
 
-/// Issue 23, peers: a peer's work is not fenced (its events are in its own context), so it is
+/// A peer's work is not fenced (its events are in its own context), so it is
 /// declared: while `peer_work` lives, a release waits — pending, and deferred on drop — and
 /// once it drops (the peer's kernel done), the release completes. Without the declaration the
 /// release would complete at once under the peer's kernel.

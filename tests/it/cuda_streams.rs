@@ -765,7 +765,7 @@ fn a_synchronize_settles_only_the_copies_that_failed_before_it_began() {
     );
 }
 
-/// Issue 23, leftovers: after a copy-on-write whose copy's wait failed (its event could not
+/// After a copy-on-write whose copy's wait failed (its event could not
 /// be made, the synchronize of the legacy stream failed), the drop leaves nothing in the model:
 /// a later fence settles the copy and its scratch mapping goes.
 #[test]
@@ -799,7 +799,7 @@ fn after_a_failed_copy_the_drop_leaves_nothing() {
     assert!(held.is_zero(), "the driver still holds {held:?}");
 }
 
-/// Issue 23, leftovers: a release whose wait fails for good at the device's drop (the event's
+/// A release whose wait fails for good at the device's drop (the event's
 /// wait and the fallback synchronize of its stream both fail) is not freed under work that may
 /// still run: the drop report names exactly it, and the model holds exactly its memory — one
 /// reservation, one mapping, its physical bytes — and nothing else.
@@ -836,7 +836,7 @@ fn a_release_whose_wait_fails_at_the_drop_is_exactly_what_is_left() {
     );
 }
 
-/// Issue 23, leftovers: a backend dropped while a copy whose wait failed is unsettled (no later
+/// A backend dropped while a copy whose wait failed is unsettled (no later
 /// fence settled it) waits for the legacy stream once and takes the copy's scratch range down:
 /// what the model still holds is exactly the memory the test itself created and never gave
 /// back — the source's reservation and mapping, and the two physical allocations.
@@ -861,7 +861,7 @@ fn a_backend_dropped_with_an_unsettled_copy_takes_its_scratch_range_down() {
     assert_eq!(model.lost_with(), None);
 }
 
-/// Issue 23, bounded fences: 10,000 page frees on the driver model — work never known to be
+/// 10,000 page frees on the driver model — work never known to be
 /// done for a while, so pages cool — keep at most two fences alive (live events ≤ 2 × (covered
 /// streams + 1)), and make no allocation per free: a fence and its list are made per batch,
 /// when the pool runs out of free pages. Before, each free recorded a fence and allocated its
@@ -900,7 +900,7 @@ fn ten_thousand_page_frees_keep_fences_bounded_and_allocate_per_batch_only() {
     assert!(device.close().is_clean());
 }
 
-/// Issue 23: driver calls per page alloc/free cycle on the model, with one covered stream and
+/// Driver calls per page alloc/free cycle on the model, with one covered stream and
 /// the GPU catching up every 500 cycles — one fence per batch of freed pages, not per page.
 /// Prints the figure (`-- --nocapture`); fails above one call per cycle (a fence per free made
 /// about 15).
@@ -932,7 +932,7 @@ fn a_page_cycle_makes_less_than_one_driver_call() {
     assert!(device.close().is_clean());
 }
 
-/// Issue 23: a shrink waits only for the streams that may use the region: a kernel on a known
+/// A shrink waits only for the streams that may use the region: a kernel on a known
 /// stream that used another token through a view does not hold it back, while one that used the
 /// region does. Fails with the shrink waiting for every stream the device holds.
 #[test]
@@ -960,7 +960,7 @@ fn a_shrink_waits_for_the_streams_that_touched_the_region_only() {
     assert!(device.close().is_clean());
 }
 
-/// Issue 23: a host copy after a kernel on a covered non-blocking stream waits for it — the
+/// A host copy after a kernel on a covered non-blocking stream waits for it — the
 /// legacy stream, where host copies run, does not wait for non-blocking streams by itself, so
 /// the copy would read bytes the kernel may still write (the model counts such stale reads).
 /// memtoken orders the legacy stream after every covered stream first (`cuStreamWaitEvent`).
@@ -992,7 +992,7 @@ fn a_host_copy_after_a_kernel_on_a_covered_stream_waits_for_it() {
     assert!(device.close().is_clean());
 }
 
-/// Issue 23, order per memory: two views of one token on two streams — a read on the second
+/// Two views of one token on two streams — a read on the second
 /// runs after the first's write, and a write runs after every earlier read on other streams.
 /// On the model, finishing the later use finishes the earlier ones first (the GPU cannot run it
 /// sooner); without the ordering they would stay unfinished. Fails on the previous commit.
@@ -1056,7 +1056,7 @@ fn known(model: &DriverModel, device: &Device<'_, CudaBackend<DriverModel>>) -> 
     stream
 }
 
-/// Issue 23: a release fences the streams that used its memory (plus the legacy stream and
+/// A release fences the streams that used its memory (plus the legacy stream and
 /// the covered ones), not every stream ever seen: 1,000 streams each used once through a view
 /// of one token cost nothing to another token's release; once their owner has them forgotten
 /// (their work complete) and destroys them, the device holds none of them, and no driver call
@@ -1127,7 +1127,7 @@ fn a_release_fences_only_the_streams_that_touched_its_memory() {
     assert!(device.close().is_clean());
 }
 
-/// Issue 23: a view's pointer used on its stream after the view is gone (the guard dropped at
+/// A view's pointer used on its stream after the view is gone (the guard dropped at
 /// once) is still fenced: the memory's release waits for the stream the view was made for,
 /// which the device only knows (does not cover). Fails without the per-memory record of the
 /// streams that touched the memory (the release would unmap under the kernel: a fault).
@@ -1156,7 +1156,7 @@ fn a_view_dropped_at_once_still_fences_its_stream() {
     assert!(device.close().is_clean());
 }
 
-/// Issue 23: a host copy waits for a kernel on a stream a view of that memory used, though
+/// A host copy waits for a kernel on a stream a view of that memory used, though
 /// the stream is only known (not covered): the legacy stream waits for the streams that
 /// touched the memory too. Fails with host copies ordered after covered streams only.
 #[test]
@@ -1194,7 +1194,7 @@ fn finished(model: &DriverModel, event: memtoken::backend::cuda::Event) -> bool 
     unsafe { model.event_query(event) }.unwrap()
 }
 
-/// From the review of issue 23: a use whose ordering cannot be made (the context could not be
+/// A use whose ordering cannot be made (the context could not be
 /// made current) is still noted, so its memory's release fences its stream. Fails if the
 /// failed `enter` returns without noting it.
 #[test]
@@ -1221,7 +1221,7 @@ fn a_use_that_cannot_be_ordered_is_still_fenced() {
     assert!(device.close().is_clean());
 }
 
-/// From the review of issue 23: a host copy while a stream that used the memory captures is
+/// A host copy while a stream that used the memory captures is
 /// refused (transient) — that stream's work from before the capture cannot be waited for
 /// without invalidating the capture — and goes through once the capture has ended. Fails with
 /// the capturing stream skipped (a stale read).
@@ -1247,7 +1247,7 @@ fn a_host_copy_is_refused_while_a_stream_that_used_the_memory_captures() {
     assert!(device.close().is_clean());
 }
 
-/// From the review of issue 23: a write taken while its stream captures (its work does not run
+/// A write taken while its stream captures (its work does not run
 /// now) does not replace the memory's last uses, so a later write on a third stream still
 /// waits for an earlier read. Fails if the captured write clears the readers.
 #[test]
@@ -1277,7 +1277,7 @@ fn a_write_taken_during_a_capture_does_not_hide_earlier_reads() {
     drop(binding);
 }
 
-/// From the review of issue 23: a graph's launch is ordered per memory like a view's use — a
+/// A graph's launch is ordered per memory like a view's use — a
 /// launch reading `x` waits for the write on another stream. Fails without the ordering at
 /// launch.
 #[test]
@@ -1312,7 +1312,7 @@ fn a_graph_launch_waits_for_the_last_write_on_another_stream() {
     assert!(device.close().is_clean());
 }
 
-/// From the review of issue 23: a prefix's sharer joins the owner's memory in the order per
+/// A prefix's sharer joins the owner's memory in the order per
 /// memory — a read through a sharer's view waits for the owner's last write through a view.
 /// Fails with uses kept per reservation only.
 #[test]
@@ -1345,7 +1345,7 @@ fn a_sharers_read_waits_for_the_owners_write() {
     assert!(device.close().is_clean());
 }
 
-/// From the review of issue 23: after a sticky error in the ordering's wait, nothing more is
+/// After a sticky error in the ordering's wait, nothing more is
 /// called. Fails if the loss is not noted (a host synchronize follows).
 #[test]
 fn a_loss_while_ordering_a_use_calls_nothing_more() {
@@ -1365,7 +1365,7 @@ fn a_loss_while_ordering_a_use_calls_nothing_more() {
     drop(binding);
 }
 
-/// From the second review of issue 23: a scratch range whose teardown failed stays mapped with the new memory; the
+/// A scratch range whose teardown failed stays mapped with the new memory; the
 /// diverge's map of that memory links the scratch reservation into the sharer's group, and the
 /// sweep frees the scratch without leaving the group: the group outlives its members, and a new
 /// reservation at the scratch's address inherits it (fences and orders after stream `a`).
@@ -1422,7 +1422,7 @@ fn a_swept_scratch_range_leaves_its_uses_group() {
     assert!(device.close().is_clean());
 }
 
-/// From the second review of issue 23: once a host wait made while ordering a use loses the
+/// Once a host wait made while ordering a use loses the
 /// context, nothing more is called (no other wait, no restore of the capture mode).
 #[test]
 fn a_loss_in_a_host_wait_while_ordering_calls_nothing_more() {
@@ -1454,7 +1454,7 @@ fn a_loss_in_a_host_wait_while_ordering_calls_nothing_more() {
     drop(binding);
 }
 
-/// Issue 25: `wait()` on a release behind a running kernel blocks until the kernel completes
+/// `wait()` on a release behind a running kernel blocks until the kernel completes
 /// (here from another thread), outside every lock: a commit on a third thread goes through
 /// meanwhile.
 #[test]
@@ -1501,7 +1501,7 @@ fn wait_returns_once_the_kernel_completes_while_a_commit_proceeds() {
     assert!(device.close().is_clean());
 }
 
-/// Issue 25: a wait behind a stream that captures cannot progress (its work does not run until
+/// A wait behind a stream that captures cannot progress (its work does not run until
 /// the capture ends): `wait()` and `flush()` return an error instead of blocking, the token
 /// comes back unchanged, and both go through once the capture has ended.
 #[test]
@@ -1533,7 +1533,7 @@ fn a_wait_behind_a_capturing_stream_is_an_error_not_a_hang() {
     assert!(device.close().is_clean());
 }
 
-/// Issue 25: `flush()` releases what waits behind a running kernel once it completes (here
+/// `flush()` releases what waits behind a running kernel once it completes (here
 /// from another thread).
 #[test]
 fn flush_releases_the_deferred_once_their_work_completes() {
@@ -1561,7 +1561,7 @@ fn flush_releases_the_deferred_once_their_work_completes() {
     assert!(device.close().is_clean());
 }
 
-/// From the review of issue 25: a wait that has waited is done, even if a capture begins on
+/// A wait that has waited is done, even if a capture begins on
 /// the stream meanwhile (a second query would answer "not yet" while it captures).
 #[test]
 fn a_wait_is_done_once_waited_even_if_a_capture_begins_meanwhile() {
@@ -1592,7 +1592,7 @@ fn a_wait_is_done_once_waited_even_if_a_capture_begins_meanwhile() {
     assert!(device.close().is_clean());
 }
 
-/// From the review of issue 25: a flush releases what is done even when another release is
+/// A flush releases what is done even when another release is
 /// stuck behind a capturing stream, and says so.
 #[test]
 fn a_flush_releases_what_is_done_and_reports_what_is_stuck() {
@@ -1625,7 +1625,7 @@ fn a_flush_releases_what_is_done_and_reports_what_is_stuck() {
     assert!(device.close().is_clean());
 }
 
-/// From the review of issue 25: while `flush()` waits for one release, the others that are
+/// While `flush()` waits for one release, the others that are
 /// done are not held back (their bytes leave the budget at once).
 #[test]
 fn a_flush_waiting_for_one_release_holds_back_none_that_is_done() {

@@ -104,7 +104,7 @@ fn a_failed_transition_through_question_mark_loses_nothing_and_says_why() {
     assert!(faults.outstanding().is_zero());
 }
 
-/// Issue 25: `memtoken::cudarc` is the cudarc memtoken links — this compiles only if the
+/// `memtoken::cudarc` is the cudarc memtoken links — this compiles only if the
 /// context type it names is the one `CudaBackend::from_context` takes.
 #[cfg(feature = "cuda")]
 #[allow(dead_code)]
@@ -117,7 +117,7 @@ fn memtokens_cudarc_is_the_one_it_links(
     memtoken::backend::cuda::CudaBackend::from_context(ctx)
 }
 
-/// Issue 25: opening a context through memtoken where there is no driver is an error, not
+/// Opening a context through memtoken where there is no driver is an error, not
 /// cudarc's panic; where there is one, it opens (or the driver says why not).
 #[cfg(feature = "cuda")]
 #[test]
@@ -134,7 +134,7 @@ fn opening_a_context_without_a_driver_is_an_error() {
     assert!(open_context(-1).is_err());
 }
 
-/// From the review of issue 25: the crate's errors that are not a token's failures convert
+/// The crate's errors that are not a token's failures convert
 /// too, and whether the context is lost can be asked of any converted error.
 #[test]
 fn a_lost_context_is_found_in_any_converted_error() {

@@ -243,7 +243,7 @@ fn on_cuda_a_copy_on_write_is_a_device_copy_after_the_sources_writer() {
     assert!(device.close().is_clean());
 }
 
-/// From the review of issue 24: on the driver model, at its budget, a pool whose pages are all
+/// On the driver model, at its budget, a pool whose pages are all
 /// idle in the cache evicts one — which cools behind a fence like a freed page — and hands it
 /// out once the work that may use it has finished; it does not grow past the budget.
 #[test]
@@ -294,7 +294,7 @@ fn on_cuda_at_the_budget_an_evicted_page_is_reused_once_it_has_cooled() {
     assert!(device.close().is_clean());
 }
 
-/// From the review of issue 24: a dropped cache lets its pages go — cached no more, so a sole
+/// A dropped cache lets its pages go — cached no more, so a sole
 /// holder may write one again, and an idle one goes back to the pool.
 #[test]
 fn a_dropped_cache_lets_its_pages_go() {

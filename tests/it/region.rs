@@ -687,17 +687,19 @@ fn tail_cycle_calls(cap: usize, granules: usize, cycles: usize) -> u64 {
 /// Within the tail's cap, 10,000 grow/shrink cycles of 16 granules make no backend call of any
 /// kind; with the cap at 0, each cycle makes today's calls: a map and an unmap per granule (from
 /// the cache) and the fences' idle query. Fails if the tail is ignored (calls) or unbounded
-/// (the tail and the mapped bytes past the cap).
+/// (the tail and the mapped bytes past the cap). The cycles that do call (cap 0, cap 4) run a
+/// tenth as many times: each makes real mappings, and their count only has to show the calls.
 #[test]
 fn grow_shrink_cycles_within_the_tail_cap_call_nothing() {
     assert_eq!(tail_cycle_calls(16, 16, CYCLES), 0);
-    let today = tail_cycle_calls(0, 16, CYCLES);
+    let calling = CYCLES.div_ceil(10);
+    let today = tail_cycle_calls(0, 16, calling);
     assert!(
-        today >= 2 * 16 * CYCLES as u64,
+        today >= 2 * 16 * calling as u64,
         "with no tail each cycle maps and unmaps every granule: {today}"
     );
     // A cap under the growth keeps that many; the rest go as without a tail.
-    let part = tail_cycle_calls(4, 16, CYCLES);
+    let part = tail_cycle_calls(4, 16, calling);
     assert!(part > 0 && part < today, "{part} vs {today}");
 }
 

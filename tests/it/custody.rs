@@ -14,9 +14,9 @@ use std::sync::Barrier;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Residuals queued per round: enough that a teardown of all of them takes a while.
-const QUEUED: usize = 300;
+const QUEUED: usize = common::unless_miri(300, 30);
 /// Rounds per test.
-const ROUNDS: usize = 20;
+const ROUNDS: usize = common::unless_miri(20, 2);
 
 fn sim() -> (SimBackend, Faulty<SimBackend>) {
     let sim = SimBackend::new(SimConfig {
@@ -134,7 +134,9 @@ fn a_loop_until_poll_reports_nothing_deferred_ends_with_everything_released() {
                 device.poll();
             },
             |device, _| {
-                while device.poll().deferred > 0 {}
+                while device.poll().deferred > 0 {
+                    std::hint::spin_loop(); // under Miri, lets the other thread run
+                }
                 let ledger = device.ledger();
                 assert_eq!(
                     (ledger.reserved_bytes, ledger.owned_bytes),
@@ -155,7 +157,9 @@ fn a_loop_until_the_retry_reports_nothing_quarantined_ends_with_everything_relea
                 device.retry_quarantine();
             },
             |device, _| {
-                while device.retry_quarantine().quarantined > 0 {}
+                while device.retry_quarantine().quarantined > 0 {
+                    std::hint::spin_loop(); // under Miri, lets the other thread run
+                }
                 let ledger = device.ledger();
                 assert_eq!(
                     (ledger.reserved_bytes, ledger.quarantined),

@@ -19,7 +19,7 @@
 //!
 //! Run: `cargo bench --bench gpu_costs -- gpu`. Without a CUDA driver or GPU, the timing part
 //! prints one line saying why it skips and the run exits 0 — unless `MEMTOKEN_REQUIRE_GPU=1`,
-//! which makes that a panic, as for the GPU tests (`tests/gpu.rs`). For a GPU machine with no
+//! which makes that a panic, as for the GPU tests (`tests/gpu/cases.rs`). For a GPU machine with no
 //! Rust toolchain: `../shared/gpu/prepare.sh` here, then `bash .gpu/run.sh` there.
 
 #[path = "common/gpu_costs.rs"]

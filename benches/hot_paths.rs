@@ -14,17 +14,17 @@
 //! - `shared_share/{memtoken,raw}`: one more holder of each of 16 pages, let go again.
 //! - `gpu/...`: the cycles on a CUDA device, when one is present.
 //!
-//! `cargo run --release --example bench_report` runs these and prints the ratios.
+//! `cargo run --release --bin bench_report` runs these and prints the ratios.
 
-#[path = "common/granule.rs"]
+#[path = "../examples/common/granule.rs"]
 mod granule;
-#[path = "common/raw_pool.rs"]
+#[path = "../examples/common/raw_pool.rs"]
 mod raw_pool;
-#[path = "common/rc_pool.rs"]
+#[path = "../examples/common/rc_pool.rs"]
 mod rc_pool;
-#[path = "common/region.rs"]
+#[path = "../examples/common/region.rs"]
 mod region;
-#[path = "common/sleep.rs"]
+#[path = "../examples/common/sleep.rs"]
 mod sleep;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};

@@ -12,7 +12,7 @@
 //! ```
 
 mod common;
-#[path = "../benches/common/granule.rs"]
+#[path = "common/granule.rs"]
 mod granule;
 
 use memtoken::backend::{Backend, HostBackend};

@@ -572,7 +572,7 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
     );
     println!(
         "page ops/s: page allocs + frees per second of the whole run (K/V writes and checks \
-         included); the pool's own cost is in `cargo run --release --example bench_report`"
+         included); the pool's own cost is in `cargo run --release --bin bench_report`"
     );
     println!(
         "sharing: 'saved KiB' = mapped − owned: the prompt's bytes that every sequence maps without owning"

@@ -9,10 +9,10 @@
 //!     target/release/examples/page_cycle raw 100000
 //! ```
 //!
-//! `cargo run --release --example bench_report` runs both and prints the ratio.
+//! `cargo run --release --bin bench_report` runs both and prints the ratio.
 
 mod common;
-#[path = "../benches/common/raw_pool.rs"]
+#[path = "common/raw_pool.rs"]
 mod raw_pool;
 
 use memtoken::backend::{Backend, HostBackend};

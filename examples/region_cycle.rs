@@ -1,7 +1,7 @@
 //! The region cycle of `benches/hot_paths.rs` (grow an elastic region by 16 granules, shrink it
 //! back, in steady state: every granule comes from the cache) on the host backend, as a plain
 //! program for instruction counting and for paired timing runs: a `memtoken::Region` versus the
-//! hand-written region of `benches/common/region.rs` (the same backend calls, with its own free
+//! hand-written region of `examples/common/region.rs` (the same backend calls, with its own free
 //! list). Callgrind counts user-space instructions only, so the system calls that both make
 //! cancel out and the ratio shows what the tokens add.
 //!
@@ -17,7 +17,7 @@
 //! cycles again, not counted): run both as separate processes, alternating, for a paired run.
 
 mod common;
-#[path = "../benches/common/region.rs"]
+#[path = "common/region.rs"]
 mod region;
 
 use memtoken::backend::{Backend, HostBackend};

@@ -1,6 +1,6 @@
 //! Shared pages (issue 24) as plain programs for instruction counting: memtoken's
 //! `PagePool` (`fork`, `share`) against the hand-written reference-count pool
-//! (`benches/common/rc_pool.rs`, `raw-fork`, `raw-share`):
+//! (`examples/common/rc_pool.rs`, `raw-fork`, `raw-share`):
 //!
 //! - `fork`: fork a 1,000-page table (every page counted once more) and release the fork;
 //! - `share`: one more holder of each of a sequence's 16 pages, let go again — memtoken's
@@ -16,9 +16,9 @@
 //! ```
 
 mod common;
-#[path = "../benches/common/raw_pool.rs"]
+#[path = "common/raw_pool.rs"]
 mod raw_pool;
-#[path = "../benches/common/rc_pool.rs"]
+#[path = "common/rc_pool.rs"]
 mod rc_pool;
 
 use memtoken::backend::{Backend, HostBackend};

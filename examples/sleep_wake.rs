@@ -1,7 +1,7 @@
 //! The sleep/wake cycle of `benches/hot_paths.rs` (suspend a 64 MiB allocation with its bytes
 //! saved to the host, resume it at the same address with its bytes) on the host backend, as a
 //! plain program for instruction counting and paired timing runs: `suspend_saving` + `resume`
-//! versus the same backend calls by hand (`benches/common/sleep.rs`).
+//! versus the same backend calls by hand (`examples/common/sleep.rs`).
 //!
 //! ```text
 //! cargo build --release --example sleep_wake
@@ -14,7 +14,7 @@
 //! Each run prints the milliseconds per cycle of the cycles it counts (after one warm-up cycle).
 
 mod common;
-#[path = "../benches/common/sleep.rs"]
+#[path = "common/sleep.rs"]
 mod sleep;
 
 use memtoken::backend::{Addr, Backend};

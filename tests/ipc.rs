@@ -131,13 +131,17 @@ fn a_child_imports_a_prefix_read_only_and_the_pages_go_back_after_it() {
     let path = std::env::temp_dir().join(format!("memtoken-ipc-{}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
+    let child = Command::new(std::env::current_exe().unwrap())
         .args([
             "a_child_imports_a_prefix_read_only_and_the_pages_go_back_after_it",
             "--exact",
             "--nocapture",
         ])
         .env(CHILD_ENV, &path)
+        // Its own run's lines ("running 1 test", "… filtered out") would mix into this one's:
+        // kept, and shown only if it fails.
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     let (mut socket, _) = listener.accept().unwrap();
@@ -148,7 +152,14 @@ fn a_child_imports_a_prefix_read_only_and_the_pages_go_back_after_it() {
     assert_eq!(device.custody().shared.count, 1, "still exported");
     let mut report = String::new();
     socket.read_to_string(&mut report).unwrap();
-    assert!(child.wait().unwrap().success(), "the child's checks failed");
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the child's checks failed ({}):\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(report.trim(), format!("ok owned=0 len={len}"));
 
     // The child is gone; the export ends: the pages go back.

@@ -5,7 +5,7 @@ use memtoken::backend::Backend;
 use memtoken::backend::cuda::{AllocationProps, Context, CuResult, CudaBackend, Driver, SysDriver};
 
 /// The real device 0, or `None` with the reason printed when this machine has no usable GPU —
-/// as `tests/gpu.rs` decides.
+/// as `tests/gpu/cases.rs` decides.
 ///
 /// # Panics
 ///

@@ -7,7 +7,7 @@
 //! None of them writes through a read-only mapping or touches an unmapped address: such a
 //! fault would be sticky and end every other test of the process.
 
-use super::usable_or_skip;
+use super::usable;
 use memtoken::backend::cuda::{
     AllocationProps, Context, CuError, CuResult, CudaError, DeviceAttribute, Driver, DriverCall,
     ErrorFate, SysDriver,
@@ -27,8 +27,12 @@ struct Raw {
 }
 
 impl Raw {
-    /// Device 0, or `None` (with the reason printed) on a machine without a GPU.
-    fn open_or_skip(test: &str) -> Option<Self> {
+    /// Device 0.
+    ///
+    /// # Panics
+    ///
+    /// When it cannot be opened (the runner runs these tests only where a GPU answered).
+    fn open(test: &str) -> Self {
         let at = |call| move |error| CudaError::Driver { call, error };
         let opened = SysDriver::load().and_then(|driver| {
             driver.init().map_err(at(DriverCall::Init))?;
@@ -44,7 +48,7 @@ impl Raw {
                 g: 0,
             })
         });
-        let mut raw = usable_or_skip(test, opened)?;
+        let mut raw = usable(test, opened);
         // SAFETY: `raw.ctx` was retained just above and is given back only when `raw` drops.
         ok(
             unsafe { raw.driver.ctx_set_current(raw.ctx) },
@@ -62,7 +66,7 @@ impl Raw {
             raw.driver.mem_get_allocation_granularity(raw.props),
             "cuMemGetAllocationGranularity (RECOMMENDED)",
         );
-        Some(raw)
+        raw
     }
 
     /// A reservation of `granules` granules, aligned to one.
@@ -171,7 +175,7 @@ impl Raw {
 
 impl Drop for Raw {
     fn drop(&mut self) {
-        // SAFETY: gives back the retain `open_or_skip` took, once.
+        // SAFETY: gives back the retain `open` took, once.
         let _ = unsafe { self.driver.primary_ctx_release(self.device) };
     }
 }
@@ -233,12 +237,8 @@ pub(super) fn minimum_granularity(props: AllocationProps) -> CuResult<usize> {
 /// holds the memory may get read-only access). A shared prefix's sharers map the owner's
 /// memory read-only on the same device and read it through host copies and, for copy-on-write,
 /// device-to-device copies.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_read_only_access_for_the_owning_device() {
-    let Some(raw) = Raw::open_or_skip("gpu_read_only_access_for_the_owning_device") else {
-        return;
-    };
+    let raw = Raw::open("gpu_read_only_access_for_the_owning_device");
     let g = raw.g;
     let (shared, copy) = (raw.create(1), raw.create(1));
     let (owner, sharer, private) = (raw.reserve(1), raw.reserve(1), raw.reserve(1));
@@ -291,12 +291,8 @@ fn gpu_read_only_access_for_the_owning_device() {
 /// Assumption 2: one `cuMemUnmap` over several adjacent mappings (the samples do it,
 /// the reference only says a sub-range cannot be unmapped). A prefix mapping's body and tail
 /// handles are mapped side by side and go with one unmap.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_one_unmap_covers_adjacent_mappings() {
-    let Some(raw) = Raw::open_or_skip("gpu_one_unmap_covers_adjacent_mappings") else {
-        return;
-    };
+    let raw = Raw::open("gpu_one_unmap_covers_adjacent_mappings");
     let g = raw.g;
     let (body, tail) = (raw.create(1), raw.create(1));
     let va = raw.reserve(2);
@@ -356,12 +352,8 @@ fn gpu_one_unmap_covers_adjacent_mappings() {
 /// (the samples do it across devices; the reference asks for "a fully mapped address
 /// range"). The backend grants access per mapping today; this checks the rule before anything
 /// grants it once for a prefix's body and tail.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_one_set_access_covers_adjacent_mappings() {
-    let Some(raw) = Raw::open_or_skip("gpu_one_set_access_covers_adjacent_mappings") else {
-        return;
-    };
+    let raw = Raw::open("gpu_one_set_access_covers_adjacent_mappings");
     let g = raw.g;
     let (first, second) = (raw.create(1), raw.create(1));
     let (rw, ro) = (raw.reserve(2), raw.reserve(2));
@@ -412,12 +404,8 @@ fn gpu_one_set_access_covers_adjacent_mappings() {
 /// a copy mapping by mapping and then makes one call; a prefix's body and tail are two
 /// handles). PyTorch's expandable segments use mapped pieces as one buffer; no
 /// reference says so for copies.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_one_copy_spans_adjacent_mappings() {
-    let Some(raw) = Raw::open_or_skip("gpu_one_copy_spans_adjacent_mappings") else {
-        return;
-    };
+    let raw = Raw::open("gpu_one_copy_spans_adjacent_mappings");
     let g = raw.g;
     let (first, second, whole) = (raw.create(1), raw.create(1), raw.create(2));
     let (split, dst) = (raw.reserve(2), raw.reserve(2));
@@ -478,13 +466,9 @@ fn gpu_one_copy_spans_adjacent_mappings() {
 /// and offset, is a multiple of the minimum one (which `cuMemCreate` and `cuMemMap` require), a
 /// power of two (`cuMemAddressReserve` takes it as the alignment) and a multiple of the host
 /// page size (reservation sizes). The reference says only that it is "for best performance".
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_recommended_granularity_is_a_power_of_two_multiple_of_the_minimum() {
     let test = "gpu_recommended_granularity_is_a_power_of_two_multiple_of_the_minimum";
-    let Some(raw) = Raw::open_or_skip(test) else {
-        return;
-    };
+    let raw = Raw::open(test);
     let (g, page) = (raw.g, rustix::param::page_size());
     let minimum = ok(minimum_granularity(raw.props), "MINIMUM granularity");
     assert!(
@@ -522,12 +506,8 @@ fn gpu_recommended_granularity_is_a_power_of_two_multiple_of_the_minimum() {
 /// the context usable: the backend's `map` then rolls the mapping back with `cuMemUnmap`. The
 /// reference says nothing of the state after a failure. The failure is made with a device
 /// ordinal no machine has.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_a_failed_set_access_leaves_the_mapping_to_unmap() {
-    let Some(raw) = Raw::open_or_skip("gpu_a_failed_set_access_leaves_the_mapping_to_unmap") else {
-        return;
-    };
+    let raw = Raw::open("gpu_a_failed_set_access_leaves_the_mapping_to_unmap");
     let g = raw.g;
     let handle = raw.create(1);
     let va = raw.reserve(1);
@@ -565,14 +545,10 @@ fn gpu_a_failed_set_access_leaves_the_mapping_to_unmap() {
 /// importer that cannot ask the driver for the size may map the length the message claims.
 /// A one-granule exportable allocation is exported, imported in this process, and mapped with
 /// two granules: refused, with a transient error; then with one: mapped, and its bytes read.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_a_map_past_an_imported_allocation_is_refused() {
     use memtoken::backend::cuda::{HANDLE_TYPE_POSIX_FD, ShareableHandle};
     use std::os::fd::AsRawFd;
-    let Some(raw) = Raw::open_or_skip("gpu_a_map_past_an_imported_allocation_is_refused") else {
-        return;
-    };
+    let raw = Raw::open("gpu_a_map_past_an_imported_allocation_is_refused");
     let handle = ok(
         raw.driver
             .mem_create_with(raw.g, raw.props.with_handle_types(HANDLE_TYPE_POSIX_FD)),
@@ -627,14 +603,10 @@ fn gpu_a_map_past_an_imported_allocation_is_refused() {
 
 /// Assumption 8: a descriptor that names no exported memory — a device node, a socket, a memfd,
 /// a number no longer open — is an error of the import call, not a crash or a handle.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_importing_a_foreign_descriptor_is_an_error() {
     use memtoken::backend::cuda::HANDLE_TYPE_POSIX_FD;
     use std::os::fd::{AsRawFd, OwnedFd};
-    let Some(raw) = Raw::open_or_skip("gpu_importing_a_foreign_descriptor_is_an_error") else {
-        return;
-    };
+    let raw = Raw::open("gpu_importing_a_foreign_descriptor_is_an_error");
     let null: OwnedFd = std::fs::File::open("/dev/null").unwrap().into();
     let (socket, _peer) = std::os::unix::net::UnixStream::pair().unwrap();
     let memfd = rustix::fs::memfd_create("foreign", rustix::fs::MemfdFlags::CLOEXEC).unwrap();
@@ -659,3 +631,16 @@ fn gpu_importing_a_foreign_descriptor_is_an_error() {
     assert!(rustix::fs::fstat(&memfd).unwrap().st_size == raw.g as i64);
     assert!(rustix::fs::fstat(&null).is_ok());
 }
+
+/// Every test of this module, by name: what the runner (`main.rs`) runs. A test left out of the list is dead code, which the
+/// lints refuse.
+pub(crate) const TESTS: &[(&str, fn())] = tests![
+    gpu_read_only_access_for_the_owning_device,
+    gpu_one_unmap_covers_adjacent_mappings,
+    gpu_one_set_access_covers_adjacent_mappings,
+    gpu_one_copy_spans_adjacent_mappings,
+    gpu_recommended_granularity_is_a_power_of_two_multiple_of_the_minimum,
+    gpu_a_failed_set_access_leaves_the_mapping_to_unmap,
+    gpu_a_map_past_an_imported_allocation_is_refused,
+    gpu_importing_a_foreign_descriptor_is_an_error,
+];

@@ -16,7 +16,7 @@
 //! (`--test-threads=1`). None faults the context: nothing touches unmapped memory, and a test
 //! that fails during a capture ends it when the stream drops.
 
-use super::shared_or_skip;
+use super::shared;
 use cudarc::driver::result::stream::StreamKind;
 use cudarc::driver::result::{self, DriverError};
 use cudarc::driver::{CudaContext, sys};
@@ -44,21 +44,25 @@ struct Gpu {
 }
 
 impl Gpu {
-    /// Device 0, or `None` (with the reason printed) on a machine without a GPU.
-    fn open_or_skip(test: &str) -> Option<Self> {
+    /// Device 0.
+    ///
+    /// # Panics
+    ///
+    /// When it cannot be opened (the runner runs these tests only where a GPU answered).
+    fn open(test: &str) -> Self {
         // Taken first: the backend that probes for the GPU must not open during another
         // test's global capture.
         let alone = ALONE.lock().unwrap_or_else(PoisonError::into_inner);
-        let (ctx, backend) = shared_or_skip(test)?;
+        let (ctx, backend) = shared(test);
         drop(backend); // only the context is used here
         ctx.bind_to_thread()
             .expect("cudarc makes its context current");
         let driver = SysDriver::load().expect("the driver that opened the context");
-        Some(Self {
+        Self {
             ctx,
             driver,
             _alone: alone,
-        })
+        }
     }
 
     /// A new stream: non-blocking, or blocking (`CU_STREAM_DEFAULT`: it synchronizes with the
@@ -103,7 +107,7 @@ impl Stream<'_> {
     /// `cuStreamBeginCapture` in `mode`.
     fn begin_capture(&self, mode: sys::CUstreamCaptureMode) -> Result<(), DriverError> {
         // SAFETY: `raw` is the legacy stream or a stream created in the context, destroyed only
-        // when `self` drops; the context is current on this thread (`Gpu::open_or_skip`), the
+        // when `self` drops; the context is current on this thread (`Gpu::open`), the
         // only one a `Stream` is used on (its raw pointer makes it neither `Send` nor `Sync`).
         unsafe { result::stream::begin_capture(self.raw, mode) }
     }
@@ -304,13 +308,9 @@ fn vmm_cycle(driver: &SysDriver, props: AllocationProps, g: usize) {
 /// the capture returns 907 and invalidates the capture (fact 41). What it answers after the
 /// capture ended is not documented (printed); recorded again outside a capture, it is an
 /// ordinary event.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_capture_event_recorded_on_a_capturing_stream_is_captured() {
     let test = "gpu_capture_event_recorded_on_a_capturing_stream_is_captured";
-    let Some(gpu) = Gpu::open_or_skip(test) else {
-        return;
-    };
+    let gpu = Gpu::open(test);
     let (stream, event) = (gpu.stream(StreamKind::NonBlocking), gpu.event());
     ok(
         "cuStreamBeginCapture (global)",
@@ -353,13 +353,9 @@ fn gpu_capture_event_recorded_on_a_capturing_stream_is_captured() {
 /// Fact 39, the backend's repair path: an event recorded on a capturing stream and never asked
 /// leaves the capture valid; what a query answers once the capture ended is not documented
 /// (printed); recorded again on the stream, which no longer captures, it completes.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_capture_event_not_asked_leaves_the_capture_valid() {
     let test = "gpu_capture_event_not_asked_leaves_the_capture_valid";
-    let Some(gpu) = Gpu::open_or_skip(test) else {
-        return;
-    };
+    let gpu = Gpu::open(test);
     let (stream, event) = (gpu.stream(StreamKind::NonBlocking), gpu.event());
     ok(
         "cuStreamBeginCapture (global)",
@@ -392,13 +388,9 @@ fn gpu_capture_event_not_asked_leaves_the_capture_valid() {
 /// legacy stream whether it captures returns 906 and leaves the capture valid — the probe the
 /// backend makes before it uses the legacy stream; a use of the legacy stream (an event
 /// recorded there) is refused and invalidates the capture.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_capture_legacy_stream_probe_during_a_blocking_capture() {
     let test = "gpu_capture_legacy_stream_probe_during_a_blocking_capture";
-    let Some(gpu) = Gpu::open_or_skip(test) else {
-        return;
-    };
+    let gpu = Gpu::open(test);
     let (blocking, legacy, event) = (gpu.stream(StreamKind::Default), gpu.legacy(), gpu.event());
     ok(
         "cuStreamBeginCapture (global)",
@@ -438,13 +430,9 @@ fn gpu_capture_legacy_stream_probe_during_a_blocking_capture() {
 
 /// Facts 1 and 43: a non-blocking stream's capture leaves the legacy stream usable — it does not
 /// capture, an event recorded there completes — and the capture valid.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_capture_non_blocking_capture_leaves_the_legacy_stream_usable() {
     let test = "gpu_capture_non_blocking_capture_leaves_the_legacy_stream_usable";
-    let Some(gpu) = Gpu::open_or_skip(test) else {
-        return;
-    };
+    let gpu = Gpu::open(test);
     let (stream, legacy, event) = (
         gpu.stream(StreamKind::NonBlocking),
         gpu.legacy(),
@@ -473,13 +461,9 @@ fn gpu_capture_non_blocking_capture_leaves_the_legacy_stream_usable() {
 /// refused, and whether that invalidates the capture, is not documented (printed). Then, as the
 /// backend makes them, with the thread's mode exchanged to relaxed: each succeeds, and the
 /// capture stays valid.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_capture_vmm_calls_during_another_threads_global_capture() {
     let test = "gpu_capture_vmm_calls_during_another_threads_global_capture";
-    let Some(gpu) = Gpu::open_or_skip(test) else {
-        return;
-    };
+    let gpu = Gpu::open(test);
     let props = AllocationProps::pinned(gpu.ctx.cu_device());
     let granularity = gpu.driver.mem_get_allocation_granularity(props);
     let g = ok("cuMemGetAllocationGranularity", granularity);
@@ -552,13 +536,9 @@ fn gpu_capture_vmm_calls_during_another_threads_global_capture() {
 /// synchronize one stream that does not capture: the last test of this file). What
 /// `cuCtxSynchronize` itself returns is printed. A capture error is transient (fact 35): the
 /// context synchronizes once the capture ended.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_capture_ctx_synchronize_invalidates_a_capture() {
     let test = "gpu_capture_ctx_synchronize_invalidates_a_capture";
-    let Some(gpu) = Gpu::open_or_skip(test) else {
-        return;
-    };
+    let gpu = Gpu::open(test);
     let stream = gpu.stream(StreamKind::NonBlocking);
     ok(
         "cuStreamBeginCapture (global)",
@@ -582,15 +562,11 @@ fn gpu_capture_ctx_synchronize_invalidates_a_capture() {
 /// three times on another, sets every byte. `cuGraphExecDestroy` right after a launch does not
 /// cut it short: an executable graph in flight "will not be terminated, but rather freed
 /// asynchronously on completion" (its reference). Every code is printed.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_capture_graph_launch_after_instantiate() {
     const LEN: usize = 1 << 16;
     const BYTE: u8 = 0x5a;
     let test = "gpu_capture_graph_launch_after_instantiate";
-    let Some(gpu) = Gpu::open_or_skip(test) else {
-        return;
-    };
+    let gpu = Gpu::open(test);
     let (capturing, launching) = (
         gpu.stream(StreamKind::NonBlocking),
         gpu.stream(StreamKind::NonBlocking),
@@ -674,13 +650,9 @@ fn gpu_capture_graph_launch_after_instantiate() {
 /// synchronizing a capturing stream, a captured event, or the device or context (fact 41), and
 /// in relaxed mode only the calls that "necessarily conflict" (fact 40), without saying whether
 /// a synchronize of another stream is one.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_capture_stream_synchronize_of_a_non_capturing_stream_during_another_capture() {
     let test = "gpu_capture_stream_synchronize_of_a_non_capturing_stream_during_another_capture";
-    let Some(gpu) = Gpu::open_or_skip(test) else {
-        return;
-    };
+    let gpu = Gpu::open(test);
     let (capturing, other) = (
         gpu.stream(StreamKind::NonBlocking),
         gpu.stream(StreamKind::NonBlocking),
@@ -706,3 +678,16 @@ fn gpu_capture_stream_synchronize_of_a_non_capturing_stream_during_another_captu
     };
     note(test, &format!("the capture ended {state}"));
 }
+
+/// Every test of this module, by name: what the runner (`main.rs`) runs. A test left out of the list is dead code, which the
+/// lints refuse.
+pub(crate) const TESTS: &[(&str, fn())] = tests![
+    gpu_capture_event_recorded_on_a_capturing_stream_is_captured,
+    gpu_capture_event_not_asked_leaves_the_capture_valid,
+    gpu_capture_legacy_stream_probe_during_a_blocking_capture,
+    gpu_capture_non_blocking_capture_leaves_the_legacy_stream_usable,
+    gpu_capture_vmm_calls_during_another_threads_global_capture,
+    gpu_capture_ctx_synchronize_invalidates_a_capture,
+    gpu_capture_graph_launch_after_instantiate,
+    gpu_capture_stream_synchronize_of_a_non_capturing_stream_during_another_capture,
+];

@@ -8,7 +8,7 @@
 //! process: `tests/ipc.rs` (re-runs its binary as a child process and counts the process's open
 //! descriptors), `tests/unwind.rs` and `tests/unwind_while_unwinding.rs` (child processes that
 //! re-run the binary by test name), `tests/unwind_device_drop.rs` (a panic hook for the whole
-//! process), `tests/ui.rs` (trybuild) and `tests/gpu.rs` (a CUDA driver). No module here sets a
+//! process), `ui-tests/tests/ui.rs` (trybuild, a workspace member) and `tests/gpu/cases.rs` (a CUDA driver). No module here sets a
 //! panic hook or an environment variable, counts the process's descriptors or threads, or
 //! re-runs this binary.
 

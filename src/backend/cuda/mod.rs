@@ -64,7 +64,7 @@
 //!   one; where the exportable one does not divide it, exportable memory would not fit, and
 //!   creating or importing it is refused before any call, naming both numbers
 //!   ([`exportable_granularity`](CudaBackend::exportable_granularity)); plain memory works on.
-//!   — VMM. (`gpu_rdma_attribute_and_granularity_by_properties` in `tests/gpu.rs` prints what a
+//!   — VMM. (`gpu_rdma_attribute_and_granularity_by_properties` in `tests/gpu/cases.rs` prints what a
 //!   GPU answers for both properties, with and without the RDMA flag.)
 //! - `cuMemMap`: an unmapped range inside one reservation; it grants no access. One handle may
 //!   be mapped at several addresses. The reference says the offset "currently must be zero",
@@ -149,7 +149,7 @@
 //!
 //! # Assumptions not yet verified on a GPU
 //!
-//! What the backend relies on that no reference states. Each has a test in `tests/gpu.rs`
+//! What the backend relies on that no reference states. Each has a test in `tests/gpu/cases.rs`
 //! (module `assumptions`), run against the real driver below the backend; none has run on a GPU
 //! yet.
 //!

@@ -1,4 +1,5 @@
-//! Compile-fail cases: each file under `ui-tests/` is a misuse the type system must reject.
+//! Compile-fail cases: each `*.rs` file of this package's directory (`ui-tests/`) is a misuse
+//! the type system must reject; the compiler's message is in the `*.stderr` file beside it.
 
 /// Cases about the CUDA device views, which exist only with feature `cuda`.
 const CUDA_ONLY: &[&str] = &["device_view_of_non_pod.rs", "view_across_release.rs"];
@@ -12,9 +13,10 @@ const NIXL_ONLY: &[&str] = &[
 #[test]
 fn ui() {
     let t = trybuild::TestCases::new();
-    let mut cases: Vec<_> = std::fs::read_dir("ui-tests")
+    // Cargo runs this test in the package's directory: the cases are named from there.
+    let mut cases: Vec<_> = std::fs::read_dir(".")
         .expect("ui-tests/ is read")
-        .map(|entry| entry.expect("ui-tests/ is listed").path())
+        .map(|entry| std::path::PathBuf::from(entry.expect("ui-tests/ is listed").file_name()))
         .filter(|path| path.extension().is_some_and(|e| e == "rs"))
         .filter(|path| {
             let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("");

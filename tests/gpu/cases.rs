@@ -1,13 +1,6 @@
-//! Tests on a real GPU. Each has `gpu` in its name and is ignored by a plain `cargo test`, with
-//! the reason and the command that runs them:
-//!
-//! ```text
-//! MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu
-//! ```
-//!
-//! With `MEMTOKEN_REQUIRE_GPU=1` each must run, and fails loudly if there is no usable GPU;
-//! included without it on a machine with no driver, each prints why it skips.
-#![cfg(feature = "cuda")]
+//! The GPU tests: each checks memtoken, or a driver rule it relies on, on a real CUDA device.
+//! `main.rs` runs them, and only where a GPU answers (or `MEMTOKEN_REQUIRE_GPU=1` asks for
+//! them); each opens the device itself and fails if it cannot.
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaStream, DevicePtr, DevicePtrMut, LaunchConfig, PushKernelArg,
@@ -23,65 +16,58 @@ use std::io::Write;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const AXPY: &str = include_str!("../examples/kernels/axpy.ptx");
+const AXPY: &str = include_str!("../../examples/kernels/axpy.ptx");
 /// `axpy` that first spins for a given number of nanoseconds in every thread.
-const SPIN_AXPY: &str = include_str!("kernels/spin_axpy.ptx");
+const SPIN_AXPY: &str = include_str!("../kernels/spin_axpy.ptx");
+
+/// `(name, test)` pairs, the name as written.
+macro_rules! tests {
+    ($($test:ident),* $(,)?) => {
+        &[$((stringify!($test), $test as fn())),*]
+    };
+}
 
 /// The driver rules the backend relies on without a documented rule, each checked on the real
 /// driver below the backend.
-#[path = "gpu/assumptions.rs"]
-mod assumptions;
+#[path = "assumptions.rs"]
+pub(crate) mod assumptions;
 
 /// The CUDA graph-capture rules the backend relies on, each checked on the real driver.
-#[path = "gpu/captures.rs"]
-mod captures;
+#[path = "captures.rs"]
+pub(crate) mod captures;
 
-/// The real device, or `None` (with the reason printed) when this machine has none.
+/// The real device.
 ///
 /// # Panics
 ///
-/// When `MEMTOKEN_REQUIRE_GPU=1` and there is no usable GPU.
-fn gpu_or_skip(test: &str) -> Option<CudaBackend<SysDriver>> {
-    usable_or_skip(test, CudaBackend::open(0))
+/// When it cannot be opened (the runner runs these tests only where a GPU answered).
+fn gpu(test: &str) -> CudaBackend<SysDriver> {
+    usable(test, CudaBackend::open(0))
 }
 
-/// What `opened` opened, or `None` (with the reason printed) when it failed: a machine without
-/// a GPU skips the GPU tests.
+/// What `opened` opened.
 ///
 /// # Panics
 ///
-/// When `MEMTOKEN_REQUIRE_GPU=1` and `opened` failed.
-fn usable_or_skip<T>(test: &str, opened: Result<T, CudaError>) -> Option<T> {
-    let required = std::env::var("MEMTOKEN_REQUIRE_GPU").is_ok_and(|v| v == "1");
-    match opened {
-        Ok(value) => Some(value),
-        Err(e) if required => panic!("{test}: MEMTOKEN_REQUIRE_GPU=1 but no GPU is usable: {e}"),
-        Err(e) => {
-            // Written to the stderr handle, not through `eprintln!`, so the test harness does not
-            // swallow it: a skip is always visible.
-            let _ = writeln!(
-                std::io::stderr(),
-                "{test}: SKIPPED, no GPU: {e} (MEMTOKEN_REQUIRE_GPU=1 makes this a failure)"
-            );
-            None
-        }
-    }
+/// When `opened` failed: the runner found a GPU (or `MEMTOKEN_REQUIRE_GPU=1` asked for one),
+/// so a test that cannot open it fails.
+fn usable<T>(test: &str, opened: Result<T, CudaError>) -> T {
+    opened.unwrap_or_else(|e| panic!("{test}: no usable GPU: {e}"))
 }
 
-/// Device 0's primary context and a backend sharing it ([`CudaBackend::from_context`]), or
-/// `None` (with the reason printed) when this machine has no GPU.
+/// Device 0's primary context and a backend sharing it ([`CudaBackend::from_context`]).
 ///
 /// # Panics
 ///
-/// As [`gpu_or_skip`]; and if the context cannot be shared.
-fn shared_or_skip(test: &str) -> Option<(Arc<CudaContext>, CudaBackend<SysDriver>)> {
+/// As [`gpu`]; and if the context cannot be shared.
+fn shared(test: &str) -> (Arc<CudaContext>, CudaBackend<SysDriver>) {
     // Opened by ordinal first: it says when there is no driver, where cudarc would panic. Kept
     // until the shared backend holds the context, so the context is not torn down between.
-    let probe = gpu_or_skip(test)?;
+    let probe = gpu(test);
     let ctx = CudaContext::new(0).expect("cudarc opens device 0");
     let backend = CudaBackend::from_context(ctx.clone()).expect("the backend shares the context");
     drop(probe);
-    Some((ctx, backend))
+    (ctx, backend)
 }
 
 /// The `spin_axpy` kernel of [`SPIN_AXPY`], loaded into `ctx`. Kept by the test until its
@@ -167,12 +153,8 @@ fn bytes(values: &[f32]) -> Vec<u8> {
 
 /// On a GPU: a region grows and shrinks through the granule cache, then a region and
 /// an allocation sleep with their bytes saved and wake at the same addresses with every byte.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_region_grow_shrink_and_sleep_wake() {
-    let Some(backend) = gpu_or_skip("gpu_region_grow_shrink_and_sleep_wake") else {
-        return;
-    };
+    let backend = gpu("gpu_region_grow_shrink_and_sleep_wake");
     make_guard!(guard);
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -226,12 +208,8 @@ fn gpu_region_grow_shrink_and_sleep_wake() {
     assert!(device.close().is_clean());
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_commit_copy_and_release() {
-    let Some(backend) = gpu_or_skip("gpu_commit_copy_and_release") else {
-        return;
-    };
+    let backend = gpu("gpu_commit_copy_and_release");
     make_guard!(guard);
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -254,13 +232,9 @@ fn gpu_commit_copy_and_release() {
 /// The plain mechanism (fact 59: `cuMemAlloc`, `cuMemFree`) on a real device, VMM or not: a
 /// commit's token is at the driver's address, the bytes round-trip, a page pool works, growth
 /// in place is refused by name, and everything is freed (a clean close).
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_plain_mechanism_commits_copies_and_frees() {
     let test = "gpu_plain_mechanism_commits_copies_and_frees";
-    let Some(backend) = usable_or_skip(test, CudaBackend::open_plain(0)) else {
-        return;
-    };
+    let backend = usable(test, CudaBackend::open_plain(0));
     assert_eq!(
         backend.mechanism(),
         memtoken::backend::cuda::CudaMechanism::Plain
@@ -305,13 +279,9 @@ fn gpu_plain_mechanism_commits_copies_and_frees() {
     assert!(report.is_clean(), "{report:?}");
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_kernel_runs_on_committed_memory_and_drop_defers_behind_it() {
     let test = "gpu_kernel_runs_on_committed_memory_and_drop_defers_behind_it";
-    let Some(backend) = gpu_or_skip(test) else {
-        return;
-    };
+    let backend = gpu(test);
     make_guard!(guard);
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -354,12 +324,8 @@ fn gpu_kernel_runs_on_committed_memory_and_drop_defers_behind_it() {
     assert!(device.close().is_clean());
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_shared_prefix_and_copy_on_write() {
-    let Some(backend) = gpu_or_skip("gpu_shared_prefix_and_copy_on_write") else {
-        return;
-    };
+    let backend = gpu("gpu_shared_prefix_and_copy_on_write");
     make_guard!(guard);
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -412,14 +378,10 @@ fn gpu_shared_prefix_and_copy_on_write() {
     assert!(report.is_clean(), "{report:?}");
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_a_token_dropped_while_a_kernel_on_a_new_stream_reads_it_is_unmapped_after_the_kernel() {
     let test =
         "gpu_a_token_dropped_while_a_kernel_on_a_new_stream_reads_it_is_unmapped_after_the_kernel";
-    let Some((ctx, backend)) = shared_or_skip(test) else {
-        return;
-    };
+    let (ctx, backend) = shared(test);
     make_guard!(guard);
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -488,12 +450,8 @@ fn gpu_a_token_dropped_while_a_kernel_on_a_new_stream_reads_it_is_unmapped_after
     assert!(report.is_clean(), "{report:?}");
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_memcpy_and_launch_through_typed_views() {
-    let Some((ctx, backend)) = shared_or_skip("gpu_memcpy_and_launch_through_typed_views") else {
-        return;
-    };
+    let (ctx, backend) = shared("gpu_memcpy_and_launch_through_typed_views");
     make_guard!(guard);
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -629,13 +587,9 @@ fn gpu_memcpy_and_launch_through_typed_views() {
     assert!(report.is_clean(), "{report:?}");
 }
 
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_a_view_used_on_another_stream_waits_for_its_home_stream() {
     let test = "gpu_a_view_used_on_another_stream_waits_for_its_home_stream";
-    let Some((ctx, backend)) = shared_or_skip(test) else {
-        return;
-    };
+    let (ctx, backend) = shared(test);
     make_guard!(guard);
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -672,13 +626,9 @@ fn gpu_a_view_used_on_another_stream_waits_for_its_home_stream() {
 /// kernel is even launched), the view dropped and the token released while the kernel on that
 /// stream still runs: the release waits for the kernel — the memory's fence covers every
 /// stream a view used it on, whatever becomes of the guard — and no sticky error follows.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_a_view_used_on_another_stream_with_its_guard_dropped_at_once_is_still_fenced() {
     let test = "gpu_a_view_used_on_another_stream_with_its_guard_dropped_at_once_is_still_fenced";
-    let Some((ctx, backend)) = shared_or_skip(test) else {
-        return;
-    };
+    let (ctx, backend) = shared(test);
     make_guard!(guard);
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -734,13 +684,9 @@ fn gpu_a_view_used_on_another_stream_with_its_guard_dropped_at_once_is_still_fen
 /// `a`; a read through *another* view of `y`, homed on stream `b`, must see its writes (the
 /// home `b` waits for the last write on `a`); then a write through a view homed on `a` after a
 /// read on `b` must not overtake it.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_views_on_two_streams_are_ordered_per_memory() {
     let test = "gpu_views_on_two_streams_are_ordered_per_memory";
-    let Some((ctx, backend)) = shared_or_skip(test) else {
-        return;
-    };
+    let (ctx, backend) = shared(test);
     make_guard!(guard);
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::unlimited()).unwrap();
@@ -819,8 +765,6 @@ fn gpu_ipc_child(path: &str) {
 /// A prefix exported as POSIX descriptors (`cuMemExportToShareableHandle`), sent over a Unix
 /// socket to this test binary run again, imported there (`cuMemImportFromShareableHandle`),
 /// read back byte for byte; the parent releases after the child exits.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_export_import_in_a_child_process() {
     use memtoken::backend::PosixFd;
     use std::io::Read;
@@ -829,9 +773,7 @@ fn gpu_export_import_in_a_child_process() {
         return gpu_ipc_child(&path);
     }
     let test = "gpu_export_import_in_a_child_process";
-    let Some(backend) = gpu_or_skip(test) else {
-        return;
-    };
+    let backend = gpu(test);
     let g = backend.granularity();
     make_guard!(guard);
     let device = Device::new(guard, backend);
@@ -851,8 +793,17 @@ fn gpu_export_import_in_a_child_process() {
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).unwrap();
     let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([test, "--exact", "--nocapture", "--test-threads=1"])
+        .args([
+            test,
+            "--exact",
+            "--include-ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .env(IPC_CHILD_ENV, &path)
+        // Its own run's lines would mix into this one's: kept, and shown only if it fails.
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
     // The child connects, or the test fails (never hangs) once it exited without connecting.
@@ -862,8 +813,14 @@ fn gpu_export_import_in_a_child_process() {
         match listener.accept() {
             Ok((socket, _)) => break socket,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                if let Some(status) = child.try_wait().unwrap() {
-                    panic!("the child exited ({status}) without connecting");
+                if child.try_wait().unwrap().is_some() {
+                    let out = child.wait_with_output().unwrap();
+                    panic!(
+                        "the child exited ({}) without connecting:\n{}{}",
+                        out.status,
+                        String::from_utf8_lossy(&out.stdout),
+                        String::from_utf8_lossy(&out.stderr)
+                    );
                 }
                 assert!(
                     std::time::Instant::now() < deadline,
@@ -879,7 +836,14 @@ fn gpu_export_import_in_a_child_process() {
     export.send(&socket).unwrap();
     let mut report = String::new();
     socket.read_to_string(&mut report).unwrap();
-    assert!(child.wait().unwrap().success(), "the child's checks failed");
+    let out = child.wait_with_output().unwrap();
+    assert!(
+        out.status.success(),
+        "the child's checks failed ({}):\n{}{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     assert_eq!(report.trim(), format!("ok owned=0 len={len}"));
 
     // The child is gone: the parent releases.
@@ -899,16 +863,12 @@ fn gpu_export_import_in_a_child_process() {
 /// with those properties — plain, and an exportable prefix of body and boundary — commits,
 /// round-trips its bytes, registers one segment per physical allocation, and releases.
 ///
-/// Run it with `MEMTOKEN_REQUIRE_GPU=1 cargo test --test gpu gpu_rdma -- --nocapture`.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
+/// Run it with `MEMTOKEN_REQUIRE_GPU=1 cargo test -p memtoken-gpu-tests -- --include-ignored gpu_rdma --nocapture`.
 fn gpu_rdma_attribute_and_granularity_by_properties() {
     use memtoken::backend::PosixFd;
     use memtoken::backend::cuda::{AllocationProps, DeviceAttribute, Driver, HANDLE_TYPE_POSIX_FD};
     let test = "gpu_rdma_attribute_and_granularity_by_properties";
-    let Some(backend) = gpu_or_skip(test) else {
-        return;
-    };
+    let backend = gpu(test);
     // The backend initialized the driver and made its context current on this thread.
     let driver = SysDriver::load().expect("the backend loaded it");
     let device_id = backend.device();
@@ -1021,16 +981,12 @@ fn gpu_rdma_attribute_and_granularity_by_properties() {
 /// memtoken view's pointer (`memset_zeros`); the view drops and the token is released — the
 /// release is quarantined (the memory stays mapped), and cudarc's graph launched afterwards
 /// runs on mapped memory: no sticky error.
-#[test]
-#[ignore = "needs a CUDA GPU and its driver — run: MEMTOKEN_REQUIRE_GPU=1 cargo test -- --include-ignored gpu"]
 fn gpu_graph_through_memtoken_borrows_and_a_foreign_capture_holds_its_memory() {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     use memtoken::backend::cuda::CaptureMode;
     use memtoken::{Capture, Returned};
     let test = "gpu_graph_through_memtoken_borrows_and_a_foreign_capture_holds_its_memory";
-    let Some((ctx, backend)) = shared_or_skip(test) else {
-        return;
-    };
+    let (ctx, backend) = shared(test);
     make_guard!(guard);
     let device = Device::new(guard, backend);
     let stream = ctx.new_stream().unwrap(); // before any capture: its first use synchronizes
@@ -1100,3 +1056,21 @@ fn gpu_graph_through_memtoken_borrows_and_a_foreign_capture_holds_its_memory() {
         "the foreign graph ran on mapped memory"
     );
 }
+
+/// The tests of this file, by name (those of `assumptions` and `captures` are in theirs): what the runner (`main.rs`) runs. A test left out of the list is dead code, which the
+/// lints refuse.
+pub(crate) const TESTS: &[(&str, fn())] = tests![
+    gpu_region_grow_shrink_and_sleep_wake,
+    gpu_commit_copy_and_release,
+    gpu_plain_mechanism_commits_copies_and_frees,
+    gpu_kernel_runs_on_committed_memory_and_drop_defers_behind_it,
+    gpu_shared_prefix_and_copy_on_write,
+    gpu_a_token_dropped_while_a_kernel_on_a_new_stream_reads_it_is_unmapped_after_the_kernel,
+    gpu_memcpy_and_launch_through_typed_views,
+    gpu_a_view_used_on_another_stream_waits_for_its_home_stream,
+    gpu_a_view_used_on_another_stream_with_its_guard_dropped_at_once_is_still_fenced,
+    gpu_views_on_two_streams_are_ordered_per_memory,
+    gpu_export_import_in_a_child_process,
+    gpu_rdma_attribute_and_granularity_by_properties,
+    gpu_graph_through_memtoken_borrows_and_a_foreign_capture_holds_its_memory,
+];

@@ -9,7 +9,13 @@
 //! bash scripts/install-nixl.sh && source target/nixl/env.sh
 //! cargo run --release --features nixl --example disaggregated -- --requests 16 --pages 32
 //! ```
+//!
+//! `--prefill SOCKET` is how decode starts the prefill process; `--help` prints the usage.
 
+#[path = "common/cli.rs"]
+mod cli;
+
+use cli::Arg;
 use memtoken::backend::HostBackend;
 use memtoken::nixl::{Agent, AgentId, DROP_WAIT};
 use memtoken::{Budget, Device, PagePool, make_guard};
@@ -192,36 +198,42 @@ fn decode(shape: &Shape) -> Result<(), Error> {
     Ok(())
 }
 
-/// A count given on the command line.
-fn count(arg: &str, value: &str) -> Result<usize, String> {
-    value.parse().map_err(|e| format!("{arg} {value:?}: {e}"))
-}
+const USAGE: &str = "\
+usage: disaggregated [--requests N] [--pages N]
 
-fn main() -> Result<(), Error> {
-    let mut args = std::env::args().skip(1);
+Disaggregated prefill and decode over NIXL, in two processes on the loopback
+(cargo run --release --features nixl --example disaggregated -- ARGS).
+
+  --requests N       requests whose K/V prefill writes into decode's slots (default 16)
+  --pages N          pages of 64 KiB per request (default 32)
+  --prefill SOCKET   (how decode starts this program as its prefill process)
+  -h, --help         print this usage";
+
+fn main() -> std::process::ExitCode {
     let mut shape = Shape {
         requests: 16,
         pages: 32,
     };
-    let mut prefill_at = None;
-    while let Some(arg) = args.next() {
-        let mut value = || args.next().ok_or(format!("{arg} needs a value"));
-        match arg.as_str() {
-            "--requests" => shape.requests = count(&arg, &value()?)?,
-            "--pages" => shape.pages = count(&arg, &value()?)?,
-            "--prefill" => prefill_at = Some(value()?),
-            "--help" | "-h" => {
-                println!("usage: disaggregated [--requests N] [--pages N]");
-                return Ok(());
-            }
-            other => return Err(format!("unknown argument {other:?} (try --help)").into()),
+    let mut prefill_at: Option<String> = None;
+    let mut cli = cli::Args::new(USAGE);
+    while let Some(arg) = cli.next_arg() {
+        let Arg::Flag(flag) = arg else {
+            cli.unknown(arg)
+        };
+        match flag.as_str() {
+            "--requests" => shape.requests = cli.value(&flag),
+            "--pages" => shape.pages = cli.value(&flag),
+            "--prefill" => prefill_at = Some(cli.value(&flag)),
+            _ => cli.unknown(Arg::Flag(flag)),
         }
     }
-    if shape.requests == 0 || shape.pages == 0 {
-        return Err("--requests and --pages must be at least 1".into());
+    for (flag, n) in [("--requests", shape.requests), ("--pages", shape.pages)] {
+        if n == 0 {
+            cli.error(format_args!("{flag} must be at least 1"));
+        }
     }
-    match prefill_at {
+    cli::exit(match prefill_at {
         Some(socket) => prefill(&socket, &shape),
         None => decode(&shape),
-    }
+    })
 }

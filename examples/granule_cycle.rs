@@ -11,6 +11,8 @@
 //!     target/release/examples/granule_cycle raw 20000
 //! ```
 
+#[path = "common/cli.rs"]
+mod cli;
 mod common;
 #[path = "common/granule.rs"]
 mod granule;
@@ -19,7 +21,15 @@ use memtoken::backend::{Backend, HostBackend};
 use memtoken::{Binding, Budget, Device, make_guard};
 
 const GRANULE: usize = 4096;
-const USAGE: &str = "usage: granule_cycle [memtoken|raw] [cycles]  (default: memtoken 20000)";
+const USAGE: &str = "\
+usage: granule_cycle [MODE] [CYCLES]
+
+One granule reserved, committed and released CYCLES times on the host backend, for
+instruction counts (callgrind; see the top of examples/granule_cycle.rs).
+
+  MODE         memtoken (the tokens, the default) or raw (the same backend calls by hand)
+  CYCLES       a whole number (default 20000)
+  -h, --help   print this usage";
 
 #[inline(never)]
 fn cycles_memtoken<B: Backend>(binding: &Binding<'_, '_, B>, n: u64) {
@@ -35,21 +45,17 @@ fn cycles_raw<B: Backend>(raw: &B, n: u64) {
     }
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+fn main() -> std::process::ExitCode {
     if common::started_by_test_harness() {
-        return Ok(());
+        return std::process::ExitCode::SUCCESS;
     }
-    let mut args = std::env::args().skip(1);
-    let which = args.next().unwrap_or_else(|| "memtoken".into());
-    let n: u64 = match args.next().map(|s| s.parse()) {
-        None => 20_000,
-        Some(Ok(n)) => n,
-        Some(Err(e)) => {
-            eprintln!("granule_cycle: cycles must be a whole number ({e})\n{USAGE}");
-            std::process::exit(2);
-        }
-    };
-    match which.as_str() {
+    let (which, n) =
+        cli::mode_and_count(USAGE, &["memtoken", "raw"], "CYCLES", ("memtoken", 20_000));
+    cli::exit(run(which, n))
+}
+
+fn run(which: &str, n: u64) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    match which {
         "memtoken" => {
             make_guard!(guard);
             let device = Device::new(guard, HostBackend::with_defaults()?);
@@ -57,14 +63,7 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             cycles_memtoken(&binding, n);
         }
         "raw" => cycles_raw(&HostBackend::with_defaults()?, n),
-        "--help" | "-h" => {
-            println!("{USAGE}");
-            return Ok(());
-        }
-        other => {
-            eprintln!("granule_cycle: no mode {other:?}\n{USAGE}");
-            std::process::exit(2);
-        }
+        _ => unreachable!("a mode of the command line"),
     }
     println!("{which}: {n} cycles of one granule (reserve, commit, release)");
     Ok(())

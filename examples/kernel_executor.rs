@@ -6,10 +6,14 @@
 //! ```text
 //! cargo run --release --example kernel_executor            # host
 //! cargo run --release --example kernel_executor -- --gpu   # CUDA device 0
+//! cargo run --release --example kernel_executor -- --n N   # N elements (default 1048576)
 //! ```
 
+#[path = "common/cli.rs"]
+mod cli;
 mod common;
 
+use cli::Arg;
 use memtoken::backend::{Backend, HostBackend};
 use memtoken::{Allocation, Budget, Committed, Device, Released, Releasing, make_guard};
 use std::error::Error;
@@ -225,25 +229,38 @@ mod gpu {
     }
 }
 
-fn main() -> Result<()> {
+const USAGE: &str = "\
+usage: kernel_executor [--gpu] [--n N]
+
+y = a·x + y, written once, generic over memtoken's backend
+(cargo run --release --example kernel_executor -- ARGS).
+
+  --gpu        run on CUDA device 0 (a PTX kernel) instead of the host (a CPU loop)
+  --n N        elements (default 1048576)
+  -h, --help   print this usage";
+
+fn main() -> std::process::ExitCode {
     if common::started_by_test_harness() {
-        return Ok(());
+        return std::process::ExitCode::SUCCESS;
     }
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    if args.iter().any(|a| a == "-h" || a == "--help") {
-        println!(
-            "kernel_executor: y = a·x + y, written once, generic over memtoken's backend\n\n\
-             --gpu   run on CUDA device 0 (a PTX kernel) instead of the host (a CPU loop)\n\
-             --n N   elements (default 1048576)"
-        );
-        return Ok(());
+    let (mut on_gpu, mut n) = (false, 1 << 20);
+    let mut cli = cli::Args::new(USAGE);
+    while let Some(arg) = cli.next_arg() {
+        let Arg::Flag(flag) = arg else {
+            cli.unknown(arg)
+        };
+        match flag.as_str() {
+            "--gpu" => on_gpu = true,
+            "--n" => n = cli.value(&flag),
+            _ => cli.unknown(Arg::Flag(flag)),
+        }
     }
-    let n = args
-        .iter()
-        .position(|a| a == "--n")
-        .and_then(|i| args.get(i + 1))
-        .map_or(Ok(1 << 20), |v| v.parse::<usize>())?;
-    if args.iter().any(|a| a == "--gpu") {
+    cli::exit(run(on_gpu, n))
+}
+
+/// The executor on the GPU or the host, and the device closed.
+fn run(on_gpu: bool, n: usize) -> Result<()> {
+    if on_gpu {
         #[cfg(feature = "cuda")]
         {
             make_guard!(guard);
@@ -254,11 +271,11 @@ fn main() -> Result<()> {
             return if report.is_clean() {
                 Ok(())
             } else {
-                Err(format!("{report:?}").into())
+                Err(format!("the device closed with {report:?}").into())
             };
         }
         #[cfg(not(feature = "cuda"))]
-        return Err("built without the `cuda` feature".into());
+        return Err("--gpu: built without the `cuda` feature".into());
     }
     make_guard!(guard);
     let device = Device::new(guard, HostBackend::with_defaults()?);

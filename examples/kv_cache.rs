@@ -23,13 +23,23 @@
 //!
 //! ```text
 //! cargo run --release --example kv_cache [-- --gpu --sequences N --seed S --prompt-tokens P]
-//! cargo run --release --example kv_cache -- --elastic [--gpu ...]
+//! cargo run --release --example kv_cache -- --elastic [--tail] [--gpu ...]
 //! cargo run --release --example kv_cache -- --model            # the CUDA driver model (VMM)
 //! cargo run --release --example kv_cache -- --model-no-vmm     # ... of a device without VMM
+//! cargo run --release --example kv_cache -- --help             # every flag
 //! ```
+//!
+//! The command line follows the grammar of `examples/common/cli.rs`: a flag that does not apply
+//! (`--tail` without `--elastic`, `--elastic` with `--model-no-vmm`, two of `--gpu`, `--model`
+//! and `--model-no-vmm`) is refused with exit code 2; a failure while running prints `error: …`
+//! and exits with code 1. The rate in the table, page ops/s, is over the steps since the row
+//! before.
 
+#[path = "common/cli.rs"]
+mod cli;
 mod common;
 
+use cli::Arg;
 use memtoken::backend::cuda::{CudaBackend, CudaMechanism, Driver};
 use memtoken::backend::{
     Backend, HostBackend, HostConfig, HostMemory, HostVisible, Op,
@@ -377,7 +387,28 @@ struct Args {
     tail: bool,
 }
 
-fn parse_args() -> std::result::Result<Args, String> {
+const USAGE: &str = "\
+usage: kv_cache [--gpu | --model | --model-no-vmm] [--elastic [--tail]] [--sequences N]
+                [--seed S] [--prompt-tokens P]
+
+A paged KV cache with a shared system prompt, on memtoken
+(cargo run --release --example kv_cache -- ARGS).
+
+  --gpu               run on CUDA device 0 instead of the host backend (its VMM mechanism, or
+                      plain cuMemAlloc where the device has no VMM)
+  --model             run on the CUDA driver model of a device with VMM (no GPU needed)
+  --model-no-vmm      ... of a device without virtual memory management (the plain mechanism:
+                      pages only, no --elastic)
+  --elastic           one growing region per sequence instead of pages (vAttention)
+  --tail              with --elastic: a finished sequence's region keeps its granules mapped
+                      (its tail) and serves the next request
+  --sequences N       how many sequences arrive (default 64)
+  --seed S            seed of the sequence lengths (default 7)
+  --prompt-tokens P   tokens in the shared system prompt (default 40)
+  -h, --help          print this usage";
+
+/// The command line (`--help`: the usage, exit 0; a usage error: exit 2).
+fn parse_args() -> Args {
     let mut args = Args {
         sequences: 64,
         seed: 7,
@@ -387,42 +418,32 @@ fn parse_args() -> std::result::Result<Args, String> {
         elastic: false,
         tail: false,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = |name: &str| {
-            it.next()
-                .and_then(|v| v.parse::<u64>().ok())
-                .ok_or(format!("{name} needs a number"))
-        };
-        match flag.as_str() {
-            "--sequences" => args.sequences = value("--sequences")? as usize,
-            "--seed" => args.seed = value("--seed")?,
-            "--prompt-tokens" => args.prompt_tokens = value("--prompt-tokens")?.max(1) as usize,
-            "--gpu" => args.gpu = true,
-            "--model" => args.model = Some(true),
-            "--model-no-vmm" => args.model = Some(false),
-            "--elastic" => args.elastic = true,
-            "--tail" => args.tail = true,
-            "-h" | "--help" => {
-                println!(
-                    "kv_cache: a paged KV cache with a shared system prompt, on memtoken\n\n\
-                     --gpu               run on CUDA device 0 instead of the host backend (its VMM\n\
-                     \x20                   mechanism, or plain cuMemAlloc where the device has no VMM)\n\
-                     --model             run on the CUDA driver model (no GPU needed)\n\
-                     --model-no-vmm      ... of a device without virtual memory management\n\
-                     --elastic           one growing region per sequence instead of pages (vAttention)\n\
-                     --tail              with --elastic: a finished sequence's region keeps its granules\n\
-                     \x20                   mapped (its tail) and serves the next request\n\
-                     --sequences N       how many sequences arrive (default 64)\n\
-                     --seed S            seed of the sequence lengths (default 7)\n\
-                     --prompt-tokens P   tokens in the shared system prompt (default 40)"
-                );
-                std::process::exit(0);
-            }
-            other => return Err(format!("unknown argument {other:?}; try --help")),
+    let mut cli = cli::Args::new(USAGE);
+    while let Some(arg) = cli.next_arg() {
+        match arg {
+            Arg::Flag(flag) => match flag.as_str() {
+                "--sequences" => args.sequences = cli.value(&flag),
+                "--seed" => args.seed = cli.value(&flag),
+                "--prompt-tokens" => args.prompt_tokens = cli.value::<usize>(&flag).max(1),
+                "--gpu" => args.gpu = true,
+                "--model" => args.model = Some(true),
+                "--model-no-vmm" => args.model = Some(false),
+                "--elastic" => args.elastic = true,
+                "--tail" => args.tail = true,
+                _ => cli.unknown(Arg::Flag(flag)),
+            },
+            other => cli.unknown(other),
         }
     }
-    Ok(args)
+    cli.at_most_one(&["--gpu", "--model", "--model-no-vmm"]);
+    cli.only_with("--tail", "--elastic");
+    // The plain mechanism has no regions: it shows their refusal and runs the pages instead.
+    if cli.given("--elastic") && cli.given("--model-no-vmm") {
+        cli.error(
+            "--elastic does not apply with --model-no-vmm (a device without VMM has no regions)",
+        );
+    }
+    args
 }
 
 fn kib(bytes: u64) -> u64 {
@@ -483,7 +504,7 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
         PAGE
     );
     println!(
-        "{:>5} {:>7} {:>8} {:>6} {:>11} {:>10} {:>10} {:>10} {:>11}",
+        "{:>5} {:>7} {:>8} {:>6} {:>11} {:>10} {:>10} {:>10} {:>27}",
         "step",
         "running",
         "finished",
@@ -492,8 +513,11 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
         "owned KiB",
         "saved KiB",
         "quarantine",
-        "page ops/s"
+        "page ops/s (last interval)"
     );
+    // The rate of each row is over the interval since the row before (the first: since the
+    // start), not an average of the whole run so far.
+    let (mut last_row, mut last_ops) = (started, 0u64);
     let mut finished = 0;
     let mut step = 0;
     while !arrivals.is_empty() || !running.is_empty() {
@@ -542,9 +566,12 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
         if step % 100 == 0 || (arrivals.is_empty() && running.is_empty()) {
             let l = device.ledger();
             let pages: usize = running.iter().map(Sequence::pages_in_use).sum();
-            let rate = stats.page_ops as f64 / started.elapsed().as_secs_f64().max(1e-9);
+            let now = Instant::now();
+            let interval = now.duration_since(last_row).as_secs_f64().max(1e-9);
+            let rate = (stats.page_ops - last_ops) as f64 / interval;
+            (last_row, last_ops) = (now, stats.page_ops);
             println!(
-                "{step:>5} {:>7} {finished:>8} {pages:>6} {:>11} {:>10} {:>10} {:>10} {:>11.0}",
+                "{step:>5} {:>7} {finished:>8} {pages:>6} {:>11} {:>10} {:>10} {:>10} {:>27.0}",
                 running.len(),
                 kib(l.mapped_bytes),
                 kib(l.owned_bytes),
@@ -571,8 +598,9 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
         stats.copies
     );
     println!(
-        "page ops/s: page allocs + frees per second of the whole run (K/V writes and checks \
-         included); the pool's own cost is in `cargo run --release --bin bench_report`"
+        "page ops/s (last interval): page allocs + frees per second over the steps since the row \
+         before (K/V writes and checks included); the pool's own cost is in \
+         `cargo run --release --bin bench_report`"
     );
     println!(
         "sharing: 'saved KiB' = mapped − owned: the prompt's bytes that every sequence maps without owning"
@@ -963,6 +991,15 @@ fn run_cuda<D: Driver>(backend: CudaBackend<D>, kv: &gpu::GpuKv, args: &Args) ->
     let plain = backend.mechanism() == CudaMechanism::Plain;
     let device = Device::new(guard, backend);
     if plain {
+        if args.elastic {
+            // Known only now that the device is open (`--model-no-vmm --elastic` is refused at
+            // the command line).
+            println!(
+                "--elastic{}: not run: the plain mechanism has no regions (its refusal is shown \
+                 below); the paged workload runs instead",
+                if args.tail { " --tail" } else { "" }
+            );
+        }
         return run_plain(&device, kv, args);
     }
     if args.elastic {
@@ -1082,24 +1119,29 @@ fn chain(e: &dyn Error) -> String {
     text
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
     if common::started_by_test_harness() {
-        return Ok(());
+        return std::process::ExitCode::SUCCESS;
     }
-    let args = parse_args()?;
+    let args = parse_args();
+    cli::exit(run_args(&args))
+}
+
+/// The demo the command line asks for.
+fn run_args(args: &Args) -> Result<()> {
     if let Some(vmm) = args.model {
         let model = DriverModel::new(ModelConfig {
             vmm,
             ..ModelConfig::default()
         })?;
         let backend = CudaBackend::new_auto(model, 0)?;
-        return run_cuda(backend, &gpu::GpuKv("CUDA driver model"), &args);
+        return run_cuda(backend, &gpu::GpuKv("CUDA driver model"), args);
     }
     if args.gpu {
         #[cfg(feature = "cuda")]
         {
             let backend = gpu::Gpu::open_auto(0).map_err(|e| format!("--gpu: {e}"))?;
-            return run_cuda(backend, &gpu::GpuKv("CUDA device 0"), &args);
+            return run_cuda(backend, &gpu::GpuKv("CUDA device 0"), args);
         }
         #[cfg(not(feature = "cuda"))]
         return Err("--gpu: built without the `cuda` feature".into());
@@ -1122,8 +1164,8 @@ fn main() -> Result<()> {
         let backend = Faulty::new(backend);
         let counted = backend.handle();
         let device = Device::new(guard, backend);
-        return run_elastic(&device, &HostKv, &args, Some(&counted));
+        return run_elastic(&device, &HostKv, args, Some(&counted));
     }
     let device = Device::new(guard, backend);
-    run(&device, &HostKv, &args)
+    run(&device, &HostKv, args)
 }

@@ -7,15 +7,28 @@
 //! ```text
 //! cargo build --release --example mechanism_cycle
 //! valgrind --tool=callgrind --toggle-collect='mechanism_cycle::cycles' \
-//!     target/release/examples/mechanism_cycle <vmm|plain> N
+//!     target/release/examples/mechanism_cycle [vmm|plain] [N]
 //! ```
 //!
 //! Counted per cycle: the difference between N = 3000 and N = 1000, divided by 2000.
+
+#[path = "common/cli.rs"]
+mod cli;
 
 use memtoken::backend::cuda::CudaBackend;
 use memtoken::backend::doubles::{DriverModel, ModelConfig};
 use memtoken::{Budget, Device, make_guard};
 use std::hint::black_box;
+
+const USAGE: &str = "\
+usage: mechanism_cycle [MODE] [N]
+
+One granule reserved, committed and released N times on the CUDA backend over the driver
+model, for instruction counts (callgrind; see the top of examples/mechanism_cycle.rs).
+
+  MODE         vmm (the VMM mechanism, the default) or plain (cuMemAlloc)
+  N            a whole number of cycles (default 1000)
+  -h, --help   print this usage";
 
 /// `n` reserve/commit/release cycles of one granule through `device`.
 #[inline(never)]
@@ -36,32 +49,24 @@ fn cycles(device: &Device<'_, CudaBackend<DriverModel>>, n: usize) {
     }
 }
 
-fn main() {
-    let mut args = std::env::args().skip(1);
-    let which = args.next().unwrap_or_else(|| "vmm".into());
-    let n: usize = match args.next().map(|n| n.parse()) {
-        None => 1000,
-        Some(Ok(n)) => n,
-        Some(Err(e)) => {
-            eprintln!("mechanism_cycle: N: {e}; usage: mechanism_cycle <vmm|plain> [N]");
-            std::process::exit(2);
-        }
-    };
-    let model = DriverModel::new(ModelConfig::default()).expect("the default model");
-    let backend = match which.as_str() {
+fn main() -> std::process::ExitCode {
+    let (which, n) = cli::mode_and_count(USAGE, &["vmm", "plain"], "N", ("vmm", 1000));
+    cli::exit(run(which, n))
+}
+
+fn run(which: &str, n: u64) -> Result<(), Box<dyn std::error::Error>> {
+    let model = DriverModel::new(ModelConfig::default())?;
+    let backend = match which {
         "vmm" => CudaBackend::new(model, 0),
         "plain" => CudaBackend::new_plain(model, 0),
-        other => {
-            eprintln!("mechanism_cycle: {other:?}: usage: mechanism_cycle <vmm|plain> [N]");
-            std::process::exit(2);
-        }
-    }
-    .expect("the model opens device 0");
+        _ => unreachable!("a mode of the command line"),
+    }?;
     make_guard!(guard);
     let device = Device::new(guard, backend);
-    cycles(&device, n);
+    cycles(&device, n as usize);
     assert!(device.ledger().is_zero());
     println!(
         "mechanism_cycle: {n} reserve/commit/release cycles of one granule on the {which} mechanism (driver model)"
     );
+    Ok(())
 }

@@ -14,6 +14,9 @@
 //!     target/release/examples/nixl_cycle raw 2000
 //! ```
 
+#[path = "common/cli.rs"]
+mod cli;
+
 use memtoken::backend::HostBackend;
 use memtoken::nixl::{Agent, DROP_WAIT, Peer, Registered};
 use memtoken::{Budget, Committed, Device, make_guard};
@@ -24,6 +27,17 @@ use std::time::Instant;
 const BYTES: usize = 64 << 10;
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
+
+const USAGE: &str = "\
+usage: nixl_cycle [MODE] [TRANSFERS]
+
+A 64 KiB WRITE between two NIXL agents in one process, TRANSFERS times (after as many warm-up
+transfers), for paired timing runs and instruction counts (see the top of
+examples/nixl_cycle.rs); prints the microseconds per transfer. Needs feature `nixl`.
+
+  MODE         typed (through memtoken::nixl, the default) or raw (nixl-sys's own calls)
+  TRANSFERS    a whole number (default 2000)
+  -h, --help   print this usage";
 
 #[inline(never)]
 fn cycles_typed<'id>(
@@ -145,17 +159,16 @@ fn raw(n: u64) -> Result<f64, Error> {
     Ok(per)
 }
 
-fn main() -> Result<(), Error> {
-    let mut args = std::env::args().skip(1);
-    let which = args.next().unwrap_or_else(|| "typed".into());
-    let n: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(2000);
-    let per = match which.as_str() {
+fn main() -> std::process::ExitCode {
+    let (which, n) = cli::mode_and_count(USAGE, &["typed", "raw"], "TRANSFERS", ("typed", 2000));
+    cli::exit(run(which, n))
+}
+
+fn run(which: &str, n: u64) -> Result<(), Error> {
+    let per = match which {
         "typed" => typed(n)?,
         "raw" => raw(n)?,
-        other => {
-            eprintln!("usage: nixl_cycle typed|raw [transfers]  (got {other:?})");
-            std::process::exit(2);
-        }
+        _ => unreachable!("a mode of the command line"),
     };
     println!("{which}: {n} WRITEs of {BYTES} bytes, {per:.3} us per transfer");
     Ok(())

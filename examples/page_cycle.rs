@@ -11,6 +11,8 @@
 //!
 //! `cargo run --release --bin bench_report` runs both and prints the ratio.
 
+#[path = "common/cli.rs"]
+mod cli;
 mod common;
 #[path = "common/raw_pool.rs"]
 mod raw_pool;
@@ -22,6 +24,16 @@ use std::hint::black_box;
 
 const PAGE: usize = 4096;
 const SEQ_PAGES: usize = 16;
+const USAGE: &str = "\
+usage: page_cycle [MODE] [CYCLES]
+
+A 256-token sequence's 16 pages allocated and freed CYCLES times, for instruction counts
+(callgrind; see the top of examples/page_cycle.rs).
+
+  MODE         memtoken (a PagePool's page table, the default), pages (the pool's alloc and
+               free, page by page) or raw (the hand-written pool of benches/common/raw_pool.rs)
+  CYCLES       a whole number (default 1000000)
+  -h, --help   print this usage";
 
 #[inline(never)]
 fn cycles_memtoken<B: Backend>(pool: &PagePool<'_, '_, '_, B>, n: u64) {
@@ -62,17 +74,17 @@ fn cycles_raw<B: Backend>(pool: &mut RawPool<'_, B>, n: u64) {
     }
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+fn main() -> std::process::ExitCode {
     if common::started_by_test_harness() {
-        return Ok(());
+        return std::process::ExitCode::SUCCESS;
     }
-    let mut args = std::env::args().skip(1);
-    let which = args.next().unwrap_or_else(|| "memtoken".into());
-    let n: u64 = args
-        .next()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(1_000_000);
-    match which.as_str() {
+    let modes = ["memtoken", "pages", "raw"];
+    let (which, n) = cli::mode_and_count(USAGE, &modes, "CYCLES", ("memtoken", 1_000_000));
+    cli::exit(run(which, n))
+}
+
+fn run(which: &str, n: u64) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    match which {
         "memtoken" | "pages" => {
             make_guard!(guard);
             let device = Device::new(guard, HostBackend::with_defaults()?);
@@ -96,10 +108,7 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             }
             cycles_raw(&mut pool, n);
         }
-        other => {
-            eprintln!("usage: page_cycle memtoken|pages|raw [cycles]  (got {other:?})");
-            std::process::exit(2);
-        }
+        _ => unreachable!("a mode of the command line"),
     }
     println!("{which}: {n} cycles of {SEQ_PAGES} pages");
     Ok(())

@@ -17,12 +17,15 @@
 //!     --own-tokens W --generate G --seed X]
 //! ```
 
+#[path = "common/cli.rs"]
+mod cli;
 mod common;
 // The page keys, K/V bytes, samples and their check, shared with the serving engine.
 #[allow(dead_code)]
 #[path = "serving_engine/engine.rs"]
 mod engine;
 
+use cli::Arg;
 use engine::{BYTES_PER_TOKEN, PAGE, Sample, TOKENS_PER_PAGE, admit, check, kv_byte};
 use memtoken::backend::{Backend, HostBackend, HostConfig};
 use memtoken::{Budget, Device, PagePool, PrefixCache, make_guard};
@@ -45,7 +48,28 @@ struct Workload {
     seed: u64,
 }
 
-fn parse() -> std::result::Result<Workload, String> {
+const USAGE: &str = "\
+usage: prefix_cache [--requests N] [--live L] [--samples K] [--system-prompts S]
+                    [--system-tokens T] [--user-prefixes U] [--user-tokens V] [--own-tokens W]
+                    [--generate G] [--seed X]
+
+A paged KV cache with a prefix cache and parallel sampling, on memtoken
+(cargo run --release --example prefix_cache -- ARGS).
+
+  --requests N        requests that arrive (default 256)
+  --live L            requests served at once (default 16)
+  --samples K         continuations sampled per request, as forks (default 4)
+  --system-prompts S  distinct system prompts (default 3)
+  --system-tokens T   tokens in a system prompt (default 512)
+  --user-prefixes U   distinct user prefixes, the first ones most frequent (default 12)
+  --user-tokens V     tokens in a user prefix (default 128)
+  --own-tokens W      tokens of a request's own after them (default 24)
+  --generate G        tokens each sample generates (default 64)
+  --seed X            seed of the choices (default 7)
+  -h, --help          print this usage";
+
+/// The command line (`--help`: the usage, exit 0; a usage error: exit 2).
+fn parse() -> Workload {
     let mut w = Workload {
         requests: 256,
         live: 16,
@@ -58,44 +82,26 @@ fn parse() -> std::result::Result<Workload, String> {
         generate: 64,
         seed: 7,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = |name: &str| {
-            it.next()
-                .and_then(|v| v.parse::<u64>().ok())
-                .ok_or(format!("{name} needs a number"))
+    let mut cli = cli::Args::new(USAGE);
+    while let Some(arg) = cli.next_arg() {
+        let Arg::Flag(flag) = arg else {
+            cli.unknown(arg)
         };
         match flag.as_str() {
-            "--requests" => w.requests = value("--requests")? as usize,
-            "--live" => w.live = value("--live")?.max(1) as usize,
-            "--samples" => w.samples = value("--samples")?.max(1) as usize,
-            "--system-prompts" => w.system_prompts = value("--system-prompts")?.max(1) as usize,
-            "--system-tokens" => w.system_tokens = value("--system-tokens")? as usize,
-            "--user-prefixes" => w.user_prefixes = value("--user-prefixes")?.max(1) as usize,
-            "--user-tokens" => w.user_tokens = value("--user-tokens")? as usize,
-            "--own-tokens" => w.own_tokens = value("--own-tokens")?.max(1) as usize,
-            "--generate" => w.generate = value("--generate")? as usize,
-            "--seed" => w.seed = value("--seed")?,
-            "-h" | "--help" => {
-                println!(
-                    "prefix_cache: a paged KV cache with a prefix cache and parallel sampling\n\n\
-                     --requests N        requests that arrive (default 256)\n\
-                     --live L            requests served at once (default 16)\n\
-                     --samples K         continuations sampled per request, as forks (default 4)\n\
-                     --system-prompts S  distinct system prompts (default 3)\n\
-                     --system-tokens T   tokens in a system prompt (default 512)\n\
-                     --user-prefixes U   distinct user prefixes, the first ones most frequent (default 12)\n\
-                     --user-tokens V     tokens in a user prefix (default 128)\n\
-                     --own-tokens W      tokens of a request's own after them (default 24)\n\
-                     --generate G        tokens each sample generates (default 64)\n\
-                     --seed X            seed of the choices (default 7)"
-                );
-                std::process::exit(0);
-            }
-            other => return Err(format!("unknown argument {other:?}; try --help")),
+            "--requests" => w.requests = cli.value(&flag),
+            "--live" => w.live = cli.value::<usize>(&flag).max(1),
+            "--samples" => w.samples = cli.value::<usize>(&flag).max(1),
+            "--system-prompts" => w.system_prompts = cli.value::<usize>(&flag).max(1),
+            "--system-tokens" => w.system_tokens = cli.value(&flag),
+            "--user-prefixes" => w.user_prefixes = cli.value::<usize>(&flag).max(1),
+            "--user-tokens" => w.user_tokens = cli.value(&flag),
+            "--own-tokens" => w.own_tokens = cli.value::<usize>(&flag).max(1),
+            "--generate" => w.generate = cli.value(&flag),
+            "--seed" => w.seed = cli.value(&flag),
+            _ => cli.unknown(Arg::Flag(flag)),
         }
     }
-    Ok(w)
+    w
 }
 
 /// A tiny xorshift: the workload is reproducible.
@@ -219,11 +225,16 @@ fn run<B: Backend>(device: &Device<'_, B>, w: &Workload) -> Result<Stats> {
     Ok(stats)
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
     if common::started_by_test_harness() {
-        return Ok(());
+        return std::process::ExitCode::SUCCESS;
     }
-    let w = parse()?;
+    let w = parse();
+    cli::exit(run_workload(&w))
+}
+
+/// The workload, run and reported.
+fn run_workload(w: &Workload) -> Result<()> {
     let prompt_tokens = w.system_tokens + w.user_tokens + w.own_tokens;
     println!(
         "prefix_cache: {} requests, {} at a time; each a {}-token prompt ({} system prompts of \
@@ -250,7 +261,7 @@ fn main() -> Result<()> {
         ..HostConfig::default()
     })?;
     let device = Device::new(guard, backend);
-    let stats = run(&device, &w)?;
+    let stats = run(&device, w)?;
     let shared = stats.peak_pages * PAGE;
     let unshared = stats.peak_unshared_pages * PAGE;
     println!(

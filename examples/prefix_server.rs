@@ -6,6 +6,10 @@
 //!
 //! `cargo run --example prefix_server [-- WORKERS]` (default 3); `-- --help` prints the usage.
 
+#[path = "common/cli.rs"]
+mod cli;
+
+use cli::Arg;
 use memtoken::backend::{HostBackend, PosixFd};
 use memtoken::{Budget, Device, Offer, make_guard};
 use std::io::{Read, Write};
@@ -13,8 +17,14 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::Command;
 
 const WORKER_ENV: &str = "MEMTOKEN_PREFIX_WORKER";
-const USAGE: &str = "usage: cargo run --example prefix_server [-- WORKERS]
-  WORKERS  how many worker processes import the shared prefix (a whole number, default 3)";
+const USAGE: &str = "\
+usage: prefix_server [WORKERS]
+
+One process computes a system prompt's KV once and WORKERS processes import it read-only
+(cargo run --example prefix_server -- ARGS).
+
+  WORKERS      how many worker processes import the shared prefix (a whole number, default 3)
+  -h, --help   print this usage";
 /// The system prompt's KV: 64 tokens of 1 KiB each, plus a partly filled boundary granule.
 const PROMPT_BYTES: usize = 66 << 10;
 
@@ -52,34 +62,28 @@ fn worker(path: &str, id: &str) -> Result<(), Box<dyn std::error::Error>> {
 /// The number of workers the command line asks for; `--help` prints the usage and exits 0, a bad
 /// argument says which and prints the usage, and exits 2.
 fn workers() -> usize {
-    fn bad(why: String) -> ! {
-        eprintln!("prefix_server: {why}\n{USAGE}");
-        std::process::exit(2)
-    }
-    let args: Vec<String> = std::env::args().skip(1).collect();
-    match args.as_slice() {
-        [] => 3,
-        [help] if help == "--help" || help == "-h" => {
-            println!("{USAGE}");
-            std::process::exit(0)
+    let mut cli = cli::Args::new(USAGE);
+    let mut workers = None;
+    while let Some(arg) = cli.next_arg() {
+        match arg {
+            Arg::Positional(n) if workers.is_none() => workers = Some(cli.parse("WORKERS", &n)),
+            other => cli.unknown(other),
         }
-        [n] => n.parse().unwrap_or_else(|e| {
-            bad(format!(
-                "WORKERS must be a whole number of worker processes, not {n:?} ({e})"
-            ))
-        }),
-        [_, extra, ..] => bad(format!(
-            "one argument at most (WORKERS), not also {extra:?}"
-        )),
     }
+    workers.unwrap_or(3)
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
     if let Ok(path) = std::env::var(WORKER_ENV) {
         let id = std::env::args().nth(1).unwrap_or_default();
-        return worker(&path, &id);
+        return cli::exit(worker(&path, &id));
     }
     let workers = workers();
+    cli::exit(serve(workers))
+}
+
+/// The server: the prefix computed, exported to `workers` processes, released first.
+fn serve(workers: usize) -> Result<(), Box<dyn std::error::Error>> {
     make_guard!(guard);
     let device = Device::new(guard, HostBackend::with_defaults()?);
     let system = device.bind(Budget::unlimited())?;

@@ -16,6 +16,8 @@
 //! Each run prints the nanoseconds per cycle of the cycles it counts (after as many warm-up
 //! cycles again, not counted): run both as separate processes, alternating, for a paired run.
 
+#[path = "common/cli.rs"]
+mod cli;
 mod common;
 #[path = "common/region.rs"]
 mod region;
@@ -24,6 +26,18 @@ use memtoken::backend::{Backend, HostBackend};
 use memtoken::{Budget, Device, Region, make_guard};
 use region::{GRANULES, RawRegion};
 use std::time::Instant;
+
+const USAGE: &str = "\
+usage: region_cycle [MODE] [CYCLES]
+
+An elastic region grown by 16 granules and shrunk back CYCLES times (after as many warm-up
+cycles), for instruction counts and paired timing runs (see the top of
+examples/region_cycle.rs); prints the nanoseconds per cycle.
+
+  MODE         memtoken (a Region, the default), tail (a Region with a mapped tail) or raw (the
+               hand-written region of benches/common/region.rs)
+  CYCLES       a whole number (default 20000)
+  -h, --help   print this usage";
 
 #[inline(never)]
 fn cycles_memtoken<B: Backend>(region: &mut Region<'_, '_, B>, n: u64) {
@@ -39,16 +53,19 @@ fn cycles_raw<B: Backend>(raw: &mut RawRegion<'_, B>, n: u64) {
     }
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+fn main() -> std::process::ExitCode {
     if common::started_by_test_harness() {
-        return Ok(());
+        return std::process::ExitCode::SUCCESS;
     }
-    let mut args = std::env::args().skip(1);
-    let which = args.next().unwrap_or_else(|| "memtoken".into());
-    let n: u64 = args.next().and_then(|s| s.parse().ok()).unwrap_or(20_000);
+    let modes = ["memtoken", "tail", "raw"];
+    let (which, n) = cli::mode_and_count(USAGE, &modes, "CYCLES", ("memtoken", 20_000));
+    cli::exit(run(which, n))
+}
+
+fn run(which: &str, n: u64) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     // Both sides' steady state makes no create or release call (on `Faulty`'s counters).
     region::check_steady_state();
-    let elapsed = match which.as_str() {
+    let elapsed = match which {
         "memtoken" | "tail" => {
             make_guard!(guard);
             let device = Device::new(guard, HostBackend::with_defaults()?);
@@ -81,10 +98,7 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             assert_eq!(raw.free_granules(), GRANULES, "nothing created");
             elapsed
         }
-        _ => {
-            eprintln!("usage: region_cycle memtoken|tail|raw [cycles]");
-            std::process::exit(2);
-        }
+        _ => unreachable!("a mode of the command line"),
     };
     let ns = elapsed.as_nanos() as f64 / n as f64;
     println!("{which}: {n} cycles of {GRANULES} granules, {ns:.1} ns per cycle");

@@ -15,6 +15,8 @@
 //!     --toggle-collect='share_cycle::cycles_*' target/release/examples/share_cycle $mode 100000; done
 //! ```
 
+#[path = "common/cli.rs"]
+mod cli;
 mod common;
 #[path = "common/raw_pool.rs"]
 mod raw_pool;
@@ -29,6 +31,17 @@ use std::hint::black_box;
 const PAGE: usize = 4096;
 const FORK_PAGES: usize = 1000;
 const SEQ_PAGES: usize = 16;
+const USAGE: &str = "\
+usage: share_cycle [MODE] [CYCLES]
+
+Shared pages, for instruction counts (callgrind; see the top of examples/share_cycle.rs).
+
+  MODE         fork (fork a 1,000-page table and release the fork), share (one more holder of
+               each of 16 pages, let go again) on memtoken's PagePool, or raw-fork (the
+               default), raw-share: the same on the reference-count pool of
+               benches/common/rc_pool.rs
+  CYCLES       a whole number (default 1000)
+  -h, --help   print this usage";
 
 #[inline(never)]
 fn cycles_raw_fork<B: Backend>(pool: &mut RcPool<'_, B>, table: &[u32], n: u64) {
@@ -86,13 +99,16 @@ fn raw_table<B: Backend>(backend: &B, pages: usize) -> (RcPool<'_, B>, Vec<u32>)
     (pool, table)
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+fn main() -> std::process::ExitCode {
     if common::started_by_test_harness() {
-        return Ok(());
+        return std::process::ExitCode::SUCCESS;
     }
-    let mut args = std::env::args().skip(1);
-    let which = args.next().unwrap_or_else(|| "raw-fork".into());
-    let n: u64 = args.next().and_then(|v| v.parse().ok()).unwrap_or(1000);
+    let modes = ["fork", "share", "raw-fork", "raw-share"];
+    let (which, n) = cli::mode_and_count(USAGE, &modes, "CYCLES", ("raw-fork", 1000));
+    cli::exit(run(which, n))
+}
+
+fn run(which: &str, n: u64) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let backend = HostBackend::with_defaults()?;
     if which == "fork" || which == "share" {
         make_guard!(guard);
@@ -117,7 +133,7 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         println!("{which}: {n} cycles");
         return Ok(());
     }
-    match which.as_str() {
+    match which {
         "raw-fork" => {
             let (mut pool, table) = raw_table(&backend, FORK_PAGES);
             cycles_raw_fork(&mut pool, &table, n);
@@ -128,10 +144,7 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             cycles_raw_share(&mut pool, &table, n);
             pool.release(&table);
         }
-        other => {
-            eprintln!("usage: share_cycle fork|share|raw-fork|raw-share [cycles]  (got {other:?})");
-            std::process::exit(2);
-        }
+        _ => unreachable!("a mode of the command line"),
     }
     println!("{which}: {n} cycles");
     Ok(())

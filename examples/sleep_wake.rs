@@ -13,6 +13,8 @@
 //!
 //! Each run prints the milliseconds per cycle of the cycles it counts (after one warm-up cycle).
 
+#[path = "common/cli.rs"]
+mod cli;
 mod common;
 #[path = "common/sleep.rs"]
 mod sleep;
@@ -21,7 +23,17 @@ use memtoken::backend::{Addr, Backend};
 use memtoken::{Allocation, Budget, Committed, Device, make_guard};
 use std::time::Instant;
 
-const USAGE: &str = "usage: sleep_wake [memtoken|raw] [cycles]  (default: memtoken 20)";
+const USAGE: &str = "\
+usage: sleep_wake [MODE] [CYCLES]
+
+A 64 MiB allocation suspended with its bytes saved and resumed at its address CYCLES times
+(after one warm-up cycle), for instruction counts and paired timing runs (see the top of
+examples/sleep_wake.rs); prints the milliseconds per cycle.
+
+  MODE         memtoken (suspend_saving + resume, the default) or raw (the same backend calls
+               by hand)
+  CYCLES       a whole number (default 20)
+  -h, --help   print this usage";
 
 #[inline(never)]
 fn cycles_memtoken<'b, 'id, B: Backend>(
@@ -42,21 +54,16 @@ fn cycles_raw<B: Backend>(raw: &B, addr: Addr, mut phys: B::Phys, n: u64) -> B::
     phys
 }
 
-fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+fn main() -> std::process::ExitCode {
     if common::started_by_test_harness() {
-        return Ok(());
+        return std::process::ExitCode::SUCCESS;
     }
-    let mut args = std::env::args().skip(1);
-    let which = args.next().unwrap_or_else(|| "memtoken".into());
-    let n: u64 = match args.next().map(|s| s.parse()) {
-        None => 20,
-        Some(Ok(n)) => n,
-        Some(Err(e)) => {
-            eprintln!("sleep_wake: cycles must be a whole number ({e})\n{USAGE}");
-            std::process::exit(2);
-        }
-    };
-    let elapsed = match which.as_str() {
+    let (which, n) = cli::mode_and_count(USAGE, &["memtoken", "raw"], "CYCLES", ("memtoken", 20));
+    cli::exit(run(which, n))
+}
+
+fn run(which: &str, n: u64) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    let elapsed = match which {
         "memtoken" => {
             make_guard!(guard);
             let device = Device::new(guard, sleep::backend());
@@ -83,14 +90,7 @@ fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
             let _ = phys;
             elapsed
         }
-        "--help" | "-h" => {
-            println!("{USAGE}");
-            return Ok(());
-        }
-        other => {
-            eprintln!("sleep_wake: no mode {other:?}\n{USAGE}");
-            std::process::exit(2);
-        }
+        _ => unreachable!("a mode of the command line"),
     };
     let per = elapsed.as_secs_f64() * 1e3 / n.max(1) as f64;
     println!("{which}: {n} cycles, {per:.3} ms per cycle");

@@ -10,10 +10,13 @@
 //! cargo run --release --example serving_engine [-- --workers N --requests R --seed S]
 //! ```
 
+#[path = "../common/cli.rs"]
+mod cli;
 #[path = "../common/mod.rs"]
 mod common;
 mod engine;
 
+use cli::Arg;
 use engine::{Config, Engine, Request, Stats, TOKENS_PER_PAGE};
 use memtoken::backend::{HostBackend, HostConfig};
 use memtoken::{Budget, Device, make_guard};
@@ -27,36 +30,37 @@ struct Workload {
     seed: u64,
 }
 
-fn parse() -> std::result::Result<Workload, String> {
+const USAGE: &str = "\
+usage: serving_engine [--workers N] [--requests R] [--seed S]
+
+A serving engine with worker threads on memtoken
+(cargo run --release --example serving_engine -- ARGS).
+
+  --workers N    worker threads, each with a page pool (default 4)
+  --requests R   requests per phase (default 96)
+  --seed S       seed of the prompts (default 7)
+  -h, --help     print this usage";
+
+/// The command line (`--help`: the usage, exit 0; a usage error: exit 2).
+fn parse() -> Workload {
     let mut w = Workload {
         workers: 4,
         requests: 96,
         seed: 7,
     };
-    let mut it = std::env::args().skip(1);
-    while let Some(flag) = it.next() {
-        let mut value = |name: &str| {
-            it.next()
-                .and_then(|v| v.parse::<u64>().ok())
-                .ok_or(format!("{name} needs a number"))
+    let mut cli = cli::Args::new(USAGE);
+    while let Some(arg) = cli.next_arg() {
+        let Arg::Flag(flag) = arg else {
+            cli.unknown(arg)
         };
         match flag.as_str() {
-            "--workers" => w.workers = value("--workers")?.max(1) as usize,
-            "--requests" => w.requests = value("--requests")? as usize,
-            "--seed" => w.seed = value("--seed")?,
-            "-h" | "--help" => {
-                println!(
-                    "serving_engine: a serving engine with worker threads on memtoken\n\n\
-                     --workers N    worker threads, each with a page pool (default 4)\n\
-                     --requests R   requests per phase (default 96)\n\
-                     --seed S       seed of the prompts (default 7)"
-                );
-                std::process::exit(0);
-            }
-            other => return Err(format!("unknown argument {other:?}; try --help")),
+            "--workers" => w.workers = cli.value::<usize>(&flag).max(1),
+            "--requests" => w.requests = cli.value(&flag),
+            "--seed" => w.seed = cli.value(&flag),
+            _ => cli.unknown(Arg::Flag(flag)),
         }
     }
-    Ok(w)
+    w
 }
 
 /// `n` requests: one of 4 system prompts of 256 tokens, one of 8 user prefixes of 64, and 20
@@ -100,11 +104,16 @@ fn print(phase: &str, stats: &Stats) {
     );
 }
 
-fn main() -> Result<()> {
+fn main() -> std::process::ExitCode {
     if common::started_by_test_harness() {
-        return Ok(());
+        return std::process::ExitCode::SUCCESS;
     }
-    let w = parse()?;
+    let w = parse();
+    cli::exit(serve(&w))
+}
+
+/// The two phases of the workload, and the sleep between them.
+fn serve(w: &Workload) -> Result<()> {
     println!(
         "serving_engine: {} workers, 2 phases of {} requests (4 system prompts of 256 tokens, 8 \
          user prefixes of 64, 20 tokens of their own; 4 samples of 32 tokens each; {}-token \

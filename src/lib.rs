@@ -39,6 +39,13 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
+//! ## Guides
+//!
+//! One topic a page, each with examples that run as doc tests: [`guide`] — tokens and their
+//! verbs, shared prefixes, page pools and the prefix cache, elastic regions, sleep and wake,
+//! CUDA (streams, fences, captures, peers), the backends, mechanisms chosen at run time,
+//! structuring a program (engines, threads, errors), transfer engines and NIXL.
+//!
 //! ## Guarantees
 //!
 //! At compile time (each one has a `compile_fail` example in these docs and a `trybuild` case):
@@ -152,6 +159,7 @@ pub mod backend;
 mod device;
 mod engine;
 mod error;
+pub mod guide;
 mod ids;
 mod interop;
 mod ledger;
@@ -215,49 +223,12 @@ pub use sleep::{
 pub use state::{Committed, Live, Readable, Releasing, Reserved, State};
 pub use transfer::{Descriptor, Registrable, Registration};
 
-// The README and the guides under docs/: every Rust snippet in them is compiled (and run) as a
-// doc test (`cargo test --doc`). These items exist only while rustdoc collects doc tests.
+// The README's snippets are compiled (and run) as doc tests (`cargo test --doc`), as the
+// guides' are in `guide`. The README is not part of the crate's documentation: it is written for
+// GitHub and crates.io (its benchmark table, links to docs.rs), and these docs say the same in
+// their own words, with links to the items. This item exists only while rustdoc collects doc
+// tests.
 /// The README's snippets.
 #[cfg(doctest)]
 #[doc = include_str!("../README.md")]
 pub struct ReadmeDoctests;
-/// docs/tokens.md's snippets.
-#[cfg(doctest)]
-#[doc = include_str!("../docs/tokens.md")]
-pub struct TokensGuideDoctests;
-/// docs/sharing.md's snippets.
-#[cfg(doctest)]
-#[doc = include_str!("../docs/sharing.md")]
-pub struct SharingGuideDoctests;
-/// docs/page-pool.md's snippets.
-#[cfg(doctest)]
-#[doc = include_str!("../docs/page-pool.md")]
-pub struct PagePoolGuideDoctests;
-/// docs/regions.md's snippets.
-#[cfg(doctest)]
-#[doc = include_str!("../docs/regions.md")]
-pub struct RegionsGuideDoctests;
-/// docs/sleep-wake.md's snippets.
-#[cfg(doctest)]
-#[doc = include_str!("../docs/sleep-wake.md")]
-pub struct SleepWakeGuideDoctests;
-/// docs/cuda.md's snippets (on the driver model: they run anywhere).
-#[cfg(doctest)]
-#[doc = include_str!("../docs/cuda.md")]
-pub struct CudaGuideDoctests;
-/// docs/mechanisms.md's snippets.
-#[cfg(doctest)]
-#[doc = include_str!("../docs/mechanisms.md")]
-pub struct MechanismsGuideDoctests;
-/// docs/engines.md's snippets.
-#[cfg(doctest)]
-#[doc = include_str!("../docs/engines.md")]
-pub struct EnginesGuideDoctests;
-/// docs/transfer-engines.md's snippets.
-#[cfg(doctest)]
-#[doc = include_str!("../docs/transfer-engines.md")]
-pub struct TransferEnginesGuideDoctests;
-/// docs/nixl.md's snippets: they need feature `nixl` (`cargo test --features nixl --doc nixl`).
-#[cfg(all(doctest, feature = "nixl"))]
-#[doc = include_str!("../docs/nixl.md")]
-pub mod nixl_guide {}

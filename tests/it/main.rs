@@ -59,3 +59,6 @@ mod simulator;
 mod properties;
 mod tails;
 mod threads;
+
+// The README and the guides: their links resolve off GitHub.
+mod doc_links;

@@ -9,7 +9,12 @@ use memtoken::{
 use static_assertions::{assert_eq_size, assert_impl_all, assert_not_impl_any};
 use std::mem::size_of;
 
+// Every type alias here is used only inside `const _` items (the assertions), which rustc 1.88,
+// the crate's minimum Rust, does not count as uses: it warns that each is never used (later
+// compilers do not). Hence the `allow`s.
+#[allow(dead_code)]
 type HostAlloc<S> = Allocation<'static, 'static, HostBackend, S>;
+#[allow(dead_code)]
 type SimAlloc<S> = Allocation<'static, 'static, SimBackend, S>;
 
 // ---- state markers ----
@@ -131,9 +136,13 @@ assert_impl_all!(ContextLost<'static>: Send, Sync);
 
 // ---- shared prefixes, pages, CUDA ----
 
+#[allow(dead_code)] // used only in `const _` items (see above)
 type HostPool = memtoken::PagePool<'static, 'static, 'static, HostBackend>;
+#[allow(dead_code)] // used only in `const _` items (see above)
 type HostPage = memtoken::Page<'static, 'static, 'static, 'static, HostBackend>;
+#[allow(dead_code)] // used only in `const _` items (see above)
 type HostTable = memtoken::PageTable<'static, 'static, 'static, 'static, HostBackend>;
+#[allow(dead_code)] // used only in `const _` items (see above)
 type CudaModel = memtoken::backend::cuda::CudaBackend<memtoken::backend::doubles::DriverModel>;
 
 // A page token is its pool's address and a 4-byte index.

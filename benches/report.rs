@@ -46,10 +46,16 @@ use plotters::style::text_anchor::{HPos, Pos, VPos};
 use serde::Deserialize;
 use serde::de::DeserializeOwned;
 
-const USAGE: &str = "usage: cargo run --release --bin bench_report [-- [--quick] [--save]]
-  --quick  shorter measurements (1 s warm-up, 2 s per bench)
-  --save   also write docs/benchmarks.svg and this run's table into README.md (between
-           <!-- bench_report:begin --> and <!-- bench_report:end -->)";
+const USAGE: &str =
+    "usage: cargo run --release --bin bench_report [-- [--quick] [--save] [--profiles]]
+  --quick     shorter measurements (1 s warm-up, 2 s per bench)
+  --save      also write docs/benchmarks.svg and this run's table into README.md (between
+              <!-- bench_report:begin --> and <!-- bench_report:end -->), and the profile
+              table into docs/benchmarks.md (between <!-- bench_report:profiles:begin --> and
+              <!-- bench_report:profiles:end -->)
+  --profiles  only the profile table: the page and granule cycles' instructions built with
+              memtoken's profile, with 16 codegen units, and with 16 units and fat LTO
+  -h, --help  this text";
 
 const BEGIN: &str = "<!-- bench_report:begin -->";
 const END: &str = "<!-- bench_report:end -->";
@@ -258,6 +264,91 @@ const COUNTED: &[Counted] = &[
     },
 ];
 
+/// A release profile a user's program may build memtoken with: the hot paths are counted under
+/// each (every memtoken function inlines into its caller, so the caller's profile decides the
+/// code), in a target directory of its own.
+struct Profile {
+    label: &'static str,
+    /// Cargo's `CARGO_PROFILE_RELEASE_*` settings over this repository's `[profile.release]`.
+    env: &'static [(&'static str, &'static str)],
+    /// The target directory's name under `target/` (`None`: the usual one).
+    dir: Option<&'static str>,
+}
+
+/// memtoken's own profile, cargo's default unit split, and that split with fat LTO.
+const PROFILES: &[Profile] = &[
+    Profile {
+        label: "memtoken's: `codegen-units = 1`",
+        env: &[],
+        dir: None,
+    },
+    Profile {
+        label: "cargo's default: 16 codegen units",
+        env: &[("CARGO_PROFILE_RELEASE_CODEGEN_UNITS", "16")],
+        dir: Some("profile-cgu16"),
+    },
+    Profile {
+        label: "16 codegen units, `lto = \"fat\"`",
+        env: &[
+            ("CARGO_PROFILE_RELEASE_CODEGEN_UNITS", "16"),
+            ("CARGO_PROFILE_RELEASE_LTO", "fat"),
+        ],
+        dir: Some("profile-cgu16-fat-lto"),
+    },
+];
+
+/// The rows of [`COUNTED`] counted under every profile of [`PROFILES`].
+const BY_PROFILE: &[&str] = &["page cycle / by hand", "granule cycle / by hand"];
+
+const PROFILES_BEGIN: &str = "<!-- bench_report:profiles:begin -->";
+const PROFILES_END: &str = "<!-- bench_report:profiles:end -->";
+
+/// The counted rows of [`BY_PROFILE`] under each profile, as a markdown table.
+fn count_by_profile() -> Result<String, String> {
+    let mut out = String::from(
+        "| cycle | profile | memtoken | by hand | ratio |\n| --- | --- | ---: | ---: | ---: |\n",
+    );
+    let counted: Vec<&Counted> = COUNTED
+        .iter()
+        .filter(|c| BY_PROFILE.contains(&c.label))
+        .collect();
+    let mut lines = vec![String::new(); counted.len() * PROFILES.len()];
+    for (p, profile) in PROFILES.iter().enumerate() {
+        let target = profile
+            .dir
+            .map_or_else(target_dir, |d| target_dir().join(d));
+        eprintln!("building the counted examples with {} ...", profile.label);
+        let mut build = cargo();
+        build.args(["build", "--release", "--example", "page_cycle"]);
+        build.args(["--example", "granule_cycle"]);
+        build
+            .env("CARGO_TARGET_DIR", &target)
+            .envs(profile.env.iter().copied());
+        let built = build
+            .status()
+            .map_err(|e| format!("cargo did not start: {e}"))?;
+        if !built.success() {
+            return Err(format!(
+                "the counted examples did not build with {} (cargo build: {built})",
+                profile.label
+            ));
+        }
+        for (i, c) in counted.iter().enumerate() {
+            eprintln!("counting instructions: {} {} ...", c.example, profile.label);
+            let memtoken = callgrind_in(&target, c.example, c.memtoken, c.cycles)?;
+            let reference = callgrind_in(&target, c.example, c.reference, c.cycles)?;
+            let cycle = c.label.trim_end_matches(" / by hand");
+            lines[i * PROFILES.len() + p] = format!(
+                "| {cycle} | {} | {memtoken:.1} | {reference:.1} | {} |\n",
+                profile.label,
+                ratio(memtoken / reference)
+            );
+        }
+    }
+    out.extend(lines);
+    Ok(out)
+}
+
 /// One row of the table and of the picture.
 struct Row {
     group: Group,
@@ -419,8 +510,13 @@ fn read_results(dir: &Path, since: SystemTime, out: &mut BTreeMap<String, f64>) 
 /// Instructions per cycle of `examples/{example}.rs` run as `which`, from callgrind: the
 /// difference between runs of `cycles` and twice as many, so that what runs once cancels out.
 fn callgrind(example: &str, which: &str, cycles: u64) -> Result<f64, String> {
+    callgrind_in(&target_dir(), example, which, cycles)
+}
+
+/// [`callgrind`] of the example built in the target directory `target`.
+fn callgrind_in(target: &Path, example: &str, which: &str, cycles: u64) -> Result<f64, String> {
     let count = |n: u64| -> Result<f64, String> {
-        let exe = target_dir().join("release/examples").join(example);
+        let exe = target.join("release/examples").join(example);
         let out = std::env::temp_dir().join(format!("memtoken-callgrind-{example}-{which}.out"));
         let run = Command::new("valgrind")
             .arg("--tool=callgrind")
@@ -710,8 +806,14 @@ fn svg(rows: &[Row], missing: &[String]) -> Result<String, Box<dyn Error>> {
 
 /// `readme` with the text between the markers replaced by `block`; `None` without the markers.
 fn replace_block(readme: &str, block: &str) -> Option<String> {
-    let start = readme.find(BEGIN)? + BEGIN.len();
-    let end = start + readme[start..].find(END)?;
+    replace_between(readme, BEGIN, END, block)
+}
+
+/// `text` with what stands between the lines `begin` and `end` replaced by `block`; `None` if
+/// either line is missing.
+fn replace_between(readme: &str, begin: &str, end: &str, block: &str) -> Option<String> {
+    let start = readme.find(begin)? + begin.len();
+    let end = start + readme[start..].find(end)?;
     Some(format!(
         "{}\n{}\n{}",
         &readme[..start],
@@ -727,6 +829,29 @@ fn write(path: &Path, contents: &str) -> Result<(), String> {
         .map_err(|e| format!("{} not written: {e}", path.display()))
 }
 
+/// Counts the profile table and prints it; with `save`, writes it into `doc` between its
+/// markers. Without valgrind, says so and counts nothing.
+fn profile_table(save: bool, doc: &Path) -> Result<(), String> {
+    if Command::new("valgrind").arg("--version").output().is_err() {
+        println!("Profile table: not measured (valgrind is not installed).");
+        return Ok(());
+    }
+    let table = count_by_profile()?;
+    println!("\nInstructions per cycle by the caller's release profile:\n\n{table}");
+    if save {
+        let text = std::fs::read_to_string(doc).unwrap_or_default();
+        let text = replace_between(&text, PROFILES_BEGIN, PROFILES_END, &table).ok_or_else(|| {
+            format!(
+                "the lines {PROFILES_BEGIN} and {PROFILES_END} left {} during the run; not touched",
+                doc.display()
+            )
+        })?;
+        write(doc, &text)?;
+        println!("{}: the profile table replaced", doc.display());
+    }
+    Ok(())
+}
+
 /// Prints `why` as the one line that explains a non-zero exit status.
 fn fail(why: &str) -> ExitCode {
     println!("bench_report: exit status 1: {why}");
@@ -734,11 +859,12 @@ fn fail(why: &str) -> ExitCode {
 }
 
 fn main() -> ExitCode {
-    let (mut quick, mut save) = (false, false);
+    let (mut quick, mut save, mut profiles_only) = (false, false, false);
     for arg in std::env::args().skip(1) {
         match arg.as_str() {
             "--quick" => quick = true,
             "--save" => save = true,
+            "--profiles" => profiles_only = true,
             "--help" | "-h" => {
                 println!("{USAGE}");
                 return ExitCode::SUCCESS;
@@ -748,6 +874,22 @@ fn main() -> ExitCode {
                 return ExitCode::from(2);
             }
         }
+    }
+    let benchmarks_path = root().join("docs/benchmarks.md");
+    if save {
+        let doc = std::fs::read_to_string(&benchmarks_path).unwrap_or_default();
+        if replace_between(&doc, PROFILES_BEGIN, PROFILES_END, "").is_none() {
+            return fail(&format!(
+                "--save needs the lines {PROFILES_BEGIN} and {PROFILES_END} in docs/benchmarks.md; \
+                 nothing touched, nothing measured"
+            ));
+        }
+    }
+    if profiles_only {
+        return match profile_table(save, &benchmarks_path) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(why) => fail(&why),
+        };
     }
     let readme_path = root().join("README.md");
     if save {
@@ -848,6 +990,10 @@ fn main() -> ExitCode {
             return fail(&why);
         }
         println!("README.md: the table between {BEGIN} and {END} replaced");
+    }
+
+    if let Err(why) = profile_table(save, &benchmarks_path) {
+        return fail(&why);
     }
 
     // The verdict: the instruction counts only.

@@ -1,4 +1,4 @@
-//! Errors that `?` (issue 25): every fallible transition with plain `?` in a function returning
+//! Errors that `?`: every fallible transition with plain `?` in a function returning
 //! the crate's `'static` error, a boxed `dyn Error + Send + Sync`, or `anyhow::Result`; the
 //! conversion drops the token handed back, which tears down as any drop does (nothing lost);
 //! printed whole, the message says what failed and why.
@@ -167,4 +167,107 @@ fn a_lost_context_is_found_in_any_converted_error() {
     assert!(memtoken::is_context_lost(e.as_ref()), "{e:#}");
     drop(binding);
     let _ = device.close();
+}
+
+/// Converted into the crate's [`memtoken::Error`], every kind of failure opens its message
+/// with its own summary — what failed, in a few words — then its chain. Fails if a summary is
+/// lost (the message would open with ": ") or replaced.
+#[test]
+fn every_failure_opens_its_message_with_its_own_summary() {
+    use memtoken::backend::{BackendError, Cause};
+    use memtoken::{
+        CommitFailure, CowFailure, Error, GrowError, PoolError, ReleaseFailure, ReserveError,
+        ResumeFailure, ShareFailure, ShrinkError, SuspendFailure, ViewError,
+    };
+    let backend = || BackendError {
+        op: Op::Map,
+        addr: 0x1000,
+        len: 4096,
+        cause: Cause::Os { errno: 12 },
+    };
+    let budget = || CommitFailure::Budget {
+        requested: 2,
+        used: 1,
+        limit: 2,
+    };
+    let cases: Vec<(&str, Error)> = vec![
+        (
+            "the view could not be made",
+            ViewError::Length { bytes: 3, size: 2 }.into(),
+        ),
+        (
+            "the page pool could not be made or grown",
+            PoolError::PageSize(3).into(),
+        ),
+        (
+            "the region could not shrink",
+            ShrinkError::TooMany {
+                requested: 2,
+                committed: 1,
+            }
+            .into(),
+        ),
+        (
+            "the reservation was refused",
+            ReserveError::ZeroLength { granularity: 4096 }.into(),
+        ),
+        ("a backend call failed", backend().into()),
+        (
+            "the memory cannot be suspended yet",
+            SuspendFailure::Pending.into(),
+        ),
+        (
+            "suspending the memory failed",
+            SuspendFailure::Backend(Box::new(backend())).into(),
+        ),
+        (
+            "resuming the memory failed",
+            ResumeFailure::Restore(Box::new(backend())).into(),
+        ),
+        (
+            "the region could not grow",
+            GrowError::Full {
+                requested: 2,
+                committed: 1,
+                room: 2,
+            }
+            .into(),
+        ),
+        ("commit failed", budget().into()),
+        (
+            "mapping the prefix failed",
+            ShareFailure::SizeMismatch {
+                reservation: 1,
+                prefix: 2,
+            }
+            .into(),
+        ),
+        (
+            "copy-on-write of the boundary granule cannot start yet",
+            CowFailure::Pending.into(),
+        ),
+        (
+            "copy-on-write of the boundary granule failed",
+            CowFailure::Private(Box::new(budget())).into(),
+        ),
+        (
+            "the release cannot complete yet",
+            ReleaseFailure::Pending.into(),
+        ),
+        (
+            "the release cannot complete yet",
+            ReleaseFailure::Stuck.into(),
+        ),
+        (
+            "the release failed",
+            ReleaseFailure::Backend(Box::new(backend())).into(),
+        ),
+    ];
+    for (summary, error) in &cases {
+        let message = error.to_string();
+        assert!(
+            message.starts_with(&format!("{summary}: ")) && message.len() > summary.len() + 2,
+            "{message:?} does not open with {summary:?}"
+        );
+    }
 }

@@ -3,6 +3,9 @@
 //! backend panic in the middle of `Device::drop`: the rest of the drop (the deferred queue's
 //! wait-and-release, the cache trim, the quarantine retry, the forgotten bindings' unpins) is
 //! skipped, and what the device held is left in the backend while its context lives on.
+//!
+//! Also: what a dropped device says on stderr (child runs of this binary: stderr is the
+//! process's there).
 
 use memtoken::backend::{
     Op,
@@ -81,5 +84,59 @@ fn a_panic_in_the_drops_poll_skips_the_forgotten_bindings_unpin() {
         sim.pins(),
         0,
         "the forgotten binding's pin was never given back"
+    );
+}
+
+/// Which device the child run of [`a_dropped_device_speaks_only_of_what_it_leaves`] drops.
+const DROP_CHILD: &str = "MEMTOKEN_DROP_CHILD";
+
+/// A device dropped without `close` and without a sink says what it leaves, on stderr — and
+/// says nothing when it leaves nothing. Each is dropped in a child run of this test (stderr is
+/// the process's there), whose stderr the parent reads.
+#[test]
+fn a_dropped_device_speaks_only_of_what_it_leaves() {
+    if let Ok(which) = std::env::var(DROP_CHILD) {
+        // Fences complete at once: what a drop leaves is only what the faults leave.
+        let sim = SimBackend::new(SimConfig {
+            granularity: 4096,
+            ..SimConfig::strict()
+        });
+        let backend = Faulty::new(sim.unwrap());
+        let faults = backend.handle();
+        make_guard!(guard);
+        let device = Device::new(guard, backend);
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        let memory = binding.reserve(4096).unwrap().commit().unwrap();
+        if which == "unclean" {
+            // Every unmap fails: the memory is quarantined, and stays so through the drop.
+            faults.fail_from(Op::Unmap, 1);
+        }
+        drop(memory);
+        drop(binding);
+        drop(device);
+        return;
+    }
+    let run = |which: &str| {
+        let out = std::process::Command::new(std::env::current_exe().unwrap())
+            .args([
+                "a_dropped_device_speaks_only_of_what_it_leaves",
+                "--exact",
+                "--nocapture",
+            ])
+            .env(DROP_CHILD, which)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "the {which} child: {}", out.status);
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let clean = run("clean");
+    assert!(
+        !clean.contains("memtoken: a device dropped"),
+        "a clean drop said something: {clean}"
+    );
+    let unclean = run("unclean");
+    assert!(
+        unclean.contains("memtoken: a device dropped") && unclean.contains("quarantine"),
+        "a drop that leaves memory quarantined says so: {unclean}"
     );
 }

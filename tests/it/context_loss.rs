@@ -187,3 +187,41 @@ fn a_prefix_that_loses_the_context_at_its_boundary_names_the_unmap_it_could_not_
     drop(binding);
     assert!(device.close().is_clean());
 }
+
+/// A tail given back once the context is known lost is refused before any call, and the refusal
+/// names the unmap it could not make: the top of the mapped part, as many granules as were
+/// given back. The tail stays the region's.
+#[test]
+fn a_tail_given_back_after_the_context_is_lost_names_the_granules_it_could_not_unmap() {
+    let model = common::model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let mut region = binding.reserve(4 * g).unwrap().into_region();
+    region.set_tail_cap(3).unwrap();
+    let mut region = region.grown(4);
+    region.shrink(3).expect("into the tail");
+    assert_eq!(
+        (region.committed_granules(), region.tail_granules()),
+        (1, 3)
+    );
+    model.lose_context();
+    assert!(lost(binding.reserve(g)), "the backend learns of the loss");
+    let r = region.set_tail_cap(1);
+    let Err(memtoken::ShrinkError::Backend(refused)) = r else {
+        panic!("a tail given back after the loss is refused: {r:?}");
+    };
+    assert!(refused.is_context_lost(), "{refused}");
+    assert_eq!(
+        (refused.op, refused.addr, refused.len),
+        (memtoken::backend::Op::Unmap, region.addr() + 2 * g, 2 * g),
+        "the top two of the four mapped granules"
+    );
+    assert_eq!(region.tail_granules(), 3, "the tail stays");
+    drop(region);
+    let proof = device.confirm_context_lost().expect("the context is lost");
+    device.discharge_all(&proof);
+    drop(binding);
+    assert!(device.close().is_clean());
+}

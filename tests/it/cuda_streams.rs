@@ -914,7 +914,7 @@ fn a_page_cycle_makes_less_than_one_driver_call() {
     let pool = memtoken::PagePool::new(pool_guard, &binding, G / 64).unwrap();
     let warm = pool.alloc().unwrap(); // the first chunk's commit is not counted
     pool.free(warm);
-    let cycles = 10_000;
+    let cycles = common::unless_miri(10_000, 1_000);
     let before = model.log().len();
     for i in 0..cycles {
         let page = pool.alloc().unwrap();

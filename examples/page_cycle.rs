@@ -31,7 +31,7 @@ A 256-token sequence's 16 pages allocated and freed CYCLES times, for instructio
 (callgrind; see the top of examples/page_cycle.rs).
 
   MODE         memtoken (a PagePool's page table, the default), pages (the pool's alloc and
-               free, page by page) or raw (the hand-written pool of benches/common/raw_pool.rs)
+               free, page by page) or raw (the hand-written pool of examples/common/raw_pool.rs)
   CYCLES       a whole number (default 1000000)
   -h, --help   print this usage";
 

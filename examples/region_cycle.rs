@@ -35,7 +35,7 @@ cycles), for instruction counts and paired timing runs (see the top of
 examples/region_cycle.rs); prints the nanoseconds per cycle.
 
   MODE         memtoken (a Region, the default), tail (a Region with a mapped tail) or raw (the
-               hand-written region of benches/common/region.rs)
+               hand-written region of examples/common/region.rs)
   CYCLES       a whole number (default 20000)
   -h, --help   print this usage";
 

@@ -39,7 +39,7 @@ Shared pages, for instruction counts (callgrind; see the top of examples/share_c
   MODE         fork (fork a 1,000-page table and release the fork), share (one more holder of
                each of 16 pages, let go again) on memtoken's PagePool, or raw-fork (the
                default), raw-share: the same on the reference-count pool of
-               benches/common/rc_pool.rs
+               examples/common/rc_pool.rs
   CYCLES       a whole number (default 1000)
   -h, --help   print this usage";
 

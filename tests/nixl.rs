@@ -1153,3 +1153,14 @@ fn an_offer_in_the_old_format_is_refused_by_name()
     assert!(pd.close().is_clean());
     Ok(())
 }
+
+/// A NIXL failure converted into the crate's [`memtoken::Error`] opens its message with its
+/// summary, then its own words.
+#[test]
+fn a_nixl_failure_opens_its_message_with_its_summary() {
+    let message = memtoken::Error::from(NixlError::OtherAgent).to_string();
+    assert!(
+        message.starts_with("a NIXL transfer step failed: a registration"),
+        "{message}"
+    );
+}

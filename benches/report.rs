@@ -339,8 +339,10 @@ fn count_by_profile() -> Result<String, String> {
             let reference = callgrind_in(&target, c.example, c.reference, c.cycles)?;
             let cycle = c.label.trim_end_matches(" / by hand");
             lines[i * PROFILES.len() + p] = format!(
-                "| {cycle} | {} | {memtoken:.1} | {reference:.1} | {} |\n",
+                "| {cycle} | {} | {} | {} | {} |\n",
                 profile.label,
+                instructions(memtoken),
+                instructions(reference),
                 ratio(memtoken / reference)
             );
         }

@@ -20,6 +20,10 @@ const AXPY: &str = include_str!("../../examples/kernels/axpy.ptx");
 /// `axpy` that first spins for a given number of nanoseconds in every thread.
 const SPIN_AXPY: &str = include_str!("../kernels/spin_axpy.ptx");
 
+/// The tests that run on a device without virtual memory management too (the plain
+/// mechanism's); every other one needs VMM.
+pub(crate) const NO_VMM: &[&str] = &["gpu_plain_mechanism_commits_copies_and_frees"];
+
 /// `(name, test)` pairs, the name as written.
 macro_rules! tests {
     ($($test:ident),* $(,)?) => {

@@ -62,6 +62,7 @@ fn with_the_crates_error(
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "exports: a memfd, which Miri lacks")]
 fn every_transition_takes_plain_question_marks() {
     make_guard!(guard);
     // It exports: a memfd whatever MEMTOKEN_HOST_MEMORY says.
@@ -121,6 +122,7 @@ fn memtokens_cudarc_is_the_one_it_links(
 /// cudarc's panic; where there is one, it opens (or the driver says why not).
 #[cfg(feature = "cuda")]
 #[test]
+#[cfg_attr(miri, ignore = "loads the CUDA driver (dlopen), which Miri cannot")]
 fn opening_a_context_without_a_driver_is_an_error() {
     use memtoken::backend::cuda::{CudaError, SysDriver, open_context};
     let opened = open_context(0);

@@ -60,6 +60,7 @@ fn the_host_backend_creates_up_to_exactly_its_capacity() {
 /// create refused because no free range is long enough, though enough bytes are free in
 /// pieces, says how many bytes are free.
 #[test]
+#[cfg_attr(miri, ignore = "the memfd store's physical ranges: the heap store (Miri's) makes each memory a buffer of its own, so nothing fragments")]
 fn a_host_create_refused_for_fragmentation_says_what_is_free() {
     let (host, page) = host_of_pages(4);
     let pieces: Vec<_> = (0..3).map(|_| host.create(page).unwrap()).collect();
@@ -95,6 +96,7 @@ fn a_host_release_gives_back_its_bytes() {
 /// Kills `src/backend/host.rs: replace -= with += in <impl Backend for HostBackend>::release`:
 /// releasing an exportable allocation (a file of its own) gives its bytes back too.
 #[test]
+#[cfg_attr(miri, ignore = "exports: a memfd, which Miri lacks")]
 fn a_host_exportable_release_gives_back_its_bytes() {
     let host = HostBackend::with_defaults().unwrap();
     let page = host.granularity();
@@ -107,6 +109,7 @@ fn a_host_exportable_release_gives_back_its_bytes() {
 /// Kills `src/backend/host.rs: replace HostBackend::open_files -> usize with 1`: the host
 /// counts the files it holds open, from none.
 #[test]
+#[cfg_attr(miri, ignore = "exports: a memfd, which Miri lacks")]
 fn the_host_counts_its_open_files_from_none() {
     let (host, page) = host_of_pages(4);
     assert_eq!(host.open_files(), 0);
@@ -121,6 +124,7 @@ fn the_host_counts_its_open_files_from_none() {
 /// Kills `src/backend/host.rs: replace | with & in reopen_read_only`: the descriptor an export
 /// hands out is closed on `exec`, like every descriptor the backend opens.
 #[test]
+#[cfg_attr(miri, ignore = "exports: a memfd, which Miri lacks")]
 fn an_exported_descriptor_is_closed_on_exec() {
     let (host, page) = host_of_pages(4);
     let phys = host.create_exportable(page).unwrap();
@@ -135,6 +139,7 @@ fn an_exported_descriptor_is_closed_on_exec() {
 /// HostBackend>::import`: a host import may claim all of an exported file, and is refused when
 /// it claims more.
 #[test]
+#[cfg_attr(miri, ignore = "exports: a memfd, which Miri lacks")]
 fn a_host_import_may_claim_all_of_the_file_and_no_more() {
     let exporter = HostBackend::with_defaults().unwrap();
     let importer = HostBackend::with_defaults().unwrap();

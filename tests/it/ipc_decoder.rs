@@ -139,6 +139,7 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(common::proptest_cases(1000)))]
 
     #[test]
+    #[cfg_attr(miri, ignore = "imports a memfd, which Miri lacks")]
     fn any_message_and_descriptors_give_an_error_or_a_valid_import(
         bytes in bytes(),
         fds in prop_oneof![

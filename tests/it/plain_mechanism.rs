@@ -403,7 +403,6 @@ fn a_panic_at_any_call_of_a_plain_commit_loses_nothing() {
 /// succeed. Fails if placeholders are handed out from a counter that only grows (it runs out
 /// after 122,880 reservations of 2^47 bytes).
 #[test]
-#[cfg_attr(miri, ignore = "130,000 reservations")]
 fn placeholder_addresses_are_reused_and_never_run_out() {
     let model = no_vmm();
     make_guard!(guard);

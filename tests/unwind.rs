@@ -2206,36 +2206,64 @@ fn test(name: &str, child: fn(usize), tell: bool) {
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "starts child processes (this binary run again), which Miri cannot"
+)]
 fn unwind_sim() {
     test("unwind_sim", child::<Sim>, false);
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "starts child processes (this binary run again), which Miri cannot"
+)]
 fn unwind_host() {
     test("unwind_host", child::<Host>, false);
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "starts child processes (this binary run again), which Miri cannot"
+)]
 fn unwind_cuda_model() {
     test("unwind_cuda_model", child::<Cuda>, false);
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "starts child processes (this binary run again), which Miri cannot"
+)]
 fn any_call_host() {
     test("any_call_host", any_call_child::<Host, false>, true);
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "starts child processes (this binary run again), which Miri cannot"
+)]
 fn any_call_cuda_model() {
     test("any_call_cuda_model", any_call_child::<Cuda, false>, true);
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "starts child processes (this binary run again), which Miri cannot"
+)]
 fn any_call_in_drops_host() {
     test("any_call_in_drops_host", any_call_child::<Host, true>, true);
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "starts child processes (this binary run again), which Miri cannot"
+)]
 fn any_call_in_drops_cuda_model() {
     test(
         "any_call_in_drops_cuda_model",

@@ -94,6 +94,10 @@ const DROP_CHILD: &str = "MEMTOKEN_DROP_CHILD";
 /// says nothing when it leaves nothing. Each is dropped in a child run of this test (stderr is
 /// the process's there), whose stderr the parent reads.
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "starts child processes (this binary run again), which Miri cannot"
+)]
 fn a_dropped_device_speaks_only_of_what_it_leaves() {
     if let Ok(which) = std::env::var(DROP_CHILD) {
         // Fences complete at once: what a drop leaves is only what the faults leave.

@@ -46,6 +46,7 @@ fn is_child() -> bool {
 /// A device with one release waiting for its fence (completed), whose next fence query panics,
 /// dropped while the caller's own panic unwinds.
 #[test]
+#[cfg_attr(miri, ignore = "the body of a child run: only a child process runs it")]
 fn child_device_dropped_while_unwinding() {
     if !is_child() {
         return;
@@ -78,6 +79,7 @@ impl Drop for PollOnDrop<'_, '_> {
 }
 
 #[test]
+#[cfg_attr(miri, ignore = "the body of a child run: only a child process runs it")]
 fn child_poll_from_a_drop_while_unwinding() {
     if !is_child() {
         return;
@@ -100,6 +102,10 @@ fn child_poll_from_a_drop_while_unwinding() {
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "starts child processes (this binary run again), which Miri cannot"
+)]
 fn a_device_dropped_while_unwinding_does_not_abort_the_process() {
     if is_child() {
         return;
@@ -112,6 +118,10 @@ fn a_device_dropped_while_unwinding_does_not_abort_the_process() {
 }
 
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "starts child processes (this binary run again), which Miri cannot"
+)]
 fn a_poll_from_a_drop_while_unwinding_does_not_abort_the_process() {
     if is_child() {
         return;

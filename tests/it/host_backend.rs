@@ -60,7 +60,10 @@ fn the_host_backend_creates_up_to_exactly_its_capacity() {
 /// create refused because no free range is long enough, though enough bytes are free in
 /// pieces, says how many bytes are free.
 #[test]
-#[cfg_attr(miri, ignore = "the memfd store's physical ranges: the heap store (Miri's) makes each memory a buffer of its own, so nothing fragments")]
+#[cfg_attr(
+    miri,
+    ignore = "the memfd store's physical ranges: the heap store (Miri's) makes each memory a buffer of its own, so nothing fragments"
+)]
 fn a_host_create_refused_for_fragmentation_says_what_is_free() {
     let (host, page) = host_of_pages(4);
     let pieces: Vec<_> = (0..3).map(|_| host.create(page).unwrap()).collect();

@@ -55,6 +55,7 @@ fn a_write_lands_byte_for_byte_with_its_notification()
     );
     let prefill = agent(&prefill_device, "prefill-w");
     let decode = agent(&decode_device, "decode-w");
+    assert_eq!((prefill.name(), decode.name()), ("prefill-w", "decode-w"));
 
     let mut kv = pb.reserve(LEN)?.commit()?;
     fill(kv.as_mut_slice(), 3);
@@ -1163,4 +1164,33 @@ fn a_nixl_failure_opens_its_message_with_its_summary() {
         message.starts_with("a NIXL transfer step failed: a registration"),
         "{message}"
     );
+}
+
+/// A transfer posted by one agent with memory another agent of the same device registered is
+/// refused (`OtherAgent`): nothing is posted; the offer then ends as usual and both ledgers end at
+/// zero.
+#[test]
+fn a_registration_of_another_agent_of_the_same_device_is_refused()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    make_guard!(g);
+    let device = Device::new(g, HostBackend::with_defaults()?);
+    let binding = device.bind(Budget::unlimited())?;
+    let a = agent(&device, "same-device-a");
+    let b = agent(&device, "same-device-b");
+    let source = a.register(binding.reserve(LEN)?.commit()?)?;
+    let mut target = a.register(binding.reserve(LEN)?.commit()?)?;
+    let offer = a.offer(&b.id(), &mut [&mut target])?;
+    let peer = b.load(offer.as_bytes())?;
+    let refused = b
+        .write(&source, &[(0, LEN)], &peer, &[peer.range(0, 0, LEN)?], None)
+        .map(|t| t.bytes());
+    assert!(matches!(refused, Err(NixlError::OtherAgent)), "{refused:?}");
+    peer.done()?;
+    wait_until(|| target.token().is_ok());
+    drop(target.release()?);
+    drop(source.release()?);
+    drop(binding);
+    drop((b, a));
+    assert!(device.close().is_clean());
+    Ok(())
 }

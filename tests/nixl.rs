@@ -1194,3 +1194,34 @@ fn a_registration_of_another_agent_of_the_same_device_is_refused()
     assert!(device.close().is_clean());
     Ok(())
 }
+
+/// An offer to a peer replaces that peer's earlier exposure of the memory and keeps the other
+/// peers': offered to x, to y, then to x again, the memory is exposed to x and y, once each —
+/// and stays withheld for them, never acknowledged. An agent's id says its name.
+#[test]
+fn a_second_offer_to_a_peer_replaces_its_exposure_and_keeps_the_others()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    make_guard!(g);
+    let device = Device::new(g, HostBackend::with_defaults()?);
+    let binding = device.bind(Budget::unlimited())?;
+    let offering = agent(&device, "offering");
+    assert_eq!(offering.id().name(), "offering");
+    assert_eq!(offering.id().to_string(), "offering");
+    let mut target = offering.register(binding.reserve(LEN)?.commit()?)?;
+    for peer in ["x", "y", "x"] {
+        let _never_loaded = offering.offer(&stranger(peer), &mut [&mut target])?;
+    }
+    match target.token() {
+        Err(NixlError::Exposed { mut peers, .. }) => {
+            peers.sort();
+            assert_eq!(peers, ["x", "y"]);
+        }
+        other => panic!("exposed to two peers: no token lent, got {other:?}"),
+    }
+    let e = target.release().expect_err("never acknowledged");
+    assert!(e.to_string().contains("peer x"), "{e}");
+    drop(binding);
+    drop(offering);
+    assert!(!device.close().is_clean(), "withheld memory stays counted");
+    Ok(())
+}

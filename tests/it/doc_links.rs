@@ -176,7 +176,10 @@ fn guide_modules() -> Vec<String> {
 /// Every link in the README and in each Markdown file rustdoc includes is an anchor or an
 /// absolute address, and each docs.rs address of this crate names what exists.
 #[test]
-#[cfg_attr(miri, ignore = "reads and scans the documents, no memory of memtoken's: nothing for Miri to check, and slow under it")]
+#[cfg_attr(
+    miri,
+    ignore = "reads and scans the documents, no memory of memtoken's: nothing for Miri to check, and slow under it"
+)]
 fn the_readme_and_the_guides_have_no_link_that_breaks_off_github() {
     let (guides, excluded) = (guide_modules(), excluded_from_package());
     assert!(
@@ -207,7 +210,10 @@ fn the_readme_and_the_guides_have_no_link_that_breaks_off_github() {
 /// Every Markdown file under `docs/` is either in the crate's documentation (so its snippets
 /// are doc-tested and its links checked above) or named as not.
 #[test]
-#[cfg_attr(miri, ignore = "reads and scans the documents, no memory of memtoken's: nothing for Miri to check, and slow under it")]
+#[cfg_attr(
+    miri,
+    ignore = "reads and scans the documents, no memory of memtoken's: nothing for Miri to check, and slow under it"
+)]
 fn every_file_under_docs_is_a_guide_or_named_as_not() {
     let in_docs = markdown_rustdoc_reads();
     let mut unplaced = Vec::new();
@@ -230,7 +236,10 @@ fn every_file_under_docs_is_a_guide_or_named_as_not() {
 /// The checker refuses what it should: a relative link, in each form, and docs.rs addresses
 /// of what does not exist; it lets through anchors, other sites and what exists.
 #[test]
-#[cfg_attr(miri, ignore = "reads and scans the documents, no memory of memtoken's: nothing for Miri to check, and slow under it")]
+#[cfg_attr(
+    miri,
+    ignore = "reads and scans the documents, no memory of memtoken's: nothing for Miri to check, and slow under it"
+)]
 fn the_link_checker_refuses_relative_links_and_unknown_docs_rs_pages() {
     let guides = vec!["tokens".to_owned()];
     let excluded = vec!["tests/".to_owned()];

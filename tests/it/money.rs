@@ -99,7 +99,10 @@ fn call_sites(files: &[PathBuf]) -> Vec<String> {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "reads and scans the source text, no memory of memtoken's: nothing for Miri to check, and slow under it")]
+#[cfg_attr(
+    miri,
+    ignore = "reads and scans the source text, no memory of memtoken's: nothing for Miri to check, and slow under it"
+)]
 fn no_module_outside_the_ledger_and_the_device_moves_money() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
     let mut files = Vec::new();
@@ -129,7 +132,10 @@ fn no_module_outside_the_ledger_and_the_device_moves_money() {
 }
 
 #[test]
-#[cfg_attr(miri, ignore = "reads and scans the source text, no memory of memtoken's: nothing for Miri to check, and slow under it")]
+#[cfg_attr(
+    miri,
+    ignore = "reads and scans the source text, no memory of memtoken's: nothing for Miri to check, and slow under it"
+)]
 fn the_scan_finds_a_hand_placed_move() {
     let dir = std::env::temp_dir().join(format!("memtoken-money-{}", std::process::id()));
     fs::create_dir_all(dir.join("src").join("device")).unwrap();

@@ -1,4 +1,4 @@
-//! The GPU cost table (issue 27): what a granule costs on a CUDA device, raw and through an
+//! The GPU cost table: what a granule costs on a CUDA device, raw and through an
 //! elastic region, and the calls a region's grow and shrink make.
 //!
 //! 1. **Call counts, everywhere** (printed first; no GPU needed): a [`Region`] on

@@ -182,7 +182,7 @@ fn region_cycle(c: &mut Criterion) {
     let owned = device.ledger().owned_bytes;
     assert_eq!((owned, device.cached_bytes()), (bytes, bytes));
     assert_eq!(raw.free_granules(), region::GRANULES);
-    // The same cycle with the mapped tail keeping every granule (issue 27): no backend call.
+    // The same cycle with the mapped tail keeping every granule: no backend call.
     memtoken.set_tail_cap(region::GRANULES).unwrap();
     region::once_memtoken(&mut memtoken, region::GRANULES);
     c.bench_function("region_cycle/tail", |b| {
@@ -221,7 +221,7 @@ fn sleep_wake(c: &mut Criterion) {
     assert!(seen.iter().all(|&b| b == 7));
 }
 
-/// Shared pages (issue 24): a fork of a 1,000-page table and its release, and a page's share
+/// Shared pages: a fork of a 1,000-page table and its release, and a page's share
 /// and unshare, against the hand-written reference-count pool on the same backend.
 fn shared_pages(c: &mut Criterion) {
     const FORK_PAGES: usize = 1000;

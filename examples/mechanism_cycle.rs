@@ -1,6 +1,6 @@
 //! One granule reserved, committed and released, `N` times, on the CUDA backend over the driver
 //! model — on its VMM mechanism or its plain one (`cuMemAlloc`) — for instruction counts
-//! (issue 29): both mechanisms are one backend type, so their tokens are one type and every
+//!: both mechanisms are one backend type, so their tokens are one type and every
 //! backend call dispatches on the mechanism; the VMM cycle's count before and after that
 //! dispatch was added is its cost.
 //!

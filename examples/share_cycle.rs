@@ -1,4 +1,4 @@
-//! Shared pages (issue 24) as plain programs for instruction counting: memtoken's
+//! Shared pages as plain programs for instruction counting: memtoken's
 //! `PagePool` (`fork`, `share`) against the hand-written reference-count pool
 //! (`examples/common/rc_pool.rs`, `raw-fork`, `raw-share`):
 //!

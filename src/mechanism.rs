@@ -1,4 +1,4 @@
-//! Mechanisms chosen at run time (issue 29, in part): [`Mechanisms`], a registry of the
+//! Mechanisms chosen at run time: [`Mechanisms`], a registry of the
 //! allocation mechanisms a program holds for one GPU (or the host) — each a [`Device`] over its
 //! own backend (a VMM backend, a plain-allocation one, a host fallback) — with a lifecycle
 //! each, and the **selection**: the mechanism new bindings go to.

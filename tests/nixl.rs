@@ -1,4 +1,4 @@
-//! Feature `nixl` (issue 26): typed NIXL transfers over UCX on the loopback, between two agents
+//! Feature `nixl`: typed NIXL transfers over UCX on the loopback, between two agents
 //! in one process and in two (this binary re-run as the peer). Needs NIXL's library:
 //! `scripts/install-nixl.sh`, then `source target/nixl/env.sh`; without it every test fails
 //! with that instruction (never skips). Run with `--test-threads=1`: NIXL may deadlock when its

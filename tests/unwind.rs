@@ -1,4 +1,4 @@
-//! Unwind safety (issue 11, item 1): a backend call that panics leaves the ledger, the budgets
+//! Unwind safety: a backend call that panics leaves the ledger, the budgets
 //! and the shared counts consistent, and what a queue held goes back into it.
 //!
 //! An exhaustive, deterministic harness. For each [`Scenario`] (one per transition and queue

@@ -1,4 +1,4 @@
-//! The zero-cost reference for shared pages (issue 24): the hand-written page pool of
+//! The zero-cost reference for shared pages: the hand-written page pool of
 //! `raw_pool.rs` with a reference count per page, as an engine would write it — a `Vec<u32>`
 //! of extra holders per page index (0: one holder), a fork that copies a table's indices and
 //! counts one more holder per page, a release that frees a page when its last holder lets go.

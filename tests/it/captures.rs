@@ -1,4 +1,4 @@
-//! CUDA graph captures (issue 22), on the driver model made strict on them (facts 39–43): what
+//! CUDA graph captures, on the driver model made strict on them (facts 39–43): what
 //! memtoken does while a stream it covers captures. It records nothing into the capture and asks
 //! none of the capture's events — a captured event's query would invalidate the user's capture
 //! (fact 39) — so the capture ends valid, and every release goes through once it has ended.
@@ -833,7 +833,7 @@ fn a_graph_on_a_known_stream_is_waited_for_by_the_release_and_keeps_its_stream()
     assert!(device.close().is_clean());
 }
 
-// ---- The stored form: a graph kept with its tokens, in an engine (issue 25). ----
+// ---- The stored form: a graph kept with its tokens, in an engine. ----
 
 mod kept {
     use super::{G, slow_model};

@@ -1,4 +1,4 @@
-//! Peer access in the token (issue 12, item 4). A CUDA backend given peers grants them access
+//! Peer access in the token. A CUDA backend given peers grants them access
 //! in the same `cuMemSetAccess` call as its own device at every map, so no remap — a region's
 //! regrown granule, a copy-on-write boundary, memory woken at the same address — leaves a peer
 //! out (NCCL deadlocked for 56 minutes on such a remap: openxla/xla#40852).

@@ -1605,7 +1605,7 @@ fn graph_calls_during_another_threads_global_capture_need_the_relaxed_mode() {
     }
 }
 
-// ---- cuStreamWaitEvent (issue 23, groundwork): order across streams. ----
+// ---- cuStreamWaitEvent: order across streams. ----
 
 /// A stream that waited on another's event runs its later work after that event's work: the
 /// GPU cannot finish it sooner, so completing it completes the work it waited for; without

@@ -1,4 +1,4 @@
-//! Issue 25: an engine built by a constructor serves requests on four worker threads (each with
+//! An engine built by a constructor serves requests on four worker threads (each with
 //! its own page pool and prefix cache, shared prompts sampled as forks) and ends with nothing
 //! outstanding — the engine of `examples/serving_engine`, run here.
 

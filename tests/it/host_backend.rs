@@ -232,7 +232,7 @@ fn a_copy_of_nothing_names_the_empty_range() {
     host.free(addr, page).unwrap();
 }
 
-// ---- The anonymous store: the host backend where `memfd_create` is refused (issue 29). ----
+// ---- The anonymous store: the host backend where `memfd_create` is refused. ----
 
 /// A host backend on the anonymous store (as where `memfd_create` is refused).
 fn anonymous() -> HostBackend {

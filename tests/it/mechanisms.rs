@@ -1,4 +1,4 @@
-//! Mechanisms chosen at run time (issue 29, in part): the registry's selection is never a dead
+//! Mechanisms chosen at run time: the registry's selection is never a dead
 //! or unregistered mechanism, whatever the interleaving of a probed selection with the
 //! registry's other changes (played in a set order through the `test-hooks` phases); a
 //! mechanism whose creates fail for good is retired, new bindings go to the healthy one and old

@@ -1,4 +1,4 @@
-//! Money moves in one place (issue 21): no module outside the ledger (`src/ledger.rs`) and the
+//! Money moves in one place: no module outside the ledger (`src/ledger.rs`) and the
 //! device (`src/device/`) charges or refunds a ledger axis or a budget itself. Policies
 //! (sharing, regions, sleep, pools, import) and the token core call the device's steps
 //! (`src/device/steps.rs`), which move the money with the backend call.

@@ -1,4 +1,4 @@
-//! The CUDA backend's plain mechanism (issue 29, fact 55), on the driver model of a device
+//! The CUDA backend's plain mechanism, on the driver model of a device
 //! without virtual memory management: it is what gets selected there; commit, release, copies,
 //! fences and page pools work on it, a commit allocating (`cuMemAlloc`) and a release freeing
 //! (`cuMemFree`); growing a region, sharing a prefix, suspend, export, read-only maps and

@@ -61,7 +61,7 @@ enum Step {
     Shrink(usize, usize),
     /// A region retries its withheld granules.
     Reclaim(usize),
-    /// A region's mapped tail keeps 0-3 granules from now on (issue 27).
+    /// A region's mapped tail keeps 0-3 granules from now on.
     TailCap(usize, usize),
     /// A region gives its mapped tail back.
     TrimTail(usize),

@@ -592,8 +592,8 @@ fn a_shrink_after_the_context_is_lost_names_the_tail_it_would_unmap() {
     assert_eq!(region.committed_len(), 3 * GRANULE, "nothing was done");
 }
 
-/// Kills `src/device/steps.rs: replace += with *= in GiveBack<'_, '_, '_, B>::give` (in
-/// `src/region.rs` before issue 21): the granules a shrink gives back, cached or released, leave
+/// Kills `src/device/steps.rs: replace += with *= in GiveBack<'_, '_, '_, B>::give` (formerly
+/// in `src/region.rs`): the granules a shrink gives back, cached or released, leave
 /// the binding's budget.
 #[test]
 fn a_shrink_refunds_the_binding_for_what_it_gave_back() {
@@ -635,7 +635,7 @@ fn a_lost_context_discharges_the_granule_cache_from_the_ledger() {
     assert!(device.ledger().is_zero(), "{:?}", device.ledger());
 }
 
-// ---- The mapped tail (issue 27, in part): shrinks and grows within its cap call nothing. ----
+// ---- The mapped tail: shrinks and grows within its cap call nothing. ----
 
 /// Every backend call `faults` counted: each kind, the fences' and queries', the getters.
 fn all_calls(faults: &memtoken::backend::doubles::FaultHandle) -> u64 {
@@ -815,7 +815,7 @@ fn a_growth_through_the_tail_is_all_or_nothing_even_when_it_panics() {
     assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
 }
 
-// ---- Tails on the ledger, under a device-wide cap, and asked back (issue 27). ----
+// ---- Tails on the ledger, under a device-wide cap, and asked back. ----
 
 /// The ledger counts the tails apart (`tail_bytes`, part of the owned and mapped bytes): a
 /// shrink into a tail charges it, a growth out of it, a release and a suspend refund it. The
@@ -948,7 +948,7 @@ fn on_cuda_a_shrink_refused_for_a_kernel_keeps_the_tails_figure() {
     assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
 }
 
-// ---- Requests for the tails back, from the review of issue 27: who asks, who answers. ----
+// ---- Requests for the tails back: who asks, who answers. ----
 
 /// A device-budget refusal asks the tails back even when it trimmed the cache first (and that
 /// was not enough). Fails if only a refusal with nothing trimmed asks.

@@ -1,4 +1,4 @@
-//! Block-level sharing (issue 24): pages shared by reference, forks with copy-on-write, and a
+//! Block-level sharing: pages shared by reference, forks with copy-on-write, and a
 //! prefix cache — behaviours one by one, then a property test over random steps with faults
 //! injected, on the host and on the CUDA backend over the driver model.
 

@@ -199,7 +199,7 @@ fn generation_is_one_word_with_a_niche() {
     assert_eq!(size_of::<Option<Generation>>(), 8);
 }
 
-// A capture is ended on the thread that began it, and its graph launches from there (issue 22):
+// A capture is ended on the thread that began it, and its graph launches from there:
 // neither is `Send` nor `Sync`.
 assert_not_impl_any!(memtoken::Capture<'static, 'static, memtoken::backend::doubles::DriverModel>: Send, Sync);
 assert_not_impl_any!(memtoken::CapturedGraph<'static, 'static, memtoken::backend::doubles::DriverModel>: Send, Sync);

@@ -1,4 +1,4 @@
-//! Property test of the mapped tails (issue 27), on two threads sharing one device: an engine
+//! Property test of the mapped tails, on two threads sharing one device: an engine
 //! thread drives two elastic regions — grows (from the tail first), shrinks into the tail,
 //! resets (shrinks to nothing, keeping the tail), sets tail caps, trims tails, suspends and
 //! resumes — while a second thread puts the device's budget under pressure (commits that the

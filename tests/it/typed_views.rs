@@ -26,7 +26,7 @@ fn a_committed_allocation_lends_its_bytes_as_floats_and_back() {
     assert_eq!(a.as_slice_of::<u8>().unwrap(), a.as_slice());
 }
 
-/// A region lends its committed part as `T`s (issue 25): the view's length follows the
+/// A region lends its committed part as `T`s: the view's length follows the
 /// region's growth and shrink, the bytes written as `T`s are read back as bytes, and a misfit
 /// is an error.
 #[test]

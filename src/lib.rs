@@ -162,6 +162,7 @@ mod error;
 pub mod guide;
 mod ids;
 mod interop;
+pub mod kv;
 mod ledger;
 pub mod mechanism;
 #[cfg(feature = "nixl")]

@@ -1,0 +1,64 @@
+//! [`KvError`]: why the KV cache refused or could not do something.
+
+use crate::backend::BackendError;
+use crate::error::{CommitFailure, ReserveError};
+
+/// Why a [`KvCache`](super::KvCache) could not be made, could not hand out a block, or could
+/// not map or copy. Every refusal leaves the cache and the table as they were.
+#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
+pub enum KvError {
+    /// The layout cannot be laid out (no plane, no block, a block of 0 bytes, a stride below
+    /// the block's bytes, more than 2^31 blocks): nothing was reserved.
+    #[error("the KV cache's layout is refused: {0}")]
+    Layout(&'static str),
+    /// Reserving a plane's addresses failed: the planes reserved before it were released.
+    #[error("reserving plane {plane} of the KV cache failed")]
+    Reserve {
+        /// The plane.
+        plane: usize,
+        /// Why.
+        #[source]
+        cause: Box<ReserveError>,
+    },
+    /// Committing memory for the cache failed — a plane allocated whole (a mechanism that
+    /// cannot map at reserved addresses), or the null block's group: nothing is kept.
+    #[error("committing the KV cache's first memory failed")]
+    Commit(#[source] Box<CommitFailure>),
+    /// No mapped group has a free block: the table is unchanged. Call
+    /// [`replenish`](super::KvCache::replenish) between steps (it maps groups up to the low
+    /// watermark), or raise the watermark.
+    #[error(
+        "no mapped group of the KV cache has a free block ({mapped} of {groups} groups mapped, {cooling} blocks waiting for their fence): call replenish() between steps, or raise its low watermark"
+    )]
+    NoRoom {
+        /// Groups mapped.
+        mapped: usize,
+        /// Groups in all.
+        groups: usize,
+        /// Blocks given back whose fence has not completed yet.
+        cooling: usize,
+    },
+    /// Mapping a group failed: nothing of it is mapped (a granule whose undo failed stays
+    /// withheld), the groups mapped before it in the same call stay mapped.
+    #[error("mapping group {group} of the KV cache failed")]
+    Map {
+        /// The group.
+        group: usize,
+        /// Why.
+        #[source]
+        cause: Box<CommitFailure>,
+    },
+    /// Unmapping a group failed: its granules that could not be unmapped stay withheld (owned,
+    /// charged, mapped; the group is never handed out again), the others were given back.
+    #[error("unmapping group {group} of the KV cache failed")]
+    Unmap {
+        /// The group.
+        group: usize,
+        /// Why.
+        #[source]
+        cause: Box<BackendError>,
+    },
+    /// A copy to or from a block failed: nothing changed in the cache.
+    #[error("copying bytes of a KV block failed")]
+    Copy(#[source] Box<BackendError>),
+}

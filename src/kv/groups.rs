@@ -1,0 +1,312 @@
+//! Between steps: fences over the blocks given back, and groups mapped and given back to the
+//! watermarks — every backend call the KV cache makes after it is made.
+
+use super::{Batch, Blocks, Group, KvCache, KvError, PlaneMemory};
+use crate::backend::{Backend, Op};
+use crate::error::CommitFailure;
+use crate::unwind::Scope;
+
+/// The most fenced batches the cache keeps waiting: a newer batch takes the newest one's blocks
+/// under its own fence (recorded later, it covers more work).
+const BATCHES: usize = 2;
+
+/// What one [`replenish`](KvCache::replenish) did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Replenished {
+    /// Whether it recorded a fence (at most one).
+    pub fenced: bool,
+    /// Blocks whose fence had completed, free again.
+    pub freed: usize,
+    /// Groups mapped.
+    pub mapped: usize,
+    /// Groups unmapped and given back to the device's granule cache.
+    pub unmapped: usize,
+}
+
+impl<B: Backend> KvCache<'_, '_, '_, B> {
+    /// Sets the watermarks of idle groups (mapped, no live block): [`replenish`](Self::replenish)
+    /// maps groups until at least `low` are idle, and gives back idle groups above `high`.
+    ///
+    /// # Panics
+    ///
+    /// If `low > high`.
+    pub fn set_watermarks(&self, low: usize, high: usize) {
+        assert!(
+            low <= high,
+            "the low watermark {low} is above the high {high}"
+        );
+        self.with(|s| (s.low, s.high) = (low, high));
+    }
+
+    /// The watermarks of idle groups: `(low, high)`.
+    pub fn watermarks(&self) -> (usize, usize) {
+        self.with(|s| (s.low, s.high))
+    }
+
+    /// Every backend call of the cache after it was made, once per step, in order:
+    ///
+    /// 1. blocks whose fence has completed become free;
+    /// 2. on a backend that is not [`IMMEDIATE`](Backend::IMMEDIATE), **one fence** over the
+    ///    planes is recorded for the blocks given back since the last call (they become free once
+    ///    it has completed: at once if it already has), and for groups to give back while work may
+    ///    still use the planes;
+    /// 3. the lowest unmapped groups are mapped until `low` groups are idle (the groups holding a
+    ///    live block do not count);
+    /// 4. idle groups above `high` are unmapped, the highest first, and given back to the
+    ///    device's granule cache — once no work recorded before the fence that armed them may
+    ///    still run (on an immediate backend, at once).
+    ///
+    /// # Errors
+    ///
+    /// [`KvError::Map`] when a group cannot be mapped (the budget, the backend: nothing of that
+    /// group is mapped, those before it stay); [`KvError::Unmap`] when a group cannot be
+    /// unmapped (its granules that could not be stay withheld, never handed out again).
+    pub fn replenish(&self) -> Result<Replenished, KvError> {
+        Scope::run::<B, _>(move || {
+            let mut done = Replenished {
+                freed: self.complete_fences(),
+                ..Replenished::default()
+            };
+            let over = self.with(|s| s.idle_groups().saturating_sub(s.high));
+            let may_shrink = if B::IMMEDIATE {
+                true
+            } else {
+                let armed = self.with(|s| s.shrink_after.is_some_and(|at| s.fenced_through(at)));
+                let unfenced = self.with(|s| !s.unfenced.is_empty());
+                let arm = over > 0 && !armed;
+                if unfenced || arm {
+                    done.fenced = true;
+                    let (freed, at_once) = self.record_fence(arm);
+                    done.freed += freed;
+                    armed || at_once
+                } else {
+                    armed
+                }
+            };
+            done.mapped = self.map_to_low()?;
+            if may_shrink {
+                done.unmapped = self.unmap_over_high()?;
+            }
+            Ok(done)
+        })
+    }
+
+    /// Frees the blocks of every batch whose fence has completed; how many.
+    fn complete_fences(&self) -> usize {
+        if B::IMMEDIATE {
+            return 0;
+        }
+        let backend = self.backend();
+        let shift = self.group_shift;
+        let cooling = self.with(|s| std::mem::take(&mut s.cooling));
+        let mut freed = 0;
+        let mut still = Vec::new();
+        for mut batch in cooling {
+            match batch.fence.take().or_else(|| backend.fence()) {
+                Some(fence) if backend.fence_done(&fence) => {
+                    backend.retire_fence(fence);
+                    freed += batch.blocks.len();
+                    self.with(|s| s.free_all(&batch.blocks, shift));
+                }
+                fence => still.push(Batch { fence, ..batch }),
+            }
+        }
+        self.with(|s| s.cooling.extend(still));
+        freed
+    }
+
+    /// Records one fence over the planes for the blocks given back since the last one (and, if
+    /// `arm`, for the groups over the high watermark); how many blocks it freed at once (it had
+    /// completed already), and whether it had.
+    fn record_fence(&self, arm: bool) -> (usize, bool) {
+        let backend = self.backend();
+        let fence = backend.fence_for(&self.bases);
+        let blocks = self.with(|s| {
+            let capacity = s.unfenced.capacity();
+            std::mem::replace(&mut s.unfenced, Vec::with_capacity(capacity))
+        });
+        if fence.as_ref().is_some_and(|f| backend.fence_done(f)) {
+            // Everything recorded so far has completed: free now, and the groups over the
+            // high watermark may go now.
+            let shift = self.group_shift;
+            let n = blocks.len();
+            self.with(|s| {
+                s.free_all(&blocks, shift);
+                s.shrink_after = None;
+            });
+            if let Some(fence) = fence {
+                backend.retire_fence(fence);
+            }
+            return (n, true);
+        }
+        let merged = self.with(|s| {
+            s.serial += 1;
+            let serial = s.serial;
+            if arm {
+                s.shrink_after = Some(serial);
+            }
+            let (mut blocks, mut serial) = (blocks, serial);
+            let mut merged = None;
+            if s.cooling.len() >= BATCHES
+                && let Some(newest) = s.cooling.pop()
+            {
+                // The new fence covers the newest batch's work too; the batch stands for the
+                // oldest work it holds.
+                blocks.extend_from_slice(&newest.blocks);
+                serial = newest.serial;
+                merged = newest.fence;
+            }
+            s.cooling.push(Batch {
+                fence,
+                blocks,
+                serial,
+            });
+            merged
+        });
+        if let Some(older) = merged {
+            backend.retire_fence(older);
+        }
+        (0, false)
+    }
+
+    /// Maps the lowest unmapped groups until `low` are idle; how many it mapped.
+    fn map_to_low(&self) -> Result<usize, KvError> {
+        let mut mapped = 0;
+        loop {
+            let next = self.with(|s| {
+                if s.idle_groups() >= s.low {
+                    return None;
+                }
+                s.groups.iter().position(|&g| g == Group::Unmapped)
+            });
+            let Some(group) = next else {
+                return Ok(mapped);
+            };
+            self.map_group(group).map_err(|cause| KvError::Map {
+                group,
+                cause: Box::new(cause),
+            })?;
+            mapped += 1;
+        }
+    }
+
+    /// Unmaps the highest idle groups above `high`; how many.
+    fn unmap_over_high(&self) -> Result<usize, KvError> {
+        let over: Vec<usize> = self.with(|s| {
+            let n = s.idle_groups().saturating_sub(s.high);
+            (0..s.groups.len())
+                .rev()
+                .filter(|&g| s.groups[g] == Group::Mapped && s.live[g] == 0)
+                .take(n)
+                .collect()
+        });
+        for &group in &over {
+            self.unmap_group(group).map_err(|cause| KvError::Unmap {
+                group,
+                cause: Box::new(cause),
+            })?;
+        }
+        self.with(|s| s.shrink_after = None);
+        Ok(over.len())
+    }
+
+    /// The granules of group `group` in each plane: the first one, and how many.
+    fn granules_of(&self, plane: usize, group: usize) -> (usize, usize) {
+        let g = self.binding.device().granularity();
+        let n = (self.stride(plane) << self.group_shift) / g;
+        (group * n, n)
+    }
+
+    /// Maps group `group` in every plane, all or nothing, and adds its blocks.
+    pub(super) fn map_group(&self, group: usize) -> Result<(), CommitFailure> {
+        let mut planes = self.planes.borrow_mut();
+        for p in 0..planes.len() {
+            let (first, n) = self.granules_of(p, group);
+            let PlaneMemory::Sparse(plane) = &mut planes[p] else {
+                continue;
+            };
+            if let Err(cause) = plane.map_granules(first, n) {
+                // Undo the planes before it: nothing of the group stays mapped.
+                let mut back = self.binding.give_back(p * n);
+                let mut withheld = false;
+                for (q, undo) in planes[..p].iter_mut().enumerate() {
+                    let (first, n) = self.granules_of(q, group);
+                    if let PlaneMemory::Sparse(undo) = undo {
+                        withheld |= undo.unmap_granules(first, n, &mut back).is_err();
+                    }
+                }
+                back.finish();
+                if withheld {
+                    self.with(|s| s.groups[group] = Group::Withheld);
+                }
+                return Err(cause);
+            }
+        }
+        drop(planes);
+        self.add_group(group);
+        Ok(())
+    }
+
+    /// Group `group`, mapped, joins the free blocks.
+    pub(super) fn add_group(&self, group: usize) {
+        let per_group = 1u32 << self.group_shift;
+        let first = (group as u32) << self.group_shift;
+        let blocks = self.blocks();
+        self.with(|s| {
+            s.groups[group] = Group::Mapped;
+            let free = &mut s.free[group];
+            free.reserve_exact(per_group as usize);
+            free.extend((first..first + per_group).rev());
+            s.lowest = s.lowest.min(group);
+            if !B::IMMEDIATE {
+                // Giving back never allocates: room for every block.
+                let mapped = s.groups.iter().filter(|&&g| g != Group::Unmapped).count();
+                let room = (mapped << self.group_shift).min(blocks);
+                s.unfenced.reserve(room.saturating_sub(s.unfenced.len()));
+            }
+        });
+    }
+
+    /// Unmaps idle group `group` in every plane and gives its granules back.
+    fn unmap_group(&self, group: usize) -> Result<(), crate::backend::BackendError> {
+        let device = self.binding.device();
+        let (first, n) = self.granules_of(0, group);
+        let at = self.bases[0] + first * device.granularity();
+        device.ensure_live(Op::Unmap, at, n * device.granularity())?;
+        self.with(|s| {
+            debug_assert_eq!(s.live[group], 0);
+            s.free[group].clear();
+            s.groups[group] = Group::Unmapped;
+        });
+        let mut planes = self.planes.borrow_mut();
+        let total: usize = (0..planes.len())
+            .map(|p| self.granules_of(p, group).1)
+            .sum();
+        let mut back = self.binding.give_back(total);
+        let mut failed = None;
+        for (p, plane) in planes.iter_mut().enumerate() {
+            let (first, n) = self.granules_of(p, group);
+            if let PlaneMemory::Sparse(plane) = plane
+                && let Err(e) = plane.unmap_granules(first, n, &mut back)
+            {
+                failed = Some(e);
+            }
+        }
+        back.finish();
+        match failed {
+            None => Ok(()),
+            Some(e) => {
+                self.with(|s| s.groups[group] = Group::Withheld);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl<F> Blocks<F> {
+    /// Whether the work recorded up to replenish `serial` has completed: no batch waiting
+    /// stands for work that old (a merged batch stands for its oldest).
+    fn fenced_through(&self, serial: u64) -> bool {
+        self.cooling.iter().all(|b| b.serial > serial)
+    }
+}

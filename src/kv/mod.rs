@@ -1,0 +1,481 @@
+//! The KV cache in the shape attention kernels read: block ids over one reservation per plane,
+//! physical memory mapped a group at a time as blocks are used.
+//!
+//! - [`Layout`]: the planes (one per layer, or per layer and per K or V), their bytes per
+//!   block, the most blocks. Block `b` of plane `p` is at `base(p) + b × stride(p)`, for the
+//!   cache's whole life.
+//! - [`KvCache`]: reserves each plane's whole size once; hands out block ids into
+//!   [`BlockTable`]s and takes them back, never calling the backend; maps and unmaps groups
+//!   (the blocks whose bytes share granules, in every plane) only in
+//!   [`replenish`](KvCache::replenish), which an engine calls between steps.
+//! - [`BlockTable`]: a sequence's block ids, as `&[u32]` and as `&[i32]` (what kernels take),
+//!   with vLLM's slot mapping (`block × block_tokens + offset`, `i64`). It borrows its cache,
+//!   and carries its brand: it cannot outlive the cache, and no other cache takes it.
+//!
+//! ```
+//! use memtoken::{make_guard, Budget, Device};
+//! use memtoken::backend::HostBackend;
+//! use memtoken::kv::{KvCache, Layout};
+//!
+//! make_guard!(guard);
+//! let device = Device::new(guard, HostBackend::with_defaults()?);
+//! let binding = device.bind(Budget::unlimited())?;
+//! make_guard!(cache_guard);
+//! // Two layers, K and V of 16 tokens × 64 bytes in each block: 2 KiB per block.
+//! let cache = KvCache::new(cache_guard, &binding, &Layout::per_layer(2, 16, 64, 1024))?;
+//! cache.replenish()?; // maps groups up to the low watermark: the only backend calls
+//! let mut table = cache.table();
+//! for _ in 0..3 {
+//!     cache.push(&mut table)?; // a block id, no backend call
+//! }
+//! assert_eq!(table.ids(), &[1, 2, 3]); // block 0 is the null block
+//! assert_eq!(table.slot(17), 2 * 16 + 1); // token 17: block 2, offset 1
+//! cache.clear(&mut table);
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+#![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
+
+use crate::allocation::Allocation;
+use crate::backend::{Ability, Addr, Backend};
+use crate::device::Binding;
+use crate::state::Committed;
+use crate::unwind::{Guarded, Scope};
+use generativity::{Guard, Id};
+use std::cell::{RefCell, UnsafeCell};
+use std::fmt;
+
+mod error;
+mod groups;
+mod layout;
+mod plane;
+mod table;
+
+pub use error::KvError;
+pub use groups::Replenished;
+pub use layout::{Layout, Plane};
+use plane::Sparse;
+pub use table::BlockTable;
+
+/// The null block's id: block 0, taken when the cache is made and never handed out, its group
+/// always mapped — vLLM's padding block for tables shorter than the batch's longest.
+pub const NULL_BLOCK: u32 = 0;
+
+/// A plane's memory.
+enum PlaneMemory<'b, 'id, B: Backend> {
+    /// Granules mapped a group at a time (a mechanism that maps at reserved addresses).
+    Sparse(Allocation<'b, 'id, B, Sparse>),
+    /// Allocated whole when the cache is made (CUDA's plain mechanism): every group mapped.
+    Whole(Allocation<'b, 'id, B, Committed>),
+}
+
+/// Where a group's memory is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Group {
+    Unmapped,
+    Mapped,
+    /// An unmap failed: some of its granules stay mapped, withheld; never handed out again.
+    Withheld,
+}
+
+/// A batch of blocks given back, behind one fence.
+struct Batch<F> {
+    /// `None`: recording it panicked; one recorded later covers the same work.
+    fence: Option<F>,
+    blocks: Vec<u32>,
+    /// The replenish that recorded it.
+    serial: u64,
+}
+
+/// The cache's blocks: the hot path's state.
+struct Blocks<F> {
+    /// Per group: its free blocks (a stack: the last given back is the next taken). Empty
+    /// unless mapped; its capacity, once mapped, holds every block of the group.
+    free: Vec<Vec<u32>>,
+    /// Per group: its blocks handed out or waiting for a fence (the null block's counts).
+    live: Vec<u32>,
+    /// No group below this one has a free block.
+    lowest: usize,
+    /// Per group: mapped or not.
+    groups: Vec<Group>,
+    /// Blocks given back since the last fence (a backend that is not immediate); its capacity
+    /// holds every mapped block, so giving back never allocates.
+    unfenced: Vec<u32>,
+    /// Batches waiting for their fence.
+    cooling: Vec<Batch<F>>,
+    /// Replenishes so far.
+    serial: u64,
+    /// Groups above the high watermark wait for the work recorded up to this replenish.
+    shrink_after: Option<u64>,
+    /// Watermarks of mapped groups with no live block (see [`KvCache::set_watermarks`]).
+    low: usize,
+    high: usize,
+}
+
+/// A KV cache: block ids over one reservation per plane, physical memory by group (see the
+/// [module](self)).
+///
+/// **The hot path** — [`push`](Self::push) a block into a table, [`clear`](Self::clear) a table
+/// — pops from and pushes onto per-group free lists, whose capacity is set when a group is
+/// mapped: no backend call, no allocation (a table's own `Vec` grows as any). A new block comes
+/// from the lowest mapped group with room, so the mapped footprint stays compact without moving
+/// blocks. With no room it fails with [`KvError::NoRoom`], the table unchanged.
+///
+/// **Between steps**, [`replenish`](Self::replenish) does every backend call: one fence over
+/// the blocks given back since the last call (on a backend that is not
+/// [`IMMEDIATE`](Backend::IMMEDIATE): they become free once it has completed), maps groups up to
+/// the low watermark of mapped groups with no live block, and gives groups above the high
+/// watermark back to the device's granule cache. Mapping a group costs, per plane, one map per
+/// granule and one access call (CUDA: `cuMemMap` and `cuMemSetAccess`, facts 47 and 48 of
+/// `docs/cuda-facts.md`), and one create per granule the granule cache did not have.
+///
+/// **Without virtual memory management** (CUDA's plain mechanism) every plane is allocated
+/// whole when the cache is made: the same block ids and addresses, every group mapped, and
+/// `replenish` only fences.
+///
+/// A table borrows its cache, so it cannot outlive it:
+///
+/// ```compile_fail,E0505
+/// # use memtoken::{make_guard, Budget, Device};
+/// # use memtoken::backend::HostBackend;
+/// # use memtoken::kv::{KvCache, Layout};
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// make_guard!(g);
+/// let cache = KvCache::new(g, &binding, &Layout::new(64, 16).plane(1024)).unwrap();
+/// let table = cache.table();
+/// drop(cache);
+/// drop(table);
+/// ```
+///
+/// and each cache is branded, so a table of one cache is neither filled nor cleared by another:
+///
+/// ```compile_fail
+/// use memtoken::kv::{BlockTable, KvCache};
+/// use memtoken::backend::doubles::SimBackend;
+/// fn mix<'ca, 'cb, 'b, 'id>(
+///     table_of_a: &mut BlockTable<'_, 'ca, 'b, 'id, SimBackend>,
+///     cache_b: &KvCache<'cb, 'b, 'id, SimBackend>,
+/// ) {
+///     cache_b.push(table_of_a).unwrap(); // error: lifetime may not live long enough
+/// }
+/// ```
+///
+/// ```compile_fail
+/// use memtoken::kv::{BlockTable, KvCache};
+/// use memtoken::backend::doubles::SimBackend;
+/// fn mix<'ca, 'cb, 'b, 'id>(
+///     table_of_a: &mut BlockTable<'_, 'ca, 'b, 'id, SimBackend>,
+///     cache_b: &KvCache<'cb, 'b, 'id, SimBackend>,
+/// ) {
+///     cache_b.clear(table_of_a); // error: lifetime may not live long enough
+/// }
+/// ```
+///
+/// The cache is single-threaded (`!Sync`): its free lists are not locked.
+pub struct KvCache<'c, 'b, 'id, B: Backend> {
+    _brand: Id<'c>,
+    binding: &'b Binding<'b, 'id, B>,
+    /// Each plane's base address, stride and bytes per block.
+    bases: Vec<Addr>,
+    layout: Layout,
+    /// Blocks per group, as a shift.
+    group_shift: u32,
+    planes: RefCell<Vec<PlaneMemory<'b, 'id, B>>>,
+    state: UnsafeCell<Blocks<B::Fence>>,
+}
+
+impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
+    /// A cache of `layout`'s planes, each reserved whole through `binding`, branded by `guard`
+    /// (from [`make_guard!`](crate::make_guard)). The null block's group is mapped (on CUDA's
+    /// plain mechanism, every plane is allocated whole); nothing else until
+    /// [`replenish`](Self::replenish). Watermarks start at 1 and 2.
+    ///
+    /// # Errors
+    ///
+    /// [`KvError::Layout`] before anything is done; [`KvError::Reserve`], [`KvError::Commit`] or
+    /// [`KvError::Map`] with everything reserved or mapped so far given back.
+    pub fn new(
+        guard: Guard<'c>,
+        binding: &'b Binding<'b, 'id, B>,
+        layout: &Layout,
+    ) -> Result<Self, KvError> {
+        Scope::run::<B, _>(move || {
+            let device = binding.device();
+            let (per_group, groups) = layout.groups(device.granularity())?;
+            let whole = device.lacks(Ability::MapAtReservedAddress).is_some();
+            let mut planes = Vec::with_capacity(layout.planes().len());
+            for (p, plane) in layout.planes().iter().enumerate() {
+                let len = plane.stride * per_group * groups;
+                let reserved = binding.reserve(len).map_err(|e| KvError::Reserve {
+                    plane: p,
+                    cause: Box::new(e),
+                })?;
+                planes.push(if whole {
+                    let whole = reserved
+                        .commit()
+                        .map_err(|e| KvError::Commit(Box::new(e.cause)))?;
+                    PlaneMemory::Whole(whole)
+                } else {
+                    PlaneMemory::Sparse(reserved.into_sparse())
+                });
+            }
+            let bases = planes
+                .iter()
+                .map(|p| match p {
+                    PlaneMemory::Sparse(a) => a.addr(),
+                    PlaneMemory::Whole(a) => a.addr(),
+                })
+                .collect();
+            let cache = Self {
+                _brand: guard.into(),
+                binding,
+                bases,
+                layout: layout.clone(),
+                group_shift: per_group.trailing_zeros(),
+                planes: RefCell::new(planes),
+                state: UnsafeCell::new(Blocks {
+                    free: (0..groups).map(|_| Vec::new()).collect(),
+                    live: vec![0; groups],
+                    lowest: 0,
+                    groups: vec![Group::Unmapped; groups],
+                    unfenced: Vec::new(),
+                    cooling: Vec::new(),
+                    serial: 0,
+                    shrink_after: None,
+                    low: 1,
+                    high: 2,
+                }),
+            };
+            if whole {
+                for group in 0..groups {
+                    cache.add_group(group);
+                }
+            } else {
+                cache
+                    .map_group(0)
+                    .map_err(|e| KvError::Commit(Box::new(e)))?;
+            }
+            let null = cache.with(Blocks::take);
+            debug_assert_eq!(null, Some(NULL_BLOCK));
+            Ok(cache)
+        })
+    }
+
+    /// Runs `f` on the blocks.
+    #[inline(always)]
+    fn with<R>(&self, f: impl FnOnce(&mut Blocks<B::Fence>) -> R) -> R {
+        // SAFETY: the cache is `!Sync`, so only this thread reaches the state, and no `f` passed
+        // here calls back into the cache, so this is the only reference to it while `f` runs.
+        f(unsafe { &mut *self.state.get() })
+    }
+
+    fn backend(&self) -> &'b Guarded<B> {
+        self.binding.device().backend()
+    }
+
+    /// An empty table drawing from this cache.
+    pub fn table(&self) -> BlockTable<'_, 'c, 'b, 'id, B> {
+        BlockTable::new(self)
+    }
+
+    /// Takes a free block of the lowest mapped group with room and appends it to `table`;
+    /// returns its id. Makes no backend call.
+    ///
+    /// # Errors
+    ///
+    /// [`KvError::NoRoom`] when no mapped group has a free block: the table is unchanged.
+    #[inline]
+    pub fn push(&self, table: &mut BlockTable<'_, 'c, 'b, 'id, B>) -> Result<u32, KvError> {
+        match self.with(Blocks::take) {
+            Some(block) => {
+                table.ids_mut().push(block);
+                Ok(block)
+            }
+            None => Err(self.no_room()),
+        }
+    }
+
+    #[cold]
+    fn no_room(&self) -> KvError {
+        KvError::NoRoom {
+            mapped: self.mapped_groups(),
+            groups: self.groups(),
+            cooling: self.cooling_blocks(),
+        }
+    }
+
+    /// Gives every block of `table` back; the table can be reused. Makes no backend call: on a
+    /// backend that is not [`IMMEDIATE`](Backend::IMMEDIATE) the blocks wait for the fence the
+    /// next [`replenish`](Self::replenish) records.
+    #[inline]
+    pub fn clear(&self, table: &mut BlockTable<'_, 'c, 'b, 'id, B>) {
+        let ids = table.ids_mut();
+        self.give_back(ids);
+        ids.clear();
+    }
+
+    /// Gives `blocks` back (see [`clear`](Self::clear)).
+    #[inline]
+    pub(crate) fn give_back(&self, blocks: &[u32]) {
+        let shift = self.group_shift;
+        if B::IMMEDIATE {
+            self.with(|s| s.free_all(blocks, shift));
+        } else {
+            self.with(|s| s.unfenced.extend_from_slice(blocks));
+        }
+    }
+
+    /// The layout the cache was made from.
+    pub fn layout(&self) -> &Layout {
+        &self.layout
+    }
+
+    /// Plane `plane`'s base address: block `b` is at `base(plane) + b × stride(plane)`. (On
+    /// CUDA, the device pointer a kernel reads the plane's tensor at.)
+    ///
+    /// # Panics
+    ///
+    /// If there is no such plane.
+    pub fn base(&self, plane: usize) -> Addr {
+        self.bases[plane]
+    }
+
+    /// Plane `plane`'s stride: the bytes from one block's start to the next's.
+    ///
+    /// # Panics
+    ///
+    /// If there is no such plane.
+    pub fn stride(&self, plane: usize) -> usize {
+        self.layout.planes()[plane].stride
+    }
+
+    /// The address of block `block` in plane `plane`.
+    ///
+    /// # Panics
+    ///
+    /// If there is no such plane or block.
+    pub fn block_addr(&self, plane: usize, block: u32) -> Addr {
+        assert!(
+            (block as usize) < self.blocks(),
+            "block {block} is past the cache"
+        );
+        self.base(plane) + block as usize * self.stride(plane)
+    }
+
+    /// Tokens per block.
+    pub fn block_tokens(&self) -> usize {
+        self.layout.block_tokens()
+    }
+
+    /// Blocks in all (whole groups: at least the layout's), the null block among them.
+    pub fn blocks(&self) -> usize {
+        self.groups() << self.group_shift
+    }
+
+    /// Blocks per group: the blocks whose bytes share granules, in every plane.
+    pub fn blocks_per_group(&self) -> usize {
+        1 << self.group_shift
+    }
+
+    /// Groups in all.
+    pub fn groups(&self) -> usize {
+        self.with(|s| s.groups.len())
+    }
+
+    /// Groups mapped now (those withheld after a failed unmap included).
+    pub fn mapped_groups(&self) -> usize {
+        self.with(|s| s.groups.iter().filter(|&&g| g != Group::Unmapped).count())
+    }
+
+    /// Mapped groups with no live block (none handed out or waiting for a fence).
+    pub fn idle_groups(&self) -> usize {
+        self.with(|s| s.idle_groups())
+    }
+
+    /// Free blocks of mapped groups: what [`push`](Self::push) can hand out now.
+    pub fn free_blocks(&self) -> usize {
+        self.with(|s| s.free.iter().map(Vec::len).sum())
+    }
+
+    /// Blocks given back that wait for a fence (recorded, or to be recorded by the next
+    /// [`replenish`](Self::replenish)).
+    pub fn cooling_blocks(&self) -> usize {
+        self.with(|s| s.unfenced.len() + s.cooling.iter().map(|b| b.blocks.len()).sum::<usize>())
+    }
+
+    /// Blocks handed out to tables now (not the null block).
+    pub fn live_blocks(&self) -> usize {
+        let live: usize = self.with(|s| s.live.iter().map(|&n| n as usize).sum());
+        live - 1 - self.cooling_blocks()
+    }
+
+    /// Whether groups are mapped on demand (`false`: every plane allocated whole, as on CUDA's
+    /// plain mechanism).
+    pub fn maps_on_demand(&self) -> bool {
+        matches!(self.planes.borrow().first(), Some(PlaneMemory::Sparse(_)))
+    }
+}
+
+impl<F> Blocks<F> {
+    /// A free block of the lowest mapped group with room, counted live.
+    #[inline(always)]
+    fn take(&mut self) -> Option<u32> {
+        loop {
+            let group = self.lowest;
+            match self.free.get_mut(group)?.pop() {
+                Some(block) => {
+                    self.live[group] += 1;
+                    return Some(block);
+                }
+                None => self.lowest += 1,
+            }
+        }
+    }
+
+    /// `blocks`, live, become free.
+    #[inline(always)]
+    fn free_all(&mut self, blocks: &[u32], shift: u32) {
+        for &block in blocks {
+            let group = (block >> shift) as usize;
+            self.free[group].push(block);
+            self.live[group] -= 1;
+            if group < self.lowest {
+                self.lowest = group;
+            }
+        }
+    }
+
+    /// Mapped groups with no live block.
+    fn idle_groups(&self) -> usize {
+        self.groups
+            .iter()
+            .zip(&self.live)
+            .filter(|&(&g, &live)| g == Group::Mapped && live == 0)
+            .count()
+    }
+}
+
+impl<B: Backend> Drop for KvCache<'_, '_, '_, B> {
+    fn drop(&mut self) {
+        let _scope = Scope::open::<B>();
+        // The planes' releases wait for a fence over all their work: these are not needed.
+        let backend = self.backend();
+        for batch in std::mem::take(&mut self.state.get_mut().cooling) {
+            if let Some(fence) = batch.fence {
+                backend.retire_fence(fence);
+            }
+        }
+    }
+}
+
+impl<B: Backend> fmt::Debug for KvCache<'_, '_, '_, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("KvCache")
+            .field("planes", &self.bases.len())
+            .field("blocks", &self.blocks())
+            .field("mapped_groups", &self.mapped_groups())
+            .field("live_blocks", &self.live_blocks())
+            .finish_non_exhaustive()
+    }
+}

@@ -1,0 +1,161 @@
+//! [`BlockTable`]: a sequence's block ids, in the forms kernels take.
+
+use super::{KvCache, KvError};
+use crate::backend::Backend;
+use crate::unwind::Scope;
+use std::fmt;
+use std::ops::Range;
+
+/// A sequence's blocks, in order: the ids [`KvCache::push`] handed out, owned by the table
+/// until [`KvCache::clear`] (or its drop) gives them back. It borrows its cache once for all its
+/// blocks — a block costs 4 bytes — and carries the cache's brand, so only that cache fills or
+/// clears it.
+///
+/// What kernels take: [`ids`](Self::ids) (`&[u32]`), [`ids_i32`](Self::ids_i32) (`&[i32]`,
+/// vLLM's block tables; ids stay below 2^31), and the slot of a token
+/// ([`slot`](Self::slot), [`slots`](Self::slots): `block × block_tokens + offset`, `i64`, vLLM's
+/// slot mapping).
+pub struct BlockTable<'t, 'c, 'b, 'id, B: Backend> {
+    cache: &'t KvCache<'c, 'b, 'id, B>,
+    ids: Vec<u32>,
+}
+
+impl<'t, 'c, 'b, 'id, B: Backend> BlockTable<'t, 'c, 'b, 'id, B> {
+    pub(super) fn new(cache: &'t KvCache<'c, 'b, 'id, B>) -> Self {
+        Self {
+            cache,
+            ids: Vec::new(),
+        }
+    }
+
+    #[inline(always)]
+    pub(super) fn ids_mut(&mut self) -> &mut Vec<u32> {
+        &mut self.ids
+    }
+
+    /// The block ids, in order.
+    #[inline]
+    pub fn ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// The block ids as `i32`, what attention kernels take: the same memory (ids are below
+    /// 2^31, so each reads the same number).
+    #[inline]
+    pub fn ids_i32(&self) -> &[i32] {
+        bytemuck::cast_slice(&self.ids)
+    }
+
+    /// Blocks held.
+    #[inline]
+    pub fn len(&self) -> usize {
+        self.ids.len()
+    }
+
+    /// Whether the table holds no block.
+    #[inline]
+    pub fn is_empty(&self) -> bool {
+        self.ids.is_empty()
+    }
+
+    /// The slot of the sequence's token `token`: `ids[token / block_tokens] × block_tokens +
+    /// token % block_tokens`.
+    ///
+    /// # Panics
+    ///
+    /// If the table holds no block for that token.
+    #[inline]
+    pub fn slot(&self, token: usize) -> i64 {
+        let t = self.cache.block_tokens();
+        let block = self.ids[token / t];
+        (block as usize * t + token % t) as i64
+    }
+
+    /// Appends the slots of tokens `tokens` to `out` (vLLM's `slot_mapping` for them).
+    ///
+    /// # Panics
+    ///
+    /// If the table holds no block for one of them.
+    pub fn slots(&self, tokens: Range<usize>, out: &mut Vec<i64>) {
+        out.extend(tokens.map(|token| self.slot(token)));
+    }
+
+    /// Copies `src` from the host into block `position`'s bytes in plane `plane`, at `offset`
+    /// into the block — on any backend (the host: a copy; CUDA: a driver copy, ordered as any
+    /// use of the memory).
+    ///
+    /// # Errors
+    ///
+    /// [`KvError::Copy`] with the backend's error.
+    ///
+    /// # Panics
+    ///
+    /// If there is no such plane or position, or the bytes go past the block.
+    pub fn write(
+        &mut self,
+        plane: usize,
+        position: usize,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<(), KvError> {
+        let at = self.at(plane, position, offset, src.len());
+        Scope::run::<B, _>(move || {
+            self.cache
+                .backend()
+                .copy_from_host(at, src)
+                .map_err(|e| KvError::Copy(Box::new(e)))
+        })
+    }
+
+    /// Copies block `position`'s bytes in plane `plane`, from `offset` into the block, to
+    /// `dst` on the host.
+    ///
+    /// # Errors
+    ///
+    /// [`KvError::Copy`] with the backend's error.
+    ///
+    /// # Panics
+    ///
+    /// As for [`write`](Self::write).
+    pub fn read(
+        &self,
+        plane: usize,
+        position: usize,
+        offset: usize,
+        dst: &mut [u8],
+    ) -> Result<(), KvError> {
+        let at = self.at(plane, position, offset, dst.len());
+        Scope::run::<B, _>(move || {
+            self.cache
+                .backend()
+                .copy_to_host(dst, at)
+                .map_err(|e| KvError::Copy(Box::new(e)))
+        })
+    }
+
+    /// The address of `len` bytes at `offset` into block `position` of plane `plane`.
+    fn at(&self, plane: usize, position: usize, offset: usize, len: usize) -> usize {
+        let block_bytes = self.cache.layout().planes()[plane].block_bytes;
+        assert!(
+            offset
+                .checked_add(len)
+                .is_some_and(|end| end <= block_bytes),
+            "{len} bytes at {offset} go past a block of {block_bytes} bytes"
+        );
+        self.cache.block_addr(plane, self.ids[position]) + offset
+    }
+}
+
+impl<B: Backend> Drop for BlockTable<'_, '_, '_, '_, B> {
+    fn drop(&mut self) {
+        self.cache.give_back(&self.ids);
+    }
+}
+
+impl<B: Backend> fmt::Debug for BlockTable<'_, '_, '_, '_, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("BlockTable")
+            .field("ids", &self.ids)
+            .finish()
+    }
+}

@@ -1,7 +1,7 @@
 //! Between steps: fences over the blocks given back, and groups mapped and given back to the
 //! watermarks — every backend call the KV cache makes after it is made.
 
-use super::{Batch, Blocks, Group, KvCache, KvError, PlaneMemory};
+use super::{Batch, Blocks, KvCache, KvError, Memory, PlaneMemory};
 use crate::backend::{Backend, Op};
 use crate::error::CommitFailure;
 use crate::unwind::Scope;
@@ -177,7 +177,7 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
                 if s.idle_groups() >= s.low {
                     return None;
                 }
-                s.groups.iter().position(|&g| g == Group::Unmapped)
+                s.groups.iter().position(|g| g.memory == Memory::Unmapped)
             });
             let Some(group) = next else {
                 return Ok(mapped);
@@ -196,7 +196,7 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
             let n = s.idle_groups().saturating_sub(s.high);
             (0..s.groups.len())
                 .rev()
-                .filter(|&g| s.groups[g] == Group::Mapped && s.live[g] == 0)
+                .filter(|&g| s.groups[g].is_idle())
                 .take(n)
                 .collect()
         });
@@ -237,7 +237,7 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
                 }
                 back.finish();
                 if withheld {
-                    self.with(|s| s.groups[group] = Group::Withheld);
+                    self.with(|s| s.groups[group].memory = Memory::Withheld);
                 }
                 return Err(cause);
             }
@@ -253,15 +253,14 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         let first = (group as u32) << self.group_shift;
         let blocks = self.blocks();
         self.with(|s| {
-            s.groups[group] = Group::Mapped;
-            let free = &mut s.free[group];
-            free.reserve_exact(per_group as usize);
-            free.extend((first..first + per_group).rev());
+            let g = &mut s.groups[group];
+            g.memory = Memory::Mapped;
+            g.free.reserve_exact(per_group as usize);
+            g.free.extend((first..first + per_group).rev());
             s.lowest = s.lowest.min(group);
             if !B::IMMEDIATE {
                 // Giving back never allocates: room for every block.
-                let mapped = s.groups.iter().filter(|&&g| g != Group::Unmapped).count();
-                let room = (mapped << self.group_shift).min(blocks);
+                let room = (s.mapped_groups() << self.group_shift).min(blocks);
                 s.unfenced.reserve(room.saturating_sub(s.unfenced.len()));
             }
         });
@@ -274,9 +273,10 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         let at = self.bases[0] + first * device.granularity();
         device.ensure_live(Op::Unmap, at, n * device.granularity())?;
         self.with(|s| {
-            debug_assert_eq!(s.live[group], 0);
-            s.free[group].clear();
-            s.groups[group] = Group::Unmapped;
+            let g = &mut s.groups[group];
+            debug_assert_eq!(g.live, 0);
+            g.free.clear();
+            g.memory = Memory::Unmapped;
         });
         let mut planes = self.planes.borrow_mut();
         let total: usize = (0..planes.len())
@@ -296,7 +296,7 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         match failed {
             None => Ok(()),
             Some(e) => {
-                self.with(|s| s.groups[group] = Group::Withheld);
+                self.with(|s| s.groups[group].memory = Memory::Withheld);
                 Err(e)
             }
         }

@@ -70,11 +70,22 @@ enum PlaneMemory<'b, 'id, B: Backend> {
 
 /// Where a group's memory is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Group {
+enum Memory {
     Unmapped,
     Mapped,
     /// An unmap failed: some of its granules stay mapped, withheld; never handed out again.
     Withheld,
+}
+
+/// One group's blocks: its free list and its count side by side, so that a take or a give-back
+/// reads one place.
+struct Group {
+    /// Its free blocks (a stack: the last given back is the next taken). Empty unless mapped;
+    /// its capacity, once mapped, holds every block of the group.
+    free: Vec<u32>,
+    /// Its blocks handed out or waiting for a fence (the null block's counts).
+    live: u32,
+    memory: Memory,
 }
 
 /// A batch of blocks given back, behind one fence.
@@ -88,15 +99,9 @@ struct Batch<F> {
 
 /// The cache's blocks: the hot path's state.
 struct Blocks<F> {
-    /// Per group: its free blocks (a stack: the last given back is the next taken). Empty
-    /// unless mapped; its capacity, once mapped, holds every block of the group.
-    free: Vec<Vec<u32>>,
-    /// Per group: its blocks handed out or waiting for a fence (the null block's counts).
-    live: Vec<u32>,
+    groups: Vec<Group>,
     /// No group below this one has a free block.
     lowest: usize,
-    /// Per group: mapped or not.
-    groups: Vec<Group>,
     /// Blocks given back since the last fence (a backend that is not immediate); its capacity
     /// holds every mapped block, so giving back never allocates.
     unfenced: Vec<u32>,
@@ -204,22 +209,7 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
             let device = binding.device();
             let (per_group, groups) = layout.groups(device.granularity())?;
             let whole = device.lacks(Ability::MapAtReservedAddress).is_some();
-            let mut planes = Vec::with_capacity(layout.planes().len());
-            for (p, plane) in layout.planes().iter().enumerate() {
-                let len = plane.stride * per_group * groups;
-                let reserved = binding.reserve(len).map_err(|e| KvError::Reserve {
-                    plane: p,
-                    cause: Box::new(e),
-                })?;
-                planes.push(if whole {
-                    let whole = reserved
-                        .commit()
-                        .map_err(|e| KvError::Commit(Box::new(e.cause)))?;
-                    PlaneMemory::Whole(whole)
-                } else {
-                    PlaneMemory::Sparse(reserved.into_sparse())
-                });
-            }
+            let planes = reserve_planes(binding, layout, per_group * groups, whole)?;
             let bases = planes
                 .iter()
                 .map(|p| match p {
@@ -235,10 +225,14 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
                 group_shift: per_group.trailing_zeros(),
                 planes: RefCell::new(planes),
                 state: UnsafeCell::new(Blocks {
-                    free: (0..groups).map(|_| Vec::new()).collect(),
-                    live: vec![0; groups],
+                    groups: (0..groups)
+                        .map(|_| Group {
+                            free: Vec::new(),
+                            live: 0,
+                            memory: Memory::Unmapped,
+                        })
+                        .collect(),
                     lowest: 0,
-                    groups: vec![Group::Unmapped; groups],
                     unfenced: Vec::new(),
                     cooling: Vec::new(),
                     serial: 0,
@@ -385,7 +379,7 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
 
     /// Groups mapped now (those withheld after a failed unmap included).
     pub fn mapped_groups(&self) -> usize {
-        self.with(|s| s.groups.iter().filter(|&&g| g != Group::Unmapped).count())
+        self.with(|s| s.mapped_groups())
     }
 
     /// Mapped groups with no live block (none handed out or waiting for a fence).
@@ -395,7 +389,7 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
 
     /// Free blocks of mapped groups: what [`push`](Self::push) can hand out now.
     pub fn free_blocks(&self) -> usize {
-        self.with(|s| s.free.iter().map(Vec::len).sum())
+        self.with(|s| s.groups.iter().map(|g| g.free.len()).sum())
     }
 
     /// Blocks given back that wait for a fence (recorded, or to be recorded by the next
@@ -406,7 +400,7 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
 
     /// Blocks handed out to tables now (not the null block).
     pub fn live_blocks(&self) -> usize {
-        let live: usize = self.with(|s| s.live.iter().map(|&n| n as usize).sum());
+        let live: usize = self.with(|s| s.groups.iter().map(|g| g.live as usize).sum());
         live - 1 - self.cooling_blocks()
     }
 
@@ -417,15 +411,43 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
     }
 }
 
+/// Each plane of `layout` for `blocks` blocks, reserved (and allocated whole if `whole`).
+fn reserve_planes<'b, 'id, B: Backend>(
+    binding: &'b Binding<'b, 'id, B>,
+    layout: &Layout,
+    blocks: usize,
+    whole: bool,
+) -> Result<Vec<PlaneMemory<'b, 'id, B>>, KvError> {
+    let mut planes = Vec::with_capacity(layout.planes().len());
+    for (p, plane) in layout.planes().iter().enumerate() {
+        let reserved = binding
+            .reserve(plane.stride * blocks)
+            .map_err(|e| KvError::Reserve {
+                plane: p,
+                cause: Box::new(e),
+            })?;
+        planes.push(if whole {
+            let whole = reserved
+                .commit()
+                .map_err(|e| KvError::Commit(Box::new(e.cause)))?;
+            PlaneMemory::Whole(whole)
+        } else {
+            PlaneMemory::Sparse(reserved.into_sparse())
+        });
+    }
+    Ok(planes)
+}
+
 impl<F> Blocks<F> {
     /// A free block of the lowest mapped group with room, counted live.
     #[inline(always)]
     fn take(&mut self) -> Option<u32> {
         loop {
             let group = self.lowest;
-            match self.free.get_mut(group)?.pop() {
+            let g = self.groups.get_mut(group)?;
+            match g.free.pop() {
                 Some(block) => {
-                    self.live[group] += 1;
+                    g.live += 1;
                     return Some(block);
                 }
                 None => self.lowest += 1,
@@ -438,8 +460,9 @@ impl<F> Blocks<F> {
     fn free_all(&mut self, blocks: &[u32], shift: u32) {
         for &block in blocks {
             let group = (block >> shift) as usize;
-            self.free[group].push(block);
-            self.live[group] -= 1;
+            let g = &mut self.groups[group];
+            g.free.push(block);
+            g.live -= 1;
             if group < self.lowest {
                 self.lowest = group;
             }
@@ -448,11 +471,22 @@ impl<F> Blocks<F> {
 
     /// Mapped groups with no live block.
     fn idle_groups(&self) -> usize {
+        self.groups.iter().filter(|g| g.is_idle()).count()
+    }
+
+    /// Groups mapped (those withheld after a failed unmap included).
+    fn mapped_groups(&self) -> usize {
         self.groups
             .iter()
-            .zip(&self.live)
-            .filter(|&(&g, &live)| g == Group::Mapped && live == 0)
+            .filter(|g| g.memory != Memory::Unmapped)
             .count()
+    }
+}
+
+impl Group {
+    /// Mapped, with no live block.
+    fn is_idle(&self) -> bool {
+        self.memory == Memory::Mapped && self.live == 0
     }
 }
 

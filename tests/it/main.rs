@@ -27,6 +27,7 @@ mod custody_discharge;
 mod engine;
 mod errors;
 mod forgotten;
+mod kv_attention;
 mod kv_cache;
 mod mechanisms;
 mod money;

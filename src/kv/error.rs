@@ -58,6 +58,23 @@ pub enum KvError {
         #[source]
         cause: Box<BackendError>,
     },
+    /// The cache sleeps: no block is handed out, no byte copied, no group mapped until
+    /// [`wake`](super::KvCache::wake) (blocks given back meanwhile wait for it).
+    #[error("the KV cache is asleep: wake() it first")]
+    Asleep,
+    /// The cache is awake already.
+    #[error("the KV cache is awake: wake() only after sleep")]
+    Awake,
+    /// Sleep is refused where the planes are allocated whole (CUDA's plain mechanism: no
+    /// virtual memory management), before anything is done.
+    #[error(
+        "the KV cache cannot sleep: its planes are allocated whole ({0}), so their memory cannot go while their addresses stay"
+    )]
+    SleepUnsupported(&'static str),
+    /// Work that may use the planes still runs: nothing was unmapped. Wait for it (a stream
+    /// synchronize) and sleep again.
+    #[error("the KV cache cannot sleep yet: work that may use its planes still runs")]
+    Pending,
     /// A copy to or from a block failed: nothing changed in the cache.
     #[error("copying bytes of a KV block failed")]
     Copy(#[source] Box<BackendError>),

@@ -2,7 +2,7 @@
 //! watermarks — every backend call the KV cache makes after it is made.
 
 use super::{Batch, Blocks, KvCache, KvError, Memory, PlaneMemory};
-use crate::backend::{Backend, Op};
+use crate::backend::{Backend, BackendError, Op};
 use crate::error::CommitFailure;
 use crate::unwind::Scope;
 
@@ -60,9 +60,13 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
     ///
     /// [`KvError::Map`] when a group cannot be mapped (the budget, the backend: nothing of that
     /// group is mapped, those before it stay); [`KvError::Unmap`] when a group cannot be
-    /// unmapped (its granules that could not be stay withheld, never handed out again).
+    /// unmapped (its granules that could not be stay withheld, never handed out again);
+    /// [`KvError::Asleep`] while the cache sleeps.
     pub fn replenish(&self) -> Result<Replenished, KvError> {
         Scope::run::<B, _>(move || {
+            if self.is_asleep() {
+                return Err(KvError::Asleep);
+            }
             let mut done = Replenished {
                 freed: self.complete_fences(),
                 ..Replenished::default()
@@ -92,7 +96,7 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
     }
 
     /// Frees the blocks of every batch whose fence has completed; how many.
-    fn complete_fences(&self) -> usize {
+    pub(super) fn complete_fences(&self) -> usize {
         if B::IMMEDIATE {
             return 0;
         }
@@ -211,7 +215,7 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
     }
 
     /// The granules of group `group` in each plane: the first one, and how many.
-    fn granules_of(&self, plane: usize, group: usize) -> (usize, usize) {
+    pub(super) fn granules_of(&self, plane: usize, group: usize) -> (usize, usize) {
         let g = self.binding.device().granularity();
         let n = (self.stride(plane) << self.group_shift) / g;
         (group * n, n)
@@ -219,6 +223,13 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
 
     /// Maps group `group` in every plane, all or nothing, and adds its blocks.
     pub(super) fn map_group(&self, group: usize) -> Result<(), CommitFailure> {
+        self.map_memory(group)?;
+        self.add_group(group);
+        Ok(())
+    }
+
+    /// Maps group `group`'s memory in every plane, all or nothing (its blocks are not added).
+    pub(super) fn map_memory(&self, group: usize) -> Result<(), CommitFailure> {
         let mut planes = self.planes.borrow_mut();
         for p in 0..planes.len() {
             let (first, n) = self.granules_of(p, group);
@@ -242,8 +253,6 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
                 return Err(cause);
             }
         }
-        drop(planes);
-        self.add_group(group);
         Ok(())
     }
 
@@ -266,18 +275,26 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         });
     }
 
-    /// Unmaps idle group `group` in every plane and gives its granules back.
-    fn unmap_group(&self, group: usize) -> Result<(), crate::backend::BackendError> {
-        let device = self.binding.device();
-        let (first, n) = self.granules_of(0, group);
-        let at = self.bases[0] + first * device.granularity();
-        device.ensure_live(Op::Unmap, at, n * device.granularity())?;
+    /// Unmaps idle group `group` in every plane and gives its granules back; its blocks leave
+    /// the free list.
+    fn unmap_group(&self, group: usize) -> Result<(), BackendError> {
         self.with(|s| {
             let g = &mut s.groups[group];
             debug_assert_eq!(g.live, 0);
             g.free.clear();
-            g.memory = Memory::Unmapped;
         });
+        self.unmap_memory(group)
+    }
+
+    /// Unmaps group `group`'s memory in every plane and gives its granules back (its blocks
+    /// stay as they are: the caller sees to them). A granule whose unmap fails stays withheld,
+    /// and the group with it.
+    pub(super) fn unmap_memory(&self, group: usize) -> Result<(), BackendError> {
+        let device = self.binding.device();
+        let (first, n) = self.granules_of(0, group);
+        let at = self.bases[0] + first * device.granularity();
+        device.ensure_live(Op::Unmap, at, n * device.granularity())?;
+        self.with(|s| s.groups[group].memory = Memory::Unmapped);
         let mut planes = self.planes.borrow_mut();
         let total: usize = (0..planes.len())
             .map(|p| self.granules_of(p, group).1)

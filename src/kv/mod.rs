@@ -48,6 +48,7 @@ mod error;
 mod groups;
 mod layout;
 mod plane;
+mod sleep;
 mod table;
 
 pub use error::KvError;
@@ -114,6 +115,8 @@ struct Blocks<F> {
     /// Watermarks of mapped groups with no live block (see [`KvCache::set_watermarks`]).
     low: usize,
     high: usize,
+    /// While the cache sleeps: what it had mapped, and the free lists it put aside.
+    asleep: Option<Box<sleep::Asleep>>,
 }
 
 /// A KV cache: block ids over one reservation per plane, physical memory by group (see the
@@ -239,6 +242,7 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
                     shrink_after: None,
                     low: 1,
                     high: 2,
+                    asleep: None,
                 }),
             };
             if whole {
@@ -292,6 +296,9 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
 
     #[cold]
     fn no_room(&self) -> KvError {
+        if self.is_asleep() {
+            return KvError::Asleep;
+        }
         KvError::NoRoom {
             mapped: self.mapped_groups(),
             groups: self.groups(),
@@ -313,11 +320,14 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
     #[inline]
     pub(crate) fn give_back(&self, blocks: &[u32]) {
         let shift = self.group_shift;
-        if B::IMMEDIATE {
-            self.with(|s| s.free_all(blocks, shift));
-        } else {
-            self.with(|s| s.unfenced.extend_from_slice(blocks));
-        }
+        self.with(|s| {
+            // Asleep, a block given back waits for the wake-up: no group is mapped.
+            if B::IMMEDIATE && s.asleep.is_none() {
+                s.free_all(blocks, shift);
+            } else {
+                s.unfenced.extend_from_slice(blocks);
+            }
+        });
     }
 
     /// The layout the cache was made from.

@@ -86,7 +86,7 @@ impl<'t, 'c, 'b, 'id, B: Backend> BlockTable<'t, 'c, 'b, 'id, B> {
     ///
     /// # Errors
     ///
-    /// [`KvError::Copy`] with the backend's error.
+    /// [`KvError::Copy`] with the backend's error; [`KvError::Asleep`] while the cache sleeps.
     ///
     /// # Panics
     ///
@@ -98,7 +98,7 @@ impl<'t, 'c, 'b, 'id, B: Backend> BlockTable<'t, 'c, 'b, 'id, B> {
         offset: usize,
         src: &[u8],
     ) -> Result<(), KvError> {
-        let at = self.at(plane, position, offset, src.len());
+        let at = self.at(plane, position, offset, src.len())?;
         Scope::run::<B, _>(move || {
             self.cache
                 .backend()
@@ -112,7 +112,7 @@ impl<'t, 'c, 'b, 'id, B: Backend> BlockTable<'t, 'c, 'b, 'id, B> {
     ///
     /// # Errors
     ///
-    /// [`KvError::Copy`] with the backend's error.
+    /// As for [`write`](Self::write).
     ///
     /// # Panics
     ///
@@ -124,7 +124,7 @@ impl<'t, 'c, 'b, 'id, B: Backend> BlockTable<'t, 'c, 'b, 'id, B> {
         offset: usize,
         dst: &mut [u8],
     ) -> Result<(), KvError> {
-        let at = self.at(plane, position, offset, dst.len());
+        let at = self.at(plane, position, offset, dst.len())?;
         Scope::run::<B, _>(move || {
             self.cache
                 .backend()
@@ -133,8 +133,18 @@ impl<'t, 'c, 'b, 'id, B: Backend> BlockTable<'t, 'c, 'b, 'id, B> {
         })
     }
 
-    /// The address of `len` bytes at `offset` into block `position` of plane `plane`.
-    fn at(&self, plane: usize, position: usize, offset: usize, len: usize) -> usize {
+    /// The address of `len` bytes at `offset` into block `position` of plane `plane` (none
+    /// while the cache sleeps).
+    fn at(
+        &self,
+        plane: usize,
+        position: usize,
+        offset: usize,
+        len: usize,
+    ) -> Result<usize, KvError> {
+        if self.cache.is_asleep() {
+            return Err(KvError::Asleep);
+        }
         let block_bytes = self.cache.layout().planes()[plane].block_bytes;
         assert!(
             offset
@@ -142,7 +152,7 @@ impl<'t, 'c, 'b, 'id, B: Backend> BlockTable<'t, 'c, 'b, 'id, B> {
                 .is_some_and(|end| end <= block_bytes),
             "{len} bytes at {offset} go past a block of {block_bytes} bytes"
         );
-        self.cache.block_addr(plane, self.ids[position]) + offset
+        Ok(self.cache.block_addr(plane, self.ids[position]) + offset)
     }
 }
 

@@ -148,6 +148,15 @@ pub enum Violation {
         "stream {0:#x} captures: a memtoken graph is not launched into another capture (the outer graph would not borrow its memory)"
     )]
     CapturingStream(usize),
+    /// A graph launched over memory that sleeps (a KV cache's planes): nothing is mapped
+    /// there; the launch was refused.
+    #[error(
+        "the graph uses memory at {addr:#x} that sleeps (a KV cache asleep): wake it before launching"
+    )]
+    Asleep {
+        /// The start of the sleeping memory's reservation.
+        addr: Addr,
+    },
     /// Memory a view lent to work on a stream while it captured outside memtoken's own
     /// capture: a graph memtoken does not know of may use it whenever it is launched.
     #[error(

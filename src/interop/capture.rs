@@ -8,9 +8,10 @@
 use super::fit;
 use crate::allocation::Allocation;
 use crate::backend::cuda::{CaptureMode, CudaBackend, Driver, Ended, GraphExec, Stream};
-use crate::backend::{Addr, BackendError};
+use crate::backend::{Addr, BackendError, Cause, Op, Violation};
 use crate::device::Device;
 use crate::error::ViewError;
+use crate::kv::Awake;
 use crate::page_pool::{Page, SharedTable};
 use crate::region::Elastic;
 use crate::sharing::{Capability, Owner};
@@ -425,6 +426,9 @@ pub struct Capture<'t, 'id, D: Driver> {
     /// What its views lent, and whether for writing: each launch of its graph is ordered per
     /// memory as a use through a view would be.
     lends: std::cell::RefCell<Vec<(Addr, bool)>>,
+    /// Memory lent without being held (a KV cache's planes), with the flag that says whether
+    /// it is awake: a launch is refused while any sleeps.
+    awake: std::cell::RefCell<Vec<(Addr, Awake)>>,
     _uses: Invariant<'t>,
     _device: PhantomData<&'t Device<'id, CudaBackend<D>>>,
     _thread: OnItsThread,
@@ -461,6 +465,7 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
             lent: true,
             held: std::cell::RefCell::new(Vec::new()),
             lends: std::cell::RefCell::new(Vec::new()),
+            awake: std::cell::RefCell::new(Vec::new()),
             _uses: PhantomData,
             _device: PhantomData,
             _thread: PhantomData,
@@ -533,6 +538,16 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
         Ok(view)
     }
 
+    /// Lends the reservation at `addr` to the captured work without holding it (its owner
+    /// maps and unmaps inside it while the graph lives, fenced: the launches run on the
+    /// capture's stream, which its fences cover from now on), and keeps `awake` to refuse a
+    /// launch while it sleeps.
+    pub(crate) fn lend_unheld(&self, addr: Addr, awake: Awake) {
+        self.backend.touch(self.stream, addr);
+        self.lends.borrow_mut().push((addr, true));
+        self.awake.borrow_mut().push((addr, awake));
+    }
+
     /// Ends the capture through the backend, if its stream still captures under this
     /// capture's id: the graph's instance, or why not. The ranges held are let go where no
     /// graph can use them (this capture ended with none), and kept for good where one may
@@ -574,6 +589,7 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
             exec,
             held: std::mem::take(self.held.get_mut()),
             lends: std::mem::take(self.lends.get_mut()),
+            awake: std::mem::take(self.awake.get_mut()),
             stream: self.stream,
             _uses: PhantomData,
             _device: PhantomData,
@@ -699,6 +715,8 @@ pub struct CapturedGraph<'t, 'id, D: Driver> {
     held: Vec<(Addr, usize)>,
     /// What its capture's views lent, and whether for writing.
     lends: Vec<(Addr, bool)>,
+    /// Memory lent without being held, and whether it is awake.
+    awake: Vec<(Addr, Awake)>,
     stream: Stream,
     _uses: Invariant<'t>,
     _device: PhantomData<&'t Device<'id, CudaBackend<D>>>,
@@ -719,6 +737,11 @@ impl<D: Driver> CapturedGraph<'_, '_, D> {
     /// stream captures (the launch would be captured into a graph that borrows nothing); the
     /// driver's error.
     pub fn launch(&self) -> Result<(), BackendError> {
+        // Memory it uses that sleeps (a KV cache's planes): nothing is mapped there.
+        if let Some(&(addr, _)) = self.awake.iter().find(|(_, awake)| !awake.is_awake()) {
+            let asleep = Cause::Violation(Violation::Asleep { addr });
+            return Err(BackendError::new(Op::Graph, addr, 0, asleep));
+        }
         // Per memory, as a view's use: after the last write through another view (and, for a
         // write, every read since) on another stream.
         for &(addr, write) in &self.lends {
@@ -765,6 +788,7 @@ impl<'t, 'id, D: Driver> CapturedGraph<'t, 'id, D> {
             exec: this.exec,
             held: std::mem::take(&mut this.held),
             lends: std::mem::take(&mut this.lends),
+            awake: std::mem::take(&mut this.awake),
             stream: this.stream,
             _uses: PhantomData,
             _device: PhantomData,

@@ -43,8 +43,11 @@ use crate::unwind::{Guarded, Scope};
 use generativity::{Guard, Id};
 use std::cell::{RefCell, UnsafeCell};
 use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 mod error;
+mod graph;
 mod groups;
 mod layout;
 mod plane;
@@ -52,10 +55,22 @@ mod sleep;
 mod table;
 
 pub use error::KvError;
+pub use graph::KvPlanes;
 pub use groups::Replenished;
 pub use layout::{Layout, Plane};
 use plane::Sparse;
 pub use table::BlockTable;
+
+/// Whether a KV cache is awake, shared with the graphs captured over its planes (which refuse
+/// to launch while it sleeps).
+#[derive(Clone, Debug)]
+pub(crate) struct Awake(Arc<AtomicBool>);
+
+impl Awake {
+    pub(crate) fn is_awake(&self) -> bool {
+        self.0.load(Ordering::Acquire)
+    }
+}
 
 /// The null block's id: block 0, taken when the cache is made and never handed out, its group
 /// always mapped — vLLM's padding block for tables shorter than the batch's longest.
@@ -191,6 +206,7 @@ pub struct KvCache<'c, 'b, 'id, B: Backend> {
     group_shift: u32,
     planes: RefCell<Vec<PlaneMemory<'b, 'id, B>>>,
     state: UnsafeCell<Blocks<B::Fence>>,
+    awake: Awake,
 }
 
 impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
@@ -244,6 +260,7 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
                     high: 2,
                     asleep: None,
                 }),
+                awake: Awake(Arc::new(AtomicBool::new(true))),
             };
             if whole {
                 for group in 0..groups {

@@ -5,6 +5,7 @@
 use super::{KvCache, KvError, Memory};
 use crate::backend::{Ability, Addr, Backend};
 use crate::unwind::Scope;
+use std::sync::atomic::Ordering;
 
 /// A group's saved bytes: the group, and each plane's part of it.
 type Saved = (usize, Vec<Vec<u8>>);
@@ -89,7 +90,9 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         } else {
             Vec::new()
         };
-        // Asleep from here: the free lists put aside, so nothing is handed out.
+        // Asleep from here: the free lists put aside, so nothing is handed out, and no graph
+        // over the planes launches.
+        self.awake.0.store(false, Ordering::Release);
         self.with(|s| {
             let groups = mapped
                 .iter()
@@ -159,6 +162,7 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
                     }
                 }
                 s.lowest = 0;
+                self.awake.0.store(true, Ordering::Release);
                 if B::IMMEDIATE {
                     let unfenced = std::mem::take(&mut s.unfenced);
                     s.free_all(&unfenced, shift);

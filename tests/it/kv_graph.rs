@@ -1,0 +1,92 @@
+//! Graphs over the KV cache on the driver model: captured through memtoken's `Capture`, a graph
+//! borrows the cache, not its mappings — it launches before and after the cache grows, shrinks
+//! and sleeps, never faulting, and a launch while the cache sleeps is refused.
+
+use crate::common;
+use memtoken::backend::cuda::CaptureMode;
+use memtoken::backend::{Cause, Violation};
+use memtoken::kv::{KvCache, KvError, Layout};
+use memtoken::{Budget, Capture, make_guard};
+
+#[test]
+fn a_graph_over_the_planes_launches_across_grow_shrink_and_sleep_and_is_refused_asleep() {
+    let model = common::held_fences();
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(cache_guard);
+    let layout = Layout::new(4096, 16).plane(64 << 10).plane(64 << 10);
+    let cache = KvCache::new(cache_guard, &binding, &layout).unwrap();
+    cache.set_watermarks(1, 1);
+    cache.replenish().unwrap();
+    let stride = cache.stride(0);
+    let mut decode = cache.table();
+    for _ in 0..3 {
+        cache.push(&mut decode).unwrap();
+    }
+    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    let planes = capture.kv_planes(&cache);
+    // The captured kernel reads the decode table's blocks in both planes.
+    let reads: Vec<(u64, usize)> = (0..planes.len())
+        .flat_map(|p| {
+            let base = planes.device_ptr(p);
+            decode
+                .ids()
+                .iter()
+                .map(move |&b| (base + u64::from(b) * stride as u64, stride))
+        })
+        .collect();
+    model.submit_work_touching(stream, &reads);
+    let graph = capture.end().unwrap();
+    let no_fault = || assert_eq!(model.lost_with(), None, "the graph faulted");
+
+    graph.launch().unwrap();
+    model.complete_work();
+    no_fault();
+    // Grow: other sequences take blocks, groups are mapped, while the graph lives.
+    let mapped = cache.mapped_groups();
+    let mut others = cache.table();
+    for _ in 0..200 {
+        if cache.push(&mut others).is_err() {
+            cache.replenish().unwrap();
+            cache.push(&mut others).unwrap();
+        }
+    }
+    assert!(cache.mapped_groups() > mapped, "grown");
+    graph.launch().unwrap();
+    no_fault();
+    // Shrink under a running launch: the groups go only once the launch has completed.
+    drop(others);
+    cache.replenish().unwrap();
+    let before = cache.mapped_groups();
+    model.complete_work();
+    no_fault();
+    cache.replenish().unwrap();
+    cache.replenish().unwrap();
+    assert!(cache.mapped_groups() < before, "shrunk");
+    graph.launch().unwrap();
+    model.complete_work();
+    no_fault();
+    // Asleep: refused, nothing launched; awake: launches again.
+    cache.sleep_saving().unwrap();
+    let launches = model.count(memtoken::backend::cuda::DriverCall::GraphLaunch);
+    let e = graph.launch().unwrap_err();
+    assert!(
+        matches!(e.cause, Cause::Violation(Violation::Asleep { .. })),
+        "{e}"
+    );
+    assert!(e.to_string().contains("wake it before launching"), "{e}");
+    assert_eq!(
+        model.count(memtoken::backend::cuda::DriverCall::GraphLaunch),
+        launches
+    );
+    assert_eq!(cache.push(&mut cache.table()), Err(KvError::Asleep));
+    cache.wake().unwrap();
+    graph.launch().unwrap();
+    model.complete_work();
+    no_fault();
+    drop(graph);
+    drop(decode);
+    drop(cache);
+    drop(binding);
+    assert!(device.close().is_clean());
+}

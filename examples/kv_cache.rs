@@ -1,6 +1,14 @@
-//! memtoken's showcase: a paged KV cache with a shared system prompt.
+//! memtoken's showcase: a serving engine's KV cache.
 //!
-//! Every sequence starts with the same system prompt, whose K/V is computed once by its owner
+//! By default it runs memtoken's `KvCache` (`examples/common/kv_blocks.rs`): a real model's
+//! per-layer KV size (Llama 3 8B: 32 layers, 8 KV heads × 128 × 2 bytes, 16-token blocks), one
+//! plane per layer whose block `b` is at `base + b × stride` for attention kernels, block tables
+//! of ids, physical memory mapped a group at a time by `replenish()` between steps. It prints
+//! blocks taken and given back, groups mapped, owned bytes and backend calls every 100 steps,
+//! and ends with the ledger at zero. On a device without virtual memory management the cache is
+//! allocated whole, and it says so.
+//!
+//! `--pages` runs the page pool with a shared system prompt instead: every sequence starts with the same system prompt, whose K/V is computed once by its owner
 //! and mapped read-only into every sequence (zero extra physical bytes). The prompt ends inside
 //! its last page, so a sequence's first generated token lands in a page it shares: it takes a
 //! private copy of that one page first (copy-on-write). After that it takes a page from the
@@ -17,12 +25,13 @@
 //!
 //! On a CUDA device without virtual memory management (`--gpu` on such a device, or
 //! `--model-no-vmm`: the driver model of one), the backend falls back to its plain mechanism
-//! (`cuMemAlloc`): the demo says so and why, runs the paged workload with a private copy of
+//! (`cuMemAlloc`): the demo says so and why; with `--pages` it runs the paged workload with a private copy of
 //! the prompt per sequence (no prefix sharing there), after showing three refusals the
 //! mechanism makes instead of what it cannot do (prefix sharing, region growth, sleep).
 //!
 //! ```text
 //! cargo run --release --example kv_cache [-- --gpu --sequences N --seed S --prompt-tokens P]
+//! cargo run --release --example kv_cache -- --pages [--gpu ...]   # pages, a shared prompt
 //! cargo run --release --example kv_cache -- --elastic [--tail] [--gpu ...]
 //! cargo run --release --example kv_cache -- --model            # the CUDA driver model (VMM)
 //! cargo run --release --example kv_cache -- --model-no-vmm     # ... of a device without VMM
@@ -38,6 +47,8 @@
 #[path = "common/cli.rs"]
 mod cli;
 mod common;
+#[path = "common/kv_blocks.rs"]
+mod kv_blocks;
 
 use cli::Arg;
 use memtoken::backend::cuda::{CudaBackend, CudaMechanism, Driver};
@@ -382,24 +393,27 @@ struct Args {
     /// a device with or without virtual memory management.
     model: Option<bool>,
     elastic: bool,
+    /// `--pages`: the page pool with a shared prompt instead of the KV cache.
+    pages: bool,
     /// `--tail`: with `--elastic`, a finished sequence's region keeps its granules mapped in its
     /// tail and serves the next request.
     tail: bool,
 }
 
 const USAGE: &str = "\
-usage: kv_cache [--gpu | --model | --model-no-vmm] [--elastic [--tail]] [--sequences N]
-                [--seed S] [--prompt-tokens P]
+usage: kv_cache [--gpu | --model | --model-no-vmm] [--pages | --elastic [--tail]]
+                [--sequences N] [--seed S] [--prompt-tokens P]
 
-A paged KV cache with a shared system prompt, on memtoken
-(cargo run --release --example kv_cache -- ARGS).
+A serving engine's KV cache on memtoken: block ids over one reservation per layer, physical
+memory mapped by group (cargo run --release --example kv_cache -- ARGS).
 
   --gpu               run on CUDA device 0 instead of the host backend (its VMM mechanism, or
                       plain cuMemAlloc where the device has no VMM)
   --model             run on the CUDA driver model of a device with VMM (no GPU needed)
   --model-no-vmm      ... of a device without virtual memory management (the plain mechanism:
                       pages only, no --elastic)
-  --elastic           one growing region per sequence instead of pages (vAttention)
+  --pages             a page pool with a shared system prompt instead of the KV cache
+  --elastic           one growing region per sequence instead (vAttention)
   --tail              with --elastic: a finished sequence's region keeps its granules mapped
                       (its tail) and serves the next request
   --sequences N       how many sequences arrive (default 64)
@@ -416,6 +430,7 @@ fn parse_args() -> Args {
         gpu: false,
         model: None,
         elastic: false,
+        pages: false,
         tail: false,
     };
     let mut cli = cli::Args::new(USAGE);
@@ -429,6 +444,7 @@ fn parse_args() -> Args {
                 "--model" => args.model = Some(true),
                 "--model-no-vmm" => args.model = Some(false),
                 "--elastic" => args.elastic = true,
+                "--pages" => args.pages = true,
                 "--tail" => args.tail = true,
                 _ => cli.unknown(Arg::Flag(flag)),
             },
@@ -436,6 +452,7 @@ fn parse_args() -> Args {
         }
     }
     cli.at_most_one(&["--gpu", "--model", "--model-no-vmm"]);
+    cli.at_most_one(&["--pages", "--elastic"]);
     cli.only_with("--tail", "--elastic");
     // The plain mechanism has no regions: it shows their refusal and runs the pages instead.
     if cli.given("--elastic") && cli.given("--model-no-vmm") {
@@ -989,6 +1006,13 @@ fn run_cuda<D: Driver>(backend: CudaBackend<D>, kv: &gpu::GpuKv, args: &Args) ->
         ),
     }
     let plain = backend.mechanism() == CudaMechanism::Plain;
+    if !args.pages && !args.elastic {
+        // `Faulty` with no fault planned forwards every call and counts it.
+        let backend = Faulty::new(backend);
+        let calls = backend.handle();
+        let device = Device::new(guard, backend);
+        return run_blocks(&device, &calls, args);
+    }
     let device = Device::new(guard, backend);
     if plain {
         if args.elastic {
@@ -1128,6 +1152,14 @@ fn main() -> std::process::ExitCode {
 }
 
 /// The demo the command line asks for.
+/// The KV cache workload (`examples/common/kv_blocks.rs`) over the same arrivals as the other
+/// modes.
+fn run_blocks<B: Backend>(device: &Device<'_, B>, calls: &FaultHandle, args: &Args) -> Result<()> {
+    let lengths = arrivals(args).into_iter().map(|(_, len)| len).collect();
+    kv_blocks::run(device, calls, lengths, args.prompt_tokens)?;
+    Ok(())
+}
+
 fn run_args(args: &Args) -> Result<()> {
     if let Some(vmm) = args.model {
         let model = DriverModel::new(ModelConfig {
@@ -1147,6 +1179,17 @@ fn run_args(args: &Args) -> Result<()> {
         return Err("--gpu: built without the `cuda` feature".into());
     }
     make_guard!(guard);
+    if !args.pages && !args.elastic {
+        // Granules of 64 KiB: one block of one layer.
+        let backend = Faulty::new(HostBackend::new(HostConfig {
+            granularity: 64 << 10,
+            physical_capacity: 4 << 30,
+            ..HostConfig::default()
+        })?);
+        let calls = backend.handle();
+        let device = Device::new(guard, backend);
+        return run_blocks(&device, &calls, args);
+    }
     let backend = HostBackend::new(HostConfig {
         granularity: 4 << 10,
         physical_capacity: 1 << 30,

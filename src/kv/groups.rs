@@ -87,9 +87,12 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
                     armed
                 }
             };
-            done.mapped = self.map_to_low()?;
-            if may_shrink {
-                done.unmapped = self.unmap_over_high()?;
+            // Planes allocated whole (the plain mechanism): every group stays mapped.
+            if self.maps_on_demand() {
+                done.mapped = self.map_to_low()?;
+                if may_shrink {
+                    done.unmapped = self.unmap_over_high()?;
+                }
             }
             Ok(done)
         })

@@ -397,6 +397,19 @@ fn without_vmm_the_cache_is_allocated_whole_with_the_same_ids() {
     // SAFETY: block 5 of plane 1 is allocated.
     unsafe { model.memcpy_dtoh(&mut got, at as u64) }.unwrap();
     assert_eq!(&got, b"plain");
+    for _ in 0..3 {
+        for _ in 0..40 {
+            cache.push(&mut table).unwrap();
+        }
+        cache.clear(&mut table);
+        let done = cache.replenish().unwrap();
+        assert_eq!(
+            (done.mapped, done.unmapped),
+            (0, 0),
+            "every group stays mapped"
+        );
+        assert_eq!(cache.mapped_groups(), cache.groups());
+    }
     drop(table);
     drop(cache);
     drop(binding);

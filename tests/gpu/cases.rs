@@ -36,6 +36,10 @@ macro_rules! tests {
 #[path = "assumptions.rs"]
 pub(crate) mod assumptions;
 
+/// The KV cache read by a kernel, by block id.
+#[path = "kv.rs"]
+pub(crate) mod kv;
+
 /// The CUDA graph-capture rules the backend relies on, each checked on the real driver.
 #[path = "captures.rs"]
 pub(crate) mod captures;

@@ -95,6 +95,7 @@ fn trials(runs: Runs) -> Vec<Trial> {
         ("", cases::TESTS),
         ("assumptions::", cases::assumptions::TESTS),
         ("captures::", cases::captures::TESTS),
+        ("kv::", cases::kv::TESTS),
     ];
     #[cfg(not(feature = "cuda"))]
     let tests: [(&str, Tests); 0] = [];

@@ -7,7 +7,9 @@
 //!    without the device's granule cache (cache cap 0, tail cap 0), with it (the default cap,
 //!    tail cap 0), and with the mapped tail (default cache cap, `set_tail_cap(N)`). The table
 //!    gives the backend calls per grow and per shrink (`Faulty`'s counters) and the driver calls
-//!    behind them (the model's call log, where `cuMemSetAccess` is a call of its own).
+//!    behind them (the model's call log, where `cuMemSetAccess` is a call of its own). Then a
+//!    [`KvCache`] of four planes: the calls of a `replenish` that maps one group (a map and an
+//!    access call per plane, facts 47 and 48) and of one that fences and gives a group back.
 //! 2. **Times, on a GPU** (criterion; every id contains `gpu`): per granule, the raw VMM calls
 //!    `cuMemCreate`, `cuMemMap`, `cuMemSetAccess`, `cuMemUnmap` and `cuMemRelease`, made below
 //!    the backend through memtoken's driver seam (`SysDriver`, one `cudarc::driver::sys` call
@@ -31,6 +33,7 @@ use gpu::Slots;
 use memtoken::backend::cuda::{CudaBackend, Driver, DriverCall, SysDriver};
 use memtoken::backend::doubles::{DriverModel, FaultHandle, Faulty};
 use memtoken::backend::{Backend, Op};
+use memtoken::kv::{KvCache, Layout};
 use memtoken::{Binding, Budget, Device, Region, ShrinkError, make_guard};
 use std::time::{Duration, Instant};
 
@@ -38,6 +41,8 @@ use std::time::{Duration, Instant};
 const N: usize = 16;
 /// Criterion's samples per benchmark: the table averages the last this many runs of each.
 const SAMPLES: usize = 20;
+/// Planes of the KV cache whose group mapping is counted.
+const KV_PLANES: usize = 4;
 /// Cycles the call counts are averaged over.
 const CYCLES: u64 = 10;
 
@@ -217,6 +222,35 @@ fn count_calls() {
         count_row(config.0, &format!("shrink {N}"), &ops[1], &logs[1]);
         finish(&device, region);
     }
+    count_kv(&faults, &model, &binding);
+}
+
+/// Counts the calls of a KV cache's `replenish` that maps one group, and of one that fences
+/// the blocks given back and gives a group back: a cache of [`KV_PLANES`] planes of 64 KiB
+/// blocks (a group: 32 blocks, one granule per plane), watermarks 1 and 1.
+fn count_kv<B: Backend>(faults: &FaultHandle, model: &DriverModel, binding: &Binding<'_, '_, B>) {
+    let layout = (0..KV_PLANES).fold(Layout::new(4096, 16), |l, _| l.plane(64 << 10));
+    make_guard!(cache_guard);
+    let cache = KvCache::new(cache_guard, binding, &layout).unwrap();
+    cache.set_watermarks(1, 1);
+    cache.replenish().unwrap();
+    let mut ops = [[0; 12]; 2];
+    let mut logs = [Vec::new(), Vec::new()];
+    for _ in 0..CYCLES {
+        // Every free block taken: the next replenish maps a group.
+        let mut table = cache.table();
+        while cache.push(&mut table).is_ok() {}
+        count(faults, model, &mut ops[0], &mut logs[0], || {
+            assert_eq!(cache.replenish().unwrap().mapped, 1);
+        });
+        // Given back: the next replenish fences them, and gives a group back.
+        drop(table);
+        count(faults, model, &mut ops[1], &mut logs[1], || {
+            assert_eq!(cache.replenish().unwrap().unmapped, 1);
+        });
+    }
+    count_row("kv", &format!("map 1x{KV_PLANES}"), &ops[0], &logs[0]);
+    count_row("kv", &format!("unmap 1x{KV_PLANES}"), &ops[1], &logs[1]);
 }
 
 // Part 2: times on a GPU.

@@ -72,7 +72,7 @@ pub struct StreamViewMut<'a, T, D: Driver> {
 
 impl<'a, T, D: Driver> StreamView<'a, T, D> {
     /// `bytes` bytes at `addr` as `T`s for work on `stream`, which the fences must cover.
-    fn lend(
+    pub(crate) fn lend(
         backend: &'a CudaBackend<D>,
         addr: Addr,
         bytes: usize,
@@ -151,7 +151,7 @@ impl<T, D: Driver> Drop for StreamView<'_, T, D> {
 }
 
 impl<'a, T, D: Driver> StreamViewMut<'a, T, D> {
-    fn new(view: StreamView<'a, T, D>) -> Self {
+    pub(crate) fn new(view: StreamView<'a, T, D>) -> Self {
         Self {
             view,
             _lent: PhantomData,

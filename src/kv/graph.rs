@@ -2,8 +2,10 @@
 //! work, and its graph borrows the cache — not its mappings.
 
 use super::KvCache;
-use crate::Capture;
-use crate::backend::cuda::{CudaBackend, Driver};
+use crate::backend::cuda::{CudaBackend, Driver, Stream};
+use crate::error::ViewError;
+use crate::{Capture, StreamView, StreamViewMut};
+use bytemuck::Pod;
 use std::marker::PhantomData;
 
 /// The planes of a [`KvCache`] lent to a [`Capture`]: their device pointers, for the captured
@@ -68,5 +70,37 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
             ptrs,
             _capture: PhantomData,
         }
+    }
+}
+
+impl<D: Driver> KvCache<'_, '_, '_, CudaBackend<D>> {
+    /// Plane `plane` as elements of `T`, for the kernels of a step on the raw `stream` (known to
+    /// the device or covered): the pointer rule of every stream view. Taking the pointer orders
+    /// the work after the plane's earlier uses on other streams, and the cache's fences cover
+    /// `stream` from then on; **if a capture memtoken did not make is open on `stream`** when the
+    /// pointer is taken or the view drops, the plane may be in a graph memtoken does not know of:
+    /// it is held for good — its groups are never unmapped again (a give-back leaves them
+    /// withheld, and sleep leaves them mapped). Engines that capture their decode step should
+    /// capture through memtoken's [`Capture`] ([`Capture::kv_planes`]), whose graph borrows the
+    /// cache instead. The raw [`base`](KvCache::base) is neither ordered nor probed: used in a
+    /// foreign capture, keeping the plane mapped is the launch's obligation.
+    ///
+    /// Which blocks the kernels read and write is their obligation: blocks the tables hold.
+    ///
+    /// # Errors
+    ///
+    /// As for [`Allocation::stream_view`](crate::Allocation::stream_view).
+    ///
+    /// # Panics
+    ///
+    /// If there is no such plane.
+    pub fn plane_view<T: Pod>(
+        &self,
+        plane: usize,
+        stream: Stream,
+    ) -> Result<StreamViewMut<'_, T, D>, ViewError> {
+        let backend = self.binding.device().backend().raw();
+        let len = self.stride(plane) * self.blocks();
+        StreamView::lend(backend, self.base(plane), len, stream, false).map(StreamViewMut::new)
     }
 }

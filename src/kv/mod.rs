@@ -353,7 +353,10 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
     }
 
     /// Plane `plane`'s base address: block `b` is at `base(plane) + b × stride(plane)`. (On
-    /// CUDA, the device pointer a kernel reads the plane's tensor at.)
+    /// CUDA, the device pointer a kernel reads the plane's tensor at: the raw path. Prefer
+    /// `plane_view`, which orders the use and follows the pointer rule of stream views, or, in a
+    /// captured step, `Capture::kv_planes`; a raw base used in a capture memtoken did not make
+    /// leaves keeping the plane mapped to the launch.)
     ///
     /// # Panics
     ///

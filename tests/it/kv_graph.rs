@@ -90,3 +90,46 @@ fn a_graph_over_the_planes_launches_across_grow_shrink_and_sleep_and_is_refused_
     drop(binding);
     assert!(device.close().is_clean());
 }
+
+/// A plane's stream view taken while a capture memtoken did not make is open on its stream: the
+/// plane may be in that graph, so it stays mapped for good — a give-back above the high
+/// watermark leaves its groups mapped (withheld), where the same cache without the foreign
+/// capture gives them back.
+#[test]
+fn a_plane_pointer_taken_in_a_foreign_capture_keeps_the_plane_mapped_for_good() {
+    for foreign in [false, true] {
+        let model = common::model();
+        common::covered_device!(model, device, stream);
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        make_guard!(cache_guard);
+        let layout = Layout::new(1024, 16).plane(64 << 10);
+        let cache = KvCache::new(cache_guard, &binding, &layout).unwrap();
+        cache.set_watermarks(4, 4);
+        cache.replenish().unwrap();
+        let mapped = cache.mapped_groups();
+        if foreign {
+            model.begin_capture(stream, CaptureMode::Global);
+        }
+        let view = cache.plane_view::<u8>(0, stream).unwrap();
+        let ptr = view.device_ptr();
+        drop(view);
+        if foreign {
+            model.submit_work_touching(stream, &[(ptr, 4 << 21)]);
+            model.end_capture(stream).unwrap();
+        }
+        cache.set_watermarks(0, 0);
+        let done = cache.replenish();
+        if foreign {
+            assert!(matches!(done, Err(KvError::Unmap { .. })), "{done:?}");
+            assert_eq!(
+                cache.mapped_groups(),
+                mapped,
+                "held for good: nothing unmapped"
+            );
+        } else {
+            assert_eq!(done.unwrap().unmapped, mapped - 1);
+            assert_eq!(cache.mapped_groups(), 1, "only the null block's group");
+        }
+        assert_eq!(model.lost_with(), None);
+    }
+}

@@ -428,7 +428,7 @@ pub struct Capture<'t, 'id, D: Driver> {
     lends: std::cell::RefCell<Vec<(Addr, bool)>>,
     /// Memory lent without being held (a KV cache's planes), with the flag that says whether
     /// it is awake: a launch is refused while any sleeps.
-    awake: std::cell::RefCell<Vec<(Addr, Awake)>>,
+    awake: std::cell::RefCell<Vec<(Addr, usize, Awake)>>,
     _uses: Invariant<'t>,
     _device: PhantomData<&'t Device<'id, CudaBackend<D>>>,
     _thread: OnItsThread,
@@ -538,14 +538,23 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
         Ok(view)
     }
 
-    /// Lends the reservation at `addr` to the captured work without holding it (its owner
-    /// maps and unmaps inside it while the graph lives, fenced: the launches run on the
-    /// capture's stream, which its fences cover from now on), and keeps `awake` to refuse a
-    /// launch while it sleeps.
-    pub(crate) fn lend_unheld(&self, addr: Addr, awake: Awake) {
+    /// Lends the reservation of `len` bytes at `addr` to the captured work without holding it
+    /// (its owner maps and unmaps inside it while the graph lives, fenced: the launches run on
+    /// the capture's stream, which its fences cover from now on), and keeps `awake` to refuse a
+    /// launch while it sleeps. Should the graph escape memtoken (the capture ended by someone
+    /// else, or never ended), the reservation is held for good after all.
+    pub(crate) fn lend_unheld(&self, addr: Addr, len: usize, awake: Awake) {
         self.backend.touch(self.stream, addr);
         self.lends.borrow_mut().push((addr, true));
-        self.awake.borrow_mut().push((addr, awake));
+        self.awake.borrow_mut().push((addr, len, awake));
+    }
+
+    /// What was lent without being held, held for good: a graph memtoken does not hold may
+    /// use it (the capture ended elsewhere, or could not be ended).
+    fn hold_unheld(&mut self) {
+        for (addr, len, _) in std::mem::take(self.awake.get_mut()) {
+            self.backend.hold_for_capture(addr, len);
+        }
     }
 
     /// Ends the capture through the backend, if its stream still captures under this
@@ -568,6 +577,7 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
             Ended::Elsewhere(e) | Ended::Unknown(e) => {
                 self.open = false;
                 self.held.get_mut().clear(); // held for good
+                self.hold_unheld();
                 Err(e)
             }
             Ended::Open(e) => Err(e),
@@ -609,6 +619,9 @@ impl<D: Driver> Drop for Capture<'_, '_, D> {
         }
         // Still capturing (its end failed twice), or ended by someone else: what it lent
         // stays held for good. The stream is let go once it no longer captures here.
+        if self.open {
+            self.hold_unheld();
+        }
         if self.lent && !self.open {
             self.backend.end_lend(self.stream);
         }
@@ -716,7 +729,7 @@ pub struct CapturedGraph<'t, 'id, D: Driver> {
     /// What its capture's views lent, and whether for writing.
     lends: Vec<(Addr, bool)>,
     /// Memory lent without being held, and whether it is awake.
-    awake: Vec<(Addr, Awake)>,
+    awake: Vec<(Addr, usize, Awake)>,
     stream: Stream,
     _uses: Invariant<'t>,
     _device: PhantomData<&'t Device<'id, CudaBackend<D>>>,
@@ -738,7 +751,7 @@ impl<D: Driver> CapturedGraph<'_, '_, D> {
     /// driver's error.
     pub fn launch(&self) -> Result<(), BackendError> {
         // Memory it uses that sleeps (a KV cache's planes): nothing is mapped there.
-        if let Some(&(addr, _)) = self.awake.iter().find(|(_, awake)| !awake.is_awake()) {
+        if let Some(&(addr, ..)) = self.awake.iter().find(|(.., awake)| !awake.is_awake()) {
             let asleep = Cause::Violation(Violation::Asleep { addr });
             return Err(BackendError::new(Op::Graph, addr, 0, asleep));
         }

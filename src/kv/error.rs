@@ -38,8 +38,9 @@ pub enum KvError {
         /// Blocks given back whose fence has not completed yet.
         cooling: usize,
     },
-    /// Mapping a group failed: nothing of it is mapped (a granule whose undo failed stays
-    /// withheld), the groups mapped before it in the same call stay mapped.
+    /// Mapping a group failed: what the call mapped of it was given back (a granule whose undo
+    /// failed stays mapped, the group partly mapped and never handed out until mapped whole);
+    /// the groups mapped before it in the same call stay mapped.
     #[error("mapping group {group} of the KV cache failed")]
     Map {
         /// The group.
@@ -48,8 +49,10 @@ pub enum KvError {
         #[source]
         cause: Box<CommitFailure>,
     },
-    /// Unmapping a group failed: its granules that could not be unmapped stay withheld (owned,
-    /// charged, mapped; the group is never handed out again), the others were given back.
+    /// Unmapping a group failed: its granules that could not be unmapped stay mapped (owned,
+    /// charged), the others were given back; the group is partly mapped, never handed out until
+    /// a later `replenish` or `wake` maps it whole (a later `replenish` also tries to give it
+    /// back again).
     #[error("unmapping group {group} of the KV cache failed")]
     Unmap {
         /// The group.

@@ -61,8 +61,10 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
         let ptrs = cache
             .bases
             .iter()
-            .map(|&base| {
-                self.lend_unheld(base, cache.awake.clone());
+            .enumerate()
+            .map(|(p, &base)| {
+                let len = cache.stride(p) * cache.blocks();
+                self.lend_unheld(base, len, cache.awake.clone());
                 base as u64
             })
             .collect();
@@ -79,8 +81,9 @@ impl<D: Driver> KvCache<'_, '_, '_, CudaBackend<D>> {
     /// the work after the plane's earlier uses on other streams, and the cache's fences cover
     /// `stream` from then on; **if a capture memtoken did not make is open on `stream`** when the
     /// pointer is taken or the view drops, the plane may be in a graph memtoken does not know of:
-    /// it is held for good — its groups are never unmapped again (a give-back leaves them
-    /// withheld, and sleep leaves them mapped). Engines that capture their decode step should
+    /// it is held for good — the backend refuses to unmap any of it again (a give-back or a
+    /// sleep leaves its part of each group mapped, and `wake` maps the other planes' parts back).
+    /// Engines that capture their decode step should
     /// capture through memtoken's [`Capture`] ([`Capture::kv_planes`]), whose graph borrows the
     /// cache instead. The raw [`base`](KvCache::base) is neither ordered nor probed: used in a
     /// foreign capture, keeping the plane mapped is the launch's obligation.

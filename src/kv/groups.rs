@@ -58,9 +58,10 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
     ///
     /// # Errors
     ///
-    /// [`KvError::Map`] when a group cannot be mapped (the budget, the backend: nothing of that
-    /// group is mapped, those before it stay); [`KvError::Unmap`] when a group cannot be
-    /// unmapped (its granules that could not be stay withheld, never handed out again);
+    /// [`KvError::Map`] when a group cannot be mapped whole (the budget, the backend: what this
+    /// call mapped of it is given back, the groups before it stay mapped); [`KvError::Unmap`]
+    /// when a group cannot be unmapped whole (its granules that could not be stay mapped, and
+    /// the group is handed out again only once a later `replenish` has mapped it whole);
     /// [`KvError::Asleep`] while the cache sleeps.
     pub fn replenish(&self) -> Result<Replenished, KvError> {
         Scope::run::<B, _>(move || {
@@ -71,24 +72,32 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
                 freed: self.complete_fences(),
                 ..Replenished::default()
             };
+            // Planes allocated whole (the plain mechanism): every group stays mapped, and only
+            // the blocks given back are fenced.
+            let on_demand = self.maps_on_demand();
             let over = self.with(|s| s.idle_groups().saturating_sub(s.high));
             let may_shrink = if B::IMMEDIATE {
                 true
             } else {
-                let armed = self.with(|s| s.shrink_after.is_some_and(|at| s.fenced_through(at)));
+                // Armed once, by the first replenish that finds groups over the high watermark;
+                // they go once the work recorded up to then has completed (a later fence that
+                // has completed says so too).
+                let (armed, done_through) = self.with(|s| {
+                    let armed = s.shrink_after.is_some();
+                    (armed, s.shrink_after.is_some_and(|at| s.fenced_through(at)))
+                });
                 let unfenced = self.with(|s| !s.unfenced.is_empty());
-                let arm = over > 0 && !armed;
+                let arm = on_demand && over > 0 && !armed;
                 if unfenced || arm {
                     done.fenced = true;
                     let (freed, at_once) = self.record_fence(arm);
                     done.freed += freed;
-                    armed || at_once
+                    done_through || at_once
                 } else {
-                    armed
+                    done_through
                 }
             };
-            // Planes allocated whole (the plain mechanism): every group stays mapped.
-            if self.maps_on_demand() {
+            if on_demand {
                 done.mapped = self.map_to_low()?;
                 if may_shrink {
                     done.unmapped = self.unmap_over_high()?;
@@ -176,7 +185,7 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         (0, false)
     }
 
-    /// Maps the lowest unmapped groups until `low` are idle; how many it mapped.
+    /// Maps the lowest groups not mapped whole until `low` are idle; how many it mapped.
     fn map_to_low(&self) -> Result<usize, KvError> {
         let mut mapped = 0;
         loop {
@@ -184,7 +193,7 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
                 if s.idle_groups() >= s.low {
                     return None;
                 }
-                s.groups.iter().position(|g| g.memory == Memory::Unmapped)
+                s.groups.iter().position(|g| g.memory != Memory::Mapped)
             });
             let Some(group) = next else {
                 return Ok(mapped);
@@ -197,14 +206,18 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         }
     }
 
-    /// Unmaps the highest idle groups above `high`; how many.
+    /// Unmaps the highest idle groups above `high`, and every group left partly mapped with no
+    /// live block; how many.
     fn unmap_over_high(&self) -> Result<usize, KvError> {
         let over: Vec<usize> = self.with(|s| {
             let n = s.idle_groups().saturating_sub(s.high);
+            let partial = (0..s.groups.len())
+                .filter(|&g| s.groups[g].memory == Memory::Partial && s.groups[g].live == 0);
             (0..s.groups.len())
                 .rev()
                 .filter(|&g| s.groups[g].is_idle())
                 .take(n)
+                .chain(partial)
                 .collect()
         });
         for &group in &over {
@@ -231,32 +244,62 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         Ok(())
     }
 
-    /// Maps group `group`'s memory in every plane, all or nothing (its blocks are not added).
+    /// Maps what is not mapped yet of group `group`'s memory, in every plane, all or nothing
+    /// (its blocks are not added): on failure what this call mapped is unmapped again (a granule
+    /// whose unmap fails stays mapped, and the group partly mapped).
     pub(super) fn map_memory(&self, group: usize) -> Result<(), CommitFailure> {
         let mut planes = self.planes.borrow_mut();
+        let mut mapped: Vec<Vec<usize>> = Vec::with_capacity(planes.len());
+        let mut failed = None;
         for p in 0..planes.len() {
             let (first, n) = self.granules_of(p, group);
             let PlaneMemory::Sparse(plane) = &mut planes[p] else {
                 continue;
             };
-            if let Err(cause) = plane.map_granules(first, n) {
-                // Undo the planes before it: nothing of the group stays mapped.
-                let mut back = self.binding.give_back(p * n);
-                let mut withheld = false;
-                for (q, undo) in planes[..p].iter_mut().enumerate() {
-                    let (first, n) = self.granules_of(q, group);
-                    if let PlaneMemory::Sparse(undo) = undo {
-                        withheld |= undo.unmap_granules(first, n, &mut back).is_err();
-                    }
+            match plane.map_granules(first, n) {
+                Ok(granules) => mapped.push(granules),
+                Err(cause) => {
+                    failed = Some(cause);
+                    break;
                 }
-                back.finish();
-                if withheld {
-                    self.with(|s| s.groups[group].memory = Memory::Withheld);
-                }
-                return Err(cause);
             }
         }
+        if let Some(cause) = failed {
+            // Undo the planes before it: what this call mapped goes back.
+            let mut back = self.binding.give_back(mapped.iter().map(Vec::len).sum());
+            for (undo, granules) in planes.iter_mut().zip(mapped) {
+                if let PlaneMemory::Sparse(undo) = undo {
+                    let _still_mapped = undo.unmap_granules(granules, &mut back);
+                }
+            }
+            back.finish();
+            drop(planes);
+            self.settle(group);
+            return Err(cause);
+        }
+        drop(planes);
+        self.settle(group);
         Ok(())
+    }
+
+    /// Records what group `group`'s memory is now: mapped whole, not at all, or partly.
+    fn settle(&self, group: usize) {
+        let planes = self.planes.borrow();
+        let (mut mapped, mut total) = (0, 0);
+        for (p, plane) in planes.iter().enumerate() {
+            let (first, n) = self.granules_of(p, group);
+            total += n;
+            mapped += match plane {
+                PlaneMemory::Sparse(plane) => plane.mapped_in(first, n),
+                PlaneMemory::Whole(_) => n,
+            };
+        }
+        let memory = match mapped {
+            0 => Memory::Unmapped,
+            m if m == total => Memory::Mapped,
+            _ => Memory::Partial,
+        };
+        self.with(|s| s.groups[group].memory = memory);
     }
 
     /// Group `group`, mapped, joins the free blocks.
@@ -281,6 +324,7 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
     /// Unmaps idle group `group` in every plane and gives its granules back; its blocks leave
     /// the free list.
     fn unmap_group(&self, group: usize) -> Result<(), BackendError> {
+        self.ensure_live(group)?;
         self.with(|s| {
             let g = &mut s.groups[group];
             debug_assert_eq!(g.live, 0);
@@ -289,15 +333,19 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         self.unmap_memory(group)
     }
 
-    /// Unmaps group `group`'s memory in every plane and gives its granules back (its blocks
-    /// stay as they are: the caller sees to them). A granule whose unmap fails stays withheld,
-    /// and the group with it.
-    pub(super) fn unmap_memory(&self, group: usize) -> Result<(), BackendError> {
+    /// Whether the context lives, asked before unmapping group `group`.
+    fn ensure_live(&self, group: usize) -> Result<(), BackendError> {
         let device = self.binding.device();
         let (first, n) = self.granules_of(0, group);
         let at = self.bases[0] + first * device.granularity();
-        device.ensure_live(Op::Unmap, at, n * device.granularity())?;
-        self.with(|s| s.groups[group].memory = Memory::Unmapped);
+        device.ensure_live(Op::Unmap, at, n * device.granularity())
+    }
+
+    /// Unmaps group `group`'s memory in every plane and gives its granules back (its blocks
+    /// stay as they are: the caller sees to them). A granule whose unmap fails stays mapped,
+    /// and the group partly mapped: never handed out until mapped whole again.
+    pub(super) fn unmap_memory(&self, group: usize) -> Result<(), BackendError> {
+        self.ensure_live(group)?;
         let mut planes = self.planes.borrow_mut();
         let total: usize = (0..planes.len())
             .map(|p| self.granules_of(p, group).1)
@@ -307,19 +355,15 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         for (p, plane) in planes.iter_mut().enumerate() {
             let (first, n) = self.granules_of(p, group);
             if let PlaneMemory::Sparse(plane) = plane
-                && let Err(e) = plane.unmap_granules(first, n, &mut back)
+                && let Err(e) = plane.unmap_granules(first..first + n, &mut back)
             {
                 failed = Some(e);
             }
         }
         back.finish();
-        match failed {
-            None => Ok(()),
-            Some(e) => {
-                self.with(|s| s.groups[group].memory = Memory::Withheld);
-                Err(e)
-            }
-        }
+        drop(planes);
+        self.settle(group);
+        failed.map_or(Ok(()), Err)
     }
 }
 

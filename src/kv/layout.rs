@@ -125,8 +125,10 @@ impl Layout {
                 "fewer than 2 blocks: block 0 is the null block",
             ));
         }
-        if self.block_tokens == 0 {
-            return Err(KvError::Layout("a block of 0 tokens"));
+        if self.block_tokens == 0 || self.block_tokens > 1 << 31 {
+            return Err(KvError::Layout(
+                "a block of 0 tokens, or of more than 2^31: slots are i64",
+            ));
         }
         if self.planes.iter().any(|p| p.block_bytes == 0) {
             return Err(KvError::Layout("a plane of 0 bytes per block"));
@@ -198,6 +200,7 @@ mod tests {
             (Layout::new(10, 16), "no plane"),
             (Layout::new(1, 16).plane(64), "null block"),
             (Layout::new(10, 0).plane(64), "0 tokens"),
+            (Layout::new(10, (1 << 31) + 1).plane(64), "2^31: slots"),
             (Layout::new(10, 16).plane(0), "0 bytes"),
             (Layout::new(10, 16).plane_with_stride(64, 32), "stride"),
             (Layout::new((1 << 31) + 1, 16).plane(64), "2^31"),

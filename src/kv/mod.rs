@@ -89,8 +89,9 @@ enum PlaneMemory<'b, 'id, B: Backend> {
 enum Memory {
     Unmapped,
     Mapped,
-    /// An unmap failed: some of its granules stay mapped, withheld; never handed out again.
-    Withheld,
+    /// Partly mapped (a map or an unmap failed halfway): never handed out until a later
+    /// `replenish` (or `wake`) maps it whole.
+    Partial,
 }
 
 /// One group's blocks: its free list and its count side by side, so that a take or a give-back
@@ -217,8 +218,9 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
     ///
     /// # Errors
     ///
-    /// [`KvError::Layout`] before anything is done; [`KvError::Reserve`], [`KvError::Commit`] or
-    /// [`KvError::Map`] with everything reserved or mapped so far given back.
+    /// [`KvError::Layout`] before anything is done; [`KvError::Reserve`], or [`KvError::Commit`]
+    /// (a plane allocated whole, or the null block's group mapped), with everything reserved or
+    /// mapped so far given back.
     pub fn new(
         guard: Guard<'c>,
         binding: &'b Binding<'b, 'id, B>,
@@ -407,7 +409,7 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
         self.with(|s| s.groups.len())
     }
 
-    /// Groups mapped now (those withheld after a failed unmap included).
+    /// Groups mapped now, whole or partly (after a failed map or unmap).
     pub fn mapped_groups(&self) -> usize {
         self.with(|s| s.mapped_groups())
     }
@@ -504,7 +506,7 @@ impl<F> Blocks<F> {
         self.groups.iter().filter(|g| g.is_idle()).count()
     }
 
-    /// Groups mapped (those withheld after a failed unmap included).
+    /// Groups mapped, whole or partly.
     fn mapped_groups(&self) -> usize {
         self.groups
             .iter()

@@ -17,13 +17,12 @@ use crate::state::{
 #[derive(Debug)]
 pub(crate) enum Sparse {}
 
-/// What a sparse reservation owns: per granule of the range, its physical memory while mapped;
-/// and the granules whose unmap failed, still mapped, owned and charged (never mapped over
-/// again; the release tries them once more).
+/// What a sparse reservation owns: per granule of the range, its physical memory while mapped.
+/// A granule whose unmap failed stays here, still mapped, owned and charged (a later unmap, or
+/// the release, tries again).
 #[derive(Debug)]
 pub(crate) struct Slots<P> {
     pub(crate) granules: Vec<Option<P>>,
-    pub(crate) withheld: Vec<Granule<P>>,
 }
 
 impl sealed::Sealed for Sparse {}
@@ -34,24 +33,25 @@ impl Repr for Sparse {
     fn retire<B: Backend>(parts: Self::Parts<B>, at: Retiring<'_, B>) -> Retired<B> {
         let backend = at.backend;
         let g = backend.granularity();
-        let Slots {
-            granules,
-            mut withheld,
-        } = parts;
         // Each mapped granule is unmapped on its own: they need not be next to each other.
-        withheld.extend(granules.into_iter().enumerate().filter_map(|(i, phys)| {
-            phys.map(|phys| Granule {
-                offset: i * g,
-                len: g,
-                phys,
-                mapped: true,
+        let granules: Vec<Granule<B::Phys>> = parts
+            .granules
+            .into_iter()
+            .enumerate()
+            .filter_map(|(i, phys)| {
+                phys.map(|phys| Granule {
+                    offset: i * g,
+                    len: g,
+                    phys,
+                    mapped: true,
+                })
             })
-        }));
-        let charged = withheld.len() * g;
+            .collect();
+        let charged = granules.len() * g;
         Retired {
-            fence: Wait::unless(withheld.is_empty(), || backend.fence_for(&[at.addr])),
+            fence: Wait::unless(granules.is_empty(), || backend.fence_for(&[at.addr])),
             held: Held {
-                granules: withheld,
+                granules,
                 ..Held::va()
             },
             charged,
@@ -71,42 +71,47 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Reserved> {
         let g = core.device().granularity();
         let slots = Slots {
             granules: (0..core.len / g).map(|_| None).collect(),
-            withheld: Vec::new(),
         };
         Allocation::from_core(core, slots)
     }
 }
 
 impl<B: Backend> Allocation<'_, '_, B, Sparse> {
-    /// Maps granules `first..first + n` (none of them mapped or withheld) read-write, all or
-    /// nothing: each from the device's cache while it has one, else created (charged to the
-    /// budgets first). On failure every granule this call mapped is unmapped and given back
-    /// (one whose unmap fails too stays withheld), and the binding is charged nothing.
-    pub(crate) fn map_granules(&mut self, first: usize, n: usize) -> Result<(), CommitFailure> {
+    /// Maps the granules of `first..first + n` not mapped yet, read-write, all or nothing: each
+    /// from the device's cache while it has one, else created (charged to the budgets first).
+    /// Returns the granules it mapped. On failure every granule this call mapped is unmapped and
+    /// given back (one whose unmap fails too stays mapped in its slot), and the binding is
+    /// charged nothing more.
+    pub(crate) fn map_granules(
+        &mut self,
+        first: usize,
+        n: usize,
+    ) -> Result<Vec<usize>, CommitFailure> {
         let core = self.core();
         let (binding, device) = (core.binding, core.device());
         let g = device.granularity();
-        let at = |i: usize| core.addr + (first + i) * g;
+        let missing: Vec<usize> = (first..first + n)
+            .filter(|&i| self.parts().granules[i].is_none())
+            .collect();
+        if missing.is_empty() {
+            return Ok(missing);
+        }
+        let at = |i: usize| core.addr + i * g;
         device
-            .ensure_live(Op::Map, at(0), n * g)
+            .ensure_live(Op::Map, at(missing[0]), missing.len() * g)
             .map_err(CommitFailure::Backend)?;
-        debug_assert!(
-            self.parts().granules[first..first + n]
-                .iter()
-                .all(Option::is_none)
-        );
-        let mut got = Vec::with_capacity(n);
-        let mut growth = binding.grow(n, &mut got)?;
+        let mut got = Vec::with_capacity(missing.len());
+        let mut growth = binding.grow(missing.len(), &mut got)?;
         let mut failed = None;
-        for i in 0..growth.taken() {
-            if let Err(e) = growth.map_cached(at(i), got[i]) {
-                growth.put_back(&mut got, i);
+        for k in 0..growth.taken() {
+            if let Err(e) = growth.map_cached(at(missing[k]), got[k]) {
+                growth.put_back(&mut got, k);
                 failed = Some(CommitFailure::Backend(e));
                 break;
             }
         }
         if failed.is_none() {
-            for i in got.len()..n {
+            for &i in &missing[got.len()..] {
                 match growth.map_new(at(i)) {
                     Ok(phys) => got.push(phys),
                     Err((cause, _quarantined)) => {
@@ -119,59 +124,56 @@ impl<B: Backend> Allocation<'_, '_, B, Sparse> {
         let from_cache = growth.cached();
         growth.finish();
         let Some(cause) = failed else {
-            let slots = &mut self.parts_mut().granules[first..first + n];
-            for (slot, phys) in slots.iter_mut().zip(got) {
-                *slot = Some(phys);
+            for (&i, phys) in missing.iter().zip(got) {
+                self.parts_mut().granules[i] = Some(phys);
             }
-            return Ok(());
+            return Ok(missing);
         };
         // `got` holds exactly the granules mapped, those from the cache first.
         let mut back = binding.give_back(from_cache);
-        for (i, phys) in got.into_iter().enumerate().rev() {
-            match back.unmap(at(i)) {
-                Ok(()) if i < from_cache => back.give(phys),
+        for (k, phys) in got.into_iter().enumerate().rev() {
+            match back.unmap(at(missing[k])) {
+                Ok(()) if k < from_cache => back.give(phys),
                 Ok(()) => back.release(phys, g),
-                Err(_) => self.parts_mut().withheld.push(Granule {
-                    offset: (first + i) * g,
-                    len: g,
-                    phys,
-                    mapped: true,
-                }),
+                // Still mapped: it stays in its slot, owned and charged.
+                Err(_) => self.parts_mut().granules[missing[k]] = Some(phys),
             }
         }
         back.finish();
         Err(cause)
     }
 
-    /// Unmaps granules `first..first + n` (each mapped, and no work may still use them) and
-    /// gives them back through `back`; one whose unmap fails stays withheld, still mapped, and
-    /// the last such failure is returned (the others went).
+    /// Unmaps the mapped granules among `granules` (no work may still use them) and gives them
+    /// back through `back`; one whose unmap fails stays mapped in its slot, and the last such
+    /// failure is returned (the others went).
     pub(crate) fn unmap_granules(
         &mut self,
-        first: usize,
-        n: usize,
+        granules: impl IntoIterator<Item = usize>,
         back: &mut GiveBack<'_, '_, '_, B>,
     ) -> Result<(), BackendError> {
         let core = self.core();
         let g = core.device().granularity();
         let mut failed = None;
-        for i in first..first + n {
-            let Some(phys) = self.parts_mut().granules[i].take() else {
+        for i in granules {
+            let Some(phys) = self.parts().granules[i] else {
                 continue;
             };
             match back.unmap(core.addr + i * g) {
-                Ok(()) => back.give(phys),
-                Err(e) => {
-                    self.parts_mut().withheld.push(Granule {
-                        offset: i * g,
-                        len: g,
-                        phys,
-                        mapped: true,
-                    });
-                    failed = Some(e);
+                Ok(()) => {
+                    self.parts_mut().granules[i] = None;
+                    back.give(phys);
                 }
+                Err(e) => failed = Some(e),
             }
         }
         failed.map_or(Ok(()), Err)
+    }
+
+    /// How many of granules `first..first + n` are mapped.
+    pub(crate) fn mapped_in(&self, first: usize, n: usize) -> usize {
+        self.parts().granules[first..first + n]
+            .iter()
+            .filter(|g| g.is_some())
+            .count()
     }
 }

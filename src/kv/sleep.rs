@@ -35,8 +35,8 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
     ///
     /// [`KvError::Asleep`] if it sleeps already; [`KvError::SleepUnsupported`] where the planes
     /// are allocated whole; [`KvError::Pending`] while work that may use the planes still runs
-    /// (nothing done); [`KvError::Unmap`] when a group could not be unmapped (it stays mapped,
-    /// withheld: the cache sleeps all the same).
+    /// (nothing done); [`KvError::Unmap`] when a group could not be unmapped whole (the cache
+    /// sleeps all the same; what could not be unmapped stays mapped, and `wake` maps the rest).
     pub fn sleep(&self) -> Result<(), KvError> {
         Scope::run::<B, _>(move || self.fall_asleep(false))
     }
@@ -46,7 +46,8 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
     ///
     /// # Errors
     ///
-    /// As for [`sleep`](Self::sleep); [`KvError::Copy`] when a save fails (nothing done).
+    /// As for [`sleep`](Self::sleep); [`KvError::Copy`] when a save fails (awake, nothing
+    /// unmapped; the blocks given back whose work had completed are free).
     pub fn sleep_saving(&self) -> Result<(), KvError> {
         Scope::run::<B, _>(move || self.fall_asleep(true))
     }
@@ -100,8 +101,14 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
                 .collect();
             s.asleep = Some(Box::new(Asleep { groups, saved }));
         });
+        // The groups left partly mapped (no live block, never handed out) go too.
+        let partial: Vec<usize> = self.with(|s| {
+            (0..s.groups.len())
+                .filter(|&g| s.groups[g].memory == Memory::Partial)
+                .collect()
+        });
         let mut failed = None;
-        for &group in &mapped {
+        for &group in mapped.iter().chain(&partial) {
             if let Err(cause) = self.unmap_memory(group) {
                 failed.get_or_insert(KvError::Unmap {
                     group,
@@ -157,9 +164,8 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
             let shift = self.group_shift;
             self.with(|s| {
                 for (g, free) in groups {
-                    if s.groups[g].memory == Memory::Mapped {
-                        s.groups[g].free = free;
-                    }
+                    debug_assert_eq!(s.groups[g].memory, Memory::Mapped, "woken whole");
+                    s.groups[g].free = free;
                 }
                 s.lowest = 0;
                 self.awake.0.store(true, Ordering::Release);
@@ -179,12 +185,12 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
     fn wake_groups(&self, asleep: &mut Asleep) -> Result<(), KvError> {
         let backend = self.backend();
         for &(group, _) in &asleep.groups {
-            if self.with(|s| s.groups[group].memory) == Memory::Unmapped {
+            // Unmapped, or partly (an unmap failed as it fell asleep): mapped whole again.
+            if self.with(|s| s.groups[group].memory) != Memory::Mapped {
                 self.map_memory(group).map_err(|cause| KvError::Map {
                     group,
                     cause: Box::new(cause),
                 })?;
-                self.with(|s| s.groups[group].memory = Memory::Mapped);
             }
             let Some(i) = asleep.saved.iter().position(|(g, _)| *g == group) else {
                 continue;

@@ -29,6 +29,7 @@ mod errors;
 mod forgotten;
 mod kv_attention;
 mod kv_cache;
+mod kv_failures;
 mod kv_graph;
 mod kv_sleep;
 mod mechanisms;

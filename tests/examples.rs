@@ -272,3 +272,28 @@ fn a_failure_while_running_prints_its_display_and_exits_1() {
         out.stderr
     );
 }
+
+/// `kv_cache --model`: the KV cache of a real model's per-layer size on the CUDA driver model
+/// takes blocks, gives every one back, and ends with the ledger at zero (a short run).
+#[test]
+fn kv_cache_on_the_driver_model_takes_blocks_and_ends_at_zero() {
+    let out = run("kv_cache", &["--model", "--sequences", "6"]);
+    assert_eq!(out.code, Some(0), "`kv_cache --model`: {}", out.stderr);
+    let summary = out
+        .stdout
+        .lines()
+        .find(|l| l.contains("blocks taken and"))
+        .unwrap_or_else(|| panic!("no summary line:\n{}", out.stdout));
+    let counts: Vec<u64> = summary
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    // "{steps} steps: {taken} blocks taken and {given} given back, ..."
+    assert!(counts[1] > 0, "{summary}");
+    assert_eq!(counts[1], counts[2], "every block given back: {summary}");
+    assert!(
+        out.stdout.contains("ledger at the end: zero"),
+        "{}",
+        out.stdout
+    );
+}

@@ -37,6 +37,10 @@ fn a_graph_over_the_planes_launches_across_grow_shrink_and_sleep_and_is_refused_
         .collect();
     model.submit_work_touching(stream, &reads);
     let graph = capture.end().unwrap();
+    assert!(
+        format!("{graph:?}").starts_with("CapturedGraph"),
+        "{graph:?}"
+    );
     let no_fault = || assert_eq!(model.lost_with(), None, "the graph faulted");
 
     graph.launch().unwrap();

@@ -783,3 +783,23 @@ proptest! {
         run_cuda(&steps);
     }
 }
+
+/// A mechanism selected and confirmed already is not probed again: a second `select_probed`
+/// of it returns at once, whatever its probe would say (its probe would have refused).
+#[test]
+fn a_mechanism_selected_and_confirmed_is_not_probed_again() {
+    let registry = Mechanisms::new();
+    let id = registry.register("cuda-vmm").unwrap();
+    let probes = std::cell::Cell::new(0);
+    let probe = |answer: Result<(), &'static str>| {
+        probes.set(probes.get() + 1);
+        answer
+    };
+    registry.select_probed(id, || probe(Ok(()))).unwrap();
+    registry
+        .select_probed(id, || probe(Err("would refuse")))
+        .unwrap();
+    registry.select(id).unwrap();
+    assert_eq!(probes.get(), 1, "probed again");
+    assert_eq!(registry.selected(), Some(id));
+}

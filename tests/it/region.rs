@@ -864,6 +864,39 @@ fn the_ledger_counts_tails_apart_and_the_device_cap_bounds_them_together() {
     assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
 }
 
+/// Only a lower device tail cap asks the tails back: set to the same cap, or raised, a region
+/// keeps its tail at its next shrink; lowered, it gives it back there.
+#[test]
+fn only_a_lower_device_tail_cap_asks_the_tails_back() {
+    make_guard!(guard);
+    let device = Device::new(guard, host());
+    let g = device.granularity() as u64;
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    device.set_tail_cap(4 * g);
+    let mut region = binding.reserve(8 * g as usize).unwrap().into_region();
+    region.set_tail_cap(2).unwrap();
+    let mut region = region.grown(4);
+    region.shrink(2).unwrap();
+    assert_eq!(region.tail_granules(), 2);
+    for (cap, kept) in [(4 * g, 2), (8 * g, 2), (4 * g, 0)] {
+        device.set_tail_cap(cap);
+        region.grow(1).unwrap();
+        region.shrink(1).unwrap();
+        assert_eq!(
+            region.tail_granules(),
+            kept,
+            "device tail cap {} granules",
+            cap / g
+        );
+        region.set_tail_cap(2).unwrap(); // answers the requests so far
+        region.grow(2).unwrap();
+        region.shrink(2).unwrap();
+    }
+    drop(region);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
 /// Asked for the tails back — by a budget that refuses a commit while tails hold bytes, by
 /// `trim_cache`, or by hand — a region keeps no tail at its next shrink: its tail goes through
 /// the cache (and `trim_cache` releases it there). A growth before that takes the tail first, as

@@ -98,8 +98,10 @@ fn a_shared_page_counts_as_a_holder() {
     assert_eq!(pool.holders(page.index()), 1);
     assert_eq!(pool.live_pages(), 1);
     let mut other = pool.shared_table();
-    pool.push_shared(&mut other, page);
-    assert!(other.page_mut(0).is_some(), "its only holder now");
+    pool.push(&mut other).unwrap();
+    let position = pool.push_shared(&mut other, page);
+    assert_eq!(position, 1, "the position it was appended at");
+    assert!(other.page_mut(position).is_some(), "its only holder now");
     drop(other);
     assert_eq!(pool.live_pages(), 0);
 }

@@ -1047,3 +1047,27 @@ mod kept {
         assert!(device.close().is_clean());
     }
 }
+
+/// A typed view's pointer taken during a foreign capture holds all of its bytes — its elements
+/// times their size — for good: a region viewed as `f32` keeps its last granule mapped when it
+/// shrinks, not only the first granule and a few bytes.
+#[test]
+fn a_typed_view_taken_during_a_foreign_capture_holds_all_its_bytes() {
+    let model = common::model();
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let mut region = binding.reserve(4 * g).unwrap().into_region();
+    region.grow(4).unwrap();
+    model.begin_capture(stream, CaptureMode::Global);
+    let view = region.stream_view::<f32>(stream).unwrap();
+    assert_eq!(view.len(), g); // 4 granules of 4-byte elements
+    let ptr = view.device_ptr();
+    drop(view);
+    model.submit_work_touching(stream, &[(ptr, 4 * g)]);
+    model.end_capture(stream).unwrap();
+    let mapped = device.ledger().mapped_bytes;
+    let shrunk = region.shrink(1);
+    assert!(shrunk.is_err(), "the last granule is held: {shrunk:?}");
+    assert_eq!(device.ledger().mapped_bytes, mapped, "nothing unmapped");
+}

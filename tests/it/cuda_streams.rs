@@ -1666,3 +1666,17 @@ fn a_flush_waiting_for_one_release_holds_back_none_that_is_done() {
     let report = device.close();
     assert!(report.is_clean(), "{report:?}");
 }
+
+/// The device names the streams it holds: the legacy stream and each covered one, then each
+/// known one; forgotten, a stream leaves the list.
+#[test]
+fn the_device_names_the_streams_it_covers_and_knows() {
+    let model = common::model();
+    common::covered_device!(model, device, covered);
+    let known = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.know_stream(known) };
+    assert_eq!(device.streams(), (vec![0, covered], vec![known]));
+    assert!(device.forget_stream(known));
+    assert_eq!(device.streams(), (vec![0, covered], vec![]));
+}

@@ -327,3 +327,55 @@ fn a_reservation_with_uses_of_its_own_joins_the_group_of_the_memory_it_maps() {
     backend.unmap(second, g).unwrap();
     assert_eq!(model.lost_with(), None);
 }
+
+/// A third reservation mapping memory two others map joins their group too: a write through it
+/// waits for the first's last write, made on another stream. Fails if only the second mapping
+/// of a memory joins (a third, or later, keeps a group of its own).
+#[test]
+#[allow(unsafe_code)] // the backend's `order_use` and the driver's event calls, each proven
+fn a_third_mapping_of_the_same_memory_joins_its_group() {
+    use crate::backend::doubles::ModelConfig;
+    let model = DriverModel::new(ModelConfig {
+        events_complete_at_once: false,
+        ..ModelConfig::default()
+    })
+    .unwrap();
+    let backend = open(&model);
+    let (a, c) = (model.new_stream(), model.new_stream());
+    // SAFETY: streams of the model's only context, live as long as the model.
+    unsafe {
+        backend.know_stream(a);
+        backend.know_stream(c);
+    }
+    let g = backend.granularity();
+    let reserved = [(); 3].map(|()| backend.reserve(g).unwrap());
+    let shared = backend.create(g).unwrap();
+    for &at in &reserved[..2] {
+        backend.map(at, g, shared, Access::ReadWrite).unwrap();
+    }
+    // SAFETY: `a` is known to the backend and live (as long as the model).
+    unsafe { backend.order_use(a, reserved[0], true) };
+    model.submit_work_touching(a, &[(reserved[0] as u64, g)]);
+    let wrote = model.event_create().unwrap();
+    // SAFETY: a live event and stream of the model.
+    unsafe { model.event_record(wrote, a) }.unwrap();
+    // The third mapping of the same memory.
+    backend
+        .map(reserved[2], g, shared, Access::ReadWrite)
+        .unwrap();
+    // SAFETY: `c` is known to the backend and live (as long as the model).
+    unsafe { backend.order_use(c, reserved[2], true) };
+    model.submit_work_touching(c, &[(reserved[2] as u64, g)]);
+    model.complete_work_on(c);
+    // SAFETY: a live event of the model.
+    let finished = unsafe { model.event_query(wrote) }.unwrap();
+    assert!(
+        finished,
+        "the write through the third mapping did not wait for the first's write"
+    );
+    model.complete_work();
+    for at in reserved {
+        backend.unmap(at, g).unwrap();
+    }
+    assert_eq!(model.lost_with(), None);
+}

@@ -803,3 +803,23 @@ fn a_mechanism_selected_and_confirmed_is_not_probed_again() {
     assert_eq!(probes.get(), 1, "probed again");
     assert_eq!(registry.selected(), Some(id));
 }
+
+/// What `make` fails with on a mechanism that stays active is `on_selected`'s error, made once:
+/// it is not swallowed and tried again.
+#[test]
+fn a_make_that_fails_on_an_active_mechanism_is_the_error() {
+    use memtoken::mechanism::BindError;
+    let registry = Mechanisms::new();
+    let id = registry.register("cuda-vmm").unwrap();
+    registry.select(id).unwrap();
+    let mut makes = 0;
+    let out = registry.on_selected(|_| -> Result<(), &str> {
+        makes += 1;
+        Err("out of memory")
+    });
+    assert!(
+        matches!(out, Err(BindError::Make("out of memory"))),
+        "{out:?}"
+    );
+    assert_eq!(makes, 1);
+}

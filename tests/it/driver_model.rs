@@ -1665,3 +1665,33 @@ fn waits_on_unrecorded_events_and_from_captures() {
         Err(CuError::STREAM_CAPTURE_INVALIDATED)
     );
 }
+
+/// A graph node whose range runs past a mapping's end into unmapped memory faults when the
+/// graph is launched: every byte of the range must be mapped with access, not only its start.
+#[test]
+fn a_graph_node_reaching_past_a_mapping_into_unmapped_memory_faults() {
+    let model = opened(config());
+    let stream = model.new_stream();
+    let ptr = model.mem_address_reserve(2 * G, G, 0).unwrap();
+    let handle = model.mem_create(G, 0).unwrap();
+    // SAFETY: the fresh reservation's first granule is unmapped; `handle` is live and `G`
+    // bytes long; the mapping just made is exactly `[ptr, ptr + G)`.
+    unsafe {
+        model.mem_map(ptr, G, 0, handle).unwrap();
+        model.mem_set_access(ptr, G, &[(0, true)]).unwrap();
+    }
+    // SAFETY: a live stream of the model's context; the graph and its instance are the model's.
+    let exec = unsafe {
+        model
+            .stream_begin_capture(stream, CaptureMode::Global)
+            .unwrap();
+        model.submit_work_touching(stream, &[(ptr, 2 * G)]); // the granule, and the next
+        let graph = model.stream_end_capture(stream).unwrap();
+        model.graph_instantiate(graph).unwrap()
+    };
+    // SAFETY: the model's instance on a live stream; half its memory is not mapped — the fault
+    // this test documents.
+    let _ = unsafe { model.graph_launch(exec, stream) };
+    model.complete_work();
+    assert_eq!(model.lost_with(), Some(CuError::ILLEGAL_ADDRESS));
+}

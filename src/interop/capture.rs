@@ -538,22 +538,38 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
         Ok(view)
     }
 
-    /// Lends the reservation of `len` bytes at `addr` to the captured work without holding it
-    /// (its owner maps and unmaps inside it while the graph lives, fenced: the launches run on
-    /// the capture's stream, which its fences cover from now on), and keeps `awake` to refuse a
-    /// launch while it sleeps. Should the graph escape memtoken (the capture ended by someone
-    /// else, or never ended), the reservation is held for good after all.
+    /// Lends the reservation of `len` bytes at `addr` to the captured work, held only while the
+    /// capture is open: once it ends in memtoken's graph the owner maps and unmaps inside it
+    /// while the graph lives, fenced (the launches run on the capture's stream, which its fences
+    /// cover from now on), and `awake` refuses a launch while it sleeps. Should the graph escape
+    /// memtoken (the capture ended by someone else, never ended, forgotten, or a launch taken
+    /// into a capture memtoken did not make), the reservation is held for good.
     pub(crate) fn lend_unheld(&self, addr: Addr, len: usize, awake: Awake) {
+        // Held while the capture is open, as what a view lends (so a capture forgotten, or
+        // ended elsewhere, keeps it held for good); let go when the capture ends in memtoken's
+        // graph, which holds it no longer.
+        self.backend.hold_for_capture(addr, len);
+        self.held.borrow_mut().push((addr, len));
         self.backend.touch(self.stream, addr);
         self.lends.borrow_mut().push((addr, true));
         self.awake.borrow_mut().push((addr, len, awake));
     }
 
-    /// What was lent without being held, held for good: a graph memtoken does not hold may
-    /// use it (the capture ended elsewhere, or could not be ended).
-    fn hold_unheld(&mut self) {
-        for (addr, len, _) in std::mem::take(self.awake.get_mut()) {
-            self.backend.hold_for_capture(addr, len);
+    /// What was lent without being held for the graph, let go now that the capture ended in
+    /// memtoken's graph: it checks, at each launch, that the memory is awake instead.
+    fn let_go_unheld(&mut self) {
+        let unheld: Vec<(Addr, usize)> = self
+            .awake
+            .get_mut()
+            .iter()
+            .map(|&(addr, len, _)| (addr, len))
+            .collect();
+        self.backend.let_go(&unheld);
+        let held = self.held.get_mut();
+        for range in unheld {
+            if let Some(at) = held.iter().position(|&r| r == range) {
+                held.swap_remove(at);
+            }
         }
     }
 
@@ -577,7 +593,6 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
             Ended::Elsewhere(e) | Ended::Unknown(e) => {
                 self.open = false;
                 self.held.get_mut().clear(); // held for good
-                self.hold_unheld();
                 Err(e)
             }
             Ended::Open(e) => Err(e),
@@ -593,6 +608,7 @@ impl<'t, 'id, D: Driver> Capture<'t, 'id, D> {
     pub fn end(mut self) -> Result<CapturedGraph<'t, 'id, D>, BackendError> {
         // Still capturing after a failure: ended as it drops.
         let exec = self.finish()?;
+        self.let_go_unheld();
         self.lent = false; // the graph's now, which launches on the stream
         Ok(CapturedGraph {
             backend: self.backend,
@@ -619,9 +635,6 @@ impl<D: Driver> Drop for Capture<'_, '_, D> {
         }
         // Still capturing (its end failed twice), or ended by someone else: what it lent
         // stays held for good. The stream is let go once it no longer captures here.
-        if self.open {
-            self.hold_unheld();
-        }
         if self.lent && !self.open {
             self.backend.end_lend(self.stream);
         }
@@ -766,7 +779,19 @@ impl<D: Driver> CapturedGraph<'_, '_, D> {
         // mapped while it lives, and their releases wait for its launches afterwards (its
         // stream touched their memory). Taken into a capture begun meanwhile, its memory is
         // held for good.
-        unsafe { self.backend.launch(self.exec, self.stream, &self.held) }
+        unsafe { self.backend.launch(self.exec, self.stream, &self.uses()) }
+    }
+}
+
+impl<D: Driver> CapturedGraph<'_, '_, D> {
+    /// Everything the graph uses: what its capture held, and what it lent without holding
+    /// (held for good too, should a launch be taken into a capture memtoken did not make).
+    fn uses(&self) -> std::borrow::Cow<'_, [(Addr, usize)]> {
+        if self.awake.is_empty() {
+            return std::borrow::Cow::Borrowed(&self.held);
+        }
+        let unheld = self.awake.iter().map(|&(addr, len, _)| (addr, len));
+        std::borrow::Cow::Owned(self.held.iter().copied().chain(unheld).collect())
     }
 }
 

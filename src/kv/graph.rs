@@ -82,7 +82,8 @@ impl<D: Driver> KvCache<'_, '_, '_, CudaBackend<D>> {
     /// `stream` from then on; **if a capture memtoken did not make is open on `stream`** when the
     /// pointer is taken or the view drops, the plane may be in a graph memtoken does not know of:
     /// it is held for good — the backend refuses to unmap any of it again (a give-back or a
-    /// sleep leaves its part of each group mapped, and `wake` maps the other planes' parts back).
+    /// sleep leaves its part of each group mapped, and `wake` maps the other planes' parts back;
+    /// such a group is pinned, its failure to go reported once).
     /// Engines that capture their decode step should
     /// capture through memtoken's [`Capture`] ([`Capture::kv_planes`]), whose graph borrows the
     /// cache instead. The raw [`base`](KvCache::base) is neither ordered nor probed: used in a

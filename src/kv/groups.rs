@@ -60,9 +60,11 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
     ///
     /// [`KvError::Map`] when a group cannot be mapped whole (the budget, the backend: what this
     /// call mapped of it is given back, the groups before it stay mapped); [`KvError::Unmap`]
-    /// when a group cannot be unmapped whole (its granules that could not be stay mapped, and
-    /// the group is handed out again only once a later `replenish` has mapped it whole);
-    /// [`KvError::Asleep`] while the cache sleeps.
+    /// when a group cannot be unmapped whole (its granules that could not be stay mapped: if
+    /// none could, its blocks are handed out again at once; if some could, not before a later
+    /// `replenish` has mapped it whole). Such a group is pinned: given back after the others,
+    /// and a later failure to give it back is not reported again. [`KvError::Asleep`] while the
+    /// cache sleeps.
     pub fn replenish(&self) -> Result<Replenished, KvError> {
         Scope::run::<B, _>(move || {
             if self.is_asleep() {
@@ -207,27 +209,37 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
     }
 
     /// Unmaps the highest idle groups above `high`, and every group left partly mapped with no
-    /// live block; how many.
+    /// live block; how many went. A group whose unmap fails (some of its memory held for good,
+    /// say) is pinned: tried again at each shrink, and reported only the first time.
     fn unmap_over_high(&self) -> Result<usize, KvError> {
         let over: Vec<usize> = self.with(|s| {
             let n = s.idle_groups().saturating_sub(s.high);
             let partial = (0..s.groups.len())
                 .filter(|&g| s.groups[g].memory == Memory::Partial && s.groups[g].live == 0);
-            (0..s.groups.len())
+            // Pinned groups last: the others are given back first.
+            let mut idle: Vec<usize> = (0..s.groups.len())
                 .rev()
                 .filter(|&g| s.groups[g].is_idle())
-                .take(n)
-                .chain(partial)
-                .collect()
+                .collect();
+            idle.sort_by_key(|&g| s.groups[g].pinned);
+            idle.into_iter().take(n).chain(partial).collect()
         });
+        let (mut unmapped, mut failed) = (0, None);
         for &group in &over {
-            self.unmap_group(group).map_err(|cause| KvError::Unmap {
-                group,
-                cause: Box::new(cause),
-            })?;
+            let pinned = self.with(|s| s.groups[group].pinned);
+            match self.unmap_group(group) {
+                Ok(()) => unmapped += 1,
+                Err(cause) if !pinned => {
+                    failed.get_or_insert(KvError::Unmap {
+                        group,
+                        cause: Box::new(cause),
+                    });
+                }
+                Err(_) => {} // pinned already: said the first time
+            }
         }
         self.with(|s| s.shrink_after = None);
-        Ok(over.len())
+        failed.map_or(Ok(unmapped), Err)
     }
 
     /// The granules of group `group` in each plane: the first one, and how many.
@@ -330,7 +342,12 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
             debug_assert_eq!(g.live, 0);
             g.free.clear();
         });
-        self.unmap_memory(group)
+        let done = self.unmap_memory(group);
+        // Nothing of it could be unmapped: still mapped whole, its blocks free again.
+        if self.with(|s| s.groups[group].memory) == Memory::Mapped {
+            self.add_group(group);
+        }
+        done
     }
 
     /// Whether the context lives, asked before unmapping group `group`.
@@ -363,6 +380,7 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         back.finish();
         drop(planes);
         self.settle(group);
+        self.with(|s| s.groups[group].pinned = failed.is_some());
         failed.map_or(Ok(()), Err)
     }
 }

@@ -103,6 +103,9 @@ struct Group {
     /// Its blocks handed out or waiting for a fence (the null block's counts).
     live: u32,
     memory: Memory,
+    /// Its last unmap failed (some of its memory held for good, say): given back last, and a
+    /// failure to give it back again is not reported again.
+    pinned: bool,
 }
 
 /// A batch of blocks given back, behind one fence.
@@ -251,6 +254,7 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
                             free: Vec::new(),
                             live: 0,
                             memory: Memory::Unmapped,
+                            pinned: false,
                         })
                         .collect(),
                     lowest: 0,

@@ -31,6 +31,7 @@ mod kv_attention;
 mod kv_cache;
 mod kv_failures;
 mod kv_graph;
+mod kv_held;
 mod kv_sleep;
 mod mechanisms;
 mod money;

@@ -240,7 +240,7 @@ fn takes_and_give_backs_call_nothing_and_the_mapped_groups_follow_the_watermarks
         most_mapped = most_mapped.max(cache.mapped_groups());
     }
     assert!(
-        replenishes > 100 && most_mapped > 4,
+        replenishes > OPS / 100 && most_mapped > 4,
         "{replenishes} {most_mapped}"
     );
     drop(tables);

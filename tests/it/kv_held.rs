@@ -6,7 +6,8 @@
 //! first five.)
 use crate::common::{self, setup};
 use memtoken::backend::cuda::{CaptureMode, Driver, DriverCall};
-use memtoken::backend::{HostBackend, Op};
+use memtoken::backend::doubles::FaultHandle;
+use memtoken::backend::{Backend, HostBackend, Op};
 use memtoken::kv::{KvCache, KvError, Layout};
 use memtoken::{Budget, Capture, make_guard};
 
@@ -265,9 +266,81 @@ fn a_held_plane_is_reported_once_not_by_every_replenish() {
     assert!(errors <= 1, "{errors} of 10 replenishes failed");
 }
 
-/// Random pushes, clears, replenishes, sleeps and wakes with injected map/unmap failures:
-/// every held block of an awake cache is writable in every plane, ids are unique, and the
-/// ledger ends at zero.
+/// 60 random steps on `cache` — pushes, clears, replenishes, watermarks, sleeps and wakes, a
+/// map or an unmap planned to fail (`faults`), and what `other` does with the rest of the
+/// draw — checking after each that no block is in two tables nor the null block handed out,
+/// and that while the cache is awake every block a table holds is mapped in every plane.
+fn random_steps<'c, 'b, 'id, B: Backend>(
+    cache: &KvCache<'c, 'b, 'id, B>,
+    faults: &FaultHandle,
+    rng: &mut common::Rng,
+    seed: u64,
+    mut other: impl FnMut(u64),
+) {
+    let planes = cache.layout().planes().len();
+    let mut tables: Vec<_> = (0..3).map(|_| cache.table()).collect();
+    let mut log = Vec::new();
+    for step in 0..60 {
+        let op = rng.below(13);
+        log.push(op);
+        match op {
+            0..=3 => {
+                let t = rng.below(3) as usize;
+                for _ in 0..rng.below(4) {
+                    let _ = cache.push(&mut tables[t]);
+                }
+            }
+            4 => cache.clear(&mut tables[rng.below(3) as usize]),
+            5 | 6 => drop(cache.replenish()),
+            7 => {
+                let lo = rng.below(3) as usize;
+                cache.set_watermarks(lo, lo + rng.below(3) as usize);
+            }
+            8 if rng.below(2) == 0 => drop(cache.sleep()),
+            8 => drop(cache.sleep_saving()),
+            9 => drop(cache.wake()),
+            10 => faults.fail_nth(Op::Map, 1 + rng.below(6)),
+            11 => faults.fail_nth(Op::Unmap, 1 + rng.below(6)),
+            _ => other(rng.next()),
+        }
+        let mut all: Vec<u32> = tables.iter().flat_map(|t| t.ids().to_vec()).collect();
+        let n = all.len();
+        all.sort_unstable();
+        all.dedup();
+        assert_eq!(
+            all.len(),
+            n,
+            "seed {seed} step {step}: a block in two tables {log:?}"
+        );
+        assert!(!all.contains(&0), "seed {seed}: null block handed out");
+        if cache.is_asleep() {
+            continue;
+        }
+        for t in &mut tables {
+            for pos in 0..t.len() {
+                for p in 0..planes {
+                    let w = t.write(p, pos, 0, b"x");
+                    assert!(
+                        w.is_ok(),
+                        "seed {seed} step {step}: held block {} plane {p} unmapped: {w:?} {log:?}",
+                        t.ids()[pos]
+                    );
+                }
+            }
+        }
+    }
+    faults.clear();
+}
+
+/// A layout of 1 to 3 planes whose bytes per block `rng` draws from `sizes`.
+fn random_layout(rng: &mut common::Rng, blocks: usize, sizes: [usize; 4]) -> Layout {
+    (0..1 + rng.below(3)).fold(Layout::new(blocks, 16), |l, _| {
+        l.plane(sizes[rng.below(4) as usize])
+    })
+}
+
+/// Random pushes, clears, replenishes, sleeps and wakes with injected map and unmap failures
+/// on the host (`random_steps`); the budget and the ledger end at zero.
 #[test]
 fn random_faults_on_the_host_lose_nothing() {
     for seed in 1..common::unless_miri(400, 3) as u64 {
@@ -275,76 +348,9 @@ fn random_faults_on_the_host_lose_nothing() {
         setup!(HostBackend::with_defaults().unwrap(), device, faults);
         let binding = device.bind(Budget::unlimited()).unwrap();
         make_guard!(cache_guard);
-        let planes = 1 + rng.below(3) as usize;
-        let mut layout = Layout::new(16, 16);
-        for _ in 0..planes {
-            layout = layout.plane([1024, 2048, 4096, 8192][rng.below(4) as usize]);
-        }
+        let layout = random_layout(&mut rng, 16, [1024, 2048, 4096, 8192]);
         let cache = KvCache::new(cache_guard, &binding, &layout).unwrap();
-        let mut tables: Vec<_> = (0..3).map(|_| cache.table()).collect();
-        let mut log = Vec::new();
-        for step in 0..60 {
-            let op = rng.below(12);
-            log.push(op);
-            match op {
-                0..=3 => {
-                    let t = rng.below(3) as usize;
-                    for _ in 0..rng.below(4) {
-                        let _ = cache.push(&mut tables[t]);
-                    }
-                }
-                4 => {
-                    let t = rng.below(3) as usize;
-                    cache.clear(&mut tables[t]);
-                }
-                5 | 6 => {
-                    let _ = cache.replenish();
-                }
-                7 => {
-                    let lo = rng.below(3) as usize;
-                    cache.set_watermarks(lo, lo + rng.below(3) as usize);
-                }
-                8 => {
-                    let _ = if rng.below(2) == 0 {
-                        cache.sleep()
-                    } else {
-                        cache.sleep_saving()
-                    };
-                }
-                9 => {
-                    let _ = cache.wake();
-                }
-                10 => faults.fail_nth(Op::Map, 1 + rng.below(6)),
-                _ => faults.fail_nth(Op::Unmap, 1 + rng.below(6)),
-            }
-            // invariants
-            let mut all: Vec<u32> = tables.iter().flat_map(|t| t.ids().to_vec()).collect();
-            let n = all.len();
-            all.sort();
-            all.dedup();
-            assert_eq!(
-                all.len(),
-                n,
-                "seed {seed} step {step}: a block in two tables {log:?}"
-            );
-            assert!(!all.contains(&0), "seed {seed}: null block handed out");
-            if !cache.is_asleep() {
-                for t in &mut tables {
-                    for pos in 0..t.len() {
-                        for p in 0..planes {
-                            let w = t.write(p, pos, 0, b"x");
-                            assert!(
-                                w.is_ok(),
-                                "seed {seed} step {step}: held block {} plane {p} unmapped: {w:?} {log:?}",
-                                t.ids()[pos]
-                            );
-                        }
-                    }
-                }
-            }
-        }
-        faults.clear();
-        drop(tables);
+        random_steps(&cache, &faults, &mut rng, seed, |_| {});
         drop(cache);
         assert_eq!(binding.used(), 0, "seed {seed}: budget");
         drop(binding);
@@ -352,9 +358,8 @@ fn random_faults_on_the_host_lose_nothing() {
     }
 }
 
-/// Random pushes, clears, replenishes, sleeps and wakes with injected map/unmap failures:
-/// every held block of an awake cache is writable in every plane, ids are unique, and the
-/// ledger ends at zero.
+/// The same on the driver model, where kernels run on a covered stream and complete only when
+/// the test says (a fence waits), among the random steps.
 #[test]
 fn random_faults_on_the_driver_model_lose_nothing() {
     for seed in 1..common::unless_miri(300, 3) as u64 {
@@ -367,83 +372,15 @@ fn random_faults_on_the_driver_model_lose_nothing() {
         setup!(cuda, device, faults);
         let binding = device.bind(Budget::unlimited()).unwrap();
         make_guard!(cache_guard);
-        let planes = 1 + rng.below(3) as usize;
-        let mut layout = Layout::new(64, 16);
-        for _ in 0..planes {
-            layout = layout.plane([16 << 10, 64 << 10, 128 << 10, 1 << 20][rng.below(4) as usize]);
-        }
+        let layout = random_layout(&mut rng, 64, [16 << 10, 64 << 10, 128 << 10, 1 << 20]);
         let cache = KvCache::new(cache_guard, &binding, &layout).unwrap();
-        let mut tables: Vec<_> = (0..3).map(|_| cache.table()).collect();
-        let mut log = Vec::new();
-        for step in 0..60 {
-            let op = rng.below(13);
-            log.push(op);
-            match op {
-                0..=3 => {
-                    let t = rng.below(3) as usize;
-                    for _ in 0..rng.below(4) {
-                        let _ = cache.push(&mut tables[t]);
-                    }
-                }
-                4 => {
-                    let t = rng.below(3) as usize;
-                    cache.clear(&mut tables[t]);
-                }
-                5 | 6 => {
-                    let _ = cache.replenish();
-                }
-                7 => {
-                    let lo = rng.below(3) as usize;
-                    cache.set_watermarks(lo, lo + rng.below(3) as usize);
-                }
-                8 => {
-                    let _ = if rng.below(2) == 0 {
-                        cache.sleep()
-                    } else {
-                        cache.sleep_saving()
-                    };
-                }
-                9 => {
-                    let _ = cache.wake();
-                }
-                12 => {
-                    if rng.below(2) == 0 {
-                        model.complete_work()
-                    } else {
-                        model.submit_work_on(stream)
-                    }
-                }
-                10 => faults.fail_nth(Op::Map, 1 + rng.below(6)),
-                _ => faults.fail_nth(Op::Unmap, 1 + rng.below(6)),
+        random_steps(&cache, &faults, &mut rng, seed, |r| {
+            if r % 2 == 0 {
+                model.complete_work();
+            } else {
+                model.submit_work_on(stream);
             }
-            // invariants
-            let mut all: Vec<u32> = tables.iter().flat_map(|t| t.ids().to_vec()).collect();
-            let n = all.len();
-            all.sort();
-            all.dedup();
-            assert_eq!(
-                all.len(),
-                n,
-                "seed {seed} step {step}: a block in two tables {log:?}"
-            );
-            assert!(!all.contains(&0), "seed {seed}: null block handed out");
-            if !cache.is_asleep() {
-                for t in &mut tables {
-                    for pos in 0..t.len() {
-                        for p in 0..planes {
-                            let w = t.write(p, pos, 0, b"x");
-                            assert!(
-                                w.is_ok(),
-                                "seed {seed} step {step}: held block {} plane {p} unmapped: {w:?} {log:?}",
-                                t.ids()[pos]
-                            );
-                        }
-                    }
-                }
-            }
-        }
-        faults.clear();
-        drop(tables);
+        });
         drop(cache);
         model.complete_work();
         assert_eq!(binding.used(), 0, "seed {seed}: budget");

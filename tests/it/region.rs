@@ -1170,3 +1170,31 @@ fn a_failed_growth_that_puts_its_tail_back_over_the_device_cap_asks_the_tails_ba
     drop(binding);
     assert!(device.close().is_clean());
 }
+
+/// A growth that takes its region's tail and then fails puts the tail back; at exactly the
+/// device's tail cap that is no request for the tails: the region keeps its tail at its next
+/// shrink (only a tail over the cap asks them back).
+#[test]
+fn a_tail_put_back_at_the_device_cap_is_not_asked_back() {
+    setup!(host(), device, faults);
+    let g = device.granularity();
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    device.set_tail_cap(2 * g as u64);
+    let mut region = binding.reserve(8 * g).unwrap().into_region();
+    region.set_tail_cap(2).unwrap();
+    let mut region = region.grown(4);
+    region.shrink(2).unwrap();
+    assert_eq!(region.tail_granules(), 2);
+    faults.fail_nth(Op::Map, 1); // the growth's first new granule
+    assert!(region.grow(3).is_err());
+    assert_eq!(
+        (region.committed_granules(), region.tail_granules()),
+        (2, 2)
+    );
+    region.grow(1).unwrap();
+    region.shrink(1).unwrap();
+    assert_eq!(region.tail_granules(), 2, "asked back at exactly the cap");
+    drop(region);
+    drop(binding);
+    assert!(device.close().is_clean());
+}

@@ -505,6 +505,15 @@ impl<F> Blocks<F> {
         }
     }
 
+    /// The blocks given back since the last fence become free at once (no work may use them),
+    /// the list keeping its capacity.
+    fn free_unfenced(&mut self, shift: u32) {
+        let unfenced = std::mem::take(&mut self.unfenced);
+        self.free_all(&unfenced, shift);
+        self.unfenced = unfenced;
+        self.unfenced.clear();
+    }
+
     /// Mapped groups with no live block.
     fn idle_groups(&self) -> usize {
         self.groups.iter().filter(|g| g.is_idle()).count()

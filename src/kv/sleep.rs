@@ -75,12 +75,7 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         // No work may use the planes: every fence has completed, every block given back is free.
         self.complete_fences();
         let shift = self.group_shift;
-        self.with(|s| {
-            let unfenced = std::mem::take(&mut s.unfenced);
-            s.free_all(&unfenced, shift);
-            s.unfenced = unfenced;
-            s.unfenced.clear();
-        });
+        self.with(|s| s.free_unfenced(shift));
         let mapped: Vec<usize> = self.with(|s| {
             (0..s.groups.len())
                 .filter(|&g| s.groups[g].memory == Memory::Mapped)
@@ -170,10 +165,7 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
                 s.lowest = 0;
                 self.awake.0.store(true, Ordering::Release);
                 if B::IMMEDIATE {
-                    let unfenced = std::mem::take(&mut s.unfenced);
-                    s.free_all(&unfenced, shift);
-                    s.unfenced = unfenced;
-                    s.unfenced.clear();
+                    s.free_unfenced(shift);
                 }
             });
             Ok(())

@@ -78,6 +78,19 @@ pub enum KvError {
     /// synchronize) and sleep again.
     #[error("the KV cache cannot sleep yet: work that may use its planes still runs")]
     Pending,
+    /// The block is read-only through this table: another table or a prefix cache holds it.
+    /// Nothing was written; [`copy_on_write`](super::KvCache::copy_on_write) gives the table a
+    /// block of its own.
+    #[error(
+        "the KV block at position {position} is shared (another table or the prefix cache holds it): copy_on_write() it first"
+    )]
+    ReadOnly {
+        /// The block's position in the table.
+        position: usize,
+    },
+    /// The KV cache has a prefix cache already (one per cache).
+    #[error("the KV cache has a prefix cache already")]
+    PrefixCacheTaken,
     /// A copy to or from a block failed: nothing changed in the cache.
     #[error("copying bytes of a KV block failed")]
     Copy(#[source] Box<BackendError>),

@@ -51,6 +51,8 @@ mod graph;
 mod groups;
 mod layout;
 mod plane;
+mod prefix;
+mod share;
 mod sleep;
 mod table;
 
@@ -59,6 +61,8 @@ pub use graph::KvPlanes;
 pub use groups::Replenished;
 pub use layout::{Layout, Plane};
 use plane::Sparse;
+pub use prefix::{CacheEvent, KeyHasher, PrefixCache, PrehashedKeys};
+use share::Lru;
 pub use table::BlockTable;
 
 /// Whether a KV cache is awake, shared with the graphs captured over its planes (which refuse
@@ -100,7 +104,8 @@ struct Group {
     /// Its free blocks (a stack: the last given back is the next taken). Empty unless mapped;
     /// its capacity, once mapped, holds every block of the group.
     free: Vec<u32>,
-    /// Its blocks handed out or waiting for a fence (the null block's counts).
+    /// Its blocks not free: held, cached (idle ones too), or waiting for a fence (the null
+    /// block's counts). A group with a cached block is never given back.
     live: u32,
     memory: Memory,
     /// Its last unmap failed (some of its memory held for good, say): given back last, and a
@@ -136,6 +141,17 @@ struct Blocks<F> {
     high: usize,
     /// While the cache sleeps: what it had mapped, and the free lists it put aside.
     asleep: Option<Box<sleep::Asleep>>,
+    /// Per block: its extra holders and whether a prefix cache holds it (see
+    /// [`share`](share)); 0 for a block free, or held once and not cached.
+    words: Vec<u32>,
+    /// Cached blocks no one holds, least recently let go first (links per block, made when a
+    /// prefix cache is attached).
+    lru: Lru,
+    /// Blocks evicted (cached no more) since the prefix cache last looked: it drops their keys.
+    /// Its capacity holds every block, so evicting never allocates.
+    evicted: Vec<u32>,
+    /// Whether a prefix cache is attached.
+    prefixed: bool,
 }
 
 /// A KV cache: block ids over one reservation per plane, physical memory by group (see the
@@ -265,6 +281,10 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
                     low: 1,
                     high: 2,
                     asleep: None,
+                    words: vec![0; per_group * groups],
+                    lru: Lru::default(),
+                    evicted: Vec::new(),
+                    prefixed: false,
                 }),
                 awake: Awake(Arc::new(AtomicBool::new(true))),
             };
@@ -308,13 +328,33 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
     /// [`KvError::NoRoom`] when no mapped group has a free block: the table is unchanged.
     #[inline]
     pub fn push(&self, table: &mut BlockTable<'_, 'c, 'b, 'id, B>) -> Result<u32, KvError> {
+        let block = self.take()?;
+        table.ids_mut().push(block);
+        Ok(block)
+    }
+
+    /// A free block, counted live: of the lowest mapped group with room, or else the idle
+    /// cached block let go least recently, evicted (on a backend that is not immediate it
+    /// waits for a fence, and this fails).
+    #[inline(always)]
+    pub(super) fn take(&self) -> Result<u32, KvError> {
         match self.with(Blocks::take) {
-            Some(block) => {
-                table.ids_mut().push(block);
-                Ok(block)
-            }
-            None => Err(self.no_room()),
+            Some(block) => Ok(block),
+            None => self.take_evicting(),
         }
+    }
+
+    #[cold]
+    fn take_evicting(&self) -> Result<u32, KvError> {
+        if !self.is_asleep() {
+            let shift = self.group_shift;
+            // Not immediate: the evicted block waits for a fence, as any block given back.
+            let evicted = self.with(|s| s.evict_lru(B::IMMEDIATE, false, shift));
+            if let (true, Some(block)) = (B::IMMEDIATE, evicted) {
+                return Ok(block);
+            }
+        }
+        Err(self.no_room())
     }
 
     #[cold]
@@ -329,9 +369,11 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
         }
     }
 
-    /// Gives every block of `table` back; the table can be reused. Makes no backend call: on a
-    /// backend that is not [`IMMEDIATE`](Backend::IMMEDIATE) the blocks wait for the fence the
-    /// next [`replenish`](Self::replenish) records.
+    /// Lets every block of `table` go, in one pass, the last first; the table can be reused.
+    /// A block's last holder frees it — on a backend that is not
+    /// [`IMMEDIATE`](Backend::IMMEDIATE), once the fence the next
+    /// [`replenish`](Self::replenish) records has completed — or, if a prefix cache holds it,
+    /// leaves it idle there. Makes no backend call.
     #[inline]
     pub fn clear(&self, table: &mut BlockTable<'_, 'c, 'b, 'id, B>) {
         let ids = table.ids_mut();
@@ -339,17 +381,17 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
         ids.clear();
     }
 
-    /// Gives `blocks` back (see [`clear`](Self::clear)).
+    /// One holder of each of `blocks` lets it go, in one pass, the last first (see
+    /// [`clear`](Self::clear)): a block's last holder frees it — at once on an
+    /// [`IMMEDIATE`](Backend::IMMEDIATE) backend, after the next fence otherwise — or, if a
+    /// prefix cache holds it, makes it idle (last in the eviction order).
     #[inline]
     pub(crate) fn give_back(&self, blocks: &[u32]) {
         let shift = self.group_shift;
         self.with(|s| {
             // Asleep, a block given back waits for the wake-up: no group is mapped.
-            if B::IMMEDIATE && s.asleep.is_none() {
-                s.free_all(blocks, shift);
-            } else {
-                s.unfenced.extend_from_slice(blocks);
-            }
+            let at_once = B::IMMEDIATE && s.asleep.is_none();
+            s.release(blocks, at_once, shift);
         });
     }
 
@@ -434,10 +476,11 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
         self.with(|s| s.unfenced.len() + s.cooling.iter().map(|b| b.blocks.len()).sum::<usize>())
     }
 
-    /// Blocks handed out to tables now (not the null block).
+    /// Blocks held by tables now (not the null block; a block several tables share counts
+    /// once, and an idle cached block not at all).
     pub fn live_blocks(&self) -> usize {
         let live: usize = self.with(|s| s.groups.iter().map(|g| g.live as usize).sum());
-        live - 1 - self.cooling_blocks()
+        live - 1 - self.cooling_blocks() - self.idle_cached_blocks()
     }
 
     /// Whether groups are mapped on demand (`false`: every plane allocated whole, as on CUDA's
@@ -495,13 +538,19 @@ impl<F> Blocks<F> {
     #[inline(always)]
     fn free_all(&mut self, blocks: &[u32], shift: u32) {
         for &block in blocks {
-            let group = (block >> shift) as usize;
-            let g = &mut self.groups[group];
-            g.free.push(block);
-            g.live -= 1;
-            if group < self.lowest {
-                self.lowest = group;
-            }
+            self.free_one(block, shift);
+        }
+    }
+
+    /// `block`, live, becomes free.
+    #[inline(always)]
+    fn free_one(&mut self, block: u32, shift: u32) {
+        let group = (block >> shift) as usize;
+        let g = &mut self.groups[group];
+        g.free.push(block);
+        g.live -= 1;
+        if group < self.lowest {
+            self.lowest = group;
         }
     }
 

@@ -75,7 +75,13 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         // No work may use the planes: every fence has completed, every block given back is free.
         self.complete_fences();
         let shift = self.group_shift;
-        self.with(|s| s.free_unfenced(shift));
+        self.with(|s| {
+            s.free_unfenced(shift);
+            if !save && s.prefixed {
+                // The bytes go: no key may find them again.
+                s.uncache_all(true, shift);
+            }
+        });
         let mapped: Vec<usize> = self.with(|s| {
             (0..s.groups.len())
                 .filter(|&g| s.groups[g].memory == Memory::Mapped)

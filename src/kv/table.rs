@@ -6,8 +6,10 @@ use crate::unwind::Scope;
 use std::fmt;
 use std::ops::Range;
 
-/// A sequence's blocks, in order: the ids [`KvCache::push`] handed out, owned by the table
-/// until [`KvCache::clear`] (or its drop) gives them back. It borrows its cache once for all its
+/// A sequence's blocks, in order: the ids [`KvCache::push`] handed out, held by the table
+/// until [`KvCache::clear`] (or its drop) lets them go. A block may have other holders — a
+/// fork ([`KvCache::fork`]), a share ([`KvCache::share`]), a prefix cache's hit — and is then
+/// read-only through every one of them until [`KvCache::copy_on_write`]. It borrows its cache once for all its
 /// blocks — a block costs 4 bytes — and carries the cache's brand, so only that cache fills or
 /// clears it.
 ///
@@ -86,7 +88,9 @@ impl<'t, 'c, 'b, 'id, B: Backend> BlockTable<'t, 'c, 'b, 'id, B> {
     ///
     /// # Errors
     ///
-    /// [`KvError::Copy`] with the backend's error; [`KvError::Asleep`] while the cache sleeps.
+    /// [`KvError::ReadOnly`] if another table or a prefix cache holds the block
+    /// ([`KvCache::copy_on_write`] first); [`KvError::Copy`] with the backend's error;
+    /// [`KvError::Asleep`] while the cache sleeps.
     ///
     /// # Panics
     ///
@@ -99,6 +103,9 @@ impl<'t, 'c, 'b, 'id, B: Backend> BlockTable<'t, 'c, 'b, 'id, B> {
         src: &[u8],
     ) -> Result<(), KvError> {
         let at = self.at(plane, position, offset, src.len())?;
+        if !self.cache.is_writable(self, position) {
+            return Err(KvError::ReadOnly { position });
+        }
         Scope::run::<B, _>(move || {
             self.cache
                 .backend()

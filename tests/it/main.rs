@@ -32,6 +32,7 @@ mod kv_cache;
 mod kv_failures;
 mod kv_graph;
 mod kv_held;
+mod kv_shared;
 mod kv_sleep;
 mod mechanisms;
 mod money;

@@ -1,0 +1,329 @@
+//! [`PrefixCache`]: full blocks found again by a key for the whole prefix up to and including
+//! them, kept until the KV cache needs them; [`PrehashedKeys`] for keys that are hashes
+//! already; [`CacheEvent`]s for KV-aware routers.
+
+use super::share::CACHED;
+use super::{BlockTable, KvCache, KvError, NULL_BLOCK};
+use crate::backend::Backend;
+use std::borrow::Borrow;
+use std::collections::HashMap;
+use std::collections::hash_map::{Entry, RandomState};
+use std::fmt;
+use std::hash::{BuildHasher, Hash, Hasher};
+
+/// What a [`PrefixCache`] tells its hook (vLLM's `BlockStored` and `BlockRemoved`, the events
+/// a KV-aware router follows).
+#[derive(Debug, PartialEq, Eq)]
+pub enum CacheEvent<'k, K> {
+    /// `block` was entered under `key`.
+    Stored {
+        /// The key.
+        key: &'k K,
+        /// The block.
+        block: u32,
+    },
+    /// `block`, entered under `key`, was evicted: `key` finds nothing any more.
+    Removed {
+        /// The key.
+        key: &'k K,
+        /// The block.
+        block: u32,
+    },
+}
+
+/// A hook called with each [`CacheEvent`].
+type Hook<'t, K> = Box<dyn FnMut(CacheEvent<'_, K>) + 't>;
+
+/// A prefix cache over a [`KvCache`]: full blocks entered under a key of the caller's, found
+/// again by it — one more holder, no byte copied.
+///
+/// **The key** stands for everything the block's contents depend on: the whole prefix up to
+/// and including the block (so a block's key is built from its parent block's key and its own
+/// tokens) and anything else the KV depends on (an adapter, multimodal inputs, a cache salt).
+/// Any `Hash + Eq + Clone` type serves. Keys are hashed with SipHash, randomly keyed, unless
+/// the cache is made [`with_hasher`](Self::with_hasher): [`PrehashedKeys`] skips the hashing
+/// for keys that are already keyed hashes.
+///
+/// ```
+/// use memtoken::{make_guard, Budget, Device};
+/// use memtoken::backend::HostBackend;
+/// use memtoken::kv::{KvCache, Layout, PrefixCache};
+///
+/// make_guard!(guard);
+/// let device = Device::new(guard, HostBackend::with_defaults()?);
+/// let binding = device.bind(Budget::unlimited())?;
+/// make_guard!(cache_guard);
+/// let cache = KvCache::new(cache_guard, &binding, &Layout::per_layer(2, 16, 64, 1024))?;
+/// cache.replenish()?;
+/// let mut prefixes = PrefixCache::new(&cache)?;
+///
+/// // A prompt of two full blocks: their keys chain the whole prefix.
+/// let keys = [("system prompt", 0), ("system prompt", 1)];
+/// let mut first = cache.table();
+/// for (position, key) in keys.iter().enumerate() {
+///     cache.push(&mut first)?;
+///     first.write(0, position, 0, &[position as u8])?; // the block's KV
+///     prefixes.enter(&first, position, *key);
+/// }
+/// drop(first); // its blocks stay findable until the cache needs them
+///
+/// let mut second = cache.table();
+/// for key in &keys {
+///     if !prefixes.lookup(key, &mut second) {
+///         cache.push(&mut second)?;
+///     }
+/// }
+/// let mut byte = [0];
+/// second.read(0, 1, 0, &mut byte)?;
+/// assert_eq!(byte, [1]); // both blocks hit
+/// # Ok::<(), Box<dyn std::error::Error>>(())
+/// ```
+///
+/// **What it keeps.** A block entered is read-only until evicted — even while a single table
+/// holds it, a write to it copies ([`KvCache::copy_on_write`]; [`BlockTable::write`] refuses
+/// it). When its last table lets it go it is not freed but idle: findable, and evicted only
+/// when the cache needs a block and no mapped group has a free one — the block let go least
+/// recently first, and of one sequence its later blocks before its earlier ones — or by
+/// [`KvCache::evict_idle`]. A held block is never evicted. A group holding a cached block,
+/// idle or not, stays mapped: cached blocks fill the groups tables have mapped, and an engine
+/// that wants the memory back calls [`evict_idle`](KvCache::evict_idle) before
+/// [`replenish`](KvCache::replenish). Sleep without saving ([`KvCache::sleep`]) drops the
+/// bytes, so it evicts every block.
+///
+/// One prefix cache per KV cache (it borrows it). Dropped, it lets its blocks go: each is
+/// cached no more (writable again by a sole holder), and an idle one is freed.
+///
+/// Every operation costs the same whatever the cache's size: a hash-map operation, and O(1)
+/// work on the block's word and the eviction order.
+pub struct PrefixCache<'t, 'c, 'b, 'id, B: Backend, K, S = RandomState> {
+    cache: &'t KvCache<'c, 'b, 'id, B>,
+    /// Each key's block.
+    entries: HashMap<K, u32, S>,
+    /// Each block's key, while it is cached.
+    keys: Vec<Option<K>>,
+    hook: Option<Hook<'t, K>>,
+}
+
+impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone> PrefixCache<'t, 'c, 'b, 'id, B, K> {
+    /// An empty prefix cache over `cache`, its keys hashed with randomly keyed SipHash.
+    ///
+    /// # Errors
+    ///
+    /// [`KvError::PrefixCacheTaken`] if `cache` has one already.
+    pub fn new(cache: &'t KvCache<'c, 'b, 'id, B>) -> Result<Self, KvError> {
+        Self::with_hasher(cache, RandomState::new())
+    }
+}
+
+impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
+    PrefixCache<'t, 'c, 'b, 'id, B, K, S>
+{
+    /// An empty prefix cache over `cache`, its keys hashed by `hasher` ([`PrehashedKeys`] for
+    /// keys that are keyed hashes already). Allocates O(blocks) once: each block's key slot
+    /// and its links in the eviction order.
+    ///
+    /// # Errors
+    ///
+    /// [`KvError::PrefixCacheTaken`] if `cache` has one already.
+    pub fn with_hasher(cache: &'t KvCache<'c, 'b, 'id, B>, hasher: S) -> Result<Self, KvError> {
+        let blocks = cache.blocks();
+        cache.with(|s| {
+            if s.prefixed {
+                return Err(KvError::PrefixCacheTaken);
+            }
+            s.prefixed = true;
+            s.lru.attach(blocks);
+            s.evicted = Vec::with_capacity(blocks);
+            Ok(())
+        })?;
+        Ok(Self {
+            cache,
+            entries: HashMap::with_hasher(hasher),
+            keys: vec![None; blocks],
+            hook: None,
+        })
+    }
+
+    /// Calls `hook` with every block entered and every block evicted from now on (an eviction
+    /// is told at this cache's next call: [`enter`](Self::enter), [`lookup`](Self::lookup),
+    /// [`sync`](Self::sync), or its drop).
+    pub fn on_event(&mut self, hook: impl FnMut(CacheEvent<'_, K>) + 't) {
+        self.hook = Some(Box::new(hook));
+    }
+
+    /// Enters the block at `position` of `table` under `key` (the caller's key for the whole
+    /// prefix up to and including the block: enter only full blocks, once their bytes are
+    /// written). From now on the block is read-only until evicted. Whether it was entered: not
+    /// if the key names a block already (the first stays), if the block is cached already, or
+    /// while the KV cache sleeps.
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn enter(
+        &mut self,
+        table: &BlockTable<'_, 'c, 'b, 'id, B>,
+        position: usize,
+        key: K,
+    ) -> bool {
+        self.sync();
+        let block = table.ids()[position];
+        debug_assert_ne!(block, NULL_BLOCK, "a table holds no null block");
+        if self.cache.is_asleep() || self.cache.is_cached(block) {
+            return false;
+        }
+        let Entry::Vacant(entry) = self.entries.entry(key) else {
+            return false;
+        };
+        self.cache.with(|s| s.cache(block));
+        let key = self.keys[block as usize].insert(entry.key().clone());
+        entry.insert(block);
+        if let Some(hook) = &mut self.hook {
+            hook(CacheEvent::Stored { key, block });
+        }
+        true
+    }
+
+    /// Appends the block entered under `key`, if there is one, to `table`, which becomes one
+    /// more of its holders (an idle block leaves the eviction order); whether there was one.
+    ///
+    /// # Panics
+    ///
+    /// If the block already has 2^30 holders.
+    pub fn lookup<Q>(&mut self, key: &Q, table: &mut BlockTable<'_, 'c, 'b, 'id, B>) -> bool
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.sync();
+        let Some(&block) = self.entries.get(key) else {
+            return false;
+        };
+        self.cache.with(|s| s.hold_cached(block));
+        table.ids_mut().push(block);
+        true
+    }
+
+    /// Whether `key` names a block not evicted.
+    pub fn contains<Q>(&self, key: &Q) -> bool
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.entries
+            .get(key)
+            .is_some_and(|&block| self.cache.with(|s| s.words[block as usize] & CACHED != 0))
+    }
+
+    /// Keys that name a block not evicted.
+    pub fn len(&self) -> usize {
+        // Every block evicted since the last look is one of this cache's entries.
+        self.entries.len() - self.cache.with(|s| s.evicted.len())
+    }
+
+    /// Whether no key names a block not evicted.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Drops the keys of the blocks evicted since the last call, telling the hook.
+    pub fn sync(&mut self) {
+        if self.cache.with(|s| s.evicted.is_empty()) {
+            return;
+        }
+        let mut evicted = self.cache.with(|s| std::mem::take(&mut s.evicted));
+        for &block in &evicted {
+            let Some(key) = self.keys[block as usize].take() else {
+                continue;
+            };
+            self.entries.remove(&key);
+            if let Some(hook) = &mut self.hook {
+                hook(CacheEvent::Removed { key: &key, block });
+            }
+        }
+        evicted.clear();
+        // The log keeps its capacity: evicting never allocates.
+        self.cache.with(|s| s.evicted = evicted);
+    }
+}
+
+impl<B: Backend, K, S> Drop for PrefixCache<'_, '_, '_, '_, B, K, S> {
+    /// Its blocks are cached no more: writable again by a sole holder, and an idle one is
+    /// freed (behind a fence where work may still use it). The hook hears each one removed.
+    fn drop(&mut self) {
+        let cache = self.cache;
+        let shift = cache.group_shift;
+        let at_once = B::IMMEDIATE && !cache.is_asleep();
+        cache.with(|s| {
+            s.uncache_all(at_once, shift);
+            s.evicted.clear();
+            s.prefixed = false;
+        });
+        for (block, key) in self.keys.iter().enumerate() {
+            if let (Some(key), Some(hook)) = (key, &mut self.hook) {
+                hook(CacheEvent::Removed {
+                    key,
+                    block: block as u32,
+                });
+            }
+        }
+    }
+}
+
+impl<B: Backend, K, S> fmt::Debug for PrefixCache<'_, '_, '_, '_, B, K, S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("PrefixCache")
+            .field("entries", &self.entries.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Hashing for keys that are already keyed hashes (of a secret the clients do not know, as
+/// vLLM's block hashes with a random seed): the key's bytes are folded into 64 bits, not hashed
+/// again. A [`PrefixCache`]'s keys are hashed with randomly keyed SipHash unless it is made
+/// with this — keep SipHash wherever a client who chooses the prompts could choose the keys,
+/// or it could aim every key at one bucket.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PrehashedKeys;
+
+impl BuildHasher for PrehashedKeys {
+    type Hasher = KeyHasher;
+
+    fn build_hasher(&self) -> KeyHasher {
+        KeyHasher(0)
+    }
+}
+
+/// [`PrehashedKeys`]'s hasher: each 8 bytes written are folded in by a rotate and an xor.
+#[derive(Clone, Copy, Debug, Default)]
+pub struct KeyHasher(u64);
+
+impl Hasher for KeyHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    #[inline]
+    fn write(&mut self, bytes: &[u8]) {
+        let mut words = bytes.chunks_exact(8);
+        for word in &mut words {
+            self.write_u64(u64::from_le_bytes(word.try_into().expect("8 bytes")));
+        }
+        let rest = words.remainder();
+        if !rest.is_empty() {
+            let mut word = [0; 8];
+            word[..rest.len()].copy_from_slice(rest);
+            self.write_u64(u64::from_le_bytes(word));
+        }
+    }
+
+    #[inline]
+    fn write_u64(&mut self, n: u64) {
+        self.0 = self.0.rotate_left(29) ^ n;
+    }
+
+    #[inline]
+    fn write_usize(&mut self, n: usize) {
+        self.write_u64(n as u64);
+    }
+}

@@ -1,0 +1,327 @@
+//! Blocks with more than one holder: forks, shares and copy-on-write, and the idle cached
+//! blocks a [`PrefixCache`](super::PrefixCache) keeps in least-recently-used order.
+//!
+//! One word per block (`Blocks::words`): its extra holders in the low 30 bits, [`CACHED`] and
+//! [`IDLE`] above — 0 for a block free, or held once and not cached. A table's clear of blocks
+//! nothing shares meets only 0: one load and one compare a block more than a cache without
+//! sharing. The eviction order links blocks through a per-block array made when a prefix cache
+//! is attached; every operation here costs the same whatever the cache's size.
+
+use super::{BlockTable, Blocks, KvCache, KvError};
+use crate::backend::Backend;
+use crate::unwind::Scope;
+
+/// A block's word: a prefix cache holds it (read-only until it is evicted).
+pub(super) const CACHED: u32 = 1 << 31;
+/// A block's word: cached and held by no table — in the eviction order.
+pub(super) const IDLE: u32 = 1 << 30;
+/// A block's word: its extra holders.
+const COUNT: u32 = IDLE - 1;
+/// No block (the ends of the eviction order).
+const NIL: u32 = u32::MAX;
+
+/// A block's neighbours in the eviction order.
+#[derive(Clone, Copy, Debug)]
+struct Link {
+    prev: u32,
+    next: u32,
+}
+
+/// Idle cached blocks, least recently let go first: a doubly linked list through a per-block
+/// array, so that taking one out (a prefix cache hit) is O(1).
+#[derive(Debug)]
+pub(super) struct Lru {
+    links: Vec<Link>,
+    head: u32,
+    tail: u32,
+    len: usize,
+}
+
+impl Default for Lru {
+    fn default() -> Self {
+        Self {
+            links: Vec::new(),
+            head: NIL,
+            tail: NIL,
+            len: 0,
+        }
+    }
+}
+
+impl Lru {
+    /// Room for `blocks` blocks.
+    pub(super) fn attach(&mut self, blocks: usize) {
+        self.links = vec![
+            Link {
+                prev: NIL,
+                next: NIL
+            };
+            blocks
+        ];
+    }
+
+    /// Idle blocks.
+    pub(super) fn len(&self) -> usize {
+        self.len
+    }
+
+    /// Puts `block` last: evicted after every block let go before it.
+    fn push_back(&mut self, block: u32) {
+        self.links[block as usize] = Link {
+            prev: self.tail,
+            next: NIL,
+        };
+        match self.tail {
+            NIL => self.head = block,
+            tail => self.links[tail as usize].next = block,
+        }
+        self.tail = block;
+        self.len += 1;
+    }
+
+    /// Takes `block`, idle, out of the order.
+    fn remove(&mut self, block: u32) {
+        let Link { prev, next } = self.links[block as usize];
+        match prev {
+            NIL => self.head = next,
+            prev => self.links[prev as usize].next = next,
+        }
+        match next {
+            NIL => self.tail = prev,
+            next => self.links[next as usize].prev = prev,
+        }
+        self.len -= 1;
+    }
+
+    /// Takes the block let go least recently.
+    fn pop_front(&mut self) -> Option<u32> {
+        let head = self.head;
+        (head != NIL).then(|| {
+            self.remove(head);
+            head
+        })
+    }
+}
+
+impl<F> Blocks<F> {
+    /// One holder of each of `blocks` lets it go, the last first (so that of a cached
+    /// sequence its later blocks are evicted before its earlier ones): the last holder frees a
+    /// block (at once if `at_once`, else after the next fence), or makes a cached one idle.
+    #[inline(always)]
+    pub(super) fn release(&mut self, blocks: &[u32], at_once: bool, shift: u32) {
+        for &block in blocks.iter().rev() {
+            let word = self.words[block as usize];
+            if word == 0 {
+                if at_once {
+                    self.free_one(block, shift);
+                } else {
+                    self.unfenced.push(block);
+                }
+            } else if word & COUNT != 0 {
+                self.words[block as usize] = word - 1;
+            } else {
+                self.words[block as usize] = word | IDLE;
+                self.lru.push_back(block);
+            }
+        }
+    }
+
+    /// One more holder of each of `blocks` (a table's, so held).
+    ///
+    /// # Panics
+    ///
+    /// If a block already has 2^30 holders (the counts are as they were).
+    pub(super) fn hold_all(&mut self, blocks: &[u32]) {
+        for (i, &block) in blocks.iter().enumerate() {
+            let word = &mut self.words[block as usize];
+            if *word & COUNT == COUNT {
+                for &undo in &blocks[..i] {
+                    self.words[undo as usize] -= 1;
+                }
+                panic!("a KV block has 2^30 holders");
+            }
+            *word += 1;
+        }
+    }
+
+    /// One more holder of `block`, cached: idle (then out of the eviction order) or held.
+    ///
+    /// # Panics
+    ///
+    /// If it already has 2^30 holders.
+    pub(super) fn hold_cached(&mut self, block: u32) {
+        let word = self.words[block as usize];
+        if word & IDLE != 0 {
+            self.words[block as usize] = word & !IDLE;
+            self.lru.remove(block);
+        } else {
+            self.hold_all(&[block]);
+        }
+    }
+
+    /// Marks `block`, held, cached; whether it was not already.
+    pub(super) fn cache(&mut self, block: u32) -> bool {
+        let word = &mut self.words[block as usize];
+        let fresh = *word & CACHED == 0;
+        *word |= CACHED;
+        fresh
+    }
+
+    /// `block` is cached no more (its prefix cache is told at its next look).
+    fn uncache(&mut self, block: u32) {
+        self.words[block as usize] &= !CACHED;
+        self.evicted.push(block);
+    }
+
+    /// Evicts the idle block let go least recently: kept live for the caller if `reuse`, else
+    /// given back (freed at once if `at_once`).
+    pub(super) fn evict_lru(&mut self, reuse: bool, at_once: bool, shift: u32) -> Option<u32> {
+        let block = self.lru.pop_front()?;
+        self.words[block as usize] = 0;
+        self.evicted.push(block);
+        if !reuse {
+            self.release(&[block], at_once, shift);
+        }
+        Some(block)
+    }
+
+    /// Every cached block is cached no more: the idle ones freed (at once if `at_once`), the
+    /// held ones writable again by a sole holder; O(blocks).
+    pub(super) fn uncache_all(&mut self, at_once: bool, shift: u32) {
+        while self.evict_lru(false, at_once, shift).is_some() {}
+        for block in 0..self.words.len() as u32 {
+            if self.words[block as usize] & CACHED != 0 {
+                self.uncache(block);
+            }
+        }
+    }
+}
+
+impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
+    /// A table holding the same blocks as `table`, in O(blocks): each block counts one more
+    /// holder, and no byte is copied. Before a kernel writes a block that more than one table
+    /// holds, [`copy_on_write`](Self::copy_on_write) gives the writer a block of its own.
+    ///
+    /// # Panics
+    ///
+    /// If a block already has 2^30 holders (the counts are as they were).
+    pub fn fork<'t>(
+        &'t self,
+        table: &BlockTable<'_, 'c, 'b, 'id, B>,
+    ) -> BlockTable<'t, 'c, 'b, 'id, B> {
+        self.with(|s| s.hold_all(table.ids()));
+        let mut fork = BlockTable::new(self);
+        fork.ids_mut().extend_from_slice(table.ids());
+        fork
+    }
+
+    /// Appends the block at `position` of `from` to `into`, which becomes one more of its
+    /// holders; returns its id.
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds, or the block already has 2^30 holders.
+    pub fn share(
+        &self,
+        from: &BlockTable<'_, 'c, 'b, 'id, B>,
+        position: usize,
+        into: &mut BlockTable<'_, 'c, 'b, 'id, B>,
+    ) -> u32 {
+        let block = from.ids()[position];
+        self.with(|s| s.hold_all(&[block]));
+        into.ids_mut().push(block);
+        block
+    }
+
+    /// How many tables hold block `block` (a block a prefix cache keeps but no table holds
+    /// answers 0). Exact for a block handed out; a free block answers 1, so ask only of blocks
+    /// some table holds.
+    ///
+    /// # Panics
+    ///
+    /// If there is no such block.
+    pub fn holders(&self, block: u32) -> u32 {
+        self.with(|s| match s.words[block as usize] {
+            w if w & IDLE != 0 => 0,
+            w => (w & COUNT) + 1,
+        })
+    }
+
+    /// Whether a prefix cache holds block `block` (read-only until evicted).
+    ///
+    /// # Panics
+    ///
+    /// If there is no such block.
+    pub fn is_cached(&self, block: u32) -> bool {
+        self.with(|s| s.words[block as usize] & CACHED != 0)
+    }
+
+    /// Cached blocks no table holds: found again by their keys until the cache needs them.
+    pub fn idle_cached_blocks(&self) -> usize {
+        self.with(|s| s.lru.len())
+    }
+
+    /// Whether the block at `position` of `table` can be written through it: no other table
+    /// holds it and no prefix cache does.
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn is_writable(&self, table: &BlockTable<'_, 'c, 'b, 'id, B>, position: usize) -> bool {
+        let block = table.ids()[position];
+        self.with(|s| s.words[block as usize] == 0)
+    }
+
+    /// Makes the block at `position` of `table` writable through it: if another table or a
+    /// prefix cache holds it, copies it, in every plane, into a new block (a device-to-device
+    /// copy on CUDA, ordered like any use of the memory) that replaces it in the table, and
+    /// lets the old one go. Whether it copied.
+    ///
+    /// # Errors
+    ///
+    /// [`KvError::NoRoom`] or [`KvError::Asleep`] when no block can be had, [`KvError::Copy`]
+    /// when a copy fails: the table is unchanged (the new block goes back).
+    ///
+    /// # Panics
+    ///
+    /// If `position` is out of bounds.
+    pub fn copy_on_write(
+        &self,
+        table: &mut BlockTable<'_, 'c, 'b, 'id, B>,
+        position: usize,
+    ) -> Result<bool, KvError> {
+        if self.is_writable(table, position) {
+            return Ok(false);
+        }
+        let old = table.ids()[position];
+        Scope::run::<B, _>(move || {
+            let new = self.take()?;
+            for (plane, layout) in self.layout.planes().iter().enumerate() {
+                let (to, from) = (self.block_addr(plane, new), self.block_addr(plane, old));
+                if let Err(e) = self.backend().copy_within(to, from, layout.block_bytes) {
+                    self.give_back(&[new]);
+                    return Err(KvError::Copy(Box::new(e)));
+                }
+            }
+            table.ids_mut()[position] = new;
+            self.give_back(&[old]);
+            Ok(true)
+        })
+    }
+
+    /// Evicts every idle cached block (their keys leave the prefix cache at its next call);
+    /// how many. They are free at once on an [`IMMEDIATE`](Backend::IMMEDIATE) backend, after
+    /// the next [`replenish`](Self::replenish)'s fence otherwise; the groups they leave idle go
+    /// back to the device at the high watermark.
+    pub fn evict_idle(&self) -> usize {
+        let shift = self.group_shift;
+        let at_once = B::IMMEDIATE && !self.is_asleep();
+        self.with(|s| {
+            let mut n = 0;
+            while s.evict_lru(false, at_once, shift).is_some() {
+                n += 1;
+            }
+            n
+        })
+    }
+}

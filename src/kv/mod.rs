@@ -376,22 +376,28 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
     /// leaves it idle there. Makes no backend call.
     #[inline]
     pub fn clear(&self, table: &mut BlockTable<'_, 'c, 'b, 'id, B>) {
+        let shared = table.take_shared();
         let ids = table.ids_mut();
-        self.give_back(ids);
+        self.give_back(ids, shared);
         ids.clear();
     }
 
-    /// One holder of each of `blocks` lets it go, in one pass, the last first (see
-    /// [`clear`](Self::clear)): a block's last holder frees it — at once on an
-    /// [`IMMEDIATE`](Backend::IMMEDIATE) backend, after the next fence otherwise — or, if a
-    /// prefix cache holds it, makes it idle (last in the eviction order).
+    /// One holder of each of `blocks` lets it go (see [`clear`](Self::clear)): a block's last
+    /// holder frees it — at once on an [`IMMEDIATE`](Backend::IMMEDIATE) backend, after the
+    /// next fence otherwise — or, if a prefix cache holds it, makes it idle. `shared`: whether
+    /// any of them may have another holder or be cached (if not, each is freed with no look at
+    /// its word: see `BlockTable::shared`).
     #[inline]
-    pub(crate) fn give_back(&self, blocks: &[u32]) {
+    pub(crate) fn give_back(&self, blocks: &[u32], shared: bool) {
         let shift = self.group_shift;
         self.with(|s| {
             // Asleep, a block given back waits for the wake-up: no group is mapped.
             let at_once = B::IMMEDIATE && s.asleep.is_none();
-            s.release(blocks, at_once, shift);
+            match (shared, at_once) {
+                (true, _) => s.release(blocks, at_once, shift),
+                (false, true) => s.free_all(blocks, shift),
+                (false, false) => s.unfenced.extend_from_slice(blocks),
+            }
         });
     }
 

@@ -176,6 +176,7 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
             return false;
         };
         self.cache.with(|s| s.cache(block));
+        table.mark_shared();
         let key = self.keys[block as usize].insert(entry.key().clone());
         entry.insert(block);
         if let Some(hook) = &mut self.hook {
@@ -201,6 +202,7 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
         };
         self.cache.with(|s| s.hold_cached(block));
         table.ids_mut().push(block);
+        table.mark_shared();
         true
     }
 

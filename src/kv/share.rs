@@ -109,20 +109,48 @@ impl<F> Blocks<F> {
     /// block (at once if `at_once`, else after the next fence), or makes a cached one idle.
     #[inline(always)]
     pub(super) fn release(&mut self, blocks: &[u32], at_once: bool, shift: u32) {
-        for &block in blocks.iter().rev() {
-            let word = self.words[block as usize];
-            if word == 0 {
-                if at_once {
-                    self.free_one(block, shift);
-                } else {
-                    self.unfenced.push(block);
+        // Two loops, so that the loop of the hot case tests one word a block and nothing else.
+        if at_once {
+            for &block in blocks.iter().rev() {
+                match self.word(block) {
+                    0 => self.free_one(block, shift),
+                    word => self.let_go_shared(block, word),
                 }
-            } else if word & COUNT != 0 {
-                self.words[block as usize] = word - 1;
-            } else {
-                self.words[block as usize] = word | IDLE;
-                self.lru.push_back(block);
             }
+        } else {
+            for &block in blocks.iter().rev() {
+                match self.word(block) {
+                    0 => self.unfenced.push(block),
+                    word => self.let_go_shared(block, word),
+                }
+            }
+        }
+    }
+
+    /// Block `block`'s word, with no bounds check: the loops of releases and forks do one load
+    /// a block.
+    #[inline(always)]
+    fn word(&self, block: u32) -> u32 {
+        debug_assert!(
+            (block as usize) < self.words.len(),
+            "block {block} is past the cache"
+        );
+        // SAFETY: `block` is an id some holder of this cache holds (a table's entry): every
+        // such id was handed out from a group's free list, whose ids are all below the
+        // cache's blocks, and `words` has one word per block from the cache's making on.
+        unsafe { *self.words.get_unchecked(block as usize) }
+    }
+
+    /// One holder of `block`, whose `word` is not 0, lets it go: one holder fewer, or, the last
+    /// one of a cached block, idle.
+    #[cold]
+    #[inline(never)]
+    fn let_go_shared(&mut self, block: u32, word: u32) {
+        if word & COUNT != 0 {
+            self.words[block as usize] = word - 1;
+        } else {
+            self.words[block as usize] = word | IDLE;
+            self.lru.push_back(block);
         }
     }
 
@@ -212,6 +240,8 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
         self.with(|s| s.hold_all(table.ids()));
         let mut fork = BlockTable::new(self);
         fork.ids_mut().extend_from_slice(table.ids());
+        table.mark_shared();
+        fork.mark_shared();
         fork
     }
 
@@ -230,6 +260,8 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
         let block = from.ids()[position];
         self.with(|s| s.hold_all(&[block]));
         into.ids_mut().push(block);
+        from.mark_shared();
+        into.mark_shared();
         block
     }
 
@@ -299,12 +331,12 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
             for (plane, layout) in self.layout.planes().iter().enumerate() {
                 let (to, from) = (self.block_addr(plane, new), self.block_addr(plane, old));
                 if let Err(e) = self.backend().copy_within(to, from, layout.block_bytes) {
-                    self.give_back(&[new]);
+                    self.give_back(&[new], false); // fresh: this call's alone
                     return Err(KvError::Copy(Box::new(e)));
                 }
             }
             table.ids_mut()[position] = new;
-            self.give_back(&[old]);
+            self.give_back(&[old], true);
             Ok(true)
         })
     }

@@ -3,6 +3,7 @@
 use super::{KvCache, KvError};
 use crate::backend::Backend;
 use crate::unwind::Scope;
+use std::cell::Cell;
 use std::fmt;
 use std::ops::Range;
 
@@ -20,6 +21,13 @@ use std::ops::Range;
 pub struct BlockTable<'t, 'c, 'b, 'id, B: Backend> {
     cache: &'t KvCache<'c, 'b, 'id, B>,
     ids: Vec<u32>,
+    /// Whether one of its blocks may have another holder or a prefix cache: set by every
+    /// operation that can give one of its blocks a second holder or a cache entry (a fork or
+    /// share from or into it, an entry from it, a hit into it), cleared when it is emptied.
+    /// Unset, every block it holds is its alone and uncached (only those operations make a
+    /// block's word other than 0, and each marks every table that holds the block), so its
+    /// clear frees them without looking at their words.
+    shared: Cell<bool>,
 }
 
 impl<'t, 'c, 'b, 'id, B: Backend> BlockTable<'t, 'c, 'b, 'id, B> {
@@ -27,7 +35,21 @@ impl<'t, 'c, 'b, 'id, B: Backend> BlockTable<'t, 'c, 'b, 'id, B> {
         Self {
             cache,
             ids: Vec::new(),
+            shared: Cell::new(false),
         }
+    }
+
+    /// Marks the table as one whose blocks may be shared or cached.
+    #[inline(always)]
+    pub(super) fn mark_shared(&self) {
+        self.shared.set(true);
+    }
+
+    /// Whether the table's blocks may be shared or cached, the mark cleared (it is being
+    /// emptied).
+    #[inline(always)]
+    pub(super) fn take_shared(&mut self) -> bool {
+        self.shared.replace(false)
     }
 
     #[inline(always)]
@@ -165,7 +187,8 @@ impl<'t, 'c, 'b, 'id, B: Backend> BlockTable<'t, 'c, 'b, 'id, B> {
 
 impl<B: Backend> Drop for BlockTable<'_, '_, '_, '_, B> {
     fn drop(&mut self) {
-        self.cache.give_back(&self.ids);
+        let shared = self.shared.get();
+        self.cache.give_back(&self.ids, shared);
     }
 }
 

@@ -187,25 +187,25 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         (0, false)
     }
 
-    /// Maps the lowest groups not mapped whole until `low` are idle; how many it mapped.
+    /// Maps the lowest groups not mapped whole until `low` are idle; how many it mapped. One
+    /// pass over the groups: each group mapped makes one more idle (a group not mapped whole
+    /// holds no live block).
     fn map_to_low(&self) -> Result<usize, KvError> {
+        let (mut idle, low, groups) = self.with(|s| (s.idle_groups(), s.low, s.groups.len()));
         let mut mapped = 0;
-        loop {
-            let next = self.with(|s| {
-                if s.idle_groups() >= s.low {
-                    return None;
-                }
-                s.groups.iter().position(|g| g.memory != Memory::Mapped)
-            });
-            let Some(group) = next else {
-                return Ok(mapped);
-            };
-            self.map_group(group).map_err(|cause| KvError::Map {
-                group,
-                cause: Box::new(cause),
-            })?;
-            mapped += 1;
+        let mut group = 0;
+        while idle < low && group < groups {
+            if self.with(|s| s.groups[group].memory) != Memory::Mapped {
+                self.map_group(group).map_err(|cause| KvError::Map {
+                    group,
+                    cause: Box::new(cause),
+                })?;
+                mapped += 1;
+                idle += 1;
+            }
+            group += 1;
         }
+        Ok(mapped)
     }
 
     /// Unmaps the highest idle groups above `high`, and every group left partly mapped with no
@@ -311,7 +311,7 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
             m if m == total => Memory::Mapped,
             _ => Memory::Partial,
         };
-        self.with(|s| s.groups[group].memory = memory);
+        self.with(|s| s.set_memory(group, memory));
     }
 
     /// Group `group`, mapped, joins the free blocks.
@@ -320,14 +320,14 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         let first = (group as u32) << self.group_shift;
         let blocks = self.blocks();
         self.with(|s| {
+            s.set_memory(group, Memory::Mapped);
             let g = &mut s.groups[group];
-            g.memory = Memory::Mapped;
             g.free.reserve_exact(per_group as usize);
             g.free.extend((first..first + per_group).rev());
             s.lowest = s.lowest.min(group);
             if !B::IMMEDIATE {
                 // Giving back never allocates: room for every block.
-                let room = (s.mapped_groups() << self.group_shift).min(blocks);
+                let room = (s.mapped << self.group_shift).min(blocks);
                 s.unfenced.reserve(room.saturating_sub(s.unfenced.len()));
             }
         });

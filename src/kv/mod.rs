@@ -152,6 +152,8 @@ struct Blocks<F> {
     evicted: Vec<u32>,
     /// Whether a prefix cache is attached.
     prefixed: bool,
+    /// Groups mapped, whole or partly.
+    mapped: usize,
 }
 
 /// A KV cache: block ids over one reservation per plane, physical memory by group (see the
@@ -285,6 +287,7 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
                     lru: Lru::default(),
                     evicted: Vec::new(),
                     prefixed: false,
+                    mapped: 0,
                 }),
                 awake: Awake(Arc::new(AtomicBool::new(true))),
             };
@@ -576,10 +579,24 @@ impl<F> Blocks<F> {
 
     /// Groups mapped, whole or partly.
     fn mapped_groups(&self) -> usize {
-        self.groups
-            .iter()
-            .filter(|g| g.memory != Memory::Unmapped)
-            .count()
+        debug_assert_eq!(
+            self.mapped,
+            self.groups
+                .iter()
+                .filter(|g| g.memory != Memory::Unmapped)
+                .count()
+        );
+        self.mapped
+    }
+
+    /// Group `group`'s memory is now `memory`.
+    fn set_memory(&mut self, group: usize, memory: Memory) {
+        let was = std::mem::replace(&mut self.groups[group].memory, memory);
+        match (was == Memory::Unmapped, memory == Memory::Unmapped) {
+            (true, false) => self.mapped += 1,
+            (false, true) => self.mapped -= 1,
+            _ => {}
+        }
     }
 }
 

@@ -160,6 +160,7 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
     /// # Panics
     ///
     /// If `position` is out of bounds.
+    #[inline(always)]
     pub fn enter(
         &mut self,
         table: &BlockTable<'_, 'c, 'b, 'id, B>,
@@ -191,16 +192,21 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
     /// # Panics
     ///
     /// If the block already has 2^30 holders.
+    #[inline(always)]
     pub fn lookup<Q>(&mut self, key: &Q, table: &mut BlockTable<'_, 'c, 'b, 'id, B>) -> bool
     where
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        self.sync();
         let Some(&block) = self.entries.get(key) else {
             return false;
         };
-        self.cache.with(|s| s.hold_cached(block));
+        // Cached still, it is this key's: a block evicted is entered again only after its old
+        // key is dropped (`enter` syncs first).
+        if !self.cache.with(|s| s.hold_if_cached(block)) {
+            self.sync_cold(); // evicted since the last look: its key goes now
+            return false;
+        }
         table.ids_mut().push(block);
         table.mark_shared();
         true
@@ -228,13 +234,19 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
         self.len() == 0
     }
 
+    #[cold]
+    fn sync_cold(&mut self) {
+        self.sync();
+    }
+
     /// Drops the keys of the blocks evicted since the last call, telling the hook.
     pub fn sync(&mut self) {
         if self.cache.with(|s| s.evicted.is_empty()) {
             return;
         }
-        let mut evicted = self.cache.with(|s| std::mem::take(&mut s.evicted));
-        for &block in &evicted {
+        let mut i = 0;
+        while let Some(block) = self.cache.with(|s| s.evicted.get(i).copied()) {
+            i += 1;
             let Some(key) = self.keys[block as usize].take() else {
                 continue;
             };
@@ -243,9 +255,8 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
                 hook(CacheEvent::Removed { key: &key, block });
             }
         }
-        evicted.clear();
         // The log keeps its capacity: evicting never allocates.
-        self.cache.with(|s| s.evicted = evicted);
+        self.cache.with(|s| s.evicted.clear());
     }
 }
 

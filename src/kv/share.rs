@@ -34,7 +34,6 @@ pub(super) struct Lru {
     links: Vec<Link>,
     head: u32,
     tail: u32,
-    len: usize,
 }
 
 impl Default for Lru {
@@ -43,7 +42,6 @@ impl Default for Lru {
             links: Vec::new(),
             head: NIL,
             tail: NIL,
-            len: 0,
         }
     }
 }
@@ -60,37 +58,67 @@ impl Lru {
         ];
     }
 
-    /// Idle blocks.
+    /// Idle blocks: O(idle blocks) (a count kept would cost every hit and every release).
     pub(super) fn len(&self) -> usize {
-        self.len
+        std::iter::successors((self.head != NIL).then_some(self.head), |&b| {
+            let next = self.link(b).next;
+            (next != NIL).then_some(next)
+        })
+        .count()
+    }
+
+    /// Block `block`'s links, with no bounds check.
+    #[inline(always)]
+    fn link(&self, block: u32) -> &Link {
+        debug_assert!(
+            (block as usize) < self.links.len(),
+            "block {block} has no links"
+        );
+        // SAFETY: every block given to the list (`push_back`, `remove`) is an id this cache
+        // handed out, below its blocks, and every link stored is such a block or `NIL`, which
+        // is tested before it is followed; `links` has one entry per block from `attach`, made
+        // when the prefix cache is attached — before any block can be cached, so before any
+        // block enters the list.
+        unsafe { self.links.get_unchecked(block as usize) }
+    }
+
+    /// Block `block`'s links, with no bounds check.
+    #[inline(always)]
+    fn link_mut(&mut self, block: u32) -> &mut Link {
+        debug_assert!(
+            (block as usize) < self.links.len(),
+            "block {block} has no links"
+        );
+        // SAFETY: as in `link`.
+        unsafe { self.links.get_unchecked_mut(block as usize) }
     }
 
     /// Puts `block` last: evicted after every block let go before it.
+    #[inline(always)]
     fn push_back(&mut self, block: u32) {
-        self.links[block as usize] = Link {
+        *self.link_mut(block) = Link {
             prev: self.tail,
             next: NIL,
         };
         match self.tail {
             NIL => self.head = block,
-            tail => self.links[tail as usize].next = block,
+            tail => self.link_mut(tail).next = block,
         }
         self.tail = block;
-        self.len += 1;
     }
 
     /// Takes `block`, idle, out of the order.
+    #[inline(always)]
     fn remove(&mut self, block: u32) {
-        let Link { prev, next } = self.links[block as usize];
+        let Link { prev, next } = *self.link(block);
         match prev {
             NIL => self.head = next,
-            prev => self.links[prev as usize].next = next,
+            prev => self.link_mut(prev).next = next,
         }
         match next {
             NIL => self.tail = prev,
-            next => self.links[next as usize].prev = prev,
+            next => self.link_mut(next).prev = prev,
         }
-        self.len -= 1;
     }
 
     /// Takes the block let go least recently.
@@ -135,21 +163,33 @@ impl<F> Blocks<F> {
             (block as usize) < self.words.len(),
             "block {block} is past the cache"
         );
-        // SAFETY: `block` is an id some holder of this cache holds (a table's entry): every
-        // such id was handed out from a group's free list, whose ids are all below the
-        // cache's blocks, and `words` has one word per block from the cache's making on.
+        // SAFETY: `block` is an id some holder of this cache holds (a table's entry, a prefix
+        // cache's entry made from one): every such id was handed out from a group's free list,
+        // whose ids are all below the cache's blocks, and `words` has one word per block from
+        // the cache's making on.
         unsafe { *self.words.get_unchecked(block as usize) }
+    }
+
+    /// Block `block`'s word, to change, with no bounds check.
+    #[inline(always)]
+    fn word_mut(&mut self, block: u32) -> &mut u32 {
+        debug_assert!(
+            (block as usize) < self.words.len(),
+            "block {block} is past the cache"
+        );
+        // SAFETY: as in `word`.
+        unsafe { self.words.get_unchecked_mut(block as usize) }
     }
 
     /// One holder of `block`, whose `word` is not 0, lets it go: one holder fewer, or, the last
     /// one of a cached block, idle.
-    #[cold]
-    #[inline(never)]
+    #[inline(always)]
     fn let_go_shared(&mut self, block: u32, word: u32) {
         if word & COUNT != 0 {
-            self.words[block as usize] = word - 1;
+            *self.word_mut(block) = word - 1;
         } else {
-            self.words[block as usize] = word | IDLE;
+            // No extra holder and not 0: cached, its last holder.
+            *self.word_mut(block) = CACHED | IDLE;
             self.lru.push_back(block);
         }
     }
@@ -172,19 +212,27 @@ impl<F> Blocks<F> {
         }
     }
 
-    /// One more holder of `block`, cached: idle (then out of the eviction order) or held.
+    /// One more holder of `block` if it is cached — idle (then out of the eviction order) or
+    /// held; whether it was.
     ///
     /// # Panics
     ///
     /// If it already has 2^30 holders.
-    pub(super) fn hold_cached(&mut self, block: u32) {
-        let word = self.words[block as usize];
+    #[inline(always)]
+    pub(super) fn hold_if_cached(&mut self, block: u32) -> bool {
+        // A block a prefix cache's entry names was entered from a table: an id the cache
+        // handed out (`word`'s proof).
+        let word = self.word(block);
         if word & IDLE != 0 {
-            self.words[block as usize] = word & !IDLE;
+            *self.word_mut(block) = CACHED; // idle: cached, no holder
+
             self.lru.remove(block);
-        } else {
+        } else if word & CACHED != 0 {
             self.hold_all(&[block]);
+        } else {
+            return false;
         }
+        true
     }
 
     /// Marks `block`, held, cached; whether it was not already.
@@ -289,6 +337,7 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
     }
 
     /// Cached blocks no table holds: found again by their keys until the cache needs them.
+    /// O(those blocks): it walks the eviction order.
     pub fn idle_cached_blocks(&self) -> usize {
         self.with(|s| s.lru.len())
     }

@@ -3,6 +3,7 @@
 
 mod files;
 mod heap;
+mod ranges;
 
 use super::rules::{Book, Violation};
 use super::{
@@ -13,7 +14,7 @@ use files::{FileKind, HostFile};
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
 use rustix::fs::{FallocateFlags, MemfdFlags};
 use rustix::mm::{MapFlags, ProtFlags};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::sync::{Mutex, MutexGuard};
 
 /// Settings of a [`HostBackend`].
@@ -85,8 +86,8 @@ pub struct HostPhys {
 #[derive(Debug)]
 struct HostState {
     book: Book<HostPhys>,
-    /// Live physical ranges of the `memfd`: offset → length.
-    ranges: BTreeMap<u64, u64>,
+    /// Where the store's physical memory lies, live and free.
+    ranges: ranges::Ranges,
     used: u64,
     /// Pins taken by [`Backend::pin`] and not yet given back.
     pins: u64,
@@ -220,7 +221,7 @@ impl HostBackend {
         };
         let state = HostState {
             book: Book::new(g, false),
-            ranges: BTreeMap::new(),
+            ranges: ranges::Ranges::default(),
             used: 0,
             pins: 0,
             files: HashMap::new(),
@@ -324,18 +325,6 @@ impl HostBackend {
     // change together, so two racing calls can never both pass a check on the same range.
     fn state(&self) -> MutexGuard<'_, HostState> {
         lock(&self.state)
-    }
-
-    /// Lowest free `memfd` range of `len` bytes.
-    fn find_range(ranges: &BTreeMap<u64, u64>, len: u64, capacity: u64) -> Option<u64> {
-        let mut candidate = 0u64;
-        for (&start, &rlen) in ranges {
-            if start >= candidate + len {
-                break;
-            }
-            candidate = start + rlen;
-        }
-        (candidate + len <= capacity).then_some(candidate)
     }
 
     /// Maps the `len` bytes of physical memory at `place` at exactly `addr`, shared, with
@@ -509,7 +498,7 @@ impl Backend for HostBackend {
             return Ok(phys);
         }
         let capacity = self.config.physical_capacity;
-        let Some(offset) = Self::find_range(&s.ranges, len as u64, capacity) else {
+        let Some(offset) = s.ranges.take(len as u64, capacity) else {
             let cause = Cause::Exhausted {
                 requested: len as u64,
                 available: capacity - s.used,
@@ -517,10 +506,10 @@ impl Backend for HostBackend {
             };
             return Err(BackendError::new(Op::Create, 0, len, cause));
         };
-        match &self.store {
+        let allocated = match &self.store {
             Store::Memfd(fd) => {
                 rustix::fs::fallocate(fd, FallocateFlags::KEEP_SIZE, offset, len as u64)
-                    .map_err(|e| os_error(Op::Create, 0, len, e))?;
+                    .map_err(|e| os_error(Op::Create, 0, len, e))
             }
             Store::Anonymous(base, _) => {
                 let at = (base + offset as usize) as *mut std::ffi::c_void;
@@ -532,14 +521,17 @@ impl Backend for HostBackend {
                 match unsafe {
                     rustix::mm::madvise(at, len, rustix::mm::Advice::LinuxPopulateWrite)
                 } {
-                    Ok(()) | Err(rustix::io::Errno::INVAL) => {}
-                    Err(e) => return Err(os_error(Op::Create, 0, len, e)),
+                    Ok(()) | Err(rustix::io::Errno::INVAL) => Ok(()),
+                    Err(e) => Err(os_error(Op::Create, 0, len, e)),
                 }
             }
             Store::Heap => unreachable!("made above"),
+        };
+        if let Err(e) = allocated {
+            s.ranges.give(offset, len as u64);
+            return Err(e);
         }
         let phys = Self::next_phys(offset);
-        s.ranges.insert(offset, len as u64);
         s.used += len as u64;
         s.book.apply_create(phys, len);
         Ok(phys)
@@ -578,7 +570,7 @@ impl Backend for HostBackend {
             }
         }
         if !matches!(self.store, Store::Heap) {
-            s.ranges.remove(&phys.offset);
+            s.ranges.give(phys.offset, len as u64);
         }
         s.used -= len as u64;
         s.book.apply_release(phys);

@@ -297,3 +297,25 @@ fn kv_cache_on_the_driver_model_takes_blocks_and_ends_at_zero() {
         out.stdout
     );
 }
+
+/// `kv_footprint`: a limit on the prefix cache keeps fewer groups mapped than no limit, and every
+/// row is printed.
+#[test]
+fn kv_footprint_maps_fewer_groups_under_a_limit() {
+    let out = run("kv_footprint", &["150"]);
+    assert_eq!(out.code, Some(0), "{}", out.stderr);
+    let peak = |limit: &str| -> usize {
+        let row = out
+            .stdout
+            .lines()
+            .find(|l| l.starts_with(&format!("| {limit} |")))
+            .unwrap_or_else(|| panic!("no row for {limit}:\n{}", out.stdout));
+        let cell = row.split('|').nth(2).unwrap().trim();
+        cell.split(' ').next().unwrap().parse().unwrap()
+    };
+    let (none, limited) = (peak("none"), peak("512 blocks"));
+    assert!(
+        limited < none,
+        "peak groups: {limited} under a limit, {none} without"
+    );
+}

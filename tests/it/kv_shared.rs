@@ -316,6 +316,8 @@ enum Step {
     Lookup(usize, usize),
     /// Every idle block is evicted.
     EvictIdle,
+    /// The prefix cache's limit is set (0: none).
+    Limit(usize),
     /// Between steps: fences and groups.
     Replenish,
     /// The nth backend call of a kind fails.
@@ -334,6 +336,7 @@ fn step() -> impl Strategy<Value = Step> {
         3 => (any::<usize>(), any::<usize>()).prop_map(|(s, p)| Step::Enter(s, p)),
         3 => (any::<usize>(), any::<usize>()).prop_map(|(k, s)| Step::Lookup(k, s)),
         1 => Just(Step::EvictIdle),
+        1 => (0usize..6).prop_map(Step::Limit),
         2 => Just(Step::Replenish),
         2 => (op, 1u64..4).prop_map(|(op, n)| Step::Fault(op, n)),
     ]
@@ -356,6 +359,8 @@ struct World<'t, 'c, 'b, 'id, B: Backend, S> {
     cached: Vec<u32>,
     /// Blocks the hook heard removed, not yet checked.
     removed: Rc<RefCell<Vec<(u64, u32)>>>,
+    /// The prefix cache's limit.
+    limit: usize,
 }
 
 impl<'t, 'c, 'b, 'id, B: Backend, S: BuildHasher> World<'t, 'c, 'b, 'id, B, S> {
@@ -510,9 +515,10 @@ impl<'t, 'c, 'b, 'id, B: Backend, S: BuildHasher> World<'t, 'c, 'b, 'id, B, S> {
                     self.next_key += 1;
                     let block = self.seqs[s].0.ids()[p];
                     let before = self.holders();
+                    let room = self.cached.len() < self.limit || !self.idle.is_empty();
                     let entered = self.prefixes.enter(&self.seqs[s].0, p, key);
                     self.sync_evictions(&before);
-                    assert_eq!(entered, !self.cached.contains(&block));
+                    assert_eq!(entered, !self.cached.contains(&block) && room);
                     if entered {
                         self.cached.push(block);
                         self.keys.insert(key, (block, self.seqs[s].1[p]));
@@ -560,6 +566,18 @@ impl<'t, 'c, 'b, 'id, B: Backend, S: BuildHasher> World<'t, 'c, 'b, 'id, B, S> {
                 let n = cache.evict_idle();
                 assert_eq!(n, self.idle.len());
                 self.sync_evictions(&before);
+            }
+            Step::Limit(n) => {
+                let before = self.holders();
+                let limit = (n > 0).then_some(n);
+                self.prefixes.set_limit(limit);
+                self.limit = limit.unwrap_or(usize::MAX);
+                self.sync_evictions(&before);
+                let held_cached = self.cached.len() - self.idle.len();
+                assert!(
+                    self.cached.len() <= self.limit.max(held_cached),
+                    "over the limit with idle blocks left"
+                );
             }
             Step::Replenish => {
                 let before = self.holders();
@@ -698,6 +716,7 @@ fn run<B: Backend, S: BuildHasher>(
             idle: Vec::new(),
             cached: Vec::new(),
             removed,
+            limit: usize::MAX,
         };
         for step in steps {
             world.apply(step);
@@ -748,4 +767,46 @@ proptest! {
         assert!(faults.outstanding().is_zero());
         assert!(model.outstanding().is_zero());
     }
+}
+
+/// At its limit the prefix cache evicts the idle block let go least recently before it enters
+/// another, enters nothing while every cached block is held, and a lower limit evicts at once.
+#[test]
+fn a_prefix_cache_at_its_limit_evicts_before_it_enters() {
+    make_guard!(guard);
+    let device = Device::new(guard, common::host());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(g);
+    let cache = KvCache::new(g, &binding, &layout(1024)).unwrap();
+    cache.set_watermarks(4, 4);
+    cache.replenish().unwrap();
+    let mut prefixes = PrefixCache::new(&cache).unwrap();
+    prefixes.set_limit(Some(2));
+    assert_eq!(prefixes.limit(), Some(2));
+    let mut seq = cache.table();
+    for _ in 0..3 {
+        cache.push(&mut seq).unwrap();
+    }
+    assert!(prefixes.enter(&seq, 0, 0));
+    assert!(prefixes.enter(&seq, 1, 1));
+    assert!(!prefixes.enter(&seq, 2, 2), "both cached blocks are held");
+    assert_eq!(prefixes.len(), 2);
+    let ids = seq.ids().to_vec();
+    let mut tail = cache.table();
+    cache.share(&seq, 2, &mut tail);
+    drop(seq); // blocks 0 and 1 idle, block 1 first (the later block is let go first)
+    assert!(
+        prefixes.enter(&tail, 0, 2),
+        "the idle block let go least recently makes room"
+    );
+    assert!(!prefixes.contains(&1) && prefixes.contains(&0) && prefixes.contains(&2));
+    assert!(!cache.is_cached(ids[1]));
+    prefixes.set_limit(Some(1));
+    assert_eq!(prefixes.len(), 1, "the idle block 0 goes at once");
+    assert!(
+        prefixes.contains(&2),
+        "held: kept over the limit's lowering"
+    );
+    prefixes.set_limit(None);
+    assert_eq!(prefixes.limit(), None);
 }

@@ -26,6 +26,7 @@ use raw_prefix::RawPrefix;
 use std::collections::hash_map::RandomState;
 use std::hash::BuildHasher;
 use std::hint::black_box;
+use std::time::{Duration, Instant};
 
 const USAGE: &str = "\
 usage: kv_prefix_cycle MODE WORKLOAD BLOCKS CYCLES [--siphash]
@@ -134,12 +135,13 @@ fn dispatch<S: BuildHasher + Clone>(
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     if run.mode == "raw" {
         let mut pool = RawPrefix::new(run.blocks, hasher);
-        raw(&mut pool, run)?;
+        let elapsed = raw(&mut pool, run)?;
         println!(
-            "raw {}: {} cycles, {} cached",
+            "raw {}: {} cycles, {} cached, {:.1} ns a cycle",
             run.workload,
             run.cycles,
-            pool.cached()
+            pool.cached(),
+            per_cycle(elapsed, run.cycles)
         );
         return Ok(());
     }
@@ -161,14 +163,15 @@ fn dispatch<S: BuildHasher + Clone>(
     cache.set_watermarks(groups, groups);
     cache.replenish()?;
     let mut prefixes = PrefixCache::with_hasher(&cache, hasher)?;
-    cached(&cache, &mut prefixes, run)?;
+    let elapsed = cached(&cache, &mut prefixes, run)?;
     println!(
-        "cache {}: {} cycles, {} cached, {} of {} groups mapped",
+        "cache {}: {} cycles, {} cached, {} of {} groups mapped, {:.1} ns a cycle",
         run.workload,
         run.cycles,
         prefixes.len(),
         cache.mapped_groups(),
-        groups
+        groups,
+        per_cycle(elapsed, run.cycles)
     );
     Ok(())
 }
@@ -183,6 +186,11 @@ fn host() -> Result<HostBackend, memtoken::backend::ConfigError> {
     })
 }
 
+/// Nanoseconds a cycle.
+fn per_cycle(elapsed: Duration, cycles: u64) -> f64 {
+    elapsed.as_nanos() as f64 / cycles.max(1) as f64
+}
+
 /// Keys for `enter16`: a ring long enough that a key comes back only after the cache has
 /// evicted it.
 fn ring(blocks: usize) -> Vec<Key> {
@@ -195,12 +203,17 @@ fn cached<'t, 'c, 'b, 'id, S: BuildHasher>(
     cache: &'t KvCache<'c, 'b, 'id, HostBackend>,
     prefixes: &mut PrefixCache<'t, 'c, 'b, 'id, HostBackend, Key, S>,
     run: &Run,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+) -> Result<Duration, Box<dyn std::error::Error + Send + Sync>> {
     let keys: Vec<Key> = (0..16).map(key).collect();
+    let ring = ring(if run.workload == "enter16" {
+        run.blocks
+    } else {
+        0
+    });
     let mut table = cache.table();
     let n = run.cycles;
-    match run.workload.as_str() {
-        "take16" => cycles_take16(cache, &mut table, n),
+    let elapsed = match run.workload.as_str() {
+        "take16" => timed(|| cycles_take16(cache, &mut table, n)),
         "hit16" | "hit8new8" => {
             let entered = if run.workload == "hit16" { 16 } else { 8 };
             let mut first = cache.table();
@@ -210,34 +223,41 @@ fn cached<'t, 'c, 'b, 'id, S: BuildHasher>(
             }
             drop(first);
             if entered == 16 {
-                cycles_hit16(cache, prefixes, &mut table, &keys, n);
+                timed(|| cycles_hit16(cache, prefixes, &mut table, &keys, n))
             } else {
-                cycles_hit8new8(cache, prefixes, &mut table, &keys, n);
+                timed(|| cycles_hit8new8(cache, prefixes, &mut table, &keys, n))
             }
         }
-        "miss16" => cycles_miss16(cache, prefixes, &mut table, &keys, n),
-        "enter16" => cycles_enter16(cache, prefixes, &mut table, &ring(run.blocks), n),
+        "miss16" => timed(|| cycles_miss16(cache, prefixes, &mut table, &keys, n)),
+        "enter16" => timed(|| cycles_enter16(cache, prefixes, &mut table, &ring, n)),
         "half" | "share16" => {
             let mut other = cache.table();
             let shared = if run.workload == "half" { 8 } else { 16 };
             for _ in 0..shared {
                 cache.push(&mut other)?;
             }
-            cycles_shared(cache, &other, &mut table, 16 - shared, n);
+            timed(|| cycles_shared(cache, &other, &mut table, 16 - shared, n))
         }
         "fork1000" => {
             for _ in 0..1000 {
                 cache.push(&mut table)?;
             }
-            cycles_fork(cache, &table, n);
+            timed(|| cycles_fork(cache, &table, n))
         }
         "cow" => {
             cache.push(&mut table)?;
-            cycles_cow(cache, &table, n);
+            timed(|| cycles_cow(cache, &table, n))
         }
         _ => unreachable!("checked"),
-    }
-    Ok(())
+    };
+    Ok(elapsed)
+}
+
+/// How long `cycles` takes.
+fn timed(cycles: impl FnOnce()) -> Duration {
+    let start = Instant::now();
+    cycles();
+    start.elapsed()
 }
 
 #[inline(never)]
@@ -402,12 +422,17 @@ fn cycles_build<'b, 'id, S: BuildHasher + Clone>(
 fn raw<S: BuildHasher>(
     pool: &mut RawPrefix<Key, S>,
     run: &Run,
-) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+) -> Result<Duration, Box<dyn std::error::Error + Send + Sync>> {
     let keys: Vec<Key> = (0..16).map(key).collect();
+    let ring = ring(if run.workload == "enter16" {
+        run.blocks
+    } else {
+        0
+    });
     let mut table = Vec::with_capacity(16);
     let n = run.cycles;
-    match run.workload.as_str() {
-        "take16" => cycles_raw_take16(pool, &mut table, n),
+    let elapsed = match run.workload.as_str() {
+        "take16" => timed(|| cycles_raw_take16(pool, &mut table, n)),
         "hit16" | "hit8new8" => {
             let entered = if run.workload == "hit16" { 16 } else { 8 };
             for key in keys.iter().take(entered) {
@@ -415,13 +440,13 @@ fn raw<S: BuildHasher>(
                 pool.cache(block, *key);
             }
             pool.free(&mut table);
-            cycles_raw_hits(pool, &mut table, &keys, n);
+            timed(|| cycles_raw_hits(pool, &mut table, &keys, n))
         }
-        "miss16" => cycles_raw_hits(pool, &mut table, &keys, n),
-        "enter16" => cycles_raw_enter16(pool, &mut table, &ring(run.blocks), n),
+        "miss16" => timed(|| cycles_raw_hits(pool, &mut table, &keys, n)),
+        "enter16" => timed(|| cycles_raw_enter16(pool, &mut table, &ring, n)),
         other => return Err(format!("raw has no {other} workload").into()),
-    }
-    Ok(())
+    };
+    Ok(elapsed)
 }
 
 #[inline(never)]

@@ -43,6 +43,8 @@ examples/kv_prefix_cycle.rs).
               miss16     1 lookup (a miss), 16 fresh blocks; the clear
               enter16    16 fresh blocks (each evicting an idle cached one, once the cache
                          is full), entered under 16 new keys; the clear
+              marked16   take16 on a table marked as sharing (a fork of it while empty
+                         marks it): its clear looks at each block's word (cache only)
               half       8 blocks shared from a table another holds, 8 fresh; the clear
                          (cache only)
               share16    16 blocks shared from another table; the clear (cache only)
@@ -57,8 +59,8 @@ examples/kv_prefix_cycle.rs).
   -h, --help  print this usage";
 
 const WORKLOADS: &[&str] = &[
-    "take16", "hit16", "hit8new8", "miss16", "enter16", "half", "share16", "fork1000", "cow",
-    "build",
+    "take16", "hit16", "hit8new8", "miss16", "enter16", "marked16", "half", "share16",
+    "fork1000", "cow", "build",
 ];
 
 /// A block's bytes in each of the two planes.
@@ -214,6 +216,7 @@ fn cached<'t, 'c, 'b, 'id, S: BuildHasher>(
     let n = run.cycles;
     let elapsed = match run.workload.as_str() {
         "take16" => timed(|| cycles_take16(cache, &mut table, n)),
+        "marked16" => timed(|| cycles_marked16(cache, &mut table, n)),
         "hit16" | "hit8new8" => {
             let entered = if run.workload == "hit16" { 16 } else { 8 };
             let mut first = cache.table();
@@ -267,6 +270,22 @@ fn cycles_take16<'c, 'b, 'id>(
     n: u64,
 ) {
     for _ in 0..n {
+        for _ in 0..16 {
+            cache.push(table).expect("room");
+        }
+        black_box(table.ids());
+        cache.clear(table);
+    }
+}
+
+#[inline(never)]
+fn cycles_marked16<'c, 'b, 'id>(
+    cache: &KvCache<'c, 'b, 'id, HostBackend>,
+    table: &mut BlockTable<'_, 'c, 'b, 'id, HostBackend>,
+    n: u64,
+) {
+    for _ in 0..n {
+        drop(cache.fork(table)); // empty: marks the table, holds nothing
         for _ in 0..16 {
             cache.push(table).expect("room");
         }

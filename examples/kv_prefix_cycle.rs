@@ -59,8 +59,8 @@ examples/kv_prefix_cycle.rs).
   -h, --help  print this usage";
 
 const WORKLOADS: &[&str] = &[
-    "take16", "hit16", "hit8new8", "miss16", "enter16", "marked16", "half", "share16",
-    "fork1000", "cow", "build",
+    "take16", "hit16", "hit8new8", "miss16", "enter16", "marked16", "half", "share16", "fork1000",
+    "cow", "build",
 ];
 
 /// A block's bytes in each of the two planes.

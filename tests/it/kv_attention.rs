@@ -2,8 +2,10 @@
 //! here, reads K and V from the planes by block table and slot — one plane per layer, a block
 //! holding K then V as `(2, block_tokens, kv_heads, head_size)` f32, vLLM's per-layer tensor
 //! `(num_blocks, 2, block_size, num_kv_heads, head_size)` — and equals the same attention over
-//! K and V gathered into contiguous arrays, for random tables over several layers, on the host
-//! (the planes read in place) and on the driver model (read by driver copies).
+//! K and V gathered into contiguous arrays, for random tables over several layers — some of them
+//! forks that share their blocks with another table, a shared block copied on write before a
+//! token is written into it — on the host (the planes read in place) and on the driver model
+//! (read by driver copies).
 
 use crate::common::{self, Rng};
 use memtoken::backend::cuda::Driver;
@@ -79,7 +81,8 @@ fn head_at(read_at: &impl Fn(Addr, &mut [u8]), addr: Addr) -> [f32; HEAD_SIZE] {
 
 /// Fills `SEQS` sequences of random lengths with random K and V — written through their tables
 /// at the slot vLLM's slot mapping gives each token — over tables made random by sequences
-/// cleared and refilled; then decodes one query per sequence, layer and head twice: paged
+/// cleared and refilled, and by sequences replaced by a fork of another (sharing its blocks; a
+/// shared block is copied on write before a token goes into it); then decodes one query per sequence, layer and head twice: paged
 /// (reading the planes at `base(layer) + block × stride + offset`, the block from the table)
 /// and gathered (from the test's own copy). Every output equal, bit for bit.
 #[allow(clippy::needless_range_loop)] // sequence, layer and head are the kernel's coordinates
@@ -91,11 +94,17 @@ fn decode_equals_gathered<B: Backend>(
     let mut tables: Vec<BlockTable<'_, '_, '_, '_, B>> = (0..SEQS).map(|_| cache.table()).collect();
     // [seq][token][layer]
     let mut gathered: Vec<Vec<[Kv; LAYERS]>> = vec![Vec::new(); SEQS];
+    let mut copied = 0;
     for round in 0..3 {
         for s in 0..SEQS {
             if round < 2 && rng.below(2) == 0 {
                 cache.clear(&mut tables[s]);
                 gathered[s].clear();
+            } else if s > 0 && rng.below(3) == 0 {
+                // A fork of another sequence: the same blocks, one more holder each.
+                let t = rng.below(s as u64) as usize;
+                tables[s] = cache.fork(&tables[t]);
+                gathered[s] = gathered[t].clone();
             }
             for _ in 0..rng.below(23) {
                 let t = gathered[s].len();
@@ -103,9 +112,17 @@ fn decode_equals_gathered<B: Backend>(
                     cache.replenish().unwrap();
                     cache.push(&mut tables[s]).unwrap();
                 }
+                let position = t / BLOCK_TOKENS;
+                if !cache.is_writable(&tables[s], position) {
+                    // Another table holds the block this token goes into: a copy of its own.
+                    if cache.copy_on_write(&mut tables[s], position).is_err() {
+                        cache.replenish().unwrap();
+                        cache.copy_on_write(&mut tables[s], position).unwrap();
+                    }
+                    copied += 1;
+                }
                 let slot = tables[s].slot(t) as usize;
                 let (block, offset) = (slot / BLOCK_TOKENS, slot % BLOCK_TOKENS);
-                let position = t / BLOCK_TOKENS;
                 assert_eq!(tables[s].ids()[position] as usize, block);
                 let kv: [Kv; LAYERS] = std::array::from_fn(|_| random_kv(&mut rng));
                 for (layer, kv) in kv.iter().enumerate() {
@@ -124,6 +141,15 @@ fn decode_equals_gathered<B: Backend>(
             }
         }
     }
+    let shared = tables
+        .iter()
+        .flat_map(|t| t.ids())
+        .filter(|&&b| cache.holders(b) > 1)
+        .count();
+    assert!(
+        copied > 0 && shared > 0,
+        "the decode reads shared blocks ({shared}) and copies ({copied})"
+    );
     let mut decoded = 0;
     for s in 0..SEQS {
         let (table, len) = (&tables[s], gathered[s].len());

@@ -249,8 +249,8 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
 
     /// Sets the most blocks cached at once (`None`: no limit, the default), evicting the idle
     /// blocks let go least recently over it now. At the limit, [`enter`](Self::enter) evicts
-    /// the idle block let go least recently first, and enters nothing if every cached block is
-    /// held. This is how the cache bounds its share of the mapped memory: without a limit,
+    /// the idle block let go least recently first (idle blocks until the count is below the
+    /// limit), and enters nothing if the held cached blocks alone reach it. This is how the cache bounds its share of the mapped memory: without a limit,
     /// cached blocks fill the free blocks of the mapped groups, and a group holding one is
     /// never given back (see the type's documentation).
     pub fn set_limit(&mut self, blocks: Option<usize>) {
@@ -264,11 +264,21 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
         (self.limit != usize::MAX).then_some(self.limit)
     }
 
-    /// At the limit, before `key` is entered: whether there is room now (an idle block evicted
-    /// if need be; none if `key` is entered already, or every cached block is held).
+    /// At the limit, before `key` is entered: whether there is room now. Idle blocks are
+    /// evicted, the least recently let go first, until there is — more than one if the limit
+    /// was lowered while they were held, and every one if the held blocks alone reach the limit
+    /// (then there is none; nor if `key` is entered already).
     #[cold]
     fn make_room(&mut self, key: &K) -> bool {
-        !self.entries.contains_key(key) && self.evict_one() && self.entries.len() < self.limit
+        if self.entries.contains_key(key) {
+            return false;
+        }
+        while self.entries.len() >= self.limit {
+            if !self.evict_one() {
+                return false;
+            }
+        }
+        true
     }
 
     /// Evicts the idle block let go least recently, its key dropped; whether there was one.

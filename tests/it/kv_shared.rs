@@ -515,7 +515,9 @@ impl<'t, 'c, 'b, 'id, B: Backend, S: BuildHasher> World<'t, 'c, 'b, 'id, B, S> {
                     self.next_key += 1;
                     let block = self.seqs[s].0.ids()[p];
                     let before = self.holders();
-                    let room = self.cached.len() < self.limit || !self.idle.is_empty();
+                    // At the limit, idle blocks are evicted until there is room: there is,
+                    // unless the held cached blocks alone reach the limit.
+                    let room = self.cached.len() - self.idle.len() < self.limit;
                     let entered = self.prefixes.enter(&self.seqs[s].0, p, key);
                     self.sync_evictions(&before);
                     assert_eq!(entered, !self.cached.contains(&block) && room);

@@ -12,6 +12,8 @@ use super::{Access, Addr, Span};
 use std::collections::{BTreeMap, HashMap};
 use std::hash::Hash;
 
+mod index;
+
 /// A broken VMM rule: the call was refused and nothing changed.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum Violation {
@@ -282,6 +284,8 @@ pub(crate) struct Book<P> {
     poisoned: std::collections::BTreeSet<Addr>,
     phys: HashMap<P, PhysRecord>,
     mappings: BTreeMap<Addr, MapRecord<P>>,
+    /// The same mappings by granule, for [`resolve`](Self::resolve).
+    index: index::Index<P>,
 }
 
 impl<P: Copy + Eq + Hash> Book<P> {
@@ -293,6 +297,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
             poisoned: std::collections::BTreeSet::new(),
             phys: HashMap::new(),
             mappings: BTreeMap::new(),
+            index: index::Index::new(granularity),
         }
     }
 
@@ -498,15 +503,25 @@ impl<P: Copy + Eq + Hash> Book<P> {
         self.phys.get_mut(&phys).expect("checked").maps += 1;
         let record = MapRecord { len, phys, access };
         self.mappings.insert(addr, record);
+        self.index.insert(index::Mapped {
+            start: addr,
+            len,
+            phys,
+            access,
+        });
     }
 
     /// The mapping under `addr`: its physical memory, the offset of `addr` into it, the bytes
     /// left in the mapping from `addr`, and its access.
+    /// O(1): by the granule under `addr` ([`index`]).
     pub(crate) fn resolve(&self, addr: Addr) -> Option<(P, usize, usize, Access)> {
-        let (&start, m) = self.mappings.range(..=addr).next_back()?;
-        let into = addr - start;
-        // `then`, not `then_some`: `m.len - into` is only computed once it cannot underflow.
-        (into < m.len).then(|| (m.phys, into, m.len - into, m.access))
+        let m = self.index.get(addr)?;
+        let into = addr - m.start;
+        debug_assert!(
+            into < m.len,
+            "the index lists a mapping under every byte it covers"
+        );
+        Some((m.phys, into, m.len - into, m.access))
     }
 
     /// Changes the recorded access of the mappings that exactly cover `[addr, addr + len)`.
@@ -517,8 +532,9 @@ impl<P: Copy + Eq + Hash> Book<P> {
         access: Access,
     ) -> Result<(), Violation> {
         self.check_unmap(addr, len)?;
-        for (_, m) in self.mappings.range_mut(addr..addr + len) {
+        for (&start, m) in self.mappings.range_mut(addr..addr + len) {
             m.access = access;
+            self.index.set_access(start, m.len, access);
         }
         Ok(())
     }
@@ -619,6 +635,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
             .collect();
         for start in starts {
             let m = self.mappings.remove(&start).expect("listed");
+            self.index.remove(start, m.len);
             let rec = self.phys.get_mut(&m.phys).expect("mapped phys is known");
             rec.maps -= 1;
             if rec.maps == 0 && rec.released {
@@ -652,6 +669,7 @@ impl<P: Copy + Eq + Hash> Book<P> {
     /// Removes and returns every reservation (for a backend tearing itself down).
     pub(crate) fn drain_reservations(&mut self) -> Vec<(Addr, usize, bool)> {
         self.mappings.clear();
+        self.index.clear();
         self.phys.clear();
         let poisoned = std::mem::take(&mut self.poisoned);
         std::mem::take(&mut self.reservations)

@@ -211,7 +211,7 @@ fn a_dropped_host_backend_gives_back_what_it_still_reserved() {
     assert!(freed, "the reservation went with the backend");
 }
 
-/// Kills `src/backend/rules.rs: replace > with >= in Book<P>::check_copy`: a copy of no bytes
+/// Kills `src/backend/rules/mod.rs: replace > with >= in Book<P>::check_copy`: a copy of no bytes
 /// is refused as a copy of memory not mapped (it names the empty range), before any check of
 /// its length.
 #[test]

@@ -49,7 +49,7 @@ fn the_simulator_creates_up_to_its_capacity() {
     sim.release(all, 2 * GRANULE).unwrap();
 }
 
-/// Kills `src/backend/rules.rs: replace + with * in Book<P>::check_copy`: a copy from a range
+/// Kills `src/backend/rules/mod.rs: replace + with * in Book<P>::check_copy`: a copy from a range
 /// mapped by several granules side by side reads all of them.
 #[test]
 fn a_copy_reads_a_source_of_several_mappings() {
@@ -82,8 +82,9 @@ fn a_simulator_copy_ending_inside_a_second_mapping_writes_its_bytes() {
     unmap_granules(&sim, addr, granules);
 }
 
-/// Kills `src/backend/rules.rs: replace < with <= in Book<P>::resolve` (with which the check
-/// loops for ever): a copy that runs from a mapping into unmapped address space is refused.
+/// A copy that runs from a mapping into unmapped address space is refused (`Book::resolve`
+/// finds no mapping under the granule past it; a resolve that answered a mapping there would
+/// let the check loop for ever).
 #[test]
 fn a_copy_running_past_its_mapping_is_refused() {
     let sim = common::sim(16 * GRANULE as u64);
@@ -106,7 +107,7 @@ fn a_copy_running_past_its_mapping_is_refused() {
     sim.free(addr, 2 * GRANULE).unwrap();
 }
 
-/// Kills `src/backend/rules.rs: replace > with >= in Book<P>::check_copy` (its self-copy
+/// Kills `src/backend/rules/mod.rs: replace > with >= in Book<P>::check_copy` (its self-copy
 /// check): a copy into memory mapped right before the source range, not in it, is no copy of
 /// that memory into itself.
 #[test]
@@ -118,7 +119,7 @@ fn a_copy_into_memory_mapped_just_before_the_source_is_no_self_copy() {
     unmap_granules(&sim, addr, granules);
 }
 
-/// Kills `src/backend/rules.rs: replace == with != in Book<P>::apply_unmap` and
+/// Kills `src/backend/rules/mod.rs: replace == with != in Book<P>::apply_unmap` and
 /// `src/backend/sim.rs: delete ! in <impl Backend for SimBackend>::release`: physical memory
 /// released while mapped twice stays known to the book, its bytes with it, until its last
 /// mapping goes.

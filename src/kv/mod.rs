@@ -324,7 +324,12 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
     }
 
     /// Takes a free block of the lowest mapped group with room and appends it to `table`;
-    /// returns its id. Makes no backend call.
+    /// returns its id. Makes no backend call. With no free block, and a prefix cache holding
+    /// idle blocks, it evicts the one let go least recently: on an
+    /// [`IMMEDIATE`](Backend::IMMEDIATE) backend that block is the one handed out; on another
+    /// it waits for the next [`replenish`](Self::replenish)'s fence, as any block given back,
+    /// and this push fails (each failing push evicts one more: call `replenish` before pushing
+    /// again).
     ///
     /// # Errors
     ///
@@ -474,7 +479,8 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
         self.with(|s| s.idle_groups())
     }
 
-    /// Free blocks of mapped groups: what [`push`](Self::push) can hand out now.
+    /// Free blocks of mapped groups: what [`push`](Self::push) can hand out now without an
+    /// eviction.
     pub fn free_blocks(&self) -> usize {
         self.with(|s| s.groups.iter().map(|g| g.free.len()).sum())
     }

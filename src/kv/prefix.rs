@@ -84,7 +84,8 @@ type Hook<'t, K> = Box<dyn FnMut(CacheEvent<'_, K>) + 't>;
 /// it). When its last table lets it go it is not freed but idle: findable, and evicted only
 /// when the cache needs a block and no mapped group has a free one — the block let go least
 /// recently first, and of one sequence its later blocks before its earlier ones — or by
-/// [`KvCache::evict_idle`]. A held block is never evicted.
+/// [`KvCache::evict_idle`]. A held block is never evicted — but a sleep that drops the bytes
+/// uncaches every block, held ones too (they stay in their tables, cached no more).
 ///
 /// **The memory it keeps.** A group holding a cached block, idle or not, stays mapped. Without a
 /// limit, cached blocks fill the free blocks of the mapped groups, and as `replenish` maps more
@@ -100,8 +101,9 @@ type Hook<'t, K> = Box<dyn FnMut(CacheEvent<'_, K>) + 't>;
 /// One prefix cache per KV cache (it borrows it). Dropped, it lets its blocks go: each is
 /// cached no more (writable again by a sole holder), and an idle one is freed.
 ///
-/// Every operation costs the same whatever the cache's size: a hash-map operation, and O(1)
-/// work on the block's word and the eviction order.
+/// An entry, a lookup and an eviction cost the same whatever the cache's size: a hash-map
+/// operation, and O(1) work on the block's word and the eviction order ([`sync`](Self::sync):
+/// O(1) per block evicted since the last). Making and dropping a prefix cache are O(blocks).
 pub struct PrefixCache<'t, 'c, 'b, 'id, B: Backend, K, S = RandomState> {
     cache: &'t KvCache<'c, 'b, 'id, B>,
     /// Each key's block.
@@ -109,6 +111,8 @@ pub struct PrefixCache<'t, 'c, 'b, 'id, B: Backend, K, S = RandomState> {
     /// Each block's key, while it is cached.
     keys: Vec<Option<K>>,
     hook: Option<Hook<'t, K>>,
+    /// Keys dropped by a [`sync`](Self::sync), waiting for the hook to hear of them.
+    removed: Vec<(K, u32)>,
     /// The most blocks cached at once ([`set_limit`](Self::set_limit)).
     limit: usize,
 }
@@ -150,13 +154,17 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
             entries: HashMap::with_hasher(hasher),
             keys: vec![None; blocks],
             hook: None,
+            removed: Vec::new(),
             limit: usize::MAX,
         })
     }
 
-    /// Calls `hook` with every block entered and every block evicted from now on (an eviction
-    /// is told at this cache's next call: [`enter`](Self::enter), [`lookup`](Self::lookup),
-    /// [`sync`](Self::sync), or its drop).
+    /// Calls `hook` with every block entered and every block evicted from now on. An eviction
+    /// is told at this cache's next [`enter`](Self::enter), [`sync`](Self::sync),
+    /// [`set_limit`](Self::set_limit) or drop — or [`lookup`](Self::lookup), only when it meets
+    /// the evicted block's key (a hit costs no look at the evictions): an engine that reports
+    /// to a router calls `sync` once a step. The hook may call into the KV cache; a hook that
+    /// panics misses the events after its own, and leaves the cache consistent.
     pub fn on_event(&mut self, hook: impl FnMut(CacheEvent<'_, K>) + 't) {
         self.hook = Some(Box::new(hook));
     }
@@ -183,15 +191,17 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
         if self.cache.is_asleep() || self.cache.is_cached(block) {
             return false;
         }
-        if self.entries.len() >= self.limit && !self.make_room(&key) {
+        if self.entries.len() >= self.limit && !self.make_room(&key, block) {
             return false;
         }
         let Entry::Vacant(entry) = self.entries.entry(key) else {
             return false;
         };
+        // The key's copy before anything changes: a `clone` that panics leaves all as it was.
+        let copy = entry.key().clone();
         self.cache.with(|s| s.cache(block));
         table.mark_shared();
-        let key = self.keys[block as usize].insert(entry.key().clone());
+        let key = self.keys[block as usize].insert(copy);
         entry.insert(block);
         if let Some(hook) = &mut self.hook {
             hook(CacheEvent::Stored { key, block });
@@ -238,7 +248,8 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
 
     /// Keys that name a block not evicted.
     pub fn len(&self) -> usize {
-        // Every block evicted since the last look is one of this cache's entries.
+        // Every block in the log was entered by this cache (the only one) and keeps its key
+        // until `sync` drops it and empties the log, both before any hook runs.
         self.entries.len() - self.cache.with(|s| s.evicted.len())
     }
 
@@ -269,7 +280,7 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
     /// was lowered while they were held, and every one if the held blocks alone reach the limit
     /// (then there is none; nor if `key` is entered already).
     #[cold]
-    fn make_room(&mut self, key: &K) -> bool {
+    fn make_room(&mut self, key: &K, block: u32) -> bool {
         if self.entries.contains_key(key) {
             return false;
         }
@@ -278,7 +289,9 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
                 return false;
             }
         }
-        true
+        // The hook heard of the evictions, and may have called into the KV cache (a sleep
+        // that dropped the bytes, say): asked again.
+        !self.cache.is_asleep() && !self.cache.is_cached(block)
     }
 
     /// Evicts the idle block let go least recently, its key dropped; whether there was one.
@@ -302,6 +315,8 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
         if self.cache.with(|s| s.evicted.is_empty()) {
             return;
         }
+        // Every key goes first, and the log is emptied, before the hook hears of any: a hook
+        // that panics leaves the cache consistent (and misses the events after its own).
         let mut i = 0;
         while let Some(block) = self.cache.with(|s| s.evicted.get(i).copied()) {
             i += 1;
@@ -309,12 +324,17 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
                 continue;
             };
             self.entries.remove(&key);
-            if let Some(hook) = &mut self.hook {
-                hook(CacheEvent::Removed { key: &key, block });
+            if self.hook.is_some() {
+                self.removed.push((key, block));
             }
         }
         // The log keeps its capacity: evicting never allocates.
         self.cache.with(|s| s.evicted.clear());
+        if let Some(hook) = &mut self.hook {
+            for (key, block) in self.removed.drain(..) {
+                hook(CacheEvent::Removed { key: &key, block });
+            }
+        }
     }
 }
 

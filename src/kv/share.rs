@@ -2,10 +2,13 @@
 //! blocks a [`PrefixCache`](super::PrefixCache) keeps in least-recently-used order.
 //!
 //! One word per block (`Blocks::words`): its extra holders in the low 30 bits, [`CACHED`] and
-//! [`IDLE`] above — 0 for a block free, or held once and not cached. A table's clear of blocks
-//! nothing shares meets only 0: one load and one compare a block more than a cache without
-//! sharing. The eviction order links blocks through a per-block array made when a prefix cache
-//! is attached; every operation here costs the same whatever the cache's size.
+//! [`IDLE`] above — 0 for a block free, or held once and not cached. A table that never had a
+//! block shared or cached (its mark, `BlockTable::shared`) is cleared without a look at the
+//! words; a marked table's clear reads each block's word. The eviction order links blocks
+//! through a per-block array made when a prefix cache is attached. Each operation on blocks
+//! (fork and share per block, copy-on-write, release, a hit, an eviction) costs the same
+//! whatever the cache's size; sleeping without saving, and attaching or dropping a prefix
+//! cache, are O(blocks).
 
 use super::{BlockTable, Blocks, KvCache, KvError};
 use crate::backend::Backend;
@@ -360,8 +363,9 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
     ///
     /// # Errors
     ///
-    /// [`KvError::NoRoom`] or [`KvError::Asleep`] when no block can be had, [`KvError::Copy`]
-    /// when a copy fails: the table is unchanged (the new block goes back).
+    /// [`KvError::NoRoom`] or [`KvError::Asleep`] when no block can be had (as for
+    /// [`push`](Self::push), an idle cached block may have been evicted on the way),
+    /// [`KvError::Copy`] when a copy fails: the table is unchanged (the new block goes back).
     ///
     /// # Panics
     ///
@@ -391,9 +395,10 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
     }
 
     /// Evicts every idle cached block (their keys leave the prefix cache at its next call);
-    /// how many. They are free at once on an [`IMMEDIATE`](Backend::IMMEDIATE) backend, after
-    /// the next [`replenish`](Self::replenish)'s fence otherwise; the groups they leave idle go
-    /// back to the device at the high watermark.
+    /// how many. They are free at once on an [`IMMEDIATE`](Backend::IMMEDIATE) backend while
+    /// the cache is awake, after the next [`replenish`](Self::replenish)'s fence otherwise (or
+    /// the wake-up, asleep); the groups they leave idle go back to the device at the high
+    /// watermark.
     pub fn evict_idle(&self) -> usize {
         let shift = self.group_shift;
         let at_once = B::IMMEDIATE && !self.is_asleep();

@@ -812,3 +812,112 @@ fn a_prefix_cache_at_its_limit_evicts_before_it_enters() {
     prefixes.set_limit(None);
     assert_eq!(prefixes.limit(), None);
 }
+
+/// A host KV cache of 16 blocks, every group mapped, and its prefix cache: for the tests below.
+macro_rules! host_cache {
+    ($cache:ident, $binding:ident, $device:ident) => {
+        make_guard!(guard);
+        let $device = Device::new(guard, common::host());
+        let $binding = $device.bind(Budget::unlimited()).unwrap();
+        make_guard!(g);
+        let $cache = KvCache::new(g, &$binding, &layout(1024)).unwrap();
+        $cache.set_watermarks(4, 4);
+        $cache.replenish().unwrap();
+    };
+}
+
+/// A limit lowered while every cached block is held: once they are idle, an entry evicts them
+/// until there is room.
+#[test]
+fn an_entry_over_a_lowered_limit_evicts_until_there_is_room() {
+    host_cache!(cache, binding, device);
+    let mut prefixes = PrefixCache::new(&cache).unwrap();
+    let mut seq = cache.table();
+    for p in 0..4 {
+        cache.push(&mut seq).unwrap();
+        assert!(prefixes.enter(&seq, p, p as u32));
+    }
+    prefixes.set_limit(Some(1));
+    assert_eq!(prefixes.len(), 4, "held: none evicted");
+    drop(seq);
+    let mut other = cache.table();
+    cache.push(&mut other).unwrap();
+    assert!(prefixes.enter(&other, 0, 99));
+    assert_eq!(prefixes.len(), 1);
+}
+
+/// A hook that panics leaves the prefix cache consistent: the keys of the evicted blocks are
+/// gone, and its count right.
+#[test]
+fn a_hook_that_panics_leaves_the_prefix_cache_consistent() {
+    host_cache!(cache, binding, device);
+    let mut prefixes = PrefixCache::new(&cache).unwrap();
+    let armed = Rc::new(RefCell::new(true));
+    let fire = armed.clone();
+    prefixes.on_event(move |e| {
+        if let CacheEvent::Removed { .. } = e
+            && fire.replace(false)
+        {
+            panic!("the hook fails once");
+        }
+    });
+    let mut seq = cache.table();
+    for p in 0..2 {
+        cache.push(&mut seq).unwrap();
+        prefixes.enter(&seq, p, p as u32);
+    }
+    drop(seq);
+    assert_eq!(cache.evict_idle(), 2);
+    let sync = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| prefixes.sync()));
+    assert!(sync.is_err());
+    assert_eq!(prefixes.len(), 0);
+    assert!(!prefixes.contains(&0) && !prefixes.contains(&1));
+}
+
+/// A key whose `Clone` panics is not entered, and nothing changes.
+#[test]
+fn a_key_whose_clone_panics_enters_nothing() {
+    #[derive(PartialEq, Eq, Debug, Hash)]
+    struct Brittle(u32);
+    impl Clone for Brittle {
+        fn clone(&self) -> Self {
+            panic!("clone fails");
+        }
+    }
+    host_cache!(cache, binding, device);
+    let mut prefixes = PrefixCache::new(&cache).unwrap();
+    let mut seq = cache.table();
+    cache.push(&mut seq).unwrap();
+    let entered = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        prefixes.enter(&seq, 0, Brittle(1))
+    }));
+    assert!(entered.is_err());
+    assert!(!cache.is_cached(seq.ids()[0]));
+    assert!(cache.is_writable(&seq, 0));
+    assert_eq!(prefixes.len(), 0);
+}
+
+/// A hook that puts the cache to sleep while an entry makes room: the entry is refused (no key
+/// names bytes a sleep dropped).
+#[test]
+fn an_entry_is_refused_when_the_hook_puts_the_cache_to_sleep() {
+    host_cache!(cache, binding, device);
+    let mut prefixes = PrefixCache::new(&cache).unwrap();
+    prefixes.set_limit(Some(1));
+    let c = &cache;
+    prefixes.on_event(move |e| {
+        if let CacheEvent::Removed { .. } = e {
+            c.sleep().unwrap();
+        }
+    });
+    let mut a = cache.table();
+    cache.push(&mut a).unwrap();
+    assert!(prefixes.enter(&a, 0, 0u32));
+    drop(a);
+    let mut b = cache.table();
+    cache.push(&mut b).unwrap();
+    assert!(!prefixes.enter(&b, 0, 1), "refused: the cache fell asleep");
+    assert!(cache.is_asleep());
+    assert!(!cache.is_cached(b.ids()[0]));
+    assert_eq!(prefixes.len(), 0);
+}

@@ -1071,3 +1071,24 @@ fn a_typed_view_taken_during_a_foreign_capture_holds_all_its_bytes() {
     assert!(shrunk.is_err(), "the last granule is held: {shrunk:?}");
     assert_eq!(device.ledger().mapped_bytes, mapped, "nothing unmapped");
 }
+
+/// A stream view's `Debug` names its pointer, length, stream and whether a capture was open
+/// when its pointer was taken.
+#[test]
+fn a_stream_views_debug_names_its_pointer_length_and_stream() {
+    let model = model();
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let x = binding.reserve(G).unwrap().commit().unwrap();
+    let view = x.stream_view::<u8>(stream).unwrap();
+    let text = format!("{view:?}");
+    assert!(
+        text.starts_with("StreamView")
+            && text.contains(&format!("len: {G}"))
+            && text.contains(&format!("{:#x}", x.addr()))
+            && text.contains("in_capture"),
+        "{text}"
+    );
+    drop(view);
+    x.release().complete().map_err(|e| e.cause).unwrap();
+}

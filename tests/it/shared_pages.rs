@@ -91,6 +91,15 @@ fn a_shared_page_counts_as_a_holder() {
     let page = pool.share(&table, 0);
     let again = page.clone();
     assert_eq!(pool.holders(page.index()), 3);
+    // A read at an offset into the page reads there.
+    table
+        .copy_page_from_host(0, 8, &[6, 7])
+        .expect_err("shared: read-only");
+    let mut two = [0u8; 2];
+    page.copy_to_host(HEAD - 2, &mut two).unwrap();
+    assert_eq!(two, [5, 5]);
+    page.copy_to_host(HEAD, &mut two).unwrap();
+    assert_eq!(two, [0, 0], "past the bytes written");
     assert!(table.page_mut(0).is_none());
     assert_eq!(again.as_slice()[0], 5);
     drop(table);

@@ -656,3 +656,16 @@ fn a_device_and_its_tokens_debug_as_what_they_hold() {
         "{debug}"
     );
 }
+
+/// Two allocations have different generations, as numbers too (what an export sends).
+#[test]
+fn two_allocations_have_different_generation_numbers() {
+    setup!(host(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(PAGE).unwrap();
+    let b = binding.reserve(PAGE).unwrap();
+    assert_ne!(a.generation(), b.generation());
+    assert_ne!(a.generation().get(), b.generation().get());
+    assert!(a.generation().get() > 0 && b.generation().get() > 0);
+    drop((a, b));
+}

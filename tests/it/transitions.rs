@@ -660,7 +660,7 @@ fn a_device_and_its_tokens_debug_as_what_they_hold() {
 /// Two allocations have different generations, as numbers too (what an export sends).
 #[test]
 fn two_allocations_have_different_generation_numbers() {
-    setup!(host(), device, faults);
+    setup!(host(), device, _faults);
     let binding = device.bind(Budget::unlimited()).unwrap();
     let a = binding.reserve(PAGE).unwrap();
     let b = binding.reserve(PAGE).unwrap();

@@ -1,15 +1,16 @@
 //! Block-level sharing in a paged KV cache: a prefix cache keyed by the whole prefix, and
 //! parallel sampling as forks with copy-on-write — what an LLM-serving engine does with its
-//! KV cache, on memtoken's `PagePool`.
+//! KV cache, on memtoken's `kv::KvCache`.
 //!
 //! Requests arrive over time. Each prompt is a system prompt (one of a few) and a user prefix
 //! (one of a few, some far more frequent), then a few tokens of its own. The engine looks each
-//! full page of the prompt up in the `PrefixCache` under a key chained from its parent page's
-//! key; a hit is a page shared by reference, a miss computes the page's K/V and enters it.
-//! Each request samples several continuations in parallel: the prompt's table is forked (no
-//! byte copied), and the first token a sample writes into the shared last page copies that one
-//! page. Finished requests let their pages go; cached ones stay findable until the pool needs
-//! them. Every page's bytes are checked when its request finishes, and the ledger ends at zero.
+//! full block of the prompt up in the `kv::PrefixCache` under a key chained from its parent
+//! block's key; a hit is a block shared by reference, a miss computes the block's K/V and
+//! enters it. Each request samples several continuations in parallel: the prompt's table is
+//! forked (no byte copied), and the first token a sample writes into the shared last block
+//! copies that one block. Finished requests let their blocks go; cached ones stay findable until
+//! the cache needs them (at most 2,048 of them). Every block's bytes are checked when its
+//! request finishes, and the ledger ends at zero.
 //!
 //! ```text
 //! cargo run --release --example prefix_cache [-- --requests N --live L --samples K
@@ -20,15 +21,19 @@
 #[path = "common/cli.rs"]
 mod cli;
 mod common;
-// The page keys, K/V bytes, samples and their check, shared with the serving engine.
+// The block keys, K/V bytes, samples and their check, shared with the serving engine.
 #[allow(dead_code)]
 #[path = "serving_engine/engine.rs"]
 mod engine;
 
 use cli::Arg;
-use engine::{BYTES_PER_TOKEN, PAGE, Sample, TOKENS_PER_PAGE, admit, check, kv_byte};
+use engine::{
+    BYTES_PER_TOKEN, CACHED_BLOCKS, PAGE, Sample, TOKENS_PER_PAGE, admit, check, copy_on_write,
+    kv_byte, layout, push,
+};
 use memtoken::backend::{Backend, HostBackend, HostConfig};
-use memtoken::{Budget, Device, PagePool, PrefixCache, make_guard};
+use memtoken::kv::{KvCache, PrefixCache};
+use memtoken::{Budget, Device, make_guard};
 use std::error::Error;
 
 type Result<T> = std::result::Result<T, Box<dyn Error>>;
@@ -144,9 +149,11 @@ struct Stats {
 
 fn run<B: Backend>(device: &Device<'_, B>, w: &Workload) -> Result<Stats> {
     let binding = device.bind(Budget::unlimited())?;
-    make_guard!(pool_guard);
-    let pool = PagePool::new(pool_guard, &binding, PAGE)?;
-    let mut cache = PrefixCache::new(&pool);
+    make_guard!(cache_guard);
+    let kv = KvCache::new(cache_guard, &binding, &layout())?;
+    kv.set_watermarks(4, 16);
+    let mut cache = PrefixCache::new(&kv)?;
+    cache.set_limit(Some(CACHED_BLOCKS));
     let mut rng = Rng(w.seed.max(1));
     let mut stats = Stats {
         hits: 0,
@@ -163,7 +170,7 @@ fn run<B: Backend>(device: &Device<'_, B>, w: &Workload) -> Result<Stats> {
             let tokens = prompt(w, &mut rng, next);
             next += 1;
             let (table, keys) = admit(
-                &pool,
+                &kv,
                 &mut cache,
                 &tokens,
                 (&mut stats.lookups, &mut stats.hits),
@@ -171,7 +178,7 @@ fn run<B: Backend>(device: &Device<'_, B>, w: &Workload) -> Result<Stats> {
             // Parallel sampling: the prompt's table forked, no byte copied.
             let samples = (0..w.samples)
                 .map(|_| Sample {
-                    table: pool.fork(&table),
+                    table: kv.fork(&table),
                     keys: keys.clone(),
                     tokens: tokens.len(),
                 })
@@ -184,11 +191,11 @@ fn run<B: Backend>(device: &Device<'_, B>, w: &Workload) -> Result<Stats> {
             for (s, sample) in samples.iter_mut().enumerate() {
                 let slot = sample.tokens % TOKENS_PER_PAGE;
                 if slot == 0 {
-                    pool.push(&mut sample.table)?;
+                    push(&kv, &mut sample.table)?;
                     sample.keys.push(rng.next() ^ s as u64);
                 } else {
                     let last = sample.table.len() - 1;
-                    if pool.copy_on_write(&mut sample.table, last)? {
+                    if copy_on_write(&kv, &mut sample.table, last)? {
                         stats.copies += 1;
                     }
                 }
@@ -197,19 +204,19 @@ fn run<B: Backend>(device: &Device<'_, B>, w: &Workload) -> Result<Stats> {
                 let bytes = [kv_byte(k, slot); BYTES_PER_TOKEN];
                 sample
                     .table
-                    .copy_page_from_host(last, slot * BYTES_PER_TOKEN, &bytes)?;
+                    .write(0, last, slot * BYTES_PER_TOKEN, &bytes)?;
                 sample.tokens += 1;
             }
             *left -= 1;
         }
-        stats.peak_pages = stats.peak_pages.max(pool.live_pages());
+        stats.peak_pages = stats.peak_pages.max(kv.live_blocks());
         let unshared: usize = live
             .iter()
             .flat_map(|(samples, _)| samples)
             .map(|s| s.table.len())
             .sum();
         stats.peak_unshared_pages = stats.peak_unshared_pages.max(unshared);
-        // Finished requests: every byte checked, then their pages let go.
+        // Finished requests: every byte checked, then their blocks let go.
         let (done, going): (Vec<_>, Vec<_>) = live.into_iter().partition(|(_, left)| *left == 0);
         live = going;
         for (samples, _) in done {
@@ -218,10 +225,15 @@ fn run<B: Backend>(device: &Device<'_, B>, w: &Workload) -> Result<Stats> {
             }
         }
     }
-    let evicted = pool.evict_idle();
+    let evicted = kv.evict_idle();
     drop(cache);
-    assert_eq!(pool.live_pages(), 0);
-    println!("  at the end: {evicted} cached pages evicted, every page back in the pool");
+    assert_eq!(kv.live_blocks(), 0);
+    println!(
+        "  at the end: {evicted} cached blocks evicted, every block back in the cache ({} of {} \
+         groups mapped)",
+        kv.mapped_groups(),
+        kv.groups()
+    );
     Ok(stats)
 }
 
@@ -239,7 +251,7 @@ fn run_workload(w: &Workload) -> Result<()> {
     println!(
         "prefix_cache: {} requests, {} at a time; each a {}-token prompt ({} system prompts of \
          {} tokens, {} user prefixes of {}, {} tokens of its own), {} samples of {} tokens each; \
-         {}-token pages of {} KiB (seed {})",
+         {}-token blocks of {} KiB (seed {})",
         w.requests,
         w.live,
         prompt_tokens,
@@ -265,13 +277,13 @@ fn run_workload(w: &Workload) -> Result<()> {
     let shared = stats.peak_pages * PAGE;
     let unshared = stats.peak_unshared_pages * PAGE;
     println!(
-        "  prefix cache: {} hits of {} full prompt pages looked up ({:.1} %)",
+        "  prefix cache: {} hits of {} full prompt blocks looked up ({:.1} %)",
         stats.hits,
         stats.lookups,
         100.0 * stats.hits as f64 / stats.lookups.max(1) as f64
     );
     println!(
-        "  copy-on-write: {} pages copied (a sample's first write into a shared page)",
+        "  copy-on-write: {} blocks copied (a sample's first write into a shared block)",
         stats.copies
     );
     println!(

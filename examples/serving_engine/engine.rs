@@ -1,28 +1,63 @@
 //! The engine of `examples/serving_engine`: built by a constructor, it serves requests on
-//! worker threads, each with its own page pool and prefix cache (block-level sharing within a
+//! worker threads, each with its own KV cache and prefix cache (block-level sharing within a
 //! worker; requests that share a system prompt go to the same worker). Shared with the test
-//! `tests/it/engine.rs`.
+//! `tests/it/engine.rs` and with `examples/prefix_cache.rs`.
 //!
-//! **Why one pool per worker.** A `PagePool`'s hot path takes no lock (274 instructions per
-//! 16-page cycle), so a pool is `Send` but not `Sync`, and its pages and tables stay on the
-//! thread that owns the pool. An engine shards by worker, as serving stacks shard by GPU: the
-//! device and its bindings (`Sync`) are shared by reference; each worker makes its pool from a
-//! shared binding; requests are routed by the key of their first page, so the ones that could
-//! share pages meet in the same pool.
+//! **Why one cache per worker.** A `KvCache`'s hot path takes no lock (907 instructions per
+//! 16-block cycle), so a cache is not `Sync`, and its tables stay on the thread that owns it.
+//! An engine shards by worker, as serving stacks shard by GPU: the device and its bindings
+//! (`Sync`) are shared by reference; each worker makes its cache from a shared binding;
+//! requests are routed by the key of their first block, so the ones that could share blocks
+//! meet in the same cache.
 
 use memtoken::backend::Backend;
-use memtoken::{Binding, PagePool, PrefixCache, SharedTable, make_guard};
+use memtoken::kv::{BlockTable, KvCache, KvError, Layout, PrefixCache};
+use memtoken::{Binding, make_guard};
 use std::collections::hash_map::DefaultHasher;
 use std::hash::{Hash, Hasher};
 use std::sync::mpsc;
 use std::thread::{Scope, ScopedJoinHandle};
 
-/// Tokens a page holds.
+/// Tokens a block holds.
 pub const TOKENS_PER_PAGE: usize = 16;
-/// Bytes of K and V one token needs in this toy model.
+/// Bytes of K and V one token needs in this toy model (one plane).
 pub const BYTES_PER_TOKEN: usize = 256;
-/// A page's bytes.
+/// A block's bytes.
 pub const PAGE: usize = TOKENS_PER_PAGE * BYTES_PER_TOKEN;
+/// Blocks in a worker's KV cache (its reservation: 32 MiB; memory is mapped as used).
+pub const BLOCKS: usize = 8192;
+/// Blocks a prefix cache keeps at most: the rest of the cache is the running requests'.
+pub const CACHED_BLOCKS: usize = 2048;
+
+/// A KV cache of `BLOCKS` blocks of one plane, its groups mapped as they are used.
+pub fn layout() -> Layout {
+    Layout::new(BLOCKS, TOKENS_PER_PAGE).plane(PAGE)
+}
+
+/// A new block at the end of `table`: with no room, groups are mapped first (between steps,
+/// in an engine that schedules ahead).
+pub fn push<'c, 'b, 'id, B: Backend>(
+    cache: &KvCache<'c, 'b, 'id, B>,
+    table: &mut BlockTable<'_, 'c, 'b, 'id, B>,
+) -> Result<usize, KvError> {
+    if cache.push(table).is_err() {
+        cache.replenish()?;
+        cache.push(table)?;
+    }
+    Ok(table.len() - 1)
+}
+
+/// [`KvCache::copy_on_write`], with groups mapped first when there is no room.
+pub fn copy_on_write<'c, 'b, 'id, B: Backend>(
+    cache: &KvCache<'c, 'b, 'id, B>,
+    table: &mut BlockTable<'_, 'c, 'b, 'id, B>,
+    position: usize,
+) -> Result<bool, KvError> {
+    cache.copy_on_write(table, position).or_else(|_| {
+        cache.replenish()?;
+        cache.copy_on_write(table, position)
+    })
+}
 
 /// How the engine runs.
 #[derive(Clone, Copy, Debug)]
@@ -48,7 +83,7 @@ pub struct Stats {
     pub lookups: usize,
     pub hits: usize,
     pub copies: usize,
-    /// The most pages its live requests held at once, shared by block.
+    /// The most blocks its live requests held at once, shared by block.
     pub peak_pages: usize,
     /// What the same requests would have held without sharing.
     pub peak_unshared_pages: usize,
@@ -138,41 +173,43 @@ pub fn kv_byte(page_key: u64, slot: usize) -> u8 {
     (page_key.rotate_left(slot as u32 % 64) as u8) | 1
 }
 
-/// One sample of a request: its table, each page's key, its tokens.
-pub struct Sample<'p, 'pool, 'b, 'id, B: Backend> {
-    pub table: SharedTable<'p, 'pool, 'b, 'id, B>,
+/// One sample of a request: its table, each block's key, its tokens.
+pub struct Sample<'t, 'c, 'b, 'id, B: Backend> {
+    pub table: BlockTable<'t, 'c, 'b, 'id, B>,
     pub keys: Vec<u64>,
     pub tokens: usize,
 }
 
-/// A worker: its own pool and cache; serves requests until its queue closes.
+/// A worker: its own KV cache and prefix cache; serves requests until its queue closes.
 fn work<B: Backend>(
     binding: &Binding<'_, '_, B>,
     requests: mpsc::Receiver<Request>,
 ) -> Result<Stats, memtoken::Error> {
-    make_guard!(pool_guard);
-    let pool = PagePool::new(pool_guard, binding, PAGE)?;
-    let mut cache = PrefixCache::new(&pool);
+    make_guard!(cache_guard);
+    let kv = KvCache::new(cache_guard, binding, &layout())?;
+    kv.set_watermarks(4, 16);
+    let mut cache = PrefixCache::new(&kv)?;
+    cache.set_limit(Some(CACHED_BLOCKS));
     let mut stats = Stats::default();
     for request in requests {
-        serve(&pool, &mut cache, &request, &mut stats)?;
+        serve(&kv, &mut cache, &request, &mut stats)?;
     }
     drop(cache);
-    pool.evict_idle();
+    assert_eq!(kv.live_blocks(), 0, "every block back in the cache");
     Ok(stats)
 }
 
-/// A prompt's pages through the prefix cache: a full page the cache holds is shared, any
-/// other is written (its K/V) and, when full, entered; the table and its pages' keys. Counts
+/// A prompt's blocks through the prefix cache: a full block the cache holds is shared, any
+/// other is written (its K/V) and, when full, entered; the table and its blocks' keys. Counts
 /// the cache's lookups and hits in `counts`.
-pub fn admit<'p, 'pool, 'b, 'id, B: Backend>(
-    pool: &'p PagePool<'pool, 'b, 'id, B>,
-    cache: &mut PrefixCache<'p, 'pool, 'b, 'id, B, u64>,
+pub fn admit<'t, 'c, 'b, 'id, B: Backend>(
+    kv: &'t KvCache<'c, 'b, 'id, B>,
+    cache: &mut PrefixCache<'t, 'c, 'b, 'id, B, u64>,
     prompt: &[u32],
     counts: (&mut usize, &mut usize),
-) -> Result<(SharedTable<'p, 'pool, 'b, 'id, B>, Vec<u64>), memtoken::Error> {
+) -> Result<(BlockTable<'t, 'c, 'b, 'id, B>, Vec<u64>), memtoken::Error> {
     let (lookups, hits) = counts;
-    let mut table = pool.shared_table();
+    let mut table = kv.table();
     let mut keys = Vec::new();
     let mut parent = 0;
     for chunk in prompt.chunks(TOKENS_PER_PAGE) {
@@ -182,41 +219,40 @@ pub fn admit<'p, 'pool, 'b, 'id, B: Backend>(
         let full = chunk.len() == TOKENS_PER_PAGE;
         if full {
             *lookups += 1;
-            if let Some(page) = cache.lookup(&k) {
+            if cache.lookup(&k, &mut table) {
                 *hits += 1;
-                pool.push_shared(&mut table, page);
                 continue;
             }
         }
-        let at = pool.push(&mut table)?;
+        let at = push(kv, &mut table)?;
         let bytes: Vec<u8> = (0..chunk.len() * BYTES_PER_TOKEN)
             .map(|i| kv_byte(k, i / BYTES_PER_TOKEN))
             .collect();
-        table.copy_page_from_host(at, 0, &bytes)?;
+        table.write(0, at, 0, &bytes)?;
         if full {
-            cache.enter(&table, at, k); // only full pages
+            cache.enter(&table, at, k); // only full blocks
         }
     }
     Ok((table, keys))
 }
 
 /// Serves one request: the prompt through the cache, the samples as forks, each generating
-/// its tokens (a copy-on-write where it writes into a shared page), every byte checked.
-fn serve<'p, 'pool, 'b, 'id, B: Backend>(
-    pool: &'p PagePool<'pool, 'b, 'id, B>,
-    cache: &mut PrefixCache<'p, 'pool, 'b, 'id, B, u64>,
+/// its tokens (a copy-on-write where it writes into a shared block), every byte checked.
+fn serve<'t, 'c, 'b, 'id, B: Backend>(
+    kv: &'t KvCache<'c, 'b, 'id, B>,
+    cache: &mut PrefixCache<'t, 'c, 'b, 'id, B, u64>,
     request: &Request,
     stats: &mut Stats,
 ) -> Result<(), memtoken::Error> {
     let (table, keys) = admit(
-        pool,
+        kv,
         cache,
         &request.prompt,
         (&mut stats.lookups, &mut stats.hits),
     )?;
     let mut samples: Vec<Sample<'_, '_, '_, '_, B>> = (0..request.samples.max(1))
         .map(|_| Sample {
-            table: pool.fork(&table),
+            table: kv.fork(&table),
             keys: keys.clone(),
             tokens: request.prompt.len(),
         })
@@ -226,24 +262,22 @@ fn serve<'p, 'pool, 'b, 'id, B: Backend>(
         for (s, sample) in samples.iter_mut().enumerate() {
             let slot = sample.tokens % TOKENS_PER_PAGE;
             if slot == 0 {
-                pool.push(&mut sample.table)?;
+                push(kv, &mut sample.table)?;
                 sample.keys.push(key(request.id, &[s as u32, step as u32]));
             } else {
                 let last = sample.table.len() - 1;
-                if pool.copy_on_write(&mut sample.table, last)? {
+                if copy_on_write(kv, &mut sample.table, last)? {
                     stats.copies += 1;
                 }
             }
             let last = sample.table.len() - 1;
             let byte = kv_byte(sample.keys[last], slot);
-            sample.table.copy_page_from_host(
-                last,
-                slot * BYTES_PER_TOKEN,
-                &[byte; BYTES_PER_TOKEN],
-            )?;
+            sample
+                .table
+                .write(0, last, slot * BYTES_PER_TOKEN, &[byte; BYTES_PER_TOKEN])?;
             sample.tokens += 1;
         }
-        stats.peak_pages = stats.peak_pages.max(pool.live_pages());
+        stats.peak_pages = stats.peak_pages.max(kv.live_blocks());
         let unshared = samples.iter().map(|s| s.table.len()).sum();
         stats.peak_unshared_pages = stats.peak_unshared_pages.max(unshared);
     }
@@ -254,12 +288,12 @@ fn serve<'p, 'pool, 'b, 'id, B: Backend>(
     Ok(())
 }
 
-/// Every token of every page of `sample` holds its K/V byte.
+/// Every token of every block of `sample` holds its K/V byte.
 pub fn check<B: Backend>(sample: &Sample<'_, '_, '_, '_, B>) -> Result<(), memtoken::Error> {
     let mut page = vec![0u8; PAGE];
     for (position, &k) in sample.keys.iter().enumerate() {
         let tokens = (sample.tokens - position * TOKENS_PER_PAGE).min(TOKENS_PER_PAGE);
-        sample.table.copy_page_to_host(position, 0, &mut page)?;
+        sample.table.read(0, position, 0, &mut page)?;
         for slot in 0..tokens {
             assert_eq!(
                 page[slot * BYTES_PER_TOKEN],

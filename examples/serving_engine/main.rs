@@ -1,9 +1,9 @@
 //! A serving engine on memtoken: built by a constructor (`Engine::start`), it serves requests
-//! on worker threads — each with its own page pool and prefix cache, so requests that share a
-//! system prompt share its pages by reference and sample their continuations as forks with
+//! on worker threads — each with its own KV cache and prefix cache, so requests that share a
+//! system prompt share its blocks by reference and sample their continuations as forks with
 //! copy-on-write — with `?` throughout. Between two phases of requests the engine's weights
 //! sleep (suspended, their bytes saved: the device owns none of them) and wake at the same
-//! address with the same bytes; the pools are let go and made again (their prefix caches
+//! address with the same bytes; the KV caches are let go and made again (their prefix caches
 //! start empty). The ledger ends at zero.
 //!
 //! ```text
@@ -36,7 +36,7 @@ usage: serving_engine [--workers N] [--requests R] [--seed S]
 A serving engine with worker threads on memtoken
 (cargo run --release --example serving_engine -- ARGS).
 
-  --workers N    worker threads, each with a page pool (default 4)
+  --workers N    worker threads, each with a KV cache (default 4)
   --requests R   requests per phase (default 96)
   --seed S       seed of the prompts (default 7)
   -h, --help     print this usage";
@@ -92,8 +92,8 @@ fn requests(n: usize, seed: u64, first_id: u64) -> Vec<Request> {
 
 fn print(phase: &str, stats: &Stats) {
     println!(
-        "  {phase}: {} requests served; prefix cache {} hits of {} full prompt pages ({:.1} %); \
-         {} pages copied on write; peak {} KiB owned shared by block, {} KiB without sharing",
+        "  {phase}: {} requests served; prefix cache {} hits of {} full prompt blocks ({:.1} %); \
+         {} blocks copied on write; peak {} KiB owned shared by block, {} KiB without sharing",
         stats.requests,
         stats.hits,
         stats.lookups,
@@ -117,7 +117,7 @@ fn serve(w: &Workload) -> Result<()> {
     println!(
         "serving_engine: {} workers, 2 phases of {} requests (4 system prompts of 256 tokens, 8 \
          user prefixes of 64, 20 tokens of their own; 4 samples of 32 tokens each; {}-token \
-         pages); the weights sleep and wake between the phases (seed {})",
+         blocks); the weights sleep and wake between the phases (seed {})",
         w.workers, w.requests, TOKENS_PER_PAGE, w.seed
     );
     make_guard!(guard);
@@ -161,7 +161,7 @@ fn serve(w: &Workload) -> Result<()> {
         .all(|(i, &w)| w == i as u32);
     println!(
         "  sleep: the weights ({} KiB) suspended — owned bytes {} KiB → {} KiB — and resumed at \
-         {at:#x}, every byte {}; the page pools were let go with their workers and are made \
+         {at:#x}, every byte {}; the KV caches were let go with their workers and are made \
          again (their prefix caches start empty)",
         weights_len / 1024,
         before / 1024,

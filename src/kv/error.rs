@@ -95,3 +95,11 @@ pub enum KvError {
     #[error("copying bytes of a KV block failed")]
     Copy(#[source] Box<BackendError>),
 }
+
+impl crate::error::sealed::Sealed for KvError {}
+
+impl crate::error::Failure for KvError {
+    fn summary(&self) -> &'static str {
+        "the KV cache refused, or could not map or copy"
+    }
+}

@@ -1,5 +1,5 @@
 //! An engine built by a constructor serves requests on four worker threads (each with
-//! its own page pool and prefix cache, shared prompts sampled as forks) and ends with nothing
+//! its own KV cache and prefix cache, shared prompts sampled as forks) and ends with nothing
 //! outstanding — the engine of `examples/serving_engine`, run here.
 
 #[allow(dead_code)]

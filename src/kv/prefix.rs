@@ -111,10 +111,10 @@ pub struct PrefixCache<'t, 'c, 'b, 'id, B: Backend, K, S = RandomState> {
     /// Each block's key, while it is cached.
     keys: Vec<Option<K>>,
     hook: Option<Hook<'t, K>>,
-    /// Keys dropped by a [`sync`](Self::sync), waiting for the hook to hear of them.
-    removed: Vec<(K, u32)>,
     /// The most blocks cached at once ([`set_limit`](Self::set_limit)).
     limit: usize,
+    /// The blocks of the eviction log whose keys are gone already (a `sync` a hook cut short).
+    synced: usize,
 }
 
 impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone> PrefixCache<'t, 'c, 'b, 'id, B, K> {
@@ -154,8 +154,8 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
             entries: HashMap::with_hasher(hasher),
             keys: vec![None; blocks],
             hook: None,
-            removed: Vec::new(),
             limit: usize::MAX,
+            synced: 0,
         })
     }
 
@@ -164,7 +164,8 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
     /// [`set_limit`](Self::set_limit) or drop — or [`lookup`](Self::lookup), only when it meets
     /// the evicted block's key (a hit costs no look at the evictions): an engine that reports
     /// to a router calls `sync` once a step. The hook may call into the KV cache; a hook that
-    /// panics misses the events after its own, and leaves the cache consistent.
+    /// panics leaves the cache consistent, and the evictions after its own are told at the next
+    /// call.
     pub fn on_event(&mut self, hook: impl FnMut(CacheEvent<'_, K>) + 't) {
         self.hook = Some(Box::new(hook));
     }
@@ -188,7 +189,7 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
         self.sync();
         let block = table.ids()[position];
         debug_assert_ne!(block, NULL_BLOCK, "a table holds no null block");
-        if self.cache.is_asleep() || self.cache.is_cached(block) {
+        if self.cache.is_asleep() || self.cache.with(|s| s.is_cached(block)) {
             return false;
         }
         if self.entries.len() >= self.limit && !self.make_room(&key, block) {
@@ -201,6 +202,10 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
         let copy = entry.key().clone();
         self.cache.with(|s| s.cache(block));
         table.mark_shared();
+        debug_assert!(
+            self.keys[block as usize].is_none(),
+            "an uncached block has no key"
+        );
         let key = self.keys[block as usize].insert(copy);
         entry.insert(block);
         if let Some(hook) = &mut self.hook {
@@ -250,7 +255,7 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
     pub fn len(&self) -> usize {
         // Every block in the log was entered by this cache (the only one) and keeps its key
         // until `sync` drops it and empties the log, both before any hook runs.
-        self.entries.len() - self.cache.with(|s| s.evicted.len())
+        self.entries.len() - (self.cache.with(|s| s.evicted.len()) - self.synced)
     }
 
     /// Whether no key names a block not evicted.
@@ -306,35 +311,35 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
     }
 
     #[cold]
+    #[inline(never)]
     fn sync_cold(&mut self) {
         self.sync();
     }
 
     /// Drops the keys of the blocks evicted since the last call, telling the hook.
     pub fn sync(&mut self) {
-        if self.cache.with(|s| s.evicted.is_empty()) {
+        let synced = self.synced;
+        if self.cache.with(|s| s.evicted.len() == synced) {
             return;
         }
-        // Every key goes first, and the log is emptied, before the hook hears of any: a hook
-        // that panics leaves the cache consistent (and misses the events after its own).
-        let mut i = 0;
-        while let Some(block) = self.cache.with(|s| s.evicted.get(i).copied()) {
-            i += 1;
+        // Each block counts as synced, and its key leaves the map, before the hook hears of
+        // it: a hook that panics leaves the cache consistent, and the evictions after its own
+        // to the next call.
+        let mut at = synced;
+        while let Some(block) = self.cache.with(|s| s.evicted.get(at).copied()) {
+            at += 1;
             let Some(key) = self.keys[block as usize].take() else {
                 continue;
             };
             self.entries.remove(&key);
-            if self.hook.is_some() {
-                self.removed.push((key, block));
+            if let Some(hook) = &mut self.hook {
+                self.synced = at;
+                hook(CacheEvent::Removed { key: &key, block });
             }
         }
         // The log keeps its capacity: evicting never allocates.
         self.cache.with(|s| s.evicted.clear());
-        if let Some(hook) = &mut self.hook {
-            for (key, block) in self.removed.drain(..) {
-                hook(CacheEvent::Removed { key: &key, block });
-            }
-        }
+        self.synced = 0;
     }
 }
 

@@ -238,12 +238,16 @@ impl<F> Blocks<F> {
         true
     }
 
-    /// Marks `block`, held, cached; whether it was not already.
-    pub(super) fn cache(&mut self, block: u32) -> bool {
-        let word = &mut self.words[block as usize];
-        let fresh = *word & CACHED == 0;
-        *word |= CACHED;
-        fresh
+    /// Marks `block`, held (a table's), cached.
+    #[inline(always)]
+    pub(super) fn cache(&mut self, block: u32) {
+        *self.word_mut(block) |= CACHED;
+    }
+
+    /// Whether `block`, held (a table's), is cached.
+    #[inline(always)]
+    pub(super) fn is_cached(&self, block: u32) -> bool {
+        self.word(block) & CACHED != 0
     }
 
     /// `block` is cached no more (its prefix cache is told at its next look).

@@ -42,17 +42,25 @@ fn read<B: Backend>(table: &BlockTable<'_, '_, '_, '_, B>, position: usize) -> [
     out
 }
 
+/// A device over the host backend, a binding, and a KV cache of 16 blocks (`layout(1024)`)
+/// with 4 idle groups mapped.
+macro_rules! host_cache {
+    ($cache:ident, $binding:ident, $device:ident) => {
+        make_guard!(guard);
+        let $device = Device::new(guard, common::host());
+        let $binding = $device.bind(Budget::unlimited()).unwrap();
+        make_guard!(g);
+        let $cache = KvCache::new(g, &$binding, &layout(1024)).unwrap();
+        $cache.set_watermarks(4, 4);
+        $cache.replenish().unwrap();
+    };
+}
+
 /// A fork holds the same blocks (one more holder each, no byte copied); a write to one of them
 /// is refused until a copy-on-write gives the fork its own copy, in every plane.
 #[test]
 fn a_fork_shares_every_block_and_a_copy_on_write_copies_one_in_every_plane() {
-    make_guard!(guard);
-    let device = Device::new(guard, common::host());
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(g);
-    let cache = KvCache::new(g, &binding, &layout(1024)).unwrap();
-    cache.set_watermarks(4, 4);
-    cache.replenish().unwrap();
+    host_cache!(cache, binding, device);
     let mut prompt = cache.table();
     for position in 0..3 {
         cache.push(&mut prompt).unwrap();
@@ -84,12 +92,7 @@ fn a_fork_shares_every_block_and_a_copy_on_write_copies_one_in_every_plane() {
 /// frees it, whichever it is.
 #[test]
 fn a_shared_block_is_freed_by_its_last_holder() {
-    make_guard!(guard);
-    let device = Device::new(guard, common::host());
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(g);
-    let cache = KvCache::new(g, &binding, &layout(1024)).unwrap();
-    cache.replenish().unwrap();
+    host_cache!(cache, binding, device);
     let mut a = cache.table();
     cache.push(&mut a).unwrap();
     let mut b = cache.table();
@@ -109,13 +112,7 @@ fn a_shared_block_is_freed_by_its_last_holder() {
 /// free block; the hook hears each one stored and removed.
 #[test]
 fn the_prefix_cache_keeps_blocks_findable_and_evicts_later_blocks_first() {
-    make_guard!(guard);
-    let device = Device::new(guard, common::host());
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(g);
-    let cache = KvCache::new(g, &binding, &layout(1024)).unwrap();
-    cache.set_watermarks(4, 4);
-    cache.replenish().unwrap();
+    host_cache!(cache, binding, device);
     let events = Rc::new(RefCell::new(Vec::new()));
     let mut prefixes = PrefixCache::with_hasher(&cache, PrehashedKeys).unwrap();
     let heard = events.clone();
@@ -179,12 +176,7 @@ fn the_prefix_cache_keeps_blocks_findable_and_evicts_later_blocks_first() {
 /// a sleep that saves them keeps the cache.
 #[test]
 fn a_sleep_that_drops_the_bytes_empties_the_prefix_cache_and_one_that_saves_does_not() {
-    make_guard!(guard);
-    let device = Device::new(guard, common::host());
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(g);
-    let cache = KvCache::new(g, &binding, &layout(1024)).unwrap();
-    cache.replenish().unwrap();
+    host_cache!(cache, binding, device);
     let mut prefixes = PrefixCache::new(&cache).unwrap();
     let mut seq = cache.table();
     for position in 0..2 {
@@ -210,12 +202,7 @@ fn a_sleep_that_drops_the_bytes_empties_the_prefix_cache_and_one_that_saves_does
 /// Dropping the prefix cache lets its blocks go: idle ones are freed, held ones writable again.
 #[test]
 fn a_dropped_prefix_cache_lets_its_blocks_go() {
-    make_guard!(guard);
-    let device = Device::new(guard, common::host());
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(g);
-    let cache = KvCache::new(g, &binding, &layout(1024)).unwrap();
-    cache.replenish().unwrap();
+    host_cache!(cache, binding, device);
     let mut prefixes = PrefixCache::new(&cache).unwrap();
     let (mut a, mut b) = (cache.table(), cache.table());
     cache.push(&mut a).unwrap();
@@ -775,13 +762,7 @@ proptest! {
 /// another, enters nothing while every cached block is held, and a lower limit evicts at once.
 #[test]
 fn a_prefix_cache_at_its_limit_evicts_before_it_enters() {
-    make_guard!(guard);
-    let device = Device::new(guard, common::host());
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(g);
-    let cache = KvCache::new(g, &binding, &layout(1024)).unwrap();
-    cache.set_watermarks(4, 4);
-    cache.replenish().unwrap();
+    host_cache!(cache, binding, device);
     let mut prefixes = PrefixCache::new(&cache).unwrap();
     prefixes.set_limit(Some(2));
     assert_eq!(prefixes.limit(), Some(2));
@@ -811,19 +792,6 @@ fn a_prefix_cache_at_its_limit_evicts_before_it_enters() {
     );
     prefixes.set_limit(None);
     assert_eq!(prefixes.limit(), None);
-}
-
-/// A host KV cache of 16 blocks, every group mapped, and its prefix cache: for the tests below.
-macro_rules! host_cache {
-    ($cache:ident, $binding:ident, $device:ident) => {
-        make_guard!(guard);
-        let $device = Device::new(guard, common::host());
-        let $binding = $device.bind(Budget::unlimited()).unwrap();
-        make_guard!(g);
-        let $cache = KvCache::new(g, &$binding, &layout(1024)).unwrap();
-        $cache.set_watermarks(4, 4);
-        $cache.replenish().unwrap();
-    };
 }
 
 /// A limit lowered while every cached block is held: once they are idle, an entry evicts them

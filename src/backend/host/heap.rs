@@ -24,6 +24,14 @@ pub(super) struct Heap {
     bytes: HashMap<u64, Box<[u8]>>,
 }
 
+impl Heap {
+    /// Its live reservations and buffers of physical memory (for the tests).
+    #[cfg(test)]
+    pub(super) fn live(&self) -> (usize, usize) {
+        (self.reservations.len(), self.bytes.len())
+    }
+}
+
 /// The refusal of an ability the heap store lacks.
 fn unsupported(op: Op, addr: Addr, len: usize, ability: Ability) -> BackendError {
     let cause = Cause::Unsupported {

@@ -920,8 +920,18 @@ mod tests {
         host.release(phys, g).unwrap();
         host.release(other, g).unwrap();
         assert_eq!(host.physical_in_use(), 0);
+        assert_eq!(
+            host.state().heap.live(),
+            (2, 0),
+            "the buffers went with their release"
+        );
         host.free(a, g).unwrap();
         host.free(b, g).unwrap();
+        assert_eq!(
+            host.state().heap.live(),
+            (0, 0),
+            "the reservations went with their free"
+        );
     }
 
     /// What needs one memory at two addresses is refused by name: a second mapping of mapped

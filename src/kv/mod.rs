@@ -355,10 +355,9 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
     #[cold]
     fn take_evicting(&self) -> Result<u32, KvError> {
         if !self.is_asleep() {
-            let shift = self.group_shift;
             // Not immediate: the evicted block waits for a fence, as any block given back.
-            let evicted = self.with(|s| s.evict_lru(B::IMMEDIATE, false, shift));
-            if let (true, Some(block)) = (B::IMMEDIATE, evicted) {
+            let evicted = self.evict_lru(B::IMMEDIATE);
+            if let Some(block) = evicted.filter(|_| B::IMMEDIATE) {
                 return Ok(block);
             }
         }

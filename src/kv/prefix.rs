@@ -2,7 +2,6 @@
 //! them, kept until the KV cache needs them; [`PrehashedKeys`] for keys that are hashes
 //! already; [`CacheEvent`]s for KV-aware routers.
 
-use super::share::CACHED;
 use super::{BlockTable, KvCache, KvError, NULL_BLOCK};
 use crate::backend::Backend;
 use std::borrow::Borrow;
@@ -248,7 +247,7 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
     {
         self.entries
             .get(key)
-            .is_some_and(|&block| self.cache.with(|s| s.words[block as usize] & CACHED != 0))
+            .is_some_and(|&block| self.cache.with(|s| s.is_cached(block)))
     }
 
     /// Keys that name a block not evicted.
@@ -301,11 +300,7 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
 
     /// Evicts the idle block let go least recently, its key dropped; whether there was one.
     fn evict_one(&mut self) -> bool {
-        let shift = self.cache.group_shift;
-        let at_once = B::IMMEDIATE && !self.cache.is_asleep();
-        let evicted = self
-            .cache
-            .with(|s| s.evict_lru(false, at_once, shift).is_some());
+        let evicted = self.cache.evict_lru(false).is_some();
         self.sync();
         evicted
     }

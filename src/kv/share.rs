@@ -404,14 +404,21 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
     /// the wake-up, asleep); the groups they leave idle go back to the device at the high
     /// watermark.
     pub fn evict_idle(&self) -> usize {
+        let mut n = 0;
+        while self.evict_lru(false).is_some() {
+            n += 1;
+        }
+        n
+    }
+
+    /// Evicts the idle cached block let go least recently: kept live for the caller if
+    /// `reuse`, else given back as any block (free at once on an immediate backend while
+    /// awake, after a fence otherwise).
+    pub(super) fn evict_lru(&self, reuse: bool) -> Option<u32> {
         let shift = self.group_shift;
-        let at_once = B::IMMEDIATE && !self.is_asleep();
         self.with(|s| {
-            let mut n = 0;
-            while s.evict_lru(false, at_once, shift).is_some() {
-                n += 1;
-            }
-            n
+            let at_once = B::IMMEDIATE && s.asleep.is_none();
+            s.evict_lru(reuse, at_once, shift)
         })
     }
 }

@@ -456,7 +456,6 @@ impl<B: Backend, S: State> Allocation<'_, '_, B, S> {
     /// `peer`, which never said it was done with it. Nothing is unmapped or released; the
     /// device withholds the range and reports the peer
     /// ([`Device::withheld_for_peers`](crate::Device::withheld_for_peers)).
-    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
     pub(crate) fn withhold_for_peer(self, peer: String) {
         let _scope = Scope::open::<B>();
         let mut this = ManuallyDrop::new(self);

@@ -1225,3 +1225,6 @@ fn a_second_offer_to_a_peer_replaces_its_exposure_and_keeps_the_others()
     assert!(!device.close().is_clean(), "withheld memory stays counted");
     Ok(())
 }
+
+#[path = "nixl/blocks.rs"]
+mod blocks;

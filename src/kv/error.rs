@@ -88,6 +88,15 @@ pub enum KvError {
         /// The block's position in the table.
         position: usize,
     },
+    /// Blocks are lent to a transfer engine — held by a transfer or an offer, or withheld for
+    /// good because one may still touch them: the cache cannot sleep (nothing was done).
+    #[error(
+        "the KV cache cannot sleep: {blocks} of its blocks are lent to a transfer engine (a transfer or an offer holds them, or they are withheld for good)"
+    )]
+    Lent {
+        /// Blocks lent.
+        blocks: usize,
+    },
     /// The KV cache has a prefix cache already (one per cache).
     #[error("the KV cache has a prefix cache already")]
     PrefixCacheTaken,

@@ -363,6 +363,8 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
     /// and the group partly mapped: never handed out until mapped whole again.
     pub(super) fn unmap_memory(&self, group: usize) -> Result<(), BackendError> {
         self.ensure_live(group)?;
+        // A transfer engine's registrations of it go first.
+        self.unmapping(group);
         let mut planes = self.planes.borrow_mut();
         let total: usize = (0..planes.len())
             .map(|p| self.granules_of(p, group).1)

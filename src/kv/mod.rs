@@ -50,6 +50,7 @@ mod error;
 mod graph;
 mod groups;
 mod layout;
+mod lend;
 mod plane;
 mod prefix;
 mod share;
@@ -60,6 +61,7 @@ pub use error::KvError;
 pub use graph::KvPlanes;
 pub use groups::Replenished;
 pub use layout::{Layout, Plane};
+pub(crate) use lend::GroupWatch;
 use plane::Sparse;
 pub use prefix::{CacheEvent, KeyHasher, PrefixCache, PrehashedKeys};
 use share::Lru;
@@ -154,6 +156,10 @@ struct Blocks<F> {
     prefixed: bool,
     /// Groups mapped, whole or partly.
     mapped: usize,
+    /// Blocks lent to a transfer engine, or withheld for good (see [`lend`](lend)).
+    lent: usize,
+    /// Who may still touch the blocks withheld (none: `None`).
+    withheld_for: Option<String>,
 }
 
 /// A KV cache: block ids over one reservation per plane, physical memory by group (see the
@@ -229,6 +235,8 @@ pub struct KvCache<'c, 'b, 'id, B: Backend> {
     planes: RefCell<Vec<PlaneMemory<'b, 'id, B>>>,
     state: UnsafeCell<Blocks<B::Fence>>,
     awake: Awake,
+    /// What hears of a group before it is unmapped (a transfer engine's registrations).
+    watch: RefCell<Option<Arc<dyn GroupWatch>>>,
 }
 
 impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
@@ -288,8 +296,11 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
                     evicted: Vec::new(),
                     prefixed: false,
                     mapped: 0,
+                    lent: 0,
+                    withheld_for: None,
                 }),
                 awake: Awake(Arc::new(AtomicBool::new(true))),
+                watch: RefCell::new(None),
             };
             if whole {
                 for group in 0..groups {
@@ -622,6 +633,8 @@ impl<B: Backend> Drop for KvCache<'_, '_, '_, B> {
                 backend.retire_fence(fence);
             }
         }
+        // A transfer engine may still touch a block: the planes are withheld, not released.
+        self.withhold_planes();
     }
 }
 

@@ -3,7 +3,7 @@
 //! host — and mapped again at the same addresses, every table as it was.
 
 use super::{KvCache, KvError, Memory};
-use crate::backend::{Ability, Addr, Backend};
+use crate::backend::{Ability, Backend};
 use crate::unwind::Scope;
 use std::sync::atomic::Ordering;
 
@@ -33,7 +33,8 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
     ///
     /// # Errors
     ///
-    /// [`KvError::Asleep`] if it sleeps already; [`KvError::SleepUnsupported`] where the planes
+    /// [`KvError::Asleep`] if it sleeps already; [`KvError::Lent`] while a transfer engine holds
+    /// a block (or one is withheld for good); [`KvError::SleepUnsupported`] where the planes
     /// are allocated whole; [`KvError::Pending`] while work that may use the planes still runs
     /// (nothing done); [`KvError::Unmap`] when a group could not be unmapped whole (the cache
     /// sleeps all the same; what could not be unmapped stays mapped, and `wake` maps the rest).
@@ -52,16 +53,11 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         Scope::run::<B, _>(move || self.fall_asleep(true))
     }
 
-    /// The bytes of group `group` in plane `plane`: where, and how many.
-    fn group_span(&self, plane: usize, group: usize) -> (Addr, usize) {
-        let len = self.stride(plane) << self.group_shift;
-        (self.base(plane) + group * len, len)
-    }
-
     fn fall_asleep(&self, save: bool) -> Result<(), KvError> {
         if self.is_asleep() {
             return Err(KvError::Asleep);
         }
+        self.refuse_if_lent()?;
         if !self.maps_on_demand() {
             let why = self.binding.device().lacks(Ability::MapAtReservedAddress);
             return Err(KvError::SleepUnsupported(

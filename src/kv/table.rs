@@ -52,6 +52,12 @@ impl<'t, 'c, 'b, 'id, B: Backend> BlockTable<'t, 'c, 'b, 'id, B> {
         self.shared.replace(false)
     }
 
+    /// The cache it draws from.
+    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
+    pub(crate) fn cache(&self) -> &'t KvCache<'c, 'b, 'id, B> {
+        self.cache
+    }
+
     #[inline(always)]
     pub(super) fn ids_mut(&mut self) -> &mut Vec<u32> {
         &mut self.ids
@@ -189,6 +195,12 @@ impl<B: Backend> Drop for BlockTable<'_, '_, '_, '_, B> {
     fn drop(&mut self) {
         let shared = self.shared.get();
         self.cache.give_back(&self.ids, shared);
+    }
+}
+
+impl<B: Backend> fmt::Display for BlockTable<'_, '_, '_, '_, B> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "a block table of {} blocks", self.ids.len())
     }
 }
 

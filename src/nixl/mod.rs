@@ -63,11 +63,16 @@
 // taking of its token and handle, once, each with its `SAFETY:` proof.
 #![allow(unsafe_code)]
 
+mod blocks;
+
+pub use blocks::{BlockTransfer, OfferedTable, RegisteredCache};
+
 use crate::allocation::Allocation;
 use crate::backend::{Addr, Backend, Location};
 use crate::device::Device;
 use crate::error::TransitionError;
 use crate::ids::Generation;
+use crate::kv::KvError;
 use crate::nixl_wire::{self, Decoded, MemKind, WireError};
 use crate::page_pool::{PagePool, PageTable};
 use crate::state::Committed;
@@ -248,6 +253,12 @@ pub enum NixlError {
     /// Waiting for a peer process failed.
     #[error("waiting for the peer's process failed")]
     Wait(#[source] std::io::Error),
+    /// The KV cache refused: a shared block where the peer writes, or the cache asleep.
+    #[error("the KV cache refused")]
+    Kv(#[source] Box<KvError>),
+    /// The KV cache is registered already (one registration at a time).
+    #[error("the KV cache is registered with NIXL already (one registration at a time)")]
+    CacheRegistered,
 }
 
 fn who(peers: &[String], poisoned: bool) -> String {
@@ -616,6 +627,19 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         to: &AgentId,
         regs: &mut [&mut dyn Offered],
     ) -> Result<PeerMetadata, NixlError> {
+        if regs.iter().any(|r| r.owner() != self.raw_ptr().cast()) {
+            return Err(NixlError::OtherAgent);
+        }
+        self.expose(to, regs.iter().map(|reg| (reg.id(), reg.span())))
+    }
+
+    /// The metadata through which `to` reaches each span of `spans` (each with the id in the
+    /// book of what it belongs to, which is exposed to `to` from now on).
+    fn expose(
+        &self,
+        to: &AgentId,
+        spans: impl Iterator<Item = (u64, SpanOf)> + Clone,
+    ) -> Result<PeerMetadata, NixlError> {
         let peer = to.name.as_str();
         if peer == self.name {
             // NIXL refuses to load an agent's own name: such an offer could never be
@@ -629,13 +653,9 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             .raw
             .get_local_partial_md(&empty, None)
             .map_err(engine("getLocalPartialMD"))?;
-        if regs.iter().any(|r| r.owner() != self.raw_ptr().cast()) {
-            return Err(NixlError::OtherAgent);
-        }
         let mut list = RegDescList::new(mem).map_err(engine("createRegDlist"))?;
-        let mut regions = Vec::with_capacity(regs.len());
-        for reg in regs.iter() {
-            let span = reg.span();
+        let mut regions = Vec::new();
+        for (_, span) in spans.clone() {
             list.add_desc(span.addr, span.len, span.dev);
             // Its kind and device travel with it: the peer's descriptors of it need them.
             regions.push(nixl_wire::Region {
@@ -658,10 +678,12 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         let mut book = self.book();
         book.epoch += 1;
         let epoch = book.epoch;
-        for reg in regs.iter() {
-            let exposed = book.exposed.entry(reg.id()).or_default();
-            exposed.retain(|(p, _)| p != to);
-            exposed.push((to.clone(), epoch));
+        for (id, _) in spans {
+            let exposed = book.exposed.entry(id).or_default();
+            exposed.retain(|(p, e)| p != to || *e == epoch);
+            if !exposed.iter().any(|(p, _)| p == to) {
+                exposed.push((to.clone(), epoch));
+            }
         }
         Ok(PeerMetadata(nixl_wire::encode(
             [epoch, self.instance, to.instance, self.mailbox.addr as u64],

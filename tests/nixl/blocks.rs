@@ -1,0 +1,403 @@
+//! KV blocks by id over NIXL: a table offered to one peer, written by id and read only after
+//! the peer's proof; blocks pulled into a table; registrations by group, let go before a group
+//! is unmapped; tables withheld when a peer or a transfer may still touch them.
+
+use super::*;
+use memtoken::kv::{BlockTable, KvCache, KvError, Layout};
+use memtoken::nixl::OfferedTable;
+
+/// Bytes per block in each plane: a quarter of the host's 4 KiB granule, so groups hold four
+/// blocks, and a table's blocks are not adjacent in memory.
+const BLOCK: usize = 1024;
+const PLANES: usize = 2;
+
+fn layout() -> Layout {
+    Layout::new(64, 16).plane(BLOCK).plane(BLOCK)
+}
+
+/// The byte at `i` of block `position`'s part of plane `plane` in request `seed`'s K/V.
+fn seed(request: u8, position: usize, plane: usize) -> u8 {
+    request
+        .wrapping_mul(7)
+        .wrapping_add((position * PLANES + plane) as u8)
+}
+
+/// Writes every plane of every block of `table` with request `request`'s bytes.
+fn fill_table<B: memtoken::backend::Backend>(
+    table: &mut BlockTable<'_, '_, '_, '_, B>,
+    request: u8,
+) -> Result<(), KvError> {
+    let mut bytes = vec![0; BLOCK];
+    for position in 0..table.len() {
+        for plane in 0..PLANES {
+            fill(&mut bytes, seed(request, position, plane));
+            table.write(plane, position, 0, &bytes)?;
+        }
+    }
+    Ok(())
+}
+
+/// Checks every plane of every block of `table` against request `request`'s bytes.
+fn check_table<B: memtoken::backend::Backend>(
+    table: &BlockTable<'_, '_, '_, '_, B>,
+    request: u8,
+) -> Result<(), KvError> {
+    let mut bytes = vec![0; BLOCK];
+    for position in 0..table.len() {
+        for plane in 0..PLANES {
+            table.read(plane, position, 0, &mut bytes)?;
+            check(&bytes, seed(request, position, plane));
+        }
+    }
+    Ok(())
+}
+
+/// `n` blocks, every other block of the cache (the others pushed into a table dropped), so that
+/// no two are adjacent.
+fn scattered<'t, 'c, 'b, 'id, B: memtoken::backend::Backend>(
+    cache: &'t KvCache<'c, 'b, 'id, B>,
+    n: usize,
+) -> Result<BlockTable<'t, 'c, 'b, 'id, B>, KvError> {
+    let mut table = cache.table();
+    let mut spacer = cache.table();
+    for _ in 0..n {
+        cache.push(&mut spacer)?;
+        cache.push(&mut table)?;
+    }
+    Ok(table)
+}
+
+/// The table of `offered` back once its peer's acknowledgement has arrived.
+fn taken_back<'p, 'c, 'b, 'id>(
+    mut offered: OfferedTable<'_, 'p, 'c, 'b, 'id, HostBackend>,
+) -> BlockTable<'p, 'c, 'b, 'id, HostBackend> {
+    for _ in 0..POLLS {
+        match offered.take_back() {
+            Ok(table) => return table,
+            Err(e) => offered = e.token,
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    panic!("the peer's acknowledgement did not arrive in {POLLS} polls");
+}
+
+/// A cache of [`layout`] with enough groups mapped for `blocks` blocks.
+macro_rules! cache {
+    ($cache:ident, $binding:expr, $blocks:expr) => {
+        make_guard!(cache_guard);
+        let $cache = KvCache::new(cache_guard, &$binding, &layout())?;
+        $cache.set_watermarks(($blocks as usize).div_ceil($cache.blocks_per_group()) + 1, 64);
+        $cache.replenish()?;
+    };
+}
+
+/// Decode offers a table of six scattered blocks to prefill; prefill WRITEs six of its own
+/// blocks by id (both planes of each) into it with a notification. The offered table lends
+/// nothing and is not handed back before prefill says it is done; then every byte of every
+/// plane reads as prefill wrote it. Nothing is lent after, and both ledgers end at zero.
+#[test]
+fn blocks_written_by_id_into_an_offered_table_are_read_only_after_the_proof()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    two_sides!(pd, pb, prefill, dd, db, decode, "kv");
+    cache!(decode_cache, db, 12);
+    cache!(prefill_cache, pb, 12);
+
+    let offered_table = scattered(&decode_cache, 6)?;
+    let (offered, offer) = decode
+        .offer_table(&prefill.id(), offered_table)
+        .map_err(memtoken::Error::from)?;
+    assert_eq!(offered.len(), 6);
+    assert_eq!(decode_cache.lent_blocks(), 6);
+    let peer = prefill.load(offer.as_bytes())?;
+    assert_eq!(peer.regions().len(), 6 * PLANES, "each block's part of each plane");
+    assert!(
+        peer.regions().all(|(_, len)| len == BLOCK as u64),
+        "only the blocks are offered"
+    );
+
+    let mut table = scattered(&prefill_cache, 6)?;
+    fill_table(&mut table, 5)?;
+    let registered = prefill.register_cache(&prefill_cache)?;
+    let positions: Vec<usize> = (0..6).collect();
+    let write = prefill
+        .write_blocks(
+            &registered,
+            table,
+            &positions,
+            &peer,
+            &peer.whole(0..6 * PLANES)?,
+            Some(b"blocks"),
+        )
+        .map_err(memtoken::Error::from)?;
+    assert_eq!(write.bytes(), 6 * PLANES * BLOCK);
+    assert_eq!(prefill_cache.lent_blocks(), 6, "the transfer holds the table");
+    let table = write.wait(DROP_WAIT)?;
+    assert_eq!(prefill_cache.lent_blocks(), 0);
+    assert_eq!(wait_for_notification(&decode).message, b"blocks");
+
+    // Prefill has not said it is done: the table stays offered.
+    let offered = match offered.take_back() {
+        Err(e) => {
+            assert!(
+                matches!(&e.cause, NixlError::Exposed { peers, .. } if peers == &["prefill-kv"]),
+                "{:?}",
+                e.cause
+            );
+            e.token
+        }
+        Ok(_) => panic!("an offered table came back before its peer's proof"),
+    };
+    peer.done()?;
+    let back = taken_back(offered);
+    assert_eq!(decode_cache.lent_blocks(), 0);
+    check_table(&back, 5)?;
+
+    drop((back, table));
+    drop(registered);
+    drop((prefill_cache, decode_cache));
+    drop((pb, db));
+    drop((prefill, decode));
+    assert!(pd.close().is_clean());
+    assert!(dd.close().is_clean());
+    Ok(())
+}
+
+/// Decode READs blocks of prefill's offered table into blocks of its own: a table with a block
+/// another table shares is refused (the READ would write it) and handed back whole; one of its
+/// own blocks reads every byte.
+#[test]
+fn blocks_read_by_id_land_only_in_blocks_the_table_owns()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    two_sides!(pd, pb, prefill, dd, db, decode, "kr");
+    cache!(prefill_cache, pb, 8);
+    cache!(decode_cache, db, 16);
+    let mut source = scattered(&prefill_cache, 4)?;
+    fill_table(&mut source, 9)?;
+    let (offered, offer) = prefill
+        .offer_table(&decode.id(), source)
+        .map_err(memtoken::Error::from)?;
+    let peer = decode.load(offer.as_bytes())?;
+    let registered = decode.register_cache(&decode_cache)?;
+    let remote = peer.whole(0..4 * PLANES)?;
+    let positions = [0, 1, 2, 3];
+
+    let into = scattered(&decode_cache, 4)?;
+    let fork = decode_cache.fork(&into);
+    let refused = decode
+        .read_blocks(&registered, into, &positions, &peer, &remote, None)
+        .expect_err("a shared block is not read into");
+    assert!(
+        matches!(&refused.cause, NixlError::Kv(e) if matches!(**e, KvError::ReadOnly { position: 0 })),
+        "{:?}",
+        refused.cause
+    );
+    let into = refused.into_token();
+    assert_eq!(into.len(), 4, "handed back whole");
+    assert_eq!(decode_cache.lent_blocks(), 0, "nothing lent by a refusal");
+    drop(fork);
+
+    let into = decode
+        .read_blocks(&registered, into, &positions, &peer, &remote, None)
+        .map_err(memtoken::Error::from)?
+        .wait(DROP_WAIT)?;
+    check_table(&into, 9)?;
+    assert_eq!(
+        registered.registered_groups(),
+        into.ids()
+            .iter()
+            .map(|&b| b as usize / decode_cache.blocks_per_group())
+            .collect::<std::collections::HashSet<_>>()
+            .len(),
+        "a registration per group the transfer used"
+    );
+    peer.done()?;
+    drop(taken_back(offered));
+    drop(into);
+    drop(registered);
+    drop((prefill_cache, decode_cache));
+    drop((pb, db));
+    drop((prefill, decode));
+    assert!(pd.close().is_clean());
+    assert!(dd.close().is_clean());
+    Ok(())
+}
+
+/// A group's registrations go before the group is unmapped — by a replenish over the high
+/// watermark, by a sleep — and a cache is registered once at a time. A cache with a block lent
+/// does not sleep.
+#[test]
+fn a_groups_registrations_go_before_it_is_unmapped()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    two_sides!(pd, pb, prefill, dd, db, decode, "kg");
+    cache!(decode_cache, db, 8);
+    cache!(prefill_cache, pb, 8);
+    let (offered, offer) = decode
+        .offer_table(&prefill.id(), scattered(&decode_cache, 4)?)
+        .map_err(memtoken::Error::from)?;
+    assert!(
+        matches!(decode_cache.sleep(), Err(KvError::Lent { blocks: 4 })),
+        "no sleep while a peer may write a block"
+    );
+    let peer = prefill.load(offer.as_bytes())?;
+    let registered = prefill.register_cache(&prefill_cache)?;
+    assert!(matches!(
+        prefill.register_cache(&prefill_cache),
+        Err(NixlError::CacheRegistered)
+    ));
+    let remote = peer.whole(0..4 * PLANES)?;
+    let mut table = scattered(&prefill_cache, 4)?;
+    fill_table(&mut table, 1)?;
+    let table = prefill
+        .write_blocks(&registered, table, &[0, 1, 2, 3], &peer, &remote, None)
+        .map_err(memtoken::Error::from)?
+        .wait(DROP_WAIT)?;
+    let before = registered.registered_groups();
+    assert!(before >= 2, "four blocks of eight span two groups: {before}");
+
+    // Every group with no live block is unmapped: its registrations went first.
+    drop(table);
+    prefill_cache.set_watermarks(0, 0);
+    prefill_cache.replenish()?;
+    assert_eq!(prefill_cache.mapped_groups(), 1, "the null block's group stays");
+    assert!(
+        registered.registered_groups() <= 1,
+        "{} groups registered, one mapped",
+        registered.registered_groups()
+    );
+
+    // A sleep unmaps every group: no registration stays.
+    prefill_cache.set_watermarks(3, 64);
+    prefill_cache.replenish()?;
+    let table = scattered(&prefill_cache, 4)?;
+    let table = prefill
+        .write_blocks(&registered, table, &[0, 1, 2, 3], &peer, &remote, None)
+        .map_err(memtoken::Error::from)?
+        .wait(DROP_WAIT)?;
+    assert!(registered.registered_groups() >= 2);
+    prefill_cache.sleep()?;
+    assert_eq!(registered.registered_groups(), 0);
+    prefill_cache.wake()?;
+    drop(table);
+
+    peer.done()?;
+    drop(taken_back(offered));
+    decode_cache.sleep()?;
+    drop(registered);
+    drop((prefill_cache, decode_cache));
+    drop((pb, db));
+    drop((prefill, decode));
+    assert!(pd.close().is_clean());
+    assert!(dd.close().is_clean());
+    Ok(())
+}
+
+/// An offered table whose peer never said it was done is withheld as it drops: its blocks stay
+/// lent, never handed out again; the cache does not sleep; dropped, it withholds its planes and
+/// the device names the peer. A table with a shared block is never offered.
+#[test]
+fn an_offered_table_dropped_before_the_proof_is_withheld()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    make_guard!(g);
+    let device = Device::new(g, HostBackend::with_defaults()?);
+    let binding = device.bind(Budget::unlimited())?;
+    let offering = agent(&device, "offering-kv");
+    cache!(cache, binding, 8);
+
+    let table = scattered(&cache, 4)?;
+    let fork = cache.fork(&table);
+    let refused = offering
+        .offer_table(&stranger("stray-kv"), table)
+        .expect_err("a shared block is never offered");
+    assert!(
+        matches!(&refused.cause, NixlError::Kv(e) if matches!(**e, KvError::ReadOnly { position: 0 })),
+        "{:?}",
+        refused.cause
+    );
+    assert_eq!(cache.lent_blocks(), 0, "nothing lent by a refusal");
+    drop(fork);
+    let table = refused.into_token();
+    let ids = table.ids().to_vec();
+
+    let (offered, _never_loaded) = offering
+        .offer_table(&stranger("stray-kv"), table)
+        .map_err(memtoken::Error::from)?;
+    let offered = match offered.take_back() {
+        Err(e) => e.token,
+        Ok(_) => panic!("taken back without a proof"),
+    };
+    drop(offered);
+    assert_eq!(cache.lent_blocks(), 4, "withheld blocks stay lent");
+    assert!(matches!(cache.sleep(), Err(KvError::Lent { blocks: 4 })));
+    let mut later = cache.table();
+    while cache.push(&mut later).is_ok() {}
+    assert!(
+        later.ids().iter().all(|b| !ids.contains(b)),
+        "a withheld block was handed out again"
+    );
+    drop(later);
+    drop(cache);
+    let withheld = device.withheld_for_peers();
+    assert!(!withheld.is_empty(), "the planes are withheld");
+    assert!(withheld.iter().all(|w| w.peer == "stray-kv"), "{withheld:?}");
+    drop(binding);
+    drop(offering);
+    assert!(!device.close().is_clean(), "withheld memory stays counted");
+    Ok(())
+}
+
+/// A READ into a table's blocks from a peer killed mid-transfer fails: the table is never
+/// handed back, its blocks stay lent (withheld), the cache does not sleep, and the peer cannot
+/// say it is done.
+#[test]
+fn a_failed_block_transfer_never_hands_its_table_back()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    const TEST: &str = "blocks::a_failed_block_transfer_never_hands_its_table_back";
+    const BIG: usize = 256 << 10;
+    const BLOCKS: usize = 64;
+    if let Some(socket) = parent() {
+        return parked_target(socket, "target-kv", BIG * PLANES * BLOCKS);
+    }
+    tcp_initiator!(device, binding, initiator, "initiator-kv");
+    let (mut child, offer) = offer_of_a_parked_target(TEST, &initiator);
+    let peer = initiator.load(&offer)?;
+    make_guard!(cache_guard);
+    let cache = KvCache::new(
+        cache_guard,
+        &binding,
+        &Layout::new(BLOCKS + 1, 16).plane(BIG).plane(BIG),
+    )?;
+    cache.set_watermarks(BLOCKS + 1, BLOCKS + 1);
+    cache.replenish()?;
+    let registered = initiator.register_cache(&cache)?;
+    let mut table = cache.table();
+    for _ in 0..BLOCKS {
+        cache.push(&mut table)?;
+    }
+    let remote = (0..BLOCKS * PLANES)
+        .map(|i| peer.range(0, i * BIG, BIG))
+        .collect::<Result<Vec<_>, _>>()?;
+    let positions: Vec<usize> = (0..BLOCKS).collect();
+    let mut read = initiator
+        .read_blocks(&registered, table, &positions, &peer, &remote, None)
+        .map_err(memtoken::Error::from)?;
+    child.kill()?;
+    child.wait()?;
+    let mut polled = Ok(false);
+    for _ in 0..POLLS {
+        polled = read.poll();
+        if !matches!(polled, Ok(false)) {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(1));
+    }
+    assert!(polled.is_err(), "the READ did not fail: {polled:?}");
+    assert!(
+        read.wait(DROP_WAIT).is_err(),
+        "a wait after a failed poll hands no table back"
+    );
+    assert_eq!(cache.lent_blocks(), BLOCKS, "the table's blocks are withheld");
+    assert!(matches!(cache.sleep(), Err(KvError::Lent { .. })));
+    assert!(registered.is_poisoned());
+    assert!(matches!(peer.done(), Err(NixlError::Tainted(_))));
+    Ok(())
+}

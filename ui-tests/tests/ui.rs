@@ -6,6 +6,8 @@ const CUDA_ONLY: &[&str] = &["device_view_of_non_pod.rs", "view_across_release.r
 /// Cases about NIXL transfers, which exist only with feature `nixl`.
 const NIXL_ONLY: &[&str] = &[
     "offer_shared_prefix.rs",
+    "offered_table_has_no_bytes.rs",
+    "offered_table_lends_nothing.rs",
     "peer_exited_from_safe_code.rs",
     "release_under_transfer.rs",
 ];

@@ -1,13 +1,16 @@
 //! Disaggregated prefill and decode over NIXL (feature `nixl`), in two processes on the
-//! loopback: the decode process offers a landing region for the K/V of its requests; the
-//! prefill process (this program again) computes each prompt's K/V into pages of its page pool
-//! and WRITEs the pages into the request's slot, with a notification per request; then it says
-//! it is done with decode's memory. Decode waits for every request, checks every byte once
-//! prefill is done, and reports the bytes moved and the rate; both ledgers end at zero.
+//! loopback, on KV block ids: the decode process takes a table of blocks of its KV cache for
+//! each request and offers it to the prefill process (this program again) — only those
+//! blocks, each layer's K and V planes; prefill computes each prompt's K/V into blocks of its
+//! own KV cache and WRITEs them by id into the request's offered table, with a notification
+//! per request; then it says it is done with decode's memory. Decode's offered tables lend
+//! nothing until then: it takes each table back after prefill's proof, reads every byte of
+//! every plane of every block, and reports the bytes moved and the rate; both ledgers end at
+//! zero.
 //!
 //! ```text
 //! bash scripts/install-nixl.sh && source target/nixl/env.sh
-//! cargo run --release --features nixl --example disaggregated -- --requests 16 --pages 32
+//! cargo run --release --features nixl --example disaggregated -- --requests 16 --blocks 16
 //! ```
 //!
 //! `--prefill SOCKET` is how decode starts the prefill process; `--help` prints the usage.
@@ -17,8 +20,9 @@ mod cli;
 
 use cli::Arg;
 use memtoken::backend::HostBackend;
-use memtoken::nixl::{Agent, AgentId, DROP_WAIT};
-use memtoken::{Budget, Device, PagePool, make_guard};
+use memtoken::kv::{KvCache, Layout};
+use memtoken::nixl::{Agent, AgentId, DROP_WAIT, OfferedTable};
+use memtoken::{Budget, Device, make_guard};
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::Command;
@@ -26,12 +30,23 @@ use std::time::{Duration, Instant};
 
 type Error = Box<dyn std::error::Error + Send + Sync>;
 
-/// The bytes of a page of K/V.
-const PAGE: usize = 64 << 10;
+/// Layers of the model: a K and a V plane each.
+const LAYERS: usize = 4;
+/// Tokens per block.
+const BLOCK_TOKENS: usize = 16;
+/// One token's K (or V) bytes in one layer: 4 KV heads of 64 × bf16.
+const TOKEN_BYTES: usize = 4 * 64 * 2;
+/// Bytes of a block in one plane.
+const BLOCK: usize = BLOCK_TOKENS * TOKEN_BYTES;
+const PLANES: usize = 2 * LAYERS;
 
-/// The K/V byte at `at` of request `request`'s prompt (what prefill computes).
-fn kv_byte(request: usize, at: usize) -> u8 {
-    (at as u8).wrapping_mul(29).wrapping_add(request as u8) ^ (at >> 10) as u8
+/// The K/V byte at `at` of block `position` of plane `plane` of request `request`'s prompt
+/// (what prefill computes).
+fn kv_byte(request: usize, position: usize, plane: usize, at: usize) -> u8 {
+    (at as u8)
+        .wrapping_mul(29)
+        .wrapping_add((request * 7 + position * 3 + plane) as u8)
+        ^ (at >> 8) as u8
 }
 
 fn send(to: &mut impl Write, bytes: &[u8]) -> std::io::Result<()> {
@@ -50,49 +65,58 @@ fn recv(from: &mut impl Read) -> std::io::Result<Vec<u8>> {
 
 struct Shape {
     requests: usize,
-    pages: usize,
+    blocks: usize,
 }
 
 impl Shape {
-    fn slot(&self) -> usize {
-        self.pages * PAGE
-    }
-
     fn bytes(&self) -> usize {
-        self.requests * self.slot()
+        self.requests * self.blocks * PLANES * BLOCK
     }
 }
 
-/// The prefill process: K/V into pool pages, WRITTEN into decode's slots.
+/// A KV cache of `blocks` blocks (and the null block), every group of them mapped.
+fn layout(blocks: usize) -> Layout {
+    Layout::per_layer_k_v(LAYERS, BLOCK_TOKENS, TOKEN_BYTES, blocks + 1)
+}
+
+/// The prefill process: each prompt's K/V into blocks of its cache, WRITTEN by id into the
+/// request's table offered by decode.
 fn prefill(socket: &str, shape: &Shape) -> Result<(), Error> {
     let mut socket = UnixStream::connect(socket)?;
     make_guard!(guard);
     let device = Device::new(guard, HostBackend::with_defaults()?);
     let binding = device.bind(Budget::unlimited())?;
-    make_guard!(pool_guard);
-    let pool = PagePool::new(pool_guard, &binding, PAGE)?;
+    make_guard!(cache_guard);
+    let cache = KvCache::new(cache_guard, &binding, &layout(shape.blocks))?;
+    cache.set_watermarks(cache.groups(), cache.groups());
+    cache.replenish()?;
     let agent = Agent::new(&device, "prefill")?;
-    send(&mut socket, &agent.id().to_bytes())?; // whom decode makes its offer to
-    let offer = recv(&mut socket)?;
-    let peer = agent.load(&offer)?;
-    let registered = agent.register_pool(&pool)?;
-    let positions: Vec<usize> = (0..shape.pages).collect();
+    send(&mut socket, &agent.id().to_bytes())?; // whom decode makes its offers to
+    let mut peer = agent.load(&recv(&mut socket)?)?;
+    for _ in 1..shape.requests {
+        peer.extend(&recv(&mut socket)?)?; // one peer, each request's offer added
+    }
+    let registered = agent.register_cache(&cache)?;
+    let positions: Vec<usize> = (0..shape.blocks).collect();
+    let regions = shape.blocks * PLANES; // each offered block's part of each plane
+    let mut bytes = vec![0; BLOCK];
     let mut moving = Duration::ZERO;
     for request in 0..shape.requests {
-        let mut table = pool.table();
-        for page in 0..shape.pages {
-            pool.push(&mut table)?;
-            for (i, b) in table.page_mut(page).iter_mut().enumerate() {
-                *b = kv_byte(request, page * PAGE + i);
+        let mut table = cache.table();
+        for position in 0..shape.blocks {
+            cache.push(&mut table)?;
+            for plane in 0..PLANES {
+                for (at, b) in bytes.iter_mut().enumerate() {
+                    *b = kv_byte(request, position, plane, at);
+                }
+                table.write(plane, position, 0, &bytes)?;
             }
         }
-        let remote = (0..shape.pages)
-            .map(|page| peer.range(0, request * shape.slot() + page * PAGE, PAGE))
-            .collect::<Result<Vec<_>, _>>()?;
+        let remote = peer.whole(request * regions..(request + 1) * regions)?;
         let note = format!("kv {request}");
         let start = Instant::now();
         let table = agent
-            .write_pages(
+            .write_blocks(
                 &registered,
                 table,
                 &positions,
@@ -103,11 +127,11 @@ fn prefill(socket: &str, shape: &Shape) -> Result<(), Error> {
             .map_err(memtoken::Error::from)?
             .wait(DROP_WAIT)?;
         moving += start.elapsed();
-        drop(table); // the request's pages go back to the pool
+        drop(table); // the request's blocks go back to the cache
     }
     peer.done()?; // decode's memory: invalidated, then acknowledged
     drop(registered);
-    drop(pool);
+    drop(cache);
     drop(binding);
     drop(agent);
     let report = device.close();
@@ -118,13 +142,21 @@ fn prefill(socket: &str, shape: &Shape) -> Result<(), Error> {
     Ok(())
 }
 
-/// The decode process: offers the slots, spawns prefill, checks what lands.
+/// The decode process: offers each request's table of blocks, spawns prefill, takes the tables
+/// back after prefill's proof and checks what landed.
 fn decode(shape: &Shape) -> Result<(), Error> {
     make_guard!(guard);
     let device = Device::new(guard, HostBackend::with_defaults()?);
     let binding = device.bind(Budget::unlimited())?;
+    make_guard!(cache_guard);
+    let cache = KvCache::new(
+        cache_guard,
+        &binding,
+        &layout(shape.requests * shape.blocks),
+    )?;
+    cache.set_watermarks(cache.groups(), cache.groups());
+    cache.replenish()?;
     let agent = Agent::new(&device, "decode")?;
-    let mut slots = agent.register(binding.reserve(shape.bytes())?.commit()?)?;
 
     let path = std::env::temp_dir().join(format!("memtoken-disagg-{}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);
@@ -135,13 +167,24 @@ fn decode(shape: &Shape) -> Result<(), Error> {
             path.to_str().ok_or("a temp path that is UTF-8")?,
         ])
         .args(["--requests", &shape.requests.to_string()])
-        .args(["--pages", &shape.pages.to_string()])
+        .args(["--blocks", &shape.blocks.to_string()])
         .spawn()?;
     let (mut socket, _) = listener.accept()?;
     let _ = std::fs::remove_file(&path);
     let prefill = AgentId::from_bytes(&recv(&mut socket)?)?;
-    let offer = agent.offer(&prefill, &mut [&mut slots])?;
-    send(&mut socket, offer.as_bytes())?;
+    let mut offered: Vec<OfferedTable<'_, '_, '_, '_, '_, HostBackend>> = Vec::new();
+    for _ in 0..shape.requests {
+        let mut table = cache.table();
+        for _ in 0..shape.blocks {
+            cache.push(&mut table)?;
+        }
+        // The table moves into the offer: no byte of it is read while prefill may write it.
+        let (table, offer) = agent
+            .offer_table(&prefill, table)
+            .map_err(memtoken::Error::from)?;
+        send(&mut socket, offer.as_bytes())?;
+        offered.push(table);
+    }
 
     let mut arrived = vec![false; shape.requests];
     let start = Instant::now();
@@ -163,21 +206,39 @@ fn decode(shape: &Shape) -> Result<(), Error> {
     if !child.wait()?.success() {
         return Err("the prefill process failed".into());
     }
-    // Prefill said it is done before it reported: its acknowledgement is on its way.
+    // Prefill said it is done before it reported: its acknowledgement is on its way, and
+    // each table comes back once it has arrived.
+    let mut tables = Vec::with_capacity(shape.requests);
     let start = Instant::now();
-    while slots.token().is_err() && start.elapsed() < DROP_WAIT {
-        std::thread::sleep(Duration::from_micros(100));
+    for mut table in offered {
+        loop {
+            match table.take_back() {
+                Ok(back) => break tables.push(back),
+                Err(e) if start.elapsed() < DROP_WAIT => table = e.into_token(),
+                Err(e) => return Err(memtoken::Error::from(e).into()),
+            }
+            std::thread::sleep(Duration::from_micros(100));
+        }
     }
-    let bytes = slots.token()?.as_slice();
-    let bad = bytes
-        .iter()
-        .enumerate()
-        .filter(|&(at, &b)| b != kv_byte(at / shape.slot(), at % shape.slot()))
-        .count();
+    let mut bytes = vec![0; BLOCK];
+    let mut bad = 0;
+    for (request, table) in tables.iter().enumerate() {
+        for position in 0..table.len() {
+            for plane in 0..PLANES {
+                table.read(plane, position, 0, &mut bytes)?;
+                bad += bytes
+                    .iter()
+                    .enumerate()
+                    .filter(|&(at, &b)| b != kv_byte(request, position, plane, at))
+                    .count();
+            }
+        }
+    }
     if bad > 0 {
-        return Err(format!("{bad} of {} bytes differ", bytes.len()).into());
+        return Err(format!("{bad} of {} bytes differ", shape.bytes()).into());
     }
-    drop(slots.release()?);
+    drop(tables);
+    drop(cache);
     drop(binding);
     drop(agent);
     let report = device.close();
@@ -187,11 +248,12 @@ fn decode(shape: &Shape) -> Result<(), Error> {
     let secs = moving as f64 / 1e9;
     let mib = shape.bytes() as f64 / (1 << 20) as f64;
     println!(
-        "decode: {} requests of {} pages of {} KiB each, {mib:.1} MiB moved by WRITEs of pool pages \
-         in {:.1} ms ({:.2} GiB/s); every byte checked; both ledgers at zero",
+        "decode: {} requests of {} KV blocks ({LAYERS} layers, K and V: {PLANES} planes of {} KiB \
+         a block), {mib:.1} MiB WRITTEN by block id into offered tables in {:.1} ms ({:.2} GiB/s); \
+         each table taken back after prefill's proof, every byte checked; both ledgers at zero",
         shape.requests,
-        shape.pages,
-        PAGE >> 10,
+        shape.blocks,
+        BLOCK >> 10,
         secs * 1e3,
         mib / 1024.0 / secs
     );
@@ -199,20 +261,20 @@ fn decode(shape: &Shape) -> Result<(), Error> {
 }
 
 const USAGE: &str = "\
-usage: disaggregated [--requests N] [--pages N]
+usage: disaggregated [--requests N] [--blocks N]
 
 Disaggregated prefill and decode over NIXL, in two processes on the loopback
 (cargo run --release --features nixl --example disaggregated -- ARGS).
 
-  --requests N       requests whose K/V prefill writes into decode's slots (default 16)
-  --pages N          pages of 64 KiB per request (default 32)
+  --requests N       requests whose K/V prefill writes into decode's offered tables (default 16)
+  --blocks N         KV blocks per request, 8 planes of 8 KiB each (default 16)
   --prefill SOCKET   (how decode starts this program as its prefill process)
   -h, --help         print this usage";
 
 fn main() -> std::process::ExitCode {
     let mut shape = Shape {
         requests: 16,
-        pages: 32,
+        blocks: 16,
     };
     let mut prefill_at: Option<String> = None;
     let mut cli = cli::Args::new(USAGE);
@@ -222,12 +284,12 @@ fn main() -> std::process::ExitCode {
         };
         match flag.as_str() {
             "--requests" => shape.requests = cli.value(&flag),
-            "--pages" => shape.pages = cli.value(&flag),
+            "--blocks" => shape.blocks = cli.value(&flag),
             "--prefill" => prefill_at = Some(cli.value(&flag)),
             _ => cli.unknown(Arg::Flag(flag)),
         }
     }
-    for (flag, n) in [("--requests", shape.requests), ("--pages", shape.pages)] {
+    for (flag, n) in [("--requests", shape.requests), ("--blocks", shape.blocks)] {
         if n == 0 {
             cli.error(format_args!("{flag} must be at least 1"));
         }

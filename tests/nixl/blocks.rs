@@ -86,7 +86,10 @@ macro_rules! cache {
     ($cache:ident, $binding:expr, $blocks:expr) => {
         make_guard!(cache_guard);
         let $cache = KvCache::new(cache_guard, &$binding, &layout())?;
-        $cache.set_watermarks(($blocks as usize).div_ceil($cache.blocks_per_group()) + 1, 64);
+        $cache.set_watermarks(
+            ($blocks as usize).div_ceil($cache.blocks_per_group()) + 1,
+            64,
+        );
         $cache.replenish()?;
     };
 }
@@ -109,7 +112,11 @@ fn blocks_written_by_id_into_an_offered_table_are_read_only_after_the_proof()
     assert_eq!(offered.len(), 6);
     assert_eq!(decode_cache.lent_blocks(), 6);
     let peer = prefill.load(offer.as_bytes())?;
-    assert_eq!(peer.regions().len(), 6 * PLANES, "each block's part of each plane");
+    assert_eq!(
+        peer.regions().len(),
+        6 * PLANES,
+        "each block's part of each plane"
+    );
     assert!(
         peer.regions().all(|(_, len)| len == BLOCK as u64),
         "only the blocks are offered"
@@ -130,7 +137,11 @@ fn blocks_written_by_id_into_an_offered_table_are_read_only_after_the_proof()
         )
         .map_err(memtoken::Error::from)?;
     assert_eq!(write.bytes(), 6 * PLANES * BLOCK);
-    assert_eq!(prefill_cache.lent_blocks(), 6, "the transfer holds the table");
+    assert_eq!(
+        prefill_cache.lent_blocks(),
+        6,
+        "the transfer holds the table"
+    );
     let table = write.wait(DROP_WAIT)?;
     assert_eq!(prefill_cache.lent_blocks(), 0);
     assert_eq!(wait_for_notification(&decode).message, b"blocks");
@@ -252,13 +263,20 @@ fn a_groups_registrations_go_before_it_is_unmapped()
         .map_err(memtoken::Error::from)?
         .wait(DROP_WAIT)?;
     let before = registered.registered_groups();
-    assert!(before >= 2, "four blocks of eight span two groups: {before}");
+    assert!(
+        before >= 2,
+        "four blocks of eight span two groups: {before}"
+    );
 
     // Every group with no live block is unmapped: its registrations went first.
     drop(table);
     prefill_cache.set_watermarks(0, 0);
     prefill_cache.replenish()?;
-    assert_eq!(prefill_cache.mapped_groups(), 1, "the null block's group stays");
+    assert_eq!(
+        prefill_cache.mapped_groups(),
+        1,
+        "the null block's group stays"
+    );
     assert!(
         registered.registered_groups() <= 1,
         "{} groups registered, one mapped",
@@ -338,7 +356,10 @@ fn an_offered_table_dropped_before_the_proof_is_withheld()
     drop(cache);
     let withheld = device.withheld_for_peers();
     assert!(!withheld.is_empty(), "the planes are withheld");
-    assert!(withheld.iter().all(|w| w.peer == "stray-kv"), "{withheld:?}");
+    assert!(
+        withheld.iter().all(|w| w.peer == "stray-kv"),
+        "{withheld:?}"
+    );
     drop(binding);
     drop(offering);
     assert!(!device.close().is_clean(), "withheld memory stays counted");
@@ -395,7 +416,11 @@ fn a_failed_block_transfer_never_hands_its_table_back()
         read.wait(DROP_WAIT).is_err(),
         "a wait after a failed poll hands no table back"
     );
-    assert_eq!(cache.lent_blocks(), BLOCKS, "the table's blocks are withheld");
+    assert_eq!(
+        cache.lent_blocks(),
+        BLOCKS,
+        "the table's blocks are withheld"
+    );
     assert!(matches!(cache.sleep(), Err(KvError::Lent { .. })));
     assert!(registered.is_poisoned());
     assert!(matches!(peer.done(), Err(NixlError::Tainted(_))));

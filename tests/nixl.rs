@@ -237,105 +237,6 @@ fn memory_offered_without_the_peers_proof_is_withheld_and_never_reused()
     Ok(())
 }
 
-/// Pages of a pool, moved as lists: prefill WRITEs eight pages of its pool table (scattered in
-/// the pool) into decode's region with a notification; decode READs them back into pages of
-/// its own pool; every byte checked on both. The transfers hold the tables and hand them back.
-#[test]
-fn a_list_of_pool_pages_goes_both_ways_byte_for_byte()
--> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    const PAGE: usize = 64 << 10;
-    two_sides!(pd, pb, prefill, dd, db, decode, "p");
-    make_guard!(ppg);
-    let prefill_pool = memtoken::PagePool::new(ppg, &pb, PAGE)?;
-    make_guard!(dpg);
-    let decode_pool = memtoken::PagePool::new(dpg, &db, PAGE)?;
-    let mut region = decode.register(db.reserve(LEN)?.commit()?)?;
-    let offer = decode.offer(&prefill.id(), &mut [&mut region])?;
-    let peer = prefill.load(offer.as_bytes())?;
-
-    // Eight pages, not adjacent: every other page of the pool goes to a table that is dropped.
-    let mut table = prefill_pool.table();
-    let mut spacer = prefill_pool.table();
-    for _ in 0..8 {
-        prefill_pool.push(&mut table)?;
-        prefill_pool.push(&mut spacer)?;
-    }
-    drop(spacer);
-    for position in 0..8 {
-        fill(table.page_mut(position), position as u8);
-    }
-    let registered = prefill.register_pool(&prefill_pool)?;
-    let remote: Vec<_> = (0..8)
-        .map(|i| peer.range(0, i * PAGE, PAGE))
-        .collect::<Result<_, _>>()?;
-    let positions: Vec<usize> = (0..8).collect();
-    let write = prefill
-        .write_pages(
-            &registered,
-            table,
-            &positions,
-            &peer,
-            &remote,
-            Some(b"pages"),
-        )
-        .map_err(memtoken::Error::from)?;
-    assert_eq!(write.bytes(), 8 * PAGE);
-    let table = write.wait(DROP_WAIT)?;
-    assert_eq!(wait_for_notification(&decode).message, b"pages");
-    peer.done()?;
-    wait_until(|| region.token().is_ok());
-    for i in 0..8 {
-        check(
-            &region.token()?.as_slice()[i * PAGE..(i + 1) * PAGE],
-            i as u8,
-        );
-    }
-
-    // Back: decode pulls prefill's pages into its own pool (prefill offers a token this time).
-    let mut back = prefill.register(region_copy(&pb, &table)?)?;
-    let offer = prefill.offer(&decode.id(), &mut [&mut back])?;
-    let peer = decode.load(offer.as_bytes())?;
-    let registered_back = decode.register_pool(&decode_pool)?;
-    let mut into = decode_pool.table();
-    for _ in 0..8 {
-        decode_pool.push(&mut into)?;
-    }
-    let remote: Vec<_> = (0..8)
-        .map(|i| peer.range(0, i * PAGE, PAGE))
-        .collect::<Result<_, _>>()?;
-    let into = decode
-        .read_pages(&registered_back, into, &positions, &peer, &remote, None)
-        .map_err(memtoken::Error::from)?
-        .wait(DROP_WAIT)?;
-    for i in 0..8 {
-        check(into.page(i), i as u8);
-    }
-    peer.done()?;
-    wait_until(|| back.token().is_ok());
-    drop((into, table));
-    drop((registered, registered_back));
-    drop((back.release()?, region.release()?));
-    drop((prefill_pool, decode_pool));
-    drop((pb, db));
-    drop((prefill, decode));
-    assert!(pd.close().is_clean());
-    assert!(dd.close().is_clean());
-    Ok(())
-}
-
-/// A committed token holding the pages of `table`, in order.
-fn region_copy<'b, 'id>(
-    binding: &'b memtoken::Binding<'b, 'id, HostBackend>,
-    table: &memtoken::PageTable<'_, '_, 'b, 'id, HostBackend>,
-) -> Result<memtoken::Allocation<'b, 'id, HostBackend, memtoken::Committed>, memtoken::Error> {
-    let mut token = binding.reserve(LEN)?.commit()?;
-    let page = table.page_size();
-    for i in 0..table.len() {
-        token.as_mut_slice()[i * page..(i + 1) * page].copy_from_slice(table.page(i));
-    }
-    Ok(token)
-}
-
 // ---- Two processes: this binary re-run as the peer, talking over a Unix socket (the test
 // harness owns stdout). ----
 
@@ -438,8 +339,8 @@ fn offer_of_a_parked_target(
 
 /// Prefill and decode in two processes (disaggregated serving): prefill offers its K/V and a
 /// region for decode's answer; decode READs the K/V into a token and checks every byte, WRITEs
-/// the first half of its answer from the token, READs the K/V's second half into pages of its
-/// pool and checks them, WRITEs the answer's second half from those pages as a list with a
+/// the first half of its answer from the token, READs the K/V's second half into blocks of its
+/// KV cache by id and checks them, WRITEs the answer's second half from those blocks with a
 /// notification, and says it is done; prefill receives the notification, sees the answer byte
 /// for byte once decode is done, and gives everything back.
 #[test]
@@ -515,37 +416,45 @@ fn decode_process(mut socket: UnixStream) -> Result<(), Box<dyn std::error::Erro
             None,
         )?
         .wait(DROP_WAIT)?;
-    // The second half of the answer from pool pages: READ from the K/V into pages, rewritten,
-    // then WRITTEN as a list.
-    const PAGE: usize = 64 << 10;
-    let pages = LEN / 2 / PAGE;
-    make_guard!(pool_guard);
-    let pool = memtoken::PagePool::new(pool_guard, &binding, PAGE)?;
-    let registered = decode.register_pool(&pool)?;
-    let mut table = pool.table();
-    for _ in 0..pages {
-        pool.push(&mut table)?;
+    // The second half of the answer from KV blocks: READ from the K/V into blocks by id,
+    // rewritten, then WRITTEN as a list.
+    const BLOCK: usize = 64 << 10;
+    let blocks = LEN / 2 / BLOCK;
+    make_guard!(cache_guard);
+    let cache = memtoken::kv::KvCache::new(
+        cache_guard,
+        &binding,
+        &memtoken::kv::Layout::new(blocks + 1, 16).plane(BLOCK),
+    )?;
+    cache.set_watermarks(cache.groups(), cache.groups());
+    cache.replenish()?;
+    let registered = decode.register_cache(&cache)?;
+    let mut table = cache.table();
+    for _ in 0..blocks {
+        cache.push(&mut table)?;
     }
-    let positions: Vec<usize> = (0..pages).collect();
-    let from_kv = (0..pages)
-        .map(|i| peer.range(0, LEN / 2 + i * PAGE, PAGE))
+    let positions: Vec<usize> = (0..blocks).collect();
+    let from_kv = (0..blocks)
+        .map(|i| peer.range(0, LEN / 2 + i * BLOCK, BLOCK))
         .collect::<Result<Vec<_>, _>>()?;
     let mut table = decode
-        .read_pages(&registered, table, &positions, &peer, &from_kv, None)
+        .read_blocks(&registered, table, &positions, &peer, &from_kv, None)
         .map_err(memtoken::Error::from)?
         .wait(DROP_WAIT)?;
-    for i in 0..pages {
-        let at = LEN / 2 + i * PAGE;
-        let expected: Vec<u8> = (at..at + PAGE).map(|b| pattern(21, b)).collect();
-        assert_eq!(table.page(i), &expected[..], "page {i} read from the K/V");
-        let answer: Vec<u8> = (at..at + PAGE).map(|b| pattern(77, b)).collect();
-        table.page_mut(i).copy_from_slice(&answer);
+    let mut read = vec![0; BLOCK];
+    for i in 0..blocks {
+        let at = LEN / 2 + i * BLOCK;
+        let expected: Vec<u8> = (at..at + BLOCK).map(|b| pattern(21, b)).collect();
+        table.read(0, i, 0, &mut read)?;
+        assert_eq!(read, expected, "block {i} read from the K/V");
+        let answer: Vec<u8> = (at..at + BLOCK).map(|b| pattern(77, b)).collect();
+        table.write(0, i, 0, &answer)?;
     }
-    let into_answer = (0..pages)
-        .map(|i| peer.range(1, LEN / 2 + i * PAGE, PAGE))
+    let into_answer = (0..blocks)
+        .map(|i| peer.range(1, LEN / 2 + i * BLOCK, BLOCK))
         .collect::<Result<Vec<_>, _>>()?;
     let table = decode
-        .write_pages(
+        .write_blocks(
             &registered,
             table,
             &positions,
@@ -557,7 +466,7 @@ fn decode_process(mut socket: UnixStream) -> Result<(), Box<dyn std::error::Erro
         .wait(DROP_WAIT)?;
     drop(table);
     drop(registered);
-    drop(pool);
+    drop(cache);
     peer.done()?;
     drop(mine.release()?);
     drop(binding);
@@ -668,41 +577,52 @@ fn a_forgotten_transfer_keeps_its_memory_withheld()
     Ok(())
 }
 
-/// A page READ forgotten in flight, then its registered pool and the pool dropped: the pool
-/// withholds its chunks for good (the review's break: they were unmapped under the engine,
-/// and the process took SIGSEGV).
+/// A block READ forgotten in flight, then its registered cache and the cache dropped: its
+/// blocks stay lent (the cache does not sleep) and the cache withholds its planes for good (the
+/// review's break of the page pool's: its memory was unmapped under the engine, and the
+/// process took SIGSEGV).
 #[test]
-fn a_forgotten_page_transfer_keeps_its_pools_chunks()
+fn a_forgotten_block_transfer_keeps_its_caches_planes()
 -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    const PAGE: usize = 1 << 20;
-    const PAGES: usize = 64;
+    const BLOCK: usize = 1 << 20;
+    const BLOCKS: usize = 64;
     two_sides_over_tcp!(pd, pb, prefill, dd, db, decode, "g");
-    let mut offered = prefill.register(pb.reserve(PAGE * PAGES)?.commit()?)?;
+    let mut offered = prefill.register(pb.reserve(BLOCK * BLOCKS)?.commit()?)?;
     let offer = prefill.offer(&decode.id(), &mut [&mut offered])?;
     let peer = decode.load(offer.as_bytes())?;
-    make_guard!(pool_guard);
-    let pool = memtoken::PagePool::new(pool_guard, &db, PAGE)?;
-    let registered = decode.register_pool(&pool)?;
-    let mut table = pool.table();
-    for _ in 0..PAGES {
-        pool.push(&mut table)?;
+    make_guard!(cache_guard);
+    let cache = memtoken::kv::KvCache::new(
+        cache_guard,
+        &db,
+        &memtoken::kv::Layout::new(BLOCKS + 1, 16).plane(BLOCK),
+    )?;
+    cache.set_watermarks(cache.groups(), cache.groups());
+    cache.replenish()?;
+    let registered = decode.register_cache(&cache)?;
+    let mut table = cache.table();
+    for _ in 0..BLOCKS {
+        cache.push(&mut table)?;
     }
-    let remote = (0..PAGES)
-        .map(|i| peer.range(0, i * PAGE, PAGE))
+    let remote = (0..BLOCKS)
+        .map(|i| peer.range(0, i * BLOCK, BLOCK))
         .collect::<Result<Vec<_>, _>>()?;
-    let positions: Vec<usize> = (0..PAGES).collect();
+    let positions: Vec<usize> = (0..BLOCKS).collect();
     let read = decode
-        .read_pages(&registered, table, &positions, &peer, &remote, None)
+        .read_blocks(&registered, table, &positions, &peer, &remote, None)
         .map_err(memtoken::Error::from)?;
     std::mem::forget(read);
-    assert_eq!(pool.shrink(), 0, "no chunk goes while a transfer may run");
+    assert_eq!(cache.lent_blocks(), BLOCKS);
+    assert!(matches!(
+        cache.sleep(),
+        Err(memtoken::kv::KvError::Lent { .. })
+    ));
     drop(registered);
-    drop(pool);
+    drop(cache);
     assert!(
         dd.withheld_for_peers()
             .iter()
             .any(|w| w.peer.contains("forgotten")),
-        "the pool's chunks are withheld: {:?}",
+        "the cache's planes are withheld: {:?}",
         dd.withheld_for_peers()
     );
     std::thread::sleep(std::time::Duration::from_millis(200)); // let the leaked READ land
@@ -840,61 +760,6 @@ fn loads_never_touch_a_live_peer_and_a_new_incarnation_loads_afresh()
     drop((pb, db));
     drop((prefill, again));
     assert!(dd.close().is_clean());
-    Ok(())
-}
-
-/// A page READ whose peer process is killed mid-transfer (over TCP): a poll says it failed,
-/// and a wait after it does not hand the table back — its pages are withheld, never handed out
-/// again (the second review's break: `wait` answered `Ok(table)` after the failed poll).
-#[test]
-fn a_failed_page_transfer_never_hands_its_table_back()
--> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    const TEST: &str = "a_failed_page_transfer_never_hands_its_table_back";
-    const PAGE: usize = 1 << 20;
-    const PAGES: usize = 256;
-    if let Some(socket) = parent() {
-        return parked_target(socket, "target-w", PAGE * PAGES);
-    }
-    tcp_initiator!(device, binding, initiator, "initiator-w");
-    let (mut child, offer) = offer_of_a_parked_target(TEST, &initiator);
-    let peer = initiator.load(&offer)?;
-    make_guard!(pool_guard);
-    let pool = memtoken::PagePool::new(pool_guard, &binding, PAGE)?;
-    let registered = initiator.register_pool(&pool)?;
-    let mut table = pool.table();
-    for _ in 0..PAGES {
-        pool.push(&mut table)?;
-    }
-    let remote = (0..PAGES)
-        .map(|i| peer.range(0, i * PAGE, PAGE))
-        .collect::<Result<Vec<_>, _>>()?;
-    let positions: Vec<usize> = (0..PAGES).collect();
-    let mut read = initiator
-        .read_pages(&registered, table, &positions, &peer, &remote, None)
-        .map_err(memtoken::Error::from)?;
-    child.kill()?;
-    child.wait()?;
-    let mut polled = Ok(false);
-    for _ in 0..POLLS {
-        polled = read.poll();
-        if !matches!(polled, Ok(false)) {
-            break;
-        }
-        std::thread::sleep(std::time::Duration::from_millis(1));
-    }
-    assert!(polled.is_err(), "the READ did not fail: {polled:?}");
-    let waited = read.wait(DROP_WAIT);
-    assert!(
-        waited.is_err(),
-        "a wait after a failed poll hands no table back"
-    );
-    assert_eq!(
-        pool.withheld_pages(),
-        PAGES,
-        "the table's pages are withheld"
-    );
-    assert_eq!(pool.shrink(), 0, "the pool keeps its chunks");
-    assert!(matches!(peer.done(), Err(NixlError::Tainted(_))));
     Ok(())
 }
 

@@ -116,7 +116,7 @@ impl<'a, 'p, 'c, 'b, 'id, B: Backend> RegisteredCache<'a, 'p, 'c, 'b, 'id, B> {
             let Some(&block) = table.ids().get(at) else {
                 return Err(NixlError::Position {
                     position: at,
-                    pages: table.len(),
+                    blocks: table.len(),
                 });
             };
             self.ensure(self.cache.group_of(block))?;

@@ -25,11 +25,12 @@
 //! A registration that was never offered is in no metadata: no peer can reach it.
 //!
 //! **A transfer that does not finish.** A transfer counts as in flight on its registration (or
-//! pool) and its peer from before it is posted until a poll sees it complete — so one that is
+//! registered KV cache) and its peer from before it is posted until a poll sees it complete — so one that is
 //! forgotten (`mem::forget`) stays in flight for good. Dropping an in-flight transfer waits
 //! until NIXL says it is done, for at most [`DROP_WAIT`]; if the engine reports an error, or the
 //! time runs out (the peer is gone), the local registration is poisoned. Either way its token
-//! can only be withheld, as above, a pool keeps its chunks, and the peer cannot acknowledge
+//! can only be withheld, as above, a block table's blocks are withheld (and the KV cache's
+//! planes as it drops), and the peer cannot acknowledge
 //! anything ([`Peer::done`] refuses). A request still in progress is leaked rather than released
 //! under the engine.
 //!
@@ -71,10 +72,8 @@ use crate::allocation::Allocation;
 use crate::backend::{Addr, Backend, Location};
 use crate::device::Device;
 use crate::error::TransitionError;
-use crate::ids::Generation;
 use crate::kv::KvError;
 use crate::nixl_wire::{self, Decoded, MemKind, WireError};
-use crate::page_pool::{PagePool, PageTable};
 use crate::state::Committed;
 use crate::transfer::Registrable;
 use nixl_sys::{MemType, NotificationMap, RegDescList, XferDescList, XferOp, XferStatus};
@@ -172,16 +171,16 @@ pub enum NixlError {
     /// The transfer did not finish within its time: what it touches is withheld.
     #[error(
         "the transfer did not finish within {0:?}: what it touches (its registration, or its \
-         pages and their pool's chunks) is withheld for good"
+         table's blocks and their cache's planes) is withheld for good"
     )]
     TimedOut(Duration),
-    /// A page position past the end of its table.
-    #[error("position {position} is past the end of a table of {pages} pages")]
+    /// A block position past the end of its table.
+    #[error("position {position} is past the end of a table of {blocks} blocks")]
     Position {
         /// The position.
         position: usize,
-        /// The table's pages.
-        pages: usize,
+        /// The table's blocks.
+        blocks: usize,
     },
     /// A region index past the peer's offered regions.
     #[error("the peer offered {regions} regions: there is no region {region}")]
@@ -247,8 +246,8 @@ pub enum NixlError {
          is sent (the peer withholds what it offered)"
     )]
     Tainted(String),
-    /// A registration, a pool or a peer of another agent.
-    #[error("a registration, a registered pool or a peer of another agent than the transfer's")]
+    /// A registration, a registered KV cache or a peer of another agent.
+    #[error("a registration, a registered KV cache or a peer of another agent than the transfer's")]
     OtherAgent,
     /// Waiting for a peer process failed.
     #[error("waiting for the peer's process failed")]
@@ -342,7 +341,7 @@ impl nixl_sys::NixlDescriptor for Span {
     }
 }
 
-/// What transfers mark on what they use (a registration, a pool, a remote agent): in flight
+/// What transfers mark on what they use (a registration, a registered KV cache, a remote agent): in flight
 /// from the post until a poll sees the transfer complete — so a transfer forgotten
 /// (`mem::forget`) stays in flight for good — and poisoned when it failed or did not finish in
 /// time.
@@ -1014,126 +1013,6 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             .map_err(engine("createXferReq"))?;
         Transfer::post(&self.raw, req, local, &peer.remote.marks, bytes)
     }
-
-    /// Registers `pool`'s chunks with NIXL — those it has, and those it grows later (each
-    /// registered before a transfer uses it) — for transfers of its pages
-    /// ([`write_pages`](Self::write_pages), [`read_pages`](Self::read_pages)). The pool is not
-    /// offered to peers: its pages lend `&[u8]`, which a peer's write could change.
-    ///
-    /// # Errors
-    ///
-    /// NIXL's error.
-    pub fn register_pool<'p, 'pool, 'b>(
-        &self,
-        pool: &'p PagePool<'pool, 'b, 'id, B>,
-    ) -> Result<RegisteredPool<'_, 'p, 'pool, 'b, 'id, B>, NixlError> {
-        kind(self.device.backend().location())?;
-        let registered = RegisteredPool {
-            agent: self,
-            pool,
-            chunks: std::cell::RefCell::new(Vec::new()),
-            marks: Marks::default(),
-        };
-        registered.sync()?;
-        Ok(registered)
-    }
-
-    /// A WRITE of the pages at `positions` of `table` (a table of `pool`'s pages) into
-    /// `remote`'s ranges, one page each, then `notify`. The transfer holds the table until it
-    /// is done ([`PageTransfer::wait`] hands it back): if it does not finish, its pages are
-    /// withheld for good rather than written, freed or handed out under the engine.
-    ///
-    /// # Errors
-    ///
-    /// As for [`write`](Self::write), with the table handed back.
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)] // both sides and the notification
-    pub fn write_pages<'t, 'p, 'pool, 'b>(
-        &'t self,
-        pool: &'t RegisteredPool<'_, 'p, 'pool, 'b, 'id, B>,
-        table: PageTable<'p, 'pool, 'b, 'id, B>,
-        positions: &[usize],
-        peer: &'t Peer<'_, '_, 'id, B>,
-        remote: &[RemoteRange],
-        notify: Option<&[u8]>,
-    ) -> Result<
-        PageTransfer<'t, 'p, 'pool, 'b, 'id, B>,
-        TransitionError<PageTable<'p, 'pool, 'b, 'id, B>, NixlError>,
-    > {
-        self.pages(XferOp::Write, pool, table, positions, peer, remote, notify)
-    }
-
-    /// A READ of `remote`'s ranges into the pages at `positions` of `table`, one page each,
-    /// then `notify`; the transfer holds the table as for
-    /// [`write_pages`](Self::write_pages).
-    ///
-    /// # Errors
-    ///
-    /// As for [`write`](Self::write), with the table handed back.
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)] // both sides and the notification
-    pub fn read_pages<'t, 'p, 'pool, 'b>(
-        &'t self,
-        pool: &'t RegisteredPool<'_, 'p, 'pool, 'b, 'id, B>,
-        table: PageTable<'p, 'pool, 'b, 'id, B>,
-        positions: &[usize],
-        peer: &'t Peer<'_, '_, 'id, B>,
-        remote: &[RemoteRange],
-        notify: Option<&[u8]>,
-    ) -> Result<
-        PageTransfer<'t, 'p, 'pool, 'b, 'id, B>,
-        TransitionError<PageTable<'p, 'pool, 'b, 'id, B>, NixlError>,
-    > {
-        self.pages(XferOp::Read, pool, table, positions, peer, remote, notify)
-    }
-
-    #[allow(clippy::too_many_arguments, clippy::type_complexity)]
-    fn pages<'t, 'p, 'pool, 'b>(
-        &'t self,
-        op: XferOp,
-        pool: &'t RegisteredPool<'_, 'p, 'pool, 'b, 'id, B>,
-        table: PageTable<'p, 'pool, 'b, 'id, B>,
-        positions: &[usize],
-        peer: &'t Peer<'_, '_, 'id, B>,
-        remote: &[RemoteRange],
-        notify: Option<&[u8]>,
-    ) -> Result<
-        PageTransfer<'t, 'p, 'pool, 'b, 'id, B>,
-        TransitionError<PageTable<'p, 'pool, 'b, 'id, B>, NixlError>,
-    > {
-        // Counted among the pool's transfers from before the post: the pool keeps its chunks
-        // while one may run (for good if it is forgotten).
-        pool.pool.engine_began();
-        let posts = pool.marks.in_flight.load(Ordering::Acquire);
-        let started = pool.pieces(self, &table, positions).and_then(|pieces| {
-            let pieces = pieces.into_iter().map(Ok);
-            self.start(op, pieces, &pool.marks, peer, remote, notify)
-        });
-        match started {
-            Ok(transfer) => Ok(PageTransfer {
-                transfer,
-                pool: pool.pool,
-                table: Some(table),
-                failed: false,
-                counted: true,
-            }),
-            Err(cause) if pool.marks.in_flight.load(Ordering::Acquire) > posts => {
-                // This post failed (it stays counted): what it may have started keeps the
-                // pages and the chunks; the error hands back an empty table.
-                pool.pool
-                    .withhold_table(table, "an unfinished transfer".to_owned());
-                Err(TransitionError {
-                    token: pool.pool.table(),
-                    cause,
-                })
-            }
-            Err(cause) => {
-                pool.pool.engine_done(); // nothing was posted
-                Err(TransitionError {
-                    token: table,
-                    cause,
-                })
-            }
-        }
-    }
 }
 
 impl<B: Backend> fmt::Debug for Agent<'_, '_, B> {
@@ -1432,103 +1311,6 @@ impl<B: Backend, S: Registrable> fmt::Debug for Registered<'_, '_, '_, B, S> {
     }
 }
 
-/// A page pool registered with NIXL by an [`Agent`] ([`Agent::register_pool`]): it borrows the
-/// pool; its chunks are registered as the pool grows; a page transfer borrows it and the
-/// table. If a transfer of its pages did not finish, the pool keeps its chunks for good (never
-/// shrunk, withheld as it drops).
-pub struct RegisteredPool<'a, 'p, 'pool, 'b, 'id, B: Backend> {
-    agent: &'a Agent<'a, 'id, B>,
-    pool: &'p PagePool<'pool, 'b, 'id, B>,
-    /// The chunks registered: range, allocation and NIXL's handle.
-    chunks: std::cell::RefCell<Vec<(Addr, usize, Generation, nixl_sys::RegistrationHandle)>>,
-    /// Transfers of its pages (the pool itself counts them too, for its own drop and shrink).
-    marks: Marks,
-}
-
-impl<'pool, 'b, 'id, B: Backend> RegisteredPool<'_, '_, 'pool, 'b, 'id, B> {
-    /// Registers the chunks the pool grew since, and lets go of those it released.
-    fn sync(&self) -> Result<(), NixlError> {
-        let live = self.pool.chunk_ranges();
-        let mut chunks = self.chunks.borrow_mut();
-        // A chunk released and another made at the same address is another allocation.
-        chunks.retain(|&(addr, len, generation, _)| live.contains(&(addr, len, generation)));
-        let (mem, dev) = kind(self.agent.device.backend().location())?;
-        for (addr, len, generation) in live {
-            if chunks.iter().any(|c| c.2 == generation) {
-                continue;
-            }
-            let span = Span {
-                addr,
-                len,
-                mem,
-                dev,
-            };
-            let handle = self
-                .agent
-                .raw
-                .register_memory(&span, None)
-                .map_err(engine("registerMem"))?;
-            chunks.push((addr, len, generation, handle));
-        }
-        Ok(())
-    }
-
-    /// The pages at `positions` of `table` as pieces, their chunks registered.
-    fn pieces(
-        &self,
-        agent: &Agent<'_, 'id, B>,
-        table: &PageTable<'_, 'pool, 'b, 'id, B>,
-        positions: &[usize],
-    ) -> Result<Vec<(Addr, usize)>, NixlError> {
-        if !std::ptr::eq(self.agent.raw_ptr(), agent.raw_ptr()) {
-            return Err(NixlError::OtherAgent);
-        }
-        self.sync()?;
-        let size = table.page_size();
-        positions
-            .iter()
-            .map(|&at| {
-                if at >= table.len() {
-                    return Err(NixlError::Position {
-                        position: at,
-                        pages: table.len(),
-                    });
-                }
-                Ok((table.addr(at), size))
-            })
-            .collect()
-    }
-
-    /// Whether a transfer of its pages did not finish, is in flight or was forgotten: the pool
-    /// keeps its chunks for good.
-    pub fn is_poisoned(&self) -> bool {
-        self.marks.busy()
-    }
-}
-
-impl<B: Backend> Drop for RegisteredPool<'_, '_, '_, '_, '_, B> {
-    fn drop(&mut self) {
-        let chunks = std::mem::take(self.chunks.get_mut());
-        if self.is_poisoned() {
-            // The engine may still run a request over them: NIXL's registrations stay, and
-            // the pool never releases the chunks.
-            self.pool
-                .hold_for("a transfer in flight, forgotten or unfinished".to_owned());
-            std::mem::forget(chunks);
-        }
-        // Otherwise each chunk is deregistered as its handle drops.
-    }
-}
-
-impl<B: Backend> fmt::Debug for RegisteredPool<'_, '_, '_, '_, '_, B> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("RegisteredPool")
-            .field("chunks", &self.chunks.borrow().len())
-            .field("poisoned", &self.is_poisoned())
-            .finish()
-    }
-}
-
 /// A peer's metadata as it travels: memtoken's header (the format's version, the offer's
 /// epoch, and each region offered with its memory kind and device), NIXL's connection
 /// information, and the offered registrations' descriptors. Little-endian, fixed-size fields;
@@ -1745,7 +1527,7 @@ impl<B: Backend> fmt::Debug for Peer<'_, '_, '_, B> {
 pub struct Transfer<'t> {
     raw: &'t nixl_sys::Agent,
     req: Option<nixl_sys::XferRequest>,
-    /// The local memory's marks (a registration's, a registered pool's).
+    /// The local memory's marks (a registration's, a registered KV cache's).
     local: &'t Marks,
     /// The remote agent's marks.
     remote: &'t Marks,
@@ -1918,90 +1700,5 @@ impl fmt::Debug for Transfer<'_> {
             .field("bytes", &self.bytes)
             .field("done", &self.done)
             .finish()
-    }
-}
-
-/// A posted transfer of a page table's pages ([`Agent::write_pages`], [`Agent::read_pages`]):
-/// it holds the table until it is done. Dropped before, it waits as a [`Transfer`] does; if the
-/// transfer did not finish, the table's pages are withheld for good (never freed, never handed
-/// out again) and the pool keeps its chunks.
-#[must_use = "a transfer dropped at once waits for itself"]
-pub struct PageTransfer<'t, 'p, 'pool, 'b, 'id, B: Backend> {
-    transfer: Transfer<'t>,
-    pool: &'p PagePool<'pool, 'b, 'id, B>,
-    table: Option<PageTable<'p, 'pool, 'b, 'id, B>>,
-    /// It failed or timed out: the engine may still touch the table's pages.
-    failed: bool,
-    /// Counted among the pool's transfers (until seen complete: a forgotten one stays counted,
-    /// and the pool then never lets its chunks go).
-    counted: bool,
-}
-
-impl<'p, 'pool, 'b, 'id, B: Backend> PageTransfer<'_, 'p, 'pool, 'b, 'id, B> {
-    /// The bytes it moves.
-    pub fn bytes(&self) -> usize {
-        self.transfer.bytes()
-    }
-
-    /// Whether it is done, asking NIXL once.
-    ///
-    /// # Errors
-    ///
-    /// NIXL's error: the transfer failed (the pages are withheld as it drops).
-    pub fn poll(&mut self) -> Result<bool, NixlError> {
-        let polled = self.transfer.poll();
-        self.failed |= polled.is_err();
-        if matches!(polled, Ok(true)) {
-            self.completed();
-        }
-        polled
-    }
-
-    /// Seen complete: no longer among the pool's transfers.
-    fn completed(&mut self) {
-        if !self.failed && std::mem::take(&mut self.counted) {
-            self.pool.engine_done();
-        }
-    }
-
-    /// Waits until it is done, for at most `limit`, and hands the table back.
-    ///
-    /// # Errors
-    ///
-    /// NIXL's error, or [`NixlError::TimedOut`]: the table's pages are withheld for good.
-    pub fn wait(mut self, limit: Duration) -> Result<PageTable<'p, 'pool, 'b, 'id, B>, NixlError> {
-        let finished = self.transfer.finish_within(limit);
-        self.failed |= finished.is_err();
-        if !finished? {
-            self.transfer.give_up(true);
-            self.failed = true;
-            return Err(NixlError::TimedOut(limit));
-        }
-        self.completed();
-        Ok(self.table.take().expect("held until handed back"))
-    }
-}
-
-impl<B: Backend> Drop for PageTransfer<'_, '_, '_, '_, '_, B> {
-    fn drop(&mut self) {
-        if !self.transfer.done {
-            self.failed |= self.transfer.wait_in_drop().is_err();
-        }
-        if self.failed {
-            if let Some(table) = self.table.take() {
-                self.pool
-                    .withhold_table(table, "an unfinished transfer".to_owned());
-            }
-        } else {
-            self.completed();
-        }
-    }
-}
-
-impl<B: Backend> fmt::Debug for PageTransfer<'_, '_, '_, '_, '_, B> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("PageTransfer")
-            .field("transfer", &self.transfer)
-            .finish_non_exhaustive()
     }
 }

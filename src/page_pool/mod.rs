@@ -43,13 +43,6 @@ struct PoolState<'b, 'id, B: Backend> {
     meta: Vec<Meta>,
     /// Cached pages no one holds, least recently let go first.
     idle: Lru,
-    /// Set when a transfer engine may still touch the chunks (a NIXL transfer that did not
-    /// finish): who. The chunks are then never released — not by `shrink`, and withheld for
-    /// good as the pool drops.
-    held_for: Option<String>,
-    /// Transfers of its pages a transfer engine runs now (or forgotten): while any, the
-    /// chunks are never released either.
-    engines: usize,
 }
 
 /// The most fenced batches a pool keeps cooling: a newer batch takes the newest one's pages
@@ -210,8 +203,6 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
                     unfenced: Vec::new(),
                     cooling: Vec::new(),
                     withheld: Vec::new(),
-                    held_for: None,
-                    engines: 0,
                     extra: Vec::new(),
                     meta: Vec::new(),
                     idle: Lru::new(),
@@ -448,13 +439,9 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
         })
     }
 
-    /// Releases every chunk whose pages are all free; returns how many were released (none
-    /// while a transfer engine may still touch the chunks).
+    /// Releases every chunk whose pages are all free; returns how many were released.
     pub fn shrink(&self) -> usize {
         Scope::run::<B, _>(move || {
-            if self.with(|s| s.held_for.is_some() || s.engines > 0) {
-                return 0;
-            }
             self.reclaim();
             let per_chunk = 1usize << self.pages_per_chunk_shift;
             let shift = self.pages_per_chunk_shift;
@@ -474,48 +461,6 @@ impl<'pool, 'b, 'id, B: Backend> PagePool<'pool, 'b, 'id, B> {
             drop(idle); // teardown outside the state: it calls the backend
             n
         })
-    }
-
-    /// The committed chunks: range and allocation.
-    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
-    pub(crate) fn chunk_ranges(&self) -> Vec<(Addr, usize, crate::ids::Generation)> {
-        self.with(|s| {
-            s.chunks
-                .iter()
-                .flatten()
-                .map(|c| (c.addr(), c.len(), c.generation()))
-                .collect()
-        })
-    }
-
-    /// A transfer engine begins a transfer of pages of this pool.
-    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
-    pub(crate) fn engine_began(&self) {
-        self.with(|s| s.engines += 1);
-    }
-
-    /// A transfer of pages of this pool was seen complete.
-    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
-    pub(crate) fn engine_done(&self) {
-        self.with(|s| s.engines -= 1);
-    }
-
-    /// From now on the chunks are never released: `who` (a transfer engine's peer, or an
-    /// unfinished transfer) may still touch them; the pool withholds them for good as it drops.
-    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
-    pub(crate) fn hold_for(&self, who: String) {
-        self.with(|s| s.held_for = Some(who));
-    }
-
-    /// Withholds `table`'s pages for good — never handed out again — and the pool's chunks
-    /// with them (see [`hold_for`](Self::hold_for)): `who` may still touch them.
-    #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
-    pub(crate) fn withhold_table(&self, mut table: PageTable<'_, 'pool, 'b, 'id, B>, who: String) {
-        let pages = std::mem::take(&mut table.pages); // the table frees nothing as it drops
-        self.with(|s| {
-            s.withheld.extend_from_slice(&pages);
-            s.held_for = Some(who);
-        });
     }
 
     /// Pages in committed chunks.
@@ -738,17 +683,6 @@ impl<B: Backend> Drop for PagePool<'_, '_, '_, B> {
         for (fence, _) in std::mem::take(&mut self.state.get_mut().cooling) {
             if let Some(fence) = fence {
                 backend.retire_fence(fence);
-            }
-        }
-        let state = self.state.get_mut();
-        let engines = state.engines > 0;
-        if let Some(who) = state
-            .held_for
-            .take()
-            .or_else(|| engines.then(|| "a transfer in flight, forgotten or unfinished".to_owned()))
-        {
-            for chunk in std::mem::take(&mut state.chunks).into_iter().flatten() {
-                chunk.withhold_for_peer(who.clone());
             }
         }
     }

@@ -13,7 +13,7 @@ fn main() {
         Engine::<HostBackend, Tokens>::new(
             HostBackend::with_defaults().unwrap(),
             Budget::unlimited(),
-            4096,
+            &memtoken::kv::Layout::new(64, 16).plane(4096),
             |_| Ok(Vec::new()),
         )
         .unwrap()

@@ -11,7 +11,7 @@ fn main() {
     let mut engine = Engine::<HostBackend, Nothing>::new(
         HostBackend::with_defaults().unwrap(),
         Budget::unlimited(),
-        4096,
+        &memtoken::kv::Layout::new(64, 16).plane(4096),
         |_| Ok(()),
     )
     .unwrap();

@@ -868,7 +868,7 @@ mod kept {
         Engine::new(
             CudaBackend::new(model.clone(), 0)?,
             Budget::unlimited(),
-            G / 4,
+            &memtoken::kv::Layout::new(64, 16).plane(G / 4),
             |parts| {
                 // SAFETY: a stream of the model's only context, live as long as the model.
                 unsafe { parts.device.cover_stream(stream) };

@@ -63,6 +63,11 @@ mod owned {
 
     type Host = Faulty<HostBackend>;
 
+    /// The engines' KV cache: 64 blocks of 16 tokens, one plane of 1 KiB a block.
+    fn layout() -> memtoken::kv::Layout {
+        memtoken::kv::Layout::new(64, 16).plane(1024)
+    }
+
     struct Serving;
     struct Kept<'e> {
         weights: Allocation<'e, 'e, Host, Committed>,
@@ -77,7 +82,7 @@ mod owned {
     fn start() -> Result<(Engine<Host, Serving>, FaultHandle), memtoken::Error> {
         let backend = Faulty::new(HostBackend::with_defaults()?);
         let faults = backend.handle();
-        let engine = Engine::new(backend, Budget::unlimited(), 4096, |parts| {
+        let engine = Engine::new(backend, Budget::unlimited(), &layout(), |parts| {
             let g = parts.device.granularity();
             let mut weights = parts.binding.reserve(g)?.commit()?;
             weights
@@ -116,8 +121,9 @@ mod owned {
                     }
                 });
                 kept.scratch.grow(1)?;
-                let mut table = parts.pool.table();
-                parts.pool.push(&mut table)?;
+                parts.cache.replenish()?;
+                let mut table = parts.cache.table();
+                parts.cache.push(&mut table)?;
                 Ok(kept
                     .outputs
                     .iter()
@@ -149,7 +155,7 @@ mod owned {
         let backend = Faulty::new(crate::common::host());
         let faults = backend.handle();
         faults.fail_nth(memtoken::backend::Op::Create, 2);
-        let made = Engine::<Host, Serving>::new(backend, Budget::unlimited(), 4096, |parts| {
+        let made = Engine::<Host, Serving>::new(backend, Budget::unlimited(), &layout(), |parts| {
             let g = parts.device.granularity();
             let weights = parts.binding.reserve(g)?.commit()?;
             let outputs = vec![parts.binding.reserve(g)?.commit()?];
@@ -166,13 +172,13 @@ mod owned {
     }
 
     /// A panic in the constructor's build tears down what was made (the tokens while it
-    /// unwinds, then the pool, the binding and the device): nothing is left.
+    /// unwinds, then the KV cache, the binding and the device): nothing is left.
     #[test]
     fn a_panic_in_build_leaves_nothing() {
         let backend = Faulty::new(crate::common::host());
         let faults = backend.handle();
         let made = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-            Engine::<Host, Serving>::new(backend, Budget::unlimited(), 4096, |parts| {
+            Engine::<Host, Serving>::new(backend, Budget::unlimited(), &layout(), |parts| {
                 let g = parts.device.granularity();
                 let _weights = parts.binding.reserve(g)?.commit()?;
                 panic!("a build that panics");
@@ -183,7 +189,7 @@ mod owned {
     }
 
     /// An engine with two bindings (weights and KV cache under their own budgets): each budget
-    /// holds on its own, the pool draws from the first, and everything goes at the end. Fails
+    /// holds on its own, the KV cache draws from the first, and everything goes at the end. Fails
     /// if the bindings share one budget.
     #[test]
     fn an_engine_with_two_bindings_keeps_each_budget() {
@@ -196,7 +202,7 @@ mod owned {
         let g = memtoken::backend::Backend::granularity(&backend);
         let budget = |granules| Budget::bytes(granules as u64 * g as u64);
         let mut engine =
-            Engine::<Host, Two>::with_bindings(backend, budget(4), &[budget(1)], g, |parts| {
+            Engine::<Host, Two>::with_bindings(backend, budget(4), &[budget(1)], &layout(), |parts| {
                 assert_eq!(parts.bindings.len(), 2);
                 assert!(std::ptr::eq(parts.binding, &parts.bindings[0]));
                 Ok(vec![parts.bindings[1].reserve(g)?.commit()?])
@@ -206,8 +212,9 @@ mod owned {
             let over = parts.bindings[1].reserve(g).unwrap().commit();
             assert!(over.is_err(), "the second binding's budget is spent");
             drop(over);
-            let page = parts.pool.alloc().expect("the pool draws from the first");
-            parts.pool.free(page);
+            parts.cache.replenish().expect("the cache draws from the first");
+            let mut table = parts.cache.table();
+            parts.cache.push(&mut table).expect("a block");
             kept.push(parts.bindings[0].reserve(g).unwrap().commit().unwrap());
         });
         let report = engine.close();

@@ -23,6 +23,11 @@ use std::sync::Arc;
 pub(crate) trait GroupWatch: Send + Sync {
     /// Group `group` is about to be unmapped: nothing may stay registered over it.
     fn unmapping(&self, group: usize);
+    /// The cache drops with no block lent: its planes go, and every registration with them.
+    fn released(&self);
+    /// The cache drops with blocks lent (an engine may still touch them): its planes are
+    /// withheld, and every registration stays for good.
+    fn withheld(&self);
 }
 
 impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
@@ -107,12 +112,20 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
         }
     }
 
-    /// As the cache drops with a block lent: its planes are withheld for good (the engine may
-    /// still touch them), not released. Whether they were.
+    /// As the cache drops: with a block lent, its planes are withheld for good (the engine may
+    /// still touch them), not released, and the registrations over them stay; with none, the
+    /// registrations go before the planes. Whether the planes were withheld.
     pub(super) fn withhold_planes(&mut self) -> bool {
+        let watch = self.watch.get_mut().take();
         let state = self.state.get_mut();
         if state.lent == 0 {
+            if let Some(watch) = watch {
+                watch.released(); // a registration forgotten, or left by a poisoned one
+            }
             return false;
+        }
+        if let Some(watch) = watch {
+            watch.withheld();
         }
         let who = state
             .withheld_for

@@ -43,12 +43,22 @@ impl GroupWatch for Groups {
         // Deregistered (nixl-sys deregisters as a handle drops) before the memory goes.
         lock(&self.handles).remove(&group);
     }
+
+    fn released(&self) {
+        lock(&self.handles).clear();
+    }
+
+    fn withheld(&self) {
+        std::mem::forget(std::mem::take(&mut *lock(&self.handles)));
+    }
 }
 
 /// A [`KvCache`] registered with NIXL by an [`Agent`] ([`Agent::register_cache`]): it borrows
 /// the cache; each group is registered as a transfer first uses one of its blocks and
 /// deregistered before the cache unmaps it. A block transfer borrows it and holds its table.
-/// If a transfer of its blocks did not finish, its registrations stay for good.
+/// If a transfer of its blocks did not finish, the cache stays registered after it drops (a
+/// second registration is refused): each group is still deregistered before it is unmapped,
+/// and what is registered as the cache drops stays registered for good.
 pub struct RegisteredCache<'a, 'p, 'c, 'b, 'id, B: Backend> {
     agent: &'a Agent<'a, 'id, B>,
     cache: &'p KvCache<'c, 'b, 'id, B>,
@@ -130,14 +140,16 @@ impl<'a, 'p, 'c, 'b, 'id, B: Backend> RegisteredCache<'a, 'p, 'c, 'b, 'id, B> {
 
 impl<B: Backend> Drop for RegisteredCache<'_, '_, '_, '_, '_, B> {
     fn drop(&mut self) {
-        self.cache.clear_watch();
-        let handles = std::mem::take(&mut *lock(&self.groups.handles));
         if self.is_poisoned() {
-            // The engine may still run a request over them: NIXL's registrations stay (the
-            // cache withholds its planes: the unfinished transfer's blocks stay lent).
-            std::mem::forget(handles);
+            // The engine may still run a request over a group holding the unfinished
+            // transfer's blocks (withheld: live, never unmapped). The watch stays, so every
+            // other group is still deregistered before the cache unmaps it; the cache, whose
+            // blocks stay lent, keeps what is left registered for good as it drops.
+            return;
         }
-        // Otherwise each group is deregistered as its handles drop.
+        self.cache.clear_watch();
+        // Each group is deregistered as its handles drop.
+        drop(std::mem::take(&mut *lock(&self.groups.handles)));
     }
 }
 

@@ -558,6 +558,21 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
         self.device
     }
 
+    /// Whether NIXL holds a registration of exactly `len` bytes at `addr` on this agent
+    /// (feature `test-hooks`: memtoken's tests).
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn holds_registration(&self, addr: Addr, len: usize) -> bool {
+        let Ok((mem, dev)) = kind(self.device.backend().location()) else {
+            return false;
+        };
+        let Ok(mut list) = RegDescList::new(mem_type(mem)) else {
+            return false;
+        };
+        list.add_desc(addr, len, dev);
+        self.raw.get_local_partial_md(&list, None).is_ok()
+    }
+
     /// The agent's identity (its NIXL handle's address), whatever its lifetimes.
     fn raw_ptr(&self) -> *const nixl_sys::Agent {
         &self.raw

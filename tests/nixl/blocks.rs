@@ -426,3 +426,55 @@ fn a_failed_block_transfer_never_hands_its_table_back()
     assert!(matches!(peer.done(), Err(NixlError::Tainted(_))));
     Ok(())
 }
+
+/// From the review: a registered cache poisoned by a transfer that did not finish still lets a
+/// group's registrations go before the cache unmaps it — only what the cache holds as it drops
+/// stays registered (a group with the transfer's withheld blocks is never unmapped). Fails if a
+/// poisoned registration takes the watch away (an idle group unmapped under NIXL's registration).
+#[test]
+fn a_poisoned_registration_still_lets_a_group_go_before_it_is_unmapped()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    const BIG: usize = 1 << 20;
+    two_sides_over_tcp!(pd, pb, prefill, dd, db, decode, "kp");
+    let _ = (&pd, &dd);
+    let mut target = decode.register(db.reserve(4 * BIG)?.commit()?)?;
+    let offer = decode.offer(&prefill.id(), &mut [&mut target])?;
+    let peer = prefill.load(offer.as_bytes())?;
+    make_guard!(cache_guard);
+    let cache = KvCache::new(cache_guard, &pb, &Layout::new(8, 16).plane(BIG))?;
+    assert_eq!(cache.blocks_per_group(), 1);
+    cache.set_watermarks(4, 64);
+    cache.replenish()?;
+    let (mut a, mut b) = (cache.table(), cache.table());
+    cache.push(&mut a)?;
+    cache.push(&mut b)?;
+    let span = (cache.block_addr(0, b.ids()[0]), BIG);
+    let registered = prefill.register_cache(&cache)?;
+    let remote = [peer.range(0, 0, BIG)?];
+    let b = prefill
+        .write_blocks(&registered, b, &[0], &peer, &remote, None)
+        .map_err(memtoken::Error::from)?
+        .wait(DROP_WAIT)?;
+    assert!(prefill.holds_registration(span.0, span.1), "b's group");
+    let forgotten = prefill
+        .write_blocks(&registered, a, &[0], &peer, &remote, None)
+        .map_err(memtoken::Error::from)?;
+    std::mem::forget(forgotten);
+    assert!(registered.is_poisoned());
+    drop(registered);
+    assert!(matches!(
+        prefill.register_cache(&cache),
+        Err(NixlError::CacheRegistered)
+    ));
+    drop(b);
+    let before = cache.mapped_groups();
+    cache.set_watermarks(0, 0);
+    cache.replenish()?;
+    assert!(cache.mapped_groups() < before, "b's group was unmapped");
+    assert!(
+        !prefill.holds_registration(span.0, span.1),
+        "b's group was unmapped while NIXL still held its registration"
+    );
+    std::thread::sleep(std::time::Duration::from_millis(200)); // let the leaked WRITE land
+    Ok(())
+}

@@ -1,27 +1,24 @@
 //! Hot paths, each measured side by side in one run against the hand-written equivalent on the
 //! same backend: the zero-cost claim is the ratio `memtoken / raw`.
 //!
-//! - `page_cycle/{memtoken,raw,slab,malloc}`: allocate the 16 pages of a 256-token sequence
-//!   (16 tokens a page, 4 KiB pages) and free them.
+//! - `block_cycle/{memtoken,raw,slab,malloc}`: take the 16 KV blocks of a 256-token sequence
+//!   (16 tokens a block, two planes of 1 KiB a block) into a table and give them back, against
+//!   the hand-written block cache (`common/raw_blocks.rs`), a slab and malloc.
 //! - `granule_cycle/{memtoken,raw}`: reserve, commit, release one 4 KiB granule on the host.
 //! - `region_cycle/{memtoken,raw}`: grow an elastic region by 16 granules and shrink it back,
 //!   on the host, in steady state (every granule from the cache: no create or release).
 //! - `sleep_wake/{memtoken,raw}`: suspend a 64 MiB allocation with its bytes saved to the host
 //!   and resume it at the same address with its bytes, on the host.
-//! - `page_scale/memtoken/N`: one page alloc + free with N pages live.
-//! - `shared_fork/{memtoken,raw}`: fork a 1,000-page table (a count more each page) and
-//!   release the fork, against a hand-written reference-count pool (`common/rc_pool.rs`).
-//! - `shared_share/{memtoken,raw}`: one more holder of each of 16 pages, let go again.
+//! - `block_scale/memtoken/N`: one block taken into a table and given back, with N blocks
+//!   held.
 //! - `gpu/...`: the cycles on a CUDA device, when one is present.
 //!
 //! `cargo run --release --bin bench_report` runs these and prints the ratios.
 
 #[path = "../examples/common/granule.rs"]
 mod granule;
-#[path = "../examples/common/raw_pool.rs"]
-mod raw_pool;
-#[path = "../examples/common/rc_pool.rs"]
-mod rc_pool;
+#[path = "../examples/common/raw_blocks.rs"]
+mod raw_blocks;
 #[path = "../examples/common/region.rs"]
 mod region;
 #[path = "../examples/common/sleep.rs"]
@@ -29,78 +26,77 @@ mod sleep;
 
 use criterion::{BenchmarkId, Criterion, criterion_group, criterion_main};
 use memtoken::backend::{Backend, HostBackend, HostConfig};
-use memtoken::{Binding, Budget, Device, PagePool, make_guard};
-use raw_pool::RawPool;
+use memtoken::kv::{KvCache, Layout as KvLayout};
+use memtoken::{Binding, Budget, Device, make_guard};
+use raw_blocks::RawBlocks;
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::hint::black_box;
 
+/// The host's granule: the granule cycle's size.
 const PAGE: usize = 4096;
-const SEQ_PAGES: usize = 16;
+/// A sequence's blocks per cycle.
+const SEQ_BLOCKS: usize = 16;
+/// Bytes per block in each of the two planes (K and V of one layer), as in
+/// `examples/block_cycle.rs`.
+const STRIDES: [usize; 2] = [1024, 1024];
+/// Groups reserved, and mapped before the cycles.
+const GROUPS: usize = 64;
+const MAPPED: usize = 8;
 
-/// A sequence's page table: 16 pages pushed one by one as the sequence grows, then all freed
-/// when it finishes. The table's storage is reused across iterations, as a KV cache would.
-fn page_cycle_memtoken<B: Backend>(c: &mut Criterion, id: &str, binding: &Binding<'_, '_, B>) {
-    make_guard!(pool_guard);
-    let pool = PagePool::new(pool_guard, binding, PAGE).unwrap();
-    for _ in 0..SEQ_PAGES {
-        pool.grow().unwrap();
-    }
-    let mut table = pool.table();
+/// A sequence's block table: 16 blocks pushed one by one as the sequence grows, then all given
+/// back when it finishes. The table's storage is reused across iterations, as an engine would.
+fn block_cycle_memtoken<B: Backend>(c: &mut Criterion, id: &str, binding: &Binding<'_, '_, B>) {
+    let per_group = binding.device().granularity() / STRIDES[0];
+    let layout = KvLayout::new(GROUPS * per_group, 16)
+        .plane(STRIDES[0])
+        .plane(STRIDES[1]);
+    make_guard!(cache_guard);
+    let cache = KvCache::new(cache_guard, binding, &layout).unwrap();
+    cache.set_watermarks(MAPPED - 1, GROUPS);
+    cache.replenish().unwrap();
+    let mut table = cache.table();
     c.bench_function(id, |b| {
         b.iter(|| {
-            for _ in 0..SEQ_PAGES {
-                pool.push(&mut table).unwrap();
+            for _ in 0..SEQ_BLOCKS {
+                cache.push(&mut table).unwrap();
             }
-            black_box(table.len());
-            pool.clear(&mut table);
-        })
-    });
-    // The same with one `Page` token per page, each returned to the pool explicitly.
-    let mut pages = Vec::with_capacity(SEQ_PAGES);
-    c.bench_function(&format!("{id}_pages"), |b| {
-        b.iter(|| {
-            for _ in 0..SEQ_PAGES {
-                pages.push(pool.alloc().unwrap());
-            }
-            black_box(pages.len());
-            for page in pages.drain(..) {
-                pool.free(page);
-            }
+            black_box(table.ids());
+            cache.clear(&mut table);
         })
     });
 }
 
-fn page_cycle_raw<B: Backend>(c: &mut Criterion, id: &str, backend: &B) {
-    let mut pool = RawPool::new(backend, PAGE);
-    for _ in 0..SEQ_PAGES {
-        pool.grow().unwrap();
+fn block_cycle_raw<B: Backend>(c: &mut Criterion, id: &str, backend: &B) {
+    let mut cache = RawBlocks::new(backend, &STRIDES, GROUPS).unwrap();
+    for group in 0..MAPPED {
+        cache.map_group(group).unwrap();
     }
-    let mut table = Vec::with_capacity(SEQ_PAGES);
+    let mut table: Vec<u32> = Vec::with_capacity(SEQ_BLOCKS);
     c.bench_function(id, |b| {
         b.iter(|| {
-            for _ in 0..SEQ_PAGES {
-                table.push(pool.alloc().unwrap());
+            for _ in 0..SEQ_BLOCKS {
+                table.push(cache.take().unwrap());
             }
-            black_box(table.len());
-            pool.free_all(&table);
+            black_box(table.as_slice());
+            cache.give_back_all(&table);
             table.clear();
         })
     });
 }
 
-fn page_cycle(c: &mut Criterion) {
+fn block_cycle(c: &mut Criterion) {
     make_guard!(guard);
     let device = Device::new(guard, HostBackend::with_defaults().unwrap());
     let binding = device.bind(Budget::unlimited()).unwrap();
-    page_cycle_memtoken(c, "page_cycle/memtoken", &binding);
+    block_cycle_memtoken(c, "block_cycle/memtoken", &binding);
     let raw = HostBackend::with_defaults().unwrap();
-    page_cycle_raw(c, "page_cycle/raw", &raw);
+    block_cycle_raw(c, "block_cycle/raw", &raw);
 
-    let mut slab = slab::Slab::<[u8; 0]>::with_capacity(SEQ_PAGES);
-    let mut table = Vec::with_capacity(SEQ_PAGES);
-    c.bench_function("page_cycle/slab", |b| {
+    let mut slab = slab::Slab::<[u8; 0]>::with_capacity(SEQ_BLOCKS);
+    let mut table = Vec::with_capacity(SEQ_BLOCKS);
+    c.bench_function("block_cycle/slab", |b| {
         b.iter(|| {
-            for _ in 0..SEQ_PAGES {
+            for _ in 0..SEQ_BLOCKS {
                 table.push(slab.insert([]));
             }
             black_box(table.len());
@@ -110,11 +106,12 @@ fn page_cycle(c: &mut Criterion) {
         })
     });
 
-    let layout = Layout::from_size_align(PAGE, PAGE).unwrap();
-    let mut table: Vec<*mut u8> = Vec::with_capacity(SEQ_PAGES);
-    c.bench_function("page_cycle/malloc", |b| {
+    // Both planes' parts of a block: one allocation of their bytes each.
+    let layout = Layout::from_size_align(STRIDES[0] + STRIDES[1], STRIDES[0]).unwrap();
+    let mut table: Vec<*mut u8> = Vec::with_capacity(SEQ_BLOCKS);
+    c.bench_function("block_cycle/malloc", |b| {
         b.iter(|| {
-            for _ in 0..SEQ_PAGES {
+            for _ in 0..SEQ_BLOCKS {
                 // SAFETY: `layout` has a non-zero size.
                 let p = unsafe { System.alloc(layout) };
                 assert!(!p.is_null());
@@ -221,57 +218,10 @@ fn sleep_wake(c: &mut Criterion) {
     assert!(seen.iter().all(|&b| b == 7));
 }
 
-/// Shared pages: a fork of a 1,000-page table and its release, and a page's share
-/// and unshare, against the hand-written reference-count pool on the same backend.
-fn shared_pages(c: &mut Criterion) {
-    const FORK_PAGES: usize = 1000;
-    let backend = HostBackend::with_defaults().unwrap();
-    make_guard!(guard);
-    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(pool_guard);
-    let pool = PagePool::new(pool_guard, &binding, PAGE).unwrap();
-    let mut table = pool.shared_table();
-    for _ in 0..FORK_PAGES {
-        pool.push(&mut table).unwrap();
-    }
-    let mut raw = rc_pool::RcPool::new(&backend, PAGE);
-    let raw_table: Vec<u32> = (0..FORK_PAGES).map(|_| raw.alloc().unwrap()).collect();
-    c.bench_function("shared_fork/memtoken", |b| {
-        b.iter(|| {
-            let fork = pool.fork(&table);
-            black_box(fork.len());
-        })
-    });
-    c.bench_function("shared_fork/raw", |b| {
-        b.iter(|| {
-            let fork = raw.fork(&raw_table);
-            black_box(fork.len());
-            raw.release(&fork);
-        })
-    });
-    c.bench_function("shared_share/memtoken", |b| {
-        b.iter(|| {
-            for position in 0..SEQ_PAGES {
-                drop(black_box(pool.share(&table, black_box(position))));
-            }
-        })
-    });
-    c.bench_function("shared_share/raw", |b| {
-        b.iter(|| {
-            for &index in &raw_table[..SEQ_PAGES] {
-                raw.share(black_box(index));
-            }
-            for &index in &raw_table[..SEQ_PAGES] {
-                raw.unshare(black_box(index));
-            }
-        })
-    });
-    raw.release(&raw_table);
-}
-
-fn page_scale(c: &mut Criterion) {
-    let mut group = c.benchmark_group("page_scale/memtoken");
+/// One block taken into a table and given back, with N blocks held by another table: the
+/// cost does not depend on N.
+fn block_scale(c: &mut Criterion) {
+    let mut group = c.benchmark_group("block_scale/memtoken");
     for live in [1usize << 10, 1 << 16, 1 << 20] {
         make_guard!(guard);
         let backend = HostBackend::new(HostConfig {
@@ -281,15 +231,21 @@ fn page_scale(c: &mut Criterion) {
         .unwrap();
         let device = Device::new(guard, backend);
         let binding = device.bind(Budget::unlimited()).unwrap();
-        make_guard!(pool_guard);
-        let pool = PagePool::new(pool_guard, &binding, 64).unwrap();
-        let held: Vec<_> = (0..live).map(|_| pool.alloc().unwrap()).collect();
-        pool.grow().unwrap(); // spare pages: the measured alloc never grows
+        make_guard!(cache_guard);
+        // 64-byte blocks: 64 a host granule; room for the held blocks and a group more.
+        let layout = KvLayout::new(live + 128, 16).plane(64);
+        let cache = KvCache::new(cache_guard, &binding, &layout).unwrap();
+        cache.set_watermarks(cache.groups(), cache.groups());
+        cache.replenish().unwrap();
+        let mut held = cache.table();
+        for _ in 0..live {
+            cache.push(&mut held).unwrap();
+        }
+        let mut table = cache.table();
         group.bench_with_input(BenchmarkId::from_parameter(live), &live, |b, _| {
             b.iter(|| {
-                let page = pool.alloc().unwrap();
-                black_box(page.index());
-                drop(page);
+                black_box(cache.push(&mut table).unwrap());
+                cache.clear(&mut table);
             })
         });
         drop(held);
@@ -311,8 +267,8 @@ fn gpu(c: &mut Criterion) {
     let binding = device.bind(Budget::unlimited()).unwrap();
     granule_cycle_memtoken(c, "gpu/granule_cycle/memtoken", &binding, g);
     granule_cycle_raw(c, "gpu/granule_cycle/raw", &raw, g);
-    page_cycle_memtoken(c, "gpu/page_cycle/memtoken", &binding);
-    page_cycle_raw(c, "gpu/page_cycle/raw", &raw);
+    block_cycle_memtoken(c, "gpu/block_cycle/memtoken", &binding);
+    block_cycle_raw(c, "gpu/block_cycle/raw", &raw);
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -320,12 +276,11 @@ fn gpu(_: &mut Criterion) {}
 
 criterion_group!(
     benches,
-    page_cycle,
+    block_cycle,
     granule_cycle,
     region_cycle,
     sleep_wake,
-    page_scale,
-    shared_pages,
+    block_scale,
     gpu
 );
 criterion_main!(benches);

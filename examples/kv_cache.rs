@@ -8,11 +8,12 @@
 //! and ends with the ledger at zero. On a device without virtual memory management the cache is
 //! allocated whole, and it says so.
 //!
-//! `--pages` runs the page pool with a shared system prompt instead: every sequence starts with the same system prompt, whose K/V is computed once by its owner
-//! and mapped read-only into every sequence (zero extra physical bytes). The prompt ends inside
-//! its last page, so a sequence's first generated token lands in a page it shares: it takes a
-//! private copy of that one page first (copy-on-write). After that it takes a page from the
-//! page pool every 16 tokens (O(1), no system call), finishes, and gives everything back. New
+//! `--prefix` shares a system prompt instead: every sequence starts with the same system
+//! prompt, whose K/V is computed once by its owner and mapped read-only into every sequence
+//! (zero extra physical bytes). The prompt ends inside its last granule, so a sequence's first
+//! generated token lands in a granule it shares: it takes a private copy of that one granule
+//! first (copy-on-write). After that it takes a KV block every 16 tokens (O(1), no system
+//! call), finishes, and gives everything back. New
 //! sequences keep arriving; the prompt's owner lets go after the last arrival, and the prompt's
 //! memory lives on until the last sequence that maps it is gone.
 //!
@@ -25,13 +26,13 @@
 //!
 //! On a CUDA device without virtual memory management (`--gpu` on such a device, or
 //! `--model-no-vmm`: the driver model of one), the backend falls back to its plain mechanism
-//! (`cuMemAlloc`): the demo says so and why; with `--pages` it runs the paged workload with a private copy of
-//! the prompt per sequence (no prefix sharing there), after showing three refusals the
+//! (`cuMemAlloc`): the demo says so and why; with `--prefix` it runs the KV blocks (allocated
+//! whole) with a private copy of the prompt per sequence (no prefix sharing there), after showing three refusals the
 //! mechanism makes instead of what it cannot do (prefix sharing, region growth, sleep).
 //!
 //! ```text
 //! cargo run --release --example kv_cache [-- --gpu --sequences N --seed S --prompt-tokens P]
-//! cargo run --release --example kv_cache -- --pages [--gpu ...]   # pages, a shared prompt
+//! cargo run --release --example kv_cache -- --prefix [--gpu ...]  # a shared prompt
 //! cargo run --release --example kv_cache -- --elastic [--tail] [--gpu ...]
 //! cargo run --release --example kv_cache -- --model            # the CUDA driver model (VMM)
 //! cargo run --release --example kv_cache -- --model-no-vmm     # ... of a device without VMM
@@ -41,7 +42,7 @@
 //! The command line follows the grammar of `examples/common/cli.rs`: a flag that does not apply
 //! (`--tail` without `--elastic`, `--elastic` with `--model-no-vmm`, two of `--gpu`, `--model`
 //! and `--model-no-vmm`) is refused with exit code 2; a failure while running prints `error: …`
-//! and exits with code 1. The rate in the table, page ops/s, is over the steps since the row
+//! and exits with code 1. The rate in the table, block ops/s, is over the steps since the row
 //! before.
 
 #[path = "common/cli.rs"]
@@ -56,9 +57,10 @@ use memtoken::backend::{
     Backend, HostBackend, HostConfig, HostMemory, HostVisible, Op,
     doubles::{DriverModel, FaultHandle, Faulty, ModelConfig},
 };
+use memtoken::kv::{BlockTable, KvCache, Layout};
 use memtoken::{
-    Allocation, Budget, Device, DivergedMapping, PagePool, PageTable, Prefix, PrefixMapping,
-    Region, Releasing, Returned, make_guard,
+    Allocation, Budget, Device, DivergedMapping, Prefix, PrefixMapping, Region, Releasing,
+    Returned, make_guard,
 };
 use std::error::Error;
 use std::time::Instant;
@@ -83,24 +85,10 @@ trait Kv<B: Backend> {
         at: usize,
         kv: &[u8],
     ) -> Result<()>;
-    fn write_page(
-        &self,
-        t: &mut PageTable<'_, '_, '_, '_, B>,
-        pos: usize,
-        at: usize,
-        kv: &[u8],
-    ) -> Result<()>;
     fn read_shared(&self, m: &PrefixMapping<'_, '_, B>, at: usize, out: &mut [u8]) -> Result<()>;
     fn read_diverged(
         &self,
         d: &DivergedMapping<'_, '_, B>,
-        at: usize,
-        out: &mut [u8],
-    ) -> Result<()>;
-    fn read_page(
-        &self,
-        t: &PageTable<'_, '_, '_, '_, B>,
-        pos: usize,
         at: usize,
         out: &mut [u8],
     ) -> Result<()>;
@@ -132,16 +120,6 @@ impl<B: HostVisible> Kv<B> for HostKv {
         d.boundary_mut()[at..at + kv.len()].copy_from_slice(kv);
         Ok(())
     }
-    fn write_page(
-        &self,
-        t: &mut PageTable<'_, '_, '_, '_, B>,
-        pos: usize,
-        at: usize,
-        kv: &[u8],
-    ) -> Result<()> {
-        t.page_mut(pos)[at..at + kv.len()].copy_from_slice(kv);
-        Ok(())
-    }
     fn read_shared(&self, m: &PrefixMapping<'_, '_, B>, at: usize, out: &mut [u8]) -> Result<()> {
         out.copy_from_slice(&m.as_slice()[at..at + out.len()]);
         Ok(())
@@ -153,16 +131,6 @@ impl<B: HostVisible> Kv<B> for HostKv {
         out: &mut [u8],
     ) -> Result<()> {
         out.copy_from_slice(&d.as_slice()[at..at + out.len()]);
-        Ok(())
-    }
-    fn read_page(
-        &self,
-        t: &PageTable<'_, '_, '_, '_, B>,
-        pos: usize,
-        at: usize,
-        out: &mut [u8],
-    ) -> Result<()> {
-        out.copy_from_slice(&t.page(pos)[at..at + out.len()]);
         Ok(())
     }
     fn write_region(&self, r: &mut Region<'_, '_, B>, at: usize, kv: &[u8]) -> Result<()> {
@@ -203,15 +171,6 @@ mod gpu {
         ) -> Result<()> {
             Ok(d.copy_boundary_from_host(at, kv)?)
         }
-        fn write_page(
-            &self,
-            t: &mut PageTable<'_, '_, '_, '_, CudaBackend<D>>,
-            pos: usize,
-            at: usize,
-            kv: &[u8],
-        ) -> Result<()> {
-            Ok(t.copy_page_from_host(pos, at, kv)?)
-        }
         fn read_shared(
             &self,
             m: &PrefixMapping<'_, '_, CudaBackend<D>>,
@@ -227,15 +186,6 @@ mod gpu {
             out: &mut [u8],
         ) -> Result<()> {
             Ok(d.copy_to_host(at, out)?)
-        }
-        fn read_page(
-            &self,
-            t: &PageTable<'_, '_, '_, '_, CudaBackend<D>>,
-            pos: usize,
-            at: usize,
-            out: &mut [u8],
-        ) -> Result<()> {
-            Ok(t.copy_page_to_host(pos, at, out)?)
         }
         fn write_region(
             &self,
@@ -286,7 +236,7 @@ enum Boundary<'b, 'id, B: Backend> {
     Private(DivergedMapping<'b, 'id, B>),
 }
 
-struct Sequence<'p, 'pool, 'b, 'id, B: Backend> {
+struct Sequence<'t, 'c, 'b, 'id, B: Backend> {
     id: usize,
     prompt_tokens: usize,
     /// Tokens the prompt's mapping has room for (a whole number of granules).
@@ -296,7 +246,7 @@ struct Sequence<'p, 'pool, 'b, 'id, B: Backend> {
     len: usize,
     /// `None` only for the moment of the copy-on-write.
     prompt: Option<Boundary<'b, 'id, B>>,
-    pages: PageTable<'p, 'pool, 'b, 'id, B>,
+    blocks: BlockTable<'t, 'c, 'b, 'id, B>,
 }
 
 #[derive(Default)]
@@ -304,12 +254,12 @@ struct Stats {
     committed: usize,
     released: usize,
     copies: usize,
-    page_ops: u64,
+    block_ops: u64,
 }
 
-impl<'p, 'pool, 'b, 'id, B: Backend> Sequence<'p, 'pool, 'b, 'id, B> {
-    /// Where token `position` lives: in the prompt's mapping (offset into it), or in a page of
-    /// the table (position in the table, offset into the page).
+impl<'t, 'c, 'b, 'id, B: Backend> Sequence<'t, 'c, 'b, 'id, B> {
+    /// Where token `position` lives: in the prompt's mapping (offset into it), or in a block of
+    /// the table (position in the table, offset into the block).
     fn place(&self, position: usize) -> (Option<usize>, usize) {
         if position < self.mapped_tokens {
             (None, position * BYTES_PER_TOKEN)
@@ -326,7 +276,7 @@ impl<'p, 'pool, 'b, 'id, B: Backend> Sequence<'p, 'pool, 'b, 'id, B> {
     fn push_token(
         &mut self,
         kv: &impl Kv<B>,
-        pool: &'p PagePool<'pool, 'b, 'id, B>,
+        cache: &'t KvCache<'c, 'b, 'id, B>,
         stats: &mut Stats,
     ) -> Result<()> {
         let position = self.len;
@@ -348,13 +298,13 @@ impl<'p, 'pool, 'b, 'id, B: Backend> Sequence<'p, 'pool, 'b, 'id, B> {
                 let into = at - d.boundary_offset();
                 kv.write_boundary(d, into, &bytes)?;
             }
-            (Some(page), at) => {
-                if page == self.pages.len() {
-                    pool.push(&mut self.pages)?;
+            (Some(block), at) => {
+                if block == self.blocks.len() {
+                    cache.push(&mut self.blocks)?;
                     stats.committed += 1;
-                    stats.page_ops += 1;
+                    stats.block_ops += 1;
                 }
-                kv.write_page(&mut self.pages, page, at, &bytes)?;
+                self.blocks.write(0, block, at, &bytes)?;
             }
         }
         self.len += 1;
@@ -368,7 +318,7 @@ impl<'p, 'pool, 'b, 'id, B: Backend> Sequence<'p, 'pool, 'b, 'id, B> {
             match (self.place(position), &self.prompt) {
                 ((None, at), Some(Boundary::Shared(m))) => kv.read_shared(m, at, &mut got)?,
                 ((None, at), Some(Boundary::Private(d))) => kv.read_diverged(d, at, &mut got)?,
-                ((Some(page), at), _) => kv.read_page(&self.pages, page, at, &mut got)?,
+                ((Some(block), at), _) => self.blocks.read(0, block, at, &mut got)?,
                 (_, None) => return Ok(false),
             }
             let owner = (position >= self.prompt_tokens).then_some(self.id);
@@ -379,8 +329,8 @@ impl<'p, 'pool, 'b, 'id, B: Backend> Sequence<'p, 'pool, 'b, 'id, B> {
         Ok(true)
     }
 
-    fn pages_in_use(&self) -> usize {
-        self.pages.len() + self.mapped_tokens / TOKENS_PER_PAGE
+    fn blocks_in_use(&self) -> usize {
+        self.blocks.len() + self.mapped_tokens / TOKENS_PER_PAGE
     }
 }
 
@@ -393,15 +343,16 @@ struct Args {
     /// a device with or without virtual memory management.
     model: Option<bool>,
     elastic: bool,
-    /// `--pages`: the page pool with a shared prompt instead of the KV cache.
-    pages: bool,
+    /// `--prefix`: a shared system prompt mapped into every sequence, its generated tokens in
+    /// KV blocks.
+    prefix: bool,
     /// `--tail`: with `--elastic`, a finished sequence's region keeps its granules mapped in its
     /// tail and serves the next request.
     tail: bool,
 }
 
 const USAGE: &str = "\
-usage: kv_cache [--gpu | --model | --model-no-vmm] [--pages | --elastic [--tail]]
+usage: kv_cache [--gpu | --model | --model-no-vmm] [--prefix | --elastic [--tail]]
                 [--sequences N] [--seed S] [--prompt-tokens P]
 
 A serving engine's KV cache on memtoken: block ids over one reservation per layer, physical
@@ -411,8 +362,9 @@ memory mapped by group (cargo run --release --example kv_cache -- ARGS).
                       plain cuMemAlloc where the device has no VMM)
   --model             run on the CUDA driver model of a device with VMM (no GPU needed)
   --model-no-vmm      ... of a device without virtual memory management (the plain mechanism:
-                      pages only, no --elastic)
-  --pages             a page pool with a shared system prompt instead of the KV cache
+                      the KV cache allocated whole, no --elastic)
+  --prefix            a shared system prompt mapped into every sequence (copy-on-write of its
+                      last granule), generated tokens in KV blocks
   --elastic           one growing region per sequence instead (vAttention)
   --tail              with --elastic: a finished sequence's region keeps its granules mapped
                       (its tail) and serves the next request
@@ -430,7 +382,7 @@ fn parse_args() -> Args {
         gpu: false,
         model: None,
         elastic: false,
-        pages: false,
+        prefix: false,
         tail: false,
     };
     let mut cli = cli::Args::new(USAGE);
@@ -444,7 +396,7 @@ fn parse_args() -> Args {
                 "--model" => args.model = Some(true),
                 "--model-no-vmm" => args.model = Some(false),
                 "--elastic" => args.elastic = true,
-                "--pages" => args.pages = true,
+                "--prefix" => args.prefix = true,
                 "--tail" => args.tail = true,
                 _ => cli.unknown(Arg::Flag(flag)),
             },
@@ -452,9 +404,9 @@ fn parse_args() -> Args {
         }
     }
     cli.at_most_one(&["--gpu", "--model", "--model-no-vmm"]);
-    cli.at_most_one(&["--pages", "--elastic"]);
+    cli.at_most_one(&["--prefix", "--elastic"]);
     cli.only_with("--tail", "--elastic");
-    // The plain mechanism has no regions: it shows their refusal and runs the pages instead.
+    // The plain mechanism has no regions: it shows their refusal and runs the blocks instead.
     if cli.given("--elastic") && cli.given("--model-no-vmm") {
         cli.error(
             "--elastic does not apply with --model-no-vmm (a device without VMM has no regions)",
@@ -488,10 +440,13 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
     let g = device.granularity();
     let system = device.bind(Budget::unlimited())?;
     let session = device.bind(Budget::bytes(1 << 30))?;
-    make_guard!(pool_guard);
-    let pool = PagePool::new(pool_guard, &session, PAGE)?;
+    make_guard!(cache_guard);
+    // Blocks of 16 tokens in one plane: room for 16 running sequences of the longest length.
+    let layout = Layout::new(1024, TOKENS_PER_PAGE).plane(PAGE);
+    let cache = KvCache::new(cache_guard, &session, &layout)?;
+    cache.set_watermarks(16, 32);
 
-    // The system prompt, computed once by its owner. Its pages are granules of the device.
+    // The system prompt, computed once by its owner, in granules of the device.
     let prompt_bytes = args.prompt_tokens * BYTES_PER_TOKEN;
     let mut owner_alloc = system.reserve(prompt_bytes)?.commit_prefix()?;
     for position in 0..args.prompt_tokens {
@@ -506,12 +461,13 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
 
     let mut arrivals = arrivals(args);
     let mut running: Vec<Sequence<'_, '_, '_, '_, B>> = Vec::new();
+    cache.replenish()?;
     let mut stats = Stats::default();
     let max_batch = 16;
     let started = Instant::now();
     println!(
         "memtoken kv_cache on the {}: {} sequences sharing a {}-token system prompt \
-         ({} bytes mapped, granule {} bytes), pages of {} tokens ({} bytes)\n",
+         ({} bytes mapped, granule {} bytes), KV blocks of {} tokens ({} bytes)\n",
         kv.name(),
         args.sequences,
         args.prompt_tokens,
@@ -525,12 +481,12 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
         "step",
         "running",
         "finished",
-        "pages",
+        "blocks",
         "mapped KiB",
         "owned KiB",
         "saved KiB",
         "quarantine",
-        "page ops/s (last interval)"
+        "block ops/s (last interval)"
     );
     // The rate of each row is over the interval since the row before (the first: since the
     // start), not an average of the whole run so far.
@@ -551,7 +507,7 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
                 target: args.prompt_tokens + generated,
                 len: args.prompt_tokens,
                 prompt: Some(Boundary::Shared(mapping)),
-                pages: pool.table(),
+                blocks: cache.table(),
             });
         }
         if arrivals.is_empty()
@@ -560,8 +516,10 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
             // The owner is done; the prompt lives on in the sequences that map it.
             finish(prefix.release())?;
         }
+        // Between steps: a fence over the blocks given back, groups mapped up to the watermark.
+        cache.replenish()?;
         for seq in &mut running {
-            seq.push_token(kv, &pool, &mut stats)?;
+            seq.push_token(kv, &cache, &mut stats)?;
         }
         let (done, still): (Vec<_>, Vec<_>) = running.into_iter().partition(|s| s.len == s.target);
         running = still;
@@ -569,10 +527,10 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
             if !seq.verify(kv)? {
                 return Err(format!("sequence {} lost its K/V", seq.id).into());
             }
-            let n = seq.pages.len();
-            pool.clear(&mut seq.pages);
+            let n = seq.blocks.len();
+            cache.clear(&mut seq.blocks);
             stats.released += n;
-            stats.page_ops += n as u64;
+            stats.block_ops += n as u64;
             match seq.prompt.take() {
                 Some(Boundary::Shared(m)) => finish(m.release())?,
                 Some(Boundary::Private(d)) => finish(d.release())?,
@@ -582,13 +540,13 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
         }
         if step % 100 == 0 || (arrivals.is_empty() && running.is_empty()) {
             let l = device.ledger();
-            let pages: usize = running.iter().map(Sequence::pages_in_use).sum();
+            let blocks: usize = running.iter().map(Sequence::blocks_in_use).sum();
             let now = Instant::now();
             let interval = now.duration_since(last_row).as_secs_f64().max(1e-9);
-            let rate = (stats.page_ops - last_ops) as f64 / interval;
-            (last_row, last_ops) = (now, stats.page_ops);
+            let rate = (stats.block_ops - last_ops) as f64 / interval;
+            (last_row, last_ops) = (now, stats.block_ops);
             println!(
-                "{step:>5} {:>7} {finished:>8} {pages:>6} {:>11} {:>10} {:>10} {:>10} {:>27.0}",
+                "{step:>5} {:>7} {finished:>8} {blocks:>6} {:>11} {:>10} {:>10} {:>10} {:>27.0}",
                 running.len(),
                 kib(l.mapped_bytes),
                 kib(l.owned_bytes),
@@ -601,22 +559,24 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
     }
     let elapsed = started.elapsed();
     drop((running, arrivals, owner));
-    let shrunk = pool.shrink();
-    drop(pool);
+    cache.set_watermarks(0, 0);
+    let shrunk = cache.replenish()?.unmapped;
+    drop(cache);
     drop(session);
     drop(system);
     device.poll();
+    device.trim_cache(); // the groups' granules the device's cache kept for reuse
     println!(
-        "\n{finished} sequences in {step} steps ({:.1} ms): {} pages taken from the pool and {} given back, \
-         {} prompt granules copied on write, {shrunk} idle chunks returned",
+        "\n{finished} sequences in {step} steps ({:.1} ms): {} KV blocks taken and {} given back, \
+         {} prompt granules copied on write, {shrunk} idle groups unmapped at the end",
         elapsed.as_secs_f64() * 1e3,
         stats.committed,
         stats.released,
         stats.copies
     );
     println!(
-        "page ops/s (last interval): page allocs + frees per second over the steps since the row \
-         before (K/V writes and checks included); the pool's own cost is in \
+        "block ops/s (last interval): blocks taken + given back per second over the steps since \
+         the row before (K/V writes and checks included); the cache's own cost is in \
          `cargo run --release --bin bench_report`"
     );
     println!(
@@ -627,7 +587,9 @@ fn run<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Resu
     if !ledger.is_zero() {
         return Err("the ledger did not end at zero".into());
     }
-    println!("ledger ends at zero: every page and every mapping was released exactly once");
+    println!(
+        "ledger ends at zero: every block's group and every mapping was released exactly once"
+    );
     Ok(())
 }
 
@@ -1000,13 +962,13 @@ fn run_cuda<D: Driver>(backend: CudaBackend<D>, kv: &gpu::GpuKv, args: &Args) ->
         ),
         CudaMechanism::Plain => println!(
             "mechanism: CUDA plain allocation (cuMemAlloc), because the device has no virtual \
-             memory management (attribute 102 is {}): commits, releases, fences and page pools \
-             work; prefix sharing, regions, sleep and export are refused",
+             memory management (attribute 102 is {}): commits, releases, fences and the KV cache \
+             (allocated whole) work; prefix sharing, regions, sleep and export are refused",
             u8::from(backend.vmm_supported())
         ),
     }
     let plain = backend.mechanism() == CudaMechanism::Plain;
-    if !args.pages && !args.elastic {
+    if !args.prefix && !args.elastic {
         // `Faulty` with no fault planned forwards every call and counts it.
         let backend = Faulty::new(backend);
         let calls = backend.handle();
@@ -1020,7 +982,7 @@ fn run_cuda<D: Driver>(backend: CudaBackend<D>, kv: &gpu::GpuKv, args: &Args) ->
             // the command line).
             println!(
                 "--elastic{}: not run: the plain mechanism has no regions (its refusal is shown \
-                 below); the paged workload runs instead",
+                 below); the KV blocks run instead",
                 if args.tail { " --tail" } else { "" }
             );
         }
@@ -1033,8 +995,8 @@ fn run_cuda<D: Driver>(backend: CudaBackend<D>, kv: &gpu::GpuKv, args: &Args) ->
     run(&device, kv, args)
 }
 
-/// The paged workload on a mechanism that cannot share or grow in place (CUDA's plain one):
-/// each sequence writes its own copy of the prompt into its pages, then generates; every byte
+/// The KV blocks on a mechanism that cannot share or grow in place (CUDA's plain one): each
+/// sequence writes its own copy of the prompt into its blocks, then generates; every byte
 /// is checked before it finishes. First it shows what the mechanism refuses, and that each
 /// refusal names the capability and hands the token back.
 fn run_plain<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -> Result<()> {
@@ -1067,11 +1029,13 @@ fn run_plain<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -
     };
     finish(committed.release())?;
 
-    make_guard!(pool_guard);
-    let pool = PagePool::new(pool_guard, &session, PAGE)?;
+    make_guard!(cache_guard);
+    // Allocated whole on the plain mechanism: every group mapped when the cache is made.
+    let layout = Layout::new(1024, TOKENS_PER_PAGE).plane(PAGE);
+    let cache = KvCache::new(cache_guard, &session, &layout)?;
     println!(
         "\nmemtoken kv_cache on the {}, plain mechanism: {} sequences, each with its own copy \
-         of a {}-token prompt, pages of {} tokens ({} bytes), granule {} bytes",
+         of a {}-token prompt, KV blocks of {} tokens ({} bytes), granule {} bytes",
         kv.name(),
         args.sequences,
         args.prompt_tokens,
@@ -1081,28 +1045,28 @@ fn run_plain<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -
     );
     let started = Instant::now();
     let mut arrivals = arrivals(args);
-    let (mut finished, mut pages_max) = (0, 0);
+    let (mut finished, mut blocks_max) = (0, 0);
     while !arrivals.is_empty() {
-        // A batch of up to 16 sequences at a time, each a page table of its own.
+        // A batch of up to 16 sequences at a time, each a block table of its own.
         let batch: Vec<(usize, usize)> = (0..16).map_while(|_| arrivals.pop()).collect();
-        let mut tables: Vec<_> = batch.iter().map(|_| pool.table()).collect();
+        let mut tables: Vec<_> = batch.iter().map(|_| cache.table()).collect();
         for (&(id, generated), table) in batch.iter().zip(&mut tables) {
             let total = args.prompt_tokens + generated;
             for position in 0..total {
-                let (page, at) = (position / TOKENS_PER_PAGE, position % TOKENS_PER_PAGE);
+                let (block, at) = (position / TOKENS_PER_PAGE, position % TOKENS_PER_PAGE);
                 if at == 0 {
-                    pool.push(table)?;
+                    cache.push(table)?;
                 }
                 let seq = (position >= args.prompt_tokens).then_some(id);
-                kv.write_page(table, page, at * BYTES_PER_TOKEN, &kv_bytes(seq, position))?;
+                table.write(0, block, at * BYTES_PER_TOKEN, &kv_bytes(seq, position))?;
             }
         }
-        pages_max = pages_max.max(pool.live_pages());
+        blocks_max = blocks_max.max(cache.live_blocks());
         for (&(id, generated), table) in batch.iter().zip(&tables) {
             let mut out = [0; BYTES_PER_TOKEN];
             for position in 0..args.prompt_tokens + generated {
-                let (page, at) = (position / TOKENS_PER_PAGE, position % TOKENS_PER_PAGE);
-                kv.read_page(table, page, at * BYTES_PER_TOKEN, &mut out)?;
+                let (block, at) = (position / TOKENS_PER_PAGE, position % TOKENS_PER_PAGE);
+                table.read(0, block, at * BYTES_PER_TOKEN, &mut out)?;
                 let seq = (position >= args.prompt_tokens).then_some(id);
                 if out != kv_bytes(seq, position) {
                     return Err(format!("sequence {id}: token {position} differs").into());
@@ -1111,16 +1075,18 @@ fn run_plain<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -
         }
         finished += batch.len();
         for mut table in tables {
-            pool.clear(&mut table);
+            cache.clear(&mut table);
         }
+        // Between batches: a fence over the blocks given back (free once it has completed).
+        cache.replenish()?;
     }
     println!(
-        "{finished} sequences in {:.1} ms, every byte checked; at most {pages_max} pages in use \
-         ({} KiB of pages in the pool's chunks at the end)",
+        "{finished} sequences in {:.1} ms, every byte checked; at most {blocks_max} blocks in use \
+         ({} KiB mapped by the cache, allocated whole)",
         started.elapsed().as_secs_f64() * 1e3,
-        kib((pool.capacity() * PAGE) as u64)
+        kib(cache.mapped_bytes() as u64)
     );
-    drop(pool);
+    drop(cache);
     drop(session);
     device.poll();
     let ledger = device.ledger();
@@ -1128,7 +1094,7 @@ fn run_plain<B: Backend>(device: &Device<'_, B>, kv: &impl Kv<B>, args: &Args) -
     if !ledger.is_zero() {
         return Err("the ledger did not end at zero".into());
     }
-    println!("ledger ends at zero: every page and chunk was released exactly once");
+    println!("ledger ends at zero: every block and plane was released exactly once");
     Ok(())
 }
 
@@ -1179,7 +1145,7 @@ fn run_args(args: &Args) -> Result<()> {
         return Err("--gpu: built without the `cuda` feature".into());
     }
     make_guard!(guard);
-    if !args.pages && !args.elastic {
+    if !args.prefix && !args.elastic {
         // Granules of 64 KiB: one block of one layer.
         let backend = Faulty::new(HostBackend::new(HostConfig {
             granularity: 64 << 10,

@@ -227,7 +227,7 @@ impl<'b, 'id, B: Backend, S: State> Allocation<'b, 'id, B, S> {
     /// where the driver allocated the memory.
     ///
     /// On CUDA, the address used in work captured by a capture memtoken did not make is the
-    /// `unsafe` kernel launch's obligation: the token (or page) must outlive every launch of
+    /// `unsafe` kernel launch's obligation: the token (or KV plane) must outlive every launch of
     /// that graph (memtoken's `Capture` borrows it instead).
     pub fn addr(&self) -> crate::backend::Addr {
         self.core.addr

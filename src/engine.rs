@@ -5,8 +5,8 @@
 
 use crate::backend::Backend;
 use crate::device::{Binding, CloseReport, Device};
-use crate::ledger::Budget;
 use crate::kv::{KvCache, Layout};
+use crate::ledger::Budget;
 use generativity::{Guard, Id};
 use std::fmt;
 use std::mem::ManuallyDrop;

@@ -249,38 +249,6 @@ impl From<BackendError> for ReserveError {
     }
 }
 
-/// Why a page pool could not be made or grown.
-#[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
-pub enum PoolError {
-    /// The page size is not a power of two, or is so small that one granule holds more than
-    /// 2^24 pages.
-    #[error(
-        "page size {0} must be a power of two, and a granule must hold at most 2^24 pages: choose another page size"
-    )]
-    PageSize(usize),
-    /// Reserving a new chunk failed. (Boxed, like `Commit`: the error stays two words, so
-    /// `alloc`'s result costs no more to return than the page.)
-    #[error("the pool could not grow: reserving a chunk failed")]
-    Reserve(#[source] Box<ReserveError>),
-    /// Committing a new chunk failed (its reservation was dropped).
-    #[error(
-        "the pool could not grow: committing a chunk failed (its reservation was dropped: released, or quarantined if that failed)"
-    )]
-    Commit(#[source] Box<CommitFailure>),
-    /// The pool already has 2^32 pages.
-    #[error("the pool cannot index more than 2^32 pages: use a second pool")]
-    Full,
-    /// A write to a page another holder has, or a prefix cache holds (read-only until
-    /// evicted): nothing was written.
-    #[error(
-        "the page at position {0} is shared or cached, so read-only: copy it first (`PagePool::copy_on_write`)"
-    )]
-    Shared(usize),
-    /// A copy (a page's copy-on-write, or bytes to or from the host) failed: nothing changed.
-    #[error("copying a page failed")]
-    Copy(#[source] Box<BackendError>),
-}
-
 /// Why memory could not be lent as elements of a type `T` (a typed view): nothing was lent.
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum ViewError {
@@ -520,18 +488,11 @@ impl sealed::Sealed for SuspendFailure {}
 impl sealed::Sealed for ShrinkError {}
 impl sealed::Sealed for ReserveError {}
 impl sealed::Sealed for BackendError {}
-impl sealed::Sealed for PoolError {}
 impl sealed::Sealed for ViewError {}
 
 impl Failure for ViewError {
     fn summary(&self) -> &'static str {
         "the view could not be made"
-    }
-}
-
-impl Failure for PoolError {
-    fn summary(&self) -> &'static str {
-        "the page pool could not be made or grown"
     }
 }
 
@@ -774,7 +735,7 @@ impl<T: fmt::Display, C: Failure + Send + Sync> From<TransitionError<T, C>> for 
 }
 
 impl<E: Failure + Send + Sync> From<E> for Error {
-    /// Any other failure of the crate's (a reservation, a pool, a view, an import, a
+    /// Any other failure of the crate's (a reservation, a KV cache, a view, an import, a
     /// backend call): its message and chain, as [`Error`]'s.
     fn from(e: E) -> Self {
         Self {

@@ -6,7 +6,7 @@
 //!
 //! - [`tokens`]: the tokens, their states and verbs, how a release finishes, the public API.
 //! - [`sharing`]: shared prefixes, copy-on-write, prefixes exported to other processes.
-//! - [`page_pool`]: page pools, shared pages and the prefix cache.
+//! - [`kv_cache`]: the KV cache: block ids, block tables, sharing, the prefix cache, sleep.
 //! - [`regions`]: elastic growth, the granule cache, the mapped tail.
 //! - [`sleep_wake`]: suspending memory and resuming it at the same addresses.
 //! - [`cuda`]: streams, fences, graph captures, peers, typed views and the GPU tests.
@@ -30,8 +30,8 @@ pub mod tokens {}
 #[doc = include_str!("../docs/sharing.md")]
 pub mod sharing {}
 
-#[doc = include_str!("../docs/page-pool.md")]
-pub mod page_pool {}
+#[doc = include_str!("../docs/kv-cache.md")]
+pub mod kv_cache {}
 
 #[doc = include_str!("../docs/regions.md")]
 pub mod regions {}

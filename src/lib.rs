@@ -42,7 +42,7 @@
 //! ## Guides
 //!
 //! One topic a page, each with examples that run as doc tests: [`guide`] — tokens and their
-//! verbs, shared prefixes, page pools and the prefix cache, elastic regions, sleep and wake,
+//! verbs, shared prefixes, the KV cache and its prefix cache, elastic regions, sleep and wake,
 //! CUDA (streams, fences, captures, peers), the backends, mechanisms chosen at run time,
 //! structuring a program (engines, threads, errors), transfer engines and NIXL.
 //!
@@ -73,8 +73,8 @@
 //! identities, the ledger, residuals and states; the [`Device`] (its ledger and custody:
 //! quarantine and deferred queue); the [`Binding`]; the tokens ([`Allocation`] in each
 //! [`State`], [`Quarantined`]); the policies — shared prefixes ([`Prefix`], [`PrefixMapping`],
-//! [`DivergedMapping`], which are allocations in states of their own) and the page pool
-//! ([`PagePool`], [`Page`], [`PageTable`]); and interop: typed views — host tokens lend
+//! [`DivergedMapping`], which are allocations in states of their own) and the KV cache
+//! ([`kv::KvCache`], [`kv::BlockTable`], [`kv::PrefixCache`]); and interop: typed views — host tokens lend
 //! `&[T]` / `&mut [T]` of plain-old-data `T` (`as_slice_of`, checked by `bytemuck`), CUDA
 //! tokens lend cudarc device memory of `T` (`DeviceView`, `DeviceViewMut`, feature `cuda`) —
 //! and the CUDA tokens' host copies. Each layer names only the ones below it.
@@ -102,27 +102,31 @@
 //!
 //! ## The hot path
 //!
-//! A KV cache takes a page every few tokens: [`PagePool`] hands out fixed-size pages from
-//! committed chunks in O(1), with no system call, and a [`PageTable`] holds a sequence's pages
-//! as one token. Measured against the same pool written by hand with integer handles, the
-//! page-table cycle costs the same (see the README's benchmark table).
+//! A KV cache takes a block every few tokens: [`kv::KvCache`] hands out block ids from
+//! per-group free lists in O(1), with no system call and no allocation, and a
+//! [`kv::BlockTable`] holds a sequence's blocks — the ids attention kernels read. Measured
+//! against the same cache written by hand, the block cycle costs less (see the README's
+//! benchmark table).
 //!
 //! ```
-//! use memtoken::{make_guard, Budget, Device, PagePool};
+//! use memtoken::{make_guard, Budget, Device};
 //! use memtoken::backend::HostBackend;
+//! use memtoken::kv::{KvCache, Layout};
 //!
 //! make_guard!(guard);
 //! let device = Device::new(guard, HostBackend::with_defaults()?);
 //! let session = device.bind(Budget::unlimited())?;
-//! make_guard!(pool_guard);
-//! let pool = PagePool::new(pool_guard, &session, 4096)?;
-//! let mut table = pool.table();
+//! make_guard!(cache_guard);
+//! // 1,024 blocks of 16 tokens, one plane of 256 bytes a block.
+//! let cache = KvCache::new(cache_guard, &session, &Layout::new(1024, 16).plane(256))?;
+//! cache.replenish()?; // maps groups between steps: the only backend calls
+//! let mut table = cache.table();
 //! for _ in 0..16 {
-//!     pool.push(&mut table)?; // the 16 pages of a 256-token sequence
+//!     cache.push(&mut table)?; // the 16 blocks of a 256-token sequence
 //! }
-//! table.page_mut(0)[0] = 1;
-//! pool.clear(&mut table); // all 16 back, O(1) each
-//! assert_eq!(pool.live_pages(), 0);
+//! table.write(0, 0, 0, &[1])?;
+//! cache.clear(&mut table); // all 16 back, O(1) each
+//! assert_eq!(cache.live_blocks(), 0);
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
@@ -171,7 +175,6 @@ pub mod nixl;
 // NIXL offers' wire format: pure Rust, built and unit-tested without feature `nixl` too.
 #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
 mod nixl_wire;
-mod page_pool;
 mod region;
 mod residual;
 mod sharing;
@@ -195,7 +198,7 @@ pub use device::{CloseReport, Custody, Device, DropReport, Forgotten, Progress, 
 pub use device::{QuarantineError, Quarantined};
 pub use engine::{Engine, Keeps, Parts};
 pub use error::{
-    CommitFailure, CowFailure, Error, Failure, GrowError, PoolError, ReleaseFailure, ReserveError,
+    CommitFailure, CowFailure, Error, Failure, GrowError, ReleaseFailure, ReserveError,
     ResumeFailure, Returned, ShareFailure, ShrinkError, SuspendFailure, TransitionError, ViewError,
     is_context_lost,
 };
@@ -211,7 +214,6 @@ pub use interop::{
     Export, ImportError, Imported, ImportedPrefix, MESSAGE_LEN, Offer, PrefixMessage, WireError,
 };
 pub use ledger::{Budget, LedgerSnapshot};
-pub use page_pool::{Page, PagePool, PageTable, PrefixCache, SharedPage, SharedTable, Table};
 pub use region::{Elastic, Region};
 pub use residual::{Holdings, Residual};
 pub use sharing::{

@@ -421,12 +421,6 @@ impl<B: Backend> Guarded<B> {
         Self::contain(|| self.backend.context_lost()).unwrap_or(false)
     }
 
-    /// Whether the range must not go to a new owner; a panic answers "withheld" (the safe
-    /// side: kept, never handed out under a graph that may use it).
-    pub(crate) fn withheld(&self, addr: Addr, len: usize) -> bool {
-        Self::contain(|| self.backend.withheld(addr, len)).unwrap_or(true)
-    }
-
     /// Keeps the range for good; a panic keeps it too, as far as this side goes (the residual
     /// stays withheld in the device whatever the backend did).
     pub(crate) fn keep_for_good(&self, addr: Addr, len: usize) {

@@ -12,20 +12,20 @@
 //! - right after it: the ledger equals what the live tokens, the device's custody, its shared
 //!   memory and its granule cache hold; the backend holds what the ledger says; each binding's
 //!   budget equals what its tokens own; the shared references equal the live mappings; the
-//!   page pool lost no page; the pins equal the live bindings ([`World::check`]);
+//!   KV cache lost no block; the pins equal the live bindings ([`World::check`]);
 //! - once every token is dropped and the device has polled, trimmed its cache and retried its
 //!   quarantine, nothing is charged or held anywhere, and nothing panicked again ([`settle`]).
 //!
 //! A second harness panics at any call ([`FaultHandle::panic_at_call`]): one long scenario (the
 //! device made, bindings, commits, a prefix shared and diverged, a region grown, shrunk,
-//! suspended and resumed, an export imported, a page pool, releases, a poll: [`Step`]) runs
+//! suspended and resumed, an export imported, a KV cache, releases, a poll: [`Step`]) runs
 //! with its `n`th call of any kind panicking, for each `n` from 1 to one past the number of
 //! calls its dry run makes. The panic must reach the caller at that call and stop the
 //! scenario; right after, the invariants hold; once the faults are cleared, every token, the
-//! pool and the bindings dropped and the device closed, it closes clean and the backend holds
+//! KV cache and the bindings dropped and the device closed, it closes clean and the backend holds
 //! nothing ([`any_call_case`]). Its second variant (`any_call_in_drops_*`) skips the releases
 //! and the poll, so that live tokens of every kind are left to drop, and keeps the plan armed
-//! through the teardown: `n` runs on through the calls of the tokens' drops, the pool's, the
+//! through the teardown: `n` runs on through the calls of the tokens' drops, the KV cache's, the
 //! bindings' and the device's close, and the panic must surface from the stage that makes the
 //! call — a drop or `close` included.
 //!
@@ -44,10 +44,11 @@ use memtoken::backend::{
     cuda::CudaBackend,
     doubles::{DriverModel, ModelConfig},
 };
+use memtoken::kv::{BlockTable, KvCache, Layout};
 use memtoken::{
     Allocation, Binding, Budget, Committed, Device, DivergedMapping, ExportablePrefix,
-    ImportedPrefix, Offer, Page, PagePool, PageTable, Prefix, PrefixMapping, Quarantined, Region,
-    Releasing, Reserved, Returned, SuspendedAllocation, SuspendedRegion, make_guard,
+    ImportedPrefix, Offer, Prefix, PrefixMapping, Quarantined, Region, Releasing, Reserved,
+    Returned, SuspendedAllocation, SuspendedRegion, make_guard,
 };
 use std::any::Any;
 use std::cell::Cell;
@@ -481,21 +482,20 @@ macro_rules! ensure_eq {
     }};
 }
 
-/// A device, two bindings (an owner and a sharer), a page pool, and the live tokens.
-struct World<'w, 'pool, 'b, 'id, E: Env> {
+/// A device, two bindings (an owner and a sharer), a KV cache, and the live tokens.
+struct World<'w, 'c, 'b, 'id, E: Env> {
     env: &'w E,
     device: &'b Device<'id, Fy<E>>,
     owner: &'b Binding<'b, 'id, Fy<E>>,
     sharer: &'b Binding<'b, 'id, Fy<E>>,
     faults: &'w FaultHandle,
-    pool: &'w PagePool<'pool, 'b, 'id, Fy<E>>,
+    cache: &'w KvCache<'c, 'b, 'id, Fy<E>>,
     tokens: Vec<Tok<'b, 'id, Fy<E>>>,
-    pages: Vec<Page<'w, 'pool, 'b, 'id, Fy<E>>>,
-    table: Option<PageTable<'w, 'pool, 'b, 'id, Fy<E>>>,
+    table: Option<BlockTable<'w, 'c, 'b, 'id, Fy<E>>>,
     offer: Option<Offer>,
 }
 
-impl<'w, 'pool, 'b, 'id, E: Env> World<'w, 'pool, 'b, 'id, E> {
+impl<'w, 'c, 'b, 'id, E: Env> World<'w, 'c, 'b, 'id, E> {
     fn g(&self) -> usize {
         self.device.granularity()
     }
@@ -598,19 +598,20 @@ impl<'w, 'pool, 'b, 'id, E: Env> World<'w, 'pool, 'b, 'id, E> {
                 None => {}
             }
         }
-        // The pool's chunks: committed allocations through the owner, one granule each.
-        let chunk = g.max(self.pool.page_size());
-        let pooled = self.pool.capacity() * self.pool.page_size();
-        let chunks = pooled / chunk;
-        reserved += pooled as u64;
-        mapped += pooled as u64;
-        owned += pooled as u64;
-        owner_charged += pooled as u64;
-        let live_pages = self.pages.len() + self.table.as_ref().map_or(0, PageTable::len);
+        // The KV cache's plane: reserved whole through the owner, its mapped granules owned
+        // and charged.
+        let plane = self.cache.stride(0) * self.cache.blocks();
+        ranges.push((self.cache.base(0), plane));
+        let backed = self.cache.mapped_bytes() as u64;
+        reserved += plane as u64;
+        mapped += backed;
+        owned += backed;
+        owner_charged += backed;
+        let held = self.table.as_ref().map_or(0, BlockTable::len);
         ensure_eq!(
-            self.pool.live_pages(),
-            live_pages,
-            "pool: pages handed out vs page tokens (a page lost from the free list)"
+            self.cache.live_blocks(),
+            held,
+            "KV cache: blocks handed out vs the table's (a block lost from the free lists)"
         );
 
         let custody = self.device.custody();
@@ -689,7 +690,7 @@ impl<'w, 'pool, 'b, 'id, E: Env> World<'w, 'pool, 'b, 'id, E> {
         }
         ensure_eq!(
             backend.reservations as usize,
-            ranges.len() + chunks,
+            ranges.len(),
             "reservations: backend vs held ranges"
         );
         ensure_eq!(
@@ -709,15 +710,15 @@ impl<'w, 'pool, 'b, 'id, E: Env> World<'w, 'pool, 'b, 'id, E> {
         Ok(())
     }
 
-    /// Drops every token and page, the sharers' mappings before their prefixes, each under
+    /// Drops every token and the table, the sharers' mappings before their prefixes, each under
     /// [`catch`] (so that a panic in one drop leaves the others to theirs): the panics caught.
     fn drop_all(&mut self) -> Vec<String> {
         let mut panics = Vec::new();
         while let Some(t) = self.tokens.pop() {
             panics.extend(catch(move || drop(t)).err());
         }
-        let pages = (std::mem::take(&mut self.pages), self.table.take());
-        panics.extend(catch(move || drop(pages)).err());
+        let table = self.table.take();
+        panics.extend(catch(move || drop(table)).err());
         self.offer = None;
         panics
     }
@@ -856,12 +857,13 @@ enum Scenario {
     RetryQuarantine,
     TrimCache,
     SetCacheCap,
-    /// An allocation that grows the pool.
-    PoolAlloc,
-    /// An allocation that takes cooling pages back first: it records the one fence of the
-    /// pages freed since the last (a free or a clear makes no backend call).
-    PoolReclaim,
-    PoolShrink,
+    /// A replenish that maps groups of the KV cache.
+    KvMap,
+    /// A replenish that records the one fence of the blocks given back since the last (a
+    /// clear makes no backend call).
+    KvFence,
+    /// A replenish that unmaps the groups over the high watermark.
+    KvShrink,
     Export,
     Import,
     /// An export ended after its prefix went: the last reference.
@@ -919,9 +921,9 @@ impl Scenario {
             RetryQuarantine,
             TrimCache,
             SetCacheCap,
-            PoolAlloc,
-            PoolReclaim,
-            PoolShrink,
+            KvMap,
+            KvFence,
+            KvShrink,
             Export,
             Import,
             DropExportLast,
@@ -931,12 +933,12 @@ impl Scenario {
     };
 
     /// Whether backend `E` can run it: exports need a backend that exports; a deferred
-    /// queue and cooling pages need fences that can be pending (not the host's).
+    /// queue and cooling blocks need fences that can be pending (not the host's).
     fn runs_on<E: Env>(self) -> bool {
         use Scenario::*;
         match self {
             Export | Import | DropExportLast | DropImported => E::EXPORTS,
-            Poll | PoolReclaim => !<E::Inner as Backend>::IMMEDIATE,
+            Poll | KvFence => !<E::Inner as Backend>::IMMEDIATE,
             _ => true,
         }
     }
@@ -951,7 +953,8 @@ impl Scenario {
         use Scenario::*;
         let g = w.g();
         match self {
-            Reserve | PoolAlloc | Bind => {}
+            Reserve | Bind => {}
+            KvMap => w.cache.set_watermarks(3, 4),
             Commit | DropReserved | CommitPrefix3 => w.push(Tok::Reserved(w.reserve(w.owner, 3))),
             CommitPrefix1 => w.push(Tok::Reserved(w.reserve(w.owner, 1))),
             ReleaseCommitted | DropCommitted | Suspend | SuspendSaving => {
@@ -1072,21 +1075,20 @@ impl Scenario {
                 r.shrink(3).expect("setup: shrink");
                 w.push(Tok::Region(r));
             }
-            PoolReclaim => {
-                let per_chunk = g.max(w.pool.page_size()) / w.pool.page_size();
-                for _ in 0..per_chunk {
-                    w.pages.push(w.pool.alloc().expect("setup: alloc"));
+            KvFence => {
+                let cache = w.cache;
+                cache.replenish().expect("setup: replenish");
+                let table = w.table.insert(cache.table());
+                for _ in 0..3 {
+                    cache.push(table).expect("setup: push");
                 }
-                for _ in 1..per_chunk {
-                    w.pool.free(w.pages.pop().expect("a page"));
-                }
-                assert_eq!(w.pool.free_pages(), 0, "setup: no page free");
+                cache.clear(table);
             }
-            PoolShrink => {
-                for _ in 0..2 {
-                    w.pages.push(w.pool.alloc().expect("setup: alloc"));
-                }
-                w.pages.clear();
+            KvShrink => {
+                let cache = w.cache;
+                cache.set_watermarks(3, 4);
+                cache.replenish().expect("setup: replenish");
+                cache.set_watermarks(0, 0);
             }
             Export => w.push(Tok::Exportable(w.exportable(3))),
             Import => {
@@ -1258,13 +1260,8 @@ impl Scenario {
                 w.device.trim_cache();
             }
             SetCacheCap => w.device.set_cache_cap(g as u64),
-            PoolAlloc | PoolReclaim => {
-                if let Ok(page) = w.pool.alloc() {
-                    w.pages.push(page);
-                }
-            }
-            PoolShrink => {
-                w.pool.shrink();
+            KvMap | KvFence | KvShrink => {
+                let _ = w.cache.replenish();
             }
             Export => {
                 let Some(Tok::Exportable(p)) = w.tokens.last() else {
@@ -1337,7 +1334,10 @@ fn run_case<E: Env>(s: Scenario, plan: Option<(Op, u64)>) -> Outcome {
         let owner = device.bind(Budget::bytes(64 * g)).expect("a binding");
         let sharer = device.bind(Budget::bytes(64 * g)).expect("a binding");
         // `exercise` clears the plan: nothing may panic in the teardown.
-        let teardown = in_world(&env, &device, &owner, &sharer, &faults, |w| {
+        make_guard!(cache_guard);
+        let layout = kv_layout(device.granularity());
+        let cache = KvCache::new(cache_guard, &owner, &layout).expect("a KV cache");
+        let teardown = in_world(&env, &device, &owner, &sharer, &faults, cache, |w| {
             exercise(w, s, plan, &mut out);
         });
         out.failures
@@ -1401,39 +1401,40 @@ fn exercise<E: Env>(
     }
 }
 
-/// A page pool and a world around it, handed to `body`; then every token and page dropped, and
-/// the pool: those two stages of the teardown. A plan `body` leaves armed stays armed through
-/// them.
-fn in_world<'b, 'id, E: Env>(
+/// The KV cache of a world: one plane, four blocks a granule (a group), 16 groups.
+fn kv_layout(g: usize) -> Layout {
+    Layout::new(64, 16).plane(g / 4)
+}
+
+/// A world around `cache`, handed to `body`; then every token and table dropped, and the cache:
+/// those two stages of the teardown. A plan `body` leaves armed stays armed through them.
+fn in_world<'c, 'b, 'id, E: Env>(
     env: &E,
     device: &'b Device<'id, Fy<E>>,
     owner: &'b Binding<'b, 'id, Fy<E>>,
     sharer: &'b Binding<'b, 'id, Fy<E>>,
     faults: &FaultHandle,
-    body: impl FnOnce(&mut World<'_, '_, 'b, 'id, E>),
+    cache: KvCache<'c, 'b, 'id, Fy<E>>,
+    body: impl FnOnce(&mut World<'_, 'c, 'b, 'id, E>),
 ) -> [Teardown; 2] {
-    make_guard!(pool_guard);
-    let page = device.granularity() / 4;
-    let pool = PagePool::new(pool_guard, owner, page).expect("a page pool");
     let mut w = World {
         env,
         device,
         owner,
         sharer,
         faults,
-        pool: &pool,
+        cache: &cache,
         tokens: Vec::new(),
-        pages: Vec::new(),
         table: None,
         offer: None,
     };
     body(&mut w);
     let tokens = Teardown::run(faults, "dropping the tokens", || w.drop_all());
     drop(w);
-    let pool = Teardown::run(faults, "dropping the page pool", move || {
-        catch(move || drop(pool)).err().into_iter().collect()
+    let cache = Teardown::run(faults, "dropping the KV cache", move || {
+        catch(move || drop(cache)).err().into_iter().collect()
     });
-    [tokens, pool]
+    [tokens, cache]
 }
 
 /// What is wrong with a case that planned the `n`th call of kind `op` to panic, the
@@ -1485,8 +1486,9 @@ enum Step {
     SleepRegion,
     /// An exportable prefix made, exported, offered, and imported by the sharer.
     Export,
-    /// Pages taken from the pool, alone and in a table, given back; the pool shrunk.
-    Pool,
+    /// Groups of the KV cache mapped, blocks taken into a table, written, given back; the
+    /// groups unmapped again.
+    Kv,
     /// A third binding made and dropped.
     Bind,
     /// Every token released and its release completed; the export ended.
@@ -1494,8 +1496,8 @@ enum Step {
     /// The device polled, its quarantine retried, its cache trimmed.
     Poll,
     /// In place of the two above, where the teardown is armed: more kinds of token left live
-    /// for it — a reservation, a release begun, a suspended allocation, a page alone and one
-    /// in a table.
+    /// for it — a reservation, a release begun, a suspended allocation, a block in a
+    /// table.
     Leave,
 }
 
@@ -1510,7 +1512,7 @@ impl Step {
             Grow,
             SleepRegion,
             Export,
-            Pool,
+            Kv,
             Bind,
             Release,
             Poll,
@@ -1593,19 +1595,18 @@ impl Step {
                 let imported = E::import(w.sharer, offer).expect("an import");
                 w.push(Tok::Imported(imported));
             }
-            Step::Pool => {
-                let pool = w.pool;
-                for _ in 0..2 {
-                    w.pages.push(pool.alloc().expect("a page"));
+            Step::Kv => {
+                let cache = w.cache;
+                cache.set_watermarks(2, 3);
+                cache.replenish().expect("a replenish");
+                let table = w.table.insert(cache.table());
+                for _ in 0..5 {
+                    cache.push(table).expect("a block");
                 }
-                let table = w.table.insert(pool.table());
-                for _ in 0..2 {
-                    pool.push(table).expect("a page");
-                }
-                pool.clear(table);
-                pool.free(w.pages.pop().expect("a page"));
-                w.pages.clear();
-                pool.shrink();
+                table.write(0, 4, 0, &[7; 8]).expect("a write");
+                cache.clear(table);
+                cache.set_watermarks(0, 0);
+                cache.replenish().expect("a replenish");
             }
             Step::Bind => drop(w.device.bind(Budget::unlimited()).expect("a binding")),
             Step::Release => {
@@ -1635,10 +1636,11 @@ impl Step {
                 w.push(Tok::Committed(w.commit(1)).release(g));
                 let a = w.commit(1).suspend().map_err(|e| e.cause);
                 w.push(Tok::Asleep(a.expect("suspend")));
-                let pool = w.pool;
-                w.pages.push(pool.alloc().expect("a page"));
-                let table = w.table.insert(pool.table());
-                pool.push(table).expect("a page");
+                let cache = w.cache;
+                cache.set_watermarks(1, 2);
+                cache.replenish().expect("a replenish");
+                let table = w.table.insert(cache.table());
+                cache.push(table).expect("a block");
             }
         }
     }
@@ -1722,12 +1724,12 @@ fn injected_at(n: u64) -> String {
 /// Runs the long scenario on a fresh device over backend `E`, its call #`n` of any kind
 /// planned to panic (before the device is made, so that calls #1 to #4 are its getters); checks
 /// the invariants where it stopped ([`World::check`]); then, the faults cleared, drops every
-/// token, the pool and the bindings, and closes the device: it must close clean, and leave
+/// token, the KV cache and the bindings, and closes the device: it must close clean, and leave
 /// nothing in the backend.
 ///
 /// `in_drops`: the releases and the poll are skipped, more tokens left live ([`Step::Leave`]),
 /// and the plan stays armed through the teardown, each of whose stages (the tokens'
-/// drops, the pool's, the bindings', the close) is a stage of the run, calls counted; a panic
+/// drops, the KV cache's, the bindings', the close) is a stage of the run, calls counted; a panic
 /// in one is the run's panic. A panic at one of `close`'s own calls resumes from `close`,
 /// which then returns no report (the device's `Drop`, which runs as `close` returns, still
 /// finishes the work): so every report `close` returns must be clean, in either variant.
@@ -1748,9 +1750,17 @@ fn any_call_case<E: Env>(plan: Option<u64>, in_drops: bool) -> Run {
         let bind = || device.bind(Budget::unlimited()).expect("a binding");
         let owner = run.stage(&faults, "bind", bind);
         let sharer = run.stage(&faults, "bind", bind);
-        if let (Some(owner), Some(sharer)) = (&owner, &sharer) {
+        make_guard!(cache_guard);
+        let cache = match &owner {
+            Some(owner) if sharer.is_some() => run.stage(&faults, "KvCache::new", || {
+                let layout = kv_layout(device.granularity());
+                KvCache::new(cache_guard, owner, &layout).expect("a KV cache")
+            }),
+            _ => None,
+        };
+        if let (Some(owner), Some(sharer), Some(cache)) = (&owner, &sharer, cache) {
             let steps = Step::ALL.into_iter().filter(|s| s.runs(in_drops));
-            let teardown = in_world(&env, &device, owner, sharer, &faults, |w| {
+            let teardown = in_world(&env, &device, owner, sharer, &faults, cache, |w| {
                 for step in steps {
                     run.stage(&faults, &format!("{step:?}"), || step.run(w));
                 }

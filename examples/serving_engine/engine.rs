@@ -62,7 +62,7 @@ pub fn copy_on_write<'c, 'b, 'id, B: Backend>(
 /// How the engine runs.
 #[derive(Clone, Copy, Debug)]
 pub struct Config {
-    /// Worker threads, each with its own page pool and prefix cache.
+    /// Worker threads, each with its own KV cache and prefix cache.
     pub workers: usize,
 }
 
@@ -109,7 +109,7 @@ pub struct Engine<'scope> {
 }
 
 impl<'scope> Engine<'scope> {
-    /// Starts `config.workers` worker threads in `scope`, each with a page pool drawing from
+    /// Starts `config.workers` worker threads in `scope`, each with a KV cache drawing from
     /// `binding` and a prefix cache over it.
     pub fn start<'env, 'id, B>(
         scope: &'scope Scope<'scope, 'env>,

@@ -507,8 +507,8 @@ pub trait Backend {
     /// A fence marking the end of the work submitted so far (a CUDA event; `()` on the host).
     type Fence;
     /// Whether nothing can use this backend's memory asynchronously, so every fence is done as
-    /// soon as it is recorded (the host). Lets a page pool hand a freed page out again at once;
-    /// elsewhere a freed page waits behind a fence.
+    /// soon as it is recorded (the host). Lets the KV cache hand a block given back out again at once;
+    /// elsewhere such a block waits behind a fence.
     const IMMEDIATE: bool = false;
     /// Whether a call may panic. Inside memtoken every call of a backend that may is
     /// **contained**: a panic is taken as that call's failure (the typed layer's error path runs,
@@ -570,7 +570,7 @@ pub trait Backend {
     /// must be mapped read-write. An empty `src` copies nothing and succeeds, whatever `dst`.
     fn copy_from_host(&self, dst: Addr, src: &[u8]) -> Result<(), BackendError>;
     /// Copies `len` bytes of mapped memory at `src` to mapped read-write memory at `dst`, the
-    /// two ranges apart (a page's copy-on-write); returns once the bytes have landed. On CUDA a
+    /// two ranges apart (a KV block's copy-on-write); returns once the bytes have landed. On CUDA a
     /// device-to-device copy, ordered after the work that may use either range. By default
     /// through a host buffer (`copy_to_host`, then `copy_from_host`). `len == 0` copies
     /// nothing and succeeds.
@@ -617,7 +617,10 @@ pub trait Backend {
 
     /// Whether part of `[addr, addr + len)` must not go to a new owner although its token gave
     /// it back: memory a graph may still use (CUDA: lent to work on a stream while it
-    /// captured). A page pool keeps such pages out of its free list. None by default.
+    /// captured). A pool handing parts of its memory to new owners keeps such parts out of
+    /// its free list; memtoken's KV cache does not ask (a plane used in a graph memtoken did
+    /// not capture is held mapped, and which blocks that graph's kernels touch is theirs to
+    /// know: see `KvCache::plane_view`). None by default.
     fn withheld(&self, _addr: Addr, _len: usize) -> bool {
         false
     }

@@ -102,7 +102,7 @@ pub struct Device<'id, B: Backend> {
     /// Bindings alive (or forgotten).
     bindings: AtomicU64,
     /// Pages forgotten in pools that have dropped.
-    forgotten_pages: AtomicU64,
+    forgotten_blocks: AtomicU64,
     books: Mutex<Books<B>>,
     shared: SharedTotals,
     cache: GranuleCache<B::Phys>,
@@ -147,7 +147,7 @@ impl<'id, B: Backend> Device<'id, B> {
             failed_unpins: AtomicU64::new(0),
             owed_pins: AtomicU64::new(0),
             bindings: AtomicU64::new(0),
-            forgotten_pages: AtomicU64::new(0),
+            forgotten_blocks: AtomicU64::new(0),
             books: Mutex::new(Books::new()),
             shared: SharedTotals::default(),
             limit: budget.limit(),
@@ -253,9 +253,9 @@ impl<'id, B: Backend> Device<'id, B> {
         self.bindings.fetch_sub(1, Ordering::Relaxed);
     }
 
-    /// A pool dropped with `n` of its pages never given back.
-    pub(crate) fn note_forgotten_pages(&self, n: u64) {
-        self.forgotten_pages.fetch_add(n, Ordering::Relaxed);
+    /// A KV cache dropped with `n` of its blocks never given back.
+    pub(crate) fn note_forgotten_blocks(&self, n: u64) {
+        self.forgotten_blocks.fetch_add(n, Ordering::Relaxed);
     }
 
     /// How many exports of this device's shared physical memory to other processes are

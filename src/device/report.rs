@@ -47,9 +47,11 @@ pub struct Forgotten {
     /// Bindings never dropped. Each still held its context pin, which the device releases as it
     /// drops (a binding borrows its device, so none can be alive by then).
     pub bindings: u64,
-    /// Pages of a [`PagePool`](crate::PagePool) (alone, or in a page table) never given back
-    /// before their pool dropped; their memory went with the pool's chunks.
-    pub pages: u64,
+    /// Blocks of a [`KvCache`](crate::kv::KvCache) never given back before the cache dropped
+    /// (a block table, or a prefix cache, forgotten); their memory went with the cache's
+    /// planes. Blocks lent to a transfer engine are not among them: they are withheld for a
+    /// peer ([`CloseReport::withheld_for_peers`]).
+    pub blocks: u64,
 }
 
 impl Forgotten {
@@ -67,7 +69,7 @@ pub struct CloseReport {
     pub ledger: LedgerSnapshot,
     /// What the last poll and retry left.
     pub progress: Progress,
-    /// Bindings and pages forgotten, which hold no bytes of the ledger.
+    /// Bindings and KV blocks forgotten, which hold no bytes of the ledger.
     pub forgotten: Forgotten,
     /// Memory withheld for good because a peer it was exposed to never said it was done with
     /// it, and which peer (counted in the ledger's `quarantined` too).
@@ -156,7 +158,7 @@ impl<B: Backend> Device<'_, B> {
             progress,
             forgotten: Forgotten {
                 bindings: self.bindings.load(Ordering::Relaxed),
-                pages: self.forgotten_pages.load(Ordering::Relaxed),
+                blocks: self.forgotten_blocks.load(Ordering::Relaxed),
             },
             withheld_for_peers: self.withheld_for_peers(),
         }

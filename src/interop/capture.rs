@@ -12,7 +12,6 @@ use crate::backend::{Addr, BackendError, Cause, Op, Violation};
 use crate::device::Device;
 use crate::error::ViewError;
 use crate::kv::Awake;
-use crate::page_pool::{Page, SharedTable};
 use crate::region::Elastic;
 use crate::sharing::{Capability, Owner};
 use crate::state::{Committed, Readable};
@@ -26,7 +25,7 @@ use std::marker::PhantomData;
 /// by a [`Capture`]. It borrows its token, so the token cannot be released while it lives.
 ///
 /// **Ordering is per memory.** Taking the pointer orders the use after the memory's earlier
-/// uses through views on other streams (its reservation: a token, or a pool's chunk): a read
+/// uses through views on other streams (its reservation: a token's, or a KV cache's plane): a read
 /// ([`device_ptr`](Self::device_ptr)) after the last write, a write
 /// ([`StreamViewMut::device_ptr_mut`]) after the last write and every read since — the
 /// stream waits for an event recorded on each (`cuStreamWaitEvent`), as cudarc's `DevicePtr`
@@ -276,90 +275,6 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Elastic> {
 /// thread that began it (`cuStreamEndCapture` from another answers `STREAM_CAPTURE_WRONG_THREAD`
 /// and the stream goes on capturing), and a graph launches from the thread it was made on.
 type OnItsThread = PhantomData<*const ()>;
-
-impl<D: Driver> Page<'_, '_, '_, '_, CudaBackend<D>> {
-    /// The page as elements of `T`, read-only, for work on the raw `stream` (see
-    /// [`Allocation::stream_view`]). Borrows the page.
-    ///
-    /// # Errors
-    ///
-    /// As for [`Allocation::stream_view`].
-    pub fn stream_view<T: Pod>(&self, stream: Stream) -> Result<StreamView<'_, T, D>, ViewError> {
-        StreamView::lend(
-            self.backend().raw(),
-            self.addr(),
-            self.size(),
-            stream,
-            false,
-        )
-    }
-
-    /// The page as elements of `T`, writable, for work on the raw `stream`. Borrows the page
-    /// mutably.
-    ///
-    /// # Errors
-    ///
-    /// As for [`Allocation::stream_view`].
-    pub fn stream_view_mut<T: Pod>(
-        &mut self,
-        stream: Stream,
-    ) -> Result<StreamViewMut<'_, T, D>, ViewError> {
-        StreamView::lend(
-            self.backend().raw(),
-            self.addr(),
-            self.size(),
-            stream,
-            false,
-        )
-        .map(StreamViewMut::new)
-    }
-}
-
-impl<D: Driver> SharedTable<'_, '_, '_, '_, CudaBackend<D>> {
-    /// The page at `position` as elements of `T`, read-only, for work on the raw `stream`
-    /// (see [`Allocation::stream_view`]). Borrows the table.
-    ///
-    /// # Errors
-    ///
-    /// As for [`Allocation::stream_view`].
-    ///
-    /// # Panics
-    ///
-    /// If `position` is out of bounds.
-    pub fn page_stream_view<T: Pod>(
-        &self,
-        position: usize,
-        stream: Stream,
-    ) -> Result<StreamView<'_, T, D>, ViewError> {
-        let (addr, size) = (self.addr(position), self.page_size());
-        StreamView::lend(self.backend().raw(), addr, size, stream, false)
-    }
-
-    /// The page at `position` as elements of `T`, writable, for work on the raw `stream` —
-    /// `None` if another holder has the page or a cache holds it
-    /// ([`PagePool::copy_on_write`](crate::PagePool::copy_on_write) first). Borrows the table
-    /// mutably.
-    ///
-    /// # Errors
-    ///
-    /// As for [`Allocation::stream_view`].
-    ///
-    /// # Panics
-    ///
-    /// If `position` is out of bounds.
-    pub fn page_stream_view_mut<T: Pod>(
-        &mut self,
-        position: usize,
-        stream: Stream,
-    ) -> Option<Result<StreamViewMut<'_, T, D>, ViewError>> {
-        if !self.is_writable(position) {
-            return None;
-        }
-        let (addr, size) = (self.addr(position), self.page_size());
-        let view = StreamView::lend(self.backend().raw(), addr, size, stream, false);
-        Some(view.map(StreamViewMut::new))
-    }
-}
 
 /// `'t` exactly: neither shortened (a token borrowed for less than the graph lives would be
 /// released under it) nor lengthened.

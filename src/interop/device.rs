@@ -7,7 +7,6 @@ use crate::allocation::Allocation;
 use crate::backend::Addr;
 use crate::backend::cuda::{CudaBackend, Stream, SysDriver};
 use crate::error::ViewError;
-use crate::page_pool::{Page, PageTable};
 use crate::sharing::{Diverged, Owner};
 use crate::state::{Committed, Readable};
 use bytemuck::Pod;
@@ -181,8 +180,8 @@ impl Drop for Span<'_> {
 
 /// A typed, read-only view of a CUDA token's memory: `len()` elements of `T`, lent by
 /// [`Allocation::view`] (a committed allocation, a [`Prefix`](crate::Prefix), a
-/// [`PrefixMapping`](crate::PrefixMapping), a [`DivergedMapping`](crate::DivergedMapping)),
-/// [`Page::view`] and [`PageTable::page_view`]. It is cudarc device memory: it implements
+/// [`PrefixMapping`](crate::PrefixMapping), a [`DivergedMapping`](crate::DivergedMapping)).
+/// It is cudarc device memory: it implements
 /// [`DeviceSlice`] and [`DevicePtr`], so it goes straight into `stream.memcpy_dtoh`,
 /// `clone_dtoh`, `memcpy_dtod` (as the source), or any function that takes a `DevicePtr`; a
 /// kernel takes its pointer as `let (x, _x) = view.device_ptr(&stream); launch.arg(&x)` (see
@@ -246,7 +245,7 @@ impl Drop for Span<'_> {
 /// guard only.
 ///
 /// **Order per memory.** Each use also orders the home stream after the memory's earlier uses
-/// through other views (the token's reservation, or a pool's chunk): a read after the last
+/// through other views (the token's reservation, or a KV cache's plane): a read after the last
 /// write, a write after it and every read since (`cuStreamWaitEvent` on an event recorded on
 /// each), so two views of one token on two home streams do not race, and a writer does not
 /// overtake an earlier reader. The token's `copy_from_host`/`copy_to_host` are ordered too:
@@ -267,9 +266,8 @@ pub struct DeviceView<'a, T> {
 /// A typed, writable view of a CUDA token's memory: as [`DeviceView`] (same streams, same
 /// ordering), and [`DevicePtrMut`] too, so it is also the destination of `stream.memcpy_htod`,
 /// `memcpy_dtod` and `memset_zeros`. Lent only by the tokens that may write their memory, each
-/// borrowed mutably: [`Allocation::view_mut`] (committed), [`Page::view_mut`],
-/// [`PageTable::page_view_mut`], and [`Allocation::boundary_view_mut`] (a diverged mapping's
-/// private granule).
+/// borrowed mutably: [`Allocation::view_mut`] (committed), and
+/// [`Allocation::boundary_view_mut`] (a diverged mapping's private granule).
 ///
 /// ```compile_fail,E0505
 /// use cudarc::driver::CudaContext;
@@ -523,117 +521,6 @@ impl Allocation<'_, '_, Gpu, Diverged> {
         let backend = self.binding().device().backend();
         Span::lend::<T>(backend.raw(), self.addr() + at, self.len() - at, stream)
             .map(DeviceViewMut::new)
-    }
-}
-
-impl Page<'_, '_, '_, '_, Gpu> {
-    /// The page as elements of `T` on the device, read-only, for work on `stream` (see
-    /// [`Allocation::view`]). Borrows the page.
-    ///
-    /// # Errors
-    ///
-    /// As for [`Allocation::view`].
-    pub fn view<T: Pod>(&self, stream: &Arc<CudaStream>) -> Result<DeviceView<'_, T>, ViewError> {
-        Span::lend::<T>(self.backend().raw(), self.addr(), self.size(), stream).map(DeviceView::new)
-    }
-
-    /// The page as elements of `T` on the device, writable, for work on `stream`. Borrows the
-    /// page mutably.
-    ///
-    /// # Errors
-    ///
-    /// As for [`Allocation::view`].
-    pub fn view_mut<T: Pod>(
-        &mut self,
-        stream: &Arc<CudaStream>,
-    ) -> Result<DeviceViewMut<'_, T>, ViewError> {
-        Span::lend::<T>(self.backend().raw(), self.addr(), self.size(), stream)
-            .map(DeviceViewMut::new)
-    }
-}
-
-impl crate::SharedTable<'_, '_, '_, '_, Gpu> {
-    /// The page at `position` as elements of `T` on the device, read-only, for work on
-    /// `stream` (see [`Allocation::view`]). Borrows the table.
-    ///
-    /// # Errors
-    ///
-    /// As for [`Allocation::view`].
-    ///
-    /// # Panics
-    ///
-    /// If `position` is out of bounds.
-    pub fn page_view<T: Pod>(
-        &self,
-        position: usize,
-        stream: &Arc<CudaStream>,
-    ) -> Result<DeviceView<'_, T>, ViewError> {
-        let (addr, size) = (self.addr(position), self.page_size());
-        Span::lend::<T>(self.backend().raw(), addr, size, stream).map(DeviceView::new)
-    }
-
-    /// The page at `position` as elements of `T` on the device, writable, for work on
-    /// `stream` — `None` if another holder has the page or a cache holds it
-    /// ([`PagePool::copy_on_write`](crate::PagePool::copy_on_write) first). Borrows the table
-    /// mutably.
-    ///
-    /// # Errors
-    ///
-    /// As for [`Allocation::view`].
-    ///
-    /// # Panics
-    ///
-    /// If `position` is out of bounds.
-    pub fn page_view_mut<T: Pod>(
-        &mut self,
-        position: usize,
-        stream: &Arc<CudaStream>,
-    ) -> Option<Result<DeviceViewMut<'_, T>, ViewError>> {
-        if !self.is_writable(position) {
-            return None;
-        }
-        let (addr, size) = (self.addr(position), self.page_size());
-        Some(Span::lend::<T>(self.backend().raw(), addr, size, stream).map(DeviceViewMut::new))
-    }
-}
-
-impl PageTable<'_, '_, '_, '_, Gpu> {
-    /// The page at `position` as elements of `T` on the device, read-only, for work on
-    /// `stream` (see [`Allocation::view`]). Borrows the table.
-    ///
-    /// # Errors
-    ///
-    /// As for [`Allocation::view`].
-    ///
-    /// # Panics
-    ///
-    /// If `position` is out of bounds.
-    pub fn page_view<T: Pod>(
-        &self,
-        position: usize,
-        stream: &Arc<CudaStream>,
-    ) -> Result<DeviceView<'_, T>, ViewError> {
-        let (addr, size) = (self.addr(position), self.page_size());
-        Span::lend::<T>(self.backend().raw(), addr, size, stream).map(DeviceView::new)
-    }
-
-    /// The page at `position` as elements of `T` on the device, writable, for work on
-    /// `stream`. Borrows the table mutably.
-    ///
-    /// # Errors
-    ///
-    /// As for [`Allocation::view`].
-    ///
-    /// # Panics
-    ///
-    /// If `position` is out of bounds.
-    pub fn page_view_mut<T: Pod>(
-        &mut self,
-        position: usize,
-        stream: &Arc<CudaStream>,
-    ) -> Result<DeviceViewMut<'_, T>, ViewError> {
-        let (addr, size) = (self.addr(position), self.page_size());
-        Span::lend::<T>(self.backend().raw(), addr, size, stream).map(DeviceViewMut::new)
     }
 }
 

@@ -1,12 +1,11 @@
 //! Host typed views: the bytes a host token lends, as `&[T]` / `&mut [T]` of a plain-old-data
-//! `T`. Each goes through the token's byte slice (`as_slice`, `as_mut_slice`, `page`, ...) and
+//! `T`. Each goes through the token's byte slice (`as_slice`, `as_mut_slice`, ...) and
 //! then [`bytemuck`]'s checked casts, so a misfit is an error value and this module has no
 //! `unsafe` of its own.
 
 use crate::allocation::Allocation;
 use crate::backend::HostVisible;
 use crate::error::ViewError;
-use crate::page_pool::{Page, PageTable};
 use crate::sharing::{Capability, Owner};
 use crate::state::{Committed, Readable};
 use bytemuck::{Pod, PodCastError};
@@ -122,55 +121,6 @@ impl<B: HostVisible> Allocation<'_, '_, B, crate::region::Elastic> {
     /// As for [`Allocation::as_slice_of`].
     pub fn as_mut_slice_of<T: Pod>(&mut self) -> Result<&mut [T], ViewError> {
         cast_mut(self.as_mut_slice())
-    }
-}
-
-impl<B: HostVisible> Page<'_, '_, '_, '_, B> {
-    /// The page as `T`s.
-    ///
-    /// # Errors
-    ///
-    /// [`ViewError::Length`] if the page size is not a multiple of `T`'s size (or `T` is
-    /// zero-sized), [`ViewError::Alignment`] if the page is not aligned for `T`.
-    pub fn as_slice_of<T: Pod>(&self) -> Result<&[T], ViewError> {
-        cast(self.as_slice())
-    }
-
-    /// The page as `T`s, writable.
-    ///
-    /// # Errors
-    ///
-    /// As for [`as_slice_of`](Self::as_slice_of).
-    pub fn as_mut_slice_of<T: Pod>(&mut self) -> Result<&mut [T], ViewError> {
-        cast_mut(self.as_mut_slice())
-    }
-}
-
-impl<B: HostVisible> PageTable<'_, '_, '_, '_, B> {
-    /// The page at `position` as `T`s.
-    ///
-    /// # Errors
-    ///
-    /// As for [`Page::as_slice_of`].
-    ///
-    /// # Panics
-    ///
-    /// If `position` is out of bounds.
-    pub fn page_of<T: Pod>(&self, position: usize) -> Result<&[T], ViewError> {
-        cast(self.page(position))
-    }
-
-    /// The page at `position` as `T`s, writable.
-    ///
-    /// # Errors
-    ///
-    /// As for [`Page::as_slice_of`].
-    ///
-    /// # Panics
-    ///
-    /// If `position` is out of bounds.
-    pub fn page_mut_of<T: Pod>(&mut self, position: usize) -> Result<&mut [T], ViewError> {
-        cast_mut(self.page_mut(position))
     }
 }
 

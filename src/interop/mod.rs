@@ -26,7 +26,6 @@ use crate::allocation::Allocation;
 use crate::backend::cuda::{CudaBackend, Driver};
 use crate::backend::{Addr, BackendError};
 use crate::error::ViewError;
-use crate::page_pool::PageTable;
 use crate::region::Elastic;
 use crate::sharing::{Capability, Diverged, Owner};
 use crate::state::{Committed, Readable, State};
@@ -213,50 +212,6 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Diverged> {
                 src.len(),
             );
             self.binding().device().backend().copy_from_host(at, src)
-        })
-    }
-}
-
-impl<D: Driver> PageTable<'_, '_, '_, '_, CudaBackend<D>> {
-    /// Copies `src` from the host into the page at `position`, at `offset` into it.
-    ///
-    /// # Errors
-    ///
-    /// The driver's error.
-    ///
-    /// # Panics
-    ///
-    /// If `position` is out of bounds or the range does not fit in the page.
-    pub fn copy_page_from_host(
-        &mut self,
-        position: usize,
-        offset: usize,
-        src: &[u8],
-    ) -> Result<(), BackendError> {
-        Scope::run::<CudaBackend<D>, _>(move || {
-            let at = within(self.addr(position), self.page_size(), offset, src.len());
-            self.backend().copy_from_host(at, src)
-        })
-    }
-
-    /// Copies bytes of the page at `position`, from `offset`, to the host.
-    ///
-    /// # Errors
-    ///
-    /// The driver's error.
-    ///
-    /// # Panics
-    ///
-    /// If `position` is out of bounds or the range does not fit in the page.
-    pub fn copy_page_to_host(
-        &self,
-        position: usize,
-        offset: usize,
-        dst: &mut [u8],
-    ) -> Result<(), BackendError> {
-        Scope::run::<CudaBackend<D>, _>(move || {
-            let at = within(self.addr(position), self.page_size(), offset, dst.len());
-            self.backend().copy_to_host(dst, at)
         })
     }
 }

@@ -2,7 +2,7 @@
 //! watermarks — every backend call the KV cache makes after it is made.
 
 use super::{Batch, Blocks, KvCache, KvError, Memory, PlaneMemory};
-use crate::backend::{Backend, BackendError, Op};
+use crate::backend::{Addr, Backend, BackendError, Op};
 use crate::error::CommitFailure;
 use crate::unwind::Scope;
 
@@ -240,6 +240,12 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         }
         self.with(|s| s.shrink_after = None);
         failed.map_or(Ok(unmapped), Err)
+    }
+
+    /// The bytes of group `group` in plane `plane`: where, and how many.
+    pub(crate) fn group_span(&self, plane: usize, group: usize) -> (Addr, usize) {
+        let len = self.stride(plane) << self.group_shift;
+        (self.base(plane) + group * len, len)
     }
 
     /// The granules of group `group` in each plane: the first one, and how many.

@@ -15,7 +15,7 @@
 //!   is unmapped: the cache calls its [`GroupWatch`] first.
 
 use super::{BlockTable, KvCache, KvError, PlaneMemory};
-use crate::backend::{Addr, Backend};
+use crate::backend::Backend;
 use std::sync::Arc;
 
 /// What must hear of a group before its memory is unmapped: a transfer engine's registrations
@@ -96,12 +96,6 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
     #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
     pub(crate) fn group_of(&self, block: u32) -> usize {
         (block >> self.group_shift) as usize
-    }
-
-    /// The bytes of group `group` in plane `plane`: where, and how many.
-    pub(crate) fn group_span(&self, plane: usize, group: usize) -> (Addr, usize) {
-        let len = self.stride(plane) << self.group_shift;
-        (self.base(plane) + group * len, len)
     }
 
     /// Refuses while a block is lent.

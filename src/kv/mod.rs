@@ -508,6 +508,22 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
         live - 1 - self.cooling_blocks() - self.idle_cached_blocks()
     }
 
+    /// The bytes of the planes backed by memory now, in every plane: the mapped footprint
+    /// (whole groups, and what is mapped of a group left partly mapped; every plane whole on
+    /// CUDA's plain mechanism). It counts the planes' granules: a figure for reports, not for
+    /// a hot path.
+    pub fn mapped_bytes(&self) -> usize {
+        let g = self.binding.device().granularity();
+        let planes = self.planes.borrow();
+        planes
+            .iter()
+            .map(|plane| match plane {
+                PlaneMemory::Sparse(a) => a.mapped_in(0, a.len() / g) * g,
+                PlaneMemory::Whole(a) => a.len(),
+            })
+            .sum()
+    }
+
     /// Whether groups are mapped on demand (`false`: every plane allocated whole, as on CUDA's
     /// plain mechanism).
     pub fn maps_on_demand(&self) -> bool {
@@ -626,6 +642,17 @@ impl Group {
 impl<B: Backend> Drop for KvCache<'_, '_, '_, B> {
     fn drop(&mut self) {
         let _scope = Scope::open::<B>();
+        // Blocks still held but not lent nor waiting for a fence: a table or a prefix cache
+        // forgotten (the null block aside).
+        let state = self.state.get_mut();
+        let held: usize = state.groups.iter().map(|g| g.live as usize).sum();
+        let cooling: usize = state.cooling.iter().map(|b| b.blocks.len()).sum();
+        let forgotten = held.saturating_sub(1 + state.unfenced.len() + cooling + state.lent);
+        if forgotten > 0 {
+            self.binding
+                .device()
+                .note_forgotten_blocks(forgotten as u64);
+        }
         // The planes' releases wait for a fence over all their work: these are not needed.
         let backend = self.backend();
         for batch in std::mem::take(&mut self.state.get_mut().cooling) {
@@ -633,7 +660,7 @@ impl<B: Backend> Drop for KvCache<'_, '_, '_, B> {
                 backend.retire_fence(fence);
             }
         }
-        // A transfer engine may still touch a block: the planes are withheld, not released.
+        // Blocks lent to a transfer engine: the planes are withheld, not released.
         self.withhold_planes();
     }
 }

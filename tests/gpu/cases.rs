@@ -9,7 +9,7 @@ use cudarc::nvrtc::Ptx;
 use memtoken::backend::Backend;
 use memtoken::backend::cuda::{CudaBackend, CudaError, SysDriver};
 use memtoken::{
-    Allocation, Budget, Committed, Device, PagePool, ReleaseFailure, Released, Releasing, Returned,
+    Allocation, Budget, Committed, Device, ReleaseFailure, Released, Releasing, Returned,
     TransitionError, ViewError, make_guard,
 };
 use std::io::Write;
@@ -238,7 +238,8 @@ fn gpu_commit_copy_and_release() {
 }
 
 /// The plain mechanism (fact 59: `cuMemAlloc`, `cuMemFree`) on a real device, VMM or not: a
-/// commit's token is at the driver's address, the bytes round-trip, a page pool works, growth
+/// commit's token is at the driver's address, the bytes round-trip, a KV cache (allocated whole)
+/// works, growth
 /// in place is refused by name, and everything is freed (a clean close).
 fn gpu_plain_mechanism_commits_copies_and_frees() {
     let test = "gpu_plain_mechanism_commits_copies_and_frees";
@@ -265,16 +266,21 @@ fn gpu_plain_mechanism_commits_copies_and_frees() {
     a.copy_to_host(0, &mut back).unwrap();
     assert!(back == data, "device memory did not round-trip");
     complete_when_ready(a.release());
-    make_guard!(pool_guard);
-    let pool = memtoken::PagePool::new(pool_guard, &binding, 4096).unwrap();
-    let mut table = pool.table();
-    pool.push(&mut table).unwrap();
-    table.copy_page_from_host(0, 8, &[5; 8]).unwrap();
-    let mut page = [0; 8];
-    table.copy_page_to_host(0, 8, &mut page).unwrap();
-    assert_eq!(page, [5; 8]);
+    make_guard!(cache_guard);
+    let layout = memtoken::kv::Layout::new(64, 16).plane(4096);
+    let cache = memtoken::kv::KvCache::new(cache_guard, &binding, &layout).unwrap();
+    assert!(
+        !cache.maps_on_demand(),
+        "allocated whole on the plain mechanism"
+    );
+    let mut table = cache.table();
+    cache.push(&mut table).unwrap();
+    table.write(0, 0, 8, &[5; 8]).unwrap();
+    let mut block = [0; 8];
+    table.read(0, 0, 8, &mut block).unwrap();
+    assert_eq!(block, [5; 8]);
     drop(table);
-    drop(pool);
+    drop(cache);
     let mut region = binding.reserve(2 * g).unwrap().into_region();
     assert!(matches!(
         region.grow(1),
@@ -528,31 +534,7 @@ fn gpu_memcpy_and_launch_through_typed_views() {
         }
     );
 
-    // Pages, a page table's pages, a prefix and its mappings lend views too.
-    make_guard!(pool_guard);
-    let pool = PagePool::new(pool_guard, &binding, 1 << 16).unwrap();
-    let mut page = pool.alloc().unwrap();
-    stream
-        .memcpy_htod(&[4u32; 8], &mut page.view_mut::<u32>(&stream).unwrap())
-        .unwrap();
-    let mut table = pool.table();
-    pool.push(&mut table).unwrap();
-    stream
-        .memcpy_htod(
-            &[5u32; 8],
-            &mut table.page_view_mut::<u32>(0, &stream).unwrap(),
-        )
-        .unwrap();
-    let from_page = stream
-        .clone_dtoh(&page.view::<u32>(&stream).unwrap().slice(..8))
-        .unwrap();
-    let from_table = stream
-        .clone_dtoh(&table.page_view::<u32>(0, &stream).unwrap().slice(..8))
-        .unwrap();
-    assert_eq!((from_page, from_table), (vec![4; 8], vec![5; 8]));
-    drop(table);
-    drop(page);
-
+    // A prefix and its mappings lend views too.
     let mut prefix = binding.reserve(2 * g).unwrap().commit_prefix().unwrap();
     let mut whole = prefix
         .view_mut::<u8>(&stream)
@@ -587,7 +569,6 @@ fn gpu_memcpy_and_launch_through_typed_views() {
     ctx.check_err().unwrap();
     assert!(device.confirm_context_lost().is_none());
     drop((x, y, diverged, prefix));
-    drop(pool);
     poll_until_released(&device);
     assert!(device.ledger().is_zero(), "{:?}", device.ledger());
     drop(binding);

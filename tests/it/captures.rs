@@ -6,7 +6,8 @@
 use crate::common;
 use memtoken::backend::cuda::{CuError, DriverCall};
 use memtoken::backend::doubles::{CaptureMode, DriverModel, ModelConfig};
-use memtoken::{Budget, Capture, Device, PagePool, make_guard};
+use memtoken::kv::{KvCache, Layout};
+use memtoken::{Budget, Capture, Device, make_guard};
 
 const G: usize = common::MODEL_GRANULARITY;
 
@@ -20,24 +21,26 @@ fn model() -> DriverModel {
     .unwrap()
 }
 
-/// A drop, a release, an idle check (a shrink) and a page-pool free while a covered stream
+/// A drop, a release, an idle check (a shrink) and a KV block given back while a covered stream
 /// captures: nothing is recorded into the capture nor asked of it, so it ends valid; the drop
-/// and the release wait for it, the shrink says it is pending, the page cools; once the capture
+/// and the release wait for it, the shrink says it is pending, the block cools; once the capture
 /// has ended, everything goes and nothing is left.
 #[test]
 fn releases_during_a_capture_on_a_covered_stream_leave_it_valid_and_complete_after_it() {
     let model = model();
     common::covered_device!(model, device, stream);
     let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(pool_guard);
-    let pool = PagePool::new(pool_guard, &binding, G / 4).unwrap();
+    make_guard!(cache_guard);
+    let cache = KvCache::new(cache_guard, &binding, &Layout::new(64, 16).plane(G / 4)).unwrap();
+    cache.replenish().unwrap();
     let (dropped, released) = (
         binding.reserve(G).unwrap().commit().unwrap(),
         binding.reserve(G).unwrap().commit().unwrap(),
     );
     let mut region = binding.reserve(2 * G).unwrap().into_region();
     region.grow(2).unwrap();
-    let page = pool.alloc().unwrap();
+    let mut table = cache.table();
+    cache.push(&mut table).unwrap();
     let queries = model.count(DriverCall::EventQuery);
 
     model.begin_capture(stream, CaptureMode::ThreadLocal);
@@ -50,7 +53,8 @@ fn releases_during_a_capture_on_a_covered_stream_leave_it_valid_and_complete_aft
         matches!(region.shrink(1), Err(memtoken::ShrinkError::Pending)),
         "no unmap while work that may use the region is not known to have finished"
     );
-    pool.free(page);
+    cache.clear(&mut table);
+    assert_eq!(cache.cooling_blocks(), 1, "the block cools");
     assert_eq!(device.poll().deferred, 1, "the drop waits");
     assert_eq!(
         model.count(DriverCall::EventQuery),
@@ -63,7 +67,8 @@ fn releases_during_a_capture_on_a_covered_stream_leave_it_valid_and_complete_aft
     assert_eq!(device.poll().released, 1);
     region.shrink(1).unwrap();
     drop(region);
-    drop(pool);
+    drop(table);
+    drop(cache);
     device.poll();
     device.trim_cache();
     assert!(device.ledger().is_zero(), "{:?}", device.ledger());
@@ -772,30 +777,6 @@ fn a_failed_exchange_after_a_copy_leaves_its_scratch_range_to_a_sweep() {
     drop(backend);
     let held = model.outstanding();
     assert!(held.is_zero(), "left after the backend dropped: {held:?}");
-}
-
-/// A pool page whose view's pointer is taken while a capture memtoken did not make is open is
-/// never handed out again once freed: its memory is withheld (the foreign graph may write it),
-/// counted apart, and the pool's chunk is quarantined as the pool drops. (A capture open at
-/// neither of the view's probes is not seen: `capture_promises`.)
-#[test]
-fn a_pool_page_whose_pointer_is_taken_during_a_foreign_capture_is_never_handed_out_again() {
-    let model = model();
-    common::covered_device!(model, device, stream);
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(pool_guard);
-    let pool = PagePool::new(pool_guard, &binding, G / 4).unwrap();
-    let mut page = pool.alloc().unwrap();
-    let used = page.addr();
-    model.begin_capture(stream, CaptureMode::Global);
-    let ptr = page.stream_view_mut::<u8>(stream).unwrap().device_ptr_mut();
-    model.submit_work_touching(stream, &[(ptr, G / 4)]);
-    assert_eq!(model.end_capture(stream), Ok(()));
-    pool.free(page);
-    let again: Vec<_> = (0..8).map(|_| pool.alloc().unwrap()).collect();
-    assert!(again.iter().all(|p| p.addr() != used), "handed out again");
-    assert_eq!(pool.withheld_pages(), 1);
-    assert_eq!(pool.live_pages(), 8);
 }
 
 /// The same on a stream the device only knows (not covered): the capture notes that

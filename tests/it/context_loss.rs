@@ -5,7 +5,8 @@
 use crate::common::{self, Grown};
 use memtoken::backend::PosixFd;
 use memtoken::backend::cuda::{CuError, DriverCall};
-use memtoken::{Budget, Device, Failure, Offer, PagePool, make_guard};
+use memtoken::kv::{KvCache, Layout};
+use memtoken::{Budget, Device, Failure, Offer, make_guard};
 use std::os::unix::net::UnixStream;
 
 /// The one pattern: the transition was refused, and it says the context is lost.
@@ -53,8 +54,8 @@ fn every_transition_refused_for_a_lost_context_says_so_one_way() {
     assert!(to_reclaim.shrink(1).is_err(), "setup: one granule withheld");
     assert_eq!(to_reclaim.withheld_granules(), 1);
     let region_asleep = reserved().into_region().grown(1).suspend().unwrap();
-    make_guard!(pool_guard);
-    let pool = PagePool::new(pool_guard, &binding, g).unwrap();
+    make_guard!(cache_guard);
+    let cache = KvCache::new(cache_guard, &binding, &Layout::new(64, 16).plane(g)).unwrap();
 
     model.lose_context();
 
@@ -82,10 +83,7 @@ fn every_transition_refused_for_a_lost_context_says_so_one_way() {
     assert!(lost(region.shrink(1)));
     assert!(lost(cause(to_sleep.suspend())));
     assert!(lost(cause(region_asleep.resume())));
-    assert!(lost(pool.alloc()));
-    let mut table = pool.table();
-    assert!(lost(pool.push(&mut table)));
-    assert!(lost(pool.grow()));
+    assert!(lost(cache.replenish()), "a group mapped");
     assert!(lost(cause(to_save_region.suspend_saving())));
     assert!(lost(to_reclaim.reclaim()));
     let mut bytes = [0u8; 8];

@@ -237,17 +237,19 @@ fn sharing_copy_on_write_and_pages_carry_data_on_the_device() {
     prefix.copy_to_host(G + 100, &mut seen).unwrap();
     assert_eq!(seen, vec![7; 16], "so does the owner");
 
-    make_guard!(pool_guard);
-    let pool = memtoken::PagePool::new(pool_guard, &binding, 4096).unwrap();
-    let mut table = pool.table();
-    pool.push(&mut table).unwrap();
-    pool.push(&mut table).unwrap();
-    table.copy_page_from_host(1, 8, &[5; 8]).unwrap();
-    let mut page = vec![0; 8];
-    table.copy_page_to_host(1, 8, &mut page).unwrap();
-    assert_eq!(page, vec![5; 8]);
+    make_guard!(cache_guard);
+    let layout = memtoken::kv::Layout::new(64, 16).plane(4096);
+    let cache = memtoken::kv::KvCache::new(cache_guard, &binding, &layout).unwrap();
+    cache.replenish().unwrap();
+    let mut table = cache.table();
+    cache.push(&mut table).unwrap();
+    cache.push(&mut table).unwrap();
+    table.write(0, 1, 8, &[5; 8]).unwrap();
+    let mut block = vec![0; 8];
+    table.read(0, 1, 8, &mut block).unwrap();
+    assert_eq!(block, vec![5; 8]);
     drop(table);
-    drop(pool);
+    drop(cache);
 
     drop((a, b, prefix));
     assert!(device.ledger().is_zero());

@@ -408,44 +408,44 @@ fn a_loss_while_settling_a_copy_is_noted_and_nothing_more_is_called() {
     assert_eq!(model.calls_after_loss(), 0);
 }
 
-/// A page given back while work on a covered stream may still use it is handed out again only
-/// once that work has finished: until then the pool hands out other pages (or grows).
+/// A KV block given back while work on a covered stream may still use it is handed out again
+/// only once that work has finished: until then the cache hands out other blocks.
 #[test]
-fn a_freed_page_is_not_reissued_under_running_work() {
-    use memtoken::PagePool;
+fn a_block_given_back_is_not_reissued_under_running_work() {
+    use memtoken::kv::{KvCache, Layout};
     let model = model(false);
     common::covered_device!(model, device, stream);
     let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(pool_guard);
-    let pool = PagePool::new(pool_guard, &binding, G / 4).unwrap();
-    let page = pool.alloc().unwrap();
-    let index = page.index();
-    model.submit_work_on(stream); // a kernel on `stream` uses the page
-    pool.free(page);
-    assert_eq!(pool.cooling_pages(), 1);
-    let mut others = Vec::new();
+    make_guard!(cache_guard);
+    let cache = KvCache::new(cache_guard, &binding, &Layout::new(64, 16).plane(G / 4)).unwrap();
+    cache.set_watermarks(4, 64);
+    cache.replenish().unwrap();
+    let mut table = cache.table();
+    let block = cache.push(&mut table).unwrap();
+    model.submit_work_on(stream); // a kernel on `stream` uses the block
+    cache.clear(&mut table);
+    cache.replenish().unwrap(); // the fence over it: not done
+    assert_eq!(cache.cooling_blocks(), 1);
+    let mut others = cache.table();
     for _ in 0..8 {
-        let p = pool.alloc().unwrap();
-        assert_ne!(p.index(), index, "handed out again under the kernel");
-        others.push(p);
+        let b = cache.push(&mut others).unwrap();
+        assert_ne!(b, block, "handed out again under the kernel");
     }
-    let mut table = pool.table();
-    pool.push(&mut table).unwrap();
-    pool.clear(&mut table); // cools too
     model.complete_work_on(stream);
-    drop(others);
-    let mut seen = Vec::new();
-    while pool.free_pages() + pool.cooling_pages() > 0 && seen.len() < 64 {
-        seen.push(pool.alloc().unwrap());
+    cache.clear(&mut others);
+    cache.replenish().unwrap();
+    let mut seen = cache.table();
+    while cache.free_blocks() > 0 {
+        cache.push(&mut seen).unwrap();
     }
     assert!(
-        seen.iter().any(|p| p.index() == index),
-        "the page comes back once the work has finished"
+        seen.ids().contains(&block),
+        "the block comes back once the work has finished"
     );
-    drop(seen);
-    drop(table);
-    drop(pool);
+    drop((table, others, seen));
+    drop(cache);
     drop(binding);
+    model.complete_work();
     assert!(device.close().is_clean());
 }
 
@@ -861,72 +861,52 @@ fn a_backend_dropped_with_an_unsettled_copy_takes_its_scratch_range_down() {
     assert_eq!(model.lost_with(), None);
 }
 
-/// 10,000 page frees on the driver model — work never known to be
-/// done for a while, so pages cool — keep at most two fences alive (live events ≤ 2 × (covered
-/// streams + 1)), and make no allocation per free: a fence and its list are made per batch,
-/// when the pool runs out of free pages. Before, each free recorded a fence and allocated its
-/// list, and kept them until the free list ran dry.
+/// 10,000 KV block cycles on the driver model — a block pushed and given back, a replenish
+/// every 64 cycles (an engine's step), the GPU catching up every 500 — make no driver call as a
+/// block is taken or given back, allocate nothing as it is given back, keep at most a few
+/// fences alive (the cache keeps two batches waiting), and make less than one driver call a
+/// cycle: one fence per replenish, not per block. Prints the figures (`-- --nocapture`).
 #[test]
-fn ten_thousand_page_frees_keep_fences_bounded_and_allocate_per_batch_only() {
+fn ten_thousand_block_cycles_keep_fences_bounded_and_make_less_than_one_driver_call_each() {
+    use memtoken::kv::{KvCache, Layout};
     let model = model(false);
     common::covered_device!(model, device, stream);
     let _ = stream;
-    let covered = 2; // the legacy stream and `stream`
     let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(pool_guard);
-    let pool = memtoken::PagePool::new(pool_guard, &binding, G / 64).unwrap();
-    let (mut most, mut allocations) = (0, 0);
-    // A thousand under Miri (two catch-ups of the GPU all the same).
-    for i in 0..common::unless_miri(10_000, 1_000) {
-        let page = pool.alloc().unwrap();
-        let before = common::allocations::made();
-        pool.free(page);
-        allocations += common::allocations::made() - before;
+    make_guard!(cache_guard);
+    let cache = KvCache::new(cache_guard, &binding, &Layout::new(256, 16).plane(G / 64)).unwrap();
+    cache.set_watermarks(2, 4);
+    cache.replenish().unwrap();
+    let mut table = cache.table();
+    let (mut most, mut allocations, mut in_cycles) = (0, 0, 0);
+    let cycles = common::unless_miri(10_000, 1_000);
+    let before = model.log().len();
+    for i in 0..cycles {
+        let calls = model.log().len();
+        cache.push(&mut table).unwrap();
+        let made = common::allocations::made();
+        cache.clear(&mut table);
+        allocations += common::allocations::made() - made;
+        in_cycles += model.log().len() - calls;
+        if i % 64 == 63 {
+            cache.replenish().unwrap();
+        }
         most = most.max(model.outstanding().events);
         if i % 500 == 499 {
             model.complete_work(); // the GPU catches up now and then
         }
     }
-    assert!(most <= 2 * (covered + 1), "{most} live events");
-    assert_eq!(allocations, 0, "a free allocates nothing");
-    assert!(
-        pool.capacity() <= 64 * 40,
-        "the pool reuses pages: {}",
-        pool.capacity()
-    );
-    drop(pool);
-    drop(binding);
-    model.complete_work();
-    assert!(device.close().is_clean());
-}
-
-/// Driver calls per page alloc/free cycle on the model, with one covered stream and
-/// the GPU catching up every 500 cycles — one fence per batch of freed pages, not per page.
-/// Prints the figure (`-- --nocapture`); fails above one call per cycle (a fence per free made
-/// about 15).
-#[test]
-fn a_page_cycle_makes_less_than_one_driver_call() {
-    let model = model(false);
-    common::covered_device!(model, device, stream);
-    let _ = stream;
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(pool_guard);
-    let pool = memtoken::PagePool::new(pool_guard, &binding, G / 64).unwrap();
-    let warm = pool.alloc().unwrap(); // the first chunk's commit is not counted
-    pool.free(warm);
-    let cycles = common::unless_miri(10_000, 1_000);
-    let before = model.log().len();
-    for i in 0..cycles {
-        let page = pool.alloc().unwrap();
-        pool.free(page);
-        if i % 500 == 499 {
-            model.complete_work();
-        }
-    }
     let per_cycle = (model.log().len() - before) as f64 / cycles as f64;
-    println!("driver calls per page alloc/free cycle: {per_cycle:.3}");
-    assert!(per_cycle < 1.0, "{per_cycle} driver calls per page cycle");
-    drop(pool);
+    println!("driver calls per KV block cycle: {per_cycle:.3}; most live events: {most}");
+    assert_eq!(
+        in_cycles, 0,
+        "a block taken or given back makes no driver call"
+    );
+    assert!(most <= 4, "{most} live events");
+    assert_eq!(allocations, 0, "giving a block back allocates nothing");
+    assert!(per_cycle < 1.0, "{per_cycle} driver calls per block cycle");
+    drop(table);
+    drop(cache);
     drop(binding);
     model.complete_work();
     assert!(device.close().is_clean());

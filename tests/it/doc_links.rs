@@ -270,7 +270,7 @@ fn the_link_checker_refuses_relative_links_and_unknown_docs_rs_pages() {
     assert!(!refused(&format!("{GUIDE}index.html")));
     assert!(refused(&format!("{GUIDE}nonesuch/index.html")));
     assert!(!refused(&format!("{ITEMS}backend/cuda/facts/index.html")));
-    assert!(!refused(&format!("{ITEMS}struct.PagePool.html")));
+    assert!(!refused(&format!("{ITEMS}kv/struct.KvCache.html")));
     assert!(refused(&format!("{ITEMS}nonesuch/index.html")));
     assert!(!refused(&format!("{SOURCE}GUARANTEES.md")));
     assert!(refused(&format!("{SOURCE}tests/it/main.rs")));

@@ -201,18 +201,26 @@ mod owned {
         let faults = backend.handle();
         let g = memtoken::backend::Backend::granularity(&backend);
         let budget = |granules| Budget::bytes(granules as u64 * g as u64);
-        let mut engine =
-            Engine::<Host, Two>::with_bindings(backend, budget(4), &[budget(1)], &layout(), |parts| {
+        let mut engine = Engine::<Host, Two>::with_bindings(
+            backend,
+            budget(4),
+            &[budget(1)],
+            &layout(),
+            |parts| {
                 assert_eq!(parts.bindings.len(), 2);
                 assert!(std::ptr::eq(parts.binding, &parts.bindings[0]));
                 Ok(vec![parts.bindings[1].reserve(g)?.commit()?])
-            })
-            .unwrap();
+            },
+        )
+        .unwrap();
         engine.with(|parts, kept| {
             let over = parts.bindings[1].reserve(g).unwrap().commit();
             assert!(over.is_err(), "the second binding's budget is spent");
             drop(over);
-            parts.cache.replenish().expect("the cache draws from the first");
+            parts
+                .cache
+                .replenish()
+                .expect("the cache draws from the first");
             let mut table = parts.cache.table();
             parts.cache.push(&mut table).expect("a block");
             kept.push(parts.bindings[0].reserve(g).unwrap().commit().unwrap());

@@ -178,8 +178,8 @@ fn a_lost_context_is_found_in_any_converted_error() {
 fn every_failure_opens_its_message_with_its_own_summary() {
     use memtoken::backend::{BackendError, Cause};
     use memtoken::{
-        CommitFailure, CowFailure, Error, GrowError, PoolError, ReleaseFailure, ReserveError,
-        ResumeFailure, ShareFailure, ShrinkError, SuspendFailure, ViewError,
+        CommitFailure, CowFailure, Error, GrowError, ReleaseFailure, ReserveError, ResumeFailure,
+        ShareFailure, ShrinkError, SuspendFailure, ViewError,
     };
     let backend = || BackendError {
         op: Op::Map,
@@ -198,8 +198,8 @@ fn every_failure_opens_its_message_with_its_own_summary() {
             ViewError::Length { bytes: 3, size: 2 }.into(),
         ),
         (
-            "the page pool could not be made or grown",
-            PoolError::PageSize(3).into(),
+            "the KV cache refused, or could not map or copy",
+            memtoken::kv::KvError::Asleep.into(),
         ),
         (
             "the region could not shrink",

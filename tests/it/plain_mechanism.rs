@@ -1,6 +1,6 @@
 //! The CUDA backend's plain mechanism, on the driver model of a device
 //! without virtual memory management: it is what gets selected there; commit, release, copies,
-//! fences and page pools work on it, a commit allocating (`cuMemAlloc`) and a release freeing
+//! fences and the KV cache (allocated whole) work on it, a commit allocating (`cuMemAlloc`) and a release freeing
 //! (`cuMemFree`); growing a region, sharing a prefix, suspend, export, read-only maps and
 //! peers are refused with [`Cause::Unsupported`] naming the capability, with nothing done; and
 //! a mechanism whose creates fail for good is retired while its old tokens release on it.
@@ -11,8 +11,7 @@ use memtoken::backend::doubles::{DriverModel, ModelConfig, ModelOutstanding};
 use memtoken::backend::{Ability, BackendError, Cause, PosixFd};
 use memtoken::mechanism::{MechanismError, Mechanisms};
 use memtoken::{
-    Budget, CommitFailure, Device, GrowError, PagePool, Returned, SuspendFailure, TransitionError,
-    make_guard,
+    Budget, CommitFailure, Device, GrowError, Returned, SuspendFailure, TransitionError, make_guard,
 };
 
 /// A driver model of a device without virtual memory management (attribute 102 is 0): any
@@ -43,7 +42,7 @@ fn unchanged<T, Q>(token: Returned<T, Q>) -> T {
 
 /// Probed at open, the VMM mechanism is refused and the plain one selected; on it a
 /// reservation allocates nothing, a commit allocates (the token at the driver's address), the
-/// bytes round-trip, a release frees, and a page pool works; the model never sees a VMM call
+/// bytes round-trip, a release frees, and a KV cache (allocated whole) works; the model never sees a VMM call
 /// (it would panic) and ends with nothing outstanding. Fails if a commit keeps the
 /// placeholder address (the copies would be refused: nothing is mapped there), or if a
 /// release does not free.
@@ -112,18 +111,21 @@ fn a_device_without_vmm_selects_the_plain_mechanism_where_commit_release_and_poo
     assert_eq!(model.count(DriverCall::MemFree), 1, "a release frees");
     assert!(device.ledger().is_zero());
 
-    make_guard!(pool_guard);
-    let pool = PagePool::new(pool_guard, &binding, 64 << 10).unwrap();
-    let mut table = pool.table();
+    make_guard!(cache_guard);
+    let layout = memtoken::kv::Layout::new(64, 16).plane(64 << 10);
+    let cache = memtoken::kv::KvCache::new(cache_guard, &binding, &layout).unwrap();
+    assert!(!cache.maps_on_demand(), "allocated whole");
+    let mut table = cache.table();
     for _ in 0..3 {
-        pool.push(&mut table).unwrap();
+        cache.push(&mut table).unwrap();
     }
-    table.copy_page_from_host(2, 8, &[9; 8]).unwrap();
-    let mut page = [0; 8];
-    table.copy_page_to_host(2, 8, &mut page).unwrap();
-    assert_eq!(page, [9; 8]);
+    table.write(0, 2, 8, &[9; 8]).unwrap();
+    let mut block = [0; 8];
+    table.read(0, 2, 8, &mut block).unwrap();
+    assert_eq!(block, [9; 8]);
     drop(table);
-    drop(pool);
+    cache.replenish().unwrap(); // the fence over the blocks given back
+    drop(cache);
     assert!(device.ledger().is_zero());
     drop(binding);
     assert!(device.close().is_clean());

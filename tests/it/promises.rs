@@ -525,14 +525,14 @@ fn the_host_backend_refuses_misuse_with_an_error_never_a_panic() {
 /// The typed layer reads a backend's getters (granularity, address space, capacity, location)
 /// once, when the device is made, and never again: a backend whose getters panic from then on
 /// goes through commits, prefixes and their sharers, copy-on-write, a region's growth and
-/// shrink, sleep and wake, an export and its import, a page pool and a registration without
+/// shrink, sleep and wake, an export and its import, a KV cache and a registration without
 /// one getter call — so no getter can panic in the middle of a transition and strand what it
 /// had built — and everything goes back.
 #[test]
 #[cfg_attr(miri, ignore = "exports: a memfd, which Miri lacks")]
 fn getters_are_read_once_so_none_can_panic_inside_a_transition() {
+    use memtoken::Offer;
     use memtoken::backend::PosixFd;
-    use memtoken::{Offer, PagePool};
     use std::os::unix::net::UnixStream;
     make_guard!(guard);
     // A `memfd` store whatever MEMTOKEN_HOST_MEMORY says: this test exports.
@@ -570,11 +570,18 @@ fn getters_are_read_once_so_none_can_panic_inside_a_transition() {
     let (x, y) = UnixStream::pair().unwrap();
     export.send(&x).unwrap();
     let imported = binding.import(Offer::recv(&y).unwrap()).unwrap();
-    make_guard!(pool_guard);
-    let pool = PagePool::new(pool_guard, &binding, g / 4).unwrap();
-    let page = pool.alloc().unwrap();
-    pool.free(page);
-    drop(pool);
+    make_guard!(cache_guard);
+    let layout = memtoken::kv::Layout::new(64, 16).plane(g / 4);
+    let cache = memtoken::kv::KvCache::new(cache_guard, &binding, &layout).unwrap();
+    cache.replenish().unwrap();
+    let mut table = cache.table();
+    cache.push(&mut table).unwrap();
+    table.write(0, 0, 0, &[1; 8]).unwrap();
+    cache.sleep_saving().unwrap();
+    cache.wake().unwrap();
+    cache.clear(&mut table);
+    drop(table);
+    drop(cache);
     assert_eq!(
         faults.getter_calls(),
         read_at_creation,

@@ -134,21 +134,17 @@ assert_impl_all!(Quarantined<'static, 'static, SimBackend>: Send, Sync);
 // The proof of a lost context can be sent to the thread that discharges.
 assert_impl_all!(ContextLost<'static>: Send, Sync);
 
-// ---- shared prefixes, pages, CUDA ----
+// ---- shared prefixes, KV blocks, CUDA ----
 
 #[allow(dead_code)] // used only in `const _` items (see above)
-type HostPool = memtoken::PagePool<'static, 'static, 'static, HostBackend>;
+type HostCache = memtoken::kv::KvCache<'static, 'static, 'static, HostBackend>;
 #[allow(dead_code)] // used only in `const _` items (see above)
-type HostPage = memtoken::Page<'static, 'static, 'static, 'static, HostBackend>;
-#[allow(dead_code)] // used only in `const _` items (see above)
-type HostTable = memtoken::PageTable<'static, 'static, 'static, 'static, HostBackend>;
+type HostTable = memtoken::kv::BlockTable<'static, 'static, 'static, 'static, HostBackend>;
 #[allow(dead_code)] // used only in `const _` items (see above)
 type CudaModel = memtoken::backend::cuda::CudaBackend<memtoken::backend::doubles::DriverModel>;
 
-// A page token is its pool's address and a 4-byte index.
-assert_eq_size!(HostPage, [usize; 2]);
-// A page table is its pool's address and a Vec of 4-byte indices.
-assert_eq_size!(HostTable, [usize; 4]);
+// A block table is its cache's address, a Vec of 4-byte ids and its shared mark.
+assert_eq_size!(HostTable, [usize; 5]);
 // The shared-prefix tokens are allocations in states Owner / Sharer / Diverged: the core
 // (binding reference, address, length, generation) and a reference (one Arc pointer) on the
 // shared physical memory. A prefix (Owner):
@@ -171,19 +167,17 @@ assert_eq_size!(
 );
 assert_eq_size!(memtoken::backend::cuda::CudaPhys, [u64; 2]);
 // None of them can be duplicated.
-assert_not_impl_any!(HostPage: Clone, Copy);
 assert_not_impl_any!(HostTable: Clone, Copy);
-assert_not_impl_any!(HostPool: Clone, Copy);
+assert_not_impl_any!(HostCache: Clone, Copy);
 assert_not_impl_any!(memtoken::Prefix<'static, 'static, HostBackend>: Clone, Copy);
 assert_not_impl_any!(memtoken::PrefixMapping<'static, 'static, HostBackend>: Clone, Copy);
 assert_not_impl_any!(memtoken::DivergedMapping<'static, 'static, HostBackend>: Clone, Copy);
-// The pool's free list is not locked: the pool is not Sync, so its pages (which hold a
+// The cache's free lists are not locked: the cache is not Sync, so its tables (which hold a
 // reference to it) are neither Send nor Sync.
-assert_not_impl_any!(HostPool: Sync);
-assert_not_impl_any!(HostPage: Send, Sync);
+assert_not_impl_any!(HostCache: Sync);
 assert_not_impl_any!(HostTable: Send, Sync);
-// A pool with no page out may move to another thread.
-assert_impl_all!(HostPool: Send);
+// A cache with no table out may move to another thread.
+assert_impl_all!(HostCache: Send);
 // Mappings lend `&[u8]` only while their bytes cannot change: Send + Sync like allocations.
 assert_impl_all!(memtoken::PrefixMapping<'static, 'static, HostBackend>: Send, Sync);
 // What a failed release leaves may hold a reference on shared memory: it has one owner.

@@ -1,7 +1,7 @@
 //! Host typed views: every host token that lends bytes lends them as `&[T]` / `&mut [T]` of a
 //! plain-old-data `T`, with the length in `T`s, and refuses a misfit with an error value.
 
-use memtoken::{Budget, Device, PagePool, ViewError, make_guard};
+use memtoken::{Budget, Device, ViewError, make_guard};
 
 #[test]
 fn a_committed_allocation_lends_its_bytes_as_floats_and_back() {
@@ -110,79 +110,6 @@ fn the_readable_prefix_states_lend_typed_views_of_the_shared_bytes() {
             size: 3
         }
     );
-}
-
-#[test]
-fn pages_lend_typed_views_and_refuse_misaligned_or_short_ones() {
-    make_guard!(guard);
-    let device = Device::new(guard, crate::common::host());
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(pool_guard);
-    // 4-byte pages: page 0 starts a granule, page 1 is 4 bytes in.
-    let pool = PagePool::new(pool_guard, &binding, 4).unwrap();
-    let mut first = pool.alloc().unwrap();
-    let mut second = pool.alloc().unwrap();
-    first.as_mut_slice_of::<f32>().unwrap()[0] = 1.25;
-    assert_eq!(first.as_slice_of::<f32>().unwrap(), &[1.25]);
-    assert_eq!(first.as_slice(), &1.25f32.to_ne_bytes());
-    assert_eq!(second.as_mut_slice_of::<u16>().unwrap().len(), 2);
-    // A u64 does not fit in 4 bytes; on the second page it is not aligned either, and the
-    // alignment is what is named then.
-    assert_eq!(
-        first.as_slice_of::<u64>().unwrap_err(),
-        ViewError::Length { bytes: 4, size: 8 }
-    );
-    assert_eq!(
-        second.as_slice_of::<u64>().unwrap_err(),
-        ViewError::Alignment {
-            addr: second.addr(),
-            align: 8
-        }
-    );
-    assert_eq!(second.addr() % 8, 4);
-    pool.free(first);
-    pool.free(second);
-}
-
-#[test]
-fn a_page_tables_pages_lend_typed_views() {
-    make_guard!(guard);
-    let device = Device::new(guard, crate::common::host());
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(pool_guard);
-    let pool = PagePool::new(pool_guard, &binding, 256).unwrap();
-    let mut table = pool.table();
-    for _ in 0..3 {
-        pool.push(&mut table).unwrap();
-    }
-    for position in 0..3 {
-        let page = table.page_mut_of::<f32>(position).unwrap();
-        assert_eq!(page.len(), 64);
-        page.fill(position as f32);
-    }
-    assert!((0..3).all(|p| {
-        table
-            .page_of::<f32>(p)
-            .unwrap()
-            .iter()
-            .all(|&v| v == p as f32)
-    }));
-    assert_eq!(&table.page(2)[..4], &2.0f32.to_ne_bytes());
-    assert_eq!(
-        table.page_of::<[u8; 3]>(1).unwrap_err(),
-        ViewError::Length {
-            bytes: 256,
-            size: 3
-        }
-    );
-    assert_eq!(
-        table.page_mut_of::<[u8; 3]>(1).unwrap_err(),
-        ViewError::Length {
-            bytes: 256,
-            size: 3
-        }
-    );
-    pool.clear(&mut table);
 }
 
 #[test]

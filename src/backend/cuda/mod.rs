@@ -279,7 +279,7 @@ fn next_serial() -> u64 {
 /// recorded when its release starts (or when it is dropped), after everything submitted there
 /// so far: the legacy default stream (0, cudarc's `default_stream()`), which waits for every
 /// *blocking* stream; every *covered* stream; and each stream a typed view used that memory
-/// on (per reservation: a token's, or a page pool's chunks). The non-blocking streams cudarc's
+/// on (per reservation: a token's, or a KV cache's planes). The non-blocking streams cudarc's
 /// `new_stream()` makes are seen once memtoken learns of them: *known* to views
 /// ([`know_stream`](CudaBackend::know_stream); cudarc views know their own stream, `know`
 /// takes another), fenced only for the memory they used — so a fence stays as small as the
@@ -302,7 +302,7 @@ fn next_serial() -> u64 {
 /// cudarc device memory — `DeviceSlice`, `DevicePtr`, `DevicePtrMut` — for cudarc's copies and,
 /// through `device_ptr(&stream)`, kernel arguments; a view knows its stream. A committed
 /// allocation also gives its raw `device_ptr()` (cover the stream yourself) and
-/// `copy_from_host` / `copy_to_host`; prefixes, mappings and page tables have copies too.
+/// `copy_from_host` / `copy_to_host`; prefixes, mappings and block tables have copies too.
 ///
 /// **Peers.** [`with_peers`](Self::with_peers) names the devices that may access this device's
 /// memory along with it (each checked with `cuDeviceCanAccessPeer` first). Every map gives them

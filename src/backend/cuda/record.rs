@@ -59,7 +59,7 @@ pub(super) struct CudaState {
     pub(super) handoff: Option<u64>,
     /// Per memory, the streams that used it through views: see
     /// [`order_use`](CudaBackend::order_use). Keyed by a group: a reservation (by its start: a
-    /// token's range, or a pool's chunk), joined by every reservation that maps the same
+    /// token's range, or a KV cache's plane), joined by every reservation that maps the same
     /// physical memory at once (a prefix's owner and its sharers), so that uses through any of
     /// them are ordered with the others' and fenced by each one's release.
     pub(super) uses: HashMap<u64, Uses>,

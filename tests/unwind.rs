@@ -611,8 +611,10 @@ impl<'w, 'c, 'b, 'id, E: Env> World<'w, 'c, 'b, 'id, E> {
         ensure_eq!(
             self.cache.live_blocks(),
             held,
-            "KV cache: blocks handed out vs the table's (a block lost from the free lists)"
+            "KV cache: blocks handed out vs the table's"
         );
+        // Every block of a mapped group free or live, once: none lost from the free lists.
+        self.cache.check_blocks()?;
 
         let custody = self.device.custody();
         for h in [custody.quarantined, custody.deferred] {

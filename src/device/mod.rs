@@ -101,7 +101,7 @@ pub struct Device<'id, B: Backend> {
     owed_pins: AtomicU64,
     /// Bindings alive (or forgotten).
     bindings: AtomicU64,
-    /// Pages forgotten in pools that have dropped.
+    /// Blocks of KV caches that dropped while a forgotten table or prefix cache held them.
     forgotten_blocks: AtomicU64,
     books: Mutex<Books<B>>,
     shared: SharedTotals,

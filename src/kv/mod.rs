@@ -524,6 +524,47 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
             .sum()
     }
 
+    /// Checks that every block of every group is counted once: each block of a group mapped
+    /// whole is free or live (held, cached or cooling), a group not mapped whole has none
+    /// free, and no block is free twice (feature `test-hooks`: memtoken's tests).
+    ///
+    /// # Errors
+    ///
+    /// What is wrong, and in which group.
+    #[cfg(feature = "test-hooks")]
+    #[doc(hidden)]
+    pub fn check_blocks(&self) -> Result<(), String> {
+        let per_group = 1usize << self.group_shift;
+        let shift = self.group_shift;
+        self.with(|s| {
+            if s.asleep.is_some() {
+                return Ok(()); // the free lists are put aside
+            }
+            let mut seen = vec![false; s.words.len()];
+            for (i, g) in s.groups.iter().enumerate() {
+                let free = g.free.len();
+                match g.memory {
+                    Memory::Mapped if free + g.live as usize != per_group => {
+                        return Err(format!(
+                            "group {i}: {free} free and {} live of {per_group} blocks",
+                            g.live
+                        ));
+                    }
+                    Memory::Mapped => {}
+                    _ if free > 0 => return Err(format!("group {i}: not mapped, {free} free")),
+                    _ => {}
+                }
+                for &b in &g.free {
+                    let twice = std::mem::replace(&mut seen[b as usize], true);
+                    if (b >> shift) as usize != i || twice {
+                        return Err(format!("group {i}: block {b} free twice or elsewhere"));
+                    }
+                }
+            }
+            Ok(())
+        })
+    }
+
     /// Whether groups are mapped on demand (`false`: every plane allocated whole, as on CUDA's
     /// plain mechanism).
     pub fn maps_on_demand(&self) -> bool {
@@ -642,16 +683,20 @@ impl Group {
 impl<B: Backend> Drop for KvCache<'_, '_, '_, B> {
     fn drop(&mut self) {
         let _scope = Scope::open::<B>();
-        // Blocks still held but not lent nor waiting for a fence: a table or a prefix cache
-        // forgotten (the null block aside).
+        // Blocks still held but not waiting for a fence: a table or a prefix cache forgotten
+        // (the null block aside). With blocks lent to a transfer engine the planes are withheld
+        // for its peer, and no count is made (a lent table counts its positions, which forks
+        // may share: the two counts would not compare).
         let state = self.state.get_mut();
-        let held: usize = state.groups.iter().map(|g| g.live as usize).sum();
-        let cooling: usize = state.cooling.iter().map(|b| b.blocks.len()).sum();
-        let forgotten = held.saturating_sub(1 + state.unfenced.len() + cooling + state.lent);
-        if forgotten > 0 {
-            self.binding
-                .device()
-                .note_forgotten_blocks(forgotten as u64);
+        if state.lent == 0 {
+            let held: usize = state.groups.iter().map(|g| g.live as usize).sum();
+            let cooling: usize = state.cooling.iter().map(|b| b.blocks.len()).sum();
+            let forgotten = held.saturating_sub(1 + state.unfenced.len() + cooling);
+            if forgotten > 0 {
+                self.binding
+                    .device()
+                    .note_forgotten_blocks(forgotten as u64);
+            }
         }
         // The planes' releases wait for a fence over all their work: these are not needed.
         let backend = self.backend();

@@ -18,6 +18,23 @@ use std::ops::Range;
 /// vLLM's block tables; ids stay below 2^31), and the slot of a token
 /// ([`slot`](Self::slot), [`slots`](Self::slots): `block × block_tokens + offset`, `i64`, vLLM's
 /// slot mapping).
+///
+/// Its ids change only through its cache: code outside the crate cannot write one (the cache's
+/// counts per block rely on every id in a table being one it handed out;
+/// `ui-tests/block_table_ids_from_outside.rs`):
+///
+/// ```compile_fail,E0624
+/// # use memtoken::backend::HostBackend;
+/// # use memtoken::kv::{KvCache, Layout};
+/// # use memtoken::{make_guard, Budget, Device};
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+/// # let binding = device.bind(Budget::unlimited()).unwrap();
+/// # make_guard!(g);
+/// let cache = KvCache::new(g, &binding, &Layout::new(64, 16).plane(4096)).unwrap();
+/// let mut table = cache.table();
+/// table.ids_mut().push(1 << 30); // error: `ids_mut` is private
+/// ```
 pub struct BlockTable<'t, 'c, 'b, 'id, B: Backend> {
     cache: &'t KvCache<'c, 'b, 'id, B>,
     ids: Vec<u32>,

@@ -864,18 +864,19 @@ fn a_backend_dropped_with_an_unsettled_copy_takes_its_scratch_range_down() {
 /// 10,000 KV block cycles on the driver model — a block pushed and given back, a replenish
 /// every 64 cycles (an engine's step), the GPU catching up every 500 — make no driver call as a
 /// block is taken or given back, allocate nothing as it is given back, keep at most a few
-/// fences alive (the cache keeps two batches waiting), and make less than one driver call a
-/// cycle: one fence per replenish, not per block. Prints the figures (`-- --nocapture`).
+/// fences alive while the work they wait for runs (the cache keeps two batches waiting: one
+/// event per covered stream each), and make less than one driver call a cycle: one fence per
+/// replenish, not per block. Prints the figures (`-- --nocapture`).
 #[test]
 fn ten_thousand_block_cycles_keep_fences_bounded_and_make_less_than_one_driver_call_each() {
     use memtoken::kv::{KvCache, Layout};
     let model = model(false);
     common::covered_device!(model, device, stream);
-    let _ = stream;
     let binding = device.bind(Budget::unlimited()).unwrap();
     make_guard!(cache_guard);
-    let cache = KvCache::new(cache_guard, &binding, &Layout::new(256, 16).plane(G / 64)).unwrap();
-    cache.set_watermarks(2, 4);
+    // Room for the blocks that cool between two catch-ups of the GPU.
+    let cache = KvCache::new(cache_guard, &binding, &Layout::new(2048, 16).plane(G / 64)).unwrap();
+    cache.set_watermarks(2, 32);
     cache.replenish().unwrap();
     let mut table = cache.table();
     let (mut most, mut allocations, mut in_cycles) = (0, 0, 0);
@@ -889,6 +890,7 @@ fn ten_thousand_block_cycles_keep_fences_bounded_and_make_less_than_one_driver_c
         allocations += common::allocations::made() - made;
         in_cycles += model.log().len() - calls;
         if i % 64 == 63 {
+            model.submit_work_on(stream); // the step's kernels: the fence waits for them
             cache.replenish().unwrap();
         }
         most = most.max(model.outstanding().events);
@@ -902,6 +904,7 @@ fn ten_thousand_block_cycles_keep_fences_bounded_and_make_less_than_one_driver_c
         in_cycles, 0,
         "a block taken or given back makes no driver call"
     );
+    assert!(most > 0, "the fences waited for work");
     assert!(most <= 4, "{most} live events");
     assert_eq!(allocations, 0, "giving a block back allocates nothing");
     assert!(per_cycle < 1.0, "{per_cycle} driver calls per block cycle");

@@ -54,7 +54,7 @@ fn an_engine_serves_requests_on_four_threads_and_leaves_nothing_outstanding() {
 }
 
 mod owned {
-    //! The owned form: an `Engine` returned by a constructor owns its device, binding, pool
+    //! The owned form: an `Engine` returned by a constructor owns its device, binding, KV cache
     //! and tokens; moved to another thread, it lends its tokens' memory to four more.
 
     use memtoken::backend::HostBackend;
@@ -154,7 +154,8 @@ mod owned {
     fn a_failed_build_leaves_nothing() {
         let backend = Faulty::new(crate::common::host());
         let faults = backend.handle();
-        faults.fail_nth(memtoken::backend::Op::Create, 2);
+        // Create #1 maps the KV cache's null group, #2 the weights: #3 is the build's second.
+        faults.fail_nth(memtoken::backend::Op::Create, 3);
         let made = Engine::<Host, Serving>::new(backend, Budget::unlimited(), &layout(), |parts| {
             let g = parts.device.granularity();
             let weights = parts.binding.reserve(g)?.commit()?;

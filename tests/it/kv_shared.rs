@@ -645,6 +645,9 @@ impl<'t, 'c, 'b, 'id, B: Backend, S: BuildHasher> World<'t, 'c, 'b, 'id, B, S> {
             assert!(self.cache.is_cached(block));
         }
         assert_eq!(self.cache.live_blocks(), held.len());
+        if let Err(e) = self.cache.check_blocks() {
+            panic!("a block lost or free twice: {e}");
+        }
         assert_eq!(self.prefixes.len(), self.keys.len());
         for (table, bytes) in &self.seqs {
             assert_eq!(table.len(), bytes.len());
@@ -716,6 +719,9 @@ fn run<B: Backend, S: BuildHasher>(
         drop((seqs, prefixes));
         assert_eq!(cache.live_blocks(), 0, "every block is free at the end");
         assert_eq!(cache.idle_cached_blocks(), 0);
+        cache
+            .check_blocks()
+            .expect("every block of a mapped group free, once");
     }
     drop(binding);
 }

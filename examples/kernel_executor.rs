@@ -1,5 +1,6 @@
 //! A kernel executor written once, generic over the backend: it commits `x` and `y`, uploads
-//! them, runs `y = a·x + y`, checks the result and releases everything — a CPU loop over the
+//! them and reads the result back the same way on every backend (`copy_from_host`,
+//! `copy_to_host`), runs `y = a·x + y`, checks the result and releases everything — a CPU loop over the
 //! tokens' memory seen as `f32`s on the host backend; on a CUDA device, a PTX kernel launched
 //! through cudarc on a `new_stream()` stream, with the tokens lent as typed device views.
 //!
@@ -21,12 +22,12 @@ use std::time::Instant;
 
 type Result<T> = std::result::Result<T, Box<dyn Error>>;
 
-/// What the executor needs from a backend's memory: copies and one kernel.
+/// What the executor needs from a backend: one kernel. Its bytes move the same way on every
+/// backend (`copy_from_host`, `copy_to_host`: a copy on the host, a driver copy on CUDA,
+/// ordered like any use of the memory).
 trait Kernels<B: Backend> {
     /// Where it runs, for the report.
     fn name(&self) -> String;
-    fn upload(&self, dst: &mut Allocation<'_, '_, B, Committed>, src: &[f32]) -> Result<()>;
-    fn download(&self, src: &Allocation<'_, '_, B, Committed>, dst: &mut [f32]) -> Result<()>;
     /// `y[i] = a * x[i] + y[i]` for `i < n`.
     fn axpy(
         &self,
@@ -44,8 +45,8 @@ fn execute<B: Backend, K: Kernels<B>>(device: &Device<'_, B>, kernels: &K, n: us
     let mut x = binding.reserve(bytes)?.commit()?;
     let mut y = binding.reserve(bytes)?.commit()?;
     let xs: Vec<f32> = (0..n).map(|i| i as f32).collect();
-    kernels.upload(&mut x, &xs)?;
-    kernels.upload(&mut y, &vec![1.0; n])?;
+    x.copy_from_host(0, bytemuck::cast_slice(&xs))?;
+    y.copy_from_host(0, bytemuck::cast_slice(&vec![1.0f32; n]))?;
     println!(
         "{}: committed x and y, {} bytes each ({} granules of {} bytes); ledger {:?}",
         kernels.name(),
@@ -58,7 +59,7 @@ fn execute<B: Backend, K: Kernels<B>>(device: &Device<'_, B>, kernels: &K, n: us
     let started = Instant::now();
     kernels.axpy(2.0, &x, &mut y, n)?;
     let mut out = vec![0.0f32; n];
-    kernels.download(&y, &mut out)?;
+    y.copy_to_host(0, bytemuck::cast_slice_mut(&mut out))?;
     let elapsed = started.elapsed();
     let wrong = (0..n).filter(|&i| out[i] != 2.0 * i as f32 + 1.0).count();
     println!(
@@ -98,24 +99,6 @@ struct Cpu;
 impl Kernels<HostBackend> for Cpu {
     fn name(&self) -> String {
         "host (CPU loop)".into()
-    }
-
-    fn upload(
-        &self,
-        dst: &mut Allocation<'_, '_, HostBackend, Committed>,
-        src: &[f32],
-    ) -> Result<()> {
-        dst.as_mut_slice_of::<f32>()?[..src.len()].copy_from_slice(src);
-        Ok(())
-    }
-
-    fn download(
-        &self,
-        src: &Allocation<'_, '_, HostBackend, Committed>,
-        dst: &mut [f32],
-    ) -> Result<()> {
-        dst.copy_from_slice(&src.as_slice_of::<f32>()?[..dst.len()]);
-        Ok(())
     }
 
     fn axpy(
@@ -179,23 +162,6 @@ mod gpu {
     impl Kernels<Gpu> for Ptxs {
         fn name(&self) -> String {
             "CUDA device 0 (PTX kernel on a new stream)".into()
-        }
-
-        fn upload(&self, dst: &mut Allocation<'_, '_, Gpu, Committed>, src: &[f32]) -> Result<()> {
-            let mut view = dst.view_mut::<f32>(&self.stream)?;
-            self.stream.memcpy_htod(src, &mut view)?;
-            Ok(())
-        }
-
-        fn download(
-            &self,
-            src: &Allocation<'_, '_, Gpu, Committed>,
-            dst: &mut [f32],
-        ) -> Result<()> {
-            let view = src.view::<f32>(&self.stream)?;
-            self.stream.memcpy_dtoh(&view.slice(..dst.len()), dst)?;
-            self.stream.synchronize()?; // `dst` is read on the host next
-            Ok(())
         }
 
         fn axpy(

@@ -24,7 +24,7 @@ pub use ipc::{
 
 use crate::allocation::Allocation;
 use crate::backend::cuda::{CudaBackend, Driver};
-use crate::backend::{Addr, BackendError};
+use crate::backend::{Addr, Backend, BackendError};
 use crate::error::ViewError;
 use crate::region::Elastic;
 use crate::sharing::{Capability, Diverged, Owner};
@@ -65,18 +65,20 @@ impl<D: Driver, S: State> Allocation<'_, '_, CudaBackend<D>, S> {
     }
 }
 
-impl<D: Driver, S: Readable> Allocation<'_, '_, CudaBackend<D>, S> {
-    /// Copies `dst.len()` bytes at `offset` into the memory to the host.
+impl<B: Backend, S: Readable> Allocation<'_, '_, B, S> {
+    /// Copies `dst.len()` bytes at `offset` into the memory to the host — on any backend (the
+    /// host: a copy; CUDA: a driver copy, ordered like any use of the memory), so code generic
+    /// over the backend reads a token's bytes with it.
     ///
     /// # Errors
     ///
-    /// The driver's error.
+    /// The backend's error.
     ///
     /// # Panics
     ///
     /// If the range does not fit in the token.
     pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
-        Scope::run::<CudaBackend<D>, _>(move || {
+        Scope::run::<B, _>(move || {
             let at = within(self.addr(), self.len(), offset, dst.len());
             self.binding().device().backend().copy_to_host(dst, at)
         })
@@ -100,25 +102,28 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Committed> {
     pub fn device_ptr(&self) -> u64 {
         self.addr() as u64
     }
+}
 
-    /// Copies `src` from the host into the memory, at `offset`.
+impl<B: Backend> Allocation<'_, '_, B, Committed> {
+    /// Copies `src` from the host into the memory, at `offset` — on any backend (the host: a
+    /// copy; CUDA: a driver copy, ordered like any use of the memory).
     ///
     /// # Errors
     ///
-    /// The driver's error.
+    /// The backend's error.
     ///
     /// # Panics
     ///
     /// If the range does not fit in the allocation.
     pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<(), BackendError> {
-        Scope::run::<CudaBackend<D>, _>(move || {
+        Scope::run::<B, _>(move || {
             let at = within(self.addr(), self.len(), offset, src.len());
             self.binding().device().backend().copy_from_host(at, src)
         })
     }
 }
 
-impl<D: Driver, K: Capability> Allocation<'_, '_, CudaBackend<D>, Owner<K>> {
+impl<B: Backend, K: Capability> Allocation<'_, '_, B, Owner<K>> {
     /// Copies `src` from the host into the prefix, at `offset` — only while no sharer maps it
     /// (`None` otherwise), so a sharer never sees a byte change; the owner fills its prefix
     /// before sharing it. Else the driver's result.
@@ -131,7 +136,7 @@ impl<D: Driver, K: Capability> Allocation<'_, '_, CudaBackend<D>, Owner<K>> {
         offset: usize,
         src: &[u8],
     ) -> Option<Result<(), BackendError>> {
-        Scope::run::<CudaBackend<D>, _>(move || {
+        Scope::run::<B, _>(move || {
             if !self.parts_mut().is_unique() {
                 return None;
             }
@@ -154,8 +159,10 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Elastic> {
     pub fn device_ptr(&self) -> u64 {
         self.addr() as u64
     }
+}
 
-    /// Copies `dst.len()` bytes of the committed part at `offset` to the host.
+impl<B: Backend> Allocation<'_, '_, B, Elastic> {
+    /// Copies `dst.len()` bytes of the committed part at `offset` to the host (any backend).
     ///
     /// # Errors
     ///
@@ -165,13 +172,13 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Elastic> {
     ///
     /// If the range does not fit in the committed part.
     pub fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
-        Scope::run::<CudaBackend<D>, _>(move || {
+        Scope::run::<B, _>(move || {
             let at = within(self.addr(), self.committed_len(), offset, dst.len());
             self.binding().device().backend().copy_to_host(dst, at)
         })
     }
 
-    /// Copies `src` from the host into the committed part, at `offset`.
+    /// Copies `src` from the host into the committed part, at `offset` (any backend).
     ///
     /// # Errors
     ///
@@ -181,14 +188,14 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Elastic> {
     ///
     /// If the range does not fit in the committed part.
     pub fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<(), BackendError> {
-        Scope::run::<CudaBackend<D>, _>(move || {
+        Scope::run::<B, _>(move || {
             let at = within(self.addr(), self.committed_len(), offset, src.len());
             self.binding().device().backend().copy_from_host(at, src)
         })
     }
 }
 
-impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Diverged> {
+impl<B: Backend> Allocation<'_, '_, B, Diverged> {
     /// Copies `src` from the host into the private last granule, at `offset` into it.
     ///
     /// # Errors
@@ -203,7 +210,7 @@ impl<D: Driver> Allocation<'_, '_, CudaBackend<D>, Diverged> {
         offset: usize,
         src: &[u8],
     ) -> Result<(), BackendError> {
-        Scope::run::<CudaBackend<D>, _>(move || {
+        Scope::run::<B, _>(move || {
             let boundary = self.boundary_offset();
             let at = within(
                 self.addr() + boundary,

@@ -133,3 +133,34 @@ fn a_view_error_says_what_misfit_and_with_which_numbers() {
     crate::common::says_first(&e, "the view could not be made: ");
     assert!(e.to_string().ends_with(&length), "{e}");
 }
+
+/// Code generic over the backend moves a token's bytes with one shape on every backend —
+/// `copy_from_host` and `copy_to_host` on a committed allocation and a region's committed part
+/// — the host and the CUDA driver model alike. Fails if a copy lands at another offset or in
+/// another token.
+#[test]
+fn generic_code_moves_a_tokens_bytes_the_same_way_on_every_backend() {
+    use memtoken::backend::Backend;
+    fn round_trip<B: Backend>(binding: &memtoken::Binding<'_, '_, B>) {
+        let g = binding.device().granularity();
+        let mut a = binding.reserve(2 * g).unwrap().commit().unwrap();
+        a.copy_from_host(g - 2, &[1, 2, 3, 4]).unwrap();
+        let mut back = [0; 6];
+        a.copy_to_host(g - 3, &mut back).unwrap();
+        assert_eq!(back, [0, 1, 2, 3, 4, 0]);
+        let mut region = binding.reserve(4 * g).unwrap().into_region();
+        region.grow(2).unwrap();
+        region.copy_from_host(g, &[9; 3]).unwrap();
+        let mut back = [0; 3];
+        region.copy_to_host(g, &mut back).unwrap();
+        assert_eq!(back, [9; 3]);
+        drop((a, region));
+    }
+    make_guard!(guard);
+    let device = Device::new(guard, crate::common::host());
+    round_trip(&device.bind(Budget::unlimited()).unwrap());
+    let model = crate::common::model();
+    make_guard!(guard);
+    let device = Device::new(guard, crate::common::cuda(&model));
+    round_trip(&device.bind(Budget::unlimited()).unwrap());
+}

@@ -234,8 +234,8 @@ fn blocks_read_by_id_land_only_in_blocks_the_table_owns()
 }
 
 /// A group's registrations go before the group is unmapped — by a replenish over the high
-/// watermark, by a sleep — and a cache is registered once at a time. A cache with a block lent
-/// does not sleep.
+/// watermark, by a sleep — and a cache is registered once at a time (again once let go). A
+/// cache with a block lent does not sleep.
 #[test]
 fn a_groups_registrations_go_before_it_is_unmapped()
 -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -301,6 +301,8 @@ fn a_groups_registrations_go_before_it_is_unmapped()
     drop(taken_back(offered));
     decode_cache.sleep()?;
     drop(registered);
+    // A registration let go lets the cache be registered again.
+    drop(prefill.register_cache(&prefill_cache)?);
     drop((prefill_cache, decode_cache));
     drop((pb, db));
     drop((prefill, decode));
@@ -449,6 +451,7 @@ fn a_poisoned_registration_still_lets_a_group_go_before_it_is_unmapped()
     cache.push(&mut a)?;
     cache.push(&mut b)?;
     let span = (cache.block_addr(0, b.ids()[0]), BIG);
+    let first = (cache.block_addr(0, a.ids()[0]), BIG);
     let registered = prefill.register_cache(&cache)?;
     let remote = [peer.range(0, 0, BIG)?];
     let b = prefill
@@ -491,6 +494,61 @@ fn a_poisoned_registration_still_lets_a_group_go_before_it_is_unmapped()
         !prefill.holds_registration(span.0, span.1),
         "b's group was unmapped while NIXL still held its registration"
     );
+    // The cache drops with blocks lent: its planes are withheld, and what is registered over
+    // them (the forgotten WRITE's block among it) stays registered for good.
+    drop(a);
+    drop(cache);
+    assert!(
+        prefill.holds_registration(first.0, first.1),
+        "a group under a forgotten WRITE was deregistered"
+    );
     std::thread::sleep(std::time::Duration::from_millis(200)); // let the leaked WRITE land
+    Ok(())
+}
+
+/// A registration forgotten (`mem::forget`) with nothing lent: the cache lets its groups'
+/// registrations go with its planes as it drops — none is left over memory given back.
+#[test]
+fn a_forgotten_registration_goes_with_the_caches_planes()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    two_sides!(pd, pb, prefill, dd, db, decode, "kf");
+    let _ = (&pd, &dd);
+    cache!(decode_cache, db, 4);
+    cache!(prefill_cache, pb, 4);
+    let (offered, offer) = decode
+        .offer_table(&prefill.id(), scattered(&decode_cache, 2)?)
+        .map_err(memtoken::Error::from)?;
+    let peer = prefill.load(offer.as_bytes())?;
+    let registered = prefill.register_cache(&prefill_cache)?;
+    let table = scattered(&prefill_cache, 2)?;
+    // The first block's group in plane 0: where the cache registered it.
+    let per_group = prefill_cache.blocks_per_group();
+    let group_bytes = per_group * prefill_cache.stride(0);
+    let group = table.ids()[0] as usize / per_group;
+    let span = (prefill_cache.base(0) + group * group_bytes, group_bytes);
+    let table = prefill
+        .write_blocks(
+            &registered,
+            table,
+            &[0, 1],
+            &peer,
+            &peer.whole(0..2 * PLANES)?,
+            None,
+        )
+        .map_err(memtoken::Error::from)?
+        .wait(DROP_WAIT)?;
+    assert!(
+        prefill.holds_registration(span.0, span.1),
+        "the group is registered"
+    );
+    drop(table);
+    std::mem::forget(registered);
+    peer.done()?;
+    drop(taken_back(offered));
+    drop(prefill_cache);
+    assert!(
+        !prefill.holds_registration(span.0, span.1),
+        "a registration outlived the cache's planes"
+    );
     Ok(())
 }

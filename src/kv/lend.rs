@@ -108,15 +108,15 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
 
     /// As the cache drops: with a block lent, its planes are withheld for good (the engine may
     /// still touch them), not released, and the registrations over them stay; with none, the
-    /// registrations go before the planes. Whether the planes were withheld.
-    pub(super) fn withhold_planes(&mut self) -> bool {
+    /// registrations go before the planes.
+    pub(super) fn withhold_planes(&mut self) {
         let watch = self.watch.get_mut().take();
         let state = self.state.get_mut();
         if state.lent == 0 {
             if let Some(watch) = watch {
                 watch.released(); // a registration forgotten, or left by a poisoned one
             }
-            return false;
+            return;
         }
         if let Some(watch) = watch {
             watch.withheld();
@@ -131,6 +131,5 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
                 PlaneMemory::Whole(plane) => plane.withhold_for_peer(who.clone()),
             }
         }
-        true
     }
 }

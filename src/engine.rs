@@ -79,7 +79,9 @@ impl<B: Backend> Copy for Parts<'_, B> {}
 
 /// A device, its bindings and a KV cache, owned together with what the program keeps over
 /// them (`K::Of`): made by a constructor ([`new`](Self::new)) and returned, held in a struct,
-/// moved to another thread (when what it keeps may move). Its parts are lent to closures
+/// moved to another thread and back — with the block tables it keeps (a table is `Send` only
+/// as part of an engine: see [`BlockTable`](crate::kv::BlockTable)), tokens and regions; not
+/// with a [`PrefixCache`](crate::kv::PrefixCache) (see [`OneThread`](crate::kv::OneThread)). Its parts are lent to closures
 /// ([`with`](Self::with)) for a lifetime the closure cannot name beyond the call — as
 /// [`make_guard!`](crate::make_guard) brands a device, each call brands them afresh — so
 /// nothing borrowed from an engine outlives the call, and one engine's tokens never meet

@@ -204,6 +204,7 @@ pub use error::{
 };
 pub use generativity::{Guard, make_guard};
 pub use ids::{ContextLost, Generation, Released};
+pub use interop::{Bytes, BytesMut};
 pub use interop::{
     Capture, CaptureError, CapturedGraph, GraphTokens, OwningGraph, StreamView, StreamViewMut,
 };

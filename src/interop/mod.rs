@@ -31,6 +31,112 @@ use crate::sharing::{Capability, Diverged, Owner};
 use crate::state::{Committed, Readable, State};
 use crate::unwind::Scope;
 
+/// A token's bytes as the host reads them, the same way on every backend: a copy on the host,
+/// a driver copy on CUDA (ordered like any use of the memory). Implemented by every readable
+/// allocation (committed, a prefix's owner, sharer or diverged mapping, an import) and by a
+/// region (its committed part), so code generic over the backend — and over what holds the
+/// bytes — reads them with one call:
+///
+/// ```
+/// use memtoken::backend::Backend;
+/// use memtoken::{Bytes, BytesMut};
+///
+/// /// `dst[i] += src[i]` for every byte: a "kernel step" written once for every backend.
+/// fn add<B: Backend>(src: &impl Bytes, dst: &mut impl BytesMut) -> Result<(), memtoken::Error> {
+///     let mut a = vec![0u8; src.byte_len()];
+///     let mut b = vec![0u8; dst.byte_len()];
+///     src.copy_to_host(0, &mut a)?;
+///     dst.copy_to_host(0, &mut b)?;
+///     b.iter_mut().zip(&a).for_each(|(b, a)| *b = b.wrapping_add(*a));
+///     dst.copy_from_host(0, &b)?;
+///     Ok(())
+/// }
+/// # use memtoken::{make_guard, Budget, Device};
+/// # use memtoken::backend::HostBackend;
+/// # make_guard!(guard);
+/// # let device = Device::new(guard, HostBackend::with_defaults()?);
+/// # let binding = device.bind(Budget::unlimited())?;
+/// # let g = device.granularity();
+/// # let mut x = binding.reserve(g)?.commit()?;
+/// # x.as_mut_slice().fill(2);
+/// # let mut y = binding.reserve(g)?.commit()?;
+/// # y.as_mut_slice().fill(3);
+/// add::<HostBackend>(&x, &mut y)?;
+/// # assert!(y.as_slice().iter().all(|&b| b == 5));
+/// # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
+/// ```
+///
+/// A KV cache's blocks move through their table ([`BlockTable::write`],
+/// [`BlockTable::read`]: a plane and a position, then the offset).
+///
+/// [`BlockTable::write`]: crate::kv::BlockTable::write
+/// [`BlockTable::read`]: crate::kv::BlockTable::read
+pub trait Bytes {
+    /// How many bytes [`copy_to_host`](Self::copy_to_host) reaches: the token's length, a
+    /// region's committed part.
+    fn byte_len(&self) -> usize;
+
+    /// Copies `dst.len()` bytes at `offset` to the host.
+    ///
+    /// # Errors
+    ///
+    /// The backend's error.
+    ///
+    /// # Panics
+    ///
+    /// If the range does not fit in [`byte_len`](Self::byte_len).
+    fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), BackendError>;
+}
+
+/// A token's bytes as the host writes them, the same way on every backend (see [`Bytes`]):
+/// a committed allocation and a region's committed part. Not what others may read at the same
+/// time — a prefix's owner writes only while no sharer maps it
+/// ([`Allocation::copy_from_host`](Allocation#method.copy_from_host-2) says when), a sharer and an import never.
+pub trait BytesMut: Bytes {
+    /// Copies `src` from the host to `offset`.
+    ///
+    /// # Errors
+    ///
+    /// The backend's error.
+    ///
+    /// # Panics
+    ///
+    /// If the range does not fit in [`byte_len`](Bytes::byte_len).
+    fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<(), BackendError>;
+}
+
+impl<B: Backend, S: Readable> Bytes for Allocation<'_, '_, B, S> {
+    fn byte_len(&self) -> usize {
+        self.len()
+    }
+
+    fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
+        self.copy_to_host(offset, dst)
+    }
+}
+
+impl<B: Backend> BytesMut for Allocation<'_, '_, B, Committed> {
+    fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<(), BackendError> {
+        self.copy_from_host(offset, src)
+    }
+}
+
+impl<B: Backend> Bytes for Allocation<'_, '_, B, Elastic> {
+    fn byte_len(&self) -> usize {
+        self.committed_len()
+    }
+
+    fn copy_to_host(&self, offset: usize, dst: &mut [u8]) -> Result<(), BackendError> {
+        self.copy_to_host(offset, dst)
+    }
+}
+
+impl<B: Backend> BytesMut for Allocation<'_, '_, B, Elastic> {
+    fn copy_from_host(&mut self, offset: usize, src: &[u8]) -> Result<(), BackendError> {
+        self.copy_from_host(offset, src)
+    }
+}
+
 /// How many `T`s the `bytes` bytes at `addr` hold, or why they cannot be viewed as `T`s.
 /// The alignment is checked first, as `bytemuck` does for the host views.
 fn fit<T>(addr: Addr, bytes: usize) -> Result<usize, ViewError> {

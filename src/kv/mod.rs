@@ -162,6 +162,37 @@ struct Blocks<F> {
     withheld_for: Option<String>,
 }
 
+impl<F> Blocks<F> {
+    /// `groups` groups of `per_group` blocks, none mapped, watermarks 1 and 2.
+    fn new(groups: usize, per_group: usize) -> Self {
+        Self {
+            groups: (0..groups)
+                .map(|_| Group {
+                    free: Vec::new(),
+                    live: 0,
+                    memory: Memory::Unmapped,
+                    pinned: false,
+                })
+                .collect(),
+            lowest: 0,
+            unfenced: Vec::new(),
+            cooling: Vec::new(),
+            serial: 0,
+            shrink_after: None,
+            low: 1,
+            high: 2,
+            asleep: None,
+            words: vec![0; per_group * groups],
+            lru: Lru::default(),
+            evicted: Vec::new(),
+            prefixed: false,
+            mapped: 0,
+            lent: 0,
+            withheld_for: None,
+        }
+    }
+}
+
 /// A KV cache: block ids over one reservation per plane, physical memory by group (see the
 /// [module](self)).
 ///
@@ -232,11 +263,73 @@ pub struct KvCache<'c, 'b, 'id, B: Backend> {
     layout: Layout,
     /// Blocks per group, as a shift.
     group_shift: u32,
-    planes: RefCell<Vec<PlaneMemory<'b, 'id, B>>>,
-    state: UnsafeCell<Blocks<B::Fence>>,
+    planes: Unshared<RefCell<Vec<PlaneMemory<'b, 'id, B>>>>,
+    state: Unshared<UnsafeCell<Blocks<B::Fence>>>,
     awake: Awake,
     /// What hears of a group before it is unmapped (a transfer engine's registrations).
-    watch: RefCell<Option<Arc<dyn GroupWatch>>>,
+    watch: Unshared<RefCell<Option<Arc<dyn GroupWatch>>>>,
+    /// What makes the cache `!Sync` (and its tables `!Send`, but inside an [`Engine`]).
+    ///
+    /// [`Engine`]: crate::Engine
+    _one_thread: OneThread,
+}
+
+/// The mark of a [`KvCache`]: the cache is used from one thread at a time — its free lists
+/// are not locked, so that a block's take and give-back cost a few instructions — so it is not
+/// `Sync`, and what borrows it ([`BlockTable`], [`PrefixCache`]) is not `Send`.
+///
+/// A compiler error that names `OneThread` ("`Cell<()>` cannot be shared between threads
+/// safely … within `memtoken::kv::OneThread`") says that something borrowing a KV cache was
+/// to move to, or be shared with, another thread. Two ways out:
+///
+/// - Keep the cache and its tables together in an [`Engine`](crate::Engine): an engine moves
+///   to another thread with the block tables it keeps (`BlockTable` is `Send` there, and only
+///   there: see its docs).
+/// - Give each thread a cache of its own (`examples/serving_engine`).
+///
+/// A [`PrefixCache`] does not move, even in an engine: its hook may hold anything (an `Rc`,
+/// the cache itself). An engine that keeps one is made on the thread that uses it
+/// (`ui-tests/engine_prefix_cache_stays.rs`):
+///
+/// ```compile_fail,E0277
+/// use memtoken::backend::HostBackend;
+/// use memtoken::kv::{Layout, PrefixCache};
+/// use memtoken::{Budget, Engine, Keeps};
+/// struct Serving;
+/// impl Keeps<HostBackend> for Serving {
+///     type Of<'e> = PrefixCache<'e, 'e, 'e, 'e, HostBackend, u64>;
+/// }
+/// let engine = Engine::<HostBackend, Serving>::new(
+///     HostBackend::with_defaults().unwrap(), Budget::unlimited(),
+///     &Layout::new(64, 16).plane(4096), |parts| Ok(PrefixCache::new(parts.cache)?),
+/// ).unwrap();
+/// std::thread::spawn(move || drop(engine)); // error: `Cell<()>` … within `OneThread`
+/// ```
+#[derive(Debug, Default)]
+pub struct OneThread(std::marker::PhantomData<std::cell::Cell<()>>);
+
+/// A cache's state, `Sync` to the compiler so that the only part of a [`KvCache`] it finds
+/// not `Sync` is the public [`OneThread`], which its errors then name (not a private type).
+struct Unshared<T>(T);
+
+// SAFETY: an `Unshared` is only ever a private field of a `KvCache`, which is `!Sync` through
+// its `OneThread` field, so no `&Unshared` is ever reachable from two threads at once; the
+// bound keeps moving the cache (`Send`) as sound as it was.
+unsafe impl<T: Send> Sync for Unshared<T> {}
+
+impl<T> std::ops::Deref for Unshared<T> {
+    type Target = T;
+    #[inline(always)]
+    fn deref(&self) -> &T {
+        &self.0
+    }
+}
+
+impl<T> std::ops::DerefMut for Unshared<T> {
+    #[inline(always)]
+    fn deref_mut(&mut self) -> &mut T {
+        &mut self.0
+    }
 }
 
 impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
@@ -273,34 +366,11 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
                 bases,
                 layout: layout.clone(),
                 group_shift: per_group.trailing_zeros(),
-                planes: RefCell::new(planes),
-                state: UnsafeCell::new(Blocks {
-                    groups: (0..groups)
-                        .map(|_| Group {
-                            free: Vec::new(),
-                            live: 0,
-                            memory: Memory::Unmapped,
-                            pinned: false,
-                        })
-                        .collect(),
-                    lowest: 0,
-                    unfenced: Vec::new(),
-                    cooling: Vec::new(),
-                    serial: 0,
-                    shrink_after: None,
-                    low: 1,
-                    high: 2,
-                    asleep: None,
-                    words: vec![0; per_group * groups],
-                    lru: Lru::default(),
-                    evicted: Vec::new(),
-                    prefixed: false,
-                    mapped: 0,
-                    lent: 0,
-                    withheld_for: None,
-                }),
+                planes: Unshared(RefCell::new(planes)),
+                state: Unshared(UnsafeCell::new(Blocks::new(groups, per_group))),
                 awake: Awake(Arc::new(AtomicBool::new(true))),
-                watch: RefCell::new(None),
+                watch: Unshared(RefCell::new(None)),
+                _one_thread: OneThread::default(),
             };
             if whole {
                 for group in 0..groups {

@@ -33,6 +33,19 @@ pub enum CacheEvent<'k, K> {
 /// A hook called with each [`CacheEvent`].
 type Hook<'t, K> = Box<dyn FnMut(CacheEvent<'_, K>) + 't>;
 
+/// A prefix cache's hook, which may hold anything (an `Rc`, the KV cache): `Send` and `Sync`
+/// to the compiler only so that what keeps a [`PrefixCache`] from moving is, in its errors,
+/// the KV cache's public mark [`OneThread`](super::OneThread) — not the hook's type.
+struct LocalHook<'t, K>(Option<Hook<'t, K>>);
+
+// SAFETY: a `LocalHook` is only ever the private field of a `PrefixCache`, which borrows its
+// KV cache (`&KvCache`, and a KV cache is not `Sync` at any brand: its `OneThread`), so a prefix
+// cache is neither `Send` nor `Sync` (tests/it/static_asserts.rs) and its hook never reaches
+// another thread.
+unsafe impl<K> Send for LocalHook<'_, K> {}
+// SAFETY: as for `Send`.
+unsafe impl<K> Sync for LocalHook<'_, K> {}
+
 /// A prefix cache over a [`KvCache`]: full blocks entered under a key of the caller's, found
 /// again by it — one more holder, no byte copied.
 ///
@@ -109,7 +122,7 @@ pub struct PrefixCache<'t, 'c, 'b, 'id, B: Backend, K, S = RandomState> {
     entries: HashMap<K, u32, S>,
     /// Each block's key, while it is cached.
     keys: Vec<Option<K>>,
-    hook: Option<Hook<'t, K>>,
+    hook: LocalHook<'t, K>,
     /// The most blocks cached at once ([`set_limit`](Self::set_limit)).
     limit: usize,
     /// The blocks of the eviction log whose keys are gone already (a `sync` a hook cut short).
@@ -152,7 +165,7 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
             cache,
             entries: HashMap::with_hasher(hasher),
             keys: vec![None; blocks],
-            hook: None,
+            hook: LocalHook(None),
             limit: usize::MAX,
             synced: 0,
         })
@@ -166,7 +179,7 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
     /// panics leaves the cache consistent, and the evictions after its own are told at the next
     /// call.
     pub fn on_event(&mut self, hook: impl FnMut(CacheEvent<'_, K>) + 't) {
-        self.hook = Some(Box::new(hook));
+        self.hook.0 = Some(Box::new(hook));
     }
 
     /// Enters the block at `position` of `table` under `key` (the caller's key for the whole
@@ -207,7 +220,7 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
         );
         let key = self.keys[block as usize].insert(copy);
         entry.insert(block);
-        if let Some(hook) = &mut self.hook {
+        if let Some(hook) = &mut self.hook.0 {
             hook(CacheEvent::Stored { key, block });
         }
         true
@@ -327,7 +340,7 @@ impl<'t, 'c, 'b, 'id, B: Backend, K: Hash + Eq + Clone, S: BuildHasher>
                 continue;
             };
             self.entries.remove(&key);
-            if let Some(hook) = &mut self.hook {
+            if let Some(hook) = &mut self.hook.0 {
                 self.synced = at;
                 hook(CacheEvent::Removed { key: &key, block });
             }
@@ -351,7 +364,7 @@ impl<B: Backend, K, S> Drop for PrefixCache<'_, '_, '_, '_, B, K, S> {
             s.prefixed = false;
         });
         for (block, key) in self.keys.iter().enumerate() {
-            if let (Some(key), Some(hook)) = (key, &mut self.hook) {
+            if let (Some(key), Some(hook)) = (key, &mut self.hook.0) {
                 hook(CacheEvent::Removed {
                     key,
                     block: block as u32,

@@ -19,6 +19,32 @@ use std::ops::Range;
 /// ([`slot`](Self::slot), [`slots`](Self::slots): `block × block_tokens + offset`, `i64`, vLLM's
 /// slot mapping).
 ///
+/// It is not `Send` — its cache is used from one thread at a time ([`OneThread`](super::OneThread))
+/// — except as part of what an [`Engine`](crate::Engine) keeps: an engine moves to another
+/// thread with its KV cache and the tables it keeps, which there carry the engine's `'static`
+/// brands. Inside [`Engine::with`](crate::Engine::with) a table is branded afresh and does not
+/// move on its own (`ui-tests/engine_table_to_thread.rs`):
+///
+/// ```compile_fail,E0521
+/// use memtoken::{Budget, Engine, Keeps};
+/// use memtoken::backend::HostBackend;
+/// use memtoken::kv::{BlockTable, Layout};
+/// struct Tables;
+/// impl Keeps<HostBackend> for Tables {
+///     type Of<'e> = Vec<BlockTable<'e, 'e, 'e, 'e, HostBackend>>;
+/// }
+/// let mut engine = Engine::<HostBackend, Tables>::new(
+///     HostBackend::with_defaults().unwrap(), Budget::unlimited(),
+///     &Layout::new(64, 16).plane(4096), |parts| Ok(vec![parts.cache.table()]),
+/// ).unwrap();
+/// engine.with(|_, tables| {
+///     let table = tables.pop().unwrap();
+///     std::thread::scope(|s| {
+///         s.spawn(move || drop(table)); // error: the table would leave its cache's thread
+///     });
+/// });
+/// ```
+///
 /// Its ids change only through its cache: code outside the crate cannot write one (the cache's
 /// counts per block rely on every id in a table being one it handed out;
 /// `ui-tests/block_table_ids_from_outside.rs`):
@@ -206,6 +232,23 @@ impl<'t, 'c, 'b, 'id, B: Backend> BlockTable<'t, 'c, 'b, 'id, B> {
         );
         Ok(self.cache.block_addr(plane, self.ids[position]) + offset)
     }
+}
+
+// SAFETY: a table borrows its cache, which is not `Sync` (its free lists are not locked), so a
+// table may only move to another thread together with its cache and everything else that
+// borrows the cache. That is what an `Engine` does, and the `'static` brands say a table is an
+// engine's: the cache's brand `'c` and the device's `'id` are `'static` only where
+// `Engine::with_bindings` makes them (`make_guard!`'s brands borrow a local, and
+// `Guard::new` is unsafe), and the engine lends its parts and what it keeps only at a fresh
+// brand `'e` (`Engine::with`'s closure is generic over it), where this impl does not apply:
+// no closure can send a table to a thread of its own (`ui-tests/engine_table_to_thread.rs`).
+// A `'static`-branded table is thus only ever part of what an engine keeps (`K::Of<'static>`),
+// and it moves with that engine — its cache with it, and whatever else borrows the cache, which
+// is the engine's too (what `with` returns cannot borrow the parts: `'e` is not nameable
+// outside the call). The engine itself is not `Sync`, so no two threads use the cache at once.
+unsafe impl<B: Backend> Send for BlockTable<'static, 'static, 'static, 'static, B> where
+    KvCache<'static, 'static, 'static, B>: Send
+{
 }
 
 impl<B: Backend> Drop for BlockTable<'_, '_, '_, '_, B> {

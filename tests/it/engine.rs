@@ -149,6 +149,74 @@ mod owned {
         assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
     }
 
+    /// An engine that keeps block tables moves to another thread with them and comes back:
+    /// each table's blocks keep their bytes across both moves, the cache hands out and takes
+    /// back blocks on either thread, and everything goes at the end. Fails if a move loses or
+    /// mixes a table's blocks, or the counts of the cache drift.
+    #[test]
+    fn an_engine_keeping_block_tables_moves_to_a_thread_and_back() {
+        struct Sequences;
+        impl Keeps<Host> for Sequences {
+            type Of<'e> = Vec<memtoken::kv::BlockTable<'e, 'e, 'e, 'e, Host>>;
+        }
+        let backend = Faulty::new(crate::common::host());
+        let faults = backend.handle();
+        // Each block of table `t` holds `t * 16 + position` in its first byte.
+        let mark = |t: usize, position: usize| [(t * 16 + position) as u8];
+        let mut engine =
+            Engine::<Host, Sequences>::new(backend, Budget::unlimited(), &layout(), |parts| {
+                // Groups of 4 blocks: room for the null block and all nine.
+                parts.cache.set_watermarks(3, 4);
+                parts.cache.replenish()?;
+                let mut tables = Vec::new();
+                for t in 0..3 {
+                    let mut table = parts.cache.table();
+                    for position in 0..2 {
+                        parts.cache.push(&mut table)?;
+                        table.write(0, position, 0, &mark(t, position))?;
+                    }
+                    tables.push(table);
+                }
+                Ok(tables)
+            })
+            .unwrap();
+        let read = |table: &memtoken::kv::BlockTable<'_, '_, '_, '_, Host>| {
+            (0..table.len())
+                .map(|position| {
+                    let mut byte = [0];
+                    table.read(0, position, 0, &mut byte).unwrap();
+                    byte[0]
+                })
+                .collect::<Vec<_>>()
+        };
+        let mut engine = std::thread::spawn(move || {
+            engine.with(|parts, tables| -> Result<(), memtoken::Error> {
+                for (t, table) in tables.iter_mut().enumerate() {
+                    assert_eq!(read(table), [mark(t, 0)[0], mark(t, 1)[0]]);
+                    parts.cache.push(table)?;
+                    table.write(0, 2, 0, &mark(t, 2))?;
+                }
+                parts.cache.clear(&mut tables[1]);
+                Ok(())
+            })?;
+            Ok::<_, memtoken::Error>(engine)
+        })
+        .join()
+        .unwrap()
+        .unwrap();
+        engine.with(|parts, tables| {
+            let marks = |t| (0..3).map(|p| mark(t, p)[0]).collect::<Vec<_>>();
+            assert_eq!(read(&tables[0]), marks(0));
+            assert!(tables[1].is_empty());
+            assert_eq!(read(&tables[2]), marks(2));
+            assert_eq!(parts.cache.live_blocks(), 6, "two tables of three blocks");
+            parts.cache.check_blocks().unwrap();
+        });
+        let report = engine.close();
+        assert!(report.is_clean(), "{report:?}");
+        assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+    }
+
     /// A failing build tears down what was made, in order, and says why.
     #[test]
     fn a_failed_build_leaves_nothing() {

@@ -173,9 +173,17 @@ assert_not_impl_any!(memtoken::Prefix<'static, 'static, HostBackend>: Clone, Cop
 assert_not_impl_any!(memtoken::PrefixMapping<'static, 'static, HostBackend>: Clone, Copy);
 assert_not_impl_any!(memtoken::DivergedMapping<'static, 'static, HostBackend>: Clone, Copy);
 // The cache's free lists are not locked: the cache is not Sync, so its tables (which hold a
-// reference to it) are neither Send nor Sync.
+// reference to it) are not Sync, and are Send only with the brands an engine gives what it
+// keeps ('static: the engine moves with its cache); at any other brand a table stays on its
+// thread (ui-tests/engine_table_to_thread.rs). A prefix cache never moves (its hook may hold
+// anything).
 assert_not_impl_any!(HostCache: Sync);
-assert_not_impl_any!(HostTable: Send, Sync);
+assert_not_impl_any!(HostTable: Sync);
+assert_impl_all!(HostTable: Send);
+assert_not_impl_any!(
+    memtoken::kv::PrefixCache<'static, 'static, 'static, 'static, HostBackend, u64>: Send,
+    Sync
+);
 // A cache with no table out may move to another thread.
 assert_impl_all!(HostCache: Send);
 // Mappings lend `&[u8]` only while their bytes cannot change: Send + Sync like allocations.

@@ -135,12 +135,22 @@ fn a_view_error_says_what_misfit_and_with_which_numbers() {
 }
 
 /// Code generic over the backend moves a token's bytes with one shape on every backend —
-/// `copy_from_host` and `copy_to_host` on a committed allocation and a region's committed part
-/// — the host and the CUDA driver model alike. Fails if a copy lands at another offset or in
-/// another token.
+/// `copy_from_host` and `copy_to_host` on a committed allocation and a region's committed part,
+/// and the same through the traits `Bytes` and `BytesMut` — the host and the CUDA driver model
+/// alike. Fails if a copy lands at another offset or in another token, or a trait method
+/// reaches other bytes than the token's own.
 #[test]
 fn generic_code_moves_a_tokens_bytes_the_same_way_on_every_backend() {
     use memtoken::backend::Backend;
+    use memtoken::{Bytes, BytesMut};
+    /// Writes `[7, 8]` at the last two bytes and reads the last four back.
+    fn tail<T: BytesMut>(bytes: &mut T) -> [u8; 4] {
+        let end = bytes.byte_len();
+        bytes.copy_from_host(end - 2, &[7, 8]).unwrap();
+        let mut back = [0; 4];
+        Bytes::copy_to_host(bytes, end - 4, &mut back).unwrap();
+        back
+    }
     fn round_trip<B: Backend>(binding: &memtoken::Binding<'_, '_, B>) {
         let g = binding.device().granularity();
         let mut a = binding.reserve(2 * g).unwrap().commit().unwrap();
@@ -154,6 +164,16 @@ fn generic_code_moves_a_tokens_bytes_the_same_way_on_every_backend() {
         let mut back = [0; 3];
         region.copy_to_host(g, &mut back).unwrap();
         assert_eq!(back, [9; 3]);
+        assert_eq!((a.byte_len(), region.byte_len()), (2 * g, 2 * g));
+        assert_eq!(tail(&mut a), [0, 0, 7, 8]);
+        assert_eq!(tail(&mut region), [0, 0, 7, 8]);
+        let mut back = [0; 3];
+        region.copy_to_host(2 * g - 3, &mut back).unwrap();
+        assert_eq!(
+            back,
+            [0, 7, 8],
+            "the region's committed part ends at 2 granules"
+        );
         drop((a, region));
     }
     make_guard!(guard);

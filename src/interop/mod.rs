@@ -11,16 +11,16 @@ mod capture;
 mod device;
 mod host;
 mod ipc;
+mod stream_view;
 mod streams;
 
-pub use capture::{
-    Capture, CaptureError, CapturedGraph, GraphTokens, OwningGraph, StreamView, StreamViewMut,
-};
+pub use capture::{Capture, CaptureError, CapturedGraph, GraphTokens, OwningGraph};
 #[cfg(feature = "cuda")]
 pub use device::{DeviceView, DeviceViewMut};
 pub use ipc::{
     Export, ImportError, Imported, ImportedPrefix, MESSAGE_LEN, Offer, PrefixMessage, WireError,
 };
+pub use stream_view::{StreamView, StreamViewMut};
 
 use crate::allocation::Allocation;
 use crate::backend::cuda::{CudaBackend, Driver};

@@ -4,15 +4,13 @@
 
 #[cfg(doc)]
 use super::ModelConfig;
-use super::state::{ModelState, Shared, Watched, identity, inode_of};
+use super::state::ModelState;
 use super::{DriverModel, misuse};
 use crate::backend::cuda::driver::{
     AllocationProps, CaptureInfo, CaptureMode, Context, CuError, CuResult, DeviceAttribute, Driver,
-    DriverCall, Event, Graph, GraphExec, HANDLE_TYPE_POSIX_FD, ShareableHandle, Stream,
+    DriverCall, Event, Graph, GraphExec, ShareableHandle, Stream,
 };
 use crate::backend::{Access, Addr};
-use rustix::fd::AsFd;
-use rustix::net::{AddressFamily, SocketFlags, SocketType};
 
 /// The model's only context (device 0's primary context).
 const CTX: Context = 0xc0de;
@@ -192,87 +190,13 @@ impl Driver for DriverModel {
     ) -> CuResult<ShareableHandle> {
         let call = DriverCall::MemExportToShareableHandle;
         let mut s = self.enter(call, true)?;
-        let Some(&allocation) = s.handles.get(&handle) else {
-            misuse(call, "unknown or released handle");
-        };
-        // Fact 26: only a type requested at creation (the error is the model's choice).
-        let requested = s.handle_types.get(&allocation).copied().unwrap_or(0);
-        if handle_type.count_ones() != 1 || requested & handle_type == 0 {
-            return Err(CuError::INVALID_VALUE);
-        }
-        let key = s.next_shareable;
-        s.next_shareable += 1;
-        let (fd, out) = if handle_type == HANDLE_TYPE_POSIX_FD {
-            // A real descriptor, as the driver writes one (fact 27): one end of a socket pair,
-            // known by its inode; the model keeps the other end to learn when it is closed.
-            let flags = SocketFlags::CLOEXEC;
-            let pair =
-                rustix::net::socketpair(AddressFamily::UNIX, SocketType::STREAM, flags, None);
-            let Ok((watch, handed)) = pair else {
-                return Err(CuError::OUT_OF_MEMORY);
-            };
-            let Ok(st) = rustix::fs::fstat(handed.as_fd()) else {
-                return Err(CuError::OUT_OF_MEMORY);
-            };
-            let ino = identity(&st);
-            (Some(Watched { watch, ino }), ShareableHandle::Fd(handed))
-        } else {
-            (None, ShareableHandle::Opaque(key))
-        };
-        let kind = handle_type;
-        s.shareables.insert(
-            key,
-            Shared {
-                allocation,
-                kind,
-                fd,
-            },
-        );
-        *s.holders.entry(allocation).or_insert(0) += 1;
-        Ok(out)
+        s.export(call, handle, handle_type)
     }
 
     fn mem_import_from_shareable_handle(&self, shareable: u64, handle_type: u32) -> CuResult<u64> {
         let call = DriverCall::MemImportFromShareableHandle;
         let mut s = self.enter(call, true)?;
-        s.reap_shareables();
-        // A value that names no open shareable handle of that type: refused, as the driver
-        // refuses a descriptor it cannot use. A POSIX descriptor is known by its inode (any
-        // copy of it, whatever its number), an opaque value by itself.
-        let found = if handle_type == HANDLE_TYPE_POSIX_FD {
-            let ino = inode_of(shareable);
-            s.shareables
-                .values()
-                .find(|sh| ino.is_some() && sh.fd.as_ref().map(|w| w.ino) == ino)
-        } else {
-            s.shareables.get(&shareable).filter(|sh| sh.fd.is_none())
-        };
-        let Some(&Shared {
-            allocation: source,
-            kind,
-            ..
-        }) = found
-        else {
-            return Err(CuError::INVALID_VALUE);
-        };
-        if kind != handle_type {
-            return Err(CuError::INVALID_VALUE);
-        }
-        let len = s.book.phys_len_any(source);
-        let device = s.owners.get(&source).copied().unwrap_or(0);
-        let granule = s.granules.get(&source).copied();
-        let handle = s.new_handle();
-        let allocation = s.next_allocation;
-        s.next_allocation += 1;
-        s.handles.insert(handle, allocation);
-        s.owners.insert(allocation, device);
-        s.aliases.insert(allocation, source);
-        if let Some(granule) = granule {
-            s.granules.insert(allocation, granule);
-        }
-        *s.holders.entry(source).or_insert(0) += 1;
-        s.book.apply_create(allocation, len);
-        Ok(handle)
+        s.import(shareable, handle_type)
     }
 
     /// Fact 59: with or without attribute 102; the memory lands where
@@ -819,89 +743,5 @@ impl Driver for DriverModel {
             misuse(call, format_args!("unknown graph {graph:#x}"));
         }
         Ok(())
-    }
-}
-
-/// The checks of `cuMemSetAccess` (see [`Driver::mem_set_access`] above).
-impl DriverModel {
-    /// One descriptor per device (fact 18): none, a device twice or an unknown device is
-    /// misuse.
-    /// Fact 14: a VMM call on a device without attribute 102 is misuse — the backend must ask
-    /// it first and refuse the device.
-    fn check_vmm(&self, call: DriverCall) {
-        if !self.config.vmm {
-            misuse(
-                call,
-                "a VMM call on a device without virtual memory management (attribute 102 is 0)",
-            );
-        }
-    }
-
-    /// Fact 59: a VMM call on `cuMemAlloc` memory is misuse.
-    fn check_not_plain(s: &ModelState, call: DriverCall, addr: Addr, len: usize) {
-        if s.overlaps_plain(addr, len.max(1)) {
-            misuse(call, "a VMM call on memory cuMemAlloc made");
-        }
-    }
-
-    fn check_descriptors(&self, call: DriverCall, access: &[(i32, bool)]) {
-        if access.is_empty() {
-            misuse(call, "no access descriptor");
-        }
-        for (i, &(device, _)) in access.iter().enumerate() {
-            self.check_device(call, device);
-            if access[..i].iter().any(|&(d, _)| d == device) {
-                misuse(
-                    call,
-                    format_args!("device {device} is named twice in one descriptor list"),
-                );
-            }
-        }
-    }
-
-    /// Whether access for a peer is refused (fact 32: `cuDeviceCanAccessPeer(device, owner)`
-    /// said 0). Misuse: access for a device other than the memory's owner that was never asked
-    /// about, or a new mapping's first access that leaves out a device given access in its
-    /// reservation before (see [`DriverModel`]).
-    fn peer_refused(
-        s: &ModelState,
-        call: DriverCall,
-        access: &[(i32, bool)],
-        mappings: &[(Addr, usize, u64)],
-    ) -> bool {
-        let named = |device: i32| access.iter().any(|&(d, _)| d == device);
-        let mut refused = false;
-        for &(start, _, allocation) in mappings {
-            let owner = s.owners[&allocation];
-            for &(device, _) in access.iter().filter(|&&(d, _)| d != owner) {
-                match s.peers_asked.get(&(device, owner)) {
-                    None => misuse(
-                        call,
-                        format_args!(
-                            "access for device {device} to memory on device {owner} without \
-                             asking cuDeviceCanAccessPeer({device}, {owner}) first"
-                        ),
-                    ),
-                    Some(false) => refused = true,
-                    Some(true) => {}
-                }
-            }
-            if s.grants.contains_key(&start) {
-                continue; // not a new mapping: devices not named keep what they have
-            }
-            let reservation = s.reservation_of(start);
-            let had = s.granted_in.get(&reservation);
-            if let Some(lost) = had.and_then(|had| had.iter().find(|&&d| !named(d))) {
-                misuse(
-                    call,
-                    format_args!(
-                        "the new mapping at {start:#x} is given access without device {lost}, \
-                         which had access in its reservation at {reservation:#x}: a peer lost \
-                         access across a remap (openxla/xla#40852)"
-                    ),
-                );
-            }
-        }
-        refused
     }
 }

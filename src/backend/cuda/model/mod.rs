@@ -7,9 +7,12 @@
 // Where things are: `config` (the settings), `state` (what the model holds, and the rules that
 // move it), `controls` (the test controls: planned failures, loss, work, captures, what is
 // held), `driver` (the `Driver` implementation); here the type, its call gate and its checks.
+mod captures;
+mod checks;
 mod config;
 mod controls;
 mod driver;
+mod sharing;
 mod state;
 #[cfg(test)]
 mod tests;

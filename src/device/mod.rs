@@ -116,6 +116,10 @@ pub struct Device<'id, B: Backend> {
 
 impl<'id, B: Backend> Device<'id, B> {
     /// A device over `backend`, branded by `guard` (from [`make_guard!`](crate::make_guard)).
+    ///
+    /// A brand is never `'static` but in an [`Engine`](crate::Engine), whose block tables are
+    /// `Send` at `'static` brands (they move with the engine): unsafe code that makes a guard
+    /// itself (`Guard::new`) must not make it `'static`.
     pub fn new(guard: Guard<'id>, backend: B) -> Self {
         Self::with_budget(guard, backend, Budget::unlimited())
     }

@@ -38,11 +38,10 @@ use crate::unwind::Scope;
 /// bytes — reads them with one call:
 ///
 /// ```
-/// use memtoken::backend::Backend;
 /// use memtoken::{Bytes, BytesMut};
 ///
 /// /// `dst[i] += src[i]` for every byte: a "kernel step" written once for every backend.
-/// fn add<B: Backend>(src: &impl Bytes, dst: &mut impl BytesMut) -> Result<(), memtoken::Error> {
+/// fn add(src: &impl Bytes, dst: &mut impl BytesMut) -> Result<(), memtoken::Error> {
 ///     let mut a = vec![0u8; src.byte_len()];
 ///     let mut b = vec![0u8; dst.byte_len()];
 ///     src.copy_to_host(0, &mut a)?;
@@ -61,7 +60,7 @@ use crate::unwind::Scope;
 /// # x.as_mut_slice().fill(2);
 /// # let mut y = binding.reserve(g)?.commit()?;
 /// # y.as_mut_slice().fill(3);
-/// add::<HostBackend>(&x, &mut y)?;
+/// add(&x, &mut y)?;
 /// # assert!(y.as_slice().iter().all(|&b| b == 5));
 /// # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
 /// ```
@@ -90,8 +89,8 @@ pub trait Bytes {
 
 /// A token's bytes as the host writes them, the same way on every backend (see [`Bytes`]):
 /// a committed allocation and a region's committed part. Not what others may read at the same
-/// time — a prefix's owner writes only while no sharer maps it
-/// ([`Allocation::copy_from_host`](Allocation#method.copy_from_host-2) says when), a sharer and an import never.
+/// time — a prefix's owner ([`Owner`]) writes with a `copy_from_host` of its own, which
+/// refuses while a sharer maps it; a sharer and an import never write.
 pub trait BytesMut: Bytes {
     /// Copies `src` from the host to `offset`.
     ///

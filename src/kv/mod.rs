@@ -334,7 +334,8 @@ impl<T> std::ops::DerefMut for Unshared<T> {
 
 impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
     /// A cache of `layout`'s planes, each reserved whole through `binding`, branded by `guard`
-    /// (from [`make_guard!`](crate::make_guard)). The null block's group is mapped (on CUDA's
+    /// (from [`make_guard!`](crate::make_guard); never `'static`, a brand only an
+    /// [`Engine`](crate::Engine) makes: see [`BlockTable`]). The null block's group is mapped (on CUDA's
     /// plain mechanism, every plane is allocated whole); nothing else until
     /// [`replenish`](Self::replenish). Watermarks start at 1 and 2.
     ///

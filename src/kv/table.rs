@@ -19,11 +19,12 @@ use std::ops::Range;
 /// ([`slot`](Self::slot), [`slots`](Self::slots): `block × block_tokens + offset`, `i64`, vLLM's
 /// slot mapping).
 ///
-/// It is not `Send` — its cache is used from one thread at a time ([`OneThread`](super::OneThread))
-/// — except as part of what an [`Engine`](crate::Engine) keeps: an engine moves to another
-/// thread with its KV cache and the tables it keeps, which there carry the engine's `'static`
-/// brands. Inside [`Engine::with`](crate::Engine::with) a table is branded afresh and does not
-/// move on its own (`ui-tests/engine_table_to_thread.rs`):
+/// It is `Send` only at `'static` brands — its cache is used from one thread at a time
+/// ([`OneThread`](super::OneThread)) — and only an [`Engine`](crate::Engine) makes those: what
+/// an engine keeps carries them, so an engine moves to another thread with its KV cache and
+/// the tables it keeps. Inside [`Engine::with`](crate::Engine::with) a table is branded
+/// afresh and does not move on its own (`ui-tests/engine_table_to_thread.rs`). Unsafe code
+/// that makes a guard itself (`Guard::new`) must not make it `'static`.
 ///
 /// ```compile_fail,E0521
 /// use memtoken::{Budget, Engine, Keeps};
@@ -246,6 +247,11 @@ impl<'t, 'c, 'b, 'id, B: Backend> BlockTable<'t, 'c, 'b, 'id, B> {
 // and it moves with that engine — its cache with it, and whatever else borrows the cache, which
 // is the engine's too (what `with` returns cannot borrow the parts: `'e` is not nameable
 // outside the call). The engine itself is not `Sync`, so no two threads use the cache at once.
+// Two limits, neither opened by this impl: unsafe code that makes a `'static` guard of its own
+// for a cache (the docs of `Device::new`, `KvCache::new` and `BlockTable` forbid it); and the
+// compiler's known unsoundness around implied bounds (rust-lang/rust#25860 and kin), through
+// which a function item can assume `'e: 'static` inside `with` — the same hole returns the
+// engine's parts from `with` outright (a use after free), with or without this impl.
 unsafe impl<B: Backend> Send for BlockTable<'static, 'static, 'static, 'static, B> where
     KvCache<'static, 'static, 'static, B>: Send
 {

@@ -34,7 +34,7 @@ use memtoken::backend::cuda::{CudaBackend, Driver, DriverCall, SysDriver};
 use memtoken::backend::doubles::{DriverModel, FaultHandle, Faulty};
 use memtoken::backend::{Backend, Op};
 use memtoken::kv::{KvCache, Layout};
-use memtoken::{Binding, Budget, Device, Region, ShrinkError, make_guard};
+use memtoken::{Binding, Budget, Device, errors::ShrinkError, make_guard, region::Region};
 use std::time::{Duration, Instant};
 
 /// Granules a grow, a shrink or a timed iteration handles.

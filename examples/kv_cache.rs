@@ -59,8 +59,8 @@ use memtoken::backend::{
 };
 use memtoken::kv::{BlockTable, KvCache, Layout};
 use memtoken::{
-    Allocation, Budget, Device, DivergedMapping, Prefix, PrefixMapping, Region, Releasing,
-    Returned, make_guard,
+    Allocation, Budget, Device, Releasing, errors::Returned, make_guard, region::Region,
+    sharing::DivergedMapping, sharing::Prefix, sharing::PrefixMapping,
 };
 use std::error::Error;
 use std::time::Instant;

@@ -12,7 +12,7 @@ mod common;
 
 use cli::Arg;
 use memtoken::backend::{HostBackend, PosixFd};
-use memtoken::{Budget, Device, Offer, make_guard};
+use memtoken::{Budget, Device, make_guard, sharing::Offer};
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::process::Command;

@@ -1,6 +1,6 @@
 //! The region cycle of `benches/hot_paths.rs` (grow an elastic region by 16 granules, shrink it
 //! back, in steady state: every granule comes from the cache) on the host backend, as a plain
-//! program for instruction counting and for paired timing runs: a `memtoken::Region` versus the
+//! program for instruction counting and for paired timing runs: a `memtoken::region::Region` versus the
 //! hand-written region of `examples/common/region.rs` (the same backend calls, with its own free
 //! list). Callgrind counts user-space instructions only, so the system calls that both make
 //! cancel out and the ratio shows what the tokens add.
@@ -23,7 +23,7 @@ mod common;
 mod region;
 
 use memtoken::backend::{Backend, HostBackend};
-use memtoken::{Budget, Device, Region, make_guard};
+use memtoken::{Budget, Device, make_guard, region::Region};
 use region::{GRANULES, RawRegion};
 use std::time::Instant;
 

@@ -35,8 +35,8 @@ pub type CompleteError<'b, 'id, B> = TransitionError<
 /// so it cannot outlive either, and it carries the device's brand `'id`.
 ///
 /// The shared-prefix tokens are allocations too, in states of their own:
-/// [`Prefix`](crate::Prefix), [`PrefixMapping`](crate::PrefixMapping) and
-/// [`DivergedMapping`](crate::DivergedMapping).
+/// [`Prefix`](crate::sharing::Prefix), [`PrefixMapping`](crate::sharing::PrefixMapping) and
+/// [`DivergedMapping`](crate::sharing::DivergedMapping).
 ///
 /// Dropping a token in any state tears it down: it never blocks on the device and never frees
 /// VA that is still mapped; what must wait for a fence goes to the device's deferred queue, and

@@ -113,7 +113,7 @@ pub struct LedgerSnapshot {
     /// Of the owned bytes, those in the mapped tails of elastic regions: granules a shrink kept
     /// mapped past a region's committed end, owned by the region and charged to its binding,
     /// lent to nothing, taken back by its next growth with no backend call (see
-    /// [`Region::set_tail_cap`](crate::Region::set_tail_cap) and
+    /// [`Region::set_tail_cap`](crate::region::Region::set_tail_cap) and
     /// [`Device::set_tail_cap`](crate::Device::set_tail_cap)).
     pub tail_bytes: u64,
     /// Residuals in quarantine (as tokens or in the device's quarantine), not yet released.

@@ -14,7 +14,7 @@
 //! ```
 //!
 //! Every verb means one thing on every token: `release` starts a release and returns the
-//! [`Releasing`] token; `complete` (or `retry`, on a [`Quarantined`] token) finishes it and
+//! [`Releasing`] token; `complete` (or `retry`, on a [`Quarantined`](crate::report::Quarantined) token) finishes it and
 //! returns a [`Released`] receipt, or a token inside a [`TransitionError`].
 //!
 //! ## Quick start
@@ -46,6 +46,17 @@
 //! CUDA (streams, fences, captures, peers), the backends, mechanisms chosen at run time,
 //! structuring a program (engines, threads, errors), transfer engines and NIXL.
 //!
+//! ## Where things are
+//!
+//! The root holds what a first program needs: the [`Device`], its [`Binding`] and [`Budget`],
+//! the token ([`Allocation`]) and its states, [`Error`] and [`TransitionError`], the brand
+//! ([`make_guard!`]), the [`Engine`] that owns them, and the byte traits ([`Bytes`],
+//! [`BytesMut`]). The rest is in modules named for what they are: [`kv`] (the KV cache),
+//! [`sharing`] (shared prefixes, across processes too), [`region`] (elastic regions),
+//! [`sleep`] (sleep and wake), [`interop`] (CUDA captures and views), [`transfer`] and
+//! `nixl` (transfer engines, feature `nixl`), [`report`] (what a device reports), [`errors`] (every cause in
+//! detail), [`backend`] (the mechanisms) and [`mechanism`] (choosing one at run time).
+//!
 //! ## Guarantees
 //!
 //! At compile time (each one has a `compile_fail` example in these docs and a `trybuild` case):
@@ -72,8 +83,8 @@
 //! driver model, a strict simulator, fault injection). On top of it, lowest first: the
 //! identities, the ledger, residuals and states; the [`Device`] (its ledger and custody:
 //! quarantine and deferred queue); the [`Binding`]; the tokens ([`Allocation`] in each
-//! [`State`], [`Quarantined`]); the policies — shared prefixes ([`Prefix`], [`PrefixMapping`],
-//! [`DivergedMapping`], which are allocations in states of their own) and the KV cache
+//! [`State`], [`Quarantined`](crate::report::Quarantined)); the policies — shared prefixes ([`Prefix`](crate::sharing::Prefix), [`PrefixMapping`](crate::sharing::PrefixMapping),
+//! [`DivergedMapping`](crate::sharing::DivergedMapping), which are allocations in states of their own) and the KV cache
 //! ([`kv::KvCache`], [`kv::BlockTable`], [`kv::PrefixCache`]); and interop: typed views — host tokens lend
 //! `&[T]` / `&mut [T]` of plain-old-data `T` (`as_slice_of`, checked by `bytemuck`), CUDA
 //! tokens lend cudarc device memory of `T` (`DeviceView`, `DeviceViewMut`, feature `cuda`) —
@@ -163,9 +174,10 @@ pub mod backend;
 mod device;
 mod engine;
 mod error;
+pub mod errors;
 pub mod guide;
 mod ids;
-mod interop;
+pub mod interop;
 pub mod kv;
 mod ledger;
 pub mod mechanism;
@@ -175,17 +187,18 @@ pub mod nixl;
 // NIXL offers' wire format: pure Rust, built and unit-tested without feature `nixl` too.
 #[cfg_attr(not(feature = "nixl"), allow(dead_code))]
 mod nixl_wire;
-mod region;
+pub mod region;
+pub mod report;
 mod residual;
-mod sharing;
-mod sleep;
+pub mod sharing;
+pub mod sleep;
 mod state;
 mod sync;
 mod token;
-mod transfer;
+pub mod transfer;
 mod unwind;
 
-pub use allocation::{Allocation, CommitError, CompleteError};
+pub use allocation::Allocation;
 /// The cudarc memtoken links (0.19.10, feature `cuda`): its streams, contexts and device
 /// memory traits are the ones memtoken's typed views take and implement. Use it rather than a
 /// cudarc of your own, whose types would be other types ("expected `CudaContext`, found
@@ -193,39 +206,14 @@ pub use allocation::{Allocation, CommitError, CompleteError};
 #[cfg(feature = "cuda")]
 #[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
 pub use cudarc;
-pub use device::Binding;
-pub use device::{CloseReport, Custody, Device, DropReport, Forgotten, Progress, WithheldForPeer};
-pub use device::{QuarantineError, Quarantined};
+pub use device::{Binding, Device};
 pub use engine::{Engine, Keeps, Parts};
-pub use error::{
-    CommitFailure, CowFailure, Error, Failure, GrowError, ReleaseFailure, ReserveError,
-    ResumeFailure, Returned, ShareFailure, ShrinkError, SuspendFailure, TransitionError, ViewError,
-    is_context_lost,
-};
+pub use error::{Error, TransitionError};
 pub use generativity::{Guard, make_guard};
-pub use ids::{ContextLost, Generation, Released};
+pub use ids::Released;
 pub use interop::{Bytes, BytesMut};
-pub use interop::{
-    Capture, CaptureError, CapturedGraph, GraphTokens, OwningGraph, StreamView, StreamViewMut,
-};
-#[cfg(feature = "cuda")]
-#[cfg_attr(docsrs, doc(cfg(feature = "cuda")))]
-pub use interop::{DeviceView, DeviceViewMut};
-pub use interop::{
-    Export, ImportError, Imported, ImportedPrefix, MESSAGE_LEN, Offer, PrefixMessage, WireError,
-};
-pub use ledger::{Budget, LedgerSnapshot};
-pub use region::{Elastic, Region};
-pub use residual::{Holdings, Residual};
-pub use sharing::{
-    Capability, CowError, Diverged, DivergedMapping, ExportablePrefix, Local, Owner, Prefix,
-    PrefixError, PrefixMapping, ShareError, Sharer, Sharing,
-};
-pub use sleep::{
-    ResumeError, SuspendError, Suspendable, Suspended, SuspendedAllocation, SuspendedRegion,
-};
+pub use ledger::Budget;
 pub use state::{Committed, Live, Readable, Releasing, Reserved, State};
-pub use transfer::{Descriptor, Registrable, Registration};
 
 // The README's snippets are compiled (and run) as doc tests (`cargo test --doc`), as the
 // guides' are in `guide`. The README is not part of the crate's documentation: it is written for

@@ -2,6 +2,8 @@
 //! committed part grows and shrinks by granules at its tail. Each granule is a physical
 //! allocation of its own (every mapping maps one whole allocation from offset 0), so granules
 //! come and go one by one, through the device's cache of physical granules.
+//!
+//! Guide: [`guide::regions`](crate::guide::regions).
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use crate::allocation::Allocation;
@@ -94,6 +96,7 @@ pub enum Elastic {}
 /// What a [`Region`] owns beyond its VA range: its mapped granules, in order from the start
 /// of the range — the first `live` of them committed (lent), the rest its mapped tail — and the
 /// granules withheld after a failed unmap.
+#[doc(hidden)] // a state's parts: named by no public signature
 #[derive(Debug)]
 pub struct Granules<P> {
     /// Every mapped granule: the committed ones, then the tail's.
@@ -185,7 +188,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
     /// after a [`set_tail_cap`](Self::set_tail_cap) that could not give the excess back yet;
     /// all regions' tails together stay within the device's
     /// [`tail_cap`](crate::Device::tail_cap) as they grow. Counted apart on the ledger
-    /// ([`LedgerSnapshot::tail_bytes`](crate::LedgerSnapshot::tail_bytes)).
+    /// ([`LedgerSnapshot::tail_bytes`](crate::report::LedgerSnapshot::tail_bytes)).
     ///
     /// Asked for the tails back — by [`Device::ask_tails_back`](crate::Device::ask_tails_back)
     /// (by hand, by [`trim_cache`](crate::Device::trim_cache), by a lower device

@@ -2,6 +2,10 @@
 //! [`PrefixMapping`] (a sharer's read-only view) and [`DivergedMapping`] (a sharer after
 //! copy-on-write of its last granule). Each is an [`Allocation`] in a state of its own, with
 //! the reference on the shared physical memory as its parts.
+//!
+//! Across processes, an exportable prefix ([`ExportablePrefix`]) is sent as an [`Offer`] and
+//! imported read-only ([`Imported`], [`ImportedPrefix`]). Guide:
+//! [`guide::sharing`](crate::guide::sharing).
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use crate::allocation::Allocation;
@@ -12,6 +16,9 @@ use crate::device::Quarantined;
 use crate::device::{Build, Undone};
 use crate::error::{
     CommitFailure, CowFailure, ReleaseFailure, Returned, ShareFailure, TransitionError,
+};
+pub use crate::interop::ipc::{
+    Export, ImportError, Imported, ImportedPrefix, MESSAGE_LEN, Offer, PrefixMessage, WireError,
 };
 use crate::residual::{Held, SharedPhys, Split};
 use crate::state::Wait;

@@ -3,6 +3,8 @@
 //! optionally saved to the host first) while its VA stays reserved, and
 //! [resumed](Allocation::resume) at the same addresses, all or nothing. A suspended token is an
 //! [`Allocation`] in the state [`Suspended<S>`], `S` the state it comes back to.
+//!
+//! Guide: [`guide::sleep_wake`](crate::guide::sleep_wake).
 
 use crate::allocation::Allocation;
 use crate::backend::{Ability, Backend, Op};
@@ -32,7 +34,7 @@ pub type ResumeError<'b, 'id, B, S> =
 /// owns no physical memory. [`resume`](Allocation::resume) gives the committed allocation back.
 pub type SuspendedAllocation<'b, 'id, B> = Allocation<'b, 'id, B, Suspended<Committed>>;
 
-/// A suspended [`Region`](crate::Region): its VA is reserved, nothing committed;
+/// A suspended [`Region`](crate::region::Region): its VA is reserved, nothing committed;
 /// [`resume`](Allocation::resume) grows it back to the committed length it had.
 pub type SuspendedRegion<'b, 'id, B> = Allocation<'b, 'id, B, Suspended<Elastic>>;
 
@@ -99,6 +101,7 @@ impl<S> fmt::Debug for Suspended<S> {
 
 /// What a suspended token holds beyond its VA: the committed length to come back, the bytes
 /// saved from it, and (a region's) granules withheld after a failed unmap.
+#[doc(hidden)] // a state's parts: named by no public signature
 #[derive(Debug)]
 pub struct Asleep<P> {
     len: usize,

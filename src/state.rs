@@ -9,8 +9,8 @@
 //!                    └────────▶ Releasing (no fence)                    └── discharge (context lost)
 //! ```
 //!
-//! The shared-prefix states ([`Owner`](crate::Owner), [`Sharer`](crate::Sharer),
-//! [`Diverged`](crate::Diverged)) live with the sharing policy that makes them.
+//! The shared-prefix states ([`Owner`](crate::sharing::Owner), [`Sharer`](crate::sharing::Sharer),
+//! [`Diverged`](crate::sharing::Diverged)) live with the sharing policy that makes them.
 
 use crate::backend::{Addr, Backend};
 use crate::residual::{Held, SharedPhys};

@@ -7,7 +7,7 @@
 //!
 //! **What one descriptor covers.** [`Registration::descriptor`] covers the token's whole VA
 //! range, which is contiguous but not always one physical allocation: a shared prefix longer
-//! than one granule (its owner's [`Prefix`](crate::Prefix), a sharer's mapping, a diverged one,
+//! than one granule (its owner's [`Prefix`](crate::sharing::Prefix), a sharer's mapping, a diverged one,
 //! an imported one) is two — the body and the boundary granule — mapped side by side.
 //! [`Registration::segments`] gives one descriptor per physical allocation, in address order,
 //! together covering exactly the whole range. An engine that registers by address range (host
@@ -15,11 +15,13 @@
 //! device range to its allocation — with `cuMemGetAddressRange`, which on VMM memory reports
 //! only one mapped segment (fact 24 of `docs/cuda-facts.md`), or by exporting the allocation
 //! (dma-buf) — must register each segment.
+//!
+//! Guide: [`guide::transfer_engines`](crate::guide::transfer_engines).
 
 use crate::allocation::Allocation;
 use crate::backend::{Addr, Backend, Location};
 use crate::ids::Generation;
-use crate::interop::Imported;
+use crate::sharing::Imported;
 use crate::sharing::{Capability, Diverged, Owner, Sharer};
 use crate::state::{Committed, Readable};
 use std::marker::PhantomData;

@@ -4,7 +4,8 @@
 
 use memtoken::backend::{HostBackend, Op, PosixFd, doubles::Faulty};
 use memtoken::{
-    Budget, Device, ImportError, MESSAGE_LEN, Offer, PrefixMessage, WireError, make_guard,
+    Budget, Device, make_guard, sharing::ImportError, sharing::MESSAGE_LEN, sharing::Offer,
+    sharing::PrefixMessage, sharing::WireError,
 };
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -386,7 +387,7 @@ fn a_peer_cannot_write_the_exported_memory_even_through_a_reopened_descriptor() 
     let _ = offer;
     // The same descriptors again, as raw files, as a hostile peer would hold them.
     export.send(&a).unwrap();
-    let mut buf = [0u8; memtoken::MESSAGE_LEN];
+    let mut buf = [0u8; memtoken::sharing::MESSAGE_LEN];
     let mut space = [std::mem::MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(2))];
     let mut control = rustix::net::RecvAncillaryBuffer::new(&mut space);
     let mut iov = [std::io::IoSliceMut::new(&mut buf)];

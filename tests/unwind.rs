@@ -46,9 +46,10 @@ use memtoken::backend::{
 };
 use memtoken::kv::{BlockTable, KvCache, Layout};
 use memtoken::{
-    Allocation, Binding, Budget, Committed, Device, DivergedMapping, ExportablePrefix,
-    ImportedPrefix, Offer, Prefix, PrefixMapping, Quarantined, Region, Releasing, Reserved,
-    Returned, SuspendedAllocation, SuspendedRegion, make_guard,
+    Allocation, Binding, Budget, Committed, Device, Releasing, Reserved, errors::Returned,
+    make_guard, region::Region, report::Quarantined, sharing::DivergedMapping,
+    sharing::ExportablePrefix, sharing::ImportedPrefix, sharing::Offer, sharing::Prefix,
+    sharing::PrefixMapping, sleep::SuspendedAllocation, sleep::SuspendedRegion,
 };
 use std::any::Any;
 use std::cell::Cell;

@@ -2,7 +2,7 @@
 // pointer cannot be taken (unchecked) for a capture memtoken did not make.
 use memtoken::backend::cuda::{CaptureMode, CudaBackend};
 use memtoken::backend::doubles::DriverModel;
-use memtoken::{Budget, Capture, Device, make_guard};
+use memtoken::{Budget, interop::Capture, Device, make_guard};
 
 fn main() {
     make_guard!(guard);

@@ -1,7 +1,7 @@
 // An imported prefix borrows the binding it was imported through, like any token: the binding
 // cannot be dropped while the import lives.
 use memtoken::backend::HostBackend;
-use memtoken::{Budget, Device, Offer, make_guard};
+use memtoken::{Budget, Device, sharing::Offer, make_guard};
 use std::os::unix::net::UnixStream;
 
 fn main() {

@@ -2,7 +2,7 @@
 //! the graph can launch: the graph owns it and lends nothing of it.
 use memtoken::backend::cuda::{CaptureMode, CudaBackend};
 use memtoken::backend::doubles::DriverModel;
-use memtoken::{make_guard, Budget, Device, OwningGraph};
+use memtoken::{make_guard, Budget, Device, interop::OwningGraph};
 
 fn main() {
     make_guard!(guard);

@@ -1,7 +1,7 @@
 // Two devices carry two distinct brands: device B's proof that its context is lost cannot
 // discharge a quarantined token of device A.
 use memtoken::backend::doubles::SimBackend;
-use memtoken::{Budget, Device, Returned, make_guard};
+use memtoken::{Budget, Device, errors::Returned, make_guard};
 
 fn main() {
     make_guard!(guard_a);

@@ -2,7 +2,7 @@
 // while the graph can still be launched.
 use memtoken::backend::cuda::{CaptureMode, CudaBackend};
 use memtoken::backend::doubles::DriverModel;
-use memtoken::{Budget, Capture, Device, make_guard};
+use memtoken::{Budget, interop::Capture, Device, make_guard};
 
 fn main() {
     make_guard!(guard);

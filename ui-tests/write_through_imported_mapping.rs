@@ -1,7 +1,7 @@
 // An imported prefix is another process's memory, mapped read-only: it lends `&[u8]`, never
 // `&mut [u8]`.
 use memtoken::backend::HostBackend;
-use memtoken::{Budget, Device, Offer, make_guard};
+use memtoken::{Budget, Device, sharing::Offer, make_guard};
 use std::os::unix::net::UnixStream;
 
 fn main() {

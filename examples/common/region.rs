@@ -1,5 +1,5 @@
 //! One elastic region's cycle — grow by [`GRANULES`] granules, shrink back to none — with a
-//! `memtoken::Region` and by hand ([`RawRegion`]: the same backend calls, with a hand-written
+//! `memtoken::region::Region` and by hand ([`RawRegion`]: the same backend calls, with a hand-written
 //! free list of physical granules in place of the device's cache, and no tokens, ledger or
 //! budgets): measured by `benches/hot_paths.rs`, counted by `examples/region_cycle.rs`.
 //!
@@ -8,7 +8,7 @@
 #![allow(dead_code)]
 
 use memtoken::backend::{Access, Addr, Backend, BackendError, HostBackend, Op, doubles::Faulty};
-use memtoken::{Binding, Budget, Device, Region, make_guard};
+use memtoken::{Binding, Budget, Device, make_guard, region::Region};
 use std::hint::black_box;
 
 /// Granules a cycle grows the region by, and shrinks it by.

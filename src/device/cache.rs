@@ -104,7 +104,7 @@ impl Tails {
 
 impl<B: Backend> Device<'_, B> {
     /// The most bytes the mapped tails of all this device's regions keep together (no cap of
-    /// the device's own unless set: each region's [`tail_cap`](crate::Region::tail_cap) governs).
+    /// the device's own unless set: each region's [`tail_cap`](crate::region::Region::tail_cap) governs).
     pub fn tail_cap(&self) -> u64 {
         self.tails.cap.load(Ordering::Relaxed)
     }
@@ -123,14 +123,14 @@ impl<B: Backend> Device<'_, B> {
     }
 
     /// Bytes in the mapped tails of this device's regions now (also
-    /// [`LedgerSnapshot::tail_bytes`](crate::LedgerSnapshot::tail_bytes)).
+    /// [`LedgerSnapshot::tail_bytes`](crate::report::LedgerSnapshot::tail_bytes)).
     pub fn tail_bytes(&self) -> u64 {
         self.ledger.snapshot().tail_bytes
     }
 
     /// Asks every region of this device to give its mapped tail back. A tail belongs to its
     /// region, which only its owner's `&mut` changes: no other thread can unmap it under a
-    /// growth. So the region answers itself, at its next [`shrink`](crate::Region::shrink) —
+    /// growth. So the region answers itself, at its next [`shrink`](crate::region::Region::shrink) —
     /// it keeps no tail then, and its tail is given back as any shrink's granules (to the
     /// granule cache while its cap allows, else released) — or as it is suspended or released;
     /// a growth before that takes the tail first, as always. The request is advice: a shrink
@@ -208,7 +208,7 @@ impl<B: Backend> Device<'_, B> {
     }
 
     /// Bytes in the cache now (also
-    /// [`LedgerSnapshot::cached_bytes`](crate::LedgerSnapshot::cached_bytes)).
+    /// [`LedgerSnapshot::cached_bytes`](crate::report::LedgerSnapshot::cached_bytes)).
     pub fn cached_bytes(&self) -> u64 {
         self.ledger.snapshot().cached_bytes
     }

@@ -8,7 +8,7 @@
 use crate::backend::Op;
 use crate::backend::doubles::{Faulty, SimBackend, SimConfig};
 use crate::sync::model;
-use crate::{Budget, Device, GrowError};
+use crate::{Budget, Device, errors::GrowError};
 use generativity::{Guard, Id};
 use loom::sync::Arc;
 use loom::thread;

@@ -23,7 +23,7 @@ pub type QuarantineError<'b, 'id, B> = TransitionError<Quarantined<'b, 'id, B>, 
 /// A quarantined token of one device cannot be discharged with another device's proof:
 ///
 /// ```compile_fail
-/// use memtoken::{ContextLost, Quarantined};
+/// use memtoken::{report::ContextLost, report::Quarantined};
 /// use memtoken::backend::doubles::SimBackend;
 /// fn mix<'a, 'b: 'a>(q: Quarantined<'_, 'a, SimBackend>, proof: &ContextLost<'b>) {
 ///     let _ = q.discharge(proof); // error: lifetime may not live long enough

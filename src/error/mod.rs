@@ -2,9 +2,9 @@
 //! shape of every error that hands a token back (the token and its cause).
 //!
 //! The rules every error of the typed layer follows (this module's, and the cross-process
-//! [`ImportError`](crate::ImportError)); the backend layer's own error, [`BackendError`], is
+//! [`ImportError`](crate::sharing::ImportError)); the backend layer's own error, [`BackendError`], is
 //! a plain record of one call (its [`Cause`](crate::backend::Cause) a kind, not an error held
-//! inside), and the wire's [`WireError`](crate::WireError) wraps `std::io::Error` as std
+//! inside), and the wire's [`WireError`](crate::sharing::WireError) wraps `std::io::Error` as std
 //! does:
 //!
 //! - **Names.** A type a public function returns in `Err` is named `…Error`; the cause a
@@ -186,8 +186,8 @@ pub enum ShareFailure {
 
 /// Why copy-on-write of a sharer's boundary granule failed.
 ///
-/// (Boxed second errors keep a [`CowError`](crate::CowError) and a
-/// [`ShareError`](crate::ShareError) small enough to return by value.)
+/// (Boxed second errors keep a [`CowError`](crate::sharing::CowError) and a
+/// [`ShareError`](crate::sharing::ShareError) small enough to return by value.)
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum CowFailure {
     /// The private granule could not be made (a budget refused it, or a backend call failed);
@@ -341,7 +341,7 @@ pub enum ResumeFailure {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 pub enum GrowError {
     /// The growth does not fit: past the reserved range, or over granules withheld after a
-    /// failed unmap (see [`Region::reclaim`](crate::Region::reclaim)). Nothing was done.
+    /// failed unmap (see [`Region::reclaim`](crate::region::Region::reclaim)). Nothing was done.
     #[error(
         "cannot grow by {requested} granules: {committed} are committed and the region has room for {room} (its reserved length, or up to its first withheld granule); shrink first, reclaim withheld granules, or reserve a larger region"
     )]
@@ -378,7 +378,7 @@ pub enum GrowError {
     },
     /// As [`Undone`](Self::Undone), but unmapping some of the granules this call mapped failed
     /// too: those stay owned, charged and withheld in the region, which cannot grow over them
-    /// until [`Region::reclaim`](crate::Region::reclaim) frees them.
+    /// until [`Region::reclaim`](crate::region::Region::reclaim) frees them.
     #[error(
         "growing stopped at granule {at} of this call (from 0), and unmapping {granules} of the granules it had mapped failed too ({rollback}): they stay owned and withheld in the region, which cannot grow over them until Region::reclaim frees them; the committed length is unchanged (a granule whose release failed while undoing is in the device quarantine, counted on the ledger)"
     )]
@@ -420,7 +420,7 @@ pub enum ShrinkError {
     Pending,
     /// Unmapping `granules` granules failed: the committed length shrank as asked, but those
     /// granules stay owned, charged and withheld in the region (it cannot grow over them) until
-    /// [`Region::reclaim`](crate::Region::reclaim) frees them; the others were given back.
+    /// [`Region::reclaim`](crate::region::Region::reclaim) frees them; the others were given back.
     #[error(
         "unmapping {granules} granules failed: they stay owned, charged and withheld in the region (it cannot grow over them) until Region::reclaim frees them; the other granules were given back"
     )]
@@ -450,7 +450,7 @@ pub(crate) mod sealed {
 
 /// Why a transition failed (sealed): the cause a [`TransitionError`] carries beside its
 /// token, or the error of a transition that keeps its token where it was (a region's
-/// [`grow`](crate::Region::grow) and [`shrink`](crate::Region::shrink), a reservation, an
+/// [`grow`](crate::region::Region::grow) and [`shrink`](crate::region::Region::shrink), a reservation, an
 /// import, an export).
 pub trait Failure: std::error::Error + sealed::Sealed + 'static {
     /// What happened, in a few words, for the top of the error's message.

@@ -8,7 +8,7 @@ use std::fmt;
 /// A failed transition: the token it hands back — nothing is lost — and why.
 ///
 /// Every fallible transition returns this shape (through an alias such as
-/// [`CommitError`](crate::CommitError)); its `Display` says what failed, why (the cause's
+/// [`CommitError`](crate::errors::CommitError)); its `Display` says what failed, why (the cause's
 /// whole chain), and what the token is now.
 ///
 /// **`?` converts it** into [`memtoken::Error`](Error) or a
@@ -25,7 +25,7 @@ use std::fmt;
 /// impls instead, which drop the token and keep the message and the cause.
 ///
 /// ```
-/// use memtoken::{make_guard, Budget, Device, Offer};
+/// use memtoken::{make_guard, Budget, Device, sharing::Offer};
 /// use memtoken::backend::{HostBackend, PosixFd};
 ///
 /// fn run() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {

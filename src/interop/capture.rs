@@ -33,7 +33,7 @@ type Invariant<'t> = PhantomData<fn(&'t ()) -> &'t ()>;
 /// ```compile_fail,E0505
 /// use memtoken::backend::cuda::{CaptureMode, CudaBackend};
 /// use memtoken::backend::doubles::DriverModel;
-/// use memtoken::{make_guard, Budget, Capture, Device};
+/// use memtoken::{make_guard, Budget, interop::Capture, Device};
 /// make_guard!(guard);
 /// let model = DriverModel::default();
 /// let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
@@ -318,7 +318,7 @@ impl<D: Driver> fmt::Debug for Capture<'_, '_, D> {
 /// ```compile_fail,E0505
 /// use memtoken::backend::cuda::{CaptureMode, CudaBackend};
 /// use memtoken::backend::doubles::DriverModel;
-/// use memtoken::{make_guard, Budget, Capture, Device};
+/// use memtoken::{make_guard, Budget, interop::Capture, Device};
 /// make_guard!(guard);
 /// let model = DriverModel::default();
 /// let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
@@ -339,7 +339,7 @@ impl<D: Driver> fmt::Debug for Capture<'_, '_, D> {
 /// ```compile_fail,E0499
 /// use memtoken::backend::cuda::{CaptureMode, CudaBackend};
 /// use memtoken::backend::doubles::DriverModel;
-/// use memtoken::{make_guard, Budget, Capture, Device};
+/// use memtoken::{make_guard, Budget, interop::Capture, Device};
 /// make_guard!(guard);
 /// let model = DriverModel::default();
 /// let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
@@ -364,7 +364,7 @@ impl<D: Driver> fmt::Debug for Capture<'_, '_, D> {
 /// ```
 /// use memtoken::backend::cuda::{CaptureMode, CudaBackend};
 /// use memtoken::backend::doubles::DriverModel;
-/// use memtoken::{make_guard, Budget, Capture, Device};
+/// use memtoken::{make_guard, Budget, interop::Capture, Device};
 /// make_guard!(guard);
 /// let model = DriverModel::default();
 /// let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
@@ -508,7 +508,7 @@ impl<'t, 'id, D: Driver> CapturedGraph<'t, 'id, D> {
 /// ```
 /// use memtoken::backend::cuda::{CaptureMode, CudaBackend};
 /// use memtoken::backend::doubles::DriverModel;
-/// use memtoken::{make_guard, Budget, Device, OwningGraph};
+/// use memtoken::{make_guard, Budget, Device, interop::OwningGraph};
 /// make_guard!(guard);
 /// let model = DriverModel::default();
 /// let device = Device::new(guard, CudaBackend::new(model.clone(), 0)?);
@@ -544,7 +544,7 @@ impl<'t, 'id, D: Driver> CapturedGraph<'t, 'id, D> {
 /// ```compile_fail,E0382
 /// # use memtoken::backend::cuda::{CaptureMode, CudaBackend};
 /// # use memtoken::backend::doubles::DriverModel;
-/// # use memtoken::{make_guard, Budget, Device, OwningGraph};
+/// # use memtoken::{make_guard, Budget, Device, interop::OwningGraph};
 /// # make_guard!(guard);
 /// # let model = DriverModel::default();
 /// # let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());

@@ -179,8 +179,8 @@ impl Drop for Span<'_> {
 }
 
 /// A typed, read-only view of a CUDA token's memory: `len()` elements of `T`, lent by
-/// [`Allocation::view`] (a committed allocation, a [`Prefix`](crate::Prefix), a
-/// [`PrefixMapping`](crate::PrefixMapping), a [`DivergedMapping`](crate::DivergedMapping)).
+/// [`Allocation::view`] (a committed allocation, a [`Prefix`](crate::sharing::Prefix), a
+/// [`PrefixMapping`](crate::sharing::PrefixMapping), a [`DivergedMapping`](crate::sharing::DivergedMapping)).
 /// It is cudarc device memory: it implements
 /// [`DeviceSlice`] and [`DevicePtr`], so it goes straight into `stream.memcpy_dtoh`,
 /// `clone_dtoh`, `memcpy_dtod` (as the source), or any function that takes a `DevicePtr`; a

@@ -45,12 +45,12 @@ const MAX_FDS: usize = 2;
 /// bytes here (nothing is charged to its binding), lends `&[u8]` and never `&mut [u8]`, and
 /// gives back this process's handles on the memory exactly once, when it is released or
 /// dropped — with the same teardown order and quarantine as a local
-/// [`PrefixMapping`](crate::PrefixMapping). Made by [`Binding::import`].
+/// [`PrefixMapping`](crate::sharing::PrefixMapping). Made by [`Binding::import`].
 ///
 /// It cannot be written through:
 ///
 /// ```compile_fail,E0599
-/// # use memtoken::{make_guard, Budget, Device, ImportedPrefix};
+/// # use memtoken::{make_guard, Budget, Device, sharing::ImportedPrefix};
 /// # use memtoken::backend::HostBackend;
 /// fn write(imported: &mut ImportedPrefix<'_, '_, HostBackend>) {
 ///     imported.as_mut_slice()[0] = 1;
@@ -60,7 +60,7 @@ const MAX_FDS: usize = 2;
 /// nor outlive the binding it was imported through:
 ///
 /// ```compile_fail,E0505
-/// # use memtoken::{make_guard, Budget, Device, Offer};
+/// # use memtoken::{make_guard, Budget, Device, sharing::Offer};
 /// # use memtoken::backend::HostBackend;
 /// fn keep(offer: Offer) {
 ///     make_guard!(guard);

@@ -1,25 +1,25 @@
-//! Interop: tokens as typed memory — host tokens as `&[T]` / `&mut [T]` of plain-old-data
-//! types ([`host`]), CUDA tokens as cudarc device memory of `T` ([`device`], feature `cuda`) —
-//! the CUDA tokens' host copies (here), and a device's covering of CUDA streams ([`streams`]).
+//! CUDA interop: graph captures that borrow the memory they use ([`Capture`],
+//! [`CapturedGraph`], [`OwningGraph`]), typed views of CUDA tokens for work on a raw stream
+//! ([`StreamView`], [`StreamViewMut`]) and as cudarc device memory ([`DeviceView`],
+//! [`DeviceViewMut`], feature `cuda`), and the byte traits every backend's tokens implement
+//! ([`Bytes`], [`BytesMut`]). Host tokens lend `&[T]` / `&mut [T]` of plain-old-data types
+//! through their own methods (`as_slice_of`). Guide: [`guide::cuda`](crate::guide::cuda).
 //!
 //! Copies name their direction from the host's side, always: `copy_from_host` writes the
 //! token's memory from host bytes, `copy_to_host` reads it into them; a copy of a part names
-//! the part (`copy_page_from_host`, `copy_page_to_host`, `copy_boundary_from_host`).
+//! the part (`copy_boundary_from_host`).
 
 mod capture;
 #[cfg(feature = "cuda")]
 mod device;
 mod host;
-mod ipc;
+pub(crate) mod ipc;
 mod stream_view;
 mod streams;
 
 pub use capture::{Capture, CaptureError, CapturedGraph, GraphTokens, OwningGraph};
 #[cfg(feature = "cuda")]
 pub use device::{DeviceView, DeviceViewMut};
-pub use ipc::{
-    Export, ImportError, Imported, ImportedPrefix, MESSAGE_LEN, Offer, PrefixMessage, WireError,
-};
 pub use stream_view::{StreamView, StreamViewMut};
 
 use crate::allocation::Allocation;

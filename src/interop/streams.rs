@@ -27,7 +27,7 @@ impl<D: Driver> Device<'_, CudaBackend<D>> {
         unsafe { self.backend().raw().cover_stream(stream) }
     }
 
-    /// Lets typed views ([`StreamView`](crate::StreamView)) be made for `stream`, whose work
+    /// Lets typed views ([`StreamView`](crate::interop::StreamView)) be made for `stream`, whose work
     /// a release then waits for only where a view used the released memory there (see
     /// [`CudaBackend::know_stream`]): fences stay as small as the streams that touched the
     /// memory. Give it back with [`forget_stream`](Self::forget_stream) before destroying it.

@@ -9,8 +9,8 @@ use cudarc::nvrtc::Ptx;
 use memtoken::backend::Backend;
 use memtoken::backend::cuda::{CudaBackend, CudaError, SysDriver};
 use memtoken::{
-    Allocation, Budget, Committed, Device, ReleaseFailure, Released, Releasing, Returned,
-    TransitionError, ViewError, make_guard,
+    Allocation, Budget, Committed, Device, Released, Releasing, TransitionError,
+    errors::ReleaseFailure, errors::Returned, errors::ViewError, make_guard,
 };
 use std::io::Write;
 use std::sync::Arc;
@@ -284,7 +284,7 @@ fn gpu_plain_mechanism_commits_copies_and_frees() {
     let mut region = binding.reserve(2 * g).unwrap().into_region();
     assert!(matches!(
         region.grow(1),
-        Err(memtoken::GrowError::Unsupported(_))
+        Err(memtoken::errors::GrowError::Unsupported(_))
     ));
     complete_when_ready(region.release());
     drop(binding);
@@ -734,7 +734,7 @@ fn gpu_ipc_child(path: &str) {
     make_guard!(guard);
     let device = Device::new(guard, backend);
     let binding = device.bind(Budget::bytes(0)).unwrap(); // an importer owns nothing
-    let offer = memtoken::Offer::recv(&socket).expect("a valid offer");
+    let offer = memtoken::sharing::Offer::recv(&socket).expect("a valid offer");
     let imported = binding.import(offer).expect("imported");
     let mut bytes = vec![0u8; imported.len()];
     imported.copy_to_host(0, &mut bytes).unwrap();
@@ -973,7 +973,7 @@ fn gpu_rdma_attribute_and_granularity_by_properties() {
 fn gpu_graph_through_memtoken_borrows_and_a_foreign_capture_holds_its_memory() {
     use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
     use memtoken::backend::cuda::CaptureMode;
-    use memtoken::{Capture, Returned};
+    use memtoken::{errors::Returned, interop::Capture};
     let test = "gpu_graph_through_memtoken_borrows_and_a_foreign_capture_holds_its_memory";
     let (ctx, backend) = shared(test);
     make_guard!(guard);

@@ -16,7 +16,7 @@
 use crate::common;
 use memtoken::backend::cuda::{CaptureInfo, CuError, Driver, DriverCall, Stream};
 use memtoken::backend::doubles::{CaptureMode, DriverModel, ModelConfig};
-use memtoken::{Budget, Capture, Returned};
+use memtoken::{Budget, errors::Returned, interop::Capture};
 
 const G: usize = common::MODEL_GRANULARITY;
 

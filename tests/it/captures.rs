@@ -7,7 +7,7 @@ use crate::common;
 use memtoken::backend::cuda::{CuError, DriverCall};
 use memtoken::backend::doubles::{CaptureMode, DriverModel, ModelConfig};
 use memtoken::kv::{KvCache, Layout};
-use memtoken::{Budget, Capture, Device, make_guard};
+use memtoken::{Budget, Device, interop::Capture, make_guard};
 
 const G: usize = common::MODEL_GRANULARITY;
 
@@ -46,11 +46,14 @@ fn releases_during_a_capture_on_a_covered_stream_leave_it_valid_and_complete_aft
     model.begin_capture(stream, CaptureMode::ThreadLocal);
     drop(dropped);
     let releasing = match released.release().complete().map_err(|e| e.into_token()) {
-        Err(memtoken::Returned::Unchanged(releasing)) => releasing,
+        Err(memtoken::errors::Returned::Unchanged(releasing)) => releasing,
         _ => panic!("a release waits for the capture: neither done nor quarantined"),
     };
     assert!(
-        matches!(region.shrink(1), Err(memtoken::ShrinkError::Pending)),
+        matches!(
+            region.shrink(1),
+            Err(memtoken::errors::ShrinkError::Pending)
+        ),
         "no unmap while work that may use the region is not known to have finished"
     );
     cache.clear(&mut table);
@@ -91,7 +94,7 @@ fn a_mark_whose_query_fails_is_recorded_again_and_the_release_completes() {
     let a = binding.reserve(G).unwrap().commit().unwrap();
     model.fail_from(DriverCall::EventQuery, 1, CuError::CAPTURED_EVENT);
     let releasing = match a.release().complete().map_err(|e| e.into_token()) {
-        Err(memtoken::Returned::Unchanged(releasing)) => releasing,
+        Err(memtoken::errors::Returned::Unchanged(releasing)) => releasing,
         _ => panic!("the fence's query failed: pending, neither done nor quarantined"),
     };
     model.clear();
@@ -281,7 +284,7 @@ fn a_graph_launched_three_times_then_dropped_is_waited_for_by_the_release() {
     assert_eq!(model.count(DriverCall::GraphExecDestroy), 1);
 
     let releasing = match x.release().complete().map_err(|e| e.into_token()) {
-        Err(memtoken::Returned::Unchanged(releasing)) => releasing,
+        Err(memtoken::errors::Returned::Unchanged(releasing)) => releasing,
         _ => panic!("the release must wait for the last launch, still running"),
     };
     model.complete_work();
@@ -362,7 +365,7 @@ fn memory_lent_to_a_capture_memtoken_did_not_make_is_quarantined_never_reused() 
         "the error says why: {why}"
     );
     let quarantined = match failure.into_token() {
-        memtoken::Returned::Quarantined(q) => q,
+        memtoken::errors::Returned::Quarantined(q) => q,
         other => panic!("expected quarantine, got {other:?}: {why}"),
     };
     let held = quarantined.residual();
@@ -415,7 +418,10 @@ fn a_region_shrinks_once_its_graph_is_gone_after_its_last_launch() {
     graph.launch().unwrap();
     drop(graph);
     assert!(
-        matches!(region.shrink(1), Err(memtoken::ShrinkError::Pending)),
+        matches!(
+            region.shrink(1),
+            Err(memtoken::errors::ShrinkError::Pending)
+        ),
         "the launch still runs"
     );
     model.complete_work();
@@ -505,7 +511,10 @@ fn a_view_dropped_during_a_capture_begun_after_its_pointer_holds_the_memory() {
     drop(view);
     assert_eq!(model.end_capture(stream), Ok(()));
     let e = x.release().complete().map(drop).unwrap_err();
-    assert!(matches!(e.token, memtoken::Returned::Quarantined(_)));
+    assert!(matches!(
+        e.token,
+        memtoken::errors::Returned::Quarantined(_)
+    ));
 }
 
 /// A capture cannot begin on the legacy stream (the driver refuses it) nor on the per-thread
@@ -804,7 +813,7 @@ fn a_graph_on_a_known_stream_is_waited_for_by_the_release_and_keeps_its_stream()
     graph.launch().unwrap();
     drop(graph);
     let releasing = match x.release().complete().map_err(|e| e.into_token()) {
-        Err(memtoken::Returned::Unchanged(releasing)) => releasing,
+        Err(memtoken::errors::Returned::Unchanged(releasing)) => releasing,
         _ => panic!("the release must wait for the last launch, still running"),
     };
     model.complete_work();
@@ -822,7 +831,9 @@ mod kept {
     use super::{G, slow_model};
     use memtoken::backend::cuda::{CudaBackend, DriverCall, Stream};
     use memtoken::backend::doubles::{CaptureMode, DriverModel};
-    use memtoken::{Allocation, Budget, Committed, Engine, Keeps, OwningGraph, Region};
+    use memtoken::{
+        Allocation, Budget, Committed, Engine, Keeps, interop::OwningGraph, region::Region,
+    };
 
     type Cuda = CudaBackend<DriverModel>;
     type Step<'e> = OwningGraph<
@@ -970,7 +981,8 @@ mod kept {
         super::common::covered_device!(model, device, stream);
         let binding = device.bind(Budget::unlimited()).unwrap();
         let mut x = binding.reserve(G).unwrap().commit().unwrap();
-        let capture = memtoken::Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+        let capture =
+            memtoken::interop::Capture::begin(&device, stream, CaptureMode::Global).unwrap();
         let mut view = capture.view_mut::<u8>(&mut x).unwrap();
         model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
         drop(view);

@@ -6,7 +6,7 @@ use crate::common::{self, Grown};
 use memtoken::backend::PosixFd;
 use memtoken::backend::cuda::{CuError, DriverCall};
 use memtoken::kv::{KvCache, Layout};
-use memtoken::{Budget, Device, Failure, Offer, make_guard};
+use memtoken::{Budget, Device, errors::Failure, make_guard, sharing::Offer};
 use std::os::unix::net::UnixStream;
 
 /// The one pattern: the transition was refused, and it says the context is lost.
@@ -70,7 +70,7 @@ fn every_transition_refused_for_a_lost_context_says_so_one_way() {
     assert!(lost(binding.import(offer)));
     let quarantined = match to_release.release().complete() {
         Err(memtoken::TransitionError {
-            token: memtoken::Returned::Quarantined(q),
+            token: memtoken::errors::Returned::Quarantined(q),
             cause,
         }) if cause.is_context_lost() => q,
         other => panic!("not refused for the lost context: {:?}", other.map(|_| ())),
@@ -107,13 +107,16 @@ fn a_transition_refused_for_another_reason_does_not_say_the_context_is_lost() {
     let transient = cause(binding.reserve(g).unwrap().commit());
     assert!(matches!(
         &transient,
-        Err(memtoken::CommitFailure::Backend(_))
+        Err(memtoken::errors::CommitFailure::Backend(_))
     ));
     assert!(!lost(transient));
     let mut region = binding.reserve(2 * g).unwrap().into_region();
     model.fail_nth(DriverCall::MemCreate, 1, CuError(2));
     let undone = region.grow(1);
-    assert!(matches!(&undone, Err(memtoken::GrowError::Undone { .. })));
+    assert!(matches!(
+        &undone,
+        Err(memtoken::errors::GrowError::Undone { .. })
+    ));
     assert!(!lost(undone));
     assert!(!lost(region.grow(3))); // full
     assert!(!lost(binding.reserve(usize::MAX / 2)));
@@ -139,7 +142,10 @@ fn a_share_that_loses_the_context_at_its_first_map_quarantines_nothing() {
         .map_prefix(&prefix)
         .unwrap_err();
     assert!(refused.cause.is_context_lost(), "{}", refused.cause);
-    assert!(matches!(refused.token, memtoken::Returned::Unchanged(_)));
+    assert!(matches!(
+        refused.token,
+        memtoken::errors::Returned::Unchanged(_)
+    ));
     let ledger = device.ledger();
     assert_eq!(ledger.quarantined, 0, "{ledger:?}");
     assert_eq!(device.custody().quarantined.count, 0);
@@ -170,7 +176,7 @@ fn a_prefix_that_loses_the_context_at_its_boundary_names_the_unmap_it_could_not_
     let addr = reserved.addr();
     model.fail_nth(DriverCall::MemMap, 2, CuError(700)); // the boundary's; sticky
     let refused = reserved.commit_prefix().unwrap_err();
-    let memtoken::CommitFailure::UnmapFailed { rollback, .. } = &refused.cause else {
+    let memtoken::errors::CommitFailure::UnmapFailed { rollback, .. } = &refused.cause else {
         panic!("{}", refused.cause);
     };
     assert!(rollback.is_context_lost(), "{rollback}");
@@ -178,7 +184,10 @@ fn a_prefix_that_loses_the_context_at_its_boundary_names_the_unmap_it_could_not_
         (rollback.op, rollback.addr, rollback.len),
         (memtoken::backend::Op::Unmap, addr, 2 * g)
     );
-    assert!(matches!(refused.token, memtoken::Returned::Quarantined(_)));
+    assert!(matches!(
+        refused.token,
+        memtoken::errors::Returned::Quarantined(_)
+    ));
     drop(refused);
     let proof = device.confirm_context_lost().expect("the context is lost");
     device.discharge_all(&proof);
@@ -207,7 +216,7 @@ fn a_tail_given_back_after_the_context_is_lost_names_the_granules_it_could_not_u
     model.lose_context();
     assert!(lost(binding.reserve(g)), "the backend learns of the loss");
     let r = region.set_tail_cap(1);
-    let Err(memtoken::ShrinkError::Backend(refused)) = r else {
+    let Err(memtoken::errors::ShrinkError::Backend(refused)) = r else {
         panic!("a tail given back after the loss is refused: {r:?}");
     };
     assert!(refused.is_context_lost(), "{refused}");

@@ -10,8 +10,8 @@ use memtoken::backend::{
     doubles::{DriverModel, ModelConfig, ModelOutstanding},
 };
 use memtoken::{
-    Allocation, Budget, Device, Quarantined, ReleaseFailure, Releasing, Returned, TransitionError,
-    make_guard,
+    Allocation, Budget, Device, Releasing, TransitionError, errors::ReleaseFailure,
+    errors::Returned, make_guard, report::Quarantined,
 };
 
 const G: usize = common::MODEL_GRANULARITY;

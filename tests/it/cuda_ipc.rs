@@ -12,7 +12,9 @@ use memtoken::backend::{
     cuda::{CudaBackend, DriverCall},
     doubles::{DriverModel, ModelConfig},
 };
-use memtoken::{Budget, Device, ImportError, Offer, PrefixMessage, make_guard};
+use memtoken::{
+    Budget, Device, make_guard, sharing::ImportError, sharing::Offer, sharing::PrefixMessage,
+};
 use std::os::unix::net::UnixStream;
 
 const G: usize = common::MODEL_GRANULARITY;
@@ -255,8 +257,10 @@ fn exportable_memory_whose_granularity_does_not_fit_is_refused_naming_both() {
         .unwrap_err();
     both(&e.cause);
     let reserved = match e.into_token() {
-        memtoken::Returned::Unchanged(reserved) => reserved,
-        memtoken::Returned::Quarantined(q) => panic!("nothing was made to quarantine: {q:?}"),
+        memtoken::errors::Returned::Unchanged(reserved) => reserved,
+        memtoken::errors::Returned::Quarantined(q) => {
+            panic!("nothing was made to quarantine: {q:?}")
+        }
     };
     let prefix = reserved.commit_prefix().unwrap();
     prefix.release().complete().unwrap();

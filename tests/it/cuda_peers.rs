@@ -425,7 +425,7 @@ fn a_release_waits_while_peer_work_is_declared() {
     );
     let peer_kernel = device.peer_work();
     let releasing = match a.release().complete().map_err(|e| e.into_token()) {
-        Err(memtoken::Returned::Unchanged(releasing)) => releasing,
+        Err(memtoken::errors::Returned::Unchanged(releasing)) => releasing,
         _ => panic!("released while a peer's work may use the memory"),
     };
     drop(b);

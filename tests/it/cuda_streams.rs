@@ -264,13 +264,13 @@ fn copy_on_write_waits_for_work_reading_the_mapping() {
     model.submit_work_on(stream); // a kernel reads `shared`
     let unmaps = model.count(DriverCall::MemUnmap);
     let err = shared.diverge().unwrap_err();
-    assert_eq!(err.cause, memtoken::CowFailure::Pending);
+    assert_eq!(err.cause, memtoken::errors::CowFailure::Pending);
     assert_eq!(
         model.count(DriverCall::MemUnmap),
         unmaps,
         "nothing unmapped under it"
     );
-    let memtoken::Returned::Unchanged(shared) = err.into_token() else {
+    let memtoken::errors::Returned::Unchanged(shared) = err.into_token() else {
         panic!("the mapping comes back unchanged");
     };
     model.complete_work_on(stream);
@@ -933,7 +933,7 @@ fn a_shrink_waits_for_the_streams_that_touched_the_region_only() {
     model.submit_work_touching(stream, &[(ptr, G)]); // now one using the region
     assert!(matches!(
         region.shrink(1),
-        Err(memtoken::ShrinkError::Pending)
+        Err(memtoken::errors::ShrinkError::Pending)
     ));
     model.complete_work();
     region.shrink(1).map_err(|e| e.to_string()).unwrap();
@@ -1265,7 +1265,7 @@ fn a_write_taken_during_a_capture_does_not_hide_earlier_reads() {
 /// launch.
 #[test]
 fn a_graph_launch_waits_for_the_last_write_on_another_stream() {
-    use memtoken::Capture;
+    use memtoken::interop::Capture;
     let model = model(false);
     common::known_device!(model, device, a);
     let s = model.new_stream();
@@ -1498,15 +1498,20 @@ fn a_wait_behind_a_capturing_stream_is_an_error_not_a_hang() {
         let y = binding.reserve(G).unwrap().commit().unwrap();
         model.begin_capture(stream, CaptureMode::Relaxed);
         let memtoken::TransitionError { token, cause } = x.release().wait().unwrap_err();
-        assert!(matches!(cause, memtoken::ReleaseFailure::Stuck), "{cause}");
+        assert!(
+            matches!(cause, memtoken::errors::ReleaseFailure::Stuck),
+            "{cause}"
+        );
         let releasing = match token {
-            memtoken::Returned::Unchanged(releasing) => releasing,
-            memtoken::Returned::Quarantined(q) => panic!("the token comes back unchanged, not {q}"),
+            memtoken::errors::Returned::Unchanged(releasing) => releasing,
+            memtoken::errors::Returned::Quarantined(q) => {
+                panic!("the token comes back unchanged, not {q}")
+            }
         };
         drop(y); // deferred behind the same stream
         assert!(matches!(
             device.flush(),
-            Err(memtoken::ReleaseFailure::Stuck)
+            Err(memtoken::errors::ReleaseFailure::Stuck)
         ));
         model.end_capture(stream).unwrap();
         releasing.wait().map_err(|e| e.to_string()).unwrap();
@@ -1590,7 +1595,7 @@ fn a_flush_releases_what_is_done_and_reports_what_is_stuck() {
     drop((x, y));
     assert!(matches!(
         device.flush(),
-        Err(memtoken::ReleaseFailure::Stuck)
+        Err(memtoken::errors::ReleaseFailure::Stuck)
     ));
     assert_eq!(
         device.ledger().owned_bytes,

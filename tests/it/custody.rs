@@ -9,7 +9,7 @@ use memtoken::backend::{
     Backend, Op,
     doubles::{Faulty, SimBackend, SimConfig},
 };
-use memtoken::{Budget, Device, Returned, TransitionError, make_guard};
+use memtoken::{Budget, Device, TransitionError, errors::Returned, make_guard};
 use std::sync::Barrier;
 use std::sync::atomic::{AtomicBool, Ordering};
 

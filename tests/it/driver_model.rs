@@ -1465,7 +1465,7 @@ fn every_vmm_call_on_a_device_without_vmm_is_misuse() {
     );
 }
 
-// ---- Graphs (facts 39–41): what the model runs for `memtoken::Capture`. ----
+// ---- Graphs (facts 39–41): what the model runs for `memtoken::interop::Capture`. ----
 
 /// A capture through the driver: work submitted on the capturing stream becomes a node of
 /// the graph, not work (fact 39); each launch of the instance runs the node as work on the

@@ -59,7 +59,7 @@ mod owned {
 
     use memtoken::backend::HostBackend;
     use memtoken::backend::doubles::{FaultHandle, Faulty};
-    use memtoken::{Allocation, Budget, Committed, Engine, Keeps, Region};
+    use memtoken::{Allocation, Budget, Committed, Engine, Keeps, region::Region};
 
     type Host = Faulty<HostBackend>;
 

@@ -5,7 +5,7 @@
 
 use memtoken::backend::doubles::Faulty;
 use memtoken::backend::{HostBackend, Op, PosixFd};
-use memtoken::{Binding, Budget, Device, Offer, make_guard};
+use memtoken::{Binding, Budget, Device, make_guard, sharing::Offer};
 use std::os::unix::net::UnixStream;
 
 /// Reserve, commit, grow, suspend and resume, export and import, release and complete: each
@@ -160,13 +160,13 @@ fn a_lost_context_is_found_in_any_converted_error() {
         Ok(())
     };
     let e = commit(reserved).unwrap_err();
-    assert!(memtoken::is_context_lost(e.as_ref()), "{e}");
+    assert!(memtoken::errors::is_context_lost(e.as_ref()), "{e}");
     let reserve = || -> anyhow::Result<()> {
         let _ = binding.reserve(2 << 20)?;
         Ok(())
     };
     let e = reserve().unwrap_err();
-    assert!(memtoken::is_context_lost(e.as_ref()), "{e:#}");
+    assert!(memtoken::errors::is_context_lost(e.as_ref()), "{e:#}");
     drop(binding);
     let _ = device.close();
 }
@@ -178,8 +178,9 @@ fn a_lost_context_is_found_in_any_converted_error() {
 fn every_failure_opens_its_message_with_its_own_summary() {
     use memtoken::backend::{BackendError, Cause};
     use memtoken::{
-        CommitFailure, CowFailure, Error, GrowError, ReleaseFailure, ReserveError, ResumeFailure,
-        ShareFailure, ShrinkError, SuspendFailure, ViewError,
+        Error, errors::CommitFailure, errors::CowFailure, errors::GrowError,
+        errors::ReleaseFailure, errors::ReserveError, errors::ResumeFailure, errors::ShareFailure,
+        errors::ShrinkError, errors::SuspendFailure, errors::ViewError,
     };
     let backend = || BackendError {
         op: Op::Map,

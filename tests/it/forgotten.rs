@@ -4,7 +4,7 @@
 
 use memtoken::backend::doubles::{Faulty, SimBackend};
 use memtoken::kv::{KvCache, Layout};
-use memtoken::{Budget, Device, Forgotten, make_guard};
+use memtoken::{Budget, Device, make_guard, report::Forgotten};
 
 #[test]
 fn a_forgotten_binding_shows_in_the_close_report_and_its_pin_goes_with_the_device() {

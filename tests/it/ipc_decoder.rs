@@ -5,7 +5,10 @@
 
 use crate::common::{self, GRANULE};
 use memtoken::backend::{HandleType, HostBackend, doubles::Faulty};
-use memtoken::{Budget, Device, MESSAGE_LEN, Offer, PrefixMessage, WireError, make_guard};
+use memtoken::{
+    Budget, Device, make_guard, sharing::MESSAGE_LEN, sharing::Offer, sharing::PrefixMessage,
+    sharing::WireError,
+};
 use proptest::prelude::*;
 use rustix::fd::OwnedFd;
 use rustix::fs::{MemfdFlags, SealFlags};

@@ -274,7 +274,7 @@ fn a_map_failure_with_a_failed_undo_keeps_the_ledger_and_maps_whole_later() {
 /// mapped.
 #[test]
 fn kv_planes_in_a_capture_ended_elsewhere_are_held_for_good() {
-    use memtoken::Capture;
+    use memtoken::interop::Capture;
     let model = common::model();
     common::covered_device!(model, device, stream);
     let binding = device.bind(Budget::unlimited()).unwrap();

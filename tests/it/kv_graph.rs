@@ -6,7 +6,7 @@ use crate::common;
 use memtoken::backend::cuda::CaptureMode;
 use memtoken::backend::{Cause, Violation};
 use memtoken::kv::{KvCache, KvError, Layout};
-use memtoken::{Budget, Capture, make_guard};
+use memtoken::{Budget, interop::Capture, make_guard};
 
 #[test]
 fn a_graph_over_the_planes_launches_across_grow_shrink_and_sleep_and_is_refused_asleep() {

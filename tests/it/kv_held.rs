@@ -9,7 +9,7 @@ use memtoken::backend::cuda::{CaptureMode, Driver, DriverCall};
 use memtoken::backend::doubles::FaultHandle;
 use memtoken::backend::{Backend, HostBackend, Op};
 use memtoken::kv::{KvCache, KvError, Layout};
-use memtoken::{Budget, Capture, make_guard};
+use memtoken::{Budget, interop::Capture, make_guard};
 
 /// One plane, one granule a group: an unmap in replenish that fails leaves the group mapped
 /// whole, and its blocks free again (not an idle group with an empty free list, which would

@@ -11,7 +11,8 @@ use memtoken::backend::doubles::{DriverModel, ModelConfig, ModelOutstanding};
 use memtoken::backend::{Ability, BackendError, Cause, PosixFd};
 use memtoken::mechanism::{MechanismError, Mechanisms};
 use memtoken::{
-    Budget, CommitFailure, Device, GrowError, Returned, SuspendFailure, TransitionError, make_guard,
+    Budget, Device, TransitionError, errors::CommitFailure, errors::GrowError, errors::Returned,
+    errors::SuspendFailure, make_guard,
 };
 
 /// A driver model of a device without virtual memory management (attribute 102 is 0): any

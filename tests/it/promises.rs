@@ -17,7 +17,8 @@ use memtoken::backend::{
     doubles::{Faulty, SimBackend},
 };
 use memtoken::{
-    Budget, CommitFailure, Device, ReserveError, Returned, ShrinkError, TransitionError, make_guard,
+    Budget, Device, TransitionError, errors::CommitFailure, errors::ReserveError, errors::Returned,
+    errors::ShrinkError, make_guard,
 };
 use std::sync::mpsc;
 
@@ -531,8 +532,8 @@ fn the_host_backend_refuses_misuse_with_an_error_never_a_panic() {
 #[test]
 #[cfg_attr(miri, ignore = "exports: a memfd, which Miri lacks")]
 fn getters_are_read_once_so_none_can_panic_inside_a_transition() {
-    use memtoken::Offer;
     use memtoken::backend::PosixFd;
+    use memtoken::sharing::Offer;
     use std::os::unix::net::UnixStream;
     make_guard!(guard);
     // A `memfd` store whatever MEMTOKEN_HOST_MEMORY says: this test exports.

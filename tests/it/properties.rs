@@ -24,9 +24,10 @@ use memtoken::backend::{
     doubles::{CaptureMode, DriverModel},
 };
 use memtoken::{
-    Allocation, Binding, Budget, CommitFailure, Committed, Device, DivergedMapping, GrowError,
-    Prefix, PrefixMapping, Quarantined, Region, Releasing, Reserved, Returned, ShrinkError,
-    SuspendedAllocation, SuspendedRegion, make_guard,
+    Allocation, Binding, Budget, Committed, Device, Releasing, Reserved, errors::CommitFailure,
+    errors::GrowError, errors::Returned, errors::ShrinkError, make_guard, region::Region,
+    report::Quarantined, sharing::DivergedMapping, sharing::Prefix, sharing::PrefixMapping,
+    sleep::SuspendedAllocation, sleep::SuspendedRegion,
 };
 use proptest::prelude::*;
 use std::collections::HashMap;

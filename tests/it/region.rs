@@ -10,7 +10,9 @@ use memtoken::backend::{
     Cause, Op,
     doubles::{Faulty, SimBackend},
 };
-use memtoken::{Budget, CommitFailure, Device, GrowError, ShrinkError, make_guard};
+use memtoken::{
+    Budget, Device, errors::CommitFailure, errors::GrowError, errors::ShrinkError, make_guard,
+};
 
 const PAGE: usize = 4096;
 
@@ -451,7 +453,10 @@ fn a_failed_growth_says_so_first() {
         .grow(1)
         .expect_err("the create was failed on purpose");
     says_first(&e, "growing stopped at granule 0 of this call");
-    assert_eq!(memtoken::Failure::summary(&e), "the region could not grow");
+    assert_eq!(
+        memtoken::errors::Failure::summary(&e),
+        "the region could not grow"
+    );
     region.release().complete().unwrap();
 }
 
@@ -740,7 +745,7 @@ fn on_cuda_a_shrink_into_the_tail_neither_unmaps_nor_waits_for_a_kernel() {
     region.grow(2).expect("from the tail");
     assert_eq!(model.count(DriverCall::MemMap), maps, "nothing mapped");
     let releasing = match region.release().complete().map_err(|e| e.into_token()) {
-        Err(memtoken::Returned::Unchanged(releasing)) => releasing,
+        Err(memtoken::errors::Returned::Unchanged(releasing)) => releasing,
         _ => panic!("the release waits for the kernel"),
     };
     model.complete_work();

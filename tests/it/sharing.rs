@@ -8,7 +8,8 @@ use memtoken::backend::{
     doubles::{Faulty, SimBackend},
 };
 use memtoken::{
-    Budget, CommitFailure, CowFailure, Device, Returned, ShareFailure, TransitionError, make_guard,
+    Budget, Device, TransitionError, errors::CommitFailure, errors::CowFailure, errors::Returned,
+    errors::ShareFailure, make_guard,
 };
 
 const PAGE: usize = 4096;
@@ -156,7 +157,7 @@ fn shared_memory_lives_as_long_as_its_last_mapping_and_is_released_once() {
 #[test]
 fn dropping_a_sequence_unmaps_its_prefix_before_the_binding_unpins() {
     struct Sequence<'b, 'id> {
-        prefix: memtoken::PrefixMapping<'b, 'id, SimBackend>,
+        prefix: memtoken::sharing::PrefixMapping<'b, 'id, SimBackend>,
         pages: Vec<memtoken::Allocation<'b, 'id, SimBackend, memtoken::Committed>>,
     }
     make_guard!(guard);

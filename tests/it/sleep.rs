@@ -9,7 +9,9 @@ use memtoken::backend::{
     Backend, Op,
     doubles::{Faulty, SimBackend},
 };
-use memtoken::{Budget, Device, GrowError, ResumeFailure, SuspendFailure, make_guard};
+use memtoken::{
+    Budget, Device, errors::GrowError, errors::ResumeFailure, errors::SuspendFailure, make_guard,
+};
 
 const PAGE: usize = 4096;
 

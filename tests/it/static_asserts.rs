@@ -3,8 +3,8 @@
 
 use memtoken::backend::{HostBackend, doubles::SimBackend};
 use memtoken::{
-    Allocation, Binding, Committed, ContextLost, Device, Elastic, Generation, QuarantineError,
-    Quarantined, Releasing, Reserved,
+    Allocation, Binding, Committed, Device, Releasing, Reserved, errors::QuarantineError,
+    region::Elastic, report::ContextLost, report::Generation, report::Quarantined,
 };
 use static_assertions::{assert_eq_size, assert_impl_all, assert_not_impl_any};
 use std::mem::size_of;
@@ -148,15 +148,18 @@ assert_eq_size!(HostTable, [usize; 5]);
 // The shared-prefix tokens are allocations in states Owner / Sharer / Diverged: the core
 // (binding reference, address, length, generation) and a reference (one Arc pointer) on the
 // shared physical memory. A prefix (Owner):
-assert_eq_size!(memtoken::Prefix<'static, 'static, HostBackend>, [usize; 5]);
+assert_eq_size!(
+    memtoken::sharing::Prefix<'static, 'static, HostBackend>,
+    [usize; 5]
+);
 // A sharer's mapping is the same size.
 assert_eq_size!(
-    memtoken::PrefixMapping<'static, 'static, HostBackend>,
+    memtoken::sharing::PrefixMapping<'static, 'static, HostBackend>,
     [usize; 5]
 );
 // A diverged mapping adds its private granule's handle (HostPhys, two words).
 assert_eq_size!(
-    memtoken::DivergedMapping<'static, 'static, HostBackend>,
+    memtoken::sharing::DivergedMapping<'static, 'static, HostBackend>,
     [usize; 7]
 );
 // A committed CUDA token: its CudaPhys is two words, the driver's handle and the backend's
@@ -169,9 +172,9 @@ assert_eq_size!(memtoken::backend::cuda::CudaPhys, [u64; 2]);
 // None of them can be duplicated.
 assert_not_impl_any!(HostTable: Clone, Copy);
 assert_not_impl_any!(HostCache: Clone, Copy);
-assert_not_impl_any!(memtoken::Prefix<'static, 'static, HostBackend>: Clone, Copy);
-assert_not_impl_any!(memtoken::PrefixMapping<'static, 'static, HostBackend>: Clone, Copy);
-assert_not_impl_any!(memtoken::DivergedMapping<'static, 'static, HostBackend>: Clone, Copy);
+assert_not_impl_any!(memtoken::sharing::Prefix<'static, 'static, HostBackend>: Clone, Copy);
+assert_not_impl_any!(memtoken::sharing::PrefixMapping<'static, 'static, HostBackend>: Clone, Copy);
+assert_not_impl_any!(memtoken::sharing::DivergedMapping<'static, 'static, HostBackend>: Clone, Copy);
 // The cache's free lists are not locked: the cache is not Sync, so its tables (which hold a
 // reference to it) are not Sync, and are Send only with the brands an engine gives what it
 // keeps ('static: the engine moves with its cache); at any other brand a table stays on its
@@ -187,9 +190,9 @@ assert_not_impl_any!(
 // A cache with no table out may move to another thread.
 assert_impl_all!(HostCache: Send);
 // Mappings lend `&[u8]` only while their bytes cannot change: Send + Sync like allocations.
-assert_impl_all!(memtoken::PrefixMapping<'static, 'static, HostBackend>: Send, Sync);
+assert_impl_all!(memtoken::sharing::PrefixMapping<'static, 'static, HostBackend>: Send, Sync);
 // What a failed release leaves may hold a reference on shared memory: it has one owner.
-assert_not_impl_any!(memtoken::Residual<memtoken::backend::HostPhys>: Clone, Copy);
+assert_not_impl_any!(memtoken::report::Residual<memtoken::backend::HostPhys>: Clone, Copy);
 // A CUDA device and its tokens are shared across threads (the backend locks its record).
 assert_impl_all!(Device<'static, CudaModel>: Send, Sync);
 assert_impl_all!(Allocation<'static, 'static, CudaModel, Committed>: Send, Sync);
@@ -203,5 +206,5 @@ fn generation_is_one_word_with_a_niche() {
 
 // A capture is ended on the thread that began it, and its graph launches from there:
 // neither is `Send` nor `Sync`.
-assert_not_impl_any!(memtoken::Capture<'static, 'static, memtoken::backend::doubles::DriverModel>: Send, Sync);
-assert_not_impl_any!(memtoken::CapturedGraph<'static, 'static, memtoken::backend::doubles::DriverModel>: Send, Sync);
+assert_not_impl_any!(memtoken::interop::Capture<'static, 'static, memtoken::backend::doubles::DriverModel>: Send, Sync);
+assert_not_impl_any!(memtoken::interop::CapturedGraph<'static, 'static, memtoken::backend::doubles::DriverModel>: Send, Sync);

@@ -17,7 +17,9 @@ use memtoken::backend::{
     Backend, HostBackend, Op,
     doubles::{FaultHandle, Faulty},
 };
-use memtoken::{Allocation, Binding, Budget, Committed, Device, Region, SuspendedRegion};
+use memtoken::{
+    Allocation, Binding, Budget, Committed, Device, region::Region, sleep::SuspendedRegion,
+};
 use proptest::prelude::*;
 use std::sync::Mutex;
 

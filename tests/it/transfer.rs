@@ -4,7 +4,9 @@
 
 use memtoken::backend::{Location, PosixFd, doubles::SimBackend};
 use memtoken::backend::{cuda::CudaBackend, doubles::DriverModel};
-use memtoken::{Budget, Descriptor, Device, Offer, Registration, make_guard};
+use memtoken::{
+    Budget, Device, make_guard, sharing::Offer, transfer::Descriptor, transfer::Registration,
+};
 use std::collections::HashMap;
 
 /// A transfer engine's registration cache, keyed by address as engines key it; an entry is

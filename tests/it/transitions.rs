@@ -8,8 +8,8 @@ use memtoken::backend::{
     doubles::{Faulty, SimBackend, SimConfig},
 };
 use memtoken::{
-    Budget, CommitFailure, Device, ReleaseFailure, ReserveError, Returned, TransitionError,
-    make_guard,
+    Budget, Device, TransitionError, errors::CommitFailure, errors::ReleaseFailure,
+    errors::ReserveError, errors::Returned, make_guard,
 };
 
 const PAGE: usize = 4096;

@@ -1,7 +1,7 @@
 //! Host typed views: every host token that lends bytes lends them as `&[T]` / `&mut [T]` of a
 //! plain-old-data `T`, with the length in `T`s, and refuses a misfit with an error value.
 
-use memtoken::{Budget, Device, ViewError, make_guard};
+use memtoken::{Budget, Device, errors::ViewError, make_guard};
 
 #[test]
 fn a_committed_allocation_lends_its_bytes_as_floats_and_back() {

@@ -52,7 +52,7 @@ impl<D: Driver> CudaBackend<D> {
         }
     }
 
-    /// Lets typed views ([`StreamView`](crate::StreamView)) be made for `stream`: a release
+    /// Lets typed views ([`StreamView`](crate::interop::StreamView)) be made for `stream`: a release
     /// then waits for the work submitted there only if a view used the released memory there
     /// — unlike a covered stream, which every fence covers. Fences stay bounded by the streams
     /// that touched the memory, however many streams come and go. (Typed views of cudarc

@@ -141,7 +141,7 @@
 //! context captures (the per-thread stream is one), it answers `STREAM_CAPTURE_IMPLICIT`
 //! without invalidating anything, and is not used. memtoken never calls `cuCtxSynchronize`:
 //! where an event's wait fails it synchronizes that one stream (`cuStreamSynchronize`), never
-//! a capturing one. Captures made through [`Capture`](crate::Capture) go through this seam
+//! a capturing one. Captures made through [`Capture`](crate::interop::Capture) go through this seam
 //! (`cuStreamBeginCapture`, `cuStreamEndCapture`, `cuGraphInstantiate`, `cuGraphLaunch`,
 //! `cuGraphExecDestroy`), and their graphs borrow the memory they use; memory a view lends to
 //! work on a stream while it captures outside memtoken is never unmapped. — STREAM;

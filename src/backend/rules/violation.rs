@@ -150,7 +150,7 @@ pub enum Violation {
     /// Memory a view lent to work on a stream while it captured outside memtoken's own
     /// capture: a graph memtoken does not know of may use it whenever it is launched.
     #[error(
-        "[{addr:#x}, +{len:#x}) was used on a stream during a CUDA graph capture memtoken did not make: a graph may still launch with it, so it stays mapped (capture through `memtoken::Capture` to release it)"
+        "[{addr:#x}, +{len:#x}) was used on a stream during a CUDA graph capture memtoken did not make: a graph may still launch with it, so it stays mapped (capture through `memtoken::interop::Capture` to release it)"
     )]
     HeldByGraph {
         /// Start of the range.
@@ -158,7 +158,7 @@ pub enum Violation {
         /// Its length.
         len: usize,
     },
-    /// The range is lent to a graph a memtoken [`Capture`](crate::Capture) made, which may
+    /// The range is lent to a graph a memtoken [`Capture`](crate::interop::Capture) made, which may
     /// still launch: it stays mapped until that graph is dropped.
     #[error(
         "[{addr:#x}, +{len:#x}) is lent to a graph captured through memtoken, which may still launch: it stays mapped until the graph is dropped"

@@ -109,7 +109,7 @@ pub fn messages(err: &dyn Error) -> Vec<String> {
 /// Each message says its own part: none repeats the text of a cause further down the chain.
 /// A failed transition's message (what failed, why, what it hands back), then its cause's
 /// chain.
-pub fn transition_messages<T: std::fmt::Display, C: memtoken::Failure>(
+pub fn transition_messages<T: std::fmt::Display, C: memtoken::errors::Failure>(
     err: &memtoken::TransitionError<T, C>,
 ) -> Vec<String> {
     let mut out = vec![err.to_string()];
@@ -210,7 +210,7 @@ pub trait Grown {
     fn grown(self, granules: usize) -> Self;
 }
 
-impl<B: memtoken::backend::Backend> Grown for memtoken::Region<'_, '_, B> {
+impl<B: memtoken::backend::Backend> Grown for memtoken::region::Region<'_, '_, B> {
     fn grown(mut self, granules: usize) -> Self {
         self.grow(granules).expect("setup: grow");
         self

@@ -25,7 +25,6 @@ const SOURCE: &str = "https://docs.rs/crate/memtoken/latest/source/";
 const NOT_RENDERED_BY_RUSTDOC: &[&str] = &[
     "docs/benchmarks.md", // the measurements: method, counts, paired runs
     "docs/layout.md",     // the repository's files, for those who change them
-    "docs/test-moves.md", // old test names, not published
 ];
 
 fn root() -> &'static Path {

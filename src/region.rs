@@ -644,13 +644,7 @@ impl<'b, 'id, B: Backend> Allocation<'b, 'id, B, Elastic> {
         back.give_all(&committed[keep..]);
         committed.truncate(keep);
         back.finish();
-        match failed {
-            None => Ok(()),
-            Some(error) => Err(ShrinkError::Withheld {
-                granules: withheld.len(),
-                error: Box::new(error),
-            }),
-        }
+        withheld_after(failed, withheld.len())
     }
 
     /// Tries again to unmap the granules withheld after a failed unmap, and gives back those
@@ -712,10 +706,16 @@ pub(crate) fn reclaim_withheld<B: Backend>(
         }
     }
     back.finish();
+    withheld_after(failed, withheld.len())
+}
+
+/// What an unmap of granules ended in: done, or the first failure with the `granules` left
+/// withheld.
+fn withheld_after(failed: Option<BackendError>, granules: usize) -> Result<(), ShrinkError> {
     match failed {
         None => Ok(()),
         Some(error) => Err(ShrinkError::Withheld {
-            granules: withheld.len(),
+            granules,
             error: Box::new(error),
         }),
     }

@@ -207,25 +207,7 @@ impl<D: Driver> CudaBackend<D> {
         unsafe { self.driver.memcpy_htod(dst as u64, src) }.map_err(fail)?;
         // From pageable memory the call returns once the bytes are staged; the DMA to the
         // destination may still run on the legacy stream: wait for it before the range is free.
-        match self.wait_legacy() {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                if !e.is_context_loss() {
-                    // Not known to have landed: the range stays busy until an event recorded
-                    // on the legacy stream after the copy has completed.
-                    let marks = vec![busy.id];
-                    std::mem::forget(busy);
-                    let mut s = lock(&self.state);
-                    let unsettled = Unsettled {
-                        after: next_serial(),
-                        marks,
-                        scratch: None,
-                    };
-                    s.unsettled.push(unsettled);
-                }
-                Err(fail(e))
-            }
-        }
+        self.land(vec![busy.id], busy, fail)
     }
 
     /// Copies `len` bytes of device memory at `src` to `dst` (`cuMemcpyDtoD` on the legacy
@@ -255,25 +237,7 @@ impl<D: Driver> CudaBackend<D> {
         // unmapped, freed or mapped over until the copy has landed (below).
         unsafe { self.driver.memcpy_dtod(dst as u64, src as u64, len) }.map_err(fail)?;
         // Device to device: the call returns before the copy ran. Wait for it.
-        match self.wait_legacy() {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                if !e.is_context_loss() {
-                    // Not known to have landed: both ranges stay busy until an event recorded
-                    // on the legacy stream after the copy has completed.
-                    let marks = vec![from.id, to.id];
-                    std::mem::forget((from, to));
-                    let mut s = lock(&self.state);
-                    let unsettled = Unsettled {
-                        after: next_serial(),
-                        marks,
-                        scratch: None,
-                    };
-                    s.unsettled.push(unsettled);
-                }
-                Err(fail(e))
-            }
-        }
+        self.land(vec![from.id, to.id], (from, to), fail)
     }
 
     /// Copies the device memory at `src` to `dst` (synchronous).
@@ -388,6 +352,30 @@ impl<D: Driver> CudaBackend<D> {
             }
         }
         Ok(())
+    }
+
+    /// Waits for a copy on the legacy stream to land. Where that is not known (the wait
+    /// failed, the context not lost), the copy's ranges stay busy — `held` forgotten, its
+    /// `marks` kept — until an event recorded on the legacy stream after it has completed.
+    fn land<H>(
+        &self,
+        marks: Vec<u64>,
+        held: H,
+        fail: impl FnOnce(CuError) -> BackendError,
+    ) -> Result<(), BackendError> {
+        let Err(e) = self.wait_legacy() else {
+            return Ok(());
+        };
+        if !e.is_context_loss() {
+            std::mem::forget(held);
+            let after = next_serial();
+            lock(&self.state).unsettled.push(Unsettled {
+                after,
+                marks,
+                scratch: None,
+            });
+        }
+        Err(fail(e))
     }
 }
 

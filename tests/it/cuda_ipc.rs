@@ -271,7 +271,7 @@ fn exportable_memory_whose_granularity_does_not_fit_is_refused_naming_both() {
     // An exportable granularity that divides the device's fits.
     let model = DriverModel::new(ModelConfig {
         exportable_granularity: Some(G / 2),
-        ..ModelConfig::default()
+        ..common::model_config()
     })
     .unwrap();
     let backend = CudaBackend::new(model.clone(), 0).unwrap();

@@ -38,11 +38,7 @@ impl<D: Driver> Exportable<PosixFd> for CudaBackend<D> {
     /// can). Refused before the call where the granularity of these properties does not fit
     /// the device's ([`exportable_granularity`](CudaBackend::exportable_granularity)).
     fn create_exportable(&self, len: usize) -> Result<CudaPhys, BackendError> {
-        let mut s = self.enter(Op::Create, 0, len)?;
-        // VMM calls: never barred by a capture (fact 40).
-        let _relaxed = self
-            .relaxed()
-            .map_err(|e| self.fail(Op::Create, 0, len, e))?;
+        let (mut s, _relaxed) = self.enter_vmm(Op::Create, 0, len)?;
         s.book
             .check_create(len)
             .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
@@ -68,11 +64,7 @@ impl<D: Driver> Exportable<PosixFd> for CudaBackend<D> {
         if self.plain {
             return Err(Ability::Export.refused(Op::Create, 0, len, PLAIN));
         }
-        let s = self.enter(Op::Create, 0, len)?;
-        // VMM calls: never barred by a capture (fact 40).
-        let _relaxed = self
-            .relaxed()
-            .map_err(|e| self.fail(Op::Create, 0, len, e))?;
+        let (s, _relaxed) = self.enter_vmm(Op::Create, 0, len)?;
         let refuse = |v| BackendError::refused(Op::Create, 0, len, v);
         s.book
             .check_release(phys, len)
@@ -111,11 +103,7 @@ impl<D: Driver> Exportable<PosixFd> for CudaBackend<D> {
             // An import is mapped at a reserved address: the plain mechanism cannot.
             return Err(Ability::Export.refused(Op::Create, 0, len, PLAIN));
         }
-        let mut s = self.enter(Op::Create, 0, len)?;
-        // VMM calls: never barred by a capture (fact 40).
-        let _relaxed = self
-            .relaxed()
-            .map_err(|e| self.fail(Op::Create, 0, len, e))?;
+        let (mut s, _relaxed) = self.enter_vmm(Op::Create, 0, len)?;
         let refuse = |v| BackendError::refused(Op::Create, 0, len, v);
         s.book.check_create(len).map_err(refuse)?;
         // Imported memory was made with exportable properties: it is mapped as the device

@@ -261,6 +261,21 @@ impl<D: Driver> CudaBackend<D> {
         Ok(state)
     }
 
+    /// [`enter`](Self::enter) for a VMM call, with the thread's capture mode
+    /// [`relaxed`](Self::relaxed) until the second guard drops (VMM calls are never barred by a
+    /// capture: fact 40). Bound as `let (s, _relaxed)`, the mode is restored before the record
+    /// is unlocked.
+    pub(super) fn enter_vmm(
+        &self,
+        op: Op,
+        addr: Addr,
+        len: usize,
+    ) -> Result<(MutexGuard<'_, CudaState>, Relaxed<'_, D>), BackendError> {
+        let state = self.enter(op, addr, len)?;
+        let relaxed = self.relaxed().map_err(|e| self.fail(op, addr, len, e))?;
+        Ok((state, relaxed))
+    }
+
     /// The calling thread's capture interaction mode, relaxed until the guard drops (then
     /// restored): the VMM calls made meanwhile are neither refused by another thread's capture
     /// nor invalidate it (fact 40), as PyTorch relaxes its allocations (fact 42). If the

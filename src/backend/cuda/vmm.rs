@@ -41,11 +41,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         if self.plain {
             return self.plain_reserve(len);
         }
-        let mut s = self.enter(Op::Reserve, 0, len)?;
-        // VMM calls: never barred by a capture (fact 40).
-        let _relaxed = self
-            .relaxed()
-            .map_err(|e| self.fail(Op::Reserve, 0, len, e))?;
+        let (mut s, _relaxed) = self.enter_vmm(Op::Reserve, 0, len)?;
         s.book
             .check_reserve(len)
             .map_err(|v| BackendError::refused(Op::Reserve, 0, len, v))?;
@@ -65,11 +61,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
             return self.plain_free(addr, len);
         }
         let (start, end) = Self::span(Op::Free, addr, len, Violation::NotReserved { addr, len })?;
-        let mut s = self.enter(Op::Free, addr, len)?;
-        // VMM calls: never barred by a capture (fact 40).
-        let _relaxed = self
-            .relaxed()
-            .map_err(|e| self.fail(Op::Free, addr, len, e))?;
+        let (mut s, _relaxed) = self.enter_vmm(Op::Free, addr, len)?;
         Self::check_not_busy(&s, Op::Free, addr, len)?;
         if Self::overlaps(&s.scratch, addr, len) {
             // The backend's own scratch range: not the caller's to free.
@@ -95,11 +87,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         if self.plain {
             return self.plain_create(len);
         }
-        let mut s = self.enter(Op::Create, 0, len)?;
-        // VMM calls: never barred by a capture (fact 40).
-        let _relaxed = self
-            .relaxed()
-            .map_err(|e| self.fail(Op::Create, 0, len, e))?;
+        let (mut s, _relaxed) = self.enter_vmm(Op::Create, 0, len)?;
         s.book
             .check_create(len)
             .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
@@ -120,11 +108,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         if self.plain {
             return self.plain_release(phys, len);
         }
-        let mut s = self.enter(Op::Release, 0, len)?;
-        // VMM calls: never barred by a capture (fact 40).
-        let _relaxed = self
-            .relaxed()
-            .map_err(|e| self.fail(Op::Release, 0, len, e))?;
+        let (mut s, _relaxed) = self.enter_vmm(Op::Release, 0, len)?;
         s.book
             .check_release(phys, len)
             .map_err(|v| BackendError::refused(Op::Release, 0, len, v))?;
@@ -152,11 +136,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
             return self.plain_map(addr, len, phys, access);
         }
         let (ptr, end) = Self::span(Op::Map, addr, len, Violation::NotReserved { addr, len })?;
-        let mut s = self.enter(Op::Map, addr, len)?;
-        // VMM calls: never barred by a capture (fact 40).
-        let _relaxed = self
-            .relaxed()
-            .map_err(|e| self.fail(Op::Map, addr, len, e))?;
+        let (mut s, _relaxed) = self.enter_vmm(Op::Map, addr, len)?;
         Self::check_not_busy(&s, Op::Map, addr, len)?;
         let fail = |e| self.fail(Op::Map, addr, len, e);
         if Self::overlaps(&s.scratch, addr, len) {
@@ -214,11 +194,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
             return self.plain_unmap(addr, len);
         }
         let (start, end) = Self::span(Op::Unmap, addr, len, Violation::NotMapped { addr, len })?;
-        let mut s = self.enter(Op::Unmap, addr, len)?;
-        // VMM calls: never barred by a capture (fact 40).
-        let _relaxed = self
-            .relaxed()
-            .map_err(|e| self.fail(Op::Unmap, addr, len, e))?;
+        let (mut s, _relaxed) = self.enter_vmm(Op::Unmap, addr, len)?;
         Self::check_unmappable(&s, addr, len)?;
         // SAFETY: `check_unmappable` above proved `[addr, addr + len)` exactly covered by
         // whole live mappings (`s.book.check_unmap`).

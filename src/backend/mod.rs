@@ -490,6 +490,20 @@ impl BackendError {
     }
 }
 
+/// A rule book's verdict as a backend's result: `book.check_map(…).refused(Op::Map, addr,
+/// len)?` — the call refused, nothing touched ([`BackendError::refused`]).
+pub(crate) trait Refuse<T> {
+    /// The verdict, a violation made the error of call `op` on `len` bytes at `addr`.
+    fn refused(self, op: Op, addr: Addr, len: usize) -> Result<T, BackendError>;
+}
+
+impl<T> Refuse<T> for Result<T, Violation> {
+    #[inline(always)]
+    fn refused(self, op: Op, addr: Addr, len: usize) -> Result<T, BackendError> {
+        self.map_err(|v| BackendError::refused(op, addr, len, v))
+    }
+}
+
 /// The mechanism of virtual memory management: what the typed layer above calls, one-to-one.
 ///
 /// Lengths and addresses are multiples of [`granularity`](Backend::granularity); the layer above

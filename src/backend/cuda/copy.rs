@@ -8,6 +8,7 @@
 use super::driver::{CuError, CuResult, Driver};
 use super::record::{CudaState, Unsettled};
 use super::{CudaBackend, CudaPhys, next_serial};
+use crate::backend::Refuse;
 use crate::backend::{Access, Addr, Backend, BackendError, Cause, Op, Violation, lock};
 
 impl<D: Driver> CudaBackend<D> {
@@ -83,7 +84,7 @@ impl<D: Driver> CudaBackend<D> {
         self.sweep_scratch(&mut s).map_err(fail)?;
         s.book
             .check_copy(phys, src, len)
-            .map_err(|v| BackendError::refused(Op::Copy, src, len, v))?;
+            .refused(Op::Copy, src, len)?;
         if s.imported.contains(&phys) {
             let v = Violation::Import("imported memory is written never");
             return Err(BackendError::refused(Op::Copy, src, len, v));

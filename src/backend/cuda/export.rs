@@ -4,6 +4,7 @@
 use super::driver::{Driver, HANDLE_TYPE_POSIX_FD, ShareableHandle};
 use super::plain::PLAIN;
 use super::{CudaBackend, CudaPhys, next_serial};
+use crate::backend::Refuse;
 use crate::backend::{Ability, BackendError, Exportable, Op, PosixFd, Shareable, Violation};
 use rustix::fd::AsRawFd;
 
@@ -39,9 +40,7 @@ impl<D: Driver> Exportable<PosixFd> for CudaBackend<D> {
     /// the device's ([`exportable_granularity`](CudaBackend::exportable_granularity)).
     fn create_exportable(&self, len: usize) -> Result<CudaPhys, BackendError> {
         let (mut s, _relaxed) = self.enter_vmm(Op::Create, 0, len)?;
-        s.book
-            .check_create(len)
-            .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
+        s.book.check_create(len).refused(Op::Create, 0, len)?;
         self.check_exportable_fits(Op::Create, len)?;
         let props = self.props.with_handle_types(HANDLE_TYPE_POSIX_FD);
         let handle = self

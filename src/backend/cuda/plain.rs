@@ -26,6 +26,7 @@
 
 use super::driver::Driver;
 use super::{CudaBackend, CudaPhys, next_serial};
+use crate::backend::Refuse;
 use crate::backend::{
     Ability, Access, Addr, Backend, BackendError, Op, Violation, address_space_exhausted,
     check_address_space,
@@ -52,9 +53,7 @@ impl<D: Driver> CudaBackend<D> {
     #[inline(never)]
     pub(super) fn plain_reserve(&self, len: usize) -> Result<Addr, BackendError> {
         let mut s = self.enter(Op::Reserve, 0, len)?;
-        s.book
-            .check_reserve(len)
-            .map_err(|v| BackendError::refused(Op::Reserve, 0, len, v))?;
+        s.book.check_reserve(len).refused(Op::Reserve, 0, len)?;
         check_address_space(len, self.address_space())?;
         // The lowest gap among the placeholders not placed yet (real addresses are all below
         // the base): freed ones are reused, so they never run out while fewer than 2^60 bytes
@@ -75,9 +74,7 @@ impl<D: Driver> CudaBackend<D> {
         let (start, _) = Self::span(Op::Free, addr, len, Violation::NotReserved { addr, len })?;
         let mut s = self.enter(Op::Free, addr, len)?;
         Self::check_not_busy(&s, Op::Free, addr, len)?;
-        s.book
-            .check_free(addr, len)
-            .map_err(|v| BackendError::refused(Op::Free, addr, len, v))?;
+        s.book.check_free(addr, len).refused(Op::Free, addr, len)?;
         if let Some(&phys) = s.placements.get(&addr) {
             // In relaxed mode, and not while a blocking stream captures: `cuMemFree` may
             // synchronize like a use of the legacy stream (fact 59), so it waits, transient.
@@ -108,9 +105,7 @@ impl<D: Driver> CudaBackend<D> {
     #[inline(never)]
     pub(super) fn plain_create(&self, len: usize) -> Result<CudaPhys, BackendError> {
         let mut s = self.enter(Op::Create, 0, len)?;
-        s.book
-            .check_create(len)
-            .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
+        s.book.check_create(len).refused(Op::Create, 0, len)?;
         // A global-mode capture refuses an allocation (fact 42): relaxed, as the VMM calls.
         let _relaxed = self
             .relaxed()
@@ -135,7 +130,7 @@ impl<D: Driver> CudaBackend<D> {
         let mut s = self.enter(Op::Release, 0, len)?;
         s.book
             .check_release(phys, len)
-            .map_err(|v| BackendError::refused(Op::Release, 0, len, v))?;
+            .refused(Op::Release, 0, len)?;
         if !s.placed.remove(&phys) {
             let _relaxed = self
                 .relaxed()
@@ -175,7 +170,7 @@ impl<D: Driver> CudaBackend<D> {
         }
         s.book
             .check_map(addr, len, phys, 0)
-            .map_err(|v| BackendError::refused(Op::Map, addr, len, v))?;
+            .refused(Op::Map, addr, len)?;
         if s.placed.contains(&phys) {
             return refuse(Ability::MapTwice);
         }

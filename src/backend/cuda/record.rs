@@ -6,6 +6,7 @@
 
 use super::driver::{CaptureMode, CuError, CuResult, Driver, Event, Stream};
 use super::{CudaBackend, CudaPhys};
+use crate::backend::Refuse;
 use crate::backend::rules::Book;
 use crate::backend::{Access, Addr, Backend, BackendError, Cause, Op, Span, Violation, lock};
 use std::collections::{HashMap, HashSet};
@@ -395,9 +396,7 @@ impl<D: Driver> CudaBackend<D> {
         if Self::overlaps(&s.capture_held, addr, len) {
             return refuse(Violation::HeldByCapture { addr, len });
         }
-        s.book
-            .check_unmap(addr, len)
-            .map_err(|v| BackendError::refused(Op::Unmap, addr, len, v))
+        s.book.check_unmap(addr, len).refused(Op::Unmap, addr, len)
     }
 
     /// Whether any listed range overlaps `[addr, addr + len)` (its end saturating at the top of

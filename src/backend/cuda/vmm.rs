@@ -6,6 +6,7 @@
 use super::driver::Driver;
 use super::plain::PLAIN;
 use super::{CudaBackend, CudaFence, CudaPhys, next_serial};
+use crate::backend::Refuse;
 use crate::backend::{
     Ability, Access, Addr, Backend, BackendError, Location, Op, Violation, check_address_space,
 };
@@ -42,9 +43,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
             return self.plain_reserve(len);
         }
         let (mut s, _relaxed) = self.enter_vmm(Op::Reserve, 0, len)?;
-        s.book
-            .check_reserve(len)
-            .map_err(|v| BackendError::refused(Op::Reserve, 0, len, v))?;
+        s.book.check_reserve(len).refused(Op::Reserve, 0, len)?;
         check_address_space(len, self.address_space())?;
         let ptr = self
             .driver
@@ -70,9 +69,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         }
         self.unmap_inaccessible(&mut s, start, end)
             .map_err(|e| self.fail(Op::Free, addr, len, e))?;
-        s.book
-            .check_free(addr, len)
-            .map_err(|v| BackendError::refused(Op::Free, addr, len, v))?;
+        s.book.check_free(addr, len).refused(Op::Free, addr, len)?;
         // SAFETY: `s.book.check_free` above proved `[addr, addr + len)` exactly one live
         // reservation of this driver with nothing mapped in it (`unmap_inaccessible` unmapped what a failed
         // rollback had left there).
@@ -88,9 +85,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
             return self.plain_create(len);
         }
         let (mut s, _relaxed) = self.enter_vmm(Op::Create, 0, len)?;
-        s.book
-            .check_create(len)
-            .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
+        s.book.check_create(len).refused(Op::Create, 0, len)?;
         let handle = self
             .driver
             .mem_create_with(len, self.props)
@@ -111,7 +106,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         let (mut s, _relaxed) = self.enter_vmm(Op::Release, 0, len)?;
         s.book
             .check_release(phys, len)
-            .map_err(|v| BackendError::refused(Op::Release, 0, len, v))?;
+            .refused(Op::Release, 0, len)?;
         // SAFETY: `s.book.check_release` above proved `phys` created by this backend through
         // this driver and not released, so its handle is live: the record marks `phys` released
         // once its handle is, and a value the driver hands out again gets a new serial.
@@ -147,7 +142,7 @@ impl<D: Driver> Backend for CudaBackend<D> {
         self.unmap_inaccessible(&mut s, ptr, end).map_err(fail)?;
         s.book
             .check_map(addr, len, phys, 0)
-            .map_err(|v| BackendError::refused(Op::Map, addr, len, v))?;
+            .refused(Op::Map, addr, len)?;
         if access == Access::ReadWrite && s.imported.contains(&phys) {
             let v = Violation::Import("imported memory is mapped read-only only");
             return Err(BackendError::refused(Op::Map, addr, len, v));

@@ -4,6 +4,7 @@
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
 use super::{HostBackend, HostPhys, HostState, Place, os_error};
+use crate::backend::Refuse;
 use crate::backend::export::{Exportable, PosixFd, Shareable};
 use crate::backend::rules::Violation;
 use crate::backend::{Access, BackendError, Op};
@@ -71,8 +72,7 @@ impl HostBackend {
         // A mapping the book no longer trusts (in a poisoned reservation) is never touched again:
         // the memory cannot be made read-only everywhere, so it is not exported.
         for &(addr, n, _) in &mappings {
-            book.check_unmap(addr, n)
-                .map_err(|v| BackendError::refused(Op::Create, addr, n, v))?;
+            book.check_unmap(addr, n).refused(Op::Create, addr, n)?;
         }
         let mut touched = 0;
         let mut result = Ok(());
@@ -145,9 +145,7 @@ impl Exportable<PosixFd> for HostBackend {
             return Err(export.refused(Op::Create, 0, len, super::ANONYMOUS));
         }
         let mut s = self.state();
-        s.book
-            .check_create(len)
-            .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
+        s.book.check_create(len).refused(Op::Create, 0, len)?;
         self.check_capacity(&s, len)?;
         let fail = |e| os_error(Op::Create, 0, len, e);
         let flags = MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING;
@@ -184,7 +182,7 @@ impl Exportable<PosixFd> for HostBackend {
                 Violation::PhysStillMapped { .. } => Ok(()),
                 v => Err(v),
             })
-            .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
+            .refused(Op::Create, 0, len)?;
         let Some(file) = s
             .files
             .get(&phys.serial)

@@ -11,6 +11,7 @@ use super::{
     Ability, Access, Addr, Backend, BackendError, Cause, ConfigError, HostVisible, Op,
     address_space_exhausted, check_address_space, lock,
 };
+use crate::backend::Refuse;
 pub use config::{HostConfig, HostMemory};
 use files::{FileKind, HostFile};
 use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -363,9 +364,7 @@ impl Backend for HostBackend {
     /// 64 times (`RESERVE_ATTEMPTS`).
     fn reserve(&self, len: usize) -> Result<Addr, BackendError> {
         let mut s = self.state();
-        s.book
-            .check_reserve(len)
-            .map_err(|v| BackendError::refused(Op::Reserve, 0, len, v))?;
+        s.book.check_reserve(len).refused(Op::Reserve, 0, len)?;
         let (g, space) = (self.config.granularity, self.config.address_space);
         check_address_space(len, space)?;
         // Over-reserve by one granule when it exceeds the page size, then trim to alignment.
@@ -416,9 +415,7 @@ impl Backend for HostBackend {
 
     fn free(&self, addr: Addr, len: usize) -> Result<(), BackendError> {
         let mut s = self.state();
-        s.book
-            .check_free(addr, len)
-            .map_err(|v| BackendError::refused(Op::Free, addr, len, v))?;
+        s.book.check_free(addr, len).refused(Op::Free, addr, len)?;
         if let Store::Heap = self.store {
             heap::free(&mut s, addr);
             s.book.apply_free(addr);
@@ -434,9 +431,7 @@ impl Backend for HostBackend {
 
     fn create(&self, len: usize) -> Result<HostPhys, BackendError> {
         let mut s = self.state();
-        s.book
-            .check_create(len)
-            .map_err(|v| BackendError::refused(Op::Create, 0, len, v))?;
+        s.book.check_create(len).refused(Op::Create, 0, len)?;
         self.check_capacity(&s, len)?;
         if let Store::Heap = self.store {
             let phys = heap::create(&mut s, len)?;
@@ -488,7 +483,7 @@ impl Backend for HostBackend {
         let mut s = self.state();
         s.book
             .check_release(phys, len)
-            .map_err(|v| BackendError::refused(Op::Release, 0, len, v))?;
+            .refused(Op::Release, 0, len)?;
         if let Some(file) = s.files.remove(&phys.serial) {
             // A file of its own: closing this process's descriptor is the release. Another
             // process that imported it keeps its pages until it unmaps and closes them too
@@ -534,7 +529,7 @@ impl Backend for HostBackend {
         let mut s = self.state();
         s.book
             .check_map(addr, len, phys, 0)
-            .map_err(|v| BackendError::refused(Op::Map, addr, len, v))?;
+            .refused(Op::Map, addr, len)?;
         if let Store::Heap = self.store {
             heap::map(&mut s, addr, len, phys)?;
             s.book.apply_map(addr, len, phys, access);
@@ -571,7 +566,7 @@ impl Backend for HostBackend {
         let mut s = self.state();
         s.book
             .check_unmap(addr, len)
-            .map_err(|v| BackendError::refused(Op::Unmap, addr, len, v))?;
+            .refused(Op::Unmap, addr, len)?;
         if let Store::Heap = self.store {
             heap::unmap(&mut s, addr, len);
             s.book.apply_unmap(addr, len);
@@ -593,7 +588,7 @@ impl Backend for HostBackend {
         let mut s = self.state();
         s.book
             .check_copy(phys, src, len)
-            .map_err(|v| BackendError::refused(Op::Copy, src, len, v))?;
+            .refused(Op::Copy, src, len)?;
         if let Store::Heap = self.store {
             heap::copy_into_phys(&mut s, phys, src, len);
             return Ok(());
@@ -646,10 +641,10 @@ impl Backend for HostBackend {
         let s = self.state();
         s.book
             .check_access(src, len, false)
-            .map_err(|v| BackendError::refused(Op::Copy, src, len, v))?;
+            .refused(Op::Copy, src, len)?;
         s.book
             .check_access(dst, len, true)
-            .map_err(|v| BackendError::refused(Op::Copy, dst, len, v))?;
+            .refused(Op::Copy, dst, len)?;
         if len == 0 {
             return Ok(()); // nothing to copy: either address may be any, even null
         }

@@ -25,6 +25,13 @@
 //!   the selection clears) — and only if the selection is still this one: a newer selection,
 //!   or a retirement that already moved it, is never overwritten.
 //!
+//! **Where it sits.** Nothing in the crate uses it: it is the registry a program holds around
+//! the devices it opens. [`CudaBackend::open_auto`](crate::backend::cuda::CudaBackend::open_auto)
+//! chooses one mechanism for one device, once, at open time (VMM where the device has it, else
+//! plain); `Mechanisms` is for a program that keeps several — a VMM device and a plain one, a
+//! host fallback — and moves new bindings between them while it runs. Guide:
+//! [`guide::mechanisms`](crate::guide::mechanisms).
+//!
 //! ```
 //! use memtoken::mechanism::{Lifecycle, Mechanisms};
 //!

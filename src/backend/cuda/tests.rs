@@ -20,6 +20,27 @@ fn two_known_streams(model: &DriverModel, backend: &CudaBackend<DriverModel>) ->
     (other, home)
 }
 
+/// A model whose events complete only with the work before them, and the backend on it.
+fn lazy_model() -> (DriverModel, CudaBackend<DriverModel>) {
+    let model = DriverModel::new(crate::backend::doubles::ModelConfig {
+        events_complete_at_once: false,
+        ..Default::default()
+    })
+    .unwrap();
+    let backend = open(&model);
+    (model, backend)
+}
+
+/// A kernel on `stream` touching `len` bytes at `at`, and an event recorded after it.
+#[allow(unsafe_code)] // the driver's event record, proven below
+fn kernel(model: &DriverModel, stream: Stream, at: Addr, len: usize) -> Event {
+    model.submit_work_touching(stream, &[(at as u64, len)]);
+    let done = model.event_create().unwrap();
+    // SAFETY: a live event and stream of the model.
+    unsafe { model.event_record(done, stream) }.unwrap();
+    done
+}
+
 /// One granule reserved, created and mapped read-write on `backend`: its address and length.
 fn one_mapped_granule(backend: &CudaBackend<DriverModel>) -> (Addr, usize) {
     let g = backend.granularity();
@@ -151,13 +172,8 @@ fn a_scratch_range_waiting_to_be_freed_is_not_the_callers_to_map() {
 #[test]
 #[allow(unsafe_code)] // the backend's `use_through_view` and the driver's own query, each proven
 fn a_view_used_on_another_stream_never_joins_a_capture_begun_on_its_home_and_holds_the_memory() {
-    use crate::backend::doubles::{CaptureMode, ModelConfig};
-    let model = DriverModel::new(ModelConfig {
-        events_complete_at_once: false,
-        ..ModelConfig::default()
-    })
-    .unwrap();
-    let backend = open(&model);
+    use crate::backend::doubles::CaptureMode;
+    let (model, backend) = lazy_model();
     let (other, home) = two_known_streams(&model, &backend);
     let (addr, g) = one_mapped_granule(&backend);
     // SAFETY: `home` is held by the backend and stands for a view's lent home stream; `other`
@@ -278,43 +294,24 @@ fn a_join_of_a_home_stream_never_joins_a_capture_begun_between_check_and_record(
 #[test]
 #[allow(unsafe_code)] // the backend's `order_use` and the driver's event calls, each proven
 fn a_reservation_with_uses_of_its_own_joins_the_group_of_the_memory_it_maps() {
-    use crate::backend::doubles::ModelConfig;
-    let model = DriverModel::new(ModelConfig {
-        events_complete_at_once: false,
-        ..ModelConfig::default()
-    })
-    .unwrap();
-    let backend = open(&model);
-    let (a, b) = (model.new_stream(), model.new_stream());
-    // SAFETY: streams of the model's only context, live as long as the model.
-    unsafe {
-        backend.know_stream(a);
-        backend.know_stream(b);
-    }
+    let (model, backend) = lazy_model();
+    let (a, b) = two_known_streams(&model, &backend);
     let g = backend.granularity();
     let (first, second) = (backend.reserve(g).unwrap(), backend.reserve(g).unwrap());
     let (shared, own) = (backend.create(g).unwrap(), backend.create(g).unwrap());
     backend.map(first, g, shared, Access::ReadWrite).unwrap();
     backend.map(second, g, own, Access::ReadWrite).unwrap();
-    // A kernel on `stream` touching `[at, at + g)`, and an event recorded after it.
-    let kernel = |stream, at: Addr| {
-        model.submit_work_touching(stream, &[(at as u64, g)]);
-        let done = model.event_create().unwrap();
-        // SAFETY: a live event and stream of the model.
-        unsafe { model.event_record(done, stream) }.unwrap();
-        done
-    };
     // SAFETY: `b` is known to the backend and live (as long as the model).
     unsafe { backend.order_use(b, second, true) }; // `second` gets a group of its own
     // SAFETY: `a` is known to the backend and live (as long as the model).
     unsafe { backend.order_use(a, first, true) }; // and `first` another
-    let wrote = kernel(a, first);
+    let wrote = kernel(&model, a, first, g);
     // `second` maps the memory `first` maps: its group and `first`'s become one.
     backend.unmap(second, g).unwrap();
     backend.map(second, g, shared, Access::ReadWrite).unwrap();
     // SAFETY: as above.
     unsafe { backend.order_use(b, second, true) };
-    let _write = kernel(b, second);
+    let _write = kernel(&model, b, second, g);
     model.complete_work_on(b);
     // SAFETY: a live event of the model.
     let finished = unsafe { model.event_query(wrote) }.unwrap();
@@ -334,19 +331,8 @@ fn a_reservation_with_uses_of_its_own_joins_the_group_of_the_memory_it_maps() {
 #[test]
 #[allow(unsafe_code)] // the backend's `order_use` and the driver's event calls, each proven
 fn a_third_mapping_of_the_same_memory_joins_its_group() {
-    use crate::backend::doubles::ModelConfig;
-    let model = DriverModel::new(ModelConfig {
-        events_complete_at_once: false,
-        ..ModelConfig::default()
-    })
-    .unwrap();
-    let backend = open(&model);
-    let (a, c) = (model.new_stream(), model.new_stream());
-    // SAFETY: streams of the model's only context, live as long as the model.
-    unsafe {
-        backend.know_stream(a);
-        backend.know_stream(c);
-    }
+    let (model, backend) = lazy_model();
+    let (a, c) = two_known_streams(&model, &backend);
     let g = backend.granularity();
     let reserved = [(); 3].map(|()| backend.reserve(g).unwrap());
     let shared = backend.create(g).unwrap();
@@ -355,10 +341,7 @@ fn a_third_mapping_of_the_same_memory_joins_its_group() {
     }
     // SAFETY: `a` is known to the backend and live (as long as the model).
     unsafe { backend.order_use(a, reserved[0], true) };
-    model.submit_work_touching(a, &[(reserved[0] as u64, g)]);
-    let wrote = model.event_create().unwrap();
-    // SAFETY: a live event and stream of the model.
-    unsafe { model.event_record(wrote, a) }.unwrap();
+    let wrote = kernel(&model, a, reserved[0], g);
     // The third mapping of the same memory.
     backend
         .map(reserved[2], g, shared, Access::ReadWrite)

@@ -49,9 +49,10 @@
 //! ## Where things are
 //!
 //! The root holds what a first program needs: the [`Device`], its [`Binding`] and [`Budget`],
-//! the token ([`Allocation`]) and its states, [`Error`] and [`TransitionError`], the brand
-//! ([`make_guard!`]), the [`Engine`] that owns them, and the byte traits ([`Bytes`],
-//! [`BytesMut`]). The rest is in modules named for what they are: [`kv`] (the KV cache),
+//! the token ([`Allocation`]), its states and its receipt ([`Released`]), [`Error`] and
+//! [`TransitionError`], the brand ([`make_guard!`], [`Guard`]), the [`Engine`] that owns them
+//! ([`Keeps`], [`Parts`]), the byte traits ([`Bytes`], [`BytesMut`]), and `cudarc` (feature
+//! `cuda`). The rest is in modules named for what they are: [`kv`] (the KV cache),
 //! [`sharing`] (shared prefixes, across processes too), [`region`] (elastic regions),
 //! [`sleep`] (sleep and wake), [`interop`] (CUDA captures and views), [`transfer`] and
 //! `nixl` (transfer engines, feature `nixl`), [`report`] (what a device reports), [`errors`] (every cause in

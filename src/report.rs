@@ -1,6 +1,7 @@
 //! What a device reports: what its close and drop saw ([`CloseReport`], [`DropReport`]), what
 //! a failed release left in custody ([`Custody`], [`Quarantined`], [`Residual`],
-//! [`Holdings`]), what forgotten tokens and tables still hold ([`Forgotten`]), the ledger
+//! [`Holdings`], [`WithheldForPeer`]), how far a flush of the custody got ([`Progress`]),
+//! what forgotten tokens and tables still hold ([`Forgotten`]), the ledger
 //! ([`LedgerSnapshot`]), and the identities it names ([`Generation`], [`ContextLost`]). Guide:
 //! [`guide::tokens`](crate::guide::tokens).
 

@@ -1,4 +1,5 @@
 //! The backend seam: the mechanism of virtual memory management and nothing else.
+//! Guide: [`guide::backends`](crate::guide::backends).
 //!
 //! A [`Backend`] reserves and frees virtual address (VA) ranges, creates and releases physical
 //! memory, maps and unmaps physical memory into reserved ranges with an [`Access`] mode, and

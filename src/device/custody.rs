@@ -174,10 +174,10 @@ impl<'id, B: Backend> Device<'id, B> {
     ///
     /// # Errors
     ///
-    /// [`ReleaseFailure::Stuck`](crate::errors::ReleaseFailure::Stuck) if some wait cannot progress
+    /// [`ReleaseFailure::Stuck`](crate::error::ReleaseFailure::Stuck) if some wait cannot progress
     /// (a stream the fences cover captures, or the backend cannot wait): those releases stay
     /// queued for a later flush or poll, the others are done; nothing blocks for ever.
-    pub fn flush(&self) -> Result<Progress, crate::errors::ReleaseFailure> {
+    pub fn flush(&self) -> Result<Progress, crate::error::ReleaseFailure> {
         Scope::run::<B, _>(move || {
             // What is done already lands first, without waiting (and stays available to other
             // threads' polls while this one waits below, one release at a time).
@@ -208,7 +208,7 @@ impl<'id, B: Backend> Device<'id, B> {
                 books.landed(residual.generation);
                 books.deferred.push((residual, fence));
             }
-            Err(crate::errors::ReleaseFailure::Stuck)
+            Err(crate::error::ReleaseFailure::Stuck)
         })
     }
 

@@ -7,8 +7,9 @@
 
 use crate::backend::Op;
 use crate::backend::doubles::{Faulty, SimBackend, SimConfig};
+use crate::error::GrowError;
 use crate::sync::model;
-use crate::{Budget, Device, errors::GrowError};
+use crate::{Budget, Device};
 use generativity::{Guard, Id};
 use loom::sync::Arc;
 use loom::thread;

@@ -10,12 +10,34 @@ use crate::backend::cuda::{CaptureMode, CudaBackend, Driver, Ended, GraphExec, S
 use crate::backend::{Addr, BackendError, Cause, Op, Violation};
 use crate::device::Device;
 use crate::error::ViewError;
-use crate::kv::Awake;
 use crate::region::Elastic;
 use crate::state::{Committed, Readable};
 use bytemuck::Pod;
 use std::fmt;
 use std::marker::PhantomData;
+
+/// Whether a KV cache is awake, shared by the cache with the graphs captured over its planes
+/// (which refuse to launch while it sleeps).
+#[derive(Clone, Debug)]
+pub(crate) struct Awake(std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Awake {
+    /// Awake, to begin with.
+    pub(crate) fn new() -> Self {
+        Self(std::sync::Arc::new(std::sync::atomic::AtomicBool::new(
+            true,
+        )))
+    }
+
+    pub(crate) fn is_awake(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Says the cache is awake, or asleep.
+    pub(crate) fn set(&self, awake: bool) {
+        self.0.store(awake, std::sync::atomic::Ordering::Release);
+    }
+}
 
 /// Neither `Send` nor `Sync`: a capture in the global or thread-local mode is ended on the
 /// thread that began it (`cuStreamEndCapture` from another answers `STREAM_CAPTURE_WRONG_THREAD`

@@ -1,8 +1,8 @@
-//! CUDA interop: graph captures that borrow the memory they use ([`Capture`],
-//! [`CapturedGraph`], [`OwningGraph`]), typed views of CUDA tokens for work on a raw stream
-//! ([`StreamView`], [`StreamViewMut`]) and as cudarc device memory ([`DeviceView`],
-//! [`DeviceViewMut`], feature `cuda`), and the byte traits every backend's tokens implement
-//! ([`Bytes`], [`BytesMut`]). Host tokens lend `&[T]` / `&mut [T]` of plain-old-data types
+//! Tokens as memory other code uses: the byte traits every backend's tokens implement
+//! ([`Bytes`], [`BytesMut`]), and for CUDA, graph captures that borrow the memory they use
+//! ([`Capture`], [`CapturedGraph`], [`OwningGraph`]), typed views of CUDA tokens for work on a
+//! raw stream ([`StreamView`], [`StreamViewMut`]) and as cudarc device memory
+//! ([`DeviceView`], [`DeviceViewMut`], feature `cuda`). Host tokens lend `&[T]` / `&mut [T]` of plain-old-data types
 //! through their own methods (`as_slice_of`). Guide: [`guide::cuda`](crate::guide::cuda).
 //!
 //! Copies name their direction from the host's side, always: `copy_from_host` writes the
@@ -13,10 +13,10 @@ mod capture;
 #[cfg(feature = "cuda")]
 mod device;
 mod host;
-pub(crate) mod ipc;
 mod stream_view;
 mod streams;
 
+pub(crate) use capture::Awake;
 pub use capture::{Capture, CaptureError, CapturedGraph, GraphTokens, OwningGraph};
 #[cfg(feature = "cuda")]
 pub use device::{DeviceView, DeviceViewMut};
@@ -65,11 +65,8 @@ use crate::unwind::Scope;
 /// # Ok::<(), Box<dyn std::error::Error + Send + Sync>>(())
 /// ```
 ///
-/// A KV cache's blocks move through their table ([`BlockTable::write`],
-/// [`BlockTable::read`]: a plane and a position, then the offset).
-///
-/// [`BlockTable::write`]: crate::kv::BlockTable::write
-/// [`BlockTable::read`]: crate::kv::BlockTable::read
+/// A KV cache's blocks move through their table (`kv::BlockTable`'s `write` and `read`: a
+/// plane and a position, then the offset).
 pub trait Bytes {
     /// How many bytes [`copy_to_host`](Self::copy_to_host) reaches: the token's length, a
     /// region's committed part.

@@ -4,7 +4,7 @@
 use super::KvCache;
 use crate::backend::cuda::{CudaBackend, Driver, Stream};
 use crate::error::ViewError;
-use crate::{interop::Capture, interop::StreamView, interop::StreamViewMut};
+use crate::interop::{Capture, StreamView, StreamViewMut};
 use bytemuck::Pod;
 use std::marker::PhantomData;
 

@@ -1,5 +1,6 @@
 //! The KV cache in the shape attention kernels read: block ids over one reservation per plane,
 //! physical memory mapped a group at a time as blocks are used.
+//! Guide: [`guide::kv_cache`](crate::guide::kv_cache).
 //!
 //! - [`Layout`]: the planes (one per layer, or per layer and per K or V), their bytes per
 //!   block, the most blocks. Block `b` of plane `p` is at `base(p) + b × stride(p)`, for the
@@ -38,13 +39,13 @@
 use crate::allocation::Allocation;
 use crate::backend::{Ability, Addr, Backend};
 use crate::device::Binding;
+use crate::interop::Awake;
 use crate::state::Committed;
 use crate::unwind::{Guarded, Scope};
 use generativity::{Guard, Id};
 use std::cell::{RefCell, UnsafeCell};
 use std::fmt;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 
 mod error;
 mod graph;
@@ -66,17 +67,6 @@ use plane::Sparse;
 pub use prefix::{CacheEvent, KeyHasher, PrefixCache, PrehashedKeys};
 use share::Lru;
 pub use table::BlockTable;
-
-/// Whether a KV cache is awake, shared with the graphs captured over its planes (which refuse
-/// to launch while it sleeps).
-#[derive(Clone, Debug)]
-pub(crate) struct Awake(Arc<AtomicBool>);
-
-impl Awake {
-    pub(crate) fn is_awake(&self) -> bool {
-        self.0.load(Ordering::Acquire)
-    }
-}
 
 /// The null block's id: block 0, taken when the cache is made and never handed out, its group
 /// always mapped — vLLM's padding block for tables shorter than the batch's longest.
@@ -369,7 +359,7 @@ impl<'c, 'b, 'id, B: Backend> KvCache<'c, 'b, 'id, B> {
                 group_shift: per_group.trailing_zeros(),
                 planes: Unshared(RefCell::new(planes)),
                 state: Unshared(UnsafeCell::new(Blocks::new(groups, per_group))),
-                awake: Awake(Arc::new(AtomicBool::new(true))),
+                awake: Awake::new(),
                 watch: Unshared(RefCell::new(None)),
                 _one_thread: OneThread::default(),
             };

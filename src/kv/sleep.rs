@@ -5,7 +5,6 @@
 use super::{KvCache, KvError, Memory};
 use crate::backend::{Ability, Backend};
 use crate::unwind::Scope;
-use std::sync::atomic::Ordering;
 
 /// A group's saved bytes: the group, and each plane's part of it.
 type Saved = (usize, Vec<Vec<u8>>);
@@ -90,7 +89,7 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
         };
         // Asleep from here: the free lists put aside, so nothing is handed out, and no graph
         // over the planes launches.
-        self.awake.0.store(false, Ordering::Release);
+        self.awake.set(false);
         self.with(|s| {
             let groups = mapped
                 .iter()
@@ -165,7 +164,7 @@ impl<B: Backend> KvCache<'_, '_, '_, B> {
                     s.groups[g].free = free;
                 }
                 s.lowest = 0;
-                self.awake.0.store(true, Ordering::Release);
+                self.awake.set(true);
                 if B::IMMEDIATE {
                     s.free_unfenced(shift);
                 }

@@ -1,5 +1,6 @@
 //! Moving bytes between agents — processes, machines — through NVIDIA NIXL (feature `nixl`),
 //! with the borrows and proofs NIXL itself does not give.
+//! Guide: [`guide::nixl`](crate::guide::nixl).
 //!
 //! **The pieces.** An [`Agent`] is tied to a device. [`Agent::register`] takes a token and
 //! gives a [`Registered`] one: the memory is registered with NIXL while it lives. A

@@ -205,7 +205,7 @@ proptest! {
 // The decoder's checks, one by one
 // ---------------------------------------------------------------------------------------------
 
-/// Kills `src/interop/ipc.rs: replace || with && in PrefixMessage::decode`: a message whose
+/// Kills `src/sharing/ipc.rs: replace || with && in PrefixMessage::decode`: a message whose
 /// length is no whole number of granules is malformed.
 #[test]
 fn a_message_of_no_whole_number_of_granules_is_malformed() {
@@ -231,7 +231,7 @@ fn a_message_of_no_whole_number_of_granules_is_malformed() {
     );
 }
 
-/// Kills `src/interop/ipc.rs: replace > with >= in PrefixMessage::decode`: lengths up to
+/// Kills `src/sharing/ipc.rs: replace > with >= in PrefixMessage::decode`: lengths up to
 /// `isize::MAX` decode (with a granularity of one byte it is a whole number of granules); one
 /// byte more is malformed.
 #[test]
@@ -259,7 +259,7 @@ fn a_message_may_claim_up_to_isize_max_bytes() {
     );
 }
 
-/// Kills `src/interop/ipc.rs: replace == with != in PrefixMessage::decode`: a message with no
+/// Kills `src/sharing/ipc.rs: replace == with != in PrefixMessage::decode`: a message with no
 /// body may not name a body offset; one with a body may.
 #[test]
 fn only_a_message_with_a_body_names_a_body_offset() {
@@ -286,7 +286,7 @@ fn only_a_message_with_a_body_names_a_body_offset() {
     assert_eq!(decoded(3 * g, g).map(|m| m.body_offset).ok(), Some(g));
 }
 
-/// Kills `src/interop/ipc.rs: replace || with && in PrefixMessage::decode`: a granularity that
+/// Kills `src/sharing/ipc.rs: replace || with && in PrefixMessage::decode`: a granularity that
 /// is no power of two is malformed.
 #[test]
 fn a_granularity_that_is_no_power_of_two_is_malformed() {
@@ -330,7 +330,7 @@ fn a_message_of_fabric_handles_is_refused_as_not_descriptors() {
     ));
 }
 
-/// Kills `src/interop/ipc.rs: replace match guard bytes.len() < MESSAGE_LEN with true in
+/// Kills `src/sharing/ipc.rs: replace match guard bytes.len() < MESSAGE_LEN with true in
 /// PrefixMessage::decode`: bytes longer than a message are malformed, not truncated.
 #[test]
 fn bytes_longer_than_a_message_are_malformed() {

@@ -48,7 +48,7 @@ const STEPS: &[(&str, &str, usize, &str)] = &[
         "a token's drop: its residual and its charge go to the device's custody",
     ),
     (
-        "src/sharing.rs",
+        "src/sharing/mod.rs",
         "Quarantined::new(",
         2,
         "the remains of a half-made prefix or copy-on-write become a quarantined token",

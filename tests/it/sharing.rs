@@ -799,7 +799,7 @@ fn a_half_made_prefix_whose_boundary_release_fails_too_keeps_both_counted() {
 // Counted mappings, a diverged boundary, failures that say so first, an export's form
 // ---------------------------------------------------------------------------------------------
 
-/// Kills `src/sharing.rs: replace <impl Sealed for Sharer>::shared -> Option<&SharedPhys<B::Phys>>
+/// Kills `src/sharing/mod.rs: replace <impl Sealed for Sharer>::shared -> Option<&SharedPhys<B::Phys>>
 /// with None`: a sharer counts the mappings of the prefix it maps, its own included.
 #[test]
 fn a_sharer_counts_the_mappings_of_its_prefix() {
@@ -818,7 +818,7 @@ fn a_sharer_counts_the_mappings_of_its_prefix() {
     prefix.release().complete().unwrap();
 }
 
-/// Kills `src/sharing.rs: replace - with + in Allocation<'_, '_, B, Diverged>::boundary_mut` and
+/// Kills `src/sharing/mod.rs: replace - with + in Allocation<'_, '_, B, Diverged>::boundary_mut` and
 /// `replace <impl Sealed for Diverged>::shared -> Option<&SharedPhys<B::Phys>> with None`: a
 /// diverged prefix's writable boundary is exactly its last granule, and it still counts the
 /// mappings of the body it shares.
@@ -894,8 +894,8 @@ fn a_failed_copy_on_write_says_so_first() {
     says_first(&e, "copy-on-write of the boundary granule failed: ");
 }
 
-/// Kills `src/interop/ipc.rs: replace <impl std::fmt::Debug for Export<'_, '_, B, K>>::fmt ->
-/// std::fmt::Result with Ok(Default::default())` and `src/interop/ipc.rs: replace - with / in
+/// Kills `src/sharing/ipc.rs: replace <impl std::fmt::Debug for Export<'_, '_, B, K>>::fmt ->
+/// std::fmt::Result with Ok(Default::default())` and `src/sharing/ipc.rs: replace - with / in
 /// Allocation<'b, 'id, B, Owner<K>>::export`: an export's debug form shows its message and
 /// handles, and its message carries the offset the backend gave each handle, body and boundary
 /// (here one megabyte into each file, as a backend exporting pieces of one file would say).

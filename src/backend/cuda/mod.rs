@@ -2,6 +2,7 @@
 //! device memory, GPUDirect-RDMA-capable where the device can), `cuMemMap` + `cuMemSetAccess`,
 //! `cuMemUnmap`, `cuMemRelease`, `cuMemAddressFree`, with the recommended granularity of the
 //! memory's properties and events as fences.
+//! Guide: [`guide::cuda`](crate::guide::cuda).
 //!
 //! The backend holds the logic (current context, rollback of a half-done map, loss detection); the
 //! driver only forwards. With feature `cuda`, `SysDriver` forwards to `cudarc::driver::sys` (loaded

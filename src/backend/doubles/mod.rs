@@ -1,5 +1,6 @@
 //! Test doubles: backends and drivers a user's tests run memtoken's typed layer on, never
 //! shipped to a GPU — in one place, apart from the backends a program uses.
+//! Guide: [`guide::backends`](crate::guide::backends).
 //!
 //! - [`SimBackend`]: a pure-Rust strict model of the VMM rules that refuses any illegal call and
 //!   records it (or, made [`strict`](SimBackend::strict), panics at it); its fences can be held

@@ -3,8 +3,10 @@
 //! copy-on-write of its last granule). Each is an [`Allocation`] in a state of its own, with
 //! the reference on the shared physical memory as its parts.
 //!
-//! Across processes, an exportable prefix ([`ExportablePrefix`]) is sent as an [`Offer`] and
-//! imported read-only ([`Imported`], [`ImportedPrefix`]). Guide:
+//! Across processes, an exportable prefix ([`ExportablePrefix`]) is exported ([`Export`],
+//! sent over a Unix socket), received as an [`Offer`] and imported read-only by
+//! [`Binding::import`](crate::Binding::import) ([`ImportedPrefix`], in the state
+//! [`Imported`]). Guide:
 //! [`guide::sharing`](crate::guide::sharing).
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
@@ -17,9 +19,8 @@ use crate::device::{Build, Undone};
 use crate::error::{
     CommitFailure, CowFailure, ReleaseFailure, Returned, ShareFailure, TransitionError,
 };
-pub use crate::interop::ipc::{
-    Export, ImportError, Imported, ImportedPrefix, MESSAGE_LEN, Offer, PrefixMessage, WireError,
-};
+mod ipc;
+
 use crate::residual::{Held, SharedPhys, Split};
 use crate::state::Wait;
 use crate::state::{
@@ -28,6 +29,9 @@ use crate::state::{
 };
 use crate::token::host_slice_mut;
 use crate::unwind::{Guarded, Scope};
+pub use ipc::{
+    Export, ImportError, Imported, ImportedPrefix, MESSAGE_LEN, Offer, PrefixMessage, WireError,
+};
 use std::convert::Infallible;
 use std::marker::PhantomData;
 

@@ -9,6 +9,7 @@
 //! gives back its own handles, once, when it goes.
 #![allow(unsafe_code)] // this module makes `unsafe` calls, each with its `// SAFETY:` proof
 
+use super::Owner;
 use crate::allocation::Allocation;
 use crate::backend::{
     Access, Backend, BackendError, Exportable, HandleKind, HandleType, Op, PosixFd, Shareable,
@@ -16,7 +17,6 @@ use crate::backend::{
 use crate::device::Binding;
 use crate::error::ReserveError;
 use crate::residual::{Held, SharedPhys};
-use crate::sharing::Owner;
 use crate::state::Wait;
 use crate::state::{
     Live, Readable, Retired, Retiring, State,

@@ -1084,6 +1084,7 @@ fn a_stream_views_debug_names_its_pointer_length_and_stream() {
             && text.contains("in_capture"),
         "{text}"
     );
+    assert_eq!((view.len(), view.is_empty()), (G, false));
     drop(view);
     x.release().complete().map_err(|e| e.cause).unwrap();
 }

@@ -195,6 +195,43 @@ fn a_prefix_that_loses_the_context_at_its_boundary_names_the_unmap_it_could_not_
     assert!(device.close().is_clean());
 }
 
+/// A quarantined token that holds only its VA (its free failed), retried once the context is
+/// known lost, is refused before any call, and the refusal names the free it could not make:
+/// not a release of memory it no longer owns. Fails if the refusal names another call.
+#[test]
+fn a_quarantined_reservation_retried_after_the_loss_names_its_free() {
+    let model = common::model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let token = binding.reserve(g).unwrap().commit().unwrap();
+    let addr = token.addr();
+    model.fail_nth(DriverCall::MemAddressFree, 1, CuError::INVALID_VALUE); // not a loss
+    let failed = token.release().complete().unwrap_err();
+    let quarantined = match failed.into_token() {
+        memtoken::errors::Returned::Quarantined(quarantined) => quarantined,
+        other => panic!("the free failed, so the remains are quarantined: {other:?}"),
+    };
+    model.lose_context();
+    assert!(lost(binding.reserve(g)), "the backend learns of the loss");
+    let refused = quarantined.retry().unwrap_err();
+    let memtoken::errors::ReleaseFailure::Backend(e) = &refused.cause else {
+        panic!("{}", refused.cause);
+    };
+    assert!(e.is_context_lost(), "{e}");
+    assert_eq!(
+        (e.op, e.addr, e.len),
+        (memtoken::backend::Op::Free, addr, g),
+        "the free of the VA, all that is left"
+    );
+    drop(refused);
+    let proof = device.confirm_context_lost().expect("the context is lost");
+    device.discharge_all(&proof);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
 /// A tail given back once the context is known lost is refused before any call, and the refusal
 /// names the unmap it could not make: the top of the mapped part, as many granules as were
 /// given back. The tail stays the region's.

@@ -319,3 +319,32 @@ fn kv_footprint_maps_fewer_groups_under_a_limit() {
         "peak groups: {limited} under a limit, {none} without"
     );
 }
+
+/// `kv_cache --prefix`: a system prompt shared by mapping into every sequence, their tokens in
+/// KV blocks — every block taken is given back, each sequence copies the prompt's last granule
+/// on write, and the ledger ends at zero (a short run).
+#[test]
+fn kv_cache_with_a_shared_prompt_gives_every_block_back_and_ends_at_zero() {
+    let out = run("kv_cache", &["--prefix", "--sequences", "6"]);
+    assert_eq!(out.code, Some(0), "`kv_cache --prefix`: {}", out.stderr);
+    let summary = out
+        .stdout
+        .lines()
+        .find(|l| l.contains("blocks taken and"))
+        .unwrap_or_else(|| panic!("no summary line:\n{}", out.stdout));
+    // "{n} sequences in {steps} steps ({time}): {taken} KV blocks taken and {given} given
+    // back, {cow} prompt granules copied on write, ..."
+    let counts: Vec<u64> = summary
+        .split_once("): ")
+        .map_or("", |(_, counts)| counts)
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse().ok())
+        .collect();
+    let [taken, given, cow, ..] = counts[..] else {
+        panic!("no counts in: {summary}")
+    };
+    assert!(taken > 0, "{summary}");
+    assert_eq!(taken, given, "every block given back: {summary}");
+    assert_eq!(cow, 6, "one copy on write per sequence: {summary}");
+    assert!(out.stdout.contains("ledger ends at zero"), "{}", out.stdout);
+}

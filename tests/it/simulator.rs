@@ -5,7 +5,7 @@
 
 use crate::common::{self, GRANULE};
 use memtoken::backend::{
-    Access, Backend, Cause, Op, Violation,
+    Access, Backend, BackendError, Cause, ConfigError, Op, Violation,
     doubles::{Faulty, SimBackend, SimConfig},
 };
 
@@ -169,4 +169,175 @@ fn a_faulty_backend_holding_a_reservation_has_something_outstanding() {
     assert!(!faulty.handle().outstanding().is_zero());
     faulty.free(addr, GRANULE).unwrap();
     assert!(faulty.handle().outstanding().is_zero());
+}
+
+// The simulator's own settings and refusals, called directly.
+
+/// Asserts that `config` is refused with an error `expected` accepts, whose message holds
+/// `words`.
+fn refused(config: SimConfig, expected: fn(&ConfigError) -> bool, words: &str) {
+    let e = SimBackend::new(config.clone()).unwrap_err();
+    assert!(expected(&e), "{config:?}: {e:?}");
+    assert!(e.to_string().contains(words), "{e}");
+}
+
+#[test]
+fn a_bad_configuration_is_an_error_not_a_panic() {
+    use ConfigError::*;
+    let d = SimConfig::default;
+    let g = 3 << 20;
+    refused(
+        SimConfig {
+            granularity: g,
+            ..d()
+        },
+        |e| matches!(e, GranularityNotPowerOfTwo { granularity } if *granularity == 3 << 20),
+        "power of two",
+    );
+    refused(
+        SimConfig {
+            granularity: 0,
+            ..d()
+        },
+        |e| matches!(e, GranularityNotPowerOfTwo { .. }),
+        "power of two",
+    );
+    refused(
+        SimConfig {
+            address_space: (1 << 30) + 4096,
+            ..d()
+        },
+        |e| {
+            matches!(
+                e,
+                NotAGranularityMultiple {
+                    what: "address space",
+                    ..
+                }
+            )
+        },
+        "address space",
+    );
+    refused(
+        SimConfig {
+            address_space: 0,
+            ..d()
+        },
+        |e| matches!(e, NotAGranularityMultiple { value: 0, .. }),
+        "address space",
+    );
+    refused(
+        SimConfig {
+            physical_capacity: 0,
+            ..d()
+        },
+        |e| {
+            matches!(
+                e,
+                Zero {
+                    what: "physical capacity"
+                }
+            )
+        },
+        "physical capacity",
+    );
+}
+
+#[test]
+fn a_reservation_past_the_address_space_is_exhausted_not_illegal() {
+    let sim = SimBackend::new(SimConfig {
+        address_space: 4 << 20,
+        ..SimConfig::strict()
+    })
+    .unwrap();
+    let e = sim.reserve(6 << 20).unwrap_err();
+    assert!(matches!(e.cause, Cause::AddressSpace { requested, .. } if requested == 6 << 20));
+    assert_eq!(sim.reservations(), 0);
+    let addr = sim.reserve(4 << 20).unwrap();
+    sim.free(addr, 4 << 20).unwrap();
+}
+
+#[test]
+fn an_illegal_call_is_refused_recorded_and_changes_nothing() {
+    let sim = SimBackend::default();
+    let g = sim.granularity();
+    let addr = sim.reserve(2 * g).unwrap();
+    let phys = sim.create(g).unwrap();
+    sim.map(addr, g, phys, Access::ReadWrite).unwrap();
+    sim.copy_from_host(addr, &[7; 16]).unwrap();
+    let refused = [
+        sim.map(addr, g, phys, Access::ReadWrite).unwrap_err(), // already mapped
+        sim.free(addr, 2 * g).unwrap_err(),                     // still mapped
+        sim.release(phys, g).unwrap_err(),                      // still mapped
+        sim.unmap(addr + g, g).unwrap_err(),                    // not mapped
+        sim.unmap(usize::MAX - g + 1, 2 * g).unwrap_err(),      // end overflows
+        sim.copy_from_host(addr + g, &[1]).unwrap_err(),        // not mapped
+        sim.unpin().unwrap_err(),                               // no pin
+    ];
+    assert!(
+        refused
+            .iter()
+            .all(|e| matches!(e.cause, Cause::Violation(_)))
+    );
+    assert_eq!(sim.violations(), refused.to_vec());
+    let mut bytes = [0; 16];
+    sim.copy_to_host(&mut bytes, addr).unwrap();
+    assert_eq!(bytes, [7; 16]);
+    assert_eq!((sim.reservations(), sim.mappings()), (1, 1));
+    assert_eq!(sim.physical_in_use(), g as u64);
+    sim.unmap(addr, g).unwrap();
+    sim.release(phys, g).unwrap();
+    sim.free(addr, 2 * g).unwrap();
+    assert_eq!(sim.violations().len(), refused.len());
+}
+
+#[test]
+fn a_handle_of_another_simulator_is_unknown_here() {
+    let (a, b) = (SimBackend::strict(), SimBackend::default());
+    let g = a.granularity();
+    let (pa, pb) = (a.create(g).unwrap(), b.create(g).unwrap());
+    let e = b.release(pa, g).unwrap_err();
+    assert_eq!(e.cause, Cause::Violation(Violation::UnknownPhys));
+    assert_eq!(b.physical_in_use(), g as u64);
+    a.release(pa, g).unwrap();
+    b.release(pb, g).unwrap();
+}
+
+#[test]
+fn a_call_after_the_context_is_lost_is_refused_and_recorded() {
+    let sim = SimBackend::default();
+    let g = sim.granularity();
+    sim.lose_context();
+    let e = sim.reserve(g).unwrap_err();
+    assert_eq!(e, BackendError::new(Op::Reserve, 0, g, Cause::ContextLost));
+    assert_eq!(sim.violations(), vec![e]);
+    assert_eq!(sim.reservations(), 0);
+}
+
+#[test]
+#[should_panic(
+    expected = "SimBackend: illegal Free: [0x1000, +0x1000) is not (inside) a reservation"
+)]
+fn a_strict_simulator_panics_at_the_first_violation() {
+    let _ = SimBackend::strict().free(0x1000, 0x1000);
+}
+
+#[test]
+#[should_panic(expected = "SimBackend: Pin called after the context is lost")]
+fn a_strict_simulator_panics_at_a_call_after_the_loss() {
+    let sim = SimBackend::strict();
+    sim.lose_context();
+    let _ = sim.pin();
+}
+
+#[test]
+fn a_strict_panic_leaves_the_simulator_usable() {
+    let sim = SimBackend::strict();
+    let probe = sim.clone();
+    let panicked = std::thread::spawn(move || probe.unpin()).join();
+    assert!(panicked.is_err());
+    assert_eq!(sim.violations().len(), 1);
+    let g = sim.granularity();
+    let addr = sim.reserve(g).unwrap();
+    sim.free(addr, g).unwrap();
 }

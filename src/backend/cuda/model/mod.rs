@@ -14,8 +14,6 @@ mod controls;
 mod driver;
 mod sharing;
 mod state;
-#[cfg(test)]
-mod tests;
 
 pub use config::{CaptureMode, ModelConfig, Placement};
 pub use controls::ModelOutstanding;

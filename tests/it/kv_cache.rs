@@ -106,6 +106,7 @@ fn round_trip<B: Backend>(
                 assert_eq!(table.ids_i32(), &as_i32[..]);
                 let mut slots = Vec::new();
                 table.slots(0..ids.len() * t, &mut slots);
+                assert_eq!(slots.len(), ids.len() * t, "a slot per token");
                 for (token, &slot) in slots.iter().enumerate() {
                     let expected = ids[token / t] as i64 * t as i64 + (token % t) as i64;
                     assert_eq!((table.slot(token), slot), (expected, expected));

@@ -265,6 +265,14 @@ fn every_failure_opens_its_message_with_its_own_summary() {
             "the release failed",
             ReleaseFailure::Backend(Box::new(backend())).into(),
         ),
+        (
+            "the prefix could not be imported",
+            memtoken::sharing::ImportError::Granularity {
+                offer: 4096,
+                device: 8192,
+            }
+            .into(),
+        ),
     ];
     for (summary, error) in &cases {
         let message = error.to_string();

@@ -1817,3 +1817,44 @@ fn released_handles_and_destroyed_events_come_back() {
     }
     assert!(model.outstanding().is_zero());
 }
+
+/// The model's hooks between a check and an act count the calls they wait for: a capture
+/// planned before the second `cuEventCreate` begins there, not at the first, and one planned to
+/// end before the second ends there; none is planned on the legacy stream or a stream the model
+/// does not know. Fails if a hook fires at another call than the one it was given.
+#[test]
+fn the_capture_hooks_fire_before_the_call_they_count_to() {
+    let model = DriverModel::default();
+    model.init().unwrap();
+    let ctx = model.primary_ctx_retain(0).unwrap();
+    // SAFETY: `ctx` was just retained from this model.
+    unsafe { model.ctx_set_current(ctx) }.unwrap();
+    let stream = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    let capturing = || unsafe { model.stream_is_capturing(stream) }.unwrap();
+    let mut events = Vec::new();
+    model.begin_capture_before(&[DriverCall::EventCreate], 2, stream, CaptureMode::Global);
+    events.push(model.event_create().unwrap());
+    assert!(!capturing(), "not before the first");
+    events.push(model.event_create().unwrap());
+    assert!(capturing(), "begun before the second");
+    model.end_capture_before(&[DriverCall::EventCreate], 2, stream);
+    events.push(model.event_create().unwrap());
+    assert!(capturing(), "not ended before the first");
+    events.push(model.event_create().unwrap());
+    assert!(!capturing(), "ended before the second");
+    for event in events {
+        // SAFETY: live events of the model, destroyed once.
+        unsafe { model.event_destroy(event) }.unwrap();
+    }
+    let legacy = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        model.begin_capture_before(&[DriverCall::EventCreate], 1, 0, CaptureMode::Global)
+    }));
+    assert!(legacy.is_err(), "the legacy stream never captures");
+    let unknown = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        model.begin_capture_before(&[DriverCall::EventCreate], 1, 0xdead, CaptureMode::Global)
+    }));
+    assert!(unknown.is_err(), "no stream of the model's");
+    // SAFETY: retained above, released once.
+    unsafe { model.primary_ctx_release(0) }.unwrap();
+}

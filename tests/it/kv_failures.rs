@@ -270,8 +270,9 @@ fn a_map_failure_with_a_failed_undo_keeps_the_ledger_and_maps_whole_later() {
 }
 
 /// A relaxed memtoken capture ended by another party: its graph is theirs, so the KV planes it
-/// lent are held for good, as everything a capture lends then — the cache's sleep leaves them
-/// mapped.
+/// lent are held for good, whole, as everything a capture lends then — the cache's sleep
+/// leaves every group mapped, not only those at the planes' first bytes. Fails if less than
+/// each whole plane is held.
 #[test]
 fn kv_planes_in_a_capture_ended_elsewhere_are_held_for_good() {
     use memtoken::interop::Capture;
@@ -281,12 +282,16 @@ fn kv_planes_in_a_capture_ended_elsewhere_are_held_for_good() {
     make_guard!(cache_guard);
     let layout = Layout::new(1024, 16).plane(64 << 10);
     let cache = KvCache::new(cache_guard, &binding, &layout).unwrap();
+    cache.set_watermarks(4, 4);
     cache.replenish().unwrap();
+    let mapped = cache.mapped_groups();
+    assert!(mapped > 2, "groups past the first: {mapped}");
     let mut table = cache.table();
     cache.push(&mut table).unwrap();
     let capture = Capture::begin(&device, stream, CaptureMode::Relaxed).unwrap();
     let planes = capture.kv_planes(&cache);
-    model.submit_work_touching(stream, &[(planes.device_ptr(0), 2 << 20)]);
+    let whole = cache.stride(0) * cache.blocks();
+    model.submit_work_touching(stream, &[(planes.device_ptr(0), whole)]);
     model.end_capture(stream).unwrap(); // another thread ends it: the graph is theirs
     let ended = capture.end();
     assert!(ended.is_err());
@@ -297,5 +302,9 @@ fn kv_planes_in_a_capture_ended_elsewhere_are_held_for_good() {
         s.is_err(),
         "the planes a foreign graph may use were unmapped"
     );
-    assert!(device.ledger().mapped_bytes > 0);
+    assert_eq!(
+        cache.mapped_groups(),
+        mapped,
+        "held for good: nothing unmapped"
+    );
 }

@@ -308,3 +308,76 @@ fn kv_planes_in_a_capture_ended_elsewhere_are_held_for_good() {
         "held for good: nothing unmapped"
     );
 }
+
+/// A give-back over the high watermark once the context is known lost makes no driver call,
+/// and leaves every group as it was — mapped, its free blocks still free — for the discharge.
+/// Fails if the cache empties a group's free list, or calls the driver, before it learns the
+/// context is gone.
+#[test]
+fn a_give_back_after_the_context_is_lost_calls_nothing_and_keeps_the_groups() {
+    let model = common::model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(cache_guard);
+    let cache = KvCache::new(
+        cache_guard,
+        &binding,
+        &Layout::new(1024, 16).plane(64 << 10),
+    )
+    .unwrap();
+    cache.set_watermarks(4, 4);
+    cache.replenish().unwrap();
+    let (mapped, free) = (cache.mapped_groups(), cache.free_blocks());
+    model.lose_context();
+    assert!(
+        binding.reserve(4096).is_err(),
+        "the backend learns of the loss"
+    );
+    let before = model.calls_after_loss();
+    cache.set_watermarks(0, 0);
+    assert!(cache.replenish().is_err(), "no group can be given back");
+    assert_eq!(model.calls_after_loss(), before, "no call after the loss");
+    assert_eq!((cache.mapped_groups(), cache.free_blocks()), (mapped, free));
+    cache.check_blocks().unwrap();
+    drop(cache);
+    let proof = device.confirm_context_lost().expect("the context is lost");
+    device.discharge_all(&proof);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
+/// A group whose map fails halfway gives the granules it took from the device's granule cache
+/// back to that cache, not to the backend: the cache loses only what the groups mapped whole
+/// hold, and nothing is released. Fails if an undone growth releases granules that came from
+/// the cache.
+#[test]
+fn a_failed_map_gives_the_granules_it_took_from_the_cache_back_to_it() {
+    setup!(HostBackend::with_defaults().unwrap(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(cache_guard);
+    // 4 KiB granules and 8 KiB blocks: a group is two granules.
+    let cache = KvCache::new(cache_guard, &binding, &Layout::new(64, 16).plane(8192)).unwrap();
+    let per_group = 2 * 4096;
+    cache.set_watermarks(3, 3);
+    cache.replenish().unwrap();
+    cache.set_watermarks(1, 1);
+    cache.replenish().unwrap(); // groups' granules into the device's cache
+    let (cached, groups) = (device.cached_bytes(), cache.mapped_groups());
+    assert!(cached >= 2 * per_group, "granules in the cache: {cached}");
+    let released = faults.calls(Op::Release);
+    faults.fail_nth(Op::Map, 2); // a group's second granule
+    cache.set_watermarks(3, 3);
+    assert!(matches!(cache.replenish(), Err(KvError::Map { .. })));
+    let whole = (cache.mapped_groups() - groups) as u64;
+    assert_eq!(
+        device.cached_bytes(),
+        cached - whole * per_group,
+        "the failed group's granules back in the cache"
+    );
+    assert_eq!(faults.calls(Op::Release), released, "nothing released");
+    cache.check_blocks().unwrap();
+    drop(cache);
+    drop(binding);
+    assert!(device.close().is_clean());
+}

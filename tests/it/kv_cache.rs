@@ -253,6 +253,28 @@ fn takes_and_give_backs_call_nothing_and_the_mapped_groups_follow_the_watermarks
     assert!(device.close().is_clean());
 }
 
+/// A replenish maps exactly the groups that bring the idle ones up to the low watermark — one
+/// granule a group here — and a second replenish maps none. Fails if a replenish maps further
+/// groups than the watermark asks (to give them back above the high one).
+#[test]
+fn a_replenish_maps_only_what_the_low_watermark_asks() {
+    setup!(common::host(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(cache_guard);
+    let cache = KvCache::new(cache_guard, &binding, &Layout::new(8192, 16).plane(1024)).unwrap();
+    assert_eq!(cache.idle_groups(), 0, "only the null block's group");
+    cache.set_watermarks(2, 3);
+    let maps = faults.calls(Op::Map);
+    cache.replenish().unwrap();
+    assert_eq!(faults.calls(Op::Map) - maps, 2, "two groups of one granule");
+    assert_eq!((cache.idle_groups(), cache.mapped_groups()), (2, 3));
+    cache.replenish().unwrap();
+    assert_eq!(faults.calls(Op::Map) - maps, 2, "nothing more");
+    drop(cache);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
 /// The same on the driver model, where a block given back waits for a fence: the work is
 /// completed before each step, so the blocks given back in the step before are free after the
 /// next replenish, and count as fenced until then. Calls counted on the model's own log.

@@ -1668,3 +1668,21 @@ fn the_device_names_the_streams_it_covers_and_knows() {
     assert!(device.forget_stream(known));
     assert_eq!(device.streams(), (vec![0, covered], vec![]));
 }
+
+/// A backend says which streams it covers and which it knows: a new stream neither, a covered
+/// one both, a known one known only. Fails if `covers` or `knows` answers yes for a stream it
+/// was not given.
+#[test]
+fn a_backend_says_which_streams_it_covers_and_knows() {
+    let model = model(false);
+    let backend = common::cuda(&model);
+    let (a, b) = (model.new_stream(), model.new_stream());
+    assert!(!backend.covers(a) && !backend.knows(a), "a new stream");
+    // SAFETY: streams of the model's only context, live as long as the model.
+    unsafe {
+        backend.cover_stream(a);
+        backend.know_stream(b);
+    }
+    assert!(backend.covers(a) && backend.knows(a), "covered, so known");
+    assert!(!backend.covers(b) && backend.knows(b), "known, not covered");
+}

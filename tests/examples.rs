@@ -273,21 +273,29 @@ fn a_failure_while_running_prints_its_display_and_exits_1() {
     );
 }
 
+/// The line of `kv_cache`'s output that counts the blocks taken and given back.
+fn blocks_summary(out: &Run) -> &str {
+    out.stdout
+        .lines()
+        .find(|l| l.contains("blocks taken and"))
+        .unwrap_or_else(|| panic!("no summary line:\n{}", out.stdout))
+}
+
+/// The whole numbers in `text`, in order.
+fn numbers(text: &str) -> Vec<u64> {
+    text.split(|c: char| !c.is_ascii_digit())
+        .filter_map(|n| n.parse().ok())
+        .collect()
+}
+
 /// `kv_cache --model`: the KV cache of a real model's per-layer size on the CUDA driver model
 /// takes blocks, gives every one back, and ends with the ledger at zero (a short run).
 #[test]
 fn kv_cache_on_the_driver_model_takes_blocks_and_ends_at_zero() {
     let out = run("kv_cache", &["--model", "--sequences", "6"]);
     assert_eq!(out.code, Some(0), "`kv_cache --model`: {}", out.stderr);
-    let summary = out
-        .stdout
-        .lines()
-        .find(|l| l.contains("blocks taken and"))
-        .unwrap_or_else(|| panic!("no summary line:\n{}", out.stdout));
-    let counts: Vec<u64> = summary
-        .split(|c: char| !c.is_ascii_digit())
-        .filter_map(|n| n.parse().ok())
-        .collect();
+    let summary = blocks_summary(&out);
+    let counts = numbers(summary);
     // "{steps} steps: {taken} blocks taken and {given} given back, ..."
     assert!(counts[1] > 0, "{summary}");
     assert_eq!(counts[1], counts[2], "every block given back: {summary}");
@@ -327,19 +335,10 @@ fn kv_footprint_maps_fewer_groups_under_a_limit() {
 fn kv_cache_with_a_shared_prompt_gives_every_block_back_and_ends_at_zero() {
     let out = run("kv_cache", &["--prefix", "--sequences", "6"]);
     assert_eq!(out.code, Some(0), "`kv_cache --prefix`: {}", out.stderr);
-    let summary = out
-        .stdout
-        .lines()
-        .find(|l| l.contains("blocks taken and"))
-        .unwrap_or_else(|| panic!("no summary line:\n{}", out.stdout));
+    let summary = blocks_summary(&out);
     // "{n} sequences in {steps} steps ({time}): {taken} KV blocks taken and {given} given
     // back, {cow} prompt granules copied on write, ..."
-    let counts: Vec<u64> = summary
-        .split_once("): ")
-        .map_or("", |(_, counts)| counts)
-        .split(|c: char| !c.is_ascii_digit())
-        .filter_map(|n| n.parse().ok())
-        .collect();
+    let counts = numbers(summary.split_once("): ").map_or("", |(_, counts)| counts));
     let [taken, given, cow, ..] = counts[..] else {
         panic!("no counts in: {summary}")
     };

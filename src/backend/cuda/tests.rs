@@ -325,6 +325,46 @@ fn a_reservation_with_uses_of_its_own_joins_the_group_of_the_memory_it_maps() {
     assert_eq!(model.lost_with(), None);
 }
 
+/// A group two reservations joined keeps its uses until its last member is freed: with one of
+/// the two freed, a write through the other still waits for the last write made through it on
+/// another stream. Fails if a merge miscounts the joined group's members (a group of one and a
+/// group of one counted as one), so that the first free forgets the group.
+#[test]
+#[allow(unsafe_code)] // the backend's `order_use` and the driver's event calls, each proven
+fn a_joined_group_keeps_its_uses_until_its_last_member_is_freed() {
+    let (model, backend) = lazy_model();
+    let (a, b) = two_known_streams(&model, &backend);
+    let g = backend.granularity();
+    let (first, second) = (backend.reserve(g).unwrap(), backend.reserve(g).unwrap());
+    let (shared, own) = (backend.create(g).unwrap(), backend.create(g).unwrap());
+    backend.map(first, g, shared, Access::ReadWrite).unwrap();
+    backend.map(second, g, own, Access::ReadWrite).unwrap();
+    // SAFETY: `b` is known to the backend and live (as long as the model).
+    unsafe { backend.order_use(b, second, true) }; // `second` gets a group of its own
+    // SAFETY: `a` is known to the backend and live (as long as the model).
+    unsafe { backend.order_use(a, first, true) }; // and `first` another
+    let wrote = kernel(&model, a, first, g);
+    // `second` maps `first`'s memory (the groups join), then goes.
+    backend.unmap(second, g).unwrap();
+    backend.map(second, g, shared, Access::ReadWrite).unwrap();
+    backend.unmap(second, g).unwrap();
+    backend.free(second, g).unwrap();
+    // SAFETY: as above.
+    unsafe { backend.order_use(b, first, true) };
+    let _write = kernel(&model, b, first, g);
+    model.complete_work_on(b);
+    // SAFETY: a live event of the model.
+    let finished = unsafe { model.event_query(wrote) }.unwrap();
+    assert!(
+        finished,
+        "with one member of a joined group freed, a write through the other did not wait for \
+         its last write on another stream"
+    );
+    model.complete_work();
+    backend.unmap(first, g).unwrap();
+    assert_eq!(model.lost_with(), None);
+}
+
 /// A third reservation mapping memory two others map joins their group too: a write through it
 /// waits for the first's last write, made on another stream. Fails if only the second mapping
 /// of a memory joins (a third, or later, keeps a group of its own).

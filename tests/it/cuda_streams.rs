@@ -252,6 +252,33 @@ fn a_failed_wait_falls_back_to_the_whole_stream() {
     assert!(device.close().is_clean());
 }
 
+/// A fence's wait that fails falls back to waiting for the whole stream, and lends the stream
+/// for that wait only: once the release is done, the stream can be let go. Fails if the lend
+/// is never ended (`forget_stream` then says `false` for ever, as for a stream a view still
+/// uses).
+#[test]
+fn a_stream_waited_for_whole_after_a_failed_wait_can_be_let_go() {
+    let model = model(false);
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(G).unwrap().commit().unwrap();
+    model.submit_work_on(stream); // a kernel uses `a`
+    // The fence's marks: the legacy stream's first, then `stream`'s, whose wait fails.
+    model.fail_nth(DriverCall::EventSynchronize, 2, CuError::UNKNOWN);
+    let whole = model.count(DriverCall::EventSynchronize);
+    a.release().wait().map_err(|e| e.to_string()).unwrap();
+    assert!(
+        model.count(DriverCall::EventSynchronize) > whole + 1,
+        "the failed wait fell back to a wait for the whole stream"
+    );
+    assert!(
+        device.forget_stream(stream),
+        "the stream was still lent after the wait for it ended"
+    );
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
 /// Copy-on-write swaps the boundary granule only once nothing may still read it: while a
 /// kernel on a covered stream runs, it is refused with the mapping unchanged.
 #[test]

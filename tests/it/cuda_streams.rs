@@ -1713,3 +1713,50 @@ fn a_backend_says_which_streams_it_covers_and_knows() {
     assert!(backend.covers(a) && backend.knows(a), "covered, so known");
     assert!(!backend.covers(b) && backend.knows(b), "known, not covered");
 }
+
+/// A copy's wait for the legacy stream whose event wait fails falls back to synchronizing the
+/// whole legacy stream, and making the context current for that fallback (the fourth
+/// `cuCtxSetCurrent` of the copy) fails with `error`. The copy's outcome, and the model.
+fn copy_whose_fallback_wait_cannot_enter(error: CuError) -> (Result<(), String>, DriverModel) {
+    let model = common::small_model();
+    let backend = common::cuda(&model);
+    let (a, pa) = (backend.reserve(G).unwrap(), backend.create(G).unwrap());
+    backend.map(a, G, pa, Access::ReadWrite).unwrap();
+    model.fail_nth(DriverCall::EventSynchronize, 1, CuError::UNKNOWN);
+    model.fail_nth(DriverCall::CtxSetCurrent, 4, error);
+    let copied = backend
+        .copy_from_host(a, &[7; 64])
+        .map_err(|e| e.to_string());
+    if copied.is_ok() {
+        backend.unmap(a, G).unwrap();
+        backend.release(pa, G).unwrap();
+        backend.free(a, G).unwrap();
+    }
+    (copied, model)
+}
+
+/// The context lost by the call that makes it current for a fallback wait: the wait says so,
+/// and nothing is called after it (not the whole-stream synchronize it fell back to).
+#[test]
+fn a_fallback_wait_that_loses_the_context_calls_nothing_after_it() {
+    let (copied, model) = copy_whose_fallback_wait_cannot_enter(CuError::CONTEXT_IS_DESTROYED);
+    assert!(copied.is_err(), "the copy's wait was cut short by the loss");
+    assert_eq!(model.lost_with(), Some(CuError::CONTEXT_IS_DESTROYED));
+    assert_eq!(
+        model.calls_after_loss(),
+        0,
+        "a call followed the loss: {:?}",
+        model.log()
+    );
+}
+
+/// The context not made current for a fallback wait, for a reason that does not lose it: the
+/// legacy stream is still synchronized (no current context is needed for it), the copy lands,
+/// and the backend goes on (no loss is said where there was none).
+#[test]
+fn a_fallback_wait_that_cannot_make_the_context_current_still_waits() {
+    let (copied, model) = copy_whose_fallback_wait_cannot_enter(CuError::UNKNOWN);
+    assert_eq!(copied, Ok(()));
+    assert_eq!(model.lost_with(), None);
+    assert_eq!(model.count(DriverCall::StreamSynchronize), 1);
+}

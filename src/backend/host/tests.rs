@@ -127,6 +127,24 @@ fn the_heap_store_keeps_the_bytes_of_memory_across_unmap_and_map() {
     );
 }
 
+/// What the heap store's backend gives back as it drops: every reservation still live, the
+/// ones kept for good too (nothing outside the process can reach heap memory). Fails if the
+/// drop's sweep gives back nothing (the reservations would leak, as Miri's leak check says).
+#[test]
+fn the_heap_stores_drop_gives_back_every_reservation_left() {
+    let host = heap_store();
+    let g = host.granularity();
+    let (a, b) = (host.reserve(g).unwrap(), host.reserve(2 * g).unwrap());
+    host.keep_for_good(b, 2 * g);
+    assert_eq!(host.state().heap.live(), (2, 0));
+    super::heap::drop_all(&mut host.state().heap);
+    assert_eq!(
+        host.state().heap.live(),
+        (0, 0),
+        "a reservation left at the drop was not given back (a at {a:#x}, b at {b:#x})"
+    );
+}
+
 /// What needs one memory at two addresses is refused by name: a second mapping of mapped
 /// memory, and export; reservations are aligned to the granularity.
 #[test]

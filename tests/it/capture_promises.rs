@@ -208,6 +208,55 @@ fn an_invalidated_capture_is_ended_and_what_it_lent_stays_held_for_good() {
     assert!(matches!(e.token, Returned::Quarantined(_)), "held for good");
 }
 
+/// The case the rule above is for: memtoken's invalidated capture is ended by another party
+/// between memtoken's question and its end, and a new capture is begun on the stream just
+/// before memtoken's `cuStreamEndCapture` (the model's hooks), which so ends the new one and
+/// gets a graph. An invalidated capture yields none, so that graph is not memtoken's: it is
+/// destroyed, the end says the capture was ended elsewhere, and what memtoken's capture lent
+/// stays held for good. Fails if the graph is taken for memtoken's.
+#[test]
+fn a_graph_from_the_end_of_an_invalidated_capture_is_not_taken_for_its_own() {
+    let model = model();
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    let mut view = capture.view_mut::<u8>(&mut x).unwrap();
+    model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
+    drop(view);
+    // SAFETY: a live stream of the model's context.
+    let refused = unsafe { model.stream_synchronize(stream) };
+    assert_eq!(refused, Err(CuError::STREAM_CAPTURE_UNSUPPORTED));
+    // The end asks (entering once), then enters again to end: ended elsewhere at that second
+    // entry, and begun anew just before the end.
+    model.end_capture_before(&[DriverCall::CtxSetCurrent], 2, stream);
+    model.begin_capture_before(
+        &[DriverCall::StreamEndCapture],
+        1,
+        stream,
+        CaptureMode::Global,
+    );
+    let destroyed = model.count(DriverCall::GraphExecDestroy);
+    let e = capture
+        .end()
+        .map(drop)
+        .expect_err("the graph of the capture begun since is not memtoken's");
+    assert!(
+        common::messages(&e)
+            .join("\n")
+            .contains("ended by someone else"),
+        "{e}"
+    );
+    assert_eq!(
+        model.count(DriverCall::GraphExecDestroy),
+        destroyed + 1,
+        "the other capture's graph was destroyed at once"
+    );
+    assert_eq!(info(&model, stream), CaptureInfo::None);
+    let e = x.release().complete().map(drop).unwrap_err();
+    assert!(matches!(e.token, Returned::Quarantined(_)), "held for good");
+}
+
 // ---- 3: what a view's probes see, and what they cannot ----
 
 /// A pointer taken while a capture memtoken did not make is open: the probe at the take holds

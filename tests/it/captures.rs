@@ -454,6 +454,47 @@ fn a_capture_dropped_without_end_ends_it() {
     assert_eq!(model.count(DriverCall::GraphExecDestroy), 1);
 }
 
+/// A capture whose id cannot be had at once (`cuStreamGetCaptureInfo` fails, the context
+/// kept) is refused and ended again: the stream captures no more, and can be let go.
+#[test]
+fn a_capture_whose_id_cannot_be_had_is_ended_and_refused() {
+    use memtoken::backend::cuda::Driver;
+    let model = model();
+    common::covered_device!(model, device, stream);
+    model.fail_nth(DriverCall::StreamGetCaptureInfo, 1, CuError::UNKNOWN);
+    let e = Capture::begin(&device, stream, CaptureMode::Global).unwrap_err();
+    assert!(e.to_string().contains("INVALIDATED"), "{e}");
+    // SAFETY: a live stream of the model's context.
+    assert_eq!(
+        unsafe { model.stream_is_capturing(stream) },
+        Ok(false),
+        "the refused capture was left open"
+    );
+    assert_eq!(model.lost_with(), None);
+    assert!(device.forget_stream(stream), "the stream was left lent");
+}
+
+/// A capture whose id question loses the context: refused, and nothing is called after the
+/// loss (not the end of the capture, which died with the context).
+#[test]
+fn a_capture_whose_id_question_loses_the_context_calls_nothing_after_it() {
+    let model = model();
+    common::covered_device!(model, device, stream);
+    model.fail_nth(
+        DriverCall::StreamGetCaptureInfo,
+        1,
+        CuError::CONTEXT_IS_DESTROYED,
+    );
+    assert!(Capture::begin(&device, stream, CaptureMode::Global).is_err());
+    assert_eq!(model.lost_with(), Some(CuError::CONTEXT_IS_DESTROYED));
+    assert_eq!(
+        model.calls_after_loss(),
+        0,
+        "a call followed the loss: {:?}",
+        model.log()
+    );
+}
+
 /// A memtoken graph is not launched into another capture: the outer graph would borrow none
 /// of its memory, and could launch after it is gone (found by review). Refused, nothing
 /// captured, the outer capture valid.

@@ -279,6 +279,56 @@ fn a_stream_waited_for_whole_after_a_failed_wait_can_be_let_go() {
     assert!(device.close().is_clean());
 }
 
+/// A release's wait whose event wait for a covered stream fails falls back to waiting for the
+/// whole stream, and recording that wait's own event on the stream (the release's third
+/// `cuEventRecord`: the legacy stream's mark, the stream's, then this one) fails with
+/// `error`. The wait's outcome, and the model after it.
+fn release_whose_whole_stream_wait_cannot_record(error: CuError) -> (bool, DriverModel) {
+    let model = model(false);
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(G).unwrap().commit().unwrap();
+    model.submit_work_on(stream);
+    model.fail_nth(DriverCall::EventSynchronize, 2, CuError::UNKNOWN);
+    model.fail_nth(DriverCall::EventRecord, 3, error);
+    let waited = match a.release().wait() {
+        Ok(_) => true,
+        Err(e) => {
+            std::mem::forget(e); // lost or stuck: its memory may still be used
+            false
+        }
+    };
+    drop(binding);
+    drop(device);
+    (waited, model)
+}
+
+/// The event of a whole-stream wait cannot be recorded, the context kept: the stream is
+/// synchronized instead and the release goes through.
+#[test]
+fn a_whole_stream_wait_whose_event_cannot_be_recorded_synchronizes_the_stream() {
+    let (waited, model) = release_whose_whole_stream_wait_cannot_record(CuError::UNKNOWN);
+    assert!(waited, "the release's wait gave up: {:?}", model.log());
+    assert_eq!(model.count(DriverCall::StreamSynchronize), 1);
+    assert_eq!(model.lost_with(), None);
+}
+
+/// The record of a whole-stream wait's event loses the context: the wait stops there, and
+/// nothing is called after the loss.
+#[test]
+fn a_whole_stream_wait_whose_record_loses_the_context_calls_nothing_after_it() {
+    let (waited, model) =
+        release_whose_whole_stream_wait_cannot_record(CuError::CONTEXT_IS_DESTROYED);
+    assert!(!waited);
+    assert_eq!(model.lost_with(), Some(CuError::CONTEXT_IS_DESTROYED));
+    assert_eq!(
+        model.calls_after_loss(),
+        0,
+        "a call followed the loss: {:?}",
+        model.log()
+    );
+}
+
 /// Copy-on-write swaps the boundary granule only once nothing may still read it: while a
 /// kernel on a covered stream runs, it is refused with the mapping unchanged.
 #[test]

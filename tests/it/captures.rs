@@ -465,11 +465,8 @@ fn a_capture_whose_id_cannot_be_had_is_ended_and_refused() {
     let e = Capture::begin(&device, stream, CaptureMode::Global).unwrap_err();
     assert!(e.to_string().contains("INVALIDATED"), "{e}");
     // SAFETY: a live stream of the model's context.
-    assert_eq!(
-        unsafe { model.stream_is_capturing(stream) },
-        Ok(false),
-        "the refused capture was left open"
-    );
+    let capturing = unsafe { model.stream_is_capturing(stream) };
+    assert_eq!(capturing, Ok(false), "the refused capture was left open");
     assert_eq!(model.lost_with(), None);
     assert!(device.forget_stream(stream), "the stream was left lent");
 }

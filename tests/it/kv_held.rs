@@ -343,7 +343,7 @@ fn random_layout(rng: &mut common::Rng, blocks: usize, sizes: [usize; 4]) -> Lay
 /// on the host (`random_steps`); the budget and the ledger end at zero.
 #[test]
 fn random_faults_on_the_host_lose_nothing() {
-    for seed in 1..common::unless_miri(400, 3) as u64 {
+    for seed in 1..=common::seeds(399, 2) {
         let mut rng = common::Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         setup!(HostBackend::with_defaults().unwrap(), device, faults);
         let binding = device.bind(Budget::unlimited()).unwrap();
@@ -362,7 +362,7 @@ fn random_faults_on_the_host_lose_nothing() {
 /// the test says (a fence waits), among the random steps.
 #[test]
 fn random_faults_on_the_driver_model_lose_nothing() {
-    for seed in 1..common::unless_miri(300, 3) as u64 {
+    for seed in 1..=common::seeds(299, 2) {
         let model = common::held_fences();
         let stream = model.new_stream();
         let mut rng = common::Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15));

@@ -144,6 +144,18 @@ pub const fn unless_miri(normal: usize, miri: usize) -> usize {
     if cfg!(miri) { miri } else { normal }
 }
 
+/// The seeds of a hand-rolled property test (a loop of whole random scenarios, one per seed):
+/// [`unless_miri`]`(normal, miri)`, and no more than `PROPTEST_CASES` where that is set lower,
+/// as for the proptest suites. The mutation runs set it to 32 (`scripts/mutants-shard`), so
+/// that one such test does not take most of each mutant's test run.
+pub fn seeds(normal: usize, miri: usize) -> u64 {
+    let cases = std::env::var("PROPTEST_CASES").ok();
+    let cap = cases
+        .and_then(|c| c.parse::<usize>().ok())
+        .unwrap_or(usize::MAX);
+    unless_miri(normal, miri).min(cap.max(1)) as u64
+}
+
 /// All of `items`, or under Miri every `n`th of them (the first included): an exhaustive loop
 /// over fault plans keeps its variety there at a fraction of the cost.
 pub fn every_nth_under_miri<T>(

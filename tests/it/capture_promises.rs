@@ -14,9 +14,9 @@
 //!   model's hook that begins a capture at that point.
 
 use crate::common;
-use memtoken::backend::cuda::{CaptureInfo, CuError, Driver, DriverCall, Stream};
+use memtoken::backend::cuda::{CaptureInfo, CuError, CudaBackend, Driver, DriverCall, Stream};
 use memtoken::backend::doubles::{CaptureMode, DriverModel, ModelConfig};
-use memtoken::{Budget, errors::Returned, interop::Capture};
+use memtoken::{Allocation, Budget, Committed, errors::Returned, interop::Capture};
 
 const G: usize = common::MODEL_GRANULARITY;
 
@@ -182,6 +182,23 @@ fn a_capture_memtoken_began_is_ended_by_its_id_and_its_memory_let_go_with_its_gr
     assert_eq!(model.end_capture(stream), Ok(()));
 }
 
+/// A kernel on `stream` writes `x` through a view of `capture`, then something invalidates the
+/// capture: a synchronize of the capturing stream (fact 41).
+fn write_then_invalidate<'t, 'id>(
+    model: &DriverModel,
+    stream: Stream,
+    capture: &Capture<'t, 'id, DriverModel>,
+    x: &'t mut Allocation<'_, 'id, CudaBackend<DriverModel>, Committed>,
+) {
+    let mut view = capture.view_mut::<u8>(x).unwrap();
+    model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
+    drop(view);
+    // SAFETY: a live stream of the model's context.
+    let refused = unsafe { model.stream_synchronize(stream) };
+    assert_eq!(refused, Err(CuError::STREAM_CAPTURE_UNSUPPORTED));
+    assert_eq!(info(model, stream), CaptureInfo::Invalidated);
+}
+
 /// A memtoken capture invalidated before its end has no id to compare (fact 60: the driver
 /// gives one only for an active capture), so memtoken cannot tell it from a capture begun after
 /// its own was ended elsewhere: it ends it (an invalidated capture yields no graph) and keeps
@@ -193,14 +210,7 @@ fn an_invalidated_capture_is_ended_and_what_it_lent_stays_held_for_good() {
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut x = binding.reserve(G).unwrap().commit().unwrap();
     let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
-    let mut view = capture.view_mut::<u8>(&mut x).unwrap();
-    model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
-    drop(view);
-    // Something invalidates it: a synchronize of the capturing stream (fact 41).
-    // SAFETY: a live stream of the model's context.
-    let refused = unsafe { model.stream_synchronize(stream) };
-    assert_eq!(refused, Err(CuError::STREAM_CAPTURE_UNSUPPORTED));
-    assert_eq!(info(&model, stream), CaptureInfo::Invalidated);
+    write_then_invalidate(&model, stream, &capture, &mut x);
     let e = capture.end().map(drop).unwrap_err();
     assert!(e.to_string().contains("STREAM_CAPTURE_INVALIDATED"), "{e}");
     assert_eq!(info(&model, stream), CaptureInfo::None, "ended");
@@ -221,12 +231,7 @@ fn a_graph_from_the_end_of_an_invalidated_capture_is_not_taken_for_its_own() {
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut x = binding.reserve(G).unwrap().commit().unwrap();
     let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
-    let mut view = capture.view_mut::<u8>(&mut x).unwrap();
-    model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
-    drop(view);
-    // SAFETY: a live stream of the model's context.
-    let refused = unsafe { model.stream_synchronize(stream) };
-    assert_eq!(refused, Err(CuError::STREAM_CAPTURE_UNSUPPORTED));
+    write_then_invalidate(&model, stream, &capture, &mut x);
     // The end asks (entering once), then enters again to end: ended elsewhere at that second
     // entry, and begun anew just before the end.
     model.end_capture_before(&[DriverCall::CtxSetCurrent], 2, stream);

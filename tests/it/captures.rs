@@ -483,13 +483,7 @@ fn a_capture_whose_id_question_loses_the_context_calls_nothing_after_it() {
         CuError::CONTEXT_IS_DESTROYED,
     );
     assert!(Capture::begin(&device, stream, CaptureMode::Global).is_err());
-    assert_eq!(model.lost_with(), Some(CuError::CONTEXT_IS_DESTROYED));
-    assert_eq!(
-        model.calls_after_loss(),
-        0,
-        "a call followed the loss: {:?}",
-        model.log()
-    );
+    common::assert_lost_and_nothing_called_after(&model);
 }
 
 /// A memtoken graph is not launched into another capture: the outer graph would borrow none

@@ -320,13 +320,7 @@ fn a_whole_stream_wait_whose_record_loses_the_context_calls_nothing_after_it() {
     let (waited, model) =
         release_whose_whole_stream_wait_cannot_record(CuError::CONTEXT_IS_DESTROYED);
     assert!(!waited);
-    assert_eq!(model.lost_with(), Some(CuError::CONTEXT_IS_DESTROYED));
-    assert_eq!(
-        model.calls_after_loss(),
-        0,
-        "a call followed the loss: {:?}",
-        model.log()
-    );
+    common::assert_lost_and_nothing_called_after(&model);
 }
 
 /// Copy-on-write swaps the boundary granule only once nothing may still read it: while a
@@ -1791,13 +1785,7 @@ fn copy_whose_fallback_wait_cannot_enter(error: CuError) -> (Result<(), String>,
 fn a_fallback_wait_that_loses_the_context_calls_nothing_after_it() {
     let (copied, model) = copy_whose_fallback_wait_cannot_enter(CuError::CONTEXT_IS_DESTROYED);
     assert!(copied.is_err(), "the copy's wait was cut short by the loss");
-    assert_eq!(model.lost_with(), Some(CuError::CONTEXT_IS_DESTROYED));
-    assert_eq!(
-        model.calls_after_loss(),
-        0,
-        "a call followed the loss: {:?}",
-        model.log()
-    );
+    common::assert_lost_and_nothing_called_after(&model);
 }
 
 /// The context not made current for a fallback wait, for a reason that does not lose it: the

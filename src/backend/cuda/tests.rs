@@ -286,14 +286,21 @@ fn a_join_of_a_home_stream_never_joins_a_capture_begun_between_check_and_record(
     );
 }
 
-/// Two reservations that each have a uses group of their own (each was used through a view,
-/// on its own memory) are merged into one as the second maps the first's memory: a write
-/// through the second then waits for the first's last write, made on another stream before
-/// the second mapped that memory. Fails if the second reservation keeps its own group (a
-/// reservation with a group taken by the join for one already in the group it joins).
-#[test]
-#[allow(unsafe_code)] // the backend's `order_use` and the driver's event calls, each proven
-fn a_reservation_with_uses_of_its_own_joins_the_group_of_the_memory_it_maps() {
+/// Two reservations, each with a uses group of its own (each used through a view on its own
+/// memory, `first` on stream `a`, `second` on `b`), whose groups become one as `second` maps
+/// `first`'s memory (`shared`) — after `first`'s write on `a` (`wrote`), still running.
+struct Joined {
+    model: DriverModel,
+    backend: CudaBackend<DriverModel>,
+    b: Stream,
+    g: usize,
+    first: Addr,
+    second: Addr,
+    wrote: Event,
+}
+
+#[allow(unsafe_code)] // the backend's `order_use`, proven
+fn joined() -> Joined {
     let (model, backend) = lazy_model();
     let (a, b) = two_known_streams(&model, &backend);
     let g = backend.granularity();
@@ -306,23 +313,49 @@ fn a_reservation_with_uses_of_its_own_joins_the_group_of_the_memory_it_maps() {
     // SAFETY: `a` is known to the backend and live (as long as the model).
     unsafe { backend.order_use(a, first, true) }; // and `first` another
     let wrote = kernel(&model, a, first, g);
-    // `second` maps the memory `first` maps: its group and `first`'s become one.
     backend.unmap(second, g).unwrap();
     backend.map(second, g, shared, Access::ReadWrite).unwrap();
-    // SAFETY: as above.
-    unsafe { backend.order_use(b, second, true) };
-    let _write = kernel(&model, b, second, g);
-    model.complete_work_on(b);
-    // SAFETY: a live event of the model.
-    let finished = unsafe { model.event_query(wrote) }.unwrap();
+    Joined {
+        model,
+        backend,
+        b,
+        g,
+        first,
+        second,
+        wrote,
+    }
+}
+
+impl Joined {
+    /// Writes through `at` on stream `b` (ordered by the backend), completes `b`'s work, and
+    /// answers whether `first`'s write on `a` had to complete first.
+    #[allow(unsafe_code)] // the backend's `order_use` and the driver's event calls, each proven
+    fn write_on_b_waited(&self, at: Addr) -> bool {
+        // SAFETY: `b` is known to the backend and live (as long as the model).
+        unsafe { self.backend.order_use(self.b, at, true) };
+        let _write = kernel(&self.model, self.b, at, self.g);
+        self.model.complete_work_on(self.b);
+        // SAFETY: a live event of the model.
+        unsafe { self.model.event_query(self.wrote) }.unwrap()
+    }
+}
+
+/// Two reservations that each have a uses group of their own are merged into one as the second
+/// maps the first's memory: a write through the second then waits for the first's last write,
+/// made on another stream before the second mapped that memory. Fails if the second
+/// reservation keeps its own group (a reservation with a group taken by the join for one
+/// already in the group it joins).
+#[test]
+fn a_reservation_with_uses_of_its_own_joins_the_group_of_the_memory_it_maps() {
+    let j = joined();
     assert!(
-        finished,
+        j.write_on_b_waited(j.second),
         "the write through `second` did not wait for `first`'s write to the same memory"
     );
-    model.complete_work();
-    backend.unmap(first, g).unwrap();
-    backend.unmap(second, g).unwrap();
-    assert_eq!(model.lost_with(), None);
+    j.model.complete_work();
+    j.backend.unmap(j.first, j.g).unwrap();
+    j.backend.unmap(j.second, j.g).unwrap();
+    assert_eq!(j.model.lost_with(), None);
 }
 
 /// A group two reservations joined keeps its uses until its last member is freed: with one of
@@ -330,39 +363,18 @@ fn a_reservation_with_uses_of_its_own_joins_the_group_of_the_memory_it_maps() {
 /// another stream. Fails if a merge miscounts the joined group's members (a group of one and a
 /// group of one counted as one), so that the first free forgets the group.
 #[test]
-#[allow(unsafe_code)] // the backend's `order_use` and the driver's event calls, each proven
 fn a_joined_group_keeps_its_uses_until_its_last_member_is_freed() {
-    let (model, backend) = lazy_model();
-    let (a, b) = two_known_streams(&model, &backend);
-    let g = backend.granularity();
-    let (first, second) = (backend.reserve(g).unwrap(), backend.reserve(g).unwrap());
-    let (shared, own) = (backend.create(g).unwrap(), backend.create(g).unwrap());
-    backend.map(first, g, shared, Access::ReadWrite).unwrap();
-    backend.map(second, g, own, Access::ReadWrite).unwrap();
-    // SAFETY: `b` is known to the backend and live (as long as the model).
-    unsafe { backend.order_use(b, second, true) }; // `second` gets a group of its own
-    // SAFETY: `a` is known to the backend and live (as long as the model).
-    unsafe { backend.order_use(a, first, true) }; // and `first` another
-    let wrote = kernel(&model, a, first, g);
-    // `second` maps `first`'s memory (the groups join), then goes.
-    backend.unmap(second, g).unwrap();
-    backend.map(second, g, shared, Access::ReadWrite).unwrap();
-    backend.unmap(second, g).unwrap();
-    backend.free(second, g).unwrap();
-    // SAFETY: as above.
-    unsafe { backend.order_use(b, first, true) };
-    let _write = kernel(&model, b, first, g);
-    model.complete_work_on(b);
-    // SAFETY: a live event of the model.
-    let finished = unsafe { model.event_query(wrote) }.unwrap();
+    let j = joined();
+    j.backend.unmap(j.second, j.g).unwrap();
+    j.backend.free(j.second, j.g).unwrap();
     assert!(
-        finished,
+        j.write_on_b_waited(j.first),
         "with one member of a joined group freed, a write through the other did not wait for \
          its last write on another stream"
     );
-    model.complete_work();
-    backend.unmap(first, g).unwrap();
-    assert_eq!(model.lost_with(), None);
+    j.model.complete_work();
+    j.backend.unmap(j.first, j.g).unwrap();
+    assert_eq!(j.model.lost_with(), None);
 }
 
 /// A third reservation mapping memory two others map joins their group too: a write through it

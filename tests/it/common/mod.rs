@@ -53,6 +53,19 @@ macro_rules! known_device {
 }
 pub(crate) use known_device;
 
+/// Asserts that the model's context was lost (`CONTEXT_IS_DESTROYED`) and that nothing was
+/// called after the loss (each such call would fail), naming the calls made if something was.
+pub fn assert_lost_and_nothing_called_after(model: &DriverModel) {
+    use memtoken::backend::cuda::CuError;
+    assert_eq!(model.lost_with(), Some(CuError::CONTEXT_IS_DESTROYED));
+    assert_eq!(
+        model.calls_after_loss(),
+        0,
+        "a call followed the loss: {:?}",
+        model.log()
+    );
+}
+
 /// The host backend with its default settings.
 pub fn host() -> HostBackend {
     let memory = host_memory();

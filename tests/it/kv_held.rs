@@ -117,6 +117,10 @@ fn a_kv_graph_launched_into_a_foreign_capture_holds_the_planes_for_good() {
 /// lent stays held for good (held from the lend until memtoken's own end), so sleep leaves the
 /// planes mapped for the other party's graph.
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "forgets a capture on purpose (what it lent is held for good): Miri reports it as a leak"
+)]
 fn kv_planes_lent_to_a_forgotten_capture_are_held_for_good() {
     let model = common::model();
     common::covered_device!(model, device, stream);

@@ -484,4 +484,28 @@ mod tests {
             Err(WireError::Malformed("trailing bytes"))
         );
     }
+
+    /// A count of regions that the offer's bytes cannot hold, at a region's 28 bytes (address,
+    /// length, kind, device), is refused before any region is read (and before anything is
+    /// allocated for them); a count within that bound is read, and fails only where its bytes
+    /// do.
+    #[test]
+    fn a_count_of_regions_past_what_the_bytes_hold_is_refused_by_name() {
+        let regions = [region(0x1000, 4096, MemKind::Dram, 0); 3];
+        let mut bytes = encode([1, 2, 3, 4], &regions, PARTS);
+        let fits = bytes.len() / (8 + 8 + 4 + 8);
+        let at = MAGIC.len() + 32;
+        for count in [fits + 1, fits] {
+            bytes[at..at + 4].copy_from_slice(&(count as u32).to_le_bytes());
+            let refused = decode(&bytes).map(|d| d.regions);
+            let by_count = refused == Err(WireError::Malformed("more regions than bytes"));
+            assert_eq!(
+                by_count,
+                count > fits,
+                "{count} regions in {} bytes",
+                bytes.len()
+            );
+            assert!(refused.is_err(), "{count} regions decoded");
+        }
+    }
 }

@@ -443,6 +443,57 @@ fn without_vmm_the_cache_is_allocated_whole_with_the_same_ids() {
 
 /// Groups map on the host as on the model: a layout the host's 4 KiB granule splits into
 /// groups, watermarks that map and give back, and the ledger at zero once the cache is gone.
+/// A take comes from the lowest mapped group with a free block, whichever groups the blocks
+/// given back before it were in: the blocks in use stay packed low, so the high groups empty
+/// out for the high watermark to unmap. Fails if a block given back in a lower group is passed
+/// over (a give-back that leaves the search to start above it).
+#[test]
+fn a_take_comes_from_the_lowest_group_with_a_free_block() {
+    make_guard!(guard);
+    let device = Device::new(guard, common::host());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(cache_guard);
+    let cache = KvCache::new(cache_guard, &binding, &Layout::new(1024, 16).plane(2048)).unwrap();
+    cache.set_watermarks(3, 5);
+    cache.replenish().unwrap();
+    let per = cache.blocks_per_group();
+    // A block a table, until three groups are full (the null block is the first group's).
+    let mut tables: Vec<_> = (1..3 * per)
+        .map(|_| {
+            let mut table = cache.table();
+            cache.push(&mut table).unwrap();
+            table
+        })
+        .collect();
+    let first = |table: &BlockTable<'_, '_, '_, '_, HostBackend>| table.ids()[0];
+    let ids: Vec<u32> = tables.iter().map(first).collect();
+    assert_eq!(
+        ids,
+        (1..3 * per as u32).collect::<Vec<_>>(),
+        "taken in order"
+    );
+    // Given back: a block of the middle group, then one of the first, then one of the last.
+    let order = [per, 0, 2 * per - 1];
+    for &t in &order {
+        cache.clear(&mut tables[t]);
+    }
+    for want in [ids[0], ids[per], ids[2 * per - 1]] {
+        let mut table = cache.table();
+        cache.push(&mut table).unwrap();
+        assert_eq!(
+            first(&table),
+            want,
+            "a take passed over a lower group's free block"
+        );
+        tables.push(table);
+    }
+    drop(tables);
+    drop(cache);
+    assert_eq!(binding.used(), 0);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
 #[test]
 fn groups_map_to_the_low_watermark_and_go_back_above_the_high_one() {
     setup!(HostBackend::with_defaults().unwrap(), device, faults);

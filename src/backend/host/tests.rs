@@ -127,6 +127,47 @@ fn the_heap_store_keeps_the_bytes_of_memory_across_unmap_and_map() {
     );
 }
 
+/// Memory created and released over and over, more times than the store holds at once: each
+/// release gives its range of the store back, on every store (the memfd, the anonymous
+/// mapping, the heap), so no create is refused for the ranges of memory released before.
+#[test]
+#[cfg_attr(
+    miri,
+    ignore = "needs a memfd or the anonymous store (Miri has the heap store only)"
+)]
+fn memory_released_gives_its_range_of_the_store_back() {
+    for memory in [HostMemory::Memfd, HostMemory::Anonymous, HostMemory::Heap] {
+        let g = 4 << 10;
+        let Ok(host) = HostBackend::new(HostConfig {
+            physical_capacity: 4 * g as u64,
+            memory,
+            ..HostConfig::default()
+        }) else {
+            assert_eq!(
+                memory,
+                HostMemory::Memfd,
+                "only a memfd may be refused here"
+            );
+            continue; // a sandbox without memfd_create
+        };
+        for round in 0..12 {
+            let phys = host
+                .create(g)
+                .unwrap_or_else(|e| panic!("{memory:?}, round {round}: {e}"));
+            host.release(phys, g).unwrap();
+        }
+        let all: Vec<_> = (0..4).map(|_| host.create(g).unwrap()).collect();
+        assert!(
+            host.create(g).is_err(),
+            "{memory:?}: the capacity still binds"
+        );
+        for phys in all {
+            host.release(phys, g).unwrap();
+        }
+        assert_eq!(host.physical_in_use(), 0);
+    }
+}
+
 /// What the heap store's backend gives back as it drops: every reservation still live, the
 /// ones kept for good too (nothing outside the process can reach heap memory). Fails if the
 /// drop's sweep gives back nothing (the reservations would leak, as Miri's leak check says).

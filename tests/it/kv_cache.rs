@@ -363,6 +363,39 @@ fn a_block_given_back_under_a_running_kernel_waits_for_its_fence() {
     assert!(device.close().is_clean());
 }
 
+/// Groups over the high watermark go only once the work that may still use the planes has
+/// completed: the replenish that finds them arms a fence, and they stay mapped through every
+/// replenish while that work runs, then go. Fails if the groups are unmapped once armed,
+/// whatever the fence says (under the kernel: the model would fault).
+#[test]
+fn groups_over_the_high_watermark_wait_for_the_work_before_the_fence_that_armed_them() {
+    let model = common::held_fences();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(cache_guard);
+    let cache = KvCache::new(cache_guard, &binding, &model_layout(1024)).unwrap();
+    cache.set_watermarks(4, 4);
+    cache.replenish().unwrap();
+    assert_eq!(cache.idle_groups(), 4);
+    cache.set_watermarks(0, 1);
+    model.submit_work(); // a kernel that may read the planes
+    let unmaps = model.count(DriverCall::MemUnmap);
+    for round in 0..3 {
+        let done = cache.replenish().unwrap();
+        assert_eq!(done.fenced, round == 0, "one fence, by the first: {done:?}");
+        assert_eq!(done.unmapped, 0, "round {round}: unmapped under the kernel");
+    }
+    assert_eq!(model.count(DriverCall::MemUnmap), unmaps);
+    model.complete_work();
+    let done = cache.replenish().unwrap();
+    assert_eq!((done.unmapped, cache.idle_groups()), (3, 1), "{done:?}");
+    drop(cache);
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert_eq!(model.lost_with(), None);
+}
+
 /// With no room in a mapped group, a push fails with an error that says so, the table
 /// unchanged; replenish maps more.
 #[test]

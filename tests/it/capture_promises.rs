@@ -262,6 +262,36 @@ fn a_graph_from_the_end_of_an_invalidated_capture_is_not_taken_for_its_own() {
     assert!(matches!(e.token, Returned::Quarantined(_)), "held for good");
 }
 
+/// A capture whose end the driver refuses once (the stream still captures it) stays open, and
+/// is ended as it drops: the stream captures no more, and the memory it lent is free again.
+/// Fails if a refused end is taken for an end by someone else (what it lent then held for
+/// good, and the capture left open on the stream).
+#[test]
+fn a_capture_whose_end_is_refused_once_is_ended_as_it_drops() {
+    let model = model();
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    let mut view = capture.view_mut::<u8>(&mut x).unwrap();
+    model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
+    drop(view);
+    model.fail_nth(DriverCall::StreamEndCapture, 1, CuError::UNKNOWN);
+    let e = capture.end().map(drop).expect_err("the end was refused");
+    assert!(e.to_string().contains("UNKNOWN"), "{e}");
+    assert_eq!(
+        info(&model, stream),
+        CaptureInfo::None,
+        "ended as it dropped"
+    );
+    model.complete_work();
+    x.release()
+        .complete()
+        .map(drop)
+        .map_err(|e| e.to_string())
+        .unwrap();
+}
+
 // ---- 3: what a view's probes see, and what they cannot ----
 
 /// A pointer taken while a capture memtoken did not make is open: the probe at the take holds

@@ -253,9 +253,9 @@ fn a_failed_wait_falls_back_to_the_whole_stream() {
 }
 
 /// A fence's wait that fails falls back to waiting for the whole stream, and lends the stream
-/// for that wait only: once the release is done, the stream can be let go. Fails if the lend
-/// is never ended (`forget_stream` then says `false` for ever, as for a stream a view still
-/// uses).
+/// for that wait only: once the release is done, the stream can be let go, and no event of the
+/// waits is left. Fails if the lend is never ended (`forget_stream` then says `false` for ever,
+/// as for a stream a view still uses), or the whole-stream wait's event is never destroyed.
 #[test]
 fn a_stream_waited_for_whole_after_a_failed_wait_can_be_let_go() {
     let model = model(false);
@@ -270,6 +270,11 @@ fn a_stream_waited_for_whole_after_a_failed_wait_can_be_let_go() {
     assert!(
         model.count(DriverCall::EventSynchronize) > whole + 1,
         "the failed wait fell back to a wait for the whole stream"
+    );
+    assert_eq!(
+        model.outstanding().events,
+        0,
+        "an event of the waits outlived the release"
     );
     assert!(
         device.forget_stream(stream),

@@ -1668,6 +1668,29 @@ fn waits_on_unrecorded_events_and_from_captures() {
     );
 }
 
+/// A stream that joined a capture stays joined when it waits on an event captured on itself:
+/// only the capture's origin waiting on a joined stream joins that stream back, so the capture
+/// still ends unjoined (fact 39). Fails if any wait inside the capture counts as a join back.
+#[test]
+fn a_joined_stream_waiting_on_its_own_captured_event_is_not_joined_back() {
+    let model = opened(config());
+    let (origin, joined) = (model.new_stream(), model.new_stream());
+    let (forked, own) = (model.event_create().unwrap(), model.event_create().unwrap());
+    model.begin_capture(origin, CaptureMode::Global);
+    // SAFETY: (each call) live streams and events of the model.
+    unsafe {
+        model.event_record(forked, origin).unwrap();
+        model.stream_wait_event(joined, forked).unwrap(); // `joined` joins the capture
+        model.event_record(own, joined).unwrap();
+        model.stream_wait_event(joined, own).unwrap(); // a dependency inside it
+    }
+    assert_eq!(
+        model.end_capture(origin),
+        Err(CuError::STREAM_CAPTURE_UNJOINED),
+        "the joined stream was taken for joined back"
+    );
+}
+
 /// A graph node whose range runs past a mapping's end into unmapped memory faults when the
 /// graph is launched: every byte of the range must be mapped with access, not only its start.
 #[test]
@@ -1822,6 +1845,30 @@ fn released_handles_and_destroyed_events_come_back() {
 /// planned before the second `cuEventCreate` begins there, not at the first, and one planned to
 /// end before the second ends there; none is planned on the legacy stream or a stream the model
 /// does not know. Fails if a hook fires at another call than the one it was given.
+/// Each capture the hook ends keeps a graph of its own: two ended in turn on one stream are two
+/// graphs, never one number for both. Fails if the model's graph numbers do not advance.
+#[test]
+fn captures_ended_by_the_hook_each_keep_a_graph_of_their_own() {
+    let model = DriverModel::default();
+    model.init().unwrap();
+    let ctx = model.primary_ctx_retain(0).unwrap();
+    // SAFETY: `ctx` was just retained from this model.
+    unsafe { model.ctx_set_current(ctx) }.unwrap();
+    let stream = model.new_stream();
+    let mut graphs = Vec::new();
+    for _ in 0..2 {
+        model.begin_capture(stream, CaptureMode::Global);
+        model.end_capture_before(&[DriverCall::EventCreate], 1, stream);
+        let event = model.event_create().unwrap();
+        // SAFETY: a live event of the model, destroyed once.
+        unsafe { model.event_destroy(event) }.unwrap();
+        graphs.push(model.hook_graph().expect("the hook ended a valid capture"));
+    }
+    assert_ne!(graphs[0], graphs[1], "two captures, one graph number");
+    // SAFETY: retained above, released once.
+    unsafe { model.primary_ctx_release(0) }.unwrap();
+}
+
 #[test]
 fn the_capture_hooks_fire_before_the_call_they_count_to() {
     let model = DriverModel::default();

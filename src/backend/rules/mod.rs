@@ -519,6 +519,9 @@ mod tests {
         assert!(poisoned(book.check_copy(7, 0x10000, G)));
         let drained = book.drain_reservations();
         assert_eq!(drained, vec![(0x10000, 4 * G, true)]);
+        // Drained, the book holds nothing: the memory mapped before is mapped nowhere now.
+        assert_eq!((book.reservations(), book.mappings()), (0, 0));
+        assert!(book.check_access(0x10000, G, false).is_err());
     }
 
     #[test]

@@ -336,6 +336,30 @@ fn unregistering_one_mechanism_keeps_the_others_history() {
     assert_eq!(registry.selected(), Some(b), "b, the one before c");
 }
 
+/// One slot registered, ended and unregistered over and over gives a new id each time, and
+/// an id of an earlier registration is never taken for a later one (it is unregistered, not
+/// the mechanism now in its slot). Fails if a slot's generations repeat.
+#[test]
+fn a_slot_reused_many_times_never_gives_an_id_twice() {
+    let registry = Mechanisms::new();
+    let mut ids: Vec<MechanismId> = Vec::new();
+    for round in 0..12 {
+        let id = registry.register(format!("m{round}")).unwrap();
+        assert!(!ids.contains(&id), "round {round}: {id} was given before");
+        for old in &ids {
+            assert_eq!(
+                registry.lifecycle(*old),
+                None,
+                "round {round}: {old} came back"
+            );
+        }
+        ids.push(id);
+        registry.retire(id).unwrap();
+        registry.terminate(id).unwrap();
+        registry.unregister(id).unwrap();
+    }
+}
+
 /// A refused probe falls back through the history too, skipping what is no longer active:
 /// select a, b, c; retire b (not selected: nothing moves); probe d and fail → c; retire c → a
 /// (b is gone from the history). Fails if a refusal or a retirement falls back to a retired

@@ -190,9 +190,11 @@ fn a_sleep_that_drops_the_bytes_empties_the_prefix_cache_and_one_that_saves_does
     cache.sleep_saving().unwrap();
     cache.wake().unwrap();
     assert_eq!(prefixes.len(), 3);
+    assert!(!prefixes.is_empty());
     assert_eq!(cache.idle_cached_blocks(), 2);
     cache.sleep().unwrap();
     assert_eq!(prefixes.len(), 0);
+    assert!(prefixes.is_empty());
     assert_eq!(cache.idle_cached_blocks(), 0);
     cache.wake().unwrap();
     assert!(!prefixes.lookup(&0, &mut seq));

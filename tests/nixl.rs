@@ -325,6 +325,15 @@ macro_rules! tcp_initiator {
     };
 }
 
+/// Stops `child` (SIGSTOP) until it is killed. Over TCP a READ's bytes are sent by the
+/// peer's own UCX progress, so a transfer posted to a stopped peer cannot finish before the
+/// kill: without the stop, a fast machine finished a 32 MiB READ before the kill landed (CI:
+/// "the READ did not fail: Ok(true)").
+fn stop(child: &Child) {
+    use rustix::process::{Pid, Signal, kill_process};
+    kill_process(Pid::from_child(child), Signal::STOP).expect("SIGSTOP to the peer");
+}
+
 /// Runs `test`'s [`parked_target`] (over TCP too) and returns it with its offer to
 /// `initiator`.
 fn offer_of_a_parked_target(
@@ -493,6 +502,7 @@ fn a_peer_killed_mid_transfer_leaves_the_memory_withheld()
     let (mut child, offer) = offer_of_a_parked_target(TEST, &initiator);
     let peer = initiator.load(&offer)?;
     let mut into = initiator.register(binding.reserve(BIG)?.commit()?)?;
+    stop(&child);
     let read = initiator.read(
         &mut into,
         &[(0, BIG)],

@@ -368,7 +368,8 @@ fn an_offered_table_dropped_before_the_proof_is_withheld()
     Ok(())
 }
 
-/// A READ into a table's blocks from a peer killed mid-transfer fails: the table is never
+/// A READ into a table's blocks from a peer stopped before the post and killed after it (so
+/// the READ cannot finish first) fails: the table is never
 /// handed back, its blocks stay lent (withheld), the cache does not sleep, and the peer cannot
 /// say it is done.
 #[test]
@@ -400,6 +401,7 @@ fn a_failed_block_transfer_never_hands_its_table_back()
         .map(|i| peer.range(0, i * BIG, BIG))
         .collect::<Result<Vec<_>, _>>()?;
     let positions: Vec<usize> = (0..BLOCKS).collect();
+    stop(&child);
     let mut read = initiator
         .read_blocks(&registered, table, &positions, &peer, &remote, None)
         .map_err(memtoken::Error::from)?;

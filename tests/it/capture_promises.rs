@@ -182,17 +182,15 @@ fn a_capture_memtoken_began_is_ended_by_its_id_and_its_memory_let_go_with_its_gr
     assert_eq!(model.end_capture(stream), Ok(()));
 }
 
-/// A kernel on `stream` writes `x` through a view of `capture`, then something invalidates the
-/// capture: a synchronize of the capturing stream (fact 41).
+/// [`common::write_through_view`], then something invalidates the capture: a synchronize of the
+/// capturing stream (fact 41).
 fn write_then_invalidate<'t, 'id>(
     model: &DriverModel,
     stream: Stream,
     capture: &Capture<'t, 'id, DriverModel>,
     x: &'t mut Allocation<'_, 'id, CudaBackend<DriverModel>, Committed>,
 ) {
-    let mut view = capture.view_mut::<u8>(x).unwrap();
-    model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
-    drop(view);
+    common::write_through_view(model, stream, capture, x);
     // SAFETY: a live stream of the model's context.
     let refused = unsafe { model.stream_synchronize(stream) };
     assert_eq!(refused, Err(CuError::STREAM_CAPTURE_UNSUPPORTED));
@@ -273,9 +271,7 @@ fn a_capture_whose_end_is_refused_once_is_ended_as_it_drops() {
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut x = binding.reserve(G).unwrap().commit().unwrap();
     let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
-    let mut view = capture.view_mut::<u8>(&mut x).unwrap();
-    model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
-    drop(view);
+    common::write_through_view(&model, stream, &capture, &mut x);
     model.fail_nth(DriverCall::StreamEndCapture, 1, CuError::UNKNOWN);
     let e = capture.end().map(drop).expect_err("the end was refused");
     assert!(e.to_string().contains("UNKNOWN"), "{e}");

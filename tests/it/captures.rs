@@ -496,9 +496,7 @@ fn a_graph_is_not_launched_into_another_capture() {
     let binding = device.bind(Budget::unlimited()).unwrap();
     let mut x = binding.reserve(G).unwrap().commit().unwrap();
     let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
-    let mut view = capture.view_mut::<u8>(&mut x).unwrap();
-    model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
-    drop(view);
+    common::write_through_view(&model, stream, &capture, &mut x);
     let graph = capture.end().unwrap();
     model.begin_capture(stream, CaptureMode::Global);
     let e = graph.launch().unwrap_err();
@@ -650,9 +648,7 @@ fn a_forgotten_capture_ended_elsewhere_keeps_what_it_lent() {
     let mut x = binding.reserve(G).unwrap().commit().unwrap();
     model.complete_work();
     let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
-    let mut view = capture.view_mut::<u8>(&mut x).unwrap();
-    model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
-    drop(view);
+    common::write_through_view(&model, stream, &capture, &mut x);
     std::mem::forget(capture);
     // SAFETY: a live stream of the model's context that captures; the graph is the model's.
     let exec = unsafe {
@@ -680,9 +676,7 @@ fn a_capture_ended_by_the_streams_other_holder_keeps_what_it_lent() {
     let mut x = binding.reserve(G).unwrap().commit().unwrap();
     model.complete_work();
     let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
-    let mut view = capture.view_mut::<u8>(&mut x).unwrap();
-    model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
-    drop(view);
+    common::write_through_view(&model, stream, &capture, &mut x);
     // SAFETY: as above.
     let exec = unsafe {
         let graph = model.stream_end_capture(stream).unwrap();
@@ -1015,9 +1009,7 @@ mod kept {
         let mut x = binding.reserve(G).unwrap().commit().unwrap();
         let capture =
             memtoken::interop::Capture::begin(&device, stream, CaptureMode::Global).unwrap();
-        let mut view = capture.view_mut::<u8>(&mut x).unwrap();
-        model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
-        drop(view);
+        super::common::write_through_view(&model, stream, &capture, &mut x);
         std::mem::forget(capture.end().unwrap());
         let e = x
             .release()

@@ -183,6 +183,19 @@ pub fn every_nth_under_miri<T>(
 /// workload of the `cuda_backend` suite takes less than half the time at 64 KiB).
 pub const MODEL_GRANULARITY: usize = unless_miri(2 << 20, 64 << 10);
 
+/// A kernel on `stream` writes all of `x` through a view of `capture` (the view dropped: the
+/// capture holds what it lent).
+pub fn write_through_view<'t, 'id>(
+    model: &DriverModel,
+    stream: memtoken::backend::cuda::Stream,
+    capture: &memtoken::interop::Capture<'t, 'id, DriverModel>,
+    x: &'t mut memtoken::Allocation<'_, 'id, CudaBackend<DriverModel>, memtoken::Committed>,
+) {
+    let len = x.len();
+    let mut view = capture.view_mut::<u8>(x).unwrap();
+    model.submit_work_touching(stream, &[(view.device_ptr_mut(), len)]);
+}
+
 /// The driver model's default settings, at [`MODEL_GRANULARITY`] (so, outside Miri, exactly
 /// `ModelConfig::default()`).
 pub fn model_config() -> ModelConfig {

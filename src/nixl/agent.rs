@@ -301,25 +301,38 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
             });
         }
         let name = self.load_md(decoded.conn)?;
-        let fail = |e| {
-            // Only `by`'s (claimed) or an agent's without a live Peer: never one in use.
-            for n in [&name, by] {
-                if n == by || !self.remote(n).live.load(Ordering::Acquire) {
+        // What a failure loaded is invalidated again: `by`'s (claimed by the caller), and that
+        // of any other agent the offer's parts named, unless a live Peer of it uses it.
+        let fail = |e, other: &str| {
+            for n in [other, by] {
+                if n == by || !self.is_live(n) {
                     let _ = self.raw.invalidate_remote_md(n);
                 }
             }
             Err(e)
         };
         if name != by {
-            return fail(NixlError::Wire(
-                "its connection information is another agent's",
-            ));
+            return fail(
+                NixlError::Wire("its connection information is another agent's"),
+                &name,
+            );
         }
         match self.load_md(decoded.md) {
             Ok(again) if again == name => Ok(()),
-            Ok(_) => fail(NixlError::Wire("its two parts name different agents")),
-            Err(e) => fail(e),
+            Ok(other) => fail(
+                NixlError::Wire("its two parts name different agents"),
+                &other,
+            ),
+            Err(e) => fail(e, by),
         }
+    }
+
+    /// A [`Peer`] of the agent `name` is loaded here (no entry is made for an unknown name).
+    fn is_live(&self, name: &str) -> bool {
+        self.book()
+            .remotes
+            .get(name)
+            .is_some_and(|r| r.live.load(Ordering::Acquire))
     }
 
     /// NIXL's `loadRemoteMD`: the agent the metadata names. nixl-sys panics on a name that is

@@ -69,6 +69,8 @@ mod agent;
 mod blocks;
 mod peer;
 mod registered;
+#[cfg(test)]
+mod tests;
 mod transfer;
 
 pub use blocks::{BlockTransfer, OfferedTable, RegisteredCache};

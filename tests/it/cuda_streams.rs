@@ -321,6 +321,10 @@ fn a_whole_stream_wait_whose_event_cannot_be_recorded_synchronizes_the_stream() 
 /// The record of a whole-stream wait's event loses the context: the wait stops there, and
 /// nothing is called after the loss.
 #[test]
+#[cfg_attr(
+    miri,
+    ignore = "forgets the quarantined token on purpose (the context is lost): Miri reports it as a leak"
+)]
 fn a_whole_stream_wait_whose_record_loses_the_context_calls_nothing_after_it() {
     let (waited, model) =
         release_whose_whole_stream_wait_cannot_record(CuError::CONTEXT_IS_DESTROYED);

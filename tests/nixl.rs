@@ -325,13 +325,33 @@ macro_rules! tcp_initiator {
     };
 }
 
-/// Stops `child` (SIGSTOP) until it is killed. Over TCP a READ's bytes are sent by the
-/// peer's own UCX progress, so a transfer posted to a stopped peer cannot finish before the
+/// A peer process stopped (SIGSTOP) until it is killed. Over TCP a READ's bytes are sent by
+/// the peer's own UCX progress, so a transfer posted to a stopped peer cannot finish before the
 /// kill: without the stop, a fast machine finished a 32 MiB READ before the kill landed (CI:
-/// "the READ did not fail: Ok(true)").
-fn stop(child: &Child) {
-    use rustix::process::{Pid, Signal, kill_process};
-    kill_process(Pid::from_child(child), Signal::STOP).expect("SIGSTOP to the peer");
+/// "the READ did not fail: Ok(true)"). Killed and reaped as it drops too, so that a test that
+/// fails early leaves no stopped process behind.
+struct Stopped(Child);
+
+impl Drop for Stopped {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// Stops `child`, and returns once it has stopped (`waitpid` with `WUNTRACED` reports the stop
+/// without reaping it).
+fn stop(child: Child) -> Stopped {
+    use rustix::process::{Pid, Signal, WaitOptions, kill_process, waitpid};
+    let pid = Pid::from_child(&child);
+    let stopped = Stopped(child);
+    kill_process(pid, Signal::STOP).expect("SIGSTOP to the peer");
+    let status = waitpid(Some(pid), WaitOptions::UNTRACED).expect("waitpid");
+    assert!(
+        status.is_some_and(|(_, s)| s.stopped()),
+        "the peer did not stop: {status:?}"
+    );
+    stopped
 }
 
 /// Runs `test`'s [`parked_target`] (over TCP too) and returns it with its offer to
@@ -499,10 +519,10 @@ fn a_peer_killed_mid_transfer_leaves_the_memory_withheld()
         return parked_target(socket, "target-k", BIG);
     }
     tcp_initiator!(device, binding, initiator, "initiator-k");
-    let (mut child, offer) = offer_of_a_parked_target(TEST, &initiator);
+    let (child, offer) = offer_of_a_parked_target(TEST, &initiator);
     let peer = initiator.load(&offer)?;
     let mut into = initiator.register(binding.reserve(BIG)?.commit()?)?;
-    stop(&child);
+    let mut child = stop(child);
     let read = initiator.read(
         &mut into,
         &[(0, BIG)],
@@ -510,7 +530,7 @@ fn a_peer_killed_mid_transfer_leaves_the_memory_withheld()
         &[peer.range(0, 0, BIG)?],
         None,
     )?;
-    child.kill()?;
+    child.0.kill()?;
     // The drop returns — its wait is bounded by DROP_WAIT by construction — and how long it
     // took is printed, not asserted: what is asserted is what it leaves.
     let start = std::time::Instant::now();
@@ -520,7 +540,7 @@ fn a_peer_killed_mid_transfer_leaves_the_memory_withheld()
         into.is_poisoned(),
         "the READ did not finish: the registration is poisoned"
     );
-    child.wait()?;
+    child.0.wait()?;
     assert!(
         matches!(peer.done(), Err(NixlError::Tainted(_))),
         "no acknowledgement after an unfinished transfer"

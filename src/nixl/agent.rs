@@ -16,7 +16,7 @@ use nixl_sys::{MemType, NotificationMap, RegDescList, XferOp};
 use std::fmt;
 use std::mem::ManuallyDrop;
 use std::sync::atomic::Ordering;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 
 impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
     /// An agent named `name` (unique among the agents that will meet) for `device`'s memory,
@@ -240,23 +240,28 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
     ///
     /// [`NixlError::Wire`] for malformed metadata, [`NixlError::NotForUs`] for an offer to
     /// another agent, [`NixlError::AlreadyLoaded`], [`NixlError::Stale`] for an offer this
-    /// agent already said it is done with; NIXL's error. Nothing stays loaded then.
+    /// agent already said it is done with; NIXL's error. Nothing stays loaded then but the
+    /// metadata of agents with a live [`Peer`] here. (A malformed part naming such an agent
+    /// may make NIXL itself drop that agent's record: that Peer's transfers and
+    /// [`done`](Peer::done) then fail, and its agent withholds what it offered — it fails
+    /// closed.)
     pub fn load(&self, metadata: &[u8]) -> Result<Peer<'_, 'd, 'id, B>, NixlError> {
         let decoded = self.check(metadata)?;
         let by = std::str::from_utf8(decoded.offered_by)
             .map_err(|_| NixlError::Wire("the offering agent's name is not UTF-8"))?
             .to_owned();
-        let remote = self.remote(&by);
         // The one live Peer of `by`: claimed before anything is loaded, so that a failure
-        // below never touches the metadata of a Peer in use.
-        if remote.live.swap(true, Ordering::AcqRel) {
-            return Err(NixlError::AlreadyLoaded(by));
-        }
-        let loaded = self.load_offer(&decoded, &by, &remote);
-        if let Err(e) = loaded {
-            remote.live.store(false, Ordering::Release);
-            return Err(e);
-        }
+        // below never touches the metadata of a Peer in use. Claimed, released and asked
+        // under the book's lock (see `forget_loaded`).
+        let remote = {
+            let mut book = self.book();
+            let remote = book.remotes.entry(by.clone()).or_default().clone();
+            if remote.live.swap(true, Ordering::AcqRel) {
+                return Err(NixlError::AlreadyLoaded(by));
+            }
+            remote
+        };
+        self.load_offer(&decoded, &by, &remote)?;
         Ok(Peer {
             agent: self,
             name: by,
@@ -283,56 +288,76 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
     }
 
     /// Loads the offer of `by` (whose one live Peer the caller claimed): refused if this agent
-    /// acknowledged it already; what was loaded is invalidated again on a failure.
+    /// acknowledged it already. On a failure, what was loaded is invalidated again and the
+    /// claim released ([`forget_loaded`](Self::forget_loaded)).
     pub(super) fn load_offer(
         &self,
         decoded: &Decoded<'_>,
         by: &str,
         remote: &Remote,
     ) -> Result<(), NixlError> {
+        let fail = |e, other: Option<&str>| {
+            self.forget_loaded(other.into_iter().chain([by]), Some(remote));
+            Err(e)
+        };
         // Each incarnation of `by` numbers its offers afresh.
         remote.instance.store(decoded.instance, Ordering::Release);
         let acked = remote.acked(decoded.instance);
         if decoded.epoch <= acked {
-            return Err(NixlError::Stale {
-                peer: by.to_owned(),
-                epoch: decoded.epoch,
-                acked,
-            });
+            return fail(
+                NixlError::Stale {
+                    peer: by.to_owned(),
+                    epoch: decoded.epoch,
+                    acked,
+                },
+                None,
+            );
         }
-        let name = self.load_md(decoded.conn)?;
-        // What a failure loaded is invalidated again: `by`'s (claimed by the caller), and that
-        // of any other agent the offer's parts named, unless a live Peer of it uses it.
-        let fail = |e, other: &str| {
-            for n in [other, by] {
-                if n == by || !self.is_live(n) {
-                    let _ = self.raw.invalidate_remote_md(n);
-                }
-            }
-            Err(e)
+        let name = match self.load_md(decoded.conn) {
+            Ok(name) => name,
+            // NIXL may keep the connection information of a load that failed after it.
+            Err(e) => return fail(e, None),
         };
         if name != by {
             return fail(
                 NixlError::Wire("its connection information is another agent's"),
-                &name,
+                Some(&name),
             );
         }
         match self.load_md(decoded.md) {
             Ok(again) if again == name => Ok(()),
             Ok(other) => fail(
                 NixlError::Wire("its two parts name different agents"),
-                &other,
+                Some(&other),
             ),
-            Err(e) => fail(e, by),
+            Err(e) => fail(e, None),
         }
     }
 
-    /// A [`Peer`] of the agent `name` is loaded here (no entry is made for an unknown name).
-    fn is_live(&self, name: &str) -> bool {
-        self.book()
-            .remotes
-            .get(name)
-            .is_some_and(|r| r.live.load(Ordering::Acquire))
+    /// Invalidates the metadata of each agent of `names` that has no live [`Peer`] here — or
+    /// whose Peer's claim is `released` (a load that failed, a Peer done), which is let go in
+    /// the same step. Under the book's lock, as every claim and release is: a load that
+    /// finds an agent live left what it loaded before the Peer's own last invalidation
+    /// (which clears it then), and one that finds it not live invalidates what it loaded
+    /// itself; neither can invalidate metadata a Peer claimed after it looked.
+    pub(super) fn forget_loaded<'n>(
+        &self,
+        names: impl IntoIterator<Item = &'n str>,
+        released: Option<&Remote>,
+    ) {
+        let book = self.book();
+        if let Some(remote) = released {
+            remote.live.store(false, Ordering::Release);
+        }
+        for name in names {
+            let live = book
+                .remotes
+                .get(name)
+                .is_some_and(|r| r.live.load(Ordering::Acquire));
+            if !live {
+                let _ = self.raw.invalidate_remote_md(name);
+            }
+        }
     }
 
     /// NIXL's `loadRemoteMD`: the agent the metadata names. nixl-sys panics on a name that is
@@ -347,15 +372,6 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
                 "NIXL's metadata names an agent that is not UTF-8",
             )),
         }
-    }
-
-    /// What this agent knows of the remote agent `name`.
-    pub(super) fn remote(&self, name: &str) -> Arc<Remote> {
-        self.book()
-            .remotes
-            .entry(name.to_owned())
-            .or_default()
-            .clone()
     }
 
     /// Takes the notifications received so far (acknowledgements of [`Peer::done`] are kept

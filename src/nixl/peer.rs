@@ -86,10 +86,8 @@ impl<B: Backend> Peer<'_, '_, '_, B> {
         }
         let again = self.agent.load_md(decoded.md)?;
         if again != self.name {
-            // Not this peer's: its descriptors go again (no Peer of that agent is in use).
-            if !self.agent.remote(&again).live.load(Ordering::Acquire) {
-                let _ = self.agent.raw.invalidate_remote_md(&again);
-            }
+            // Not this peer's: its descriptors go again (unless a Peer of that agent is live).
+            self.agent.forget_loaded([again.as_str()], None);
             return Err(NixlError::Wire("its descriptors are another agent's"));
         }
         self.epoch = decoded.epoch;
@@ -111,8 +109,10 @@ impl<B: Backend> Peer<'_, '_, '_, B> {
         *last = (*last).max(self.epoch);
         drop(acked);
         let acknowledged = self.acknowledge();
-        // The name may be loaded afresh from now on (its metadata is invalidated).
-        self.remote.live.store(false, Ordering::Release);
+        // Sent or not, the metadata goes (connection included) and the name may be loaded
+        // afresh from now on: one step under the book's lock.
+        self.agent
+            .forget_loaded([self.name.as_str()], Some(&self.remote));
         acknowledged
     }
 
@@ -131,9 +131,8 @@ impl<B: Backend> Peer<'_, '_, '_, B> {
             .into_iter()
             .try_for_each(|part| self.agent.load_md(part).map(drop))
             .and_then(|()| self.send_acknowledgement());
-        // Sent or not, the connection goes too, so that an agent of the name (this one or a
-        // new incarnation) can be loaded afresh.
-        let _ = raw.invalidate_remote_md(&self.name);
+        // The caller invalidates the metadata again, connection included, sent or not, so
+        // that an agent of the name (this one or a new incarnation) can be loaded afresh.
         sent
     }
 

@@ -9,27 +9,30 @@ use std::time::Duration;
 
 const LEN: usize = 64 << 10;
 
-/// `offer` with its connection information (`conn`) or else its regions' descriptors taken
-/// from `other`, another agent's offer to the same loader.
-fn spliced(offer: &PeerMetadata, other: &PeerMetadata, conn: bool) -> Vec<u8> {
-    let (a, b) = (
-        nixl_wire::decode(offer.as_bytes()).unwrap(),
-        nixl_wire::decode(other.as_bytes()).unwrap(),
-    );
-    let (c, md) = if conn { (b.conn, a.md) } else { (a.conn, b.md) };
+/// `offer` with its connection information or its regions' descriptors replaced by `conn` or
+/// `md` (another agent's).
+fn spliced(offer: &PeerMetadata, conn: Option<&[u8]>, md: Option<&[u8]>) -> Vec<u8> {
+    let a = nixl_wire::decode(offer.as_bytes()).unwrap();
     nixl_wire::encode(
         [a.epoch, a.instance, a.for_instance, a.mailbox],
         &a.regions,
-        [a.offered_to, a.offered_by, c, md, a.mailbox_md],
+        [
+            a.offered_to,
+            a.offered_by,
+            conn.unwrap_or(a.conn),
+            md.unwrap_or(a.md),
+            a.mailbox_md,
+        ],
     )
 }
 
 /// An offer of `by` whose connection information or descriptors are a third agent's is
 /// refused, and what its load put in NIXL is invalidated again — unless a live `Peer` of the
-/// third agent uses it: then it stays, and the `Peer` still transfers. (Descriptors of an agent
-/// whose connection information is not loaded are refused by NIXL itself, `NotFound`: only a
-/// live Peer's agent can have them loaded by a spliced offer.) Fails if a refused load leaves
-/// any agent's metadata loaded, or invalidates a live Peer's.
+/// third agent uses it: then it stays, and the `Peer` still transfers. The third agent's part
+/// is its offer's (descriptors without connection information, which NIXL itself refuses,
+/// `NotFound`, while the agent's connection is not loaded) or its whole metadata (which loads).
+/// Fails if a refused load leaves any agent's metadata loaded (the whole-metadata case, found
+/// by review, did), or invalidates a live Peer's.
 #[test]
 fn a_refused_load_leaves_loaded_only_what_a_live_peer_uses()
 -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -43,33 +46,33 @@ fn a_refused_load_leaves_loaded_only_what_a_live_peer_uses()
     let mut theirs = third.register(binding.reserve(LEN)?.commit()?)?;
     let offer = by.offer(&loader.id(), &mut [&mut offered])?;
     let other = third.offer(&loader.id(), &mut [&mut theirs])?;
+    let other = nixl_wire::decode(other.as_bytes()).unwrap();
+    let whole = third.raw.get_local_md()?;
     let loaded = |name| loader.raw.check_remote_metadata(name, None);
-    let refused = |conn| match loader.load(&spliced(&offer, &other, conn)) {
+    let refused = |conn, md| match loader.load(&spliced(&offer, conn, md)) {
         Err(e) => e,
-        Ok(_) => panic!("a spliced offer (conn: {conn}) loaded"),
+        Ok(_) => panic!("a spliced offer loaded"),
     };
-    let e = refused(true);
-    assert!(
-        matches!(
-            e,
-            NixlError::Wire("its connection information is another agent's")
-        ),
-        "{e}"
-    );
+    let another_conn = "its connection information is another agent's";
+    let two_agents = "its two parts name different agents";
+
+    let e = refused(Some(other.conn), None);
+    assert!(matches!(e, NixlError::Wire(w) if w == another_conn), "{e}");
     assert!(!loaded("by-u") && !loaded("third-u"), "conn part");
-    let e = refused(false);
+    let e = refused(None, Some(other.md));
     assert!(matches!(e, NixlError::Engine { .. }), "{e}");
     assert!(!loaded("by-u") && !loaded("third-u"), "descriptors");
+    let e = refused(None, Some(&whole));
+    assert!(matches!(e, NixlError::Wire(w) if w == two_agents), "{e}");
+    assert!(!loaded("by-u") && !loaded("third-u"), "whole metadata");
 
-    let peer = loader.load(other.as_bytes())?;
-    let e = refused(true);
-    assert!(matches!(e, NixlError::Wire(_)), "{e}");
+    let other_offer = third.offer(&loader.id(), &mut [&mut theirs])?;
+    let peer = loader.load(other_offer.as_bytes())?;
+    let e = refused(Some(other.conn), None);
+    assert!(matches!(e, NixlError::Wire(w) if w == another_conn), "{e}");
     assert!(loaded("third-u") && !loaded("by-u"), "conn part, live");
-    let e = refused(false);
-    assert!(
-        matches!(e, NixlError::Wire("its two parts name different agents")),
-        "{e}"
-    );
+    let e = refused(None, Some(other.md));
+    assert!(matches!(e, NixlError::Wire(w) if w == two_agents), "{e}");
     assert!(loaded("third-u") && !loaded("by-u"), "descriptors, live");
     let source = loader.register(binding.reserve(LEN)?.commit()?)?;
     loader

@@ -382,7 +382,7 @@ fn a_failed_block_transfer_never_hands_its_table_back()
         return parked_target(socket, "target-kv", BIG * PLANES * BLOCKS);
     }
     tcp_initiator!(device, binding, initiator, "initiator-kv");
-    let (mut child, offer) = offer_of_a_parked_target(TEST, &initiator);
+    let (child, offer) = offer_of_a_parked_target(TEST, &initiator);
     let peer = initiator.load(&offer)?;
     make_guard!(cache_guard);
     let cache = KvCache::new(
@@ -401,12 +401,12 @@ fn a_failed_block_transfer_never_hands_its_table_back()
         .map(|i| peer.range(0, i * BIG, BIG))
         .collect::<Result<Vec<_>, _>>()?;
     let positions: Vec<usize> = (0..BLOCKS).collect();
-    stop(&child);
+    let mut child = stop(child);
     let mut read = initiator
         .read_blocks(&registered, table, &positions, &peer, &remote, None)
         .map_err(memtoken::Error::from)?;
-    child.kill()?;
-    child.wait()?;
+    child.0.kill()?;
+    child.0.wait()?;
     let mut polled = Ok(false);
     for _ in 0..POLLS {
         polled = read.poll();

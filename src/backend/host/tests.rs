@@ -330,3 +330,26 @@ fn a_reservation_past_the_address_space_is_exhausted() {
     let addr = host.reserve(4 * page).unwrap();
     host.free(addr, 4 * page).unwrap();
 }
+
+/// Kills `keep_for_good` emptied (a mutant of the NIXL run: memory exposed to a transfer
+/// engine's peer that never said it was done is kept for good through it): a range kept for
+/// good is never freed, and the backend's drop leaves it mapped — whatever a late peer writes
+/// there lands in memory this process still owns. Fails if the range can be freed.
+#[test]
+#[cfg_attr(miri, ignore = "raw mmap and msync, which Miri lacks")]
+fn a_range_kept_for_good_is_never_freed_nor_unmapped() {
+    let host = HostBackend::with_defaults().unwrap();
+    let g = host.granularity();
+    let kept = host.reserve(g).unwrap();
+    host.keep_for_good(kept, g);
+    let e = host.free(kept, g).expect_err("kept for good");
+    assert!(
+        matches!(e.cause, Cause::Violation(Violation::Poisoned { .. })),
+        "{e}"
+    );
+    drop(host);
+    assert!(
+        any_mapped(kept, g),
+        "the drop unmapped a range kept for good"
+    );
+}

@@ -45,7 +45,8 @@ fn in_block(kv: usize, offset: usize) -> usize {
 
 /// Attention of one query head over `len` tokens whose K and V `kv(t)` gives: softmax of the
 /// scaled dot products, then the weighted sum of V — in the same order for both callers, so
-/// equal inputs give equal bits.
+/// equal inputs give equal bits (under Miri with `-Zmiri-no-extra-rounding-error`, as
+/// `scripts/miri-all` runs it: Miri otherwise adds a random rounding error to each `exp`).
 fn attend(
     q: &[f32; HEAD_SIZE],
     len: usize,

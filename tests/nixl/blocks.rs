@@ -110,6 +110,7 @@ fn blocks_written_by_id_into_an_offered_table_are_read_only_after_the_proof()
         .offer_table(&prefill.id(), offered_table)
         .map_err(memtoken::Error::from)?;
     assert_eq!(offered.len(), 6);
+    assert!(!offered.is_empty());
     assert_eq!(decode_cache.lent_blocks(), 6);
     let peer = prefill.load(offer.as_bytes())?;
     assert_eq!(
@@ -368,21 +369,34 @@ fn an_offered_table_dropped_before_the_proof_is_withheld()
     Ok(())
 }
 
+/// How a test lets a failed block transfer end.
+#[derive(Clone, Copy, Debug)]
+enum End {
+    /// Polled until the failure shows, then `wait` (which hands no table back).
+    PollThenWait,
+    /// Polled until the failure shows, then dropped.
+    PollThenDrop,
+    /// `wait` alone: it sees the failure itself.
+    Wait,
+    /// Dropped in flight: the drop's wait sees the failure.
+    Drop,
+}
+
 /// A READ into a table's blocks from a peer stopped before the post and killed after it (so
-/// the READ cannot finish first) fails: the table is never
-/// handed back, its blocks stay lent (withheld), the cache does not sleep, and the peer cannot
-/// say it is done.
-#[test]
-fn a_failed_block_transfer_never_hands_its_table_back()
--> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    const TEST: &str = "blocks::a_failed_block_transfer_never_hands_its_table_back";
+/// the READ cannot finish first) fails, however it ends (`end`): the table is never handed
+/// back, its blocks stay lent (withheld), the cache does not sleep, and the peer cannot say it
+/// is done. `test` is the calling test's name (its child runs the peer).
+fn a_failed_block_read_ends(
+    test: &str,
+    end: End,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     const BIG: usize = 256 << 10;
     const BLOCKS: usize = 64;
     if let Some(socket) = parent() {
         return parked_target(socket, "target-kv", BIG * PLANES * BLOCKS);
     }
     tcp_initiator!(device, binding, initiator, "initiator-kv");
-    let (child, offer) = offer_of_a_parked_target(TEST, &initiator);
+    let (child, offer) = offer_of_a_parked_target(test, &initiator);
     let peer = initiator.load(&offer)?;
     make_guard!(cache_guard);
     let cache = KvCache::new(
@@ -407,28 +421,77 @@ fn a_failed_block_transfer_never_hands_its_table_back()
         .map_err(memtoken::Error::from)?;
     child.0.kill()?;
     child.0.wait()?;
-    let mut polled = Ok(false);
-    for _ in 0..POLLS {
-        polled = read.poll();
-        if !matches!(polled, Ok(false)) {
-            break;
+    if matches!(end, End::PollThenWait | End::PollThenDrop) {
+        let mut polled = Ok(false);
+        for _ in 0..POLLS {
+            polled = read.poll();
+            if !matches!(polled, Ok(false)) {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(1));
         }
-        std::thread::sleep(std::time::Duration::from_millis(1));
+        assert!(polled.is_err(), "the READ did not fail: {polled:?}");
     }
-    assert!(polled.is_err(), "the READ did not fail: {polled:?}");
-    assert!(
-        read.wait(DROP_WAIT).is_err(),
-        "a wait after a failed poll hands no table back"
-    );
+    match end {
+        End::PollThenWait | End::Wait => assert!(
+            read.wait(DROP_WAIT).is_err(),
+            "a wait of a failed READ hands no table back ({end:?})"
+        ),
+        End::PollThenDrop | End::Drop => drop(read),
+    }
     assert_eq!(
         cache.lent_blocks(),
         BLOCKS,
-        "the table's blocks are withheld"
+        "the table's blocks are withheld ({end:?})"
     );
     assert!(matches!(cache.sleep(), Err(KvError::Lent { .. })));
     assert!(registered.is_poisoned());
     assert!(matches!(peer.done(), Err(NixlError::Tainted(_))));
     Ok(())
+}
+
+/// [`a_failed_block_read_ends`], polled until it fails, then waited for.
+#[test]
+fn a_failed_block_transfer_never_hands_its_table_back()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    a_failed_block_read_ends(
+        "blocks::a_failed_block_transfer_never_hands_its_table_back",
+        End::PollThenWait,
+    )
+}
+
+/// [`a_failed_block_read_ends`], polled until it fails, then dropped. Fails if the poll does
+/// not remember the failure (the drop handed the table back to the cache: a mutant of the NIXL
+/// run, `|=` → `&=` in `BlockTransfer::poll`).
+#[test]
+fn a_block_transfer_dropped_after_a_failed_poll_keeps_its_table()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    a_failed_block_read_ends(
+        "blocks::a_block_transfer_dropped_after_a_failed_poll_keeps_its_table",
+        End::PollThenDrop,
+    )
+}
+
+/// [`a_failed_block_read_ends`], waited for alone. Fails if the wait does not remember the
+/// failure it saw (`|=` → `&=` in `BlockTransfer::wait`).
+#[test]
+fn a_block_transfer_whose_wait_fails_keeps_its_table()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    a_failed_block_read_ends(
+        "blocks::a_block_transfer_whose_wait_fails_keeps_its_table",
+        End::Wait,
+    )
+}
+
+/// [`a_failed_block_read_ends`], dropped in flight. Fails if the drop does not remember the
+/// failure its wait saw (`|=` → `&=` in `BlockTransfer`'s drop).
+#[test]
+fn a_block_transfer_dropped_in_flight_after_its_peer_died_keeps_its_table()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    a_failed_block_read_ends(
+        "blocks::a_block_transfer_dropped_in_flight_after_its_peer_died_keeps_its_table",
+        End::Drop,
+    )
 }
 
 /// From the review: a registered cache poisoned by a transfer that did not finish still lets a

@@ -207,6 +207,45 @@ fn blocks_read_by_id_land_only_in_blocks_the_table_owns()
     assert_eq!(into.len(), 4, "handed back whole");
     assert_eq!(decode_cache.lent_blocks(), 0, "nothing lent by a refusal");
     drop(fork);
+    // A position past the table's end is refused by name (not asked whether it is shared: an
+    // index past the end), and a post refused before anything is posted (a notification that
+    // poses as the acknowledgement) hands the table back whole, nothing withheld.
+    let refused = decode
+        .read_blocks(&registered, into, &[4], &peer, &remote[..PLANES], None)
+        .expect_err("no block at position 4");
+    assert!(
+        matches!(
+            refused.cause,
+            NixlError::Position {
+                position: 4,
+                blocks: 4
+            }
+        ),
+        "{:?}",
+        refused.cause
+    );
+    let refused = decode
+        .read_blocks(
+            &registered,
+            refused.into_token(),
+            &positions,
+            &peer,
+            &remote,
+            Some(b"memtoken/done/1"),
+        )
+        .expect_err("a notification that poses as the acknowledgement");
+    assert!(
+        matches!(refused.cause, NixlError::Reserved),
+        "{:?}",
+        refused.cause
+    );
+    let into = refused.into_token();
+    assert_eq!(into.len(), 4, "handed back whole after a refused post");
+    assert_eq!(
+        decode_cache.lent_blocks(),
+        0,
+        "nothing withheld by a refused post"
+    );
 
     let into = decode
         .read_blocks(&registered, into, &positions, &peer, &remote, None)

@@ -158,6 +158,10 @@ fn a_read_pulls_a_peers_memory_byte_for_byte()
     let offer = prefill.offer(&decode.id(), &mut [&mut offered])?;
 
     let peer = decode.load(offer.as_bytes())?;
+    assert_eq!(
+        format!("{peer:?}"),
+        r#"Peer { name: "prefill-r", epoch: 1, regions: 1 }"#
+    );
     let mut into = decode.register(db.reserve(LEN)?.commit()?)?;
     let read = decode.read(
         &mut into,

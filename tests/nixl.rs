@@ -702,6 +702,32 @@ fn an_offer_acknowledged_cannot_be_loaded_again()
     Ok(())
 }
 
+/// A transfer dropped without a wait, which finishes within the drop's wait, leaves nothing
+/// poisoned: the registration lends its token, and the peer can say it is done. Fails if the
+/// drop takes a transfer that finished for one that did not (the NIXL run's `delete !` in
+/// `Transfer::wait_in_drop`).
+#[test]
+fn a_transfer_dropped_unwaited_that_finishes_poisons_nothing()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    two_sides!(pd, pb, prefill, dd, db, decode, "w");
+    let mut target = decode.register(db.reserve(LEN)?.commit()?)?;
+    let offer = decode.offer(&prefill.id(), &mut [&mut target])?;
+    let peer = prefill.load(offer.as_bytes())?;
+    let source = prefill.register(pb.reserve(LEN)?.commit()?)?;
+    drop(prefill.write(&source, &[(0, 64)], &peer, &[peer.range(0, 0, 64)?], None)?);
+    assert!(
+        !source.is_poisoned(),
+        "a finished WRITE poisoned its memory"
+    );
+    peer.done()?;
+    wait_until(|| target.token().is_ok());
+    drop((target.release()?, source.release()?));
+    drop((pb, db));
+    drop((prefill, decode));
+    assert!(dd.close().is_clean());
+    Ok(())
+}
+
 /// A notification cannot pose as the acknowledgement (the review's break: a WRITE whose
 /// notification read `memtoken/done/1` made the target lend its bytes while the writer still
 /// held its metadata); an offer names the agent it is for.

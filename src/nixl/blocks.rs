@@ -174,8 +174,6 @@ pub struct BlockTransfer<'t, 'p, 'c, 'b, 'id, B: Backend> {
     table: Option<BlockTable<'p, 'c, 'b, 'id, B>>,
     /// The blocks it lent (the table's).
     lent: usize,
-    /// It failed or timed out: the engine may still touch the table's blocks.
-    failed: bool,
     /// Its blocks are lent (until seen complete: a forgotten one stays lent, and the cache
     /// then withholds its planes).
     counted: bool,
@@ -194,16 +192,16 @@ impl<'p, 'c, 'b, 'id, B: Backend> BlockTransfer<'_, 'p, 'c, 'b, 'id, B> {
     /// NIXL's error: the transfer failed (the blocks are withheld as it drops).
     pub fn poll(&mut self) -> Result<bool, NixlError> {
         let polled = self.transfer.poll();
-        self.failed |= polled.is_err();
         if matches!(polled, Ok(true)) {
             self.completed();
         }
         polled
     }
 
-    /// Seen complete: its blocks are no longer lent.
+    /// Seen complete (never after a failure: the transfer's own flag, which every failure
+    /// sets, is checked first): its blocks are no longer lent.
     fn completed(&mut self) {
-        if !self.failed && std::mem::take(&mut self.counted) {
+        if std::mem::take(&mut self.counted) {
             self.cache.unlend(self.lent);
         }
     }
@@ -214,11 +212,8 @@ impl<'p, 'c, 'b, 'id, B: Backend> BlockTransfer<'_, 'p, 'c, 'b, 'id, B> {
     ///
     /// NIXL's error, or [`NixlError::TimedOut`]: the table's blocks are withheld for good.
     pub fn wait(mut self, limit: Duration) -> Result<BlockTable<'p, 'c, 'b, 'id, B>, NixlError> {
-        let finished = self.transfer.finish_within(limit);
-        self.failed |= finished.is_err();
-        if !finished? {
+        if !self.transfer.finish_within(limit)? {
             self.transfer.give_up(true);
-            self.failed = true;
             return Err(NixlError::TimedOut(limit));
         }
         self.completed();
@@ -229,9 +224,12 @@ impl<'p, 'c, 'b, 'id, B: Backend> BlockTransfer<'_, 'p, 'c, 'b, 'id, B> {
 impl<B: Backend> Drop for BlockTransfer<'_, '_, '_, '_, '_, B> {
     fn drop(&mut self) {
         if !self.transfer.done {
-            self.failed |= self.transfer.wait_in_drop().is_err();
+            // A failure is in the transfer's flag, read below.
+            let _ = self.transfer.wait_in_drop();
         }
-        if self.failed {
+        // It failed or timed out (every failure gives the transfer up, which sets its flag):
+        // the engine may still touch the table's blocks.
+        if self.transfer.failed {
             if let Some(table) = self.table.take() {
                 self.cache
                     .withhold(table, "an unfinished transfer".to_owned());
@@ -511,7 +509,6 @@ impl<'d, 'id, B: Backend> Agent<'d, 'id, B> {
                 cache,
                 table: Some(table),
                 lent,
-                failed: false,
                 counted: true,
             }),
             Err(cause) if registered.marks.in_flight.load(Ordering::Acquire) > posts => {

@@ -480,3 +480,57 @@ impl<K: HandleKind, B: Exportable<K>> Exportable<K> for Faulty<B> {
         Ok(phys)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cuda::CudaBackend;
+    use crate::backend::doubles::{DriverModel, ModelConfig, ModelOutstanding};
+    use crate::backend::{HostBackend, Violation};
+
+    /// Memory a placing backend (the CUDA plain mechanism) put elsewhere, released before its
+    /// reservation's free, is counted once: the release takes it out of the placements, so
+    /// the free does not count it off again. Fails if `release` leaves the placement (the
+    /// free would take a second allocation off, wrapping the counts).
+    #[test]
+    fn placed_memory_released_before_its_free_is_counted_off_once() {
+        let model = DriverModel::new(ModelConfig {
+            vmm: false,
+            ..ModelConfig::default()
+        })
+        .unwrap();
+        let faulty = Faulty::new(CudaBackend::new_plain(model.clone(), 0).unwrap());
+        let faults = faulty.handle();
+        let g = faulty.granularity();
+        let reserved = faulty.reserve(g).unwrap();
+        let phys = faulty.create(g).unwrap();
+        faulty.map(reserved, g, phys, Access::ReadWrite).unwrap();
+        let placed = faulty.placed(reserved, phys);
+        assert_ne!(placed, reserved, "the plain mechanism places memory");
+        faulty.release(phys, g).unwrap();
+        assert_eq!(faults.outstanding().physical, 0, "released");
+        faulty.unmap(placed, g).unwrap();
+        faulty.free(placed, g).unwrap();
+        assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+        drop(faulty); // its context's retain
+        assert_eq!(model.outstanding(), ModelOutstanding::default());
+    }
+
+    /// `keep_for_good` reaches the wrapped backend (the host then refuses to free the range)
+    /// and is counted as a call of any kind. Fails if the wrapper drops it.
+    #[test]
+    fn keep_for_good_is_forwarded_and_counted() {
+        let faulty = Faulty::new(HostBackend::with_defaults().unwrap());
+        let faults = faulty.handle();
+        let g = faulty.granularity();
+        let kept = faulty.reserve(g).unwrap();
+        let calls = faults.any_calls();
+        faulty.keep_for_good(kept, g);
+        assert_eq!(faults.any_calls(), calls + 1, "counted");
+        let e = faulty.free(kept, g).expect_err("kept for good");
+        assert!(
+            matches!(e.cause, Cause::Violation(Violation::Poisoned { .. })),
+            "{e}"
+        );
+    }
+}

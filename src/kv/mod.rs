@@ -57,6 +57,8 @@ mod prefix;
 mod share;
 mod sleep;
 mod table;
+#[cfg(all(test, feature = "test-hooks"))]
+mod tests;
 
 pub use error::KvError;
 pub use graph::KvPlanes;

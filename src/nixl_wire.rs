@@ -508,4 +508,17 @@ mod tests {
             assert!(refused.is_err(), "{count} regions decoded");
         }
     }
+
+    /// An offer of more regions than a region's record has bytes (a KV cache registers a
+    /// region per plane: 64 layers' K and V are 128) decodes whole: the bound on the count is
+    /// what the bytes hold, not less. Fails if the bound is the bytes' remainder past whole
+    /// records (which the test above cannot tell apart where the two happen to be equal).
+    #[test]
+    fn an_offer_of_many_regions_decodes_whole() {
+        let regions: Vec<Region> = (0..128)
+            .map(|i| region(0x1000_0000 + (i << 20), 1 << 20, MemKind::Vram, 0))
+            .collect();
+        let bytes = encode([1, 2, 3, 4], &regions, PARTS);
+        assert_eq!(decode(&bytes).map(|d| d.regions), Ok(regions));
+    }
 }

@@ -862,3 +862,19 @@ fn a_make_that_fails_on_an_active_mechanism_is_the_error() {
     );
     assert_eq!(makes, 1);
 }
+
+/// A mechanism's id, displayed (as errors name it), says which it is: its slot, the slot's
+/// generation, and its registry. Fails if the id displays as nothing.
+#[test]
+fn a_mechanism_id_displays_its_slot_generation_and_registry() {
+    let (_registry, [a, b]) = selected_first(["a", "b"]);
+    let (a_said, b_said) = (a.to_string(), b.to_string());
+    assert!(a_said.starts_with("mechanism 0#1 of registry "), "{a_said}");
+    assert!(b_said.starts_with("mechanism 1#1 of registry "), "{b_said}");
+    let (_, [other]) = selected_first(["a"]);
+    assert_ne!(
+        other.to_string(),
+        a_said,
+        "another registry's first mechanism"
+    );
+}

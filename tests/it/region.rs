@@ -758,6 +758,42 @@ fn on_cuda_a_shrink_into_the_tail_neither_unmaps_nor_waits_for_a_kernel() {
     assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
 }
 
+/// A tail left over its cap (the cap lowered while a kernel may still read the tail, so
+/// nothing could be unmapped then) is cut to the cap by the next shrink, and the device's
+/// ledger of tail bytes follows: the granules that left the tail are refunded. Fails if the
+/// shrink's count of what its tail keeps grows with what it unmapped (the ledger would go on
+/// charging the unmapped granules as tail).
+#[test]
+fn a_shrink_cuts_a_tail_left_over_its_lowered_cap_and_refunds_it() {
+    let model = common::held_fences();
+    setup!(CudaBackend::new(model.clone(), 0).unwrap(), device, faults);
+    let g = device.granularity();
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut region = binding.reserve(4 * g).unwrap().into_region();
+    region.set_tail_cap(3).unwrap();
+    let mut region = region.grown(4);
+    region.shrink(3).expect("into the tail");
+    assert_eq!(device.tail_bytes(), 3 * g as u64);
+    model.submit_work(); // a kernel may still read the tail
+    assert!(
+        matches!(region.set_tail_cap(1), Err(ShrinkError::Pending)),
+        "nothing is unmapped under the kernel"
+    );
+    assert_eq!((region.tail_granules(), region.tail_cap()), (3, 1));
+    model.complete_work();
+    region.shrink(1).expect("the kernel is done");
+    assert_eq!(
+        (region.committed_granules(), region.tail_granules()),
+        (0, 1)
+    );
+    assert_eq!(device.tail_bytes(), g as u64, "two granules left the tail");
+    drop(region);
+    assert_eq!(device.tail_bytes(), 0);
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+}
+
 /// A suspend gives the mapped tail back with the rest (nothing stays mapped or charged while
 /// asleep), and the region resumes with its tail cap.
 #[test]

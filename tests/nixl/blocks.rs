@@ -126,6 +126,13 @@ fn blocks_written_by_id_into_an_offered_table_are_read_only_after_the_proof()
     let mut table = scattered(&prefill_cache, 6)?;
     fill_table(&mut table, 5)?;
     let registered = prefill.register_cache(&prefill_cache)?;
+    assert_eq!(
+        format!("{registered:?}"),
+        format!(
+            "RegisteredCache {{ groups: {}, poisoned: false }}",
+            registered.registered_groups()
+        )
+    );
     let positions: Vec<usize> = (0..6).collect();
     let write = prefill
         .write_blocks(

@@ -155,6 +155,7 @@ fn a_read_pulls_a_peers_memory_byte_for_byte()
     let mut kv = pb.reserve(LEN)?.commit()?;
     fill(kv.as_mut_slice(), 9);
     let mut offered = prefill.register(kv)?;
+    assert_eq!((offered.len(), offered.is_empty()), (LEN, false));
     let offer = prefill.offer(&decode.id(), &mut [&mut offered])?;
 
     let peer = decode.load(offer.as_bytes())?;

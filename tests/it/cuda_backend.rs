@@ -4,7 +4,7 @@
 
 use crate::common::Grown;
 use crate::common::{self, assert_no_cause_repeated};
-use memtoken::backend::{Access, Backend, Cause, doubles::Faulty};
+use memtoken::backend::{Access, Backend, BackendError, Cause, Op, doubles::Faulty};
 use memtoken::backend::{
     cuda::{CuError, CudaBackend, CudaPhys, Driver, DriverCall},
     doubles::{DriverModel, ModelConfig, ModelOutstanding},
@@ -146,6 +146,7 @@ fn no_driver_call_follows_device_loss() {
     let device = Device::new(guard, common::cuda(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     let committed = binding.reserve(G).unwrap().commit().unwrap();
+    let at = committed.addr();
     let reserved = binding.reserve(G).unwrap();
     let prefix = binding.reserve(G).unwrap().commit_prefix().unwrap();
     let shared = binding.reserve(G).unwrap().map_prefix(&prefix).unwrap();
@@ -179,8 +180,10 @@ fn no_driver_call_follows_device_loss() {
     device.poll();
     device.retry_quarantine();
     let err = quarantined.retry().unwrap_err();
+    // Named by the call its teardown would make first: the unmap of all it maps.
     assert!(
-        matches!(&err.cause, ReleaseFailure::Backend(b) if b.cause == Cause::ContextLost),
+        matches!(&err.cause, ReleaseFailure::Backend(b)
+            if **b == BackendError::new(Op::Unmap, at, G, Cause::ContextLost)),
         "{:?}",
         err.cause
     );

@@ -1084,7 +1084,16 @@ fn views_on_two_streams_are_ordered_per_memory() {
         unsafe { model.event_query(event) }.unwrap()
     };
     // A write on `a`, then a read on `b`: `b` waits for it.
-    let ptr = x.stream_view_mut::<u8>(a).unwrap().device_ptr_mut();
+    let ptr = {
+        let mut view = x.stream_view_mut::<u8>(a).unwrap();
+        let said = format!("{view:?}");
+        assert!(
+            said.starts_with("StreamViewMut(StreamView { ptr: 0x")
+                && said.ends_with(&format!("len: {G}, stream: {a:#x}, in_capture: false }})")),
+            "{said}"
+        );
+        view.device_ptr_mut()
+    };
     let wrote = kernel(&model, a, ptr);
     let ptr = x.stream_view::<u8>(b).unwrap().device_ptr();
     let read_b = kernel(&model, b, ptr);

@@ -145,6 +145,14 @@ fn blocks_written_by_id_into_an_offered_table_are_read_only_after_the_proof()
         )
         .map_err(memtoken::Error::from)?;
     assert_eq!(write.bytes(), 6 * PLANES * BLOCK);
+    let said = format!("{write:?}");
+    assert!(
+        said.starts_with(&format!(
+            "BlockTransfer {{ transfer: Transfer {{ bytes: {}, done: ",
+            6 * PLANES * BLOCK
+        )),
+        "{said}"
+    );
     assert_eq!(
         prefill_cache.lent_blocks(),
         6,
@@ -178,6 +186,54 @@ fn blocks_written_by_id_into_an_offered_table_are_read_only_after_the_proof()
     drop((prefill, decode));
     assert!(pd.close().is_clean());
     assert!(dd.close().is_clean());
+    Ok(())
+}
+
+/// Each offered table is its own offer: a table offered to a peer after the peer loaded an
+/// earlier one stays offered when the peer says it is done with what it loaded, and the
+/// earlier table comes back. An offer of no blocks exposes nothing. Fails if two offers share an id
+/// (the later offer's record replaced the earlier's, and the earlier never came back).
+#[test]
+fn a_table_offered_after_the_peer_loaded_another_is_its_own_offer()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    two_sides!(pd, pb, prefill, dd, db, decode, "ids");
+    cache!(decode_cache, db, 12);
+    let (first, offer) = decode
+        .offer_table(&prefill.id(), scattered(&decode_cache, 2)?)
+        .map_err(memtoken::Error::from)?;
+    let peer = prefill.load(offer.as_bytes())?;
+    let (later, _never_loaded) = decode
+        .offer_table(&prefill.id(), scattered(&decode_cache, 1)?)
+        .map_err(memtoken::Error::from)?;
+    // An offer of no blocks exposes nothing: it comes back at once.
+    let (empty, _) = decode
+        .offer_table(&prefill.id(), decode_cache.table())
+        .map_err(memtoken::Error::from)?;
+    assert_eq!((empty.len(), empty.is_empty()), (0, true));
+    assert!(!later.is_empty());
+    let empty = empty
+        .take_back()
+        .map_err(|e| memtoken::Error::from(e.cause))?;
+    peer.done()?;
+    let back = taken_back(first);
+    assert_eq!(back.len(), 2);
+    let later = match later.take_back() {
+        Err(e) => {
+            assert!(
+                matches!(&e.cause, NixlError::Exposed { peers, .. } if peers == &["prefill-ids"]),
+                "{:?}",
+                e.cause
+            );
+            e.token
+        }
+        Ok(_) => panic!("a table came back before its peer loaded its offer"),
+    };
+    drop((later, back, empty)); // the later offer is withheld: its peer never said it was done
+    drop(decode_cache);
+    drop((pb, db));
+    drop((prefill, decode));
+    assert!(pd.close().is_clean());
+    drop(dd);
     Ok(())
 }
 

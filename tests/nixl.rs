@@ -612,6 +612,36 @@ fn a_forgotten_transfer_keeps_its_memory_withheld()
     Ok(())
 }
 
+/// A wait whose limit passes before the READ is done says so (`TimedOut`), and leaves what a
+/// failed transfer leaves: the registration poisoned, its release withheld, the peer unable to
+/// acknowledge. Fails if the wait returns `Ok` without waiting.
+#[test]
+fn a_wait_whose_limit_passes_first_times_out_and_withholds()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    const BIG: usize = 64 << 20;
+    two_sides_over_tcp!(pd, pb, prefill, dd, db, decode, "w");
+    let mut offered = prefill.register(pb.reserve(BIG)?.commit()?)?;
+    let offer = prefill.offer(&decode.id(), &mut [&mut offered])?;
+    let peer = decode.load(offer.as_bytes())?;
+    let mut into = decode.register(db.reserve(BIG)?.commit()?)?;
+    let read = decode.read(
+        &mut into,
+        &[(0, BIG)],
+        &peer,
+        &[peer.range(0, 0, BIG)?],
+        None,
+    )?;
+    // 64 MiB over TCP are not moved in the few polls a zero limit allows.
+    let waited = read.wait(std::time::Duration::ZERO);
+    assert!(matches!(waited, Err(NixlError::TimedOut(_))), "{waited:?}");
+    assert!(into.is_poisoned());
+    assert!(matches!(peer.done(), Err(NixlError::Tainted(_))));
+    let e = into.release().expect_err("withheld");
+    assert!(e.to_string().contains("unfinished"), "{e}");
+    std::thread::sleep(std::time::Duration::from_millis(200)); // let the leaked READ land
+    Ok(())
+}
+
 /// A block READ forgotten in flight, then its registered cache and the cache dropped: its
 /// blocks stay lent (the cache does not sleep) and the cache withholds its planes for good (the
 /// review's break of the page pool's: its memory was unmapped under the engine, and the

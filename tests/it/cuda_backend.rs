@@ -958,6 +958,31 @@ fn a_copy_is_not_held_back_by_the_stuck_mappings_beside_it() {
     }
 }
 
+/// A copy within device memory whose ranges overlap is refused, whichever comes first
+/// (`cuMemcpyDtoD` of overlapping ranges is undefined), and one whose ranges only touch is
+/// made. Fails if either half of the overlap check is lost.
+#[test]
+fn a_copy_within_device_memory_refuses_overlapping_ranges_either_way() {
+    use memtoken::backend::Violation;
+    let model = common::small_model();
+    let backend = CudaBackend::new(model.clone(), 0).unwrap();
+    let a = backend.reserve(2 * G).unwrap();
+    let p = backend.create(2 * G).unwrap();
+    backend.map(a, 2 * G, p, Access::ReadWrite).unwrap();
+    for (dst, src) in [(a + G / 2, a), (a, a + G / 2)] {
+        let e = backend.copy_within(dst, src, G).unwrap_err();
+        assert!(
+            matches!(e.cause, Cause::Violation(Violation::OverlappingCopy { .. })),
+            "{e}"
+        );
+    }
+    backend.copy_within(a + G, a, G).expect("they only touch");
+    backend.copy_within(a, a + G, G).expect("they only touch");
+    backend.unmap(a, 2 * G).unwrap();
+    backend.free(a, 2 * G).unwrap();
+    backend.release(p, 2 * G).unwrap();
+}
+
 /// Kills `src/backend/cuda/mod.rs: replace + with - in CudaBackend<D>::sweep_scratch`: a
 /// copy's scratch range whose unmap failed is unmapped and freed by the next copy's sweep.
 #[test]

@@ -414,3 +414,18 @@ fn a_third_mapping_of_the_same_memory_joins_its_group() {
     }
     assert_eq!(model.lost_with(), None);
 }
+
+/// A range held for a capture is held by a graph (and reported withheld), one beside it is
+/// not, and once let go it is not either. Fails if `held_by_graph` answers `true` for all.
+#[test]
+fn only_what_a_capture_holds_is_held_by_a_graph() {
+    let model = DriverModel::default();
+    let backend = open(&model);
+    let (at, len): (Addr, usize) = (0x10_0000, 0x1000);
+    assert!(!backend.held_by_graph(at, len));
+    backend.hold_for_capture(at, len);
+    assert!(backend.held_by_graph(at, len) && backend.withheld(at + len - 1, 1));
+    assert!(!backend.held_by_graph(at + len, len), "the range beside it");
+    backend.let_go(&[(at, len)]);
+    assert!(!backend.held_by_graph(at, len) && !backend.withheld(at, len));
+}

@@ -557,12 +557,27 @@ fn a_peer_killed_mid_transfer_leaves_the_memory_withheld()
     let later = binding.reserve(BIG)?.commit()?;
     let w = &withheld[0];
     assert!(later.addr() + later.len() <= w.addr || w.addr + w.len <= later.addr());
+    let kept = (w.addr, w.len);
     drop(later);
     drop(binding);
     drop(initiator);
     let report = device.close();
     assert_eq!(report.withheld_for_peers.len(), 1);
+    assert!(
+        all_mapped(kept.0, kept.1),
+        "the backend unmapped memory withheld for good as it dropped"
+    );
     Ok(())
+}
+
+/// Whether every page of `[addr, addr + len)` is mapped in this process.
+fn all_mapped(addr: usize, len: usize) -> bool {
+    let page = rustix::param::page_size();
+    (addr..addr + len).step_by(page).all(|at| {
+        // SAFETY: an asynchronous `msync` only schedules write-back of what is mapped there; it
+        // changes no mapping and no byte (and fails with ENOMEM where nothing is mapped).
+        unsafe { rustix::mm::msync(at as *mut _, page, rustix::mm::MsyncFlags::ASYNC) }.is_ok()
+    })
 }
 
 // ---- From the review: what a forgotten transfer, a second load, a spoofed acknowledgement

@@ -1691,6 +1691,25 @@ fn a_joined_stream_waiting_on_its_own_captured_event_is_not_joined_back() {
     );
 }
 
+/// The capture's origin waiting on an event captured on a joined stream joins that stream
+/// back, and the capture ends (fact 39). Fails if the origin's wait does not join it back (the
+/// end would be refused as unjoined).
+#[test]
+fn the_origin_waiting_on_a_joined_streams_event_joins_it_back() {
+    let model = opened(config());
+    let (origin, joined) = (model.new_stream(), model.new_stream());
+    let (forked, back) = (model.event_create().unwrap(), model.event_create().unwrap());
+    model.begin_capture(origin, CaptureMode::Global);
+    // SAFETY: (each call) live streams and events of the model.
+    unsafe {
+        model.event_record(forked, origin).unwrap();
+        model.stream_wait_event(joined, forked).unwrap(); // `joined` joins the capture
+        model.event_record(back, joined).unwrap();
+        model.stream_wait_event(origin, back).unwrap(); // and is joined back
+    }
+    assert!(model.end_capture(origin).is_ok(), "the capture ends joined");
+}
+
 /// A graph node whose range runs past a mapping's end into unmapped memory faults when the
 /// graph is launched: every byte of the range must be mapped with access, not only its start.
 #[test]

@@ -133,15 +133,15 @@ fn wait_until(mut ready: impl FnMut() -> bool) {
 
 /// Two devices, their bindings and an agent on each, for one test.
 macro_rules! two_sides {
-    ($pd:ident, $pb:ident, $prefill:ident, $dd:ident, $db:ident, $decode:ident, $suffix:literal) => {
+    ($pd:ident, $pb:ident, $prefill:ident, $dd:ident, $db:ident, $decode:ident, $suffix:expr) => {
         make_guard!(gp);
         let $pd = Device::new(gp, HostBackend::with_defaults()?);
         make_guard!(gd);
         let $dd = Device::new(gd, HostBackend::with_defaults()?);
         let $pb = $pd.bind(Budget::unlimited())?;
         let $db = $dd.bind(Budget::unlimited())?;
-        let $prefill = agent(&$pd, concat!("prefill-", $suffix));
-        let $decode = agent(&$dd, concat!("decode-", $suffix));
+        let $prefill = agent(&$pd, &format!("prefill-{}", $suffix));
+        let $decode = agent(&$dd, &format!("decode-{}", $suffix));
     };
 }
 
@@ -586,7 +586,7 @@ fn all_mapped(addr: usize, len: usize) -> bool {
 /// Two agents over TCP (where UCX moves the bytes in the background, so a large transfer is
 /// still in flight when its post returns), for one test.
 macro_rules! two_sides_over_tcp {
-    ($pd:ident, $pb:ident, $prefill:ident, $dd:ident, $db:ident, $decode:ident, $suffix:literal) => {
+    ($pd:ident, $pb:ident, $prefill:ident, $dd:ident, $db:ident, $decode:ident, $suffix:expr) => {
         // SAFETY: the NIXL tests run on one thread (`--test-threads=1`), and no agent exists in
         // this process while the variable changes; UCX reads it as each agent is made.
         unsafe { std::env::set_var("UCX_TLS", "tcp") };
@@ -596,15 +596,24 @@ macro_rules! two_sides_over_tcp {
     };
 }
 
-/// A READ forgotten (`mem::forget`) in flight: its borrow ends, but the registration stays
-/// marked in flight — it lends no token, its release withholds it — and the peer cannot
-/// acknowledge. Fails if the marks are set only as a transfer drops (the review's break: the
-/// bytes behind a lent `&[u8]` changed).
-#[test]
-fn a_forgotten_transfer_keeps_its_memory_withheld()
--> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+/// How [`a_big_read_that_does_not_finish`] leaves its READ.
+#[derive(Clone, Copy, Debug)]
+enum Unfinished {
+    /// `mem::forget`.
+    Forgotten,
+    /// A wait whose limit (zero) passes first.
+    TimedOut,
+}
+
+/// A 64 MiB READ over TCP left unfinished as `how` says (64 MiB over TCP are not moved in the
+/// few polls a zero limit allows): the registration is poisoned, lends no token, and its
+/// release withholds it; the peer cannot acknowledge.
+fn a_big_read_that_does_not_finish(
+    how: Unfinished,
+    suffix: &str,
+) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     const BIG: usize = 64 << 20;
-    two_sides_over_tcp!(pd, pb, prefill, dd, db, decode, "f");
+    two_sides_over_tcp!(pd, pb, prefill, dd, db, decode, suffix);
     let mut offered = prefill.register(pb.reserve(BIG)?.commit()?)?;
     let offer = prefill.offer(&decode.id(), &mut [&mut offered])?;
     let peer = decode.load(offer.as_bytes())?;
@@ -616,15 +625,38 @@ fn a_forgotten_transfer_keeps_its_memory_withheld()
         &[peer.range(0, 0, BIG)?],
         None,
     )?;
-    std::mem::forget(read);
-    assert!(into.is_poisoned(), "a forgotten transfer stays in flight");
-    assert!(into.token().is_err(), "no bytes lent under the engine");
+    let why = match how {
+        Unfinished::Forgotten => {
+            std::mem::forget(read);
+            "forgotten"
+        }
+        Unfinished::TimedOut => {
+            let waited = read.wait(std::time::Duration::ZERO);
+            assert!(matches!(waited, Err(NixlError::TimedOut(_))), "{waited:?}");
+            "unfinished"
+        }
+    };
+    assert!(into.is_poisoned(), "{how:?}: the READ stays in flight");
+    assert!(
+        into.token().is_err(),
+        "{how:?}: no bytes lent under the engine"
+    );
     assert!(matches!(peer.done(), Err(NixlError::Tainted(_))));
     let e = into.release().expect_err("withheld");
-    assert!(e.to_string().contains("forgotten"), "{e}");
+    assert!(e.to_string().contains(why), "{e}");
     assert_eq!(dd.withheld_for_peers().len(), 1);
     std::thread::sleep(std::time::Duration::from_millis(200)); // let the leaked READ land
     Ok(())
+}
+
+/// A READ forgotten (`mem::forget`) in flight: its borrow ends, but the registration stays
+/// marked in flight — it lends no token, its release withholds it — and the peer cannot
+/// acknowledge. Fails if the marks are set only as a transfer drops (the review's break: the
+/// bytes behind a lent `&[u8]` changed).
+#[test]
+fn a_forgotten_transfer_keeps_its_memory_withheld()
+-> Result<(), Box<dyn std::error::Error + Send + Sync>> {
+    a_big_read_that_does_not_finish(Unfinished::Forgotten, "f")
 }
 
 /// A wait whose limit passes before the READ is done says so (`TimedOut`), and leaves what a
@@ -633,28 +665,7 @@ fn a_forgotten_transfer_keeps_its_memory_withheld()
 #[test]
 fn a_wait_whose_limit_passes_first_times_out_and_withholds()
 -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
-    const BIG: usize = 64 << 20;
-    two_sides_over_tcp!(pd, pb, prefill, dd, db, decode, "w");
-    let mut offered = prefill.register(pb.reserve(BIG)?.commit()?)?;
-    let offer = prefill.offer(&decode.id(), &mut [&mut offered])?;
-    let peer = decode.load(offer.as_bytes())?;
-    let mut into = decode.register(db.reserve(BIG)?.commit()?)?;
-    let read = decode.read(
-        &mut into,
-        &[(0, BIG)],
-        &peer,
-        &[peer.range(0, 0, BIG)?],
-        None,
-    )?;
-    // 64 MiB over TCP are not moved in the few polls a zero limit allows.
-    let waited = read.wait(std::time::Duration::ZERO);
-    assert!(matches!(waited, Err(NixlError::TimedOut(_))), "{waited:?}");
-    assert!(into.is_poisoned());
-    assert!(matches!(peer.done(), Err(NixlError::Tainted(_))));
-    let e = into.release().expect_err("withheld");
-    assert!(e.to_string().contains("unfinished"), "{e}");
-    std::thread::sleep(std::time::Duration::from_millis(200)); // let the leaked READ land
-    Ok(())
+    a_big_read_that_does_not_finish(Unfinished::TimedOut, "w")
 }
 
 /// A block READ forgotten in flight, then its registered cache and the cache dropped: its

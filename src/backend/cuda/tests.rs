@@ -415,6 +415,53 @@ fn a_third_mapping_of_the_same_memory_joins_its_group() {
     assert_eq!(model.lost_with(), None);
 }
 
+/// A group of uses goes with its last reservation: two reservations mapping one memory share a
+/// group, which stays while either is reserved and is forgotten when both are freed — also after
+/// many rounds (no group left behind to grow the record). Fails if `leave_group` never brings
+/// a group's count of members to 0.
+#[test]
+#[allow(unsafe_code)] // `order_use`, proven below
+fn a_group_of_uses_goes_with_its_last_reservation() {
+    let (model, backend) = lazy_model();
+    let (a, _) = two_known_streams(&model, &backend);
+    let g = backend.granularity();
+    for round in 0..3 {
+        let reserved = [(); 2].map(|()| backend.reserve(g).unwrap());
+        let shared = backend.create(g).unwrap();
+        for &at in &reserved {
+            backend.map(at, g, shared, Access::ReadWrite).unwrap();
+        }
+        // SAFETY: `a` is known to the backend and live (as long as the model).
+        unsafe { backend.order_use(a, reserved[0], true) };
+        model.submit_work_touching(a, &[(reserved[0] as u64, g)]);
+        model.complete_work_on(a);
+        let group = lock(&backend.state).uses_key(reserved[1]);
+        assert!(
+            group.is_some(),
+            "round {round}: the second mapping is not in the group"
+        );
+        assert_eq!(group, lock(&backend.state).uses_key(reserved[0]));
+        for &at in &reserved {
+            backend.unmap(at, g).unwrap();
+        }
+        backend.release(shared, g).unwrap();
+        backend.free(reserved[0], g).unwrap();
+        assert_eq!(
+            lock(&backend.state).uses.len(),
+            1,
+            "round {round}: the group went with its first reservation"
+        );
+        backend.free(reserved[1], g).unwrap();
+        let state = lock(&backend.state);
+        assert!(
+            state.uses.is_empty() && state.groups.is_empty(),
+            "round {round}: a group outlived its reservations: {} groups of uses",
+            state.uses.len()
+        );
+    }
+    assert_eq!(model.lost_with(), None);
+}
+
 /// A range held for a capture is held by a graph (and reported withheld), one beside it is
 /// not, and once let go it is not either. Fails if `held_by_graph` answers `true` for all.
 #[test]

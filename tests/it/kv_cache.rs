@@ -14,6 +14,11 @@ use std::collections::HashSet;
 
 /// Blocks written in the byte round trips (fewer under Miri).
 const WRITES: usize = common::unless_miri(100_000, 300);
+/// The same on the driver model, whose every copy is checked against its mappings: 20,000
+/// (each of the 1,024 blocks pushed about 20 times; 3 steps in 10 clear a table) run in under
+/// 2 s of an unoptimized build, where 100,000 took 6 s: two thirds of the suite's longest
+/// binary, `tests/it`, and of each mutant's test run.
+const MODEL_WRITES: usize = common::unless_miri(20_000, 300);
 /// Takes and give-backs after warm-up in the call-count workloads (fewer under Miri).
 const OPS: usize = common::unless_miri(10_000, 400);
 /// The same on the driver model, whose every replenish Miri interprets call by call (400 ran
@@ -159,7 +164,7 @@ fn every_byte_written_through_a_table_is_at_base_plus_block_times_stride_on_the_
     let cache = KvCache::new(cache_guard, &binding, &layout).unwrap();
     let g = common::MODEL_GRANULARITY;
     assert_eq!(cache.blocks_per_group(), g / (32 << 10));
-    round_trip(&cache, &layout, WRITES, |addr, dst| {
+    round_trip(&cache, &layout, MODEL_WRITES, |addr, dst| {
         // SAFETY: the test reads only blocks its tables hold: mapped readable.
         unsafe { model.memcpy_dtoh(dst, addr as u64) }.unwrap();
     });

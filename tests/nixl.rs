@@ -271,21 +271,49 @@ fn peer_process(test: &str) -> (Child, UnixStream) {
     peer_process_with(test, &[])
 }
 
-/// As [`peer_process`], with more environment for the child.
+/// As [`peer_process`], with more environment for the child. Each call listens at a path of
+/// its own — tests run side by side, and with one path per process a child could connect to
+/// another test's listener, leaving its own test waiting for ever — and gives up, loudly, if the
+/// child exits or does not connect within [`PEER_CONNECTS`].
 fn peer_process_with(test: &str, env: &[(&str, &str)]) -> (Child, UnixStream) {
-    let path = std::env::temp_dir().join(format!("memtoken-nixl-{}.sock", std::process::id()));
+    static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let path =
+        std::env::temp_dir().join(format!("memtoken-nixl-{}-{call}.sock", std::process::id()));
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).unwrap();
-    let child = Command::new(std::env::current_exe().unwrap())
+    listener.set_nonblocking(true).unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
         .args([test, "--exact", "--nocapture", "--test-threads=1"])
         .env(ROLE, &path)
         .envs(env.iter().copied())
         .spawn()
         .unwrap();
-    let (socket, _) = listener.accept().unwrap();
+    let start = std::time::Instant::now();
+    let socket = loop {
+        match listener.accept() {
+            Ok((socket, _)) => break socket,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                if let Some(status) = child.try_wait().unwrap() {
+                    panic!("the peer process of {test} exited before it connected: {status}");
+                }
+                assert!(
+                    start.elapsed() < PEER_CONNECTS,
+                    "the peer process of {test} did not connect within {PEER_CONNECTS:?}"
+                );
+                std::thread::sleep(std::time::Duration::from_millis(5));
+            }
+            Err(e) => panic!("accepting the peer process of {test}: {e}"),
+        }
+    };
+    socket.set_nonblocking(false).unwrap();
     let _ = std::fs::remove_file(&path);
     (child, socket)
 }
+
+/// How long a peer process may take to start and connect (its NIXL agent is made after it
+/// connects; a loaded machine starts a process in well under a second).
+const PEER_CONNECTS: std::time::Duration = std::time::Duration::from_secs(120);
 
 /// The socket to the parent, in a child run as the peer.
 fn parent() -> Option<UnixStream> {

@@ -487,13 +487,16 @@ enum End {
 /// A READ into a table's blocks from a peer stopped before the post and killed after it (so
 /// the READ cannot finish first) fails, however it ends (`end`): the table is never handed
 /// back, its blocks stay lent (withheld), the cache does not sleep, and the peer cannot say it
-/// is done. `test` is the calling test's name (its child runs the peer).
+/// is done; a second READ posted to the dead peer is refused by NIXL's post, and its blocks stay
+/// lent too. `test` is the calling test's name (its child runs the peer).
 fn a_failed_block_read_ends(
     test: &str,
     end: End,
 ) -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     const BIG: usize = 256 << 10;
     const BLOCKS: usize = 64;
+    // Blocks of a second READ, posted after the first failed.
+    const MORE: usize = 4;
     if let Some(socket) = parent() {
         return parked_target(socket, "target-kv", BIG * PLANES * BLOCKS);
     }
@@ -504,9 +507,9 @@ fn a_failed_block_read_ends(
     let cache = KvCache::new(
         cache_guard,
         &binding,
-        &Layout::new(BLOCKS + 1, 16).plane(BIG).plane(BIG),
+        &Layout::new(BLOCKS + MORE + 1, 16).plane(BIG).plane(BIG),
     )?;
-    cache.set_watermarks(BLOCKS + 1, BLOCKS + 1);
+    cache.set_watermarks(BLOCKS + MORE + 1, BLOCKS + MORE + 1);
     cache.replenish()?;
     let registered = initiator.register_cache(&cache)?;
     let mut table = cache.table();
@@ -548,6 +551,47 @@ fn a_failed_block_read_ends(
     );
     assert!(matches!(cache.sleep(), Err(KvError::Lent { .. })));
     assert!(registered.is_poisoned());
+    // A READ posted to the dead peer now: NIXL refuses the post itself (its endpoint failed
+    // with the first READ), after memtoken counted the READ in flight. What the refused post
+    // may have started keeps its blocks: they stay lent and the error hands back an empty
+    // table. Fails if such a refusal is taken for one before the post (`>` → `<` in
+    // `Agent::blocks`: the table handed back whole, its blocks no longer lent).
+    let mut more = cache.table();
+    for _ in 0..MORE {
+        cache.push(&mut more)?;
+    }
+    let positions: Vec<usize> = (0..MORE).collect();
+    let refused = match initiator.read_blocks(
+        &registered,
+        more,
+        &positions,
+        &peer,
+        &remote[..MORE * PLANES],
+        None,
+    ) {
+        Ok(_) => panic!("a READ from a dead peer was posted ({end:?})"),
+        Err(refused) => refused,
+    };
+    assert!(
+        matches!(
+            refused.cause,
+            NixlError::Engine {
+                call: "postXferReq",
+                ..
+            }
+        ),
+        "{} ({end:?})",
+        refused.cause
+    );
+    assert!(
+        refused.token.is_empty(),
+        "the refused post's table came back ({end:?})"
+    );
+    assert_eq!(
+        cache.lent_blocks(),
+        BLOCKS + MORE,
+        "its blocks stay lent ({end:?})"
+    );
     assert!(matches!(peer.done(), Err(NixlError::Tainted(_))));
     Ok(())
 }

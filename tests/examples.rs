@@ -328,6 +328,38 @@ fn kv_footprint_maps_fewer_groups_under_a_limit() {
     );
 }
 
+/// `kv_cache --model-no-vmm --prefix`: on a device without virtual memory management the
+/// prompt cannot be shared by mapping (the refusal is printed, by cause), so each sequence gets
+/// its own copy of it; every byte is still checked and the ledger ends at zero.
+#[test]
+fn kv_cache_with_a_prompt_on_a_device_without_vmm_copies_it_per_sequence() {
+    let out = run(
+        "kv_cache",
+        &["--model-no-vmm", "--prefix", "--sequences", "6"],
+    );
+    assert_eq!(
+        out.code,
+        Some(0),
+        "`kv_cache --model-no-vmm --prefix`: {}",
+        out.stderr
+    );
+    assert!(
+        out.stdout
+            .lines()
+            .any(|l| l.starts_with("prefix sharing: refused") && l.contains("share a prefix")),
+        "{}",
+        out.stdout
+    );
+    assert!(
+        out.stdout
+            .contains("6 sequences, each with its own copy of"),
+        "{}",
+        out.stdout
+    );
+    assert!(out.stdout.contains("every byte checked"), "{}", out.stdout);
+    assert!(out.stdout.contains("ledger ends at zero"), "{}", out.stdout);
+}
+
 /// `kv_cache --prefix`: a system prompt shared by mapping into every sequence, their tokens in
 /// KV blocks — every block taken is given back, each sequence copies the prompt's last granule
 /// on write, and the ledger ends at zero (a short run).

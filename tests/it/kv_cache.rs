@@ -14,10 +14,10 @@ use std::collections::HashSet;
 
 /// Blocks written in the byte round trips (fewer under Miri).
 const WRITES: usize = common::unless_miri(100_000, 300);
-/// The same on the driver model, whose every copy is checked against its mappings: 20,000
-/// (each of the 1,024 blocks pushed about 20 times; 3 steps in 10 clear a table) run in under
-/// 2 s of an unoptimized build, where 100,000 took 6 s: two thirds of the suite's longest
-/// binary, `tests/it`, and of each mutant's test run.
+/// The same on the driver model, whose every copy is checked against its mappings: 20,000 (five
+/// sweeps of the live blocks up to 7/8 of the cache and back, so every group is written), where
+/// 100,000 took 6 s of an unoptimized build: two thirds of the suite's longest binary,
+/// `tests/it`, and of each mutant's test run.
 const MODEL_WRITES: usize = common::unless_miri(20_000, 300);
 /// Takes and give-backs after warm-up in the call-count workloads (fewer under Miri).
 const OPS: usize = common::unless_miri(10_000, 400);
@@ -43,8 +43,10 @@ fn model_layout(blocks: usize) -> Layout {
 /// What the test wrote into one block: per plane, an offset and the bytes.
 type Written = Vec<(usize, Vec<u8>)>;
 
-/// Random tables filled and cleared; each block pushed gets random bytes at a random offset in
-/// every plane, written through its table. Every write is read back at once, and every block's
+/// Random tables filled and cleared, the live blocks swept up to 7/8 of the cache and back five
+/// times (takes come from the lowest group with room: with a steady few live blocks, as before,
+/// only the first one or two groups were ever written); each block pushed gets random bytes at
+/// a random offset in every plane, written through its table. Every write is read back at once, and every block's
 /// bytes again before its table is cleared, by `read_at` at the address the test computes
 /// itself — `base(p) + b × stride(p)` from the layout — so two blocks that overlapped, or a block
 /// written where the formula does not put it, fail. Tables: ids below the cache's blocks, never
@@ -69,10 +71,18 @@ fn round_trip<B: Backend>(
     };
     let mut written = 0;
     let mut ops = 0u64;
+    // The live blocks the test aims at after `written` writes: a triangle wave, five periods.
+    let period = (writes / 5).max(2);
+    let most = cache.blocks() * 7 / 8;
+    let target = |written: usize| {
+        let phase = written % period;
+        most * phase.min(period - phase) / (period / 2)
+    };
+    let mut highest = 0;
     while written < writes {
         ops += 1;
         let i = rng.below(tables.len() as u64) as usize;
-        if rng.below(100) < 70 {
+        if cache.live_blocks() <= target(written) {
             let block = match cache.push(&mut tables[i]) {
                 Ok(block) => block,
                 Err(KvError::NoRoom { .. }) => {
@@ -93,6 +103,7 @@ fn round_trip<B: Backend>(
             check(block, &w);
             shadow[i].push(w);
             written += 1;
+            highest = highest.max(block);
         } else {
             for (&block, w) in tables[i].ids().iter().zip(&shadow[i]) {
                 check(block, w);
@@ -112,6 +123,9 @@ fn round_trip<B: Backend>(
                 assert!(ids.iter().all(|&b| seen.insert(b)), "a block in two places");
                 let as_i32: Vec<i32> = ids.iter().map(|&b| b as i32).collect();
                 assert_eq!(table.ids_i32(), &as_i32[..]);
+                if !ops.is_multiple_of(1024) {
+                    continue; // the slots, less often: a table can hold thousands
+                }
                 let mut slots = Vec::new();
                 table.slots(0..ids.len() * t, &mut slots);
                 assert_eq!(slots.len(), ids.len() * t, "a slot per token");
@@ -123,6 +137,11 @@ fn round_trip<B: Backend>(
             assert_eq!(cache.live_blocks(), seen.len());
         }
     }
+    assert!(
+        highest as usize >= most - cache.blocks_per_group(),
+        "the sweeps wrote blocks up to {highest} of {} only",
+        cache.blocks()
+    );
     for (table, shadow) in tables.iter_mut().zip(&shadow) {
         for (&block, w) in table.ids().iter().zip(shadow) {
             check(block, w);

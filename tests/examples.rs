@@ -356,7 +356,11 @@ fn kv_cache_with_a_prompt_on_a_device_without_vmm_copies_it_per_sequence() {
         "{}",
         out.stdout
     );
-    assert!(out.stdout.contains("every byte checked"), "{}", out.stdout);
+    assert!(
+        out.stdout.contains("6 sequences in ") && out.stdout.contains("every byte checked"),
+        "the sequences did not all run: {}",
+        out.stdout
+    );
     assert!(out.stdout.contains("ledger ends at zero"), "{}", out.stdout);
 }
 

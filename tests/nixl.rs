@@ -271,17 +271,26 @@ fn peer_process(test: &str) -> (Child, UnixStream) {
     peer_process_with(test, &[])
 }
 
-/// As [`peer_process`], with more environment for the child. Each call listens at a path of
-/// its own — tests run side by side, and with one path per process a child could connect to
-/// another test's listener, leaving its own test waiting for ever — and gives up, loudly, if the
-/// child exits or does not connect within [`PEER_CONNECTS`].
+/// As [`peer_process`], with more environment for the child. Gives up, loudly, if the child
+/// exits or does not connect within [`PEER_CONNECTS`] (a child that panicked before it connected
+/// left its test waiting in `accept` for ever), and listens at a path of its own per call (one
+/// path per process let two tests run side by side — without `--test-threads=1`, which the
+/// suite asks for — take each other's child), removed however this ends.
 fn peer_process_with(test: &str, env: &[(&str, &str)]) -> (Child, UnixStream) {
     static CALLS: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
     let call = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
     let path =
         std::env::temp_dir().join(format!("memtoken-nixl-{}-{call}.sock", std::process::id()));
+    /// Removes the socket's path as it drops, a panic included.
+    struct Listening(std::path::PathBuf);
+    impl Drop for Listening {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_file(&self.0);
+        }
+    }
     let _ = std::fs::remove_file(&path);
     let listener = UnixListener::bind(&path).unwrap();
+    let listening = Listening(path.clone());
     listener.set_nonblocking(true).unwrap();
     let mut child = Command::new(std::env::current_exe().unwrap())
         .args([test, "--exact", "--nocapture", "--test-threads=1"])
@@ -295,19 +304,20 @@ fn peer_process_with(test: &str, env: &[(&str, &str)]) -> (Child, UnixStream) {
             Ok((socket, _)) => break socket,
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                 if let Some(status) = child.try_wait().unwrap() {
-                    panic!("the peer process of {test} exited before it connected: {status}");
+                    panic!("the peer process of {test} exited without connecting: {status}");
                 }
-                assert!(
-                    start.elapsed() < PEER_CONNECTS,
-                    "the peer process of {test} did not connect within {PEER_CONNECTS:?}"
-                );
+                if start.elapsed() >= PEER_CONNECTS {
+                    let _ = child.kill();
+                    let _ = child.wait();
+                    panic!("the peer process of {test} did not connect within {PEER_CONNECTS:?}");
+                }
                 std::thread::sleep(std::time::Duration::from_millis(5));
             }
             Err(e) => panic!("accepting the peer process of {test}: {e}"),
         }
     };
     socket.set_nonblocking(false).unwrap();
-    let _ = std::fs::remove_file(&path);
+    drop(listening);
     (child, socket)
 }
 

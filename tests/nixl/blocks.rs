@@ -487,8 +487,8 @@ enum End {
 /// A READ into a table's blocks from a peer stopped before the post and killed after it (so
 /// the READ cannot finish first) fails, however it ends (`end`): the table is never handed
 /// back, its blocks stay lent (withheld), the cache does not sleep, and the peer cannot say it
-/// is done; a second READ posted to the dead peer is refused by NIXL's post, and its blocks stay
-/// lent too. `test` is the calling test's name (its child runs the peer).
+/// is done; once a poll saw the failure, a second READ posted to the dead peer is refused by
+/// NIXL's post, and its blocks stay lent too. `test` is the calling test's name (its child runs the peer).
 fn a_failed_block_read_ends(
     test: &str,
     end: End,
@@ -551,47 +551,50 @@ fn a_failed_block_read_ends(
     );
     assert!(matches!(cache.sleep(), Err(KvError::Lent { .. })));
     assert!(registered.is_poisoned());
-    // A READ posted to the dead peer now: NIXL refuses the post itself (its endpoint failed
-    // with the first READ), after memtoken counted the READ in flight. What the refused post
-    // may have started keeps its blocks: they stay lent and the error hands back an empty
-    // table. Fails if such a refusal is taken for one before the post (`>` → `<` in
-    // `Agent::blocks`: the table handed back whole, its blocks no longer lent).
-    let mut more = cache.table();
-    for _ in 0..MORE {
-        cache.push(&mut more)?;
+    // After a poll saw the READ fail (its UCX endpoint is marked failed then; a wait that
+    // timed out first would not tell), a READ posted to the dead peer: NIXL refuses the post
+    // itself, after memtoken counted the READ in flight. What the refused post may have
+    // started keeps its blocks: they stay lent and the error hands back an empty table. Fails
+    // if such a refusal is taken for one before the post (`>` → `<` in `Agent::blocks`: the
+    // table handed back whole, its blocks no longer lent).
+    if matches!(end, End::PollThenWait | End::PollThenDrop) {
+        let mut more = cache.table();
+        for _ in 0..MORE {
+            cache.push(&mut more)?;
+        }
+        let positions: Vec<usize> = (0..MORE).collect();
+        let refused = match initiator.read_blocks(
+            &registered,
+            more,
+            &positions,
+            &peer,
+            &remote[..MORE * PLANES],
+            None,
+        ) {
+            Ok(_) => panic!("a READ from a dead peer was posted ({end:?})"),
+            Err(refused) => refused,
+        };
+        assert!(
+            matches!(
+                refused.cause,
+                NixlError::Engine {
+                    call: "postXferReq",
+                    ..
+                }
+            ),
+            "{} ({end:?})",
+            refused.cause
+        );
+        assert!(
+            refused.token.is_empty(),
+            "the refused post's table came back ({end:?})"
+        );
+        assert_eq!(
+            cache.lent_blocks(),
+            BLOCKS + MORE,
+            "its blocks stay lent ({end:?})"
+        );
     }
-    let positions: Vec<usize> = (0..MORE).collect();
-    let refused = match initiator.read_blocks(
-        &registered,
-        more,
-        &positions,
-        &peer,
-        &remote[..MORE * PLANES],
-        None,
-    ) {
-        Ok(_) => panic!("a READ from a dead peer was posted ({end:?})"),
-        Err(refused) => refused,
-    };
-    assert!(
-        matches!(
-            refused.cause,
-            NixlError::Engine {
-                call: "postXferReq",
-                ..
-            }
-        ),
-        "{} ({end:?})",
-        refused.cause
-    );
-    assert!(
-        refused.token.is_empty(),
-        "the refused post's table came back ({end:?})"
-    );
-    assert_eq!(
-        cache.lent_blocks(),
-        BLOCKS + MORE,
-        "its blocks stay lent ({end:?})"
-    );
     assert!(matches!(peer.done(), Err(NixlError::Tainted(_))));
     Ok(())
 }

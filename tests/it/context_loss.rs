@@ -195,11 +195,10 @@ fn a_prefix_that_loses_the_context_at_its_boundary_names_the_unmap_it_could_not_
     assert!(device.close().is_clean());
 }
 
-/// A quarantined token that holds only its VA (its free failed), retried once the context is
-/// known lost, is refused before any call, and the refusal names the free it could not make:
-/// not a release of memory it no longer owns. Fails if the refusal names another call.
-#[test]
-fn a_quarantined_reservation_retried_after_the_loss_names_its_free() {
+/// A quarantined token whose teardown failed at `call` (not a loss), retried once the context
+/// is known lost, is refused before any call, and the refusal names the call it could not make
+/// next, `(op, the token's address, its length)`: not one for memory it no longer holds.
+fn a_quarantined_token_retried_after_the_loss_names(call: DriverCall, op: memtoken::backend::Op) {
     let model = common::model();
     make_guard!(guard);
     let device = Device::new(guard, common::cuda(&model));
@@ -207,11 +206,11 @@ fn a_quarantined_reservation_retried_after_the_loss_names_its_free() {
     let g = device.granularity();
     let token = binding.reserve(g).unwrap().commit().unwrap();
     let addr = token.addr();
-    model.fail_nth(DriverCall::MemAddressFree, 1, CuError::INVALID_VALUE); // not a loss
+    model.fail_nth(call, 1, CuError::INVALID_VALUE); // not a loss
     let failed = token.release().complete().unwrap_err();
     let quarantined = match failed.into_token() {
         memtoken::errors::Returned::Quarantined(quarantined) => quarantined,
-        other => panic!("the free failed, so the remains are quarantined: {other:?}"),
+        other => panic!("{call:?} failed, so the remains are quarantined: {other:?}"),
     };
     model.lose_context();
     assert!(lost(binding.reserve(g)), "the backend learns of the loss");
@@ -222,14 +221,36 @@ fn a_quarantined_reservation_retried_after_the_loss_names_its_free() {
     assert!(e.is_context_lost(), "{e}");
     assert_eq!(
         (e.op, e.addr, e.len),
-        (memtoken::backend::Op::Free, addr, g),
-        "the free of the VA, all that is left"
+        (op, addr, g),
+        "after {call:?} failed, the {op:?} of what is left"
     );
     drop(refused);
     let proof = device.confirm_context_lost().expect("the context is lost");
     device.discharge_all(&proof);
     drop(binding);
     assert!(device.close().is_clean());
+}
+
+/// [`a_quarantined_token_retried_after_the_loss_names`] a token that holds only its VA (its
+/// free failed): the refusal names the free, not a release of memory it no longer owns. Fails
+/// if the refusal names another call.
+#[test]
+fn a_quarantined_reservation_retried_after_the_loss_names_its_free() {
+    a_quarantined_token_retried_after_the_loss_names(
+        DriverCall::MemAddressFree,
+        memtoken::backend::Op::Free,
+    );
+}
+
+/// [`a_quarantined_token_retried_after_the_loss_names`] a token that still owns its physical
+/// memory, unmapped (its release failed): the refusal names that release, not the free after
+/// it. Fails if owned memory is passed over (`next_call`'s `owned_bytes() > 0` → `< 0`).
+#[test]
+fn a_quarantined_token_that_owns_its_memory_retried_after_the_loss_names_its_release() {
+    a_quarantined_token_retried_after_the_loss_names(
+        DriverCall::MemRelease,
+        memtoken::backend::Op::Release,
+    );
 }
 
 /// A tail given back once the context is known lost is refused before any call, and the refusal

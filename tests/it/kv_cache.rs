@@ -137,11 +137,14 @@ fn round_trip<B: Backend>(
             assert_eq!(cache.live_blocks(), seen.len());
         }
     }
-    assert!(
-        highest as usize >= most - cache.blocks_per_group(),
-        "the sweeps wrote blocks up to {highest} of {} only",
-        cache.blocks()
-    );
+    // Where a half period has writes enough to follow the wave (not Miri's few hundred).
+    if period / 2 >= most {
+        assert!(
+            highest as usize >= most - cache.blocks_per_group(),
+            "the sweeps wrote blocks up to {highest} of {} only",
+            cache.blocks()
+        );
+    }
     for (table, shadow) in tables.iter_mut().zip(&shadow) {
         for (&block, w) in table.ids().iter().zip(shadow) {
             check(block, w);

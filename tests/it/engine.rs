@@ -149,6 +149,26 @@ mod owned {
         assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
     }
 
+    /// An engine dropped without `close`, a block table and a grown region in use, releases
+    /// all it holds as it drops: what it keeps, then the cache, the bindings and the device.
+    /// Fails if the drop leaves anything outstanding (`Engine`'s drop emptied: nothing released).
+    #[test]
+    fn an_engine_dropped_without_close_releases_everything() {
+        let (mut engine, faults) = start().unwrap();
+        engine
+            .with(|parts, kept| -> Result<(), memtoken::Error> {
+                kept.scratch.grow(1)?;
+                parts.cache.replenish()?;
+                let mut table = parts.cache.table();
+                parts.cache.push(&mut table)?;
+                Ok(())
+            })
+            .unwrap();
+        assert!(!faults.outstanding().is_zero(), "the engine holds memory");
+        drop(engine);
+        assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
+    }
+
     /// An engine that keeps block tables moves to another thread with them and comes back:
     /// each table's blocks keep their bytes across both moves, the cache hands out and takes
     /// back blocks on either thread, and everything goes at the end. Fails if a move loses or

@@ -356,7 +356,10 @@ fn the_default_copy_within_moves_the_bytes_through_the_host() {
     let mut back = vec![0; 3 * GRANULE];
     sim.copy_to_host(&mut back, addr).unwrap();
     assert!(back[2 * GRANULE..] == bytes[..], "the copy landed");
-    assert!(back[GRANULE..2 * GRANULE].iter().all(|&b| b == 0), "between");
+    assert!(
+        back[GRANULE..2 * GRANULE].iter().all(|&b| b == 0),
+        "between"
+    );
     assert!(back[..GRANULE] == bytes[..], "the source");
     sim.copy_within(0, 0, 0).expect("a copy of nothing");
     unmap_granules(&sim, addr, granules);

@@ -878,3 +878,49 @@ fn a_mechanism_id_displays_its_slot_generation_and_registry() {
         "another registry's first mechanism"
     );
 }
+
+/// The confirmed mechanism, selected again while another one's probe is in flight (plainly or
+/// probed), is published again and stays selected after the other's probe passes: being the
+/// last confirmed is not being selected. Fails if either selection skips its work because its
+/// mechanism was confirmed before (`select`'s or `select_probed`'s `published() == Some(id)`
+/// → `!=`: the candidate stayed selected).
+#[test]
+fn a_confirmed_mechanism_selected_again_during_anothers_probe_is_selected() {
+    let registry = Mechanisms::new();
+    let a = registry.register("a").unwrap();
+    let b = registry.register("b").unwrap();
+    registry.select(a).unwrap();
+    for probed in [false, true] {
+        registry
+            .select_probed(b, || {
+                assert_eq!(registry.selected(), Some(b), "b's candidacy is published");
+                if probed {
+                    registry.select_probed(a, || Ok::<(), &str>(())).unwrap();
+                } else {
+                    registry.select(a).unwrap();
+                }
+                assert_eq!(registry.selected(), Some(a), "probed: {probed}");
+                Ok::<(), &str>(())
+            })
+            .unwrap();
+        assert_eq!(registry.selected(), Some(a), "probed: {probed}");
+    }
+}
+
+/// A registry's Debug output names each registered mechanism with its slot and lifecycle, and
+/// the selection. Fails if it prints nothing.
+#[test]
+fn a_registrys_debug_names_its_mechanisms_and_the_selection() {
+    let registry = Mechanisms::new();
+    let a = registry.register("cuda-vmm").unwrap();
+    let b = registry.register("cuda-plain").unwrap();
+    registry.select(b).unwrap();
+    registry.retire(a).unwrap();
+    assert_eq!(
+        format!("{registry:?}"),
+        format!(
+            "{{(0, \"cuda-vmm\"): Some(Retired), (1, \"cuda-plain\"): Some(Active)}} \
+             selected: Some({b:?})"
+        )
+    );
+}

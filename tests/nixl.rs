@@ -56,6 +56,7 @@ fn a_write_lands_byte_for_byte_with_its_notification()
     let prefill = agent(&prefill_device, "prefill-w");
     let decode = agent(&decode_device, "decode-w");
     assert_eq!((prefill.name(), decode.name()), ("prefill-w", "decode-w"));
+    assert_eq!(format!("{prefill:?}"), "Agent { name: \"prefill-w\", .. }");
 
     let mut kv = pb.reserve(LEN)?.commit()?;
     fill(kv.as_mut_slice(), 3);

@@ -111,6 +111,10 @@ fn blocks_written_by_id_into_an_offered_table_are_read_only_after_the_proof()
         .map_err(memtoken::Error::from)?;
     assert_eq!(offered.len(), 6);
     assert!(!offered.is_empty());
+    assert_eq!(
+        offered.to_string(),
+        "a block table of 6 blocks offered to a peer"
+    );
     assert_eq!(decode_cache.lent_blocks(), 6);
     let peer = prefill.load(offer.as_bytes())?;
     assert_eq!(

@@ -869,7 +869,10 @@ fn an_acknowledgement_cannot_be_spoofed_nor_an_offer_taken_by_another()
 
 /// From the second review: a failed `done` still makes its offers unloadable; a load refused
 /// while a `Peer` of the agent lives leaves that `Peer` working; an agent made again under the
-/// same name is loaded afresh (its offers number from 1 again).
+/// same name is loaded afresh (its offers number from 1 again), and its peer is not extended by
+/// the old incarnation's offer (refused as another agent's, not as an old epoch: `extend`'s
+/// `||` → `&&`); that peer, dropped instead of `done`, acknowledges all the same (`Peer`'s drop
+/// emptied: the offered memory was never lent back).
 #[test]
 fn loads_never_touch_a_live_peer_and_a_new_incarnation_loads_afresh()
 -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
@@ -906,11 +909,18 @@ fn loads_never_touch_a_live_peer_and_a_new_incarnation_loads_afresh()
     let again = agent(&dd, "decode-i");
     let mut second = again.register(db.reserve(LEN)?.commit()?)?;
     let offer = again.offer(&prefill.id(), &mut [&mut second])?;
-    let peer = prefill.load(offer.as_bytes())?;
+    let mut peer = prefill.load(offer.as_bytes())?;
+    // The earlier incarnation's offer, of the same name, does not extend this one's peer.
+    let e = peer.extend(one.as_bytes()).unwrap_err();
+    assert!(
+        matches!(e, NixlError::Wire(w) if w == "an offer of another agent than the peer's"),
+        "{e}"
+    );
     prefill
         .write(&source, &[(0, LEN)], &peer, &[peer.range(0, 0, LEN)?], None)?
         .wait(DROP_WAIT)?;
-    peer.done()?;
+    // Dropped, not `done`: a peer's drop acknowledges as `done` does.
+    drop(peer);
     wait_until(|| second.token().is_ok());
     drop((second.release()?, source.release()?));
     drop((pb, db));

@@ -155,8 +155,13 @@ fn a_read_pulls_a_peers_memory_byte_for_byte()
     two_sides!(pd, pb, prefill, dd, db, decode, "r");
     let mut kv = pb.reserve(LEN)?.commit()?;
     fill(kv.as_mut_slice(), 9);
+    let at = kv.addr();
     let mut offered = prefill.register(kv)?;
     assert_eq!((offered.len(), offered.is_empty()), (LEN, false));
+    assert_eq!(
+        format!("{offered:?}"),
+        format!("Registered {{ addr: {at:#x}, len: {LEN}, poisoned: false }}")
+    );
     let offer = prefill.offer(&decode.id(), &mut [&mut offered])?;
 
     let peer = decode.load(offer.as_bytes())?;

@@ -941,7 +941,9 @@ fn only_a_lower_device_tail_cap_asks_the_tails_back() {
 /// Asked for the tails back — by a budget that refuses a commit while tails hold bytes, by
 /// `trim_cache`, or by hand — a region keeps no tail at its next shrink: its tail goes through
 /// the cache (and `trim_cache` releases it there). A growth before that takes the tail first, as
-/// always. Fails if budget pressure does not ask, or if a region ignores the request.
+/// always; a refusal while no tail holds a byte asks nothing. Fails if budget pressure does
+/// not ask, asks with no tail held (`ask_tails_back_if_held`'s `> 0` → `>= 0`), or if a region
+/// ignores the request.
 #[test]
 fn tails_asked_back_under_budget_pressure_come_back_at_their_regions_next_shrink() {
     memtoken::make_guard!(guard);
@@ -958,10 +960,12 @@ fn tails_asked_back_under_budget_pressure_come_back_at_their_regions_next_shrink
     let mut region = binding.reserve(8 * g).unwrap().into_region();
     region.set_tail_cap(4).unwrap();
     let mut region = region.grown(5);
+    let other = device.bind(Budget::unlimited()).unwrap();
+    // Refused while no tail holds a byte, a commit asks nothing back: the shrink keeps its tail.
+    assert!(other.reserve(2 * g).unwrap().commit().is_err(), "5 of 6");
     region.shrink(4).unwrap();
     assert_eq!(device.tail_bytes(), 4 * g as u64);
     // Another engine needs 2 granules: the budget (6) is full with the region's 5.
-    let other = device.bind(Budget::unlimited()).unwrap();
     let refused = other.reserve(2 * g).unwrap().commit().is_err();
     assert!(refused, "the tail holds what the budget needs");
     // The region answers at its next shrink: it keeps no tail.

@@ -1042,6 +1042,7 @@ mod kept {
         );
         // SAFETY: a live stream of the model's context.
         assert_eq!(unsafe { model.stream_is_capturing(stream) }, Ok(false));
+        assert_eq!(failed.token.to_string(), "the tokens given to the capture");
         let x = failed.into_token().into_inner();
         x.release()
             .complete()

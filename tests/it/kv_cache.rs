@@ -588,3 +588,31 @@ fn groups_map_to_the_low_watermark_and_go_back_above_the_high_one() {
     drop(binding);
     assert!(device.close().is_clean());
 }
+
+/// The smallest layout has 2 blocks (block 0 is the null block, so one to hand out): 2 are
+/// accepted and hand out block 1, 1 is refused by name. Fails if 2 is refused too (`< 2` →
+/// `<= 2`).
+#[test]
+fn a_cache_of_two_blocks_hands_out_one_and_one_block_is_refused() {
+    make_guard!(guard);
+    let device = Device::new(guard, common::host());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(refused_guard);
+    let refused = KvCache::new(refused_guard, &binding, &Layout::new(1, 16).plane(64));
+    assert!(
+        matches!(&refused, Err(KvError::Layout(why)) if why.starts_with("fewer than 2 blocks")),
+        "{:?}",
+        refused.err()
+    );
+    make_guard!(cache_guard);
+    let cache = KvCache::new(cache_guard, &binding, &Layout::new(2, 16).plane(64)).unwrap();
+    cache.replenish().unwrap();
+    let mut table = cache.table();
+    assert_eq!(cache.push(&mut table).unwrap(), 1);
+    cache.clear(&mut table);
+    drop(table);
+    drop(cache);
+    drop(refused);
+    drop(binding);
+    assert!(device.close().is_clean());
+}

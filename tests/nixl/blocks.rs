@@ -115,6 +115,7 @@ fn blocks_written_by_id_into_an_offered_table_are_read_only_after_the_proof()
         offered.to_string(),
         "a block table of 6 blocks offered to a peer"
     );
+    assert_eq!(format!("{offered:?}"), "OfferedTable { blocks: 6, .. }");
     assert_eq!(decode_cache.lent_blocks(), 6);
     let peer = prefill.load(offer.as_bytes())?;
     assert_eq!(

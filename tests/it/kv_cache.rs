@@ -426,6 +426,53 @@ fn groups_over_the_high_watermark_wait_for_the_work_before_the_fence_that_armed_
     assert_eq!(model.lost_with(), None);
 }
 
+/// The groups over the high watermark go as soon as the fence that armed them has completed,
+/// even while a fence recorded after it (for blocks given back later, over a stream whose work
+/// still runs) has not. Fails if they wait for every fence, or only for the later ones.
+#[test]
+fn groups_over_the_high_watermark_go_once_their_fence_completes_while_a_later_one_waits() {
+    let model = common::held_fences();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(cache_guard);
+    let cache = KvCache::new(cache_guard, &binding, &model_layout(1024)).unwrap();
+    cache.set_watermarks(4, 4);
+    cache.replenish().unwrap();
+    cache.set_watermarks(0, 1);
+    model.submit_work(); // on the legacy stream, before the arming fence
+    let done = cache.replenish().unwrap();
+    assert!(done.fenced && done.unmapped == 0, "{done:?}");
+    // A stream every fence covers from now on (not the one that armed the groups), with a
+    // kernel reading a block given back after the groups were armed.
+    let later = model.new_stream();
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.cover_stream(later) };
+    let mut table = cache.table();
+    let block = cache.push(&mut table).unwrap();
+    model.submit_work_touching(later, &[(cache.block_addr(0, block) as u64, 64 << 10)]);
+    cache.clear(&mut table);
+    let done = cache.replenish().unwrap();
+    assert!(done.fenced && done.unmapped == 0, "{done:?}");
+    model.complete_work_on(0);
+    let idle = cache.idle_groups();
+    assert!(idle > 1, "{idle} idle groups");
+    let done = cache.replenish().unwrap();
+    assert_eq!(
+        (done.unmapped, cache.idle_groups(), cache.cooling_blocks()),
+        (idle - 1, 1, 1),
+        "block {block} still waits for its fence; {done:?}"
+    );
+    model.complete_work();
+    cache.replenish().unwrap();
+    assert_eq!(cache.cooling_blocks(), 0);
+    drop(table);
+    drop(cache);
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert_eq!(model.lost_with(), None);
+}
+
 /// With no room in a mapped group, a push fails with an error that says so, the table
 /// unchanged; replenish maps more.
 #[test]

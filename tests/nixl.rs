@@ -374,6 +374,35 @@ macro_rules! tcp_initiator {
     };
 }
 
+/// [`tcp_initiator!`], and `$test`'s [`parked_target`] process (`$child`, running) loaded as
+/// `$peer` from its offer.
+macro_rules! parked_peer {
+    ($test:expr, $name:literal, $device:ident, $binding:ident, $initiator:ident, $peer:ident, $child:ident) => {
+        tcp_initiator!($device, $binding, $initiator, $name);
+        let ($child, offer) = offer_of_a_parked_target($test, &$initiator);
+        let $peer = $initiator.load(&offer)?;
+    };
+}
+
+/// [`parked_peer!`], then a READ (`$read`) of the peer's first `$len` bytes into `$into`, a
+/// registration of its own, posted once the peer process (`$child`, a [`Stopped`]) has stopped:
+/// it cannot finish before the peer is killed.
+macro_rules! read_from_a_stopped_peer {
+    ($test:expr, $name:literal, $len:expr,
+     $device:ident, $binding:ident, $initiator:ident, $peer:ident, $into:ident, $child:pat, $read:ident) => {
+        parked_peer!($test, $name, $device, $binding, $initiator, $peer, running);
+        let mut $into = $initiator.register($binding.reserve($len)?.commit()?)?;
+        let $child = stop(running);
+        let $read = $initiator.read(
+            &mut $into,
+            &[(0, $len)],
+            &$peer,
+            &[$peer.range(0, 0, $len)?],
+            None,
+        )?;
+    };
+}
+
 /// A peer process stopped (SIGSTOP) until it is killed. Over TCP a READ's bytes are sent by
 /// the peer's own UCX progress, so a transfer posted to a stopped peer cannot finish before the
 /// kill: without the stop, a fast machine finished a 32 MiB READ before the kill landed (CI:
@@ -567,18 +596,18 @@ fn a_peer_killed_mid_transfer_leaves_the_memory_withheld()
     if let Some(socket) = parent() {
         return parked_target(socket, "target-k", BIG);
     }
-    tcp_initiator!(device, binding, initiator, "initiator-k");
-    let (child, offer) = offer_of_a_parked_target(TEST, &initiator);
-    let peer = initiator.load(&offer)?;
-    let mut into = initiator.register(binding.reserve(BIG)?.commit()?)?;
-    let mut child = stop(child);
-    let read = initiator.read(
-        &mut into,
-        &[(0, BIG)],
-        &peer,
-        &[peer.range(0, 0, BIG)?],
-        None,
-    )?;
+    read_from_a_stopped_peer!(
+        TEST,
+        "initiator-k",
+        BIG,
+        device,
+        binding,
+        initiator,
+        peer,
+        into,
+        mut child,
+        read
+    );
     child.0.kill()?;
     // The drop returns — its wait is bounded by DROP_WAIT by construction — and how long it
     // took is printed, not asserted: what is asserted is what it leaves.
@@ -662,18 +691,18 @@ fn a_big_read_that_does_not_finish(
     if let Some(socket) = parent() {
         return parked_target(socket, "target-u", BIG);
     }
-    tcp_initiator!(device, binding, initiator, "initiator-u");
-    let (child, offer) = offer_of_a_parked_target(test, &initiator);
-    let peer = initiator.load(&offer)?;
-    let mut into = initiator.register(binding.reserve(BIG)?.commit()?)?;
-    let child = stop(child);
-    let read = initiator.read(
-        &mut into,
-        &[(0, BIG)],
-        &peer,
-        &[peer.range(0, 0, BIG)?],
-        None,
-    )?;
+    read_from_a_stopped_peer!(
+        test,
+        "initiator-u",
+        BIG,
+        device,
+        binding,
+        initiator,
+        peer,
+        into,
+        child,
+        read
+    );
     let why = match how {
         Unfinished::Forgotten => {
             std::mem::forget(read);

@@ -509,9 +509,15 @@ fn a_failed_block_read_ends(
     if let Some(socket) = parent() {
         return parked_target(socket, "target-kv", BIG * PLANES * BLOCKS);
     }
-    tcp_initiator!(device, binding, initiator, "initiator-kv");
-    let (child, offer) = offer_of_a_parked_target(test, &initiator);
-    let peer = initiator.load(&offer)?;
+    parked_peer!(
+        test,
+        "initiator-kv",
+        device,
+        binding,
+        initiator,
+        peer,
+        child
+    );
     make_guard!(cache_guard);
     let cache = KvCache::new(
         cache_guard,

@@ -388,7 +388,7 @@ macro_rules! parked_peer {
 /// registration of its own, posted once the peer process (`$child`, a [`Stopped`]) has stopped:
 /// it cannot finish before the peer is killed.
 macro_rules! read_from_a_stopped_peer {
-    ($test:expr, $name:literal, $len:expr,
+    ($test:expr, $name:literal, $len:expr =>
      $device:ident, $binding:ident, $initiator:ident, $peer:ident, $into:ident, $child:pat, $read:ident) => {
         parked_peer!($test, $name, $device, $binding, $initiator, $peer, running);
         let mut $into = $initiator.register($binding.reserve($len)?.commit()?)?;
@@ -596,18 +596,9 @@ fn a_peer_killed_mid_transfer_leaves_the_memory_withheld()
     if let Some(socket) = parent() {
         return parked_target(socket, "target-k", BIG);
     }
-    read_from_a_stopped_peer!(
-        TEST,
-        "initiator-k",
-        BIG,
-        device,
-        binding,
-        initiator,
-        peer,
-        into,
-        mut child,
-        read
-    );
+    read_from_a_stopped_peer! {
+        TEST, "initiator-k", BIG => device, binding, initiator, peer, into, mut child, read
+    }
     child.0.kill()?;
     // The drop returns — its wait is bounded by DROP_WAIT by construction — and how long it
     // took is printed, not asserted: what is asserted is what it leaves.
@@ -691,18 +682,9 @@ fn a_big_read_that_does_not_finish(
     if let Some(socket) = parent() {
         return parked_target(socket, "target-u", BIG);
     }
-    read_from_a_stopped_peer!(
-        test,
-        "initiator-u",
-        BIG,
-        device,
-        binding,
-        initiator,
-        peer,
-        into,
-        child,
-        read
-    );
+    read_from_a_stopped_peer! {
+        test, "initiator-u", BIG => device, binding, initiator, peer, into, child, read
+    }
     let why = match how {
         Unfinished::Forgotten => {
             std::mem::forget(read);

@@ -627,3 +627,7 @@ pub enum BindError<E> {
 #[cfg(test)]
 #[cfg(loom)]
 mod loom_tests;
+
+#[cfg(test)]
+#[cfg(not(loom))]
+mod tests;

@@ -442,7 +442,7 @@ fn a_capture_on_a_stream_the_fences_do_not_cover_is_refused() {
 }
 
 /// A capture dropped without `end` (an early return) is ended, its graph discarded: the
-/// stream captures no more.
+/// stream captures no more, and can be let go. Fails if the drop leaves the stream lent.
 #[test]
 fn a_capture_dropped_without_end_ends_it() {
     use memtoken::backend::cuda::Driver;
@@ -452,6 +452,7 @@ fn a_capture_dropped_without_end_ends_it() {
     // SAFETY: a live stream of the model's context.
     assert_eq!(unsafe { model.stream_is_capturing(stream) }, Ok(false));
     assert_eq!(model.count(DriverCall::GraphExecDestroy), 1);
+    assert!(device.forget_stream(stream), "the stream was left lent");
 }
 
 /// A capture whose id cannot be had at once (`cuStreamGetCaptureInfo` fails, the context

@@ -997,7 +997,8 @@ fn ten_thousand_block_cycles_keep_fences_bounded_and_make_less_than_one_driver_c
 
 /// A shrink waits only for the streams that may use the region: a kernel on a known
 /// stream that used another token through a view does not hold it back, while one that used the
-/// region does. Fails with the shrink waiting for every stream the device holds.
+/// region does. Fails with the shrink waiting for every stream the device holds. Then a view of
+/// the region with nothing committed has no element, and one of a granule has a granule's.
 #[test]
 fn a_shrink_waits_for_the_streams_that_touched_the_region_only() {
     let model = model(false);
@@ -1017,6 +1018,22 @@ fn a_shrink_waits_for_the_streams_that_touched_the_region_only() {
     ));
     model.complete_work();
     region.shrink(1).map_err(|e| e.to_string()).unwrap();
+    // Nothing committed now: its view has no element.
+    let view = region.stream_view::<f32>(stream).unwrap();
+    assert!(
+        view.is_empty() && view.len() == 0,
+        "{} elements",
+        view.len()
+    );
+    drop(view);
+    region.grow(1).unwrap();
+    let view = region.stream_view::<f32>(stream).unwrap();
+    assert!(
+        !view.is_empty() && view.len() == G / 4,
+        "{} elements",
+        view.len()
+    );
+    drop(view);
     drop((x, region));
     drop(binding);
     model.complete_work();

@@ -29,6 +29,8 @@ fn a_graph_over_the_planes_launches_across_grow_shrink_and_sleep_and_is_refused_
     }
     let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
     let planes = capture.kv_planes(&cache);
+    assert_eq!((planes.len(), planes.is_empty()), (2, false));
+    assert_eq!(planes.device_ptr(1), cache.base(1) as u64);
     // The captured kernel reads the decode table's blocks in both planes.
     let reads: Vec<(u64, usize)> = (0..planes.len())
         .flat_map(|p| {

@@ -1020,19 +1020,11 @@ fn a_shrink_waits_for_the_streams_that_touched_the_region_only() {
     region.shrink(1).map_err(|e| e.to_string()).unwrap();
     // Nothing committed now: its view has no element.
     let view = region.stream_view::<f32>(stream).unwrap();
-    assert!(
-        view.is_empty() && view.len() == 0,
-        "{} elements",
-        view.len()
-    );
+    assert_eq!((view.len(), view.is_empty()), (0, true));
     drop(view);
     region.grow(1).unwrap();
     let view = region.stream_view::<f32>(stream).unwrap();
-    assert!(
-        !view.is_empty() && view.len() == G / 4,
-        "{} elements",
-        view.len()
-    );
+    assert_eq!((view.len(), view.is_empty()), (G / 4, false));
     drop(view);
     drop((x, region));
     drop(binding);

@@ -216,6 +216,42 @@ fn an_invalidated_capture_is_ended_and_what_it_lent_stays_held_for_good() {
     assert!(matches!(e.token, Returned::Quarantined(_)), "held for good");
 }
 
+/// A memtoken capture still valid when asked, whose end fails on its own: the user forked it
+/// onto stream `b` and never joined `b` back (fact 39), so the end fails with
+/// `STREAM_CAPTURE_UNJOINED` and the stream captures no more. That capture was memtoken's and
+/// yields no graph, so what it lent is let go: the error is the driver's, and the token
+/// releases. Fails if such an end is taken for one by someone else (the memory held for good).
+#[test]
+fn a_capture_whose_own_end_fails_unjoined_lets_what_it_lent_go() {
+    let model = model();
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    common::write_through_view(&model, stream, &capture, &mut x);
+    let b = model.new_stream();
+    let forked = model.event_create().unwrap();
+    // SAFETY: live streams and an event of the model's context.
+    unsafe {
+        model.event_record(forked, stream).unwrap();
+        model.stream_wait_event(b, forked).unwrap(); // `b` joins the capture, never back
+    }
+    assert!(info(&model, stream).captures(), "still valid when asked");
+    let e = capture.end().map(drop).unwrap_err();
+    assert!(e.to_string().contains("STREAM_CAPTURE_UNJOINED"), "{e}");
+    assert_eq!(info(&model, stream), CaptureInfo::None, "ended");
+    model.complete_work();
+    x.release()
+        .complete()
+        .map(drop)
+        .map_err(|e| e.to_string())
+        .expect("let go: no graph of it can launch");
+    // SAFETY: an event of the model's, not used after.
+    unsafe { model.event_destroy(forked) }.unwrap();
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
 /// The case the rule above is for: memtoken's invalidated capture is ended by another party
 /// between memtoken's question and its end, and a new capture is begun on the stream just
 /// before memtoken's `cuStreamEndCapture` (the model's hooks), which so ends the new one and

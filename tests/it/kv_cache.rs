@@ -652,7 +652,9 @@ fn a_cache_of_two_blocks_hands_out_one_and_one_block_is_refused() {
         refused.err()
     );
     make_guard!(cache_guard);
-    let cache = KvCache::new(cache_guard, &binding, &Layout::new(2, 16).plane(64)).unwrap();
+    let layout = Layout::new(2, 16).plane(64);
+    assert_eq!((layout.blocks(), layout.block_tokens()), (2, 16));
+    let cache = KvCache::new(cache_guard, &binding, &layout).unwrap();
     cache.replenish().unwrap();
     let mut table = cache.table();
     assert_eq!(cache.push(&mut table).unwrap(), 1);

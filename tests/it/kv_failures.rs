@@ -312,7 +312,7 @@ fn kv_planes_in_a_capture_ended_elsewhere_are_held_for_good() {
 /// A give-back over the high watermark once the context is known lost makes no driver call,
 /// and leaves every group as it was — mapped, its free blocks still free — for the discharge.
 /// Fails if the cache empties a group's free list, or calls the driver, before it learns the
-/// context is gone.
+/// context is gone; the error names the group's memory.
 #[test]
 fn a_give_back_after_the_context_is_lost_calls_nothing_and_keeps_the_groups() {
     let model = common::model();
@@ -336,7 +336,20 @@ fn a_give_back_after_the_context_is_lost_calls_nothing_and_keeps_the_groups() {
     );
     let before = model.calls_after_loss();
     cache.set_watermarks(0, 0);
-    assert!(cache.replenish().is_err(), "no group can be given back");
+    // The error names the group's memory: its first granule in plane 0, and all of them.
+    let Err(KvError::Unmap { group, cause }) = cache.replenish() else {
+        panic!("no group can be given back");
+    };
+    assert!(cause.is_context_lost(), "{cause}");
+    let first = group * cache.blocks_per_group();
+    assert_eq!(
+        (cause.addr, cause.len),
+        (
+            cache.block_addr(0, first as u32),
+            cache.blocks_per_group() * (64 << 10)
+        ),
+        "{cause}"
+    );
     assert_eq!(model.calls_after_loss(), before, "no call after the loss");
     assert_eq!((cache.mapped_groups(), cache.free_blocks()), (mapped, free));
     cache.check_blocks().unwrap();
@@ -380,4 +393,44 @@ fn a_failed_map_gives_the_granules_it_took_from_the_cache_back_to_it() {
     drop(cache);
     drop(binding);
     assert!(device.close().is_clean());
+}
+
+/// A group left partly mapped by a failed unmap goes as the cache sleeps: nothing of the planes
+/// stays mapped while it sleeps, and the wake maps what it held whole again. Fails if the sleep
+/// leaves the partly mapped group's granule mapped.
+#[test]
+fn a_group_left_partly_mapped_goes_as_the_cache_sleeps() {
+    setup!(HostBackend::with_defaults().unwrap(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(cache_guard);
+    // As above: one granule per plane per group.
+    let cache = KvCache::new(
+        cache_guard,
+        &binding,
+        &Layout::new(64, 16).plane(2048).plane(2048),
+    )
+    .unwrap();
+    cache.set_watermarks(3, 3);
+    cache.replenish().unwrap();
+    let g = device.granularity() as u64;
+    let mapped = device.ledger().mapped_bytes;
+    assert_eq!(
+        mapped,
+        2 * 4 * g,
+        "the null block's group and three idle, two planes each"
+    );
+    cache.set_watermarks(0, 2);
+    // The idle group over the high watermark: its plane 0 unmaps (#1), its plane 1 fails (#2).
+    faults.fail_nth(Op::Unmap, 2);
+    let e = cache.replenish();
+    assert!(matches!(e, Err(KvError::Unmap { .. })), "{e:?}");
+    assert_eq!(device.ledger().mapped_bytes, mapped - g, "partly mapped");
+    cache.sleep().unwrap();
+    assert_eq!(device.ledger().mapped_bytes, 0, "mapped while asleep");
+    cache.wake().unwrap();
+    assert_eq!(
+        device.ledger().mapped_bytes % (2 * g),
+        0,
+        "groups mapped whole"
+    );
 }

@@ -107,6 +107,32 @@ fn a_shared_block_is_freed_by_its_last_holder() {
     assert_eq!(cache.free_blocks(), free + 1);
 }
 
+/// [`PrehashedKeys`] folds a key's bytes, never hashes them again: a `u64` key is its own hash,
+/// and keys that differ in any 8-byte word, or in a short tail, hash apart. Fails if the hasher
+/// loses what was written.
+#[test]
+fn prehashed_keys_fold_every_word_of_a_key() {
+    use std::hash::{BuildHasher, Hasher};
+    assert_eq!(
+        PrehashedKeys.hash_one(0x0123_4567_89ab_cdef_u64),
+        0x0123_4567_89ab_cdef
+    );
+    let a = [1_u64, 2, 3, 4];
+    let b = [1_u64, 2, 3, 5];
+    assert_ne!(PrehashedKeys.hash_one(a), PrehashedKeys.hash_one(b));
+    let bytes = |bytes: &[u8]| {
+        let mut h = PrehashedKeys.build_hasher();
+        h.write(bytes);
+        h.finish()
+    };
+    assert_eq!(bytes(&7_u64.to_le_bytes()), 7);
+    assert_ne!(bytes(&[1, 2, 3]), bytes(&[1, 2, 4]));
+    assert_ne!(
+        bytes(&[0; 12]),
+        bytes(&[0, 0, 0, 0, 0, 0, 0, 0, 9, 0, 0, 0])
+    );
+}
+
 /// Blocks entered stay findable after their tables go, and are evicted least recently let go
 /// first — of one sequence its later blocks before its earlier ones — only when the cache has no
 /// free block; the hook hears each one stored and removed.

@@ -532,6 +532,28 @@ fn a_peer_gets_access_only_where_can_access_peer_said_1() {
     assert_eq!(model.lost_with(), None);
 }
 
+/// The legacy stream is not the model's to destroy (it is no stream object): misuse. Fails if
+/// the model lets it be marked destroyed.
+#[test]
+#[should_panic(expected = "cannot destroy stream 0x0")]
+fn destroying_the_legacy_stream_is_misuse() {
+    let model = opened(config());
+    model.destroy_stream(0);
+}
+
+/// A stream destroyed once is gone: destroying it again is misuse, as any later call naming it.
+#[test]
+fn a_stream_is_destroyed_once() {
+    let model = opened(config());
+    let stream = model.new_stream();
+    model.destroy_stream(stream);
+    assert!(model.stream_destroyed(stream));
+    let again = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        model.destroy_stream(stream);
+    }));
+    assert!(again.is_err(), "destroyed twice");
+}
+
 #[test]
 #[should_panic(expected = "without asking cuDeviceCanAccessPeer(1, 0) first")]
 fn access_for_a_peer_never_asked_about_is_misuse() {

@@ -941,6 +941,26 @@ fn a_backend_dropped_with_an_unsettled_copy_takes_its_scratch_range_down() {
     assert_eq!(model.lost_with(), None);
 }
 
+/// Without an unsettled copy, the backend's drop waits for nothing: it records no event and
+/// synchronizes nothing (the one wait of the test above is for unsettled copies only). Fails if
+/// the drop waits for the legacy stream anyway.
+#[test]
+fn a_backend_dropped_with_no_unsettled_copy_waits_for_nothing() {
+    let model = model(false);
+    let backend = common::cuda(&model);
+    let (src, _, dst) = source_and_destination(&backend);
+    backend.copy_into_phys(dst, src, G).unwrap(); // its wait succeeded: settled
+    let calls = [
+        DriverCall::EventRecord,
+        DriverCall::EventSynchronize,
+        DriverCall::StreamSynchronize,
+    ];
+    let before = calls.map(|c| model.count(c));
+    drop(backend);
+    assert_eq!(calls.map(|c| model.count(c)), before, "{calls:?}");
+    assert_eq!(model.lost_with(), None);
+}
+
 /// 10,000 KV block cycles on the driver model — a block pushed and given back, a replenish
 /// every 64 cycles (an engine's step), the GPU catching up every 500 — make no driver call as a
 /// block is taken or given back, allocate nothing as it is given back, keep at most a few

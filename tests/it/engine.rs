@@ -165,6 +165,7 @@ mod owned {
             })
             .unwrap();
         assert!(!faults.outstanding().is_zero(), "the engine holds memory");
+        assert_eq!(format!("{engine:?}"), "Engine { .. }");
         drop(engine);
         assert!(faults.outstanding().is_zero(), "{:?}", faults.outstanding());
     }

@@ -10,21 +10,28 @@ use memtoken::backend::{HostBackend, Op};
 use memtoken::kv::{KvCache, KvError, Layout};
 use memtoken::{Budget, Device, make_guard};
 
+/// A host device with fault injection (`$faults`), its binding, and a KV cache of 64 blocks of
+/// 2 KiB in two planes: host granules are 4 KiB, so a group is 2 blocks, one granule per plane.
+macro_rules! two_plane_host_cache {
+    ($device:ident, $faults:ident, $binding:ident, $cache:ident) => {
+        setup!(HostBackend::with_defaults().unwrap(), $device, $faults);
+        let $binding = $device.bind(Budget::unlimited()).unwrap();
+        make_guard!(cache_guard);
+        let $cache = KvCache::new(
+            cache_guard,
+            &$binding,
+            &Layout::new(64, 16).plane(2048).plane(2048),
+        )
+        .unwrap();
+    };
+}
+
 /// A sleep whose unmap fails for one plane of a group with live blocks leaves the group partly
 /// mapped; the wake-up maps the rest, so every block the table holds is mapped, and every
 /// block handed out afterwards too.
 #[test]
 fn a_sleep_whose_unmap_fails_halfway_wakes_with_every_held_block_mapped() {
-    setup!(HostBackend::with_defaults().unwrap(), device, faults);
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(cache_guard);
-    // host granule 4 KiB, 2 KiB blocks: 2 blocks per group, one granule per plane per group.
-    let cache = KvCache::new(
-        cache_guard,
-        &binding,
-        &Layout::new(64, 16).plane(2048).plane(2048),
-    )
-    .unwrap();
+    two_plane_host_cache!(device, faults, binding, cache);
     assert_eq!(cache.blocks_per_group(), 2);
     cache.set_watermarks(2, 2);
     cache.replenish().unwrap();
@@ -71,15 +78,7 @@ fn a_sleep_whose_unmap_fails_halfway_wakes_with_every_held_block_mapped() {
 /// copies the saved bytes back.
 #[test]
 fn a_wake_whose_map_and_undo_fail_wakes_at_the_next_call_with_its_bytes() {
-    setup!(HostBackend::with_defaults().unwrap(), device, faults);
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(cache_guard);
-    let cache = KvCache::new(
-        cache_guard,
-        &binding,
-        &Layout::new(64, 16).plane(2048).plane(2048),
-    )
-    .unwrap();
+    two_plane_host_cache!(device, faults, binding, cache);
     cache.set_watermarks(2, 2);
     cache.replenish().unwrap();
     let mut table = cache.table();
@@ -400,16 +399,7 @@ fn a_failed_map_gives_the_granules_it_took_from_the_cache_back_to_it() {
 /// leaves the partly mapped group's granule mapped.
 #[test]
 fn a_group_left_partly_mapped_goes_as_the_cache_sleeps() {
-    setup!(HostBackend::with_defaults().unwrap(), device, faults);
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(cache_guard);
-    // As above: one granule per plane per group.
-    let cache = KvCache::new(
-        cache_guard,
-        &binding,
-        &Layout::new(64, 16).plane(2048).plane(2048),
-    )
-    .unwrap();
+    two_plane_host_cache!(device, faults, binding, cache);
     cache.set_watermarks(3, 3);
     cache.replenish().unwrap();
     let g = device.granularity() as u64;

@@ -44,6 +44,19 @@ fn info(model: &DriverModel, stream: Stream) -> CaptureInfo {
     unsafe { model.stream_get_capture_info(stream) }.unwrap()
 }
 
+/// The opening of the tests of memtoken's own capture: a stream of `model()` that the device
+/// covers, and `x`, committed, then `capture`, memtoken's, begun on the stream. A macro, not a
+/// function: `x` borrows the binding, which borrows the device's guard.
+macro_rules! memtoken_capture {
+    ($model:ident, $device:ident, $stream:ident, $binding:ident, $x:ident, $capture:ident) => {
+        let $model = model();
+        common::covered_device!($model, $device, $stream);
+        let $binding = $device.bind(Budget::unlimited()).unwrap();
+        let mut $x = $binding.reserve(G).unwrap().commit().unwrap();
+        let $capture = Capture::begin(&$device, $stream, CaptureMode::Global).unwrap();
+    };
+}
+
 // ---- 2: a capture ended elsewhere, and a new one begun on its stream ----
 
 /// The audit's sequence: memtoken begins a capture; the program ends it itself and keeps the
@@ -160,11 +173,7 @@ fn a_capture_ended_elsewhere_between_the_question_and_the_end_keeps_its_memory_h
 /// ordinary case.)
 #[test]
 fn a_capture_memtoken_began_is_ended_by_its_id_and_its_memory_let_go_with_its_graph() {
-    let model = model();
-    common::covered_device!(model, device, stream);
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    let mut x = binding.reserve(G).unwrap().commit().unwrap();
-    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    memtoken_capture!(model, device, stream, binding, x, capture);
     let CaptureInfo::Active { id } = info(&model, stream) else {
         panic!("the capture is active");
     };
@@ -203,11 +212,7 @@ fn write_then_invalidate<'t, 'id>(
 /// what it lent held for good. Documented; fails if the invalidated end lets the memory go.
 #[test]
 fn an_invalidated_capture_is_ended_and_what_it_lent_stays_held_for_good() {
-    let model = model();
-    common::covered_device!(model, device, stream);
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    let mut x = binding.reserve(G).unwrap().commit().unwrap();
-    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    memtoken_capture!(model, device, stream, binding, x, capture);
     write_then_invalidate(&model, stream, &capture, &mut x);
     let e = capture.end().map(drop).unwrap_err();
     assert!(e.to_string().contains("STREAM_CAPTURE_INVALIDATED"), "{e}");
@@ -223,11 +228,7 @@ fn an_invalidated_capture_is_ended_and_what_it_lent_stays_held_for_good() {
 /// releases. Fails if such an end is taken for one by someone else (the memory held for good).
 #[test]
 fn a_capture_whose_own_end_fails_unjoined_lets_what_it_lent_go() {
-    let model = model();
-    common::covered_device!(model, device, stream);
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    let mut x = binding.reserve(G).unwrap().commit().unwrap();
-    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    memtoken_capture!(model, device, stream, binding, x, capture);
     common::write_through_view(&model, stream, &capture, &mut x);
     let b = model.new_stream();
     let forked = model.event_create().unwrap();
@@ -260,11 +261,7 @@ fn a_capture_whose_own_end_fails_unjoined_lets_what_it_lent_go() {
 /// stays held for good. Fails if the graph is taken for memtoken's.
 #[test]
 fn a_graph_from_the_end_of_an_invalidated_capture_is_not_taken_for_its_own() {
-    let model = model();
-    common::covered_device!(model, device, stream);
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    let mut x = binding.reserve(G).unwrap().commit().unwrap();
-    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    memtoken_capture!(model, device, stream, binding, x, capture);
     write_then_invalidate(&model, stream, &capture, &mut x);
     // The end asks (entering once), then enters again to end: ended elsewhere at that second
     // entry, and begun anew just before the end.
@@ -302,11 +299,7 @@ fn a_graph_from_the_end_of_an_invalidated_capture_is_not_taken_for_its_own() {
 /// good, and the capture left open on the stream).
 #[test]
 fn a_capture_whose_end_is_refused_once_is_ended_as_it_drops() {
-    let model = model();
-    common::covered_device!(model, device, stream);
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    let mut x = binding.reserve(G).unwrap().commit().unwrap();
-    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    memtoken_capture!(model, device, stream, binding, x, capture);
     common::write_through_view(&model, stream, &capture, &mut x);
     model.fail_nth(DriverCall::StreamEndCapture, 1, CuError::UNKNOWN);
     let e = capture.end().map(drop).expect_err("the end was refused");
@@ -657,11 +650,7 @@ fn a_capture_begun_between_forget_streams_check_and_record_is_never_asked() {
 /// release unmapped, and that launch faulted (700).
 #[test]
 fn a_capture_begun_between_a_launchs_check_and_the_launch_holds_the_memory_for_good() {
-    let model = model();
-    common::covered_device!(model, device, stream);
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    let mut x = binding.reserve(G).unwrap().commit().unwrap();
-    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    memtoken_capture!(model, device, stream, binding, x, capture);
     let mut view = capture.view_mut::<u8>(&mut x).unwrap();
     model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
     drop(view);

@@ -393,22 +393,31 @@ fn a_block_given_back_under_a_running_kernel_waits_for_its_fence() {
     assert!(device.close().is_clean());
 }
 
+/// The opening of the high-watermark tests: a cache over the held-fences model with four idle
+/// groups mapped, then its watermarks lowered to (0, 1), so that the next replenish finds three
+/// groups over the high one. A macro, not a function: the cache borrows the guard and the binding.
+macro_rules! over_the_high_watermark {
+    ($model:ident, $device:ident, $binding:ident, $cache:ident) => {
+        let $model = common::held_fences();
+        make_guard!(guard);
+        let $device = Device::new(guard, common::cuda(&$model));
+        let $binding = $device.bind(Budget::unlimited()).unwrap();
+        make_guard!(cache_guard);
+        let $cache = KvCache::new(cache_guard, &$binding, &model_layout(1024)).unwrap();
+        $cache.set_watermarks(4, 4);
+        $cache.replenish().unwrap();
+        assert_eq!($cache.idle_groups(), 4);
+        $cache.set_watermarks(0, 1);
+    };
+}
+
 /// Groups over the high watermark go only once the work that may still use the planes has
 /// completed: the replenish that finds them arms a fence, and they stay mapped through every
 /// replenish while that work runs, then go. Fails if the groups are unmapped once armed,
 /// whatever the fence says (under the kernel: the model would fault).
 #[test]
 fn groups_over_the_high_watermark_wait_for_the_work_before_the_fence_that_armed_them() {
-    let model = common::held_fences();
-    make_guard!(guard);
-    let device = Device::new(guard, common::cuda(&model));
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(cache_guard);
-    let cache = KvCache::new(cache_guard, &binding, &model_layout(1024)).unwrap();
-    cache.set_watermarks(4, 4);
-    cache.replenish().unwrap();
-    assert_eq!(cache.idle_groups(), 4);
-    cache.set_watermarks(0, 1);
+    over_the_high_watermark!(model, device, binding, cache);
     model.submit_work(); // a kernel that may read the planes
     let unmaps = model.count(DriverCall::MemUnmap);
     for round in 0..3 {
@@ -431,15 +440,7 @@ fn groups_over_the_high_watermark_wait_for_the_work_before_the_fence_that_armed_
 /// still runs) has not. Fails if they wait for every fence, or only for the later ones.
 #[test]
 fn groups_over_the_high_watermark_go_once_their_fence_completes_while_a_later_one_waits() {
-    let model = common::held_fences();
-    make_guard!(guard);
-    let device = Device::new(guard, common::cuda(&model));
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(cache_guard);
-    let cache = KvCache::new(cache_guard, &binding, &model_layout(1024)).unwrap();
-    cache.set_watermarks(4, 4);
-    cache.replenish().unwrap();
-    cache.set_watermarks(0, 1);
+    over_the_high_watermark!(model, device, binding, cache);
     model.submit_work(); // on the legacy stream, before the arming fence
     let done = cache.replenish().unwrap();
     assert!(done.fenced && done.unmapped == 0, "{done:?}");

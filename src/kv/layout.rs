@@ -194,6 +194,22 @@ mod tests {
     }
 
     #[test]
+    fn the_per_layer_layouts_have_a_plane_per_layer_or_two() {
+        let bytes = |l: &Layout| l.planes().iter().map(|p| p.block_bytes).collect::<Vec<_>>();
+        let l = Layout::per_layer(3, 16, 256, 100);
+        assert_eq!(bytes(&l), [2 * 16 * 256; 3], "K and V in one plane a layer");
+        let l = Layout::per_layer_k_v(3, 16, 256, 100);
+        assert_eq!(bytes(&l), [16 * 256; 6], "K and V in planes of their own");
+        assert_eq!((l.blocks(), l.block_tokens()), (100, 16));
+    }
+
+    #[test]
+    fn a_block_of_2_to_the_31_tokens_is_the_largest_laid_out() {
+        let l = Layout::new(10, 1 << 31).plane(64);
+        assert_eq!(l.groups(4096).unwrap(), (64, 1));
+    }
+
+    #[test]
     fn a_layout_that_cannot_be_laid_out_is_refused() {
         let g = 4096;
         for (l, says) in [

@@ -181,6 +181,11 @@ fn a_capture_memtoken_began_is_ended_by_its_id_and_its_memory_let_go_with_its_gr
     model.submit_work_touching(stream, &[(view.device_ptr_mut(), G)]);
     drop(view);
     let graph = capture.end().unwrap();
+    assert_eq!(
+        graph.stream(),
+        stream,
+        "the graph launches on the capture's stream"
+    );
     assert_eq!(info(&model, stream), CaptureInfo::None);
     graph.launch().unwrap();
     drop(graph);
@@ -329,6 +334,7 @@ fn a_capture_open_when_the_pointer_is_taken_keeps_the_memory_held() {
     let x = binding.reserve(G).unwrap().commit().unwrap();
     model.begin_capture(stream, CaptureMode::Global);
     let view = x.stream_view::<u8>(stream).unwrap();
+    assert_eq!(view.stream(), stream, "the view is for the stream asked");
     model.submit_work_touching(stream, &[(view.device_ptr(), G)]);
     assert_eq!(model.end_capture(stream), Ok(()));
     drop(view);

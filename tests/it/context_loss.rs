@@ -4,7 +4,8 @@
 
 use crate::common::{self, Grown};
 use memtoken::backend::PosixFd;
-use memtoken::backend::cuda::{CuError, DriverCall};
+use memtoken::backend::cuda::{CaptureMode, CuError, DriverCall};
+use memtoken::interop::OwningGraph;
 use memtoken::kv::{KvCache, Layout};
 use memtoken::{Budget, Device, errors::Failure, make_guard, sharing::Offer};
 use std::os::unix::net::UnixStream;
@@ -56,6 +57,9 @@ fn every_transition_refused_for_a_lost_context_says_so_one_way() {
     let region_asleep = reserved().into_region().grown(1).suspend().unwrap();
     make_guard!(cache_guard);
     let cache = KvCache::new(cache_guard, &binding, &Layout::new(64, 16).plane(g)).unwrap();
+    let (stream, to_capture) = (model.new_stream(), reserved().commit().unwrap());
+    // SAFETY: a stream of the model's only context, live as long as the model.
+    unsafe { device.cover_stream(stream) };
 
     model.lose_context();
 
@@ -88,6 +92,10 @@ fn every_transition_refused_for_a_lost_context_says_so_one_way() {
     assert!(lost(to_reclaim.reclaim()));
     let mut bytes = [0u8; 8];
     assert!(lost(to_copy.copy_to_host(0, &mut bytes)));
+    let capture = OwningGraph::capture(&device, stream, CaptureMode::Global, to_capture, |_, _| {
+        Ok(())
+    });
+    assert!(lost(cause(capture)));
 }
 
 /// The same question answers no when a transition was refused for another reason: a budget, a

@@ -311,7 +311,8 @@ fn kv_planes_in_a_capture_ended_elsewhere_are_held_for_good() {
 /// A give-back over the high watermark once the context is known lost makes no driver call,
 /// and leaves every group as it was — mapped, its free blocks still free — for the discharge.
 /// Fails if the cache empties a group's free list, or calls the driver, before it learns the
-/// context is gone; the error names the group's memory.
+/// context is gone; the error names the group's memory. A map after it names the memory it
+/// could not map.
 #[test]
 fn a_give_back_after_the_context_is_lost_calls_nothing_and_keeps_the_groups() {
     let model = common::model();
@@ -351,6 +352,25 @@ fn a_give_back_after_the_context_is_lost_calls_nothing_and_keeps_the_groups() {
     );
     assert_eq!(model.calls_after_loss(), before, "no call after the loss");
     assert_eq!((cache.mapped_groups(), cache.free_blocks()), (mapped, free));
+    // A map names the memory it could not map: the group's first granule, and all of them.
+    cache.set_watermarks(8, 8);
+    let Err(KvError::Map { group, cause }) = cache.replenish() else {
+        panic!("no group can be mapped");
+    };
+    let memtoken::errors::CommitFailure::Backend(cause) = *cause else {
+        panic!("not the backend's refusal: {cause}");
+    };
+    assert!(cause.is_context_lost(), "{cause}");
+    let first = group * cache.blocks_per_group();
+    assert_eq!(
+        (cause.addr, cause.len),
+        (
+            cache.block_addr(0, first as u32),
+            cache.blocks_per_group() * (64 << 10)
+        ),
+        "{cause}"
+    );
+    assert_eq!(model.calls_after_loss(), before, "no call after the loss");
     cache.check_blocks().unwrap();
     drop(cache);
     let proof = device.confirm_context_lost().expect("the context is lost");
@@ -394,27 +414,36 @@ fn a_failed_map_gives_the_granules_it_took_from_the_cache_back_to_it() {
     assert!(device.close().is_clean());
 }
 
+/// A cache of [`two_plane_host_cache!`] whose group over the high watermark is left partly
+/// mapped: its unmap fails on the second plane. `$g` is the granularity, `$mapped` the bytes
+/// mapped before (the null block's group and three idle ones, whole).
+macro_rules! partly_mapped_group {
+    ($device:ident, $faults:ident, $binding:ident, $cache:ident, $g:ident, $mapped:ident) => {
+        two_plane_host_cache!($device, $faults, $binding, $cache);
+        $cache.set_watermarks(3, 3);
+        $cache.replenish().unwrap();
+        let $g = $device.granularity() as u64;
+        let $mapped = $device.ledger().mapped_bytes;
+        assert_eq!(
+            $mapped,
+            2 * 4 * $g,
+            "the null block's group and three idle, two planes each"
+        );
+        $cache.set_watermarks(0, 2);
+        // The idle group over the high watermark: its plane 0 unmaps (#1), its plane 1 fails (#2).
+        $faults.fail_nth(Op::Unmap, 2);
+        let e = $cache.replenish();
+        assert!(matches!(e, Err(KvError::Unmap { .. })), "{e:?}");
+        assert_eq!($device.ledger().mapped_bytes, $mapped - $g, "partly mapped");
+    };
+}
+
 /// A group left partly mapped by a failed unmap goes as the cache sleeps: nothing of the planes
 /// stays mapped while it sleeps, and the wake maps what it held whole again. Fails if the sleep
 /// leaves the partly mapped group's granule mapped.
 #[test]
 fn a_group_left_partly_mapped_goes_as_the_cache_sleeps() {
-    two_plane_host_cache!(device, faults, binding, cache);
-    cache.set_watermarks(3, 3);
-    cache.replenish().unwrap();
-    let g = device.granularity() as u64;
-    let mapped = device.ledger().mapped_bytes;
-    assert_eq!(
-        mapped,
-        2 * 4 * g,
-        "the null block's group and three idle, two planes each"
-    );
-    cache.set_watermarks(0, 2);
-    // The idle group over the high watermark: its plane 0 unmaps (#1), its plane 1 fails (#2).
-    faults.fail_nth(Op::Unmap, 2);
-    let e = cache.replenish();
-    assert!(matches!(e, Err(KvError::Unmap { .. })), "{e:?}");
-    assert_eq!(device.ledger().mapped_bytes, mapped - g, "partly mapped");
+    partly_mapped_group!(device, faults, binding, cache, g, mapped);
     cache.sleep().unwrap();
     assert_eq!(device.ledger().mapped_bytes, 0, "mapped while asleep");
     cache.wake().unwrap();
@@ -423,4 +452,22 @@ fn a_group_left_partly_mapped_goes_as_the_cache_sleeps() {
         0,
         "groups mapped whole"
     );
+}
+
+/// A group left partly mapped (no live block in it) goes at the next replenish that finds it
+/// over the watermarks, with the idle groups over the high one: what it still had mapped is
+/// unmapped. Fails if a replenish gives back only the idle groups and keeps the partly mapped
+/// one's granule mapped for as long as the cache is awake.
+#[test]
+fn a_group_left_partly_mapped_goes_at_the_next_replenish() {
+    partly_mapped_group!(device, faults, binding, cache, g, mapped);
+    let done = cache.replenish().unwrap();
+    assert_eq!(done.unmapped, 1, "{done:?}");
+    assert_eq!(
+        device.ledger().mapped_bytes,
+        mapped - 2 * g,
+        "the partly mapped group's other plane"
+    );
+    assert_eq!(cache.mapped_groups(), 3);
+    cache.check_blocks().unwrap();
 }

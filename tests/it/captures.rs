@@ -472,6 +472,25 @@ fn a_capture_whose_id_cannot_be_had_is_ended_and_refused() {
     assert!(device.forget_stream(stream), "the stream was left lent");
 }
 
+/// A capture ended by someone else between its begin and the question for its id is refused
+/// as ended elsewhere (no id to tell it by, and nothing to end): no end is called, the stream
+/// can be let go. Fails if it is taken for an invalidated capture and ended again.
+#[test]
+fn a_capture_ended_elsewhere_before_its_id_is_asked_is_refused_as_such() {
+    use memtoken::backend::cuda::Driver;
+    let model = model();
+    common::covered_device!(model, device, stream);
+    model.end_capture_before(&[DriverCall::StreamGetCaptureInfo], 1, stream);
+    let e = Capture::begin(&device, stream, CaptureMode::Global).unwrap_err();
+    let message = common::messages(&e).join("\n");
+    assert!(message.contains("ended by someone else"), "{message}");
+    assert_eq!(model.count(DriverCall::StreamEndCapture), 0, "ended again");
+    // SAFETY: a live stream of the model's context.
+    assert_eq!(unsafe { model.stream_is_capturing(stream) }, Ok(false));
+    assert_eq!(model.lost_with(), None);
+    assert!(device.forget_stream(stream), "the stream was left lent");
+}
+
 /// A capture whose id question loses the context: refused, and nothing is called after the
 /// loss (not the end of the capture, which died with the context).
 #[test]

@@ -252,6 +252,31 @@ fn a_failed_wait_falls_back_to_the_whole_stream() {
     assert!(device.close().is_clean());
 }
 
+/// A wait whose event wait loses the context stops there: the release is refused, and
+/// nothing is called after the loss. Fails if the lost context is taken for an ordinary
+/// failure, and the wait falls back to waiting for the whole stream.
+#[test]
+fn a_wait_that_loses_the_context_calls_nothing_after_it() {
+    let model = model(false);
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let a = binding.reserve(G).unwrap().commit().unwrap();
+    model.submit_work_on(stream); // a kernel uses `a`
+    // The fence's marks: the legacy stream's first, then `stream`'s, whose wait loses it.
+    model.fail_nth(
+        DriverCall::EventSynchronize,
+        2,
+        CuError::CONTEXT_IS_DESTROYED,
+    );
+    let e = a.release().wait().map(drop).unwrap_err();
+    assert!(
+        memtoken::errors::Failure::is_context_lost(&e.cause),
+        "{}",
+        e.cause
+    );
+    common::assert_lost_and_nothing_called_after(&model);
+}
+
 /// A fence's wait that fails falls back to waiting for the whole stream, and lends the stream
 /// for that wait only: once the release is done, the stream can be let go, and no event of the
 /// waits is left. Fails if the lend is never ended (`forget_stream` then says `false` for ever,

@@ -56,6 +56,20 @@ macro_rules! host_cache {
     };
 }
 
+/// As [`host_cache!`], on the driver model (`$model`), with blocks of a quarter granule.
+macro_rules! model_cache {
+    ($model:ident, $device:ident, $binding:ident, $cache:ident) => {
+        let $model = common::model();
+        make_guard!(guard);
+        let $device = Device::new(guard, CudaBackend::new($model.clone(), 0).unwrap());
+        let $binding = $device.bind(Budget::unlimited()).unwrap();
+        make_guard!(g);
+        let $cache = KvCache::new(g, &$binding, &layout(common::MODEL_GRANULARITY / 4)).unwrap();
+        $cache.set_watermarks(4, 4);
+        $cache.replenish().unwrap();
+    };
+}
+
 /// A fork holds the same blocks (one more holder each, no byte copied); a write to one of them
 /// is refused until a copy-on-write gives the fork its own copy, in every plane.
 #[test]
@@ -279,14 +293,7 @@ fn a_failed_copy_on_write_changes_nothing() {
 /// back: the push that evicts it fails, and the block is handed out after `replenish`.
 #[test]
 fn on_the_driver_model_an_evicted_block_waits_for_its_fence() {
-    let model = common::model();
-    make_guard!(guard);
-    let device = Device::new(guard, CudaBackend::new(model.clone(), 0).unwrap());
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(g);
-    let cache = KvCache::new(g, &binding, &layout(common::MODEL_GRANULARITY / 4)).unwrap();
-    cache.set_watermarks(4, 4);
-    cache.replenish().unwrap();
+    model_cache!(model, device, binding, cache);
     let mut prefixes = PrefixCache::new(&cache).unwrap();
     let mut seq = cache.table();
     cache.push(&mut seq).unwrap();
@@ -305,6 +312,32 @@ fn on_the_driver_model_an_evicted_block_waits_for_its_fence() {
     cache.replenish().unwrap();
     assert_eq!(cache.push(&mut filler), Ok(cached));
     drop((filler, prefixes));
+    drop(cache);
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(model.outstanding().is_zero());
+}
+
+/// On the driver model a prefix cache dropped with an idle block cached lets it go behind a
+/// fence, as any block given back: it cools until a replenish sees the fence done. Fails if
+/// the drop frees it at once on a backend that is not immediate (a kernel may still read it).
+#[test]
+fn on_the_driver_model_a_dropped_prefix_caches_idle_block_cools() {
+    model_cache!(model, device, binding, cache);
+    let mut prefixes = PrefixCache::new(&cache).unwrap();
+    let mut seq = cache.table();
+    cache.push(&mut seq).unwrap();
+    prefixes.enter(&seq, 0, 'k');
+    drop(seq);
+    let (free, cooling) = (cache.free_blocks(), cache.cooling_blocks());
+    drop(prefixes);
+    assert_eq!(
+        (cache.free_blocks(), cache.cooling_blocks()),
+        (free, cooling + 1),
+        "the idle cached block cools behind a fence"
+    );
+    cache.replenish().unwrap();
+    assert_eq!((cache.free_blocks(), cache.cooling_blocks()), (free + 1, 0));
     drop(cache);
     drop(binding);
     assert!(device.close().is_clean());
@@ -829,7 +862,7 @@ fn a_prefix_cache_at_its_limit_evicts_before_it_enters() {
 }
 
 /// A limit lowered while every cached block is held: once they are idle, an entry evicts them
-/// until there is room.
+/// until there is room. A limit set at the count of cached blocks evicts none.
 #[test]
 fn an_entry_over_a_lowered_limit_evicts_until_there_is_room() {
     host_cache!(cache, binding, device);
@@ -846,6 +879,13 @@ fn an_entry_over_a_lowered_limit_evicts_until_there_is_room() {
     cache.push(&mut other).unwrap();
     assert!(prefixes.enter(&other, 0, 99));
     assert_eq!(prefixes.len(), 1);
+    drop(other);
+    prefixes.set_limit(Some(1));
+    assert_eq!(
+        prefixes.len(),
+        1,
+        "at its limit, not over it: nothing evicted"
+    );
 }
 
 /// A hook that panics leaves the prefix cache consistent: the keys of the evicted blocks are

@@ -377,6 +377,81 @@ fn a_joined_group_keeps_its_uses_until_its_last_member_is_freed() {
     assert_eq!(j.model.lost_with(), None);
 }
 
+/// A merge keeps every stream either group was touched by: once `second` has joined `first`'s
+/// group, a fence over `first` covers `b`, which touched `second`'s group before the join.
+/// Fails if the merge drops the touched streams of the group that goes (the fence is then done
+/// while `b`'s work still runs).
+#[test]
+fn a_merged_group_is_fenced_on_every_stream_either_group_was_touched_by() {
+    let j = joined();
+    j.model.complete_work();
+    j.model.submit_work_touching(j.b, &[]);
+    let fence = j.backend.fence_for(&[j.first]);
+    assert!(
+        !j.backend.fence_done(&fence),
+        "the fence over the merged group does not cover `b`"
+    );
+    j.model.complete_work();
+    assert!(j.backend.fence_done(&fence));
+    j.backend.retire_fence(fence);
+    j.backend.unmap(j.first, j.g).unwrap();
+    j.backend.unmap(j.second, j.g).unwrap();
+    assert_eq!(j.model.lost_with(), None);
+}
+
+/// A merge keeps the earlier uses of the group that goes: once `second` has joined `first`'s
+/// group, a write through `first` on a third stream waits for `b`'s use of `second` from
+/// before the join, as for `a`'s write to `first`. Fails if the merge drops the readers and
+/// the writer of the group that goes.
+#[test]
+#[allow(unsafe_code)] // the backend's `order_use` and the driver's event calls, each proven
+fn a_write_through_a_merged_group_waits_for_the_earlier_uses_of_either_group() {
+    let j = joined();
+    let on_b = kernel(&j.model, j.b, j.second, 0); // `b`'s use of `second`, still running
+    let (c, _) = two_known_streams(&j.model, &j.backend);
+    // SAFETY: `c` is known to the backend and live (as long as the model).
+    unsafe { j.backend.order_use(c, j.first, true) };
+    let _write = kernel(&j.model, c, j.first, j.g);
+    j.model.complete_work_on(c);
+    // SAFETY: live events of the model.
+    let waited = unsafe { (j.model.event_query(j.wrote), j.model.event_query(on_b)) };
+    assert_eq!(
+        waited,
+        (Ok(true), Ok(true)),
+        "the write on `c` did not wait for both earlier uses"
+    );
+    j.model.complete_work();
+    j.backend.unmap(j.first, j.g).unwrap();
+    j.backend.unmap(j.second, j.g).unwrap();
+    assert_eq!(j.model.lost_with(), None);
+}
+
+/// Letting a stream go forgets its uses only: the last write through another stream stays the
+/// memory's last write, so the next write, on a third stream, waits for it. Fails if letting
+/// a stream go clears the last writer whichever stream it was.
+#[test]
+#[allow(unsafe_code)] // the backend's `order_use` and the driver's event calls, each proven
+fn letting_a_stream_go_keeps_the_last_write_through_another() {
+    let (model, backend) = lazy_model();
+    let (a, b) = two_known_streams(&model, &backend);
+    let (idle, _) = two_known_streams(&model, &backend);
+    let (x, g) = one_mapped_granule(&backend);
+    // SAFETY: `a` is known to the backend and live (as long as the model).
+    unsafe { backend.order_use(a, x, true) };
+    let wrote = kernel(&model, a, x, g);
+    assert!(backend.forget_stream(idle), "nothing ran on it");
+    // SAFETY: `b` is known to the backend and live (as long as the model).
+    unsafe { backend.order_use(b, x, true) };
+    let _write = kernel(&model, b, x, g);
+    model.complete_work_on(b);
+    // SAFETY: a live event of the model.
+    let waited = unsafe { model.event_query(wrote) }.unwrap();
+    assert!(waited, "the write on `b` did not wait for the write on `a`");
+    model.complete_work();
+    backend.unmap(x, g).unwrap();
+    assert_eq!(model.lost_with(), None);
+}
+
 /// A third reservation mapping memory two others map joins their group too: a write through it
 /// waits for the first's last write, made on another stream. Fails if only the second mapping
 /// of a memory joins (a third, or later, keeps a group of its own).

@@ -599,8 +599,9 @@ fn the_plain_mechanism_takes_any_input() {
 
 /// The backend itself places only a fresh allocation over a whole placeholder reservation:
 /// part of one, a range past its start, or a real address is refused naming
-/// `MapAtReservedAddress`, with the allocation left unplaced (its release frees it). Fails if
-/// the backend's check is dropped (the typed layer refuses these before they reach it).
+/// `MapAtReservedAddress`, with the allocation left unplaced (its release frees it); a whole
+/// placeholder above the lowest places. Fails if the backend's check is dropped or turned
+/// around (the typed layer refuses these before they reach it).
 #[test]
 fn a_plain_map_places_only_over_a_whole_placeholder() {
     use memtoken::backend::{Access, Backend};
@@ -616,7 +617,22 @@ fn a_plain_map_places_only_over_a_whole_placeholder() {
             Some(Ability::MapAtReservedAddress.capability())
         );
     }
-    b.release(phys, g).unwrap();
+    // A whole placeholder above the lowest (claimed while that one is) places; the real
+    // address it places at, unmapped, is refused.
+    let second = b.reserve(g).unwrap();
+    assert!(second > reserved, "{second:#x}");
+    b.map(second, g, phys, Access::ReadWrite).unwrap();
+    let placed = b.placed(second, phys);
+    assert_ne!(placed, second, "at the allocator's address");
+    b.unmap(placed, g).unwrap();
+    let other = b.create(g).unwrap();
+    let e = b.map(placed, g, other, Access::ReadWrite).unwrap_err();
+    assert_eq!(
+        unsupported(&e),
+        Some(Ability::MapAtReservedAddress.capability())
+    );
+    b.release(other, g).unwrap();
+    b.free(placed, g).unwrap();
     b.free(reserved, 2 * g).unwrap();
     drop(b);
     assert_eq!(model.outstanding(), ModelOutstanding::default());

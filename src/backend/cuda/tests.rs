@@ -426,6 +426,43 @@ fn a_write_through_a_merged_group_waits_for_the_earlier_uses_of_either_group() {
     assert_eq!(j.model.lost_with(), None);
 }
 
+/// A merge lists each earlier stream once: a write after the join waits once for each stream
+/// that used either group — `a`, which wrote both, and `d`, which read `first` — not twice for
+/// `a`. Fails if the merge adds the gone group's writer as a reader of the kept group although
+/// it is already the kept group's writer (a second `cuStreamWaitEvent` on the same stream).
+#[test]
+#[allow(unsafe_code)] // the backend's `order_use`, proven at each call
+fn a_write_after_a_merge_waits_once_for_each_earlier_stream() {
+    let (model, backend) = lazy_model();
+    let (a, d) = two_known_streams(&model, &backend);
+    let (c, _) = two_known_streams(&model, &backend);
+    let g = backend.granularity();
+    let (first, second) = (backend.reserve(g).unwrap(), backend.reserve(g).unwrap());
+    let (shared, own) = (backend.create(g).unwrap(), backend.create(g).unwrap());
+    backend.map(first, g, shared, Access::ReadWrite).unwrap();
+    backend.map(second, g, own, Access::ReadWrite).unwrap();
+    // SAFETY: `a`, `d` and `c` are known to the backend and live (as long as the model).
+    unsafe {
+        backend.order_use(a, second, true); // `second`'s group: written on `a`
+        backend.order_use(a, first, true); // `first`'s: written on `a`,
+        backend.order_use(d, first, false); // then read on `d`
+    }
+    backend.unmap(second, g).unwrap();
+    backend.map(second, g, shared, Access::ReadWrite).unwrap(); // joins `first`'s group
+    let waits = model.count(DriverCall::StreamWaitEvent);
+    // SAFETY: as above.
+    unsafe { backend.order_use(c, first, true) };
+    assert_eq!(
+        model.count(DriverCall::StreamWaitEvent) - waits,
+        2,
+        "one wait for `a`, one for `d`"
+    );
+    model.complete_work();
+    backend.unmap(first, g).unwrap();
+    backend.unmap(second, g).unwrap();
+    assert_eq!(model.lost_with(), None);
+}
+
 /// Letting a stream go forgets its uses only: the last write through another stream stays the
 /// memory's last write, so the next write, on a third stream, waits for it. Fails if letting
 /// a stream go clears the last writer whichever stream it was.

@@ -117,4 +117,18 @@ mod tests {
         assert_eq!(r.take(2, 16), Some(6), "the rest of the merged hole");
         assert_eq!(r.take(1, 16), None);
     }
+
+    #[test]
+    fn holes_apart_are_never_merged() {
+        let mut r = Ranges::default();
+        for at in [0, 4, 8, 12] {
+            assert_eq!(r.take(4, 16), Some(at));
+        }
+        r.give(0, 4);
+        r.give(8, 4); // 4..8 still live between them
+        assert_eq!(r.take(8, 16), None, "two holes of 4, apart, do not hold 8");
+        let mut got = [r.take(4, 16), r.take(4, 16)];
+        got.sort_unstable();
+        assert_eq!(got, [Some(0), Some(8)], "each hole whole, as it was");
+    }
 }

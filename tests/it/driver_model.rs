@@ -532,6 +532,54 @@ fn a_peer_gets_access_only_where_can_access_peer_said_1() {
     assert_eq!(model.lost_with(), None);
 }
 
+// ---- Fact 59: VMM calls on cuMemAlloc memory. ----
+
+/// A `cuMemAlloc` allocation placed below a VMM mapping, a granule apart (top-down: the
+/// mapping first, then a spacer reservation, freed once the allocation is placed below it).
+fn an_allocation_below_a_mapping() -> (DriverModel, (u64, u64), u64) {
+    let model = opened(ModelConfig {
+        placement: Placement::TopDown,
+        ..config()
+    });
+    let mapping = mapped(&model);
+    let spacer = model.mem_address_reserve(G, G, 0).unwrap();
+    let plain = model.mem_alloc(G).unwrap();
+    // SAFETY: `spacer` is exactly one live reservation with nothing mapped.
+    unsafe { model.mem_address_free(spacer, G) }.unwrap();
+    assert!(
+        plain + (G as u64) < mapping.0,
+        "top-down, apart: {plain:#x} below {:#x}",
+        mapping.0
+    );
+    (model, mapping, plain)
+}
+
+/// VMM calls on a reservation beside a `cuMemAlloc` allocation (above it) are not misuse.
+/// Fails if the model takes memory past the allocation's end for the allocation's.
+#[test]
+fn vmm_calls_beside_cumemalloc_memory_are_not_misuse() {
+    let (model, (ptr, handle), plain) = an_allocation_below_a_mapping();
+    // SAFETY: `[ptr, ptr + G)` is exactly one live mapping of `handle`, unmapped before the
+    // release and the free; `plain` is a live `cuMemAlloc` start.
+    unsafe {
+        model.mem_set_access(ptr, G, &[(0, true)]).unwrap();
+        model.mem_unmap(ptr, G).unwrap();
+        model.mem_release(handle).unwrap();
+        model.mem_address_free(ptr, G).unwrap();
+        model.mem_free(plain).unwrap();
+    }
+    assert_eq!(model.lost_with(), None);
+}
+
+/// A VMM call on `cuMemAlloc` memory is misuse. Fails if the model lets it through.
+#[test]
+#[should_panic(expected = "a VMM call on memory cuMemAlloc made")]
+fn a_vmm_call_on_cumemalloc_memory_is_misuse() {
+    let (model, _, plain) = an_allocation_below_a_mapping();
+    // SAFETY: none holds — on purpose: the model panics before it touches anything.
+    let _ = unsafe { model.mem_unmap(plain, G) };
+}
+
 /// The legacy stream is not the model's to destroy (it is no stream object): misuse. Fails if
 /// the model lets it be marked destroyed.
 #[test]

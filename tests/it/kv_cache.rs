@@ -659,6 +659,15 @@ fn a_cache_of_two_blocks_hands_out_one_and_one_block_is_refused() {
     cache.replenish().unwrap();
     let mut table = cache.table();
     assert_eq!(cache.push(&mut table).unwrap(), 1);
+    assert_eq!(
+        format!("{cache:?}"),
+        format!(
+            "KvCache {{ planes: 1, blocks: {}, mapped_groups: {}, live_blocks: 1, .. }}",
+            cache.blocks(),
+            cache.mapped_groups()
+        ),
+        "its Debug says what it holds"
+    );
     cache.clear(&mut table);
     drop(table);
     drop(cache);

@@ -42,6 +42,23 @@ fn the_host_backend_says_the_os_page_size() {
     assert!(page <= host.granularity(), "{page}");
 }
 
+/// The host backend withholds nothing (no graph can use its memory): `Backend::withheld` says
+/// no for any range, mapped or given back, so a pool may hand any part of it to a new owner.
+/// Fails if the default answer withholds.
+#[test]
+fn the_host_backend_withholds_nothing() {
+    let host = HostBackend::with_defaults().unwrap();
+    let g = host.granularity();
+    let addr = host.reserve(g).unwrap();
+    let phys = host.create(g).unwrap();
+    host.map(addr, g, phys, Access::ReadWrite).unwrap();
+    assert!(!host.withheld(addr, g), "mapped");
+    host.unmap(addr, g).unwrap();
+    host.release(phys, g).unwrap();
+    assert!(!host.withheld(addr, g), "given back");
+    host.free(addr, g).unwrap();
+}
+
 /// Kills `src/backend/host.rs: replace > with == in HostBackend::check_capacity`: the host
 /// backend creates up to exactly its capacity, and refuses a byte more.
 #[test]

@@ -1008,6 +1008,7 @@ mod kept {
             Ok(())
         })
         .unwrap();
+        assert_eq!(step.stream(), stream, "it launches on the capture's stream");
         step.launch().unwrap();
         let unmaps = model.count(DriverCall::MemUnmap);
         drop(step);

@@ -129,6 +129,9 @@ fn a_transition_refused_for_another_reason_does_not_say_the_context_is_lost() {
     assert!(!lost(region.grow(3))); // full
     assert!(!lost(binding.reserve(usize::MAX / 2)));
     assert!(!lost(region.shrink(1))); // nothing committed: too many
+    // Into memtoken's `Error`, the answer stays no.
+    let as_error = memtoken::Error::from(poor.reserve(g).unwrap().commit().unwrap_err());
+    assert!(!as_error.is_context_lost(), "{as_error}");
 }
 
 /// A share whose first mapping loses the context is undone without a backend call: the

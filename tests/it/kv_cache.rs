@@ -393,6 +393,30 @@ fn a_block_given_back_under_a_running_kernel_waits_for_its_fence() {
     assert!(device.close().is_clean());
 }
 
+/// On a model whose work completes at once, the blocks given back are fenced by the next
+/// replenish and freed by it at once, and it counts them freed. Fails if that count is lost.
+#[test]
+fn a_replenish_counts_the_blocks_its_own_fence_freed() {
+    let model = common::model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(cache_guard);
+    let cache = KvCache::new(cache_guard, &binding, &model_layout(1024)).unwrap();
+    cache.replenish().unwrap();
+    let mut table = cache.table();
+    cache.push(&mut table).unwrap();
+    cache.push(&mut table).unwrap();
+    cache.clear(&mut table);
+    let done = cache.replenish().unwrap();
+    assert!(done.fenced, "{done:?}");
+    assert_eq!((done.freed, cache.cooling_blocks()), (2, 0), "{done:?}");
+    drop(table);
+    drop(cache);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
 /// The opening of the high-watermark tests: a cache over the held-fences model with four idle
 /// groups mapped, then its watermarks lowered to (0, 1), so that the next replenish finds three
 /// groups over the high one. A macro, not a function: the cache borrows the guard and the binding.

@@ -841,6 +841,7 @@ fn a_prefix_cache_at_its_limit_evicts_before_it_enters() {
     assert!(prefixes.enter(&seq, 1, 1));
     assert!(!prefixes.enter(&seq, 2, 2), "both cached blocks are held");
     assert_eq!(prefixes.len(), 2);
+    assert_eq!(format!("{prefixes:?}"), "PrefixCache { entries: 2, .. }");
     let ids = seq.ids().to_vec();
     let mut tail = cache.table();
     cache.share(&seq, 2, &mut tail);

@@ -6,7 +6,7 @@
 use crate::common::{self, setup};
 use memtoken::backend::cuda::{CaptureMode, CudaBackend, DriverCall};
 use memtoken::backend::doubles::{DriverModel, ModelConfig};
-use memtoken::backend::{HostBackend, Op};
+use memtoken::backend::{BackendError, HostBackend, Op};
 use memtoken::kv::{KvCache, KvError, Layout};
 use memtoken::{Budget, Device, make_guard};
 
@@ -336,23 +336,26 @@ fn a_give_back_after_the_context_is_lost_calls_nothing_and_keeps_the_groups() {
     );
     let before = model.calls_after_loss();
     cache.set_watermarks(0, 0);
-    // The error names the group's memory: its first granule in plane 0, and all of them.
+    // Each error names the group's memory: its first granule in plane 0, and all of them.
+    let names_the_group = |group: usize, cause: &BackendError| {
+        assert!(cause.is_context_lost(), "{cause}");
+        let first = group * cache.blocks_per_group();
+        assert_eq!(
+            (cause.addr, cause.len),
+            (
+                cache.block_addr(0, first as u32),
+                cache.blocks_per_group() * (64 << 10)
+            ),
+            "{cause}"
+        );
+    };
     let Err(KvError::Unmap { group, cause }) = cache.replenish() else {
         panic!("no group can be given back");
     };
-    assert!(cause.is_context_lost(), "{cause}");
-    let first = group * cache.blocks_per_group();
-    assert_eq!(
-        (cause.addr, cause.len),
-        (
-            cache.block_addr(0, first as u32),
-            cache.blocks_per_group() * (64 << 10)
-        ),
-        "{cause}"
-    );
+    names_the_group(group, &cause);
     assert_eq!(model.calls_after_loss(), before, "no call after the loss");
     assert_eq!((cache.mapped_groups(), cache.free_blocks()), (mapped, free));
-    // A map names the memory it could not map: the group's first granule, and all of them.
+    // A map names the memory it could not map.
     cache.set_watermarks(8, 8);
     let Err(KvError::Map { group, cause }) = cache.replenish() else {
         panic!("no group can be mapped");
@@ -360,16 +363,7 @@ fn a_give_back_after_the_context_is_lost_calls_nothing_and_keeps_the_groups() {
     let memtoken::errors::CommitFailure::Backend(cause) = *cause else {
         panic!("not the backend's refusal: {cause}");
     };
-    assert!(cause.is_context_lost(), "{cause}");
-    let first = group * cache.blocks_per_group();
-    assert_eq!(
-        (cause.addr, cause.len),
-        (
-            cache.block_addr(0, first as u32),
-            cache.blocks_per_group() * (64 << 10)
-        ),
-        "{cause}"
-    );
+    names_the_group(group, &cause);
     assert_eq!(model.calls_after_loss(), before, "no call after the loss");
     cache.check_blocks().unwrap();
     drop(cache);

@@ -489,6 +489,9 @@ fn a_capture_ended_elsewhere_before_its_id_is_asked_is_refused_as_such() {
     assert_eq!(unsafe { model.stream_is_capturing(stream) }, Ok(false));
     assert_eq!(model.lost_with(), None);
     assert!(device.forget_stream(stream), "the stream was left lent");
+    let graph = model.hook_graph().expect("the other party holds the graph");
+    // SAFETY: the model's own graph, never instantiated, not used after.
+    unsafe { model.graph_destroy(graph) }.unwrap();
 }
 
 /// A capture whose id question loses the context: refused, and nothing is called after the

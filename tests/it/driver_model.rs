@@ -575,7 +575,9 @@ fn vmm_calls_beside_cumemalloc_memory_are_not_misuse() {
 #[test]
 #[should_panic(expected = "a VMM call on memory cuMemAlloc made")]
 fn a_vmm_call_on_cumemalloc_memory_is_misuse() {
-    let (model, _, plain) = an_allocation_below_a_mapping();
+    // No spacer here: its free, next to the allocation, must not be what panics.
+    let model = opened(config());
+    let plain = model.mem_alloc(G).unwrap();
     // SAFETY: none holds — on purpose: the model panics before it touches anything.
     let _ = unsafe { model.mem_unmap(plain, G) };
 }

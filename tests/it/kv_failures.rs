@@ -448,10 +448,10 @@ fn a_group_left_partly_mapped_goes_as_the_cache_sleeps() {
     );
 }
 
-/// A group left partly mapped (no live block in it) goes at the next replenish that finds it
-/// over the watermarks, with the idle groups over the high one: what it still had mapped is
-/// unmapped. Fails if a replenish gives back only the idle groups and keeps the partly mapped
-/// one's granule mapped for as long as the cache is awake.
+/// A group left partly mapped (no live block in it) goes at the next replenish, whatever the
+/// watermarks (here no idle group is over the high one): what it still had mapped is
+/// unmapped. Fails if a replenish gives back only the idle groups over the high watermark and
+/// keeps the partly mapped one's granule mapped for as long as the cache is awake.
 #[test]
 fn a_group_left_partly_mapped_goes_at_the_next_replenish() {
     partly_mapped_group!(device, faults, binding, cache, g, mapped);
@@ -464,4 +464,7 @@ fn a_group_left_partly_mapped_goes_at_the_next_replenish() {
     );
     assert_eq!(cache.mapped_groups(), 3);
     cache.check_blocks().unwrap();
+    drop(cache);
+    drop(binding);
+    assert!(device.close().is_clean());
 }

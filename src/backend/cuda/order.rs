@@ -59,6 +59,8 @@ impl<D: Driver> CudaBackend<D> {
             uses.readers.push(stream);
         }
         earlier.retain(|&other| other != stream);
+        // Each stream once: the writer may also be a reader (it read after its write).
+        earlier.sort_unstable();
         earlier.dedup();
         let mut host_waits = Vec::new();
         for other in earlier {

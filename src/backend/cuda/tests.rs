@@ -399,10 +399,10 @@ fn a_merged_group_is_fenced_on_every_stream_either_group_was_touched_by() {
     assert_eq!(j.model.lost_with(), None);
 }
 
-/// A merge keeps the earlier uses of the group that goes: once `second` has joined `first`'s
-/// group, a write through `first` on a third stream waits for `b`'s use of `second` from
-/// before the join, as for `a`'s write to `first`. Fails if the merge drops the readers and
-/// the writer of the group that goes.
+/// A merge keeps the earlier uses of the group that goes: `b` wrote `second` before the join,
+/// so once `second` has joined `first`'s group, a write through `first` on a third stream
+/// waits for the work queued on `b` (here after the join), as for `a`'s write to `first`.
+/// Fails if the merge drops the readers and the writer of the group that goes.
 #[test]
 #[allow(unsafe_code)] // the backend's `order_use` and the driver's event calls, each proven
 fn a_write_through_a_merged_group_waits_for_the_earlier_uses_of_either_group() {
@@ -460,6 +460,35 @@ fn a_write_after_a_merge_waits_once_for_each_earlier_stream() {
     model.complete_work();
     backend.unmap(first, g).unwrap();
     backend.unmap(second, g).unwrap();
+    assert_eq!(model.lost_with(), None);
+}
+
+/// A write waits once for each earlier stream, also where the last writer read the memory
+/// after its write (it is then both the writer and a reader). Fails if such a stream is waited
+/// for twice (a second `cuStreamWaitEvent` on it).
+#[test]
+#[allow(unsafe_code)] // the backend's `order_use`, proven at each call
+fn a_write_waits_once_for_a_writer_that_read_since() {
+    let (model, backend) = lazy_model();
+    let (a, d) = two_known_streams(&model, &backend);
+    let (c, _) = two_known_streams(&model, &backend);
+    let (x, g) = one_mapped_granule(&backend);
+    // SAFETY: `a`, `d` and `c` are known to the backend and live (as long as the model).
+    unsafe {
+        backend.order_use(a, x, true); // written on `a`,
+        backend.order_use(d, x, false); // read on `d`,
+        backend.order_use(a, x, false); // and read on `a`
+    }
+    let waits = model.count(DriverCall::StreamWaitEvent);
+    // SAFETY: as above.
+    unsafe { backend.order_use(c, x, true) };
+    assert_eq!(
+        model.count(DriverCall::StreamWaitEvent) - waits,
+        2,
+        "one wait for `a`, one for `d`"
+    );
+    model.complete_work();
+    backend.unmap(x, g).unwrap();
     assert_eq!(model.lost_with(), None);
 }
 

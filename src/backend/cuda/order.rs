@@ -55,13 +55,12 @@ impl<D: Driver> CudaBackend<D> {
             earlier.extend(uses.readers.iter().copied());
             uses.writer = Some(stream);
             uses.readers.clear();
-        } else if !uses.readers.contains(&stream) {
+        } else if uses.writer != Some(stream) && !uses.readers.contains(&stream) {
+            // The writer is never also a reader (a wait for it covers its reads since), as in
+            // a merge of groups (`CudaState::join`): each earlier stream is listed once.
             uses.readers.push(stream);
         }
         earlier.retain(|&other| other != stream);
-        // Each stream once: the writer may also be a reader (it read after its write).
-        earlier.sort_unstable();
-        earlier.dedup();
         let mut host_waits = Vec::new();
         for other in earlier {
             if !s.holds(other) {

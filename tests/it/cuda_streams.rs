@@ -252,21 +252,32 @@ fn a_failed_wait_falls_back_to_the_whole_stream() {
     assert!(device.close().is_clean());
 }
 
+/// A covered device over a new model, its binding, and a committed granule `$a` that a kernel
+/// on `$stream` uses; the release's second `cuEventSynchronize` (the fence's marks: the legacy
+/// stream's first, then `$stream`'s) is planned to fail with `$error`.
+macro_rules! used_with_the_second_wait_failing {
+    ($model:ident, $device:ident, $stream:ident, $binding:ident, $a:ident, $error:expr) => {
+        let $model = model(false);
+        common::covered_device!($model, $device, $stream);
+        let $binding = $device.bind(Budget::unlimited()).unwrap();
+        let $a = $binding.reserve(G).unwrap().commit().unwrap();
+        $model.submit_work_on($stream); // a kernel uses `$a`
+        $model.fail_nth(DriverCall::EventSynchronize, 2, $error);
+    };
+}
+
 /// A wait whose event wait loses the context stops there: the release is refused, and
 /// nothing is called after the loss. Fails if the lost context is taken for an ordinary
 /// failure, and the wait falls back to waiting for the whole stream.
 #[test]
 fn a_wait_that_loses_the_context_calls_nothing_after_it() {
-    let model = model(false);
-    common::covered_device!(model, device, stream);
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    let a = binding.reserve(G).unwrap().commit().unwrap();
-    model.submit_work_on(stream); // a kernel uses `a`
-    // The fence's marks: the legacy stream's first, then `stream`'s, whose wait loses it.
-    model.fail_nth(
-        DriverCall::EventSynchronize,
-        2,
-        CuError::CONTEXT_IS_DESTROYED,
+    used_with_the_second_wait_failing!(
+        model,
+        device,
+        stream,
+        binding,
+        a,
+        CuError::CONTEXT_IS_DESTROYED
     );
     let e = a.release().wait().map(drop).unwrap_err();
     assert!(
@@ -283,13 +294,7 @@ fn a_wait_that_loses_the_context_calls_nothing_after_it() {
 /// as for a stream a view still uses), or the whole-stream wait's event is never destroyed.
 #[test]
 fn a_stream_waited_for_whole_after_a_failed_wait_can_be_let_go() {
-    let model = model(false);
-    common::covered_device!(model, device, stream);
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    let a = binding.reserve(G).unwrap().commit().unwrap();
-    model.submit_work_on(stream); // a kernel uses `a`
-    // The fence's marks: the legacy stream's first, then `stream`'s, whose wait fails.
-    model.fail_nth(DriverCall::EventSynchronize, 2, CuError::UNKNOWN);
+    used_with_the_second_wait_failing!(model, device, stream, binding, a, CuError::UNKNOWN);
     let whole = model.count(DriverCall::EventSynchronize);
     a.release().wait().map_err(|e| e.to_string()).unwrap();
     assert!(
@@ -314,12 +319,7 @@ fn a_stream_waited_for_whole_after_a_failed_wait_can_be_let_go() {
 /// `cuEventRecord`: the legacy stream's mark, the stream's, then this one) fails with
 /// `error`. The wait's outcome, and the model after it.
 fn release_whose_whole_stream_wait_cannot_record(error: CuError) -> (bool, DriverModel) {
-    let model = model(false);
-    common::covered_device!(model, device, stream);
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    let a = binding.reserve(G).unwrap().commit().unwrap();
-    model.submit_work_on(stream);
-    model.fail_nth(DriverCall::EventSynchronize, 2, CuError::UNKNOWN);
+    used_with_the_second_wait_failing!(model, device, stream, binding, a, CuError::UNKNOWN);
     model.fail_nth(DriverCall::EventRecord, 3, error);
     let waited = match a.release().wait() {
         Ok(_) => true,

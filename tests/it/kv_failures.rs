@@ -408,6 +408,53 @@ fn a_failed_map_gives_the_granules_it_took_from_the_cache_back_to_it() {
     assert!(device.close().is_clean());
 }
 
+/// A group whose map fails after it took one granule from the device's cache and created
+/// one gives the cached granule back to the cache and releases the created one: unmapping from
+/// the top, the created granule's release comes between the two unmaps. Kills `src/kv/plane.rs:
+/// replace match guard k < from_cache with true in map_granules`, which caches the created
+/// granule in the room made for the cached one and releases the cached one instead.
+#[test]
+fn a_failed_map_releases_what_it_created_and_caches_what_it_took() {
+    let sim = common::sim(64 * common::GRANULE as u64);
+    setup!(sim.clone(), device, faults);
+    let g = common::GRANULE;
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(cache_guard);
+    // Blocks of three granules in one plane: a group is one block.
+    let cache = KvCache::new(cache_guard, &binding, &Layout::new(8, 16).plane(3 * g)).unwrap();
+    device.set_cache_cap(g as u64);
+    cache.set_watermarks(2, 2);
+    cache.replenish().unwrap();
+    cache.set_watermarks(1, 1);
+    cache.replenish().unwrap(); // a group goes: one granule cached, two released
+    assert_eq!(device.cached_bytes(), g as u64, "setup: one cached");
+    let groups = cache.mapped_groups();
+    faults.fail_nth(Op::Create, 2); // the group's second new granule, its third
+    let start = sim.calls().len();
+    cache.set_watermarks(2, 2);
+    assert!(matches!(cache.replenish(), Err(KvError::Map { .. })));
+    assert_eq!(
+        cache.mapped_groups(),
+        groups,
+        "the failed group is not mapped"
+    );
+    let undone: Vec<Op> = sim.calls()[start..]
+        .iter()
+        .map(|c| c.op)
+        .filter(|&op| matches!(op, Op::Unmap | Op::Release))
+        .collect();
+    assert_eq!(
+        undone,
+        [Op::Unmap, Op::Release, Op::Unmap],
+        "the created granule (on top) released, then the cached one unmapped back to the cache"
+    );
+    assert_eq!(device.cached_bytes(), g as u64, "the cache keeps one");
+    cache.check_blocks().unwrap();
+    drop(cache);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
 /// A cache of [`two_plane_host_cache!`] whose group over the high watermark is left partly
 /// mapped: its unmap fails on the second plane. `$g` is the granularity, `$mapped` the bytes
 /// mapped before (the null block's group and three idle ones, whole).

@@ -555,6 +555,55 @@ fn an_undone_growth_from_the_cache_gives_it_all_back() {
     region.release().complete().unwrap();
 }
 
+/// An undone growth that took one granule from the cache and created one gives the cached one
+/// back to the cache and releases the created one: unmapping from the top, the created
+/// granule's release comes between the two unmaps, and the cache keeps the granule it had.
+/// Kills `src/region.rs: replace match guard i - start < from_cache with true` and `replace <
+/// with <=` in `Allocation<'b, 'id, B, Elastic>::undo_grow`, which cache the created granule in
+/// the room made for the cached one and release the cached one instead.
+#[test]
+fn an_undone_growth_releases_what_it_created_and_caches_what_it_took() {
+    let sim = common::sim(16 * GRANULE as u64);
+    setup!(sim.clone(), device, faults);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    device.set_cache_cap(GRANULE as u64);
+    let mut warm = binding.reserve(GRANULE).unwrap().into_region().grown(1);
+    warm.shrink(1).unwrap();
+    warm.release().complete().unwrap();
+    assert_eq!(device.cached_bytes(), GRANULE as u64, "setup: one cached");
+    let mut region = binding.reserve(3 * GRANULE).unwrap().into_region();
+    faults.fail_nth(Op::Create, 2); // the growth's second new granule, its third
+    let start = sim.calls().len();
+    let e = region
+        .grow(3)
+        .expect_err("the second create was failed on purpose");
+    assert!(
+        matches!(
+            e,
+            GrowError::Undone {
+                at: 2,
+                quarantined: 0,
+                ..
+            }
+        ),
+        "{e:?}"
+    );
+    let undone: Vec<Op> = sim.calls()[start..]
+        .iter()
+        .map(|c| c.op)
+        .filter(|&op| matches!(op, Op::Unmap | Op::Release))
+        .collect();
+    assert_eq!(
+        undone,
+        [Op::Unmap, Op::Release, Op::Unmap],
+        "the created granule (on top) released, then the cached one unmapped back to the cache"
+    );
+    assert_eq!(device.cached_bytes(), GRANULE as u64, "the cache keeps one");
+    region.release().complete().unwrap();
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
 /// Kills `src/region.rs: replace * with / in Allocation<'b, 'id, B, Elastic>::grow`: a growth
 /// refused for a lost context names the granules it would have mapped.
 #[test]

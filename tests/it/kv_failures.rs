@@ -438,16 +438,7 @@ fn a_failed_map_releases_what_it_created_and_caches_what_it_took() {
         groups,
         "the failed group is not mapped"
     );
-    let undone: Vec<Op> = sim.calls()[start..]
-        .iter()
-        .map(|c| c.op)
-        .filter(|&op| matches!(op, Op::Unmap | Op::Release))
-        .collect();
-    assert_eq!(
-        undone,
-        [Op::Unmap, Op::Release, Op::Unmap],
-        "the created granule (on top) released, then the cached one unmapped back to the cache"
-    );
+    common::assert_created_released_then_cached_unmapped(&sim, start);
     assert_eq!(device.cached_bytes(), g as u64, "the cache keeps one");
     cache.check_blocks().unwrap();
     drop(cache);

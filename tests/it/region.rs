@@ -588,16 +588,7 @@ fn an_undone_growth_releases_what_it_created_and_caches_what_it_took() {
         ),
         "{e:?}"
     );
-    let undone: Vec<Op> = sim.calls()[start..]
-        .iter()
-        .map(|c| c.op)
-        .filter(|&op| matches!(op, Op::Unmap | Op::Release))
-        .collect();
-    assert_eq!(
-        undone,
-        [Op::Unmap, Op::Release, Op::Unmap],
-        "the created granule (on top) released, then the cached one unmapped back to the cache"
-    );
+    common::assert_created_released_then_cached_unmapped(&sim, start);
     assert_eq!(device.cached_bytes(), GRANULE as u64, "the cache keeps one");
     region.release().complete().unwrap();
     drop(binding);

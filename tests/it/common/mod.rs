@@ -7,7 +7,7 @@ pub mod allocations;
 pub mod gate;
 
 use memtoken::backend::{
-    HostBackend,
+    HostBackend, Op,
     doubles::{SimBackend, SimConfig},
 };
 use memtoken::backend::{
@@ -100,6 +100,23 @@ pub fn sim(physical_capacity: u64) -> SimBackend {
         ..SimConfig::default()
     })
     .unwrap()
+}
+
+/// Asserts that the simulator's unmaps and releases since its call number `start` were, in
+/// order, the undo of a growth that took one granule from the device's cache and created one:
+/// the created granule (on top) unmapped and released, then the cached one unmapped (back to
+/// the cache, no release).
+pub fn assert_created_released_then_cached_unmapped(sim: &SimBackend, start: usize) {
+    let undone: Vec<Op> = sim.calls()[start..]
+        .iter()
+        .map(|c| c.op)
+        .filter(|&op| matches!(op, Op::Unmap | Op::Release))
+        .collect();
+    assert_eq!(
+        undone,
+        [Op::Unmap, Op::Release, Op::Unmap],
+        "the created granule (on top) released, then the cached one unmapped back to the cache"
+    );
 }
 
 /// Asserts that `error`'s message starts with `summary`: a failure says what failed first.

@@ -44,15 +44,17 @@ fn the_host_backend_says_the_os_page_size() {
 
 /// The host backend withholds nothing (no graph can use its memory): `Backend::withheld` says
 /// no for any range, mapped or given back, so a pool may hand any part of it to a new owner.
-/// Fails if the default answer withholds.
+/// And it maps at reserved addresses, so `Backend::placed` says memory lives where it was
+/// reserved. Fails if either default answer changes (withholds, or places elsewhere).
 #[test]
-fn the_host_backend_withholds_nothing() {
+fn the_host_backend_withholds_nothing_and_places_at_the_reservation() {
     let host = HostBackend::with_defaults().unwrap();
     let g = host.granularity();
     let addr = host.reserve(g).unwrap();
     let phys = host.create(g).unwrap();
     host.map(addr, g, phys, Access::ReadWrite).unwrap();
     assert!(!host.withheld(addr, g), "mapped");
+    assert_eq!(host.placed(addr, phys), addr, "where it was reserved");
     host.unmap(addr, g).unwrap();
     host.release(phys, g).unwrap();
     assert!(!host.withheld(addr, g), "given back");

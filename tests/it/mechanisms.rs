@@ -397,8 +397,9 @@ fn a_probe_that_panics_refuses_its_selection() {
     assert_eq!(registry.selected(), Some(p));
 }
 
-/// `on_selected` tries again when what it makes fails because its mechanism stopped being
-/// active meanwhile, and a name that panics leaves the registry as it was.
+/// `on_selected` tries again when its mechanism stopped being active as it made something:
+/// whether the making failed for it or succeeded (what was made is dropped, never returned on
+/// a dead mechanism). And a name that panics leaves the registry as it was.
 #[test]
 fn making_on_a_mechanism_that_dies_meanwhile_tries_the_next_and_a_panicking_name_changes_nothing() {
     let (registry, [p, x]) = selected_first(["p", "x"]);
@@ -412,6 +413,19 @@ fn making_on_a_mechanism_that_dies_meanwhile_tries_the_next_and_a_panicking_name
         }
     });
     assert!(matches!(out, Ok(ref m) if m.mechanism == p), "{out:?}");
+
+    let (registry, [p, x]) = selected_first(["p", "x"]);
+    registry.select(x).unwrap();
+    let out = registry.on_selected(|id| -> Result<_, &str> {
+        if id == x {
+            registry.lose(x).unwrap(); // lost as it is made, but made
+        }
+        Ok(id)
+    });
+    assert!(
+        matches!(out, Ok(ref m) if m.mechanism == p && m.value == p),
+        "made again on the mechanism selected now: {out:?}"
+    );
 
     struct Bomb;
     impl From<Bomb> for String {

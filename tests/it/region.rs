@@ -978,6 +978,41 @@ fn only_a_lower_device_tail_cap_asks_the_tails_back() {
     assert!(device.close().is_clean());
 }
 
+/// A growth that fails having taken nothing from its region's tail asks no tail back, even
+/// while the tails are over the device's cap (one that took granules from its tail and puts
+/// them back there asks then). Fails if its undo asks too (`grow`'s `from_tail > 0` →
+/// `>= 0`): a region that had answered every request would give its tail back at its next
+/// shrink.
+#[test]
+fn a_failed_growth_that_took_nothing_from_its_tail_asks_no_tail_back() {
+    setup!(host(), device, faults);
+    let g = device.granularity();
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut a = binding.reserve(4 * g).unwrap().into_region();
+    let mut b = binding.reserve(4 * g).unwrap().into_region();
+    a.set_tail_cap(2).unwrap();
+    let mut a = a.grown(2);
+    a.shrink(2).unwrap();
+    assert_eq!(a.tail_granules(), 2);
+    device.set_tail_cap(g as u64); // lowered, under a's tail: asks the tails back
+    b.set_tail_cap(2).unwrap(); // b answers the request
+    faults.fail_nth(Op::Map, 1);
+    let e = b.grow(1).expect_err("its map was failed on purpose");
+    assert!(matches!(e, GrowError::Undone { at: 0, .. }), "{e:?}");
+    a.release().complete().unwrap(); // the tails are under the cap again
+    assert_eq!(device.tail_bytes(), 0);
+    b.grow(1).unwrap();
+    b.shrink(1).unwrap();
+    assert_eq!(
+        b.tail_granules(),
+        1,
+        "b answered every request: its shrink keeps a tail under the cap"
+    );
+    drop(b);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
 /// Asked for the tails back — by a budget that refuses a commit while tails hold bytes, by
 /// `trim_cache`, or by hand — a region keeps no tail at its next shrink: its tail goes through
 /// the cache (and `trim_cache` releases it there). A growth before that takes the tail first, as

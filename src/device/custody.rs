@@ -512,3 +512,36 @@ pub struct WithheldForPeer {
     /// The peer that may still touch it.
     pub peer: String,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::WithheldForPeer;
+    use crate::backend::HostBackend;
+    use crate::{Budget, Device, make_guard};
+
+    /// A token withheld for a peer (as the NIXL module withholds memory a peer never said it
+    /// was done with) is listed by `withheld_for_peers` with its range, allocation and peer, and
+    /// so is it in the close report, which is not clean. Fails if the list is not kept: the
+    /// main mutation run builds no NIXL module, whose tests check the list too.
+    #[test]
+    fn a_token_withheld_for_a_peer_is_listed_with_its_peer() {
+        make_guard!(guard);
+        let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        let g = device.granularity();
+        let token = binding.reserve(g).unwrap().commit().unwrap();
+        let (addr, generation) = (token.addr(), token.generation());
+        token.withhold_for_peer("decode-0".to_string());
+        let expected = vec![WithheldForPeer {
+            addr,
+            len: g,
+            generation,
+            peer: "decode-0".to_string(),
+        }];
+        assert_eq!(device.withheld_for_peers(), expected);
+        drop(binding);
+        let report = device.close();
+        assert_eq!(report.withheld_for_peers, expected);
+        assert!(!report.is_clean());
+    }
+}

@@ -1012,6 +1012,10 @@ mod kept {
         })
         .unwrap();
         assert_eq!(step.stream(), stream, "it launches on the capture's stream");
+        assert_eq!(
+            format!("{step:?}"),
+            format!("OwningGraph {{ stream: {stream:#x}, .. }}")
+        );
         step.launch().unwrap();
         let unmaps = model.count(DriverCall::MemUnmap);
         drop(step);

@@ -1109,6 +1109,35 @@ fn a_host_copy_after_a_kernel_on_a_covered_stream_waits_for_it() {
     assert!(device.close().is_clean());
 }
 
+/// A host copy waits once for each stream it must follow: a covered stream that a view also
+/// used the memory on is one stream, waited for once (one `cuStreamWaitEvent`). Fails if the
+/// streams the views used are added again where the covered ones list them already
+/// (`order_legacy_after`'s `&&` → `||`: a second wait, and the legacy stream waiting on
+/// itself).
+#[test]
+fn a_host_copy_waits_once_for_a_covered_stream_a_view_used() {
+    let model = model(false);
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let mut x = binding.reserve(G).unwrap().commit().unwrap();
+    let ptr = x.stream_view_mut::<u8>(stream).unwrap().device_ptr_mut();
+    model.submit_work_touching(stream, &[(ptr, G)]); // a kernel writing `x`
+    let waits = model.count(DriverCall::StreamWaitEvent);
+    let mut back = [0u8; 16];
+    x.copy_to_host(0, &mut back).unwrap();
+    assert_eq!(model.stale_reads(), 0, "the copy read under the kernel");
+    assert_eq!(
+        model.count(DriverCall::StreamWaitEvent),
+        waits + 1,
+        "one wait for the one stream: {:?}",
+        model.log()
+    );
+    model.complete_work();
+    drop(x);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
 /// Two views of one token on two streams — a read on the second
 /// runs after the first's write, and a write runs after every earlier read on other streams.
 /// On the model, finishing the later use finishes the earlier ones first (the GPU cannot run it

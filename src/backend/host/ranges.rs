@@ -118,6 +118,25 @@ mod tests {
         assert_eq!(r.take(1, 16), None);
     }
 
+    /// A hole left just under the top when the range above it went (the top fell only by that
+    /// range) is merged into the top, which then has room. Fails if the merge's bump from the
+    /// lowered top is refused.
+    #[test]
+    fn a_hole_under_the_top_goes_back_to_the_top() {
+        let mut r = Ranges::default();
+        for at in [0, 4, 8, 12] {
+            assert_eq!(r.take(4, 16), Some(at));
+        }
+        r.give(8, 4);
+        r.give(12, 4); // the top falls to 12; the hole at 8 stays a hole
+        assert_eq!(
+            r.take(8, 16),
+            Some(8),
+            "8..16, from the top lowered over the hole"
+        );
+        assert_eq!(r.take(1, 16), None, "full");
+    }
+
     #[test]
     fn holes_apart_are_never_merged() {
         let mut r = Ranges::default();

@@ -998,7 +998,8 @@ mod kept {
 
     /// Dropping the stored form destroys the graph before it drops its tokens: with the launch
     /// finished, the token's release unmaps at once and nothing is left. Fails if the tokens go
-    /// first (their memory is still held for the graph: quarantined, the ledger not zero).
+    /// first (their memory is still held for the graph: quarantined, the ledger not zero). Its
+    /// stream and Debug output (the stream, in hex) are checked on the way.
     #[test]
     fn a_dropped_graph_goes_before_its_tokens() {
         let model = super::model();

@@ -288,29 +288,6 @@ fn a_wait_that_loses_the_context_calls_nothing_after_it() {
     common::assert_lost_and_nothing_called_after(&model);
 }
 
-/// A whole-stream wait, after a failed event wait, that finds the context lost as it makes
-/// it current calls nothing after the loss: the release is refused as lost. Two checks see
-/// the loss before the `cuStreamSynchronize` — the failed enter's, and the capture check after
-/// it (a lost context counts as capturing) — so this fails only if neither does; without the
-/// first alone (`synchronize_stream`'s guard → false) it passes, and that mutant is argued
-/// equivalent (`.cargo/mutants-survivors.md`).
-#[test]
-fn a_whole_stream_wait_that_finds_the_context_lost_calls_nothing_after_it() {
-    used_with_the_second_wait_failing!(model, device, stream, binding, a, CuError::UNKNOWN);
-    // The release makes the context current three times up to its second event wait; the
-    // fourth is the whole-stream wait's.
-    model.fail_nth(DriverCall::CtxSetCurrent, 4, CuError::CONTEXT_IS_DESTROYED);
-    let e = a.release().wait().map(drop).unwrap_err();
-    assert!(
-        memtoken::errors::Failure::is_context_lost(&e.cause),
-        "{}",
-        e.cause
-    );
-    assert_eq!(model.count(DriverCall::StreamSynchronize), 0);
-    common::assert_lost_and_nothing_called_after(&model);
-    std::mem::forget(e); // lost: its memory is the driver's to free
-}
-
 /// A fence's wait that fails falls back to waiting for the whole stream, and lends the stream
 /// for that wait only: once the release is done, the stream can be let go, and no event of the
 /// waits is left. Fails if the lend is never ended (`forget_stream` then says `false` for ever,
@@ -1135,8 +1112,7 @@ fn a_host_copy_after_a_kernel_on_a_covered_stream_waits_for_it() {
 /// A host copy waits once for each stream it must follow: a covered stream that a view also
 /// used the memory on is one stream, waited for once (one `cuStreamWaitEvent`). Fails if the
 /// streams the views used are added again where the covered ones list them already
-/// (`order_legacy_after`'s `&&` → `||`: a second wait, and the legacy stream waiting on
-/// itself).
+/// (`order_legacy_after`'s `&&` → `||`: a second wait for the stream).
 #[test]
 fn a_host_copy_waits_once_for_a_covered_stream_a_view_used() {
     let model = model(false);

@@ -6,7 +6,8 @@
 
 use crate::common::GRANULE;
 use memtoken::backend::{
-    Access, Backend, Cause, Exportable, HostBackend, HostConfig, PosixFd, Shareable, Violation,
+    Access, Backend, Cause, Exportable, HostBackend, HostConfig, HostMemory, Op, PosixFd,
+    Shareable, Violation,
 };
 
 /// A host backend whose physical capacity is `pages` pages, and its page size.
@@ -59,6 +60,59 @@ fn the_host_backend_withholds_nothing_and_places_at_the_reservation() {
     host.release(phys, g).unwrap();
     assert!(!host.withheld(addr, g), "given back");
     host.free(addr, g).unwrap();
+}
+
+/// Set in the child process of [`a_copy_the_file_takes_in_part_goes_on_where_it_stopped`].
+const SHORT_WRITE_CHILD: &str = "MEMTOKEN_SHORT_WRITE_CHILD";
+
+/// A copy into memory of the `memfd` store that `pwrite` takes in part goes on from where the
+/// part ended: under a file-size limit (`RLIMIT_FSIZE`) half a granule past the store's start,
+/// the first `pwrite` of a granule at offset 0 writes half, and the second, from the half, is
+/// refused (`EFBIG`), so the copy fails. Run in a child process (the limit is the process's),
+/// started through `sh` to ignore `SIGXFSZ`, which would otherwise kill it. Fails if the
+/// offset does not move on by what was written (`copy_into_phys`' `at += n` → `*=` writes the
+/// second half over the first and succeeds; `-=` wraps below 0).
+#[test]
+#[cfg_attr(miri, ignore = "runs a child process with a file-size limit")]
+fn a_copy_the_file_takes_in_part_goes_on_where_it_stopped() {
+    const NAME: &str = "host_backend::a_copy_the_file_takes_in_part_goes_on_where_it_stopped";
+    if std::env::var_os(SHORT_WRITE_CHILD).is_none() {
+        let out = std::process::Command::new("sh")
+            .args(["-c", "trap '' XFSZ; exec \"$0\" \"$@\""])
+            .arg(std::env::current_exe().unwrap())
+            .args([NAME, "--exact", "--nocapture", "--test-threads=1"])
+            .env(SHORT_WRITE_CHILD, "1")
+            .output()
+            .expect("run this test binary as a child");
+        let said = String::from_utf8_lossy(&out.stdout) + String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{said}");
+        assert!(said.contains("1 passed"), "the child ran the test: {said}");
+        return;
+    }
+    let host = HostBackend::new(HostConfig {
+        memory: HostMemory::Memfd,
+        ..HostConfig::default()
+    })
+    .unwrap();
+    let g = host.granularity();
+    let into = host.create(g).unwrap(); // the store's first range: at offset 0 of its file
+    let from = host.create(g).unwrap();
+    let addr = host.reserve(g).unwrap();
+    host.map(addr, g, from, Access::ReadWrite).unwrap();
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Fsize);
+    setrlimit(
+        Resource::Fsize,
+        Rlimit {
+            current: Some(g as u64 / 2),
+            maximum: limit.maximum,
+        },
+    )
+    .unwrap();
+    let copied = host.copy_into_phys(into, addr, g);
+    setrlimit(Resource::Fsize, limit).unwrap();
+    let e = copied.expect_err("the second half is past the file-size limit");
+    assert_eq!(e.op, Op::Copy, "{e}");
 }
 
 /// Kills `src/backend/host.rs: replace > with == in HostBackend::check_capacity`: the host

@@ -162,6 +162,40 @@ fn a_scratch_range_waiting_to_be_freed_is_not_the_callers_to_map() {
     assert_eq!(model.outstanding().reservations, 1);
 }
 
+/// A use on a stream the backend does not hold (neither covered nor known), or on the
+/// per-thread stream, is not noted (`touch` says `false`), and a device view's use there is
+/// refused with nothing called for it (only the home stream's own order); a held stream's is
+/// noted, as the home stream's use was. Fails if `touch` takes a stream it
+/// does not hold (its `||` → `&&`).
+#[test]
+#[allow(unsafe_code)] // the backend's `use_through_view`, proven at the call
+fn a_use_on_a_stream_the_backend_does_not_hold_is_not_noted() {
+    let (model, backend) = lazy_model();
+    let (other, home) = two_known_streams(&model, &backend);
+    let stranger = model.new_stream();
+    let (addr, g) = one_mapped_granule(&backend);
+    assert!(!backend.touch(stranger, addr), "a stream it does not hold");
+    assert!(!backend.touch(PER_THREAD_STREAM, addr), "the per-thread stream");
+    let calls = model.log().len();
+    // SAFETY: `home` is held by the backend and stands for a view's lent home stream;
+    // `stranger` is a live stream of the model's context.
+    assert!(!unsafe { backend.use_through_view(home, stranger, addr, false) });
+    assert_eq!(
+        model.log().len(),
+        calls + 2,
+        "the home stream's own order only (enter, capture check): {:?}",
+        &model.log()[calls..]
+    );
+    assert!(backend.touch(other, addr), "a known stream");
+    let s = lock(&backend.state);
+    let key = s.uses_key(addr).expect("the memory's uses");
+    let touched = &s.uses[&key].touched;
+    assert!(!touched.contains(&stranger), "{touched:?}");
+    assert!(touched.contains(&other) && touched.contains(&home), "{touched:?}");
+    drop(s);
+    backend.unmap(addr, g).unwrap();
+}
+
 /// A device view's use on another stream than its home (`use_through_view`, which
 /// `DeviceView` calls on the real driver), with a capture another thread begins on the home
 /// stream between the check and the join's record (the model's hook): the other stream never

@@ -314,6 +314,27 @@ fn a_stream_waited_for_whole_after_a_failed_wait_can_be_let_go() {
     assert!(device.close().is_clean());
 }
 
+/// The whole-stream wait that a failed event wait falls back to lends the stream for itself:
+/// a view of the stream alive meanwhile keeps it held after the wait, so it cannot be let go
+/// until the view is gone. Fails if the wait ends a lend it never took (its `stream != 0`
+/// before the lend → `==`: the view's count is taken down in its place).
+#[test]
+fn a_whole_stream_wait_leaves_a_live_views_lend_of_the_stream() {
+    used_with_the_second_wait_failing!(model, device, stream, binding, a, CuError::UNKNOWN);
+    let b = binding.reserve(G).unwrap().commit().unwrap();
+    let view = b.stream_view::<u8>(stream).unwrap();
+    a.release().wait().map_err(|e| e.to_string()).unwrap();
+    assert!(
+        !device.forget_stream(stream),
+        "a view of the stream still lives"
+    );
+    drop(view);
+    assert!(device.forget_stream(stream), "the view is gone");
+    drop(b);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
 /// A release's wait whose event wait for a covered stream fails falls back to waiting for the
 /// whole stream, and recording that wait's own event on the stream (the release's third
 /// `cuEventRecord`: the legacy stream's mark, the stream's, then this one) fails with

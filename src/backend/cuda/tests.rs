@@ -175,7 +175,10 @@ fn a_use_on_a_stream_the_backend_does_not_hold_is_not_noted() {
     let stranger = model.new_stream();
     let (addr, g) = one_mapped_granule(&backend);
     assert!(!backend.touch(stranger, addr), "a stream it does not hold");
-    assert!(!backend.touch(PER_THREAD_STREAM, addr), "the per-thread stream");
+    assert!(
+        !backend.touch(PER_THREAD_STREAM, addr),
+        "the per-thread stream"
+    );
     let calls = model.log().len();
     // SAFETY: `home` is held by the backend and stands for a view's lent home stream;
     // `stranger` is a live stream of the model's context.
@@ -191,7 +194,10 @@ fn a_use_on_a_stream_the_backend_does_not_hold_is_not_noted() {
     let key = s.uses_key(addr).expect("the memory's uses");
     let touched = &s.uses[&key].touched;
     assert!(!touched.contains(&stranger), "{touched:?}");
-    assert!(touched.contains(&other) && touched.contains(&home), "{touched:?}");
+    assert!(
+        touched.contains(&other) && touched.contains(&home),
+        "{touched:?}"
+    );
     drop(s);
     backend.unmap(addr, g).unwrap();
 }
@@ -548,6 +554,40 @@ fn letting_a_stream_go_keeps_the_last_write_through_another() {
     let waited = unsafe { model.event_query(wrote) }.unwrap();
     assert!(waited, "the write on `b` did not wait for the write on `a`");
     model.complete_work();
+    backend.unmap(x, g).unwrap();
+    assert_eq!(model.lost_with(), None);
+}
+
+/// Letting a stream go forgets its uses only: a read through another stream stays a use of the
+/// memory, so the memory's release fences that stream, and the next write, on a third stream,
+/// waits for the read. Fails if letting a stream go drops the other streams' reads or uses
+/// (`forget`'s `!=` → `==` in either list keeps only the stream let go).
+#[test]
+#[allow(unsafe_code)] // the backend's `order_use` and the driver's event calls, each proven
+fn letting_a_stream_go_keeps_the_reads_and_uses_through_others() {
+    let (model, backend) = lazy_model();
+    let (a, b) = two_known_streams(&model, &backend);
+    let (idle, _) = two_known_streams(&model, &backend);
+    let (x, g) = one_mapped_granule(&backend);
+    // SAFETY: `a` is known to the backend and live (as long as the model).
+    unsafe { backend.order_use(a, x, false) };
+    let read = kernel(&model, a, x, g);
+    assert!(backend.forget_stream(idle), "nothing ran on it");
+    let fence = backend.record_fence_over(Some(&[x]));
+    assert!(
+        !backend.poll_fence(&fence),
+        "the release's fence covers the read on `a`"
+    );
+    // SAFETY: `b` is known to the backend and live (as long as the model).
+    unsafe { backend.order_use(b, x, true) };
+    let _write = kernel(&model, b, x, g);
+    model.complete_work_on(b);
+    // SAFETY: a live event of the model.
+    let waited = unsafe { model.event_query(read) }.unwrap();
+    assert!(waited, "the write on `b` did not wait for the read on `a`");
+    model.complete_work();
+    assert!(backend.poll_fence(&fence));
+    backend.destroy_fence(fence);
     backend.unmap(x, g).unwrap();
     assert_eq!(model.lost_with(), None);
 }

@@ -592,6 +592,24 @@ fn letting_a_stream_go_keeps_the_reads_and_uses_through_others() {
     assert_eq!(model.lost_with(), None);
 }
 
+/// A backend with no executable graph left to destroy makes no call for them as it drops: its
+/// drop's only capture-mode exchanges are the sweep's (relaxed, then restored). Fails if the
+/// destruction of dead graphs relaxes the mode with none to destroy (`destroy_dead_execs`'
+/// `||` → `&&`: two more exchanges).
+#[test]
+fn a_backend_with_no_graph_to_destroy_drops_without_a_call_for_them() {
+    let model = DriverModel::default();
+    let backend = open(&model);
+    let before = model.count(DriverCall::ThreadExchangeStreamCaptureMode);
+    drop(backend);
+    assert_eq!(
+        model.count(DriverCall::ThreadExchangeStreamCaptureMode) - before,
+        2,
+        "{:?}",
+        model.log()
+    );
+}
+
 /// A third reservation mapping memory two others map joins their group too: a write through it
 /// waits for the first's last write, made on another stream. Fails if only the second mapping
 /// of a memory joins (a third, or later, keeps a group of its own).

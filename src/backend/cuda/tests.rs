@@ -532,64 +532,52 @@ fn a_write_waits_once_for_a_writer_that_read_since() {
     assert_eq!(model.lost_with(), None);
 }
 
-/// Letting a stream go forgets its uses only: the last write through another stream stays the
-/// memory's last write, so the next write, on a third stream, waits for it. Fails if letting
-/// a stream go clears the last writer whichever stream it was.
-#[test]
+/// Letting a stream go (`idle`) forgets its uses only: a use of the memory through another
+/// stream (`a`, a write if `write`, else a read) stays one, so the memory's release fences `a`,
+/// and the next write, on a third stream, waits for the use on `a`.
 #[allow(unsafe_code)] // the backend's `order_use` and the driver's event calls, each proven
-fn letting_a_stream_go_keeps_the_last_write_through_another() {
+fn a_use_outlives_letting_another_stream_go(write: bool) {
     let (model, backend) = lazy_model();
     let (a, b) = two_known_streams(&model, &backend);
     let (idle, _) = two_known_streams(&model, &backend);
     let (x, g) = one_mapped_granule(&backend);
     // SAFETY: `a` is known to the backend and live (as long as the model).
-    unsafe { backend.order_use(a, x, true) };
-    let wrote = kernel(&model, a, x, g);
-    assert!(backend.forget_stream(idle), "nothing ran on it");
-    // SAFETY: `b` is known to the backend and live (as long as the model).
-    unsafe { backend.order_use(b, x, true) };
-    let _write = kernel(&model, b, x, g);
-    model.complete_work_on(b);
-    // SAFETY: a live event of the model.
-    let waited = unsafe { model.event_query(wrote) }.unwrap();
-    assert!(waited, "the write on `b` did not wait for the write on `a`");
-    model.complete_work();
-    backend.unmap(x, g).unwrap();
-    assert_eq!(model.lost_with(), None);
-}
-
-/// Letting a stream go forgets its uses only: a read through another stream stays a use of the
-/// memory, so the memory's release fences that stream, and the next write, on a third stream,
-/// waits for the read. Fails if letting a stream go drops the other streams' reads or uses
-/// (`forget`'s `!=` → `==` in either list keeps only the stream let go).
-#[test]
-#[allow(unsafe_code)] // the backend's `order_use` and the driver's event calls, each proven
-fn letting_a_stream_go_keeps_the_reads_and_uses_through_others() {
-    let (model, backend) = lazy_model();
-    let (a, b) = two_known_streams(&model, &backend);
-    let (idle, _) = two_known_streams(&model, &backend);
-    let (x, g) = one_mapped_granule(&backend);
-    // SAFETY: `a` is known to the backend and live (as long as the model).
-    unsafe { backend.order_use(a, x, false) };
-    let read = kernel(&model, a, x, g);
+    unsafe { backend.order_use(a, x, write) };
+    let used = kernel(&model, a, x, g);
     assert!(backend.forget_stream(idle), "nothing ran on it");
     let fence = backend.record_fence_over(Some(&[x]));
     assert!(
         !backend.poll_fence(&fence),
-        "the release's fence covers the read on `a`"
+        "the release's fence covers the use on `a`"
     );
     // SAFETY: `b` is known to the backend and live (as long as the model).
     unsafe { backend.order_use(b, x, true) };
     let _write = kernel(&model, b, x, g);
     model.complete_work_on(b);
     // SAFETY: a live event of the model.
-    let waited = unsafe { model.event_query(read) }.unwrap();
-    assert!(waited, "the write on `b` did not wait for the read on `a`");
+    let waited = unsafe { model.event_query(used) }.unwrap();
+    assert!(waited, "the write on `b` did not wait for the use on `a`");
     model.complete_work();
     assert!(backend.poll_fence(&fence));
     backend.destroy_fence(fence);
     backend.unmap(x, g).unwrap();
     assert_eq!(model.lost_with(), None);
+}
+
+/// [`a_use_outlives_letting_another_stream_go`] for a write: the last write through another
+/// stream stays the memory's last write. Fails if letting a stream go clears the last writer
+/// whichever stream it was.
+#[test]
+fn letting_a_stream_go_keeps_the_last_write_through_another() {
+    a_use_outlives_letting_another_stream_go(true);
+}
+
+/// [`a_use_outlives_letting_another_stream_go`] for a read. Fails if letting a stream go drops
+/// the other streams' reads or uses (`forget`'s `!=` → `==` in either list keeps only the
+/// stream let go).
+#[test]
+fn letting_a_stream_go_keeps_the_reads_and_uses_through_others() {
+    a_use_outlives_letting_another_stream_go(false);
 }
 
 /// A backend with no executable graph left to destroy makes no call for them as it drops: its

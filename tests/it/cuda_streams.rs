@@ -323,7 +323,12 @@ fn a_whole_stream_wait_leaves_a_live_views_lend_of_the_stream() {
     used_with_the_second_wait_failing!(model, device, stream, binding, a, CuError::UNKNOWN);
     let b = binding.reserve(G).unwrap().commit().unwrap();
     let view = b.stream_view::<u8>(stream).unwrap();
+    let whole = model.count(DriverCall::EventSynchronize);
     a.release().wait().map_err(|e| e.to_string()).unwrap();
+    assert!(
+        model.count(DriverCall::EventSynchronize) > whole + 1,
+        "the failed wait fell back to a wait for the whole stream"
+    );
     assert!(
         !device.forget_stream(stream),
         "a view of the stream still lives"

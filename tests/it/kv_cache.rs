@@ -349,17 +349,26 @@ fn takes_and_give_backs_call_nothing_and_the_mapped_groups_follow_the_watermarks
     assert!(model.outstanding().is_zero(), "{:?}", model.outstanding());
 }
 
+/// A device over the driver model `$model` (made by `$new`), its binding, and a KV cache of
+/// [`model_layout`]`(1024)` on it, nothing mapped yet. A macro, not a function: the cache
+/// borrows the guard and the binding.
+macro_rules! model_kv_cache {
+    ($model:ident = $new:expr, $device:ident, $binding:ident, $cache:ident) => {
+        let $model = $new;
+        make_guard!(guard);
+        let $device = Device::new(guard, common::cuda(&$model));
+        let $binding = $device.bind(Budget::unlimited()).unwrap();
+        make_guard!(cache_guard);
+        let $cache = KvCache::new(cache_guard, &$binding, &model_layout(1024)).unwrap();
+    };
+}
+
 /// A block given back while a kernel may still use it is not handed out again until the
 /// kernel's work has completed and a replenish has seen its fence done; meanwhile other blocks
 /// are, and the cache counts it cooling.
 #[test]
 fn a_block_given_back_under_a_running_kernel_waits_for_its_fence() {
-    let model = common::held_fences();
-    make_guard!(guard);
-    let device = Device::new(guard, common::cuda(&model));
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(cache_guard);
-    let cache = KvCache::new(cache_guard, &binding, &model_layout(1024)).unwrap();
+    model_kv_cache!(model = common::held_fences(), device, binding, cache);
     cache.replenish().unwrap();
     let mut table = cache.table();
     let block = cache.push(&mut table).unwrap();
@@ -397,12 +406,7 @@ fn a_block_given_back_under_a_running_kernel_waits_for_its_fence() {
 /// replenish and freed by it at once, and it counts them freed. Fails if that count is lost.
 #[test]
 fn a_replenish_counts_the_blocks_its_own_fence_freed() {
-    let model = common::model();
-    make_guard!(guard);
-    let device = Device::new(guard, common::cuda(&model));
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(cache_guard);
-    let cache = KvCache::new(cache_guard, &binding, &model_layout(1024)).unwrap();
+    model_kv_cache!(model = common::model(), device, binding, cache);
     cache.replenish().unwrap();
     let mut table = cache.table();
     cache.push(&mut table).unwrap();
@@ -422,12 +426,7 @@ fn a_replenish_counts_the_blocks_its_own_fence_freed() {
 /// groups over the high one. A macro, not a function: the cache borrows the guard and the binding.
 macro_rules! over_the_high_watermark {
     ($model:ident, $device:ident, $binding:ident, $cache:ident) => {
-        let $model = common::held_fences();
-        make_guard!(guard);
-        let $device = Device::new(guard, common::cuda(&$model));
-        let $binding = $device.bind(Budget::unlimited()).unwrap();
-        make_guard!(cache_guard);
-        let $cache = KvCache::new(cache_guard, &$binding, &model_layout(1024)).unwrap();
+        model_kv_cache!($model = common::held_fences(), $device, $binding, $cache);
         $cache.set_watermarks(4, 4);
         $cache.replenish().unwrap();
         assert_eq!($cache.idle_groups(), 4);

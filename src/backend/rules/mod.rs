@@ -583,6 +583,24 @@ mod tests {
     }
 
     #[test]
+    fn an_unmap_that_starts_inside_a_mapping_is_refused_at_the_lowest_addresses() {
+        // A mapping that starts below its own length: the check of what straddles the start
+        // of an unmap (`s + len > addr`) must not subtract (it would overflow).
+        let mut book: Book<u32> = Book::new(G, false);
+        book.apply_reserve(G, 4 * G);
+        book.apply_create(1, 2 * G);
+        book.apply_map(G, 2 * G, 1, Access::ReadWrite);
+        for (addr, len) in [(2 * G, G), (2 * G, 2 * G), (2 * G, 3 * G)] {
+            assert_eq!(
+                book.check_unmap(addr, len),
+                Err(Violation::NotMapped { addr, len }),
+                "{len:#x} bytes at {addr:#x}"
+            );
+        }
+        assert_eq!(book.check_unmap(G, 2 * G), Ok(()));
+    }
+
+    #[test]
     fn only_whole_physical_allocations_from_offset_zero_are_mapped_or_copied_into() {
         let mut book: Book<u32> = Book::new(G, false);
         book.apply_reserve(0x10000, 4 * G);

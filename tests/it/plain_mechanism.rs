@@ -133,6 +133,23 @@ fn a_device_without_vmm_selects_the_plain_mechanism_where_commit_release_and_poo
     assert_eq!(model.outstanding(), ModelOutstanding::default());
 }
 
+/// On a device with virtual memory management, `new_auto` takes the VMM mechanism, and every
+/// opening says the device has it: the plain one too, asked for by name, which is why its
+/// mechanism is plain. Fails if `vmm_supported` answers for the mechanism rather than the device.
+#[test]
+fn a_device_with_vmm_says_so_whatever_mechanism_was_opened() {
+    let model = DriverModel::new(common::model_config()).unwrap();
+    let auto = CudaBackend::new_auto(model.clone(), 0).unwrap();
+    assert_eq!(auto.mechanism(), CudaMechanism::Vmm);
+    assert!(auto.vmm_supported());
+    drop(auto);
+    let plain = CudaBackend::new_plain(model.clone(), 0).unwrap();
+    assert_eq!(plain.mechanism(), CudaMechanism::Plain);
+    assert!(plain.vmm_supported());
+    drop(plain);
+    assert_eq!(model.outstanding(), ModelOutstanding::default());
+}
+
 /// On the plain mechanism, what needs VMM is refused up front, naming the capability, with
 /// nothing done: a region's growth, a prefix (shared or exportable), a suspend (of a token
 /// and of a region), peers; the token comes back unchanged and still works. Fails if any of

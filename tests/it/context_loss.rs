@@ -264,6 +264,46 @@ fn a_quarantined_token_that_owns_its_memory_retried_after_the_loss_names_its_rel
     );
 }
 
+/// A region whose shrink left its top granule withheld (its unmap failed) and gave the one
+/// below back, released once the context is known lost, is refused before any call, and the
+/// refusal names the unmap of the withheld granule at its own address: the region's plus the
+/// granule's offset. Fails if the name places it anywhere else.
+#[test]
+fn a_region_released_after_the_loss_names_the_unmap_of_its_withheld_granule() {
+    let model = common::model();
+    make_guard!(guard);
+    let device = Device::new(guard, common::cuda(&model));
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let mut region = binding.reserve(4 * g).unwrap().into_region().grown(2);
+    let addr = region.addr();
+    model.fail_nth(DriverCall::MemUnmap, 1, CuError::INVALID_VALUE); // the top's, not a loss
+    assert!(region.shrink(2).is_err());
+    assert_eq!(
+        (region.committed_granules(), region.withheld_granules()),
+        (0, 1)
+    );
+    model.lose_context();
+    assert!(lost(binding.reserve(g)), "the backend learns of the loss");
+    let Err(failed) = region.release().complete() else {
+        panic!("the context is lost");
+    };
+    let memtoken::errors::ReleaseFailure::Backend(e) = &failed.cause else {
+        panic!("{}", failed.cause);
+    };
+    assert!(e.is_context_lost(), "{e}");
+    assert_eq!(
+        (e.op, e.addr, e.len),
+        (memtoken::backend::Op::Unmap, addr + g, g),
+        "the withheld granule, one granule into the region"
+    );
+    drop(failed);
+    let proof = device.confirm_context_lost().expect("the context is lost");
+    device.discharge_all(&proof);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
 /// A tail given back once the context is known lost is refused before any call, and the refusal
 /// names the unmap it could not make: the top of the mapped part, as many granules as were
 /// given back. The tail stays the region's.

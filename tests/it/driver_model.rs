@@ -1782,6 +1782,34 @@ fn the_origin_waiting_on_a_joined_streams_event_joins_it_back() {
     assert!(model.end_capture(origin).is_ok(), "the capture ends joined");
 }
 
+/// A stream of one capture waiting on an event captured by another is refused
+/// (`STREAM_CAPTURE_MERGE`) and invalidates both captures (fact 39), where a wait inside one
+/// capture is a dependency. Fails if any capturing stream's wait is taken for one inside its
+/// own capture (both captures would end with a graph).
+#[test]
+fn a_wait_across_two_captures_is_refused_and_invalidates_both() {
+    let model = opened(config());
+    let (a, b) = (model.new_stream(), model.new_stream());
+    let on_a = model.event_create().unwrap();
+    model.begin_capture(a, CaptureMode::Relaxed);
+    model.begin_capture(b, CaptureMode::Relaxed);
+    // SAFETY: (each call) live streams and events of the model.
+    unsafe {
+        model.event_record(on_a, a).unwrap();
+        assert_eq!(
+            model.stream_wait_event(b, on_a),
+            Err(CuError::STREAM_CAPTURE_MERGE)
+        );
+    }
+    for stream in [a, b] {
+        assert_eq!(
+            model.end_capture(stream),
+            Err(CuError::STREAM_CAPTURE_INVALIDATED),
+            "{stream:#x}"
+        );
+    }
+}
+
 /// A graph node whose range runs past a mapping's end into unmapped memory faults when the
 /// graph is launched: every byte of the range must be mapped with access, not only its start.
 #[test]

@@ -592,10 +592,12 @@ fn destroying_the_legacy_stream_is_misuse() {
 }
 
 /// A stream destroyed once is gone: destroying it again is misuse, as any later call naming it.
+/// Until then the model says it is live.
 #[test]
 fn a_stream_is_destroyed_once() {
     let model = opened(config());
     let stream = model.new_stream();
+    assert!(!model.stream_destroyed(stream), "a new stream is live");
     model.destroy_stream(stream);
     assert!(model.stream_destroyed(stream));
     let again = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {

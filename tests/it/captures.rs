@@ -1051,7 +1051,8 @@ mod kept {
     }
 
     /// A capture whose recording fails hands its tokens back — no graph left, the stream no
-    /// longer capturing — and the error `?`s into memtoken's, saying what failed and why.
+    /// longer capturing — and the error `?`s into memtoken's, saying what failed and why (and
+    /// that it is no loss of the context).
     #[test]
     fn a_failed_recording_hands_the_tokens_back() {
         use memtoken::backend::cuda::Driver;
@@ -1069,6 +1070,8 @@ mod kept {
             message.starts_with("no graph was captured: recording the captured work failed"),
             "{message}"
         );
+        use memtoken::errors::Failure as _;
+        assert!(!failed.cause.is_context_lost(), "a refused view is no loss");
         // SAFETY: a live stream of the model's context.
         assert_eq!(unsafe { model.stream_is_capturing(stream) }, Ok(false));
         assert_eq!(failed.token.to_string(), "the tokens given to the capture");

@@ -101,6 +101,43 @@ fn a_graph_over_the_planes_launches_across_grow_shrink_and_sleep_and_is_refused_
     assert!(device.close().is_clean());
 }
 
+/// One capture lends a token's view, held until its graph goes, and then the KV planes, let go
+/// as the capture ends in memtoken's graph: once the graph is dropped the token releases
+/// cleanly (and the capture shows its stream while open). Fails if ending the capture lets go the view's range in place of the planes' (the
+/// token's unmap would then be refused for good, held by a capture).
+#[test]
+fn a_graph_over_a_view_and_the_planes_lets_go_of_the_view_as_it_drops() {
+    let model = common::held_fences();
+    common::covered_device!(model, device, stream);
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let g = device.granularity();
+    let mut x = binding.reserve(g).unwrap().commit().unwrap();
+    make_guard!(cache_guard);
+    let layout = Layout::new(4096, 16).plane(64 << 10);
+    let cache = KvCache::new(cache_guard, &binding, &layout).unwrap();
+    let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    let shown = format!("{capture:?}");
+    assert!(
+        shown.starts_with("Capture {") && shown.contains(&format!("{stream:#x}")),
+        "{shown}"
+    );
+    let view = capture.view_mut::<u8>(&mut x).unwrap();
+    model.submit_work_touching(stream, &[(view.device_ptr(), g)]);
+    drop(view);
+    let planes = capture.kv_planes(&cache);
+    assert_eq!(planes.len(), 1);
+    let graph = capture.end().unwrap();
+    graph.launch().unwrap();
+    drop(graph);
+    model.complete_work();
+    x.release()
+        .complete()
+        .expect("the view's range went with the graph");
+    drop(cache);
+    drop(binding);
+    assert!(device.close().is_clean());
+}
+
 /// A plane's stream view taken while a capture memtoken did not make is open on its stream: the
 /// plane may be in that graph, so it stays mapped for good — a give-back above the high
 /// watermark leaves its groups mapped (withheld), where the same cache without the foreign

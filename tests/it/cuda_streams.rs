@@ -662,8 +662,9 @@ fn a_range_left_busy_by_a_copy_leaves_the_mappings_beside_it_free() {
 }
 
 /// The driver model behind a hook on `cuStreamSynchronize` (the first call waits at a gate
-/// after synchronizing; the second fails) and a switch that fails the next `cuEventCreate`: for
-/// the race between one thread's whole-stream wait and another thread's failed copy.
+/// after synchronizing; the second fails), a switch that fails the next `cuEventCreate` (for
+/// the race between one thread's whole-stream wait and another thread's failed copy), and one
+/// that gives any device device 0's primary context (the model gives contexts to device 0 alone).
 mod hooked {
     #![allow(unsafe_code)] // forwards each call, unchanged, to the model's own
     use memtoken::backend::cuda::{
@@ -677,6 +678,7 @@ mod hooked {
     #[derive(Debug, Default)]
     pub struct Hook {
         pub fail_create: AtomicBool,
+        pub context_of_device_0: AtomicBool,
         syncs: AtomicU32,
         /// 0: idle; 1: the first synchronize has returned and waits; 2: it goes on.
         gate: Mutex<u8>,
@@ -701,6 +703,17 @@ mod hooked {
     pub struct Hooked {
         pub inner: DriverModel,
         pub hook: Arc<Hook>,
+    }
+
+    impl Hooked {
+        /// The device whose primary context `device`'s stands for.
+        fn context_device(&self, device: i32) -> i32 {
+            if self.hook.context_of_device_0.load(Ordering::Relaxed) {
+                0
+            } else {
+                device
+            }
+        }
     }
 
     // SAFETY (for each `unsafe` call below): the caller's promise for the call is the one the
@@ -729,10 +742,10 @@ mod hooked {
             self.inner.device_can_access_peer(d, p)
         }
         fn primary_ctx_retain(&self, d: i32) -> CuResult<Context> {
-            self.inner.primary_ctx_retain(d)
+            self.inner.primary_ctx_retain(self.context_device(d))
         }
         unsafe fn primary_ctx_release(&self, d: i32) -> CuResult<()> {
-            unsafe { self.inner.primary_ctx_release(d) }
+            unsafe { self.inner.primary_ctx_release(self.context_device(d)) }
         }
         unsafe fn ctx_set_current(&self, c: Context) -> CuResult<()> {
             unsafe { self.inner.ctx_set_current(c) }
@@ -846,6 +859,29 @@ mod hooked {
             unsafe { self.inner.stream_wait_event(st, e) }
         }
     }
+}
+
+/// A backend says the device it was opened on: device 1 here, opened on the plain mechanism
+/// through a driver that gives it device 0's context (the model's only one). Fails if `device`
+/// answers 0 whatever the ordinal.
+#[test]
+fn a_backend_opened_on_device_1_says_so() {
+    use hooked::{Hook, Hooked};
+    let model = model(false);
+    let hook = Hook::default();
+    hook.context_of_device_0
+        .store(true, std::sync::atomic::Ordering::Relaxed);
+    let hooked = Hooked {
+        inner: model.clone(),
+        hook: std::sync::Arc::new(hook),
+    };
+    let backend = CudaBackend::new_plain(hooked, 1).unwrap();
+    assert_eq!(backend.device(), 1);
+    drop(backend);
+    assert_eq!(
+        model.outstanding(),
+        memtoken::backend::doubles::ModelOutstanding::default()
+    );
 }
 
 /// A synchronize of the legacy stream settles only the copies whose wait failed before it began: a

@@ -103,8 +103,9 @@ fn a_graph_over_the_planes_launches_across_grow_shrink_and_sleep_and_is_refused_
 
 /// One capture lends a token's view, held until its graph goes, and then the KV planes, let go
 /// as the capture ends in memtoken's graph: once the graph is dropped the token releases
-/// cleanly (and the capture shows its stream while open). Fails if ending the capture lets go the view's range in place of the planes' (the
-/// token's unmap would then be refused for good, held by a capture).
+/// cleanly. Fails if ending the capture lets go the view's range in place of the planes' (the
+/// token's unmap would then be refused for good, held by a capture). An open capture's `Debug`
+/// shows its stream and that it is open.
 #[test]
 fn a_graph_over_a_view_and_the_planes_lets_go_of_the_view_as_it_drops() {
     let model = common::held_fences();
@@ -118,7 +119,9 @@ fn a_graph_over_a_view_and_the_planes_lets_go_of_the_view_as_it_drops() {
     let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
     let shown = format!("{capture:?}");
     assert!(
-        shown.starts_with("Capture {") && shown.contains(&format!("{stream:#x}")),
+        shown.starts_with("Capture {")
+            && shown.contains(&format!("{stream:#x}"))
+            && shown.contains("open: true"),
         "{shown}"
     );
     let view = capture.view_mut::<u8>(&mut x).unwrap();

@@ -583,9 +583,10 @@ mod tests {
     }
 
     #[test]
-    fn an_unmap_that_starts_inside_a_mapping_is_refused_at_the_lowest_addresses() {
-        // A mapping that starts below its own length: the check of what straddles the start
-        // of an unmap (`s + len > addr`) must not subtract (it would overflow).
+    fn an_unmap_from_inside_a_mapping_at_the_lowest_addresses_is_refused_without_overflow() {
+        // A mapping that starts below its own length. The loop over the mappings in the range
+        // already refuses these unmaps; the check of what straddles the range's start
+        // (`s + len > addr`) must not overflow on the way (a subtraction would, here).
         let mut book: Book<u32> = Book::new(G, false);
         book.apply_reserve(G, 4 * G);
         book.apply_create(1, 2 * G);

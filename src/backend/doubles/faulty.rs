@@ -516,6 +516,25 @@ mod tests {
         assert_eq!(model.outstanding(), ModelOutstanding::default());
     }
 
+    /// `withheld` answers what the wrapped backend answers — a range a CUDA capture holds is
+    /// withheld, the range beside it not — and is counted as a call of any kind. Fails if the
+    /// wrapper answers for itself.
+    #[test]
+    fn withheld_is_the_wrapped_backends_answer() {
+        let model = DriverModel::default();
+        let faulty = Faulty::new(CudaBackend::new(model.clone(), 0).unwrap());
+        let faults = faulty.handle();
+        let (at, len) = (0x10_0000, 0x1000);
+        faulty.inner.hold_for_capture(at, len);
+        let calls = faults.any_calls();
+        assert!(faulty.withheld(at, len), "held for a capture");
+        assert!(!faulty.withheld(at + len, len), "the range beside it");
+        assert_eq!(faults.any_calls(), calls + 2, "counted");
+        faulty.inner.let_go(&[(at, len)]);
+        drop(faulty); // its context's retain
+        assert_eq!(model.outstanding(), ModelOutstanding::default());
+    }
+
     /// `keep_for_good` reaches the wrapped backend (the host then refuses to free the range)
     /// and is counted as a call of any kind. Fails if the wrapper drops it.
     #[test]

@@ -137,7 +137,8 @@ fn opening_a_context_without_a_driver_is_an_error() {
 }
 
 /// The crate's errors that are not a token's failures convert
-/// too, and whether the context is lost can be asked of any converted error.
+/// too, and whether the context is lost can be asked of any converted error (a refusal of bad
+/// input says it is not).
 #[test]
 fn a_lost_context_is_found_in_any_converted_error() {
     use memtoken::backend::doubles::DriverModel;
@@ -154,6 +155,12 @@ fn a_lost_context_is_found_in_any_converted_error() {
     );
     let binding = device.bind(Budget::unlimited()).unwrap();
     let reserved = binding.reserve(2 << 20).unwrap();
+    let empty = || -> anyhow::Result<()> {
+        let _ = binding.reserve(0)?;
+        Ok(())
+    };
+    let e = empty().unwrap_err();
+    assert!(!memtoken::errors::is_context_lost(e.as_ref()), "{e:#}");
     model.lose_context();
     let commit = |r| -> anyhow::Result<()> {
         let _ = memtoken::Allocation::commit(r)?;

@@ -104,8 +104,8 @@ fn a_graph_over_the_planes_launches_across_grow_shrink_and_sleep_and_is_refused_
 /// One capture lends a token's view, held until its graph goes, and then the KV planes, let go
 /// as the capture ends in memtoken's graph: once the graph is dropped the token releases
 /// cleanly. Fails if ending the capture lets go the view's range in place of the planes' (the
-/// token's unmap would then be refused for good, held by a capture). An open capture's `Debug`
-/// shows its stream and that it is open.
+/// token's unmap would then be refused for good, held by a capture). An open capture names its
+/// stream, and its `Debug` shows the stream and that it is open.
 #[test]
 fn a_graph_over_a_view_and_the_planes_lets_go_of_the_view_as_it_drops() {
     let model = common::held_fences();
@@ -117,6 +117,7 @@ fn a_graph_over_a_view_and_the_planes_lets_go_of_the_view_as_it_drops() {
     let layout = Layout::new(4096, 16).plane(64 << 10);
     let cache = KvCache::new(cache_guard, &binding, &layout).unwrap();
     let capture = Capture::begin(&device, stream, CaptureMode::Global).unwrap();
+    assert_eq!(capture.stream(), stream);
     let shown = format!("{capture:?}");
     assert!(
         shown.starts_with("Capture {")

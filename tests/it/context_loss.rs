@@ -3,8 +3,8 @@
 //! its error type — one pattern for all of them.
 
 use crate::common::{self, Grown};
-use memtoken::backend::PosixFd;
 use memtoken::backend::cuda::{CaptureMode, CuError, DriverCall};
+use memtoken::backend::{BackendError, Op, PosixFd};
 use memtoken::interop::OwningGraph;
 use memtoken::kv::{KvCache, Layout};
 use memtoken::{Budget, Device, errors::Failure, make_guard, sharing::Offer};
@@ -18,6 +18,12 @@ fn lost<T, E: Failure>(result: Result<T, E>) -> bool {
 /// The cause a refused transition hands back beside its token.
 fn cause<T, U, C>(result: Result<T, memtoken::TransitionError<U, C>>) -> Result<T, C> {
     result.map_err(|e| e.cause)
+}
+
+/// The refusal found the context lost and names the call it could not make: `(op, addr, len)`.
+fn names_the_lost_call(e: &BackendError, call: (Op, memtoken::backend::Addr, usize), what: &str) {
+    assert!(e.is_context_lost(), "{e}");
+    assert_eq!((e.op, e.addr, e.len), call, "{what}");
 }
 
 #[test]
@@ -190,11 +196,7 @@ fn a_prefix_that_loses_the_context_at_its_boundary_names_the_unmap_it_could_not_
     let memtoken::errors::CommitFailure::UnmapFailed { rollback, .. } = &refused.cause else {
         panic!("{}", refused.cause);
     };
-    assert!(rollback.is_context_lost(), "{rollback}");
-    assert_eq!(
-        (rollback.op, rollback.addr, rollback.len),
-        (memtoken::backend::Op::Unmap, addr, 2 * g)
-    );
+    names_the_lost_call(rollback, (Op::Unmap, addr, 2 * g), "the body's unmap");
     assert!(matches!(
         refused.token,
         memtoken::errors::Returned::Quarantined(_)
@@ -209,7 +211,7 @@ fn a_prefix_that_loses_the_context_at_its_boundary_names_the_unmap_it_could_not_
 /// A quarantined token whose teardown failed at `call` (not a loss), retried once the context
 /// is known lost, is refused before any call, and the refusal names the call it could not make
 /// next, `(op, the token's address, its length)`: not one for memory it no longer holds.
-fn a_quarantined_token_retried_after_the_loss_names(call: DriverCall, op: memtoken::backend::Op) {
+fn a_quarantined_token_retried_after_the_loss_names(call: DriverCall, op: Op) {
     let model = common::model();
     make_guard!(guard);
     let device = Device::new(guard, common::cuda(&model));
@@ -229,12 +231,8 @@ fn a_quarantined_token_retried_after_the_loss_names(call: DriverCall, op: memtok
     let memtoken::errors::ReleaseFailure::Backend(e) = &refused.cause else {
         panic!("{}", refused.cause);
     };
-    assert!(e.is_context_lost(), "{e}");
-    assert_eq!(
-        (e.op, e.addr, e.len),
-        (op, addr, g),
-        "after {call:?} failed, the {op:?} of what is left"
-    );
+    let what = format!("after {call:?} failed, the {op:?} of what is left");
+    names_the_lost_call(e, (op, addr, g), &what);
     drop(refused);
     let proof = device.confirm_context_lost().expect("the context is lost");
     device.discharge_all(&proof);
@@ -247,10 +245,7 @@ fn a_quarantined_token_retried_after_the_loss_names(call: DriverCall, op: memtok
 /// if the refusal names another call.
 #[test]
 fn a_quarantined_reservation_retried_after_the_loss_names_its_free() {
-    a_quarantined_token_retried_after_the_loss_names(
-        DriverCall::MemAddressFree,
-        memtoken::backend::Op::Free,
-    );
+    a_quarantined_token_retried_after_the_loss_names(DriverCall::MemAddressFree, Op::Free);
 }
 
 /// [`a_quarantined_token_retried_after_the_loss_names`] a token that still owns its physical
@@ -258,10 +253,7 @@ fn a_quarantined_reservation_retried_after_the_loss_names_its_free() {
 /// it. Fails if owned memory is passed over (`next_call`'s `owned_bytes() > 0` → `< 0`).
 #[test]
 fn a_quarantined_token_that_owns_its_memory_retried_after_the_loss_names_its_release() {
-    a_quarantined_token_retried_after_the_loss_names(
-        DriverCall::MemRelease,
-        memtoken::backend::Op::Release,
-    );
+    a_quarantined_token_retried_after_the_loss_names(DriverCall::MemRelease, Op::Release);
 }
 
 /// A region whose shrink left its top granule withheld (its unmap failed) and gave the one
@@ -291,11 +283,11 @@ fn a_region_released_after_the_loss_names_the_unmap_of_its_withheld_granule() {
     let memtoken::errors::ReleaseFailure::Backend(e) = &failed.cause else {
         panic!("{}", failed.cause);
     };
-    assert!(e.is_context_lost(), "{e}");
-    assert_eq!(
-        (e.op, e.addr, e.len),
-        (memtoken::backend::Op::Unmap, addr + g, g),
-        "the withheld granule, one granule into the region"
+    let withheld = (Op::Unmap, addr + g, g);
+    names_the_lost_call(
+        e,
+        withheld,
+        "the withheld granule, one granule into the region",
     );
     drop(failed);
     let proof = device.confirm_context_lost().expect("the context is lost");
@@ -328,12 +320,8 @@ fn a_tail_given_back_after_the_context_is_lost_names_the_granules_it_could_not_u
     let Err(memtoken::errors::ShrinkError::Backend(refused)) = r else {
         panic!("a tail given back after the loss is refused: {r:?}");
     };
-    assert!(refused.is_context_lost(), "{refused}");
-    assert_eq!(
-        (refused.op, refused.addr, refused.len),
-        (memtoken::backend::Op::Unmap, region.addr() + 2 * g, 2 * g),
-        "the top two of the four mapped granules"
-    );
+    let top_two = (Op::Unmap, region.addr() + 2 * g, 2 * g);
+    names_the_lost_call(&refused, top_two, "the top two of the four mapped granules");
     assert_eq!(region.tail_granules(), 3, "the tail stays");
     drop(region);
     let proof = device.confirm_context_lost().expect("the context is lost");

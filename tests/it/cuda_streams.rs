@@ -288,6 +288,18 @@ fn a_wait_that_loses_the_context_calls_nothing_after_it() {
     common::assert_lost_and_nothing_called_after(&model);
 }
 
+/// Runs `release` (a release and its wait) and checks that the wait fell back to one for the
+/// whole stream: `cuEventSynchronize` is called more than once (the failed event's wait, then
+/// the whole stream's event).
+fn released_waiting_for_the_whole_stream(model: &DriverModel, release: impl FnOnce()) {
+    let before = model.count(DriverCall::EventSynchronize);
+    release();
+    assert!(
+        model.count(DriverCall::EventSynchronize) > before + 1,
+        "the failed wait fell back to a wait for the whole stream"
+    );
+}
+
 /// A fence's wait that fails falls back to waiting for the whole stream, and lends the stream
 /// for that wait only: once the release is done, the stream can be let go, and no event of the
 /// waits is left. Fails if the lend is never ended (`forget_stream` then says `false` for ever,
@@ -295,12 +307,9 @@ fn a_wait_that_loses_the_context_calls_nothing_after_it() {
 #[test]
 fn a_stream_waited_for_whole_after_a_failed_wait_can_be_let_go() {
     used_with_the_second_wait_failing!(model, device, stream, binding, a, CuError::UNKNOWN);
-    let whole = model.count(DriverCall::EventSynchronize);
-    a.release().wait().map_err(|e| e.to_string()).unwrap();
-    assert!(
-        model.count(DriverCall::EventSynchronize) > whole + 1,
-        "the failed wait fell back to a wait for the whole stream"
-    );
+    released_waiting_for_the_whole_stream(&model, || {
+        a.release().wait().map_err(|e| e.to_string()).unwrap();
+    });
     assert_eq!(
         model.outstanding().events,
         0,
@@ -323,12 +332,9 @@ fn a_whole_stream_wait_leaves_a_live_views_lend_of_the_stream() {
     used_with_the_second_wait_failing!(model, device, stream, binding, a, CuError::UNKNOWN);
     let b = binding.reserve(G).unwrap().commit().unwrap();
     let view = b.stream_view::<u8>(stream).unwrap();
-    let whole = model.count(DriverCall::EventSynchronize);
-    a.release().wait().map_err(|e| e.to_string()).unwrap();
-    assert!(
-        model.count(DriverCall::EventSynchronize) > whole + 1,
-        "the failed wait fell back to a wait for the whole stream"
-    );
+    released_waiting_for_the_whole_stream(&model, || {
+        a.release().wait().map_err(|e| e.to_string()).unwrap();
+    });
     assert!(
         !device.forget_stream(stream),
         "a view of the stream still lives"

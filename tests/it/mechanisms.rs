@@ -921,6 +921,28 @@ fn a_confirmed_mechanism_selected_again_during_anothers_probe_is_selected() {
     }
 }
 
+/// The last confirmed mechanism, selected again during another one's probe, whose own probe
+/// now fails is refused and never fallen back to, though it is active and confirmed before:
+/// the selection goes to the confirmed one before it. Fails if the fall-back takes any active
+/// confirmed entry (`fallback`'s `c != not && self.active(c)` → `||`: the refused candidate
+/// came back).
+#[test]
+fn a_confirmed_mechanism_refused_on_its_reselection_is_not_fallen_back_to() {
+    let (registry, [p, a, b]) = selected_first(["p", "a", "b"]);
+    registry.select(a).unwrap();
+    registry
+        .select_probed(b, || {
+            let out = registry.select_probed(a, || Err("a's trial create failed"));
+            assert!(
+                matches!(out, Err(MechanismError::Refused { now: Some(now), .. }) if now == p),
+                "{out:?}"
+            );
+            Ok::<(), &str>(())
+        })
+        .unwrap();
+    assert_eq!(registry.selected(), Some(p), "b's candidacy was overtaken");
+}
+
 /// A registry's Debug output names each registered mechanism with its slot and lifecycle, and
 /// the selection. Fails if it prints nothing.
 #[test]

@@ -311,8 +311,10 @@ fn kv_planes_in_a_capture_ended_elsewhere_are_held_for_good() {
 /// A give-back over the high watermark once the context is known lost makes no driver call,
 /// and leaves every group as it was — mapped, its free blocks still free — for the discharge.
 /// Fails if the cache empties a group's free list, or calls the driver, before it learns the
-/// context is gone; the error names the group's memory. A map after it names the memory it
-/// could not map.
+/// context is gone; the error names the group's memory in the first plane. A map after it names
+/// the memory it could not map. Fails if the give-back does not ask first whether the context
+/// lives (`KvCache::ensure_live` → `Ok(())`: each plane's unmap is refused in turn, and the
+/// error names the last plane's memory).
 #[test]
 fn a_give_back_after_the_context_is_lost_calls_nothing_and_keeps_the_groups() {
     let model = common::model();
@@ -320,12 +322,9 @@ fn a_give_back_after_the_context_is_lost_calls_nothing_and_keeps_the_groups() {
     let device = Device::new(guard, common::cuda(&model));
     let binding = device.bind(Budget::unlimited()).unwrap();
     make_guard!(cache_guard);
-    let cache = KvCache::new(
-        cache_guard,
-        &binding,
-        &Layout::new(1024, 16).plane(64 << 10),
-    )
-    .unwrap();
+    // Two planes: an unmap that went ahead plane by plane would name the last plane's memory.
+    let layout = Layout::new(1024, 16).plane(64 << 10).plane(64 << 10);
+    let cache = KvCache::new(cache_guard, &binding, &layout).unwrap();
     cache.set_watermarks(4, 4);
     cache.replenish().unwrap();
     let (mapped, free) = (cache.mapped_groups(), cache.free_blocks());

@@ -55,3 +55,35 @@ fn the_block_checker_reports_every_miscount() {
         cache.check_blocks().unwrap();
     }
 }
+
+/// A fork that meets a block with 2^30 holders panics with every count as it was: the blocks
+/// before it, counted once more already, are counted back. Fails if the undo counts them up
+/// instead (`hold_all`'s `-= 1` → `+= 1`, or `/= 1`, which leaves them counted).
+#[test]
+fn a_fork_refused_at_the_holders_limit_leaves_every_count_as_it_was() {
+    make_guard!(guard);
+    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    make_guard!(cache_guard);
+    let layout = Layout::new(16, 16).plane(device.granularity() / 4);
+    let cache = KvCache::new(cache_guard, &binding, &layout).unwrap();
+    cache.set_watermarks(2, 2);
+    cache.replenish().unwrap();
+    let mut table = cache.table();
+    for _ in 0..3 {
+        cache.push(&mut table).unwrap();
+    }
+    let last = table.ids()[2] as usize;
+    cache.with(|s| s.words[last] = share::IDLE - 1); // 2^30 holders: one more is refused
+    let before = cache.with(|s| s.words.clone());
+    let fork = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(cache.fork(&table))));
+    assert!(fork.is_err(), "a fork past 2^30 holders panics");
+    assert_eq!(
+        cache.with(|s| s.words.clone()),
+        before,
+        "the counts are as they were"
+    );
+    cache.with(|s| s.words[last] = 0);
+    drop(table);
+    cache.check_blocks().unwrap();
+}

@@ -122,8 +122,10 @@ fn a_shared_block_is_freed_by_its_last_holder() {
 }
 
 /// [`PrehashedKeys`] folds a key's bytes, never hashes them again: a `u64` key is its own hash,
-/// and keys that differ in any 8-byte word, or in a short tail, hash apart. Fails if the hasher
-/// loses what was written.
+/// as is a `usize` key, and keys that differ in any 8-byte word, or in a short tail, hash apart;
+/// each word is folded in by a rotate and an xor, so a word written again, turned as the fold
+/// turned the first, cancels it. Fails if the hasher loses what was written, drops a `usize`
+/// (`write_usize` → `()`: every such key hashes to 0) or folds by an or (`^` → `|`).
 #[test]
 fn prehashed_keys_fold_every_word_of_a_key() {
     use std::hash::{BuildHasher, Hasher};
@@ -131,6 +133,9 @@ fn prehashed_keys_fold_every_word_of_a_key() {
         PrehashedKeys.hash_one(0x0123_4567_89ab_cdef_u64),
         0x0123_4567_89ab_cdef
     );
+    assert_eq!(PrehashedKeys.hash_one(0x1234_usize), 0x1234);
+    let w = 0xf0f0_0000_0000_000f_u64;
+    assert_eq!(PrehashedKeys.hash_one((w, w.rotate_left(29))), 0);
     let a = [1_u64, 2, 3, 4];
     let b = [1_u64, 2, 3, 5];
     assert_ne!(PrehashedKeys.hash_one(a), PrehashedKeys.hash_one(b));

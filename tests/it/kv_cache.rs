@@ -628,6 +628,9 @@ fn a_take_comes_from_the_lowest_group_with_a_free_block() {
     assert!(device.close().is_clean());
 }
 
+/// Groups map up to the low watermark and go back above the high one; a table of twenty blocks
+/// says so (`len`, `is_empty`, its `Display`) and shows its ids (`Debug`). Fails if a table
+/// says it is empty, or prints nothing.
 #[test]
 fn groups_map_to_the_low_watermark_and_go_back_above_the_high_one() {
     setup!(HostBackend::with_defaults().unwrap(), device, faults);
@@ -648,6 +651,14 @@ fn groups_map_to_the_low_watermark_and_go_back_above_the_high_one() {
         cache.replenish().unwrap();
     }
     assert_eq!(table.len(), 20);
+    assert!(!table.is_empty() && cache.table().is_empty());
+    assert_eq!(table.to_string(), "a block table of 20 blocks");
+    let shown = format!("{table:?}");
+    let last = table.ids()[19];
+    assert!(
+        shown.starts_with("BlockTable { ids: [") && shown.contains(&format!(", {last}]")),
+        "{shown}"
+    );
     assert!(faults.calls(Op::Map) > maps);
     let mapped = cache.mapped_groups();
     drop(table);

@@ -119,8 +119,9 @@ mod tests {
     }
 
     /// A hole left just under the top when the range above it went (the top fell only by that
-    /// range) is merged into the top, which then has room. Fails if the merge's bump from the
-    /// lowered top is refused.
+    /// range) is merged into the top, which then has room, and the top moves on by what was
+    /// taken. Fails if the merge's bump from the lowered top is refused, or moves the top by
+    /// anything else (`self.top += len` → `*=`: the next take, in a larger store, found no room).
     #[test]
     fn a_hole_under_the_top_goes_back_to_the_top() {
         let mut r = Ranges::default();
@@ -135,6 +136,11 @@ mod tests {
             "8..16, from the top lowered over the hole"
         );
         assert_eq!(r.take(1, 16), None, "full");
+        assert_eq!(
+            r.take(4, 20),
+            Some(16),
+            "on from the top, in a store grown to 20"
+        );
     }
 
     #[test]

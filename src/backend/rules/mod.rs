@@ -505,6 +505,27 @@ mod tests {
 
     const G: usize = 4096;
 
+    /// The granule index's hasher keeps granule numbers apart (one multiplication by an odd
+    /// constant: a bijection), and bytes written to it too (each step an xor, then that
+    /// multiplication). Fails if a step is dropped (`write_usize` or `write` → `()`: every key
+    /// hashes alike, and the index degrades to a list) or folds by an or (`^` → `|`: last
+    /// bytes collide).
+    #[test]
+    fn the_granule_hasher_hashes_every_granule_number_and_byte_apart() {
+        use std::collections::HashSet;
+        use std::hash::{BuildHasher, BuildHasherDefault, Hasher};
+        let build = BuildHasherDefault::<index::GranuleHasher>::default();
+        let numbers: HashSet<u64> = (0..4096_usize).map(|n| build.hash_one(n)).collect();
+        assert_eq!(numbers.len(), 4096);
+        let bytes = |bytes: &[u8]| {
+            let mut h = build.build_hasher();
+            h.write(bytes);
+            h.finish()
+        };
+        let last: HashSet<u64> = (0..=255_u8).map(|b| bytes(&[1, b])).collect();
+        assert_eq!(last.len(), 256);
+    }
+
     #[test]
     fn a_poisoned_reservation_refuses_every_call() {
         let mut book: Book<u32> = Book::new(G, false);

@@ -373,6 +373,35 @@ fn the_cache_cap_bounds_what_is_kept_and_a_lower_cap_trims() {
     assert!(faults.outstanding().is_zero());
 }
 
+/// A region whose release fails at a granule's release is quarantined with what is left, each
+/// granule at its own offset in the range: the quarantine's `Debug` (what a report of it shows)
+/// places a region of two granules at offsets 0 and one granule, and the retry releases them.
+/// Fails if a released region hands its residual the granules at other offsets (`retire`'s
+/// `i * g` → `i + g` or `i / g`).
+#[test]
+fn a_region_quarantined_on_release_shows_each_granule_at_its_offset() {
+    setup!(host(), device, faults);
+    let g = device.granularity();
+    let binding = device.bind(Budget::unlimited()).unwrap();
+    let region = binding.reserve(4 * g).unwrap().into_region().grown(2);
+    faults.fail_nth(Op::Release, 1); // the top granule's: both stay
+    let failed = region.release().complete().unwrap_err();
+    let memtoken::errors::Returned::Quarantined(quarantined) = failed.into_token() else {
+        panic!("a failed release is quarantined");
+    };
+    let shown = format!("{quarantined:?}");
+    let offsets: Vec<&str> = shown
+        .split("Granule { offset: ")
+        .skip(1)
+        .map(|rest| rest.split(',').next().unwrap())
+        .collect();
+    assert_eq!(offsets, ["0".to_owned(), g.to_string()], "{shown}");
+    quarantined.retry().expect("the second try releases them");
+    drop(binding);
+    assert!(device.close().is_clean());
+    assert!(faults.outstanding().is_zero());
+}
+
 #[test]
 fn on_cuda_a_region_shrinks_only_once_work_that_may_use_it_has_finished() {
     let model = common::held_fences();

@@ -507,9 +507,11 @@ mod tests {
 
     /// The granule index's hasher keeps granule numbers apart (one multiplication by an odd
     /// constant: a bijection), and bytes written to it too (each step an xor, then that
-    /// multiplication). Fails if a step is dropped (`write_usize` or `write` → `()`: every key
-    /// hashes alike, and the index degrades to a list) or folds by an or (`^` → `|`: last
-    /// bytes collide).
+    /// multiplication). The index's keys are `usize`, so it calls only `write_usize`: with that
+    /// step dropped every key lands in one bucket and the index degrades to a list (its speed,
+    /// not its answers); `write` is the trait's, checked for its own sake. Fails if a step is
+    /// dropped (`write_usize` or `write` → `()`) or folds by an or (`^` → `|`: last bytes
+    /// collide).
     #[test]
     fn the_granule_hasher_hashes_every_granule_number_and_byte_apart() {
         use std::collections::HashSet;

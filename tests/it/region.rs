@@ -374,8 +374,9 @@ fn the_cache_cap_bounds_what_is_kept_and_a_lower_cap_trims() {
 }
 
 /// A region whose release fails at a granule's release is quarantined with what is left, each
-/// granule at its own offset in the range: the quarantine's `Debug` (what a report of it shows)
-/// places a region of two granules at offsets 0 and one granule, and the retry releases them.
+/// granule at its own offset in the range: the quarantine's `Debug` (what `{:?}` of it shows,
+/// the derived `Debug` of its residual's parts) places a region of two granules at offsets 0
+/// and one granule, and the retry releases them.
 /// Fails if a released region hands its residual the granules at other offsets (`retire`'s
 /// `i * g` → `i + g` or `i / g`).
 #[test]

@@ -5,21 +5,28 @@ use super::*;
 use crate::backend::HostBackend;
 use crate::{Budget, Device, make_guard};
 
+/// A KV cache `$cache` on a host device, four blocks per granule (a group of four, four
+/// groups), with the watermarks at two groups and replenished to them.
+macro_rules! four_block_groups {
+    ($cache:ident) => {
+        make_guard!(guard);
+        let device = Device::new(guard, HostBackend::with_defaults().unwrap());
+        let binding = device.bind(Budget::unlimited()).unwrap();
+        make_guard!(cache_guard);
+        let layout = Layout::new(16, 16).plane(device.granularity() / 4);
+        let $cache = KvCache::new(cache_guard, &binding, &layout).unwrap();
+        $cache.set_watermarks(2, 2);
+        $cache.replenish().unwrap();
+    };
+}
+
 /// Each way one group's counts can go wrong is reported (a block lost, one free twice, one
 /// free in the wrong group's list, free blocks in a group not mapped), and a cache as it is
 /// made passes. Fails if the checker passes any of them (`check_blocks` made `Ok(())`, or a
 /// case of it dropped).
 #[test]
 fn the_block_checker_reports_every_miscount() {
-    make_guard!(guard);
-    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(cache_guard);
-    // Four blocks per granule: a group of four, four groups.
-    let layout = Layout::new(16, 16).plane(device.granularity() / 4);
-    let cache = KvCache::new(cache_guard, &binding, &layout).unwrap();
-    cache.set_watermarks(2, 2);
-    cache.replenish().unwrap();
+    four_block_groups!(cache);
     assert!(cache.mapped_groups() >= 2, "{}", cache.mapped_groups());
     cache.check_blocks().unwrap();
     // The first mapped group with two free blocks, and a block of another group.
@@ -61,14 +68,7 @@ fn the_block_checker_reports_every_miscount() {
 /// instead (`hold_all`'s `-= 1` → `+= 1`, or `/= 1`, which leaves them counted).
 #[test]
 fn a_fork_refused_at_the_holders_limit_leaves_every_count_as_it_was() {
-    make_guard!(guard);
-    let device = Device::new(guard, HostBackend::with_defaults().unwrap());
-    let binding = device.bind(Budget::unlimited()).unwrap();
-    make_guard!(cache_guard);
-    let layout = Layout::new(16, 16).plane(device.granularity() / 4);
-    let cache = KvCache::new(cache_guard, &binding, &layout).unwrap();
-    cache.set_watermarks(2, 2);
-    cache.replenish().unwrap();
+    four_block_groups!(cache);
     let mut table = cache.table();
     for _ in 0..3 {
         cache.push(&mut table).unwrap();

@@ -19,7 +19,7 @@ pub(super) const CACHED: u32 = 1 << 31;
 /// A block's word: cached and held by no table — in the eviction order.
 pub(super) const IDLE: u32 = 1 << 30;
 /// A block's word: its extra holders.
-const COUNT: u32 = IDLE - 1;
+pub(super) const COUNT: u32 = IDLE - 1;
 /// No block (the ends of the eviction order).
 const NIL: u32 = u32::MAX;
 

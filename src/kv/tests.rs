@@ -74,7 +74,7 @@ fn a_fork_refused_at_the_holders_limit_leaves_every_count_as_it_was() {
         cache.push(&mut table).unwrap();
     }
     let last = table.ids()[2] as usize;
-    cache.with(|s| s.words[last] = share::IDLE - 1); // 2^30 holders: one more is refused
+    cache.with(|s| s.words[last] = share::COUNT); // 2^30 holders: one more is refused
     let before = cache.with(|s| s.words.clone());
     let fork = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| drop(cache.fork(&table))));
     assert!(fork.is_err(), "a fork past 2^30 holders panics");

@@ -4,7 +4,7 @@
 
 use crate::common::{self, Grown};
 use memtoken::backend::cuda::{CaptureMode, CuError, DriverCall};
-use memtoken::backend::{BackendError, Op, PosixFd};
+use memtoken::backend::{Addr, BackendError, Op, PosixFd};
 use memtoken::interop::OwningGraph;
 use memtoken::kv::{KvCache, Layout};
 use memtoken::{Budget, Device, errors::Failure, make_guard, sharing::Offer};
@@ -21,7 +21,7 @@ fn cause<T, U, C>(result: Result<T, memtoken::TransitionError<U, C>>) -> Result<
 }
 
 /// The refusal found the context lost and names the call it could not make: `(op, addr, len)`.
-fn names_the_lost_call(e: &BackendError, call: (Op, memtoken::backend::Addr, usize), what: &str) {
+fn names_the_lost_call(e: &BackendError, call: (Op, Addr, usize), what: &str) {
     assert!(e.is_context_lost(), "{e}");
     assert_eq!((e.op, e.addr, e.len), call, "{what}");
 }
